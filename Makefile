@@ -1,0 +1,33 @@
+# The two commands the README promises: `make demo` and `make test`.
+# Both create .venv, install the CPU build of torch first (a bare `torch` requirement would
+# pull a multi-GB CUDA build), then weightsync itself.
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+EXTRAS ?= test
+
+.PHONY: install demo test lint typecheck clean
+
+$(VENV)/.installed-$(EXTRAS): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[$(EXTRAS)]'
+	touch $@
+
+install: $(VENV)/.installed-$(EXTRAS)
+
+demo: install
+	$(VENV)/bin/weightsync plan --config qwen3-30b-a3b --source megatron:tp=4,pp=4,dp=2,ep=8 \
+		--target vllm:tp=8,replicas=2
+
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks examples
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+test: lint typecheck
+	$(VENV)/bin/pytest -n 2
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,3 @@
+"""weightsync: planned, zero-redundancy, in-place weight sync from training into inference."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,60 @@
+"""The one-way dependency rule of docs/architecture.md, enforced on the source tree."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "weightsync"
+
+#: Packages the pure core (layout/, plan/) must never import.
+CORE_FORBIDDEN = (
+    "torch", "weightsync.transport", "weightsync.engines", "weightsync.sources", "weightsync.meta",
+    "weightsync.writer", "weightsync.reader", "vllm", "sglang", "megatron", "deepspeed", "nixl",
+    "nixl_cu12", "transformers", "fastapi", "uvicorn", "httpx",
+)
+#: Engine / framework packages only their own adapter module may import.
+ADAPTER_ONLY = {
+    "vllm": "engines/vllm", "sglang": "engines/sglang", "transformers": ("engines/hf", "sources/"),
+    "megatron": "sources/megatron", "deepspeed": "sources/deepspeed",
+    "nixl": "transport/nixl", "nixl_cu12": "transport/nixl",
+}
+
+
+def imports_of(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def _matches(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+@pytest.mark.parametrize("package", ["layout", "plan"])
+def test_core_imports_nothing_outside_the_core(package):
+    offenders = []
+    for path in sorted((SRC / package).rglob("*.py")):
+        for name in imports_of(path):
+            if any(_matches(name, bad) for bad in CORE_FORBIDDEN):
+                offenders.append(f"{path.relative_to(SRC)} imports {name}")
+    assert not offenders, "core must stay pure:\n" + "\n".join(offenders)
+
+
+def test_engines_are_imported_only_inside_their_adapter():
+    offenders = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        for name in imports_of(path):
+            for pkg, home in ADAPTER_ONLY.items():
+                homes = home if isinstance(home, tuple) else (home,)
+                if _matches(name, pkg) and not any(rel.startswith(h) for h in homes):
+                    offenders.append(f"{rel} imports {name}")
+    assert not offenders, "\n".join(offenders)

@@ -1,0 +1,231 @@
+"""Planner properties: exact coverage, zero redundancy, balance, determinism, locality."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from strategies import layout_pairs, raw_layout_pairs
+from weightsync.layout import Box, CanonicalTensor, ModelSpec, RankLayout, Region, Shard, parse_layout
+from weightsync.layout.box import contiguous_strides
+from weightsync.plan import (
+    PlanError,
+    PlanOptions,
+    build_local_plan,
+    build_plan,
+    plan_statistics,
+    send_lower_bound,
+    water_fill,
+)
+from weightsync.plan.reference import check_destinations, cut_shards, empty_shards, random_canonical, run_plan
+
+EXACT = PlanOptions(min_split_bytes=0)
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                         HealthCheck.filter_too_much])
+
+
+def execute_and_check(canonical, sources, dests, plan):
+    """Run the plan in numpy; every covered destination element written exactly once, bitwise."""
+    values = random_canonical(canonical, seed=7)
+    src = {s.rank: cut_shards(s, values) for s in sources}
+    dst = {d.rank: empty_shards(d, fill=-1) for d in dests}
+    writes = run_plan(plan, src, dst)
+    check_destinations(dests, dst, values)
+    for d in dests:
+        for shard in d.shards:
+            w = writes[d.rank][shard.name]
+            covered = sum(r.numel for r in shard.regions)
+            assert w.max(initial=0) <= 1, f"{shard.name}: an element was written twice"
+            assert int(w.sum()) == covered, f"{shard.name}: not every needed element arrived"
+            # elements no region covers (padding) are never touched
+            untouched = dst[d.rank][shard.name][w == 0]
+            assert (untouched == -1).all()
+
+
+def needed_bytes(dests):
+    return sum(r.numel * 4 for d in dests for s in d.shards for r in s.regions)
+
+
+@SETTINGS
+@given(layout_pairs())
+def test_random_layout_pairs_reproduce_every_destination(case):
+    spec, sources, dests = case
+    plan = build_plan(sources, dests, EXACT)
+    execute_and_check(spec.canonical_tensors(), sources, dests, plan)
+    assert plan.stats.sent_bytes == plan.stats.needed_bytes == needed_bytes(dests)
+    assert plan.total_bytes == needed_bytes(dests)
+
+
+@SETTINGS
+@given(raw_layout_pairs())
+def test_random_raw_layouts_with_replication_and_strided_storage(case):
+    canonical, sources, dests = case
+    plan = build_plan(sources, dests, EXACT)
+    execute_and_check(canonical, sources, dests, plan)
+    assert plan.stats.sent_bytes == needed_bytes(dests)
+    assert all(op.converts == (op.src_dtype != "float32") for op in plan.ops)
+
+
+@SETTINGS
+@given(layout_pairs(), st.integers(0, 1000))
+def test_local_plans_equal_the_global_plan_filtered(case, seed):
+    spec, sources, dests = case
+    plan = build_plan(sources, dests, EXACT)
+    rng = random.Random(seed)
+    reader = rng.choice(dests).rank
+    writer = rng.choice(sources).rank
+    shuffled_src = rng.sample(sources, len(sources))  # input order must not matter
+    local_r = build_local_plan(shuffled_src, dests, role="reader", rank=reader, options=EXACT)
+    local_w = build_local_plan(sources, dests, role="writer", rank=writer, options=EXACT)
+    assert local_r.ops == tuple(op for op in plan.ops if op.dst_rank == reader)
+    assert local_w.ops == tuple(op for op in plan.ops if op.src_rank == writer)
+    assert local_r.fingerprint == local_w.fingerprint == plan.fingerprint
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.filter_too_much])
+@given(layout_pairs(scale=32))
+def test_balance_within_five_percent_of_the_lower_bound(case):
+    """On realistic tensor sizes the busiest writer sends at most 5% over the lower bound."""
+    _, sources, dests = case
+    stats = plan_statistics(sources, dests, PlanOptions(min_split_bytes=1024))
+    assert stats.sent_bytes == stats.needed_bytes
+    assert stats.max_send_bytes <= 1.05 * stats.lower_bound_send_bytes + 1
+
+
+def test_replicas_share_the_load():
+    """Four data-parallel replicas each send a quarter (the peer sends all from one)."""
+    spec = ModelSpec(family="llama", hidden_size=256, intermediate_size=512, num_layers=2, num_heads=8,
+                     num_kv_heads=4, head_dim=32, vocab_size=4096, dtype="float32")
+    sources = parse_layout("hf:replicas=4").all_rank_layouts(spec)
+    dests = parse_layout("vllm:tp=2").all_rank_layouts(spec)
+    stats = build_plan(sources, dests, PlanOptions(min_split_bytes=4096)).stats
+    assert stats.max_send_bytes <= 1.01 * stats.needed_bytes / 4
+
+
+def test_plan_is_deterministic():
+    spec = ModelSpec.from_hf_config(_tiny_moe())
+    sources = parse_layout("megatron:tp=2,pp=2,dp=2,ep=2").all_rank_layouts(spec)
+    dests = parse_layout("vllm:tp=2,replicas=2").all_rank_layouts(spec)
+    a = build_plan(sources, dests)
+    b = build_plan(list(reversed(sources)), dests)
+    assert a.fingerprint == b.fingerprint
+    assert a.ops == b.ops
+    c = build_plan(sources, dests, PlanOptions(min_split_bytes=0))
+    assert c.fingerprint != a.fingerprint  # options enter the fingerprint
+
+
+def test_zero_copy_destinations_are_marked_contiguous():
+    spec = ModelSpec.from_hf_config(_tiny_moe())
+    plan = build_plan(parse_layout("megatron:tp=2").all_rank_layouts(spec),
+                      parse_layout("vllm:tp=1").all_rank_layouts(spec))
+    by_name = {op.dst_shard: op for op in plan.ops}
+    assert by_name["model.layers.0.self_attn.qkv_proj.weight"].dst_contiguous
+    # a column slice of down_proj lands in a non-contiguous view
+    down = [op for op in plan.ops if op.dst_shard == "model.layers.0.mlp.down_proj.weight"]
+    assert down and not any(op.dst_contiguous for op in down)
+
+
+def _tiny_moe():
+    return {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 16, "intermediate_size": 32,
+            "moe_intermediate_size": 8, "num_experts": 4, "mlp_only_layers": [0], "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4, "vocab_size": 64,
+            "torch_dtype": "float32"}
+
+
+# -- balancing primitives ---------------------------------------------------------------
+
+def test_water_fill_reaches_the_fractional_optimum_on_nested_classes():
+    demands = {(0, 2): 4, (1, 3): 2, (0, 1, 2, 3): 4}
+    alloc = water_fill(demands)
+    loads = [0, 0, 0, 0]
+    for cls, amounts in alloc.items():
+        assert sum(amounts) == demands[cls]
+        for r, a in zip(cls, amounts):
+            loads[r] += a
+    assert max(loads) <= 3  # fractional optimum 2.5, integer 3
+    assert send_lower_bound(demands, 4) == 2.5
+
+
+def test_water_fill_is_integer_exact():
+    alloc = water_fill({(0, 1, 2): 10})
+    assert alloc[(0, 1, 2)] == (4, 3, 3)
+
+
+# -- errors name what is wrong ----------------------------------------------------------
+
+def _one(rank, name, shape, box, dtype="float32"):
+    canonical = {name: CanonicalTensor(name, shape, "float32")}
+    shard = Shard(name, box.sizes, dtype, (Region(name, box, 0, contiguous_strides(box.sizes)),))
+    return RankLayout(rank, (shard,), canonical)
+
+
+def test_missing_tensor_is_named():
+    src = [_one(0, "a", (4,), Box((0,), (4,)))]
+    dst = [_one(0, "b", (4,), Box((0,), (4,)))]
+    with pytest.raises(PlanError, match=r"needed by readers are held by no writer: b"):
+        build_plan(src, dst)
+
+
+def test_unneeded_source_is_an_error_unless_allowed():
+    a = _one(0, "a", (4,), Box((0,), (4,)))
+    both = RankLayout(0, a.shards + _one(0, "b", (4,), Box((0,), (4,))).shards,
+                      {**a.canonical, "b": CanonicalTensor("b", (4,), "float32")})
+    with pytest.raises(PlanError, match=r"needed by no reader: b"):
+        build_plan([both], [a])
+    assert len(build_plan([both], [a], PlanOptions(allow_unneeded_sources=True))) == 1
+
+
+def test_uncovered_destination_names_rank_and_box():
+    src = [_one(0, "w", (8, 2), Box((0, 0), (4, 2)))]
+    dst = [_one(3, "w", (8, 2), Box((2, 0), (4, 2)))]
+    with pytest.raises(PlanError, match=r"reader rank 3 shard 'w' needs 'w' \(2, 0\)\+\(4, 2\), 4 of 8"):
+        build_plan(src, dst)
+
+
+def test_shape_disagreement_is_named():
+    with pytest.raises(PlanError, match=r"'w' has shape \(8,\) in one layout .* and \(6,\)"):
+        build_plan([_one(0, "w", (8,), Box((0,), (8,)))], [_one(0, "w", (6,), Box((0,), (6,)))])
+
+
+def test_source_dtype_disagreement_is_named():
+    src = [_one(0, "w", (8,), Box((0,), (8,)), "float32"), _one(1, "w", (8,), Box((0,), (8,)), "bfloat16")]
+    with pytest.raises(PlanError, match=r"writers hold 'w' in different dtypes"):
+        build_plan(src, [_one(0, "w", (8,), Box((0,), (8,)))])
+
+
+def test_duplicate_ranks_rejected():
+    a = _one(0, "w", (8,), Box((0,), (8,)))
+    with pytest.raises(PlanError, match=r"writer rank\(s\) \[0\] appear more than once"):
+        build_plan([a, a], [a])
+
+
+def test_partially_overlapping_sources_are_refined():
+    """Rank 0 holds rows 0..5, rank 1 rows 3..7: overlap 3..5 is sent once, by either."""
+    canonical = {"w": CanonicalTensor("w", (8, 3), "float32")}
+    s0 = _one(0, "w", (8, 3), Box((0, 0), (6, 3)))
+    s1 = _one(1, "w", (8, 3), Box((3, 0), (5, 3)))
+    d = _one(0, "w", (8, 3), Box((0, 0), (8, 3)))
+    plan = build_plan([s0, s1], [d], EXACT)
+    execute_and_check(canonical, [s0, s1], [d], plan)
+    assert plan.stats.sent_bytes == 8 * 3 * 4
+
+
+def test_dtype_conversion_is_declared_on_the_op():
+    src = [_one(0, "w", (4,), Box((0,), (4,)), "float32")]
+    dst = [_one(0, "w", (4,), Box((0,), (4,)), "bfloat16")]
+    (op,) = build_plan(src, dst).ops
+    assert (op.src_dtype, op.dst_dtype, op.nbytes, op.converts) == ("float32", "bfloat16", 8, True)
+
+
+def test_columns_are_consistent_with_ops():
+    spec = ModelSpec.from_hf_config(_tiny_moe())
+    plan = build_plan(parse_layout("deepspeed:dp=3").all_rank_layouts(spec),
+                      parse_layout("vllm:tp=2").all_rank_layouts(spec))
+    assert int(np.sum(plan.columns.nbytes)) == sum(op.nbytes for op in plan.ops)
+    keys = [(op.src_rank, op.dst_rank) for op in plan.ops]
+    assert keys == sorted(keys)  # wire order
