@@ -1,0 +1,53 @@
+"""What a reader needs from an inference engine on one worker.
+
+Lifecycle of one update, driven by ``WeightReader.update``::
+
+    buffers = engine.receive_buffers()   # where the transport writes
+    ...transport fills every op...
+    engine.apply(version)                # make the new weights live (load, repack, caches)
+    # on failure instead: engine.abort(version, error)
+
+Engines whose parameters can be written in place (HF models, vLLM on GPU without
+repacking) return their parameters from ``receive_buffers`` and ``apply`` only records the
+version. Engines that must run their own loader (vLLM on CPU repacks linear weights into
+oneDNN handles; quantised weights) return staging buffers in a layout of their choice and
+push them through the loader in ``apply``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from weightsync.layout import RankLayout
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    def layout(self) -> RankLayout:
+        """The buffers' shards as canonical regions (rank = the reader rank)."""
+        ...
+
+    def receive_buffers(self) -> Mapping[str, torch.Tensor]:
+        """Shard name -> tensor the transport writes into (parameters or staging)."""
+        ...
+
+    def apply(self, version: int) -> None:
+        """Everything for ``version`` arrived: make it live and record the version."""
+        ...
+
+    def abort(self, version: int, error: BaseException) -> None:
+        """An update failed part-way; the engine's weights are not at a valid version."""
+        ...
+
+    @property
+    def weight_version(self) -> int | None:
+        """The version the engine's weights are at; None before the first update or after a failure."""
+        ...
+
+    def descriptor(self) -> tuple[str, Mapping[str, object]] | None:
+        """(layout string, HF config) when the layout is a registered kind, else None."""
+        ...

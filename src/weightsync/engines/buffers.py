@@ -1,0 +1,80 @@
+"""In-place engines without an engine library: tensors laid out per a layout kind, or any
+``nn.Module`` with Hugging Face names.
+
+These are what tests, the demo and custom inference code use: the transport writes
+straight into the tensors (parameters), and ``apply`` only records the version.
+
+    engine = ShardedEngine("vllm:tp=2", config, rank)   # allocates vLLM-style shards
+    engine = ModuleEngine(hf_model, config)             # an HF model, updated in place
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from weightsync.layout import ModelSpec, RankLayout, parse_layout
+from weightsync.sources.module import allocate, module_layout
+
+
+class _InPlace:
+    """Shared bookkeeping: version and validity of in-place buffers."""
+
+    def __init__(self) -> None:
+        self._version: int | None = None
+
+    def apply(self, version: int) -> None:
+        self._version = version
+
+    def abort(self, version: int, error: BaseException) -> None:
+        self._version = None
+
+    @property
+    def weight_version(self) -> int | None:
+        return self._version
+
+
+class ShardedEngine(_InPlace):
+    """Engine buffers laid out per a registered layout kind, updated in place."""
+
+    def __init__(self, layout: str, config: Mapping[str, Any], rank: int,
+                 tensors: Mapping[str, torch.Tensor] | None = None, *, device: str = "cpu") -> None:
+        super().__init__()
+        kind = parse_layout(layout)
+        self.layout_text = kind.describe()
+        self.config = dict(config)
+        spec = ModelSpec.from_hf_config(config)
+        kind.validate(spec)
+        self._layout = kind.rank_layout(spec, rank)
+        self.tensors = dict(tensors) if tensors is not None else allocate(self._layout, device=device)
+
+    def layout(self) -> RankLayout:
+        return self._layout
+
+    def receive_buffers(self) -> Mapping[str, torch.Tensor]:
+        return self.tensors
+
+    def descriptor(self) -> tuple[str, Mapping[str, object]] | None:
+        return self.layout_text, self.config
+
+
+class ModuleEngine(_InPlace):
+    """Any module with HF parameter names (e.g. a transformers model), updated in place."""
+
+    def __init__(self, module: torch.nn.Module, config: Mapping[str, Any] | ModelSpec, *, rank: int = 0) -> None:
+        super().__init__()
+        self.module = module
+        spec = config if isinstance(config, ModelSpec) else ModelSpec.from_hf_config(config)
+        self._layout = module_layout(((n, p) for n, p in module.named_parameters()), spec, rank)
+
+    def layout(self) -> RankLayout:
+        return self._layout
+
+    def receive_buffers(self) -> Mapping[str, torch.Tensor]:
+        names = {s.name for s in self._layout.shards}
+        return {n: p.detach() for n, p in self.module.named_parameters() if n in names}
+
+    def descriptor(self) -> tuple[str, Mapping[str, object]] | None:
+        return None

@@ -1,0 +1,162 @@
+"""``WeightReader``: one per inference worker; applies new weight versions.
+
+    reader = WeightReader(engine, rank=worker_id, config=SyncConfig(num_writers=8, num_readers=4))
+    result = reader.update(timeout=60)      # newest version, straight into the engine's memory
+    print(result.version, result.nbytes, result.phases)
+
+``update`` waits for a version newer than the one applied, checks that the writers'
+sync fingerprint equals its own (same plan, transport and settings), receives exactly its
+ops, lets the engine apply them and reports the version to the meta server. A version is
+reported applied only after every op arrived. If anything fails, the engine is told its
+weights are not at a valid version, the failure is reported, and ``update`` raises
+:class:`SyncError` naming the version, the peer and the tensors; the next ``update``
+(for a newer version) starts clean.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from weightsync.session import SyncConfig, SyncError, SyncSession
+from weightsync.transport import TransportError
+
+if TYPE_CHECKING:
+    from weightsync.engines.base import InferenceEngine
+    from weightsync.meta.client import MetaClient
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class UpdateResult:
+    """What one ``update`` applied: version, bytes received and seconds per phase."""
+
+    version: int
+    nbytes: int
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.phases.values())
+
+    @property
+    def transfer_seconds(self) -> float:
+        return sum(v for k, v in self.phases.items() if k.startswith("receive."))
+
+    @property
+    def gbps(self) -> float:
+        """Received gigabytes per second over the transfer phases."""
+        return self.nbytes / self.transfer_seconds / 1e9 if self.transfer_seconds else 0.0
+
+
+class WeightReader:
+    """An inference worker's end of a sync job (see module docstring)."""
+
+    def __init__(self, engine: InferenceEngine, *, rank: int, config: SyncConfig,
+                 meta: MetaClient | None = None) -> None:
+        from weightsync.meta.client import MetaClient
+
+        self._own_meta = meta is None
+        self.meta = meta if meta is not None else MetaClient.from_env(job=config.job)
+        self.engine = engine
+        self.config = config
+        self.session = SyncSession("reader", rank, engine, config, self.meta)
+        self._failed: int | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.session.rank
+
+    @property
+    def version(self) -> int | None:
+        """The version the engine's weights are at (None: none yet, or the last update failed)."""
+        return self.engine.weight_version
+
+    def update(self, version: int | None = None, *, timeout: float | None = None) -> UpdateResult:
+        """Apply the newest version (or at least ``version``); see module docstring.
+
+        Raises:
+            TimeoutError: no suitable version was published within ``timeout``.
+            ValueError: the writers' sync fingerprint differs from this reader's.
+            SyncError: the transfer failed; the engine is not at a valid version.
+        """
+        timeout = timeout if timeout is not None else self.config.timeout
+        deadline = time.monotonic() + timeout
+        session = self.session
+        phases: dict[str, float] = {}
+        if session.plan is None:
+            session.ensure_planned(timeout)
+            phases["plan"] = session.timings["setup"]
+        t0 = time.perf_counter()
+        info = self._wait_for_version(version, deadline)
+        phases["wait"] = time.perf_counter() - t0
+        fingerprint, _, gen_text = info.fingerprint.rpartition("@")
+        if fingerprint != session.sync_fingerprint:
+            raise ValueError(
+                f"reader {self.rank}: writers published version {info.version} with sync fingerprint "
+                f"{fingerprint}, this reader computed {session.sync_fingerprint}: writers and readers "
+                "disagree on the plan, transport or its settings"
+            )
+        generation = int(gen_text)
+        v = info.version
+        transport = session.transport
+        assert transport is not None
+        try:
+            buffers = self.engine.receive_buffers()
+            t0 = time.perf_counter()
+            session.ensure_prepared(buffers, generation, max(deadline - time.monotonic(), 0.001))
+            phases["prepare"] = time.perf_counter() - t0
+            stats = transport.receive(v, timeout=max(deadline - time.monotonic(), 0.001))
+        except (TransportError, ValueError) as exc:
+            self._fail(v, generation, exc)
+            raise SyncError(f"reader {self.rank}: version {v} failed: {exc}") from exc
+        for name, seconds in stats.phases.items():
+            phases[f"receive.{name}"] = seconds
+        t0 = time.perf_counter()
+        try:
+            self.engine.apply(v)
+        except Exception as exc:
+            self._fail(v, generation, exc)
+            raise SyncError(f"reader {self.rank}: engine could not apply version {v}: {exc}") from exc
+        phases["apply"] = time.perf_counter() - t0
+        result = UpdateResult(v, stats.nbytes, phases)
+        self.meta.report_applied(self.rank, v, nbytes=stats.nbytes, seconds=result.seconds)
+        self._failed = None
+        logger.info("reader %d applied version %d: %d bytes, %.3fs", self.rank, v, stats.nbytes, result.seconds)
+        return result
+
+    def _wait_for_version(self, version: int | None, deadline: float) -> Any:
+        # Never re-take a version that already failed here (two-sided writers moved on).
+        floor = max(x for x in (self.version, self._failed, -1) if x is not None)
+        want = floor if version is None else max(floor, version - 1)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"reader {self.rank}: no version newer than {want} was published in time")
+            info = self.meta.wait_version(after=want, timeout=remaining)
+            if info is not None:
+                return info
+
+    def _fail(self, version: int, generation: int, exc: BaseException) -> None:
+        self._failed = version
+        self.engine.abort(version, exc)
+        self.session.invalidate()
+        self.session.bump_generation(generation)
+        try:
+            self.meta.report_failed(self.rank, version, str(exc)[:2000])
+        except Exception as report_exc:  # the failure itself is what the caller must see
+            logger.warning("reader %d could not report its failure: %s", self.rank, report_exc)
+
+    def close(self) -> None:
+        self.session.close()
+        if self._own_meta:
+            self.meta.close()
+
+    def __enter__(self) -> WeightReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,39 @@
+"""What a writer needs from a training framework on one rank.
+
+A training source says which slices of which canonical tensors this rank holds (its
+:class:`RankLayout`) and hands over the local tensors themselves, without copying or
+gathering. Adapters for FSDP2/DTensor, DeepSpeed ZeRO-3 and Megatron-core read shards and
+their global positions straight out of the framework's parameters.
+
+Lifecycle: build the source once; the writer calls ``tensors()`` before every version
+(parameters may be re-allocated by a framework between steps, and the writer notices
+when their storage moved).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from weightsync.layout import RankLayout
+
+
+@runtime_checkable
+class TrainingSource(Protocol):
+    def layout(self) -> RankLayout:
+        """This rank's shards as canonical regions (rank = the writer rank)."""
+        ...
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        """Shard name -> the live local tensor (contiguous) holding the current weights."""
+        ...
+
+    def descriptor(self) -> tuple[str, Mapping[str, object]] | None:
+        """(layout string, HF config) when the layout is a registered kind, else None.
+
+        A descriptor lets thousands of ranks publish one shared metadata blob.
+        """
+        ...

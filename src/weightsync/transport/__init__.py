@@ -1,0 +1,97 @@
+"""Transports: one module each, behind the :class:`Transport` Protocol, chosen in one place.
+
+| name    | module          | moves bytes by                                   | one-sided |
+|---------|-----------------|--------------------------------------------------|-----------|
+| torch   | torch_dist.py   | torch.distributed p2p (gloo on CPU, NCCL on GPU) | no        |
+| shm     | shm.py          | POSIX shared memory / CUDA IPC, co-located ranks | yes       |
+| file    | file.py         | safetensors files on (shared) storage            | yes       |
+| nixl    | nixl.py         | NIXL/UCX one-sided RDMA reads or writes          | yes       |
+
+Adding a transport is one module, one entry in ``_FACTORIES`` and one availability probe.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+from collections.abc import Callable
+
+from weightsync.transport.base import (
+    TransferStats,
+    Transport,
+    TransportContext,
+    TransportError,
+    TransportOptions,
+)
+
+logger = logging.getLogger(__name__)
+
+#: name -> "module:Class"
+_FACTORIES = {
+    "torch": "weightsync.transport.torch_dist:TorchDistTransport",
+    "shm": "weightsync.transport.shm:SharedMemoryTransport",
+    "file": "weightsync.transport.file:FileTransport",
+    "nixl": "weightsync.transport.nixl:NixlTransport",
+}
+
+
+def _nixl_missing() -> str | None:
+    if importlib.util.find_spec("nixl_cu12") or importlib.util.find_spec("nixl"):
+        return None
+    return "NIXL is not installed (pip install 'weightsync[nixl]')"
+
+
+def _shm_missing() -> str | None:
+    import os
+
+    return None if os.path.isdir("/dev/shm") else "/dev/shm is not available on this system"
+
+
+_PROBES: dict[str, Callable[[], str | None]] = {"nixl": _nixl_missing, "shm": _shm_missing}
+
+
+def unavailable_reason(name: str) -> str | None:
+    """None when transport ``name`` can be used here, else why not."""
+    if name not in _FACTORIES:
+        return f"unknown transport {name!r}; known: {sorted(_FACTORIES)}"
+    probe = _PROBES.get(name)
+    return probe() if probe else None
+
+
+def available_transports() -> list[str]:
+    return [name for name in _FACTORIES if unavailable_reason(name) is None]
+
+
+def choose_transport(requested: str, *, colocated: bool) -> str:
+    """Resolve ``auto``: shared memory when every rank is on one host, else torch p2p."""
+    if requested != "auto":
+        reason = unavailable_reason(requested)
+        if reason:
+            raise ValueError(f"transport {requested!r} cannot be used: {reason}")
+        return requested
+    choice = "shm" if colocated and unavailable_reason("shm") is None else "torch"
+    logger.info("transport auto -> %s (%s)", choice, "all ranks on one host" if colocated else "multi-host")
+    return choice
+
+
+def create_transport(name: str, ctx: TransportContext) -> Transport:
+    reason = unavailable_reason(name)
+    if reason:
+        raise ValueError(f"transport {name!r} cannot be used: {reason}")
+    module, cls = _FACTORIES[name].split(":")
+    factory = getattr(importlib.import_module(module), cls)
+    return factory(ctx)  # type: ignore[no-any-return]
+
+
+__all__ = [
+    "TransferStats",
+    "Transport",
+    "TransportContext",
+    "TransportError",
+    "TransportOptions",
+    "available_transports",
+    "choose_transport",
+    "create_transport",
+    "unavailable_reason",
+]

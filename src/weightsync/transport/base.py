@@ -1,0 +1,170 @@
+"""The transport contract: how one rank moves its share of a plan's bytes.
+
+Lifecycle (both roles)::
+
+    transport = create_transport("torch", ctx)       # ctx: role, rank, peers, meta client
+    transport.prepare(plan, tensors, generation=g, timeout=60)   # once per plan/generation
+    # every version:
+    stats = transport.send(version, timeout=60)       # writer
+    stats = transport.receive(version, timeout=60)    # reader
+    transport.close()
+
+``prepare`` does the expensive, once-per-plan work (process-group rendezvous, memory
+registration, message schedules); ``send``/``receive`` only move bytes. ``tensors`` maps
+each local shard name in the plan to the torch tensor holding it: on the reader these are
+the engine's parameters (or staging buffers when an engine must run its own loader), and
+the transport writes straight into them. Every blocking call takes an explicit version and
+timeout; a failure raises :class:`TransportError` naming the peer and the tensors.
+
+Capabilities are class attributes, so callers (and the contract tests) can ask what a
+transport can do without instantiating it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from weightsync.meta.client import MetaClient
+    from weightsync.plan import Plan
+
+Role = Literal["writer", "reader"]
+
+
+class TransportError(RuntimeError):
+    """A transfer failed: a peer died, a timeout expired, or a checksum did not match."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransportOptions:
+    """Knobs shared by every transport; all ranks of a job must use the same values.
+
+    Attributes:
+        max_bucket_bytes: bound on the extra memory a rank uses for staging during a sync
+            (two buffers of half this size, so packing overlaps sending).
+        direct_min_bytes: an op whose destination is one contiguous run and at least this
+            large is received straight into the destination (no staging copy).
+        checksum: send a checksum with every message and verify it on receipt.
+        device: "cpu" or "cuda" (staging buffers and the process-group backend follow it).
+        host: address peers use to reach this rank (multi-node); loopback by default.
+        slots: version slots of one-sided transports (shared memory, file): a reader may
+            fall ``slots - 1`` versions behind before the version it reads is overwritten.
+        file_dir: directory of the file transport (shared storage across nodes).
+    """
+
+    max_bucket_bytes: int = 64 << 20
+    direct_min_bytes: int = 64 << 10
+    checksum: bool = False
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    slots: int = 2
+    file_dir: str = ""
+
+    def __post_init__(self) -> None:
+        if self.max_bucket_bytes < 2 * 4096:
+            raise ValueError(f"max_bucket_bytes must be at least 8192, got {self.max_bucket_bytes}")
+        if self.direct_min_bytes < 0:
+            raise ValueError(f"direct_min_bytes must be >= 0, got {self.direct_min_bytes}")
+        if self.slots < 1:
+            raise ValueError(f"slots must be >= 1, got {self.slots}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @property
+    def message_bytes(self) -> int:
+        """Largest staged message: half the bucket budget (two buffers in flight)."""
+        return self.max_bucket_bytes // 2
+
+    def digest(self) -> str:
+        return (f"bucket={self.max_bucket_bytes},direct={self.direct_min_bytes},"
+                f"checksum={int(self.checksum)}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransportContext:
+    """Who this rank is and how to reach its peers."""
+
+    role: Role
+    rank: int
+    num_writers: int
+    num_readers: int
+    meta: MetaClient
+    options: TransportOptions = field(default_factory=TransportOptions)
+
+    @property
+    def global_rank(self) -> int:
+        """Writers are 0..W-1, readers W..W+R-1 in transports with one global numbering."""
+        return self.rank if self.role == "writer" else self.num_writers + self.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.num_writers + self.num_readers
+
+
+@dataclass(slots=True)
+class TransferStats:
+    """What one send/receive moved and where the time went (seconds per named phase)."""
+
+    version: int
+    nbytes: int = 0
+    messages: int = 0
+    direct_bytes: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
+    peak_extra_bytes: int = 0
+
+    def add_phase(self, name: str, seconds: float) -> None:
+        self.phases[name] = self.phases.get(name, 0.0) + seconds
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.phases.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "bytes": self.nbytes, "messages": self.messages,
+                "direct_bytes": self.direct_bytes, "phases": dict(self.phases),
+                "peak_extra_bytes": self.peak_extra_bytes}
+
+
+class PhaseTimer:
+    """``with timer("pack"): ...`` accumulates wall time into a TransferStats phase."""
+
+    def __init__(self, stats: TransferStats) -> None:
+        self.stats = stats
+        self._name = ""
+        self._start = 0.0
+
+    def __call__(self, name: str) -> PhaseTimer:
+        self._name = name
+        return self
+
+    def __enter__(self) -> PhaseTimer:
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stats.add_phase(self._name, time.perf_counter() - self._start)
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Moves the bytes of a plan between this rank and its peers (see module docstring)."""
+
+    name: ClassVar[str]
+    #: Bytes can land straight in destination memory (no receiver-side staging copy).
+    writes_in_place: ClassVar[bool]
+    #: Readers can fetch a version without the writer taking part (pull at any time).
+    one_sided: ClassVar[bool]
+
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, generation: int,
+                timeout: float) -> None: ...
+
+    def send(self, version: int, *, timeout: float) -> TransferStats: ...
+
+    def receive(self, version: int, *, timeout: float) -> TransferStats: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,182 @@
+"""File transport: safetensors files with canonical names, the baseline and the way across
+clusters that share only storage.
+
+``send(V)`` streams every piece a writer must provide (canonical box keys, see
+:mod:`weightsync.transport.exposed`) into ``<dir>/v<V>/writer-<rank>.safetensors``, written
+to a temporary name and renamed when complete, so a reader never sees half a file. The file
+is written piece by piece through one bounded buffer (no full-model copy in memory), in the
+documented safetensors layout. ``receive(V)`` opens each writer's file with
+``safetensors.safe_open`` and reads only its own slices (``get_slice``) straight into the
+destination views. Writers keep the last ``slots`` versions and delete older ones.
+
+The directory is ``TransportOptions.file_dir`` (a shared filesystem for multi-node jobs);
+when unset, writer 0 creates a temporary directory and publishes it through the meta server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import struct
+import tempfile
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from safetensors import safe_open
+
+from weightsync.layout.types import itemsize
+from weightsync.transport.base import PhaseTimer, TransferStats, TransportContext, TransportError
+from weightsync.transport.exposed import ExposedIndex, piece_key
+from weightsync.transport.schedule import slabs
+from weightsync.transport.tensors import TORCH_DTYPES, flat_views
+
+if TYPE_CHECKING:
+    from weightsync.plan import Plan, TransferOp
+
+logger = logging.getLogger(__name__)
+
+#: safetensors dtype codes.
+ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+             "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+             "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+
+
+class FileTransport:
+    """safetensors files on (shared) storage (see module docstring)."""
+
+    name: ClassVar[str] = "file"
+    writes_in_place: ClassVar[bool] = True
+    one_sided: ClassVar[bool] = True
+
+    def __init__(self, ctx: TransportContext) -> None:
+        self.ctx = ctx
+        self.directory: str | None = None
+        self._owns_directory = False
+        self._flats: dict[str, torch.Tensor] = {}
+        self._pieces: list[tuple[str, TransferOp]] = []
+        self._reads: dict[int, list[TransferOp]] = {}
+        self._written: list[int] = []
+        self._buffer: torch.Tensor | None = None
+
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, generation: int,
+                timeout: float) -> None:
+        self._flats = flat_views(tensors)
+        self.directory = self._directory(generation, timeout)
+        if self.ctx.role == "writer":
+            _, self._pieces = ExposedIndex.for_writer(plan, self.ctx.rank)
+        else:
+            self._reads = {}
+            for op in plan.ops:
+                self._reads.setdefault(op.src_rank, []).append(op)
+
+    def _directory(self, generation: int, timeout: float) -> str:
+        if self.ctx.options.file_dir:
+            os.makedirs(self.ctx.options.file_dir, exist_ok=True)
+            return self.ctx.options.file_dir
+        key = f"transport/file/{generation}/dir"
+        if self.ctx.role == "writer" and self.ctx.rank == 0:
+            path = tempfile.mkdtemp(prefix="weightsync-file-")
+            self._owns_directory = True
+            self.ctx.meta.put_document(key, path.encode())
+            return path
+        doc = self.ctx.meta.get_document(key, wait=timeout)
+        if doc is None:
+            raise TransportError(f"{self.ctx.role} {self.ctx.rank}: writer 0 did not publish the file "
+                                 f"transport directory within {timeout:.0f}s")
+        return doc.decode()
+
+    def _path(self, version: int, writer: int) -> str:
+        assert self.directory is not None
+        return os.path.join(self.directory, f"v{version}", f"writer-{writer}.safetensors")
+
+    # -- writer ---------------------------------------------------------------------------
+    def send(self, version: int, *, timeout: float) -> TransferStats:
+        stats = TransferStats(version)
+        timer = PhaseTimer(stats)
+        path = self._path(version, self.ctx.rank)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        header: dict[str, object] = {"__metadata__": {"format": "pt", "weightsync_version": str(version)}}
+        cursor = 0
+        for key, op in self._pieces:
+            header[key] = {"dtype": ST_DTYPES[op.dst_dtype], "shape": list(op.box.sizes),
+                           "data_offsets": [cursor, cursor + op.nbytes]}
+            cursor += op.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        if self._buffer is None:
+            self._buffer = torch.empty(self.ctx.options.message_bytes, dtype=torch.uint8)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with timer("write"), open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for _, op in self._pieces:
+                self._write_piece(f, op)
+                stats.nbytes += op.nbytes
+                stats.messages += 1
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self._written.append(version)
+        self._prune()
+        stats.peak_extra_bytes = self.ctx.options.message_bytes
+        return stats
+
+    def _write_piece(self, f: object, op: TransferOp) -> None:
+        assert self._buffer is not None
+        flat = self._flats[op.src_shard]
+        for box, src_off, _ in slabs(op, self.ctx.options.message_bytes):
+            n = box.numel * itemsize(op.dst_dtype)
+            out = self._buffer[:n].view(TORCH_DTYPES[op.dst_dtype]).view(box.sizes)
+            out.copy_(flat.as_strided(box.sizes, op.src_strides, flat.storage_offset() + src_off))
+            f.write(self._buffer[:n].numpy().data)  # type: ignore[attr-defined]
+
+    def _prune(self) -> None:
+        while len(self._written) > self.ctx.options.slots:
+            old = self._written.pop(0)
+            try:
+                os.unlink(self._path(old, self.ctx.rank))
+                os.rmdir(os.path.dirname(self._path(old, self.ctx.rank)))
+            except OSError:
+                pass  # another writer's file is still there, or already gone
+
+    # -- reader ---------------------------------------------------------------------------
+    def receive(self, version: int, *, timeout: float) -> TransferStats:
+        stats = TransferStats(version)
+        timer = PhaseTimer(stats)
+        deadline = time.monotonic() + timeout
+        for writer, ops in sorted(self._reads.items()):
+            path = self._path(version, writer)
+            while not os.path.exists(path):
+                if time.monotonic() > deadline:
+                    raise TransportError(f"reader {self.ctx.rank}: writer {writer}'s file for version {version} "
+                                         f"did not appear at {path} within {timeout:.0f}s")
+                time.sleep(0.005)
+            try:
+                with timer("read"), safe_open(path, framework="pt") as f:
+                    for op in ops:
+                        data = f.get_slice(piece_key(op))[tuple(slice(None) for _ in op.box.sizes)]
+                        flat = self._flats[op.dst_shard]
+                        dst = flat.as_strided(op.box.sizes, op.dst_strides, flat.storage_offset() + op.dst_offset)
+                        dst.copy_(data.view(op.box.sizes))
+                        stats.nbytes += op.nbytes
+                        stats.messages += 1
+            except (OSError, KeyError, RuntimeError, ValueError) as exc:
+                raise TransportError(f"reader {self.ctx.rank}: reading version {version} from writer {writer} "
+                                     f"({path}) failed: {exc}") from exc
+        return stats
+
+    def close(self) -> None:
+        if self.ctx.role == "writer" and self.directory is not None:
+            for version in self._written:
+                with contextlib.suppress(OSError):
+                    os.unlink(self._path(version, self.ctx.rank))
+            self._written.clear()
+            if self._owns_directory:
+                shutil.rmtree(self.directory, ignore_errors=True)
+        self._flats = {}
+        self._buffer = None

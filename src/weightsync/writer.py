@@ -1,0 +1,139 @@
+"""``WeightWriter``: one per training rank; publishes new weight versions.
+
+    with WeightWriter(source, rank=dist.get_rank(), config=SyncConfig(num_writers=8, num_readers=4)) as w:
+        for step in range(steps):
+            train_step()
+            w.write(step)          # returns when every reader applied it (staleness=0)
+
+``write(V)`` sends exactly the bytes this rank's share of the plan assigns to it and
+publishes ``V`` with the sync fingerprint (plan + transport settings + generation), which
+every reader checks before it takes a byte. With ``staleness=K`` it returns as soon as the
+data is out, and blocks only while the slowest reader is more than ``K`` versions behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from weightsync.session import SyncConfig, SyncError, SyncSession
+from weightsync.transport import TransportError
+
+if TYPE_CHECKING:
+    from weightsync.meta.client import MetaClient
+    from weightsync.sources.base import TrainingSource
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WriteResult:
+    """What one ``write`` did, with per-phase seconds (plan, prepare, send, wait_readers)."""
+
+    version: int
+    nbytes: int
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.phases.values())
+
+
+class WeightWriter:
+    """A training rank's end of a sync job (see module docstring)."""
+
+    def __init__(self, source: TrainingSource, *, rank: int, config: SyncConfig,
+                 meta: MetaClient | None = None) -> None:
+        from weightsync.meta.client import MetaClient
+
+        self._own_meta = meta is None
+        self.meta = meta if meta is not None else MetaClient.from_env(job=config.job)
+        self.source = source
+        self.config = config
+        self.session = SyncSession("writer", rank, source, config, self.meta)
+        self.version: int | None = None
+        self._history: list[int] = []  # versions this writer published, oldest first
+
+    @property
+    def rank(self) -> int:
+        return self.session.rank
+
+    def write(self, version: int, *, timeout: float | None = None) -> WriteResult:
+        """Send and publish ``version`` (see module docstring).
+
+        Raises:
+            ValueError: the version does not increase, or tensors disagree with the layout.
+            SyncError: a peer died, a timeout expired, or writers disagree on the plan;
+                the job moves to a new generation and the next ``write`` starts clean.
+        """
+        if self.version is not None and version <= self.version:
+            raise ValueError(f"writer {self.rank}: version {version} does not increase past {self.version}")
+        timeout = timeout if timeout is not None else self.config.timeout
+        deadline = time.monotonic() + timeout
+        session = self.session
+        result = WriteResult(version, 0)
+        if session.plan is None:
+            session.ensure_planned(timeout)
+            result.phases["plan"] = session.timings["setup"]
+        transport = session.transport
+        assert transport is not None
+        slots = self.config.transport_options.slots
+        if transport.one_sided and len(self._history) >= slots:
+            # The slot this version overwrites holds the version written `slots` writes ago:
+            # every reader must have moved past it.
+            self._wait_readers(self._history[-slots], deadline, result, "wait_slot")
+        generation = session.generation()
+        tensors = self.source.tensors()
+        published = f"{session.sync_fingerprint}@{generation}"
+        try:
+            if not transport.one_sided:
+                self._publish(version, published, result)
+            t0 = time.perf_counter()
+            session.ensure_prepared(tensors, generation, max(deadline - time.monotonic(), 0.001))
+            result.phases["prepare"] = time.perf_counter() - t0
+            stats = transport.send(version, timeout=max(deadline - time.monotonic(), 0.001))
+            result.nbytes = stats.nbytes
+            for name, seconds in stats.phases.items():
+                result.phases[f"send.{name}"] = seconds
+            if transport.one_sided:
+                self._publish(version, published, result)
+        except TransportError as exc:
+            session.invalidate()
+            session.bump_generation(generation)
+            raise SyncError(f"writer {self.rank}: version {version} failed: {exc}") from exc
+        self.version = version
+        self._history = [*self._history[-(slots + self.config.staleness):], version]
+        k = self.config.staleness
+        if len(self._history) > k:
+            # Training may run at most k versions ahead of the slowest reader.
+            self._wait_readers(self._history[-1 - k], deadline, result, "wait_readers")
+        logger.info("writer %d wrote version %d: %d bytes in %.3fs", self.rank, version, result.nbytes,
+                    result.seconds)
+        return result
+
+    def _publish(self, version: int, fingerprint: str, result: WriteResult) -> None:
+        t0 = time.perf_counter()
+        self.meta.publish_version(version, fingerprint, writer_rank=self.rank, num_writers=self.config.num_writers)
+        result.phases["publish"] = time.perf_counter() - t0
+
+    def _wait_readers(self, min_version: int, deadline: float, result: WriteResult, phase: str) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.meta.wait_readers(min_version=min_version, readers=self.config.num_readers,
+                                   timeout=max(deadline - time.monotonic(), 0.001))
+        except TimeoutError as exc:
+            raise SyncError(f"writer {self.rank}: readers did not reach version {min_version} in time: {exc}") from exc
+        result.phases[phase] = result.phases.get(phase, 0.0) + time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.session.close()
+        if self._own_meta:
+            self.meta.close()
+
+    def __enter__(self) -> WeightWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
