@@ -109,3 +109,17 @@ class ShardedSource:
 
     def descriptor(self) -> tuple[str, Mapping[str, object]] | None:
         return self.layout_text, self.config
+
+
+def fill_from_canonical(layout: RankLayout, tensors: Mapping[str, torch.Tensor],
+                        values: Mapping[str, torch.Tensor]) -> None:
+    """Copy each region's box of the canonical ``values`` into the local tensors, in place.
+
+    For programs (tests, the demo, benchmarks) that hold full canonical weights and need
+    any rank's shards of them.
+    """
+    for shard in layout.shards:
+        flat = tensors[shard.name].detach().view(-1)
+        for region in shard.regions:
+            view = flat.as_strided(region.box.sizes, region.strides, flat.storage_offset() + region.offset)
+            view.copy_(values[region.canonical][region.box.slices()])
