@@ -115,6 +115,15 @@ class ParamParts:
         if box.ndim != len(self.shape) or any(e > s for e, s in zip(box.ends, self.shape, strict=True)):
             raise ValueError(f"box {box} lies outside a parameter of shape {self.shape}")
         lead = self.drop_leading
+        strides = tuple(strides)
+        if len(self.parts) == 1 and self.parts[0][1].sizes[lead:] == self.shape:  # one whole part
+            name, part = self.parts[0]
+            if box.empty:
+                return []
+            offsets = tuple(p + b for p, b in zip(part.offsets[lead:], box.offsets, strict=True))
+            canonical = Box(part.offsets[:lead] + offsets, part.sizes[:lead] + box.sizes)
+            return [Region(name, canonical, offset, (0,) * lead + strides)]
+        ends = box.ends
         out = []
         cursor = 0
         for name, part in self.parts:
@@ -122,8 +131,8 @@ class ParamParts:
             start = [0] * len(sizes)
             start[self.dim] = cursor
             cursor += sizes[self.dim]
-            lo = [max(b, s) for b, s in zip(box.offsets, start, strict=True)]
-            hi = [min(e, s + n) for e, s, n in zip(box.ends, start, sizes, strict=True)]
+            lo = [b if b > s else s for b, s in zip(box.offsets, start, strict=True)]
+            hi = [e if e < s + n else s + n for e, s, n in zip(ends, start, sizes, strict=True)]
             if any(h <= low for low, h in zip(lo, hi, strict=True)):
                 continue
             canonical = Box(
@@ -131,7 +140,7 @@ class ParamParts:
                 part.sizes[:lead] + tuple(h - a for a, h in zip(lo, hi, strict=True)),
             )
             local = offset + sum((a - b) * st for a, b, st in zip(lo, box.offsets, strides, strict=True))
-            out.append(Region(name, canonical, local, (0,) * lead + tuple(strides)))
+            out.append(Region(name, canonical, local, (0,) * lead + strides))
         return out
 
     def box_regions(self, box: Box, local_shape: Sequence[int],
@@ -169,8 +178,14 @@ def runs_length(runs: Runs) -> int:
 
 def chunk_runs(runs: Runs, parts: int, index: int) -> Runs:
     """``torch.chunk`` (DTensor ``Shard``): chunk ``index`` of ``parts``, trailing ones short."""
-    lo, hi = chunk_bounds(runs_length(runs), parts)[index]
-    return take_runs(runs, lo, hi)
+    size = runs_length(runs)
+    step = -(-size // parts)
+    lo = min(index * step, size)
+    if len(runs) == 1:  # the common case, without the general walk
+        start, _ = runs[0]
+        hi = min(lo + step, size)
+        return ((start + lo, hi - lo),) if hi > lo else ()
+    return take_runs(runs, lo, min(lo + step, size))
 
 
 def strided_runs(runs: Runs, parts: int, index: int, split_factor: int) -> Runs:
