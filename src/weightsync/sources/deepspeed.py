@@ -67,18 +67,18 @@ class ZeroSource:
         self.module: torch.nn.Module = getattr(engine_or_model, "module", engine_or_model)
         self.spec, self.config = read_config(config)
         params = {clean_name(n): p for n, p in self.module.named_parameters()}
-        check_known([n for n in params if hf_param(self.spec, n) is None], self.spec, "model")
+        parts = {name: hf_param(self.spec, name) for name in params}
+        check_known([name for name, p in parts.items() if p is None], self.spec, "model")
         plain = [n for n, p in params.items() if not hasattr(p, "ds_tensor")]
         if plain:
             raise ValueError(f"{len(plain)} parameter(s) are not ZeRO-3 partitioned (no ds_tensor), e.g. "
                              f"{plain[:3]}: ZeroSource reads stage 3 only; with stages 0-2 use ModuleSource")
         shards, sizes = [], set()
-        for name, param in params.items():
-            parts = hf_param(self.spec, name)
-            assert parts is not None
-            shard, size = _shard(name, param, parts)
-            shards.append(shard)
-            sizes.add(size)
+        for name, p in parts.items():
+            if p is not None:
+                shard, size = _shard(name, params[name], p)
+                shards.append(shard)
+                sizes.add(size)
         self._params = params
         self._group_sizes = sizes
         self._layout = RankLayout(rank, tuple(shards), self.spec.canonical_tensors())

@@ -152,13 +152,9 @@ class DTensorSource:
         self.model = model
         self.spec, self.config = read_config(config)
         params = self._named_params()
-        unknown = [n for n in params if hf_param(self.spec, n) is None]
-        check_known(unknown, self.spec, "model")
-        shards = []
-        for name, param in params.items():
-            parts = hf_param(self.spec, name)
-            assert parts is not None
-            shards.append(_shard(name, param, parts))
+        parts = {name: hf_param(self.spec, name) for name in params}
+        check_known([name for name, p in parts.items() if p is None], self.spec, "model")
+        shards = [_shard(name, params[name], p) for name, p in parts.items() if p is not None]
         self._layout = RankLayout(rank, tuple(shards), self.spec.canonical_tensors())
         self._shapes = {s.name: s.shape for s in shards}
 
@@ -200,8 +196,12 @@ class DTensorSource:
         if not meshes:
             return []
         shape = max(meshes, key=len)
-        kinds = [f"fsdp:dp={shape[0]},tp={shape[1]}"] if len(shape) == 2 else [
-            f"fsdp:dp={shape[0]}", f"fsdp:tp={shape[0]}"] if len(shape) == 1 else []
+        if len(shape) == 1:  # FSDP2 alone, or TP alone
+            kinds = [f"fsdp:dp={shape[0]}", f"fsdp:tp={shape[0]}"]
+        elif len(shape) == 2:  # (dp, tp)
+            kinds = [f"fsdp:dp={shape[0]},tp={shape[1]}"]
+        else:
+            return []
         suffix = uniform_dtype(self._layout, self.spec)
         if self.spec.is_moe and any(".experts.0." in s.name for s in self._layout.shards):
             suffix += ",per_expert=1"
