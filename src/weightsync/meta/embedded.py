@@ -54,6 +54,34 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets=sockets)
 
 
+def _nodelay_http_protocol() -> type[Any]:
+    """uvicorn's HTTP protocol, with ``TCP_NODELAY`` on every accepted connection.
+
+    A response leaves in more than one segment (headers, then body); without NODELAY the
+    second waits for the client's delayed ACK, so every meta call took ~44 ms on Linux
+    loopback instead of ~1.5 ms. Servers started from a pre-bound socket (ours) do not get
+    NODELAY from asyncio's accept path, hence this.
+    """
+    base: type[Any]
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        base = HttpToolsProtocol
+    except ImportError:  # httptools is optional in uvicorn
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        base = H11Protocol
+
+    class NoDelayProtocol(base):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: Any) -> None:
+            sock = transport.get_extra_info("socket")
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            super().connection_made(transport)
+
+    return NoDelayProtocol
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (port 0: a free port)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -93,7 +121,8 @@ def prepare_server(*, host: str = "127.0.0.1", port: int = 0, token: str,
             store.close_files()
         raise
     app = create_app(state, config)
-    uv_config = uvicorn.Config(app, lifespan="on", log_level=log_level, access_log=False, loop=loop,
+    uv_config = uvicorn.Config(app, http=_nodelay_http_protocol(), lifespan="on",
+                               log_level=log_level, access_log=False, loop=loop,
                                timeout_graceful_shutdown=5, timeout_keep_alive=75, server_header=False)
     return PreparedServer(_Server(uv_config, state), sock, state)
 
