@@ -144,10 +144,21 @@ class InflightReader:
         return self
 
     def _pull(self) -> None:
+        reader = self.reader
+        try:
+            reader.session.register()  # writers plan (and publish) only once every reader registered
+        except BaseException as exc:
+            self.error = exc
+            return
         while not self._stop.is_set():
+            # Wait in short polls (so close() is prompt), then transfer under the full timeout.
+            floor = max(x for x in (self._staging.weight_version, reader.last_failed, -1) if x is not None)
             try:
-                result = self.reader.update(timeout=self.poll)
-            except TimeoutError:
+                if reader.meta.wait_version(after=floor, timeout=self.poll) is None:
+                    continue
+                result = reader.update(timeout=reader.config.timeout)
+            except TimeoutError as exc:
+                self.error = exc
                 continue
             except _ClosedError:
                 return

@@ -75,6 +75,11 @@ class WeightReader:
         """The version the engine's weights are at (None: none yet, or the last update failed)."""
         return self.engine.weight_version
 
+    @property
+    def last_failed(self) -> int | None:
+        """The last version that failed here, until one is applied (it is never re-taken)."""
+        return self._failed
+
     def update(self, version: int | None = None, *, timeout: float | None = None) -> UpdateResult:
         """Apply the newest version (or at least ``version``); see module docstring.
 
