@@ -83,7 +83,8 @@ class _StagingEngine:
                     self.ready = None
                     raise TimeoutError(f"the engine reached no step boundary within {self.timeout:.0f}s to apply "
                                        f"version {version}")
-            if self.closed:
+            if self.ready is not None:  # closed while waiting: the version never went live
+                self.ready = None
                 raise _ClosedError(f"closed before version {version} was applied")
         self._version = version
 
