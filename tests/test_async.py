@@ -26,6 +26,7 @@ from weightsync.engines import ModuleEngine
 from weightsync.inflight import InflightReader
 from weightsync.layout import ModelSpec
 from weightsync.meta import EmbeddedMetaServer, MetaClient
+from weightsync.plan import PlanError
 from weightsync.sources import ModuleSource
 from weightsync.store import StoreConfig, SupersededError, TensorSlice, TensorStore, slice_of
 
@@ -108,6 +109,12 @@ def test_store_superseded_version_names_the_newest_and_newest_get_moves_on():
                 reader.put("x", torch.ones(3))
             with pytest.raises(ValueError, match="shape"):
                 writer.put("y", torch.ones(3), where=TensorSlice.part((4,), index=0, count=3))
+            half = TensorSlice.part((4, 3), index=0, count=2)
+            writer.put("half", torch.ones(2, 3), where=half)  # the other half was never put
+            writer.complete(2)
+            assert torch.equal(reader.get("half", where=half), torch.ones(2, 3))
+            with pytest.raises(PlanError, match=r"(?s)not fully covered.*6 of 12 elements"):
+                reader.get("half")
 
 
 # -- staleness bound ---------------------------------------------------------------------------------

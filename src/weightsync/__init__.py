@@ -12,17 +12,22 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from weightsync.inflight import InflightReader
     from weightsync.reader import UpdateResult, WeightReader
     from weightsync.session import SyncConfig, SyncError
+    from weightsync.store import StoreConfig, TensorSlice, TensorStore
     from weightsync.writer import WeightWriter, WriteResult
 
 _LAZY = {
     "SyncConfig": "weightsync.session", "SyncError": "weightsync.session",
     "WeightWriter": "weightsync.writer", "WriteResult": "weightsync.writer",
     "WeightReader": "weightsync.reader", "UpdateResult": "weightsync.reader",
+    "InflightReader": "weightsync.inflight",
+    "TensorStore": "weightsync.store", "StoreConfig": "weightsync.store", "TensorSlice": "weightsync.store",
 }
 
-__all__ = ["SyncConfig", "SyncError", "UpdateResult", "WeightReader", "WeightWriter", "WriteResult"]
+__all__ = ["InflightReader", "StoreConfig", "SyncConfig", "SyncError", "TensorSlice", "TensorStore", "UpdateResult",
+           "WeightReader", "WeightWriter", "WriteResult"]
 
 
 def __getattr__(name: str) -> Any:
