@@ -185,9 +185,8 @@ class _Runs:
         return self.runs[bisect_right(self.ends, row)][0]
 
     def expand(self) -> list[Any]:
-        ends = self.ends
-        lengths = [e - s for s, e in zip([0, *ends[:-1]], ends, strict=True)]
-        return list(chain.from_iterable(map(repeat, self.values, lengths)))
+        self.ends  # noqa: B018 (validates the runs)
+        return list(chain.from_iterable(repeat(run[0], run[1]) for run in self.runs))
 
 
 def encode_columns(rows: Sequence[tuple[int, str, str, Mapping[str, str], str]]) -> dict[str, Any]:
