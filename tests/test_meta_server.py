@@ -327,7 +327,8 @@ field_names = st.sampled_from(["role", "rank", "group", "host", "endpoints", "la
 near_valid = st.dictionaries(field_names, msgpack_values, max_size=6)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=120, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(route=st.sampled_from(POST_ROUTES), body=st.binary(max_size=200) | msgpack_values.map(msgpack.packb)
        | near_valid.map(msgpack.packb))
 def test_fuzzed_bodies_never_break_the_server(server, route, body):

@@ -110,20 +110,6 @@ class Participant:
         return {"role": self.role, "rank": self.rank, "group": self.group, "host": self.host,
                 "endpoints": dict(self.endpoints), "layout": self.layout}
 
-    def differences(self, other: Participant) -> list[str]:
-        """Human-readable list of the fields in which ``other`` differs from ``self``."""
-        out = []
-        for name in ("group", "host", "endpoints", "layout"):
-            mine, theirs = getattr(self, name), getattr(other, name)
-            if name == "endpoints":
-                mine, theirs = dict(mine), dict(theirs)
-            if mine != theirs:
-                if name == "layout":
-                    out.append(f"layout: blob {blob_hash(mine)[:12]} != {blob_hash(theirs)[:12]}")
-                else:
-                    out.append(f"{name}: {mine!r} != {theirs!r}")
-        return out
-
 
 @dataclass(frozen=True, slots=True)
 class VersionInfo:
