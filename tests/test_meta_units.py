@@ -274,3 +274,21 @@ def test_connect_starts_an_embedded_server_without_an_address(monkeypatch):
         if server is not None:
             server.stop()
     assert _server_threads() == []
+
+
+def test_server_token_sources(tmp_path, monkeypatch):
+    from argparse import Namespace
+
+    from weightsync.commands.meta_server import _token
+
+    monkeypatch.delenv("WEIGHTSYNC_META_TOKEN", raising=False)
+    token, source = _token(Namespace(token_file=None, state_dir=str(tmp_path / "state")))
+    assert source == f"token file {tmp_path / 'state' / 'token'}"
+    assert _token(Namespace(token_file=None, state_dir=str(tmp_path / "state")))[0] == token  # kept across restarts
+    assert _token(Namespace(token_file=str(tmp_path / "t"), state_dir=None))[0] == read_token_file(tmp_path / "t")
+    monkeypatch.setenv("WEIGHTSYNC_META_TOKEN", "from-the-env")
+    assert _token(Namespace(token_file=None, state_dir=str(tmp_path / "state"))) == ("from-the-env",
+                                                                                      "WEIGHTSYNC_META_TOKEN")
+    monkeypatch.delenv("WEIGHTSYNC_META_TOKEN")
+    generated, source = _token(Namespace(token_file=None, state_dir=None))
+    assert generated != token and "generated" in source

@@ -4,7 +4,8 @@
 
 Binds 127.0.0.1 unless told otherwise. The token comes from ``--token-file`` (created with a
 random token if it does not exist, so one shared file serves the server and every client), else
-from WEIGHTSYNC_META_TOKEN, else a random one is generated and printed. With ``--state-dir`` a
+from WEIGHTSYNC_META_TOKEN, else from ``<state-dir>/token`` (created likewise), else a random
+one is generated and printed. With ``--state-dir`` a
 restarted server carries on where it stopped. Once listening it prints one line,
 ``weightsync meta-server: listening on http://HOST:PORT``, and serves until SIGINT or SIGTERM.
 """
@@ -15,6 +16,7 @@ import argparse
 import os
 import socket
 import sys
+from pathlib import Path
 
 from weightsync.meta.config import ENV_ADDR, ENV_TOKEN, check_token, ensure_token_file, new_token
 
@@ -34,11 +36,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _token(args: argparse.Namespace) -> tuple[str, str]:
+    """The shared secret and where it came from (for the startup message)."""
     if args.token_file:
         return ensure_token_file(args.token_file), f"token file {args.token_file}"
     env = os.environ.get(ENV_TOKEN, "").strip()
     if env:
         return check_token(env, ENV_TOKEN), ENV_TOKEN
+    if args.state_dir:  # a restarted server must keep its token, or its clients cannot carry on
+        path = Path(args.state_dir) / "token"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return ensure_token_file(path), f"token file {path}"
     token = new_token()
     return token, f"token {token} (generated; pass --token-file to keep one)"
 
