@@ -292,3 +292,13 @@ def test_server_token_sources(tmp_path, monkeypatch):
     monkeypatch.delenv("WEIGHTSYNC_META_TOKEN")
     generated, source = _token(Namespace(token_file=None, state_dir=None))
     assert generated != token and "generated" in source
+
+
+def test_importing_the_client_imports_neither_torch_nor_the_server_stack():
+    import subprocess
+    import sys
+
+    code = ("import sys, weightsync.meta, weightsync.meta.client; "
+            "print(sorted(m for m in ('torch', 'fastapi', 'uvicorn', 'starlette') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
