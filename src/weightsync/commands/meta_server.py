@@ -51,11 +51,12 @@ def _token(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from weightsync.meta.embedded import prepare_server
+    from weightsync.meta.embedded import prepare_server, raise_open_file_limit
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is not a TCP port (0-65535)")
     token, token_source = _token(args)
+    raise_open_file_limit()  # one connection per rank of every job
     prepared = prepare_server(host=args.host, port=args.port, token=token, state_dir=args.state_dir,
                               max_body_bytes=args.max_body_bytes, max_wait=args.max_wait,
                               compact_bytes=args.compact_bytes, log_level="info" if args.verbose else "warning")
