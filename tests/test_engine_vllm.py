@@ -29,7 +29,8 @@ import torch
 
 from tiny_models import canonical_weights, checkpoint_tensors, tiny_config, write_checkpoint
 from weightsync.engines import vllm as vllm_engine
-from weightsync.engines.vllm import StagedWeights, VLLMEngine, check_supported
+from weightsync.engines.staging import StagedWeights
+from weightsync.engines.vllm import VLLMEngine, check_supported
 from weightsync.layout import ModelSpec
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None

@@ -34,7 +34,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from weightsync.engines.vllm import StagedWeights, check_supported, reload_model, spec_of
+from weightsync.engines.staging import StagedWeights
+from weightsync.engines.vllm import check_supported, reload_model, spec_of
 from weightsync.reader import WeightReader
 from weightsync.session import SyncConfig
 
