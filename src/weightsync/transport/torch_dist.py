@@ -141,7 +141,7 @@ class TorchDistTransport:
                     with timer("checksum"):
                         sums.append(checksum(payload))
                 with timer("transfer"):
-                    work = self._pg.send([payload], peer_global, _TAG)
+                    work = self._post("send", payload, peer_global, peer, message)
                 in_flight.append((work, message, slot))
                 stats.nbytes += message.nbytes
                 stats.messages += 1
@@ -150,7 +150,8 @@ class TorchDistTransport:
                 self._wait(in_flight.popleft(), deadline, peer, timer)
             if self.ctx.options.checksum and messages:
                 tail = torch.tensor(sums, dtype=torch.int64, device=self.device)
-                self._wait((self._pg.send([tail], peer_global, _TAG), messages[-1], -1), deadline, peer, timer)
+                work = self._post("send", tail, peer_global, peer, messages[-1])
+                self._wait((work, messages[-1], -1), deadline, peer, timer)
         return stats
 
     def receive(self, version: int, *, timeout: float) -> TransferStats:
@@ -172,7 +173,7 @@ class TorchDistTransport:
                         stats.peak_extra_bytes = max(stats.peak_extra_bytes,
                                                      len(self._buffers) * self.ctx.options.message_bytes)
                     with timer("transfer"):
-                        work = self._pg.recv([target], peer_global, _TAG)
+                        work = self._post("recv", target, peer_global, peer, message)
                     in_flight.append((work, message, slot))
                 work, message, slot = in_flight.popleft()
                 self._wait((work, message, slot), deadline, peer, timer)
@@ -189,7 +190,8 @@ class TorchDistTransport:
                 stats.direct_bytes += message.nbytes if message.direct else 0
             if self.ctx.options.checksum and messages:
                 tail = torch.empty(len(messages), dtype=torch.int64, device=self.device)
-                self._wait((self._pg.recv([tail], peer_global, _TAG), messages[-1], -1), deadline, peer, timer)
+                work = self._post("recv", tail, peer_global, peer, messages[-1])
+                self._wait((work, messages[-1], -1), deadline, peer, timer)
                 for expected, got, message in zip(tail.tolist(), sums, messages, strict=True):
                     if expected != got:
                         raise TransportError(
@@ -197,6 +199,17 @@ class TorchDistTransport:
                             f"{peer}: {message.describe()}"
                         )
         return stats
+
+    def _post(self, kind: str, tensor: torch.Tensor, peer_global: int, peer: int, message: Message) -> Any:
+        """Post a send or receive; a broken connection surfaces here as well as in wait."""
+        try:
+            op = self._pg.send if kind == "send" else self._pg.recv
+            return op([tensor], peer_global, _TAG)
+        except RuntimeError as exc:
+            self._teardown_group()
+            other = "reader" if self.ctx.role == "writer" else "writer"
+            raise TransportError(f"{self.ctx.role} {self.ctx.rank}: transfer with {other} {peer} failed "
+                                 f"({message.describe()}): {exc}") from exc
 
     def _wait(self, item: tuple[Any, Message, int], deadline: float, peer: int, timer: PhaseTimer) -> None:
         work, message, _ = item

@@ -1,0 +1,183 @@
+"""Meta-server scale: a 1T-parameter MoE job's metadata, published and fetched by every rank.
+
+    python benchmarks/meta_scale.py                       # 1024 writers + 256 readers, 2 client processes
+    python benchmarks/meta_scale.py --state-dir --json    # with the durable journal (fsync per group commit)
+    python benchmarks/meta_scale.py --mode separate       # register, then a separate barrier fetch
+    python benchmarks/meta_scale.py --materialize         # also build all 1280 Participant objects per rank
+
+A real ``weightsync meta-server`` process serves; the participants are simulated by asyncio
+tasks in ``--procs`` client processes, one :class:`AsyncMetaClient` (own TCP connection) each.
+The clock starts when all participants are released at once and stops when the last one holds
+the whole job's metadata: every rank registered (its endpoints and layout descriptor
+published), the barrier passed, the full roster (1280 rows, two distinct layout blobs) fetched
+and decoded, and the model config document fetched. Writer 0 publishes the config document
+(the bundled ``moe-1t`` HF config) before it joins, as weightsync's writer does; every rank
+asks for it with the roster (``documents=[key]``), so ``--mode join`` is one round trip per rank
+and ``--mode separate`` two.
+
+Layouts: writers ``megatron:tp=8,pp=16,dp=8,ep=64`` (1024 ranks, 8 per host), readers
+``vllm:tp=16,replicas=16`` (256 ranks, 8 per host); each rank has two transport endpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgpack
+
+from weightsync.meta import AsyncMetaClient, Participant
+from weightsync.meta.config import ensure_token_file
+
+WRITER_LAYOUT = "megatron:tp=8,pp=16,dp=8,ep=64"
+READER_LAYOUT = "vllm:tp=16,replicas=16"
+MODEL_KEY = "model/moe-1t"
+JOB = "moe-1t"
+
+
+def participant(role: str, rank: int) -> Participant:
+    layout = WRITER_LAYOUT if role == "writer" else READER_LAYOUT
+    node = rank // 8 + (0 if role == "writer" else 1000)
+    ip = f"10.{node // 250}.{node % 250}.{rank % 8 + 1}"
+    return Participant(role, rank, "train" if role == "writer" else "rollout", f"node-{node:04d}.cluster",
+                       {"nixl": f"{ip}:5555/agent-{role[0]}{rank}", "tcp": f"{ip}:{29500 + rank % 8}"},
+                       msgpack.packb({"layout": layout, "model": MODEL_KEY}))
+
+
+async def _one(client: AsyncMetaClient, p: Participant, args: argparse.Namespace, config: bytes) -> float:
+    if p.role == "writer" and p.rank == 0:
+        await client.put_document(MODEL_KEY, config)
+    if args.mode == "join":
+        table = await client.join(p, writers=args.writers, readers=args.readers, timeout=120, documents=[MODEL_KEY])
+    else:
+        await client.register(p)
+        table = await client.wait_table(writers=args.writers, readers=args.readers, timeout=120,
+                                        documents=[MODEL_KEY])
+    layouts = {role: {msgpack.unpackb(blob)["layout"]: len(ranks) for blob, ranks in table.layouts(role).items()}
+               for role in ("writer", "reader")}
+    assert layouts == {"writer": {WRITER_LAYOUT: args.writers}, "reader": {READER_LAYOUT: args.readers}}, layouts
+    if args.materialize:
+        assert len(table.participants()) == args.writers + args.readers
+    else:
+        peer = table.get("reader" if p.role == "writer" else "writer", 0)
+        assert peer is not None and peer.endpoints
+    model = table.documents.get(MODEL_KEY) or await client.get_document(MODEL_KEY, wait=60)
+    assert model == config
+    return time.monotonic()
+
+
+def _worker(index: int, args: argparse.Namespace, address: str, token: str, barrier: Any, out: Any) -> None:
+    everyone = [("writer", r) for r in range(args.writers)] + [("reader", r) for r in range(args.readers)]
+    mine = [participant(role, rank) for role, rank in everyone[index::args.procs]]
+    config = (resources.files("weightsync.configs") / "moe-1t.json").read_bytes()
+
+    async def main() -> tuple[float, float, float]:
+        clients = [AsyncMetaClient(address, job=JOB, token=token, timeout=120) for _ in mine]
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, barrier.wait)
+            start, cpu = time.monotonic(), time.process_time()
+            done = await asyncio.gather(*(_one(c, p, args, config) for c, p in zip(clients, mine, strict=True)))
+            return start, max(done), time.process_time() - cpu
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
+
+    out.put((index, *asyncio.run(main())))
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _start_server(tmp: Path, state_dir: bool) -> tuple[subprocess.Popen[str], str, str]:
+    token = ensure_token_file(tmp / "token")
+    cmd = [sys.executable, "-m", "weightsync.cli", "meta-server", "--port", "0", "--token-file", str(tmp / "token")]
+    if state_dir:
+        cmd += ["--state-dir", str(tmp / "state")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # the server prints its address at once; a dead one closes stdout
+    if "listening on" not in line:
+        proc.kill()
+        raise RuntimeError(f"meta server did not start: {line!r}")
+    return proc, line.rsplit(" ", 1)[1].strip(), token
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="weightsync-meta-scale-") as tmp:
+        server, address, token = _start_server(Path(tmp), args.state_dir)
+        try:
+            ctx = mp.get_context("spawn")
+            barrier, out = ctx.Barrier(args.procs + 1), ctx.Queue()
+            procs = [ctx.Process(target=_worker, args=(i, args, address, token, barrier, out))
+                     for i in range(args.procs)]
+            for p in procs:
+                p.start()
+            barrier.wait(timeout=120)
+            server_cpu = _cpu_seconds(server.pid)
+            results = [out.get(timeout=300) for _ in procs]
+            for p in procs:
+                p.join(timeout=30)
+            start = min(r[1] for r in results)
+            total = max(r[2] for r in results) - start
+            server_cpu = _cpu_seconds(server.pid) - server_cpu
+            headers = {"Authorization": f"Bearer {token}", "Accept": "application/msgpack"}
+            roster = httpx.get(f"{address}/v1/jobs/{JOB}/participants", headers=headers, timeout=30).content
+            metrics = httpx.get(f"{address}/metrics", headers=headers, timeout=30).text
+            fsyncs = next((float(line.split()[-1]) for line in metrics.splitlines()
+                           if line.startswith("weightsync_meta_journal_fsyncs_total")), None)
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    return {
+        "writers": args.writers, "readers": args.readers, "mode": args.mode, "procs": args.procs,
+        "state_dir": args.state_dir, "materialize": args.materialize,
+        "seconds": round(total, 3), "requests": (args.writers + args.readers) * (1 if args.mode == "join" else 2) + 1,
+        "roster_bytes": len(roster), "client_cpu_seconds": round(sum(r[3] for r in results), 2),
+        "server_cpu_seconds": round(server_cpu, 2),
+        "journal_fsyncs": fsyncs,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--writers", type=int, default=1024)
+    p.add_argument("--readers", type=int, default=256)
+    p.add_argument("--procs", type=int, default=2, help="client processes simulating the participants")
+    p.add_argument("--mode", choices=("join", "separate"), default="join",
+                   help="join: register + barrier + roster in one call; separate: register, then wait_table")
+    p.add_argument("--state-dir", action="store_true", help="run the server with a durable state directory")
+    p.add_argument("--materialize", action="store_true", help="build every Participant object on every rank")
+    p.add_argument("--repeat", type=int, default=1, help="runs; the best and all are reported")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    runs = [run(args) for _ in range(args.repeat)]
+    best = min(runs, key=lambda r: r["seconds"])
+    best["all_seconds"] = [r["seconds"] for r in runs]
+    if args.json:
+        print(json.dumps(best))
+    else:
+        print(f"{args.writers} writers + {args.readers} readers ({args.mode}, {args.procs} client processes"
+              f"{', state dir' if args.state_dir else ''}{', materialized' if args.materialize else ''}): "
+              f"{best['seconds']:.3f} s (runs: {best['all_seconds']}); roster {best['roster_bytes']} bytes; "
+              f"{best['requests']} requests; CPU: clients {best['client_cpu_seconds']} s, "
+              f"server {best['server_cpu_seconds']} s; "
+              f"fsyncs {best['journal_fsyncs']}; {best['machine']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

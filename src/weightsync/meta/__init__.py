@@ -1,0 +1,39 @@
+"""The meta server and its client: the rendezvous of a weightsync job.
+
+Writers (training ranks) and readers (inference ranks) register here with their endpoints and
+layout descriptors, wait for each other, publish weight versions and report what they applied.
+The server holds only metadata, never weights.
+
+    from weightsync.meta import Participant, connect
+
+    client, server = connect(job="grpo")          # WEIGHTSYNC_META_ADDR, else an embedded server
+    client.register(Participant("reader", 0, "rollout", "node-3", {"tcp": "10.0.0.3:6000"}, layout))
+    info = client.wait_version(after=-1, timeout=600)
+
+Modules: ``records`` (data model and the compact roster), ``client`` (sync and async clients),
+``calls`` (the API as data), ``server`` (FastAPI app), ``state`` (in-memory state, long-polls),
+``store`` (durable journal), ``embedded`` (running it), ``config`` (environment).
+Importing this package does not import the server stack (FastAPI, uvicorn).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from weightsync.meta.client import AsyncMetaClient, MetaClient, connect
+from weightsync.meta.config import MetaEnv
+from weightsync.meta.records import Participant, ParticipantTable, VersionInfo
+
+if TYPE_CHECKING:
+    from weightsync.meta.embedded import EmbeddedMetaServer
+
+__all__ = ["AsyncMetaClient", "EmbeddedMetaServer", "MetaClient", "MetaEnv", "Participant", "ParticipantTable",
+           "VersionInfo", "connect"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "EmbeddedMetaServer":
+        from weightsync.meta.embedded import EmbeddedMetaServer
+
+        return EmbeddedMetaServer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,182 @@
+"""The meta server's API as data: each call is a request to send plus a parser for its answer.
+
+Both clients (sync :class:`~weightsync.meta.client.MetaClient` and async
+:class:`~weightsync.meta.client.AsyncMetaClient`) execute the same :class:`Call` objects, so
+paths, bodies, error mapping and answer parsing exist once; the clients differ only in how
+they wait (threads vs. asyncio).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+from urllib.parse import quote, urlencode
+
+from weightsync.meta import wire
+from weightsync.meta.records import ParticipantTable, VersionInfo, check_document_key
+
+T = TypeVar("T")
+
+#: answers worth retrying: the server is restarting, overloaded or behind a proxy that is
+RETRY_STATUSES = frozenset({502, 503, 504})
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[T]):
+    """One HTTP request and how to read its answer.
+
+    ``wait`` is how long the server may hold the request (a long-poll), so the client's read
+    timeout is ``wait`` plus its own timeout. ``raw`` parsers get the body bytes, the others
+    the decoded msgpack; ``missing_ok`` turns a 404 into ``parse(None)``.
+    """
+
+    method: str
+    path: str
+    parse: Callable[[Any], T]
+    params: Mapping[str, Any] | None = None
+    body: bytes | None = None
+    content_type: str = wire.MSGPACK
+    wait: float = 0.0
+    raw: bool = False
+    missing_ok: bool = False
+
+    @property
+    def url(self) -> str:
+        return f"{self.path}?{urlencode(self.params, doseq=True)}" if self.params else self.path
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return {"Content-Type": self.content_type} if self.body is not None else None
+
+
+def _detail(content: bytes) -> str:
+    """The server's error message (errors are JSON ``{"detail": ...}``)."""
+    try:
+        obj = json.loads(content)
+    except ValueError:
+        return content[:300].decode("utf-8", "replace")
+    return str(obj.get("detail", obj)) if isinstance(obj, dict) else str(obj)
+
+
+def finish(call: Call[T], status: int, content: bytes, address: str) -> T:
+    """Parse a non-retryable answer or raise the exception a user should see."""
+    if status == 200:
+        return call.parse(content if call.raw else wire.unpack(content))
+    if status == 404 and call.missing_ok:
+        return call.parse(None)
+    detail = _detail(content)
+    where = f"{call.method} {address}{call.path}"
+    if status == 401:
+        raise PermissionError(f"the meta server at {address} rejected the token (401): {detail}")
+    if status in (400, 404, 409, 413, 415, 422):
+        raise ValueError(detail if status == 409 else f"meta server refused {where} ({status}): {detail}")
+    raise RuntimeError(f"meta server error on {where} ({status}): {detail}")
+
+
+def _job(job: str) -> str:
+    return f"/v1/jobs/{job}"
+
+
+def _int(name: str, value: Any, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def register(job: str, participant: Any) -> Call[bool]:
+    return Call("POST", f"{_job(job)}/participants", lambda o: bool(o["created"]),
+                body=wire.pack(participant.to_wire()))
+
+
+def _roster_params(writers: int, readers: int, wait: float, documents: Sequence[str]) -> dict[str, Any]:
+    if isinstance(documents, str):
+        raise TypeError("documents is a sequence of keys, e.g. documents=[key], not one string")
+    return {"writers": _int("writers", writers), "readers": _int("readers", readers), "wait": f"{wait:.3f}",
+            "documents": [check_document_key(k) for k in documents]}
+
+
+def join(job: str, participant: Any, *, writers: int, readers: int, wait: float,
+         documents: Sequence[str] = ()) -> Call[ParticipantTable]:
+    return Call("POST", f"{_job(job)}/join", ParticipantTable.from_wire,
+                params=_roster_params(writers, readers, wait, documents), body=wire.pack(participant.to_wire()),
+                wait=wait)
+
+
+def roster(job: str, *, writers: int = 0, readers: int = 0, wait: float = 0.0,
+           documents: Sequence[str] = ()) -> Call[ParticipantTable]:
+    return Call("GET", f"{_job(job)}/participants", ParticipantTable.from_wire,
+                params=_roster_params(writers, readers, wait, documents), wait=wait)
+
+
+def put_document(job: str, key: str, value: bytes) -> Call[None]:
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise TypeError(f"document values are bytes (e.g. msgpack.packb(obj)), not {type(value).__name__}")
+    return Call("PUT", f"{_job(job)}/documents/{quote(check_document_key(key))}", lambda o: None,
+                body=bytes(value), content_type=wire.OCTETS)
+
+
+def get_document(job: str, key: str, *, wait: float) -> Call[bytes | None]:
+    return Call("GET", f"{_job(job)}/documents/{quote(check_document_key(key))}", lambda b: b,
+                params={"wait": f"{wait:.3f}"}, wait=wait, raw=True, missing_ok=True)
+
+
+def publish_version(job: str, version: int, fingerprint: str, *, writer_rank: int,
+                    num_writers: int) -> Call[VersionInfo | None]:
+    if not isinstance(fingerprint, str) or not fingerprint:
+        raise ValueError(f"fingerprint must be a non-empty str (the plan's fingerprint), got {fingerprint!r}")
+    _int("num_writers", num_writers, 1)
+    if not 0 <= _int("writer_rank", writer_rank) < num_writers:
+        raise ValueError(f"writer_rank {writer_rank} must be below num_writers {num_writers}")
+    body = {"version": _int("version", version), "fingerprint": fingerprint,
+            "writer_rank": writer_rank, "num_writers": num_writers}
+    return Call("POST", f"{_job(job)}/versions", lambda o: VersionInfo.from_wire(o["published"]),
+                body=wire.pack(body))
+
+
+def latest_version(job: str, *, after: int = -1, wait: float = 0.0) -> Call[VersionInfo | None]:
+    return Call("GET", f"{_job(job)}/versions/latest", lambda o: VersionInfo.from_wire(o["latest"]),
+                params={"after": _int("after", after, -1), "wait": f"{wait:.3f}"}, wait=wait)
+
+
+def report_applied(job: str, reader_rank: int, version: int, *, nbytes: int, seconds: float) -> Call[None]:
+    body = {"version": _int("version", version), "nbytes": _int("nbytes", nbytes), "seconds": float(seconds)}
+    return Call("POST", f"{_job(job)}/readers/{_int('reader_rank', reader_rank)}/applied", lambda o: None,
+                body=wire.pack(body))
+
+
+def report_failed(job: str, reader_rank: int, version: int, error: str) -> Call[None]:
+    body = {"version": _int("version", version, -1), "error": str(error)[:4096]}
+    return Call("POST", f"{_job(job)}/readers/{_int('reader_rank', reader_rank)}/failed", lambda o: None,
+                body=wire.pack(body))
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderReport:
+    """What ``GET /readers`` answers: the latest version and every known reader's state."""
+
+    latest: VersionInfo | None
+    rows: tuple[Mapping[str, Any], ...]
+
+    @property
+    def versions(self) -> dict[int, int | None]:
+        return {int(r["rank"]): r["version"] for r in self.rows}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> ReaderReport:
+        return cls(VersionInfo.from_wire(obj["latest"]), tuple(obj["readers"]))
+
+
+def readers(job: str, *, min_version: int = 0, count: int = 0, wait: float = 0.0) -> Call[ReaderReport]:
+    params = {"min_version": _int("min_version", min_version), "count": _int("readers", count),
+              "wait": f"{wait:.3f}"}
+    return Call("GET", f"{_job(job)}/readers", ReaderReport.from_wire, params=params, wait=wait)
+
+
+def status(job: str | None = None) -> Call[dict[str, Any]]:
+    return Call("GET", "/v1/status", dict, params={"job": job} if job else None)
+
+
+def delete_job(job: str) -> Call[bool]:
+    return Call("DELETE", _job(job), lambda o: bool(o["deleted"]))

@@ -1,0 +1,96 @@
+"""Where the meta server is and how to authenticate: read once, at the edge, from the environment.
+
+    WEIGHTSYNC_META_ADDR        http://host:port (or host:port) of a running meta server
+    WEIGHTSYNC_META_TOKEN       the shared secret, or
+    WEIGHTSYNC_META_TOKEN_FILE  a file holding it (e.g. the server's --token-file on a shared disk)
+
+    env = MetaEnv.from_env()
+    client = MetaClient(env.address, token=env.token)
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+ENV_ADDR = "WEIGHTSYNC_META_ADDR"
+ENV_TOKEN = "WEIGHTSYNC_META_TOKEN"
+ENV_TOKEN_FILE = "WEIGHTSYNC_META_TOKEN_FILE"
+MIN_TOKEN_LENGTH = 8
+
+
+def normalize_address(address: str) -> str:
+    """``"host:port"`` or ``"http://host:port/"`` -> ``"http://host:port"``; ValueError if unusable."""
+    if not isinstance(address, str) or not address.strip():
+        raise ValueError(f"meta server address must be 'http://host:port' or 'host:port', got {address!r}")
+    text = address.strip().rstrip("/")
+    if "://" not in text:
+        text = "http://" + text
+    parts = urlsplit(text)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None or parts.path:
+        raise ValueError(f"meta server address must be 'http://host:port' or 'host:port', got {address!r} "
+                         f"(check {ENV_ADDR})")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def check_token(token: str, source: str) -> str:
+    token = token.strip() if isinstance(token, str) else token
+    if not isinstance(token, str) or len(token) < MIN_TOKEN_LENGTH or any(c.isspace() for c in token):
+        raise ValueError(f"the meta server token from {source} must be at least {MIN_TOKEN_LENGTH} characters "
+                         "without spaces (python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+    return token
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def read_token_file(path: str | os.PathLike[str]) -> str:
+    """The token stored in ``path``; ValueError naming the file if it is missing or unusable."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise ValueError(f"token file {p} does not exist; start the server with --token-file {p} "
+                         f"(it creates the file) or set {ENV_TOKEN}") from None
+    return check_token(text, f"token file {p}")
+
+
+def ensure_token_file(path: str | os.PathLike[str]) -> str:
+    """Read ``path``, or create it (mode 0600) with a fresh random token if it does not exist."""
+    p = Path(path)
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return read_token_file(p)
+    token = new_token()
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MetaEnv:
+    """The meta server settings found in the environment (None where unset)."""
+
+    address: str | None = None
+    token: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> MetaEnv:
+        env = os.environ if environ is None else environ
+        address = env.get(ENV_ADDR, "").strip() or None
+        token = env.get(ENV_TOKEN, "").strip() or None
+        if token is not None:
+            token = check_token(token, ENV_TOKEN)
+        elif env.get(ENV_TOKEN_FILE, "").strip():
+            token = read_token_file(env[ENV_TOKEN_FILE].strip())
+        return cls(address=normalize_address(address) if address else None, token=token)

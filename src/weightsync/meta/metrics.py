@@ -1,0 +1,82 @@
+"""Prometheus metrics of one meta server (``GET /metrics``).
+
+Request counters and latencies are recorded by the server's middleware; job gauges (participants,
+latest version, reader lag, time since the last sync) are computed from the state at scrape
+time, so they are never stale and cost nothing between scrapes. Each server has its own
+registry, so several embedded servers in one process do not collide.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from weightsync.meta.state import MetaState
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _StateCollector(Collector):
+    def __init__(self, state: MetaState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        participants = GaugeMetricFamily("weightsync_meta_participants", "registered participants",
+                                         labels=["job", "role"])
+        latest = GaugeMetricFamily("weightsync_meta_latest_version", "latest published version", labels=["job"])
+        max_lag = GaugeMetricFamily("weightsync_meta_reader_max_lag_versions",
+                                    "largest (latest - applied) over readers with a valid version", labels=["job"])
+        invalid = GaugeMetricFamily("weightsync_meta_readers_without_valid_version",
+                                    "readers that never applied a version or reported a failure", labels=["job"])
+        since = GaugeMetricFamily("weightsync_meta_seconds_since_last_sync",
+                                  "seconds since a reader last reported an applied version", labels=["job"])
+        now = time.time()
+        for name, job in sorted(self.state.jobs.items()):
+            for role, rows in job.rows.items():
+                participants.add_metric([name, role], len(rows))
+            if job.latest is not None:
+                latest.add_metric([name], job.latest.version)
+            readers = self.state.readers(name)
+            lags = [r["lag"] for r in readers if r["lag"] is not None]
+            if lags:
+                max_lag.add_metric([name], max(lags))
+            invalid.add_metric([name], sum(1 for r in readers if r["version"] is None))
+            synced = [r["last_sync_at"] for r in readers if r["last_sync_at"] is not None]
+            if synced:
+                since.add_metric([name], now - max(synced))
+        yield from (participants, latest, max_lag, invalid, since)
+        yield GaugeMetricFamily("weightsync_meta_jobs", "job namespaces", value=len(self.state.jobs))
+        yield GaugeMetricFamily("weightsync_meta_waiting_requests", "long-polls being held",
+                                value=self.state.watch.waiting)
+        store = self.state.store
+        if store is not None:
+            yield CounterMetricFamily("weightsync_meta_journal_fsyncs", "journal fsyncs (group commits)",
+                                      value=store.fsyncs)
+            yield CounterMetricFamily("weightsync_meta_journal_fsync_seconds", "time spent writing and fsyncing",
+                                      value=store.fsync_seconds)
+            yield GaugeMetricFamily("weightsync_meta_journal_bytes", "journal size since the last compaction",
+                                    value=store.journal_bytes)
+
+
+class ServerMetrics:
+    """The registry of one server: request metrics plus the state collector."""
+
+    def __init__(self, state: MetaState) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("weightsync_meta_requests", "HTTP requests", ["route", "method", "status"],
+                                registry=self.registry)
+        self.latency = Histogram("weightsync_meta_request_seconds", "HTTP request latency (long-polls included)",
+                                 ["route"], registry=self.registry,
+                                 buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 5, 30))
+        self.registry.register(_StateCollector(state))
+
+    def observe(self, route: str, method: str, status: int, seconds: float) -> None:
+        self.requests.labels(route, method, str(status)).inc()
+        self.latency.labels(route).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

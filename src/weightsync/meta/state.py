@@ -1,0 +1,480 @@
+"""The meta server's state: jobs, participants, documents, versions and reader progress.
+
+Everything lives in memory in one event loop, behind one asyncio lock. Every change is a
+**record**, a small msgpack-ready dict applied by :meth:`MetaState._apply`. With a state
+directory the same records go to the journal (:mod:`weightsync.meta.store`) before the caller
+gets its answer, and a restarted server replays them through the same ``_apply``, so the live
+and the recovered state cannot drift apart. Records *set* values rather than add to them, so
+replaying records that are already reflected in a snapshot is harmless; compaction relies on it.
+
+Long-polls wait on :class:`Watch` events keyed by exactly what they wait for ("3 writers and 2
+readers registered", "a version newer than 7"), and a change fires only the keys it satisfies:
+a thousand ranks waiting on a barrier are woken once, by the registration that completes it,
+not by every registration before it. Nothing here sleeps or polls.
+
+    state = MetaState(store)            # store=None: memory only
+    state.load()                        # replay the state directory, if any
+    await state.start()
+    created = await state.register("job", "writer", 0, group="train", host="h", endpoints={}, layout=b"")
+    await state.wait_registered("job", writers=1, readers=0, wait=5.0)
+    await state.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync.meta import wire
+from weightsync.meta.records import ROLES, VersionInfo, blob_hash, encode_columns
+from weightsync.meta.store import StateStore
+
+logger = logging.getLogger(__name__)
+
+
+class ConflictError(Exception):
+    """A request that contradicts the state (the server answers 409 with this message)."""
+
+
+class Watch:
+    """Long-poll events grouped by (kind, job), then by what each waiter waits for."""
+
+    def __init__(self) -> None:
+        self._events: dict[tuple[str, str], dict[Hashable, list[Any]]] = {}
+        self.closed = False
+
+    @property
+    def waiting(self) -> int:
+        return sum(entry[1] for keys in self._events.values() for entry in keys.values())
+
+    async def wait(self, kind: str, job: str, key: Hashable, ready: Callable[[], bool], timeout: float) -> bool:
+        """Wait until ``ready()`` holds or ``timeout`` seconds pass; returns ``ready()``."""
+        if ready() or timeout <= 0 or self.closed:
+            return ready()
+        keys = self._events.setdefault((kind, job), {})
+        entry = keys.get(key)
+        if entry is None:
+            entry = keys[key] = [asyncio.Event(), 0]
+        entry[1] += 1
+        try:
+            await asyncio.wait_for(entry[0].wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0 and keys.get(key) is entry:
+                del keys[key]
+                if not keys:
+                    self._events.pop((kind, job), None)
+        return ready()
+
+    def fire(self, kind: str, job: str, satisfied: Callable[[Any], bool]) -> None:
+        """Wake the waiters of ``(kind, job)`` whose key ``satisfied(key)`` accepts."""
+        keys = self._events.get((kind, job))
+        if keys:
+            for key in [k for k in keys if satisfied(k)]:
+                keys.pop(key)[0].set()
+
+    def close(self) -> None:
+        """Wake everyone (server shutdown); later waits return at once."""
+        self.closed = True
+        for keys in self._events.values():
+            for entry in keys.values():
+                entry[0].set()
+        self._events.clear()
+
+
+@dataclass(slots=True)
+class _Row:
+    group: str
+    host: str
+    endpoints: dict[str, str]
+    layout: str  # blob hash
+    at: float
+
+
+@dataclass(slots=True)
+class _Pending:
+    fingerprint: str
+    num_writers: int
+    ranks: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Reader:
+    version: int | None = None
+    nbytes: int = 0
+    seconds: float = 0.0
+    at: float | None = None  # last report, applied or failed
+    applied_at: float | None = None  # last successful sync
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Job:
+    """One job namespace."""
+
+    name: str
+    created_at: float
+    rows: dict[str, dict[int, _Row]] = field(default_factory=lambda: {role: {} for role in ROLES})
+    blobs: dict[str, bytes] = field(default_factory=dict)
+    documents: dict[str, bytes] = field(default_factory=dict)
+    latest: VersionInfo | None = None
+    pending: dict[int, _Pending] = field(default_factory=dict)
+    readers: dict[int, _Reader] = field(default_factory=dict)
+    generation: int = 0
+    updated_at: float = 0.0
+    roster_cache: dict[bool, bytes] = field(default_factory=dict)
+
+    def reader_version(self, rank: int) -> int | None:
+        state = self.readers.get(rank)
+        return state.version if state else None
+
+    def reader_ranks(self) -> list[int]:
+        return sorted(set(self.rows["reader"]) | set(self.readers))
+
+    def applied_count(self, min_version: int) -> int:
+        return sum(1 for r in self.readers.values() if r.version is not None and r.version >= min_version)
+
+
+class MetaState:
+    """All jobs of one server. Methods run on the server's event loop only."""
+
+    def __init__(self, store: StateStore | None = None) -> None:
+        self.jobs: dict[str, Job] = {}
+        self.watch = Watch()
+        self.started_at = time.time()
+        self._store = store
+        self._lock = asyncio.Lock()
+
+    @property
+    def durable(self) -> bool:
+        return self._store is not None
+
+    @property
+    def store(self) -> StateStore | None:
+        return self._store
+
+    # --- lifecycle -------------------------------------------------------------------------
+    def load(self) -> int:
+        """Replay the state directory (before serving). Returns the number of records replayed."""
+        if self._store is None:
+            return 0
+        records = self._store.load()
+        for record in records:
+            self._apply(record)
+        self._store.rewrite(self.records())  # start from a compact snapshot and an empty journal
+        logger.info("meta state: replayed %d records: %d jobs", len(records), len(self.jobs))
+        return len(records)
+
+    async def start(self) -> None:
+        if self._store is not None:
+            await self._store.start(self.records)
+
+    async def close(self) -> None:
+        """Wake every long-poll (they answer with what they have) and flush the journal."""
+        self.watch.close()
+        if self._store is not None:
+            await self._store.close()
+
+    # --- applying records ------------------------------------------------------------------
+    def _job(self, name: str, at: float) -> Job:
+        job = self.jobs.get(name)
+        if job is None:
+            job = self.jobs[name] = Job(name, created_at=at, updated_at=at)
+        return job
+
+    def _apply(self, r: Mapping[str, Any]) -> None:
+        op, name = r["op"], r["job"]
+        if op == "drop":
+            self.jobs.pop(name, None)
+            return
+        at = float(r.get("at", 0.0))
+        job = self._job(name, at)
+        job.updated_at = max(job.updated_at, at)
+        if op == "blob":
+            job.blobs[r["hash"]] = r["data"]
+        elif op == "register":
+            role = r["role"]
+            job.rows[role][r["rank"]] = _Row(r["group"], r["host"], dict(r["endpoints"]), r["layout"], at)
+            job.generation += 1
+            job.roster_cache.clear()
+            counts = (len(job.rows["writer"]), len(job.rows["reader"]))
+            self.watch.fire("registered", name, lambda k: k[0] <= counts[0] and k[1] <= counts[1])
+        elif op == "document":
+            job.documents[r["key"]] = r["value"]
+            self.watch.fire("document", name, lambda k: k == r["key"])
+        elif op == "report":
+            self._apply_report(job, r["version"], r["fingerprint"], writer_rank=r["writer_rank"],
+                               num_writers=r["num_writers"], at=at)
+        elif op == "version":
+            self._set_latest(job, VersionInfo(r["version"], r["fingerprint"], at))
+        elif op in ("applied", "failed"):
+            state = job.readers.setdefault(r["rank"], _Reader())
+            state.at, state.version = at, (r["version"] if op == "applied" else None)
+            if op == "applied":
+                state.applied_at = at
+            if "applied_at" in r:  # from a snapshot: keep the last success across a failure
+                state.applied_at = r["applied_at"]
+            state.nbytes, state.seconds = int(r.get("nbytes", 0)), float(r.get("seconds", 0.0))
+            state.error = r.get("error") if op == "failed" else None
+            self.watch.fire("readers", name, lambda k: job.applied_count(k[0]) >= k[1])
+        else:
+            raise ValueError(f"unknown state record op {op!r}")
+
+    def _apply_report(self, job: Job, version: int, fingerprint: str, *, writer_rank: int, num_writers: int,
+                      at: float) -> None:
+        if job.latest is not None and version <= job.latest.version:
+            return  # already published (a replayed or late report)
+        pending = job.pending.setdefault(version, _Pending(fingerprint, num_writers))
+        pending.ranks.add(writer_rank)
+        if len(pending.ranks) >= pending.num_writers:
+            self._set_latest(job, VersionInfo(version, fingerprint, at))
+
+    def _set_latest(self, job: Job, info: VersionInfo) -> None:
+        job.latest = info
+        for v in [v for v in job.pending if v <= info.version]:
+            del job.pending[v]
+        self.watch.fire("version", job.name, lambda after: info.version > after)
+
+    async def _change(self, plan: Callable[[], list[dict[str, Any]]]) -> bool:
+        """Run ``plan`` (validate against the current state, return records) and apply its records.
+
+        Validation and application happen under the lock, so no other change interleaves; the
+        caller is answered only once the records (or, for a no-op, everything before them) are
+        durable, so an acknowledged change survives a crash. Returns whether anything changed.
+        """
+        async with self._lock:
+            records = plan()
+            for record in records:
+                self._apply(record)
+            done = self._store.submit(records) if self._store is not None else None
+        if done is not None:
+            await done
+        return bool(records)
+
+    # --- participants ----------------------------------------------------------------------
+    async def register(self, job: str, role: str, rank: int, *, group: str, host: str,
+                       endpoints: Mapping[str, str], layout: bytes) -> bool:
+        """Register a rank; True if new, False if it was already registered identically.
+
+        Raises:
+            ConflictError: the rank is registered with different data.
+        """
+        h = blob_hash(layout)
+
+        def plan() -> list[dict[str, Any]]:
+            current = self.jobs.get(job)
+            row = current.rows[role].get(rank) if current else None
+            if row is not None:
+                diffs = [f"{n}: {a!r} != {b!r}" for n, a, b in (
+                    ("group", row.group, group), ("host", row.host, host),
+                    ("endpoints", row.endpoints, dict(endpoints))) if a != b]
+                if row.layout != h:
+                    diffs.append(f"layout: blob {row.layout[:12]} != {h[:12]}")
+                if not diffs:
+                    return []
+                raise ConflictError(f"{role} rank {rank} of job {job!r} is already registered with different data "
+                               f"({'; '.join(diffs)}); a rank registers once per job: use a new job name "
+                               "for a new run, or delete the job first")
+            at = time.time()
+            records: list[dict[str, Any]] = []
+            if current is None or h not in current.blobs:
+                records.append({"op": "blob", "job": job, "hash": h, "data": bytes(layout), "at": at})
+            records.append({"op": "register", "job": job, "role": role, "rank": rank, "group": group,
+                            "host": host, "endpoints": dict(endpoints), "layout": h, "at": at})
+            return records
+
+        return await self._change(plan)
+
+    def counts(self, job: str) -> tuple[int, int]:
+        state = self.jobs.get(job)
+        return (len(state.rows["writer"]), len(state.rows["reader"])) if state else (0, 0)
+
+    async def wait_registered(self, job: str, *, writers: int, readers: int, wait: float) -> bool:
+        """Wait until at least ``writers`` writers and ``readers`` readers registered."""
+        def ready() -> bool:
+            w, r = self.counts(job)
+            return w >= writers and r >= readers
+        return await self.watch.wait("registered", job, (writers, readers), ready, wait)
+
+    def roster(self, job: str, *, msgpack_: bool) -> bytes:
+        """The encoded bulk roster (cached until the next registration)."""
+        state = self.jobs.get(job)
+        if state is None:
+            obj = {"job": job, "generation": 0, "blobs": {}, "participants": {}}
+            return wire.encode(obj, msgpack_=msgpack_)[0]
+        cached = state.roster_cache.get(msgpack_)
+        if cached is None:
+            participants = {}
+            for role in ROLES:
+                rows = sorted(state.rows[role].items())
+                participants[role] = encode_columns(
+                    [(rank, row.group, row.host, row.endpoints, row.layout) for rank, row in rows])
+            used = {row.layout for rows in state.rows.values() for row in rows.values()}
+            obj = {"job": job, "generation": state.generation,
+                   "blobs": {h: state.blobs[h] for h in sorted(used)}, "participants": participants}
+            cached = state.roster_cache[msgpack_] = wire.encode(obj, msgpack_=msgpack_)[0]
+        return cached
+
+    # --- documents -------------------------------------------------------------------------
+    async def put_document(self, job: str, key: str, value: bytes) -> None:
+        def plan() -> list[dict[str, Any]]:
+            if self.document(job, key) == value:
+                return []
+            return [{"op": "document", "job": job, "key": key, "value": bytes(value), "at": time.time()}]
+
+        await self._change(plan)
+
+    def document(self, job: str, key: str) -> bytes | None:
+        state = self.jobs.get(job)
+        return state.documents.get(key) if state else None
+
+    async def wait_document(self, job: str, key: str, wait: float) -> bytes | None:
+        await self.watch.wait("document", job, key, lambda: self.document(job, key) is not None, wait)
+        return self.document(job, key)
+
+    # --- versions --------------------------------------------------------------------------
+    def latest(self, job: str) -> VersionInfo | None:
+        state = self.jobs.get(job)
+        return state.latest if state else None
+
+    async def report_version(self, job: str, version: int, fingerprint: str, *, writer_rank: int,
+                             num_writers: int) -> VersionInfo | None:
+        """One writer says ``version`` is ready; returns the VersionInfo once all writers did.
+
+        Raises:
+            ConflictError: an older version, a different fingerprint or a different writer count.
+        """
+        def plan() -> list[dict[str, Any]]:
+            state = self.jobs.get(job)
+            latest = state.latest if state else None
+            if latest is not None and version <= latest.version:
+                if version == latest.version and fingerprint == latest.fingerprint:
+                    return []  # a retry or a late writer
+                if version == latest.version:
+                    raise ConflictError(f"writer rank {writer_rank} reports version {version} with fingerprint "
+                                   f"{fingerprint!r}, but it was published with fingerprint "
+                                   f"{latest.fingerprint!r}: the writers planned different syncs")
+                raise ConflictError(f"version {version} is older than the published version {latest.version} of "
+                               f"job {job!r}: versions must increase")
+            pending = state.pending.get(version) if state else None
+            if pending is not None:
+                if pending.fingerprint != fingerprint:
+                    raise ConflictError(
+                        f"writer rank {writer_rank} reports version {version} with fingerprint {fingerprint!r}, "
+                        f"but writer ranks {sorted(pending.ranks)[:8]} reported {pending.fingerprint!r}: "
+                        "the writers planned different syncs (different layouts or options)")
+                if pending.num_writers != num_writers:
+                    raise ConflictError(f"writer rank {writer_rank} says version {version} needs {num_writers} "
+                                   f"writers, earlier reports said {pending.num_writers}")
+                if writer_rank in pending.ranks:
+                    return []
+            return [{"op": "report", "job": job, "version": version, "fingerprint": fingerprint,
+                     "writer_rank": writer_rank, "num_writers": num_writers, "at": time.time()}]
+
+        await self._change(plan)
+        latest = self.latest(job)
+        return latest if latest is not None and latest.version == version else None
+
+    async def wait_version(self, job: str, after: int, wait: float) -> VersionInfo | None:
+        """Wait for a published version newer than ``after``; returns the latest (maybe older)."""
+        def ready() -> bool:
+            info = self.latest(job)
+            return info is not None and info.version > after
+        await self.watch.wait("version", job, after, ready, wait)
+        return self.latest(job)
+
+    # --- readers ---------------------------------------------------------------------------
+    async def report_reader(self, job: str, rank: int, version: int, *, nbytes: int = 0, seconds: float = 0.0,
+                            error: str | None = None) -> None:
+        """Record that reader ``rank`` applied ``version`` (or failed to: ``error`` set)."""
+        record: dict[str, Any] = {"op": "applied" if error is None else "failed", "job": job, "rank": rank,
+                                  "version": version, "nbytes": nbytes, "seconds": seconds, "at": time.time()}
+        if error is not None:
+            record["error"] = error
+        await self._change(lambda: [record])
+
+    def readers(self, job: str) -> list[dict[str, Any]]:
+        """Every known reader (registered or reported): rank, version, lag, last sync, error."""
+        state = self.jobs.get(job)
+        if state is None:
+            return []
+        latest = state.latest.version if state.latest else None
+        out = []
+        for rank in state.reader_ranks():
+            r = state.readers.get(rank, _Reader())
+            lag = latest - r.version if latest is not None and r.version is not None else None
+            out.append({"rank": rank, "version": r.version, "lag": lag, "last_sync_at": r.applied_at,
+                        "seconds": r.seconds, "nbytes": r.nbytes, "error": r.error})
+        return out
+
+    async def wait_readers(self, job: str, *, min_version: int, count: int, wait: float) -> bool:
+        """Wait until ``count`` readers applied ``min_version`` or newer."""
+        def ready() -> bool:
+            state = self.jobs.get(job)
+            return state is not None and state.applied_count(min_version) >= count
+        return await self.watch.wait("readers", job, (min_version, count), ready, wait)
+
+    # --- jobs ------------------------------------------------------------------------------
+    async def delete_job(self, job: str) -> bool:
+        return await self._change(lambda: [{"op": "drop", "job": job}] if job in self.jobs else [])
+
+    def records(self) -> list[dict[str, Any]]:
+        """The current state as records (a snapshot: replaying it rebuilds this state)."""
+        out: list[dict[str, Any]] = []
+        for name, job in self.jobs.items():
+            out.extend({"op": "blob", "job": name, "hash": h, "data": d, "at": job.created_at}
+                       for h, d in job.blobs.items())
+            for role, rows in job.rows.items():
+                out.extend({"op": "register", "job": name, "role": role, "rank": rank, "group": row.group,
+                            "host": row.host, "endpoints": row.endpoints, "layout": row.layout, "at": row.at}
+                           for rank, row in rows.items())
+            out.extend({"op": "document", "job": name, "key": k, "value": v, "at": job.updated_at}
+                       for k, v in job.documents.items())
+            if job.latest is not None:
+                out.append({"op": "version", "job": name, "version": job.latest.version,
+                            "fingerprint": job.latest.fingerprint, "at": job.latest.published_at})
+            for version, p in job.pending.items():
+                out.extend({"op": "report", "job": name, "version": version, "fingerprint": p.fingerprint,
+                            "writer_rank": w, "num_writers": p.num_writers, "at": job.updated_at}
+                           for w in sorted(p.ranks))
+            for rank, r in job.readers.items():
+                rec = {"op": "applied" if r.error is None else "failed", "job": name, "rank": rank,
+                       "version": r.version, "nbytes": r.nbytes, "seconds": r.seconds, "at": r.at or 0.0,
+                       "applied_at": r.applied_at}
+                if r.error is not None:
+                    rec["error"] = r.error
+                out.append(rec)
+        return out
+
+    def job_status(self, name: str) -> dict[str, Any]:
+        """One job as plain data (the status page's source)."""
+        job = self.jobs[name]
+        readers = self.readers(name)
+        synced = [r["last_sync_at"] for r in readers if r["last_sync_at"] is not None]
+        return {
+            "job": name, "created_at": job.created_at, "updated_at": job.updated_at,
+            "generation": job.generation,
+            "writers": len(job.rows["writer"]), "readers": len(job.rows["reader"]),
+            "latest_version": job.latest.to_wire() if job.latest else None,
+            "pending_versions": [{"version": v, "fingerprint": p.fingerprint, "reported": len(p.ranks),
+                                  "num_writers": p.num_writers} for v, p in sorted(job.pending.items())],
+            "last_sync_at": max(synced) if synced else None,
+            "reader_state": readers,
+            "participants": [{"role": role, "rank": rank, "group": row.group, "host": row.host,
+                              "endpoints": row.endpoints, "layout": row.layout[:12]}
+                             for role in ROLES for rank, row in sorted(job.rows[role].items())],
+            "documents": {k: len(v) for k, v in sorted(job.documents.items())},
+            "blobs": {h: len(d) for h, d in job.blobs.items()},
+        }
+
+    def status(self, job: str | None = None) -> dict[str, Any]:
+        names = sorted(self.jobs) if job is None else [job] if job in self.jobs else []
+        return {"server": {"started_at": self.started_at, "uptime_seconds": time.time() - self.started_at,
+                           "durable": self.durable, "waiting": self.watch.waiting},
+                "jobs": [self.job_status(n) for n in names]}

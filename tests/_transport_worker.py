@@ -1,0 +1,95 @@
+"""One rank of a transport contract scenario, run as a subprocess (JSON in, JSON out).
+
+    python tests/_transport_worker.py '{"transport": "shm", "role": "writer", "rank": 0, ...}'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch
+
+from fake_meta import DirectoryMeta
+from weightsync.configs import load_spec
+from weightsync.layout import parse_layout
+from weightsync.plan import PlanOptions, build_local_plan
+from weightsync.sources.module import allocate, fill_from_canonical
+from weightsync.transport import TransportContext, TransportOptions, create_transport
+from weightsync.transport.tensors import TORCH_DTYPES
+
+
+def values_for(spec, version, dtype):
+    out = {}
+    for i, (name, t) in enumerate(spec.canonical_tensors().items()):
+        g = torch.Generator().manual_seed(7919 * version + i)
+        out[name] = torch.randn(t.shape, generator=g).to(TORCH_DTYPES[dtype])
+    return out
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    torch.set_num_threads(1)
+    spec = load_spec(args["config"])
+    writers = parse_layout(args["source"]).all_rank_layouts(spec)
+    readers = parse_layout(args["target"]).all_rank_layouts(spec)
+    role, rank = args["role"], args["rank"]
+    mine = (writers if role == "writer" else readers)[rank]
+    plan = build_local_plan(writers, readers, role=role, rank=rank, options=PlanOptions(min_split_bytes=0))
+    tensors = allocate(mine)
+    pointers = {n: t.data_ptr() for n, t in tensors.items()}
+    meta = DirectoryMeta(args["meta_dir"])
+    opts = TransportOptions(max_bucket_bytes=args.get("bucket", 1 << 16), direct_min_bytes=1024,
+                            checksum=args.get("checksum", False), **args.get("options", {}))
+    ctx = TransportContext(role=role, rank=rank, num_writers=len(writers), num_readers=len(readers),
+                           meta=meta, options=opts)
+    transport = create_transport(args["transport"], ctx)
+    timeout = args.get("timeout", 30.0)
+    transport.prepare(plan, tensors, generation=0, timeout=timeout)
+    results = []
+    try:
+        for version in range(args["versions"]):
+            if role == "writer":
+                if args.get("die_at") == version and rank == args.get("die_rank", 0):
+                    os._exit(3)  # a peer dying mid-sync
+                fill_from_canonical(mine, tensors, values_for(spec, version, args["source_dtype"]))
+                if transport.one_sided and version >= 1:
+                    for r in range(len(readers)):  # do not overwrite a slot still being read
+                        assert meta.get_document(f"done/{version - 1}/{r}", wait=timeout) is not None
+                stats = transport.send(version, timeout=timeout)
+                meta.put_document(f"sent/{version}/{rank}", b"1")
+            else:
+                t0 = time.monotonic()
+                try:
+                    if transport.one_sided:  # what WeightReader does: wait for the publication
+                        for w in range(len(writers)):
+                            if meta.get_document(f"sent/{version}/{w}", wait=timeout) is None:
+                                raise TimeoutError(f"writer {w} never published version {version}")
+                    stats = transport.receive(version, timeout=timeout)
+                except Exception as exc:  # report what the user would see
+                    print(json.dumps({"error": type(exc).__name__, "message": str(exc),
+                                      "seconds": time.monotonic() - t0}), flush=True)
+                    return
+                expected = values_for(spec, version, args["source_dtype"])
+                expected = {n: v.to(TORCH_DTYPES[args["target_dtype"]]) for n, v in expected.items()}
+                want = allocate(mine)
+                fill_from_canonical(mine, want, expected)
+                exact = all(torch.equal(tensors[n], want[n]) for n in tensors)
+                meta.put_document(f"done/{version}/{rank}", b"1")
+                results.append({"version": version, "exact": exact, "bytes": stats.nbytes,
+                                "needed": plan.total_bytes,
+                                "in_place": all(t.data_ptr() == pointers[n] for n, t in tensors.items())})
+        if role == "writer" and transport.one_sided:
+            for r in range(len(readers)):  # keep the exposed data until every reader is done
+                meta.get_document(f"done/{args['versions'] - 1}/{r}", wait=timeout)
+        print(json.dumps({"results": results}), flush=True)
+    finally:
+        transport.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The transport contract, run against every transport: same scenario, same assertions.
+
+2 writers (Megatron TP2, fp32 master weights) -> 2 readers (vLLM-style TP1 x 2 replicas,
+bf16), several versions with changing weights. Every reader must hold exactly the
+writers' weights (bitwise, after the sender-side dtype conversion), receive exactly the
+bytes it needs, and keep its tensors' storage (in place). A writer that dies makes the
+readers fail within their timeout with an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from weightsync.transport import unavailable_reason
+from weightsync.transport.shm import sweep_stale_segments
+
+HERE = os.path.dirname(__file__)
+TRANSPORTS = ["torch", "shm", "file", "nixl"]
+
+
+def run_scenario(tmp_path, transport, *, versions=3, timeout=30.0, **extra):
+    base = {"transport": transport, "config": "tiny-qwen3-moe", "source": "megatron:tp=2,dtype=float32",
+            "target": "vllm:tp=1,replicas=2,dtype=bfloat16", "source_dtype": "float32",
+            "target_dtype": "bfloat16", "versions": versions, "meta_dir": str(tmp_path / "meta"),
+            "timeout": timeout, **extra}
+    procs = []
+    for role in ("writer", "reader"):
+        for rank in range(2):
+            args = json.dumps({**base, "role": role, "rank": rank})
+            procs.append((role, rank, subprocess.Popen([sys.executable, os.path.join(HERE, "_transport_worker.py"),
+                                                        args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                       text=True)))
+    out = {}
+    try:
+        for role, rank, p in procs:
+            stdout, stderr = p.communicate(timeout=timeout * (versions + 3))
+            lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+            out[(role, rank)] = (p.returncode, json.loads(lines[-1]) if lines else None, stderr)
+    finally:
+        for _, _, p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        sweep_stale_segments()  # a killed writer cannot unlink its segment itself
+    out["pids"] = {p.pid for _, _, p in procs}
+    return out
+
+
+def own_segments(pids):
+    return [n for n in os.listdir("/dev/shm") if n.startswith("weightsync-") and int(n.split("-")[1]) in pids]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request):
+    reason = unavailable_reason(request.param)
+    if reason:
+        pytest.skip(reason)
+    return request.param
+
+
+def test_versions_arrive_bitwise_in_place_with_exact_bytes(tmp_path, transport):
+    out = run_scenario(tmp_path, transport, checksum=transport == "torch")
+    assert not own_segments(out.pop("pids"))
+    for (role, rank), (code, payload, stderr) in out.items():
+        assert code == 0, f"{role} {rank} failed:\n{stderr[-3000:]}"
+        if role == "reader":
+            assert len(payload["results"]) == 3
+            for r in payload["results"]:
+                assert r["exact"], f"reader {rank} version {r['version']} differs"
+                assert r["bytes"] == r["needed"] > 0
+                assert r["in_place"]
+
+
+def test_dead_writer_fails_the_readers_within_their_timeout(tmp_path, transport):
+    out = run_scenario(tmp_path, transport, versions=2, timeout=8.0, die_at=1, die_rank=1)
+    assert not own_segments(out.pop("pids"))  # even the killed writer's segment is gone
+    assert out[("writer", 1)][0] == 3
+    for rank in range(2):
+        code, payload, stderr = out[("reader", rank)]
+        assert code == 0, stderr[-2000:]
+        if payload.get("error") is None:
+            continue  # the reader may not need anything from the dead writer in this plan
+        assert payload["error"] in ("TransportError", "TimeoutError")
+        assert "writer 1" in payload["message"]
+        assert payload["seconds"] < 8.0 + 5.0
