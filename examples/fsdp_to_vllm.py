@@ -1,6 +1,6 @@
 """FSDP2 training ranks -> a vLLM engine, weights synced after every optimizer step.
 
-    python examples/fsdp_to_vllm.py [--steps 5]
+    python examples/fsdp_to_vllm.py [--steps 6]
 
 Two trainer processes shard a tiny Qwen3 (transformers) with FSDP2 (gloo, CPU) and train
 it on a toy objective: after a fixed prompt, produce a fixed target sequence. After each
@@ -110,7 +110,7 @@ def serve(checkpoint: str, steps: int, job: str, server: Any) -> None:
 
     def show(label: str) -> None:
         out = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)[0].outputs[0]
-        hits = sum(a == b for a, b in zip(out.token_ids, TARGET))
+        hits = sum(a == b for a, b in zip(out.token_ids, TARGET, strict=True))
         versions = [span.version for span in out.weight_versions]
         print(f"[vllm]    {label}: {list(out.token_ids)}  {hits}/{len(TARGET)} on target, weights {versions}",
               flush=True)
@@ -132,8 +132,8 @@ def serve(checkpoint: str, steps: int, job: str, server: Any) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--lr", type=float, default=3e-2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--trainer-rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--job", default="fsdp-to-vllm", help=argparse.SUPPRESS)

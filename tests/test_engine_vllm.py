@@ -140,10 +140,12 @@ def writer_processes(server: Any, config: dict[str, Any], layout: str, *, job: s
             _, err = proc.communicate(timeout=120)
             assert proc.returncode == 0, err[-2000:]
     finally:
-        for proc in procs:
+        for rank, proc in enumerate(procs):
             if proc.poll() is None:
                 proc.kill()
-                proc.communicate()
+            _, err = proc.communicate()
+            if proc.returncode:
+                print(f"writer {rank} exited {proc.returncode}:\n{err[-3000:]}", file=sys.stderr)
 
 
 # -- the proof: B synced into an engine started on A == a fresh engine on B -------------------------
@@ -196,7 +198,8 @@ class TestDenseQwen3(EngineProofs):
     layout = "megatron:tp=2"
 
     @pytest.fixture(scope="class")
-    def case(self, vllm_env, tmp_path_factory):
+    @classmethod
+    def case(cls, vllm_env, tmp_path_factory):
         # Tied embeddings, like the small real Qwen3 models (exercises the lm_head fix).
         case = make_case(tmp_path_factory.mktemp("dense"), moe=False, tie=True)
         yield case
@@ -274,7 +277,8 @@ class TestQwen3MoE(EngineProofs):
     layout = "megatron:tp=2,ep=2"
 
     @pytest.fixture(scope="class")
-    def case(self, vllm_env, tmp_path_factory):
+    @classmethod
+    def case(cls, vllm_env, tmp_path_factory):
         case = make_case(tmp_path_factory.mktemp("moe"), moe=True, tie=False)
         yield case
         shutdown(case.llm)
