@@ -19,8 +19,7 @@ $(VENV)/.installed-$(EXTRAS): pyproject.toml
 install: $(VENV)/.installed-$(EXTRAS)
 
 demo: install
-	$(VENV)/bin/weightsync plan --config qwen3-30b-a3b --source megatron:tp=4,pp=4,dp=2,ep=8 \
-		--target vllm:tp=8,replicas=2
+	$(VENV)/bin/weightsync demo
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks examples

@@ -241,14 +241,35 @@ def test_fsdp_2d_strided_shard():
 
 
 def test_fsdp_per_expert_params():
-    shards, v, _ = local(MOE, "fsdp:dp=2", 1)
+    shards, v, _ = local(MOE, "fsdp:dp=2,per_expert=1", 1)
     g = v["model.layers.1.mlp.experts.*.gate_proj.weight"]
     assert np.array_equal(shards["model.layers.1.mlp.experts.7.gate_proj.weight"], g[7, 3:])
 
 
+def test_fsdp_fused_experts_of_transformers_5():
+    # experts.gate_up_proj [E, 2I, H] = [gate; up] along dim 1; FSDP chunks the experts
+    g = "model.layers.1.mlp.experts.*.gate_proj.weight"
+    u = "model.layers.1.mlp.experts.*.up_proj.weight"
+    dn = "model.layers.1.mlp.experts.*.down_proj.weight"
+    shards, v, _ = local(MOE, "fsdp:dp=3", 2)  # 8 experts in chunks of 3, 3, 2
+    assert np.array_equal(shards["model.layers.1.mlp.experts.gate_up_proj"],
+                          np.concatenate([v[g][6:], v[u][6:]], axis=1))
+    assert np.array_equal(shards["model.layers.1.mlp.experts.down_proj"], v[dn][6:])
+    assert np.array_equal(shards["model.layers.1.mlp.gate.weight"], v["model.layers.1.mlp.gate.weight"][6:])
+    # 2-D: TP packs [gate_t; up_t] (_StridedShard(1, split_factor=2)), down splits dim 2
+    for rank in range(4):
+        d, t = divmod(rank, 2)
+        shards, _, _ = local(MOE, "fsdp:dp=2,tp=2", rank)
+        e = slice(d * 4, (d + 1) * 4)
+        i = slice(t * 3, (t + 1) * 3)
+        assert np.array_equal(shards["model.layers.1.mlp.experts.gate_up_proj"],
+                              np.concatenate([v[g][e, i], v[u][e, i]], axis=1))
+        assert np.array_equal(shards["model.layers.1.mlp.experts.down_proj"], v[dn][e, :, i])
+
+
 def test_deepspeed_flat_runs():
     for rank in range(3):
-        shards, v, rl = local(MOE, "deepspeed:dp=3", rank)
+        shards, v, rl = local(MOE, "deepspeed:dp=3,per_expert=1", rank)
         w = v["model.layers.0.self_attn.q_proj.weight"].reshape(-1)  # 256 elements, 86 per rank
         got = shards["model.layers.0.self_attn.q_proj.weight"]
         run = w[rank * 86:(rank + 1) * 86]
@@ -257,12 +278,61 @@ def test_deepspeed_flat_runs():
         assert np.array_equal(shards["model.layers.1.mlp.experts.2.down_proj.weight"], e[rank * 32:(rank + 1) * 32])
 
 
+def test_deepspeed_fused_experts_cut_at_gate_up_boundary():
+    g = "model.layers.1.mlp.experts.*.gate_proj.weight"
+    u = "model.layers.1.mlp.experts.*.up_proj.weight"
+    for rank in range(3):
+        shards, v, _ = local(MOE, "deepspeed:dp=3", rank)
+        fused = np.concatenate([v[g], v[u]], axis=1).reshape(-1)  # 8 * 12 * 16 = 1536, 512 per rank
+        assert np.array_equal(shards["model.layers.1.mlp.experts.gate_up_proj"], fused[rank * 512:(rank + 1) * 512])
+
+
 def test_hf_whole_model_with_per_expert_names():
     shards, v, rl = local(MOE, "hf:replicas=2", 1)
     assert rl.rank == 1
     assert np.array_equal(shards["model.layers.1.mlp.experts.3.up_proj.weight"],
                           v["model.layers.1.mlp.experts.*.up_proj.weight"][3])
     assert np.array_equal(shards["lm_head.weight"], v["lm_head.weight"])
+
+
+# -- framework parameters as canonical parts -------------------------------------------
+
+def test_param_parts_cut_boxes_and_flat_runs_at_part_boundaries():
+    from weightsync.layout.params import hf_param, hf_params
+
+    values = random_canonical(MOE.canonical_tensors(), seed=2)
+    gate, up = "model.layers.1.mlp.experts.*.gate_proj.weight", "model.layers.1.mlp.experts.*.up_proj.weight"
+    parts = hf_params(MOE)["model.layers.1.mlp.experts.gate_up_proj"]
+    fused = np.concatenate([values[gate], values[up]], axis=1)  # [8, 12, 16]: rows 6.. are up
+    assert parts.shape == fused.shape
+    box = Box((2, 4, 3), (3, 5, 10))  # rows 4..8 cross the gate/up boundary
+    local = np.zeros((4, 7, 12), dtype=np.float32)
+    local[1:4, 2:7, 1:11] = fused[box.slices()]
+    regions = parts.box_regions(box, local.shape, (1, 2, 1))
+    assert [(r.canonical, r.box) for r in regions] == [(gate, Box((2, 4, 3), (3, 2, 10))),
+                                                       (up, Box((2, 0, 3), (3, 3, 10)))]
+    for start, stop in [(0, fused.size), (90, 700), (95, 97), (5, 5)]:
+        run = fused.reshape(-1)[start:stop]
+        for r in list(regions) + parts.flat_regions(start, stop):
+            flat = local.reshape(-1) if r in regions else run
+            assert np.array_equal(view(flat, r.offset, r.box.sizes, r.strides), values[r.canonical][r.box.slices()])
+    # per-expert (transformers 4) names resolve too; a tied lm_head is one more embedding copy
+    expert = hf_param(MOE, "model.layers.1.mlp.experts.5.down_proj.weight")
+    assert expert is not None and expert.shape == (16, 6) and expert.parts[0][1].offsets == (5, 0, 0)
+    assert hf_param(MOE, "model.layers.1.mlp.experts.8.down_proj.weight") is None
+    assert hf_param(QWEN2, "lm_head.weight").parts == ((QWEN2.name("embed"), Box((0, 0), (50, 16))),)
+    padded = hf_param(QWEN2, "model.embed_tokens.weight").padded((64, 16))
+    assert [r.box for r in padded.box_regions(Box((32, 0), (32, 16)), (32, 16))] == [Box((32, 0), (18, 16))]
+
+
+def test_runs_are_torch_chunk_and_strided_shard():
+    from weightsync.layout.params import chunk_runs, run_boxes, strided_runs
+
+    assert chunk_runs(((0, 5),), 4, 2) == ((4, 1),) and chunk_runs(((0, 5),), 4, 3) == ()
+    assert chunk_runs(((10, 3), (20, 3)), 4, 1) == ((12, 1), (20, 1))  # positions 2..3 of 6
+    assert strided_runs(((0, 10),), 2, 0, 2) == ((0, 3), (5, 3))  # two halves, chunk 0 of each
+    assert run_boxes([((5, 2), (0, 1)), ((0, 4),)]) == [(Box((0, 0), (2, 4)), Box((5, 0), (2, 4))),
+                                                        (Box((2, 0), (1, 4)), Box((0, 0), (1, 4)))]
 
 
 # -- specs and errors -------------------------------------------------------------------

@@ -1,3 +1,34 @@
-"""weightsync: planned, zero-redundancy, in-place weight sync from training into inference."""
+"""weightsync: planned, zero-redundancy, in-place weight sync from training into inference.
+
+    from weightsync import SyncConfig, WeightReader, WeightWriter
+
+The user-facing roles are imported lazily, so ``import weightsync`` stays cheap (no torch).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from weightsync.reader import UpdateResult, WeightReader
+    from weightsync.session import SyncConfig, SyncError
+    from weightsync.writer import WeightWriter, WriteResult
+
+_LAZY = {
+    "SyncConfig": "weightsync.session", "SyncError": "weightsync.session",
+    "WeightWriter": "weightsync.writer", "WriteResult": "weightsync.writer",
+    "WeightReader": "weightsync.reader", "UpdateResult": "weightsync.reader",
+}
+
+__all__ = ["SyncConfig", "SyncError", "UpdateResult", "WeightReader", "WeightWriter", "WriteResult"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'weightsync' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

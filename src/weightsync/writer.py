@@ -84,7 +84,7 @@ class WeightWriter:
             # The slot this version overwrites holds the version written `slots` writes ago:
             # every reader must have moved past it.
             self._wait_readers(self._history[-slots], deadline, result, "wait_slot")
-        generation = session.generation()
+        generation = self._agree_generation(version, deadline)
         tensors = self.source.tensors()
         published = f"{session.sync_fingerprint}@{generation}"
         try:
@@ -112,6 +112,22 @@ class WeightWriter:
         logger.info("writer %d wrote version %d: %d bytes in %.3fs", self.rank, version, result.nbytes,
                     result.seconds)
         return result
+
+    def _agree_generation(self, version: int, deadline: float) -> int:
+        """Writer 0 picks the transport generation of each version; the others follow it.
+
+        One decision per version means writers never publish different generations, even
+        when a failure report or a restarted rank bumps the job's generation concurrently.
+        """
+        key = f"versions/{version}/generation"
+        if self.rank == 0:
+            generation = self.session.generation()
+            self.meta.put_document(key, str(generation).encode())
+            return generation
+        doc = self.meta.get_document(key, wait=max(deadline - time.monotonic(), 0.001))
+        if doc is None:
+            raise SyncError(f"writer {self.rank}: writer 0 did not start version {version} in time")
+        return int(doc.decode())
 
     def _publish(self, version: int, fingerprint: str, result: WriteResult) -> None:
         t0 = time.perf_counter()

@@ -186,7 +186,7 @@ class _Runs:
 
     def expand(self) -> list[Any]:
         ends = self.ends
-        lengths = [e - s for s, e in zip([0, *ends], ends, strict=False)]  # a role may have no rows yet
+        lengths = [e - s for s, e in zip([0, *ends[:-1]], ends, strict=False)]  # ends may be empty
         return list(chain.from_iterable(map(repeat, self.values, lengths)))
 
 

@@ -1,9 +1,9 @@
 """Training sources that need no framework: a plain module, or tensors already sharded.
 
-``ModuleSource`` wraps an ``nn.Module`` whose parameter names are the Hugging Face
-checkpoint names (one process, whole model). ``ShardedSource`` wraps tensors a program
-laid out itself according to a registered layout kind (``"megatron:tp=2"``, ...), and
-publishes the compact descriptor instead of a shard list.
+``ModuleSource`` wraps an ``nn.Module`` whose parameter names are transformers names
+(checkpoint names, or transformers >= 5's fused MoE experts; one process, whole model).
+``ShardedSource`` wraps tensors a program laid out itself according to a registered layout
+kind (``"megatron:tp=2"``, ...), and publishes the compact descriptor instead of a shard list.
 
     source = ModuleSource(model, config)        # config: HF config dict
     source = ShardedSource("megatron:tp=2", config, rank, tensors)
@@ -16,31 +16,32 @@ from typing import Any
 
 import torch
 
-from weightsync.layout import ModelSpec, RankLayout, Shard, parse_layout
-from weightsync.layout.kinds.hf import HFLayout
+from weightsync.layout import Box, ModelSpec, RankLayout, Shard, parse_layout
+from weightsync.layout.params import hf_param
 from weightsync.transport.tensors import TORCH_DTYPES, dtype_name
 
 
 def module_layout(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec, rank: int) -> RankLayout:
-    """Match named tensors (HF names) to the canonical model; every name must be known.
+    """Match named tensors (transformers names) to the canonical model; every name must be known.
+
+    Both namings of MoE experts are understood: per-expert checkpoint names and the fused
+    ``experts.gate_up_proj``/``experts.down_proj`` of transformers >= 5.
 
     Raises:
         ValueError: listing names no canonical tensor maps, or shape mismatches.
     """
-    expected = {s.name: s for s in HFLayout().shards(spec, 0)}
     shards: list[Shard] = []
     unknown, wrong = [], []
-    seen = set()
     for name, tensor in named:
-        shard = expected.get(name)
-        if shard is None:
+        parts = hf_param(spec, name)
+        if parts is None:
             unknown.append(name)
             continue
-        if tuple(tensor.shape) != shard.shape:
-            wrong.append(f"{name}: {tuple(tensor.shape)} != {shard.shape}")
+        if tuple(tensor.shape) != parts.shape:
+            wrong.append(f"{name}: {tuple(tensor.shape)} != {parts.shape}")
             continue
-        seen.add(name)
-        shards.append(Shard(name, shard.shape, dtype_name(tensor.dtype), shard.regions))
+        regions = parts.box_regions(Box.full(parts.shape), parts.shape)
+        shards.append(Shard(name, parts.shape, dtype_name(tensor.dtype), tuple(regions)))
     if unknown:
         raise ValueError(f"{len(unknown)} parameter name(s) match no canonical tensor of the {spec.family} "
                          f"name map: {unknown[:8]}")

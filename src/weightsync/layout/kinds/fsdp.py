@@ -1,58 +1,50 @@
 """``fsdp``: FSDP2 ``fully_shard`` (``Shard(0)``), optionally 2-D with DTensor TP.
 
-Local names are the Hugging Face names. With ``tp=1`` every parameter is cut into ``dp``
-``torch.chunk``-style row chunks (trailing ranks may hold fewer rows, or none). With
-``tp>1`` the TP plan is the usual one for Llama-like models (torchtitan's): q/k/v, gate/up,
-lm_head and per-expert gate/up column-wise (``Shard(0)``); o, down and per-expert down
-row-wise (``Shard(1)``); the embedding row-wise over the vocabulary (``Shard(0)``); norms and
-the router replicated. FSDP then shards dim 0 of each TP-local tensor, which for
+Local names are the transformers parameter names: by default those of transformers >= 5,
+whose MoE layers keep their experts fused (``experts.gate_up_proj``/``experts.down_proj``);
+``per_expert=1`` gives one parameter per expert matrix, as in transformers 4. With ``tp=1`` every parameter is cut
+into ``dp`` ``torch.chunk``-style chunks of dim 0 (trailing ranks may hold fewer rows, or
+none). With ``tp>1`` the TP plan is the usual one for Llama-like models (torchtitan's):
+q/k/v, gate/up, lm_head and per-expert gate/up column-wise (``Shard(0)``); o, down and
+per-expert down row-wise (``Shard(1)``); the embedding row-wise over the vocabulary
+(``Shard(0)``); norms and the router replicated; fused experts as transformers shards them
+(``gate_up_proj`` packed column-wise, ``_StridedShard(1, split_factor=2)``: ``[gate_t; up_t]``;
+``down_proj`` ``Shard(2)``). FSDP then chunks dim 0 of each TP-local tensor, which for
 ``Shard(0)`` parameters is DTensor's ``_StridedShard(0, split_factor=tp)``: rank ``(d, t)``
-holds chunk ``d`` of chunk ``t``. Either way each rank holds one box per parameter.
-Mesh order is ``(dp, tp)``: global rank ``= d * tp + t``.
+holds chunk ``d`` of chunk ``t``. Mesh order is ``(dp, tp)``: global rank ``= d * tp + t``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from weightsync.layout.box import Box, chunk_bounds
 from weightsync.layout.kinds.base import LayoutKind, register_kind
 from weightsync.layout.model import ModelSpec
-from weightsync.layout.types import CanonicalTensor, Shard, box_region, expert_name, is_expert_stack
+from weightsync.layout.params import Runs, chunk_runs, hf_params, run_boxes, runs_length, strided_runs
+from weightsync.layout.types import Shard
 
-#: TP placement per role: the dim TP shards, or None for replicated.
-TP_DIM: dict[str, int | None] = {
-    "embed": 0, "lm_head": 0, "final_norm": None,
+#: TP placement per role: (dim, split factor) or None for replicated. A split factor of 2
+#: is a packed ``[gate; up]`` parameter (``_StridedShard``); per-expert roles are the dims
+#: of each per-expert matrix.
+TP_PLAN: dict[str, tuple[int, int] | None] = {
+    "embed": (0, 1), "lm_head": (0, 1), "final_norm": None,
     "input_norm": None, "post_attn_norm": None, "q_norm": None, "k_norm": None, "router": None,
-    "q": 0, "k": 0, "v": 0, "q_bias": 0, "k_bias": 0, "v_bias": 0, "gate": 0, "up": 0,
-    "o": 1, "down": 1,
-    "expert_gate": 0, "expert_up": 0, "expert_down": 1,  # dims of each per-expert tensor
+    "q": (0, 1), "k": (0, 1), "v": (0, 1), "q_bias": (0, 1), "k_bias": (0, 1), "v_bias": (0, 1),
+    "gate": (0, 1), "up": (0, 1), "o": (1, 1), "down": (1, 1),
+    "expert_gate": (0, 1), "expert_up": (0, 1), "expert_down": (1, 1),
+    "experts_gate_up": (1, 2), "experts_down": (2, 1),
 }
-
-
-def dtensor_box(
-    shape: tuple[int, ...], *, tp_dim: int | None, tp: int, t: int, dp: int, d: int
-) -> Box:
-    """The box rank ``(d, t)`` holds: TP chunk ``t`` along ``tp_dim``, then FSDP row chunk ``d``."""
-    offs = [0] * len(shape)
-    sizes = list(shape)
-    if tp_dim is not None and tp > 1:
-        lo, hi = chunk_bounds(shape[tp_dim], tp)[t]
-        offs[tp_dim], sizes[tp_dim] = lo, hi - lo
-    if shape:
-        lo, hi = chunk_bounds(sizes[0], dp)[d]
-        offs[0], sizes[0] = offs[0] + lo, hi - lo
-    return Box(tuple(offs), tuple(sizes))
 
 
 @register_kind
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FSDPLayout(LayoutKind):
-    """``fsdp:dp=N[,tp=M]``: FSDP2 row chunks, optionally over TP shards (2-D)."""
+    """``fsdp:dp=N[,tp=M][,per_expert=1]``: FSDP2 row chunks, optionally over TP shards (2-D)."""
 
     kind = "fsdp"
     dp: int = 1
     tp: int = 1
+    per_expert: int = 0
 
     @property
     def world_size(self) -> int:
@@ -67,28 +59,18 @@ class FSDPLayout(LayoutKind):
 
     def shards(self, spec: ModelSpec, rank: int) -> list[Shard]:
         d, t = divmod(rank, self.tp)
-        roles = spec.roles()
+        dtype = self.dtype or spec.dtype
         out: list[Shard] = []
-        for tensor in spec.canonical_tensors().values():
-            role = roles[tensor.name][0]
-            dtype = self.local_dtype(tensor)
-            tp_dim = TP_DIM[role]
-            if is_expert_stack(tensor.name):
-                out.extend(self._expert_shards(tensor, tp_dim, d, t, dtype))
-                continue
-            box = dtensor_box(tensor.shape, tp_dim=tp_dim, tp=self.tp, t=t, dp=self.dp, d=d)
-            regions = (box_region(tensor.name, box, box.sizes),) if not box.empty else ()
-            out.append(Shard(tensor.name, box.sizes, dtype, regions))
+        for name, param in hf_params(spec, fused=not self.per_expert).items():
+            runs: list[Runs] = [((0, n),) for n in param.shape]
+            plan = TP_PLAN[param.role] if self.tp > 1 else None
+            if plan is not None:
+                dim, split = plan
+                runs[dim] = strided_runs(runs[dim], self.tp, t, split)
+            if runs:
+                runs[0] = chunk_runs(runs[0], self.dp, d)
+            local_shape = tuple(runs_length(r) for r in runs)
+            regions = [region for local, box in run_boxes(runs)
+                       for region in param.box_regions(box, local_shape, local.offsets)]
+            out.append(Shard(name, local_shape, dtype, tuple(regions)))
         return out
-
-    def _expert_shards(
-        self, tensor: CanonicalTensor, tp_dim: int | None, d: int, t: int, dtype: str
-    ) -> list[Shard]:
-        out = []
-        for e in range(tensor.shape[0]):
-            local = dtensor_box(tensor.shape[1:], tp_dim=tp_dim, tp=self.tp, t=t, dp=self.dp, d=d)
-            box = Box((e, *local.offsets), (1, *local.sizes))
-            regions = () if box.empty else (box_region(tensor.name, box, local.sizes, drop_leading=1),)
-            out.append(Shard(expert_name(tensor.name, e), local.sizes, dtype, regions))
-        return out
-

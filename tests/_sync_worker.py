@@ -1,0 +1,100 @@
+"""One rank of an end-to-end sync scenario (WeightWriter/WeightReader + real meta server).
+
+Run as a subprocess: ``python tests/_sync_worker.py '<json>'``; prints one JSON line per
+version. The meta server address comes from WEIGHTSYNC_META_ADDR / _TOKEN.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+from weightsync.configs import load_spec
+from weightsync.demo import canonical_values
+from weightsync.engines.buffers import ShardedEngine
+from weightsync.plan import PlanOptions
+from weightsync.reader import WeightReader
+from weightsync.session import SyncConfig, SyncError
+from weightsync.sources.module import ShardedSource, allocate, fill_from_canonical
+from weightsync.transport import TransportOptions
+from weightsync.transport.tensors import TORCH_DTYPES
+from weightsync.writer import WeightWriter
+
+
+def emit(**record):
+    print("RESULT " + json.dumps(record), flush=True)
+
+
+def die_mid_transfer(writer: WeightWriter) -> None:
+    """Make this writer's process exit part-way through its next send."""
+    transport = writer.session.transport
+    if hasattr(transport, "_post"):  # two-sided: after a couple of messages are on the wire
+        original = transport._post
+        count = {"n": 0}
+
+        def post(*a, **kw):
+            count["n"] += 1
+            if count["n"] > 2:
+                os._exit(3)
+            return original(*a, **kw)
+
+        transport._post = post
+    else:  # one-sided: during the copy, before the version is published
+        transport.send = lambda *a, **kw: os._exit(3)
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    torch.set_num_threads(1)
+    spec = load_spec(args["config"])
+    config = spec.to_hf_config()
+    sync = SyncConfig(num_writers=args["num_writers"], num_readers=args["num_readers"],
+                      transport=args.get("transport", "auto"), timeout=args.get("timeout", 60.0),
+                      plan_options=PlanOptions(min_split_bytes=args.get("min_split_bytes", 1 << 20)),
+                      transport_options=TransportOptions(max_bucket_bytes=args.get("bucket", 1 << 16),
+                                                         direct_min_bytes=1024))
+    role, rank = args["role"], args["rank"]
+    if role == "writer":
+        source = ShardedSource(args["source"], config, rank)
+        with WeightWriter(source, rank=rank, config=sync) as writer:
+            for version in args["versions"]:
+                fill_from_canonical(source.layout(), source.tensors(), canonical_values(config, version))
+                if args.get("die_at") == version:
+                    writer.session.ensure_planned(sync.timeout)
+                    die_mid_transfer(writer)
+                t0 = time.monotonic()
+                try:
+                    result = writer.write(version)
+                    emit(role=role, rank=rank, version=version, ok=True, bytes=result.nbytes)
+                except SyncError as exc:
+                    emit(role=role, rank=rank, version=version, ok=False, error=str(exc),
+                         seconds=time.monotonic() - t0)
+        return
+    engine = ShardedEngine(args["target"], config, rank)
+    pointers = {n: t.data_ptr() for n, t in engine.tensors.items()}
+    layout = engine.layout()
+    with WeightReader(engine, rank=rank, config=sync) as reader:
+        for version in args["versions"]:
+            t0 = time.monotonic()
+            try:
+                result = reader.update(timeout=args.get("timeout", 60.0))
+            except (SyncError, TimeoutError, ValueError) as exc:
+                emit(role=role, rank=rank, version=version, ok=False, error=f"{type(exc).__name__}: {exc}",
+                     seconds=time.monotonic() - t0, weight_version=engine.weight_version,
+                     reported=reader.meta.reader_versions().get(rank))
+                continue
+            values = canonical_values(config, result.version)
+            want = allocate(layout)
+            fill_from_canonical(layout, want, {n: v.to(TORCH_DTYPES[spec.dtype]) for n, v in values.items()})
+            exact = all(torch.equal(engine.tensors[n], want[n]) for n in want)
+            emit(role=role, rank=rank, version=result.version, ok=True, exact=exact, bytes=result.nbytes,
+                 needed=reader.session.plan.total_bytes,
+                 in_place=all(t.data_ptr() == pointers[n] for n, t in engine.tensors.items()))
+
+
+if __name__ == "__main__":
+    main()
