@@ -11,9 +11,8 @@ the target as the weights change, and every output names the weight version it c
 
 Needs ``pip install -e '.[vllm]'`` (docs/engines.md); transformers comes with vLLM.
 
-The trainers describe their shards with ``weightsync.sources.dtensor.DTensorSource`` when
-it is installed; until then with a ``ShardedSource`` of the ``fsdp:dp=2`` layout kind over
-the FSDP2 local shards, which is exactly what FSDP2 holds for this model (zero copies).
+The trainers describe their shards with ``DTensorSource``, which reads each parameter's
+local FSDP2 shard and its place in the global tensor (no gather, no copy).
 """
 
 from __future__ import annotations
@@ -42,19 +41,6 @@ WORLD = 2
 
 # -- trainers ----------------------------------------------------------------------------------
 
-def training_source(model: Any, config: dict[str, Any], rank: int) -> Any:
-    """The writer's view of this rank's FSDP2 shards."""
-    try:
-        from weightsync.sources.dtensor import DTensorSource
-    except ImportError:
-        from weightsync.sources.module import ShardedSource
-
-        # FSDP2 keeps torch.chunk row chunks of every parameter: the fsdp:dp=N layout kind.
-        shards = {name: param._local_tensor for name, param in model.named_parameters()}
-        return ShardedSource(f"fsdp:dp={WORLD}", config, rank, shards)
-    return DTensorSource(model, config, rank=rank)
-
-
 def train(rank: int, checkpoint: str, steps: int, job: str, lr: float) -> None:
     import torch
     import torch.distributed as dist
@@ -63,6 +49,7 @@ def train(rank: int, checkpoint: str, steps: int, job: str, lr: float) -> None:
     from transformers import Qwen3ForCausalLM
 
     from weightsync.session import SyncConfig
+    from weightsync.sources.dtensor import DTensorSource
     from weightsync.writer import WeightWriter
 
     torch.set_num_threads(1)
@@ -77,7 +64,7 @@ def train(rank: int, checkpoint: str, steps: int, job: str, lr: float) -> None:
     labels = torch.tensor([[-100] * len(PROMPT) + TARGET])  # learn the target, given the prompt
 
     config = json.loads((Path(checkpoint) / "config.json").read_text())
-    source = training_source(model, config, rank)
+    source = DTensorSource(model, config, rank=rank)  # between steps: parameters are sharded
     with WeightWriter(source, rank=rank, config=SyncConfig(num_writers=WORLD, num_readers=1, job=job)) as writer:
         for step in range(1, steps + 1):
             loss = model(input_ids=ids, labels=labels).loss
