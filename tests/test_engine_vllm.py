@@ -14,11 +14,8 @@ import contextlib
 import dataclasses
 import gc
 import importlib.util
-import json
 import os
 import random
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,6 +29,7 @@ from weightsync.engines import vllm as vllm_engine
 from weightsync.engines.staging import StagedWeights
 from weightsync.engines.vllm import VLLMEngine, check_supported
 from weightsync.layout import ModelSpec
+from writer_process import writer_processes
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 PROMPT = [random.Random(0).randrange(4, 512) for _ in range(300)]
@@ -120,32 +118,6 @@ def make_case(tmp: Path, *, moe: bool, tie: bool) -> Case:
     ref_a, _ = greedy(llm)
     assert ref_a != ref_b, "A and B must generate differently for the proofs to mean anything"
     return Case(config, a, b, ref_a, ref_b, llm, VLLMEngine(llm))
-
-
-@contextlib.contextmanager
-def writer_processes(server: Any, config: dict[str, Any], layout: str, *, job: str, seeds: list[int]):
-    """Training ranks in subprocesses, writing versions 1.. with ``seeds``' weights."""
-    from weightsync.layout import parse_layout
-
-    env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, str(HERE / "writer_process.py"), "--config", json.dumps(config),
-                               "--layout", layout, "--rank", str(rank), "--job", job,
-                               "--seeds", ",".join(map(str, seeds))],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(parse_layout(layout).world_size)]
-    try:
-        yield procs
-        for proc in procs:
-            _, err = proc.communicate(timeout=120)
-            assert proc.returncode == 0, err[-2000:]
-    finally:
-        for rank, proc in enumerate(procs):
-            if proc.poll() is None:
-                proc.kill()
-            _, err = proc.communicate()
-            if proc.returncode:
-                print(f"writer {rank} exited {proc.returncode}:\n{err[-3000:]}", file=sys.stderr)
 
 
 # -- the proof: B synced into an engine started on A == a fresh engine on B -------------------------

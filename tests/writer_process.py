@@ -9,8 +9,14 @@ Version ``i`` (from 1) holds ``tiny_models.canonical_weights(config, seeds[i - 1
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,6 +25,33 @@ from weightsync.layout import parse_layout
 from weightsync.session import SyncConfig
 from weightsync.sources.module import ShardedSource, fill_from_canonical
 from weightsync.writer import WeightWriter
+
+HERE = Path(__file__).resolve().parent
+
+
+@contextlib.contextmanager
+def writer_processes(server: Any, config: dict[str, Any], layout: str, *, job: str,
+                     seeds: list[int]) -> Iterator[list[subprocess.Popen[str]]]:
+    """Training ranks in subprocesses, writing versions 1.. with ``seeds``' weights."""
+    env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, str(HERE / "writer_process.py"), "--config", json.dumps(config),
+                               "--layout", layout, "--rank", str(rank), "--job", job,
+                               "--seeds", ",".join(map(str, seeds))],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(parse_layout(layout).world_size)]
+    try:
+        yield procs
+        for proc in procs:
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err[-2000:]
+    finally:
+        for rank, proc in enumerate(procs):
+            if proc.poll() is None:
+                proc.kill()
+            _, err = proc.communicate()
+            if proc.returncode:
+                print(f"writer {rank} exited {proc.returncode}:\n{err[-3000:]}", file=sys.stderr)
 
 
 def main() -> int:
