@@ -56,7 +56,16 @@ def vllm_test(group: str):
 
 @pytest.fixture(scope="module")
 def vllm_env(request, tmp_path_factory):
+    """vLLM's environment, and afterwards this process as it was before the engines.
+
+    vLLM's CPU worker binds this process's threads to cores and replaces
+    ``torch.set_num_threads`` with a no-op for the rest of the process. Tests that run
+    later in the same xdist worker fork training ranks, which would inherit both and
+    crawl: undo them when the engines are gone.
+    """
+    threads, affinity = torch.get_num_threads(), os.sched_getaffinity(0)
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "set_num_threads", torch.set_num_threads)  # restored on exit
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: tensors by reference
         mp.setenv("VLLM_HOST_IP", "127.0.0.1")
         mp.setenv("HF_HUB_OFFLINE", "1")
@@ -65,6 +74,8 @@ def vllm_env(request, tmp_path_factory):
             root = cache.mkdir("vllm") if cache is not None else tmp_path_factory.mktemp("vllm-cache")
             mp.setenv("VLLM_CACHE_ROOT", str(root))
         yield
+    os.sched_setaffinity(0, affinity)
+    torch.set_num_threads(threads)
 
 
 def start_llm(path: Path, **kwargs: Any) -> Any:
