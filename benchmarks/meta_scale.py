@@ -40,6 +40,7 @@ import msgpack
 
 from weightsync.meta import AsyncMetaClient, Participant
 from weightsync.meta.config import ensure_token_file
+from weightsync.meta.embedded import raise_open_file_limit
 
 WRITER_LAYOUT = "megatron:tp=8,pp=16,dp=8,ep=64"
 READER_LAYOUT = "vllm:tp=16,replicas=16"
@@ -79,6 +80,7 @@ async def _one(client: AsyncMetaClient, p: Participant, args: argparse.Namespace
 
 
 def _worker(index: int, args: argparse.Namespace, address: str, token: str, barrier: Any, out: Any) -> None:
+    raise_open_file_limit()  # hundreds of connections per client process
     everyone = [("writer", r) for r in range(args.writers)] + [("reader", r) for r in range(args.readers)]
     mine = [participant(role, rank) for role, rank in everyone[index::args.procs]]
     config = (resources.files("weightsync.configs") / "moe-1t.json").read_bytes()

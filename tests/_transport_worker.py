@@ -40,11 +40,15 @@ def main() -> None:
     role, rank = args["role"], args["rank"]
     mine = (writers if role == "writer" else readers)[rank]
     plan = build_local_plan(writers, readers, role=role, rank=rank, options=PlanOptions(min_split_bytes=0))
-    tensors = allocate(mine)
+    # "cuda": every process on one GPU (CUDA IPC); "cuda-per-rank": one GPU per process (NCCL).
+    device = args.get("device", "cpu")
+    if device == "cuda-per-rank":
+        device = f"cuda:{rank if role == 'writer' else len(writers) + rank}"
+    tensors = allocate(mine, device=device)
     pointers = {n: t.data_ptr() for n, t in tensors.items()}
     meta = DirectoryMeta(args["meta_dir"])
     opts = TransportOptions(max_bucket_bytes=args.get("bucket", 1 << 16), direct_min_bytes=1024,
-                            checksum=args.get("checksum", False), **args.get("options", {}))
+                            checksum=args.get("checksum", False), device=device, **args.get("options", {}))
     ctx = TransportContext(role=role, rank=rank, num_writers=len(writers), num_readers=len(readers),
                            meta=meta, options=opts)
     transport = create_transport(args["transport"], ctx)
@@ -76,7 +80,7 @@ def main() -> None:
                     return
                 expected = values_for(spec, version, args["source_dtype"])
                 expected = {n: v.to(TORCH_DTYPES[args["target_dtype"]]) for n, v in expected.items()}
-                want = allocate(mine)
+                want = allocate(mine, device=device)
                 fill_from_canonical(mine, want, expected)
                 exact = all(torch.equal(tensors[n], want[n]) for n in tensors)
                 meta.put_document(f"done/{version}/{rank}", b"1")

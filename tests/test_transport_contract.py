@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from weightsync.transport import unavailable_reason
 from weightsync.transport.shm import sweep_stale_segments
@@ -88,3 +89,22 @@ def test_dead_writer_fails_the_readers_within_their_timeout(tmp_path, transport)
         assert payload["error"] in ("TransportError", "TimeoutError")
         assert "writer 1" in payload["message"]
         assert payload["seconds"] < 8.0 + 5.0
+
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("transport", "device", "gpus"), [("shm", "cuda", 1), ("torch", "cuda-per-rank", 4)],
+                         ids=["cuda-ipc", "nccl"])
+def test_gpu_versions_arrive_bitwise_in_place(tmp_path, transport, device, gpus):
+    """The same contract on GPU: CUDA IPC between processes sharing one GPU; NCCL, one GPU per rank."""
+    if GPUS < gpus:
+        pytest.skip(f"needs {gpus} CUDA GPU(s); this machine has {GPUS}")
+    out = run_scenario(tmp_path, transport, device=device, timeout=60.0)
+    out.pop("pids")
+    for (role, rank), (code, payload, stderr) in out.items():
+        assert code == 0, f"{role} {rank} failed:\n{stderr[-3000:]}"
+        if role == "reader":
+            assert [r["exact"] for r in payload["results"]] == [True] * 3
+            assert all(r["bytes"] == r["needed"] > 0 and r["in_place"] for r in payload["results"])

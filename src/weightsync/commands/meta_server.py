@@ -4,7 +4,8 @@
 
 Binds 127.0.0.1 unless told otherwise. The token comes from ``--token-file`` (created with a
 random token if it does not exist, so one shared file serves the server and every client), else
-from WEIGHTSYNC_META_TOKEN, else a random one is generated and printed. With ``--state-dir`` a
+from WEIGHTSYNC_META_TOKEN, else from ``<state-dir>/token`` (created likewise), else a random
+one is generated and printed. With ``--state-dir`` a
 restarted server carries on where it stopped. Once listening it prints one line,
 ``weightsync meta-server: listening on http://HOST:PORT``, and serves until SIGINT or SIGTERM.
 """
@@ -15,6 +16,7 @@ import argparse
 import os
 import socket
 import sys
+from pathlib import Path
 
 from weightsync.meta.config import ENV_ADDR, ENV_TOKEN, check_token, ensure_token_file, new_token
 
@@ -34,21 +36,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _token(args: argparse.Namespace) -> tuple[str, str]:
+    """The shared secret and where it came from (for the startup message)."""
     if args.token_file:
         return ensure_token_file(args.token_file), f"token file {args.token_file}"
     env = os.environ.get(ENV_TOKEN, "").strip()
     if env:
         return check_token(env, ENV_TOKEN), ENV_TOKEN
+    if args.state_dir:  # a restarted server must keep its token, or its clients cannot carry on
+        path = Path(args.state_dir) / "token"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return ensure_token_file(path), f"token file {path}"
     token = new_token()
     return token, f"token {token} (generated; pass --token-file to keep one)"
 
 
 def run(args: argparse.Namespace) -> int:
-    from weightsync.meta.embedded import prepare_server
+    from weightsync.meta.embedded import prepare_server, raise_open_file_limit
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is not a TCP port (0-65535)")
     token, token_source = _token(args)
+    raise_open_file_limit()  # one connection per rank of every job
     prepared = prepare_server(host=args.host, port=args.port, token=token, state_dir=args.state_dir,
                               max_body_bytes=args.max_body_bytes, max_wait=args.max_wait,
                               compact_bytes=args.compact_bytes, log_level="info" if args.verbose else "warning")

@@ -10,8 +10,8 @@ A writer's and a reader's loop, in a few lines::
     client.report_applied(rank, info.version, nbytes=n, seconds=t)                   # reader
 
 Every call is idempotent, so transient failures (connection refused or reset, 502/503/504) are
-retried with jittered exponential backoff for up to ``timeout`` seconds: clients ride out a
-server restart. Waiting is long-polling (the server holds the request until the event or its
+retried with jittered exponential backoff until the server has been unreachable for ``timeout``
+seconds: clients ride out a server restart. Waiting is long-polling (the server holds the request until the event or its
 ``max_wait``), never sleep-polling. Errors a user must fix raise ValueError (409 conflicts,
 rejected requests) or PermissionError (wrong token); a server that stays unreachable raises
 ConnectionError naming the address.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import random
 import ssl
@@ -124,14 +125,21 @@ class _Base:
                              "(or use weightsync.meta.connect(), which starts an embedded server)")
         return cls(address, job=job, token=token or env.token, timeout=timeout)  # type: ignore[call-arg]
 
-    def _attempt_timeout(self, call: Call[Any], deadline: float) -> httpx.Timeout:
-        remaining = max(0.05, deadline - time.monotonic())
-        return httpx.Timeout(remaining, connect=min(remaining, 10.0), read=call.wait + self.timeout)
+    def _attempt_timeout(self, call: Call[Any]) -> httpx.Timeout:
+        return httpx.Timeout(self.timeout, connect=min(self.timeout, 10.0), read=call.wait + self.timeout)
 
-    def _give_up(self, call: Call[Any], error: BaseException | str, started: float) -> ConnectionError:
-        return ConnectionError(
-            f"meta server {self.address} unreachable for {time.monotonic() - started:.1f} s on {call.method} "
-            f"{call.path} ({error}); is `weightsync meta-server` running there and WEIGHTSYNC_META_ADDR right?")
+    def _retry_delay(self, call: Call[Any], error: BaseException | str, attempt: int, failing_since: float) -> float:
+        """Seconds to back off before the next attempt; ConnectionError once the server has been
+        unreachable for longer than ``timeout``."""
+        delay = _backoff(attempt)
+        if time.monotonic() + delay - failing_since > self.timeout:
+            raise ConnectionError(
+                f"meta server {self.address} unreachable for {time.monotonic() - failing_since:.1f} s on "
+                f"{call.method} {call.path} ({error}); is `weightsync meta-server` running there and "
+                "WEIGHTSYNC_META_ADDR right?") from (error if isinstance(error, BaseException) else None)
+        (logger.warning if attempt == 0 else logger.debug)(
+            "meta server %s: %s on %s %s; retrying", self.address, error, call.method, call.path)
+        return delay
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.address!r}, job={self.job!r})"
@@ -157,24 +165,19 @@ class MetaClient(_Base):
         self.close()
 
     def _execute(self, call: Call[T]) -> T:
-        started = time.monotonic()
-        deadline = started + call.wait + self.timeout
-        for attempt in range(1_000_000):
+        failing_since = 0.0
+        for attempt in itertools.count():
             try:
                 r = self._http.request(call.method, call.url, content=call.body, headers=call.headers,
-                                       timeout=self._attempt_timeout(call, deadline))
+                                       timeout=self._attempt_timeout(call))
             except httpx.TransportError as exc:
                 error: BaseException | str = exc
             else:
                 if r.status_code not in calls.RETRY_STATUSES:
                     return calls.finish(call, r.status_code, r.content, self.address)
                 error = f"HTTP {r.status_code}"
-            delay = _backoff(attempt)
-            if time.monotonic() + delay > deadline:
-                raise self._give_up(call, error, started) from (error if isinstance(error, BaseException) else None)
-            (logger.warning if attempt == 0 else logger.debug)(
-                "meta server %s: %s on %s %s; retrying", self.address, error, call.method, call.path)
-            time.sleep(delay)  # backoff between retries of a failed request, not polling
+            failing_since = failing_since or time.monotonic()
+            time.sleep(self._retry_delay(call, error, attempt, failing_since))  # backoff, not polling
         raise AssertionError("unreachable")
 
     def _poll(self, make: Callable[[float], Call[T]], done: Callable[[T], bool], timeout: float) -> T:
@@ -319,24 +322,19 @@ class AsyncMetaClient(_Base):
         await self.aclose()
 
     async def _execute(self, call: Call[T]) -> T:
-        started = time.monotonic()
-        deadline = started + call.wait + self.timeout
-        for attempt in range(1_000_000):
+        failing_since = 0.0
+        for attempt in itertools.count():
             try:
                 r = await self._http.request(call.method, call.url, content=call.body, headers=call.headers,
-                                             timeout=self._attempt_timeout(call, deadline))
+                                             timeout=self._attempt_timeout(call))
             except httpx.TransportError as exc:
                 error: BaseException | str = exc
             else:
                 if r.status_code not in calls.RETRY_STATUSES:
                     return calls.finish(call, r.status_code, r.content, self.address)
                 error = f"HTTP {r.status_code}"
-            delay = _backoff(attempt)
-            if time.monotonic() + delay > deadline:
-                raise self._give_up(call, error, started) from (error if isinstance(error, BaseException) else None)
-            (logger.warning if attempt == 0 else logger.debug)(
-                "meta server %s: %s on %s %s; retrying", self.address, error, call.method, call.path)
-            await asyncio.sleep(delay)  # backoff between retries of a failed request, not polling
+            failing_since = failing_since or time.monotonic()
+            await asyncio.sleep(self._retry_delay(call, error, attempt, failing_since))  # backoff, not polling
         raise AssertionError("unreachable")
 
     async def _poll(self, make: Callable[[float], Call[T]], done: Callable[[T], bool], timeout: float) -> T:

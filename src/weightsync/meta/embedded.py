@@ -82,6 +82,23 @@ def _nodelay_http_protocol() -> type[Any]:
     return NoDelayProtocol
 
 
+def raise_open_file_limit(wanted: int = 65536) -> int:
+    """Raise this process's soft limit on open files toward ``wanted`` (capped by the hard limit).
+
+    Every rank of a job keeps a connection to the meta server: 1280 ranks need more than the
+    common default soft limit of 1024 descriptors. Returns the new soft limit.
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        logger.info("raised the open-file limit from %d to %d", soft, target)
+        return target
+    return soft
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (port 0: a free port)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -105,24 +105,28 @@ class Participant:
         object.__setattr__(self, "endpoints", MappingProxyType(dict(self.endpoints)))
         object.__setattr__(self, "layout", bytes(self.layout))
 
+    @classmethod
+    def _trusted(cls, role: str, rank: int, group: str, host: str, endpoints: dict[str, str],  # noqa: PLR0917
+                 layout: bytes) -> Participant:
+        """Build without re-validating: for rows the server validated (thousands per roster)."""
+        p = object.__new__(cls)
+        _SET_ROLE(p, role)
+        _SET_RANK(p, rank)
+        _SET_GROUP(p, group)
+        _SET_HOST(p, host)
+        _SET_ENDPOINTS(p, MappingProxyType(endpoints))
+        _SET_LAYOUT(p, layout)
+        return p
+
     def to_wire(self) -> dict[str, Any]:
         """The registration body (msgpack-ready)."""
         return {"role": self.role, "rank": self.rank, "group": self.group, "host": self.host,
                 "endpoints": dict(self.endpoints), "layout": self.layout}
 
-    def differences(self, other: Participant) -> list[str]:
-        """Human-readable list of the fields in which ``other`` differs from ``self``."""
-        out = []
-        for name in ("group", "host", "endpoints", "layout"):
-            mine, theirs = getattr(self, name), getattr(other, name)
-            if name == "endpoints":
-                mine, theirs = dict(mine), dict(theirs)
-            if mine != theirs:
-                if name == "layout":
-                    out.append(f"layout: blob {blob_hash(mine)[:12]} != {blob_hash(theirs)[:12]}")
-                else:
-                    out.append(f"{name}: {mine!r} != {theirs!r}")
-        return out
+
+# slot setters: a frozen dataclass refuses attribute assignment, its slot descriptors do not
+_SET_ROLE, _SET_RANK, _SET_GROUP, _SET_HOST, _SET_ENDPOINTS, _SET_LAYOUT = (
+    Participant.__dict__[name].__set__ for name in ("role", "rank", "group", "host", "endpoints", "layout"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,9 +189,8 @@ class _Runs:
         return self.runs[bisect_right(self.ends, row)][0]
 
     def expand(self) -> list[Any]:
-        ends = self.ends
-        lengths = [e - s for s, e in zip([0, *ends[:-1]], ends, strict=False)]  # ends may be empty
-        return list(chain.from_iterable(map(repeat, self.values, lengths)))
+        self.ends  # noqa: B018 (validates the runs)
+        return list(chain.from_iterable(repeat(run[0], run[1]) for run in self.runs))
 
 
 def encode_columns(rows: Sequence[tuple[int, str, str, Mapping[str, str], str]]) -> dict[str, Any]:
@@ -270,22 +273,25 @@ class ParticipantTable:
 
     def _make(self, role: str, cols: _Columns, i: int) -> Participant:
         endpoints = {name: col[i] for name, col in cols.endpoints.items() if col[i] is not None}
-        return Participant(role, cols.rank[i], cols.group[i], cols.host[i],
-                           endpoints, self.blobs[cols.layout[i]])  # type: ignore[arg-type]
+        return Participant._trusted(role, cols.rank[i], cols.group[i], cols.host[i], endpoints,  # type: ignore[arg-type]
+                                    self.blobs[cols.layout[i]])
 
     def participants(self, role: str | None = None) -> list[Participant]:
         """All participants (or those of ``role``), sorted by ``(role, rank)``."""
-        out = []
+        out: list[Participant] = []
         for r in ROLES if role is None else (check_role(role),):
             cols = self._cols.get(r)
             if cols is None:
                 continue
-            blobs = self.blobs
-            names = list(cols.endpoints)
-            for rank, group, host, h, *eps in zip(cols.rank, cols.group.expand(), cols.host.expand(),
-                                                 cols.layout.expand(), *cols.endpoints.values(), strict=True):
-                endpoints = {n: e for n, e in zip(names, eps, strict=True) if e is not None}
-                out.append(Participant(r, rank, group, host, endpoints, blobs[h]))
+            names, n = list(cols.endpoints), len(cols.rank)
+            endpoints = ([{k: e for k, e in zip(names, row, strict=True) if e is not None}
+                          for row in zip(*cols.endpoints.values(), strict=True)] if names else [{} for _ in range(n)])
+            groups, hosts, hashes = cols.group.expand(), cols.host.expand(), cols.layout.expand()
+            try:
+                layouts = [self.blobs[h] for h in hashes]
+            except KeyError as exc:
+                raise ValueError(f"malformed roster: layout blob {exc} is missing") from None
+            out.extend(map(Participant._trusted, repeat(r, n), cols.rank, groups, hosts, endpoints, layouts))
         return out
 
     def layouts(self, role: str) -> dict[bytes, list[int]]:

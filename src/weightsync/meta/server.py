@@ -30,6 +30,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -253,8 +254,12 @@ def create_app(state: MetaState, config: ServerConfig) -> FastAPI:
         finally:
             await state.close()
 
+    options: dict[str, Any] = {}
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters:
+        # newer FastAPI checks for OpenTelemetry providers on every request; /metrics covers us
+        options["telemetry"] = {"tracing": False, "metrics": False, "logs": False}
     app = FastAPI(title="weightsync meta server", version=weightsync.__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None)
+                  docs_url=None, redoc_url=None, **options)
     metrics = ServerMetrics(state)
     app.add_middleware(Guard, token=config.token, max_body_bytes=config.max_body_bytes, metrics=metrics)
     app.state.meta = state

@@ -165,8 +165,13 @@ class MetaState:
         if self._store is None:
             return 0
         records = self._store.load()
-        for record in records:
-            self._apply(record)
+        for i, record in enumerate(records):
+            try:
+                self._apply(record)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                self._store.close_files()
+                raise ValueError(f"state directory {self._store.directory}: record {i} ({record.get('op')!r}) "
+                                 f"cannot be applied ({exc!r}); move the directory away to start empty") from exc
         self._store.rewrite(self.records())  # start from a compact snapshot and an empty journal
         logger.info("meta state: replayed %d records: %d jobs", len(records), len(self.jobs))
         return len(records)

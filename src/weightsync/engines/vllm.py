@@ -1,0 +1,229 @@
+"""vLLM as a weightsync reader: staging buffers in checkpoint layout, loaded by vLLM itself.
+
+vLLM does not keep its weights in a form a transport can write into: on CPU every linear
+layer is repacked into a oneDNN handle (the parameter itself is emptied), MoE experts are
+prepacked, and fused layers (``qkv_proj``, ``gate_up_proj``) are cut per TP rank. So the
+reader receives into *staging buffers* holding the model under its Hugging Face checkpoint
+names (the ``hf`` layout kind), and ``apply`` pushes every tensor through vLLM's own
+loader in one layerwise-reload session, so each fused layer is rebuilt whole and
+re-processed exactly as at start-up.
+
+Two ways in:
+
+* :class:`VLLMEngine` wraps an in-process ``vllm.LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+  one worker)::
+
+      llm = LLM(model=path, enforce_eager=True)
+      engine = VLLMEngine(llm, rank=0)
+      reader = WeightReader(engine, rank=0, config=SyncConfig(num_writers=2, num_readers=1))
+      reader.update()                   # receive, reload, reset the prefix cache, stamp the version
+      engine.update(state_dict, version=7)   # or: load tensors you already hold
+
+* the ``"weightsync"`` weight-transfer backend (:mod:`weightsync.engines.vllm_backend`) puts
+  the reader inside vLLM's worker, so bytes go from the trainers straight into the worker's
+  staging buffers, whatever process the worker lives in::
+
+      llm = LLM(model=path, weight_transfer_config={"backend": "weightsync"})
+      llm.init_weight_transfer_engine({"init_info": {"meta_address": ..., "rank": 0, ...}})
+      update_llm(llm, version=7)
+
+Memory: the staging buffers are one copy of the model in the engine's dtype (e.g. 1.2 GB
+for a 0.6B-parameter model in bf16), allocated once, on the engine's device; a reload
+adds at most one layer's processed weights on top (vLLM rebuilds one layer at a time).
+
+Everything version-specific (vLLM 0.32 private attributes, two CPU reload fixes) lives in
+this module; ``vllm`` is imported lazily, inside functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from weightsync.engines.staging import StagedWeights
+from weightsync.layout import ModelSpec
+
+if TYPE_CHECKING:
+    from vllm import LLM
+
+#: The vLLM release the version-specific code below was written and tested against.
+TESTED_VLLM = "0.32.0"
+BACKEND_NAME = "weightsync"
+
+
+# -- the in-process engine ---------------------------------------------------------------------
+
+class VLLMEngine(StagedWeights):
+    """An in-process ``vllm.LLM`` (one worker) as a weightsync :class:`InferenceEngine`.
+
+    ``apply`` loads the staged weights through vLLM's reload path, resets the prefix
+    cache (cached KV blocks were computed with the old weights) and sets the engine's
+    weight version to ``str(version)``, so every ``CompletionOutput.weight_versions`` span
+    says which weights produced it.
+    """
+
+    def __init__(self, llm: LLM, *, rank: int = 0, replicas: int | None = None) -> None:
+        engine = llm.llm_engine
+        if type(engine.engine_core).__name__ != "InprocClient":
+            raise ValueError(
+                "VLLMEngine needs an in-process vLLM engine: set VLLM_ENABLE_V1_MULTIPROCESSING=0 before "
+                "creating the LLM, or use the 'weightsync' weight-transfer backend "
+                "(LLM(weight_transfer_config={'backend': 'weightsync'})), which runs the reader inside the worker"
+            )
+        vllm_config: Any = engine.vllm_config
+        check_supported(vllm_config)
+        super().__init__(spec_of(vllm_config), dtype=vllm_config.model_config.dtype,
+                         device=vllm_config.device_config.device, rank=rank, replicas=replicas)
+        self.llm = llm
+
+    def _load(self, version: int) -> None:
+        items = self.staged_items()
+        # In-process, collective_rpc calls the function directly: the tensors are passed by reference.
+        self.llm.collective_rpc(_reload_worker, args=(items,))
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache (requests are running); cached KV "
+                               "blocks computed with the old weights would be reused")
+        self.llm.llm_engine.set_weight_version(str(version))
+
+    def abort(self, version: int, error: BaseException) -> None:
+        super().abort(version, error)
+        if self._touched:
+            # Outputs generated from now on are stamped, so rollouts from broken weights can be dropped.
+            self.llm.llm_engine.set_weight_version(f"invalid:{version}")
+
+
+def update_llm(llm: LLM, version: int, *, timeout: float | None = None) -> None:
+    """Driver side of the ``"weightsync"`` backend: bring every worker of ``llm`` to ``version``.
+
+    Each worker's reader receives ``version`` from the trainers and reloads; then the
+    prefix cache is reset and the engine's weight version set to ``str(version)``.
+
+    Raises:
+        Whatever a worker raised (``SyncError``, ``TimeoutError``); the weight version is
+        then left unchanged and the next successful update recovers the engine.
+    """
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"version": version, "timeout": timeout}})
+    llm.finish_weight_update(weight_version=str(version))
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM could not reset its prefix cache (requests are running)")
+
+
+# -- worker side: runs in the process that holds the model ---------------------------------------
+
+def spec_of(vllm_config: Any) -> ModelSpec:
+    """The canonical model of a vLLM engine, read from the Hugging Face config vLLM loaded."""
+    return ModelSpec.from_hf_config(vllm_config.model_config.hf_config.to_dict())
+
+
+def check_supported(vllm_config: Any) -> None:
+    """Reject engine configurations whose reload path this adapter has not been built for."""
+    parallel = vllm_config.parallel_config
+    if parallel.world_size != 1:
+        raise ValueError(f"weightsync's vLLM adapter supports one worker per engine (TP=PP=1), got "
+                         f"TP={parallel.tensor_parallel_size} PP={parallel.pipeline_parallel_size}; "
+                         "run several engines, one reader each")
+    if vllm_config.model_config.quantization is not None:
+        raise ValueError(f"quantized models ({vllm_config.model_config.quantization}) are not supported: "
+                         "staging holds unquantized checkpoint tensors")
+    if vllm_config.lora_config is not None:
+        raise ValueError("engines with LoRA enabled are not supported")
+
+
+def reload_model(model: Any, vllm_config: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load checkpoint-format ``weights`` into a live vLLM model in one layerwise-reload session.
+
+    Each module is rebuilt once all its checkpoint tensors arrived (so every part of a
+    fused layer must be in ``weights``), processed like at start-up (repacking) and copied
+    into the old kernel tensors, whose addresses therefore never change. The session is
+    always closed, even on error: an open one leaves layers on the meta device, and the
+    next forward pass hangs the engine.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    with set_current_vllm_config(vllm_config), _cpu_moe_prepack_fix(model):
+        initialize_layerwise_reload(model)
+        try:
+            model.load_weights(iter(weights))
+        finally:
+            finalize_layerwise_reload(model, vllm_config.model_config)
+    _cpu_retie_lm_head(model)
+
+
+def _reload_worker(worker: Any, items: list[tuple[str, torch.Tensor]]) -> None:
+    reload_model(worker.model_runner.get_model(), worker.vllm_config, items)
+
+
+# -- vLLM 0.32 CPU reload fixes (each has its own test in tests/test_engine_vllm.py) --------------
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+@contextlib.contextmanager
+def _cpu_moe_prepack_fix(model: torch.nn.Module) -> Iterator[None]:
+    """Make a reload re-prepack unquantized MoE experts on CPU.
+
+    vLLM 0.32's ``UnquantizedFusedMoEMethod._setup_kernel`` runs the CPU prepack
+    (``CPUUnquantizedExperts.process_weights_after_loading``) only when ``moe_kernel`` is
+    None, i.e. at start-up. A reload copies checkpoint-layout experts into the prepacked
+    storage, and the kernel reads garbage. Dropping ``moe_kernel`` for the session makes
+    the reload take the start-up path (new kernel, prepack); layers the session did not
+    rebuild get their old kernel back.
+    """
+    if not _on_cpu():
+        yield
+        return
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    stashed: list[tuple[Any, Any]] = []
+    for module in model.modules():
+        method: Any = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        if kernel is not None and isinstance(getattr(kernel, "fused_experts", None), CPUUnquantizedExperts):
+            stashed.append((method, kernel))
+            method.moe_kernel = None
+    try:
+        yield
+    finally:
+        for method, kernel in stashed:
+            if method.moe_kernel is None:
+                method.moe_kernel = kernel
+
+
+def _cpu_retie_lm_head(model: torch.nn.Module) -> None:
+    """Refresh a tied ``lm_head`` after a reload on CPU.
+
+    With ``tie_word_embeddings`` the checkpoint has no ``lm_head.weight``; vLLM's
+    ``lm_head`` shares the embedding's tensor, but on CPU it computes with a oneDNN copy
+    packed at start-up, which a reload never rebuilds (nothing was loaded into it). The
+    model then keeps projecting with the old embedding. Re-processing ``lm_head`` costs
+    one vocab x hidden repack.
+    """
+    head: Any = getattr(model, "lm_head", None)
+    embed: Any = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or head is embed or not _on_cpu():
+        return
+    if getattr(head, "weight", None) is getattr(embed, "weight", None):
+        head.quant_method.process_weights_after_loading(head)
+
+
+# -- registration with vLLM ----------------------------------------------------------------------
+
+def register() -> None:
+    """Register the ``"weightsync"`` weight-transfer backend with vLLM (idempotent).
+
+    Also the ``vllm.general_plugins`` entry point, so every vLLM process (engine core,
+    workers) registers it without user code.
+    """
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    if BACKEND_NAME not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND_NAME, "weightsync.engines.vllm_backend",
+                                                    "WeightSyncTransferEngine")

@@ -1,0 +1,135 @@
+"""The ``"weightsync"`` weight-transfer backend for vLLM: a weightsync reader inside the worker.
+
+vLLM imports this module (through :func:`weightsync.engines.vllm.register`, run by the
+``vllm.general_plugins`` entry point) when an engine is created with
+``weight_transfer_config={"backend": "weightsync"}``; weightsync itself never does. The
+worker-side lifecycle, driven by vLLM's standard weight-transfer API::
+
+    llm.init_weight_transfer_engine({"init_info": {"meta_address": addr, "meta_token": token,
+                                                   "job": "rl", "rank": 0,
+                                                   "num_writers": 8, "num_readers": 4}})
+    # per version (weightsync.engines.vllm.update_llm does these four calls):
+    llm.start_weight_update()                                   # nothing to do yet
+    llm.update_weights({"update_info": {"version": 7}})         # receive from trainers, reload
+    llm.finish_weight_update(weight_version="7")
+    llm.reset_prefix_cache()
+
+``update_weights`` runs the whole update in the worker: the reader receives version 7
+straight from the trainers into the worker's staging buffers, then one layerwise-reload
+session loads every tensor. Names, shapes and dtypes are checked before the session
+starts, and the session is always closed, so a failed update never leaves the model
+half-materialised; the next version recovers it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from weightsync.engines.staging import StagedWeights
+from weightsync.engines.vllm import check_supported, reload_model, spec_of
+from weightsync.reader import WeightReader
+from weightsync.session import SyncConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WeightSyncInitInfo(WeightTransferInitInfo):
+    """Where the job's meta server is and who this worker is in the job."""
+
+    num_writers: int
+    num_readers: int
+    rank: int = 0
+    #: Empty: read WEIGHTSYNC_META_ADDR / WEIGHTSYNC_META_TOKEN from the worker's environment.
+    meta_address: str = ""
+    meta_token: str = ""
+    job: str = "default"
+    transport: str = "auto"
+    timeout: float = 300.0
+
+
+@dataclass
+class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
+    """Which version to apply (None: the newest published) and how long to wait for it."""
+
+    version: int | None = None
+    timeout: float | None = None
+
+
+class _WorkerEngine(StagedWeights):
+    """The model inside this worker, loaded through ``reload_model``."""
+
+    def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device, rank: int,
+                 replicas: int) -> None:
+        check_supported(vllm_config)
+        super().__init__(spec_of(vllm_config), dtype=vllm_config.model_config.dtype, device=device, rank=rank,
+                         replicas=replicas)
+        self.model = model
+        self.vllm_config = vllm_config
+
+    def _load(self, version: int) -> None:
+        reload_model(self.model, self.vllm_config, self.staged_items())
+
+
+class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):
+    """vLLM ``WeightTransferEngine`` hosting a weightsync ``WeightReader`` (see module docstring)."""
+
+    init_info_cls = WeightSyncInitInfo
+    update_info_cls = WeightSyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.reader: WeightReader | None = None
+        self.last_version: int | None = None
+
+    def init_transfer_engine(self, init_info: WeightSyncInitInfo) -> None:
+        from weightsync.meta.client import MetaClient
+
+        if self.reader is not None:
+            raise RuntimeError("the weightsync transfer engine is already initialised; shut it down first")
+        engine = _WorkerEngine(self.model, self.vllm_config, self.device, init_info.rank, init_info.num_readers)
+        config = SyncConfig(num_writers=init_info.num_writers, num_readers=init_info.num_readers,
+                            job=init_info.job, transport=init_info.transport, timeout=init_info.timeout)
+        meta = (MetaClient(init_info.meta_address, job=init_info.job, token=init_info.meta_token)
+                if init_info.meta_address else MetaClient.from_env(job=init_info.job))
+        self.reader = WeightReader(engine, rank=init_info.rank, config=config, meta=meta)
+        logger.info("weightsync reader %d ready: %.1f MB of staging buffers", init_info.rank,
+                    engine.staging_bytes / 1e6)
+
+    def start_weight_update(self) -> None:
+        # Nothing to prepare: the data arrives, and is checked, before the reload session opens.
+        if self.reader is None:
+            raise RuntimeError("call llm.init_weight_transfer_engine(...) before updating weights")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class ends with torch.accelerator.synchronize(), which raises on CPU-only torch.
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
+        if self.reader is None:
+            raise RuntimeError("call llm.init_weight_transfer_engine(...) before updating weights")
+        result = self.reader.update(update_info.version, timeout=update_info.timeout)
+        self.last_version = result.version
+        logger.info("weightsync: version %d applied (%.1f MB, %.3fs)", result.version, result.nbytes / 1e6,
+                    result.seconds)
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        if self.reader is not None:
+            reader, self.reader = self.reader, None
+            reader.close()
+            reader.meta.close()

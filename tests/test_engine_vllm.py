@@ -1,0 +1,325 @@
+"""vLLM adapter: an engine synced to checkpoint B generates exactly like a fresh engine on B.
+
+Engines run in-process on CPU (tiny Qwen3 and Qwen3-MoE, float32, eager). Each model gets
+one engine under test, started on checkpoint A, shared by every test of this module (all
+of them run in one xdist worker); each test first puts the engine in the state it needs.
+The prompt is 300 tokens, more than two KV blocks (128 tokens on CPU), so a stale prefix
+cache would show. ``VLLM_CACHE_ROOT`` defaults to pytest's cache directory: vLLM's model
+inspection, cached there, takes 15-35 s once and nothing afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import importlib.util
+import os
+import random
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from tiny_models import canonical_weights, checkpoint_tensors, tiny_config, write_checkpoint
+from weightsync.engines import vllm as vllm_engine
+from weightsync.engines.staging import StagedWeights
+from weightsync.engines.vllm import VLLMEngine, check_supported
+from weightsync.layout import ModelSpec
+from writer_process import writer_processes
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+PROMPT = [random.Random(0).randrange(4, 512) for _ in range(300)]
+NEW_TOKENS = 24
+HERE = Path(__file__).resolve().parent
+
+
+def needs_meta():
+    return pytest.importorskip("weightsync.meta.client", reason="the meta server is not on this branch yet")
+
+
+def vllm_test(group: str):
+    """Needs vLLM. A vLLM process holds one engine at a time (its parallel state is global), so
+    each model's tests form one xdist group, run by one worker in order."""
+    def mark(cls):
+        for m in (pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed (pip install -e '.[vllm]')"),
+                  pytest.mark.xdist_group(f"vllm-{group}"), pytest.mark.slow):
+            cls = m(cls)
+        return cls
+    return mark
+
+
+# -- engines ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vllm_env(request, tmp_path_factory):
+    """vLLM's environment, and afterwards this process as it was before the engines.
+
+    vLLM's CPU worker binds this process's threads to cores and replaces
+    ``torch.set_num_threads`` with a no-op for the rest of the process. Tests that run
+    later in the same xdist worker fork training ranks, which would inherit both and
+    crawl: undo them when the engines are gone.
+    """
+    threads, affinity = torch.get_num_threads(), os.sched_getaffinity(0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "set_num_threads", torch.set_num_threads)  # restored on exit
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: tensors by reference
+        mp.setenv("VLLM_HOST_IP", "127.0.0.1")
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        if "VLLM_CACHE_ROOT" not in os.environ:
+            cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+            root = cache.mkdir("vllm") if cache is not None else tmp_path_factory.mktemp("vllm-cache")
+            mp.setenv("VLLM_CACHE_ROOT", str(root))
+        yield
+    os.sched_setaffinity(0, affinity)
+    torch.set_num_threads(threads)
+
+
+def start_llm(path: Path, **kwargs: Any) -> Any:
+    from vllm import LLM
+
+    return LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=2, seed=0,
+               kv_cache_memory_bytes=32 << 20, skip_tokenizer_init=True, **kwargs)
+
+
+def greedy(llm: Any) -> tuple[list[int], Any]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
+    out = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)[0].outputs[0]
+    return list(out.token_ids), out
+
+
+def shutdown(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()  # also tears down vLLM's process-global parallel state
+    gc.collect()
+
+
+@dataclasses.dataclass
+class Case:
+    """One model: the engine under test (started on A) and the reference outputs."""
+
+    config: dict[str, Any]
+    a: dict[str, torch.Tensor]  # canonical tensors
+    b: dict[str, torch.Tensor]
+    ref_a: list[int]
+    ref_b: list[int]
+    llm: Any
+    engine: VLLMEngine
+
+    def greedy(self) -> tuple[list[int], Any]:
+        return greedy(self.llm)
+
+    def load(self, canonical: dict[str, torch.Tensor], version: int) -> None:
+        self.engine.update(checkpoint_tensors(canonical), version=version)
+
+
+def make_case(tmp: Path, *, moe: bool, tie: bool) -> Case:
+    config = tiny_config(moe=moe, tie=tie)
+    a = write_checkpoint(tmp / "A", config, seed=1)
+    b = write_checkpoint(tmp / "B", config, seed=2)
+    fresh_b = start_llm(tmp / "B")
+    ref_b, _ = greedy(fresh_b)
+    shutdown(fresh_b)
+    llm = start_llm(tmp / "A", weight_transfer_config={"backend": "weightsync"})
+    ref_a, _ = greedy(llm)
+    assert ref_a != ref_b, "A and B must generate differently for the proofs to mean anything"
+    return Case(config, a, b, ref_a, ref_b, llm, VLLMEngine(llm))
+
+
+# -- the proof: B synced into an engine started on A == a fresh engine on B -------------------------
+
+class EngineProofs:
+    """Run for every model (subclasses provide ``case`` and the trainers' ``layout``)."""
+
+    layout = ""
+
+    def test_sync_from_training_ranks_matches_fresh_engine(self, case):
+        meta = needs_meta()
+        from weightsync.reader import WeightReader
+        from weightsync.session import SyncConfig
+
+        case.load(case.a, version=0)
+        assert case.greedy()[0] == case.ref_a
+        job = f"vllm-{uuid.uuid4().hex[:8]}"
+        with meta.EmbeddedMetaServer() as server, writer_processes(server, case.config, self.layout, job=job,
+                                                                   seeds=[2]):
+            config = SyncConfig(num_writers=2, num_readers=1, job=job, timeout=120)
+            client = meta.MetaClient(server.address, job=job, token=server.token)
+            with WeightReader(case.engine, rank=0, config=config, meta=client) as reader:
+                result = reader.update(timeout=120)
+            client.close()
+        assert result.version == 1
+        assert result.nbytes == case.engine.staging_bytes  # every byte exactly once
+        tokens, out = case.greedy()
+        assert tokens == case.ref_b
+        assert [span.version for span in out.weight_versions] == ["1"]
+
+    def test_direct_update_matches_fresh_engine(self, case):
+        case.load(case.b, version=1)
+        tokens, out = case.greedy()
+        assert tokens == case.ref_b
+        assert case.engine.weight_version == 1
+        assert [span.version for span in out.weight_versions] == ["1"]
+        case.load(case.a, version=2)
+        assert case.greedy()[0] == case.ref_a
+
+
+def _vanilla_reload(worker, items, fix=None):
+    """vLLM's own reload path, optionally with one of the adapter's fixes around it."""
+    model = worker.model_runner.get_model()
+    with fix(model) if fix is not None else contextlib.nullcontext():
+        worker.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
+
+
+@vllm_test("dense")
+class TestDenseQwen3(EngineProofs):
+    layout = "megatron:tp=2"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def case(cls, vllm_env, tmp_path_factory):
+        # Tied embeddings, like the small real Qwen3 models (exercises the lm_head fix).
+        case = make_case(tmp_path_factory.mktemp("dense"), moe=False, tie=True)
+        yield case
+        shutdown(case.llm)
+
+    def test_invalid_update_is_rejected_before_anything_is_applied(self, case):
+        case.load(case.a, version=3)
+        good = checkpoint_tensors(case.b)
+        wrong_shape = {**good, "model.layers.1.self_attn.k_proj.weight": torch.zeros(32, 64)}
+        with pytest.raises(ValueError, match=r"wrong shape: \['model.layers.1.self_attn.k_proj.weight: shape \(32, 64\)"):
+            case.engine.update(wrong_shape, version=4)
+        with pytest.raises(ValueError, match=r"does not have: \['model.layers.0.mlp.bogus.weight'"):
+            case.engine.update({**good, "model.layers.0.mlp.bogus.weight": torch.zeros(3)}, version=4)
+        with pytest.raises(ValueError, match="unusable dtype"):
+            case.engine.update({"model.norm.weight": torch.ones(64, dtype=torch.int64)}, version=4)
+        assert case.engine.weight_version == 3
+        tokens, out = case.greedy()
+        assert tokens == case.ref_a
+        assert [span.version for span in out.weight_versions] == ["3"]
+
+    def test_failed_load_marks_engine_invalid_and_a_full_update_recovers(self, case, monkeypatch):
+        case.load(case.a, version=5)
+
+        def dies_half_way(worker, items):
+            def stream():
+                yield from items[: len(items) // 2]
+                raise RuntimeError("trainer connection lost")
+            vllm_engine.reload_model(worker.model_runner.get_model(), worker.vllm_config, stream())
+
+        with monkeypatch.context() as mp:
+            mp.setattr(vllm_engine, "_reload_worker", dies_half_way)
+            with pytest.raises(RuntimeError, match="trainer connection lost"):
+                case.load(case.b, version=6)
+        assert case.engine.weight_version is None
+        assert case.llm.get_weight_version() == "invalid:6"
+        _, out = case.greedy()  # the reload session was closed: the engine still runs (on mixed weights)
+        assert [span.version for span in out.weight_versions] == ["invalid:6"]
+        with pytest.raises(ValueError, match="must cover the whole model"):
+            case.engine.update({"model.norm.weight": case.b["model.norm.weight"]}, version=7)
+        case.load(case.b, version=7)
+        assert case.engine.weight_version == 7
+        assert case.greedy()[0] == case.ref_b
+
+    def test_cpu_fix_tied_lm_head(self, case):
+        case.load(case.a, version=8)
+        case.llm.collective_rpc(_vanilla_reload, args=(list(checkpoint_tensors(case.b).items()),))
+        case.llm.reset_prefix_cache()
+        assert case.greedy()[0] != case.ref_b, "vLLM now refreshes a tied lm_head: drop _cpu_retie_lm_head"
+        case.llm.collective_rpc(lambda worker: vllm_engine._cpu_retie_lm_head(worker.model_runner.get_model()))
+        case.llm.reset_prefix_cache()
+        assert case.greedy()[0] == case.ref_b
+
+    def test_weightsync_backend_receives_from_training_ranks(self, case):
+        meta = needs_meta()
+        case.load(case.a, version=0)
+        job = f"vllm-backend-{uuid.uuid4().hex[:8]}"
+        with meta.EmbeddedMetaServer() as server, writer_processes(server, case.config, "fsdp:dp=2", job=job,
+                                                                   seeds=[2, 1]):
+            case.llm.init_weight_transfer_engine({"init_info": {
+                "meta_address": server.address, "meta_token": server.token, "job": job,
+                "rank": 0, "num_writers": 2, "num_readers": 1, "timeout": 120}})
+            try:
+                vllm_engine.update_llm(case.llm, 1)
+                tokens, out = case.greedy()
+                assert tokens == case.ref_b
+                assert [span.version for span in out.weight_versions] == ["1"]
+                vllm_engine.update_llm(case.llm, 2)
+                assert case.greedy()[0] == case.ref_a
+            finally:
+                case.llm.shutdown_weight_transfer_engine()
+
+
+@vllm_test("moe")
+class TestQwen3MoE(EngineProofs):
+    layout = "megatron:tp=2,ep=2"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def case(cls, vllm_env, tmp_path_factory):
+        case = make_case(tmp_path_factory.mktemp("moe"), moe=True, tie=False)
+        yield case
+        shutdown(case.llm)
+
+    def test_cpu_fix_moe_prepack(self, case):
+        case.load(case.a, version=8)
+        same = list(checkpoint_tensors(case.a).items())
+        case.llm.collective_rpc(_vanilla_reload, args=(same,))  # reloading the very same weights...
+        case.llm.reset_prefix_cache()
+        assert case.greedy()[0] != case.ref_a, "vLLM now re-prepacks MoE experts on reload: drop _cpu_moe_prepack_fix"
+        items = list(checkpoint_tensors(case.b).items())
+        case.llm.collective_rpc(_vanilla_reload, args=(items, vllm_engine._cpu_moe_prepack_fix))
+        case.llm.reset_prefix_cache()
+        assert case.greedy()[0] == case.ref_b
+
+
+# -- without vLLM ---------------------------------------------------------------------------------
+
+class _Recorder(StagedWeights):
+    def __init__(self, config):
+        super().__init__(ModelSpec.from_hf_config(config), dtype=torch.float32, device="cpu", rank=0)
+        self.loads = []
+
+    def _load(self, version):
+        self.loads.append((version, [name for name, _ in self.staged_items()]))
+
+
+@pytest.mark.parametrize("is_moe", [False, True])
+def test_staging_is_the_checkpoint_under_its_own_names(is_moe):
+    config = tiny_config(moe=is_moe)
+    engine = _Recorder(config)
+    names = list(checkpoint_tensors(canonical_weights(config, seed=0)))
+    assert [s.name for s in engine.layout().shards] == names
+    assert engine.descriptor() == ("hf:dtype=float32", ModelSpec.from_hf_config(config).to_hf_config())
+    assert engine.staging_bytes == 4 * ModelSpec.from_hf_config(config).num_parameters
+    with pytest.raises(ValueError, match="must cover the whole model"):
+        engine.update({names[0]: torch.zeros(engine.receive_buffers()[names[0]].shape)}, version=1)
+    assert engine.loads == []
+    engine.apply(1)  # what the reader calls once every op arrived
+    engine.update({names[0]: torch.ones(engine.receive_buffers()[names[0]].shape)}, version=2)
+    assert [v for v, _ in engine.loads] == [1, 2] and engine.loads[1][1] == names  # a partial update reloads all
+    assert engine.weight_version == 2
+    engine.abort(3, RuntimeError("peer died"))
+    assert engine.weight_version is None
+    with pytest.raises(ValueError, match="must cover the whole model"):
+        engine.update({names[0]: torch.ones(engine.receive_buffers()[names[0]].shape)}, version=4)
+
+
+def test_unsupported_engine_configurations_are_rejected():
+    def config(world_size=1, quantization=None, lora=None):
+        return SimpleNamespace(parallel_config=SimpleNamespace(world_size=world_size, tensor_parallel_size=world_size,
+                                                               pipeline_parallel_size=1),
+                               model_config=SimpleNamespace(quantization=quantization), lora_config=lora)
+
+    check_supported(config())
+    with pytest.raises(ValueError, match="one worker per engine"):
+        check_supported(config(world_size=2))
+    with pytest.raises(ValueError, match="quantized"):
+        check_supported(config(quantization="fp8"))
+    with pytest.raises(ValueError, match="LoRA"):
+        check_supported(config(lora=object()))

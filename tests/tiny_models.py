@@ -1,0 +1,64 @@
+"""Tiny Qwen3 / Qwen3-MoE checkpoints on disk, made without transformers model code.
+
+Shapes suit vLLM on CPU (head_dim 32: its CPU attention has no smaller size). Matrices
+are drawn N(0, 0.2), so greedy outputs of two seeds differ within a few tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from weightsync.layout import ModelSpec, expert_name, is_expert_stack
+
+VOCAB = 512
+
+
+def tiny_config(*, moe: bool = False, tie: bool = False) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
+        "model_type": "qwen3_moe" if moe else "qwen3",
+        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 1024,
+        "tie_word_embeddings": tie, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+    }
+    if moe:
+        config.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                      norm_topk_prob=True, mlp_only_layers=[])
+    return config
+
+
+def canonical_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Random canonical tensors (expert stacks stacked) for ``config``."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, tensor in ModelSpec.from_hf_config(config).canonical_tensors().items():
+        if len(tensor.shape) == 1:  # norms: around 1
+            out[name] = 1 + 0.1 * torch.randn(tensor.shape, generator=gen)
+        else:
+            out[name] = 0.2 * torch.randn(tensor.shape, generator=gen)
+    return out
+
+
+def checkpoint_tensors(canonical: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Canonical tensors under checkpoint names (expert stacks split per expert)."""
+    out = {}
+    for name, tensor in canonical.items():
+        if is_expert_stack(name):
+            out.update({expert_name(name, e): tensor[e].contiguous() for e in range(tensor.shape[0])})
+        else:
+            out[name] = tensor
+    return out
+
+
+def write_checkpoint(path: Path, config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Write ``config.json`` + ``model.safetensors``; returns the canonical tensors."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    canonical = canonical_weights(config, seed)
+    save_file(checkpoint_tensors(canonical), str(path / "model.safetensors"))
+    return canonical

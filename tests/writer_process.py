@@ -1,0 +1,80 @@
+"""A training rank for end-to-end tests: tiny-model weights in a training layout, written as versions.
+
+    WEIGHTSYNC_META_ADDR=... WEIGHTSYNC_META_TOKEN=... python tests/writer_process.py \\
+        --config '<hf config json>' --layout megatron:tp=2 --rank 0 --readers 1 --job j --seeds 2,1
+
+Version ``i`` (from 1) holds ``tiny_models.canonical_weights(config, seeds[i - 1])``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiny_models import canonical_weights
+from weightsync.layout import parse_layout
+from weightsync.session import SyncConfig
+from weightsync.sources.module import ShardedSource, fill_from_canonical
+from weightsync.writer import WeightWriter
+
+HERE = Path(__file__).resolve().parent
+
+
+@contextlib.contextmanager
+def writer_processes(server: Any, config: dict[str, Any], layout: str, *, job: str,
+                     seeds: list[int]) -> Iterator[list[subprocess.Popen[str]]]:
+    """Training ranks in subprocesses, writing versions 1.. with ``seeds``' weights."""
+    env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, str(HERE / "writer_process.py"), "--config", json.dumps(config),
+                               "--layout", layout, "--rank", str(rank), "--job", job,
+                               "--seeds", ",".join(map(str, seeds))],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(parse_layout(layout).world_size)]
+    try:
+        yield procs
+        for proc in procs:
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err[-2000:]
+    finally:
+        for rank, proc in enumerate(procs):
+            if proc.poll() is None:
+                proc.kill()
+            _, err = proc.communicate()
+            if proc.returncode:
+                print(f"writer {rank} exited {proc.returncode}:\n{err[-3000:]}", file=sys.stderr)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--layout", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--readers", type=int, default=1)
+    parser.add_argument("--job", default="default")
+    parser.add_argument("--seeds", required=True)
+    parser.add_argument("--timeout", type=float, default=120.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    config = json.loads(args.config)
+    source = ShardedSource(args.layout, config, args.rank)
+    sync = SyncConfig(num_writers=parse_layout(args.layout).world_size, num_readers=args.readers, job=args.job,
+                      timeout=args.timeout)
+    with WeightWriter(source, rank=args.rank, config=sync) as writer:
+        for version, seed in enumerate((int(s) for s in args.seeds.split(",")), start=1):
+            fill_from_canonical(source.layout(), source.tensors(), canonical_weights(config, seed))
+            writer.write(version)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
