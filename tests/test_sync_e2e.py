@@ -88,11 +88,16 @@ def test_layout_pairs(source, target, transport):
     assert_all_exact(out, (0, 1))
 
 
-@pytest.mark.parametrize("transport", ["file", "nixl"])
-def test_other_transports_end_to_end(transport):
+@pytest.mark.parametrize(("transport", "options"), [
+    pytest.param("file", {}, id="file"),
+    pytest.param("nixl", {}, id="nixl-auto-push"),  # 2 writers, 2 readers: auto picks push
+    pytest.param("nixl", {"nixl_mode": "pull"}, id="nixl-pull"),
+])
+def test_other_transports_end_to_end(transport, options):
     if unavailable_reason(transport):
         pytest.skip(unavailable_reason(transport))
-    assert_all_exact(run_job("megatron:tp=2", "vllm:tp=1,replicas=2", transport=transport), (0, 1))
+    out = run_job("megatron:tp=2", "vllm:tp=1,replicas=2", transport=transport, transport_options=options)
+    assert_all_exact(out, (0, 1))
 
 
 @pytest.mark.parametrize("transport", ["torch", "shm"])

@@ -223,14 +223,27 @@ def test_dead_writer_fails_reader_within_timeout(tmp_path, mode):
         assert out["leaks"]["threads"] == []
 
 
-def test_modes_and_options():
-    from weightsync.transport import TransportOptions
-    from weightsync.transport.nixl import NixlTransport, resolve_mode
-    from weightsync.transport.nixl_push import NixlPushTransport
+def test_modes_and_options(tmp_path):
+    from weightsync.transport import TransportContext, TransportOptions
+    from weightsync.transport.nixl import NixlPushTransport, NixlTransport, resolve_mode
 
-    assert resolve_mode("auto") == "pull"
+    # auto: push while each writer feeds few readers, pull on fan-out to more readers than writers
+    assert resolve_mode("auto", num_writers=2, num_readers=2) == "push"
+    assert resolve_mode("auto", num_writers=8, num_readers=1) == "push"
+    assert resolve_mode("auto", num_writers=1, num_readers=4) == "pull"
+    assert resolve_mode("pull", num_writers=2, num_readers=1) == "pull"
     assert NixlTransport.one_sided and not NixlPushTransport.one_sided
     assert NixlTransport.writes_in_place and NixlPushTransport.writes_in_place
+
+    def make(mode, writers, readers):
+        return NixlTransport(TransportContext(role="reader", rank=0, num_writers=writers, num_readers=readers,
+                                              meta=DirectoryMeta(str(tmp_path)),
+                                              options=TransportOptions(nixl_mode=mode)))
+
+    # Constructing creates no agent, so this runs without NIXL installed.
+    assert type(make("auto", 2, 2)) is NixlPushTransport and not make("auto", 2, 2).one_sided
+    assert type(make("auto", 1, 2)) is NixlTransport and make("auto", 1, 2).one_sided
+    assert type(make("pull", 2, 2)) is NixlTransport
     with pytest.raises(ValueError, match="nixl_mode"):
         TransportOptions(nixl_mode="sideways")  # type: ignore[arg-type]
 
@@ -297,8 +310,8 @@ def threading_names():
 
 
 def test_descriptor_geometry():
+    from weightsync.transport.nixl import contiguous_runs
     from weightsync.transport.nixl_agent import Descriptors
-    from weightsync.transport.nixl_push import contiguous_runs
 
     # A column half of a 4x6 row-major matrix, read from a packed 4x3 block.
     a, b, run = contiguous_runs((4, 3), (3, 1), (6, 1))

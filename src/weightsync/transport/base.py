@@ -57,7 +57,7 @@ class TransportOptions:
         file_dir: directory of the file transport (shared storage across nodes).
         nixl_mode: how the NIXL transport moves bytes: "pull" (readers READ from writers'
             registered version slots), "push" (writers WRITE into readers' registered
-            parameters) or "auto" (pull; see docs/nixl.md).
+            parameters) or "auto" (push when readers <= writers, else pull; see transport/nixl.py).
     """
 
     max_bucket_bytes: int = 64 << 20

@@ -1,24 +1,40 @@
-"""NIXL transport: one-sided reads (pull, this module) or writes (push, ``nixl_push``) over UCX.
+"""NIXL transport: one-sided READs (pull) or WRITEs (push) over UCX, prepared once per plan.
 
-**Pull** (``nixl_mode="pull"``, and ``"auto"``) works like the shared-memory transport,
-across hosts. Each writer lays out the pieces it provides (:mod:`weightsync.transport.exposed`)
-in ``slots`` version slots with one sequence word per slot, registered with NIXL once per
-plan. ``send(V)`` packs slot ``V % slots`` (the one writer-side copy, which also converts
-dtypes); it never waits for readers. ``receive(V)`` READs the writer's sequence words
-until the slot holds ``V``, READs its ops straight into the destination tensors (dense
-destinations, one descriptor each) or, for strided destinations, into a registered landing
-buffer that it scatters from (one descriptor per piece instead of one per row), then READs
-the sequence words again: a version overwritten mid-read is reported, never applied.
+Both modes register memory, exchange NIXL agent metadata through the meta server and
+prepare every transfer handle once per plan (``prepare``); ``send``/``receive`` only
+repost those handles. All NIXL calls go through :mod:`weightsync.transport.nixl_agent`
+(progress thread off, a 1 ms notification poller, ordered teardown).
 
-**Push** (``nixl_mode="push"``, :class:`~weightsync.transport.nixl_push.NixlPushTransport`):
-writers WRITE straight into readers' registered parameters; see that module.
+**Pull** (:class:`NixlTransport`): works like the shared-memory transport, across hosts.
+Each writer lays out the pieces it provides (:mod:`weightsync.transport.exposed`) in
+``slots`` version slots with one sequence word per slot. ``send(V)`` packs slot
+``V % slots`` (the one writer-side copy, which also converts dtypes) and never waits for
+readers. ``receive(V)`` READs the writer's sequence words until the slot holds ``V``,
+READs its ops straight into the destination tensors (dense destinations, one descriptor
+each) or, for strided destinations, into a registered landing buffer it scatters from,
+then READs the sequence words again: a version overwritten mid-read is reported, never
+applied. The reader learns completion from its own handle (``check_xfer_state``); the
+writer needs no notification, because WeightWriter keeps it ``slots - 1`` versions ahead
+of the slowest reader at most.
 
-Every handle (descriptor lists, transfer requests) is prepared once per plan and reposted
-every version. A dead peer makes the next operation on it fail, and every wait keeps
-operating on the peers it waits for, so a failure is a :class:`TransportError` naming the
-peer, within the timeout.
+**Push** (:class:`NixlPushTransport`): writers WRITE every op straight into readers'
+registered parameters, from the live shards when no dtype changes (zero copies) or from
+a packed area. A reader raises its *ready word* to ``V`` in ``receive(V)``; ``send(V)``
+READs it before writing into live parameters, then WRITEs with a notification carrying
+``V``. NIXL sends the notification after the data and a flush, so its arrival completes
+the reader's ``receive``. Push is not one-sided (the writer waits for readers).
 
-    t = NixlTransport(ctx)   # a NixlPushTransport when ctx.options.nixl_mode == "push"
+**Choosing** (``TransportOptions.nixl_mode``, the same on every rank): ``auto`` picks push
+when there are at most as many readers as writers (each writer feeds few readers: no
+version slots on the writer, no landing copies on the reader, the reader's CPU idle) and
+pull when readers outnumber writers (fan-out: each reader initiates its own reads, so
+the work spreads over the readers and a slow reader never holds a writer up). See
+docs/benchmarks.md ("NIXL") for measured figures.
+
+Every wait has a deadline and keeps operating on the peers it waits for, so a dead peer
+is a :class:`TransportError` naming it, within the timeout.
+
+    t = NixlTransport(ctx)   # a NixlPushTransport when the mode resolves to push
     t.prepare(plan, tensors, generation=g, timeout=60)   # register, exchange metadata, prepare
     t.send(v, timeout=60)    # or t.receive(v, timeout=60): repost the prepared handles
     t.close()
@@ -41,11 +57,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgpack
+import numpy as np
 import torch
 
 from weightsync.layout.types import itemsize
 from weightsync.transport.base import PhaseTimer, TransferStats, TransportContext, TransportError
-from weightsync.transport.exposed import ExposedIndex
+from weightsync.transport.exposed import ExposedIndex, piece_key
 from weightsync.transport.nixl_agent import Descriptors, NixlAgent, Xfer
 from weightsync.transport.schedule import Message, Piece, build_messages
 from weightsync.transport.tensors import TORCH_DTYPES, flat_views, scatter
@@ -59,15 +76,17 @@ EMPTY = -1  # sequence word of a slot being written
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def resolve_mode(mode: str) -> str:
-    """``auto`` -> ``pull``: readers fetch when they are ready and writers never wait for
-    them (push is faster on one CPU host, see docs/nixl.md, but couples the two sides)."""
-    return "pull" if mode == "auto" else mode
+def resolve_mode(mode: str, *, num_writers: int, num_readers: int) -> str:
+    """The mode ``auto`` stands for in a deployment (see module docstring, "Choosing")."""
+    if mode != "auto":
+        return mode
+    return "push" if num_readers <= num_writers else "pull"
 
 
 class NixlTransport:
-    """Pull mode (see module docstring). ``NixlTransport(ctx)`` returns the push variant
-    when ``ctx.options.nixl_mode == "push"``, as ``pathlib.Path()`` returns a ``PosixPath``."""
+    """Pull mode (see module docstring). ``NixlTransport(ctx)`` returns a
+    :class:`NixlPushTransport` when the mode resolves to push (as ``pathlib.Path()``
+    returns a ``PosixPath``), so the registry needs one entry for both modes."""
 
     name: ClassVar[str] = "nixl"
     writes_in_place: ClassVar[bool] = True
@@ -75,9 +94,8 @@ class NixlTransport:
     mode: ClassVar[str] = "pull"
 
     def __new__(cls, ctx: TransportContext) -> NixlTransport:
-        if cls is NixlTransport and resolve_mode(ctx.options.nixl_mode) == "push":
-            from weightsync.transport.nixl_push import NixlPushTransport
-
+        mode = resolve_mode(ctx.options.nixl_mode, num_writers=ctx.num_writers, num_readers=ctx.num_readers)
+        if cls is NixlTransport and mode == "push":
             return object.__new__(NixlPushTransport)
         return object.__new__(cls)
 
@@ -331,6 +349,180 @@ class NixlTransport:
         what = "not written yet" if held < version else f"already replaced by version {held}"
         return (f"{self.who}: version {version} in {peer.label}'s NIXL slot is {what}; "
                 f"readers may fall at most {self.slots - 1} version(s) behind")
+
+
+#: How often a waiting reader checks that the writers it waits for are alive.
+_PROBE_S = 0.05
+
+
+class NixlPushTransport(NixlTransport):
+    """Push mode of the NIXL transport (see module docstring)."""
+
+    one_sided: ClassVar[bool] = False
+    mode: ClassVar[str] = "push"
+
+    # -- writer -----------------------------------------------------------------------------
+    def _prepare_writer(self, plan: Plan, generation: int, deadline: float) -> None:
+        me = self.ctx.rank
+        ops = [op for op in plan.ops if op.src_rank == me]
+        self._index, self._copies = ExposedIndex.for_ops(op for op in ops if not send_live(op))
+        self._area = torch.empty(max(self._index.total_bytes, 64), dtype=torch.uint8, device=self.device)
+        readers = sorted({op.dst_rank for op in ops})
+        self._ctl = torch.full((1 + len(readers),), EMPTY, dtype=torch.int64)  # own word, readers' ready words
+        live = sorted({op.src_shard for op in ops if send_live(op)})
+        self._register([self._area, self._ctl, *(self._flats[name] for name in live)])
+        self._publish(generation, {})
+        self._peers = [self._connect(generation, "reader", r, deadline) for r in readers]
+        t0 = time.perf_counter()
+        for i, peer in enumerate(self._peers):
+            peer.ctl = self._word_xfer(peer, self._ctl[1 + i: 2 + i], "ready word")
+            descs = self._runs(peer, plan.ops_between(me, peer.rank))
+            peer.slots = [[(self._prepare_xfer(peer, "WRITE", descs, "the version"), None)]]
+        self.setup["prepare_xfers_seconds"] = time.perf_counter() - t0
+
+    def _runs(self, peer: Peer, ops: list[TransferOp]) -> Descriptors:
+        """One descriptor per run contiguous in both the source and the reader's tensor."""
+        assert self._area is not None and self._index is not None
+        shards = peer.doc["shards"]
+        local, remote, lengths = [], [], []
+        for op in ops:
+            size = itemsize(op.dst_dtype)
+            addr, nbytes = shards[op.dst_shard]
+            if extent(op.box.sizes, op.dst_strides, op.dst_offset) * size > nbytes:
+                raise TransportError(f"{self.who}: {peer.label}'s tensor {op.dst_shard} has {nbytes} bytes, too "
+                                     f"few for {op.canonical} {op.box}: writer and reader disagree on layouts")
+            if send_live(op):
+                src, src_strides = self._flats[op.src_shard].data_ptr() + op.src_offset * size, op.src_strides
+            else:
+                at = self._index.entries[piece_key(op)][0]
+                src, src_strides = self._area.data_ptr() + at, row_major(op.box.sizes)
+            a, b, run = contiguous_runs(op.box.sizes, src_strides, op.dst_strides)
+            local.append(src + a * size)
+            remote.append(addr + (op.dst_offset + b) * size)
+            lengths.append(np.full(len(a), run * size, dtype=np.int64))
+        if not ops:
+            return Descriptors.of([], [], [])
+        return Descriptors.of(np.concatenate(local), np.concatenate(remote), np.concatenate(lengths))
+
+    def send(self, version: int, *, timeout: float) -> TransferStats:
+        if self._agent is None:
+            raise RuntimeError(f"{self.who}: send() before prepare()")
+        agent = self._agent
+        stats = TransferStats(version)
+        timer = PhaseTimer(stats)
+        deadline = time.monotonic() + timeout
+        with timer("pack"):
+            self._pack(0)
+        for i, peer in enumerate(self._peers):
+            with timer("wait"):
+                self._wait_ready(i, peer, version, deadline)
+            for xfer, _ in peer.slots[0]:
+                with timer("transfer"):
+                    agent.run(xfer, deadline, notif=b"v%d" % version)
+                stats.nbytes += xfer.nbytes
+                stats.direct_bytes += xfer.nbytes
+                stats.messages += 1
+        self._ctl[0] = version
+        stats.peak_extra_bytes = self._index.total_bytes if self._index is not None else 0
+        return stats
+
+    def _wait_ready(self, i: int, peer: Peer, version: int, deadline: float) -> None:
+        assert self._agent is not None and peer.ctl is not None
+        while True:
+            self._agent.run(peer.ctl, deadline)
+            ready = int(self._ctl[1 + i])
+            if ready == version:
+                return
+            if ready > version:
+                raise TransportError(f"{self.who}: {peer.label} waits for version {ready}, this writer sends "
+                                     f"{version}; writers and readers are out of step")
+            if time.monotonic() > deadline:
+                raise TransportError(f"{self.who}: {peer.label} did not ask for version {version} in time "
+                                     f"(its last request was version {ready})")
+            time.sleep(0.001)
+
+    # -- reader -----------------------------------------------------------------------------
+    def _prepare_reader(self, plan: Plan, generation: int, deadline: float) -> None:
+        writers = sorted({op.src_rank for op in plan.ops})
+        self._ctl = torch.full((1 + len(writers),), EMPTY, dtype=torch.int64)  # ready word, liveness mirrors
+        self._register([*self._flats.values(), self._ctl])
+        shards = {name: [t.data_ptr(), t.numel() * t.element_size()] for name, t in self._flats.items()}
+        self._publish(generation, {"shards": shards})
+        self._peers = [self._connect(generation, "writer", w, deadline) for w in writers]
+        for i, peer in enumerate(self._peers):
+            peer.ctl = self._word_xfer(peer, self._ctl[1 + i: 2 + i], "liveness word")
+            peer.nbytes = sum(op.nbytes for op in plan.ops_between(peer.rank, self.ctx.rank))
+
+    def receive(self, version: int, *, timeout: float) -> TransferStats:
+        if self._agent is None:
+            raise RuntimeError(f"{self.who}: receive() before prepare()")
+        agent = self._agent
+        stats = TransferStats(version)
+        deadline = time.monotonic() + timeout
+        pending = {peer.agent: peer for peer in self._peers}
+        self._ctl[0] = version  # writers poll this word before they write into our tensors
+        next_probe = time.monotonic() + _PROBE_S
+        with PhaseTimer(stats)("transfer"):
+            while pending:
+                for name, messages in agent.take_notifs(timeout=0.005).items():
+                    if name in pending and any(_notif_version(m) >= version for m in messages):
+                        peer = pending.pop(name)
+                        stats.nbytes += peer.nbytes
+                        stats.direct_bytes += peer.nbytes
+                        stats.messages += 1
+                now = time.monotonic()
+                if now > deadline:
+                    names = ", ".join(p.label for p in pending.values())
+                    raise TransportError(f"{self.who}: version {version} did not arrive from {names} in time")
+                if now > next_probe:  # a dead writer never notifies; READing its word fails
+                    for peer in list(pending.values()):
+                        assert peer.ctl is not None
+                        agent.run(peer.ctl, deadline)
+                    next_probe = now + _PROBE_S
+        return stats
+
+
+# -- descriptor geometry: pure functions of an op -----------------------------------------------
+
+def contiguous_runs(sizes: Sequence[int], a_strides: Sequence[int],
+                    b_strides: Sequence[int]) -> tuple[np.ndarray, np.ndarray, int]:
+    """Element offsets of the runs contiguous in *both* strided views, and the run length.
+
+    The innermost dimensions that are dense in both views merge into one run; the
+    remaining (outer) dimensions enumerate the runs in row-major order of the box.
+    """
+    dims = [(n, sa, sb) for n, sa, sb in zip(sizes, a_strides, b_strides, strict=True) if n != 1]
+    run = 1
+    while dims and dims[-1][1] == run and dims[-1][2] == run:
+        run *= dims.pop()[0]
+    a = np.zeros(1, dtype=np.int64)
+    b = np.zeros(1, dtype=np.int64)
+    for n, sa, sb in dims:
+        step = np.arange(n, dtype=np.int64)
+        a = (a[:, None] + step * sa).ravel()
+        b = (b[:, None] + step * sb).ravel()
+    return a, b, run
+
+
+def extent(sizes: Sequence[int], strides: Sequence[int], offset: int) -> int:
+    """One past the last element a strided view touches."""
+    return offset + sum((n - 1) * s for n, s in zip(sizes, strides, strict=True)) + 1
+
+
+def send_live(op: TransferOp) -> bool:
+    """Write from the live shard when nothing is converted and the source does not split
+    the destination's runs further (packing would then only add a copy)."""
+    if op.converts:
+        return False
+    live = contiguous_runs(op.box.sizes, op.src_strides, op.dst_strides)[2]
+    return live == contiguous_runs(op.box.sizes, row_major(op.box.sizes), op.dst_strides)[2]
+
+
+def _notif_version(message: bytes) -> int:
+    try:
+        return int(message[1:]) if message[:1] == b"v" else -1
+    except ValueError:
+        return -1
 
 
 class Peer:
