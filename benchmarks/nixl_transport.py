@@ -1,14 +1,19 @@
-"""NIXL transport throughput: ~1 GB of bf16 weights, Megatron TP2 -> vLLM TP1, two processes.
+"""NIXL pull and push beside torch (gloo) and shared memory: one plan, one run, real processes.
 
-One process holds both writer ranks (two NixlTransport instances, one agent each), the
-other the reader. For each mode, every version is timed on its own: in pull the writers
-pack their slots first and the reader's receive() is timed; in push the writers' send()
-(ready handshake + WRITEs) is timed. A plain single-threaded ``torch`` copy of the same
-bytes in the reader process is the baseline (cma, NIXL's host-to-host path, is one kernel
-copy on the initiating thread). Registration, connection and preparation are timed once.
+Megatron TP2 -> vLLM TP1 of a Qwen2-style dense model in bf16 (``--layers 2``: ~0.5 GB,
+``--layers 6``: ~1 GB): two writer processes and one reader process per transport, every
+rank building its own local plan, as in a real job. Each version is timed end to end,
+from a barrier to the moment the last rank is done (writers' ``send`` and, for one-sided
+transports, the publication the reader waits for; the reader's ``receive``). Version 0
+includes ``prepare`` (rendezvous, memory registration, metadata exchange, handle
+preparation) as WeightWriter's first write does; the later versions show what is left
+once that cost is paid. The reader zeroes its tensors before every version (untimed) and
+checks the last version bitwise. A single-threaded ``torch`` copy of the same bytes in
+the reader process is the baseline.
 
-    python benchmarks/nixl_transport.py                 # both modes, 5 versions, ~1 GB
-    python benchmarks/nixl_transport.py --mode pull --layers 2 --json out.json
+    python benchmarks/nixl_transport.py                       # ~0.5 GB, 5 versions, all transports
+    python benchmarks/nixl_transport.py --layers 6 --json out.json
+    python benchmarks/nixl_transport.py --transports nixl-pull shm
 """
 
 from __future__ import annotations
@@ -25,13 +30,20 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-# A Qwen2-style dense model sized so that 6 layers are ~1 GB in bf16.
+# A Qwen2-style dense model: ~0.26 GB of embeddings + ~0.12 GB per layer in bf16.
 MODEL = {
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 2048,
-    "intermediate_size": 8192, "num_hidden_layers": 6, "num_attention_heads": 16,
+    "intermediate_size": 8192, "num_hidden_layers": 2, "num_attention_heads": 16,
     "num_key_value_heads": 2, "vocab_size": 32000, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
 }
 SOURCE, TARGET = "megatron:tp=2", "vllm:tp=1"
+#: benchmark name -> (registry name, TransportOptions overrides)
+TRANSPORTS = {
+    "nixl-pull": ("nixl", {"nixl_mode": "pull"}),
+    "nixl-push": ("nixl", {"nixl_mode": "push"}),
+    "torch": ("torch", {}),
+    "shm": ("shm", {}),
+}
 TIMEOUT = 120.0
 
 
@@ -54,7 +66,7 @@ class DirDocuments:
             except FileNotFoundError:
                 if time.monotonic() >= deadline:
                     return None
-                time.sleep(0.005)
+                time.sleep(0.001)
 
 
 def _layouts(layers: int) -> tuple[list[Any], list[Any]]:
@@ -76,119 +88,91 @@ def _tensors(layout: Any, values: dict[str, Any] | None) -> dict[str, Any]:
     return {n: torch.from_numpy(a).view(dtypes[n]) for n, a in arrays.items()}
 
 
-def _context(role: str, rank: int, mode: str, meta_root: str) -> Any:
-    from weightsync.transport import TransportContext, TransportOptions
-
-    return TransportContext(role=role, rank=rank, num_writers=2, num_readers=1, meta=DirDocuments(meta_root),
-                            options=TransportOptions(nixl_mode=mode))  # type: ignore[arg-type]
-
-
-def _writers_main(mode: str, layers: int, versions: int, meta_root: str, barrier: Any, out: Any) -> None:
+def _rank_main(bench: str, role: str, rank: int, layers: int, versions: int, meta_root: str,
+               barrier: Any, out: Any) -> None:
+    """One rank: prepare inside version 0, then send or receive every version, timed."""
     import torch
 
     from weightsync.plan import build_local_plan
     from weightsync.plan.reference import random_canonical
-    from weightsync.transport import create_transport
+    from weightsync.transport import TransportContext, TransportOptions, create_transport
 
     torch.set_num_threads(1)
+    name, overrides = TRANSPORTS[bench]
     writers, readers = _layouts(layers)
+    layout = (writers if role == "writer" else readers)[rank]
+    plan = build_local_plan(writers, readers, role=role, rank=rank)
     values = random_canonical(writers[0].canonical, seed=1)
-    ranks = []
-    for w in writers:
-        plan = build_local_plan(writers, readers, role="writer", rank=w.rank)
-        transport = create_transport("nixl", _context("writer", w.rank, mode, meta_root))
-        ranks.append((transport, plan, _tensors(w, values)))
+    tensors = _tensors(layout, values if role == "writer" else None)
+    want = _tensors(layout, values) if role == "reader" else None
     del values
-    for transport, plan, tensors in ranks:
-        transport.prepare(plan, tensors, generation=0, timeout=TIMEOUT)
-    barrier.wait(TIMEOUT)
-    seconds, nbytes, phases = [], 0, []
-    for v in range(1, versions + 1):
+    meta = DirDocuments(meta_root)
+    ctx = TransportContext(role=role, rank=rank, num_writers=len(writers), num_readers=len(readers),
+                           meta=meta, options=TransportOptions(**overrides))
+    transport = create_transport(name, ctx)
+    spans, phases, nbytes, prepare_s = [], [], 0, 0.0
+    for v in range(versions):
+        if role == "reader":
+            for t in tensors.values():
+                t.zero_()
         barrier.wait(TIMEOUT)
-        t0 = time.perf_counter()
-        stats = [transport.send(v, timeout=TIMEOUT) for transport, _, _ in ranks]
-        seconds.append(time.perf_counter() - t0)
-        nbytes = sum(s.nbytes for s in stats)
-        phases.append({k: sum(s.phases.get(k, 0.0) for s in stats) for k in stats[0].phases})
-        barrier.wait(TIMEOUT)
-    out.put(("writers", {"setup": [dict(t.setup) for t, _, _ in ranks], "send_seconds": seconds,
-                         "send_bytes": nbytes, "phases": phases}))
-    barrier.wait(TIMEOUT)
-    for transport, _, _ in ranks:
-        transport.close()
-
-
-def _reader_main(mode: str, layers: int, versions: int, meta_root: str, barrier: Any, out: Any) -> None:
-    import torch
-
-    from weightsync.plan import build_local_plan
-    from weightsync.plan.reference import random_canonical
-    from weightsync.transport import create_transport
-
-    torch.set_num_threads(1)
-    writers, readers = _layouts(layers)
-    plan = build_local_plan(writers, readers, role="reader", rank=0)
-    tensors = _tensors(readers[0], None)
-    ptrs = [t.data_ptr() for t in tensors.values()]
-    transport = create_transport("nixl", _context("reader", 0, mode, meta_root))
-    transport.prepare(plan, tensors, generation=0, timeout=TIMEOUT)
-    barrier.wait(TIMEOUT)
-    seconds, phases, nbytes = [], [], 0
-    for v in range(1, versions + 1):
-        if mode == "pull":
-            barrier.wait(TIMEOUT)  # writers pack ...
-            barrier.wait(TIMEOUT)  # ... and are done: time the reads alone
-            t0 = time.perf_counter()
-            stats = transport.receive(v, timeout=TIMEOUT)
+        t0 = time.monotonic()
+        if v == 0:
+            transport.prepare(plan, tensors, generation=0, timeout=TIMEOUT)
+            prepare_s = time.monotonic() - t0
+        if role == "writer":
+            stats = transport.send(v, timeout=TIMEOUT)
+            if transport.one_sided:
+                meta.put_document(f"sent/{v}/{rank}", b"1")
         else:
-            t0 = time.perf_counter()
-            barrier.wait(TIMEOUT)
+            if transport.one_sided:
+                for w in range(len(writers)):
+                    if meta.get_document(f"sent/{v}/{w}", wait=TIMEOUT) is None:
+                        raise TimeoutError(f"writer {w} did not publish version {v}")
             stats = transport.receive(v, timeout=TIMEOUT)
-            barrier.wait(TIMEOUT)
-        seconds.append(time.perf_counter() - t0)
+        spans.append((t0, time.monotonic()))
         phases.append(dict(stats.phases))
         nbytes = stats.nbytes
-    want = _tensors(readers[0], random_canonical(writers[0].canonical, seed=1))
-    wrong = [n for n, t in tensors.items() if not torch.equal(t.view(torch.uint8), want[n].view(torch.uint8))]
-    del want
-    memcpy = _memcpy(nbytes, repeats=versions)
-    out.put(("reader", {"setup": dict(transport.setup), "receive_seconds": seconds, "phases": phases,
-                        "receive_bytes": nbytes, "wrong_tensors": wrong, "memcpy": memcpy,
-                        "ptrs_unchanged": ptrs == [t.data_ptr() for t in tensors.values()]}))
-    barrier.wait(TIMEOUT)
+    report: dict[str, Any] = {"spans": spans, "phases": phases, "bytes": nbytes, "prepare_s": prepare_s,
+                              "setup": dict(getattr(transport, "setup", {}))}
+    if want is not None:
+        report["wrong"] = [n for n, t in tensors.items() if not torch.equal(t.view(torch.uint8),
+                                                                               want[n].view(torch.uint8))]
+        report["needed"] = plan.total_bytes
+        report["memcpy_gbps"] = _memcpy_gbps(nbytes)
+    barrier.wait(TIMEOUT)  # nobody closes while a peer may still read its memory
     transport.close()
+    out.put((role, rank, report))
 
 
-def _memcpy(nbytes: int, repeats: int) -> dict[str, float]:
-    """GB/s of torch copies of the same bytes, one thread and all threads (median)."""
+def _memcpy_gbps(nbytes: int, repeats: int = 3) -> float:
     import torch
 
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.zeros(nbytes, dtype=torch.uint8)
-    out = {}
-    for threads in (1, os.cpu_count() or 1):
-        torch.set_num_threads(threads)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t0)
-        out[f"threads_{threads}_gbps"] = nbytes / statistics.median(times) / 1e9
-    torch.set_num_threads(1)
-    return out
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / min(times) / 1e9
 
 
-def run_mode(mode: str, layers: int, versions: int) -> dict[str, Any]:
+def run(bench: str, layers: int, versions: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    barrier = ctx.Barrier(2)
+    ranks = [("writer", 0), ("writer", 1), ("reader", 0)]
+    barrier = ctx.Barrier(len(ranks))
     with tempfile.TemporaryDirectory() as meta_root:
-        procs = [ctx.Process(target=f, args=(mode, layers, versions, meta_root, barrier, results), daemon=True)
-                 for f in (_writers_main, _reader_main)]
+        procs = [ctx.Process(target=_rank_main, args=(bench, role, rank, layers, versions, meta_root, barrier,
+                                                      results), daemon=True) for role, rank in ranks]
         for p in procs:
             p.start()
         try:
-            got = dict(results.get(timeout=TIMEOUT * (versions + 2)) for _ in procs)
+            got = {}
+            for _ in procs:
+                role, rank, report = results.get(timeout=TIMEOUT * (versions + 2))
+                got[role, rank] = report
             for p in procs:
                 p.join(TIMEOUT)
         finally:
@@ -196,62 +180,55 @@ def run_mode(mode: str, layers: int, versions: int) -> dict[str, Any]:
                 if p.is_alive():
                     p.kill()
                     p.join(5)
-    return _summarise(mode, got["writers"], got["reader"])
-
-
-def _summarise(mode: str, writers: dict[str, Any], reader: dict[str, Any]) -> dict[str, Any]:
-    nbytes = reader["receive_bytes"]
-    timed = reader["receive_seconds"] if mode == "pull" else writers["send_seconds"]
-    med = statistics.median(timed)
-    phase_names = sorted({k for p in reader["phases"] + writers["phases"] for k in p})
+    reader = got["reader", 0]
+    seconds = [max(r["spans"][v][1] for r in got.values()) - min(r["spans"][v][0] for r in got.values())
+               for v in range(versions)]
+    later = seconds[1:] or seconds
     return {
-        "mode": mode,
-        "bytes": nbytes,
-        "seconds_median": med,
-        "gbps_median": nbytes / med / 1e9,
-        "gbps_best": nbytes / min(timed) / 1e9,
-        "timed": "reader receive()" if mode == "pull" else "both writers' send()",
-        "reader_receive_seconds": reader["receive_seconds"],
-        "writer_send_seconds": writers["send_seconds"],
-        "reader_phases_median": {k: statistics.median(p.get(k, 0.0) for p in reader["phases"])
-                                 for k in phase_names},
-        "writer_phases_median": {k: statistics.median(p.get(k, 0.0) for p in writers["phases"])
-                                 for k in phase_names},
-        "memcpy": reader["memcpy"],
-        "setup": {"reader": reader["setup"], "writers": writers["setup"]},
-        "correct": not reader["wrong_tensors"] and reader["ptrs_unchanged"],
+        "transport": bench, "bytes": reader["bytes"], "correct": not reader["wrong"]
+        and reader["bytes"] == reader["needed"],
+        "version_seconds": seconds, "first_s": seconds[0], "later_median_s": statistics.median(later),
+        "later_gbps": reader["bytes"] / statistics.median(later) / 1e9,
+        "prepare_s": {f"{role}{rank}": r["prepare_s"] for (role, rank), r in got.items()},
+        "setup": {f"{role}{rank}": r["setup"] for (role, rank), r in got.items()},
+        "reader_phases": reader["phases"], "memcpy_gbps": reader["memcpy_gbps"],
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mode", nargs="+", default=["pull", "push"], choices=["pull", "push"])
+    parser.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=list(TRANSPORTS))
     parser.add_argument("--layers", type=int, default=MODEL["num_hidden_layers"])
     parser.add_argument("--versions", type=int, default=5)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    results = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                           "platform": platform.platform()},
-               "model": {**MODEL, "num_hidden_layers": args.layers}, "source": SOURCE, "target": TARGET,
-               "runs": [run_mode(mode, args.layers, args.versions) for mode in args.mode]}
-    for r in results["runs"]:
-        rs, ws = r["setup"]["reader"], r["setup"]["writers"]
-        print(f"{r['mode']}: {r['bytes'] / 1e9:.3f} GB, {r['gbps_median']:.2f} GB/s median "
-              f"({r['gbps_best']:.2f} best) timing {r['timed']}; memcpy 1 thread "
-              f"{r['memcpy']['threads_1_gbps']:.2f} GB/s; correct={r['correct']}")
-        print(f"   reader phases {_fmt(r['reader_phases_median'])}; writer phases {_fmt(r['writer_phases_median'])}")
-        writer_ms = ", ".join(f"{w['register_seconds'] * 1e3:.1f} ms" for w in ws)
-        print(f"   register: reader {rs['register_seconds'] * 1e3:.1f} ms for {rs['registered_bytes'] / 1e9:.2f} GB, "
-              f"writers {writer_ms} for "
-              f"{sum(w['registered_bytes'] for w in ws) / 1e9:.2f} GB; descriptors reader "
-              f"{rs.get('descriptors', 0)}, writers {sum(w.get('descriptors', 0) for w in ws)}")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    runs = [run(bench, args.layers, args.versions) for bench in args.transports]
+    print(f"{SOURCE} -> {TARGET}, {runs[0]['bytes'] / 1e9:.3f} GB per version to the reader, "
+          f"{os.cpu_count()} CPUs, {args.versions} versions")
+    print("| transport | version 0 (with prepare) | later versions (median) | GB/s later | "
+          "reader prepare | NIXL registration (reader / writers) | correct |")
+    print("|---|---|---|---|---|---|---|")
+    for r in runs:
+        setup = r["setup"]
+        reg = "-"
+        if "register_seconds" in setup["reader0"]:
+            reg = (f"{setup['reader0']['register_seconds'] * 1e3:.1f} ms / "
+                   + " + ".join(f"{setup[w]['register_seconds'] * 1e3:.1f}" for w in ("writer0", "writer1"))
+                   + " ms")
+        print(f"| {r['transport']} | {r['first_s']:.3f} s | {r['later_median_s']:.3f} s | {r['later_gbps']:.2f} | "
+              f"{r['prepare_s']['reader0']:.3f} s | {reg} | {r['correct']} |")
+    print(f"single-threaded torch copy of the same bytes in the reader: "
+          f"{statistics.median(r['memcpy_gbps'] for r in runs):.2f} GB/s (median over the runs)")
+    for r in runs:
+        print(f"{r['transport']}: versions " + ", ".join(f"{s:.3f}" for s in r["version_seconds"]) + " s")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
-
-
-def _fmt(phases: dict[str, float]) -> str:
-    return ", ".join(f"{k} {v:.3f}s" for k, v in phases.items() if v)
+        Path(args.json).write_text(json.dumps({
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                        "platform": platform.platform()},
+            "model": {**MODEL, "num_hidden_layers": args.layers}, "source": SOURCE, "target": TARGET,
+            "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":
