@@ -1,19 +1,21 @@
 """NIXL pull and push beside torch (gloo) and shared memory: one plan, one run, real processes.
 
 Megatron TP2 -> vLLM TP1 of a Qwen2-style dense model in bf16 (``--layers 2``: ~0.5 GB,
-``--layers 6``: ~1 GB): two writer processes and one reader process per transport, every
-rank building its own local plan, as in a real job. Each version is timed end to end,
-from a barrier to the moment the last rank is done (writers' ``send`` and, for one-sided
-transports, the publication the reader waits for; the reader's ``receive``). Version 0
-includes ``prepare`` (rendezvous, memory registration, metadata exchange, handle
-preparation) as WeightWriter's first write does; the later versions show what is left
-once that cost is paid. The reader zeroes its tensors before every version (untimed) and
-checks the last version bitwise. A single-threaded ``torch`` copy of the same bytes in
-the reader process is the baseline.
+``--layers 6``: ~1 GB; ``--source``/``--target`` change the layouts): one process per
+rank (two writers and one reader by default), each building its own local plan, as in a
+real job. Each version is timed end to end, from a barrier to the moment the last rank
+is done (writers' ``send`` and, for one-sided transports, the publication the readers
+wait for; the readers' ``receive``); "writers busy" is the longest writer's part alone
+(what a training step waits for). Version 0 includes ``prepare`` (rendezvous, memory
+registration, metadata exchange, handle preparation) as WeightWriter's first write does;
+the later versions show what is left once that cost is paid. Readers zero their tensors
+before every version (untimed) and check the last version bitwise. A single-threaded
+``torch`` copy of one reader's bytes in its process is the baseline.
 
     python benchmarks/nixl_transport.py                       # ~0.5 GB, 5 versions, all transports
     python benchmarks/nixl_transport.py --layers 6 --json out.json
     python benchmarks/nixl_transport.py --transports nixl-pull shm
+    python benchmarks/nixl_transport.py --source hf --target vllm:tp=1,replicas=3 --transports nixl-pull nixl-push
 """
 
 from __future__ import annotations
@@ -69,12 +71,12 @@ class DirDocuments:
                 time.sleep(0.001)
 
 
-def _layouts(layers: int) -> tuple[list[Any], list[Any]]:
+def _layouts(layers: int, source: str, target: str) -> tuple[list[Any], list[Any]]:
     from weightsync.layout import parse_layout
     from weightsync.layout.model import ModelSpec
 
     spec = ModelSpec.from_hf_config({**MODEL, "num_hidden_layers": layers})
-    return parse_layout(SOURCE).all_rank_layouts(spec), parse_layout(TARGET).all_rank_layouts(spec)
+    return parse_layout(source).all_rank_layouts(spec), parse_layout(target).all_rank_layouts(spec)
 
 
 def _tensors(layout: Any, values: dict[str, Any] | None) -> dict[str, Any]:
@@ -88,8 +90,8 @@ def _tensors(layout: Any, values: dict[str, Any] | None) -> dict[str, Any]:
     return {n: torch.from_numpy(a).view(dtypes[n]) for n, a in arrays.items()}
 
 
-def _rank_main(bench: str, role: str, rank: int, layers: int, versions: int, meta_root: str,
-               barrier: Any, out: Any) -> None:
+def _rank_main(bench: str, role: str, rank: int, layers: int, layouts: tuple[str, str], versions: int,
+               meta_root: str, barrier: Any, out: Any) -> None:
     """One rank: prepare inside version 0, then send or receive every version, timed."""
     import torch
 
@@ -99,7 +101,7 @@ def _rank_main(bench: str, role: str, rank: int, layers: int, versions: int, met
 
     torch.set_num_threads(1)
     name, overrides = TRANSPORTS[bench]
-    writers, readers = _layouts(layers)
+    writers, readers = _layouts(layers, *layouts)
     layout = (writers if role == "writer" else readers)[rank]
     plan = build_local_plan(writers, readers, role=role, rank=rank)
     values = random_canonical(writers[0].canonical, seed=1)
@@ -158,14 +160,15 @@ def _memcpy_gbps(nbytes: int, repeats: int = 3) -> float:
     return nbytes / min(times) / 1e9
 
 
-def run(bench: str, layers: int, versions: int) -> dict[str, Any]:
+def run(bench: str, layers: int, layouts: tuple[str, str], versions: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    ranks = [("writer", 0), ("writer", 1), ("reader", 0)]
+    writers, readers = _layouts(layers, *layouts)
+    ranks = [("writer", w.rank) for w in writers] + [("reader", r.rank) for r in readers]
     barrier = ctx.Barrier(len(ranks))
     with tempfile.TemporaryDirectory() as meta_root:
-        procs = [ctx.Process(target=_rank_main, args=(bench, role, rank, layers, versions, meta_root, barrier,
-                                                      results), daemon=True) for role, rank in ranks]
+        procs = [ctx.Process(target=_rank_main, args=(bench, role, rank, layers, layouts, versions, meta_root,
+                                                      barrier, results), daemon=True) for role, rank in ranks]
         for p in procs:
             p.start()
         try:
@@ -181,14 +184,20 @@ def run(bench: str, layers: int, versions: int) -> dict[str, Any]:
                     p.kill()
                     p.join(5)
     reader = got["reader", 0]
+    received = sum(r["bytes"] for (role, _), r in got.items() if role == "reader")
     seconds = [max(r["spans"][v][1] for r in got.values()) - min(r["spans"][v][0] for r in got.values())
                for v in range(versions)]
     later = seconds[1:] or seconds
+    # How long the writers are busy per version (what a training step waits for in send).
+    busy = [max(r["spans"][v][1] - r["spans"][v][0] for (role, _), r in got.items() if role == "writer")
+            for v in range(versions)]
     return {
-        "transport": bench, "bytes": reader["bytes"], "correct": not reader["wrong"]
-        and reader["bytes"] == reader["needed"],
+        "transport": bench, "bytes": received,
+        "correct": all(not r["wrong"] and r["bytes"] == r["needed"] for (role, _), r in got.items()
+                       if role == "reader"),
         "version_seconds": seconds, "first_s": seconds[0], "later_median_s": statistics.median(later),
-        "later_gbps": reader["bytes"] / statistics.median(later) / 1e9,
+        "later_gbps": received / statistics.median(later) / 1e9,
+        "writer_busy_later_median_s": statistics.median(busy[1:] or busy),
         "prepare_s": {f"{role}{rank}": r["prepare_s"] for (role, rank), r in got.items()},
         "setup": {f"{role}{rank}": r["setup"] for (role, rank), r in got.items()},
         "reader_phases": reader["phases"], "memcpy_gbps": reader["memcpy_gbps"],
@@ -200,26 +209,29 @@ def main() -> None:
     parser.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=list(TRANSPORTS))
     parser.add_argument("--layers", type=int, default=MODEL["num_hidden_layers"])
     parser.add_argument("--versions", type=int, default=5)
+    parser.add_argument("--source", default=SOURCE, help=f"training layout (default {SOURCE})")
+    parser.add_argument("--target", default=TARGET, help=f"inference layout (default {TARGET})")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    runs = [run(bench, args.layers, args.versions) for bench in args.transports]
-    print(f"{SOURCE} -> {TARGET}, {runs[0]['bytes'] / 1e9:.3f} GB per version to the reader, "
+    runs = [run(bench, args.layers, (args.source, args.target), args.versions) for bench in args.transports]
+    print(f"{args.source} -> {args.target}, {runs[0]['bytes'] / 1e9:.3f} GB per version to the readers, "
           f"{os.cpu_count()} CPUs, {args.versions} versions")
-    print("| transport | version 0 (with prepare) | later versions (median) | GB/s later | "
-          "reader prepare | NIXL registration (reader / writers) | correct |")
-    print("|---|---|---|---|---|---|---|")
+    print("| transport | version 0 (with prepare) | later versions (median) | GB/s later | writers busy later | "
+          "reader prepare | NIXL registration (readers / writers) | correct |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in runs:
         setup = r["setup"]
         reg = "-"
         if "register_seconds" in setup["reader0"]:
-            reg = (f"{setup['reader0']['register_seconds'] * 1e3:.1f} ms / "
-                   + " + ".join(f"{setup[w]['register_seconds'] * 1e3:.1f}" for w in ("writer0", "writer1"))
-                   + " ms")
+            ms = {role: " + ".join(f"{v['register_seconds'] * 1e3:.1f}" for k, v in setup.items()
+                                   if k.startswith(role)) for role in ("reader", "writer")}
+            reg = f"{ms['reader']} ms / {ms['writer']} ms"
         print(f"| {r['transport']} | {r['first_s']:.3f} s | {r['later_median_s']:.3f} s | {r['later_gbps']:.2f} | "
+              f"{r['writer_busy_later_median_s']:.3f} s | "
               f"{r['prepare_s']['reader0']:.3f} s | {reg} | {r['correct']} |")
-    print(f"single-threaded torch copy of the same bytes in the reader: "
+    print(f"single-threaded torch copy of one reader's bytes in its process: "
           f"{statistics.median(r['memcpy_gbps'] for r in runs):.2f} GB/s (median over the runs)")
     for r in runs:
         print(f"{r['transport']}: versions " + ", ".join(f"{s:.3f}" for s in r["version_seconds"]) + " s")
@@ -227,7 +239,7 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                         "platform": platform.platform()},
-            "model": {**MODEL, "num_hidden_layers": args.layers}, "source": SOURCE, "target": TARGET,
+            "model": {**MODEL, "num_hidden_layers": args.layers}, "source": args.source, "target": args.target,
             "runs": runs}, indent=1))
 
 

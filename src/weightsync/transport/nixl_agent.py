@@ -8,7 +8,7 @@
     agent.run(xfer, deadline)                               # every version: repost the same handle
     agent.close()
 
-The settings come from measurements on nixl-cu12 1.5.1 (docs/nixl.md):
+The settings come from measurements on nixl-cu12 1.5.1 with UCX 1.23 on a 2-core host:
 
 * NIXL's progress thread is off: it never sleeps and takes half a core, which made
   transfers 2-5x slower on a 2-core host. Instead a light poller thread calls
