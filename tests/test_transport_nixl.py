@@ -108,6 +108,7 @@ def _rank_main(role, rank, scenarios, meta_root, barrier, results, stop_after=No
                     want = {n: t.to(tensors[n].dtype) for n, t in _tensors(cut_shards(ref, values), ref).items()}
                     bad = [n for n, t in tensors.items() if not torch.equal(t.view(torch.uint8), want[n].view(torch.uint8))]
                     out["received"].append((v, stats.nbytes, bad))
+                    results.put((role, rank, "received", v))
                 barrier.wait(TIMEOUT)  # lockstep, so pull writers never run ``slots`` versions ahead
             transport.close()
             out["ptrs_same"] = ptrs == {n: t.data_ptr() for n, t in tensors.items()}
@@ -126,8 +127,8 @@ class _NoBarrier:
 def _run_job(tmp_path: Path, scenarios, *, kill_writer0_after: int | None = None):
     """2 writers + 2 readers run ``scenarios``; returns {generation: {(role, rank): report}}.
 
-    With ``kill_writer0_after=n`` writer 0 is SIGKILLed once it has sent n versions (and
-    readers have had time to take them). No process survives this function.
+    With ``kill_writer0_after=n`` writer 0 stops after sending n versions and is SIGKILLed
+    once every reader has received the n-th. No process survives this function.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -143,6 +144,7 @@ def _run_job(tmp_path: Path, scenarios, *, kill_writer0_after: int | None = None
                 args=(role, rank, scenarios, str(tmp_path / "meta"), _NoBarrier() if doomed else barrier, results,
                       kill_writer0_after if doomed else None))
     reports: dict[int, dict] = {g: {} for g in range(len(scenarios))}
+    took: set[int] = set()
     expected = len(scenarios) * (len(procs) - killing)
     try:
         for p in procs.values():
@@ -152,9 +154,10 @@ def _run_job(tmp_path: Path, scenarios, *, kill_writer0_after: int | None = None
             role, rank, kind, payload = results.get(timeout=max(deadline - time.monotonic(), 0.1))
             if kind == "crash":
                 raise AssertionError(f"{role} {rank} crashed:\n{payload}")
-            if kind == "sent" and killing and (role, rank) == ("writer", 0) and payload == kill_writer0_after:
-                time.sleep(0.5)  # readers take that version meanwhile
-                os.kill(procs[role, rank].pid, signal.SIGKILL)
+            if killing and kind == "received" and payload == scenarios[0][2][kill_writer0_after - 1]:
+                took.add(rank)
+                if len(took) == 2:  # every reader has the last version writer 0 sends
+                    os.kill(procs["writer", 0].pid, signal.SIGKILL)
             elif kind == "done":
                 generation, out = payload
                 reports[generation][role, rank] = out

@@ -24,12 +24,14 @@ READs it before writing into live parameters, then WRITEs with a notification ca
 ``V``. NIXL sends the notification after the data and a flush, so its arrival completes
 the reader's ``receive``. Push is not one-sided (the writer waits for readers).
 
-**Choosing** (``TransportOptions.nixl_mode``, the same on every rank): ``auto`` picks push
-when there are at most as many readers as writers (each writer feeds few readers: no
-version slots on the writer, no landing copies on the reader, the reader's CPU idle) and
-pull when readers outnumber writers (fan-out: each reader initiates its own reads, so
-the work spreads over the readers and a slow reader never holds a writer up). See
-docs/benchmarks.md ("NIXL") for measured figures.
+**Choosing** (``TransportOptions.nixl_mode``, the same on every rank): a push writer
+performs every write itself, once per reader it feeds; a pull writer only packs once and
+the readers do the rest. ``auto`` therefore picks push when there are at most as many
+readers as writers (the writers' time is about one pack's worth either way, and push
+copies each byte once instead of twice, needs no version slots on the writer and leaves
+the reader's CPU idle) and pull when readers outnumber writers (fan-out: the writer's
+time stays one pack, the reads spread over the readers, and a reader may lag ``slots - 1``
+versions without holding the writers up). Figures: docs/benchmarks.md, "NIXL".
 
 Every wait has a deadline and keeps operating on the peers it waits for, so a dead peer
 is a :class:`TransportError` naming it, within the timeout.
