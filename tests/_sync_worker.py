@@ -56,7 +56,8 @@ def main() -> None:
                       transport=args.get("transport", "auto"), timeout=args.get("timeout", 60.0),
                       plan_options=PlanOptions(min_split_bytes=args.get("min_split_bytes", 1 << 20)),
                       transport_options=TransportOptions(max_bucket_bytes=args.get("bucket", 1 << 16),
-                                                         direct_min_bytes=1024))
+                                                         direct_min_bytes=1024,
+                                                         **args.get("transport_options", {})))
     role, rank = args["role"], args["rank"]
     if role == "writer":
         source = ShardedSource(args["source"], config, rank)

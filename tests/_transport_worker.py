@@ -53,7 +53,16 @@ def main() -> None:
                            meta=meta, options=opts)
     transport = create_transport(args["transport"], ctx)
     timeout = args.get("timeout", 30.0)
-    transport.prepare(plan, tensors, generation=0, timeout=timeout)
+    t0 = time.monotonic()
+    try:
+        transport.prepare(plan, tensors, generation=0, timeout=timeout)
+    except Exception as exc:  # WeightReader reports a failed prepare like a failed receive
+        transport.close()
+        if role == "writer":
+            raise
+        print(json.dumps({"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - t0}),
+              flush=True)
+        return
     results = []
     try:
         for version in range(args["versions"]):

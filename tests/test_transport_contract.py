@@ -21,11 +21,15 @@ from weightsync.transport import unavailable_reason
 from weightsync.transport.shm import sweep_stale_segments
 
 HERE = os.path.dirname(__file__)
-TRANSPORTS = ["torch", "shm", "file", "nixl"]
+TRANSPORTS = ["torch", "shm", "file", "nixl-pull", "nixl-push"]
+#: Contract names of transport variants: (registry name, TransportOptions overrides).
+VARIANTS = {"nixl-pull": ("nixl", {"nixl_mode": "pull"}), "nixl-push": ("nixl", {"nixl_mode": "push"})}
 
 
 def run_scenario(tmp_path, transport, *, versions=3, timeout=30.0, **extra):
-    base = {"transport": transport, "config": "tiny-qwen3-moe", "source": "megatron:tp=2,dtype=float32",
+    transport, options = VARIANTS.get(transport, (transport, {}))
+    base = {"transport": transport, "options": options, "config": "tiny-qwen3-moe",
+            "source": "megatron:tp=2,dtype=float32",
             "target": "vllm:tp=1,replicas=2,dtype=bfloat16", "source_dtype": "float32",
             "target_dtype": "bfloat16", "versions": versions, "meta_dir": str(tmp_path / "meta"),
             "timeout": timeout, **extra}
@@ -58,7 +62,7 @@ def own_segments(pids):
 
 @pytest.fixture(params=TRANSPORTS)
 def transport(request):
-    reason = unavailable_reason(request.param)
+    reason = unavailable_reason(VARIANTS.get(request.param, (request.param,))[0])
     if reason:
         pytest.skip(reason)
     return request.param

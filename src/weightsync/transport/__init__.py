@@ -5,7 +5,7 @@
 | torch   | torch_dist.py   | torch.distributed p2p (gloo on CPU, NCCL on GPU) | no        |
 | shm     | shm.py          | POSIX shared memory / CUDA IPC, co-located ranks | yes       |
 | file    | file.py         | safetensors files on (shared) storage            | yes       |
-| nixl    | nixl.py         | NIXL/UCX one-sided RDMA reads or writes          | yes       |
+| nixl    | nixl.py         | NIXL/UCX RDMA reads (pull) or writes (push)      | pull only |
 
 Adding a transport is one module, one entry in ``_FACTORIES`` and one availability probe.
 """

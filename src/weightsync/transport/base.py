@@ -55,6 +55,9 @@ class TransportOptions:
         slots: version slots of one-sided transports (shared memory, file): a reader may
             fall ``slots - 1`` versions behind before the version it reads is overwritten.
         file_dir: directory of the file transport (shared storage across nodes).
+        nixl_mode: how the NIXL transport moves bytes: "pull" (readers READ from writers'
+            registered version slots), "push" (writers WRITE into readers' registered
+            parameters) or "auto" (push when readers <= writers, else pull; see transport/nixl.py).
     """
 
     max_bucket_bytes: int = 64 << 20
@@ -64,6 +67,7 @@ class TransportOptions:
     host: str = "127.0.0.1"
     slots: int = 2
     file_dir: str = ""
+    nixl_mode: Literal["auto", "pull", "push"] = "auto"
 
     def __post_init__(self) -> None:
         if self.max_bucket_bytes < 2 * 4096:
@@ -74,6 +78,8 @@ class TransportOptions:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.nixl_mode not in ("auto", "pull", "push"):
+            raise ValueError(f"nixl_mode must be 'auto', 'pull' or 'push', got {self.nixl_mode!r}")
 
     @property
     def message_bytes(self) -> int:

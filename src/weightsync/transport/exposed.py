@@ -10,7 +10,7 @@ local plans.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import msgpack
@@ -37,12 +37,15 @@ class ExposedIndex:
     @classmethod
     def for_writer(cls, plan: Plan, rank: int) -> tuple[ExposedIndex, list[tuple[str, TransferOp]]]:
         """Index and the ops to copy (one per distinct key) for writer ``rank``."""
+        return cls.for_ops(op for op in plan.ops if op.src_rank == rank)
+
+    @classmethod
+    def for_ops(cls, ops: Iterable[TransferOp]) -> tuple[ExposedIndex, list[tuple[str, TransferOp]]]:
+        """Index and the ops to copy (one per distinct key), in the order given."""
         entries: dict[str, tuple[int, int]] = {}
         first_ops: list[tuple[str, TransferOp]] = []
         cursor = 0
-        for op in plan.ops:
-            if op.src_rank != rank:
-                continue
+        for op in ops:
             key = piece_key(op)
             if key in entries:
                 continue
