@@ -42,20 +42,21 @@ def tensor_seed(name: str, seed: int) -> int:
 class WeightPool:
     """The random rows every process derives the model from (see module docstring)."""
 
-    def __init__(self, canonical: Mapping[str, object], *, width: int, dtype: str, seed: int = 0) -> None:
+    def __init__(self, canonical: Mapping[str, object], *, width: int, dtype: str, seed: int = 0,
+                 device: str | torch.device = "cpu") -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.rows = torch.randn((POOL_ROWS, width), generator=gen).to(TORCH_DTYPES[dtype])
+        self.rows = torch.randn((POOL_ROWS, width), generator=gen).to(TORCH_DTYPES[dtype]).to(device)
         self.seed = seed
         self.dtype = dtype
         self._seeds = {name: tensor_seed(name, seed) for name in canonical}
 
     @classmethod
-    def for_layout(cls, layout: RankLayout, *, seed: int = 0) -> WeightPool:
+    def for_layout(cls, layout: RankLayout, *, seed: int = 0, device: str | torch.device = "cpu") -> WeightPool:
         width = max(t.shape[-1] for t in layout.canonical.values())
         dtypes = {t.dtype for t in layout.canonical.values()}
         if len(dtypes) != 1:
             raise ValueError(f"benchmark models have one dtype, got {sorted(dtypes)}")
-        return cls(layout.canonical, width=width, dtype=dtypes.pop(), seed=seed)
+        return cls(layout.canonical, width=width, dtype=dtypes.pop(), seed=seed, device=device)
 
     def box(self, name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """The values of box ``offsets + sizes`` of canonical tensor ``name`` (a new tensor)."""
@@ -64,7 +65,8 @@ class WeightPool:
             return self.rows[base, offsets[0]: offsets[0] + sizes[0]].clone()
         if len(sizes) != 2:
             raise ValueError(f"{name}: benchmark weights support 1-d and 2-d tensors, got {len(sizes)}-d")
-        idx = (torch.arange(offsets[0], offsets[0] + sizes[0], dtype=torch.int64) * STRIDE + base) % POOL_ROWS
+        idx = torch.arange(offsets[0], offsets[0] + sizes[0], dtype=torch.int64, device=self.rows.device)
+        idx = (idx * STRIDE + base) % POOL_ROWS
         return self.rows[:, offsets[1]: offsets[1] + sizes[1]].index_select(0, idx)
 
     def full(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:

@@ -64,7 +64,7 @@ def measure_limits(ctx: Any, nbytes: int, *, reps: int = 5) -> dict[str, float]:
     me = ctx.global_rank
     first_reader = ctx.num_writers
     loop_bytes = max(min(nbytes, 256 << 20), 1 << 20)
-    buf = torch.ones(loop_bytes, dtype=torch.uint8) if me in (0, first_reader) else None
+    buf = torch.ones(loop_bytes if me in (0, first_reader) else 1, dtype=torch.uint8)
     times = []
     for _ in range(reps):
         dist.barrier()

@@ -65,11 +65,11 @@ def _nodelay_protocol() -> type[asyncio.Protocol]:
     several meta calls, so this alone was most of a small model's sync time.
     """
     try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
     except ImportError:  # pragma: no cover - httptools is a dependency
-        from uvicorn.protocols.http.h11_impl import H11Protocol as base  # type: ignore[assignment]
+        from uvicorn.protocols.http.h11_impl import H11Protocol as Base  # type: ignore[assignment]
 
-    class NoDelay(base):  # type: ignore[valid-type, misc]
+    class NoDelay(Base):  # type: ignore[valid-type, misc]
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             sock = transport.get_extra_info("socket")
             if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
