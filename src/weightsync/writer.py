@@ -87,8 +87,12 @@ class WeightWriter:
         generation = self._agree_generation(version, deadline)
         tensors = self.source.tensors()
         published = f"{session.sync_fingerprint}@{generation}"
+        # Two-sided transports need the readers to post receives, so they publish first; so do
+        # one-sided transports whose receive() itself waits for each byte (shared memory
+        # streams: readers copy while this writer packs). The rest publish once data is out.
+        early = not transport.one_sided or bool(getattr(transport, "receive_waits_for_data", False))
         try:
-            if not transport.one_sided:
+            if early:
                 self._publish(version, published, result)
             t0 = time.perf_counter()
             session.ensure_prepared(tensors, generation, max(deadline - time.monotonic(), 0.001))
@@ -97,7 +101,7 @@ class WeightWriter:
             result.nbytes = stats.nbytes
             for name, seconds in stats.phases.items():
                 result.phases[f"send.{name}"] = seconds
-            if transport.one_sided:
+            if not early:
                 self._publish(version, published, result)
         except TransportError as exc:
             session.invalidate()

@@ -165,6 +165,8 @@ class Transport(Protocol):
     writes_in_place: ClassVar[bool]
     #: Readers can fetch a version without the writer taking part (pull at any time).
     one_sided: ClassVar[bool]
+    # Optional: ``receive_waits_for_data = True`` on a one-sided transport whose receive(V)
+    # waits for V's bytes itself; writers then publish V before sending it (see writer.py).
 
     def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, generation: int,
                 timeout: float) -> None: ...

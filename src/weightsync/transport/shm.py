@@ -12,6 +12,15 @@ Each slot carries a sequence word (the version it holds, -1 while being written)
 reader checks it before and after copying, so a version overwritten mid-read is detected
 and reported, never silently applied.
 
+**Streaming (CPU, x86-64).** A reader does not wait for a writer to finish the whole slot:
+the writer also records which version it is writing into the slot and how many bytes of
+it are packed (pieces are packed in offset order), and a reader copies each of its ops as
+soon as the writer's progress has passed that op's bytes. Packing and reading overlap, so
+a sync costs about one copy instead of two back to back. x86-64 keeps stores in program
+order, so a reader that sees the progress word also sees the bytes before it; on other
+CPUs, and for CUDA slots (whose copies are asynchronous), readers wait for the finished
+slot as before. The final sequence-word check still guards every version.
+
 The segment lives in ``/dev/shm`` (mapped with ``torch.from_file(shared=True)``, so no
 Python buffer bookkeeping), is named with a random token published through the meta
 server, and is unlinked by its writer on ``close()``. On GPU the slots are one CUDA
@@ -24,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import platform
 import secrets
 import time
 from collections.abc import Mapping
@@ -45,6 +55,22 @@ SHM_DIR = "/dev/shm"
 _MAGIC = 0x5753_4D48_0001  # "WSMH" v1
 _CONTROL_BYTES = 4096
 _EMPTY = -1
+#: Pack progress is published every this many bytes (and at the end of the slot).
+_PROGRESS_BYTES = 4 << 20
+#: Store order is program order (x86-64 TSO), so progress words may be read without fences.
+_ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
+#: Diagnostic switch (A/B benchmarks): WEIGHTSYNC_SHM_STREAMING=0 makes readers wait for whole slots.
+_STREAMING = _ORDERED_STORES and os.environ.get("WEIGHTSYNC_SHM_STREAMING", "1") != "0"
+
+
+def _writing_word(slots: int, slot: int) -> int:
+    """Control word: the version being written into ``slot`` (or -1)."""
+    return 3 + slots + slot
+
+
+def _progress_word(slots: int, slot: int) -> int:
+    """Control word: bytes of ``slot`` packed so far for the version being written."""
+    return 3 + 2 * slots + slot
 
 
 class SharedMemoryTransport:
@@ -53,6 +79,8 @@ class SharedMemoryTransport:
     name: ClassVar[str] = "shm"
     writes_in_place: ClassVar[bool] = True
     one_sided: ClassVar[bool] = True
+    #: receive(V) waits for V's bytes itself, so writers publish V before packing it.
+    receive_waits_for_data: ClassVar[bool] = True
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
@@ -99,7 +127,7 @@ class SharedMemoryTransport:
         mem = torch.from_file(path, shared=True, size=control_bytes, dtype=torch.uint8)
         self._path = path
         words = mem[:_CONTROL_BYTES].view(torch.int64)
-        words[: 3 + self.slots].fill_(_EMPTY)
+        words[: 3 + 3 * self.slots].fill_(_EMPTY)
         words[1], words[2] = len(meta), control_bytes - len(meta)
         mem[control_bytes - len(meta):] = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
         words[0] = _MAGIC
@@ -122,7 +150,13 @@ class SharedMemoryTransport:
         timer = PhaseTimer(stats)
         slot = version % self.slots
         base = slot * self._slot_bytes
-        self._control[3 + slot] = _EMPTY  # readers of the old version in this slot will notice
+        control = self._control
+        streaming = self.device.type == "cpu" and _STREAMING
+        control[3 + slot] = _EMPTY  # readers of the old version in this slot will notice
+        progress_at = _progress_word(self.slots, slot)
+        control[progress_at] = 0
+        control[_writing_word(self.slots, slot)] = version if streaming else _EMPTY
+        published = 0
         with timer("pack"):
             for key, op in self._copies_ops:
                 at, nbytes = self._index.entries[key]
@@ -133,6 +167,9 @@ class SharedMemoryTransport:
                 out.view(op.box.sizes).copy_(src)
                 stats.nbytes += nbytes
                 stats.messages += 1
+                if streaming and at + nbytes - published >= _PROGRESS_BYTES:
+                    published = at + nbytes
+                    control[progress_at] = published
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._control[3 + slot] = version
@@ -164,15 +201,16 @@ class SharedMemoryTransport:
         timer = PhaseTimer(stats)
         slot = version % self.slots
         deadline = time.monotonic() + timeout
-        for w, peer in self._peers.items():
-            while peer.slot_version(slot) != version:
-                held = peer.slot_version(slot)
-                if held > version or time.monotonic() > deadline:
-                    raise TransportError(self._stale_message(w, version, held))
-                time.sleep(0.001)
+        streaming = self.device.type == "cpu" and _STREAMING
+        if not streaming:
+            for w in self._peers:
+                self._wait_packed(w, version, slot, None, deadline)
+        ready = dict.fromkeys(self._peers, -1)  # bytes of each writer's slot known to be packed
         with timer("transfer"):
             for w, op, at in self._reads:
                 peer = self._peers[w]
+                if at + op.nbytes > ready[w]:
+                    ready[w] = self._wait_packed(w, version, slot, at + op.nbytes, deadline)
                 base = slot * peer.slot_bytes
                 data = peer.data[base + at: base + at + op.nbytes].view(TORCH_DTYPES[op.dst_dtype])
                 flat = self._flats[op.dst_shard]
@@ -183,10 +221,34 @@ class SharedMemoryTransport:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         for w, peer in self._peers.items():
+            if streaming:  # the writer may still be packing pieces other readers need
+                self._wait_packed(w, version, slot, None, deadline)
             held = peer.slot_version(slot)
             if held != version:
                 raise TransportError(self._stale_message(w, version, held) + " (overwritten while reading)")
         return stats
+
+    def _wait_packed(self, writer: int, version: int, slot: int, need: int | None, deadline: float) -> int:
+        """Wait until writer's ``slot`` holds ``version`` up to byte ``need`` (None: all of it).
+
+        Returns how many bytes are known to be packed (the slot's size once it is complete).
+        """
+        peer = self._peers[writer]
+        spins = 0
+        while True:
+            held = peer.slot_version(slot)
+            if held == version:
+                return peer.slot_bytes
+            if held > version:
+                raise TransportError(self._stale_message(writer, version, held))
+            if need is not None and peer.word(_writing_word(peer.slots, slot)) == version:
+                packed = peer.word(_progress_word(peer.slots, slot))
+                if packed >= need:
+                    return packed
+            if time.monotonic() > deadline:
+                raise TransportError(self._stale_message(writer, version, held))
+            spins += 1
+            time.sleep(0 if spins < 50 else 0.0002)
 
     def _stale_message(self, writer: int, version: int, held: int) -> str:
         what = "not yet written" if held in (_EMPTY,) or held < version else f"already replaced by {held}"
@@ -253,11 +315,13 @@ def _alive(pid: int) -> bool:
 class _PeerSegment:
     """A reader's mapping of one writer's segment."""
 
-    def __init__(self, control: torch.Tensor, data: torch.Tensor, index: ExposedIndex, slot_bytes: int) -> None:
+    def __init__(self, control: torch.Tensor, data: torch.Tensor, index: ExposedIndex, slot_bytes: int,
+                 slots: int) -> None:
         self.control = control
         self.data = data
         self.index = index
         self.slot_bytes = slot_bytes
+        self.slots = slots
 
     @classmethod
     def attach(cls, path: str, device: torch.device) -> _PeerSegment:
@@ -279,7 +343,10 @@ class _PeerSegment:
             data = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
         else:
             data = mem[_CONTROL_BYTES:_CONTROL_BYTES + slots * slot_bytes]
-        return cls(words, data, index, slot_bytes)
+        return cls(words, data, index, slot_bytes, slots)
 
     def slot_version(self, slot: int) -> int:
         return int(self.control[3 + slot])
+
+    def word(self, at: int) -> int:
+        return int(self.control[at])

@@ -1,0 +1,94 @@
+"""``weightsync bench``: weightsync against today's baselines, side by side in one run.
+
+    weightsync bench --quick                       # < 5 minutes on 2 cores
+    weightsync bench --quick --json --plot out.png # last stdout line: one JSON object
+    weightsync bench --models llama-0.1b,qwen3-1.7b --dtypes bf16 --layouts tp2->tp1x2
+
+See docs/benchmarks.md for what every method and ratio means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="the quick suite (one small model, every method)")
+    p.add_argument("--suite", choices=["quick", "full", "test"], default=None,
+                   help="quick | full (every model, dtype and layout that fits in memory) | test (tiny)")
+    p.add_argument("--models", type=_csv, default=[], help="comma-separated model names (see bench.cases.MODELS)")
+    p.add_argument("--dtypes", type=_csv, default=[], help="bf16,fp32")
+    p.add_argument("--layouts", type=_csv, default=[], help="tp2->tp1x2,fsdp2->tp2,same")
+    p.add_argument("--transports", type=_csv, default=[],
+                   help="weightsync transports to run (default: every available one)")
+    p.add_argument("--reps", type=int, default=0, help="timed syncs per method (after one warm-up)")
+    p.add_argument("--max-bucket-mb", type=int, default=64, help="weightsync staging bound per process")
+    p.add_argument("--baseline-bucket-mb", type=int, default=512,
+                   help="bucket of the bucketed-broadcast baseline (slime's and verl's default is 512)")
+    p.add_argument("--no-peer", action="store_true", help="skip the awex peer case")
+    p.add_argument("--awex-python", default=os.environ.get("WEIGHTSYNC_AWEX_PYTHON", ""),
+                   help="Python of a venv with awex installed (env WEIGHTSYNC_AWEX_PYTHON); "
+                        "without it the peer row is skipped")
+    p.add_argument("--awex-script", default="", help="awex_p2p_bench.py (default: benchmarks/awex_peer/)")
+    p.add_argument("--no-verify", action="store_true", help="skip the bitwise check of the destinations")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed for one case")
+    p.add_argument("--json", action="store_true", help="end with one JSON object on the last line of stdout")
+    p.add_argument("--plot", default="", help="write a figure (PNG) of the results here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from weightsync.bench import BenchOptions, run_bench, suite
+    from weightsync.bench.report import plot, print_table
+    from weightsync.transport import available_transports
+
+    kind = args.suite or ("quick" if args.quick else "full")
+    transports = args.transports or available_transports()
+    unknown = sorted(set(transports) - set(available_transports()))
+    if unknown:
+        raise ValueError(f"transport(s) {unknown} are not available here; available: {available_transports()}")
+    cases = suite(kind, transports, models=args.models, dtypes=args.dtypes, layouts=args.layouts,
+                  reps=args.reps, peer=not args.no_peer)
+    if args.max_bucket_mb < 1 or args.baseline_bucket_mb < 1:
+        raise ValueError("--max-bucket-mb and --baseline-bucket-mb must be >= 1")
+    options = BenchOptions(max_bucket_bytes=args.max_bucket_mb << 20,
+                           baseline_bucket_bytes=args.baseline_bucket_mb << 20, timeout=args.timeout,
+                           verify=not args.no_verify, awex_python=args.awex_python, awex_script=args.awex_script)
+    console = Console(stderr=args.json, width=200)
+    total = sum(len(c.methods) + (1 if c.peer else 0) for c in cases)
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=Console(stderr=True), disable=args.no_progress, transient=False)
+    with progress:
+        task = progress.add_task("bench", total=total)
+
+        def on_method(case: Any, method: str) -> None:
+            progress.update(task, advance=1, description=f"{case.name}: {method} done")
+
+        result = run_bench(cases, options, on_method=on_method)
+    print_table(result["rows"], console=console,
+                title=f"weightsync bench ({kind}; {result['machine']['nproc']} cores, {result['machine']['cpu']})")
+    for key, value in result["ratios"].items():
+        console.print(f"{key}: {value:.2f}")
+    for line in result["skipped"]:
+        console.print(f"[yellow]skipped[/yellow] {line}")
+    for line in result["failures"]:
+        console.print(f"[red]FAILED[/red] {line}")
+    if args.plot:
+        plot(result["rows"], result["limits"], args.plot,
+             title=f"weightsync bench ({kind}), {result['machine']['nproc']} cores {result['machine']['cpu']}")
+        console.print(f"figure written to {args.plot}")
+    if args.json:
+        sys.stdout.flush()
+        print(json.dumps(result), flush=True)
+    return 1 if result["failures"] else 0

@@ -1,0 +1,132 @@
+"""The bench machinery: a tiny end-to-end run (JSON schema, bitwise destinations) and its parts."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+from weightsync.bench.baselines import plan_buckets
+from weightsync.bench.cases import Case, model_config, suite
+from weightsync.bench.report import summary_ratios
+from weightsync.bench.runner import add_ratios, parse_awex_output
+from weightsync.bench.weights import CanonicalLoader, WeightPool, fill, gather_contributions, mismatches
+from weightsync.cli import main
+from weightsync.layout import ModelSpec, parse_layout
+from weightsync.sources.module import allocate
+
+ROW_KEYS = {"method", "transport", "layout", "bytes", "seconds", "gbps", "peak_extra_bytes"}
+
+
+@pytest.mark.xdist_group("bench")
+def test_tiny_bench_run_json_schema_and_bitwise_destinations(capsys, tmp_path):
+    """Every method (weightsync transports and the baselines) lands bitwise-equal weights."""
+    png = tmp_path / "bench.png"
+    code = main(["bench", "--suite", "test", "--no-peer", "--json", "--no-progress", "--plot", str(png),
+                 "--timeout", "120"])
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    assert code == 0, result["failures"]
+    methods = {r["method"] for r in result["rows"]}
+    assert {"safetensors-disk", "safetensors-shm", "per-param-broadcast", "bucketed-broadcast",
+            "weightsync-shm", "weightsync-torch", "weightsync-file"} <= methods
+    spec = ModelSpec.from_hf_config(model_config("tiny", "bf16"))
+    for row in result["rows"]:
+        assert ROW_KEYS <= set(row), row
+        assert row["verified"] is True, row  # each reader compared every byte it holds
+        assert row["bytes"] == 2 * spec.num_parameters * 2  # two TP1 replicas of a bf16 model
+        assert row["seconds"] > 0 and row["gbps"] > 0
+    for key in ("shm_over_memcpy", "safetensors_over_weightsync", "per_param_broadcast_over_weightsync"):
+        assert result["ratios"][key] > 0
+    assert png.stat().st_size > 10_000
+    assert not glob.glob("/dev/shm/weightsync-bench-*")
+
+
+def test_weight_pool_boxes_agree_across_layouts():
+    spec = ModelSpec.from_hf_config(model_config("tiny", "fp32"))
+    src = parse_layout("megatron:tp=2").rank_layout(spec, 1)
+    pool = WeightPool.for_layout(src, seed=3)
+    tensors = allocate(src)
+    fill(src, tensors, pool)
+    assert mismatches(src, tensors, pool) == []
+    # the same elements, computed as whole tensors, load into another layout identically
+    dst = parse_layout("vllm:tp=2").rank_layout(spec, 1)
+    engine = allocate(dst)
+    loader = CanonicalLoader(dst, engine)
+    for name, tensor in spec.canonical_tensors().items():
+        loader.load(name, pool.full(name, tensor.shape))
+    assert mismatches(dst, engine, pool) == []
+    # a single flipped element is caught
+    qkv = engine["model.layers.0.self_attn.qkv_proj.weight"]
+    qkv.view(-1)[5] = torch.nextafter(qkv.view(-1)[5], torch.tensor(float("inf")))
+    assert mismatches(dst, engine, pool) == ["model.layers.0.self_attn.q_proj.weight"]
+    # different tensors get different values
+    assert not torch.equal(pool.full("model.layers.0.mlp.up_proj.weight", (128, 64)),
+                           pool.full("model.layers.0.mlp.gate_proj.weight", (128, 64)))
+
+
+@pytest.mark.parametrize(("layout", "norm_ranks"), [("megatron:tp=2", [0]), ("fsdp:dp=2", [0, 1]),
+                                                   ("vllm:tp=2", [0])])
+def test_gather_contributions_cover_each_tensor_once(layout, norm_ranks):
+    spec = ModelSpec.from_hf_config(model_config("tiny", "bf16"))
+    kind = parse_layout(layout)
+    contributions = gather_contributions([kind.rank_layout(spec, r) for r in range(kind.world_size)])
+    assert set(contributions) == set(spec.canonical_tensors())
+    norm = contributions["model.norm.weight"]
+    assert [c.rank for c in norm] == norm_ranks  # replicated: only the lowest rank sends it; FSDP: row chunks
+
+
+def test_plan_buckets_respects_the_bound_and_keeps_order():
+    spec = ModelSpec.from_hf_config(model_config("tiny", "bf16"))
+    canon = spec.canonical_tensors()
+    buckets = plan_buckets(spec, 40_000)
+    assert [n for b in buckets for n in b] == list(canon)
+    for b in buckets:
+        assert len(b) == 1 or sum(canon[n].nbytes for n in b) <= 40_000
+
+
+def test_ratios_and_awex_parsing():
+    case = Case(model="qwen3-0.2b", dtype="bf16", layout="tp2->tp1x2", tag="awex-peer",
+                methods=("weightsync-torch",), peer="awex")
+    stdout = "\n".join([
+        json.dumps({"shape": "qwen3-mid", "dtype": "bf16", "model_bytes": 1000, "bytes_moved_total": 2000}),
+        "iter 0: transfer_phase_s=9.0 GB/s(total moved)=0.1",
+        "iter 1: transfer_phase_s=2.0 GB/s(total moved)=0.1",
+        "iter 2: transfer_phase_s=4.0 GB/s(total moved)=0.1",
+        "ALL_BITWISE_EQUAL",
+    ])
+    peer = parse_awex_output(case, stdout)
+    assert peer["seconds"] == 3.0 and peer["verified"] and peer["bytes"] == 2000  # warm-up dropped
+    ours = {"case": "awex-peer", "method": "weightsync-torch", "layout": "tp2->tp1x2", "bytes": 2000,
+            "per_reader_bytes": 1000, "seconds": 1.0}
+    rows = [ours, peer]
+    add_ratios(rows, {"memcpy_gbps": 1e-6, "loopback_gbps": 1e-6})
+    assert ours["over_memcpy"] == pytest.approx(1.0)
+    assert summary_ratios(rows)["awex_over_weightsync_torch"] == pytest.approx(3.0)
+    assert "error" in parse_awex_output(case, "Traceback ...", 1)
+
+
+def test_suites_and_bad_input():
+    quick = suite("quick", ["torch", "shm", "file"])
+    assert quick[0].name == "issue4" and quick[0].methods == ("weightsync-shm",)
+    assert any(c.layout == "fsdp2->tp2" for c in quick) and any(c.layout == "same" for c in quick)
+    with pytest.raises(ValueError, match="unknown benchmark model"):
+        model_config("gpt-17", "bf16")
+    with pytest.raises(ValueError, match="unknown layout pair"):
+        Case(model="tiny", dtype="bf16", layout="tp3", methods=())
+    assert main(["bench", "--suite", "test", "--transports", "warp-drive"]) == 2
+
+
+def test_gpu_script_fails_clearly_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu.py")
+    proc = subprocess.run([sys.executable, script, "--sizes", "1b"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "CUDA" in proc.stderr
