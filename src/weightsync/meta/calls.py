@@ -163,6 +163,13 @@ class ReaderReport:
     def versions(self) -> dict[int, int | None]:
         return {int(r["rank"]): r["version"] for r in self.rows}
 
+    def settled(self, min_version: int) -> list[int]:
+        """Reader ranks done with ``min_version``: applied it or newer, or failed it or newer."""
+        def last(row: Mapping[str, Any]) -> int:
+            seen = [v for v in (row.get("version"), row.get("failed_version")) if v is not None]
+            return max(seen, default=-1)
+        return [int(r["rank"]) for r in self.rows if last(r) >= min_version]
+
     @classmethod
     def from_wire(cls, obj: Any) -> ReaderReport:
         return cls(VersionInfo.from_wire(obj["latest"]), tuple(obj["readers"]))

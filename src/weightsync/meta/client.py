@@ -82,14 +82,15 @@ def _barrier_result(table: ParticipantTable, writers: int, readers: int, timeout
 def _readers_result(report: ReaderReport, job: str, min_version: int, readers: int,
                     timeout: float) -> dict[int, int | None]:
     versions = report.versions
-    done = [r for r, v in versions.items() if v is not None and v >= min_version]
+    done = report.settled(min_version)
     if len(done) >= readers:
         return versions
     laggards = [f"rank {row['rank']} at {'no valid version' if row['version'] is None else row['version']}"
                 + (f" ({row['error']})" if row.get("error") else "")
-                for row in report.rows if row["version"] is None or row["version"] < min_version]
+                for row in report.rows if int(row["rank"]) not in done]
     raise TimeoutError(f"timed out after {timeout:.1f} s waiting for {readers} readers of job {job!r} to apply "
-                       f"version >= {min_version}: {len(done)} did; laggards: {'; '.join(laggards[:20]) or 'none'}"
+                       f"(or fail) version >= {min_version}: {len(done)} did; "
+                       f"laggards: {'; '.join(laggards[:20]) or 'none'}"
                        + (f" (+{len(laggards) - 20} more)" if len(laggards) > 20 else "")
                        + (f"; only {len(versions)} readers are known" if len(versions) < readers else ""))
 
@@ -281,14 +282,14 @@ class MetaClient(_Base):
         return self._execute(calls.readers(self.job)).versions
 
     def wait_readers(self, *, min_version: int, readers: int, timeout: float) -> dict[int, int | None]:
-        """Long-poll until ``readers`` readers applied ``min_version`` or newer.
+        """Long-poll until ``readers`` readers are done with ``min_version``: applied it or newer,
+        or reported failing it or newer (such a reader waits for a newer version, never this one).
 
         Raises:
             TimeoutError: naming the laggards and their versions.
         """
         report = self._poll(lambda w: calls.readers(self.job, min_version=min_version, count=readers, wait=w),
-                            lambda r: sum(1 for v in r.versions.values() if v is not None and v >= min_version)
-                            >= readers, timeout)
+                            lambda r: len(r.settled(min_version)) >= readers, timeout)
         return _readers_result(report, self.job, min_version, readers, timeout)
 
     # --- jobs ------------------------------------------------------------------------------
@@ -404,7 +405,7 @@ class AsyncMetaClient(_Base):
     async def wait_readers(self, *, min_version: int, readers: int, timeout: float) -> dict[int, int | None]:
         report = await self._poll(
             lambda w: calls.readers(self.job, min_version=min_version, count=readers, wait=w),
-            lambda r: sum(1 for v in r.versions.values() if v is not None and v >= min_version) >= readers, timeout)
+            lambda r: len(r.settled(min_version)) >= readers, timeout)
         return _readers_result(report, self.job, min_version, readers, timeout)
 
     async def status(self) -> dict[str, Any]:

@@ -112,6 +112,7 @@ class _Reader:
     at: float | None = None  # last report, applied or failed
     applied_at: float | None = None  # last successful sync
     error: str | None = None
+    failed_version: int | None = None  # the version of the last failed report
 
 
 @dataclass(slots=True)
@@ -137,8 +138,15 @@ class Job:
     def reader_ranks(self) -> list[int]:
         return sorted(set(self.rows["reader"]) | set(self.readers))
 
-    def applied_count(self, min_version: int) -> int:
-        return sum(1 for r in self.readers.values() if r.version is not None and r.version >= min_version)
+    def settled_count(self, min_version: int) -> int:
+        """Readers done with ``min_version``: applied it or newer, or failed it or newer.
+
+        A reader that failed version V never applies V (it waits for V+1), so a writer's
+        staleness or slot-reuse wait must not wait for it to.
+        """
+        return sum(1 for r in self.readers.values()
+                   if max(-1 if r.version is None else r.version,
+                          -1 if r.failed_version is None else r.failed_version) >= min_version)
 
 
 class MetaState:
@@ -227,7 +235,9 @@ class MetaState:
                 state.applied_at = r["applied_at"]
             state.nbytes, state.seconds = int(r.get("nbytes", 0)), float(r.get("seconds", 0.0))
             state.error = r.get("error") if op == "failed" else None
-            self.watch.fire("readers", name, lambda k: job.applied_count(k[0]) >= k[1])
+            if op == "failed":
+                state.failed_version = r["version"]
+            self.watch.fire("readers", name, lambda k: job.settled_count(k[0]) >= k[1])
         else:
             raise ValueError(f"unknown state record op {op!r}")
 
@@ -415,14 +425,15 @@ class MetaState:
             r = state.readers.get(rank, _Reader())
             lag = latest - r.version if latest is not None and r.version is not None else None
             out.append({"rank": rank, "version": r.version, "lag": lag, "last_sync_at": r.applied_at,
-                        "seconds": r.seconds, "nbytes": r.nbytes, "error": r.error})
+                        "seconds": r.seconds, "nbytes": r.nbytes, "error": r.error,
+                        "failed_version": r.failed_version if r.error is not None else None})
         return out
 
     async def wait_readers(self, job: str, *, min_version: int, count: int, wait: float) -> bool:
-        """Wait until ``count`` readers applied ``min_version`` or newer."""
+        """Wait until ``count`` readers are done with ``min_version`` (applied or failed it, or newer)."""
         def ready() -> bool:
             state = self.jobs.get(job)
-            return state is not None and state.applied_count(min_version) >= count
+            return state is not None and state.settled_count(min_version) >= count
         return await self.watch.wait("readers", job, (min_version, count), ready, wait)
 
     # --- jobs ------------------------------------------------------------------------------
@@ -450,7 +461,8 @@ class MetaState:
                            for w in sorted(p.ranks))
             for rank, r in job.readers.items():
                 rec = {"op": "applied" if r.error is None else "failed", "job": name, "rank": rank,
-                       "version": r.version, "nbytes": r.nbytes, "seconds": r.seconds, "at": r.at or 0.0,
+                       "version": r.version if r.error is None else r.failed_version,
+                       "nbytes": r.nbytes, "seconds": r.seconds, "at": r.at or 0.0,
                        "applied_at": r.applied_at}
                 if r.error is not None:
                     rec["error"] = r.error
