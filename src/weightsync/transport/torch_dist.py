@@ -7,11 +7,13 @@ a free port and publishes its address under ``transport/torch/<generation>``; ev
 else reads it from there. A new *generation* (after a peer died) means a new store and a
 new group, so a failed sync never poisons the next one.
 
-Per pair, the messages of :mod:`weightsync.transport.schedule` flow with two buffers in
-flight: the sender packs message i+1 while message i is on the wire, and the receiver
-posts the receive of message i+1 before scattering message i. Direct messages are
-received straight into the destination parameter, and sent without packing when the
-source view is already a dense run of the right dtype.
+Pairs run concurrently over gloo (up to eight at once, one thread each, sharing the staging
+bound) and one after another over NCCL. Per pair, the messages of
+:mod:`weightsync.transport.schedule` flow with two staging buffers: the sender packs
+message i+1 while message i is on the wire, and the receiver posts the receive of message
+i+1 before scattering message i. Direct messages need no buffer: they are received straight
+into the destination parameter, sent without packing when the source view is already a
+dense run of the right dtype, and up to eight of them are in flight per pair.
 
     t = TorchDistTransport(ctx)
     t.prepare(plan, tensors, generation=0, timeout=60)
@@ -25,6 +27,8 @@ import logging
 import time
 from collections import deque
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -39,7 +43,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_TAG = 0
+#: Messages in flight per pair; at most two of them use staging buffers, the rest are direct.
+_MAX_IN_FLIGHT = 8
+#: Pairs moved at once over gloo (one thread each); see TorchDistTransport._run_pairs.
+_MAX_LANES = 8
 
 
 class TorchDistTransport:
@@ -55,9 +62,11 @@ class TorchDistTransport:
         self.generation: int | None = None
         self._store: dist.TCPStore | None = None
         self._pg: Any = None
-        self._schedule: list[tuple[int, int, list[Message]]] = []
+        self._schedule: list[_Pair] = []
         self._flats: dict[str, torch.Tensor] = {}
-        self._buffers: list[torch.Tensor] = []
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self._lanes = 1
+        self._message_bytes = ctx.options.message_bytes
 
     # -- setup ----------------------------------------------------------------------------
     def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, generation: int,
@@ -70,12 +79,21 @@ class TorchDistTransport:
         me = self.ctx.rank
         mine = [p for p in plan.pairs() if (p[0] if self.ctx.role == "writer" else p[1]) == me]
         self._schedule = []
+        # gloo: up to _MAX_LANES pairs at once, sharing the staging bound (two buffers per lane).
+        # Both ends of a pair must cut the same messages, and a rank's plan may hold only its
+        # own pairs, so the message size cannot follow the number of lanes: it assumes the most.
+        self._lanes = 1 if self.device.type == "cuda" else max(1, min(len(mine), _MAX_LANES))
+        message_bytes = (opts.message_bytes if self.device.type == "cuda"
+                         else max(4096, opts.message_bytes // _MAX_LANES))
+        if message_bytes != self._message_bytes:
+            self._buffers.clear()
+            self._message_bytes = message_bytes
         for src, dst in pair_order(mine, self.ctx.num_writers, self.ctx.num_readers):
-            messages = build_messages(plan.ops_between(src, dst), message_bytes=opts.message_bytes,
+            messages = build_messages(plan.ops_between(src, dst), message_bytes=message_bytes,
                                       direct_min_bytes=opts.direct_min_bytes)
             peer = dst if self.ctx.role == "writer" else src
             peer_global = src if self.ctx.role == "reader" else self.ctx.num_writers + dst
-            self._schedule.append((peer, peer_global, messages))
+            self._schedule.append(_Pair(peer, peer_global, messages))
 
     def _rendezvous(self, generation: int, timeout: float) -> None:
         ctx = self.ctx
@@ -111,100 +129,146 @@ class TorchDistTransport:
         logger.info("%s %d joined transport generation %d (%d ranks)", ctx.role, ctx.rank, generation,
                     ctx.world_size)
 
-    def _buffer(self, slot: int) -> torch.Tensor:
-        while len(self._buffers) <= slot:
-            self._buffers.append(torch.empty(self.ctx.options.message_bytes, dtype=torch.uint8,
-                                             device=self.device))
-        return self._buffers[slot]
+    def _buffer(self, lane: int, slot: int) -> torch.Tensor:
+        key = (lane, slot)
+        if key not in self._buffers:
+            self._buffers[key] = torch.empty(self._message_bytes, dtype=torch.uint8, device=self.device)
+        return self._buffers[key]
+
+    def _extra_bytes(self) -> int:
+        return len(self._buffers) * self._message_bytes
 
     # -- data movement --------------------------------------------------------------------
     def send(self, version: int, *, timeout: float) -> TransferStats:
-        stats = TransferStats(version)
-        timer = PhaseTimer(stats)
-        deadline = time.monotonic() + timeout
-        for peer, peer_global, messages in self._schedule:
-            in_flight: deque[tuple[Any, Message, int]] = deque()
-            sums = []
-            for message in messages:
-                if len(in_flight) == 2:
-                    self._wait(in_flight.popleft(), deadline, peer, timer)
-                payload = direct_source(message, self._flats) if message.direct else None
-                if payload is None:
-                    slot = _free_slot(in_flight)
-                    with timer("pack"):
-                        payload = pack(message, self._flats, self._buffer(slot))
-                    stats.peak_extra_bytes = max(stats.peak_extra_bytes,
-                                                 len(self._buffers) * self.ctx.options.message_bytes)
-                else:
-                    slot = -1
-                if self.ctx.options.checksum:
-                    with timer("checksum"):
-                        sums.append(checksum(payload))
-                with timer("transfer"):
-                    work = self._post("send", payload, peer_global, peer, message)
-                in_flight.append((work, message, slot))
-                stats.nbytes += message.nbytes
-                stats.messages += 1
-                stats.direct_bytes += message.nbytes if message.direct else 0
-            while in_flight:
-                self._wait(in_flight.popleft(), deadline, peer, timer)
-            if self.ctx.options.checksum and messages:
-                tail = torch.tensor(sums, dtype=torch.int64, device=self.device)
-                work = self._post("send", tail, peer_global, peer, messages[-1])
-                self._wait((work, messages[-1], -1), deadline, peer, timer)
-        return stats
+        return self._run_pairs(version, timeout, self._send_pair)
 
     def receive(self, version: int, *, timeout: float) -> TransferStats:
-        stats = TransferStats(version)
-        timer = PhaseTimer(stats)
-        deadline = time.monotonic() + timeout
-        for peer, peer_global, messages in self._schedule:
-            in_flight: deque[tuple[Any, Message, int]] = deque()
-            sums: list[int] = []
-            pending = deque(messages)
-            while pending or in_flight:
-                while pending and len(in_flight) < 2:
-                    message = pending.popleft()
-                    if message.direct:
-                        target, slot = as_bytes(dst_view(self._flats, message.pieces[0])), -1
-                    else:
-                        slot = _free_slot(in_flight)
-                        target = self._buffer(slot)[: message.nbytes]
-                        stats.peak_extra_bytes = max(stats.peak_extra_bytes,
-                                                     len(self._buffers) * self.ctx.options.message_bytes)
-                    with timer("transfer"):
-                        work = self._post("recv", target, peer_global, peer, message)
-                    in_flight.append((work, message, slot))
-                work, message, slot = in_flight.popleft()
-                self._wait((work, message, slot), deadline, peer, timer)
-                payload = (as_bytes(dst_view(self._flats, message.pieces[0])) if message.direct
-                           else self._buffers[slot][: message.nbytes])
-                if self.ctx.options.checksum:
-                    with timer("checksum"):
-                        sums.append(checksum(payload))
-                if not message.direct:
-                    with timer("unpack"):
-                        scatter(message, self._flats, payload)
-                stats.nbytes += message.nbytes
-                stats.messages += 1
-                stats.direct_bytes += message.nbytes if message.direct else 0
-            if self.ctx.options.checksum and messages:
-                tail = torch.empty(len(messages), dtype=torch.int64, device=self.device)
-                work = self._post("recv", tail, peer_global, peer, messages[-1])
-                self._wait((work, messages[-1], -1), deadline, peer, timer)
-                for expected, got, message in zip(tail.tolist(), sums, messages, strict=True):
-                    if expected != got:
-                        raise TransportError(
-                            f"reader {self.ctx.rank}: checksum mismatch in version {version} from writer "
-                            f"{peer}: {message.describe()}"
-                        )
-        return stats
+        return self._run_pairs(version, timeout, self._receive_pair)
 
-    def _post(self, kind: str, tensor: torch.Tensor, peer_global: int, peer: int, message: Message) -> Any:
-        """Post a send or receive; a broken connection surfaces here as well as in wait."""
+    def _run_pairs(self, version: int, timeout: float, move: Any) -> TransferStats:
+        """Run ``move`` for every peer: in order on one thread (NCCL), or on ``lanes`` threads (gloo).
+
+        gloo moves each pair's bytes on its own connection, so pairs in flight at once use the
+        loopback (or NIC) in parallel instead of one after another; within a pair, messages keep
+        their order, which is what matches sends with receives. NCCL calls on one communicator
+        must not come from several threads, so it keeps one lane.
+        """
+        deadline = time.monotonic() + timeout
+        pg = self._pg
+        if pg is None:
+            raise TransportError(f"{self.ctx.role} {self.ctx.rank}: no process group; call prepare() first")
+        runs = [_LaneRun(i, pg, deadline, TransferStats(version), self._schedule[i::self._lanes])
+                for i in range(self._lanes)]
+        if len(runs) == 1:
+            return self._run_lane(runs[0], move)
+        with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="weightsync-torch") as pool:
+            futures = [pool.submit(self._run_lane, run, move) for run in runs]
+            results, errors = [], []
+            for future in futures:
+                try:
+                    results.append(future.result())
+                except TransportError as exc:  # the first lane to fail aborted the group
+                    errors.append(exc)
+        if errors:
+            raise min(errors, key=lambda e: "abort" in str(e).lower())
+        total = TransferStats(version)
+        for stats in results:
+            total.nbytes += stats.nbytes
+            total.messages += stats.messages
+            total.direct_bytes += stats.direct_bytes
+            for name, seconds in stats.phases.items():  # lanes overlap: the slowest lane's time
+                total.phases[name] = max(total.phases.get(name, 0.0), seconds)
+        total.peak_extra_bytes = self._extra_bytes()
+        return total
+
+    def _run_lane(self, run: _LaneRun, move: Any) -> TransferStats:
+        for pair in run.pairs:
+            move(pair, run)
+        run.stats.peak_extra_bytes = self._extra_bytes()
+        return run.stats
+
+    def _send_pair(self, pair: _Pair, run: _LaneRun) -> None:
+        peer, messages, stats, timer, deadline = pair.peer, pair.messages, run.stats, run.timer, run.deadline
+        in_flight: deque[tuple[Any, Message, int]] = deque()
+        sums = []
+        for index, message in enumerate(messages):
+            payload = direct_source(message, self._flats) if message.direct else None
+            while len(in_flight) >= _MAX_IN_FLIGHT or (payload is None and _buffers_in_use(in_flight) == 2):
+                self._wait(in_flight.popleft(), deadline, peer, timer)
+            if payload is None:
+                slot = _free_slot(in_flight)
+                with timer("pack"):
+                    payload = pack(message, self._flats, self._buffer(run.lane, slot))
+            else:
+                slot = -1
+            if self.ctx.options.checksum:
+                with timer("checksum"):
+                    sums.append(checksum(payload))
+            with timer("transfer"):
+                work = self._post(run.pg, "send", payload, pair, message, tag=index)
+            in_flight.append((work, message, slot))
+            stats.nbytes += message.nbytes
+            stats.messages += 1
+            stats.direct_bytes += message.nbytes if message.direct else 0
+        while in_flight:
+            self._wait(in_flight.popleft(), deadline, peer, timer)
+        if self.ctx.options.checksum and messages:
+            tail = torch.tensor(sums, dtype=torch.int64, device=self.device)
+            work = self._post(run.pg, "send", tail, pair, messages[-1], tag=len(messages))
+            self._wait((work, messages[-1], -1), deadline, peer, timer)
+
+    def _receive_pair(self, pair: _Pair, run: _LaneRun) -> None:
+        peer, messages, stats, timer, deadline = pair.peer, pair.messages, run.stats, run.timer, run.deadline
+        version = stats.version
+        in_flight: deque[tuple[Any, Message, int]] = deque()
+        sums: list[int] = []
+        pending = deque(enumerate(messages))
+        while pending or in_flight:
+            while pending and len(in_flight) < _MAX_IN_FLIGHT and (
+                    pending[0][1].direct or _buffers_in_use(in_flight) < 2):
+                index, message = pending.popleft()
+                if message.direct:
+                    target, slot = as_bytes(dst_view(self._flats, message.pieces[0])), -1
+                else:
+                    slot = _free_slot(in_flight)
+                    target = self._buffer(run.lane, slot)[: message.nbytes]
+                with timer("transfer"):
+                    work = self._post(run.pg, "recv", target, pair, message, tag=index)
+                in_flight.append((work, message, slot))
+            work, message, slot = in_flight.popleft()
+            self._wait((work, message, slot), deadline, peer, timer)
+            payload = (as_bytes(dst_view(self._flats, message.pieces[0])) if message.direct
+                       else self._buffer(run.lane, slot)[: message.nbytes])
+            if self.ctx.options.checksum:
+                with timer("checksum"):
+                    sums.append(checksum(payload))
+            if not message.direct:
+                with timer("unpack"):
+                    scatter(message, self._flats, payload)
+            stats.nbytes += message.nbytes
+            stats.messages += 1
+            stats.direct_bytes += message.nbytes if message.direct else 0
+        if self.ctx.options.checksum and messages:
+            tail = torch.empty(len(messages), dtype=torch.int64, device=self.device)
+            work = self._post(run.pg, "recv", tail, pair, messages[-1], tag=len(messages))
+            self._wait((work, messages[-1], -1), deadline, peer, timer)
+            for expected, got, message in zip(tail.tolist(), sums, messages, strict=True):
+                if expected != got:
+                    raise TransportError(
+                        f"reader {self.ctx.rank}: checksum mismatch in version {version} from writer "
+                        f"{peer}: {message.describe()}"
+                    )
+
+    def _post(self, pg: Any, kind: str, tensor: torch.Tensor, pair: _Pair, message: Message, *, tag: int) -> Any:
+        """Post a send or receive; a broken connection surfaces here as well as in wait.
+
+        Each message of a pair has its own tag (its index): with several receives in flight
+        on one pair, gloo does not match same-tag messages to receives in posting order.
+        """
+        peer = pair.peer
         try:
-            op = self._pg.send if kind == "send" else self._pg.recv
-            return op([tensor], peer_global, _TAG)
+            op = pg.send if kind == "send" else pg.recv
+            return op([tensor], pair.peer_global, tag)
         except RuntimeError as exc:
             self._teardown_group()
             other = "reader" if self.ctx.role == "writer" else "writer"
@@ -242,6 +306,34 @@ class TorchDistTransport:
         self._buffers.clear()
         self._flats = {}
         self._schedule = []
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """One peer of this rank and the messages exchanged with it, in order."""
+
+    peer: int  # the peer's writer or reader rank
+    peer_global: int  # its rank in the transport's process group
+    messages: list[Message]
+
+
+@dataclass
+class _LaneRun:
+    """What one lane (thread) of a send or receive works with."""
+
+    lane: int
+    pg: Any
+    deadline: float
+    stats: TransferStats
+    pairs: list[_Pair]
+    timer: PhaseTimer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.timer = PhaseTimer(self.stats)
+
+
+def _buffers_in_use(in_flight: deque[tuple[Any, Message, int]]) -> int:
+    return sum(1 for _, _, slot in in_flight if slot >= 0)
 
 
 def _free_slot(in_flight: deque[tuple[Any, Message, int]]) -> int:
