@@ -20,6 +20,7 @@ from weightsync.layout import parse_layout
 from weightsync.plan import PlanOptions, build_local_plan
 from weightsync.sources.module import allocate, fill_from_canonical
 from weightsync.transport import TransportContext, TransportOptions, create_transport
+from weightsync.transport.shm import share_tensors
 from weightsync.transport.tensors import TORCH_DTYPES
 
 
@@ -45,6 +46,10 @@ def main() -> None:
     if device == "cuda-per-rank":
         device = f"cuda:{rank if role == 'writer' else len(writers) + rank}"
     tensors = allocate(mine, device=device)
+    shared = None
+    if role == "writer" and args.get("shared_sources"):  # the trainer's weights live in /dev/shm
+        shared = share_tensors(tensors)
+        tensors = shared.tensors
     pointers = {n: t.data_ptr() for n, t in tensors.items()}
     meta = DirectoryMeta(args["meta_dir"])
     opts = TransportOptions(max_bucket_bytes=args.get("bucket", 1 << 16), direct_min_bytes=1024,
@@ -73,8 +78,14 @@ def main() -> None:
                 if transport.one_sided and version >= 1:
                     for r in range(len(readers)):  # do not overwrite a slot still being read
                         assert meta.get_document(f"done/{version - 1}/{r}", wait=timeout) is not None
+                # what WeightWriter does: publish first when receive() itself waits for the data
+                early = getattr(transport, "receive_waits_for_data", False)
+                if early:
+                    meta.put_document(f"sent/{version}/{rank}", b"1")
                 stats = transport.send(version, timeout=timeout)
-                meta.put_document(f"sent/{version}/{rank}", b"1")
+                if not early:
+                    meta.put_document(f"sent/{version}/{rank}", b"1")
+                results.append({"version": version, "peak_extra_bytes": stats.peak_extra_bytes})
             else:
                 t0 = time.monotonic()
                 try:
@@ -102,6 +113,8 @@ def main() -> None:
         print(json.dumps({"results": results}), flush=True)
     finally:
         transport.close()
+        if shared is not None:
+            shared.close()
 
 
 if __name__ == "__main__":

@@ -32,17 +32,19 @@ def test_tiny_bench_run_json_schema_and_bitwise_destinations(capsys, tmp_path):
     assert code == 0, result["failures"]
     methods = {r["method"] for r in result["rows"]}
     assert {"safetensors-disk", "safetensors-shm", "per-param-broadcast", "bucketed-broadcast",
-            "weightsync-shm", "weightsync-torch", "weightsync-file"} <= methods
+            "weightsync-shm", "weightsync-shm-zero-copy", "weightsync-torch", "weightsync-file"} <= methods
     spec = ModelSpec.from_hf_config(model_config("tiny", "bf16"))
     for row in result["rows"]:
         assert ROW_KEYS <= set(row), row
         assert row["verified"] is True, row  # each reader compared every byte it holds
         assert row["bytes"] == 2 * spec.num_parameters * 2  # two TP1 replicas of a bf16 model
         assert row["seconds"] > 0 and row["gbps"] > 0
-    for key in ("shm_over_memcpy", "safetensors_over_weightsync", "per_param_broadcast_over_weightsync"):
+    for key in ("shm_over_memcpy", "shm_zero_copy_over_memcpy", "safetensors_over_weightsync",
+                "per_param_broadcast_over_weightsync"):
         assert result["ratios"][key] > 0
     assert png.stat().st_size > 10_000
     assert not glob.glob("/dev/shm/weightsync-bench-*")
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("weightsync-") and n.endswith("-params")]
 
 
 def test_weight_pool_boxes_agree_across_layouts():
@@ -111,7 +113,7 @@ def test_ratios_and_awex_parsing():
 
 def test_suites_and_bad_input():
     quick = suite("quick", ["torch", "shm", "file"])
-    assert quick[0].name == "issue4" and quick[0].methods == ("weightsync-shm",)
+    assert quick[0].name == "issue4" and quick[0].methods == ("weightsync-shm", "weightsync-shm-zero-copy")
     assert any(c.layout == "fsdp2->tp2" for c in quick) and any(c.layout == "same" for c in quick)
     with pytest.raises(ValueError, match="unknown benchmark model"):
         model_config("gpt-17", "bf16")

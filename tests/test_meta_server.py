@@ -88,20 +88,26 @@ def test_register_fetch_and_conflict(client):
 def test_barrier_waits_then_times_out_naming_the_missing(client):
     client.register(writer(0))
     client.register(reader(0))
-    threading.Timer(0.3, lambda: client.register(writer(2))).start()
+    early = threading.Timer(0.3, lambda: client.register(writer(2)))
+    early.start()
     with pytest.raises(TimeoutError, match=r"2/3 writers and 1/1 readers registered; missing writer ranks \[1\]"):
         client.wait_registered(writers=3, readers=1, timeout=1.0)
-    threading.Timer(0.2, lambda: client.register(writer(1))).start()
+    early.join(10)
+    late = threading.Timer(0.2, lambda: client.register(writer(1)))
+    late.start()
     t0 = time.monotonic()
     people = client.wait_registered(writers=3, readers=1, timeout=10)
+    late.join(10)  # its call may still be reading the answer when the waiter wakes
     assert time.monotonic() - t0 < 5 and len(people) == 4
 
 
 def test_barrier_spans_several_server_long_polls(client):
     # the server holds a long-poll at most --max-wait 2 s; the client asks again until its timeout
-    threading.Timer(2.6, lambda: client.register(reader(0))).start()
+    late = threading.Timer(2.6, lambda: client.register(reader(0)))
+    late.start()
     t0 = time.monotonic()
     table = client.wait_table(writers=0, readers=1, timeout=10)
+    late.join(10)  # its call may still be reading the answer when the waiter wakes
     assert 2.5 < time.monotonic() - t0 < 6 and table.count("reader") == 1
 
 
@@ -143,8 +149,10 @@ def test_hundreds_of_concurrent_async_clients(server, client):
 def test_documents_put_get_and_long_poll(client):
     assert client.get_document("model/abc") is None
     assert client.get_document("model/abc", wait=0.2) is None
-    threading.Timer(0.2, lambda: client.put_document("model/abc", b"\x00config")).start()
+    late = threading.Timer(0.2, lambda: client.put_document("model/abc", b"\x00config"))
+    late.start()
     assert client.get_document("model/abc", wait=10) == b"\x00config"
+    late.join(10)
     client.put_document("model/abc", b"v2")
     assert client.get_document("model/abc") == b"v2"
     with pytest.raises(ValueError, match=r"invalid document key '\.\./etc'"):
@@ -218,8 +226,10 @@ def test_readers_report_lag_and_wait(client):
     with pytest.raises(TimeoutError, match=r"to apply \(or fail\) version >= 2: 1 did; laggards: rank 0 at 1; "
                                            r"rank 2 at no valid version$"):
         client.wait_readers(min_version=2, readers=2, timeout=0.3)
-    threading.Timer(0.2, lambda: client.report_applied(2, 2)).start()
+    late = threading.Timer(0.2, lambda: client.report_applied(2, 2))
+    late.start()
     assert client.wait_readers(min_version=2, readers=2, timeout=10)[2] == 2
+    late.join(10)
     status = client.status()
     lag = {r["rank"]: r["lag"] for r in status["reader_state"]}
     assert lag == {0: 1, 1: None, 2: 0}

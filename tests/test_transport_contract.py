@@ -21,14 +21,16 @@ from weightsync.transport import unavailable_reason
 from weightsync.transport.shm import sweep_stale_segments
 
 HERE = os.path.dirname(__file__)
-TRANSPORTS = ["torch", "shm", "file", "nixl-pull", "nixl-push"]
-#: Contract names of transport variants: (registry name, TransportOptions overrides).
-VARIANTS = {"nixl-pull": ("nixl", {"nixl_mode": "pull"}), "nixl-push": ("nixl", {"nixl_mode": "push"})}
+TRANSPORTS = ["torch", "shm", "shm-zero-copy", "file", "nixl-pull", "nixl-push"]
+#: Contract names of transport variants: (registry name, TransportOptions overrides, worker args).
+VARIANTS = {"nixl-pull": ("nixl", {"nixl_mode": "pull"}, {}), "nixl-push": ("nixl", {"nixl_mode": "push"}, {}),
+            # trainer weights allocated in /dev/shm: readers copy straight from them
+            "shm-zero-copy": ("shm", {}, {"shared_sources": True})}
 
 
 def run_scenario(tmp_path, transport, *, versions=3, timeout=30.0, **extra):
-    transport, options = VARIANTS.get(transport, (transport, {}))
-    base = {"transport": transport, "options": options, "config": "tiny-qwen3-moe",
+    transport, options, worker_args = VARIANTS.get(transport, (transport, {}, {}))
+    base = {"transport": transport, "options": options, **worker_args, "config": "tiny-qwen3-moe",
             "source": "megatron:tp=2,dtype=float32",
             "target": "vllm:tp=1,replicas=2,dtype=bfloat16", "source_dtype": "float32",
             "target_dtype": "bfloat16", "versions": versions, "meta_dir": str(tmp_path / "meta"),
@@ -73,6 +75,9 @@ def test_versions_arrive_bitwise_in_place_with_exact_bytes(tmp_path, transport):
     assert not own_segments(out.pop("pids"))
     for (role, rank), (code, payload, stderr) in out.items():
         assert code == 0, f"{role} {rank} failed:\n{stderr[-3000:]}"
+        if role == "writer" and transport.startswith("shm"):  # zero-copy: no snapshot slot at all
+            extra = [r["peak_extra_bytes"] for r in payload["results"]]
+            assert (extra == [0, 0, 0]) if transport == "shm-zero-copy" else all(b > 0 for b in extra), extra
         if role == "reader":
             assert len(payload["results"]) == 3
             for r in payload["results"]:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from weightsync.reader import UpdateResult, WeightReader
     from weightsync.session import SyncConfig, SyncError
     from weightsync.store import StoreConfig, TensorSlice, TensorStore
+    from weightsync.transport.shm import SharedTensors, share_tensors
     from weightsync.writer import WeightWriter, WriteResult
 
 _LAZY = {
@@ -24,10 +25,11 @@ _LAZY = {
     "WeightReader": "weightsync.reader", "UpdateResult": "weightsync.reader",
     "InflightReader": "weightsync.inflight",
     "TensorStore": "weightsync.store", "StoreConfig": "weightsync.store", "TensorSlice": "weightsync.store",
+    "share_tensors": "weightsync.transport.shm", "SharedTensors": "weightsync.transport.shm",
 }
 
-__all__ = ["InflightReader", "StoreConfig", "SyncConfig", "SyncError", "TensorSlice", "TensorStore", "UpdateResult",
-           "WeightReader", "WeightWriter", "WriteResult"]
+__all__ = ["InflightReader", "SharedTensors", "StoreConfig", "SyncConfig", "SyncError", "TensorSlice", "TensorStore",
+           "UpdateResult", "WeightReader", "WeightWriter", "WriteResult", "share_tensors"]
 
 
 def __getattr__(name: str) -> Any:

@@ -306,11 +306,13 @@ class BucketedBroadcast:
 class WeightsyncMethod:
     """weightsync over one transport: ``WeightWriter.write`` / ``WeightReader.update``."""
 
-    def __init__(self, ctx: RankContext, *, transport: str) -> None:
+    def __init__(self, ctx: RankContext, *, transport: str, zero_copy: bool = False) -> None:
         self.ctx = ctx
         self.transport = transport
-        self.name = f"weightsync-{transport}"
+        self.zero_copy = zero_copy  # shm: the trainer's weights live in /dev/shm (no snapshot copy)
+        self.name = f"weightsync-{transport}" + ("-zero-copy" if zero_copy else "")
         self._endpoint: Any = None
+        self._shared: Any = None
 
     def setup(self) -> None:
         from weightsync.engines.buffers import ShardedEngine
@@ -323,14 +325,20 @@ class WeightsyncMethod:
 
         ctx = self.ctx
         opts = ctx.options
-        job = f"{opts.get('job_prefix', 'bench')}-{self.transport}"
+        job = f"{opts.get('job_prefix', 'bench')}-{self.name}"
         config = SyncConfig(num_writers=ctx.num_writers, num_readers=ctx.num_readers, job=job,
                             transport=self.transport, timeout=ctx.timeout,
                             transport_options=TransportOptions(max_bucket_bytes=int(opts["max_bucket_bytes"]),
                                                                slots=int(opts.get("slots", 1))))
         meta = MetaClient.from_env(job=job)
         if ctx.role == "writer":
-            source = ShardedSource(ctx.source, ctx.config, ctx.rank, ctx.tensors)
+            tensors = ctx.tensors
+            if self.zero_copy:
+                from weightsync.transport.shm import share_tensors
+
+                self._shared = share_tensors(ctx.tensors)
+                tensors = self._shared.tensors
+            source = ShardedSource(ctx.source, ctx.config, ctx.rank, tensors)
             self._endpoint = WeightWriter(source, rank=ctx.rank, config=config, meta=meta)
         else:
             engine = ShardedEngine(ctx.target, ctx.config, ctx.rank, ctx.tensors)
@@ -347,10 +355,15 @@ class WeightsyncMethod:
             self._endpoint.close()
             self._meta.close()
             self._endpoint = None
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
 
 
 def make_method(name: str, ctx: RankContext) -> Method:
     """``weightsync-<transport>`` or one of :data:`BASELINES`."""
+    if name == "weightsync-shm-zero-copy":
+        return WeightsyncMethod(ctx, transport="shm", zero_copy=True)
     if name.startswith("weightsync-"):
         return WeightsyncMethod(ctx, transport=name.removeprefix("weightsync-"))
     if name in ("safetensors-disk", "safetensors-shm"):

@@ -68,7 +68,14 @@ def model_config(model: str, dtype: str) -> dict[str, Any]:
 
 
 def weightsync_methods(transports: Sequence[str]) -> tuple[str, ...]:
-    return tuple(f"weightsync-{t}" for t in transports)
+    """``weightsync-<transport>`` for each; shared memory also as ``weightsync-shm-zero-copy``
+    (the trainer's weights allocated in /dev/shm, read by the engines without a snapshot)."""
+    out: list[str] = []
+    for t in transports:
+        out.append(f"weightsync-{t}")
+        if t == "shm":
+            out.append("weightsync-shm-zero-copy")
+    return tuple(out)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,24 +130,26 @@ def suite(kind: str, transports: Sequence[str], *, models: Sequence[str] = (), d
         model = (models or ("llama-0.1b",))[0]
         dtype = (dtypes or ("bf16",))[0]
         cases.append(Case(model="qwen3-0.6b", dtype="bf16", layout="tp2->tp1", tag="issue4",
-                          methods=tuple(m for m in ws if m == "weightsync-shm"), reps=reps or 3))
+                          methods=tuple(m for m in ws if m.startswith("weightsync-shm")), reps=reps or 3))
         for layout in layouts or ("tp2->tp1x2", "fsdp2->tp2", "same"):
             cases.append(Case(model=model, dtype=dtype, layout=layout, methods=every, reps=reps or 3))
         if peer:
             cases.append(Case(model="qwen3-0.2b", dtype="bf16", layout="tp2->tp1x2", tag="awex-peer",
-                              methods=tuple(m for m in ws if m in ("weightsync-torch", "weightsync-shm")),
+                              methods=tuple(m for m in ws if m in ("weightsync-torch", "weightsync-shm",
+                                                                    "weightsync-shm-zero-copy")),
                               reps=reps or 3, peer="awex"))
         return cases
     if kind == "full":
         cases.append(Case(model="qwen3-0.6b", dtype="bf16", layout="tp2->tp1", tag="issue4",
-                          methods=tuple(m for m in ws if m == "weightsync-shm"), reps=reps or 5))
+                          methods=tuple(m for m in ws if m.startswith("weightsync-shm")), reps=reps or 5))
         for model in models or ("llama-0.1b", "qwen2.5-0.5b", "llama3.2-1b", "qwen3-1.7b"):
             for dtype in dtypes or ("bf16", "fp32"):
                 for layout in layouts or ("tp2->tp1x2", "fsdp2->tp2", "same"):
                     cases.append(Case(model=model, dtype=dtype, layout=layout, methods=every, reps=reps or 3))
         if peer:
             cases.append(Case(model="qwen3-0.2b", dtype="bf16", layout="tp2->tp1x2", tag="awex-peer",
-                              methods=tuple(m for m in ws if m in ("weightsync-torch", "weightsync-shm")),
+                              methods=tuple(m for m in ws if m in ("weightsync-torch", "weightsync-shm",
+                                                                    "weightsync-shm-zero-copy")),
                               reps=reps or 5, peer="awex"))
         return cases
     raise ValueError(f"unknown suite {kind!r}; choose quick, full or test")

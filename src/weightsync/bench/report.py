@@ -42,8 +42,13 @@ def summary_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
                     and r.get("over_memcpy")), None)
         if shm is not None:
             out["shm_over_memcpy"] = float(shm["over_memcpy"])
+        zero = next((r for r in rows if r["case"] == shm_case and r["method"] == "weightsync-shm-zero-copy"
+                     and r.get("over_memcpy")), None)
+        if zero is not None:
+            out["shm_zero_copy_over_memcpy"] = float(zero["over_memcpy"])
     if main is not None:
-        for ours, suffix in (("weightsync-shm", ""), ("weightsync-torch", "_torch")):
+        for ours, suffix in (("weightsync-shm", ""), ("weightsync-torch", "_torch"),
+                             ("weightsync-shm-zero-copy", "_shm_zero_copy")):
             mine = _seconds(rows, main, ours)
             if not mine:
                 continue
@@ -59,6 +64,9 @@ def summary_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
         mine = _seconds(rows, peer["case"], "weightsync-shm")
         if mine:
             out["awex_over_weightsync_shm"] = float(peer["seconds"]) / mine
+        mine = _seconds(rows, peer["case"], "weightsync-shm-zero-copy")
+        if mine:
+            out["awex_over_weightsync_shm_zero_copy"] = float(peer["seconds"]) / mine
     return out
 
 

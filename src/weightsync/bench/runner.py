@@ -169,6 +169,8 @@ def _wait(procs: list[tuple[subprocess.Popen[bytes], str, str]], *, deadline: fl
 
 
 def _transport_of(method: str) -> str:
+    if method == "weightsync-shm-zero-copy":
+        return "shm (zero-copy)"
     if method.startswith("weightsync-"):
         return method.removeprefix("weightsync-")
     if method.startswith("safetensors-"):

@@ -21,6 +21,14 @@ order, so a reader that sees the progress word also sees the bytes before it; on
 CPUs, and for CUDA slots (whose copies are asynchronous), readers wait for the finished
 slot as before. The final sequence-word check still guards every version.
 
+**Zero-copy sources (CPU).** When every tensor a writer sends from already lives in a
+``/dev/shm`` file (a trainer that allocated its parameters with :func:`share_tensors`), the
+writer packs nothing: its segment names those files, readers map them and copy each op
+straight from the trainer's parameter memory into the engine's, one copy per byte in all.
+There is no snapshot then, so ``send(V)`` holds the version until every reader with ops
+from this writer has copied it (each reader writes a done word into the writer's control
+page) or the timeout expires; training changes its weights only after that.
+
 The segment lives in ``/dev/shm`` (mapped with ``torch.from_file(shared=True)``, so no
 Python buffer bookkeeping), is named with a random token published through the meta
 server, and is unlinked by its writer on ``close()``. On GPU the slots are one CUDA
@@ -44,7 +52,7 @@ import torch
 
 from weightsync.transport.base import PhaseTimer, TransferStats, TransportContext, TransportError
 from weightsync.transport.exposed import ExposedIndex
-from weightsync.transport.tensors import TORCH_DTYPES, flat_views
+from weightsync.transport.tensors import DTYPE_NAMES, TORCH_DTYPES, flat_views
 
 if TYPE_CHECKING:
     from weightsync.plan import Plan, TransferOp
@@ -61,6 +69,9 @@ _PROGRESS_BYTES = 4 << 20
 _ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
 #: Diagnostic switch (A/B benchmarks): WEIGHTSYNC_SHM_STREAMING=0 makes readers wait for whole slots.
 _STREAMING = _ORDERED_STORES and os.environ.get("WEIGHTSYNC_SHM_STREAMING", "1") != "0"
+#: Zero-copy mode: reader r's done word (the last version it copied) sits at word _DONE_BASE + r.
+_DONE_BASE = 64
+_MAX_ZERO_COPY_READERS = _CONTROL_BYTES // 8 - _DONE_BASE
 
 
 def _writing_word(slots: int, slot: int) -> int:
@@ -93,6 +104,8 @@ class SharedMemoryTransport:
         self._slot_bytes = 0
         self._flats: dict[str, torch.Tensor] = {}
         self._index: ExposedIndex | None = None
+        self._zero_copy = False  # writer: readers copy from the trainer's shared parameters
+        self._zero_copy_readers: list[int] = []
         self._peers: dict[int, _PeerSegment] = {}
         self._reads: list[tuple[int, TransferOp, int]] = []
         self.generation: int | None = None
@@ -111,11 +124,15 @@ class SharedMemoryTransport:
         self._release_own()
         sweep_stale_segments()
         index, first_ops = ExposedIndex.for_writer(plan, self.ctx.rank)
-        slot_bytes = max(index.total_bytes, 64)
+        files = self._shared_sources(plan)
+        self._zero_copy_readers = sorted({op.dst_rank for op in plan.ops if op.src_rank == self.ctx.rank})
+        slot_bytes = 64 if files is not None else max(index.total_bytes, 64)
         token = secrets.token_hex(6)
         path = os.path.join(SHM_DIR, f"weightsync-{os.getpid()}-{token}-w{self.ctx.rank}")
         header: dict[str, Any] = {"index": index.encode(), "slots": self.slots, "slot_bytes": slot_bytes,
                                   "device": self.device.type}
+        if files is not None:
+            header["files"] = files
         if self.device.type == "cuda":
             data = torch.empty(self.slots * slot_bytes, dtype=torch.uint8, device=self.device)
             header["cuda_ipc"] = list(data.untyped_storage()._share_cuda_())
@@ -128,6 +145,8 @@ class SharedMemoryTransport:
         self._path = path
         words = mem[:_CONTROL_BYTES].view(torch.int64)
         words[: 3 + 3 * self.slots].fill_(_EMPTY)
+        if files is not None:
+            words[_DONE_BASE: _DONE_BASE + self.ctx.num_readers].fill_(_EMPTY)
         words[1], words[2] = len(meta), control_bytes - len(meta)
         mem[control_bytes - len(meta):] = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
         words[0] = _MAGIC
@@ -139,13 +158,37 @@ class SharedMemoryTransport:
         self._slot_bytes = slot_bytes
         self._copies_ops = first_ops
         self._index = index
+        self._zero_copy = files is not None
         self.ctx.meta.put_document(f"transport/shm/{generation}/writer{self.ctx.rank}", path.encode())
-        logger.info("writer %d exposes %d bytes x %d slots in %s", self.ctx.rank, index.total_bytes,
-                    self.slots, path)
+        if self._zero_copy:
+            logger.info("writer %d exposes its parameters' shared memory (zero-copy) in %s", self.ctx.rank, path)
+        else:
+            logger.info("writer %d exposes %d bytes x %d slots in %s", self.ctx.rank, index.total_bytes,
+                        self.slots, path)
+
+    def _shared_sources(self, plan: Plan) -> dict[str, list[Any]] | None:
+        """``{shard: [file, byte offset, dtype, numel]}`` when every shard this writer sends from
+        lives in a ``/dev/shm`` file (zero-copy mode), else None."""
+        if (self.device.type != "cpu" or self.ctx.num_readers > _MAX_ZERO_COPY_READERS
+                or 3 + 3 * self.slots > _DONE_BASE):  # the control page has no room for the done words
+            return None
+        files: dict[str, list[Any]] = {}
+        for op in plan.ops:
+            if op.src_rank != self.ctx.rank or op.src_shard in files:
+                continue
+            flat = self._flats[op.src_shard]
+            filename = flat.untyped_storage().filename
+            if not filename or not filename.startswith(SHM_DIR + "/"):
+                return None
+            files[op.src_shard] = [filename, flat.storage_offset() * flat.element_size(),
+                                   DTYPE_NAMES[flat.dtype], flat.numel()]
+        return files or None
 
     def send(self, version: int, *, timeout: float) -> TransferStats:
         if self._control is None or self._data is None or self._index is None:
             raise RuntimeError("SharedMemoryTransport.send() before prepare()")
+        if self._zero_copy:
+            return self._hold_for_readers(version, timeout)
         stats = TransferStats(version)
         timer = PhaseTimer(stats)
         slot = version % self.slots
@@ -176,6 +219,33 @@ class SharedMemoryTransport:
         stats.peak_extra_bytes = self.slots * self._slot_bytes
         return stats
 
+    def _hold_for_readers(self, version: int, timeout: float) -> TransferStats:
+        """Zero-copy send: expose the parameters as ``version`` until every reader copied them."""
+        assert self._control is not None
+        stats = TransferStats(version)
+        control = self._control
+        deadline = time.monotonic() + timeout
+        control[3] = version
+        try:
+            with PhaseTimer(stats)("wait_readers"):
+                waiting = list(self._zero_copy_readers)
+                spins = 0
+                while waiting:
+                    waiting = [r for r in waiting if int(control[_DONE_BASE + r]) < version]
+                    if not waiting:
+                        break
+                    if time.monotonic() > deadline:
+                        raise TransportError(
+                            f"writer {self.ctx.rank}: readers {waiting} did not copy version {version} from its "
+                            f"shared parameters within {timeout:.0f}s")
+                    spins += 1
+                    time.sleep(0 if spins < 50 else 0.0002)
+        finally:
+            control[3] = _EMPTY  # the trainer may change its weights from now on
+        stats.nbytes = self._index.total_bytes if self._index is not None else 0
+        stats.messages = len(self._copies_ops)
+        return stats
+
     # -- reader ---------------------------------------------------------------------------
     def _prepare_reader(self, plan: Plan, generation: int, timeout: float) -> None:
         self._close_peers()
@@ -199,16 +269,36 @@ class SharedMemoryTransport:
     def receive(self, version: int, *, timeout: float) -> TransferStats:
         stats = TransferStats(version)
         timer = PhaseTimer(stats)
-        slot = version % self.slots
         deadline = time.monotonic() + timeout
         streaming = self.device.type == "cpu" and _STREAMING
+        zero_copy = [w for w, peer in self._peers.items() if peer.files is not None]
+        try:
+            for w in zero_copy:
+                self._wait_exposed(w, version, deadline)
+            self._copy_in(stats, timer, streaming=streaming, deadline=deadline)
+        finally:  # release zero-copy writers (they hold their weights until every reader is done)
+            for w in zero_copy:
+                self._peers[w].control[_DONE_BASE + self.ctx.rank] = version
+        return stats
+
+    def _copy_in(self, stats: TransferStats, timer: PhaseTimer, *, streaming: bool, deadline: float) -> None:
+        version = stats.version
+        slot = version % self.slots
         if not streaming:
-            for w in self._peers:
-                self._wait_packed(w, version, slot, None, deadline)
+            for w, peer in self._peers.items():
+                if peer.files is None:
+                    self._wait_packed(w, version, slot, None, deadline)
         ready = dict.fromkeys(self._peers, -1)  # bytes of each writer's slot known to be packed
         with timer("transfer"):
             for w, op, at in self._reads:
                 peer = self._peers[w]
+                if peer.files is not None:  # zero-copy: straight from the trainer's parameters
+                    flat = self._flats[op.dst_shard]
+                    dst = flat.as_strided(op.box.sizes, op.dst_strides, flat.storage_offset() + op.dst_offset)
+                    dst.copy_(peer.source_view(op))
+                    stats.nbytes += op.nbytes
+                    stats.messages += 1
+                    continue
                 if at + op.nbytes > ready[w]:
                     ready[w] = self._wait_packed(w, version, slot, at + op.nbytes, deadline)
                 base = slot * peer.slot_bytes
@@ -221,12 +311,31 @@ class SharedMemoryTransport:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         for w, peer in self._peers.items():
+            if peer.files is not None:
+                held = peer.word(3)
+                if held != version:
+                    raise TransportError(f"reader {self.ctx.rank}: writer {w} stopped exposing version {version} "
+                                         "while this reader copied it (it gave up waiting)")
+                continue
             if streaming:  # the writer may still be packing pieces other readers need
                 self._wait_packed(w, version, slot, None, deadline)
             held = peer.slot_version(slot)
             if held != version:
                 raise TransportError(self._stale_message(w, version, held) + " (overwritten while reading)")
-        return stats
+
+    def _wait_exposed(self, writer: int, version: int, deadline: float) -> None:
+        """Zero-copy: wait until ``writer`` exposes ``version`` of its parameters."""
+        peer = self._peers[writer]
+        spins = 0
+        while (held := peer.word(3)) != version:
+            if held > version:
+                raise TransportError(f"reader {self.ctx.rank}: writer {writer} already exposes version {held}, "
+                                     f"not {version}")
+            if time.monotonic() > deadline:
+                raise TransportError(f"reader {self.ctx.rank}: writer {writer} did not expose version {version} "
+                                     "of its shared parameters in time")
+            spins += 1
+            time.sleep(0 if spins < 50 else 0.0002)
 
     def _wait_packed(self, writer: int, version: int, slot: int, need: int | None, deadline: float) -> int:
         """Wait until writer's ``slot`` holds ``version`` up to byte ``need`` (None: all of it).
@@ -302,6 +411,59 @@ def sweep_stale_segments() -> list[str]:
     return removed
 
 
+class SharedTensors:
+    """Tensors that live in one ``/dev/shm`` file, for the shared-memory transport's zero-copy mode.
+
+    A co-located trainer that keeps its parameters here lets readers copy straight from them
+    (one copy per byte instead of two)::
+
+        shared = share_tensors(dict(model.named_parameters()))
+        for name, param in model.named_parameters():
+            param.data = shared.tensors[name]
+        ...  # WeightWriter(...) over transport="shm", syncs
+        shared.close()  # after the last sync: unlinks the file (the trainer's tensors stay valid)
+
+    The file is named after this process, so if it dies the next writer on the machine
+    removes it (:func:`sweep_stale_segments`).
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        layout: dict[str, int] = {}
+        cursor = 0
+        for name, t in tensors.items():
+            if t.device.type != "cpu":
+                raise ValueError(f"share_tensors: {name} is on {t.device}; only CPU tensors can live in /dev/shm")
+            cursor = -(-cursor // 64) * 64  # 64-byte aligned, like an allocator would
+            layout[name] = cursor
+            cursor += t.numel() * t.element_size()
+        self.path: str | None = os.path.join(SHM_DIR, f"weightsync-{os.getpid()}-{secrets.token_hex(6)}-params")
+        mem = torch.from_file(self.path, shared=True, size=max(cursor, 64), dtype=torch.uint8)
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            out = mem[layout[name]: layout[name] + nbytes].view(t.dtype).view(t.shape)
+            out.copy_(t.detach())
+            self.tensors[name] = out
+
+    def close(self) -> None:
+        """Unlink the file. The tensors stay usable; readers can no longer attach to them."""
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            self.path = None
+
+    def __enter__(self) -> SharedTensors:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def share_tensors(tensors: Mapping[str, torch.Tensor]) -> SharedTensors:
+    """Copies of ``tensors`` in one ``/dev/shm`` file (see :class:`SharedTensors`)."""
+    return SharedTensors(tensors)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -315,13 +477,37 @@ def _alive(pid: int) -> bool:
 class _PeerSegment:
     """A reader's mapping of one writer's segment."""
 
-    def __init__(self, control: torch.Tensor, data: torch.Tensor, index: ExposedIndex, slot_bytes: int,
-                 slots: int) -> None:
+    def __init__(self, control: torch.Tensor, data: torch.Tensor, index: ExposedIndex, slot_bytes: int, *,
+                 slots: int, files: dict[str, torch.Tensor] | None = None) -> None:
         self.control = control
         self.data = data
         self.index = index
         self.slot_bytes = slot_bytes
         self.slots = slots
+        #: zero-copy writers: shard -> the writer's flat parameter tensor, mapped from its file
+        self.files = files
+
+    def source_view(self, op: TransferOp) -> torch.Tensor:
+        assert self.files is not None
+        flat = self.files[op.src_shard]
+        return flat.as_strided(op.box.sizes, op.src_strides, flat.storage_offset() + op.src_offset)
+
+    @staticmethod
+    def map_files(files: Mapping[str, list[Any]]) -> dict[str, torch.Tensor]:
+        mapped: dict[str, torch.Tensor] = {}
+        out: dict[str, torch.Tensor] = {}
+        for shard, (path, offset, dtype_name, numel) in files.items():
+            if path not in mapped:
+                try:
+                    mapped[path] = torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
+                except (FileNotFoundError, RuntimeError) as exc:
+                    raise TransportError(f"the trainer's shared parameter file {path} is gone: {exc}") from None
+            dtype = TORCH_DTYPES.get(dtype_name)
+            if dtype is None:
+                raise TransportError(f"shared parameter {shard} has unknown dtype {dtype_name!r}")
+            nbytes = int(numel) * dtype.itemsize
+            out[shard] = mapped[path][int(offset): int(offset) + nbytes].view(dtype)
+        return out
 
     @classmethod
     def attach(cls, path: str, device: torch.device) -> _PeerSegment:
@@ -343,7 +529,8 @@ class _PeerSegment:
             data = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
         else:
             data = mem[_CONTROL_BYTES:_CONTROL_BYTES + slots * slot_bytes]
-        return cls(words, data, index, slot_bytes, slots)
+        files = cls.map_files(header["files"]) if "files" in header else None
+        return cls(words, data, index, slot_bytes, slots=slots, files=files)
 
     def slot_version(self, slot: int) -> int:
         return int(self.control[3 + slot])

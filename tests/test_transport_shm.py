@@ -1,0 +1,77 @@
+"""Shared-memory transport, zero-copy mode: what the multi-process contract does not reach."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from fake_meta import DirectoryMeta
+from weightsync.configs import load_spec
+from weightsync.layout import parse_layout
+from weightsync.plan import PlanOptions, build_local_plan
+from weightsync.sources.module import allocate
+from weightsync.transport import TransportContext, TransportError, TransportOptions, create_transport
+from weightsync.transport.shm import SHM_DIR, share_tensors
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _writer(tmp_path, tensors):
+    spec = load_spec("tiny-qwen3")
+    writers = parse_layout("megatron:tp=1").all_rank_layouts(spec)
+    readers = parse_layout("vllm:tp=1,replicas=2").all_rank_layouts(spec)
+    plan = build_local_plan(writers, readers, role="writer", rank=0, options=PlanOptions(min_split_bytes=0))
+    ctx = TransportContext(role="writer", rank=0, num_writers=1, num_readers=2, meta=DirectoryMeta(str(tmp_path)),
+                           options=TransportOptions())
+    transport = create_transport("shm", ctx)
+    transport.prepare(plan, tensors(writers[0]), generation=0, timeout=5)
+    return transport
+
+
+def test_share_tensors_copies_into_one_file_and_close_unlinks_it():
+    tensors = {"a": torch.arange(10, dtype=torch.float32), "b": torch.ones(3, 4, dtype=torch.bfloat16)}
+    with share_tensors(tensors) as shared:
+        assert shared.path is not None and os.path.exists(shared.path)
+        assert shared.path.startswith(SHM_DIR + "/weightsync-")
+        for name, t in tensors.items():
+            assert torch.equal(shared.tensors[name], t) and shared.tensors[name].dtype == t.dtype
+            assert shared.tensors[name].untyped_storage().filename == shared.path
+        path = shared.path
+    assert not os.path.exists(path)
+    shared.tensors["a"].add_(1)  # still usable after close
+    with pytest.raises(ValueError, match="only CPU tensors"):
+        share_tensors({"m": torch.zeros(2, device="meta")})
+
+
+def test_zero_copy_writer_names_readers_that_never_copied(tmp_path):
+    shared = None
+
+    def in_shm(layout):
+        nonlocal shared
+        shared = share_tensors(allocate(layout))
+        return shared.tensors
+
+    transport = _writer(tmp_path, in_shm)
+    try:
+        assert transport._zero_copy, "sources in /dev/shm must select zero-copy mode"
+        with pytest.raises(TransportError, match=r"readers \[0, 1\] did not copy version 0"):
+            transport.send(0, timeout=0.3)
+        assert int(transport._control[3]) == -1  # no longer exposed: the trainer may write again
+    finally:
+        transport.close()
+        shared.close()
+
+
+def test_private_sources_keep_snapshot_slots(tmp_path):
+    transport = _writer(tmp_path, allocate)
+    try:
+        assert not transport._zero_copy
+        stats = transport.send(0, timeout=5)  # packs into its slot, does not wait for anyone
+        assert stats.peak_extra_bytes >= stats.nbytes > 0
+    finally:
+        transport.close()
