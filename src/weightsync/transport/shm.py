@@ -4,9 +4,9 @@ Each writer exposes the pieces it must provide (:mod:`weightsync.transport.expos
 segment with ``slots`` version slots. ``send(V)`` copies its pieces into slot ``V % slots``
 (the one writer-side copy); ``receive(V)`` copies each of the reader's ops straight from
 the writer's slot into the destination view (the one reader-side copy, and the only one
-per byte on the receiving side). Readers never wait for writers and writers never wait for
-readers inside the transport: the orchestrator (``WeightWriter``) keeps writers at most
-``slots - 1`` versions ahead of the slowest reader.
+per byte on the receiving side). Writers never wait for readers in this (snapshot) mode:
+the orchestrator (``WeightWriter``) keeps writers at most ``slots - 1`` versions ahead of
+the slowest reader, and training may change its weights as soon as ``send`` returns.
 
 Each slot carries a sequence word (the version it holds, -1 while being written). A
 reader checks it before and after copying, so a version overwritten mid-read is detected
