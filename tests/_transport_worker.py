@@ -105,6 +105,7 @@ def main() -> None:
                 exact = all(torch.equal(tensors[n], want[n]) for n in tensors)
                 meta.put_document(f"done/{version}/{rank}", b"1")
                 results.append({"version": version, "exact": exact, "bytes": stats.nbytes,
+                                "peak_extra_bytes": stats.peak_extra_bytes,
                                 "needed": plan.total_bytes,
                                 "in_place": all(t.data_ptr() == pointers[n] for n, t in tensors.items())})
         if role == "writer" and transport.one_sided:

@@ -75,6 +75,8 @@ def test_versions_arrive_bitwise_in_place_with_exact_bytes(tmp_path, transport):
     assert not own_segments(out.pop("pids"))
     for (role, rank), (code, payload, stderr) in out.items():
         assert code == 0, f"{role} {rank} failed:\n{stderr[-3000:]}"
+        if transport == "torch":  # staging stays within max_bucket_bytes (the worker's bucket: 64 KiB)
+            assert all(0 < r["peak_extra_bytes"] <= 1 << 16 for r in payload["results"]), payload["results"]
         if role == "writer" and transport.startswith("shm"):  # zero-copy: no snapshot slot at all
             extra = [r["peak_extra_bytes"] for r in payload["results"]]
             assert (extra == [0, 0, 0]) if transport == "shm-zero-copy" else all(b > 0 for b in extra), extra

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from weightsync.session import SyncConfig, SyncError, SyncSession
+from weightsync.session import SyncConfig, SyncError, SyncResult, SyncSession
 from weightsync.transport import TransportError
 
 if TYPE_CHECKING:
@@ -31,16 +31,8 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class UpdateResult:
+class UpdateResult(SyncResult):
     """What one ``update`` applied: version, bytes received and seconds per phase."""
-
-    version: int
-    nbytes: int
-    phases: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def seconds(self) -> float:
-        return sum(self.phases.values())
 
     @property
     def transfer_seconds(self) -> float:

@@ -48,6 +48,19 @@ class SyncError(RuntimeError):
     """A sync could not complete; the message names the version, the peer and the tensors."""
 
 
+@dataclass(slots=True)
+class SyncResult:
+    """What one sync did on this rank: the version, bytes moved and seconds per phase."""
+
+    version: int
+    nbytes: int
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.phases.values())
+
+
 @dataclass(frozen=True, kw_only=True)
 class SyncConfig:
     """Job-wide settings; every writer and reader must pass the same values.

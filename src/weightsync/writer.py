@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from weightsync.session import SyncConfig, SyncError, SyncSession
+from weightsync.session import SyncConfig, SyncError, SyncResult, SyncSession
 from weightsync.transport import TransportError
 
 if TYPE_CHECKING:
@@ -29,16 +29,8 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class WriteResult:
+class WriteResult(SyncResult):
     """What one ``write`` did, with per-phase seconds (plan, prepare, send, wait_readers)."""
-
-    version: int
-    nbytes: int
-    phases: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def seconds(self) -> float:
-        return sum(self.phases.values())
 
 
 class WeightWriter:

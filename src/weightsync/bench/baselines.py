@@ -107,14 +107,12 @@ class _Gather:
                 dist.send(region_view(ctx.tensors[c.shard], c.region).contiguous(), dst=0, group=ctx.train_group)
 
 
-class SafetensorsReload:
-    """Gather on rank 0, ``save_file``, every engine worker reloads (see module docstring)."""
+class _GatherThenLoad:
+    """What every baseline starts from: trainers gather canonical tensors to rank 0, engine
+    workers load canonical tensors into their own layout."""
 
-    def __init__(self, ctx: RankContext, *, where: str) -> None:
+    def __init__(self, ctx: RankContext) -> None:
         self.ctx = ctx
-        self.name = f"safetensors-{where}"
-        base = "/dev/shm" if where == "shm" else ctx.scratch
-        self.path = os.path.join(base, f"weightsync-bench-{ctx.options['run_id']}-model.safetensors")
         self._gather: _Gather | None = None
         self._loader: CanonicalLoader | None = None
 
@@ -123,6 +121,19 @@ class SafetensorsReload:
             self._gather = _Gather(self.ctx)
         else:
             self._loader = CanonicalLoader(self.ctx.layout, self.ctx.tensors)
+
+    def close(self) -> None:
+        pass
+
+
+class SafetensorsReload(_GatherThenLoad):
+    """Gather on rank 0, ``save_file``, every engine worker reloads (see module docstring)."""
+
+    def __init__(self, ctx: RankContext, *, where: str) -> None:
+        super().__init__(ctx)
+        self.name = f"safetensors-{where}"
+        base = "/dev/shm" if where == "shm" else ctx.scratch
+        self.path = os.path.join(base, f"weightsync-bench-{ctx.options['run_id']}-model.safetensors")
 
     def sync(self, version: int) -> dict[str, float]:
         from safetensors import safe_open
@@ -167,21 +178,10 @@ class SafetensorsReload:
                 os.unlink(self.path)
 
 
-class PerParamBroadcast:
+class PerParamBroadcast(_GatherThenLoad):
     """OpenRLHF / open-instruct: gather one parameter, broadcast it, load it; repeat."""
 
     name = "per-param-broadcast"
-
-    def __init__(self, ctx: RankContext) -> None:
-        self.ctx = ctx
-        self._gather: _Gather | None = None
-        self._loader: CanonicalLoader | None = None
-
-    def setup(self) -> None:
-        if self.ctx.role == "writer":
-            self._gather = _Gather(self.ctx)
-        else:
-            self._loader = CanonicalLoader(self.ctx.layout, self.ctx.tensors)
 
     def sync(self, version: int) -> dict[str, float]:
         ctx = self.ctx
@@ -210,9 +210,6 @@ class PerParamBroadcast:
             return {"gather": gather, "broadcast": broadcast}
         return {"broadcast": broadcast, "load": load}
 
-    def close(self) -> None:
-        pass
-
 
 def plan_buckets(spec: ModelSpec, bucket_bytes: int) -> list[list[str]]:
     """Consecutive canonical tensors grouped into buckets of at most ``bucket_bytes``.
@@ -230,16 +227,14 @@ def plan_buckets(spec: ModelSpec, bucket_bytes: int) -> list[list[str]]:
     return buckets
 
 
-class BucketedBroadcast:
+class BucketedBroadcast(_GatherThenLoad):
     """verl / slime: gather into a flat bucket on rank 0, broadcast each bucket, unpack."""
 
     name = "bucketed-broadcast"
 
     def __init__(self, ctx: RankContext, *, bucket_bytes: int) -> None:
-        self.ctx = ctx
+        super().__init__(ctx)
         self.bucket_bytes = bucket_bytes
-        self._gather: _Gather | None = None
-        self._loader: CanonicalLoader | None = None
         self._buckets: list[list[str]] = []
         self._buffer: torch.Tensor | None = None
 
@@ -248,10 +243,7 @@ class BucketedBroadcast:
         self._buckets = plan_buckets(ctx.spec, self.bucket_bytes)
         canon = ctx.spec.canonical_tensors()
         largest = max(sum(canon[n].nbytes for n in b) for b in self._buckets)
-        if ctx.role == "writer":
-            self._gather = _Gather(ctx)
-        else:
-            self._loader = CanonicalLoader(ctx.layout, ctx.tensors)
+        super().setup()
         if ctx.role == "reader" or ctx.rank == 0:
             self._buffer = torch.empty(largest, dtype=torch.uint8)
 
