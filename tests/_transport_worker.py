@@ -20,7 +20,7 @@ from weightsync.layout import parse_layout
 from weightsync.plan import PlanOptions, build_local_plan
 from weightsync.sources.module import allocate, fill_from_canonical
 from weightsync.transport import TransportContext, TransportOptions, create_transport
-from weightsync.transport.shm import share_tensors
+from weightsync.transport.shm_files import share_tensors
 from weightsync.transport.tensors import TORCH_DTYPES
 
 

@@ -11,6 +11,6 @@ import pytest
 @pytest.fixture(autouse=True)
 def sweep_dead_writers_segments():
     yield
-    from weightsync.transport.shm import sweep_stale_segments
+    from weightsync.transport.shm_files import sweep_stale_segments
 
     sweep_stale_segments()

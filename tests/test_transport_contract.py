@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from weightsync.transport import unavailable_reason
-from weightsync.transport.shm import sweep_stale_segments
+from weightsync.transport.shm_files import sweep_stale_segments
 
 HERE = os.path.dirname(__file__)
 TRANSPORTS = ["torch", "shm", "shm-zero-copy", "file", "nixl-pull", "nixl-push"]

@@ -16,7 +16,7 @@ from weightsync.layout import parse_layout
 from weightsync.plan import PlanOptions, build_local_plan
 from weightsync.sources.module import allocate
 from weightsync.transport import TransportContext, TransportError, TransportOptions, create_transport
-from weightsync.transport.shm import SHM_DIR, share_tensors
+from weightsync.transport.shm_files import SHM_DIR, share_tensors
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from weightsync.reader import UpdateResult, WeightReader
     from weightsync.session import SyncConfig, SyncError
     from weightsync.store import StoreConfig, TensorSlice, TensorStore
-    from weightsync.transport.shm import SharedTensors, share_tensors
+    from weightsync.transport.shm_files import SharedTensors, share_tensors
     from weightsync.writer import WeightWriter, WriteResult
 
 _LAZY = {
@@ -25,7 +25,7 @@ _LAZY = {
     "WeightReader": "weightsync.reader", "UpdateResult": "weightsync.reader",
     "InflightReader": "weightsync.inflight",
     "TensorStore": "weightsync.store", "StoreConfig": "weightsync.store", "TensorSlice": "weightsync.store",
-    "share_tensors": "weightsync.transport.shm", "SharedTensors": "weightsync.transport.shm",
+    "share_tensors": "weightsync.transport.shm_files", "SharedTensors": "weightsync.transport.shm_files",
 }
 
 __all__ = ["InflightReader", "SharedTensors", "StoreConfig", "SyncConfig", "SyncError", "TensorSlice", "TensorStore",

@@ -55,7 +55,7 @@ from weightsync.layout import Box, CanonicalTensor, RankLayout, Region, Shard
 from weightsync.layout.box import contiguous_strides
 from weightsync.layout.wire import decode_layout, encode_explicit
 from weightsync.plan import PlanOptions, build_plan
-from weightsync.transport.shm import SHM_DIR, sweep_stale_segments
+from weightsync.transport.shm_files import SHM_DIR, segment_name, sweep_stale_segments
 from weightsync.transport.tensors import TORCH_DTYPES, dtype_name
 
 if TYPE_CHECKING:
@@ -268,7 +268,7 @@ class TensorStore:
         self.meta = meta if meta is not None else MetaClient.from_env(job=self.config.job)
         #: Writer: the last completed version. Reader: the version the last get read.
         self.version: int | None = None
-        self._prefix = f"weightsync-{os.getpid()}-{secrets.token_hex(4)}-store{rank}"
+        self._prefix = segment_name(f"store{rank}", token_bytes=4)
         self._open: _OpenVersion | None = None
         self._completed: list[tuple[int, _Arena]] = []
         self._view: _VersionView | None = None

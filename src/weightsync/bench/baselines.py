@@ -326,7 +326,7 @@ class WeightsyncMethod:
         if ctx.role == "writer":
             tensors = ctx.tensors
             if self.zero_copy:
-                from weightsync.transport.shm import share_tensors
+                from weightsync.transport.shm_files import share_tensors
 
                 self._shared = share_tensors(ctx.tensors)
                 tensors = self._shared.tensors

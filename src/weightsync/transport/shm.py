@@ -22,18 +22,20 @@ CPUs, and for CUDA slots (whose copies are asynchronous), readers wait for the f
 slot as before. The final sequence-word check still guards every version.
 
 **Zero-copy sources (CPU).** When every tensor a writer sends from already lives in a
-``/dev/shm`` file (a trainer that allocated its parameters with :func:`share_tensors`), the
-writer packs nothing: its segment names those files, readers map them and copy each op
-straight from the trainer's parameter memory into the engine's, one copy per byte in all.
-There is no snapshot then, so ``send(V)`` holds the version until every reader with ops
-from this writer has copied it (each reader writes a done word into the writer's control
-page) or the timeout expires; training changes its weights only after that.
+``/dev/shm`` file (a trainer that allocated its parameters with
+:func:`~weightsync.transport.shm_files.share_tensors`), the writer packs nothing: its
+segment names those files, readers map them and copy each op straight from the trainer's
+parameter memory into the engine's, one copy per byte in all. There is no snapshot then,
+so ``send(V)`` holds the version until every reader with ops from this writer has copied
+it (each reader writes a done word into the writer's control page) or the timeout
+expires; training changes its weights only after that.
 
 The segment lives in ``/dev/shm`` (mapped with ``torch.from_file(shared=True)``, so no
-Python buffer bookkeeping), is named with a random token published through the meta
-server, and is unlinked by its writer on ``close()``. On GPU the slots are one CUDA
-allocation shared by IPC handle (published, msgpack-encoded), and only the small control
-page stays in ``/dev/shm``.
+Python buffer bookkeeping), is named by :mod:`weightsync.transport.shm_files` (the
+writer's pid and a random token; the path is published through the meta server), and is
+unlinked by its writer on ``close()`` or, if it died, by the next writer's sweep. On GPU
+the slots are one CUDA allocation shared by IPC handle (published, msgpack-encoded), and
+only the small control page stays in ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ import contextlib
 import logging
 import os
 import platform
-import secrets
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -52,6 +53,7 @@ import torch
 
 from weightsync.transport.base import PhaseTimer, TransferStats, TransportContext, TransportError
 from weightsync.transport.exposed import ExposedIndex
+from weightsync.transport.shm_files import SHM_DIR, segment_name, sweep_stale_segments
 from weightsync.transport.tensors import DTYPE_NAMES, TORCH_DTYPES, flat_views
 
 if TYPE_CHECKING:
@@ -59,7 +61,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 _MAGIC = 0x5753_4D48_0001  # "WSMH" v1
 _CONTROL_BYTES = 4096
 _EMPTY = -1
@@ -127,8 +128,7 @@ class SharedMemoryTransport:
         files = self._shared_sources(plan)
         self._zero_copy_readers = sorted({op.dst_rank for op in plan.ops if op.src_rank == self.ctx.rank})
         slot_bytes = 64 if files is not None else max(index.total_bytes, 64)
-        token = secrets.token_hex(6)
-        path = os.path.join(SHM_DIR, f"weightsync-{os.getpid()}-{token}-w{self.ctx.rank}")
+        path = os.path.join(SHM_DIR, segment_name(f"w{self.ctx.rank}"))
         header: dict[str, Any] = {"index": index.encode(), "slots": self.slots, "slot_bytes": slot_bytes,
                                   "device": self.device.type}
         if files is not None:
@@ -381,97 +381,6 @@ class SharedMemoryTransport:
         self._release_own()
         self._close_peers()
         self._flats = {}
-
-
-def sweep_stale_segments() -> list[str]:
-    """Unlink segments whose writer process no longer exists (it was killed, say).
-
-    Segment names carry the creator's pid, so a crash never leaves memory pinned in
-    /dev/shm for longer than the next writer start on the machine.
-    """
-    removed: list[str] = []
-    try:
-        names = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return removed
-    for name in names:
-        if not name.startswith("weightsync-"):
-            continue
-        try:
-            pid = int(name.split("-")[1])
-        except (IndexError, ValueError):
-            continue
-        if pid == os.getpid() or _alive(pid):
-            continue
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))
-            removed.append(name)
-        except FileNotFoundError:
-            pass
-    return removed
-
-
-class SharedTensors:
-    """Tensors that live in one ``/dev/shm`` file, for the shared-memory transport's zero-copy mode.
-
-    A co-located trainer that keeps its parameters here lets readers copy straight from them
-    (one copy per byte instead of two)::
-
-        shared = share_tensors(dict(model.named_parameters()))
-        for name, param in model.named_parameters():
-            param.data = shared.tensors[name]
-        ...  # WeightWriter(...) over transport="shm", syncs
-        shared.close()  # after the last sync: unlinks the file (the trainer's tensors stay valid)
-
-    The file is named after this process, so if it dies the next writer on the machine
-    removes it (:func:`sweep_stale_segments`).
-    """
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        layout: dict[str, int] = {}
-        cursor = 0
-        for name, t in tensors.items():
-            if t.device.type != "cpu":
-                raise ValueError(f"share_tensors: {name} is on {t.device}; only CPU tensors can live in /dev/shm")
-            cursor = -(-cursor // 64) * 64  # 64-byte aligned, like an allocator would
-            layout[name] = cursor
-            cursor += t.numel() * t.element_size()
-        self.path: str | None = os.path.join(SHM_DIR, f"weightsync-{os.getpid()}-{secrets.token_hex(6)}-params")
-        mem = torch.from_file(self.path, shared=True, size=max(cursor, 64), dtype=torch.uint8)
-        self.tensors: dict[str, torch.Tensor] = {}
-        for name, t in tensors.items():
-            nbytes = t.numel() * t.element_size()
-            out = mem[layout[name]: layout[name] + nbytes].view(t.dtype).view(t.shape)
-            out.copy_(t.detach())
-            self.tensors[name] = out
-
-    def close(self) -> None:
-        """Unlink the file. The tensors stay usable; readers can no longer attach to them."""
-        if self.path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
-            self.path = None
-
-    def __enter__(self) -> SharedTensors:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def share_tensors(tensors: Mapping[str, torch.Tensor]) -> SharedTensors:
-    """Copies of ``tensors`` in one ``/dev/shm`` file (see :class:`SharedTensors`)."""
-    return SharedTensors(tensors)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class _PeerSegment:
