@@ -228,7 +228,8 @@ def test_dead_writer_fails_reader_within_timeout(tmp_path, mode):
 
 def test_modes_and_options(tmp_path):
     from weightsync.transport import TransportContext, TransportOptions
-    from weightsync.transport.nixl import NixlPushTransport, NixlTransport, resolve_mode
+    from weightsync.transport.nixl import NixlTransport, resolve_mode
+    from weightsync.transport.nixl_push import NixlPushTransport
 
     # auto: push while each writer feeds few readers, pull on fan-out to more readers than writers
     assert resolve_mode("auto", num_writers=2, num_readers=2) == "push"

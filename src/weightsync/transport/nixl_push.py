@@ -1,0 +1,168 @@
+"""NIXL transport, push mode: writers WRITE straight into readers' registered parameters.
+
+The protocol (ready words, notifications carrying the version, when push is chosen) is
+described with the pull mode in :mod:`weightsync.transport.nixl`; ``NixlTransport(ctx)``
+returns this class when the mode resolves to push, so nothing constructs it directly.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+import torch
+
+from weightsync.layout.types import itemsize
+from weightsync.transport.base import PhaseTimer, TransferStats, TransportError
+from weightsync.transport.exposed import ExposedIndex, piece_key
+from weightsync.transport.nixl import (
+    EMPTY,
+    NixlTransport,
+    Peer,
+    contiguous_runs,
+    extent,
+    row_major,
+    send_live,
+)
+from weightsync.transport.nixl_agent import Descriptors
+
+if TYPE_CHECKING:
+    from weightsync.plan import Plan, TransferOp
+
+#: How often a waiting reader checks that the writers it waits for are alive.
+_PROBE_S = 0.05
+
+
+class NixlPushTransport(NixlTransport):
+    """Push mode of the NIXL transport (see module docstring)."""
+
+    one_sided: ClassVar[bool] = False
+    mode: ClassVar[str] = "push"
+
+    # -- writer -----------------------------------------------------------------------------
+    def _prepare_writer(self, plan: Plan, generation: int, deadline: float) -> None:
+        me = self.ctx.rank
+        ops = [op for op in plan.ops if op.src_rank == me]
+        self._index, self._copies = ExposedIndex.for_ops(op for op in ops if not send_live(op))
+        self._area = torch.empty(max(self._index.total_bytes, 64), dtype=torch.uint8, device=self.device)
+        readers = sorted({op.dst_rank for op in ops})
+        self._ctl = torch.full((1 + len(readers),), EMPTY, dtype=torch.int64)  # own word, readers' ready words
+        live = sorted({op.src_shard for op in ops if send_live(op)})
+        self._register([self._area, self._ctl, *(self._flats[name] for name in live)])
+        self._publish(generation, {})
+        self._peers = [self._connect(generation, "reader", r, deadline) for r in readers]
+        t0 = time.perf_counter()
+        for i, peer in enumerate(self._peers):
+            peer.ctl = self._word_xfer(peer, self._ctl[1 + i: 2 + i], "ready word")
+            descs = self._runs(peer, plan.ops_between(me, peer.rank))
+            peer.slots = [[(self._prepare_xfer(peer, "WRITE", descs, "the version"), None)]]
+        self.setup["prepare_xfers_seconds"] = time.perf_counter() - t0
+
+    def _runs(self, peer: Peer, ops: list[TransferOp]) -> Descriptors:
+        """One descriptor per run contiguous in both the source and the reader's tensor."""
+        assert self._area is not None and self._index is not None
+        shards = peer.doc["shards"]
+        local, remote, lengths = [], [], []
+        for op in ops:
+            size = itemsize(op.dst_dtype)
+            addr, nbytes = shards[op.dst_shard]
+            if extent(op.box.sizes, op.dst_strides, op.dst_offset) * size > nbytes:
+                raise TransportError(f"{self.who}: {peer.label}'s tensor {op.dst_shard} has {nbytes} bytes, too "
+                                     f"few for {op.canonical} {op.box}: writer and reader disagree on layouts")
+            if send_live(op):
+                src, src_strides = self._flats[op.src_shard].data_ptr() + op.src_offset * size, op.src_strides
+            else:
+                at = self._index.entries[piece_key(op)][0]
+                src, src_strides = self._area.data_ptr() + at, row_major(op.box.sizes)
+            a, b, run = contiguous_runs(op.box.sizes, src_strides, op.dst_strides)
+            local.append(src + a * size)
+            remote.append(addr + (op.dst_offset + b) * size)
+            lengths.append(np.full(len(a), run * size, dtype=np.int64))
+        if not ops:
+            return Descriptors.of([], [], [])
+        return Descriptors.of(np.concatenate(local), np.concatenate(remote), np.concatenate(lengths))
+
+    def send(self, version: int, *, timeout: float) -> TransferStats:
+        if self._agent is None:
+            raise RuntimeError(f"{self.who}: send() before prepare()")
+        agent = self._agent
+        stats = TransferStats(version)
+        timer = PhaseTimer(stats)
+        deadline = time.monotonic() + timeout
+        with timer("pack"):
+            self._pack(0)
+        for i, peer in enumerate(self._peers):
+            with timer("wait"):
+                self._wait_ready(i, peer, version, deadline)
+            for xfer, _ in peer.slots[0]:
+                with timer("transfer"):
+                    agent.run(xfer, deadline, notif=b"v%d" % version)
+                stats.nbytes += xfer.nbytes
+                stats.direct_bytes += xfer.nbytes
+                stats.messages += 1
+        self._ctl[0] = version
+        stats.peak_extra_bytes = self._index.total_bytes if self._index is not None else 0
+        return stats
+
+    def _wait_ready(self, i: int, peer: Peer, version: int, deadline: float) -> None:
+        assert self._agent is not None and peer.ctl is not None
+        while True:
+            self._agent.run(peer.ctl, deadline)
+            ready = int(self._ctl[1 + i])
+            if ready == version:
+                return
+            if ready > version:
+                raise TransportError(f"{self.who}: {peer.label} waits for version {ready}, this writer sends "
+                                     f"{version}; writers and readers are out of step")
+            if time.monotonic() > deadline:
+                raise TransportError(f"{self.who}: {peer.label} did not ask for version {version} in time "
+                                     f"(its last request was version {ready})")
+            time.sleep(0.001)
+
+    # -- reader -----------------------------------------------------------------------------
+    def _prepare_reader(self, plan: Plan, generation: int, deadline: float) -> None:
+        writers = sorted({op.src_rank for op in plan.ops})
+        self._ctl = torch.full((1 + len(writers),), EMPTY, dtype=torch.int64)  # ready word, liveness mirrors
+        self._register([*self._flats.values(), self._ctl])
+        shards = {name: [t.data_ptr(), t.numel() * t.element_size()] for name, t in self._flats.items()}
+        self._publish(generation, {"shards": shards})
+        self._peers = [self._connect(generation, "writer", w, deadline) for w in writers]
+        for i, peer in enumerate(self._peers):
+            peer.ctl = self._word_xfer(peer, self._ctl[1 + i: 2 + i], "liveness word")
+            peer.nbytes = sum(op.nbytes for op in plan.ops_between(peer.rank, self.ctx.rank))
+
+    def receive(self, version: int, *, timeout: float) -> TransferStats:
+        if self._agent is None:
+            raise RuntimeError(f"{self.who}: receive() before prepare()")
+        agent = self._agent
+        stats = TransferStats(version)
+        deadline = time.monotonic() + timeout
+        pending = {peer.agent: peer for peer in self._peers}
+        self._ctl[0] = version  # writers poll this word before they write into our tensors
+        next_probe = time.monotonic() + _PROBE_S
+        with PhaseTimer(stats)("transfer"):
+            while pending:
+                for name, messages in agent.take_notifs(timeout=0.005).items():
+                    if name in pending and any(_notif_version(m) >= version for m in messages):
+                        peer = pending.pop(name)
+                        stats.nbytes += peer.nbytes
+                        stats.direct_bytes += peer.nbytes
+                        stats.messages += 1
+                now = time.monotonic()
+                if now > deadline:
+                    names = ", ".join(p.label for p in pending.values())
+                    raise TransportError(f"{self.who}: version {version} did not arrive from {names} in time")
+                if now > next_probe:  # a dead writer never notifies; READing its word fails
+                    for peer in list(pending.values()):
+                        assert peer.ctl is not None
+                        agent.run(peer.ctl, deadline)
+                    next_probe = now + _PROBE_S
+        return stats
+
+
+def _notif_version(message: bytes) -> int:
+    try:
+        return int(message[1:]) if message[:1] == b"v" else -1
+    except ValueError:
+        return -1
