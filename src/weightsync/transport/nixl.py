@@ -204,6 +204,12 @@ class NixlTransport:
         self.setup["connect_seconds"] = self.setup.get("connect_seconds", 0.0) + time.perf_counter() - t0
         return peer
 
+    def _prepared_agent(self, call: str) -> NixlAgent:
+        """The NIXL agent, or the error that ``call`` before ``prepare()`` deserves."""
+        if self._agent is None:
+            raise RuntimeError(f"{self.who}: {call}() before prepare()")
+        return self._agent
+
     def _prepare_xfer(self, peer: Peer, op: str, descs: Descriptors, what: str, *, data: bool = True) -> Xfer:
         """A prepared READ/WRITE with ``peer``; data lives on ``options.device``, control words on the host."""
         assert self._agent is not None
@@ -304,9 +310,7 @@ class NixlTransport:
         return out
 
     def receive(self, version: int, *, timeout: float) -> TransferStats:
-        if self._agent is None:
-            raise RuntimeError(f"{self.who}: receive() before prepare()")
-        agent = self._agent
+        agent = self._prepared_agent("receive")
         stats = TransferStats(version)
         timer = PhaseTimer(stats)
         deadline = time.monotonic() + timeout

@@ -84,9 +84,7 @@ class NixlPushTransport(NixlTransport):
         return Descriptors.of(np.concatenate(local), np.concatenate(remote), np.concatenate(lengths))
 
     def send(self, version: int, *, timeout: float) -> TransferStats:
-        if self._agent is None:
-            raise RuntimeError(f"{self.who}: send() before prepare()")
-        agent = self._agent
+        agent = self._prepared_agent("send")
         stats = TransferStats(version)
         timer = PhaseTimer(stats)
         deadline = time.monotonic() + timeout
@@ -133,9 +131,7 @@ class NixlPushTransport(NixlTransport):
             peer.nbytes = sum(op.nbytes for op in plan.ops_between(peer.rank, self.ctx.rank))
 
     def receive(self, version: int, *, timeout: float) -> TransferStats:
-        if self._agent is None:
-            raise RuntimeError(f"{self.who}: receive() before prepare()")
-        agent = self._agent
+        agent = self._prepared_agent("receive")
         stats = TransferStats(version)
         deadline = time.monotonic() + timeout
         pending = {peer.agent: peer for peer in self._peers}
