@@ -86,7 +86,8 @@ def worker(role: str, spec: dict[str, Any]) -> None:
     from weightsync.layout import ModelSpec, parse_layout
     from weightsync.reader import WeightReader
     from weightsync.session import SyncConfig
-    from weightsync.sources.module import ShardedSource, allocate
+    from weightsync.sources.module import ShardedSource
+    from weightsync.torch_layout import allocate
     from weightsync.transport import TransportOptions
     from weightsync.writer import WeightWriter
 

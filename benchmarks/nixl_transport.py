@@ -83,7 +83,7 @@ def _tensors(layout: Any, values: dict[str, Any] | None) -> dict[str, Any]:
     import torch
 
     from weightsync.plan.reference import cut_shards, empty_shards
-    from weightsync.transport.tensors import TORCH_DTYPES
+    from weightsync.torch_layout import TORCH_DTYPES
 
     arrays = cut_shards(layout, values) if values is not None else empty_shards(layout)
     dtypes = {s.name: TORCH_DTYPES[s.dtype] for s in layout.shards}
@@ -95,6 +95,7 @@ def _rank_main(bench: str, role: str, rank: int, layers: int, layouts: tuple[str
     """One rank: prepare inside version 0, then send or receive every version, timed."""
     import torch
 
+    from weightsync.job import JobChannel
     from weightsync.plan import build_local_plan
     from weightsync.plan.reference import random_canonical
     from weightsync.transport import TransportContext, TransportOptions, create_transport
@@ -109,8 +110,8 @@ def _rank_main(bench: str, role: str, rank: int, layers: int, layouts: tuple[str
     want = _tensors(layout, values) if role == "reader" else None
     del values
     meta = DirDocuments(meta_root)
-    ctx = TransportContext(role=role, rank=rank, num_writers=len(writers), num_readers=len(readers),
-                           meta=meta, options=TransportOptions(**overrides))
+    ctx = TransportContext(job=JobChannel(meta, role=role, rank=rank), num_writers=len(writers),
+                           num_readers=len(readers), options=TransportOptions(**overrides))
     transport = create_transport(name, ctx)
     spans, phases, nbytes, prepare_s = [], [], 0, 0.0
     for v in range(versions):
@@ -120,7 +121,7 @@ def _rank_main(bench: str, role: str, rank: int, layers: int, layouts: tuple[str
         barrier.wait(TIMEOUT)
         t0 = time.monotonic()
         if v == 0:
-            transport.prepare(plan, tensors, generation=0, timeout=TIMEOUT)
+            transport.prepare(plan, tensors, epoch=0, timeout=TIMEOUT)
             prepare_s = time.monotonic() - t0
         if role == "writer":
             stats = transport.send(v, timeout=TIMEOUT)

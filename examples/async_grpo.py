@@ -5,7 +5,7 @@ Hugging Face model (``configs/tiny-qwen3``, random weights). Each step:
 
 1. the generator samples ``GROUP`` completions for each of ``PROMPTS`` prompts and scores
    them with a programmatic reward (the share of completion tokens in the lower half of
-   the vocabulary), then *puts* tokens and rewards into a :class:`~weightsync.store.TensorStore`
+   the vocabulary), then *puts* tokens and rewards into a :class:`~weightsync.tensorstore.TensorStore`
    (one-sided: it never waits for the trainers);
 2. each trainer *gets* its half of the batch (the store reshards: whole groups per rank),
    takes one GRPO step (group-normalised advantages, policy gradient) and writes the new
@@ -35,7 +35,7 @@ from importlib import resources
 import torch
 
 from weightsync import SyncConfig, WeightWriter
-from weightsync.store import StoreConfig, TensorSlice, TensorStore
+from weightsync.tensorstore import StoreConfig, TensorSlice, TensorStore
 
 PROMPTS, GROUP, PROMPT_LEN, NEW_TOKENS = 4, 4, 8, 12
 TRAINERS = 2

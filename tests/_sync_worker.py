@@ -13,15 +13,16 @@ import time
 
 import torch
 
+from weightsync.commands.demo import canonical_values
 from weightsync.configs import load_spec
-from weightsync.demo import canonical_values
+from weightsync.deadline import Deadline
 from weightsync.engines.buffers import ShardedEngine
 from weightsync.plan import PlanOptions
 from weightsync.reader import WeightReader
 from weightsync.session import SyncConfig, SyncError
-from weightsync.sources.module import ShardedSource, allocate, fill_from_canonical
+from weightsync.sources.module import ShardedSource
+from weightsync.torch_layout import TORCH_DTYPES, allocate, fill_from_canonical
 from weightsync.transport import TransportOptions
-from weightsync.transport.tensors import TORCH_DTYPES
 from weightsync.writer import WeightWriter
 
 
@@ -31,7 +32,8 @@ def emit(**record):
 
 def die_mid_transfer(writer: WeightWriter) -> None:
     """Make this writer's process exit part-way through its next send."""
-    transport = writer.session.transport
+    assert writer.session.planned is not None
+    transport = writer.session.planned.transport
     if hasattr(transport, "_post"):  # two-sided: after a couple of messages are on the wire
         original = transport._post
         count = {"n": 0}
@@ -65,7 +67,7 @@ def main() -> None:
             for version in args["versions"]:
                 fill_from_canonical(source.layout(), source.tensors(), canonical_values(config, version))
                 if args.get("die_at") == version:
-                    writer.session.ensure_planned(sync.timeout)
+                    writer.session.plan(Deadline.after(sync.timeout))
                     die_mid_transfer(writer)
                 t0 = time.monotonic()
                 try:
@@ -93,7 +95,7 @@ def main() -> None:
             fill_from_canonical(layout, want, {n: v.to(TORCH_DTYPES[spec.dtype]) for n, v in values.items()})
             exact = all(torch.equal(engine.tensors[n], want[n]) for n in want)
             emit(role=role, rank=rank, version=result.version, ok=True, exact=exact, bytes=result.nbytes,
-                 needed=reader.session.plan.total_bytes,
+                 needed=reader.session.planned.plan.total_bytes,
                  in_place=all(t.data_ptr() == pointers[n] for n, t in engine.tensors.items()))
 
 

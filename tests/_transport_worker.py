@@ -16,12 +16,12 @@ import torch
 
 from fake_meta import DirectoryMeta
 from weightsync.configs import load_spec
+from weightsync.job import JobChannel
 from weightsync.layout import parse_layout
 from weightsync.plan import PlanOptions, build_local_plan
-from weightsync.sources.module import allocate, fill_from_canonical
+from weightsync.torch_layout import TORCH_DTYPES, allocate, fill_from_canonical
 from weightsync.transport import TransportContext, TransportOptions, create_transport
 from weightsync.transport.shm_files import share_tensors
-from weightsync.transport.tensors import TORCH_DTYPES
 
 
 def values_for(spec, version, dtype):
@@ -54,13 +54,13 @@ def main() -> None:
     meta = DirectoryMeta(args["meta_dir"])
     opts = TransportOptions(max_bucket_bytes=args.get("bucket", 1 << 16), direct_min_bytes=1024,
                             checksum=args.get("checksum", False), device=device, **args.get("options", {}))
-    ctx = TransportContext(role=role, rank=rank, num_writers=len(writers), num_readers=len(readers),
-                           meta=meta, options=opts)
+    ctx = TransportContext(job=JobChannel(meta, role=role, rank=rank), num_writers=len(writers),
+                           num_readers=len(readers), options=opts)
     transport = create_transport(args["transport"], ctx)
     timeout = args.get("timeout", 30.0)
     t0 = time.monotonic()
     try:
-        transport.prepare(plan, tensors, generation=0, timeout=timeout)
+        transport.prepare(plan, tensors, epoch=0, timeout=timeout)
     except Exception as exc:  # WeightReader reports a failed prepare like a failed receive
         transport.close()
         if role == "writer":
@@ -79,7 +79,7 @@ def main() -> None:
                     for r in range(len(readers)):  # do not overwrite a slot still being read
                         assert meta.get_document(f"done/{version - 1}/{r}", wait=timeout) is not None
                 # what WeightWriter does: publish first when receive() itself waits for the data
-                early = getattr(transport, "receive_waits_for_data", False)
+                early = transport.publishes_before_send
                 if early:
                     meta.put_document(f"sent/{version}/{rank}", b"1")
                 stats = transport.send(version, timeout=timeout)

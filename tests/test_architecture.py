@@ -58,3 +58,45 @@ def test_engines_are_imported_only_inside_their_adapter():
                 if _matches(name, pkg) and not any(rel.startswith(h) for h in homes):
                     offenders.append(f"{rel} imports {name}")
     assert not offenders, "\n".join(offenders)
+
+
+#: Adapters never reach across: a source is not an engine, and neither moves bytes itself.
+ADAPTER_FORBIDDEN = {
+    "sources": ("weightsync.engines", "weightsync.transport"),
+    "engines": ("weightsync.sources", "weightsync.transport"),
+}
+
+
+@pytest.mark.parametrize("package", sorted(ADAPTER_FORBIDDEN))
+def test_sources_and_engines_import_neither_each_other_nor_a_transport(package):
+    offenders = []
+    for path in sorted((SRC / package).rglob("*.py")):
+        for name in imports_of(path):
+            if any(_matches(name, bad) for bad in ADAPTER_FORBIDDEN[package]):
+                offenders.append(f"{path.relative_to(SRC)} imports {name}")
+    assert not offenders, "\n".join(offenders)
+
+
+#: Meta-server calls that carry the job protocol; only the job channel (and the meta package
+#: itself) may make them, so that every key and message of the protocol lives in one module.
+PROTOCOL_CALLS = {"put_document", "get_document", "publish_version", "wait_version", "report_applied",
+                  "report_failed", "wait_readers", "wait_registered", "latest_version"}
+
+
+def test_only_the_job_channel_speaks_the_protocol():
+    offenders = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if rel == "job.py" or rel.startswith("meta/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in PROTOCOL_CALLS and not _is_channel(node.func.value)):
+                offenders.append(f"{rel}:{node.lineno} calls .{node.func.attr}()")
+    assert not offenders, "go through weightsync.job.JobChannel:\n" + "\n".join(offenders)
+
+
+def _is_channel(value: ast.expr) -> bool:
+    """``channel.x()``, ``self.channel.x()``, ``ctx.job.x()``, ``session.channel.x()``..."""
+    name = value.attr if isinstance(value, ast.Attribute) else value.id if isinstance(value, ast.Name) else ""
+    return name in ("channel", "job")

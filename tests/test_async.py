@@ -28,7 +28,7 @@ from weightsync.layout import ModelSpec
 from weightsync.meta import EmbeddedMetaServer, MetaClient
 from weightsync.plan import PlanError
 from weightsync.sources import ModuleSource
-from weightsync.store import StoreConfig, SupersededError, TensorSlice, TensorStore, slice_of
+from weightsync.tensorstore import StoreConfig, SupersededError, TensorSlice, TensorStore, slice_of
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)

@@ -16,7 +16,7 @@ from weightsync.bench.runner import add_ratios, parse_awex_output
 from weightsync.bench.weights import CanonicalLoader, WeightPool, fill, gather_contributions, mismatches
 from weightsync.cli import main
 from weightsync.layout import ModelSpec, parse_layout
-from weightsync.sources.module import allocate
+from weightsync.torch_layout import allocate
 
 ROW_KEYS = {"method", "transport", "layout", "bytes", "seconds", "gbps", "peak_extra_bytes"}
 

@@ -26,7 +26,8 @@ NEW_TOKENS = 12
 
 def hf_model(config: dict[str, Any], seed: int) -> torch.nn.Module:
     """A transformers model holding ``canonical_weights(config, seed)``."""
-    from weightsync.sources.module import ModuleSource, fill_from_canonical
+    from weightsync.sources.module import ModuleSource
+    from weightsync.torch_layout import fill_from_canonical
 
     hf_config = transformers.AutoConfig.for_model(**config)
     torch.manual_seed(0)
@@ -78,7 +79,7 @@ def test_module_layout_of_a_transformers_moe_model_covers_every_canonical_tensor
     """The engine's canonical view covers each canonical tensor exactly (fused experts included)."""
     from weightsync.layout import ModelSpec
     from weightsync.sources.module import ModuleSource
-    from weightsync.validate import union_volume
+    from weightsync.verify import union_volume
 
     config = tiny_config(moe=True)
     layout = ModuleSource(hf_model(config, seed=2), config).layout()

@@ -37,10 +37,6 @@ NEW_TOKENS = 24
 HERE = Path(__file__).resolve().parent
 
 
-def needs_meta():
-    return pytest.importorskip("weightsync.meta.client", reason="the meta server is not on this branch yet")
-
-
 def vllm_test(group: str):
     """Needs vLLM. A vLLM process holds one engine at a time (its parallel state is global), so
     each model's tests form one xdist group, run by one worker in order."""
@@ -139,7 +135,7 @@ class EngineProofs:
     layout = ""
 
     def test_sync_from_training_ranks_matches_fresh_engine(self, case):
-        meta = needs_meta()
+        from weightsync.meta import client as meta
         from weightsync.reader import WeightReader
         from weightsync.session import SyncConfig
 
@@ -236,7 +232,7 @@ class TestDenseQwen3(EngineProofs):
         assert case.greedy()[0] == case.ref_b
 
     def test_weightsync_backend_receives_from_training_ranks(self, case):
-        meta = needs_meta()
+        from weightsync.meta import client as meta
         case.load(case.a, version=0)
         job = f"vllm-backend-{uuid.uuid4().hex[:8]}"
         with meta.EmbeddedMetaServer() as server, writer_processes(server, case.config, "fsdp:dp=2", job=job,

@@ -14,9 +14,9 @@ import pytest
 
 from weightsync.meta import EmbeddedMetaServer, MetaClient, MetaEnv, Participant, ParticipantTable, connect, wire
 from weightsync.meta.config import ensure_token_file, normalize_address, read_token_file
+from weightsync.meta.journal import Journal
 from weightsync.meta.records import encode_columns, run_length
 from weightsync.meta.state import ConflictError, MetaState
-from weightsync.meta.store import StateStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,7 +40,7 @@ def test_participant_validates_and_freezes():
 
 
 def _roster(rows_by_role, blobs, documents=None):
-    obj = {"job": "j", "generation": 5, "blobs": blobs,
+    obj = {"job": "j", "roster_revision": 5, "blobs": blobs,
            "participants": {role: encode_columns(rows) for role, rows in rows_by_role.items()}}
     if documents is not None:
         obj["documents"] = documents
@@ -72,7 +72,7 @@ def test_participant_table_round_trip_is_compact_and_lazy():
 def test_participant_table_rejects_malformed_rosters():
     with pytest.raises(ValueError, match="malformed roster"):
         ParticipantTable.from_wire({"job": "j"})
-    bad = {"job": "j", "generation": 1, "blobs": {},
+    bad = {"job": "j", "roster_revision": 1, "blobs": {},
            "participants": {"writer": {"rank": [0, 1], "group": [["g", 3]], "host": [["h", 2]],
                                        "layout": [["x", 2]], "endpoints": {}}}}
     with pytest.raises(ValueError, match="column 'group' does not cover 2 rows"):
@@ -169,7 +169,7 @@ def _view(state: MetaState) -> dict:
 
 def test_journal_replays_to_the_same_state_and_compacts(tmp_path):
     async def live() -> dict:
-        state = MetaState(StateStore(tmp_path, compact_bytes=200))  # compacts while running, too
+        state = MetaState(Journal(tmp_path, compact_bytes=200))  # compacts while running, too
         state.load()
         await _exercise(state)
         view = _view(state)
@@ -177,16 +177,16 @@ def test_journal_replays_to_the_same_state_and_compacts(tmp_path):
         return view
 
     before = asyncio.run(live())
-    state = MetaState(StateStore(tmp_path))
+    state = MetaState(Journal(tmp_path))
     assert state.load() > 0
     assert _view(state) == before
-    assert state.store is not None
-    state.store.close_files()
+    assert state.journal is not None
+    state.journal.close_files()
 
 
 def test_a_torn_journal_tail_is_dropped_and_corruption_is_refused(tmp_path, caplog):
     async def live() -> None:
-        state = MetaState(StateStore(tmp_path))
+        state = MetaState(Journal(tmp_path))
         state.load()
         await state.start()
         await state.put_document("j", "a", b"1")
@@ -197,14 +197,14 @@ def test_a_torn_journal_tail_is_dropped_and_corruption_is_refused(tmp_path, capl
     journal = next(tmp_path.glob("journal-*.msgpack"))
     data = journal.read_bytes()
     journal.write_bytes(data[:-3])  # a crash mid-write of the last record (never acknowledged)
-    state = MetaState(StateStore(tmp_path))
+    state = MetaState(Journal(tmp_path))
     state.load()
     assert state.document("j", "a") == b"1" and state.document("j", "b") is None
     assert "dropping a torn record" in caplog.text
-    state.store.close_files()  # type: ignore[union-attr]
+    state.journal.close_files()  # type: ignore[union-attr]
     (tmp_path / "snapshot.msgpack").write_bytes(b"\x93garbage")
     with pytest.raises(ValueError, match=r"snapshot.msgpack is (corrupt|truncated|not a weightsync meta snapshot)"):
-        MetaState(StateStore(tmp_path)).load()
+        MetaState(Journal(tmp_path)).load()
 
 
 def test_long_polls_wake_only_when_satisfied():

@@ -17,7 +17,7 @@ import torch
 from _sources import HF, assert_covered, check_source, hf_canonical, module_with, run_ranks, tiny_model
 from weightsync.layout import ModelSpec, parse_layout
 from weightsync.layout.params import run_boxes
-from weightsync.sources.shards import same_layout
+from weightsync.sources.param_mapping import same_layout
 
 pytestmark = pytest.mark.xdist_group("sources-dtensor")
 

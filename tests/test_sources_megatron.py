@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from _sources import assert_covered, check_source, run_ranks
 from weightsync.layout import ModelSpec, parse_layout
 from weightsync.plan.reference import random_canonical
-from weightsync.sources.shards import same_layout
+from weightsync.sources.param_mapping import same_layout
 
 pytestmark = pytest.mark.xdist_group("sources-megatron")
 

@@ -40,7 +40,7 @@ def _layouts(target: str):
 def _tensors(arrays, layout):
     import torch
 
-    from weightsync.transport.tensors import TORCH_DTYPES
+    from weightsync.torch_layout import TORCH_DTYPES
 
     dtypes = {s.name: s.dtype for s in layout.shards}
     return {name: torch.from_numpy(a).view(TORCH_DTYPES[dtypes[name]]) for name, a in arrays.items()}
@@ -55,7 +55,7 @@ def _fds() -> int:
 
 
 def _rank_main(role, rank, scenarios, meta_root, barrier, results, stop_after=None):
-    """One rank runs every scenario (mode, target, versions) in turn, one generation each.
+    """One rank runs every scenario (mode, target, versions) in turn, one epoch each.
 
     Per scenario: build the local plan, prepare once, then send or receive each version
     and check it; report. ``stop_after`` (writer 0 only): stop after sending that many
@@ -65,26 +65,27 @@ def _rank_main(role, rank, scenarios, meta_root, barrier, results, stop_after=No
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         import torch
 
+        from weightsync.job import JobChannel
         from weightsync.plan import build_local_plan
         from weightsync.plan.reference import cut_shards, empty_shards, random_canonical
         from weightsync.transport import TransportContext, TransportError, TransportOptions, create_transport
 
         torch.set_num_threads(1)
-        for generation, (mode, target, versions) in enumerate(scenarios):
+        for epoch, (mode, target, versions) in enumerate(scenarios):
             writers, readers = _layouts(target)
             layout = (writers if role == "writer" else readers)[rank]
             plan = build_local_plan(writers, readers, role=role, rank=rank)
             # Small buckets: several staged messages per pair share one landing buffer.
             options = TransportOptions(nixl_mode=mode, max_bucket_bytes=64 << 10, direct_min_bytes=1 << 10)
-            ctx = TransportContext(role=role, rank=rank, num_writers=len(writers), num_readers=len(readers),
-                                   meta=DirectoryMeta(meta_root), options=options)
+            ctx = TransportContext(job=JobChannel(DirectoryMeta(meta_root), role=role, rank=rank),
+                                   num_writers=len(writers), num_readers=len(readers), options=options)
             canonical = writers[0].canonical
             arrays = cut_shards(layout, random_canonical(canonical, seed=0)) if role == "writer" else empty_shards(layout)
             tensors = _tensors(arrays, layout)
             ptrs = {n: t.data_ptr() for n, t in tensors.items()}
             threads0, fds0 = _native_threads(), _fds()
             transport = create_transport("nixl", ctx)
-            transport.prepare(plan, tensors, generation=generation, timeout=TIMEOUT)
+            transport.prepare(plan, tensors, epoch=epoch, timeout=TIMEOUT)
             out = {"setup": dict(transport.setup), "received": [], "error": None}
             for i, v in enumerate(versions):
                 values = random_canonical(canonical, seed=v)
@@ -114,7 +115,7 @@ def _rank_main(role, rank, scenarios, meta_root, barrier, results, stop_after=No
             out["ptrs_same"] = ptrs == {n: t.data_ptr() for n, t in tensors.items()}
             out["needed"] = int(sum(op.nbytes for op in plan.ops))
             out["leaks"] = {"threads": [t for t in _native_threads() if t not in threads0], "fds": _fds() - fds0}
-            results.put((role, rank, "done", (generation, out)))
+            results.put((role, rank, "done", (epoch, out)))
     except BaseException:
         results.put((role, rank, "crash", traceback.format_exc()))
 
@@ -125,7 +126,7 @@ class _NoBarrier:
 
 
 def _run_job(tmp_path: Path, scenarios, *, kill_writer0_after: int | None = None):
-    """2 writers + 2 readers run ``scenarios``; returns {generation: {(role, rank): report}}.
+    """2 writers + 2 readers run ``scenarios``; returns {epoch: {(role, rank): report}}.
 
     With ``kill_writer0_after=n`` writer 0 stops after sending n versions and is SIGKILLed
     once every reader has received the n-th. No process survives this function.
@@ -159,8 +160,8 @@ def _run_job(tmp_path: Path, scenarios, *, kill_writer0_after: int | None = None
                 if len(took) == 2:  # every reader has the last version writer 0 sends
                     os.kill(procs["writer", 0].pid, signal.SIGKILL)
             elif kind == "done":
-                generation, out = payload
-                reports[generation][role, rank] = out
+                epoch, out = payload
+                reports[epoch][role, rank] = out
         for p in procs.values():
             p.join(timeout=10)
     finally:
@@ -196,10 +197,10 @@ SCENARIOS = [
 @needs_nixl
 def test_versions_arrive_bitwise_in_place_pull_and_push(tmp_path):
     reports = _run_job(tmp_path, SCENARIOS)
-    for generation, (mode, target, versions) in enumerate(SCENARIOS):
+    for epoch, (mode, target, versions) in enumerate(SCENARIOS):
         where = f"{mode} -> {target}"
         total = 0
-        for (role, rank), out in reports[generation].items():
+        for (role, rank), out in reports[epoch].items():
             assert out["ptrs_same"], f"{where}: {role} {rank}: tensors moved"
             assert out["leaks"] == {"threads": [], "fds": 0}, f"{where}: {role} {rank} leaked {out['leaks']}"
             assert out["setup"]["registered_bytes"] > 0
@@ -227,8 +228,10 @@ def test_dead_writer_fails_reader_within_timeout(tmp_path, mode):
 
 
 def test_modes_and_options(tmp_path):
-    from weightsync.transport import TransportContext, TransportOptions
-    from weightsync.transport.nixl import NixlTransport, resolve_mode
+    from weightsync.job import JobChannel
+    from weightsync.transport import TransportContext, TransportOptions, create_transport
+    from weightsync.transport.nixl_common import resolve_mode
+    from weightsync.transport.nixl_pull import NixlPullTransport
     from weightsync.transport.nixl_push import NixlPushTransport
 
     # auto: push while each writer feeds few readers, pull on fan-out to more readers than writers
@@ -236,18 +239,19 @@ def test_modes_and_options(tmp_path):
     assert resolve_mode("auto", num_writers=8, num_readers=1) == "push"
     assert resolve_mode("auto", num_writers=1, num_readers=4) == "pull"
     assert resolve_mode("pull", num_writers=2, num_readers=1) == "pull"
-    assert NixlTransport.one_sided and not NixlPushTransport.one_sided
-    assert NixlTransport.writes_in_place and NixlPushTransport.writes_in_place
+    assert NixlPullTransport.one_sided and not NixlPushTransport.one_sided
+    assert NixlPullTransport.writes_in_place and NixlPushTransport.writes_in_place
+    assert NixlPushTransport.publishes_before_send and not NixlPullTransport.publishes_before_send
 
     def make(mode, writers, readers):
-        return NixlTransport(TransportContext(role="reader", rank=0, num_writers=writers, num_readers=readers,
-                                              meta=DirectoryMeta(str(tmp_path)),
-                                              options=TransportOptions(nixl_mode=mode)))
+        return create_transport("nixl", TransportContext(
+            job=JobChannel(DirectoryMeta(str(tmp_path)), role="reader", rank=0), num_writers=writers,
+            num_readers=readers, options=TransportOptions(nixl_mode=mode)))
 
     # Constructing creates no agent, so this runs without NIXL installed.
     assert type(make("auto", 2, 2)) is NixlPushTransport and not make("auto", 2, 2).one_sided
-    assert type(make("auto", 1, 2)) is NixlTransport and make("auto", 1, 2).one_sided
-    assert type(make("pull", 2, 2)) is NixlTransport
+    assert type(make("auto", 1, 2)) is NixlPullTransport and make("auto", 1, 2).one_sided
+    assert type(make("pull", 2, 2)) is NixlPullTransport
     with pytest.raises(ValueError, match="nixl_mode"):
         TransportOptions(nixl_mode="sideways")  # type: ignore[arg-type]
 
@@ -258,11 +262,13 @@ def test_slots_stale_versions_and_mode_mismatch_in_one_process(tmp_path, monkeyp
     import torch
 
     from weightsync.configs import load_spec
+    from weightsync.job import JobChannel
     from weightsync.layout import parse_layout
     from weightsync.plan import build_plan
     from weightsync.transport import TransportContext, TransportError, TransportOptions
-    from weightsync.transport.nixl import NixlTransport
     from weightsync.transport.nixl_agent import NixlAgent
+    from weightsync.transport.nixl_pull import NixlPullTransport
+    from weightsync.transport.nixl_push import NixlPushTransport
 
     monkeypatch.setenv("NIXL_LOG_LEVEL", "WARN")
     threads_before = threading_names()  # other tests in this worker may have left e.g. tqdm's monitor
@@ -276,14 +282,14 @@ def test_slots_stale_versions_and_mode_mismatch_in_one_process(tmp_path, monkeyp
     meta = DirectoryMeta(tmp_path)
 
     def ctx(role, mode="pull"):
-        return TransportContext(role=role, rank=0, num_writers=1, num_readers=1, meta=meta,
+        return TransportContext(job=JobChannel(meta, role=role, rank=0), num_writers=1, num_readers=1,
                                 options=TransportOptions(nixl_mode=mode, slots=2))
 
     src = {s.name: torch.zeros(s.numel) for s in writers[0].shards}
     dst = {s.name: torch.zeros(s.numel) for s in readers[0].shards}
-    with NixlTransport(ctx("writer")) as w, NixlTransport(ctx("reader")) as r:
-        w.prepare(plan, src, generation=0, timeout=10)
-        r.prepare(plan, dst, generation=0, timeout=10)
+    with NixlPullTransport(ctx("writer")) as w, NixlPullTransport(ctx("reader")) as r:
+        w.prepare(plan, src, epoch=0, timeout=10)
+        r.prepare(plan, dst, epoch=0, timeout=10)
         prepared = len(registrations)
         for v in (1, 2):
             for t in src.values():
@@ -301,10 +307,10 @@ def test_slots_stale_versions_and_mode_mismatch_in_one_process(tmp_path, monkeyp
             r.receive(4, timeout=0.3)
         assert time.monotonic() - t0 < 2
         assert len(registrations) == prepared, "registration must happen once per plan, not per version"
-        with NixlTransport(ctx("reader", "push")) as pushed:
+        with NixlPushTransport(ctx("reader", "push")) as pushed:
             assert pushed.mode == "push"
             with pytest.raises(TransportError, match="writer 0 uses nixl_mode 'pull'"):
-                pushed.prepare(plan, dst, generation=0, timeout=5)
+                pushed.prepare(plan, dst, epoch=0, timeout=5)
     assert threading_names() == threads_before, "the NIXL agents left threads behind"
 
 
@@ -315,8 +321,8 @@ def threading_names():
 
 
 def test_descriptor_geometry():
-    from weightsync.transport.nixl import contiguous_runs
     from weightsync.transport.nixl_agent import Descriptors
+    from weightsync.transport.nixl_common import contiguous_runs
 
     # A column half of a 4x6 row-major matrix, read from a packed 4x3 block.
     a, b, run = contiguous_runs((4, 3), (3, 1), (6, 1))

@@ -12,11 +12,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from fake_meta import DirectoryMeta
 from weightsync.configs import load_spec
+from weightsync.job import JobChannel
 from weightsync.layout import parse_layout
 from weightsync.plan import PlanOptions, build_local_plan
-from weightsync.sources.module import allocate
+from weightsync.torch_layout import allocate
 from weightsync.transport import TransportContext, TransportError, TransportOptions, create_transport
+from weightsync.transport.shm import SnapshotWriter
 from weightsync.transport.shm_files import SHM_DIR, share_tensors
+from weightsync.transport.shm_zero_copy import EXPOSED_WORD, ZeroCopyWriter
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,10 +29,10 @@ def _writer(tmp_path, tensors):
     writers = parse_layout("megatron:tp=1").all_rank_layouts(spec)
     readers = parse_layout("vllm:tp=1,replicas=2").all_rank_layouts(spec)
     plan = build_local_plan(writers, readers, role="writer", rank=0, options=PlanOptions(min_split_bytes=0))
-    ctx = TransportContext(role="writer", rank=0, num_writers=1, num_readers=2, meta=DirectoryMeta(str(tmp_path)),
-                           options=TransportOptions())
+    ctx = TransportContext(job=JobChannel(DirectoryMeta(str(tmp_path)), role="writer", rank=0), num_writers=1,
+                           num_readers=2, options=TransportOptions())
     transport = create_transport("shm", ctx)
-    transport.prepare(plan, tensors(writers[0]), generation=0, timeout=5)
+    transport.prepare(plan, tensors(writers[0]), epoch=0, timeout=5)
     return transport
 
 
@@ -58,10 +61,11 @@ def test_zero_copy_writer_names_readers_that_never_copied(tmp_path):
 
     transport = _writer(tmp_path, in_shm)
     try:
-        assert transport._zero_copy, "sources in /dev/shm must select zero-copy mode"
+        assert isinstance(transport.writer_side, ZeroCopyWriter), "sources in /dev/shm must select zero-copy mode"
         with pytest.raises(TransportError, match=r"readers \[0, 1\] did not copy version 0"):
             transport.send(0, timeout=0.3)
-        assert int(transport._control[3]) == -1  # no longer exposed: the trainer may write again
+        # no longer exposed: the trainer may write again
+        assert int(transport.writer_side.segment.words[EXPOSED_WORD]) == -1
     finally:
         transport.close()
         shared.close()
@@ -70,7 +74,7 @@ def test_zero_copy_writer_names_readers_that_never_copied(tmp_path):
 def test_private_sources_keep_snapshot_slots(tmp_path):
     transport = _writer(tmp_path, allocate)
     try:
-        assert not transport._zero_copy
+        assert isinstance(transport.writer_side, SnapshotWriter)
         stats = transport.send(0, timeout=5)  # packs into its slot, does not wait for anyone
         assert stats.peak_extra_bytes >= stats.nbytes > 0
     finally:

@@ -23,7 +23,8 @@ import torch
 from tiny_models import canonical_weights
 from weightsync.layout import parse_layout
 from weightsync.session import SyncConfig
-from weightsync.sources.module import ShardedSource, fill_from_canonical
+from weightsync.sources.module import ShardedSource
+from weightsync.torch_layout import fill_from_canonical
 from weightsync.writer import WeightWriter
 
 HERE = Path(__file__).resolve().parent

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from weightsync.inflight import InflightReader
     from weightsync.reader import UpdateResult, WeightReader
     from weightsync.session import SyncConfig, SyncError
-    from weightsync.store import StoreConfig, TensorSlice, TensorStore
+    from weightsync.tensorstore import StoreConfig, TensorSlice, TensorStore
     from weightsync.transport.shm_files import SharedTensors, share_tensors
     from weightsync.writer import WeightWriter, WriteResult
 
@@ -24,7 +24,8 @@ _LAZY = {
     "WeightWriter": "weightsync.writer", "WriteResult": "weightsync.writer",
     "WeightReader": "weightsync.reader", "UpdateResult": "weightsync.reader",
     "InflightReader": "weightsync.inflight",
-    "TensorStore": "weightsync.store", "StoreConfig": "weightsync.store", "TensorSlice": "weightsync.store",
+    "TensorStore": "weightsync.tensorstore", "StoreConfig": "weightsync.tensorstore",
+    "TensorSlice": "weightsync.tensorstore",
     "share_tensors": "weightsync.transport.shm_files", "SharedTensors": "weightsync.transport.shm_files",
 }
 

@@ -35,13 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name and exc.name.startswith("weightsync.commands"):
-                continue  # not built yet
-            raise
-        mod.add_arguments(p)
+        importlib.import_module(module).add_arguments(p)
     return parser
 
 

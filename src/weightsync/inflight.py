@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from weightsync.deadline import Deadline
 from weightsync.reader import UpdateResult, WeightReader
 from weightsync.session import SyncConfig, SyncError
 
@@ -74,12 +75,12 @@ class _StagingEngine:
 
     def apply(self, version: int) -> None:
         """Hand ``version`` to the serving thread and wait until it is live."""
-        deadline = time.monotonic() + self.timeout
+        deadline = Deadline.after(self.timeout)
         with self.cond:
             self.ready = version
             self.cond.notify_all()
             while self.ready is not None and not self.closed:
-                if not self.cond.wait(timeout=max(deadline - time.monotonic(), 0.0)):
+                if not self.cond.wait(timeout=deadline.remaining(0.0)):
                     self.ready = None
                     raise TimeoutError(f"the engine reached no step boundary within {self.timeout:.0f}s to apply "
                                        f"version {version}")
@@ -155,7 +156,7 @@ class InflightReader:
             # Wait in short polls (so close() is prompt), then transfer under the full timeout.
             floor = max(x for x in (self._staging.weight_version, reader.last_failed, -1) if x is not None)
             try:
-                if reader.meta.wait_version(after=floor, timeout=self.poll) is None:
+                if reader.session.channel.wait_version(after=floor, deadline=Deadline.after(self.poll)) is None:
                     continue
                 result = reader.update(timeout=reader.config.timeout)
             except TimeoutError as exc:
@@ -205,12 +206,12 @@ class InflightReader:
         Raises:
             TimeoutError: no such version was staged in time.
         """
-        deadline = time.monotonic() + (timeout if timeout is not None else self.reader.config.timeout)
+        deadline = Deadline.after(timeout if timeout is not None else self.reader.config.timeout)
         staging = self._staging
         while (self.version is None or self.version < min_version):
             if self.step_boundary() is not None:
                 continue
-            remaining = deadline - time.monotonic()
+            remaining = deadline.remaining(0.0)
             if remaining <= 0:
                 raise TimeoutError(f"reader {self.reader.rank}: version {min_version} did not arrive in time "
                                    f"(serving {self.version})")

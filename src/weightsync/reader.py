@@ -4,9 +4,10 @@
     result = reader.update(timeout=60)      # newest version, straight into the engine's memory
     print(result.version, result.nbytes, result.phases)
 
-``update`` waits for a version newer than the one applied, checks that the writers'
-sync fingerprint equals its own (same plan, transport and settings), receives exactly its
-ops, lets the engine apply them and reports the version to the meta server. A version is
+``update`` waits for a version newer than the one applied (through the job channel,
+:mod:`weightsync.job`), checks that the writers' sync fingerprint equals its own (same
+plan, transport and settings), receives exactly its ops, lets the engine apply them and
+reports the version to the meta server. A version is
 reported applied only after every op arrived. If anything fails, the engine is told its
 weights are not at a valid version, the failure is reported, and ``update`` raises
 :class:`SyncError` naming the version, the peer and the tensors; the next ``update``
@@ -20,6 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from weightsync.deadline import Deadline
+from weightsync.job import PublishedVersion
 from weightsync.session import SyncConfig, SyncError, SyncResult, SyncSession
 from weightsync.transport import TransportError
 
@@ -80,35 +83,32 @@ class WeightReader:
             ValueError: the writers' sync fingerprint differs from this reader's.
             SyncError: the transfer failed; the engine is not at a valid version.
         """
-        timeout = timeout if timeout is not None else self.config.timeout
-        deadline = time.monotonic() + timeout
+        deadline = Deadline.after(timeout if timeout is not None else self.config.timeout)
         session = self.session
         phases: dict[str, float] = {}
-        if session.plan is None:
-            session.ensure_planned(timeout)
+        if session.planned is None:
+            session.plan(deadline)
             phases["plan"] = session.timings["setup"]
+        planned = session.planned
+        assert planned is not None
         t0 = time.perf_counter()
-        info = self._wait_for_version(version, deadline)
+        published = self._wait_for_version(version, deadline)
         phases["wait"] = time.perf_counter() - t0
-        fingerprint, _, gen_text = info.fingerprint.rpartition("@")
-        if fingerprint != session.sync_fingerprint:
+        if published.sync_fingerprint != planned.fingerprint:
             raise ValueError(
-                f"reader {self.rank}: writers published version {info.version} with sync fingerprint "
-                f"{fingerprint}, this reader computed {session.sync_fingerprint}: writers and readers "
+                f"reader {self.rank}: writers published version {published.version} with sync fingerprint "
+                f"{published.sync_fingerprint}, this reader computed {planned.fingerprint}: writers and readers "
                 "disagree on the plan, transport or its settings"
             )
-        generation = int(gen_text)
-        v = info.version
-        transport = session.transport
-        assert transport is not None
+        v = published.version
         try:
             buffers = self.engine.receive_buffers()
             t0 = time.perf_counter()
-            session.ensure_prepared(buffers, generation, max(deadline - time.monotonic(), 0.001))
+            transport = session.arm(buffers, published.epoch, deadline)
             phases["prepare"] = time.perf_counter() - t0
-            stats = transport.receive(v, timeout=max(deadline - time.monotonic(), 0.001))
+            stats = transport.receive(v, timeout=deadline.remaining())
         except (TransportError, ValueError) as exc:
-            self._fail(v, generation, exc)
+            self._fail(published, exc)
             raise SyncError(f"reader {self.rank}: version {v} failed: {exc}") from exc
         for name, seconds in stats.phases.items():
             phases[f"receive.{name}"] = seconds
@@ -116,34 +116,34 @@ class WeightReader:
         try:
             self.engine.apply(v)
         except Exception as exc:
-            self._fail(v, generation, exc)
+            self._fail(published, exc)
             raise SyncError(f"reader {self.rank}: engine could not apply version {v}: {exc}") from exc
         phases["apply"] = time.perf_counter() - t0
         result = UpdateResult(v, stats.nbytes, phases)
-        self.meta.report_applied(self.rank, v, nbytes=stats.nbytes, seconds=result.seconds)
+        session.channel.report_applied(v, nbytes=stats.nbytes, seconds=result.seconds)
         self._failed = None
         logger.info("reader %d applied version %d: %d bytes, %.3fs", self.rank, v, stats.nbytes, result.seconds)
         return result
 
-    def _wait_for_version(self, version: int | None, deadline: float) -> Any:
+    def _wait_for_version(self, version: int | None, deadline: Deadline) -> PublishedVersion:
         # Never re-take a version that already failed here (two-sided writers moved on).
         floor = max(x for x in (self.version, self._failed, -1) if x is not None)
         want = floor if version is None else max(floor, version - 1)
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if deadline.expired:
                 raise TimeoutError(f"reader {self.rank}: no version newer than {want} was published in time")
-            info = self.meta.wait_version(after=want, timeout=remaining)
-            if info is not None:
-                return info
+            published = self.session.channel.wait_version(after=want, deadline=deadline)
+            if published is not None:
+                return published
 
-    def _fail(self, version: int, generation: int, exc: BaseException) -> None:
-        self._failed = version
-        self.engine.abort(version, exc)
-        self.session.invalidate()
-        self.session.bump_generation(generation)
+    def _fail(self, published: PublishedVersion, exc: BaseException) -> None:
+        self._failed = published.version
+        self.engine.abort(published.version, exc)
+        self.session.disarm()
+        channel = self.session.channel
+        channel.advance_epoch(published.epoch)
         try:
-            self.meta.report_failed(self.rank, version, str(exc)[:2000])
+            channel.report_failed(published.version, str(exc))
         except Exception as report_exc:  # the failure itself is what the caller must see
             logger.warning("reader %d could not report its failure: %s", self.rank, report_exc)
 

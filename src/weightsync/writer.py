@@ -6,8 +6,9 @@
             w.write(step)          # returns when every reader applied it (staleness=0)
 
 ``write(V)`` sends exactly the bytes this rank's share of the plan assigns to it and
-publishes ``V`` with the sync fingerprint (plan + transport settings + generation), which
-every reader checks before it takes a byte. With ``staleness=K`` it returns as soon as the
+publishes ``V`` through the job channel (:mod:`weightsync.job`) with the sync fingerprint
+(plan + transport settings) and the transport epoch, which every reader checks before it
+takes a byte. With ``staleness=K`` it returns as soon as the
 data is out, and blocks only while the slowest reader is more than ``K`` versions behind.
 """
 
@@ -18,6 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from weightsync.deadline import Deadline
+from weightsync.job import PublishedVersion
 from weightsync.session import SyncConfig, SyncError, SyncResult, SyncSession
 from weightsync.transport import TransportError
 
@@ -58,46 +61,45 @@ class WeightWriter:
         Raises:
             ValueError: the version does not increase, or tensors disagree with the layout.
             SyncError: a peer died, a timeout expired, or writers disagree on the plan;
-                the job moves to a new generation and the next ``write`` starts clean.
+                the job moves to a new epoch and the next ``write`` starts clean.
         """
         if self.version is not None and version <= self.version:
             raise ValueError(f"writer {self.rank}: version {version} does not increase past {self.version}")
-        timeout = timeout if timeout is not None else self.config.timeout
-        deadline = time.monotonic() + timeout
-        session = self.session
+        deadline = Deadline.after(timeout if timeout is not None else self.config.timeout)
+        session, channel = self.session, self.session.channel
         result = WriteResult(version, 0)
-        if session.plan is None:
-            session.ensure_planned(timeout)
+        if session.planned is None:
+            session.plan(deadline)
             result.phases["plan"] = session.timings["setup"]
-        transport = session.transport
-        assert transport is not None
+        planned = session.planned
+        assert planned is not None
+        transport = planned.transport
         slots = self.config.transport_options.slots
         if transport.one_sided and len(self._history) >= slots:
             # The slot this version overwrites holds the version written `slots` writes ago:
             # every reader must have moved past it.
             self._wait_readers(self._history[-slots], deadline, result, "wait_slot")
-        generation = self._agree_generation(version, deadline)
-        tensors = self.source.tensors()
-        published = f"{session.sync_fingerprint}@{generation}"
-        # Two-sided transports need the readers to post receives, so they publish first; so do
-        # one-sided transports whose receive() itself waits for each byte (shared memory
-        # streams: readers copy while this writer packs). The rest publish once data is out.
-        early = not transport.one_sided or bool(getattr(transport, "receive_waits_for_data", False))
         try:
-            if early:
-                self._publish(version, published, result)
+            epoch = channel.decide_epoch(version, deadline)
+        except TimeoutError as exc:
+            raise SyncError(str(exc)) from exc
+        published = PublishedVersion(version, planned.fingerprint, epoch)
+        tensors = self.source.tensors()
+        try:
+            if transport.publishes_before_send:
+                self._publish(published, result)
             t0 = time.perf_counter()
-            session.ensure_prepared(tensors, generation, max(deadline - time.monotonic(), 0.001))
+            session.arm(tensors, epoch, deadline)
             result.phases["prepare"] = time.perf_counter() - t0
-            stats = transport.send(version, timeout=max(deadline - time.monotonic(), 0.001))
+            stats = transport.send(version, timeout=deadline.remaining())
             result.nbytes = stats.nbytes
             for name, seconds in stats.phases.items():
                 result.phases[f"send.{name}"] = seconds
-            if not early:
-                self._publish(version, published, result)
+            if not transport.publishes_before_send:
+                self._publish(published, result)
         except TransportError as exc:
-            session.invalidate()
-            session.bump_generation(generation)
+            session.disarm()
+            channel.advance_epoch(epoch)
             raise SyncError(f"writer {self.rank}: version {version} failed: {exc}") from exc
         self.version = version
         self._history = [*self._history[-(slots + self.config.staleness):], version]
@@ -109,32 +111,16 @@ class WeightWriter:
                     result.seconds)
         return result
 
-    def _agree_generation(self, version: int, deadline: float) -> int:
-        """Writer 0 picks the transport generation of each version; the others follow it.
-
-        One decision per version means writers never publish different generations, even
-        when a failure report or a restarted rank bumps the job's generation concurrently.
-        """
-        key = f"versions/{version}/generation"
-        if self.rank == 0:
-            generation = self.session.generation()
-            self.meta.put_document(key, str(generation).encode())
-            return generation
-        doc = self.meta.get_document(key, wait=max(deadline - time.monotonic(), 0.001))
-        if doc is None:
-            raise SyncError(f"writer {self.rank}: writer 0 did not start version {version} in time")
-        return int(doc.decode())
-
-    def _publish(self, version: int, fingerprint: str, result: WriteResult) -> None:
+    def _publish(self, published: PublishedVersion, result: WriteResult) -> None:
         t0 = time.perf_counter()
-        self.meta.publish_version(version, fingerprint, writer_rank=self.rank, num_writers=self.config.num_writers)
+        self.session.channel.publish_version(published, num_writers=self.config.num_writers)
         result.phases["publish"] = time.perf_counter() - t0
 
-    def _wait_readers(self, min_version: int, deadline: float, result: WriteResult, phase: str) -> None:
+    def _wait_readers(self, min_version: int, deadline: Deadline, result: WriteResult, phase: str) -> None:
         t0 = time.perf_counter()
         try:
-            self.meta.wait_readers(min_version=min_version, readers=self.config.num_readers,
-                                   timeout=max(deadline - time.monotonic(), 0.001))
+            self.session.channel.wait_readers(min_version=min_version, readers=self.config.num_readers,
+                                              deadline=deadline)
         except TimeoutError as exc:
             raise SyncError(f"writer {self.rank}: readers did not reach version {min_version} in time: {exc}") from exc
         result.phases[phase] = result.phases.get(phase, 0.0) + time.perf_counter() - t0

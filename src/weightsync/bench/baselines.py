@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from weightsync.bench.weights import CanonicalLoader, Contribution, gather_contributions, region_view
 from weightsync.layout import ModelSpec, RankLayout
-from weightsync.transport.tensors import TORCH_DTYPES
+from weightsync.torch_layout import TORCH_DTYPES
 
 BASELINES = ("safetensors-disk", "safetensors-shm", "per-param-broadcast", "bucketed-broadcast")
 

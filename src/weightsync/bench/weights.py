@@ -28,7 +28,7 @@ import torch
 
 from weightsync.layout import RankLayout
 from weightsync.layout.types import CanonicalTensor, Region
-from weightsync.transport.tensors import TORCH_DTYPES
+from weightsync.torch_layout import TORCH_DTYPES
 
 POOL_ROWS = 1031  # prime: rows of different tensors interleave with no short period
 STRIDE = 613

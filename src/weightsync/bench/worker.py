@@ -101,7 +101,7 @@ def run_case(spec: dict[str, Any], global_rank: int) -> None:
     from weightsync.bench.baselines import RankContext, make_method, reader_bytes
     from weightsync.bench.weights import WeightPool, fill, mismatches
     from weightsync.layout import ModelSpec, parse_layout
-    from weightsync.sources.module import allocate
+    from weightsync.torch_layout import allocate
 
     torch.set_num_threads(1)
     config = spec["config"]

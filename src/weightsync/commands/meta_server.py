@@ -69,6 +69,6 @@ def run(args: argparse.Namespace) -> int:
         prepared.server.run(sockets=[prepared.sock])
     finally:
         prepared.sock.close()
-        if prepared.state.store is not None:
-            prepared.state.store.close_files()
+        if prepared.state.journal is not None:
+            prepared.state.journal.close_files()
     return 0

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from weightsync.configs import load_spec
 from weightsync.layout import parse_layout
-from weightsync.validate import checkpoint_index, merge_reports, verify_rank
+from weightsync.verify import checkpoint_index, merge_reports, verify_rank
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -19,17 +19,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from weightsync.layout import LayoutProvider
+
 if TYPE_CHECKING:
     import torch
 
-    from weightsync.layout import RankLayout
-
 
 @runtime_checkable
-class InferenceEngine(Protocol):
-    def layout(self) -> RankLayout:
-        """The buffers' shards as canonical regions (rank = the reader rank)."""
-        ...
+class InferenceEngine(LayoutProvider, Protocol):
+    """A :class:`~weightsync.layout.LayoutProvider` (rank = the reader rank) that can be updated."""
 
     def receive_buffers(self) -> Mapping[str, torch.Tensor]:
         """Shard name -> tensor the transport writes into (parameters or staging)."""
@@ -46,8 +44,4 @@ class InferenceEngine(Protocol):
     @property
     def weight_version(self) -> int | None:
         """The version the engine's weights are at; None before the first update or after a failure."""
-        ...
-
-    def descriptor(self) -> tuple[str, Mapping[str, object]] | None:
-        """(layout string, HF config) when the layout is a registered kind, else None."""
         ...

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from weightsync.layout import ModelSpec, RankLayout, parse_layout
-from weightsync.sources.module import allocate, module_layout
+from weightsync.torch_layout import allocate, module_layout
 
 
 class _InPlace:

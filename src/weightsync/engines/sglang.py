@@ -38,7 +38,7 @@ import torch
 
 from weightsync.engines.staging import StagedWeights
 from weightsync.layout import ModelSpec
-from weightsync.transport.tensors import dtype_name
+from weightsync.torch_layout import dtype_name
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,7 @@ import torch
 
 from weightsync.layout import ModelSpec, RankLayout
 from weightsync.layout.kinds.hf import HFLayout
-from weightsync.sources.module import allocate
-from weightsync.transport.tensors import dtype_name
+from weightsync.torch_layout import allocate, dtype_name
 
 logger = logging.getLogger(__name__)
 

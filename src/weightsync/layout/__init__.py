@@ -6,6 +6,7 @@ Pure: this package imports neither torch.distributed, nor a transport, nor an en
 from weightsync.layout.box import Box, chunk_bounds, contiguous_strides, even_bounds
 from weightsync.layout.kinds import LayoutKind, parse_layout
 from weightsync.layout.model import ModelSpec
+from weightsync.layout.provider import LayoutProvider
 from weightsync.layout.types import (
     DTYPE_ITEMSIZE,
     CanonicalTensor,
@@ -24,6 +25,7 @@ __all__ = [
     "Box",
     "CanonicalTensor",
     "LayoutKind",
+    "LayoutProvider",
     "ModelSpec",
     "RankLayout",
     "Region",

@@ -38,13 +38,6 @@ class Box:
         """The box covering a whole tensor of ``shape``."""
         return cls(tuple(0 for _ in shape), tuple(int(s) for s in shape))
 
-    @classmethod
-    def from_slices(cls, shape: Sequence[int], bounds: Sequence[tuple[int, int]]) -> Box:
-        """A box from ``(start, stop)`` per dimension; missing trailing dims are whole."""
-        offs = [b[0] for b in bounds] + [0] * (len(shape) - len(bounds))
-        ends = [b[1] for b in bounds] + list(shape[len(bounds) :])
-        return cls(tuple(offs), tuple(e - o for o, e in zip(offs, ends, strict=True)))
-
     @property
     def ndim(self) -> int:
         return len(self.sizes)

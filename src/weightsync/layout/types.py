@@ -116,9 +116,6 @@ class Region:
     def numel(self) -> int:
         return self.box.numel
 
-    def last_flat_index(self) -> int:
-        """The highest flat storage index this view touches (for bounds checks)."""
-        return self.offset + sum((s - 1) * st for s, st in zip(self.box.sizes, self.strides, strict=True))
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,24 +2,23 @@
 
 A participant publishes its layout in one of two forms:
 
-* a **descriptor**, ``{"layout": "megatron:tp=8,pp=16,dp=8,ep=64", "model": <model key>}``,
+* a **descriptor**, ``{"layout": "megatron:tp=8,pp=16,dp=8,ep=64", "model": <model digest>}``,
   when it was built from a layout kind: a few dozen bytes, identical for every rank of a
   group (the rank travels separately), so a thousand ranks share one blob;
 * an **explicit** shard list, for layouts read out of a live framework (FSDP2 DTensors,
   ZeRO-3 partitions, an engine's parameters): canonical names are listed once and regions
   refer to them by index.
 
-The model config (Hugging Face ``config.json``) is stored once per job as a meta-server
-document under ``model_key(config)``; descriptors name it.
+The model config (Hugging Face ``config.json``) is stored once per job by the job channel
+(:meth:`weightsync.job.JobChannel.publish_model_config`), which returns the content digest
+descriptors name it by.
 
-    blob = encode_descriptor("vllm:tp=2", model_key(cfg))
-    layout = decode_layout(blob, rank=3, load_model=lambda key: cfg)
+    blob = encode_descriptor("vllm:tp=2", digest)
+    layout = decode_layout(blob, rank=3, load_model=lambda digest: cfg)
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,12 +30,6 @@ from weightsync.layout.model import ModelSpec
 from weightsync.layout.types import CanonicalTensor, RankLayout, Region, Shard
 
 WIRE_VERSION = 1
-
-
-def model_key(config: Mapping[str, Any]) -> str:
-    """Content address of a model config: ``model/<sha256 prefix>``."""
-    canonical = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
-    return "model/" + hashlib.sha256(canonical).hexdigest()[:24]
 
 
 def encode_descriptor(layout: str, model: str) -> bytes:

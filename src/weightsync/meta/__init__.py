@@ -12,7 +12,7 @@ The server holds only metadata, never weights.
 
 Modules: ``records`` (data model and the compact roster), ``client`` (sync and async clients),
 ``calls`` (the API as data), ``server`` (FastAPI app), ``state`` (in-memory state, long-polls),
-``store`` (durable journal), ``embedded`` (running it), ``config`` (environment).
+``journal`` (durable state), ``embedded`` (running it), ``config`` (environment).
 Importing this package does not import the server stack (FastAPI, uvicorn).
 """
 

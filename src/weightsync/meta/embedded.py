@@ -24,9 +24,9 @@ from typing import Any
 import uvicorn
 
 from weightsync.meta.config import new_token
+from weightsync.meta.journal import Journal
 from weightsync.meta.server import ServerConfig, create_app
 from weightsync.meta.state import MetaState
-from weightsync.meta.store import StateStore
 
 logger = logging.getLogger(__name__)
 
@@ -128,14 +128,14 @@ def prepare_server(*, host: str = "127.0.0.1", port: int = 0, token: str,
                    log_level: str = "warning") -> PreparedServer:
     """Load the state and bind the socket; ``server.run(sockets=[sock])`` then serves."""
     config = ServerConfig(token=token, max_body_bytes=max_body_bytes, max_wait=max_wait)
-    store = StateStore(state_dir, compact_bytes=compact_bytes) if state_dir is not None else None
-    state = MetaState(store)
+    journal = Journal(state_dir, compact_bytes=compact_bytes) if state_dir is not None else None
+    state = MetaState(journal)
     try:
         state.load()
         sock = bind(host, port)
     except BaseException:
-        if store is not None:
-            store.close_files()
+        if journal is not None:
+            journal.close_files()
         raise
     app = create_app(state, config)
     uv_config = uvicorn.Config(app, http=_nodelay_http_protocol(), lifespan="on",
@@ -207,9 +207,9 @@ class EmbeddedMetaServer:
         if thread.is_alive():
             logger.error("the embedded meta server thread did not stop within %.0f s", 2 * timeout)
         prepared.sock.close()
-        store = prepared.state.store
-        if store is not None:
-            store.close_files()
+        journal = prepared.state.journal
+        if journal is not None:
+            journal.close_files()
         self._thread = None
 
     def __enter__(self) -> EmbeddedMetaServer:

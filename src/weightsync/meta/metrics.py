@@ -52,14 +52,14 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("weightsync_meta_jobs", "job namespaces", value=len(self.state.jobs))
         yield GaugeMetricFamily("weightsync_meta_waiting_requests", "long-polls being held",
                                 value=self.state.watch.waiting)
-        store = self.state.store
-        if store is not None:
+        journal = self.state.journal
+        if journal is not None:
             yield CounterMetricFamily("weightsync_meta_journal_fsyncs", "journal fsyncs (group commits)",
-                                      value=store.fsyncs)
+                                      value=journal.fsyncs)
             yield CounterMetricFamily("weightsync_meta_journal_fsync_seconds", "time spent writing and fsyncing",
-                                      value=store.fsync_seconds)
+                                      value=journal.fsync_seconds)
             yield GaugeMetricFamily("weightsync_meta_journal_bytes", "journal size since the last compaction",
-                                    value=store.journal_bytes)
+                                    value=journal.journal_bytes)
 
 
 class ServerMetrics:

@@ -9,7 +9,7 @@ ranks share a handful of distinct blobs.
 
 The bulk roster is therefore **columnar and content-addressed**::
 
-    {"job": "default", "generation": 1281,
+    {"job": "default", "roster_revision": 1281,
      "blobs": {"3fa2...": b"<layout descriptor>", ...},
      "participants": {"writer": {"rank": [0, 1, ...],
                                  "group": [["train", 1024]],          # run-length encoded
@@ -226,12 +226,12 @@ class ParticipantTable:
     :meth:`get` and :meth:`participants`.
     """
 
-    __slots__ = ("_cols", "blobs", "documents", "generation", "job")
+    __slots__ = ("_cols", "blobs", "documents", "job", "roster_revision")
 
-    def __init__(self, job: str, generation: int, blobs: Mapping[str, bytes],
+    def __init__(self, job: str, roster_revision: int, blobs: Mapping[str, bytes],
                  columns: Mapping[str, Mapping[str, Any]], documents: Mapping[str, bytes | None] | None = None) -> None:
         self.job = job
-        self.generation = generation
+        self.roster_revision = roster_revision
         self.blobs: Mapping[str, bytes] = blobs
         #: the documents asked for with the roster (None: absent when the roster was read)
         self.documents: Mapping[str, bytes | None] = documents or {}
@@ -241,7 +241,7 @@ class ParticipantTable:
     def from_wire(cls, obj: Mapping[str, Any]) -> ParticipantTable:
         """Decode the server's bulk roster; ValueError if it is malformed."""
         try:
-            return cls(str(obj["job"]), int(obj["generation"]), dict(obj["blobs"]), obj["participants"],
+            return cls(str(obj["job"]), int(obj["roster_revision"]), dict(obj["blobs"]), obj["participants"],
                        obj.get("documents"))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed roster from the meta server: {exc!r}") from exc

@@ -2,7 +2,7 @@
 
 Everything lives in memory in one event loop, behind one asyncio lock. Every change is a
 **record**, a small msgpack-ready dict applied by :meth:`MetaState._apply`. With a state
-directory the same records go to the journal (:mod:`weightsync.meta.store`) before the caller
+directory the same records go to the journal (:mod:`weightsync.meta.journal`) before the caller
 gets its answer, and a restarted server replays them through the same ``_apply``, so the live
 and the recovered state cannot drift apart. Records *set* values rather than add to them, so
 replaying records that are already reflected in a snapshot is harmless; compaction relies on it.
@@ -12,7 +12,7 @@ readers registered", "a version newer than 7"), and a change fires only the keys
 a thousand ranks waiting on a barrier are woken once, by the registration that completes it,
 not by every registration before it. Nothing here sleeps or polls.
 
-    state = MetaState(store)            # store=None: memory only
+    state = MetaState(journal)          # journal=None: memory only
     state.load()                        # replay the state directory, if any
     await state.start()
     created = await state.register("job", "writer", 0, group="train", host="h", endpoints={}, layout=b"")
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.meta import wire
+from weightsync.meta.journal import Journal
 from weightsync.meta.records import ROLES, VersionInfo, blob_hash, encode_columns
-from weightsync.meta.store import StateStore
 
 logger = logging.getLogger(__name__)
 
@@ -127,13 +127,9 @@ class Job:
     latest: VersionInfo | None = None
     pending: dict[int, _Pending] = field(default_factory=dict)
     readers: dict[int, _Reader] = field(default_factory=dict)
-    generation: int = 0
+    roster_revision: int = 0  # bumped by every registration (roster caches key on it)
     updated_at: float = 0.0
     roster_cache: dict[bool, bytes] = field(default_factory=dict)
-
-    def reader_version(self, rank: int) -> int | None:
-        state = self.readers.get(rank)
-        return state.version if state else None
 
     def reader_ranks(self) -> list[int]:
         return sorted(set(self.rows["reader"]) | set(self.readers))
@@ -152,47 +148,47 @@ class Job:
 class MetaState:
     """All jobs of one server. Methods run on the server's event loop only."""
 
-    def __init__(self, store: StateStore | None = None) -> None:
+    def __init__(self, journal: Journal | None = None) -> None:
         self.jobs: dict[str, Job] = {}
         self.watch = Watch()
         self.started_at = time.time()
-        self._store = store
+        self._journal = journal
         self._lock = asyncio.Lock()
 
     @property
     def durable(self) -> bool:
-        return self._store is not None
+        return self._journal is not None
 
     @property
-    def store(self) -> StateStore | None:
-        return self._store
+    def journal(self) -> Journal | None:
+        return self._journal
 
     # --- lifecycle -------------------------------------------------------------------------
     def load(self) -> int:
         """Replay the state directory (before serving). Returns the number of records replayed."""
-        if self._store is None:
+        if self._journal is None:
             return 0
-        records = self._store.load()
+        records = self._journal.load()
         for i, record in enumerate(records):
             try:
                 self._apply(record)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                self._store.close_files()
-                raise ValueError(f"state directory {self._store.directory}: record {i} ({record.get('op')!r}) "
+                self._journal.close_files()
+                raise ValueError(f"state directory {self._journal.directory}: record {i} ({record.get('op')!r}) "
                                  f"cannot be applied ({exc!r}); move the directory away to start empty") from exc
-        self._store.rewrite(self.records())  # start from a compact snapshot and an empty journal
+        self._journal.rewrite(self.records())  # start from a compact snapshot and an empty journal
         logger.info("meta state: replayed %d records: %d jobs", len(records), len(self.jobs))
         return len(records)
 
     async def start(self) -> None:
-        if self._store is not None:
-            await self._store.start(self.records)
+        if self._journal is not None:
+            await self._journal.start(self.records)
 
     async def close(self) -> None:
         """Wake every long-poll (they answer with what they have) and flush the journal."""
         self.watch.close()
-        if self._store is not None:
-            await self._store.close()
+        if self._journal is not None:
+            await self._journal.close()
 
     # --- applying records ------------------------------------------------------------------
     def _job(self, name: str, at: float) -> Job:
@@ -214,7 +210,7 @@ class MetaState:
         elif op == "register":
             role = r["role"]
             job.rows[role][r["rank"]] = _Row(r["group"], r["host"], dict(r["endpoints"]), r["layout"], at)
-            job.generation += 1
+            job.roster_revision += 1
             job.roster_cache.clear()
             counts = (len(job.rows["writer"]), len(job.rows["reader"]))
             self.watch.fire("registered", name, lambda k: k[0] <= counts[0] and k[1] <= counts[1])
@@ -267,7 +263,7 @@ class MetaState:
             records = plan()
             for record in records:
                 self._apply(record)
-            done = self._store.submit(records) if self._store is not None else None
+            done = self._journal.submit(records) if self._journal is not None else None
         if done is not None:
             await done
         return bool(records)
@@ -321,7 +317,7 @@ class MetaState:
         """The encoded bulk roster (cached until the next registration)."""
         state = self.jobs.get(job)
         if state is None:
-            obj = {"job": job, "generation": 0, "blobs": {}, "participants": {}}
+            obj = {"job": job, "roster_revision": 0, "blobs": {}, "participants": {}}
             return wire.encode(obj, msgpack_=msgpack_)[0]
         cached = state.roster_cache.get(msgpack_)
         if cached is None:
@@ -331,7 +327,7 @@ class MetaState:
                 participants[role] = encode_columns(
                     [(rank, row.group, row.host, row.endpoints, row.layout) for rank, row in rows])
             used = {row.layout for rows in state.rows.values() for row in rows.values()}
-            obj = {"job": job, "generation": state.generation,
+            obj = {"job": job, "roster_revision": state.roster_revision,
                    "blobs": {h: state.blobs[h] for h in sorted(used)}, "participants": participants}
             cached = state.roster_cache[msgpack_] = wire.encode(obj, msgpack_=msgpack_)[0]
         return cached
@@ -476,7 +472,7 @@ class MetaState:
         synced = [r["last_sync_at"] for r in readers if r["last_sync_at"] is not None]
         return {
             "job": name, "created_at": job.created_at, "updated_at": job.updated_at,
-            "generation": job.generation,
+            "roster_revision": job.roster_revision,
             "writers": len(job.rows["writer"]), "readers": len(job.rows["reader"]),
             "latest_version": job.latest.to_wire() if job.latest else None,
             "pending_versions": [{"version": v, "fingerprint": p.fingerprint, "reported": len(p.ranks),

@@ -16,8 +16,7 @@ further negotiation.
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -219,12 +218,6 @@ class Plan:
         """Ops from one writer rank to one reader rank, in wire order."""
         return self.pairs().get((src_rank, dst_rank), [])
 
-    def ops_from(self, src_rank: int) -> list[TransferOp]:
-        return [op for op in self.ops if op.src_rank == src_rank]
-
-    def ops_to(self, dst_rank: int) -> list[TransferOp]:
-        return [op for op in self.ops if op.dst_rank == dst_rank]
-
     def pairs(self) -> dict[tuple[int, int], list[TransferOp]]:
         """Ops grouped by (src rank, dst rank), each group in wire order."""
         cached = self._cache.get("pairs")
@@ -234,13 +227,3 @@ class Plan:
                 cached.setdefault((op.src_rank, op.dst_rank), []).append(op)
             self._cache["pairs"] = cached
         return cached
-
-    def pair_digest(self, src_rank: int, dst_rank: int) -> str:
-        """A short hash of the ops between two ranks, for a handshake check on a link."""
-        h = hashlib.blake2b(digest_size=8)
-        for op in self.ops_between(src_rank, dst_rank):
-            h.update(f"{op.canonical}|{op.box.offsets}|{op.box.sizes}|{op.dst_dtype}\n".encode())
-        return h.hexdigest()
-
-    def iter_pairs(self) -> Iterator[tuple[tuple[int, int], list[TransferOp]]]:
-        yield from sorted(self.pairs().items())

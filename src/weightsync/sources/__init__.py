@@ -7,7 +7,6 @@ from weightsync.sources.base import TrainingSource
 from weightsync.sources.deepspeed import ZeroSource
 from weightsync.sources.dtensor import DTensorSource
 from weightsync.sources.megatron import MegatronSource
-from weightsync.sources.module import ModuleSource, ShardedSource, allocate
+from weightsync.sources.module import ModuleSource, ShardedSource
 
-__all__ = ["DTensorSource", "MegatronSource", "ModuleSource", "ShardedSource", "TrainingSource", "ZeroSource",
-           "allocate"]
+__all__ = ["DTensorSource", "MegatronSource", "ModuleSource", "ShardedSource", "TrainingSource", "ZeroSource"]

@@ -15,25 +15,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from weightsync.layout import LayoutProvider
+
 if TYPE_CHECKING:
     import torch
 
-    from weightsync.layout import RankLayout
-
 
 @runtime_checkable
-class TrainingSource(Protocol):
-    def layout(self) -> RankLayout:
-        """This rank's shards as canonical regions (rank = the writer rank)."""
-        ...
+class TrainingSource(LayoutProvider, Protocol):
+    """A :class:`~weightsync.layout.LayoutProvider` (rank = the writer rank) with live tensors."""
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
         """Shard name -> the live local tensor (contiguous) holding the current weights."""
-        ...
-
-    def descriptor(self) -> tuple[str, Mapping[str, object]] | None:
-        """(layout string, HF config) when the layout is a registered kind, else None.
-
-        A descriptor lets thousands of ranks publish one shared metadata blob.
-        """
         ...

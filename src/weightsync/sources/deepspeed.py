@@ -22,8 +22,8 @@ import torch
 
 from weightsync.layout import ModelSpec, RankLayout, Shard
 from weightsync.layout.params import ParamParts, hf_param
-from weightsync.sources.shards import check_known, clean_name, matching_descriptor, read_config, uniform_dtype
-from weightsync.transport.tensors import dtype_name
+from weightsync.sources.param_mapping import check_known, clean_name, matching_descriptor, read_config, uniform_dtype
+from weightsync.torch_layout import dtype_name
 
 
 def partition_range(param: Any) -> tuple[int, int, int]:

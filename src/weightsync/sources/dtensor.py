@@ -44,8 +44,8 @@ from weightsync.layout.params import (
     runs_length,
     strided_runs,
 )
-from weightsync.sources.shards import check_known, clean_name, matching_descriptor, read_config, uniform_dtype
-from weightsync.transport.tensors import dtype_name
+from weightsync.sources.param_mapping import check_known, clean_name, matching_descriptor, read_config, uniform_dtype
+from weightsync.torch_layout import dtype_name
 
 
 def placement_runs(shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int],

@@ -37,8 +37,8 @@ import torch
 from weightsync.layout import Box, ModelSpec, RankLayout, Shard
 from weightsync.layout.builders import padded_size, rows
 from weightsync.layout.params import ParamParts, Runs, run_boxes, runs_length
-from weightsync.sources.shards import check_known, matching_descriptor, read_config, uniform_dtype
-from weightsync.transport.tensors import dtype_name
+from weightsync.sources.param_mapping import check_known, matching_descriptor, read_config, uniform_dtype
+from weightsync.torch_layout import dtype_name
 
 _TE_EXPERT = re.compile(r"\.linear_fc[12]\.weight\d+$")
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")

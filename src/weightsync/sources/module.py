@@ -11,43 +11,13 @@ kind (``"megatron:tp=2"``, ...), and publishes the compact descriptor instead of
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from weightsync.layout import Box, ModelSpec, RankLayout, Shard, parse_layout
-from weightsync.layout.params import hf_param
-from weightsync.transport.tensors import TORCH_DTYPES, dtype_name
-
-
-def module_layout(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec, rank: int) -> RankLayout:
-    """Match named tensors (transformers names) to the canonical model; every name must be known.
-
-    Both namings of MoE experts are understood: per-expert checkpoint names and the fused
-    ``experts.gate_up_proj``/``experts.down_proj`` of transformers >= 5.
-
-    Raises:
-        ValueError: listing names no canonical tensor maps, or shape mismatches.
-    """
-    shards: list[Shard] = []
-    unknown, wrong = [], []
-    for name, tensor in named:
-        parts = hf_param(spec, name)
-        if parts is None:
-            unknown.append(name)
-            continue
-        if tuple(tensor.shape) != parts.shape:
-            wrong.append(f"{name}: {tuple(tensor.shape)} != {parts.shape}")
-            continue
-        regions = parts.box_regions(Box.full(parts.shape), parts.shape)
-        shards.append(Shard(name, parts.shape, dtype_name(tensor.dtype), tuple(regions)))
-    if unknown:
-        raise ValueError(f"{len(unknown)} parameter name(s) match no canonical tensor of the {spec.family} "
-                         f"name map: {unknown[:8]}")
-    if wrong:
-        raise ValueError(f"parameter shapes disagree with the model config: {wrong[:5]}")
-    return RankLayout(rank, tuple(shards), spec.canonical_tensors())
+from weightsync.layout import ModelSpec, RankLayout, parse_layout
+from weightsync.torch_layout import allocate, module_layout
 
 
 def _spec(config: Mapping[str, Any] | ModelSpec) -> ModelSpec:
@@ -74,18 +44,6 @@ class ModuleSource:
         return None
 
 
-def allocate(layout: RankLayout, *, device: str | torch.device = "cpu", fill: float | None = None
-             ) -> dict[str, torch.Tensor]:
-    """Fresh contiguous tensors for every shard of ``layout`` (zeros, or ``fill``)."""
-    out = {}
-    for shard in layout.shards:
-        t = torch.zeros(shard.shape, dtype=TORCH_DTYPES[shard.dtype], device=device)
-        if fill is not None:
-            t.fill_(fill)
-        out[shard.name] = t
-    return out
-
-
 class ShardedSource:
     """Tensors already laid out per a registered layout kind on this rank."""
 
@@ -110,17 +68,3 @@ class ShardedSource:
 
     def descriptor(self) -> tuple[str, Mapping[str, object]] | None:
         return self.layout_text, self.config
-
-
-def fill_from_canonical(layout: RankLayout, tensors: Mapping[str, torch.Tensor],
-                        values: Mapping[str, torch.Tensor]) -> None:
-    """Copy each region's box of the canonical ``values`` into the local tensors, in place.
-
-    For programs (tests, the demo, benchmarks) that hold full canonical weights and need
-    any rank's shards of them.
-    """
-    for shard in layout.shards:
-        flat = tensors[shard.name].detach().view(-1)
-        for region in shard.regions:
-            view = flat.as_strided(region.box.sizes, region.strides, flat.storage_offset() + region.offset)
-            view.copy_(values[region.canonical][region.box.slices()])

@@ -1,13 +1,15 @@
 """Transports: one module each, behind the :class:`Transport` Protocol, chosen in one place.
 
-| name    | module          | moves bytes by                                   | one-sided |
-|---------|-----------------|--------------------------------------------------|-----------|
-| torch   | torch_dist.py   | torch.distributed p2p (gloo on CPU, NCCL on GPU) | no        |
-| shm     | shm.py          | POSIX shared memory / CUDA IPC, co-located ranks | yes       |
-| file    | file.py         | safetensors files on (shared) storage            | yes       |
-| nixl    | nixl.py         | NIXL/UCX RDMA reads (pull) or writes (push)      | pull only |
+| name    | modules                              | moves bytes by                                   | one-sided |
+|---------|--------------------------------------|--------------------------------------------------|-----------|
+| torch   | torch_dist.py                        | torch.distributed p2p (gloo on CPU, NCCL on GPU) | no        |
+| shm     | shm.py, shm_zero_copy.py             | POSIX shared memory / CUDA IPC, co-located ranks | yes       |
+| file    | file.py                              | safetensors files on (shared) storage            | yes       |
+| nixl    | nixl_pull.py, nixl_push.py           | NIXL/UCX RDMA reads (pull) or writes (push)      | pull only |
 
 Adding a transport is one module, one entry in ``_FACTORIES`` and one availability probe.
+A transport with several modes (nixl) has one class per mode; :func:`create_transport`
+picks the class, here and nowhere else.
 """
 
 from __future__ import annotations
@@ -27,13 +29,26 @@ from weightsync.transport.base import (
 
 logger = logging.getLogger(__name__)
 
-#: name -> "module:Class"
-_FACTORIES = {
+#: name -> "module:Class", or, for transports with modes, mode -> "module:Class"
+_FACTORIES: dict[str, str | dict[str, str]] = {
     "torch": "weightsync.transport.torch_dist:TorchDistTransport",
     "shm": "weightsync.transport.shm:SharedMemoryTransport",
     "file": "weightsync.transport.file:FileTransport",
-    "nixl": "weightsync.transport.nixl:NixlTransport",
+    "nixl": {"pull": "weightsync.transport.nixl_pull:NixlPullTransport",
+             "push": "weightsync.transport.nixl_push:NixlPushTransport"},
 }
+
+
+def transport_class_path(name: str, ctx: TransportContext) -> str:
+    """``module:Class`` implementing transport ``name`` for this job (resolving its mode)."""
+    entry = _FACTORIES[name]
+    if isinstance(entry, str):
+        return entry
+    from weightsync.transport.nixl_common import resolve_mode
+
+    mode = resolve_mode(ctx.options.nixl_mode, num_writers=ctx.num_writers, num_readers=ctx.num_readers)
+    logger.debug("transport %s -> mode %s", name, mode)
+    return entry[mode]
 
 
 def _nixl_missing() -> str | None:
@@ -79,7 +94,7 @@ def create_transport(name: str, ctx: TransportContext) -> Transport:
     reason = unavailable_reason(name)
     if reason:
         raise ValueError(f"transport {name!r} cannot be used: {reason}")
-    module, cls = _FACTORIES[name].split(":")
+    module, cls = transport_class_path(name, ctx).split(":")
     factory = getattr(importlib.import_module(module), cls)
     return factory(ctx)  # type: ignore[no-any-return]
 
@@ -93,5 +108,6 @@ __all__ = [
     "available_transports",
     "choose_transport",
     "create_transport",
+    "transport_class_path",
     "unavailable_reason",
 ]

@@ -2,8 +2,8 @@
 
 Lifecycle (both roles)::
 
-    transport = create_transport("torch", ctx)       # ctx: role, rank, peers, meta client
-    transport.prepare(plan, tensors, generation=g, timeout=60)   # once per plan/generation
+    transport = create_transport("torch", ctx)       # ctx: the rank's job channel, peers, options
+    transport.prepare(plan, tensors, epoch=e, timeout=60)   # once per plan/epoch/buffers
     # every version:
     stats = transport.send(version, timeout=60)       # writer
     stats = transport.receive(version, timeout=60)    # reader
@@ -15,6 +15,8 @@ each local shard name in the plan to the torch tensor holding it: on the reader 
 the engine's parameters (or staging buffers when an engine must run its own loader), and
 the transport writes straight into them. Every blocking call takes an explicit version and
 timeout; a failure raises :class:`TransportError` naming the peer and the tensors.
+Transports reach their peers (rendezvous addresses, memory handles) only through the job
+channel's endpoints (:meth:`weightsync.job.JobChannel.publish_endpoint`), one per epoch.
 
 Capabilities are class attributes, so callers (and the contract tests) can ask what a
 transport can do without instantiating it.
@@ -30,10 +32,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_chec
 if TYPE_CHECKING:
     import torch
 
-    from weightsync.meta.client import MetaClient
+    from weightsync.job import JobChannel, Role
     from weightsync.plan import Plan
-
-Role = Literal["writer", "reader"]
 
 
 class TransportError(RuntimeError):
@@ -57,7 +57,10 @@ class TransportOptions:
         file_dir: directory of the file transport (shared storage across nodes).
         nixl_mode: how the NIXL transport moves bytes: "pull" (readers READ from writers'
             registered version slots), "push" (writers WRITE into readers' registered
-            parameters) or "auto" (push when readers <= writers, else pull; see transport/nixl.py).
+            parameters) or "auto" (push when readers <= writers, else pull; see
+            transport/nixl_common.py).
+        shm_streaming: shared-memory readers copy while writers pack (x86-64 CPU only; see
+            transport/shm.py); False makes them wait for whole slots (for A/B measurements).
     """
 
     max_bucket_bytes: int = 64 << 20
@@ -68,6 +71,7 @@ class TransportOptions:
     slots: int = 2
     file_dir: str = ""
     nixl_mode: Literal["auto", "pull", "push"] = "auto"
+    shm_streaming: bool = True
 
     def __post_init__(self) -> None:
         if self.max_bucket_bytes < 2 * 4096:
@@ -93,14 +97,25 @@ class TransportOptions:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TransportContext:
-    """Who this rank is and how to reach its peers."""
+    """Who this rank is (its job channel) and how many peers the job has."""
 
-    role: Role
-    rank: int
+    job: JobChannel
     num_writers: int
     num_readers: int
-    meta: MetaClient
     options: TransportOptions = field(default_factory=TransportOptions)
+
+    @property
+    def role(self) -> Role:
+        return self.job.role
+
+    @property
+    def rank(self) -> int:
+        return self.job.rank
+
+    @property
+    def who(self) -> str:
+        """``"writer 3"``: how messages name this rank."""
+        return self.job.who
 
     @property
     def global_rank(self) -> int:
@@ -165,10 +180,12 @@ class Transport(Protocol):
     writes_in_place: ClassVar[bool]
     #: Readers can fetch a version without the writer taking part (pull at any time).
     one_sided: ClassVar[bool]
-    # Optional: ``receive_waits_for_data = True`` on a one-sided transport whose receive(V)
-    # waits for V's bytes itself; writers then publish V before sending it (see writer.py).
+    #: Writers publish version V *before* ``send(V)``: readers' ``receive(V)`` waits for the
+    #: bytes itself (two-sided transports post receives; shared memory streams). Otherwise
+    #: writers publish V once ``send(V)`` returned, and readers may read all of it at once.
+    publishes_before_send: ClassVar[bool]
 
-    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, generation: int,
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int,
                 timeout: float) -> None: ...
 
     def send(self, version: int, *, timeout: float) -> TransferStats: ...

@@ -10,7 +10,8 @@ documented safetensors layout. ``receive(V)`` opens each writer's file with
 destination views. Writers keep the last ``slots`` versions and delete older ones.
 
 The directory is ``TransportOptions.file_dir`` (a shared filesystem for multi-node jobs);
-when unset, writer 0 creates a temporary directory and publishes it through the meta server.
+when unset, writer 0 creates a temporary directory and publishes it as its endpoint of the
+epoch (``{"directory": path}``) through the job channel.
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from safetensors import safe_open
 
+from weightsync.deadline import Deadline
 from weightsync.layout.types import itemsize
+from weightsync.torch_layout import TORCH_DTYPES, strided_view
 from weightsync.transport.base import PhaseTimer, TransferStats, TransportContext, TransportError
 from weightsync.transport.exposed import ExposedIndex, piece_key
 from weightsync.transport.schedule import slabs
-from weightsync.transport.tensors import TORCH_DTYPES, flat_views
+from weightsync.transport.tensors import flat_views, op_dst_view
 
 if TYPE_CHECKING:
     from weightsync.plan import Plan, TransferOp
@@ -52,6 +55,7 @@ class FileTransport:
     name: ClassVar[str] = "file"
     writes_in_place: ClassVar[bool] = True
     one_sided: ClassVar[bool] = True
+    publishes_before_send: ClassVar[bool] = False  # a version is published once its files are complete
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
@@ -63,10 +67,10 @@ class FileTransport:
         self._written: list[int] = []
         self._buffer: torch.Tensor | None = None
 
-    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, generation: int,
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int,
                 timeout: float) -> None:
         self._flats = flat_views(tensors)
-        self.directory = self._directory(generation, timeout)
+        self.directory = self._directory(epoch, Deadline.after(timeout))
         if self.ctx.role == "writer":
             _, self._pieces = ExposedIndex.for_writer(plan, self.ctx.rank)
         else:
@@ -74,21 +78,22 @@ class FileTransport:
             for op in plan.ops:
                 self._reads.setdefault(op.src_rank, []).append(op)
 
-    def _directory(self, generation: int, timeout: float) -> str:
+    def _directory(self, epoch: int, deadline: Deadline) -> str:
         if self.ctx.options.file_dir:
             os.makedirs(self.ctx.options.file_dir, exist_ok=True)
             return self.ctx.options.file_dir
-        key = f"transport/file/{generation}/dir"
         if self.ctx.role == "writer" and self.ctx.rank == 0:
+            if self._owns_directory and self.directory is not None:
+                return self.directory  # the same directory across epochs
             path = tempfile.mkdtemp(prefix="weightsync-file-")
             self._owns_directory = True
-            self.ctx.meta.put_document(key, path.encode())
+            self.ctx.job.publish_endpoint(self.name, epoch, {"directory": path})
             return path
-        doc = self.ctx.meta.get_document(key, wait=timeout)
-        if doc is None:
-            raise TransportError(f"{self.ctx.role} {self.ctx.rank}: writer 0 did not publish the file "
-                                 f"transport directory within {timeout:.0f}s")
-        return doc.decode()
+        doc = self.ctx.job.wait_endpoint(self.name, epoch, "writer", 0, deadline=deadline)
+        if doc is None or not isinstance(doc.get("directory"), str):
+            raise TransportError(f"{self.ctx.who}: writer 0 did not publish the file transport directory for "
+                                 f"epoch {epoch} in time")
+        return str(doc["directory"])
 
     def _path(self, version: int, writer: int) -> str:
         assert self.directory is not None
@@ -132,7 +137,7 @@ class FileTransport:
         for box, src_off, _ in slabs(op, self.ctx.options.message_bytes):
             n = box.numel * itemsize(op.dst_dtype)
             out = self._buffer[:n].view(TORCH_DTYPES[op.dst_dtype]).view(box.sizes)
-            out.copy_(flat.as_strided(box.sizes, op.src_strides, flat.storage_offset() + src_off))
+            out.copy_(strided_view(flat, box.sizes, op.src_strides, src_off))
             f.write(self._buffer[:n].numpy().data)  # type: ignore[attr-defined]
 
     def _prune(self) -> None:
@@ -148,11 +153,11 @@ class FileTransport:
     def receive(self, version: int, *, timeout: float) -> TransferStats:
         stats = TransferStats(version)
         timer = PhaseTimer(stats)
-        deadline = time.monotonic() + timeout
+        deadline = Deadline.after(timeout)
         for writer, ops in sorted(self._reads.items()):
             path = self._path(version, writer)
             while not os.path.exists(path):
-                if time.monotonic() > deadline:
+                if deadline.expired:
                     raise TransportError(f"reader {self.ctx.rank}: writer {writer}'s file for version {version} "
                                          f"did not appear at {path} within {timeout:.0f}s")
                 time.sleep(0.005)
@@ -160,9 +165,7 @@ class FileTransport:
                 with timer("read"), safe_open(path, framework="pt") as f:
                     for op in ops:
                         data = f.get_slice(piece_key(op))[tuple(slice(None) for _ in op.box.sizes)]
-                        flat = self._flats[op.dst_shard]
-                        dst = flat.as_strided(op.box.sizes, op.dst_strides, flat.storage_offset() + op.dst_offset)
-                        dst.copy_(data.view(op.box.sizes))
+                        op_dst_view(self._flats, op).copy_(data.view(op.box.sizes))
                         stats.nbytes += op.nbytes
                         stats.messages += 1
             except (OSError, KeyError, RuntimeError, ValueError) as exc:

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from weightsync.deadline import Deadline
 from weightsync.transport.base import TransportError
 
 logger = logging.getLogger(__name__)
@@ -178,7 +179,7 @@ class NixlAgent:
         return xfer
 
     # -- every version --------------------------------------------------------------------
-    def run(self, xfer: Xfer, deadline: float, notif: bytes = b"") -> None:
+    def run(self, xfer: Xfer, deadline: Deadline, notif: bytes = b"") -> None:
         """Post a prepared transfer and wait until it is done (the notif goes out then).
 
         Raises:
@@ -188,7 +189,7 @@ class NixlAgent:
             with self._cond:
                 state = self._agent.transfer(xfer.handle, notif)
             while state == "PROC":
-                if time.monotonic() > deadline:
+                if deadline.expired:
                     raise TransportError(f"{self.who}: {xfer.describe()} did not complete in time "
                                          f"(is {xfer.label} alive and progressing?)")
                 time.sleep(_XFER_POLL_S)

@@ -1,8 +1,7 @@
 """NIXL transport, push mode: writers WRITE straight into readers' registered parameters.
 
-The protocol (ready words, notifications carrying the version, when push is chosen) is
-described with the pull mode in :mod:`weightsync.transport.nixl`; ``NixlTransport(ctx)``
-returns this class when the mode resolves to push, so nothing constructs it directly.
+The protocol (ready words, notifications carrying the version) and when push is chosen:
+:mod:`weightsync.transport.nixl_common`.
 """
 
 from __future__ import annotations
@@ -13,19 +12,12 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import torch
 
+from weightsync.deadline import Deadline
 from weightsync.layout.types import itemsize
 from weightsync.transport.base import PhaseTimer, TransferStats, TransportError
 from weightsync.transport.exposed import ExposedIndex, piece_key
-from weightsync.transport.nixl import (
-    EMPTY,
-    NixlTransport,
-    Peer,
-    contiguous_runs,
-    extent,
-    row_major,
-    send_live,
-)
 from weightsync.transport.nixl_agent import Descriptors
+from weightsync.transport.nixl_common import EMPTY, NixlBase, Peer, contiguous_runs, extent, row_major, send_live
 
 if TYPE_CHECKING:
     from weightsync.plan import Plan, TransferOp
@@ -34,14 +26,15 @@ if TYPE_CHECKING:
 _PROBE_S = 0.05
 
 
-class NixlPushTransport(NixlTransport):
+class NixlPushTransport(NixlBase):
     """Push mode of the NIXL transport (see module docstring)."""
 
     one_sided: ClassVar[bool] = False
+    publishes_before_send: ClassVar[bool] = True  # readers raise their ready words on receive
     mode: ClassVar[str] = "push"
 
     # -- writer -----------------------------------------------------------------------------
-    def _prepare_writer(self, plan: Plan, generation: int, deadline: float) -> None:
+    def _prepare_writer(self, plan: Plan, epoch: int, deadline: Deadline) -> None:
         me = self.ctx.rank
         ops = [op for op in plan.ops if op.src_rank == me]
         self._index, self._copies = ExposedIndex.for_ops(op for op in ops if not send_live(op))
@@ -50,8 +43,8 @@ class NixlPushTransport(NixlTransport):
         self._ctl = torch.full((1 + len(readers),), EMPTY, dtype=torch.int64)  # own word, readers' ready words
         live = sorted({op.src_shard for op in ops if send_live(op)})
         self._register([self._area, self._ctl, *(self._flats[name] for name in live)])
-        self._publish(generation, {})
-        self._peers = [self._connect(generation, "reader", r, deadline) for r in readers]
+        self._publish(epoch, {})
+        self._peers = [self._connect(epoch, "reader", r, deadline) for r in readers]
         t0 = time.perf_counter()
         for i, peer in enumerate(self._peers):
             peer.ctl = self._word_xfer(peer, self._ctl[1 + i: 2 + i], "ready word")
@@ -87,7 +80,7 @@ class NixlPushTransport(NixlTransport):
         agent = self._prepared_agent("send")
         stats = TransferStats(version)
         timer = PhaseTimer(stats)
-        deadline = time.monotonic() + timeout
+        deadline = Deadline.after(timeout)
         with timer("pack"):
             self._pack(0)
         for i, peer in enumerate(self._peers):
@@ -103,7 +96,7 @@ class NixlPushTransport(NixlTransport):
         stats.peak_extra_bytes = self._index.total_bytes if self._index is not None else 0
         return stats
 
-    def _wait_ready(self, i: int, peer: Peer, version: int, deadline: float) -> None:
+    def _wait_ready(self, i: int, peer: Peer, version: int, deadline: Deadline) -> None:
         assert self._agent is not None and peer.ctl is not None
         while True:
             self._agent.run(peer.ctl, deadline)
@@ -113,19 +106,19 @@ class NixlPushTransport(NixlTransport):
             if ready > version:
                 raise TransportError(f"{self.who}: {peer.label} waits for version {ready}, this writer sends "
                                      f"{version}; writers and readers are out of step")
-            if time.monotonic() > deadline:
+            if deadline.expired:
                 raise TransportError(f"{self.who}: {peer.label} did not ask for version {version} in time "
                                      f"(its last request was version {ready})")
             time.sleep(0.001)
 
     # -- reader -----------------------------------------------------------------------------
-    def _prepare_reader(self, plan: Plan, generation: int, deadline: float) -> None:
+    def _prepare_reader(self, plan: Plan, epoch: int, deadline: Deadline) -> None:
         writers = sorted({op.src_rank for op in plan.ops})
         self._ctl = torch.full((1 + len(writers),), EMPTY, dtype=torch.int64)  # ready word, liveness mirrors
         self._register([*self._flats.values(), self._ctl])
         shards = {name: [t.data_ptr(), t.numel() * t.element_size()] for name, t in self._flats.items()}
-        self._publish(generation, {"shards": shards})
-        self._peers = [self._connect(generation, "writer", w, deadline) for w in writers]
+        self._publish(epoch, {"shards": shards})
+        self._peers = [self._connect(epoch, "writer", w, deadline) for w in writers]
         for i, peer in enumerate(self._peers):
             peer.ctl = self._word_xfer(peer, self._ctl[1 + i: 2 + i], "liveness word")
             peer.nbytes = sum(op.nbytes for op in plan.ops_between(peer.rank, self.ctx.rank))
@@ -133,7 +126,7 @@ class NixlPushTransport(NixlTransport):
     def receive(self, version: int, *, timeout: float) -> TransferStats:
         agent = self._prepared_agent("receive")
         stats = TransferStats(version)
-        deadline = time.monotonic() + timeout
+        deadline = Deadline.after(timeout)
         pending = {peer.agent: peer for peer in self._peers}
         self._ctl[0] = version  # writers poll this word before they write into our tensors
         next_probe = time.monotonic() + _PROBE_S
@@ -146,7 +139,7 @@ class NixlPushTransport(NixlTransport):
                         stats.direct_bytes += peer.nbytes
                         stats.messages += 1
                 now = time.monotonic()
-                if now > deadline:
+                if deadline.expired:
                     names = ", ".join(p.label for p in pending.values())
                     raise TransportError(f"{self.who}: version {version} did not arrive from {names} in time")
                 if now > next_probe:  # a dead writer never notifies; READing its word fails

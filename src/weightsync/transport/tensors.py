@@ -1,4 +1,4 @@
-"""Torch helpers shared by transports: dtypes, strided views of shards, pack and scatter.
+"""Torch helpers shared by transports: strided views of shards and ops, pack and scatter.
 
 Every shard tensor must be contiguous; an op's bytes are the ``as_strided`` view its plan
 entry describes. Packing copies (and converts dtype) from source views into a byte
@@ -10,25 +10,15 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
+from weightsync.torch_layout import TORCH_DTYPES, strided_view
 from weightsync.transport.schedule import Message, Piece
 
-TORCH_DTYPES: Mapping[str, torch.dtype] = {
-    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
-    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
-    "uint8": torch.uint8, "bool": torch.bool,
-}
-DTYPE_NAMES: Mapping[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return DTYPE_NAMES[dtype]
-    except KeyError:
-        raise ValueError(f"unsupported tensor dtype {dtype}; supported: {sorted(TORCH_DTYPES)}") from None
+if TYPE_CHECKING:
+    from weightsync.plan import TransferOp
 
 
 def flat_views(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -44,23 +34,18 @@ def flat_views(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def check_tensors(tensors: Mapping[str, torch.Tensor], shards: Mapping[str, tuple[tuple[int, ...], str]],
-                  *, side: str) -> None:
-    """Every shard the plan names exists with its declared shape and dtype."""
-    missing = sorted(set(shards) - set(tensors))
-    if missing:
-        raise ValueError(f"{side}: the plan uses tensor(s) {missing[:5]} that were not provided")
-    for name, (shape, dtype) in shards.items():
-        t = tensors[name]
-        if tuple(t.shape) != tuple(shape) or dtype_name(t.dtype) != dtype:
-            raise ValueError(
-                f"{side}: tensor {name!r} is {tuple(t.shape)} {dtype_name(t.dtype)}, but its layout "
-                f"declares {tuple(shape)} {dtype}"
-            )
+def op_src_view(flats: Mapping[str, torch.Tensor], op: TransferOp) -> torch.Tensor:
+    """The source box of a plan op, viewed in the writer's shard."""
+    return strided_view(flats[op.src_shard], op.box.sizes, op.src_strides, op.src_offset)
+
+
+def op_dst_view(flats: Mapping[str, torch.Tensor], op: TransferOp) -> torch.Tensor:
+    """The destination box of a plan op, viewed in the reader's shard."""
+    return strided_view(flats[op.dst_shard], op.box.sizes, op.dst_strides, op.dst_offset)
 
 
 def piece_view(flat: torch.Tensor, offset: int, piece: Piece, strides: tuple[int, ...]) -> torch.Tensor:
-    return flat.as_strided(piece.box.sizes, strides, flat.storage_offset() + offset)
+    return strided_view(flat, piece.box.sizes, strides, offset)
 
 
 def src_view(flats: Mapping[str, torch.Tensor], piece: Piece) -> torch.Tensor:

@@ -2,10 +2,10 @@
 
 One process group spans all writers and readers (writers ranks 0..W-1, readers W..W+R-1).
 It is created with the process-group classes directly, so it never touches the training
-job's default group. Rendezvous goes through the meta server: writer 0 opens a TCPStore on
-a free port and publishes its address under ``transport/torch/<generation>``; everyone
-else reads it from there. A new *generation* (after a peer died) means a new store and a
-new group, so a failed sync never poisons the next one.
+job's default group. Rendezvous goes through the job channel: writer 0 opens a TCPStore on
+a free port and publishes its address as its endpoint of the epoch (:class:`TorchRendezvous`);
+everyone else reads it from there. A new *epoch* (after a peer died) means a new store and
+a new group, so a failed sync never poisons the next one.
 
 Pairs run concurrently over gloo (up to eight at once, one thread each, sharing the staging
 bound) and one after another over NCCL. Per pair, the messages of
@@ -16,7 +16,7 @@ into the destination parameter, sent without packing when the source view is alr
 dense run of the right dtype, and up to eight of them are in flight per pair.
 
     t = TorchDistTransport(ctx)
-    t.prepare(plan, tensors, generation=0, timeout=60)
+    t.prepare(plan, tensors, epoch=0, timeout=60)
     t.send(version, timeout=60)        # or t.receive(version, timeout=60)
 """
 
@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from weightsync.deadline import Deadline
 from weightsync.transport.base import PhaseTimer, TransferStats, TransportContext, TransportError
 from weightsync.transport.schedule import Message, build_messages, pair_order
 from weightsync.transport.tensors import as_bytes, checksum, direct_source, dst_view, flat_views, pack, scatter
@@ -55,11 +56,12 @@ class TorchDistTransport:
     name: ClassVar[str] = "torch"
     writes_in_place: ClassVar[bool] = True
     one_sided: ClassVar[bool] = False
+    publishes_before_send: ClassVar[bool] = True  # receivers must post their receives
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
         self.device = torch.device(ctx.options.device)
-        self.generation: int | None = None
+        self.epoch: int | None = None
         self._store: dist.TCPStore | None = None
         self._pg: Any = None
         self._schedule: list[_Pair] = []
@@ -69,11 +71,11 @@ class TorchDistTransport:
         self._message_bytes = ctx.options.message_bytes
 
     # -- setup ----------------------------------------------------------------------------
-    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, generation: int,
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int,
                 timeout: float) -> None:
-        if self.generation != generation or self._pg is None:
+        if self.epoch != epoch or self._pg is None:
             self._teardown_group()
-            self._rendezvous(generation, timeout)
+            self._rendezvous(epoch, Deadline.after(timeout))
         self._flats = flat_views(tensors)
         opts = self.ctx.options
         me = self.ctx.rank
@@ -95,24 +97,21 @@ class TorchDistTransport:
             peer_global = src if self.ctx.role == "reader" else self.ctx.num_writers + dst
             self._schedule.append(_Pair(peer, peer_global, messages))
 
-    def _rendezvous(self, generation: int, timeout: float) -> None:
+    def _rendezvous(self, epoch: int, deadline: Deadline) -> None:
         ctx = self.ctx
-        key = f"transport/torch/{generation}"
-        td = datetime.timedelta(seconds=timeout)
+        td = datetime.timedelta(seconds=deadline.remaining())
         if ctx.role == "writer" and ctx.rank == 0:
             store = dist.TCPStore(ctx.options.host, 0, ctx.world_size, True, timeout=td,
                                   wait_for_workers=False)
-            ctx.meta.put_document(key, f"{ctx.options.host}:{store.port}".encode())
+            ctx.job.publish_endpoint(self.name, epoch, TorchRendezvous(ctx.options.host, store.port).to_wire())
         else:
-            addr = ctx.meta.get_document(key, wait=timeout)
-            if addr is None:
-                raise TransportError(
-                    f"{ctx.role} {ctx.rank}: writer 0 did not publish the torch rendezvous address for "
-                    f"generation {generation} within {timeout:.0f}s"
-                )
-            host, port = addr.decode().rsplit(":", 1)
-            store = dist.TCPStore(host, int(port), ctx.world_size, False, timeout=td)
-        prefix = dist.PrefixStore(f"weightsync/{generation}", store)
+            doc = ctx.job.wait_endpoint(self.name, epoch, "writer", 0, deadline=deadline)
+            if doc is None:
+                raise TransportError(f"{ctx.who}: writer 0 did not publish the torch rendezvous address for "
+                                     f"epoch {epoch} in time")
+            rendezvous = TorchRendezvous.from_wire(doc)
+            store = dist.TCPStore(rendezvous.host, rendezvous.port, ctx.world_size, False, timeout=td)
+        prefix = dist.PrefixStore(f"weightsync/{epoch}", store)
         pg: Any
         try:
             if self.device.type == "cuda":
@@ -122,12 +121,9 @@ class TorchDistTransport:
             else:
                 pg = dist.ProcessGroupGloo(prefix, ctx.global_rank, ctx.world_size, td)
         except RuntimeError as exc:
-            raise TransportError(
-                f"{ctx.role} {ctx.rank}: process group of generation {generation} did not form: {exc}"
-            ) from exc
-        self._store, self._pg, self.generation = store, pg, generation
-        logger.info("%s %d joined transport generation %d (%d ranks)", ctx.role, ctx.rank, generation,
-                    ctx.world_size)
+            raise TransportError(f"{ctx.who}: process group of epoch {epoch} did not form: {exc}") from exc
+        self._store, self._pg, self.epoch = store, pg, epoch
+        logger.info("%s joined transport epoch %d (%d ranks)", ctx.who, epoch, ctx.world_size)
 
     def _buffer(self, lane: int, slot: int) -> torch.Tensor:
         key = (lane, slot)
@@ -156,7 +152,7 @@ class TorchDistTransport:
         deadline = time.monotonic() + timeout
         pg = self._pg
         if pg is None:
-            raise TransportError(f"{self.ctx.role} {self.ctx.rank}: no process group; call prepare() first")
+            raise TransportError(f"{self.ctx.who}: no process group; call prepare() first")
         runs = [_LaneRun(i, pg, deadline, TransferStats(version), self._schedule[i::self._lanes])
                 for i in range(self._lanes)]
         if len(runs) == 1:
@@ -272,7 +268,7 @@ class TorchDistTransport:
         except RuntimeError as exc:
             self._teardown_group()
             other = "reader" if self.ctx.role == "writer" else "writer"
-            raise TransportError(f"{self.ctx.role} {self.ctx.rank}: transfer with {other} {peer} failed "
+            raise TransportError(f"{self.ctx.who}: transfer with {other} {peer} failed "
                                  f"({message.describe()}): {exc}") from exc
 
     def _wait(self, item: tuple[Any, Message, int], deadline: float, peer: int, timer: PhaseTimer) -> None:
@@ -284,9 +280,9 @@ class TorchDistTransport:
                 if remaining <= 0 or not work.wait(datetime.timedelta(seconds=remaining)):
                     raise TimeoutError(f"no progress within the timeout ({remaining:.1f}s left)")
         except (RuntimeError, TimeoutError) as exc:
-            self._teardown_group()  # a broken group cannot be reused; the next generation rebuilds it
+            self._teardown_group()  # a broken group cannot be reused; the next epoch rebuilds it
             raise TransportError(
-                f"{self.ctx.role} {self.ctx.rank}: transfer with {other} {peer} failed "
+                f"{self.ctx.who}: transfer with {other} {peer} failed "
                 f"({message.describe()}): {exc}"
             ) from exc
 
@@ -299,13 +295,31 @@ class TorchDistTransport:
             except Exception as exc:  # best effort: the group may already be dead
                 logger.debug("process group abort failed: %s", exc)
         self._store = None
-        self.generation = None
+        self.epoch = None
 
     def close(self) -> None:
         self._teardown_group()
         self._buffers.clear()
         self._flats = {}
         self._schedule = []
+
+
+@dataclass(frozen=True, slots=True)
+class TorchRendezvous:
+    """Writer 0's endpoint: the TCPStore every rank of the epoch's process group joins."""
+
+    host: str
+    port: int
+
+    def to_wire(self) -> dict[str, object]:
+        return {"host": self.host, "port": self.port}
+
+    @classmethod
+    def from_wire(cls, doc: dict[str, object]) -> TorchRendezvous:
+        host, port = doc.get("host"), doc.get("port")
+        if not isinstance(host, str) or not isinstance(port, int) or not 0 < port < 65536:
+            raise TransportError(f"malformed torch rendezvous endpoint {doc!r}")
+        return cls(host, port)
 
 
 @dataclass(frozen=True)

@@ -213,16 +213,3 @@ class MegatronLayout(LayoutKind):
             out.append(concat_shard(fc1_name, dtype, fc1_parts, dim=0, drop_leading=1))
             out.append(concat_shard(fc2_name, dtype, fc2_part, dim=1, drop_leading=1))
         return out
-
-
-def expert_owner(layout: MegatronLayout, spec: ModelSpec, expert: int) -> list[tuple[int, int]]:
-    """(dp rank, tp rank) pairs of a stage that hold ``expert`` (for docs and tests)."""
-    local = spec.num_experts // layout.ep
-    owners = []
-    for d in range(layout.dp):
-        for t in range(layout.tp):
-            i = t + layout.tp * d
-            if (i // layout.expert_tp) % layout.ep == expert // local:
-                owners.append((d, t))
-    return owners
-

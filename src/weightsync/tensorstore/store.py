@@ -38,25 +38,25 @@ swept like the shared-memory transport's segments.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import secrets
-import time
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import msgpack
 import torch
 
-from weightsync.layout import Box, CanonicalTensor, RankLayout, Region, Shard
+from weightsync.deadline import Deadline
+from weightsync.job import JobChannel
+from weightsync.layout import CanonicalTensor, RankLayout, Region, Shard
 from weightsync.layout.box import contiguous_strides
-from weightsync.layout.wire import decode_layout, encode_explicit
 from weightsync.plan import PlanOptions, build_plan
+from weightsync.tensorstore.arena import Arena, GoneError, OpenVersion, StoreIndex
+from weightsync.tensorstore.slices import TensorSlice
+from weightsync.torch_layout import TORCH_DTYPES, dtype_name
 from weightsync.transport.shm_files import SHM_DIR, segment_name, sweep_stale_segments
-from weightsync.transport.tensors import TORCH_DTYPES, dtype_name
 
 if TYPE_CHECKING:
     from weightsync.meta.client import MetaClient
@@ -64,44 +64,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: What every writer reports as the "fingerprint" of a store version (the store has no plan).
-STORE_FINGERPRINT = "tensorstore/1"
-_ALIGN = 64
-_INDEX_VERSION = 1
-
 
 class SupersededError(LookupError):
     """The version asked for was retired by its writers (they keep the last ``slots``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSlice:
-    """Where a local tensor sits in its global tensor: the global shape and the box it holds."""
-
-    shape: tuple[int, ...]
-    box: Box
-
-    def __post_init__(self) -> None:
-        if self.box.ndim != len(self.shape) or any(e > s for e, s in zip(self.box.ends, self.shape, strict=True)):
-            raise ValueError(f"box {self.box} does not fit in a tensor of shape {self.shape}")
-
-    @classmethod
-    def whole(cls, shape: tuple[int, ...] | torch.Size) -> TensorSlice:
-        shape = tuple(int(s) for s in shape)
-        return cls(shape, Box.full(shape))
-
-    @classmethod
-    def part(cls, shape: tuple[int, ...] | torch.Size, *, index: int, count: int, dim: int = 0) -> TensorSlice:
-        """Part ``index`` of ``count`` along ``dim``, split like ``torch.tensor_split`` (sizes differ by <= 1)."""
-        shape = tuple(int(s) for s in shape)
-        if not 0 <= index < count:
-            raise ValueError(f"part index {index} is outside 0..{count - 1}")
-        n = shape[dim]
-        lo = index * (n // count) + min(index, n % count)
-        size = n // count + (1 if index < n % count else 0)
-        offsets = tuple(lo if d == dim else 0 for d in range(len(shape)))
-        sizes = tuple(size if d == dim else s for d, s in enumerate(shape))
-        return cls(shape, Box(offsets, sizes))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,71 +100,7 @@ class StoreConfig:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
 
 
-# -- writer side ---------------------------------------------------------------------------------
-
-class _Arena:
-    """Append-only memory-mapped files holding the tensors put for one version."""
-
-    def __init__(self, directory: str, prefix: str, chunk_bytes: int) -> None:
-        self.directory = directory
-        self.prefix = prefix
-        self.chunk_bytes = chunk_bytes
-        self.names: list[str] = []
-        self._maps: list[torch.Tensor] = []
-        self._used = 0
-
-    def append(self, tensor: torch.Tensor) -> tuple[int, int]:
-        """Copy ``tensor`` in; returns (file index, byte offset)."""
-        nbytes = tensor.numel() * tensor.element_size()
-        if not self._maps or self._used + nbytes > self._maps[-1].numel():
-            size = max(self.chunk_bytes, -(-nbytes // _ALIGN) * _ALIGN, _ALIGN)
-            name = f"{self.prefix}-{len(self.names)}"
-            self._maps.append(torch.from_file(os.path.join(self.directory, name), shared=True, size=size,
-                                              dtype=torch.uint8))
-            self.names.append(name)
-            self._used = 0
-        at = self._used
-        if nbytes:
-            self._maps[-1][at: at + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
-        self._used = at + -(-nbytes // _ALIGN) * _ALIGN
-        return len(self._maps) - 1, at
-
-    def unlink(self) -> None:
-        self._maps.clear()
-        for name in self.names:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(self.directory, name))
-        self.names.clear()
-
-
-@dataclass
-class _OpenVersion:
-    """What one writer has put since its last ``complete``."""
-
-    arena: _Arena
-    shards: list[Shard] = field(default_factory=list)
-    canonical: dict[str, CanonicalTensor] = field(default_factory=dict)
-    at: list[tuple[int, int]] = field(default_factory=list)
-
-    def add(self, name: str, tensor: torch.Tensor, where: TensorSlice) -> None:
-        if name in self.canonical:
-            raise ValueError(f"tensor {name!r} was already put for this version; put each name once per version")
-        if tuple(tensor.shape) != where.box.sizes:
-            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, but its slice {where.box} has "
-                             f"sizes {where.box.sizes}")
-        dtype = dtype_name(tensor.dtype)
-        shape = where.box.sizes
-        region = Region(name, where.box, 0, contiguous_strides(shape))
-        self.at.append(self.arena.append(tensor.detach().contiguous()))
-        self.shards.append(Shard(name, shape, dtype, (region,)))
-        self.canonical[name] = CanonicalTensor(name, where.shape, dtype)
-
-
 # -- reader side ---------------------------------------------------------------------------------
-
-class _GoneError(Exception):
-    """A version's files or index disappeared while being opened (it was retired)."""
-
 
 @dataclass(frozen=True)
 class _VersionView:
@@ -216,28 +117,6 @@ class _VersionView:
         for layout in self.layouts:
             out.update(layout.canonical)
         return out
-
-
-def _decode_index(blob: bytes, writer: int) -> dict[str, Any]:
-    obj = msgpack.unpackb(blob, raw=False)
-    if not isinstance(obj, dict) or obj.get("v") != _INDEX_VERSION:
-        raise ValueError(f"store index of writer {writer} has an unsupported format")
-    return obj
-
-
-def _map_sources(layout: RankLayout, index: Mapping[str, Any], writer: int) -> dict[tuple[int, str], torch.Tensor]:
-    files = []
-    for name in index["files"]:
-        path = os.path.join(index["dir"], name)
-        try:
-            files.append(torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8))
-        except (FileNotFoundError, RuntimeError) as exc:
-            raise _GoneError(str(exc)) from exc
-    out = {}
-    for shard, (file_index, at) in zip(layout.shards, index["at"], strict=True):
-        nbytes = shard.nbytes
-        out[(writer, shard.name)] = files[file_index][at: at + nbytes].view(TORCH_DTYPES[shard.dtype])
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,11 +145,12 @@ class TensorStore:
         self.rank = rank
         self._own_meta = meta is None
         self.meta = meta if meta is not None else MetaClient.from_env(job=self.config.job)
+        self.channel = JobChannel(self.meta, role="writer" if rank is not None else "reader", rank=rank or 0)
         #: Writer: the last completed version. Reader: the version the last get read.
         self.version: int | None = None
         self._prefix = segment_name(f"store{rank}", token_bytes=4)
-        self._open: _OpenVersion | None = None
-        self._completed: list[tuple[int, _Arena]] = []
+        self._open: OpenVersion | None = None
+        self._completed: list[tuple[int, Arena]] = []
         self._view: _VersionView | None = None
         self._plans: OrderedDict[tuple[Any, ...], Plan] = OrderedDict()
         if rank is not None and self.config.directory == SHM_DIR:
@@ -291,7 +171,7 @@ class TensorStore:
                              "to put tensors")
         if self._open is None:
             seq = (self.version if self.version is not None else -1) + 1
-            self._open = _OpenVersion(_Arena(self.config.directory, f"{self._prefix}-v{seq}-{secrets.token_hex(2)}",
+            self._open = OpenVersion(Arena(self.config.directory, f"{self._prefix}-v{seq}-{secrets.token_hex(2)}",
                                              self.config.chunk_bytes))
         self._open.add(name, tensor, where if where is not None else TensorSlice.whole(tensor.shape))
 
@@ -313,21 +193,18 @@ class TensorStore:
             raise ValueError("this TensorStore handle is read-only: pass rank= to complete versions")
         if self.version is not None and version <= self.version:
             raise ValueError(f"store writer {self.rank}: version {version} does not increase past {self.version}")
-        part = self._open or _OpenVersion(_Arena(self.config.directory, f"{self._prefix}-empty", 0))
-        layout = RankLayout(self.rank, tuple(part.shards), part.canonical)
-        index = {"v": _INDEX_VERSION, "writers": self.config.num_writers, "dir": self.config.directory,
-                 "files": part.arena.names, "at": [list(x) for x in part.at], "layout": encode_explicit(layout)}
-        self.meta.put_document(self._index_key(version, self.rank), msgpack.packb(index))
-        self.meta.publish_version(version, STORE_FINGERPRINT, writer_rank=self.rank,
-                                  num_writers=self.config.num_writers)
+        part = self._open or OpenVersion(Arena(self.config.directory, f"{self._prefix}-empty", 0))
+        index = part.index(self.rank, self.config.num_writers, self.config.directory)
+        self.channel.publish_store_index(version, index.encode())
+        self.channel.publish_store_version(version, num_writers=self.config.num_writers)
         self.version = version
         self._open = None
         self._completed.append((version, part.arena))
         while len(self._completed) > self.config.slots:
             self._retire(*self._completed.pop(0))
 
-    def _retire(self, version: int, arena: _Arena) -> None:
-        self.meta.put_document(self._index_key(version, self.rank or 0), b"")  # readers: superseded
+    def _retire(self, version: int, arena: Arena) -> None:
+        self.channel.publish_store_index(version, b"")  # readers: superseded
         arena.unlink()
 
     # -- reader ------------------------------------------------------------------------------------
@@ -354,7 +231,7 @@ class TensorStore:
                                                                                    TensorSlice | None] | None],
                   *, version: int | None = None, timeout: float | None = None) -> dict[str, torch.Tensor]:
         """``get`` several tensors from one version: ``name -> out | where | (out, where) | None``."""
-        deadline = time.monotonic() + (timeout if timeout is not None else self.config.timeout)
+        deadline = Deadline.after(timeout if timeout is not None else self.config.timeout)
         view = self._open_version(version, deadline)  # mapped: stays readable even if retired now
         result = self._read(view, requests)
         self.version = view.version
@@ -362,57 +239,55 @@ class TensorStore:
 
     def names(self, *, version: int | None = None, timeout: float | None = None) -> dict[str, CanonicalTensor]:
         """The tensors (global shape, dtype) of a complete version (the newest by default)."""
-        deadline = time.monotonic() + (timeout if timeout is not None else self.config.timeout)
+        deadline = Deadline.after(timeout if timeout is not None else self.config.timeout)
         return self._open_version(version, deadline).canonical
 
-    def _open_version(self, version: int | None, deadline: float) -> _VersionView:
+    def _open_version(self, version: int | None, deadline: Deadline) -> _VersionView:
         target = version if version is not None else self._newest(deadline)
         if self._view is not None and self._view.version == target:
-            if version is None or self.meta.get_document(self._index_key(version, 0)):
+            if version is None or self.channel.store_index(version, 0):
                 return self._view
             self._view = None  # retired since: say so, like any reader that had not mapped it
             raise self._superseded(version)
         if version is not None:
-            latest = self.meta.latest_version()
-            if latest is None or latest.version < version:
-                info = self.meta.wait_version(after=version - 1, timeout=max(deadline - time.monotonic(), 0.0))
-                if info is None:
+            latest = self.channel.latest_store_version()
+            if (latest is None or latest < version) and self.channel.wait_store_version(
+                    after=version - 1, deadline=deadline) is None:
                     raise TimeoutError(f"store {self.config.job!r}: version {version} was not completed in time")
         try:
             self._view = self._load(target)
-        except _GoneError:
+        except GoneError:
             if version is not None:
                 raise self._superseded(version) from None
             return self._open_version(None, deadline)
         return self._view
 
-    def _newest(self, deadline: float) -> int:
-        info = self.meta.latest_version()
-        if info is None:
-            info = self.meta.wait_version(after=-1, timeout=max(deadline - time.monotonic(), 0.0))
-        if info is None:
+    def _newest(self, deadline: Deadline) -> int:
+        newest = self.channel.latest_store_version()
+        if newest is None:
+            newest = self.channel.wait_store_version(after=-1, deadline=deadline)
+        if newest is None:
             raise TimeoutError(f"store {self.config.job!r}: no version was completed in time")
-        return info.version
+        return newest
 
     def _load(self, version: int) -> _VersionView:
-        first = self.meta.get_document(self._index_key(version, 0))
+        first = self.channel.store_index(version, 0)
         if first is None:
-            latest = self.meta.latest_version()
             raise KeyError(f"store {self.config.job!r} has no version {version}; the newest is "
-                           f"{latest.version if latest else None}")
+                           f"{self.channel.latest_store_version()}")
         blobs = [first]
         if blobs[0]:
-            writers = int(_decode_index(blobs[0], 0)["writers"])
-            blobs += [self.meta.get_document(self._index_key(version, w)) or b"" for w in range(1, writers)]
+            writers = StoreIndex.decode(blobs[0], 0).num_writers
+            blobs += [self.channel.store_index(version, w) or b"" for w in range(1, writers)]
         if not all(blobs):
-            raise _GoneError(f"version {version} was retired")
+            raise GoneError(f"version {version} was retired")
         layouts, sources, digest = [], {}, b""
         for writer, blob in enumerate(blobs):
-            index = _decode_index(blob, writer)
-            layout = decode_layout(index["layout"], rank=writer, load_model=lambda key: {})
-            sources.update(_map_sources(layout, index, writer))
+            index = StoreIndex.decode(blob, writer)
+            layout = index.rank_layout(writer)
+            sources.update(index.map_sources(layout, writer))
             layouts.append(layout)
-            digest += index["layout"]
+            digest += index.layout
         return _VersionView(version, tuple(layouts), digest, sources)
 
     def _read(self, view: _VersionView, requests: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -464,14 +339,9 @@ class TensorStore:
         return plan
 
     def _superseded(self, version: int) -> SupersededError:
-        latest = self.meta.latest_version()
         return SupersededError(f"store {self.config.job!r}: version {version} was superseded and retired (writers "
                                f"keep the last {self.config.slots}); the newest complete version is "
-                               f"{latest.version if latest else None}")
-
-    @staticmethod
-    def _index_key(version: int, writer: int) -> str:
-        return f"store/{version}/writer{writer}"
+                               f"{self.channel.latest_store_version()}")
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -499,9 +369,3 @@ def _only(layout: RankLayout, names: set[str]) -> RankLayout:
     return RankLayout(layout.rank, shards, {n: t for n, t in layout.canonical.items() if n in names})
 
 
-def slice_of(tensor: torch.Tensor, where: TensorSlice) -> torch.Tensor:
-    """The view of a global ``tensor`` that ``where`` describes (for tests and callers holding the whole)."""
-    return tensor[where.box.slices()] if where.box.ndim else tensor
-
-
-__all__ = ["STORE_FINGERPRINT", "StoreConfig", "SupersededError", "TensorSlice", "TensorStore", "slice_of"]

@@ -1,18 +1,18 @@
 """Durable meta-server state: a msgpack snapshot plus an append-only, fsynced journal.
 
-A state directory holds ``snapshot.msgpack`` (a header ``{"format": 1, "generation": g}``
+A state directory holds ``snapshot.msgpack`` (a header ``{"format": 1, "snapshot": n}``
 followed by the records that rebuild the state) and ``journal-<g>.msgpack`` (records appended
 since that snapshot). Writes use **group commit**: every change submitted while one fsync is
 running goes out in the next single write + fsync, so a thousand concurrent registrations cost
 a handful of fsyncs rather than a thousand, and no caller is answered before its record is on
 disk.
 
-Compaction writes a new snapshot (generation ``g + 1``) to a temporary file, fsyncs it, renames
+Compaction writes a new snapshot (number ``n + 1``) to a temporary file, fsyncs it, renames
 it over the old one and only then starts ``journal-<g+1>``; a crash at any point leaves either
 the old snapshot with its journal or the new snapshot with an empty one. A torn record at the
 end of the journal (a crash mid-write, never acknowledged) is cut off with a warning.
 
-    store = StateStore(Path("state"))
+    store = Journal(Path("state"))
     records = store.load()               # replay these
     store.rewrite(current_records)       # compact
     await store.start(snapshot_fn)       # background group-commit writer
@@ -38,7 +38,7 @@ FORMAT = 1
 SNAPSHOT = "snapshot.msgpack"
 
 
-class StateStore:
+class Journal:
     """The files of one state directory. Only one server may use a directory at a time."""
 
     def __init__(self, directory: str | os.PathLike[str], *, compact_bytes: int = 64 << 20) -> None:
@@ -46,7 +46,7 @@ class StateStore:
             raise ValueError(f"compact_bytes must be positive, got {compact_bytes}")
         self.directory = Path(directory)
         self.compact_bytes = compact_bytes
-        self.generation = 0
+        self.snapshot_number = 0
         self.journal_bytes = 0
         self.fsyncs = 0
         self.fsync_seconds = 0.0
@@ -71,9 +71,9 @@ class StateStore:
             if not isinstance(header, dict) or header.get("format") != FORMAT:
                 raise ValueError(f"{snapshot} is not a weightsync meta snapshot (format {FORMAT}); "
                                  "move the state directory away to start empty")
-            self.generation = int(header["generation"])
+            self.snapshot_number = int(header.get("snapshot") or header.get("generation") or 0)
             records.extend(items[1:])
-        journal = self._journal_path(self.generation)
+        journal = self._journal_path(self.snapshot_number)
         if journal.exists():
             records.extend(self._read(journal, tolerate_torn_tail=True))
         for i, r in enumerate(records):
@@ -117,16 +117,16 @@ class StateStore:
                 os.fsync(f.fileno())
         return items
 
-    def _journal_path(self, generation: int) -> Path:
-        return self.directory / f"journal-{generation}.msgpack"
+    def _journal_path(self, snapshot_number: int) -> Path:
+        return self.directory / f"journal-{snapshot_number}.msgpack"
 
     def rewrite(self, records: list[dict[str, Any]]) -> None:
         """Compact: a new snapshot holding ``records`` and a new, empty journal."""
-        new_gen = self.generation + 1
+        new_number = self.snapshot_number + 1
         tmp = self.directory / (SNAPSHOT + ".tmp")
         with open(tmp, "wb") as f:
             packer = msgpack.Packer(use_bin_type=True)
-            f.write(packer.pack({"format": FORMAT, "generation": new_gen}))
+            f.write(packer.pack({"format": FORMAT, "snapshot": new_number}))
             for r in records:
                 f.write(packer.pack(r))
             f.flush()
@@ -136,10 +136,10 @@ class StateStore:
         if self._journal is not None:
             self._journal.close()
         for old in self.directory.glob("journal-*.msgpack"):
-            if old.name != self._journal_path(new_gen).name:
+            if old.name != self._journal_path(new_number).name:
                 old.unlink()
-        self.generation = new_gen
-        self._journal = open(self._journal_path(new_gen), "ab")  # noqa: SIM115 (lives until close())
+        self.snapshot_number = new_number
+        self._journal = open(self._journal_path(new_number), "ab")  # noqa: SIM115 (lives until close())
         self.journal_bytes = 0
         self._fsync_directory()
 
@@ -154,7 +154,7 @@ class StateStore:
     async def start(self, snapshot: Callable[[], list[dict[str, Any]]]) -> None:
         """Start the writer task; ``snapshot()`` returns the current state's records for compaction."""
         if self._journal is None:
-            raise RuntimeError("StateStore.start() before load() and rewrite()")
+            raise RuntimeError("Journal.start() before load() and rewrite()")
         self._snapshot = snapshot
         self._wakeup = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._writer(), name="weightsync-meta-journal")
@@ -194,7 +194,7 @@ class StateStore:
             if self.journal_bytes > self.compact_bytes and self._snapshot is not None:
                 records = self._snapshot()
                 await asyncio.to_thread(self.rewrite, records)
-                logger.info("meta journal compacted into generation %d (%d records)", self.generation, len(records))
+                logger.info("meta journal compacted into snapshot %d (%d records)", self.snapshot_number, len(records))
 
     def _append(self, data: bytes) -> None:
         t0 = time.perf_counter()

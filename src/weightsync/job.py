@@ -1,0 +1,267 @@
+"""The job channel: everything the ranks of a job say to each other, typed, in one place.
+
+Writers, readers, transports and the tensor store talk through the meta server, and only
+through :class:`JobChannel`. It owns every meta-server key (no other module builds one) and
+the version handshake; what crosses it is a frozen dataclass here, encoded with msgpack or
+plain text, never pickle. Following one version ``V`` from writer to reader::
+
+    # every rank, once:            channel.register(host, layout_blob) -> channel.wait_roster(...)
+    # writer 0 decides V's epoch:  epoch = channel.decide_epoch(V, deadline)   (the others wait for it)
+    # transports, once per epoch:  channel.publish_endpoint("shm", epoch, {...}) / channel.wait_endpoint(...)
+    # every writer:                channel.publish_version(PublishedVersion(V, fingerprint, epoch), num_writers)
+    # every reader:                published = channel.wait_version(after=applied, deadline)
+    #                              ... receive, apply ...
+    #                              channel.report_applied(V, nbytes, seconds)  or  channel.report_failed(V, why)
+    # writers (staleness bound):   channel.wait_readers(min_version, readers, deadline)
+
+**Epochs.** A transport's connections (a process group, shared-memory mappings, NIXL
+registrations) belong to an *epoch*, a job-wide counter. A rank that sees a transfer fail,
+and a rank that restarts, moves the job past the epoch it saw (:meth:`JobChannel.advance_epoch`,
+a no-op when someone already did). Writer 0 fixes the epoch of each version once
+(:meth:`JobChannel.decide_epoch`), every writer publishes the version with it, and readers
+prepare their transport for the epoch they read in :class:`PublishedVersion`, so after a
+failure the next version re-forms every connection cleanly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import msgpack
+
+if TYPE_CHECKING:
+    from weightsync.deadline import Deadline
+    from weightsync.meta.records import Participant, VersionInfo
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["writer", "reader"]
+
+#: What the tensor store publishes as the sync fingerprint of its versions (it has no plan).
+STORE_FINGERPRINT = "tensorstore/1"
+
+
+class DocumentBoard(Protocol):
+    """The part of the meta client that transports need: job documents, with long-poll reads.
+
+    :class:`~weightsync.meta.client.MetaClient` provides it; transport contract tests use a
+    directory-backed stand-in.
+    """
+
+    def put_document(self, key: str, value: bytes) -> None: ...
+
+    def get_document(self, key: str, *, wait: float = 0.0) -> bytes | None: ...
+
+
+# -- keys: the only place that builds a meta-server document key ------------------------------
+
+def _epoch_key() -> str:
+    return "epoch"
+
+
+def _version_epoch_key(version: int) -> str:
+    return f"versions/{version}/epoch"
+
+
+def _model_key(digest: str) -> str:
+    return f"models/{digest}"
+
+
+def _endpoint_key(transport: str, epoch: int, role: Role, rank: int) -> str:
+    return f"transport/{transport}/{epoch}/{role}{rank}"
+
+
+def _store_index_key(version: int, writer: int) -> str:
+    return f"tensorstore/{version}/writer{writer}"
+
+
+def model_digest(config: Mapping[str, Any]) -> str:
+    """Content address of a model config (a layout descriptor names its model by it)."""
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(canonical).hexdigest()[:24]
+
+
+# -- what crosses the channel -------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class PublishedVersion:
+    """A version as writers publish it: the sync it belongs to and the transport epoch.
+
+    ``sync_fingerprint`` hashes the plan, the transport and its settings: a reader takes no
+    byte of a version whose fingerprint differs from its own.
+    """
+
+    version: int
+    sync_fingerprint: str
+    epoch: int
+    published_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if "@" in self.sync_fingerprint:
+            raise ValueError(f"a sync fingerprint cannot contain '@': {self.sync_fingerprint!r}")
+        if self.epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {self.epoch}")
+
+    def wire_fingerprint(self) -> str:
+        """The meta server compares this string across writers: plan, settings and epoch."""
+        return f"{self.sync_fingerprint}@{self.epoch}"
+
+    @classmethod
+    def from_info(cls, info: VersionInfo) -> PublishedVersion:
+        fingerprint, sep, epoch = info.fingerprint.rpartition("@")
+        if not sep or not epoch.isdigit():
+            raise ValueError(f"version {info.version} was published with fingerprint {info.fingerprint!r}, "
+                             "which is not '<sync fingerprint>@<epoch>': a writer of another weightsync "
+                             "release, or of a tensor store, shares this job name")
+        return cls(info.version, fingerprint, int(epoch), info.published_at)
+
+
+class JobChannel:
+    """One rank's typed view of its job on the meta server (see module docstring).
+
+    Args:
+        meta: the meta client (or, for transport tests, any :class:`DocumentBoard`).
+        role, rank: who speaks; endpoints and reports are this rank's own.
+    """
+
+    def __init__(self, meta: Any, *, role: Role, rank: int) -> None:
+        self.meta = meta
+        self.role: Role = role
+        self.rank = rank
+
+    @property
+    def who(self) -> str:
+        return f"{self.role} {self.rank}"
+
+    # -- membership ---------------------------------------------------------------------------
+    def register(self, *, host: str, group: str, layout: bytes) -> bool:
+        """Register this rank with its layout blob. Returns True if the rank was registered
+        before (this process is a restart of it)."""
+        from weightsync.meta.records import Participant
+
+        restarted = any(p.rank == self.rank for p in self.meta.participants(self.role))
+        self.meta.register(Participant(role=self.role, rank=self.rank, group=group, host=host, endpoints={},
+                                       layout=layout))
+        return restarted
+
+    def wait_roster(self, *, writers: int, readers: int, deadline: Deadline) -> list[Participant]:
+        """Everyone, once ``writers`` writers and ``readers`` readers registered."""
+        return list(self.meta.wait_registered(writers=writers, readers=readers, timeout=deadline.remaining()))
+
+    def publish_model_config(self, config: Mapping[str, Any]) -> str:
+        """Store a model config once per job; returns the digest layout descriptors name it by."""
+        digest = model_digest(config)
+        self.meta.put_document(_model_key(digest), json.dumps(config, sort_keys=True).encode())
+        return digest
+
+    def model_config(self, digest: str) -> Mapping[str, Any]:
+        doc = self.meta.get_document(_model_key(digest))
+        if doc is None:
+            raise ValueError(f"model config {digest} is missing from the meta server (job {self.meta.job!r})")
+        config: Mapping[str, Any] = json.loads(doc)
+        return config
+
+    # -- epochs -------------------------------------------------------------------------------
+    def current_epoch(self) -> int:
+        doc = self.meta.get_document(_epoch_key())
+        return int(doc.decode()) if doc else 0
+
+    def advance_epoch(self, seen: int) -> None:
+        """Move the job past epoch ``seen`` (no-op if someone already did)."""
+        if self.current_epoch() == seen:
+            self.meta.put_document(_epoch_key(), str(seen + 1).encode())
+
+    def decide_epoch(self, version: int, deadline: Deadline) -> int:
+        """Writer 0 fixes the epoch of ``version``; the other writers wait for its decision.
+
+        One decision per version means writers never publish different epochs, even when a
+        failure report or a restarted rank advances the job's epoch concurrently.
+
+        Raises:
+            TimeoutError: writer 0 did not start ``version`` before the deadline.
+        """
+        if self.role == "writer" and self.rank == 0:
+            epoch = self.current_epoch()
+            self.meta.put_document(_version_epoch_key(version), str(epoch).encode())
+            return epoch
+        doc = self.meta.get_document(_version_epoch_key(version), wait=deadline.remaining())
+        if doc is None:
+            raise TimeoutError(f"{self.who}: writer 0 did not start version {version} in time")
+        return int(doc.decode())
+
+    # -- versions -----------------------------------------------------------------------------
+    def publish_version(self, published: PublishedVersion, *, num_writers: int) -> None:
+        """This writer's "``published.version`` is ready" (complete once every writer said so).
+
+        Raises:
+            ValueError: another writer published the version with a different fingerprint.
+        """
+        assert self.role == "writer", "only writers publish versions"
+        self.meta.publish_version(published.version, published.wire_fingerprint(), writer_rank=self.rank,
+                                  num_writers=num_writers)
+
+    def wait_version(self, *, after: int, deadline: Deadline) -> PublishedVersion | None:
+        """The newest version newer than ``after``, once one is published; None at the deadline."""
+        info = self.meta.wait_version(after=after, timeout=deadline.remaining(0.0))
+        return PublishedVersion.from_info(info) if info is not None else None
+
+    def report_applied(self, version: int, *, nbytes: int, seconds: float) -> None:
+        """This reader now serves ``version``."""
+        self.meta.report_applied(self.rank, version, nbytes=nbytes, seconds=seconds)
+
+    def report_failed(self, version: int, error: str) -> None:
+        """This reader failed ``version``: its weights are at no valid version until the next."""
+        self.meta.report_failed(self.rank, version, error[:2000])
+
+    def wait_readers(self, *, min_version: int, readers: int, deadline: Deadline) -> dict[int, int | None]:
+        """Until ``readers`` readers are done with ``min_version`` (applied or failed it, or newer).
+
+        Raises:
+            TimeoutError: naming the laggards.
+        """
+        result: dict[int, int | None] = self.meta.wait_readers(min_version=min_version, readers=readers,
+                                                                timeout=deadline.remaining())
+        return result
+
+    # -- transport endpoints ------------------------------------------------------------------
+    def publish_endpoint(self, transport: str, epoch: int, endpoint: Mapping[str, Any]) -> None:
+        """What peers need to reach this rank's ``transport`` in ``epoch`` (msgpack-encoded)."""
+        self.meta.put_document(_endpoint_key(transport, epoch, self.role, self.rank), msgpack.packb(dict(endpoint)))
+
+    def wait_endpoint(self, transport: str, epoch: int, role: Role, rank: int, *,
+                      deadline: Deadline) -> dict[str, Any] | None:
+        """A peer's endpoint for ``transport`` in ``epoch``, once published; None at the deadline."""
+        raw = self.meta.get_document(_endpoint_key(transport, epoch, role, rank), wait=deadline.remaining(0.0))
+        if raw is None:
+            return None
+        doc = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        if not isinstance(doc, dict):
+            raise ValueError(f"{role} {rank}'s {transport} endpoint for epoch {epoch} is malformed")
+        return doc
+
+    # -- tensor store -------------------------------------------------------------------------
+    def publish_store_index(self, version: int, index: bytes) -> None:
+        """This store writer's part of ``version`` (an encoded index; empty: retired)."""
+        self.meta.put_document(_store_index_key(version, self.rank), index)
+
+    def store_index(self, version: int, writer: int) -> bytes | None:
+        """Writer ``writer``'s part of ``version``: None if never published, empty if retired."""
+        doc: bytes | None = self.meta.get_document(_store_index_key(version, writer))
+        return doc
+
+    def publish_store_version(self, version: int, *, num_writers: int) -> None:
+        """This store writer completed ``version``."""
+        self.meta.publish_version(version, STORE_FINGERPRINT, writer_rank=self.rank, num_writers=num_writers)
+
+    def latest_store_version(self) -> int | None:
+        info = self.meta.latest_version()
+        return info.version if info is not None else None
+
+    def wait_store_version(self, *, after: int, deadline: Deadline) -> int | None:
+        info = self.meta.wait_version(after=after, timeout=deadline.remaining(0.0))
+        return info.version if info is not None else None

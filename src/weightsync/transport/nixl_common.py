@@ -1,0 +1,296 @@
+"""NIXL transport, what both modes share: one-sided READs (pull) or WRITEs (push) over UCX.
+
+Both modes register memory, exchange NIXL agent metadata as job-channel endpoints and
+prepare every transfer handle once per plan (``prepare``); ``send``/``receive`` only
+repost those handles. All NIXL calls go through :mod:`weightsync.transport.nixl_agent`
+(progress thread off, a 1 ms notification poller, ordered teardown).
+
+**Pull** (:mod:`weightsync.transport.nixl_pull`): works like the shared-memory transport,
+across hosts. Each writer lays out the pieces it provides (:mod:`weightsync.transport.exposed`)
+in ``slots`` version slots with one sequence word per slot. ``send(V)`` packs slot
+``V % slots`` (the one writer-side copy, which also converts dtypes) and never waits for
+readers. ``receive(V)`` READs the writer's sequence words until the slot holds ``V``,
+READs its ops straight into the destination tensors (dense destinations, one descriptor
+each) or, for strided destinations, into a registered landing buffer it scatters from,
+then READs the sequence words again: a version overwritten mid-read is reported, never
+applied. The reader learns completion from its own handle (``check_xfer_state``); the
+writer needs no notification, because WeightWriter keeps it ``slots - 1`` versions ahead
+of the slowest reader at most.
+
+**Push** (:mod:`weightsync.transport.nixl_push`): writers WRITE every op straight into
+readers' registered parameters, from the live shards when no dtype changes (zero copies)
+or from a packed area. A reader raises its *ready word* to ``V`` in ``receive(V)``;
+``send(V)`` READs it before writing into live parameters, then WRITEs with a notification
+carrying ``V``. NIXL sends the notification after the data and a flush, so its arrival
+completes the reader's ``receive``. Push is not one-sided (the writer waits for readers).
+
+**Choosing** (``TransportOptions.nixl_mode``, the same on every rank; :func:`resolve_mode`,
+applied by :func:`weightsync.transport.create_transport`): a push writer performs every
+write itself, once per reader it feeds; a pull writer only packs once and the readers do
+the rest. ``auto`` therefore picks push when there are at most as many readers as writers
+(the writers' time is about one pack's worth either way, and push copies each byte once
+instead of twice, needs no version slots on the writer and leaves the reader's CPU idle)
+and pull when readers outnumber writers (fan-out: the writer's time stays one pack, the
+reads spread over the readers, and a reader may lag ``slots - 1`` versions without holding
+the writers up). Figures: docs/benchmarks.md, "NIXL".
+
+Every wait has a deadline and keeps operating on the peers it waits for, so a dead peer
+is a :class:`TransportError` naming it, within the timeout.
+
+    t = create_transport("nixl", ctx)   # NixlPullTransport or NixlPushTransport, by mode
+    t.prepare(plan, tensors, epoch=e, timeout=60)   # register, exchange metadata, prepare
+    t.send(v, timeout=60)    # or t.receive(v, timeout=60): repost the prepared handles
+    t.close()
+
+Endpoints (msgpack, through the job channel), one per rank and epoch: each writer's (NIXL
+agent metadata, address of its control words; in pull also the slot area and the exposed
+index) and, in push, each reader's (agent metadata, ready word, destination tensor
+addresses). Addresses travel as plain integers; NIXL's own descriptor serialisation is
+pickle, which we never load from the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+
+from weightsync.deadline import Deadline
+from weightsync.layout.types import itemsize
+from weightsync.torch_layout import TORCH_DTYPES
+from weightsync.transport.base import TransportContext, TransportError
+from weightsync.transport.nixl_agent import Descriptors, NixlAgent, Xfer
+from weightsync.transport.tensors import flat_views, op_src_view
+
+if TYPE_CHECKING:
+    from weightsync.job import Role
+    from weightsync.plan import Plan, TransferOp
+    from weightsync.transport.exposed import ExposedIndex
+    from weightsync.transport.schedule import Message, Piece
+
+logger = logging.getLogger(__name__)
+
+EMPTY = -1  # sequence word of a slot being written
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def resolve_mode(mode: str, *, num_writers: int, num_readers: int) -> str:
+    """The mode ``auto`` stands for in a deployment (see module docstring, "Choosing")."""
+    if mode != "auto":
+        return mode
+    return "push" if num_readers <= num_writers else "pull"
+
+
+class NixlBase:
+    """Lifecycle and setup both modes share; a mode implements its four role methods."""
+
+    name: ClassVar[str] = "nixl"
+    writes_in_place: ClassVar[bool] = True
+    one_sided: ClassVar[bool]
+    publishes_before_send: ClassVar[bool]
+    mode: ClassVar[str]
+
+    def __init__(self, ctx: TransportContext) -> None:
+        self.ctx = ctx
+        self.device = torch.device(ctx.options.device)
+        self.slots = ctx.options.slots
+        self.who = ctx.who
+        self.epoch: int | None = None
+        #: Seconds, bytes and counts of the last prepare(): registration is paid there, once.
+        self.setup: dict[str, float] = {}
+        self._agent: NixlAgent | None = None
+        self._flats: dict[str, torch.Tensor] = {}
+        self._ctl = torch.empty(0, dtype=torch.int64)  # control words peers READ (and mirrors of theirs)
+        self._area: torch.Tensor | None = None  # writer: packed pieces (pull: all slots)
+        self._index: ExposedIndex | None = None
+        self._copies: list[tuple[str, TransferOp]] = []
+        self._slot_bytes = 0
+        self._landing: torch.Tensor | None = None  # pull reader: staged messages land here
+        self._peers: list[Peer] = []
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int,
+                timeout: float) -> None:
+        """Start over for a plan: new agent, registrations, metadata exchange, handles."""
+        self.close()
+        deadline = Deadline.after(timeout)
+        self._flats = flat_views(tensors)
+        started = time.perf_counter()
+        name = f"weightsync-{self.ctx.role}{self.ctx.rank}-e{epoch}-{os.getpid()}-{secrets.token_hex(4)}"
+        self._agent = NixlAgent(name, who=self.who, loopback=self.ctx.options.host in _LOOPBACK)
+        self.setup = {"agent_seconds": time.perf_counter() - started}
+        try:
+            if self.ctx.role == "writer":
+                self._prepare_writer(plan, epoch, deadline)
+            else:
+                self._prepare_reader(plan, epoch, deadline)
+        except BaseException:
+            self.close()
+            raise
+        self.epoch = epoch
+        self.setup["prepare_seconds"] = time.perf_counter() - started
+        logger.info("%s: nixl %s prepared for epoch %d: %s", self.who, self.mode, epoch, self.setup)
+
+    def close(self) -> None:
+        """Release handles, peers and registrations, then the agent (idempotent)."""
+        agent, self._agent = self._agent, None
+        if agent is not None:
+            agent.close()
+        self._peers = []
+        self._area = self._landing = None
+        self._index = None
+        self._copies = []
+        self._flats = {}
+        self.epoch = None
+
+    def __enter__(self) -> NixlBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _prepare_writer(self, plan: Plan, epoch: int, deadline: Deadline) -> None:
+        raise NotImplementedError
+
+    def _prepare_reader(self, plan: Plan, epoch: int, deadline: Deadline) -> None:
+        raise NotImplementedError
+
+    # -- setup shared by both modes ---------------------------------------------------------
+    def _register(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Register each distinct storage behind ``tensors`` once (views share storages)."""
+        assert self._agent is not None
+        t0 = time.perf_counter()
+        by_kind: dict[tuple[str, int], dict[int, int]] = {}
+        for t in tensors:
+            storage = t.untyped_storage()
+            kind = ("VRAM", t.device.index or 0) if t.device.type == "cuda" else ("DRAM", 0)
+            by_kind.setdefault(kind, {})[storage.data_ptr()] = storage.nbytes()
+        for (mem, dev), regions in by_kind.items():
+            self._agent.register(sorted(regions.items()), mem, dev)
+        self.setup["register_seconds"] = self.setup.get("register_seconds", 0.0) + time.perf_counter() - t0
+        self.setup["registered_bytes"] = self.setup.get("registered_bytes", 0) + sum(
+            n for regions in by_kind.values() for n in regions.values())
+
+    def _publish(self, epoch: int, doc: dict[str, Any]) -> None:
+        """This rank's endpoint of the epoch: mode, agent metadata, control words, and ``doc``."""
+        assert self._agent is not None
+        doc = {"mode": self.mode, "agent": self._agent.metadata(), "ctl": self._ctl.data_ptr(), **doc}
+        self.ctx.job.publish_endpoint(self.name, epoch, doc)
+
+    def _connect(self, epoch: int, role: Role, rank: int, deadline: Deadline) -> Peer:
+        """Wait for a peer's endpoint, check that it agrees with us, connect to its agent."""
+        assert self._agent is not None
+        label = f"{role} {rank}"
+        doc = self.ctx.job.wait_endpoint(self.name, epoch, role, rank, deadline=deadline)
+        if doc is None:
+            raise TransportError(f"{self.who}: {label} did not publish its NIXL metadata for epoch "
+                                 f"{epoch} in time (is it running with transport 'nixl'?)")
+        if doc.get("mode") != self.mode:
+            raise TransportError(f"{self.who}: {label} uses nixl_mode {doc['mode']!r}, this rank "
+                                 f"{self.mode!r}; set the same TransportOptions.nixl_mode everywhere")
+        t0 = time.perf_counter()
+        peer = Peer(rank, label, self._agent.connect(doc["agent"], label=label), doc)
+        self.setup["connect_seconds"] = self.setup.get("connect_seconds", 0.0) + time.perf_counter() - t0
+        return peer
+
+    def _prepared_agent(self, call: str) -> NixlAgent:
+        """The NIXL agent, or the error that ``call`` before ``prepare()`` deserves."""
+        if self._agent is None:
+            raise RuntimeError(f"{self.who}: {call}() before prepare()")
+        return self._agent
+
+    def _prepare_xfer(self, peer: Peer, op: str, descs: Descriptors, what: str, *, data: bool = True) -> Xfer:
+        """A prepared READ/WRITE with ``peer``; data lives on ``options.device``, control words on the host."""
+        assert self._agent is not None
+        cuda = data and self.device.type == "cuda"
+        xfer = self._agent.prepare(op, peer.agent, descs, "VRAM" if cuda else "DRAM", what=what,
+                                   device=(self.device.index or 0) if cuda else 0)
+        self.setup["descriptors"] = self.setup.get("descriptors", 0) + xfer.descriptors
+        self.setup["handles"] = self.setup.get("handles", 0) + 1
+        return xfer
+
+    def _word_xfer(self, peer: Peer, local: torch.Tensor, what: str) -> Xfer:
+        """A READ of the peer's control words (as many as ``local`` holds) into ``local``."""
+        descs = Descriptors.of([local.data_ptr()], [peer.doc["ctl"]], [local.numel() * local.element_size()])
+        return self._prepare_xfer(peer, "READ", descs, what, data=False)
+
+    def _pack(self, base: int) -> int:
+        """Copy (and convert) every distinct piece into the area at ``base``; returns bytes."""
+        assert self._area is not None and self._index is not None
+        nbytes = 0
+        for key, op in self._copies:
+            at, n = self._index.entries[key]
+            out = self._area[base + at: base + at + n].view(TORCH_DTYPES[op.dst_dtype])
+            out.view(op.box.sizes).copy_(op_src_view(self._flats, op))
+            nbytes += n
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # also orders the training stream before peers read
+        return nbytes
+
+# -- descriptor geometry: pure functions of an op -----------------------------------------------
+
+def contiguous_runs(sizes: Sequence[int], a_strides: Sequence[int],
+                    b_strides: Sequence[int]) -> tuple[np.ndarray, np.ndarray, int]:
+    """Element offsets of the runs contiguous in *both* strided views, and the run length.
+
+    The innermost dimensions that are dense in both views merge into one run; the
+    remaining (outer) dimensions enumerate the runs in row-major order of the box.
+    """
+    dims = [(n, sa, sb) for n, sa, sb in zip(sizes, a_strides, b_strides, strict=True) if n != 1]
+    run = 1
+    while dims and dims[-1][1] == run and dims[-1][2] == run:
+        run *= dims.pop()[0]
+    a = np.zeros(1, dtype=np.int64)
+    b = np.zeros(1, dtype=np.int64)
+    for n, sa, sb in dims:
+        step = np.arange(n, dtype=np.int64)
+        a = (a[:, None] + step * sa).ravel()
+        b = (b[:, None] + step * sb).ravel()
+    return a, b, run
+
+
+def extent(sizes: Sequence[int], strides: Sequence[int], offset: int) -> int:
+    """One past the last element a strided view touches."""
+    return offset + sum((n - 1) * s for n, s in zip(sizes, strides, strict=True)) + 1
+
+
+def send_live(op: TransferOp) -> bool:
+    """Write from the live shard when nothing is converted and the source does not split
+    the destination's runs further (packing would then only add a copy)."""
+    if op.converts:
+        return False
+    live = contiguous_runs(op.box.sizes, op.src_strides, op.dst_strides)[2]
+    return live == contiguous_runs(op.box.sizes, row_major(op.box.sizes), op.dst_strides)[2]
+
+
+class Peer:
+    """A connected peer: its rank, NIXL agent name, published document and prepared transfers."""
+
+    def __init__(self, rank: int, label: str, agent: str, doc: dict[str, Any]) -> None:
+        self.rank = rank
+        self.label = label
+        self.agent = agent
+        self.doc = doc
+        #: READ of the peer's control words (sequence words, ready word, or liveness).
+        self.ctl: Xfer | None = None
+        #: Per version slot (push: one), the transfers to run, each with the staged message it lands.
+        self.slots: list[list[tuple[Xfer, Message | None]]] = []
+        self.nbytes = 0
+
+
+def row_major(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Element strides of a dense row-major array of ``sizes``."""
+    return tuple(math.prod(sizes[d + 1:]) for d in range(len(sizes)))
+
+
+def slab_offset(piece: Piece) -> int:
+    """Byte offset of a slab of an op inside the op's packed (row-major) bytes."""
+    rel = (p - o for p, o in zip(piece.box.offsets, piece.op.box.offsets, strict=True))
+    return sum(r * s for r, s in zip(rel, row_major(piece.op.box.sizes), strict=True)) * itemsize(piece.op.dst_dtype)

@@ -1,0 +1,155 @@
+"""NIXL transport, pull mode: readers READ versions from writers' registered slots.
+
+The protocol and when pull is chosen: :mod:`weightsync.transport.nixl_common`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from weightsync.deadline import Deadline
+from weightsync.layout.types import itemsize
+from weightsync.transport.base import PhaseTimer, TransferStats, TransportError
+from weightsync.transport.exposed import ExposedIndex
+from weightsync.transport.nixl_agent import Descriptors, Xfer
+from weightsync.transport.nixl_common import EMPTY, NixlBase, Peer, slab_offset
+from weightsync.transport.schedule import Message, Piece, build_messages
+from weightsync.transport.tensors import scatter
+
+if TYPE_CHECKING:
+    from weightsync.plan import Plan
+
+
+class NixlPullTransport(NixlBase):
+    """Pull mode (see module docstring)."""
+
+    one_sided: ClassVar[bool] = True
+    publishes_before_send: ClassVar[bool] = False  # published once the slot is packed
+    mode: ClassVar[str] = "pull"
+
+    # -- pull: writer -----------------------------------------------------------------------
+    def _prepare_writer(self, plan: Plan, epoch: int, deadline: Deadline) -> None:
+        self._index, self._copies = ExposedIndex.for_writer(plan, self.ctx.rank)
+        self._slot_bytes = max(self._index.total_bytes, 64)
+        self._area = torch.empty(self.slots * self._slot_bytes, dtype=torch.uint8, device=self.device)
+        self._ctl = torch.full((self.slots,), EMPTY, dtype=torch.int64)
+        self._register([self._area, self._ctl])
+        self._publish(epoch, {"area": self._area.data_ptr(), "slots": self.slots,
+                                   "slot_bytes": self._slot_bytes, "index": self._index.encode()})
+
+    def send(self, version: int, *, timeout: float) -> TransferStats:
+        if self._area is None:
+            raise RuntimeError(f"{self.who}: send() before prepare()")
+        stats = TransferStats(version)
+        slot = version % self.slots
+        self._ctl[slot] = EMPTY  # a reader of the old version in this slot will notice
+        with PhaseTimer(stats)("pack"):
+            stats.nbytes = self._pack(slot * self._slot_bytes)
+        self._ctl[slot] = version
+        stats.messages = len(self._copies)
+        stats.peak_extra_bytes = self.slots * self._slot_bytes
+        return stats
+
+    # -- pull: reader -----------------------------------------------------------------------
+    def _prepare_reader(self, plan: Plan, epoch: int, deadline: Deadline) -> None:
+        opts = self.ctx.options
+        writers = sorted({op.src_rank for op in plan.ops})
+        self._peers = [self._connect(epoch, "writer", w, deadline) for w in writers]
+        schedules = [build_messages(plan.ops_between(p.rank, self.ctx.rank), message_bytes=opts.message_bytes,
+                                    direct_min_bytes=opts.direct_min_bytes) for p in self._peers]
+        staged = max((m.nbytes for ms in schedules for m in ms if not m.direct), default=0)
+        self._landing = torch.empty(staged, dtype=torch.uint8, device=self.device) if staged else None
+        self._ctl = torch.full((len(self._peers), self.slots), EMPTY, dtype=torch.int64)
+        self._register([*self._flats.values(), self._ctl, *([] if self._landing is None else [self._landing])])
+        t0 = time.perf_counter()
+        for i, (peer, messages) in enumerate(zip(self._peers, schedules, strict=True)):
+            if int(peer.doc["slots"]) != self.slots:
+                raise TransportError(f"{self.who}: {peer.label} has {peer.doc['slots']} version slots, this "
+                                     f"reader {self.slots}; use the same TransportOptions.slots everywhere")
+            peer.ctl = self._word_xfer(peer, self._ctl[i], "version words")
+            index = ExposedIndex.decode(peer.doc["index"])
+            peer.slots = [self._pull_xfers(peer, index, messages, slot) for slot in range(self.slots)]
+        self.setup["prepare_xfers_seconds"] = time.perf_counter() - t0
+
+    def _pull_xfers(self, peer: Peer, index: ExposedIndex, messages: list[Message],
+                    slot: int) -> list[tuple[Xfer, Message | None]]:
+        """READs of one slot: all dense destinations in one request, then one per staged message."""
+        area = int(peer.doc["area"]) + slot * int(peer.doc["slot_bytes"])
+
+        def remote(piece: Piece) -> int:
+            at, nbytes = index.locate(piece.op, peer.rank)
+            if nbytes != piece.op.nbytes:
+                raise TransportError(f"{self.who}: {peer.label} exposes {nbytes} bytes for {piece.op.canonical} "
+                                     f"{piece.op.box}, this reader expects {piece.op.nbytes}")
+            return area + at + slab_offset(piece)
+
+        out: list[tuple[Xfer, Message | None]] = []
+        direct = [p for m in messages if m.direct for p in m.pieces]
+        if direct:
+            local = [self._flats[p.op.dst_shard].data_ptr() + p.dst_offset * itemsize(p.op.dst_dtype) for p in direct]
+            descs = Descriptors.of(local, [remote(p) for p in direct], [p.nbytes for p in direct])
+            out.append((self._prepare_xfer(peer, "READ", descs, f"slot {slot} into destination tensors"), None))
+        for m in messages:
+            if not m.direct:
+                assert self._landing is not None
+                landing = self._landing.data_ptr()
+                descs = Descriptors.of([landing + p.at for p in m.pieces], [remote(p) for p in m.pieces],
+                                       [p.nbytes for p in m.pieces])
+                out.append((self._prepare_xfer(peer, "READ", descs, f"slot {slot} into the landing buffer"), m))
+        return out
+
+    def receive(self, version: int, *, timeout: float) -> TransferStats:
+        agent = self._prepared_agent("receive")
+        stats = TransferStats(version)
+        timer = PhaseTimer(stats)
+        deadline = Deadline.after(timeout)
+        slot = version % self.slots
+        with timer("wait"):
+            for i, peer in enumerate(self._peers):
+                self._wait_slot(i, peer, version, deadline)
+        for peer in self._peers:
+            for xfer, message in peer.slots[slot]:
+                with timer("transfer"):
+                    agent.run(xfer, deadline)
+                stats.nbytes += xfer.nbytes
+                stats.messages += 1
+                if message is None:
+                    stats.direct_bytes += xfer.nbytes
+                    continue
+                assert self._landing is not None
+                with timer("unpack"):
+                    scatter(message, self._flats, self._landing[: message.nbytes])
+                    if self.device.type == "cuda":  # the next READ reuses the landing buffer
+                        torch.cuda.synchronize(self.device)
+        with timer("verify"):
+            for i, peer in enumerate(self._peers):
+                assert peer.ctl is not None
+                agent.run(peer.ctl, deadline)
+                held = int(self._ctl[i, slot])
+                if held != version:
+                    raise TransportError(self._stale(peer, version, held) + " (overwritten while reading)")
+        stats.peak_extra_bytes = 0 if self._landing is None else self._landing.numel()
+        return stats
+
+    def _wait_slot(self, i: int, peer: Peer, version: int, deadline: Deadline) -> None:
+        """READ the writer's sequence words until the slot holds ``version`` (this also
+        notices a dead writer: the READ fails)."""
+        assert self._agent is not None and peer.ctl is not None
+        while True:
+            self._agent.run(peer.ctl, deadline)
+            held = int(self._ctl[i, version % self.slots])
+            if held == version:
+                return
+            if held > version or deadline.expired:
+                raise TransportError(self._stale(peer, version, held))
+            time.sleep(0.001)
+
+    def _stale(self, peer: Peer, version: int, held: int) -> str:
+        what = "not written yet" if held < version else f"already replaced by version {held}"
+        return (f"{self.who}: version {version} in {peer.label}'s NIXL slot is {what}; "
+                f"readers may fall at most {self.slots - 1} version(s) behind")
+
+
