@@ -30,17 +30,17 @@ import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
+
+from weightsync.plan.ops import Role
 
 if TYPE_CHECKING:
     from weightsync.deadline import Deadline
     from weightsync.meta.records import Participant, VersionInfo
 
 logger = logging.getLogger(__name__)
-
-Role = Literal["writer", "reader"]
 
 #: What the tensor store publishes as the sync fingerprint of its versions (it has no plan).
 STORE_FINGERPRINT = "tensorstore/1"

@@ -4,7 +4,7 @@ Pure: no process groups, transports or engines are imported here.
 """
 
 from weightsync.plan.balance import send_lower_bound, water_fill
-from weightsync.plan.ops import OpColumns, Plan, PlanStats, TransferOp
+from weightsync.plan.ops import OpColumns, Plan, PlanStats, Role, TransferOp
 from weightsync.plan.planner import (
     PLANNER_VERSION,
     PlanError,
@@ -21,6 +21,7 @@ __all__ = [
     "PlanError",
     "PlanOptions",
     "PlanStats",
+    "Role",
     "TransferOp",
     "build_local_plan",
     "build_plan",

@@ -19,12 +19,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from weightsync.layout.box import Box, is_contiguous_view
 from weightsync.plan.table import ShardRef
+
+#: The two sides of a sync: writers (training ranks) send, readers (inference ranks) receive.
+Role = Literal["writer", "reader"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,6 @@ import time
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
@@ -39,7 +38,7 @@ from weightsync.layout.box import Box
 from weightsync.layout.columns import DTYPE_CODES
 from weightsync.layout.types import RankLayout
 from weightsync.plan.balance import send_lower_bound, water_fill
-from weightsync.plan.ops import OpColumns, Plan, PlanStats
+from weightsync.plan.ops import OpColumns, Plan, PlanStats, Role
 from weightsync.plan.table import RegionTable
 
 #: Bump when the planner's decisions change, so mixed versions fail the fingerprint check.
@@ -527,7 +526,7 @@ def build_plan(sources: Sequence[RankLayout], dests: Sequence[RankLayout],
 
 
 def build_local_plan(sources: Sequence[RankLayout], dests: Sequence[RankLayout], *,
-                     role: Literal["writer", "reader"], rank: int,
+                     role: Role, rank: int,
                      options: PlanOptions | None = None) -> Plan:
     """One rank's ops only (those it sends, or those it receives), without the global plan.
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import time
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -149,7 +148,7 @@ class TorchDistTransport:
         their order, which is what matches sends with receives. NCCL calls on one communicator
         must not come from several threads, so it keeps one lane.
         """
-        deadline = time.monotonic() + timeout
+        deadline = Deadline.after(timeout)
         pg = self._pg
         if pg is None:
             raise TransportError(f"{self.ctx.who}: no process group; call prepare() first")
@@ -271,9 +270,9 @@ class TorchDistTransport:
             raise TransportError(f"{self.ctx.who}: transfer with {other} {peer} failed "
                                  f"({message.describe()}): {exc}") from exc
 
-    def _wait(self, item: tuple[Any, Message, int], deadline: float, peer: int, timer: PhaseTimer) -> None:
+    def _wait(self, item: tuple[Any, Message, int], deadline: Deadline, peer: int, timer: PhaseTimer) -> None:
         work, message, _ = item
-        remaining = deadline - time.monotonic()
+        remaining = deadline.remaining(0.0)
         other = "reader" if self.ctx.role == "writer" else "writer"
         try:
             with timer("transfer"):
@@ -337,7 +336,7 @@ class _LaneRun:
 
     lane: int
     pg: Any
-    deadline: float
+    deadline: Deadline
     stats: TransferStats
     pairs: list[_Pair]
     timer: PhaseTimer = field(init=False)
