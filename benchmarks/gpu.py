@@ -13,9 +13,12 @@ and every row reports the sync time against one such copy of the model's bytes.
     python benchmarks/gpu.py --sizes 8b --reps 10 --json
 
 Timing: the writer's ``write(v)`` with staleness 0, i.e. from the start of packing until the
-reader reported version ``v`` applied (median over ``--reps`` after one warm-up). The reader
-then checks every byte it holds against the deterministic weights. Without CUDA the script
-exits with status 2 and says so.
+reader reported version ``v`` applied (median over ``--reps`` after one warm-up). Every
+version carries new weights (``WeightPool.at(v)``, filled untimed before ``write(v)``), and
+after each version the reader checks every byte it holds against them, untimed, and tells
+the writer (a meta-server document) before the writer starts the next version; ``bytes``
+is what the reader's transport really received. Without CUDA the script exits with status
+2 and says so.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ def worker(role: str, spec: dict[str, Any]) -> None:
     from weightsync.bench.weights import WeightPool, fill, mismatches
     from weightsync.engines.buffers import ShardedEngine
     from weightsync.layout import ModelSpec, parse_layout
+    from weightsync.meta.client import MetaClient
     from weightsync.reader import WeightReader
     from weightsync.session import SyncConfig
     from weightsync.sources.module import ShardedSource
@@ -102,32 +106,41 @@ def worker(role: str, spec: dict[str, Any]) -> None:
                       transport_options=TransportOptions(device="cuda", slots=1,
                                                          max_bucket_bytes=spec["max_bucket_bytes"]))
     steps = spec["warmup"] + spec["reps"]
+    # The bench's own handshake (not weightsync's): "reader checked version v".
+    board = MetaClient.from_env(job=f"{spec['job']}-checks")
     if role == "writer":
-        fill(layout, tensors, pool)
-        torch.cuda.synchronize()
         copy_gbps = device_copy_gbps(reader_bytes(layout))
         times, phases = [], []
         with WeightWriter(ShardedSource(SOURCE, config, 0, tensors), rank=0, config=sync) as writer:
             for v in range(steps):
+                if v and board.get_document(f"checked/{v - 1}", wait=spec["timeout"]) is None:
+                    raise TimeoutError(f"the reader did not check version {v - 1} in time")
+                fill(layout, tensors, pool.at(v))  # untimed: "training" made version v
+                torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 result = writer.write(v)
                 if v >= spec["warmup"]:
                     times.append(time.perf_counter() - t0)
                     phases.append(result.phases)
+        board.close()
         print(PREFIX + json.dumps({"role": role, "seconds": times, "phases": phases, "copy_gbps": copy_gbps,
                                    "peak_allocated": torch.cuda.max_memory_allocated()}), flush=True)
         return
     engine = ShardedEngine(TARGET, config, 0, tensors)
-    phases = []
+    phases, received, bad = [], [], set()
     with WeightReader(engine, rank=0, config=sync) as reader:
         for v in range(steps):
             result = reader.update(v)
+            torch.cuda.synchronize()
+            bad.update(mismatches(layout, tensors, pool.at(v)) if result.version == v else ["<wrong version>"])
+            board.put_document(f"checked/{v}", b"1")
             if v >= spec["warmup"]:
                 phases.append(result.phases)
-    torch.cuda.synchronize()
-    bad = mismatches(layout, tensors, pool)
-    print(PREFIX + json.dumps({"role": role, "bytes": reader_bytes(layout), "phases": phases,
-                               "verified": not bad, "mismatches": sorted(set(bad))[:5]}), flush=True)
+                received.append(result.nbytes)
+    board.close()
+    print(PREFIX + json.dumps({"role": role, "bytes": int(statistics.median(received)),
+                               "needed_bytes": reader_bytes(layout), "phases": phases,
+                               "verified": not bad, "mismatches": sorted(bad)[:5]}), flush=True)
 
 
 def run_size(size: str, args: argparse.Namespace, meta_env: dict[str, str]) -> dict[str, Any]:

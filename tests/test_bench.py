@@ -37,7 +37,8 @@ def test_tiny_bench_run_json_schema_and_bitwise_destinations(capsys, tmp_path):
     for row in result["rows"]:
         assert ROW_KEYS <= set(row), row
         assert row["verified"] is True, row  # each reader compared every byte it holds
-        assert row["bytes"] == 2 * spec.num_parameters * 2  # two TP1 replicas of a bf16 model
+        # bytes that really arrived: two TP1 replicas of a bf16 model each receive all of it
+        assert row["bytes"] == row["needed_bytes"] == 2 * spec.num_parameters * 2
         assert row["seconds"] > 0 and row["gbps"] > 0
     for key in ("shm_over_memcpy", "shm_zero_copy_over_memcpy", "safetensors_over_weightsync",
                 "per_param_broadcast_over_weightsync"):
@@ -45,6 +46,37 @@ def test_tiny_bench_run_json_schema_and_bitwise_destinations(capsys, tmp_path):
     assert png.stat().st_size > 10_000
     assert not glob.glob("/dev/shm/weightsync-bench-*")
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("weightsync-") and n.endswith("-params")]
+
+
+@pytest.mark.xdist_group("bench")
+def test_a_method_that_skips_the_copy_fails_verification(capsys, monkeypatch):
+    """New weights every version, each version checked: skipping a copy cannot pass as fast."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH", "")])))
+    code = main(["bench", "--suite", "test", "--no-peer", "--json", "--no-progress", "--timeout", "120",
+                 "--reps", "2", "--methods", "weightsync-shm,_bench_methods:SkipsCopyAfterFirst"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {r["method"]: r for r in result["rows"]}
+    assert rows["weightsync-shm"]["verified"] is True
+    cheat = rows["_bench_methods:SkipsCopyAfterFirst"]
+    assert cheat["verified"] is False and cheat["mismatches"], cheat
+    assert code == 1 and any("destination weights differ" in f for f in result["failures"])
+
+
+def test_versions_differ_in_every_row():
+    spec = ModelSpec.from_hf_config(model_config("tiny", "bf16"))
+    layout = parse_layout("hf").rank_layout(spec, 0)
+    pool = WeightPool.for_layout(layout, seed=0)
+    tensors = allocate(layout)
+    fill(layout, tensors, pool.at(1))
+    assert mismatches(layout, tensors, pool.at(1)) == []
+    stale = set(mismatches(layout, tensors, pool.at(2)))
+    assert stale == set(layout.canonical)  # every tensor changed between versions
+    for name, t in layout.canonical.items():
+        a, b = pool.at(1).full(name, t.shape), pool.at(2).full(name, t.shape)
+        rows = a.reshape(a.shape[0], -1) if a.dim() > 1 else a.reshape(1, -1)
+        other = b.reshape(rows.shape)
+        assert bool((rows != other).any(dim=1).all()), f"{name}: some row did not change"
 
 
 def test_weight_pool_boxes_agree_across_layouts():

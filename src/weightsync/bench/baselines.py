@@ -1,7 +1,11 @@
 """The ways users move weights today, implemented faithfully, plus weightsync itself.
 
 Every method is a :class:`Method` with ``setup`` / ``sync(version)`` / ``close``, run by
-the same worker processes on the same tensors (see :mod:`weightsync.bench.worker`). The
+the same worker processes on the same tensors (see :mod:`weightsync.bench.worker`).
+``sync`` reports the bytes that really reached this rank (a baseline's engine worker
+receives whole tensors, more than the slices it keeps; weightsync's exactly its slices),
+and writers send from :meth:`Method.source_tensors`, which the bench refills with new
+weights before every version. A method of your own runs as ``--methods pkg.module:Class``. The
 baselines follow the published code paths of the RL frameworks:
 
 * ``safetensors-disk`` / ``safetensors-shm``: the trainer gathers the full model on rank 0
@@ -69,13 +73,25 @@ class RankContext:
         return TORCH_DTYPES[self.spec.dtype]
 
 
+@dataclass(slots=True)
+class SyncReport:
+    """What one ``sync`` did on this rank: seconds per phase and bytes that arrived here."""
+
+    phases: dict[str, float]
+    received_bytes: int = 0
+
+
 class Method(Protocol):
     name: str
 
     def setup(self) -> None: ...
 
-    def sync(self, version: int) -> dict[str, float]:
-        """Move one version; returns seconds per phase on this rank."""
+    def source_tensors(self) -> dict[str, torch.Tensor]:
+        """Writers: the tensors this method sends from (the bench refills them every version)."""
+        ...
+
+    def sync(self, version: int) -> SyncReport:
+        """Move one version; returns seconds per phase and the bytes received on this rank."""
         ...
 
     def close(self) -> None: ...
@@ -122,6 +138,9 @@ class _GatherThenLoad:
         else:
             self._loader = CanonicalLoader(self.ctx.layout, self.ctx.tensors)
 
+    def source_tensors(self) -> dict[str, torch.Tensor]:
+        return self.ctx.tensors
+
     def close(self) -> None:
         pass
 
@@ -135,7 +154,7 @@ class SafetensorsReload(_GatherThenLoad):
         base = "/dev/shm" if where == "shm" else ctx.scratch
         self.path = os.path.join(base, f"weightsync-bench-{ctx.options['run_id']}-model.safetensors")
 
-    def sync(self, version: int) -> dict[str, float]:
+    def sync(self, version: int) -> SyncReport:
         from safetensors import safe_open
         from safetensors.torch import save_file
 
@@ -159,18 +178,23 @@ class SafetensorsReload(_GatherThenLoad):
                 del full
                 signal.fill_(version)
                 dist.broadcast(signal, src=0, group=ctx.update_group)
-            return phases
+            return SyncReport(phases)
         assert self._loader is not None
         t0 = time.perf_counter()
         dist.broadcast(signal, src=0, group=ctx.update_group)  # "the checkpoint is ready"
         phases["wait"] = time.perf_counter() - t0
+        if int(signal) != version:
+            raise RuntimeError(f"the trainer announced checkpoint version {int(signal)}, expected {version}")
         t0 = time.perf_counter()
+        received = 0
         with safe_open(self.path, framework="pt") as f:
             for name in ctx.spec.canonical_tensors():
                 if self._loader.needs(name):
-                    self._loader.load(name, f.get_tensor(name))
+                    full = f.get_tensor(name)
+                    received += full.numel() * full.element_size()
+                    self._loader.load(name, full)
         phases["load"] = time.perf_counter() - t0
-        return phases
+        return SyncReport(phases, received)
 
     def close(self) -> None:
         if self.ctx.role == "writer" and self.ctx.rank == 0:
@@ -183,9 +207,10 @@ class PerParamBroadcast(_GatherThenLoad):
 
     name = "per-param-broadcast"
 
-    def sync(self, version: int) -> dict[str, float]:
+    def sync(self, version: int) -> SyncReport:
         ctx = self.ctx
         gather = broadcast = load = 0.0
+        received = 0
         for name, tensor in ctx.spec.canonical_tensors().items():
             if ctx.role == "writer":
                 assert self._gather is not None
@@ -203,12 +228,13 @@ class PerParamBroadcast(_GatherThenLoad):
                 buf = torch.empty(tensor.shape, dtype=ctx.dtype)
                 dist.broadcast(buf, src=0, group=ctx.update_group)
                 t1 = time.perf_counter()
+                received += buf.numel() * buf.element_size()
                 self._loader.load(name, buf)
                 broadcast += t1 - t0
                 load += time.perf_counter() - t1
         if ctx.role == "writer":
-            return {"gather": gather, "broadcast": broadcast}
-        return {"broadcast": broadcast, "load": load}
+            return SyncReport({"gather": gather, "broadcast": broadcast})
+        return SyncReport({"broadcast": broadcast, "load": load}, received)
 
 
 def plan_buckets(spec: ModelSpec, bucket_bytes: int) -> list[list[str]]:
@@ -257,9 +283,10 @@ class BucketedBroadcast(_GatherThenLoad):
             at += n
         return views, at
 
-    def sync(self, version: int) -> dict[str, float]:
+    def sync(self, version: int) -> SyncReport:
         ctx = self.ctx
         gather = broadcast = load = 0.0
+        received = 0
         for bucket in self._buckets:
             if ctx.role == "writer":
                 assert self._gather is not None
@@ -283,13 +310,14 @@ class BucketedBroadcast(_GatherThenLoad):
                 t0 = time.perf_counter()
                 dist.broadcast(self._buffer[:used], src=0, group=ctx.update_group)
                 t1 = time.perf_counter()
+                received += used
                 for name, view in views:
                     self._loader.load(name, view)
                 broadcast += t1 - t0
                 load += time.perf_counter() - t1
         if ctx.role == "writer":
-            return {"gather": gather, "broadcast": broadcast}
-        return {"broadcast": broadcast, "load": load}
+            return SyncReport({"gather": gather, "broadcast": broadcast})
+        return SyncReport({"broadcast": broadcast, "load": load}, received)
 
     def close(self) -> None:
         self._buffer = None
@@ -305,6 +333,7 @@ class WeightsyncMethod:
         self.name = f"weightsync-{transport}" + ("-zero-copy" if zero_copy else "")
         self._endpoint: Any = None
         self._shared: Any = None
+        self._sources: dict[str, torch.Tensor] = ctx.tensors
 
     def setup(self) -> None:
         from weightsync.engines.buffers import ShardedEngine
@@ -330,6 +359,7 @@ class WeightsyncMethod:
 
                 self._shared = share_tensors(ctx.tensors)
                 tensors = self._shared.tensors
+            self._sources = dict(tensors)
             source = ShardedSource(ctx.source, ctx.config, ctx.rank, tensors)
             self._endpoint = WeightWriter(source, rank=ctx.rank, config=config, meta=meta)
         else:
@@ -337,10 +367,16 @@ class WeightsyncMethod:
             self._endpoint = WeightReader(engine, rank=ctx.rank, config=config, meta=meta)
         self._meta = meta
 
-    def sync(self, version: int) -> dict[str, float]:
+    def source_tensors(self) -> dict[str, torch.Tensor]:
+        return self._sources
+
+    def sync(self, version: int) -> SyncReport:
         if self.ctx.role == "writer":
-            return dict(self._endpoint.write(version, timeout=self.ctx.timeout).phases)
-        return dict(self._endpoint.update(version, timeout=self.ctx.timeout).phases)
+            return SyncReport(dict(self._endpoint.write(version, timeout=self.ctx.timeout).phases))
+        result = self._endpoint.update(version, timeout=self.ctx.timeout)
+        if result.version != version:
+            raise RuntimeError(f"reader applied version {result.version}, expected {version}")
+        return SyncReport(dict(result.phases), result.nbytes)
 
     def close(self) -> None:
         if self._endpoint is not None:
@@ -353,7 +389,14 @@ class WeightsyncMethod:
 
 
 def make_method(name: str, ctx: RankContext) -> Method:
-    """``weightsync-<transport>`` or one of :data:`BASELINES`."""
+    """``weightsync-<transport>``, one of :data:`BASELINES`, or ``pkg.module:Class`` (your own;
+    constructed as ``Class(ctx)``)."""
+    if ":" in name:
+        import importlib
+
+        module, cls = name.split(":", 1)
+        method: Method = getattr(importlib.import_module(module), cls)(ctx)
+        return method
     if name == "weightsync-shm-zero-copy":
         return WeightsyncMethod(ctx, transport="shm", zero_copy=True)
     if name.startswith("weightsync-"):
@@ -374,4 +417,4 @@ def reader_bytes(layout: RankLayout) -> int:
     return sum(region.box.numel * itemsize(shard.dtype) for shard, region in layout.regions())
 
 
-__all__ = ["BASELINES", "Method", "RankContext", "make_method", "plan_buckets", "reader_bytes"]
+__all__ = ["BASELINES", "Method", "RankContext", "SyncReport", "make_method", "plan_buckets", "reader_bytes"]

@@ -15,6 +15,7 @@ TP1 engine, weightsync over shared memory against one memcpy of the same bytes.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,8 +117,12 @@ class Case:
 
 
 def suite(kind: str, transports: Sequence[str], *, models: Sequence[str] = (), dtypes: Sequence[str] = (),
-          layouts: Sequence[str] = (), reps: int = 0, peer: bool = True) -> list[Case]:
-    """The cases of ``quick``, ``full`` or ``test`` (optionally narrowed)."""
+          layouts: Sequence[str] = (), reps: int = 0, peer: bool = True, methods: Sequence[str] = ()) -> list[Case]:
+    """The cases of ``quick``, ``full`` or ``test`` (optionally narrowed; ``methods`` replaces
+    the methods of every case, e.g. to add one of your own, ``pkg.module:Class``)."""
+    if methods:
+        return [dataclasses.replace(c, methods=tuple(methods), peer="") for c in
+                suite(kind, transports, models=models, dtypes=dtypes, layouts=layouts, reps=reps, peer=False)]
     ws = weightsync_methods(transports)
     every = ws + BASELINES
     cases: list[Case] = []

@@ -3,11 +3,13 @@
 For each :class:`~weightsync.bench.cases.Case` it starts ``W + R`` worker processes
 (:mod:`weightsync.bench.worker`) against one embedded meta server, waits for their JSON
 records, and turns them into rows: one per method, timed as the slowest rank of each
-sync (median over the repetitions), with GB/s, speed-up over every baseline of the same
-case, and the ratio to the physical limit measured by the same processes in the same run
-(one memcpy of the bytes one reader receives; gloo loopback bandwidth for methods that
-move bytes over gloo). The awex peer runs as a subprocess of its own Python
-(:func:`run_awex_peer`), so weightsync never imports it.
+sync (median over the repetitions), with the bytes that really reached the readers (a
+baseline's engine worker receives whole tensors; weightsync exactly its slices), GB/s of
+those bytes, whether every reader held every version bitwise, speed-up over every
+baseline of the same case, and the ratio to the physical limit measured by the same
+processes in the same run (one memcpy of the bytes one reader must hold; gloo loopback
+bandwidth for methods that move bytes over gloo). The awex peer runs as a subprocess of
+its own Python (:func:`run_awex_peer`), so weightsync never imports it.
 """
 
 from __future__ import annotations
@@ -47,7 +49,6 @@ class BenchOptions:
     baseline_bucket_bytes: int = 512 << 20
     slots: int = 1
     timeout: float = 900.0
-    verify: bool = True
     awex_python: str = ""
     awex_script: str = ""
     memory_fraction: float = 0.8
@@ -102,7 +103,7 @@ def run_case(case: Case, options: BenchOptions, *, meta_env: dict[str, str],
     scratch = tempfile.mkdtemp(prefix="weightsync-bench-")
     spec = {"config": case.config(), "source": case.source, "target": case.target, "methods": list(case.methods),
             "reps": case.reps, "warmup": case.warmup, "port": free_port(), "timeout": options.timeout,
-            "scratch": scratch, "verify": options.verify,
+            "scratch": scratch,
             "options": {"max_bucket_bytes": options.max_bucket_bytes, "slots": options.slots,
                         "baseline_bucket_bytes": options.baseline_bucket_bytes, "run_id": run_id,
                         "job_prefix": f"bench-{run_id}"}}
@@ -195,7 +196,8 @@ def build_rows(case: Case, records: Sequence[dict[str, Any]], limits: dict[str, 
         readers = [r for r in recs if r["role"] == "reader"]
         writers = [r for r in recs if r["role"] == "writer"]
         row = _row_base(case, spec, method) | {
-            "bytes": sum(r["bytes"] for r in readers),
+            "bytes": sum(int(statistics.median(r["received_bytes"])) for r in readers),
+            "needed_bytes": sum(r["bytes"] for r in readers),
             "per_reader_bytes": max(r["bytes"] for r in readers),
             "seconds": statistics.median(walls),
             "seconds_reps": walls,
@@ -205,6 +207,7 @@ def build_rows(case: Case, records: Sequence[dict[str, Any]], limits: dict[str, 
             "peak_extra_reader_bytes": max((r["peak_extra_bytes"] for r in readers), default=0),
             "reader_shared_mapped_bytes": max((r["shared_mapped_bytes"] for r in readers), default=0),
             "verified": all(r.get("verified", False) for r in readers),
+            "mismatches": sorted({m for r in readers for m in r.get("mismatches", [])})[:5],
             "phases": {"writer": _mean_phases(writers[0]["phases"]) if writers else {},
                        "reader": _mean_phases(readers[0]["phases"]) if readers else {}},
         }

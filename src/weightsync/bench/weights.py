@@ -7,6 +7,12 @@ tensor ``T`` is defined row by row from one shared pool of random rows::
 
     T[r, c] = pool[(r * STRIDE + seed(T)) % POOL_ROWS, c]      (1-d tensors: row 0 of that rule)
 
+**Every version is different.** ``pool.at(version)`` keeps the rows and moves every
+tensor's start row (``seed(T, version)``), so consecutive versions differ in (almost) every
+element: a method that skips a copy, or resends the previous version, fails the bitwise
+check of that version. The bench fills the trainers with ``pool.at(v)`` before sync ``v``
+and checks every reader against it after.
+
 The pool is ``POOL_ROWS`` x (widest row) ``torch.randn`` values, a few MB. Any box of any
 tensor is then one gather of pool rows (``index_select``), i.e. memcpy speed, and boxes
 computed by different processes for the same element always agree. Rows repeat only
@@ -34,9 +40,10 @@ POOL_ROWS = 1031  # prime: rows of different tensors interleave with no short pe
 STRIDE = 613
 
 
-def tensor_seed(name: str, seed: int) -> int:
+def tensor_seed(name: str, seed: int, version: int = 0) -> int:
+    """The pool row tensor ``name`` starts at in ``version``: never the previous version's."""
     digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % POOL_ROWS
+    return (int.from_bytes(digest, "little") + version * (STRIDE + 1)) % POOL_ROWS
 
 
 class WeightPool:
@@ -48,7 +55,15 @@ class WeightPool:
         self.rows = torch.randn((POOL_ROWS, width), generator=gen).to(TORCH_DTYPES[dtype]).to(device)
         self.seed = seed
         self.dtype = dtype
+        self.version = 0
         self._seeds = {name: tensor_seed(name, seed) for name in canonical}
+
+    def at(self, version: int) -> WeightPool:
+        """The weights of ``version``: the same rows, every tensor starting elsewhere."""
+        other = object.__new__(WeightPool)
+        other.rows, other.seed, other.dtype, other.version = self.rows, self.seed, self.dtype, version
+        other._seeds = {name: tensor_seed(name, self.seed, version) for name in self._seeds}
+        return other
 
     @classmethod
     def for_layout(cls, layout: RankLayout, *, seed: int = 0, device: str | torch.device = "cpu") -> WeightPool:

@@ -13,9 +13,12 @@ Per case, in order:
    reader 0, one large message) and one single-threaded memcpy (on reader 0) of the bytes
    one reader must receive;
 3. for each method: readers zero their buffers, every rank resets its peak-RSS counter,
-   ``warmup + reps`` syncs run, each started by a barrier and timed on every rank until
-   that rank's part is done (the parent takes the slowest rank); then readers check
-   every byte against the benchmark weights.
+   ``warmup + reps`` syncs run, each of a *new* version: writers first fill the method's
+   source tensors with that version's weights (``WeightPool.at``), untimed; the sync is
+   started by a barrier and timed on every rank until that rank's part is done (the parent
+   takes the slowest rank); then, untimed, every reader checks every byte it holds against
+   that version's weights and records the bytes that really arrived. A method that skips
+   a copy or resends an older version fails the check of that version.
 
     python -m weightsync.bench.worker --spec '<json>' --rank <global rank>
 """
@@ -122,7 +125,7 @@ def run_case(spec: dict[str, Any], global_rank: int) -> None:
     pool = WeightPool.for_layout(layout, seed=int(spec.get("seed", 0)))
     t0 = time.perf_counter()
     if role == "writer":
-        fill(layout, tensors, pool)
+        fill(layout, tensors, pool.at(0))
     ctx = RankContext(role=role, rank=rank, num_writers=num_writers, num_readers=num_readers, config=config,
                       source=spec["source"], target=spec["target"], spec=model, layout=layout, tensors=tensors,
                       writer_layouts=writer_layouts, train_group=train_group, update_group=update_group,
@@ -137,11 +140,8 @@ def run_case(spec: dict[str, Any], global_rank: int) -> None:
         record: dict[str, Any] = {"event": "method", "method": method_name, "role": role, "rank": rank,
                                   "bytes": reader_bytes(layout) if role == "reader" else 0}
         try:
-            record.update(_run_method(ctx, method_name, reps=reps, warmup=warmup, make=make_method))
-            if role == "reader" and spec.get("verify", True):
-                bad = mismatches(layout, tensors, pool)
-                record["verified"] = not bad
-                record["mismatches"] = sorted(set(bad))[:5]
+            record.update(_run_method(ctx, method_name, reps=reps, warmup=warmup, make=make_method,
+                                      pool=pool, check=lambda p: mismatches(layout, tensors, p)))
         except Exception as exc:  # report and stop: the peers are now out of step
             record["error"] = f"{type(exc).__name__}: {exc}"
             emit(record)
@@ -151,8 +151,12 @@ def run_case(spec: dict[str, Any], global_rank: int) -> None:
     dist.destroy_process_group()
 
 
-def _run_method(ctx: Any, name: str, *, reps: int, warmup: int, make: Any) -> dict[str, Any]:
+def _run_method(ctx: Any, name: str, *, reps: int, warmup: int, make: Any, pool: Any,
+                check: Any) -> dict[str, Any]:
+    """Set up ``name``, run ``warmup + reps`` versions (new weights each), verify each one."""
     import torch.distributed as dist
+
+    from weightsync.bench.weights import fill
 
     if ctx.role == "reader":
         for t in ctx.tensors.values():
@@ -164,18 +168,29 @@ def _run_method(ctx: Any, name: str, *, reps: int, warmup: int, make: Any) -> di
     method = make(name, ctx)
     times: list[float] = []
     phases: list[dict[str, float]] = []
+    received: list[int] = []
+    bad: set[str] = set()
+    verified: list[bool] = []
     t_setup = time.perf_counter()
     try:
         method.setup()
         setup_seconds = time.perf_counter() - t_setup
         for i in range(warmup + reps):
+            version = pool.at(i)
+            if ctx.role == "writer":
+                fill(ctx.layout, method.source_tensors(), version)  # untimed: "training" made version i
             dist.barrier()
             t0 = time.perf_counter()
-            ph = method.sync(i)
+            report = method.sync(i)
             dt = time.perf_counter() - t0
+            if ctx.role == "reader":  # untimed: every byte of version i, bitwise
+                wrong = check(version)
+                verified.append(not wrong)
+                bad.update(wrong)
             if i >= warmup:
                 times.append(dt)
-                phases.append(ph)
+                phases.append(report.phases)
+                received.append(report.received_bytes)
             elif i == 0:
                 setup_seconds += dt
         peak = _status_kb("VmHWM") - rss_before if hwm_ok else -1
@@ -183,8 +198,12 @@ def _run_method(ctx: Any, name: str, *, reps: int, warmup: int, make: Any) -> di
     finally:
         dist.barrier()  # nobody tears down (unlinks shared memory, files) while a peer still reads
         method.close()
-    return {"seconds": times, "phases": phases, "first_sync_seconds": setup_seconds,
-            "peak_extra_bytes": peak, "shared_mapped_bytes": shmem}
+    out = {"seconds": times, "phases": phases, "first_sync_seconds": setup_seconds,
+           "peak_extra_bytes": peak, "shared_mapped_bytes": shmem}
+    if ctx.role == "reader":
+        out |= {"received_bytes": received, "verified": all(verified) and len(verified) == warmup + reps,
+                "verified_versions": verified, "mismatches": sorted(bad)[:5]}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

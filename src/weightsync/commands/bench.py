@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layouts", type=_csv, default=[], help="tp2->tp1x2,fsdp2->tp2,same")
     p.add_argument("--transports", type=_csv, default=[],
                    help="weightsync transports to run (default: every available one)")
+    p.add_argument("--methods", type=_csv, default=[],
+                   help="run exactly these methods in every case: weightsync-<transport>, a baseline, or "
+                        "pkg.module:Class (a bench.baselines.Method of your own)")
     p.add_argument("--reps", type=int, default=0, help="timed syncs per method (after one warm-up)")
     p.add_argument("--max-bucket-mb", type=int, default=64, help="weightsync staging bound per process")
     p.add_argument("--baseline-bucket-mb", type=int, default=512,
@@ -38,7 +41,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Python of a venv with awex installed (env WEIGHTSYNC_AWEX_PYTHON); "
                         "without it the peer row is skipped")
     p.add_argument("--awex-script", default="", help="awex_p2p_bench.py (default: benchmarks/awex_peer/)")
-    p.add_argument("--no-verify", action="store_true", help="skip the bitwise check of the destinations")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed for one case")
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line of stdout")
     p.add_argument("--plot", default="", help="write a figure (PNG) of the results here")
@@ -59,12 +61,12 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"transport(s) {unknown} are not available here; available: {available_transports()}")
     cases = suite(kind, transports, models=args.models, dtypes=args.dtypes, layouts=args.layouts,
-                  reps=args.reps, peer=not args.no_peer)
+                  reps=args.reps, peer=not args.no_peer, methods=args.methods)
     if args.max_bucket_mb < 1 or args.baseline_bucket_mb < 1:
         raise ValueError("--max-bucket-mb and --baseline-bucket-mb must be >= 1")
     options = BenchOptions(max_bucket_bytes=args.max_bucket_mb << 20,
                            baseline_bucket_bytes=args.baseline_bucket_mb << 20, timeout=args.timeout,
-                           verify=not args.no_verify, awex_python=args.awex_python, awex_script=args.awex_script)
+                           awex_python=args.awex_python, awex_script=args.awex_script)
     console = Console(stderr=args.json, width=200)
     total = sum(len(c.methods) + (1 if c.peer else 0) for c in cases)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
