@@ -190,9 +190,9 @@ class SafetensorsReload(_GatherThenLoad):
         with safe_open(self.path, framework="pt") as f:
             for name in ctx.spec.canonical_tensors():
                 if self._loader.needs(name):
-                    full = f.get_tensor(name)
-                    received += full.numel() * full.element_size()
-                    self._loader.load(name, full)
+                    loaded = f.get_tensor(name)
+                    received += loaded.numel() * loaded.element_size()
+                    self._loader.load(name, loaded)
         phases["load"] = time.perf_counter() - t0
         return SyncReport(phases, received)
 
