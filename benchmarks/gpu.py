@@ -3,7 +3,7 @@
 A training process (Megatron TP1 layout: fused ``linear_qkv`` per query group and
 ``linear_fc1``) and an inference process (vLLM TP1: fused ``qkv_proj`` / ``gate_up_proj``)
 share one GPU, as in co-located RL. The writer exposes one CUDA allocation by IPC handle
-(``TransportOptions(device="cuda")``); each ``write(v)`` packs the writer's shards into it
+(its tensors live on the GPU, so the transport uses CUDA IPC); each ``write(v)`` packs the writer's shards into it
 and the reader copies every op straight into its parameters: two device-to-device copies
 per byte, no host round trip. The device's own copy bandwidth (``dst.copy_(src)`` of the
 same number of bytes, up to 4 GiB, median of 5) is measured by the writer in the same run,
@@ -103,8 +103,7 @@ def worker(role: str, spec: dict[str, Any]) -> None:
     tensors = allocate(layout, device="cuda")
     pool = WeightPool.for_layout(layout, device="cuda")
     sync = SyncConfig(num_writers=1, num_readers=1, job=spec["job"], transport="shm", timeout=spec["timeout"],
-                      transport_options=TransportOptions(device="cuda", slots=1,
-                                                         max_bucket_bytes=spec["max_bucket_bytes"]))
+                      transport_options=TransportOptions(slots=1, max_bucket_bytes=spec["max_bucket_bytes"]))
     steps = spec["warmup"] + spec["reps"]
     # The bench's own handshake (not weightsync's): "reader checked version v".
     board = MetaClient.from_env(job=f"{spec['job']}-checks")

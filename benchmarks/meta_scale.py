@@ -15,7 +15,7 @@ and decoded, and the model config document fetched. Writer 0 publishes the confi
 asks for it with the roster (``documents=[key]``), so ``--mode join`` is one round trip per rank
 and ``--mode separate`` two.
 
-Layouts: writers ``megatron:tp=8,pp=16,dp=8,ep=64`` (1024 ranks, 8 per host), readers
+Layouts: writers ``megatron:tp=8,pp=16,dp=8,ep=64,etp=1`` (1024 ranks, 8 per host), readers
 ``vllm:tp=16,replicas=16`` (256 ranks, 8 per host); each rank has two transport endpoints.
 """
 
@@ -42,7 +42,7 @@ from weightsync.meta import AsyncMetaClient, Participant
 from weightsync.meta.config import ensure_token_file
 from weightsync.meta.embedded import raise_open_file_limit
 
-WRITER_LAYOUT = "megatron:tp=8,pp=16,dp=8,ep=64"
+WRITER_LAYOUT = "megatron:tp=8,pp=16,dp=8,ep=64,etp=1"
 READER_LAYOUT = "vllm:tp=16,replicas=16"
 MODEL_KEY = "model/moe-1t"
 JOB = "moe-1t"

@@ -1,7 +1,7 @@
 """Planner speed at trillion-parameter scale (a script, not a timed test).
 
 A 1T-parameter MoE (bundled config ``moe-1t``: 61 layers, 384 experts, hidden 7168, expert
-ffn 2048, vocab 163840) trained as ``megatron:tp=8,pp=16,dp=8,ep=64`` (1024 ranks) and
+ffn 2048, vocab 163840) trained as ``megatron:tp=8,pp=16,dp=8,ep=64,etp=1`` (1024 ranks) and
 served as ``vllm:tp=16,replicas=16`` (256 ranks). Measures, on one core:
 
 * metadata expansion: building all 1280 ranks' layouts from their descriptors (once per job);
@@ -26,7 +26,7 @@ from weightsync.plan import build_local_plan, plan_statistics
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="moe-1t")
-    parser.add_argument("--source", default="megatron:tp=8,pp=16,dp=8,ep=64")
+    parser.add_argument("--source", default="megatron:tp=8,pp=16,dp=8,ep=64,etp=1")
     parser.add_argument("--target", default="vllm:tp=16,replicas=16")
     parser.add_argument("--sample", type=int, default=4, help="extra ranks per role timed for local plans")
     parser.add_argument("--json", action="store_true")

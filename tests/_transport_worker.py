@@ -53,9 +53,10 @@ def main() -> None:
     pointers = {n: t.data_ptr() for n, t in tensors.items()}
     meta = DirectoryMeta(args["meta_dir"])
     opts = TransportOptions(max_bucket_bytes=args.get("bucket", 1 << 16), direct_min_bytes=1024,
-                            checksum=args.get("checksum", False), device=device, **args.get("options", {}))
+                            checksum=args.get("checksum", False), **args.get("options", {}))
     ctx = TransportContext(job=JobChannel(meta, role=role, rank=rank), num_writers=len(writers),
-                           num_readers=len(readers), options=opts)
+                           num_readers=len(readers), device=str(torch.device(device)) if device != "cuda" else
+                           f"cuda:{torch.cuda.current_device()}", options=opts)
     transport = create_transport(args["transport"], ctx)
     timeout = args.get("timeout", 30.0)
     t0 = time.monotonic()

@@ -43,10 +43,13 @@ def layout_kinds(num_layers: int, moe: bool):
         st.builds(lambda r: f"hf:replicas={r}", st.integers(1, 3)),
         st.builds(lambda d, t: f"fsdp:dp={d},tp={t}", st.integers(1, 3), st.sampled_from([1, 2])),
         st.builds(lambda d: f"deepspeed:dp={d}", st.integers(1, 4)),
-        st.builds(lambda t, p, d, e: f"megatron:tp={t},pp={p},dp={d},ep={e}",
-                  st.sampled_from([1, 2]), st.integers(1, min(num_layers, 3)), st.integers(1, 2), ep),
-        st.builds(lambda t, r, e: f"vllm:tp={t},replicas={r},ep={e}",
-                  st.sampled_from([1, 2, 4]), st.integers(1, 2), ep),
+        # expert TP: 1 (whole experts) or Megatron-core's default, tp
+        st.builds(lambda t, p, d, e, whole: f"megatron:tp={t},pp={p},dp={d},ep={e},etp={1 if whole else t}",
+                  st.sampled_from([1, 2]), st.integers(1, min(num_layers, 3)), st.integers(1, 2), ep,
+                  st.booleans()),
+        # vLLM's EP spans every TP and DP rank (ep = tp x dp), or there is none
+        st.builds(lambda t, d, r, e: f"vllm:tp={t},dp={d},replicas={r},ep={t * d if e > 1 else 1}",
+                  st.sampled_from([1, 2, 4]), st.integers(1, 2), st.integers(1, 2), ep),
     )
 
 

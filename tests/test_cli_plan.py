@@ -17,7 +17,7 @@ def run_cli(*args):
 
 
 def test_plan_json_has_the_documented_fields(capsys):
-    assert main(["plan", "--config", "tiny-qwen3-moe", "--source", "megatron:tp=2,pp=2,ep=2,dp=2",
+    assert main(["plan", "--config", "tiny-qwen3-moe", "--source", "megatron:tp=2,pp=2,ep=2,dp=2,etp=1",
                  "--target", "vllm:tp=2,replicas=2", "--link-gbps", "100", "--json", "--verify",
                  "--min-split-bytes", "0"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -56,7 +56,7 @@ def test_sync_into_transformers_model_matches_fresh_model(moe):
     assert greedy(engine_model) != greedy(fresh_b), "A and B must generate differently for the proof to mean anything"
     pointers = {name: p.data_ptr() for name, p in engine_model.named_parameters()}
     engine = ModuleEngine(engine_model, config)
-    layout = "megatron:tp=2,ep=2" if moe else "megatron:tp=2"
+    layout = "megatron:tp=2,ep=2,etp=1" if moe else "megatron:tp=2"
 
     job = f"hf-{uuid.uuid4().hex[:8]}"
     with EmbeddedMetaServer() as server, writer_processes(server, config, layout, job=job, seeds=[2]):

@@ -253,7 +253,7 @@ class TestDenseQwen3(EngineProofs):
 
 @vllm_test("moe")
 class TestQwen3MoE(EngineProofs):
-    layout = "megatron:tp=2,ep=2"
+    layout = "megatron:tp=2,ep=2,etp=1"
 
     @pytest.fixture(scope="class")
     @classmethod

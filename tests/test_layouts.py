@@ -192,7 +192,7 @@ def test_megatron_tied_embedding_second_copy_on_last_stage():
 def test_megatron_experts_ep_and_etp():
     # tp=2, dp=2, ep=2 (etp=1): ranks i = t + 2d -> ep rank i % 2, experts 4 per ep rank
     for rank in range(4):
-        shards, v, _ = local(MOE, "megatron:tp=2,dp=2,ep=2", rank)
+        shards, v, _ = local(MOE, "megatron:tp=2,dp=2,ep=2,etp=1", rank)
         t, d = rank % 2, rank // 2
         ep_rank = (t + 2 * d) % 2
         g = v["model.layers.1.mlp.experts.*.gate_proj.weight"]
@@ -209,7 +209,7 @@ def test_megatron_experts_ep_and_etp():
     u = v["model.layers.1.mlp.experts.*.up_proj.weight"]
     assert np.array_equal(shards["decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight"],
                           np.concatenate([g[5, 3:], u[5, 3:]]))
-    shards, _, _ = local(MOE, "megatron:tp=2,ep=2,grouped=1", 0)
+    shards, _, _ = local(MOE, "megatron:tp=2,ep=2,grouped=1,etp=1", 0)
     assert "decoder.layers.1.mlp.experts.linear_fc1.weight3" in shards
 
 

@@ -109,7 +109,7 @@ def test_replicas_share_the_load():
 
 def test_plan_is_deterministic():
     spec = ModelSpec.from_hf_config(_tiny_moe())
-    sources = parse_layout("megatron:tp=2,pp=2,dp=2,ep=2").all_rank_layouts(spec)
+    sources = parse_layout("megatron:tp=2,pp=2,dp=2,ep=2,etp=1").all_rank_layouts(spec)
     dests = parse_layout("vllm:tp=2,replicas=2").all_rank_layouts(spec)
     a = build_plan(sources, dests)
     b = build_plan(list(reversed(sources)), dests)

@@ -148,7 +148,7 @@ def _moe_rank(rank: int, world: int) -> list[tuple[list, object]]:
     from megatron.core import parallel_state as ps
 
     out = []
-    for etp, kind in ((1, "megatron:tp=2,dp=2,ep=2"), (2, "megatron:tp=2,dp=2,ep=2,etp=2")):
+    for etp, kind in ((1, "megatron:tp=2,dp=2,ep=2,etp=1"), (2, "megatron:tp=2,dp=2,ep=2")):
         out.append(fill_and_check(build(MOE, tp=2, pp=1, ep=2, etp=etp), MOE, rank, kind))
         ps.destroy_model_parallel()
     return out
@@ -173,8 +173,8 @@ def test_megatron_moe_ep2_with_expert_tp_1_and_2():
     shapes = {n: t.shape for n, t in spec.canonical_tensors().items()}
     for case in range(2):
         assert_covered([r[case][0] for r in results], shapes)
-    assert [r[0][1][0] for r in results] == ["megatron:dp=2,ep=2,tp=2"] * 4
-    assert [r[1][1][0] for r in results] == ["megatron:dp=2,ep=2,etp=2,tp=2"] * 4
+    assert [r[0][1][0] for r in results] == ["megatron:dp=2,ep=2,etp=1,tp=2"] * 4
+    assert [r[1][1][0] for r in results] == ["megatron:dp=2,ep=2,tp=2"] * 4
     # etp=1: experts 0-3 whole on ranks 0 and 2, 4-7 on ranks 1 and 3 (EP along attention TP)
     gate = "model.layers.1.mlp.experts.*.gate_proj.weight"
     firsts = [sorted({box.offsets[0] for name, box in r[0][0] if name == gate}) for r in results]

@@ -76,7 +76,7 @@ PAIRS = [
     pytest.param("megatron:tp=2", "vllm:tp=1,replicas=2", "shm", id="tp2-to-tp1x2-shm"),
     pytest.param("hf", "vllm:tp=2", "torch", id="tp1-to-tp2-torch"),
     pytest.param("hf:replicas=2", "vllm:tp=2", "shm", id="dp-replicated-sources-shm"),
-    pytest.param("megatron:tp=2,dp=2,ep=2", "vllm:tp=2,ep=2", "torch", id="ep-experts-torch"),
+    pytest.param("megatron:tp=2,dp=2,ep=2,etp=1", "vllm:tp=2,ep=2", "torch", id="ep-experts-torch"),
     pytest.param("megatron:pp=2", "vllm:tp=1", "shm", id="pp-stages-shm"),
     pytest.param("fsdp:dp=2", "vllm:tp=2", "torch", id="fsdp-to-tp2-torch"),
 ]

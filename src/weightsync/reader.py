@@ -58,7 +58,7 @@ class WeightReader:
         self.meta = meta if meta is not None else MetaClient.from_env(job=config.job)
         self.engine = engine
         self.config = config
-        self.session = SyncSession("reader", rank, engine, config, self.meta)
+        self.session = SyncSession("reader", rank, engine, config, self.meta, tensors=engine.receive_buffers)
         self._failed: int | None = None
 
     @property

@@ -17,15 +17,16 @@ import hashlib
 import logging
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from weightsync.deadline import Deadline
+from weightsync.devices import RankPlacement, choose_transport, tensors_device
 from weightsync.job import JobChannel, Role
 from weightsync.layout.wire import decode_layout, encode_descriptor, encode_explicit
 from weightsync.plan import PlanOptions, build_local_plan
-from weightsync.transport import TransportContext, TransportOptions, choose_transport, create_transport
+from weightsync.transport import TransportContext, TransportOptions, create_transport, unavailable_reason
 
 if TYPE_CHECKING:
     import torch
@@ -105,17 +106,20 @@ class PlannedSync:
     transport_name: str
     fingerprint: str
     seconds: float  # registration, rendezvous and planning
+    device: str  # where this rank's tensors live ("cpu", "cuda:N")
+    why: str  # why this transport (``auto``'s reasoning, or "requested")
 
 
 class SyncSession:
     """One rank's view of a job (see module docstring)."""
 
     def __init__(self, role: Role, rank: int, provider: LayoutProvider, config: SyncConfig,
-                 meta: MetaClient) -> None:
+                 meta: MetaClient, *, tensors: Callable[[], Mapping[str, torch.Tensor]]) -> None:
         size = config.num_writers if role == "writer" else config.num_readers
         if not 0 <= rank < size:
             raise ValueError(f"{role} rank {rank} is outside 0..{size - 1} (the job has {size} {role}s)")
         self.provider = provider
+        self.tensors = tensors  # the source's tensors or the engine's receive buffers
         self.config = config
         self.channel = JobChannel(meta, role=role, rank=rank)
         self.host = config.host or socket.gethostname()
@@ -140,10 +144,16 @@ class SyncSession:
             return encode_descriptor(layout_text, self.channel.publish_model_config(config))
         return encode_explicit(self.provider.layout())
 
+    def device(self) -> str:
+        """Where this rank's tensors live: published so that the job picks a transport that
+        can move them (see :func:`weightsync.devices.choose_transport`)."""
+        return tensors_device((str(t.device) for t in self.tensors().values()), what=f"{self.channel.who}'s tensors")
+
     def register(self) -> None:
         if self._registered:
             return
-        restarted = self.channel.register(host=self.host, group=self.config.job, layout=self._layout_blob())
+        restarted = self.channel.register(host=self.host, group=self.config.job, layout=self._layout_blob(),
+                                          device=self.device())
         if restarted:
             # The others' connections do not include this new process: move everyone on.
             self.channel.advance_epoch(self.channel.current_epoch())
@@ -163,18 +173,21 @@ class SyncSession:
         t0 = time.perf_counter()
         plan = build_local_plan(writers, readers, role=self.role, rank=self.rank, options=self.config.plan_options)
         self.timings["plan"] = time.perf_counter() - t0
-        colocated = len({p.host for p in people}) == 1
-        transport_name = choose_transport(self.config.transport, colocated=colocated)
+        placements = [RankPlacement(p.role, p.rank, p.host, p.endpoints.get("device", "cpu"))  # type: ignore[arg-type]
+                      for p in people]
+        unavailable = {n: r for n in ("shm", "nixl", "file") if (r := unavailable_reason(n)) is not None}
+        choice = choose_transport(self.config.transport, placements, unavailable=unavailable)
         opts = self.config.transport_options
-        digest = hashlib.blake2b(f"{transport_name}|{opts.digest()}".encode(), digest_size=4).hexdigest()
+        digest = hashlib.blake2b(f"{choice.name}|{opts.digest()}".encode(), digest_size=4).hexdigest()
+        device = self.device()
         ctx = TransportContext(job=self.channel, num_writers=self.config.num_writers,
-                               num_readers=self.config.num_readers, options=opts)
-        transport = create_transport(transport_name, ctx)
+                               num_readers=self.config.num_readers, device=device, options=opts)
+        transport = create_transport(choice.name, ctx)
         self.timings["setup"] = time.perf_counter() - started
-        self.planned = PlannedSync(plan, transport, transport_name, f"{plan.fingerprint}-{digest}",
-                                   self.timings["setup"])
-        logger.info("%s planned %d ops (%d bytes) over %s in %.3fs", self.channel.who, len(plan),
-                    plan.total_bytes, transport_name, self.timings["plan"])
+        self.planned = PlannedSync(plan, transport, choice.name, f"{plan.fingerprint}-{digest}",
+                                   self.timings["setup"], device, choice.reason)
+        logger.info("%s planned %d ops (%d bytes) over %s on %s (%s) in %.3fs", self.channel.who, len(plan),
+                    plan.total_bytes, choice.name, device, choice.reason, self.timings["plan"])
         return self.planned
 
     def _decode(self, people: list[Participant]) -> tuple[list[RankLayout], list[RankLayout]]:

@@ -47,7 +47,7 @@ class WeightWriter:
         self.meta = meta if meta is not None else MetaClient.from_env(job=config.job)
         self.source = source
         self.config = config
-        self.session = SyncSession("writer", rank, source, config, self.meta)
+        self.session = SyncSession("writer", rank, source, config, self.meta, tensors=source.tensors)
         self.version: int | None = None
         self._history: list[int] = []  # versions this writer published, oldest first
 

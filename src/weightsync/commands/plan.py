@@ -1,6 +1,6 @@
 """``weightsync plan``: plan a sync between two layouts of one model and print statistics.
 
-    weightsync plan --config moe-1t --source megatron:tp=8,pp=16,dp=8,ep=64 \\
+    weightsync plan --config moe-1t --source megatron:tp=8,pp=16,dp=8,ep=64,etp=1 \\
         --target vllm:tp=16,replicas=16 --link-gbps 400 --json
 """
 
@@ -19,7 +19,7 @@ from weightsync.plan import PlanOptions, build_local_plan, build_plan, plan_stat
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True,
                    help="HF config.json (file or directory) or a bundled name, e.g. moe-1t, tiny-qwen3")
-    p.add_argument("--source", required=True, help="training layout, e.g. megatron:tp=8,pp=4,ep=8,dp=2")
+    p.add_argument("--source", required=True, help="training layout, e.g. megatron:tp=8,pp=4,ep=8,dp=2,etp=1")
     p.add_argument("--target", required=True, help="inference layout, e.g. vllm:tp=4,replicas=2")
     p.add_argument("--link-gbps", type=float, default=400.0,
                    help="per-rank link bandwidth in Gbit/s for simulated_seconds (default 400)")

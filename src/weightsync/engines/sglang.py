@@ -31,11 +31,12 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 
+from weightsync.devices import resolve_device, sglang_staging_device
 from weightsync.engines.staging import StagedWeights
 from weightsync.layout import ModelSpec
 from weightsync.torch_layout import dtype_name
@@ -52,21 +53,33 @@ class SGLangEngine(StagedWeights):
         engine: the SGLang engine; ``mode="tensor"`` needs an in-process ``sglang.Engine``.
         config: the model's Hugging Face config (dict) or its :class:`ModelSpec`.
         dtype / device: of the staging buffers (the engine's dtype; a GPU of this process).
+            ``mode="distributed"``: never one of the engine's TP GPUs (NCCL refuses two ranks
+            of the update group on one GPU); by default the first GPU outside them.
         tp_size: the engine's tensor-parallel size (``mode="distributed"``: the group's size).
+        engine_gpus: the GPU indices of the engine's TP ranks on this host (default: read from
+            an in-process engine's ``server_args``, else ``0..tp_size-1``, SGLang's default);
+            empty for an engine on another host.
         master_address: an address of this host the engine's TP ranks can reach.
         bucket_bytes: bound on one ``update_weights_from_distributed`` request.
         timeout: seconds to wait for SGLang on each call.
     """
 
     def __init__(self, engine: Any, config: Mapping[str, Any] | ModelSpec, *, mode: Mode = "tensor", rank: int = 0,
-                 replicas: int | None = None, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
+                 replicas: int | None = None, dtype: torch.dtype = torch.bfloat16, device: str | None = None,
                  tp_size: int = 1, master_address: str = "127.0.0.1", group_name: str = "weightsync",
-                 bucket_bytes: int = 1 << 30, timeout: float = 600.0) -> None:
+                 bucket_bytes: int = 1 << 30, timeout: float = 600.0,
+                 engine_gpus: Sequence[int] | None = None) -> None:
         if mode not in ("tensor", "distributed"):
             raise ValueError(f"mode must be 'tensor' or 'distributed', got {mode!r}")
         if bucket_bytes <= 0 or tp_size < 1:
             raise ValueError(f"bucket_bytes and tp_size must be positive, got {bucket_bytes} and {tp_size}")
         spec = config if isinstance(config, ModelSpec) else ModelSpec.from_hf_config(config)
+        if mode == "distributed":
+            gpus = list(engine_gpus) if engine_gpus is not None else _engine_gpus(engine, tp_size)
+            device = sglang_staging_device(device, engine_gpus=gpus, visible_gpus=torch.cuda.device_count())
+        else:
+            current = torch.cuda.current_device() if torch.cuda.is_available() else None
+            device = resolve_device(device or "cuda", current_cuda_index=current)
         super().__init__(spec, dtype=dtype, device=device, rank=rank, replicas=replicas)
         self.engine = engine
         self.mode = mode
@@ -141,6 +154,14 @@ class SGLangEngine(StagedWeights):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _engine_gpus(engine: Any, tp_size: int) -> list[int]:
+    """The GPUs of an SGLang engine's TP ranks: ``base_gpu_id + i * gpu_id_step`` (its defaults 0 and 1)."""
+    args = getattr(engine, "server_args", None)
+    base = int(getattr(args, "base_gpu_id", 0) or 0)
+    step = int(getattr(args, "gpu_id_step", 1) or 1)
+    return [base + i * step for i in range(tp_size)]
 
 
 def _check(result: Any, what: str) -> None:

@@ -2,7 +2,7 @@
 
 A participant publishes its layout in one of two forms:
 
-* a **descriptor**, ``{"layout": "megatron:tp=8,pp=16,dp=8,ep=64", "model": <model digest>}``,
+* a **descriptor**, ``{"layout": "megatron:tp=8,pp=16,dp=8,ep=64,etp=1", "model": <model digest>}``,
   when it was built from a layout kind: a few dozen bytes, identical for every rank of a
   group (the rank travels separately), so a thousand ranks share one blob;
 * an **explicit** shard list, for layouts read out of a live framework (FSDP2 DTensors,

@@ -233,7 +233,7 @@ class MegatronSource:
         padded = int(getattr(self.models[0], "vocab_size", 0))  # GPTModel's (padded) vocabulary, every stage
         multiple = 128 if not padded or padded_size(self.spec.vocab_size, 128 * tp) == padded else padded // tp
         grouped = int(any(_TE_EXPERT.search(s.name) for s in self._layout.shards))
-        etp = "" if g.etp[0] == (1 if g.ep > 1 else tp) else f",etp={g.etp[0]}"  # the kind's default
+        etp = "" if g.etp[0] == tp else f",etp={g.etp[0]}"  # the kind's default (Megatron-core's: tp)
         kind = (f"megatron:tp={tp},pp={g.pp},dp={g.dp},ep={g.ep}{etp},vocab_multiple={multiple},"
                 f"grouped={grouped}" + uniform_dtype(self._layout, self.spec))
         return matching_descriptor(self._layout, self.spec, self.config, [kind])

@@ -2,14 +2,16 @@
 
 | name    | modules                              | moves bytes by                                   | one-sided |
 |---------|--------------------------------------|--------------------------------------------------|-----------|
-| torch   | torch_dist.py                        | torch.distributed p2p (gloo on CPU, NCCL on GPU) | no        |
+| torch   | torch_gloo.py, torch_nccl.py         | torch.distributed p2p (gloo on CPU, NCCL on GPU) | no        |
 | shm     | shm.py, shm_zero_copy.py             | POSIX shared memory / CUDA IPC, co-located ranks | yes       |
 | file    | file.py                              | safetensors files on (shared) storage            | yes       |
 | nixl    | nixl_pull.py, nixl_push.py           | NIXL/UCX RDMA reads (pull) or writes (push)      | pull only |
 
 Adding a transport is one module, one entry in ``_FACTORIES`` and one availability probe.
-A transport with several modes (nixl) has one class per mode; :func:`create_transport`
-picks the class, here and nowhere else.
+A transport with several modes (torch: gloo or NCCL by device; nixl: pull or push) has one
+class per mode; :func:`transport_class_path` picks the class, here and nowhere else. Which
+transport a job uses is decided from every rank's placement by
+:func:`weightsync.devices.choose_transport`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import importlib.util
 import logging
 from collections.abc import Callable
 
+from weightsync.devices import torch_backend
 from weightsync.transport.base import (
     TransferStats,
     Transport,
@@ -31,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 #: name -> "module:Class", or, for transports with modes, mode -> "module:Class"
 _FACTORIES: dict[str, str | dict[str, str]] = {
-    "torch": "weightsync.transport.torch_dist:TorchDistTransport",
+    "torch": {"gloo": "weightsync.transport.torch_gloo:GlooTransport",
+              "nccl": "weightsync.transport.torch_nccl:NcclTransport"},
     "shm": "weightsync.transport.shm:SharedMemoryTransport",
     "file": "weightsync.transport.file:FileTransport",
     "nixl": {"pull": "weightsync.transport.nixl_pull:NixlPullTransport",
@@ -44,9 +48,12 @@ def transport_class_path(name: str, ctx: TransportContext) -> str:
     entry = _FACTORIES[name]
     if isinstance(entry, str):
         return entry
-    from weightsync.transport.nixl_common import resolve_mode
+    if name == "torch":
+        mode = torch_backend(ctx.device)
+    else:
+        from weightsync.transport.nixl_common import resolve_mode
 
-    mode = resolve_mode(ctx.options.nixl_mode, num_writers=ctx.num_writers, num_readers=ctx.num_readers)
+        mode = resolve_mode(ctx.options.nixl_mode, num_writers=ctx.num_writers, num_readers=ctx.num_readers)
     logger.debug("transport %s -> mode %s", name, mode)
     return entry[mode]
 
@@ -78,18 +85,6 @@ def available_transports() -> list[str]:
     return [name for name in _FACTORIES if unavailable_reason(name) is None]
 
 
-def choose_transport(requested: str, *, colocated: bool) -> str:
-    """Resolve ``auto``: shared memory when every rank is on one host, else torch p2p."""
-    if requested != "auto":
-        reason = unavailable_reason(requested)
-        if reason:
-            raise ValueError(f"transport {requested!r} cannot be used: {reason}")
-        return requested
-    choice = "shm" if colocated and unavailable_reason("shm") is None else "torch"
-    logger.info("transport auto -> %s (%s)", choice, "all ranks on one host" if colocated else "multi-host")
-    return choice
-
-
 def create_transport(name: str, ctx: TransportContext) -> Transport:
     reason = unavailable_reason(name)
     if reason:
@@ -106,7 +101,6 @@ __all__ = [
     "TransportError",
     "TransportOptions",
     "available_transports",
-    "choose_transport",
     "create_transport",
     "transport_class_path",
     "unavailable_reason",

@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
+from weightsync.devices import check_serves, parse_device, tensors_device
+
 if TYPE_CHECKING:
     import torch
 
@@ -50,7 +52,6 @@ class TransportOptions:
         direct_min_bytes: an op whose destination is one contiguous run and at least this
             large is received straight into the destination (no staging copy).
         checksum: send a checksum with every message and verify it on receipt.
-        device: "cpu" or "cuda" (staging buffers and the process-group backend follow it).
         host: address peers use to reach this rank (multi-node); loopback by default.
         slots: version slots of one-sided transports (shared memory, file): a reader may
             fall ``slots - 1`` versions behind before the version it reads is overwritten.
@@ -66,7 +67,6 @@ class TransportOptions:
     max_bucket_bytes: int = 64 << 20
     direct_min_bytes: int = 64 << 10
     checksum: bool = False
-    device: str = "cpu"
     host: str = "127.0.0.1"
     slots: int = 2
     file_dir: str = ""
@@ -80,8 +80,6 @@ class TransportOptions:
             raise ValueError(f"direct_min_bytes must be >= 0, got {self.direct_min_bytes}")
         if self.slots < 1:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.nixl_mode not in ("auto", "pull", "push"):
             raise ValueError(f"nixl_mode must be 'auto', 'pull' or 'push', got {self.nixl_mode!r}")
 
@@ -97,12 +95,21 @@ class TransportOptions:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TransportContext:
-    """Who this rank is (its job channel) and how many peers the job has."""
+    """Who this rank is (its job channel), where its tensors live, and how many peers it has.
+
+    ``device`` is the device of the tensors this rank hands the transport (``"cpu"`` or
+    ``"cuda:N"``, with its index): staging buffers, the process-group backend and memory
+    registrations follow it, and ``prepare`` refuses tensors elsewhere.
+    """
 
     job: JobChannel
     num_writers: int
     num_readers: int
+    device: str = "cpu"
     options: TransportOptions = field(default_factory=TransportOptions)
+
+    def __post_init__(self) -> None:
+        parse_device(self.device)
 
     @property
     def role(self) -> Role:
@@ -180,6 +187,9 @@ class Transport(Protocol):
     writes_in_place: ClassVar[bool]
     #: Readers can fetch a version without the writer taking part (pull at any time).
     one_sided: ClassVar[bool]
+    #: Devices whose memory the transport moves (``prepare`` refuses tensors elsewhere).
+    serves_cpu: ClassVar[bool]
+    serves_cuda: ClassVar[bool]
     #: Writers publish version V *before* ``send(V)``: readers' ``receive(V)`` waits for the
     #: bytes itself (two-sided transports post receives; shared memory streams). Otherwise
     #: writers publish V once ``send(V)`` returned, and readers may read all of it at once.
@@ -193,3 +203,27 @@ class Transport(Protocol):
     def receive(self, version: int, *, timeout: float) -> TransferStats: ...
 
     def close(self) -> None: ...
+
+
+class ServesDevices(Protocol):
+    """The capabilities :func:`check_tensors_device` reads (every transport class has them)."""
+
+    name: ClassVar[str]
+    serves_cpu: ClassVar[bool]
+    serves_cuda: ClassVar[bool]
+
+
+def check_tensors_device(transport: ServesDevices, ctx: TransportContext,
+                         tensors: Mapping[str, torch.Tensor]) -> None:
+    """What every ``prepare`` checks first: the tensors live on ``ctx.device``, which the
+    transport serves (gloo would read GPU pointers as host memory, with no error of its own).
+
+    Raises:
+        ValueError: naming the transport, the device it serves and the tensors' device.
+    """
+    device = tensors_device((str(t.device) for t in tensors.values()), what=f"{ctx.who}'s tensors")
+    if device != ctx.device:
+        raise ValueError(f"{ctx.who}: the transport was set up for {ctx.device}, but the tensors it was given live "
+                         f"on {device}")
+    check_serves(transport.name, serves_cpu=transport.serves_cpu, serves_cuda=transport.serves_cuda, device=device,
+                 who=ctx.who)

@@ -33,7 +33,7 @@ from safetensors import safe_open
 from weightsync.deadline import Deadline
 from weightsync.layout.types import itemsize
 from weightsync.torch_layout import TORCH_DTYPES, strided_view
-from weightsync.transport.base import PhaseTimer, TransferStats, TransportContext, TransportError
+from weightsync.transport.base import PhaseTimer, TransferStats, TransportContext, TransportError, check_tensors_device
 from weightsync.transport.exposed import ExposedIndex, piece_key
 from weightsync.transport.schedule import slabs
 from weightsync.transport.tensors import flat_views, op_dst_view
@@ -56,6 +56,8 @@ class FileTransport:
     writes_in_place: ClassVar[bool] = True
     one_sided: ClassVar[bool] = True
     publishes_before_send: ClassVar[bool] = False  # a version is published once its files are complete
+    serves_cpu: ClassVar[bool] = True
+    serves_cuda: ClassVar[bool] = True  # through a host buffer
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
@@ -69,6 +71,7 @@ class FileTransport:
 
     def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int,
                 timeout: float) -> None:
+        check_tensors_device(self, self.ctx, tensors)
         self._flats = flat_views(tensors)
         self.directory = self._directory(epoch, Deadline.after(timeout))
         if self.ctx.role == "writer":

@@ -160,11 +160,16 @@ class NixlAgent:
             logger.warning("%s: cannot connect to %s yet: %s", self.who, label, exc)
         return peer
 
-    def prepare(self, op: str, peer: str, descs: Descriptors, mem: str, *, what: str, device: int = 0) -> Xfer:
-        """A READ (remote -> local) or WRITE (local -> remote) of matching descriptor lists."""
+    def prepare(self, op: str, peer: str, descs: Descriptors, mem: str, *, what: str, local_device: int = 0,
+                remote_device: int = 0) -> Xfer:
+        """A READ (remote -> local) or WRITE (local -> remote) of matching descriptor lists.
+
+        NIXL finds the registration behind each descriptor by (address, device id), so the
+        remote list carries the *peer's* device id (see :func:`weightsync.devices.nixl_device_id`).
+        """
         n = len(descs.lengths)
-        local_d = np.stack([descs.local, descs.lengths, np.full(n, device)], axis=1).astype(np.uint64)
-        remote_d = np.stack([descs.remote, descs.lengths, np.full(n, device)], axis=1).astype(np.uint64)
+        local_d = np.stack([descs.local, descs.lengths, np.full(n, local_device)], axis=1).astype(np.uint64)
+        remote_d = np.stack([descs.remote, descs.lengths, np.full(n, remote_device)], axis=1).astype(np.uint64)
         index = np.arange(n, dtype=np.int32)
         label = self._labels[peer]
         try:

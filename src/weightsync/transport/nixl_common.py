@@ -63,9 +63,10 @@ import numpy as np
 import torch
 
 from weightsync.deadline import Deadline
+from weightsync.devices import nixl_device_id
 from weightsync.layout.types import itemsize
 from weightsync.torch_layout import TORCH_DTYPES
-from weightsync.transport.base import TransportContext, TransportError
+from weightsync.transport.base import TransportContext, TransportError, check_tensors_device
 from weightsync.transport.nixl_agent import Descriptors, NixlAgent, Xfer
 from weightsync.transport.tensors import flat_views, op_src_view
 
@@ -95,11 +96,13 @@ class NixlBase:
     writes_in_place: ClassVar[bool] = True
     one_sided: ClassVar[bool]
     publishes_before_send: ClassVar[bool]
+    serves_cpu: ClassVar[bool] = True
+    serves_cuda: ClassVar[bool] = True  # GPUDirect RDMA where UCX has it
     mode: ClassVar[str]
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
-        self.device = torch.device(ctx.options.device)
+        self.device = torch.device(ctx.device)
         self.slots = ctx.options.slots
         self.who = ctx.who
         self.epoch: int | None = None
@@ -119,6 +122,7 @@ class NixlBase:
     def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int,
                 timeout: float) -> None:
         """Start over for a plan: new agent, registrations, metadata exchange, handles."""
+        check_tensors_device(self, self.ctx, tensors)
         self.close()
         deadline = Deadline.after(timeout)
         self._flats = flat_views(tensors)
@@ -181,7 +185,8 @@ class NixlBase:
     def _publish(self, epoch: int, doc: dict[str, Any]) -> None:
         """This rank's endpoint of the epoch: mode, agent metadata, control words, and ``doc``."""
         assert self._agent is not None
-        doc = {"mode": self.mode, "agent": self._agent.metadata(), "ctl": self._ctl.data_ptr(), **doc}
+        doc = {"mode": self.mode, "agent": self._agent.metadata(), "ctl": self._ctl.data_ptr(),
+               "device": self.ctx.device, **doc}
         self.ctx.job.publish_endpoint(self.name, epoch, doc)
 
     def _connect(self, epoch: int, role: Role, rank: int, deadline: Deadline) -> Peer:
@@ -207,11 +212,13 @@ class NixlBase:
         return self._agent
 
     def _prepare_xfer(self, peer: Peer, op: str, descs: Descriptors, what: str, *, data: bool = True) -> Xfer:
-        """A prepared READ/WRITE with ``peer``; data lives on ``options.device``, control words on the host."""
+        """A prepared READ/WRITE with ``peer``: data on each side's device (the peer's published
+        one for the remote list), control words in host memory."""
         assert self._agent is not None
         cuda = data and self.device.type == "cuda"
         xfer = self._agent.prepare(op, peer.agent, descs, "VRAM" if cuda else "DRAM", what=what,
-                                   device=(self.device.index or 0) if cuda else 0)
+                                   local_device=nixl_device_id(self.ctx.device) if cuda else 0,
+                                   remote_device=nixl_device_id(str(peer.doc.get("device", "cpu"))) if cuda else 0)
         self.setup["descriptors"] = self.setup.get("descriptors", 0) + xfer.descriptors
         self.setup["handles"] = self.setup.get("handles", 0) + 1
         return xfer

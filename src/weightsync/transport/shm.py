@@ -45,8 +45,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 
 from weightsync.deadline import Deadline
+from weightsync.devices import ipc_attach_device
 from weightsync.torch_layout import TORCH_DTYPES
-from weightsync.transport.base import PhaseTimer, TransferStats, TransportContext, TransportError
+from weightsync.transport.base import PhaseTimer, TransferStats, TransportContext, TransportError, check_tensors_device
 from weightsync.transport.exposed import ExposedIndex
 from weightsync.transport.shm_segment import (
     CONTROL_BYTES,
@@ -112,10 +113,12 @@ class SharedMemoryTransport:
     one_sided: ClassVar[bool] = True
     #: receive(V) waits for V's bytes itself, so writers publish V before packing it.
     publishes_before_send: ClassVar[bool] = True
+    serves_cpu: ClassVar[bool] = True
+    serves_cuda: ClassVar[bool] = True  # CUDA IPC
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
-        self.device = torch.device(ctx.options.device)
+        self.device = torch.device(ctx.device)
         self.slots = ctx.options.slots
         self.streaming = streams(self.device, ctx.options.shm_streaming)
         self._flats: dict[str, torch.Tensor] = {}
@@ -126,6 +129,7 @@ class SharedMemoryTransport:
 
     def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int,
                 timeout: float) -> None:
+        check_tensors_device(self, self.ctx, tensors)
         self._flats = flat_views(tensors)
         if self.ctx.role == "writer":
             self._prepare_writer(plan, epoch)
@@ -216,7 +220,7 @@ class SnapshotWriter:
                  slots: int, device: torch.device, streaming: bool) -> None:
         slot_bytes = max(index.total_bytes, 64)
         header: dict[str, Any] = {"mode": "snapshot", "index": index.encode(), "slots": slots,
-                                  "slot_bytes": slot_bytes, "device": device.type}
+                                  "slot_bytes": slot_bytes, "device": str(device)}
         data: torch.Tensor | None = None
         if device.type == "cuda":
             data = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=device)
@@ -324,10 +328,14 @@ def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, 
     if header.get("mode") == "zero_copy":
         return ZeroCopyPeer(words, index, header["files"], writer=writer, reader=ctx.rank)
     slot_bytes, slots = int(header["slot_bytes"]), int(header["slots"])
-    if header.get("device") == "cuda":
-        storage = torch.UntypedStorage._new_shared_cuda(*header["cuda_ipc"])
-        data = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+    writer_device = str(header.get("device", "cpu"))
+    if writer_device.startswith("cuda"):
+        # The mapping lives on the writer's GPU, whatever this reader's current device is.
+        home = torch.device(ipc_attach_device(writer_device))
+        with torch.cuda.device(home):
+            storage = torch.UntypedStorage._new_shared_cuda(*header["cuda_ipc"])
+            data = torch.empty(0, dtype=torch.uint8, device=home).set_(storage)
     else:
         data = mem[CONTROL_BYTES:CONTROL_BYTES + slots * slot_bytes]
     return SnapshotPeer(words, data, index, slot_bytes=slot_bytes, slots=slots, writer=writer, reader=ctx.rank,
-                        streaming=streaming and header.get("device") != "cuda")
+                        streaming=streaming and not writer_device.startswith("cuda"))

@@ -3,7 +3,9 @@
 Rank order is Megatron's default (``tp`` fastest, then ``dp``, then ``pp``):
 ``rank = t + tp * (d + dp * p)``. Within a pipeline stage, the ``tp * dp`` ranks are
 regrouped for experts as ``(etp, ep, edp)`` with ``etp`` fastest, so ``ep * etp`` must divide
-``tp * dp``. ``etp`` defaults to 1 when ``ep > 1`` (the usual MoE setting), else to ``tp``.
+``tp * dp``. ``etp`` defaults to ``tp``, as in Megatron-core (``initialize_model_parallel``:
+``expert_tensor_parallel_size=None`` means ``tensor_model_parallel_size``); the usual MoE
+setting, experts whole on each rank, is ``etp=1``, written out.
 
 Fused tensors, as Megatron lays them out:
 
@@ -76,9 +78,7 @@ class MegatronLayout(LayoutKind):
 
     @property
     def expert_tp(self) -> int:
-        if self.etp:
-            return self.etp
-        return 1 if self.ep > 1 else self.tp
+        return self.etp or self.tp  # Megatron-core's default (see module docstring)
 
     def validate(self, spec: ModelSpec) -> None:
         if spec.num_kv_heads % self.tp:

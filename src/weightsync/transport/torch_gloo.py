@@ -1,0 +1,219 @@
+"""torch.distributed transport over gloo (host memory): pairs in parallel lanes.
+
+gloo moves each pair's bytes on its own connection, so up to
+:data:`~weightsync.transport.torch_dist.MAX_LANES` pairs run at once, one thread each,
+sharing the staging bound; within a pair, messages keep their order, which is what
+matches sends with receives. Per pair, the sender packs message i+1 while message i is on
+the wire and the receiver posts the receive of message i+1 before scattering message i;
+direct messages need no buffer (received straight into the destination parameter, sent
+without packing when the source view is already a dense run of the right dtype), and up
+to eight of them are in flight per pair. Setup and the schedule: :mod:`weightsync.transport.torch_dist`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from weightsync.deadline import Deadline
+from weightsync.transport.base import PhaseTimer, TransferStats, TransportError
+from weightsync.transport.schedule import Message
+from weightsync.transport.tensors import as_bytes, checksum, direct_source, dst_view, pack, scatter
+from weightsync.transport.torch_dist import MAX_LANES, Pair, TorchDistBase
+
+logger = logging.getLogger(__name__)
+
+#: Messages in flight per pair; at most two of them use staging buffers, the rest are direct.
+_MAX_IN_FLIGHT = 8
+
+
+class GlooTransport(TorchDistBase):
+    """Two-sided p2p over a private gloo group (see module docstring)."""
+
+    serves_cpu: ClassVar[bool] = True
+    serves_cuda: ClassVar[bool] = False
+
+    def _form_group(self, epoch: int, deadline: Deadline) -> Any:
+        prefix = self._store_for(epoch, deadline)
+        try:
+            return dist.ProcessGroupGloo(prefix, self.ctx.global_rank, self.ctx.world_size,
+                                         datetime.timedelta(seconds=deadline.remaining()))
+        except RuntimeError as exc:
+            raise TransportError(f"{self.ctx.who}: process group of epoch {epoch} did not form: {exc}") from exc
+
+    # -- data movement --------------------------------------------------------------------
+    def send(self, version: int, *, timeout: float) -> TransferStats:
+        return self._run_pairs(version, timeout, self._send_pair)
+
+    def receive(self, version: int, *, timeout: float) -> TransferStats:
+        return self._run_pairs(version, timeout, self._receive_pair)
+
+    def _run_pairs(self, version: int, timeout: float, move: Any) -> TransferStats:
+        """Run ``move`` for every peer, on up to ``MAX_LANES`` threads (see module docstring)."""
+        deadline = Deadline.after(timeout)
+        pg = self._pg
+        if pg is None:
+            raise TransportError(f"{self.ctx.who}: no process group; call prepare() first")
+        lanes = max(1, min(len(self._schedule), MAX_LANES))
+        runs = [_LaneRun(i, pg, deadline, TransferStats(version), self._schedule[i::lanes]) for i in range(lanes)]
+        if len(runs) == 1:
+            return self._run_lane(runs[0], move)
+        with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="weightsync-torch") as pool:
+            futures = [pool.submit(self._run_lane, run, move) for run in runs]
+            results, errors = [], []
+            for future in futures:
+                try:
+                    results.append(future.result())
+                except TransportError as exc:  # the first lane to fail aborted the group
+                    errors.append(exc)
+        if errors:
+            raise min(errors, key=lambda e: "abort" in str(e).lower())
+        total = TransferStats(version)
+        for stats in results:
+            total.nbytes += stats.nbytes
+            total.messages += stats.messages
+            total.direct_bytes += stats.direct_bytes
+            for name, seconds in stats.phases.items():  # lanes overlap: the slowest lane's time
+                total.phases[name] = max(total.phases.get(name, 0.0), seconds)
+        total.peak_extra_bytes = self._extra_bytes()
+        return total
+
+    def _run_lane(self, run: _LaneRun, move: Any) -> TransferStats:
+        for pair in run.pairs:
+            move(pair, run)
+        run.stats.peak_extra_bytes = self._extra_bytes()
+        return run.stats
+
+    def _send_pair(self, pair: Pair, run: _LaneRun) -> None:
+        peer, messages, stats, timer, deadline = pair.peer, pair.messages, run.stats, run.timer, run.deadline
+        in_flight: deque[tuple[Any, Message, int]] = deque()
+        sums = []
+        for index, message in enumerate(messages):
+            payload = direct_source(message, self._flats) if message.direct else None
+            while len(in_flight) >= _MAX_IN_FLIGHT or (payload is None and _buffers_in_use(in_flight) == 2):
+                self._wait(in_flight.popleft(), deadline, peer, timer)
+            if payload is None:
+                slot = _free_slot(in_flight)
+                with timer("pack"):
+                    payload = pack(message, self._flats, self._buffer(run.lane, slot))
+            else:
+                slot = -1
+            if self.ctx.options.checksum:
+                with timer("checksum"):
+                    sums.append(checksum(payload))
+            with timer("transfer"):
+                work = self._post(run.pg, "send", payload, pair, message, tag=index)
+            in_flight.append((work, message, slot))
+            stats.nbytes += message.nbytes
+            stats.messages += 1
+            stats.direct_bytes += message.nbytes if message.direct else 0
+        while in_flight:
+            self._wait(in_flight.popleft(), deadline, peer, timer)
+        if self.ctx.options.checksum and messages:
+            tail = torch.tensor(sums, dtype=torch.int64, device=self.device)
+            work = self._post(run.pg, "send", tail, pair, messages[-1], tag=len(messages))
+            self._wait((work, messages[-1], -1), deadline, peer, timer)
+
+    def _receive_pair(self, pair: Pair, run: _LaneRun) -> None:
+        peer, messages, stats, timer, deadline = pair.peer, pair.messages, run.stats, run.timer, run.deadline
+        version = stats.version
+        in_flight: deque[tuple[Any, Message, int]] = deque()
+        sums: list[int] = []
+        pending = deque(enumerate(messages))
+        while pending or in_flight:
+            while pending and len(in_flight) < _MAX_IN_FLIGHT and (
+                    pending[0][1].direct or _buffers_in_use(in_flight) < 2):
+                index, message = pending.popleft()
+                if message.direct:
+                    target, slot = as_bytes(dst_view(self._flats, message.pieces[0])), -1
+                else:
+                    slot = _free_slot(in_flight)
+                    target = self._buffer(run.lane, slot)[: message.nbytes]
+                with timer("transfer"):
+                    work = self._post(run.pg, "recv", target, pair, message, tag=index)
+                in_flight.append((work, message, slot))
+            work, message, slot = in_flight.popleft()
+            self._wait((work, message, slot), deadline, peer, timer)
+            payload = (as_bytes(dst_view(self._flats, message.pieces[0])) if message.direct
+                       else self._buffer(run.lane, slot)[: message.nbytes])
+            if self.ctx.options.checksum:
+                with timer("checksum"):
+                    sums.append(checksum(payload))
+            if not message.direct:
+                with timer("unpack"):
+                    scatter(message, self._flats, payload)
+            stats.nbytes += message.nbytes
+            stats.messages += 1
+            stats.direct_bytes += message.nbytes if message.direct else 0
+        if self.ctx.options.checksum and messages:
+            tail = torch.empty(len(messages), dtype=torch.int64, device=self.device)
+            work = self._post(run.pg, "recv", tail, pair, messages[-1], tag=len(messages))
+            self._wait((work, messages[-1], -1), deadline, peer, timer)
+            for expected, got, message in zip(tail.tolist(), sums, messages, strict=True):
+                if expected != got:
+                    raise TransportError(
+                        f"reader {self.ctx.rank}: checksum mismatch in version {version} from writer "
+                        f"{peer}: {message.describe()}"
+                    )
+
+    def _post(self, pg: Any, kind: str, tensor: torch.Tensor, pair: Pair, message: Message, *, tag: int) -> Any:
+        """Post a send or receive; a broken connection surfaces here as well as in wait.
+
+        Each message of a pair has its own tag (its index): with several receives in flight
+        on one pair, gloo does not match same-tag messages to receives in posting order.
+        """
+        peer = pair.peer
+        try:
+            op = pg.send if kind == "send" else pg.recv
+            return op([tensor], pair.peer_global, tag)
+        except RuntimeError as exc:
+            self._teardown_group()
+            other = "reader" if self.ctx.role == "writer" else "writer"
+            raise TransportError(f"{self.ctx.who}: transfer with {other} {peer} failed "
+                                 f"({message.describe()}): {exc}") from exc
+
+    def _wait(self, item: tuple[Any, Message, int], deadline: Deadline, peer: int, timer: PhaseTimer) -> None:
+        work, message, _ = item
+        remaining = deadline.remaining(0.0)
+        other = "reader" if self.ctx.role == "writer" else "writer"
+        try:
+            with timer("transfer"):
+                if remaining <= 0 or not work.wait(datetime.timedelta(seconds=remaining)):
+                    raise TimeoutError(f"no progress within the timeout ({remaining:.1f}s left)")
+        except (RuntimeError, TimeoutError) as exc:
+            self._teardown_group()  # a broken group cannot be reused; the next epoch rebuilds it
+            raise TransportError(
+                f"{self.ctx.who}: transfer with {other} {peer} failed "
+                f"({message.describe()}): {exc}"
+            ) from exc
+
+
+@dataclass
+class _LaneRun:
+    """What one lane (thread) of a send or receive works with."""
+
+    lane: int
+    pg: Any
+    deadline: Deadline
+    stats: TransferStats
+    pairs: list[Pair]
+    timer: PhaseTimer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.timer = PhaseTimer(self.stats)
+
+
+def _buffers_in_use(in_flight: deque[tuple[Any, Message, int]]) -> int:
+    return sum(1 for _, _, slot in in_flight if slot >= 0)
+
+
+def _free_slot(in_flight: deque[tuple[Any, Message, int]]) -> int:
+    used = {slot for _, _, slot in in_flight}
+    return 0 if 0 not in used else 1

@@ -1,0 +1,285 @@
+"""torch.distributed transport over NCCL (CUDA memory): grouped rounds, one event, a watchdog.
+
+Written to be right by construction, since no GPU has run it yet; ``weightsync doctor``
+checks it on the first machine that has one. What it does, and the torch/NCCL facts it rests
+on (torch 2.13, ``torch/distributed/distributed_c10d.py``):
+
+* **One communicator, made eagerly.** The group is built the way ``new_group`` builds one
+  (a ``ProcessGroup`` with a ``ProcessGroupNCCL`` backend registered for CUDA, bound to this
+  rank's device) and ``eager_connect_single_device`` creates its NCCL communicator during
+  ``prepare``. Ungrouped NCCL send/recv would instead create a two-rank communicator per
+  pair, lazily, inside the first sync.
+* **Pairs concurrently, each pair's messages grouped.** Every pair's messages are cut into
+  windows (at most one staged message and :data:`WINDOW` messages each); round ``k`` is
+  window ``k`` of *every* pair of this rank, posted as one coalesced group
+  (``_start_coalescing``/``_end_coalescing``, what ``batch_isend_irecv`` does for NCCL).
+  A peer holds window ``k`` of the pair in its own round ``k``, so every rank's round ``k``
+  completes once its peers reach round ``k``: no deadlock whatever the fan-in or fan-out.
+* **No CPU polling.** Each round's work only makes the current stream wait for it
+  (``work.wait()`` without a timeout), so packing the next round and scattering the last
+  run on the GPU in order; the CPU blocks once, on a blocking-sync CUDA event recorded after
+  the last round.
+* **Timeouts abort, they never kill.** A :class:`Watchdog` thread aborts the communicator if
+  the event has not completed by the deadline; aborted NCCL kernels end, the event
+  completes, and the sync raises :class:`TransportError` naming the peers. The group is
+  created with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (read by ``ProcessGroupNCCL``'s
+  constructor only), because torch's default (3) tears the whole process down when a work
+  times out or fails: a dead rollout worker must never kill the trainer. The next version
+  runs in a new epoch with a new communicator.
+
+Staging: one buffer of ``max_bucket_bytes / 16`` per pair (a window holds at most one staged
+message), so peak extra memory is within ``max_bucket_bytes`` up to 16 peers per rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from weightsync.deadline import Deadline
+from weightsync.transport.base import PhaseTimer, TransferStats, TransportError
+from weightsync.transport.schedule import Message
+from weightsync.transport.tensors import as_bytes, checksum, direct_source, dst_view, pack, scatter
+from weightsync.transport.torch_dist import Pair, TorchDistBase
+
+logger = logging.getLogger(__name__)
+
+#: Messages of one pair in one round (at most one of them staged).
+WINDOW = 8
+#: torch's process-group timeout; weightsync's own deadline (the watchdog) always fires first.
+_GROUP_TIMEOUT = datetime.timedelta(hours=24)
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """Consecutive messages of one pair that travel in one round."""
+
+    pair: int  # index into the rank's schedule
+    first: int  # index of the first message in the pair's list
+    messages: tuple[Message, ...]
+
+
+def needs_buffer(message: Message) -> bool:
+    """Whether the sender stages ``message``: a packed message, or a direct one whose source is
+    strided or converted. Both ends can tell from the plan's ops alone."""
+    if not message.direct:
+        return True
+    (piece,) = message.pieces
+    return piece.op.converts or not piece.src_contiguous
+
+
+def windows_of(messages: Sequence[Message], pair: int, *, window: int = WINDOW) -> list[Window]:
+    """Cut a pair's messages into windows of at most ``window`` messages, one staged at most.
+
+    Both ends of a pair compute the same windows from the same messages.
+    """
+    out: list[Window] = []
+    current: list[Message] = []
+    first = 0
+    staged = 0
+    for i, message in enumerate(messages):
+        if current and (len(current) == window or (needs_buffer(message) and staged)):
+            out.append(Window(pair, first, tuple(current)))
+            current, first, staged = [], i, 0
+        current.append(message)
+        staged += 1 if needs_buffer(message) else 0
+    if current:
+        out.append(Window(pair, first, tuple(current)))
+    return out
+
+
+def rounds_of(schedule: Sequence[Sequence[Message]], *, window: int = WINDOW) -> list[list[Window]]:
+    """Round ``k`` = window ``k`` of every pair (see module docstring: why this cannot deadlock)."""
+    per_pair = [windows_of(messages, i, window=window) for i, messages in enumerate(schedule)]
+    depth = max((len(w) for w in per_pair), default=0)
+    return [[w[k] for w in per_pair if k < len(w)] for k in range(depth)]
+
+
+class Watchdog:
+    """Calls ``abort`` once if the guarded block is still running at the deadline.
+
+        with Watchdog(deadline, abort) as dog:
+            event.synchronize()        # returns early if dog aborted the communicator
+        if dog.fired: raise ...
+    """
+
+    def __init__(self, deadline: Deadline, abort: Callable[[], None]) -> None:
+        self.deadline = deadline
+        self.abort = abort
+        self.fired = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="weightsync-nccl-watchdog", daemon=True)
+
+    def _watch(self) -> None:
+        if not self._done.wait(self.deadline.remaining(0.0)):
+            self.fired = True
+            try:
+                self.abort()
+            except Exception as exc:  # the sync reports the timeout either way
+                logger.warning("aborting the NCCL communicator failed: %s", exc)
+
+    def __enter__(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+@contextlib.contextmanager
+def _async_error_handling_off() -> Iterator[None]:
+    """``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` while a ProcessGroupNCCL is constructed (module docstring)."""
+    key = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+    before = os.environ.get(key)
+    os.environ[key] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
+def nccl_group(store: dist.Store, rank: int, size: int, device: torch.device, *, name: str) -> Any:
+    """A NCCL process group of our own, with its communicator created now (module docstring)."""
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = False
+    options._timeout = _GROUP_TIMEOUT
+    with _async_error_handling_off():
+        backend = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", store), rank, size, options)
+    backend._set_sequence_number_for_group()
+    pg = dist.ProcessGroup(store, rank, size)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
+    pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, backend)
+    pg.bound_device_id = device
+    pg._set_group_name(name)  # type: ignore[arg-type]  # GroupName is a str at run time
+    backend.eager_connect_single_device(device)
+    return pg
+
+
+class NcclTransport(TorchDistBase):
+    """Two-sided p2p over a private NCCL group (see module docstring)."""
+
+    serves_cpu: ClassVar[bool] = False
+    serves_cuda: ClassVar[bool] = True
+
+    def _form_group(self, epoch: int, deadline: Deadline) -> Any:
+        prefix = self._store_for(epoch, deadline)
+        try:
+            with torch.cuda.device(self.device):
+                return nccl_group(prefix, self.ctx.global_rank, self.ctx.world_size, self.device,
+                                  name=f"weightsync-e{epoch}")
+        except (RuntimeError, dist.DistError) as exc:
+            raise TransportError(f"{self.ctx.who}: NCCL group of epoch {epoch} did not form on {self.device}: "
+                                 f"{exc}") from exc
+
+    def send(self, version: int, *, timeout: float) -> TransferStats:
+        return self._move(version, Deadline.after(timeout), sending=True)
+
+    def receive(self, version: int, *, timeout: float) -> TransferStats:
+        return self._move(version, Deadline.after(timeout), sending=False)
+
+    def _move(self, version: int, deadline: Deadline, *, sending: bool) -> TransferStats:
+        pg = self._pg
+        if pg is None:
+            raise TransportError(f"{self.ctx.who}: no process group; call prepare() first")
+        stats = TransferStats(version)
+        timer = PhaseTimer(stats)
+        rounds = rounds_of([pair.messages for pair in self._schedule])
+        sums: dict[int, dict[int, int]] = {i: {} for i in range(len(self._schedule))}
+        try:
+            with torch.cuda.device(self.device):
+                with timer("post"):
+                    for windows in rounds:
+                        self._round(pg, windows, sending, stats, sums)
+                    if self.ctx.options.checksum:
+                        self._checksums(pg, sending, sums)
+                    done = torch.cuda.Event(blocking=True)
+                    done.record()
+                with timer("transfer"), Watchdog(deadline, pg.abort) as dog:
+                    done.synchronize()
+        except RuntimeError as exc:
+            self._teardown_group()
+            raise TransportError(f"{self.ctx.who}: version {version} failed with "
+                                 f"{', '.join(self._peer_label(p.peer) for p in self._schedule)}: {exc}") from exc
+        if dog.fired:
+            self._teardown_group()  # aborted: the next epoch forms a new communicator
+            raise TransportError(f"{self.ctx.who}: version {version} did not complete in time with "
+                                 f"{', '.join(self._peer_label(p.peer) for p in self._schedule)}; the NCCL "
+                                 "communicator was aborted")
+        stats.peak_extra_bytes = self._extra_bytes()
+        return stats
+
+    def _round(self, pg: Any, windows: list[Window], sending: bool, stats: TransferStats,
+               sums: dict[int, dict[int, int]]) -> None:
+        """Post one round as one NCCL group; scatter its staged message on the stream after it.
+
+        Each send or receive makes the NCCL stream wait for the current stream first, so a
+        pack enqueued just before its send is complete when NCCL reads the buffer, and a
+        buffer is only refilled after the previous round's ``work.wait()``.
+        """
+        landed: list[tuple[Message, torch.Tensor, int, int]] = []
+        pg._start_coalescing(self.device)
+        for window in windows:
+            pair = self._schedule[window.pair]
+            for offset, message in enumerate(window.messages):
+                tag = window.first + offset
+                if sending:
+                    payload = None if needs_buffer(message) else direct_source(message, self._flats)
+                    if payload is None:
+                        payload = pack(message, self._flats, self._buffer(window.pair, 0))
+                    if self.ctx.options.checksum:
+                        sums[window.pair][tag] = checksum(payload)
+                elif message.direct:
+                    payload = as_bytes(dst_view(self._flats, message.pieces[0]))
+                else:
+                    payload = self._buffer(window.pair, 0)[: message.nbytes]
+                landed.append((message, payload, window.pair, tag))
+                (pg.send if sending else pg.recv)([payload], pair.peer_global, tag)
+                stats.nbytes += message.nbytes
+                stats.messages += 1
+                stats.direct_bytes += message.nbytes if message.direct else 0
+        work = pg._end_coalescing(self.device)
+        work.wait()  # the current stream waits for the round; the CPU does not
+        if sending:
+            return
+        for message, payload, index, tag in landed:
+            if self.ctx.options.checksum:  # debugging option: synchronises every round
+                sums[index][tag] = checksum(payload)
+            if not message.direct:
+                scatter(message, self._flats, payload)
+
+    def _checksums(self, pg: Any, sending: bool, sums: dict[int, dict[int, int]]) -> None:
+        """One more round: each pair's CRC32s in message order, compared by the receiver."""
+        tails = []
+        pg._start_coalescing(self.device)
+        for i, pair in enumerate(self._schedule):
+            if not pair.messages:
+                continue
+            ordered = [sums[i].get(tag, -1) for tag in range(len(pair.messages))]
+            tail = (torch.tensor(ordered, dtype=torch.int64, device=self.device) if sending
+                    else torch.empty(len(pair.messages), dtype=torch.int64, device=self.device))
+            (pg.send if sending else pg.recv)([tail], pair.peer_global, len(pair.messages))
+            tails.append((pair, tail, ordered))
+        pg._end_coalescing(self.device).wait()
+        if sending:
+            return
+        for pair, tail, ordered in tails:
+            for tag, (want, got) in enumerate(zip(tail.tolist(), ordered, strict=True)):
+                if want != got:
+                    raise TransportError(f"{self.ctx.who}: checksum mismatch with {self._peer_label(pair.peer)}: "
+                                         f"{pair.messages[tag].describe()}")
+
+
+__all__ = ["WINDOW", "NcclTransport", "Pair", "Watchdog", "Window", "nccl_group", "rounds_of", "windows_of"]
