@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tiny_models import canonical_weights, tiny_config
+from weightsync.tiny import canonical_weights, tiny_config
 from writer_process import writer_processes
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[transformers]')")

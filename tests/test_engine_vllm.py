@@ -24,11 +24,11 @@ from typing import Any
 import pytest
 import torch
 
-from tiny_models import canonical_weights, checkpoint_tensors, tiny_config, write_checkpoint
 from weightsync.engines import vllm as vllm_engine
 from weightsync.engines.staging import StagedWeights
 from weightsync.engines.vllm import VLLMEngine, check_supported
 from weightsync.layout import ModelSpec
+from weightsync.tiny import canonical_weights, checkpoint_tensors, tiny_config, write_checkpoint
 from writer_process import writer_processes
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None

@@ -1,4 +1,4 @@
-"""``weightsync`` command line: plan | meta-server | demo | bench | verify.
+"""``weightsync`` command line: plan | meta-server | demo | bench | verify | doctor.
 
 Each subcommand lives in its own module under ``weightsync.commands`` and is imported only
 when used, so ``weightsync plan`` never imports torch.distributed or a server stack.
@@ -21,6 +21,7 @@ COMMANDS = {
     "demo": ("weightsync.commands.demo", "end-to-end sync demo: 2 trainers -> 2 inference workers"),
     "bench": ("weightsync.commands.bench", "benchmark weightsync against today's baselines"),
     "verify": ("weightsync.commands.verify", "compare an engine's weights with a checkpoint"),
+    "doctor": ("weightsync.commands.doctor", "check what works on this machine (transports, GPUs, engines)"),
 }
 
 

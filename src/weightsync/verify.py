@@ -179,6 +179,7 @@ class _Comparer:
             handle.__enter__()
             self.handles[entry.file] = handle
         want = handle.get_slice(key)[slices]
+        got = got.detach().cpu()  # an engine's weights may live on a GPU; the checkpoint is read to host memory
         diff = (got.reshape(want.shape).double() - want.double()).abs()
         differing = int((diff > self.report.atol).sum())
         check.checked_elements += got.numel()

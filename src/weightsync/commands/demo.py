@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 SIZES: Mapping[str, dict[str, Any]] = {
@@ -58,6 +58,11 @@ class DemoSpec:
     checkpoints: str
     max_bucket_bytes: int
     timeout: float
+    #: per role, the device of each rank's tensors ("cpu", "cuda:N"); empty: every rank on cpu
+    devices: dict[str, list[str]] = field(default_factory=dict)
+
+    def device(self, role: str, rank: int) -> str:
+        return self.devices[role][rank] if self.devices else "cpu"
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -79,14 +84,16 @@ def canonical_values(config: Mapping[str, Any], step: int) -> dict[str, Any]:
 
 
 def run_writer(spec: DemoSpec, rank: int) -> None:
+    from weightsync.layout import ModelSpec, parse_layout
     from weightsync.session import SyncConfig
     from weightsync.sources.module import ShardedSource
-    from weightsync.torch_layout import fill_from_canonical
+    from weightsync.torch_layout import allocate, fill_from_canonical
     from weightsync.transport import TransportOptions
     from weightsync.verify import save_canonical
     from weightsync.writer import WeightWriter
 
-    source = ShardedSource(spec.source, spec.config, rank)
+    layout = parse_layout(spec.source).rank_layout(ModelSpec.from_hf_config(spec.config), rank)
+    source = ShardedSource(spec.source, spec.config, rank, allocate(layout, device=spec.device("writer", rank)))
     config = _sync_config(spec, SyncConfig, TransportOptions)
     with WeightWriter(source, rank=rank, config=config) as writer:
         for step in range(spec.steps):
@@ -108,7 +115,7 @@ def run_reader(spec: DemoSpec, rank: int) -> None:
     from weightsync.transport import TransportOptions
     from weightsync.verify import verify_rank
 
-    engine = ShardedEngine(spec.target, spec.config, rank)
+    engine = ShardedEngine(spec.target, spec.config, rank, device=spec.device("reader", rank))
     pointers = {n: t.data_ptr() for n, t in engine.tensors.items()}
     config = _sync_config(spec, SyncConfig, TransportOptions)
     with WeightReader(engine, rank=rank, config=config) as reader:
@@ -154,8 +161,12 @@ def run(args: argparse.Namespace) -> int:
 
 def run_demo(*, size: str = "small", source: str = "megatron:tp=2", target: str = "vllm:tp=1,replicas=2",
              steps: int = 3, transport: str = "auto", max_bucket_bytes: int = 32 << 20, timeout: float = 120.0,
-             quiet: bool = False) -> dict[str, Any]:
-    """Run the demo; returns the per-step records and whether every check passed."""
+             quiet: bool = False, devices: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    """Run the demo; returns the per-step records and whether every check passed.
+
+    ``devices`` places each rank's tensors (``{"writer": ["cuda:0"], "reader": ["cuda:1"]}``);
+    ``weightsync doctor`` uses it to check GPU placements.
+    """
     from weightsync.layout import ModelSpec, parse_layout
     from weightsync.meta.client import EmbeddedMetaServer
 
@@ -167,7 +178,7 @@ def run_demo(*, size: str = "small", source: str = "megatron:tp=2", target: str 
     with tempfile.TemporaryDirectory(prefix="weightsync-demo-") as tmp, EmbeddedMetaServer() as server:
         spec = DemoSpec(config=config, source=src.describe(), target=dst.describe(), num_writers=src.world_size,
                         num_readers=dst.world_size, steps=steps, transport=transport, checkpoints=tmp,
-                        max_bucket_bytes=max_bucket_bytes, timeout=timeout)
+                        max_bucket_bytes=max_bucket_bytes, timeout=timeout, devices=devices or {})
         env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         procs = []
@@ -253,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     spec = DemoSpec(**json.loads(args.spec))
+    device = spec.device(args.role, args.rank)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))  # this process's GPU, for every library in it
     (run_writer if args.role == "writer" else run_reader)(spec, args.rank)
     return 0
 

@@ -1,7 +1,11 @@
 """Tiny Qwen3 / Qwen3-MoE checkpoints on disk, made without transformers model code.
 
-Shapes suit vLLM on CPU (head_dim 32: its CPU attention has no smaller size). Matrices
-are drawn N(0, 0.2), so greedy outputs of two seeds differ within a few tokens.
+For self-checks (``weightsync doctor``), examples and tests: a real engine loads them in
+seconds. Shapes suit vLLM on CPU (head_dim 32: its CPU attention has no smaller size).
+Matrices are drawn N(0, 0.2), so greedy outputs of two seeds differ within a few tokens.
+
+    config = tiny_config(moe=False)
+    canonical = write_checkpoint(path, config, seed=1)      # config.json + model.safetensors
 """
 
 from __future__ import annotations

@@ -1,0 +1,243 @@
+"""``weightsync doctor``: what works on this machine, checked for real, in about a minute.
+
+weightsync's GPU paths (NCCL, CUDA IPC, NIXL on GPU memory, the vLLM and SGLang adapters on
+GPU) were written without a GPU to run them on. The doctor is how the first user with one
+finds out what works: every check moves real weights between real processes (the demo's
+workers: a tiny model, two versions, each reader checks every byte against the
+checkpoint) on the placements the hardware allows, and a check that cannot run here says
+why instead of vanishing from the table.
+
+    report = run_checks(DoctorOptions())
+    for check in report.checks: print(check.name, check.status, check.detail)
+
+Checks (skipped with the reason when the hardware or a package is missing):
+
+* ``meta-server``: an embedded meta server answers;
+* ``cpu/<transport>``: gloo, shared memory (snapshot slots), file and NIXL (DRAM)
+  syncs between processes on this host;
+* ``gpu/nccl-2gpu``: NCCL between a writer on ``cuda:0`` and a reader on ``cuda:1``;
+* ``gpu/same-gpu``: a writer and a reader on one GPU: ``auto`` must pick CUDA IPC (NCCL
+  refuses two ranks on one GPU) and ``torch`` must be refused with the reason;
+* ``gpu/cuda-ipc-2gpu``: CUDA IPC from ``cuda:0`` into ``cuda:1`` (the storage's own device);
+* ``gpu/nixl-vram``: NIXL between GPU memories;
+* ``gpu/bench``: one bench-sized case on the GPU(s), with its GB/s;
+* ``engine/vllm``, ``engine/sglang``: an update of a live engine through weightsync
+  (``--engines``; they start an engine, which takes a minute on its own).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+Status = Literal["passed", "failed", "skipped"]
+
+
+@dataclass(slots=True)
+class Check:
+    """One line of the doctor's table."""
+
+    name: str
+    status: Status
+    detail: str = ""
+    seconds: float = 0.0
+    gbps: float | None = None
+
+
+@dataclass(kw_only=True)
+class DoctorOptions:
+    """What to check: engines take a minute each, so they are asked for explicitly."""
+
+    engines: bool = False
+    timeout: float = 120.0
+    only: tuple[str, ...] = ()  # check-name prefixes; empty: all
+
+
+@dataclass(slots=True)
+class Environment:
+    """What the checks need to know about this machine (read once)."""
+
+    torch: str
+    cuda_build: str | None
+    gpus: int
+    gpu_names: list[str] = field(default_factory=list)
+    nixl: bool = False
+    vllm: bool = False
+    sglang: bool = False
+
+    @classmethod
+    def probe(cls) -> Environment:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return cls(torch=torch.__version__, cuda_build=torch.version.cuda, gpus=gpus,
+                   gpu_names=[torch.cuda.get_device_name(i) for i in range(gpus)],
+                   nixl=bool(importlib.util.find_spec("nixl_cu12") or importlib.util.find_spec("nixl")),
+                   vllm=importlib.util.find_spec("vllm") is not None,
+                   sglang=importlib.util.find_spec("sglang") is not None)
+
+
+@dataclass(slots=True)
+class DoctorReport:
+    environment: Environment
+    checks: list[Check]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.status != "failed" for c in self.checks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"environment": asdict(self.environment), "checks": [asdict(c) for c in self.checks], "ok": self.ok}
+
+
+def _sync(transport: str, devices: dict[str, list[str]] | None, timeout: float, *,
+          source: str = "megatron:tp=1", target: str = "vllm:tp=1", size: str = "tiny") -> Check:
+    """Two versions of a model between real processes, every byte checked."""
+    from weightsync.commands.demo import run_demo
+
+    result = run_demo(size=size, source=source, target=target, steps=2, transport=transport, timeout=timeout,
+                      quiet=True, devices=devices)
+    readers = [r for r in result["records"] if r["role"] == "reader"]
+    if not result["ok"]:
+        bad = [f"version {r['version']}: {r['mismatches']}" for r in readers if not r.get("verified")]
+        return Check("", "failed", "; ".join(result["failures"] + bad)[:500] or "weights differ")
+    gbps = max((r["gbps"] for r in readers), default=0.0)
+    return Check("", "passed", f"{len(readers)} version(s) arrived bitwise, in place", gbps=gbps)
+
+
+def _meta_server(env: Environment, options: DoctorOptions) -> Check:
+    from weightsync.meta import connect
+
+    client, server = connect(job="doctor")
+    try:
+        client.put_document("hello", b"1")
+        ok = client.get_document("hello") == b"1"
+    finally:
+        client.close()
+        if server is not None:
+            server.stop()
+    return Check("", "passed" if ok else "failed", "embedded server on 127.0.0.1" if ok else "no answer")
+
+
+def _cpu(transport: str) -> Callable[[Environment, DoctorOptions], Check]:
+    def check(env: Environment, options: DoctorOptions) -> Check:
+        if transport == "nixl" and not env.nixl:
+            return Check("", "skipped", "NIXL is not installed (pip install 'weightsync[nixl]')")
+        return _sync(transport, None, options.timeout)
+    return check
+
+
+def _needs_gpus(n: int, env: Environment) -> str | None:
+    if env.gpus >= n:
+        return None
+    return f"needs {n} GPU(s); this machine has {env.gpus}" + ("" if env.cuda_build else " (CPU build of torch)")
+
+
+def _nccl_two_gpus(env: Environment, options: DoctorOptions) -> Check:
+    if reason := _needs_gpus(2, env):
+        return Check("", "skipped", reason)
+    return _sync("torch", {"writer": ["cuda:0"], "reader": ["cuda:1"]}, options.timeout)
+
+
+def _same_gpu(env: Environment, options: DoctorOptions) -> Check:
+    if reason := _needs_gpus(1, env):
+        return Check("", "skipped", reason)
+    from weightsync.devices import RankPlacement, choose_transport
+
+    ranks = [RankPlacement("writer", 0, "here", "cuda:0"), RankPlacement("reader", 0, "here", "cuda:0")]
+    if choose_transport("auto", ranks).name != "shm":
+        return Check("", "failed", "auto did not pick CUDA IPC for a writer and a reader on one GPU")
+    try:
+        choose_transport("torch", ranks)
+        return Check("", "failed", "transport 'torch' was not refused for two ranks on one GPU")
+    except ValueError:
+        pass
+    check = _sync("auto", {"writer": ["cuda:0"], "reader": ["cuda:0"]}, options.timeout)
+    check.detail = f"auto -> CUDA IPC: {check.detail}"
+    return check
+
+
+def _ipc_two_gpus(env: Environment, options: DoctorOptions) -> Check:
+    if reason := _needs_gpus(2, env):
+        return Check("", "skipped", reason)
+    return _sync("shm", {"writer": ["cuda:0"], "reader": ["cuda:1"]}, options.timeout)
+
+
+def _nixl_vram(env: Environment, options: DoctorOptions) -> Check:
+    if reason := _needs_gpus(1, env):
+        return Check("", "skipped", reason)
+    if not env.nixl:
+        return Check("", "skipped", "NIXL is not installed (pip install 'weightsync[nixl]')")
+    reader = "cuda:1" if env.gpus > 1 else "cuda:0"
+    return _sync("nixl", {"writer": ["cuda:0"], "reader": [reader]}, options.timeout)
+
+
+def _gpu_bench(env: Environment, options: DoctorOptions) -> Check:
+    """One bench case on the GPU: a 0.2B-parameter model, two versions, trainer and engine
+    on one GPU (CUDA IPC), or on two (NCCL) when there are two."""
+    if reason := _needs_gpus(1, env):
+        return Check("", "skipped", reason)
+    reader = "cuda:1" if env.gpus > 1 else "cuda:0"
+    check = _sync("auto", {"writer": ["cuda:0"], "reader": [reader]}, options.timeout,
+                  source="megatron:tp=1", target="vllm:tp=1", size="medium")
+    check.detail = f"medium model, cuda:0 -> {reader}: {check.detail}"
+    return check
+
+
+def _engine(name: str) -> Callable[[Environment, DoctorOptions], Check]:
+    def check(env: Environment, options: DoctorOptions) -> Check:
+        if not getattr(env, name):
+            return Check("", "skipped", f"{name} is not installed")
+        if name == "sglang" and not env.gpus:
+            return Check("", "skipped", "SGLang needs a CUDA GPU")
+        if not options.engines:
+            return Check("", "skipped", "starts an engine (a minute or more): run with --engines")
+        import importlib
+
+        module = importlib.import_module(f"weightsync.engines.{name}_selfcheck")
+        passed, detail = module.self_check(timeout=options.timeout)
+        return Check("", "passed" if passed else "failed", detail)
+    return check
+
+
+#: name -> check, in the order the table shows them.
+CHECKS: dict[str, Callable[[Environment, DoctorOptions], Check]] = {
+    "meta-server": _meta_server,
+    "cpu/gloo": _cpu("torch"),
+    "cpu/shm": _cpu("shm"),
+    "cpu/file": _cpu("file"),
+    "cpu/nixl": _cpu("nixl"),
+    "gpu/nccl-2gpu": _nccl_two_gpus,
+    "gpu/same-gpu": _same_gpu,
+    "gpu/cuda-ipc-2gpu": _ipc_two_gpus,
+    "gpu/nixl-vram": _nixl_vram,
+    "gpu/bench": _gpu_bench,
+    "engine/vllm": _engine("vllm"),
+    "engine/sglang": _engine("sglang"),
+}
+
+
+def run_checks(options: DoctorOptions, *, on_check: Callable[[Check], None] | None = None) -> DoctorReport:
+    """Run every check (a failure is reported, never raised) and return the report."""
+    env = Environment.probe()
+    checks = []
+    for name, fn in CHECKS.items():
+        if options.only and not any(name.startswith(p) for p in options.only):
+            continue
+        t0 = time.perf_counter()
+        try:
+            check = fn(env, options)
+        except Exception as exc:  # a check that crashes is a failed check, with its reason
+            logger.debug("doctor check %s crashed", name, exc_info=True)
+            check = Check("", "failed", f"{type(exc).__name__}: {exc}"[:500])
+        check.name, check.seconds = name, time.perf_counter() - t0
+        checks.append(check)
+        if on_check is not None:
+            on_check(check)
+    return DoctorReport(env, checks)

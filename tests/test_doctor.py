@@ -1,0 +1,30 @@
+"""``weightsync doctor`` on this (CPU) machine: the CPU checks pass, every GPU check is listed
+with the reason it was skipped."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from weightsync.cli import main
+from weightsync.doctor import CHECKS
+
+
+@pytest.mark.timeout(180)
+def test_doctor_runs_the_cpu_checks_and_names_every_gpu_check_it_skipped(capsys):
+    code = main(["doctor", "--json", "--only", "meta-server,cpu/shm,cpu/gloo,gpu,engine"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    checks = {c["name"]: c for c in report["checks"]}
+    assert code == 0 and report["ok"], report
+    assert checks["meta-server"]["status"] == "passed"
+    for name in ("cpu/shm", "cpu/gloo"):
+        assert checks[name]["status"] == "passed" and checks[name]["gbps"] > 0, checks[name]
+        assert "bitwise" in checks[name]["detail"]
+    gpu = [n for n in CHECKS if n.startswith("gpu/")]
+    assert len(gpu) >= 5 and set(gpu) <= set(checks)
+    if report["environment"]["gpus"] == 0:
+        for name in gpu:
+            assert checks[name]["status"] == "skipped" and "GPU" in checks[name]["detail"], checks[name]
+    for name in ("engine/vllm", "engine/sglang"):
+        assert checks[name]["status"] == "skipped" and checks[name]["detail"], checks[name]
