@@ -165,6 +165,7 @@ def _run_method(ctx: Any, name: str, *, reps: int, warmup: int, make: Any, pool:
     rss_before = _status_kb("VmRSS")
     shmem_before = _status_kb("RssShmem")
     hwm_ok = reset_peak_rss()
+    peak = 0  # the highest resident memory *during a sync* above rss_before (not the checks between)
     method = make(name, ctx)
     times: list[float] = []
     phases: list[dict[str, float]] = []
@@ -179,10 +180,14 @@ def _run_method(ctx: Any, name: str, *, reps: int, warmup: int, make: Any, pool:
             version = pool.at(i)
             if ctx.role == "writer":
                 fill(ctx.layout, method.source_tensors(), version)  # untimed: "training" made version i
+            if hwm_ok:
+                reset_peak_rss()  # the peak counts the sync only
             dist.barrier()
             t0 = time.perf_counter()
             report = method.sync(i)
             dt = time.perf_counter() - t0
+            if hwm_ok:
+                peak = max(peak, _status_kb("VmHWM") - rss_before)
             if ctx.role == "reader":  # untimed: every byte of version i, bitwise
                 wrong = check(version)
                 verified.append(not wrong)
@@ -193,7 +198,7 @@ def _run_method(ctx: Any, name: str, *, reps: int, warmup: int, make: Any, pool:
                 received.append(report.received_bytes)
             elif i == 0:
                 setup_seconds += dt
-        peak = _status_kb("VmHWM") - rss_before if hwm_ok else -1
+        peak = peak if hwm_ok else -1
         shmem = _status_kb("RssShmem") - shmem_before
     finally:
         dist.barrier()  # nobody tears down (unlinks shared memory, files) while a peer still reads
