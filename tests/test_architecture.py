@@ -17,7 +17,7 @@ CORE_FORBIDDEN = (
 )
 #: Engine / framework packages only their own adapter module may import.
 ADAPTER_ONLY = {
-    "vllm": "engines/vllm", "sglang": "engines/sglang", "transformers": ("engines/hf", "sources/"),
+    "vllm": ("engines/vllm", "sources/vllm"), "sglang": "engines/sglang", "transformers": ("engines/hf", "sources/"),
     "megatron": "sources/megatron", "deepspeed": "sources/deepspeed",
     "nixl": "transport/nixl", "nixl_cu12": "transport/nixl",
 }

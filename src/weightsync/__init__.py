@@ -14,13 +14,13 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from weightsync.inflight import InflightReader
     from weightsync.reader import UpdateResult, WeightReader
-    from weightsync.session import SyncConfig, SyncError
+    from weightsync.session import SyncConfig, SyncError, TransportOptions
     from weightsync.tensorstore import StoreConfig, TensorSlice, TensorStore
     from weightsync.transport.shm_files import SharedTensors, share_tensors
     from weightsync.writer import WeightWriter, WriteResult
 
 _LAZY = {
-    "SyncConfig": "weightsync.session", "SyncError": "weightsync.session",
+    "SyncConfig": "weightsync.session", "SyncError": "weightsync.session", "TransportOptions": "weightsync.session",
     "WeightWriter": "weightsync.writer", "WriteResult": "weightsync.writer",
     "WeightReader": "weightsync.reader", "UpdateResult": "weightsync.reader",
     "InflightReader": "weightsync.inflight",
@@ -30,7 +30,7 @@ _LAZY = {
 }
 
 __all__ = ["InflightReader", "SharedTensors", "StoreConfig", "SyncConfig", "SyncError", "TensorSlice", "TensorStore",
-           "UpdateResult", "WeightReader", "WeightWriter", "WriteResult", "share_tensors"]
+           "TransportOptions", "UpdateResult", "WeightReader", "WeightWriter", "WriteResult", "share_tensors"]
 
 
 def __getattr__(name: str) -> Any:

@@ -225,3 +225,6 @@ class SyncSession:
             self.planned.transport.close()
             self.planned = None
         self._armed = None
+
+
+__all__ = ["PlannedSync", "SyncConfig", "SyncError", "SyncResult", "SyncSession", "TransportOptions"]

@@ -223,7 +223,11 @@ def register() -> None:
     workers) registers it without user code.
     """
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     if BACKEND_NAME not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND_NAME, "weightsync.engines.vllm_backend",
                                                     "WeightSyncTransferEngine")
+    if BACKEND_NAME not in WeightTransferTrainerFactory._registry:  # the trainer side: a training-side adapter
+        WeightTransferTrainerFactory.register_engine(BACKEND_NAME, "weightsync.sources.vllm_trainer",
+                                                     "WeightSyncTrainerEngine")

@@ -37,7 +37,7 @@ from vllm.distributed.weight_transfer.base import (
 from weightsync.engines.staging import StagedWeights
 from weightsync.engines.vllm import check_supported, reload_model, spec_of
 from weightsync.reader import WeightReader
-from weightsync.session import SyncConfig
+from weightsync.session import SyncConfig, TransportOptions
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     job: str = "default"
     transport: str = "auto"
     timeout: float = 300.0
+    max_bucket_bytes: int = 64 << 20
 
 
 @dataclass
@@ -99,7 +100,8 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             raise RuntimeError("the weightsync transfer engine is already initialised; shut it down first")
         engine = _WorkerEngine(self.model, self.vllm_config, self.device, init_info.rank, init_info.num_readers)
         config = SyncConfig(num_writers=init_info.num_writers, num_readers=init_info.num_readers,
-                            job=init_info.job, transport=init_info.transport, timeout=init_info.timeout)
+                            job=init_info.job, transport=init_info.transport, timeout=init_info.timeout,
+                            transport_options=TransportOptions(max_bucket_bytes=init_info.max_bucket_bytes))
         meta = (MetaClient(init_info.meta_address, job=init_info.job, token=init_info.meta_token)
                 if init_info.meta_address else MetaClient.from_env(job=init_info.job))
         self.reader = WeightReader(engine, rank=init_info.rank, config=config, meta=meta)

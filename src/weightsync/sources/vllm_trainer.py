@@ -1,0 +1,304 @@
+"""The ``"weightsync"`` backend on the trainer side of vLLM's weight-transfer API.
+
+A user of vLLM's own API switches ``backend`` to ``"weightsync"`` on both sides and nothing
+else changes::
+
+    # vLLM (any process): LLM(..., weight_transfer_config={"backend": "weightsync"})
+    #   or: VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{"backend": "weightsync"}'
+    # every trainer rank:
+    engine = WeightTransferTrainerFactory.trainer_init(
+        WeightSyncTrainerInitInfo(rank=rank, num_writers=world, num_readers=1,
+                                  meta_address=addr, meta_token=token, model_config=hf_config),
+        client=HTTPVLLMWeightSyncClient("http://rollout:8000"), source=ModuleSource(fsdp_model))
+    for step in range(steps):
+        train_step()
+        engine.send_weights()           # every rank; rank 0 drives the vLLM side
+
+Unlike vLLM's built-in backends there is no sender rank that gathers the model: *every*
+trainer rank is a weightsync writer of its own shards (a DTensor/FSDP2 module is sent
+shard by shard, never ``full_tensor()``-ed), and the planner sends each byte once, straight
+into each worker. Rank 0 alone talks to the vLLM control plane, exactly once per version:
+``start_weight_update``; ``update_weights({"version": V})`` (the workers receive, running
+concurrently with every rank's ``write(V)``); ``finish_weight_update(str(V))``; then the
+prefix cache is reset (KV blocks cached with the old weights would be reused).
+
+Sources: a weightsync training source (``DTensorSource``, ``ZeroSource``, ``MegatronSource``,
+``ModuleSource``, ``ShardedSource``), vLLM's ``ModuleSource`` (unwrapped to the module: FSDP2
+DTensors are read shard by shard), or any vLLM ``WeightSource``, whose ``held_names()`` says
+what this rank holds (each held tensor is materialized by the source, copied once into
+buffers weightsync sends from).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar
+
+import torch
+from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
+
+from weightsync.layout import ModelSpec, RankLayout
+from weightsync.torch_layout import module_layout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class WeightSyncTrainerInitInfo(TrainerInitInfo):
+    """What every trainer rank passes to ``trainer_init`` (``rank`` is this rank's).
+
+    Attributes:
+        num_writers: trainer ranks (every one sends its own shards).
+        num_readers: vLLM workers (one weightsync reader each).
+        meta_address / meta_token: the job's meta server, reachable by trainers and workers;
+            empty: ``WEIGHTSYNC_META_ADDR`` / ``WEIGHTSYNC_META_TOKEN``, or, for a single trainer
+            rank with neither set, an embedded server on this host (``meta_host``).
+        model_config: the model's Hugging Face config (needed for vLLM sources; weightsync
+            sources carry their own).
+        reader_rank: the weightsync rank of the engine's first worker (several engines: 0, 1, ...).
+    """
+
+    backend: ClassVar[str] = "weightsync"
+
+    num_writers: int = 1
+    num_readers: int = 1
+    meta_address: str = ""
+    meta_token: str = ""
+    meta_host: str = "127.0.0.1"
+    job: str = "default"
+    transport: str = "auto"
+    timeout: float = 300.0
+    max_bucket_bytes: int = 64 << 20
+    model_config: dict[str, Any] | None = None
+    reader_rank: int = 0
+
+    def worker_init_info(self, meta_address: str, meta_token: str) -> dict[str, Any]:
+        """What the workers' ``init_weight_transfer_engine`` needs (JSON-safe)."""
+        return {"meta_address": meta_address, "meta_token": meta_token, "job": self.job, "rank": self.reader_rank,
+                "num_writers": self.num_writers, "num_readers": self.num_readers, "transport": self.transport,
+                "timeout": self.timeout, "max_bucket_bytes": self.max_bucket_bytes}
+
+
+class WeightSourceAdapter:
+    """Any vLLM ``WeightSource`` as a weightsync training source (see module docstring).
+
+    ``metadata()`` describes the whole model on every rank; ``held_names()`` (None: all)
+    what this rank sends. Iterating the source is a collective among ranks sharing a
+    tensor, so ``tensors()`` runs one full pass on every rank, every version.
+    """
+
+    def __init__(self, source: Any, config: Mapping[str, Any], rank: int) -> None:
+        self.source = source
+        self.spec = ModelSpec.from_hf_config(config)
+        held = source.held_names()
+        meta = [m for m in source.metadata() if held is None or m.name in set(held)]
+        if not meta:
+            raise ValueError(f"trainer rank {rank}: the WeightSource holds no parameters (held_names() is empty)")
+        named = ((m.name, torch.empty(m.shape, dtype=m.dtype, device="meta")) for m in meta)
+        self._layout = module_layout(named, self.spec, rank)
+        self._buffers: dict[str, torch.Tensor] | None = None
+
+    def layout(self) -> RankLayout:
+        return self._layout
+
+    def descriptor(self) -> tuple[str, Mapping[str, object]] | None:
+        return None
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        shapes = {s.name: s for s in self._layout.shards}
+        for names, tensors in self.source.iter_groups():
+            for name, tensor in zip(names, tensors, strict=True):
+                if tensor is None or name not in shapes:
+                    continue
+                if self._buffers is None:  # on the source's device, allocated once
+                    from weightsync.torch_layout import allocate
+
+                    self._buffers = allocate(self._layout, device=tensor.device)
+                self._buffers[name].copy_(tensor.detach())
+        if self._buffers is None:
+            raise ValueError("the WeightSource yielded none of the tensors this rank holds")
+        return self._buffers
+
+
+def as_training_source(source: Any, config: Mapping[str, Any] | None, rank: int) -> Any:
+    """A weightsync training source for whatever the trainer passed (module docstring)."""
+    if all(hasattr(source, attr) for attr in ("layout", "tensors", "descriptor")):
+        return source  # already a weightsync source
+    if config is None:
+        raise ValueError("WeightSyncTrainerInitInfo.model_config (the model's Hugging Face config) is needed to "
+                         "place a vLLM WeightSource's tensors")
+    module = _vllm_module_source_module(source)
+    if module is not None:
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for p in module.parameters()):
+            from weightsync.sources.dtensor import DTensorSource
+
+            return DTensorSource(module, config, rank=rank)  # shard by shard, no full_tensor()
+        from weightsync.sources.module import ModuleSource
+
+        return ModuleSource(module, config, rank=rank)
+    return WeightSourceAdapter(source, config, rank)
+
+
+def _vllm_module_source_module(source: Any) -> torch.nn.Module | None:
+    """The module behind vLLM 0.32's ``ModuleSource`` (a private attribute: checked here only)."""
+    from vllm.distributed.weight_transfer.base import ModuleSource as VLLMModuleSource
+
+    if type(source) is VLLMModuleSource:
+        module = getattr(source, "_module", None)
+        return module if isinstance(module, torch.nn.Module) else None
+    return None
+
+
+class LLMClient:
+    """vLLM's control plane for an ``LLM`` in this process (its engine core may be a child
+    process): the four calls of ``VLLMWeightSyncClient``, plus the prefix-cache reset."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version=weight_version)
+
+    def reset_prefix_cache(self) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache (requests are running)")
+
+
+def reset_prefix_cache(client: Any, timeout: float) -> None:
+    """Drop KV blocks cached with the old weights, through whichever control plane ``client`` is.
+
+    ``VLLMWeightSyncClient`` has no such call; vLLM's HTTP client posts to the server's
+    ``/reset_prefix_cache`` (a dev-mode route, like the weight-transfer routes), its Ray
+    client calls each actor.
+    """
+    if hasattr(client, "reset_prefix_cache"):
+        client.reset_prefix_cache()
+        return
+    if type(client).__name__ == "HTTPVLLMWeightSyncClient":
+        import httpx
+
+        httpx.post(f"{client.base_url}/reset_prefix_cache", timeout=timeout).raise_for_status()
+    elif type(client).__name__ == "RayVLLMWeightSyncClient":
+        import ray
+
+        ray.get([h.reset_prefix_cache.remote() for h in client.handles], timeout=timeout)
+    else:
+        logger.warning("%s has no prefix-cache reset: cached KV blocks may predate the new weights",
+                       type(client).__name__)
+
+
+class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitInfo]):
+    """vLLM ``TrainerWeightTransferEngine`` hosting a weightsync writer per trainer rank."""
+
+    init_info_cls = WeightSyncTrainerInitInfo
+
+    def __init__(self, *, client: Any, source: Any, is_sender: bool, writer: Any, info: WeightSyncTrainerInitInfo,
+                 closers: list[Any]) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.writer = writer
+        self.info = info
+        self.version = 0
+        self._closers = closers
+        self._lock = threading.Lock()
+
+    @classmethod
+    def trainer_init(cls, init_info: WeightSyncTrainerInitInfo, *, client: Any,
+                     source: Any = None) -> WeightSyncTrainerEngine:
+        from weightsync.meta.client import MetaClient
+        from weightsync.meta.config import MetaEnv
+        from weightsync.session import SyncConfig
+        from weightsync.transport import TransportOptions
+        from weightsync.writer import WeightWriter
+
+        if source is None:
+            raise ValueError("the weightsync trainer backend needs a source (a weightsync TrainingSource or a vLLM "
+                             "WeightSource) on every trainer rank")
+        address, token = init_info.meta_address, init_info.meta_token
+        closers: list[Any] = []
+        if not address:
+            env = MetaEnv.from_env()
+            address, token = env.address or "", token or env.token or ""
+        if not address:
+            if init_info.num_writers != 1:
+                raise ValueError("several trainer ranks need one meta server they all reach: set "
+                                 "WeightSyncTrainerInitInfo.meta_address (and meta_token), or WEIGHTSYNC_META_ADDR, "
+                                 "e.g. to a `weightsync meta-server`")
+            from weightsync.meta.embedded import EmbeddedMetaServer
+
+            server = EmbeddedMetaServer(host=init_info.meta_host).start()
+            closers.append(server.stop)
+            address, token = server.address, server.token
+        meta = MetaClient(address, job=init_info.job, token=token or None)
+        closers.insert(0, meta.close)
+        config = SyncConfig(num_writers=init_info.num_writers, num_readers=init_info.num_readers, job=init_info.job,
+                            transport=init_info.transport, timeout=init_info.timeout,
+                            transport_options=TransportOptions(max_bucket_bytes=init_info.max_bucket_bytes))
+        training_source = as_training_source(source, init_info.model_config, init_info.rank)
+        writer = WeightWriter(training_source, rank=init_info.rank, config=config, meta=meta)
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, writer=writer, info=init_info,
+                     closers=closers)
+        if engine.is_sender:
+            client.init_weight_transfer_engine(init_info.worker_init_info(address, token))
+        return engine
+
+    def send_weights(self, version: int | None = None) -> None:
+        """Send the next version (or ``version``) on every rank; rank 0 drives vLLM (module docstring).
+
+        Raises:
+            SyncError: a rank or a worker failed; the workers stay on their last complete version.
+        """
+        with self._lock:
+            self.version = version if version is not None else self.version + 1
+            v = self.version
+            if not self.is_sender:
+                self.writer.write(v)
+                return
+            self.client.start_weight_update()
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-vllm-rpc") as pool:
+                # The workers receive inside update_weights while this rank (and every other) writes.
+                rpc = pool.submit(self.client.update_weights, {"version": v, "timeout": self.info.timeout})
+                try:
+                    self.writer.write(v)
+                finally:
+                    rpc.result(timeout=self.info.timeout)  # surfaces a worker's error
+            self.client.finish_weight_update(weight_version=str(v))
+            reset_prefix_cache(self.client, self.info.timeout)
+
+    def shutdown(self) -> None:
+        self.writer.close()
+        for close in self._closers:
+            try:
+                close()
+            except Exception as exc:  # best effort, everything else still closes
+                logger.warning("closing the weightsync trainer engine: %s", exc)
+        self._closers = []
+
+
+def register() -> None:
+    """Register the trainer side with vLLM's ``WeightTransferTrainerFactory`` (idempotent).
+
+    Runs when this module is imported, which any trainer does to build its
+    :class:`WeightSyncTrainerInitInfo`, and from the ``vllm.general_plugins`` entry point.
+    """
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    if WeightSyncTrainerInitInfo.backend not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(WeightSyncTrainerInitInfo.backend, WeightSyncTrainerEngine)
+
+
+register()

@@ -1,0 +1,206 @@
+"""Processes for tests/test_vllm_native.py: FSDP2 trainers on vLLM's native API, a vLLM server,
+and the reference engines (one per checkpoint) the outputs are compared with.
+
+    python tests/_vllm_native.py trainer --rank R --world 2 --checkpoint DIR --url URL --out DIR ...
+    python tests/_vllm_native.py reference DIR [DIR ...]         # one JSON line of greedy tokens per DIR
+    python tests/_vllm_native.py mp-engine --checkpoint DIR      # LLM with its engine core in a child process
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+PROMPT = [5 + (7 * i) % 480 for i in range(40)]  # longer than one KV block (16 tokens on CPU)
+NEW_TOKENS = 12
+VLLM_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "2",
+             "--skip-tokenizer-init", "--kv-cache-memory-bytes", str(32 << 20), "--seed", "0"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def vllm_server(model: Path, *, timeout: float = 240.0) -> Iterator[str]:
+    """``vllm serve`` as a user starts it (the RL routes need VLLM_SERVER_DEV_MODE=1)."""
+    import httpx
+
+    port = free_port()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+           "--port", str(port), *VLLM_ARGS, "--weight-transfer-config", json.dumps({"backend": "weightsync"})]
+    log = open(model.parent / f"server-{port}.log", "wb")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve did not come up: {(model.parent / f'server-{port}.log').read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 15)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait(30)
+        log.close()
+
+
+def completion(url: str, model: str) -> tuple[list[int], str]:
+    import httpx
+
+    body = {"model": model, "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0, "return_token_ids": True,
+            "ignore_eos": True}
+    tokens = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["token_ids"]
+    return tokens, httpx.get(f"{url}/weight_info", timeout=30).json()["weight_version"]
+
+
+# -- trainers -----------------------------------------------------------------------------------
+
+def trainer(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightsync.sources.vllm_trainer import WeightSyncTrainerInitInfo
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (args.world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = json.loads((Path(args.checkpoint) / "config.json").read_text())
+    info = WeightSyncTrainerInitInfo(rank=args.rank, num_writers=args.world, num_readers=1, meta_address=args.meta,
+                                     meta_token=args.token, job=args.job, model_config=config, timeout=120.0)
+    # vLLM's own API, with the backend switched to "weightsync": nothing else is weightsync-specific.
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=HTTPVLLMWeightSyncClient(args.url),
+                                                       source=ModuleSource(model))
+    ids = torch.tensor([PROMPT])
+    for version in range(1, args.versions + 1):
+        if version > 1:  # version 1: the checkpoint as loaded; then one training step per version
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        engine.send_weights()
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if args.rank == 0:
+            out = Path(args.out) / f"v{version}"
+            out.mkdir(parents=True)
+            (out / "config.json").write_text(json.dumps(config))
+            save_file({k: v.contiguous() for k, v in full.items() if k != "lm_head.weight"
+                       or not config.get("tie_word_embeddings")}, str(out / "model.safetensors"))
+            tokens, weight_version = completion(args.url, args.model)
+            print("RESULT " + json.dumps({"version": version, "tokens": tokens, "weight_version": weight_version}),
+                  flush=True)
+        dist.barrier()
+    engine.shutdown()
+    dist.destroy_process_group()
+
+
+# -- reference engines --------------------------------------------------------------------------
+
+def _engine(path: str, **kwargs: Any) -> Any:
+    from vllm import LLM
+
+    return LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=2, seed=0,
+               kv_cache_memory_bytes=32 << 20, skip_tokenizer_init=True, **kwargs)
+
+
+def _greedy(llm: Any) -> list[int]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
+    return list(llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+
+def reference(paths: list[str]) -> None:
+    for path in paths:
+        llm = _engine(path)
+        print("RESULT " + json.dumps({"path": path, "tokens": _greedy(llm)}), flush=True)
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+
+
+def mp_engine(checkpoint: str, versions: list[str]) -> None:
+    """An LLM whose engine core runs in a child process, updated by one trainer rank in this
+    process through vLLM's API (``LLMClient``); prints greedy tokens per version."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightsync.sources.module import ShardedSource
+    from weightsync.sources.vllm_trainer import LLMClient, WeightSyncTrainerInitInfo
+    from weightsync.tiny import canonical_weights
+    from weightsync.torch_layout import fill_from_canonical
+
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    llm = _engine(checkpoint, weight_transfer_config={"backend": "weightsync"})
+    source = ShardedSource("hf", config, 0)
+    engine = WeightTransferTrainerFactory.trainer_init(WeightSyncTrainerInitInfo(rank=0, model_config=config),
+                                                       client=LLMClient(llm), source=source)
+    print("RESULT " + json.dumps({"version": 0, "tokens": _greedy(llm)}), flush=True)
+    for version, seed in enumerate(map(int, versions), start=1):
+        fill_from_canonical(source.layout(), source.tensors(), canonical_weights(config, seed))
+        engine.send_weights()
+        print("RESULT " + json.dumps({"version": version, "tokens": _greedy(llm),
+                                      "weight_version": llm.get_weight_version()}), flush=True)
+    engine.shutdown()
+    llm.llm_engine.engine_core.shutdown()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("trainer")
+    for name in ("checkpoint", "url", "out", "meta", "token", "job", "model"):
+        t.add_argument(f"--{name}", required=True)
+    t.add_argument("--rank", type=int, required=True)
+    t.add_argument("--world", type=int, default=2)
+    t.add_argument("--versions", type=int, default=2)
+    r = sub.add_parser("reference")
+    r.add_argument("paths", nargs="+")
+    m = sub.add_parser("mp-engine")
+    m.add_argument("--checkpoint", required=True)
+    m.add_argument("--seeds", required=True)
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    if args.cmd == "trainer":
+        trainer(args)
+    elif args.cmd == "reference":
+        reference(args.paths)
+    else:
+        mp_engine(args.checkpoint, args.seeds.split(","))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""vLLM's native weight-transfer API with ``backend="weightsync"`` on both sides (issue 14).
+
+A real ``vllm serve`` process (CPU build, started as a user starts it) is updated by two
+FSDP2 trainer processes through ``WeightTransferTrainerFactory.trainer_init`` and vLLM's own
+``HTTPVLLMWeightSyncClient``; after each version, the server's greedy completion equals a
+fresh engine's on the same weights, and its weight version is the version sent. The same
+API drives an ``LLM`` whose engine core runs in a child process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from weightsync.tiny import tiny_config, write_checkpoint
+
+HERE = Path(__file__).resolve().parent
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+    pytest.mark.slow,
+    pytest.mark.xdist_group("vllm-native"),
+    pytest.mark.timeout(600),
+]
+
+
+def _results(out: str) -> list[dict]:
+    return [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
+
+
+def _run(args: list[str], *, timeout: float = 300, env: dict[str, str] | None = None) -> list[dict]:
+    proc = subprocess.run([sys.executable, str(HERE / "_vllm_native.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return _results(proc.stdout)
+
+
+def test_vllm_serve_is_updated_by_two_fsdp2_trainers_over_http(tmp_path):
+    sys.path.insert(0, str(HERE))
+    from _vllm_native import vllm_server
+    from weightsync.meta.client import EmbeddedMetaServer
+
+    config = tiny_config(tie=True)
+    write_checkpoint(tmp_path / "A", config, seed=1)  # the server starts here
+    write_checkpoint(tmp_path / "B", config, seed=2)  # the trainers start here
+    out = tmp_path / "versions"
+    with EmbeddedMetaServer() as meta, vllm_server(tmp_path / "A") as url:
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1",
+               "HF_HUB_OFFLINE": "1"}
+        cmd = [sys.executable, str(HERE / "_vllm_native.py"), "trainer", "--world", "2", "--checkpoint",
+               str(tmp_path / "B"), "--url", url, "--out", str(out), "--meta", meta.address, "--token", meta.token,
+               "--job", "serve", "--model", str(tmp_path / "A"), "--versions", "2"]
+        procs = [subprocess.Popen([*cmd, "--rank", str(r)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for r in range(2)]
+        try:
+            outputs = [p.communicate(timeout=300) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+        for p, (_, err) in zip(procs, outputs, strict=True):
+            assert p.returncode == 0, err[-4000:]
+    served = _results(outputs[0][0])
+    assert [r["version"] for r in served] == [1, 2]
+    refs = {Path(r["path"]).name: r["tokens"] for r in _run(["reference", str(out / "v1"), str(out / "v2")])}
+    for r in served:
+        assert r["weight_version"] == str(r["version"])
+        assert r["tokens"] == refs[f"v{r['version']}"], r  # the same weights as a fresh engine, token for token
+    assert refs["v1"] != refs["v2"]  # the training step changed the weights, and the server followed
+
+
+def test_llm_with_a_child_engine_core_is_updated_through_the_same_api(tmp_path):
+    config = tiny_config()
+    write_checkpoint(tmp_path / "B", config, seed=2)
+    results = _run(["mp-engine", "--checkpoint", str(tmp_path / "B"), "--seeds", "1,2"],
+                   env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    start, one, two = results
+    assert one["tokens"] != start["tokens"]  # version 1 (other weights) took effect
+    assert two["tokens"] == start["tokens"]  # version 2 (the checkpoint's weights) restored them exactly
+    assert (one["weight_version"], two["weight_version"]) == ("1", "2")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
