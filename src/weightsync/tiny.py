@@ -66,3 +66,26 @@ def write_checkpoint(path: Path, config: dict[str, Any], seed: int) -> dict[str,
     canonical = canonical_weights(config, seed)
     save_file(checkpoint_tensors(canonical), str(path / "model.safetensors"))
     return canonical
+
+
+class CanonicalSource:
+    """A training source holding the whole model under checkpoint names (the ``hf`` kind, rank 0):
+    a stand-in trainer for self-checks and examples. ``tensors()`` are filled in place."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        from weightsync.layout import parse_layout
+        from weightsync.torch_layout import allocate
+
+        self.config = dict(config)
+        self._kind = parse_layout("hf")
+        self._layout = self._kind.rank_layout(ModelSpec.from_hf_config(config), 0)
+        self._tensors = allocate(self._layout)
+
+    def layout(self) -> Any:
+        return self._layout
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return self._tensors
+
+    def descriptor(self) -> tuple[str, dict[str, Any]]:
+        return self._kind.describe(), self.config

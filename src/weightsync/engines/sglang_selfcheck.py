@@ -51,8 +51,7 @@ def main() -> int:
     from weightsync.meta.client import MetaClient
     from weightsync.reader import WeightReader
     from weightsync.session import SyncConfig
-    from weightsync.sources.module import ShardedSource
-    from weightsync.tiny import canonical_weights, tiny_config, write_checkpoint
+    from weightsync.tiny import CanonicalSource, canonical_weights, tiny_config, write_checkpoint
     from weightsync.torch_layout import fill_from_canonical
     from weightsync.writer import WeightWriter
 
@@ -65,7 +64,7 @@ def main() -> int:
         try:
             ref_b = _greedy(engine)
             sync = SyncConfig(num_writers=1, num_readers=1, job="selfcheck", timeout=120.0)
-            source = ShardedSource("hf", config, 0, tensors=None)
+            source = CanonicalSource(config)
             errors: list[BaseException] = []
 
             def train() -> None:

@@ -59,8 +59,7 @@ def main() -> int:
     from weightsync.meta.client import MetaClient
     from weightsync.reader import WeightReader
     from weightsync.session import SyncConfig
-    from weightsync.sources.module import ShardedSource
-    from weightsync.tiny import canonical_weights, tiny_config, write_checkpoint
+    from weightsync.tiny import CanonicalSource, canonical_weights, tiny_config, write_checkpoint
     from weightsync.torch_layout import fill_from_canonical
     from weightsync.writer import WeightWriter
 
@@ -73,7 +72,7 @@ def main() -> int:
                   seed=0, kv_cache_memory_bytes=32 << 20, skip_tokenizer_init=True)
         ref_b = _greedy(llm)
         sync = SyncConfig(num_writers=1, num_readers=1, job="selfcheck", timeout=120.0)
-        source = ShardedSource("hf", config, 0)
+        source = CanonicalSource(config)
         errors: list[BaseException] = []
 
         def train() -> None:

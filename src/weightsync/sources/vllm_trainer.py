@@ -221,8 +221,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                      source: Any = None) -> WeightSyncTrainerEngine:
         from weightsync.meta.client import MetaClient
         from weightsync.meta.config import MetaEnv
-        from weightsync.session import SyncConfig
-        from weightsync.transport import TransportOptions
+        from weightsync.session import SyncConfig, TransportOptions
         from weightsync.writer import WeightWriter
 
         if source is None:
