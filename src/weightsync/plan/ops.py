@@ -185,6 +185,12 @@ class Plan:
     def __len__(self) -> int:
         return len(self.columns)
 
+    def subset(self, index: np.ndarray, *, tag: str) -> Plan:
+        """The plan of the ops at ``index`` (kept in order): same shards, fingerprint ``<fp>/<tag>``."""
+        return Plan(fingerprint=f"{self.fingerprint}/{tag}", tensors=self.tensors, tensor_ndim=self.tensor_ndim,
+                    src_shards=self.src_shards, dst_shards=self.dst_shards, columns=self.columns.take(index),
+                    stats=None, scope=self.scope)
+
     @cached_property
     def ops(self) -> tuple[TransferOp, ...]:
         """Every op as a frozen dataclass, in wire order."""

@@ -9,6 +9,13 @@ Lifecycle (both roles)::
     stats = transport.receive(version, timeout=60)    # reader
     transport.close()
 
+**Phases.** ``prepare(..., phases=split_plan(plan, layer_phases(...)))`` cuts every version
+into phases of whole layers (:mod:`weightsync.plan.phases`); writers then ``send(v,
+phase=i)`` and readers ``receive(v, phase=i)`` for ``i = 0, 1, ...`` in order, and a reader
+may reuse the same memory for the destinations of different phases (its staging arena):
+a transport writes a phase's bytes only between the start of ``receive(v, phase=i)`` and
+its return. Without phases, everything is phase 0.
+
 ``prepare`` does the expensive, once-per-plan work (process-group rendezvous, memory
 registration, message schedules); ``send``/``receive`` only move bytes. ``tensors`` maps
 each local shard name in the plan to the torch tensor holding it: on the reader these are
@@ -25,7 +32,7 @@ transport can do without instantiating it.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
@@ -195,12 +202,12 @@ class Transport(Protocol):
     #: writers publish V once ``send(V)`` returned, and readers may read all of it at once.
     publishes_before_send: ClassVar[bool]
 
-    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int,
-                timeout: float) -> None: ...
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
+                phases: Sequence[Plan] | None = None) -> None: ...
 
-    def send(self, version: int, *, timeout: float) -> TransferStats: ...
+    def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats: ...
 
-    def receive(self, version: int, *, timeout: float) -> TransferStats: ...
+    def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats: ...
 
     def close(self) -> None: ...
 
@@ -227,3 +234,13 @@ def check_tensors_device(transport: ServesDevices, ctx: TransportContext,
                          f"on {device}")
     check_serves(transport.name, serves_cpu=transport.serves_cpu, serves_cuda=transport.serves_cuda, device=device,
                  who=ctx.who)
+
+
+def phase_plans(plan: Plan, phases: Sequence[Plan] | None) -> list[Plan]:
+    """The phases a transport was prepared with: ``[plan]`` when the version is not cut."""
+    return [plan] if not phases else list(phases)
+
+
+def check_phase(phase: int, count: int, who: str) -> None:
+    if not 0 <= phase < count:
+        raise ValueError(f"{who}: phase {phase} of a plan prepared with {count} phase(s)")

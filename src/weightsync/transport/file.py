@@ -2,7 +2,8 @@
 clusters that share only storage.
 
 ``send(V)`` streams every piece a writer must provide (canonical box keys, see
-:mod:`weightsync.transport.exposed`) into ``<dir>/v<V>/writer-<rank>.safetensors``, written
+:mod:`weightsync.transport.exposed`) into ``<dir>/v<V>/writer-<rank>.p<phase>.safetensors``
+(one file per phase), written
 to a temporary name and renamed when complete, so a reader never sees half a file. The file
 is written piece by piece through one bounded buffer (no full-model copy in memory), in the
 documented safetensors layout. ``receive(V)`` opens each writer's file with
@@ -24,7 +25,7 @@ import shutil
 import struct
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -33,7 +34,15 @@ from safetensors import safe_open
 from weightsync.deadline import Deadline
 from weightsync.layout.types import itemsize
 from weightsync.torch_layout import TORCH_DTYPES, strided_view
-from weightsync.transport.base import PhaseTimer, TransferStats, TransportContext, TransportError, check_tensors_device
+from weightsync.transport.base import (
+    PhaseTimer,
+    TransferStats,
+    TransportContext,
+    TransportError,
+    check_phase,
+    check_tensors_device,
+    phase_plans,
+)
 from weightsync.transport.exposed import ExposedIndex, piece_key
 from weightsync.transport.schedule import slabs
 from weightsync.transport.tensors import flat_views, op_dst_view
@@ -64,22 +73,26 @@ class FileTransport:
         self.directory: str | None = None
         self._owns_directory = False
         self._flats: dict[str, torch.Tensor] = {}
-        self._pieces: list[tuple[str, TransferOp]] = []
-        self._reads: dict[int, list[TransferOp]] = {}
+        self._pieces: list[list[tuple[str, TransferOp]]] = []  # per phase
+        self._reads: list[dict[int, list[TransferOp]]] = []  # per phase: writer -> ops
         self._written: list[int] = []
         self._buffer: torch.Tensor | None = None
 
-    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int,
-                timeout: float) -> None:
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
+                phases: Sequence[Plan] | None = None) -> None:
         check_tensors_device(self, self.ctx, tensors)
         self._flats = flat_views(tensors)
         self.directory = self._directory(epoch, Deadline.after(timeout))
+        parts = phase_plans(plan, phases)
         if self.ctx.role == "writer":
-            _, self._pieces = ExposedIndex.for_writer(plan, self.ctx.rank)
+            self._pieces = [ExposedIndex.for_writer(part, self.ctx.rank)[1] for part in parts]
         else:
-            self._reads = {}
-            for op in plan.ops:
-                self._reads.setdefault(op.src_rank, []).append(op)
+            self._reads = []
+            for part in parts:
+                reads: dict[int, list[TransferOp]] = {}
+                for op in part.ops:
+                    reads.setdefault(op.src_rank, []).append(op)
+                self._reads.append(reads)
 
     def _directory(self, epoch: int, deadline: Deadline) -> str:
         if self.ctx.options.file_dir:
@@ -98,19 +111,21 @@ class FileTransport:
                                  f"epoch {epoch} in time")
         return str(doc["directory"])
 
-    def _path(self, version: int, writer: int) -> str:
+    def _path(self, version: int, writer: int, phase: int) -> str:
         assert self.directory is not None
-        return os.path.join(self.directory, f"v{version}", f"writer-{writer}.safetensors")
+        return os.path.join(self.directory, f"v{version}", f"writer-{writer}.p{phase}.safetensors")
 
     # -- writer ---------------------------------------------------------------------------
-    def send(self, version: int, *, timeout: float) -> TransferStats:
+    def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
+        check_phase(phase, len(self._pieces), self.ctx.who)
+        pieces = self._pieces[phase]
         stats = TransferStats(version)
         timer = PhaseTimer(stats)
-        path = self._path(version, self.ctx.rank)
+        path = self._path(version, self.ctx.rank, phase)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         header: dict[str, object] = {"__metadata__": {"format": "pt", "weightsync_version": str(version)}}
         cursor = 0
-        for key, op in self._pieces:
+        for key, op in pieces:
             header[key] = {"dtype": ST_DTYPES[op.dst_dtype], "shape": list(op.box.sizes),
                            "data_offsets": [cursor, cursor + op.nbytes]}
             cursor += op.nbytes
@@ -122,15 +137,16 @@ class FileTransport:
         with timer("write"), open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
             f.write(raw)
-            for _, op in self._pieces:
+            for _, op in pieces:
                 self._write_piece(f, op)
                 stats.nbytes += op.nbytes
                 stats.messages += 1
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        self._written.append(version)
-        self._prune()
+        if phase == len(self._pieces) - 1:
+            self._written.append(version)
+            self._prune()
         stats.peak_extra_bytes = self.ctx.options.message_bytes
         return stats
 
@@ -146,19 +162,20 @@ class FileTransport:
     def _prune(self) -> None:
         while len(self._written) > self.ctx.options.slots:
             old = self._written.pop(0)
-            try:
-                os.unlink(self._path(old, self.ctx.rank))
-                os.rmdir(os.path.dirname(self._path(old, self.ctx.rank)))
-            except OSError:
-                pass  # another writer's file is still there, or already gone
+            for phase in range(len(self._pieces)):
+                with contextlib.suppress(OSError):
+                    os.unlink(self._path(old, self.ctx.rank, phase))
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(self._path(old, self.ctx.rank, 0)))  # fails while other writers' remain
 
     # -- reader ---------------------------------------------------------------------------
-    def receive(self, version: int, *, timeout: float) -> TransferStats:
+    def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
+        check_phase(phase, len(self._reads), self.ctx.who)
         stats = TransferStats(version)
         timer = PhaseTimer(stats)
         deadline = Deadline.after(timeout)
-        for writer, ops in sorted(self._reads.items()):
-            path = self._path(version, writer)
+        for writer, ops in sorted(self._reads[phase].items()):
+            path = self._path(version, writer, phase)
             while not os.path.exists(path):
                 if deadline.expired:
                     raise TransportError(f"reader {self.ctx.rank}: writer {writer}'s file for version {version} "
@@ -179,8 +196,9 @@ class FileTransport:
     def close(self) -> None:
         if self.ctx.role == "writer" and self.directory is not None:
             for version in self._written:
-                with contextlib.suppress(OSError):
-                    os.unlink(self._path(version, self.ctx.rank))
+                for phase in range(len(self._pieces)):
+                    with contextlib.suppress(OSError):
+                        os.unlink(self._path(version, self.ctx.rank, phase))
             self._written.clear()
             if self._owns_directory:
                 shutil.rmtree(self.directory, ignore_errors=True)

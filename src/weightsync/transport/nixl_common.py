@@ -66,19 +66,26 @@ from weightsync.deadline import Deadline
 from weightsync.devices import nixl_device_id
 from weightsync.layout.types import itemsize
 from weightsync.torch_layout import TORCH_DTYPES
-from weightsync.transport.base import TransportContext, TransportError, check_tensors_device
+from weightsync.transport.base import TransportContext, TransportError, check_tensors_device, phase_plans
+from weightsync.transport.exposed import ExposedIndex
 from weightsync.transport.nixl_agent import Descriptors, NixlAgent, Xfer
 from weightsync.transport.tensors import flat_views, op_src_view
 
 if TYPE_CHECKING:
     from weightsync.job import Role
     from weightsync.plan import Plan, TransferOp
-    from weightsync.transport.exposed import ExposedIndex
     from weightsync.transport.schedule import Message, Piece
 
 logger = logging.getLogger(__name__)
 
 EMPTY = -1  # sequence word of a slot being written
+#: Phases per plan at most: push tokens are ``version << 12 | phase``.
+MAX_PHASES = 1 << 12
+
+
+def phase_token(version: int, phase: int) -> int:
+    """What a push reader's ready word and a writer's notification carry: version and phase."""
+    return version << 12 | phase
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -113,14 +120,15 @@ class NixlBase:
         self._ctl = torch.empty(0, dtype=torch.int64)  # control words peers READ (and mirrors of theirs)
         self._area: torch.Tensor | None = None  # writer: packed pieces (pull: all slots)
         self._index: ExposedIndex | None = None
-        self._copies: list[tuple[str, TransferOp]] = []
+        self._copies: list[list[tuple[str, TransferOp]]] = []  # per phase
+        self._phases = 1
         self._slot_bytes = 0
         self._landing: torch.Tensor | None = None  # pull reader: staged messages land here
         self._peers: list[Peer] = []
 
     # -- lifecycle --------------------------------------------------------------------------
-    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int,
-                timeout: float) -> None:
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
+                phases: Sequence[Plan] | None = None) -> None:
         """Start over for a plan: new agent, registrations, metadata exchange, handles."""
         check_tensors_device(self, self.ctx, tensors)
         self.close()
@@ -131,10 +139,14 @@ class NixlBase:
         self._agent = NixlAgent(name, who=self.who, loopback=self.ctx.options.host in _LOOPBACK)
         self.setup = {"agent_seconds": time.perf_counter() - started}
         try:
+            parts = phase_plans(plan, phases)
+            if len(parts) > MAX_PHASES:
+                raise ValueError(f"{self.who}: {len(parts)} phases; NIXL tokens allow at most {MAX_PHASES}")
+            self._phases = len(parts)
             if self.ctx.role == "writer":
-                self._prepare_writer(plan, epoch, deadline)
+                self._prepare_writer(parts, epoch, deadline)
             else:
-                self._prepare_reader(plan, epoch, deadline)
+                self._prepare_reader(parts, epoch, deadline)
         except BaseException:
             self.close()
             raise
@@ -160,11 +172,19 @@ class NixlBase:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _prepare_writer(self, plan: Plan, epoch: int, deadline: Deadline) -> None:
+    def _prepare_writer(self, parts: list[Plan], epoch: int, deadline: Deadline) -> None:
         raise NotImplementedError
 
-    def _prepare_reader(self, plan: Plan, epoch: int, deadline: Deadline) -> None:
+    def _prepare_reader(self, parts: list[Plan], epoch: int, deadline: Deadline) -> None:
         raise NotImplementedError
+
+    def _exposed(self, parts: list[Plan], keep: Any = None) -> None:
+        """This writer's pieces laid out phase by phase (``_index``) and its copies per phase."""
+        me = self.ctx.rank
+        ops = [op for part in parts for op in part.ops if op.src_rank == me and (keep is None or keep(op))]
+        self._index, first = ExposedIndex.for_ops(ops)
+        phase_of = {t: i for i, part in enumerate(parts) for t in {op.canonical for op in part.ops}}
+        self._copies = [[(k, op) for k, op in first if phase_of[op.canonical] == i] for i in range(len(parts))]
 
     # -- setup shared by both modes ---------------------------------------------------------
     def _register(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -228,11 +248,11 @@ class NixlBase:
         descs = Descriptors.of([local.data_ptr()], [peer.doc["ctl"]], [local.numel() * local.element_size()])
         return self._prepare_xfer(peer, "READ", descs, what, data=False)
 
-    def _pack(self, base: int) -> int:
-        """Copy (and convert) every distinct piece into the area at ``base``; returns bytes."""
+    def _pack(self, base: int, phase: int) -> int:
+        """Copy (and convert) the phase's distinct pieces into the area at ``base``; returns bytes."""
         assert self._area is not None and self._index is not None
         nbytes = 0
-        for key, op in self._copies:
+        for key, op in self._copies[phase]:
             at, n = self._index.entries[key]
             out = self._area[base + at: base + at + n].view(TORCH_DTYPES[op.dst_dtype])
             out.view(op.box.sizes).copy_(op_src_view(self._flats, op))
@@ -287,9 +307,11 @@ class Peer:
         self.doc = doc
         #: READ of the peer's control words (sequence words, ready word, or liveness).
         self.ctl: Xfer | None = None
-        #: Per version slot (push: one), the transfers to run, each with the staged message it lands.
-        self.slots: list[list[tuple[Xfer, Message | None]]] = []
-        self.nbytes = 0
+        #: Per phase, per version slot (push: one), the transfers to run, each with the staged
+        #: message it lands (None: straight into destination tensors).
+        self.phases: list[list[list[tuple[Xfer, Message | None]]]] = []
+        #: Per phase, the bytes this peer moves (push reader: what each notification completes).
+        self.nbytes: list[int] = []
 
 
 def row_major(sizes: Sequence[int]) -> tuple[int, ...]:

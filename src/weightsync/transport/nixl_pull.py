@@ -12,7 +12,7 @@ import torch
 
 from weightsync.deadline import Deadline
 from weightsync.layout.types import itemsize
-from weightsync.transport.base import PhaseTimer, TransferStats, TransportError
+from weightsync.transport.base import PhaseTimer, TransferStats, TransportError, check_phase
 from weightsync.transport.exposed import ExposedIndex
 from weightsync.transport.nixl_agent import Descriptors, Xfer
 from weightsync.transport.nixl_common import EMPTY, NixlBase, Peer, slab_offset
@@ -31,8 +31,9 @@ class NixlPullTransport(NixlBase):
     mode: ClassVar[str] = "pull"
 
     # -- pull: writer -----------------------------------------------------------------------
-    def _prepare_writer(self, plan: Plan, epoch: int, deadline: Deadline) -> None:
-        self._index, self._copies = ExposedIndex.for_writer(plan, self.ctx.rank)
+    def _prepare_writer(self, parts: list[Plan], epoch: int, deadline: Deadline) -> None:
+        self._exposed(parts)
+        assert self._index is not None
         self._slot_bytes = max(self._index.total_bytes, 64)
         self._area = torch.empty(self.slots * self._slot_bytes, dtype=torch.uint8, device=self.device)
         self._ctl = torch.full((self.slots,), EMPTY, dtype=torch.int64)
@@ -40,27 +41,31 @@ class NixlPullTransport(NixlBase):
         self._publish(epoch, {"area": self._area.data_ptr(), "slots": self.slots,
                                    "slot_bytes": self._slot_bytes, "index": self._index.encode()})
 
-    def send(self, version: int, *, timeout: float) -> TransferStats:
+    def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
         if self._area is None:
             raise RuntimeError(f"{self.who}: send() before prepare()")
+        check_phase(phase, self._phases, self.who)
         stats = TransferStats(version)
         slot = version % self.slots
-        self._ctl[slot] = EMPTY  # a reader of the old version in this slot will notice
+        if phase == 0:
+            self._ctl[slot] = EMPTY  # a reader of the old version in this slot will notice
         with PhaseTimer(stats)("pack"):
-            stats.nbytes = self._pack(slot * self._slot_bytes)
-        self._ctl[slot] = version
-        stats.messages = len(self._copies)
+            stats.nbytes = self._pack(slot * self._slot_bytes, phase)
+        if phase == self._phases - 1:
+            self._ctl[slot] = version  # readers read every phase once the whole slot is packed
+        stats.messages = len(self._copies[phase])
         stats.peak_extra_bytes = self.slots * self._slot_bytes
         return stats
 
     # -- pull: reader -----------------------------------------------------------------------
-    def _prepare_reader(self, plan: Plan, epoch: int, deadline: Deadline) -> None:
+    def _prepare_reader(self, parts: list[Plan], epoch: int, deadline: Deadline) -> None:
         opts = self.ctx.options
-        writers = sorted({op.src_rank for op in plan.ops})
+        writers = sorted({op.src_rank for part in parts for op in part.ops})
         self._peers = [self._connect(epoch, "writer", w, deadline) for w in writers]
-        schedules = [build_messages(plan.ops_between(p.rank, self.ctx.rank), message_bytes=opts.message_bytes,
-                                    direct_min_bytes=opts.direct_min_bytes) for p in self._peers]
-        staged = max((m.nbytes for ms in schedules for m in ms if not m.direct), default=0)
+        schedules = [[build_messages(part.ops_between(p.rank, self.ctx.rank), message_bytes=opts.message_bytes,
+                                     direct_min_bytes=opts.direct_min_bytes) for part in parts] for p in self._peers]
+        staged = max((m.nbytes for per_phase in schedules for ms in per_phase for m in ms if not m.direct),
+                     default=0)
         self._landing = torch.empty(staged, dtype=torch.uint8, device=self.device) if staged else None
         self._ctl = torch.full((len(self._peers), self.slots), EMPTY, dtype=torch.int64)
         self._register([*self._flats.values(), self._ctl, *([] if self._landing is None else [self._landing])])
@@ -71,7 +76,8 @@ class NixlPullTransport(NixlBase):
                                      f"reader {self.slots}; use the same TransportOptions.slots everywhere")
             peer.ctl = self._word_xfer(peer, self._ctl[i], "version words")
             index = ExposedIndex.decode(peer.doc["index"])
-            peer.slots = [self._pull_xfers(peer, index, messages, slot) for slot in range(self.slots)]
+            peer.phases = [[self._pull_xfers(peer, index, phase_messages, slot) for slot in range(self.slots)]
+                           for phase_messages in messages]
         self.setup["prepare_xfers_seconds"] = time.perf_counter() - t0
 
     def _pull_xfers(self, peer: Peer, index: ExposedIndex, messages: list[Message],
@@ -101,8 +107,9 @@ class NixlPullTransport(NixlBase):
                 out.append((self._prepare_xfer(peer, "READ", descs, f"slot {slot} into the landing buffer"), m))
         return out
 
-    def receive(self, version: int, *, timeout: float) -> TransferStats:
+    def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
         agent = self._prepared_agent("receive")
+        check_phase(phase, self._phases, self.who)
         stats = TransferStats(version)
         timer = PhaseTimer(stats)
         deadline = Deadline.after(timeout)
@@ -111,7 +118,7 @@ class NixlPullTransport(NixlBase):
             for i, peer in enumerate(self._peers):
                 self._wait_slot(i, peer, version, deadline)
         for peer in self._peers:
-            for xfer, message in peer.slots[slot]:
+            for xfer, message in peer.phases[phase][slot]:
                 with timer("transfer"):
                     agent.run(xfer, deadline)
                 stats.nbytes += xfer.nbytes

@@ -14,13 +14,24 @@ import torch
 
 from weightsync.deadline import Deadline
 from weightsync.layout.types import itemsize
-from weightsync.transport.base import PhaseTimer, TransferStats, TransportError
-from weightsync.transport.exposed import ExposedIndex, piece_key
-from weightsync.transport.nixl_agent import Descriptors
-from weightsync.transport.nixl_common import EMPTY, NixlBase, Peer, contiguous_runs, extent, row_major, send_live
+from weightsync.transport.base import PhaseTimer, TransferStats, TransportError, check_phase
+from weightsync.transport.exposed import piece_key
+from weightsync.transport.nixl_agent import Descriptors, Xfer
+from weightsync.transport.nixl_common import (
+    EMPTY,
+    MAX_PHASES,
+    NixlBase,
+    Peer,
+    contiguous_runs,
+    extent,
+    phase_token,
+    row_major,
+    send_live,
+)
 
 if TYPE_CHECKING:
     from weightsync.plan import Plan, TransferOp
+    from weightsync.transport.schedule import Message
 
 #: How often a waiting reader checks that the writers it waits for are alive.
 _PROBE_S = 0.05
@@ -34,10 +45,11 @@ class NixlPushTransport(NixlBase):
     mode: ClassVar[str] = "push"
 
     # -- writer -----------------------------------------------------------------------------
-    def _prepare_writer(self, plan: Plan, epoch: int, deadline: Deadline) -> None:
+    def _prepare_writer(self, parts: list[Plan], epoch: int, deadline: Deadline) -> None:
         me = self.ctx.rank
-        ops = [op for op in plan.ops if op.src_rank == me]
-        self._index, self._copies = ExposedIndex.for_ops(op for op in ops if not send_live(op))
+        ops = [op for part in parts for op in part.ops if op.src_rank == me]
+        self._exposed(parts, keep=lambda op: not send_live(op))
+        assert self._index is not None
         self._area = torch.empty(max(self._index.total_bytes, 64), dtype=torch.uint8, device=self.device)
         readers = sorted({op.dst_rank for op in ops})
         self._ctl = torch.full((1 + len(readers),), EMPTY, dtype=torch.int64)  # own word, readers' ready words
@@ -48,8 +60,12 @@ class NixlPushTransport(NixlBase):
         t0 = time.perf_counter()
         for i, peer in enumerate(self._peers):
             peer.ctl = self._word_xfer(peer, self._ctl[1 + i: 2 + i], "ready word")
-            descs = self._runs(peer, plan.ops_between(me, peer.rank))
-            peer.slots = [[(self._prepare_xfer(peer, "WRITE", descs, "the version"), None)]]
+            peer.phases = []
+            for p, part in enumerate(parts):
+                mine = part.ops_between(me, peer.rank)
+                xfers: list[tuple[Xfer, Message | None]] = (
+                    [(self._prepare_xfer(peer, "WRITE", self._runs(peer, mine), f"phase {p}"), None)] if mine else [])
+                peer.phases.append([xfers])
         self.setup["prepare_xfers_seconds"] = time.perf_counter() - t0
 
     def _runs(self, peer: Peer, ops: list[TransferOp]) -> Descriptors:
@@ -76,44 +92,53 @@ class NixlPushTransport(NixlBase):
             return Descriptors.of([], [], [])
         return Descriptors.of(np.concatenate(local), np.concatenate(remote), np.concatenate(lengths))
 
-    def send(self, version: int, *, timeout: float) -> TransferStats:
+    def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
         agent = self._prepared_agent("send")
+        check_phase(phase, self._phases, self.who)
         stats = TransferStats(version)
         timer = PhaseTimer(stats)
         deadline = Deadline.after(timeout)
+        token = phase_token(version, phase)
         with timer("pack"):
-            self._pack(0)
+            self._pack(0, phase)
         for i, peer in enumerate(self._peers):
+            xfers = peer.phases[phase][0]
+            if not xfers:
+                continue
             with timer("wait"):
-                self._wait_ready(i, peer, version, deadline)
-            for xfer, _ in peer.slots[0]:
+                self._wait_ready(i, peer, token, deadline)
+            for xfer, _ in xfers:
                 with timer("transfer"):
-                    agent.run(xfer, deadline, notif=b"v%d" % version)
+                    agent.run(xfer, deadline, notif=b"v%d" % token)
                 stats.nbytes += xfer.nbytes
                 stats.direct_bytes += xfer.nbytes
                 stats.messages += 1
-        self._ctl[0] = version
+        if phase == self._phases - 1:
+            self._ctl[0] = version
         stats.peak_extra_bytes = self._index.total_bytes if self._index is not None else 0
         return stats
 
-    def _wait_ready(self, i: int, peer: Peer, version: int, deadline: Deadline) -> None:
+    def _wait_ready(self, i: int, peer: Peer, token: int, deadline: Deadline) -> None:
+        """Until the reader asks for exactly this (version, phase) (see :func:`phase_token`)."""
         assert self._agent is not None and peer.ctl is not None
+        want = f"version {token >> 12} phase {token & (MAX_PHASES - 1)}"
         while True:
             self._agent.run(peer.ctl, deadline)
             ready = int(self._ctl[1 + i])
-            if ready == version:
+            if ready == token:
                 return
-            if ready > version:
-                raise TransportError(f"{self.who}: {peer.label} waits for version {ready}, this writer sends "
-                                     f"{version}; writers and readers are out of step")
+            asked = f"version {ready >> 12} phase {ready & (MAX_PHASES - 1)}" if ready >= 0 else "nothing"
+            if ready > token:
+                raise TransportError(f"{self.who}: {peer.label} waits for {asked}, this writer sends {want}; "
+                                     "writers and readers are out of step")
             if deadline.expired:
-                raise TransportError(f"{self.who}: {peer.label} did not ask for version {version} in time "
-                                     f"(its last request was version {ready})")
+                raise TransportError(f"{self.who}: {peer.label} did not ask for {want} in time (its last request "
+                                     f"was {asked})")
             time.sleep(0.001)
 
     # -- reader -----------------------------------------------------------------------------
-    def _prepare_reader(self, plan: Plan, epoch: int, deadline: Deadline) -> None:
-        writers = sorted({op.src_rank for op in plan.ops})
+    def _prepare_reader(self, parts: list[Plan], epoch: int, deadline: Deadline) -> None:
+        writers = sorted({op.src_rank for part in parts for op in part.ops})
         self._ctl = torch.full((1 + len(writers),), EMPTY, dtype=torch.int64)  # ready word, liveness mirrors
         self._register([*self._flats.values(), self._ctl])
         shards = {name: [t.data_ptr(), t.numel() * t.element_size()] for name, t in self._flats.items()}
@@ -121,22 +146,24 @@ class NixlPushTransport(NixlBase):
         self._peers = [self._connect(epoch, "writer", w, deadline) for w in writers]
         for i, peer in enumerate(self._peers):
             peer.ctl = self._word_xfer(peer, self._ctl[1 + i: 2 + i], "liveness word")
-            peer.nbytes = sum(op.nbytes for op in plan.ops_between(peer.rank, self.ctx.rank))
+            peer.nbytes = [sum(op.nbytes for op in part.ops_between(peer.rank, self.ctx.rank)) for part in parts]
 
-    def receive(self, version: int, *, timeout: float) -> TransferStats:
+    def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
         agent = self._prepared_agent("receive")
+        check_phase(phase, self._phases, self.who)
         stats = TransferStats(version)
         deadline = Deadline.after(timeout)
-        pending = {peer.agent: peer for peer in self._peers}
-        self._ctl[0] = version  # writers poll this word before they write into our tensors
+        token = phase_token(version, phase)
+        pending = {peer.agent: peer for peer in self._peers if peer.nbytes[phase]}
+        self._ctl[0] = token  # writers poll this word before they write into our tensors
         next_probe = time.monotonic() + _PROBE_S
         with PhaseTimer(stats)("transfer"):
             while pending:
                 for name, messages in agent.take_notifs(timeout=0.005).items():
-                    if name in pending and any(_notif_version(m) >= version for m in messages):
+                    if name in pending and any(_notif_token(m) >= token for m in messages):
                         peer = pending.pop(name)
-                        stats.nbytes += peer.nbytes
-                        stats.direct_bytes += peer.nbytes
+                        stats.nbytes += peer.nbytes[phase]
+                        stats.direct_bytes += peer.nbytes[phase]
                         stats.messages += 1
                 now = time.monotonic()
                 if deadline.expired:
@@ -150,7 +177,7 @@ class NixlPushTransport(NixlBase):
         return stats
 
 
-def _notif_version(message: bytes) -> int:
+def _notif_token(message: bytes) -> int:
     try:
         return int(message[1:]) if message[:1] == b"v" else -1
     except ValueError:

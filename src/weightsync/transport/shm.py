@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import platform
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
@@ -47,7 +47,15 @@ import torch
 from weightsync.deadline import Deadline
 from weightsync.devices import ipc_attach_device
 from weightsync.torch_layout import TORCH_DTYPES
-from weightsync.transport.base import PhaseTimer, TransferStats, TransportContext, TransportError, check_tensors_device
+from weightsync.transport.base import (
+    PhaseTimer,
+    TransferStats,
+    TransportContext,
+    TransportError,
+    check_phase,
+    check_tensors_device,
+    phase_plans,
+)
 from weightsync.transport.exposed import ExposedIndex
 from weightsync.transport.shm_segment import (
     CONTROL_BYTES,
@@ -83,7 +91,8 @@ class WriterSide(Protocol):
 
     segment: OwnSegment
 
-    def send(self, version: int, flats: Mapping[str, torch.Tensor], timeout: float) -> TransferStats: ...
+    def send(self, version: int, flats: Mapping[str, torch.Tensor], timeout: float, *, phase: int,
+             last: bool) -> TransferStats: ...
 
 
 class PeerSegment(Protocol):
@@ -124,17 +133,20 @@ class SharedMemoryTransport:
         self._flats: dict[str, torch.Tensor] = {}
         self._writer: WriterSide | None = None
         self._peers: dict[int, PeerSegment] = {}
-        self._reads: list[tuple[int, TransferOp, int]] = []
+        self._reads: list[list[tuple[int, TransferOp, int]]] = []  # per phase: (writer, op, byte offset)
+        self._phases = 1
         self.epoch: int | None = None
 
-    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int,
-                timeout: float) -> None:
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
+                phases: Sequence[Plan] | None = None) -> None:
         check_tensors_device(self, self.ctx, tensors)
         self._flats = flat_views(tensors)
+        parts = phase_plans(plan, phases)
+        self._phases = len(parts)
         if self.ctx.role == "writer":
-            self._prepare_writer(plan, epoch)
+            self._prepare_writer(plan, parts, epoch)
         else:
-            self._prepare_reader(plan, epoch, Deadline.after(timeout))
+            self._prepare_reader(parts, epoch, Deadline.after(timeout))
         self.epoch = epoch
 
     # -- writer ---------------------------------------------------------------------------
@@ -143,25 +155,30 @@ class SharedMemoryTransport:
         """The prepared writer side: :class:`SnapshotWriter` or a zero-copy writer."""
         return self._writer
 
-    def _prepare_writer(self, plan: Plan, epoch: int) -> None:
+    def _prepare_writer(self, plan: Plan, parts: list[Plan], epoch: int) -> None:
         self._release_own()
-        index, first_ops = ExposedIndex.for_writer(plan, self.ctx.rank)
-        writer = ZeroCopyWriter.create(self.ctx, plan, self._flats, index, first_ops, device=self.device)
-        self._writer = writer if writer is not None else SnapshotWriter(self.ctx, index, first_ops, slots=self.slots,
+        # Pieces laid out phase by phase, so "packed up to byte X" also means "phases so far".
+        me = self.ctx.rank
+        index, first_ops = ExposedIndex.for_ops(op for part in parts for op in part.ops if op.src_rank == me)
+        phase_of = {t: i for i, part in enumerate(parts) for t in {op.canonical for op in part.ops}}
+        copies = [[(key, op) for key, op in first_ops if phase_of[op.canonical] == i] for i in range(len(parts))]
+        writer = ZeroCopyWriter.create(self.ctx, plan, self._flats, index, copies, device=self.device)
+        self._writer = writer if writer is not None else SnapshotWriter(self.ctx, index, copies, slots=self.slots,
                                                                          device=self.device,
                                                                          streaming=self.streaming)
         path = self._writer.segment.path
         self.ctx.job.publish_endpoint(self.name, epoch, {"path": path})
 
-    def send(self, version: int, *, timeout: float) -> TransferStats:
+    def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
         if self._writer is None:
             raise RuntimeError("SharedMemoryTransport.send() before prepare()")
-        return self._writer.send(version, self._flats, timeout)
+        check_phase(phase, self._phases, self.ctx.who)
+        return self._writer.send(version, self._flats, timeout, phase=phase, last=phase == self._phases - 1)
 
     # -- reader ---------------------------------------------------------------------------
-    def _prepare_reader(self, plan: Plan, epoch: int, deadline: Deadline) -> None:
+    def _prepare_reader(self, parts: list[Plan], epoch: int, deadline: Deadline) -> None:
         self._close_peers()
-        writers = sorted({op.src_rank for op in plan.ops})
+        writers = sorted({op.src_rank for part in parts for op in part.ops})
         for w in writers:
             doc = self.ctx.job.wait_endpoint(self.name, epoch, "writer", w, deadline=deadline)
             if doc is None or not isinstance(doc.get("path"), str):
@@ -169,32 +186,41 @@ class SharedMemoryTransport:
                                      f"for epoch {epoch} in time")
             self._peers[w] = attach(str(doc["path"]), w, self.ctx, self.device, self.streaming)
         self._reads = []
-        for op in plan.ops:
-            at, nbytes = self._peers[op.src_rank].index.locate(op, op.src_rank)
-            if nbytes != op.nbytes:
-                raise TransportError(f"reader {self.ctx.rank}: writer {op.src_rank} exposes {nbytes} bytes for "
-                                     f"{op.canonical} {op.box}, expected {op.nbytes}")
-            self._reads.append((op.src_rank, op, at))
+        for part in parts:
+            reads = []
+            for op in part.ops:
+                at, nbytes = self._peers[op.src_rank].index.locate(op, op.src_rank)
+                if nbytes != op.nbytes:
+                    raise TransportError(f"reader {self.ctx.rank}: writer {op.src_rank} exposes {nbytes} bytes for "
+                                         f"{op.canonical} {op.box}, expected {op.nbytes}")
+                reads.append((op.src_rank, op, at))
+            self._reads.append(reads)
 
-    def receive(self, version: int, *, timeout: float) -> TransferStats:
+    def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
+        check_phase(phase, self._phases, self.ctx.who)
         stats = TransferStats(version)
         timer = PhaseTimer(stats)
         deadline = Deadline.after(timeout)
+        reads = self._reads[phase]
+        involved = [self._peers[w] for w in dict.fromkeys(w for w, _, _ in reads)]
+        done = False
         try:
-            for peer in self._peers.values():
+            for peer in involved:
                 peer.begin(version, deadline)
             with timer("transfer"):
-                for w, op, at in self._reads:
+                for w, op, at in reads:
                     op_dst_view(self._flats, op).copy_(self._peers[w].source(op, at, version, deadline))
                     stats.nbytes += op.nbytes
                     stats.messages += 1
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-            for peer in self._peers.values():
+            for peer in involved:
                 peer.finish(version, deadline)
-        finally:  # zero-copy writers hold their weights until every reader is done
-            for peer in self._peers.values():
-                peer.release(version)
+            done = True
+        finally:  # zero-copy writers hold their weights until every reader is done (or gave up)
+            if phase == self._phases - 1 or not done:
+                for peer in self._peers.values():
+                    peer.release(version)
         return stats
 
     # -- teardown -------------------------------------------------------------------------
@@ -216,7 +242,7 @@ class SharedMemoryTransport:
 class SnapshotWriter:
     """Snapshot mode, writer side: pack every exposed piece into version slot ``V % slots``."""
 
-    def __init__(self, ctx: TransportContext, index: ExposedIndex, copies: list[tuple[str, TransferOp]], *,
+    def __init__(self, ctx: TransportContext, index: ExposedIndex, copies: list[list[tuple[str, TransferOp]]], *,
                  slots: int, device: torch.device, streaming: bool) -> None:
         slot_bytes = max(index.total_bytes, 64)
         header: dict[str, Any] = {"mode": "snapshot", "index": index.encode(), "slots": slots,
@@ -233,18 +259,21 @@ class SnapshotWriter:
         self.device, self.streaming = device, streaming
         logger.info("%s exposes %d bytes x %d slots in %s", ctx.who, index.total_bytes, slots, self.segment.path)
 
-    def send(self, version: int, flats: Mapping[str, torch.Tensor], timeout: float) -> TransferStats:
+    def send(self, version: int, flats: Mapping[str, torch.Tensor], timeout: float, *, phase: int,
+             last: bool) -> TransferStats:
+        """Pack ``phase``'s pieces into the version's slot; the last phase seals it."""
         stats = TransferStats(version)
         slot = version % self.slots
         base = slot * self.slot_bytes
         control = self.segment.words
-        control[seq_word(slot)] = EMPTY  # readers of the old version in this slot will notice
         progress_at = progress_word(self.slots, slot)
-        control[progress_at] = 0
-        control[writing_word(self.slots, slot)] = version if self.streaming else EMPTY
-        published = 0
+        if phase == 0:
+            control[seq_word(slot)] = EMPTY  # readers of the old version in this slot will notice
+            control[progress_at] = 0
+            control[writing_word(self.slots, slot)] = version if self.streaming else EMPTY
+        published = int(control[progress_at])
         with PhaseTimer(stats)("pack"):
-            for key, op in self.copies:
+            for key, op in self.copies[phase]:
                 at, nbytes = self.index.entries[key]
                 out = self.data[base + at: base + at + nbytes].view(TORCH_DTYPES[op.dst_dtype])
                 out.view(op.box.sizes).copy_(op_src_view(flats, op))
@@ -253,9 +282,13 @@ class SnapshotWriter:
                 if self.streaming and at + nbytes - published >= _PROGRESS_BYTES:
                     published = at + nbytes
                     control[progress_at] = published
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        control[seq_word(slot)] = version
+            if self.streaming and self.copies[phase]:  # the whole phase is readable now
+                key, _ = self.copies[phase][-1]
+                control[progress_at] = max(published, sum(self.index.entries[key]))
+        if last:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            control[seq_word(slot)] = version
         stats.peak_extra_bytes = self.slots * self.slot_bytes
         return stats
 

@@ -79,7 +79,7 @@ class ZeroCopyWriter:
 
     @classmethod
     def create(cls, ctx: TransportContext, plan: Plan, flats: Mapping[str, torch.Tensor], index: ExposedIndex,
-               copies: list[tuple[str, TransferOp]], *, device: torch.device) -> ZeroCopyWriter | None:
+               copies: list[list[tuple[str, TransferOp]]], *, device: torch.device) -> ZeroCopyWriter | None:
         """The zero-copy writer side when this writer qualifies (see module docstring), else None."""
         if device.type != "cpu" or ctx.num_readers > MAX_READERS:
             return None
@@ -87,12 +87,18 @@ class ZeroCopyWriter:
         if files is None:
             return None
         readers = sorted({op.dst_rank for op in plan.ops if op.src_rank == ctx.rank})
-        return cls(ctx, index, files, readers, len(copies))
+        return cls(ctx, index, files, readers, sum(len(phase) for phase in copies))
 
-    def send(self, version: int, flats: Mapping[str, torch.Tensor], timeout: float) -> TransferStats:
+    def send(self, version: int, flats: Mapping[str, torch.Tensor], timeout: float, *, phase: int,
+             last: bool) -> TransferStats:
+        """Expose the weights as ``version`` (first phase); hold them until readers are done (last)."""
         stats = TransferStats(version)
         control = self.segment.words
         deadline = Deadline.after(timeout)
+        if phase == 0:
+            control[EXPOSED_WORD] = version
+        if not last:
+            return stats  # readers copy phase by phase from the exposed weights
         control[EXPOSED_WORD] = version
         try:
             with PhaseTimer(stats)("wait_readers"):

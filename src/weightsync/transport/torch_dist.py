@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync.deadline import Deadline
-from weightsync.transport.base import TransportContext, TransportError, check_tensors_device
+from weightsync.transport.base import TransportContext, TransportError, check_phase, check_tensors_device, phase_plans
 from weightsync.transport.schedule import Message, build_messages, pair_order
 from weightsync.transport.tensors import flat_views
 
@@ -67,7 +67,7 @@ class TorchDistBase:
         self.epoch: int | None = None
         self._store: dist.TCPStore | None = None
         self._pg: Any = None
-        self._schedule: list[Pair] = []
+        self._schedules: list[list[Pair]] = []  # per phase: this rank's pairs and their messages
         self._flats: dict[str, torch.Tensor] = {}
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
         # Both ends of a pair must cut the same messages, and a rank's plan may hold only its
@@ -75,8 +75,8 @@ class TorchDistBase:
         self._message_bytes = max(4096, ctx.options.message_bytes // MAX_LANES)
 
     # -- setup ----------------------------------------------------------------------------
-    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int,
-                timeout: float) -> None:
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
+                phases: Sequence[Plan] | None = None) -> None:
         check_tensors_device(self, self.ctx, tensors)
         if self.epoch != epoch or self._pg is None:
             self._teardown_group()
@@ -85,15 +85,23 @@ class TorchDistBase:
             logger.info("%s joined transport epoch %d (%d ranks, %s)", self.ctx.who, epoch, self.ctx.world_size,
                         type(self).__name__)
         self._flats = flat_views(tensors)
+        self._schedules = [self._schedule_of(part) for part in phase_plans(plan, phases)]
+
+    def _schedule_of(self, plan: Plan) -> list[Pair]:
         me = self.ctx.rank
         mine = [p for p in plan.pairs() if (p[0] if self.ctx.role == "writer" else p[1]) == me]
-        self._schedule = []
+        schedule = []
         for src, dst in pair_order(mine, self.ctx.num_writers, self.ctx.num_readers):
             messages = build_messages(plan.ops_between(src, dst), message_bytes=self._message_bytes,
                                       direct_min_bytes=self.ctx.options.direct_min_bytes)
             peer = dst if self.ctx.role == "writer" else src
             peer_global = src if self.ctx.role == "reader" else self.ctx.num_writers + dst
-            self._schedule.append(Pair(peer, peer_global, messages))
+            schedule.append(Pair(peer, peer_global, messages))
+        return schedule
+
+    def _phase_schedule(self, phase: int) -> list[Pair]:
+        check_phase(phase, len(self._schedules), self.ctx.who)
+        return self._schedules[phase]
 
     def _store_for(self, epoch: int, deadline: Deadline) -> dist.Store:
         """The epoch's TCPStore: writer 0 opens it, everyone else finds it through the job channel."""
@@ -142,7 +150,7 @@ class TorchDistBase:
         self._teardown_group()
         self._buffers.clear()
         self._flats = {}
-        self._schedule = []
+        self._schedules = []
 
 
 @dataclass(frozen=True, slots=True)

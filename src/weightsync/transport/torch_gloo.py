@@ -49,20 +49,20 @@ class GlooTransport(TorchDistBase):
             raise TransportError(f"{self.ctx.who}: process group of epoch {epoch} did not form: {exc}") from exc
 
     # -- data movement --------------------------------------------------------------------
-    def send(self, version: int, *, timeout: float) -> TransferStats:
-        return self._run_pairs(version, timeout, self._send_pair)
+    def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
+        return self._run_pairs(version, timeout, self._send_pair, self._phase_schedule(phase))
 
-    def receive(self, version: int, *, timeout: float) -> TransferStats:
-        return self._run_pairs(version, timeout, self._receive_pair)
+    def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
+        return self._run_pairs(version, timeout, self._receive_pair, self._phase_schedule(phase))
 
-    def _run_pairs(self, version: int, timeout: float, move: Any) -> TransferStats:
+    def _run_pairs(self, version: int, timeout: float, move: Any, schedule: list[Pair]) -> TransferStats:
         """Run ``move`` for every peer, on up to ``MAX_LANES`` threads (see module docstring)."""
         deadline = Deadline.after(timeout)
         pg = self._pg
         if pg is None:
             raise TransportError(f"{self.ctx.who}: no process group; call prepare() first")
-        lanes = max(1, min(len(self._schedule), MAX_LANES))
-        runs = [_LaneRun(i, pg, deadline, TransferStats(version), self._schedule[i::lanes]) for i in range(lanes)]
+        lanes = max(1, min(len(schedule), MAX_LANES))
+        runs = [_LaneRun(i, pg, deadline, TransferStats(version), schedule[i::lanes]) for i in range(lanes)]
         if len(runs) == 1:
             return self._run_lane(runs[0], move)
         with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="weightsync-torch") as pool:

@@ -184,27 +184,27 @@ class NcclTransport(TorchDistBase):
             raise TransportError(f"{self.ctx.who}: NCCL group of epoch {epoch} did not form on {self.device}: "
                                  f"{exc}") from exc
 
-    def send(self, version: int, *, timeout: float) -> TransferStats:
-        return self._move(version, Deadline.after(timeout), sending=True)
+    def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
+        return self._move(version, Deadline.after(timeout), self._phase_schedule(phase), sending=True)
 
-    def receive(self, version: int, *, timeout: float) -> TransferStats:
-        return self._move(version, Deadline.after(timeout), sending=False)
+    def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
+        return self._move(version, Deadline.after(timeout), self._phase_schedule(phase), sending=False)
 
-    def _move(self, version: int, deadline: Deadline, *, sending: bool) -> TransferStats:
+    def _move(self, version: int, deadline: Deadline, schedule: list[Pair], *, sending: bool) -> TransferStats:
         pg = self._pg
         if pg is None:
             raise TransportError(f"{self.ctx.who}: no process group; call prepare() first")
         stats = TransferStats(version)
         timer = PhaseTimer(stats)
-        rounds = rounds_of([pair.messages for pair in self._schedule])
-        sums: dict[int, dict[int, int]] = {i: {} for i in range(len(self._schedule))}
+        rounds = rounds_of([pair.messages for pair in schedule])
+        sums: dict[int, dict[int, int]] = {i: {} for i in range(len(schedule))}
         try:
             with torch.cuda.device(self.device):
                 with timer("post"):
                     for windows in rounds:
-                        self._round(pg, windows, sending, stats, sums)
+                        self._round(pg, schedule, windows, sending=sending, stats=stats, sums=sums)
                     if self.ctx.options.checksum:
-                        self._checksums(pg, sending, sums)
+                        self._checksums(pg, schedule, sending, sums)
                     done = torch.cuda.Event(blocking=True)
                     done.record()
                 with timer("transfer"), Watchdog(deadline, pg.abort) as dog:
@@ -212,16 +212,16 @@ class NcclTransport(TorchDistBase):
         except RuntimeError as exc:
             self._teardown_group()
             raise TransportError(f"{self.ctx.who}: version {version} failed with "
-                                 f"{', '.join(self._peer_label(p.peer) for p in self._schedule)}: {exc}") from exc
+                                 f"{', '.join(self._peer_label(p.peer) for p in schedule)}: {exc}") from exc
         if dog.fired:
             self._teardown_group()  # aborted: the next epoch forms a new communicator
             raise TransportError(f"{self.ctx.who}: version {version} did not complete in time with "
-                                 f"{', '.join(self._peer_label(p.peer) for p in self._schedule)}; the NCCL "
+                                 f"{', '.join(self._peer_label(p.peer) for p in schedule)}; the NCCL "
                                  "communicator was aborted")
         stats.peak_extra_bytes = self._extra_bytes()
         return stats
 
-    def _round(self, pg: Any, windows: list[Window], sending: bool, stats: TransferStats,
+    def _round(self, pg: Any, schedule: list[Pair], windows: list[Window], *, sending: bool, stats: TransferStats,
                sums: dict[int, dict[int, int]]) -> None:
         """Post one round as one NCCL group; scatter its staged message on the stream after it.
 
@@ -232,7 +232,7 @@ class NcclTransport(TorchDistBase):
         landed: list[tuple[Message, torch.Tensor, int, int]] = []
         pg._start_coalescing(self.device)
         for window in windows:
-            pair = self._schedule[window.pair]
+            pair = schedule[window.pair]
             for offset, message in enumerate(window.messages):
                 tag = window.first + offset
                 if sending:
@@ -260,11 +260,11 @@ class NcclTransport(TorchDistBase):
             if not message.direct:
                 scatter(message, self._flats, payload)
 
-    def _checksums(self, pg: Any, sending: bool, sums: dict[int, dict[int, int]]) -> None:
+    def _checksums(self, pg: Any, schedule: list[Pair], sending: bool, sums: dict[int, dict[int, int]]) -> None:
         """One more round: each pair's CRC32s in message order, compared by the receiver."""
         tails = []
         pg._start_coalescing(self.device)
-        for i, pair in enumerate(self._schedule):
+        for i, pair in enumerate(schedule):
             if not pair.messages:
                 continue
             ordered = [sums[i].get(tag, -1) for tag in range(len(pair.messages))]
