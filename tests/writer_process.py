@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from weightsync.layout import parse_layout
-from weightsync.session import SyncConfig
+from weightsync.session import SyncConfig, TransportOptions
 from weightsync.sources.module import ShardedSource
 from weightsync.tiny import canonical_weights
 from weightsync.torch_layout import fill_from_canonical
@@ -31,14 +31,16 @@ HERE = Path(__file__).resolve().parent
 
 
 @contextlib.contextmanager
-def writer_processes(server: Any, config: dict[str, Any], layout: str, *, job: str,
-                     seeds: list[int]) -> Iterator[list[subprocess.Popen[str]]]:
-    """Training ranks in subprocesses, writing versions 1.. with ``seeds``' weights."""
+def writer_processes(server: Any, config: dict[str, Any], layout: str, *, job: str, seeds: list[int],
+                     extra: tuple[str, ...] = ()) -> Iterator[list[subprocess.Popen[str]]]:
+    """Training ranks in subprocesses, writing versions 1.. with ``seeds``' weights.
+
+    ``extra``: more flags (``--transport shm``, ``--bucket 65536``, ``--layer-phases``)."""
     env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
            "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, str(HERE / "writer_process.py"), "--config", json.dumps(config),
                                "--layout", layout, "--rank", str(rank), "--job", job,
-                               "--seeds", ",".join(map(str, seeds))],
+                               "--seeds", ",".join(map(str, seeds)), *extra],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in range(parse_layout(layout).world_size)]
     try:
@@ -64,12 +66,16 @@ def main() -> int:
     parser.add_argument("--job", default="default")
     parser.add_argument("--seeds", required=True)
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--transport", default="auto")
+    parser.add_argument("--bucket", type=int, default=64 << 20)
+    parser.add_argument("--layer-phases", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = json.loads(args.config)
     source = ShardedSource(args.layout, config, args.rank)
     sync = SyncConfig(num_writers=parse_layout(args.layout).world_size, num_readers=args.readers, job=args.job,
-                      timeout=args.timeout)
+                      timeout=args.timeout, transport=args.transport, layer_phases=args.layer_phases,
+                      transport_options=TransportOptions(max_bucket_bytes=args.bucket))
     with WeightWriter(source, rank=args.rank, config=sync) as writer:
         for version, seed in enumerate((int(s) for s in args.seeds.split(",")), start=1):
             fill_from_canonical(source.layout(), source.tensors(), canonical_weights(config, seed))

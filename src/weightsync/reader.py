@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from weightsync.deadline import Deadline
 from weightsync.job import PublishedVersion
-from weightsync.session import SyncConfig, SyncError, SyncResult, SyncSession
+from weightsync.session import SyncConfig, SyncError, SyncResult, SyncSession, device_of
 from weightsync.transport import TransportError
 
 if TYPE_CHECKING:
@@ -58,8 +58,15 @@ class WeightReader:
         self.meta = meta if meta is not None else MetaClient.from_env(job=config.job)
         self.engine = engine
         self.config = config
-        self.session = SyncSession("reader", rank, engine, config, self.meta, tensors=engine.receive_buffers)
+        self.session = SyncSession("reader", rank, engine, config, self.meta, device=self._device)
         self._failed: int | None = None
+
+    def _device(self) -> str:
+        from weightsync.engines.base import PhasedEngine
+
+        if isinstance(self.engine, PhasedEngine):  # its buffers are laid out only once the phases are known
+            return self.engine.device
+        return device_of(self.engine.receive_buffers(), f"reader {self.rank}")
 
     @property
     def rank(self) -> int:
@@ -91,6 +98,7 @@ class WeightReader:
             phases["plan"] = session.timings["setup"]
         planned = session.planned
         assert planned is not None
+        self._lay_out(planned.phase_names)
         t0 = time.perf_counter()
         published = self._wait_for_version(version, deadline)
         phases["wait"] = time.perf_counter() - t0
@@ -106,12 +114,22 @@ class WeightReader:
             t0 = time.perf_counter()
             transport = session.arm(buffers, published.epoch, deadline)
             phases["prepare"] = time.perf_counter() - t0
-            stats = transport.receive(v, timeout=deadline.remaining())
+            nbytes = 0
+            for phase in range(planned.num_phases):
+                stats = transport.receive(v, timeout=deadline.remaining(), phase=phase)
+                nbytes += stats.nbytes
+                for name, seconds in stats.phases.items():
+                    phases[f"receive.{name}"] = phases.get(f"receive.{name}", 0.0) + seconds
+                if planned.phases:  # an engine staging phase by phase loads this one now
+                    t0 = time.perf_counter()
+                    self._phase_arrived(v, phase, planned.phase_names[phase])
+                    phases["load"] = phases.get("load", 0.0) + time.perf_counter() - t0
         except (TransportError, ValueError) as exc:
             self._fail(published, exc)
             raise SyncError(f"reader {self.rank}: version {v} failed: {exc}") from exc
-        for name, seconds in stats.phases.items():
-            phases[f"receive.{name}"] = seconds
+        except Exception as exc:
+            self._fail(published, exc)
+            raise SyncError(f"reader {self.rank}: engine could not load version {v}: {exc}") from exc
         t0 = time.perf_counter()
         try:
             self.engine.apply(v)
@@ -119,11 +137,25 @@ class WeightReader:
             self._fail(published, exc)
             raise SyncError(f"reader {self.rank}: engine could not apply version {v}: {exc}") from exc
         phases["apply"] = time.perf_counter() - t0
-        result = UpdateResult(v, stats.nbytes, phases)
-        session.channel.report_applied(v, nbytes=stats.nbytes, seconds=result.seconds)
+        result = UpdateResult(v, nbytes, phases)
+        session.channel.report_applied(v, nbytes=nbytes, seconds=result.seconds)
         self._failed = None
-        logger.info("reader %d applied version %d: %d bytes, %.3fs", self.rank, v, stats.nbytes, result.seconds)
+        logger.info("reader %d applied version %d: %d bytes, %.3fs", self.rank, v, nbytes, result.seconds)
         return result
+
+    def _lay_out(self, phases: tuple[tuple[str, ...], ...]) -> None:
+        """A phased engine lays its staging out for the job's phases (idempotent)."""
+        from weightsync.engines.base import PhasedEngine
+
+        if isinstance(self.engine, PhasedEngine):
+            self.engine.use_phases(phases or None)
+
+    def _phase_arrived(self, version: int, phase: int, names: tuple[str, ...]) -> None:
+        """Tell an engine that stages phase by phase (``PhasedEngine``) that a phase is complete."""
+        from weightsync.engines.base import PhasedEngine
+
+        if isinstance(self.engine, PhasedEngine):
+            self.engine.phase_arrived(version, phase, names)
 
     def _wait_for_version(self, version: int | None, deadline: Deadline) -> PublishedVersion:
         # Never re-take a version that already failed here (two-sided writers moved on).

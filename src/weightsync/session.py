@@ -25,7 +25,7 @@ from weightsync.deadline import Deadline
 from weightsync.devices import RankPlacement, choose_transport, tensors_device
 from weightsync.job import JobChannel, Role
 from weightsync.layout.wire import decode_layout, encode_descriptor, encode_explicit
-from weightsync.plan import PlanOptions, build_local_plan
+from weightsync.plan import PlanOptions, build_local_plan, layer_phases, split_plan
 from weightsync.transport import TransportContext, TransportOptions, create_transport, unavailable_reason
 
 if TYPE_CHECKING:
@@ -37,6 +37,11 @@ if TYPE_CHECKING:
     from weightsync.transport import Transport
 
 logger = logging.getLogger(__name__)
+
+
+def device_of(tensors: Mapping[str, torch.Tensor], who: str) -> str:
+    """The one device a rank's tensors live on (``"cuda:N"`` with its index)."""
+    return tensors_device((str(t.device) for t in tensors.values()), what=f"{who}'s tensors")
 
 
 class SyncError(RuntimeError):
@@ -66,6 +71,10 @@ class SyncConfig:
         staleness: how many versions training may run ahead of the slowest reader; 0 means
             synchronous (``write`` returns when every reader applied the version).
         timeout: default bound, in seconds, on every blocking step.
+        layer_phases: move each version in phases of whole layers, each at most
+            ``transport_options.max_bucket_bytes`` (:mod:`weightsync.plan.phases`), so that an
+            engine running its own loader (vLLM) stages one phase at a time instead of a
+            whole-model copy.
     """
 
     num_writers: int
@@ -77,6 +86,7 @@ class SyncConfig:
     staleness: int = 0
     timeout: float = 300.0
     host: str = ""
+    layer_phases: bool = False
 
     def __post_init__(self) -> None:
         if self.num_writers < 1 or self.num_readers < 1:
@@ -108,18 +118,26 @@ class PlannedSync:
     seconds: float  # registration, rendezvous and planning
     device: str  # where this rank's tensors live ("cpu", "cuda:N")
     why: str  # why this transport (``auto``'s reasoning, or "requested")
+    #: the canonical tensors of each phase (one phase, every tensor, without ``layer_phases``)
+    phase_names: tuple[tuple[str, ...], ...] = ()
+    #: this rank's plan cut by phase (empty without ``layer_phases``)
+    phases: tuple[Plan, ...] = ()
+
+    @property
+    def num_phases(self) -> int:
+        return max(1, len(self.phases))
 
 
 class SyncSession:
     """One rank's view of a job (see module docstring)."""
 
     def __init__(self, role: Role, rank: int, provider: LayoutProvider, config: SyncConfig,
-                 meta: MetaClient, *, tensors: Callable[[], Mapping[str, torch.Tensor]]) -> None:
+                 meta: MetaClient, *, device: Callable[[], str]) -> None:
         size = config.num_writers if role == "writer" else config.num_readers
         if not 0 <= rank < size:
             raise ValueError(f"{role} rank {rank} is outside 0..{size - 1} (the job has {size} {role}s)")
         self.provider = provider
-        self.tensors = tensors  # the source's tensors or the engine's receive buffers
+        self._device = device  # where the source's tensors or the engine's buffers live
         self.config = config
         self.channel = JobChannel(meta, role=role, rank=rank)
         self.host = config.host or socket.gethostname()
@@ -147,7 +165,7 @@ class SyncSession:
     def device(self) -> str:
         """Where this rank's tensors live: published so that the job picks a transport that
         can move them (see :func:`weightsync.devices.choose_transport`)."""
-        return tensors_device((str(t.device) for t in self.tensors().values()), what=f"{self.channel.who}'s tensors")
+        return self._device()
 
     def register(self) -> None:
         if self._registered:
@@ -178,14 +196,20 @@ class SyncSession:
         unavailable = {n: r for n in ("shm", "nixl", "file") if (r := unavailable_reason(n)) is not None}
         choice = choose_transport(self.config.transport, placements, unavailable=unavailable)
         opts = self.config.transport_options
-        digest = hashlib.blake2b(f"{choice.name}|{opts.digest()}".encode(), digest_size=4).hexdigest()
+        phase_names: tuple[tuple[str, ...], ...] = ()
+        phases: tuple[Plan, ...] = ()
+        if self.config.layer_phases:
+            phase_names = layer_phases(writers[0].canonical, budget_bytes=opts.max_bucket_bytes)
+            phases = tuple(split_plan(plan, phase_names))
+        digest = hashlib.blake2b(f"{choice.name}|{opts.digest()}|phases={len(phase_names)}".encode(),
+                                 digest_size=4).hexdigest()
         device = self.device()
         ctx = TransportContext(job=self.channel, num_writers=self.config.num_writers,
                                num_readers=self.config.num_readers, device=device, options=opts)
         transport = create_transport(choice.name, ctx)
         self.timings["setup"] = time.perf_counter() - started
         self.planned = PlannedSync(plan, transport, choice.name, f"{plan.fingerprint}-{digest}",
-                                   self.timings["setup"], device, choice.reason)
+                                   self.timings["setup"], device, choice.reason, phase_names, phases)
         logger.info("%s planned %d ops (%d bytes) over %s on %s (%s) in %.3fs", self.channel.who, len(plan),
                     plan.total_bytes, choice.name, device, choice.reason, self.timings["plan"])
         return self.planned
@@ -211,7 +235,8 @@ class SyncSession:
         ptrs = tuple(t.data_ptr() for t in tensors.values())
         if self._armed != (epoch, ptrs):
             t0 = time.perf_counter()
-            planned.transport.prepare(planned.plan, tensors, epoch=epoch, timeout=deadline.remaining())
+            planned.transport.prepare(planned.plan, tensors, epoch=epoch, timeout=deadline.remaining(),
+                                      phases=planned.phases or None)
             self._armed = (epoch, ptrs)
             self.timings["prepare"] = time.perf_counter() - t0
         return planned.transport

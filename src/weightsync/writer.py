@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from weightsync.deadline import Deadline
 from weightsync.job import PublishedVersion
-from weightsync.session import SyncConfig, SyncError, SyncResult, SyncSession
+from weightsync.session import SyncConfig, SyncError, SyncResult, SyncSession, device_of
 from weightsync.transport import TransportError
 
 if TYPE_CHECKING:
@@ -47,7 +47,8 @@ class WeightWriter:
         self.meta = meta if meta is not None else MetaClient.from_env(job=config.job)
         self.source = source
         self.config = config
-        self.session = SyncSession("writer", rank, source, config, self.meta, tensors=source.tensors)
+        self.session = SyncSession("writer", rank, source, config, self.meta,
+                                   device=lambda: device_of(source.tensors(), f"writer {rank}"))
         self.version: int | None = None
         self._history: list[int] = []  # versions this writer published, oldest first
 
@@ -91,10 +92,11 @@ class WeightWriter:
             t0 = time.perf_counter()
             session.arm(tensors, epoch, deadline)
             result.phases["prepare"] = time.perf_counter() - t0
-            stats = transport.send(version, timeout=deadline.remaining())
-            result.nbytes = stats.nbytes
-            for name, seconds in stats.phases.items():
-                result.phases[f"send.{name}"] = seconds
+            for phase in range(planned.num_phases):  # phases of whole layers, or the version at once
+                stats = transport.send(version, timeout=deadline.remaining(), phase=phase)
+                result.nbytes += stats.nbytes
+                for name, seconds in stats.phases.items():
+                    result.phases[f"send.{name}"] = result.phases.get(f"send.{name}", 0.0) + seconds
             if not transport.publishes_before_send:
                 self._publish(published, result)
         except TransportError as exc:

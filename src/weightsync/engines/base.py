@@ -45,3 +45,27 @@ class InferenceEngine(LayoutProvider, Protocol):
     def weight_version(self) -> int | None:
         """The version the engine's weights are at; None before the first update or after a failure."""
         ...
+
+
+@runtime_checkable
+class PhasedEngine(InferenceEngine, Protocol):
+    """An engine that stages a version phase by phase (``SyncConfig(layer_phases=True)``).
+
+    Its receive buffers for different phases may share memory (one staging arena): after each
+    phase arrives, the reader calls ``phase_arrived``, and the engine loads those tensors
+    before the next phase lands; ``apply`` then completes the version (``abort`` if any
+    phase failed).
+    """
+
+    @property
+    def device(self) -> str:
+        """Where the buffers will live (``"cuda:N"`` with its index), before they exist."""
+        ...
+
+    def use_phases(self, phases: tuple[tuple[str, ...], ...] | None) -> None:
+        """Lay the buffers out for the job's phases (None: the whole version at once)."""
+        ...
+
+    def phase_arrived(self, version: int, phase: int, names: tuple[str, ...]) -> None:
+        """Phase ``phase`` of ``version`` (canonical tensors ``names``) is in the buffers."""
+        ...

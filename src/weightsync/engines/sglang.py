@@ -91,15 +91,19 @@ class SGLangEngine(StagedWeights):
         self._group: Any = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightsync-sglang")
 
-    def _load(self, version: int) -> None:
-        items = self.staged_items()
+    #: SGLang takes a version in one update call (its cache is flushed with it): whole-model staging.
+    loads_in_phases = False
+
+    def _load_items(self, items: list[tuple[str, torch.Tensor]]) -> None:
         if self.mode == "tensor":
             _check(self.engine.update_weights_from_tensor(named_tensors=items, flush_cache=True), "update")
         else:
             self._broadcast(items)
+
+    def _end(self, version: int, *, failed: bool = False) -> None:
         # Not every SGLang release can set the version through its Python Engine; servers can.
         set_version = getattr(self.engine, "update_weight_version", None)
-        if set_version is not None:
+        if set_version is not None and not failed:
             set_version(str(version))
 
     # -- mode="distributed" ---------------------------------------------------------------------

@@ -7,10 +7,11 @@ version has fully arrived, the adapter pushes every staged tensor through the en
 own loader, which fuses, shards and repacks exactly as at start-up.
 
     class MyEngine(StagedWeights):
-        def _load(self, version):
-            engine.load_weights(self.staged_items())     # checkpoint order, full tensors
+        def _load_items(self, items):
+            engine.load_weights(items)     # checkpoint order, full tensors
 
-Memory: one copy of the model in the engine's dtype, on the device given.
+Memory: one copy of the model in the engine's dtype, on the device given; with phases
+(``SyncConfig(layer_phases=True)``), one phase of whole layers.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from types import MappingProxyType
 
 import torch
 
-from weightsync.layout import ModelSpec, RankLayout
+from weightsync.layout import ModelSpec, RankLayout, Shard
 from weightsync.layout.kinds.hf import HFLayout
-from weightsync.torch_layout import allocate, dtype_name
+from weightsync.torch_layout import TORCH_DTYPES, dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +34,19 @@ class StagedWeights:
 
     The part of an engine adapter that does not depend on where the model lives: the
     layout (``hf:dtype=...``), the buffers, validation, and the weight version. Subclasses
-    implement :meth:`_load` (push every staged tensor through the engine's loader).
+    push staged tensors through the engine's loader: :meth:`_begin` opens a load,
+    :meth:`_load_items` loads some tensors, :meth:`_end` completes the version.
+
+    **Phases** (``SyncConfig(layer_phases=True)``; a :class:`~weightsync.engines.base.PhasedEngine`):
+    the reader calls :meth:`use_phases` with the job's phases of whole layers; an engine that
+    ``loads_in_phases`` then lays its buffers out in one *arena* the size of the largest
+    phase, every phase's tensors on the same memory, and loads each phase as it arrives
+    (:meth:`phase_arrived`). Staging is then one phase, not the model.
     """
+
+    #: Whether the engine's loader takes a version in several calls (vLLM's layerwise reload
+    #: does); an engine that does not stages the whole model whatever the phases.
+    loads_in_phases: bool = True
 
     def __init__(self, spec: ModelSpec, *, dtype: torch.dtype, device: str | torch.device, rank: int,
                  replicas: int | None = None) -> None:
@@ -45,16 +57,26 @@ class StagedWeights:
         kind.validate(spec)
         self.layout_text = kind.describe()
         self._layout = kind.rank_layout(spec, rank)
-        self._buffers = allocate(self._layout, device=device)
+        self._device = torch.device(device)
+        self._phases: tuple[tuple[str, ...], ...] | None = None  # laid out for these; None: not yet
+        self._arena: torch.Tensor | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
         self._version: int | None = None
         self._complete = False  # every buffer holds one consistent version
         self._touched = False   # a load into the engine started and did not finish
+        self._loading: int | None = None  # the version whose load is open (between phases)
 
     # -- InferenceEngine ----------------------------------------------------------------------
     def layout(self) -> RankLayout:
         return self._layout
 
+    @property
+    def device(self) -> str:
+        return str(self._device) if self._device.type == "cpu" else str(torch.empty(0, device=self._device).device)
+
     def receive_buffers(self) -> Mapping[str, torch.Tensor]:
+        if self._phases is None:
+            self.use_phases(None)
         return MappingProxyType(self._buffers)
 
     def descriptor(self) -> tuple[str, Mapping[str, object]] | None:
@@ -66,19 +88,81 @@ class StagedWeights:
 
     @property
     def staging_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._buffers.values())
+        """Memory the staging buffers take (the arena: the largest phase)."""
+        return 0 if self._arena is None else self._arena.numel()
 
-    def apply(self, version: int) -> None:
-        """Every buffer holds ``version`` (the reader's contract): load it into the engine."""
-        self._complete = True
+    # -- phases -------------------------------------------------------------------------------
+    def use_phases(self, phases: tuple[tuple[str, ...], ...] | None) -> None:
+        """Lay the buffers out for ``phases`` of canonical tensors (None: the whole model at once)."""
+        everything = (tuple(self._layout.canonical),)
+        wanted = phases if phases and self.loads_in_phases else everything
+        if wanted == self._phases:
+            return
+        phase_of = {name: i for i, names in enumerate(wanted) for name in names}
+        by_phase: list[list[Shard]] = [[] for _ in wanted]
+        for shard in self._layout.shards:
+            owners = {phase_of.get(r.canonical) for r in shard.regions}
+            if len(owners) != 1 or None in owners:
+                raise ValueError(f"shard {shard.name} spans phases {sorted(o for o in owners if o is not None)}")
+            by_phase[owners.pop()].append(shard)  # type: ignore[index]
+        offsets: dict[str, int] = {}
+        size = 0
+        for shards in by_phase:
+            at = 0
+            for shard in shards:
+                offsets[shard.name] = at
+                at += -(-shard.nbytes // _ALIGN) * _ALIGN
+            size = max(size, at)
+        self._arena = None
+        self._buffers = {}
+        arena = torch.zeros(max(size, _ALIGN), dtype=torch.uint8, device=self._device)
+        for shard in self._layout.shards:
+            at = offsets[shard.name]
+            self._buffers[shard.name] = arena[at: at + shard.nbytes].view(TORCH_DTYPES[shard.dtype]).view(shard.shape)
+        self._arena, self._phases = arena, wanted
+        self._phase_shards = by_phase
+        self._complete = False  # whatever was staged before is gone
+        logger.info("staging: %d phase(s), arena of %.1f MB on %s", len(wanted), size / 1e6, self._device)
+
+    def phase_arrived(self, version: int, phase: int, names: tuple[str, ...]) -> None:
+        """Phase ``phase`` of ``version`` is staged: load it now (the next phase reuses the memory)."""
+        if self._phases is None or len(self._phases) == 1:
+            return  # everything is loaded by apply()
+        if self._phases[phase] != names:
+            raise ValueError(f"phase {phase} of the job holds other tensors than this engine laid out: the engine "
+                             "and the job disagree on phases (same max_bucket_bytes everywhere?)")
+        if phase == 0:
+            self._open(version)
+        items = [(s.name, self._buffers[s.name]) for s in self._phase_shards[phase]]
+        check_weights(_only(self._layout, items), dict(items), complete=True, exact_dtype=True)
+        self._load_items(items)
+
+    # -- the version's lifecycle ----------------------------------------------------------------
+    def _open(self, version: int) -> None:
         self._version = None
         self._touched = True
-        self._load(version)
+        self._loading = version
+        self._begin(version)
+
+    def apply(self, version: int) -> None:
+        """Every buffer (or phase) holds ``version`` (the reader's contract): complete the load."""
+        if self._loading != version:  # the whole model at once: load it all now
+            self._open(version)
+            self._load_items(self.staged_items())
+        self._loading = None
+        self._end(version)
+        self._complete = True
         self._touched = False
         self._version = version
 
     def abort(self, version: int, error: BaseException) -> None:
         # The buffers may hold a mix of two versions; the next update must be a full one.
+        if self._loading is not None:
+            self._loading = None
+            try:
+                self._end(version, failed=True)  # never leave the engine inside an open load
+            except Exception as exc:  # the original error is what the caller sees
+                logger.warning("closing the failed load of version %d: %s", version, exc)
         self._complete = False
         self._version = None
         logger.warning("version %d was not applied (%s); the engine's weights are %s", version, error,
@@ -90,12 +174,14 @@ class StagedWeights:
         """Load tensors you hold (checkpoint names, full shapes) as ``version``.
 
         Everything is checked before the engine is touched; a rejected update leaves the
-        engine as it was. The first update (and the first after a failure) must cover every
-        tensor; later ones may cover a subset, the rest keeps its staged value.
+        engine as it was. The first update (and the first after a failure, or after phased
+        syncs) must cover every tensor; later ones may cover a subset, the rest keeps its
+        staged value.
 
         Raises:
             ValueError: unknown names, wrong shapes, non-floating dtypes, or missing tensors.
         """
+        self.use_phases(None)
         items = dict(weights.items() if isinstance(weights, Mapping) else weights)
         check_weights(self._layout, items, complete=not self._complete)
         for name, tensor in items.items():
@@ -111,8 +197,23 @@ class StagedWeights:
         check_weights(self._layout, self._buffers, complete=True, exact_dtype=True)
         return [(shard.name, self._buffers[shard.name]) for shard in self._layout.shards]
 
-    def _load(self, version: int) -> None:
+    # -- the engine's loader (subclasses) ------------------------------------------------------
+    def _begin(self, version: int) -> None:
+        """Open a load of ``version`` into the engine (vLLM: a layerwise-reload session)."""
+
+    def _load_items(self, items: list[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError
+
+    def _end(self, version: int, *, failed: bool = False) -> None:
+        """Complete (or, ``failed``, close) the load: after it the engine serves the new weights."""
+
+
+_ALIGN = 64
+
+
+def _only(layout: RankLayout, items: list[tuple[str, torch.Tensor]]) -> RankLayout:
+    names = {name for name, _ in items}
+    return RankLayout(layout.rank, tuple(s for s in layout.shards if s.name in names), layout.canonical)
 
 
 def check_weights(layout: RankLayout, weights: Mapping[str, torch.Tensor], *, complete: bool,

@@ -37,8 +37,7 @@ this module; ``vllm`` is imported lazily, inside functions.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -79,10 +78,17 @@ class VLLMEngine(StagedWeights):
                          device=vllm_config.device_config.device, rank=rank, replicas=replicas)
         self.llm = llm
 
-    def _load(self, version: int) -> None:
-        items = self.staged_items()
-        # In-process, collective_rpc calls the function directly: the tensors are passed by reference.
-        self.llm.collective_rpc(_reload_worker, args=(items,))
+    # In-process, collective_rpc calls the functions directly: the tensors are passed by reference.
+    def _begin(self, version: int) -> None:
+        self.llm.collective_rpc(_reload_begin)
+
+    def _load_items(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        self.llm.collective_rpc(_reload_load, args=(items,))
+
+    def _end(self, version: int, *, failed: bool = False) -> None:
+        self.llm.collective_rpc(_reload_end)
+        if failed:
+            return
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache (requests are running); cached KV "
                                "blocks computed with the old weights would be reused")
@@ -133,29 +139,74 @@ def check_supported(vllm_config: Any) -> None:
         raise ValueError("engines with LoRA enabled are not supported")
 
 
-def reload_model(model: Any, vllm_config: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Load checkpoint-format ``weights`` into a live vLLM model in one layerwise-reload session.
+class ReloadSession:
+    """One layerwise-reload session on a live vLLM model, opened, fed, and always closed.
 
-    Each module is rebuilt once all its checkpoint tensors arrived (so every part of a
-    fused layer must be in ``weights``), processed like at start-up (repacking) and copied
-    into the old kernel tensors, whose addresses therefore never change. The session is
-    always closed, even on error: an open one leaves layers on the meta device, and the
-    next forward pass hangs the engine.
+    Each module is rebuilt once all its checkpoint tensors arrived (so every part of a fused
+    layer must come in one :meth:`load`, or across loads of one session), processed like at
+    start-up (repacking) and copied into the old kernel tensors, whose addresses therefore
+    never change. Feeding a session several times, one phase of whole layers each, is what
+    bounds staging to a phase. The session must always be closed (:meth:`end`), even on
+    error: an open one leaves layers on the meta device, and the next forward pass hangs
+    the engine.
     """
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-    with set_current_vllm_config(vllm_config), _cpu_moe_prepack_fix(model):
-        initialize_layerwise_reload(model)
+    def __init__(self, model: Any, vllm_config: Any) -> None:
+        self.model = model
+        self.vllm_config = vllm_config
+        self._stashed: list[tuple[Any, Any]] = []
+
+    def begin(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        self._stashed = _stash_cpu_moe_kernels(self.model)
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model)
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            self.model.load_weights(iter(weights))
+
+    def end(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
         try:
-            model.load_weights(iter(weights))
+            with set_current_vllm_config(self.vllm_config):
+                finalize_layerwise_reload(self.model, self.vllm_config.model_config)
         finally:
-            finalize_layerwise_reload(model, vllm_config.model_config)
-    _cpu_retie_lm_head(model)
+            _restore_cpu_moe_kernels(self._stashed)
+            self._stashed = []
+        _cpu_retie_lm_head(self.model)
 
 
-def _reload_worker(worker: Any, items: list[tuple[str, torch.Tensor]]) -> None:
-    reload_model(worker.model_runner.get_model(), worker.vllm_config, items)
+def reload_model(model: Any, vllm_config: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load checkpoint-format ``weights`` into a live vLLM model in one reload session."""
+    session = ReloadSession(model, vllm_config)
+    session.begin()
+    try:
+        session.load(weights)
+    finally:
+        session.end()
+
+
+# Worker-side halves of VLLMEngine's load (collective_rpc runs them in the worker; in process).
+def _reload_begin(worker: Any) -> None:
+    worker._weightsync_reload = ReloadSession(worker.model_runner.get_model(), worker.vllm_config)
+    worker._weightsync_reload.begin()
+
+
+def _reload_load(worker: Any, items: list[tuple[str, torch.Tensor]]) -> None:
+    worker._weightsync_reload.load(items)
+
+
+def _reload_end(worker: Any) -> None:
+    session, worker._weightsync_reload = worker._weightsync_reload, None
+    if session is not None:
+        session.end()
 
 
 # -- vLLM 0.32 CPU reload fixes (each has its own test in tests/test_engine_vllm.py) --------------
@@ -166,9 +217,8 @@ def _on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
-@contextlib.contextmanager
-def _cpu_moe_prepack_fix(model: torch.nn.Module) -> Iterator[None]:
-    """Make a reload re-prepack unquantized MoE experts on CPU.
+def _stash_cpu_moe_kernels(model: torch.nn.Module) -> list[tuple[Any, Any]]:
+    """Make a reload re-prepack unquantized MoE experts on CPU (undone by :func:`_restore_cpu_moe_kernels`).
 
     vLLM 0.32's ``UnquantizedFusedMoEMethod._setup_kernel`` runs the CPU prepack
     (``CPUUnquantizedExperts.process_weights_after_loading``) only when ``moe_kernel`` is
@@ -178,8 +228,7 @@ def _cpu_moe_prepack_fix(model: torch.nn.Module) -> Iterator[None]:
     rebuild get their old kernel back.
     """
     if not _on_cpu():
-        yield
-        return
+        return []
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     stashed: list[tuple[Any, Any]] = []
@@ -189,12 +238,14 @@ def _cpu_moe_prepack_fix(model: torch.nn.Module) -> Iterator[None]:
         if kernel is not None and isinstance(getattr(kernel, "fused_experts", None), CPUUnquantizedExperts):
             stashed.append((method, kernel))
             method.moe_kernel = None
-    try:
-        yield
-    finally:
-        for method, kernel in stashed:
-            if method.moe_kernel is None:
-                method.moe_kernel = kernel
+    return stashed
+
+
+def _restore_cpu_moe_kernels(stashed: list[tuple[Any, Any]]) -> None:
+    """Give layers the session did not rebuild their old kernel back."""
+    for method, kernel in stashed:
+        if method.moe_kernel is None:
+            method.moe_kernel = kernel
 
 
 def _cpu_retie_lm_head(model: torch.nn.Module) -> None:

@@ -35,7 +35,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightsync.engines.staging import StagedWeights
-from weightsync.engines.vllm import check_supported, reload_model, spec_of
+from weightsync.engines.vllm import ReloadSession, check_supported, spec_of
 from weightsync.reader import WeightReader
 from weightsync.session import SyncConfig, TransportOptions
 
@@ -56,6 +56,7 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     transport: str = "auto"
     timeout: float = 300.0
     max_bucket_bytes: int = 64 << 20
+    layer_phases: bool = False
 
 
 @dataclass
@@ -67,7 +68,8 @@ class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
 
 
 class _WorkerEngine(StagedWeights):
-    """The model inside this worker, loaded through ``reload_model``."""
+    """The model inside this worker, loaded through one reload session per version (fed a
+    phase of whole layers at a time with ``layer_phases``)."""
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device, rank: int,
                  replicas: int) -> None:
@@ -76,9 +78,20 @@ class _WorkerEngine(StagedWeights):
                          replicas=replicas)
         self.model = model
         self.vllm_config = vllm_config
+        self._session: ReloadSession | None = None
 
-    def _load(self, version: int) -> None:
-        reload_model(self.model, self.vllm_config, self.staged_items())
+    def _begin(self, version: int) -> None:
+        self._session = ReloadSession(self.model, self.vllm_config)
+        self._session.begin()
+
+    def _load_items(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        assert self._session is not None, "a load outside a reload session"
+        self._session.load(items)
+
+    def _end(self, version: int, *, failed: bool = False) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            session.end()
 
 
 class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):
@@ -101,12 +114,13 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         engine = _WorkerEngine(self.model, self.vllm_config, self.device, init_info.rank, init_info.num_readers)
         config = SyncConfig(num_writers=init_info.num_writers, num_readers=init_info.num_readers,
                             job=init_info.job, transport=init_info.transport, timeout=init_info.timeout,
+                            layer_phases=init_info.layer_phases,
                             transport_options=TransportOptions(max_bucket_bytes=init_info.max_bucket_bytes))
         meta = (MetaClient(init_info.meta_address, job=init_info.job, token=init_info.meta_token)
                 if init_info.meta_address else MetaClient.from_env(job=init_info.job))
         self.reader = WeightReader(engine, rank=init_info.rank, config=config, meta=meta)
-        logger.info("weightsync reader %d ready: %.1f MB of staging buffers", init_info.rank,
-                    engine.staging_bytes / 1e6)
+        logger.info("weightsync reader %d ready (%s); staging is laid out at the first update", init_info.rank,
+                    "phases of whole layers" if init_info.layer_phases else "the whole model at once")
 
     def start_weight_update(self) -> None:
         # Nothing to prepare: the data arrives, and is checked, before the reload session opens.

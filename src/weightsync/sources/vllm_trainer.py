@@ -60,6 +60,9 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
         model_config: the model's Hugging Face config (needed for vLLM sources; weightsync
             sources carry their own).
         reader_rank: the weightsync rank of the engine's first worker (several engines: 0, 1, ...).
+        layer_phases: move each version in phases of whole layers (``SyncConfig.layer_phases``), so
+            a worker stages one phase (at most ``max_bucket_bytes``, or one layer) instead of the
+            whole model.
     """
 
     backend: ClassVar[str] = "weightsync"
@@ -75,12 +78,13 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
     max_bucket_bytes: int = 64 << 20
     model_config: dict[str, Any] | None = None
     reader_rank: int = 0
+    layer_phases: bool = True
 
     def worker_init_info(self, meta_address: str, meta_token: str) -> dict[str, Any]:
         """What the workers' ``init_weight_transfer_engine`` needs (JSON-safe)."""
         return {"meta_address": meta_address, "meta_token": meta_token, "job": self.job, "rank": self.reader_rank,
                 "num_writers": self.num_writers, "num_readers": self.num_readers, "transport": self.transport,
-                "timeout": self.timeout, "max_bucket_bytes": self.max_bucket_bytes}
+                "timeout": self.timeout, "max_bucket_bytes": self.max_bucket_bytes, "layer_phases": self.layer_phases}
 
 
 class WeightSourceAdapter:
@@ -246,6 +250,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         closers.insert(0, meta.close)
         config = SyncConfig(num_writers=init_info.num_writers, num_readers=init_info.num_readers, job=init_info.job,
                             transport=init_info.transport, timeout=init_info.timeout,
+                            layer_phases=init_info.layer_phases,
                             transport_options=TransportOptions(max_bucket_bytes=init_info.max_bucket_bytes))
         training_source = as_training_source(source, init_info.model_config, init_info.rank)
         writer = WeightWriter(training_source, rank=init_info.rank, config=config, meta=meta)

@@ -1,0 +1,112 @@
+"""Phases of whole layers: a reader stages one phase at a time (issue 14's bounded memory).
+
+The pure part (which layers go together, the plan cut by phase) and the whole path: two
+training processes write versions in phases, over every transport, into a staged engine
+whose arena is the largest phase; every phase's tensors are checked bitwise as they arrive.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightsync.configs import load_spec
+from weightsync.engines.staging import StagedWeights
+from weightsync.layout import ModelSpec, parse_layout
+from weightsync.plan import PlanOptions, build_plan, layer_phases, split_plan
+from weightsync.tiny import canonical_weights, checkpoint_tensors, tiny_config
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_phases_hold_whole_layers_in_order_within_the_budget():
+    spec = load_spec("tiny-qwen3-moe")
+    canonical = spec.canonical_tensors()
+    layer = max(sum(t.nbytes for n, t in canonical.items() if f".layers.{i}." in n) for i in range(spec.num_layers))
+    phases = layer_phases(canonical, budget_bytes=layer + 1 - layer // 2)  # one layer per phase
+    flat = [n for p in phases for n in p]
+    assert sorted(flat) == sorted(canonical) and len(flat) == len(set(flat))
+    assert phases[0] == ("model.embed_tokens.weight",)
+    assert "lm_head.weight" in phases[-1] and "model.norm.weight" in phases[-1]
+    layers = [{n.split(".")[2] for n in p} for p in phases[1:-1]]
+    assert layers == [{str(i)} for i in range(spec.num_layers)]
+    assert len(layer_phases(canonical, budget_bytes=2 * layer)) == 2 + -(-spec.num_layers // 2)
+    assert len(layer_phases(canonical, budget_bytes=1)) == 2 + spec.num_layers  # a layer alone may exceed it
+    with pytest.raises(ValueError, match="budget_bytes must be positive"):
+        layer_phases(canonical, budget_bytes=0)
+
+
+def test_split_plan_keeps_every_op_once_in_wire_order():
+    spec = load_spec("tiny-qwen3")
+    plan = build_plan(parse_layout("megatron:tp=2").all_rank_layouts(spec),
+                      parse_layout("vllm:tp=1,replicas=2").all_rank_layouts(spec),
+                      options=PlanOptions(min_split_bytes=0))
+    phases = layer_phases(spec.canonical_tensors(), budget_bytes=1)
+    parts = split_plan(plan, phases)
+    assert sum(len(p) for p in parts) == len(plan)
+    for part, names in zip(parts, phases, strict=True):
+        assert {op.canonical for op in part.ops} <= set(names)
+        assert list(part.ops) == [op for op in plan.ops if op.canonical in names]
+    with pytest.raises(ValueError, match="in no phase"):
+        split_plan(plan, phases[1:])
+
+
+class _PhaseChecker(StagedWeights):
+    """A staged engine that checks each phase bitwise as it arrives, and what it holds at once."""
+
+    def __init__(self, config, versions):
+        super().__init__(ModelSpec.from_hf_config(config), dtype=torch.float32, device="cpu", rank=0)
+        self.expected = {v: checkpoint_tensors(canonical_weights(config, seed)) for v, seed in versions.items()}
+        self.checked: dict[int, list[str]] = {}
+        self.wrong: list[str] = []
+
+    def _begin(self, version):
+        self.checked[version] = []
+
+    def _load_items(self, items):
+        for name, tensor in items:
+            version = max(self.checked)
+            if not torch.equal(tensor.view(torch.int32), self.expected[version][name].view(torch.int32)):
+                self.wrong.append(f"v{version} {name}")
+            self.checked[version].append(name)
+
+
+TRANSPORTS = ["torch", "shm", "file"] + (["nixl"] if importlib.util.find_spec("nixl_cu12") else [])
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_versions_arrive_phase_by_phase_into_one_arena(transport):
+    sys.path.insert(0, str(HERE))
+    from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+    from weightsync.reader import WeightReader
+    from weightsync.session import SyncConfig, TransportOptions
+    from writer_process import writer_processes
+
+    config = tiny_config()
+    spec = ModelSpec.from_hf_config(config)
+    bucket = 256 << 10
+    phases = layer_phases(spec.canonical_tensors(), budget_bytes=bucket)
+    assert len(phases) >= 3
+    engine = _PhaseChecker(config, {1: 2, 2: 1})
+    job = f"phases-{uuid.uuid4().hex[:8]}"
+    extra = ("--transport", transport, "--bucket", str(bucket), "--layer-phases")
+    with EmbeddedMetaServer() as server, writer_processes(server, config, "megatron:tp=2", job=job, seeds=[2, 1],
+                                                          extra=extra):
+        sync = SyncConfig(num_writers=2, num_readers=1, job=job, transport=transport, timeout=120, layer_phases=True,
+                          transport_options=TransportOptions(max_bucket_bytes=bucket))
+        meta = MetaClient(server.address, job=job, token=server.token)
+        with WeightReader(engine, rank=0, config=sync, meta=meta) as reader:
+            for version in (1, 2):
+                result = reader.update(version)
+                assert result.version == version and engine.weight_version == version
+        meta.close()
+    assert engine.wrong == []
+    names = [s.name for s in engine.layout().shards]
+    assert engine.checked == {1: names, 2: names}  # every tensor, once per version, in checkpoint order
+    largest = max(sum(spec.canonical_tensors()[n].nbytes for n in p) for p in phases)
+    assert engine.staging_bytes <= largest + 64 * len(names) < spec.num_parameters * 4  # a phase, not the model
