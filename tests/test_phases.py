@@ -18,25 +18,35 @@ import torch
 from weightsync.configs import load_spec
 from weightsync.engines.staging import StagedWeights
 from weightsync.layout import ModelSpec, parse_layout
-from weightsync.plan import PlanOptions, build_plan, layer_phases, split_plan
+from weightsync.plan import PlanOptions, build_plan, layer_index, layer_phases, split_plan
 from weightsync.tiny import canonical_weights, checkpoint_tensors, tiny_config
 
 HERE = Path(__file__).resolve().parent
 
 
-def test_phases_hold_whole_layers_in_order_within_the_budget():
+def test_phases_hold_whole_fused_modules_in_layer_order_within_the_budget():
+    from weightsync.plan.phases import module_unit
+
     spec = load_spec("tiny-qwen3-moe")
     canonical = spec.canonical_tensors()
-    layer = max(sum(t.nbytes for n, t in canonical.items() if f".layers.{i}." in n) for i in range(spec.num_layers))
-    phases = layer_phases(canonical, budget_bytes=layer + 1 - layer // 2)  # one layer per phase
-    flat = [n for p in phases for n in p]
-    assert sorted(flat) == sorted(canonical) and len(flat) == len(set(flat))
-    assert phases[0] == ("model.embed_tokens.weight",)
-    assert "lm_head.weight" in phases[-1] and "model.norm.weight" in phases[-1]
-    layers = [{n.split(".")[2] for n in p} for p in phases[1:-1]]
-    assert layers == [{str(i)} for i in range(spec.num_layers)]
-    assert len(layer_phases(canonical, budget_bytes=2 * layer)) == 2 + -(-spec.num_layers // 2)
-    assert len(layer_phases(canonical, budget_bytes=1)) == 2 + spec.num_layers  # a layer alone may exceed it
+    units: dict[str, list[str]] = {}
+    for name in canonical:
+        units.setdefault(module_unit(name), []).append(name)
+    assert units["model.layers.1.self_attn.qkv_proj"] == [f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"]
+    assert len(units["model.layers.1.mlp.experts.*.gate_up_proj"]) == 2  # the stacked gate and up: vLLM's w13
+    largest = max(sum(canonical[n].nbytes for n in names) for names in units.values())
+    for budget in (1, largest, 3 * largest, 10**12):
+        phases = layer_phases(canonical, budget_bytes=budget)
+        flat = [n for p in phases for n in p]
+        assert sorted(flat) == sorted(canonical) and len(flat) == len(set(flat))  # every tensor once
+        for phase in phases:  # a fused module never straddles phases; a phase fits, or is one module
+            assert len({module_unit(n) for n in phase}) == 1 or sum(canonical[n].nbytes for n in phase) <= budget
+            for names in units.values():
+                assert set(names) <= set(phase) or not set(names) & set(phase)
+        layers = [i for p in phases for n in p if (i := layer_index(n)) is not None]
+        assert layers == sorted(layers)  # layer order
+    assert len(layer_phases(canonical, budget_bytes=1)) == len(units)
+    assert len(layer_phases(canonical, budget_bytes=10**12)) == 1
     with pytest.raises(ValueError, match="budget_bytes must be positive"):
         layer_phases(canonical, budget_bytes=0)
 

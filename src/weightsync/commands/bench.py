@@ -22,8 +22,9 @@ def _csv(text: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="the quick suite (one small model, every method)")
-    p.add_argument("--suite", choices=["quick", "full", "test"], default=None,
-                   help="quick | full (every model, dtype and layout that fits in memory) | test (tiny)")
+    p.add_argument("--suite", choices=["quick", "full", "test", "vllm-memory"], default=None,
+                   help="quick | full (every model, dtype and layout that fits in memory) | test (tiny) | "
+                        "vllm-memory (a vLLM reader's extra memory: whole-model staging vs phases)")
     p.add_argument("--models", type=_csv, default=[], help="comma-separated model names (see bench.cases.MODELS)")
     p.add_argument("--dtypes", type=_csv, default=[], help="bf16,fp32")
     p.add_argument("--layouts", type=_csv, default=[], help="tp2->tp1x2,fsdp2->tp2,same")
@@ -56,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     from weightsync.transport import available_transports
 
     kind = args.suite or ("quick" if args.quick else "full")
+    if kind == "vllm-memory":
+        return _vllm_memory(args)
     transports = args.transports or available_transports()
     unknown = sorted(set(transports) - set(available_transports()))
     if unknown:
@@ -94,3 +97,34 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         print(json.dumps(result), flush=True)
     return 1 if result["failures"] else 0
+
+
+def _vllm_memory(args: argparse.Namespace) -> int:
+    """``--suite vllm-memory``: see :mod:`weightsync.bench.vllm_memory`."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from weightsync.bench import machine
+    from weightsync.bench.vllm_memory import run_vllm_memory
+
+    rows = run_vllm_memory(bucket_bytes=args.max_bucket_mb << 20, models=args.models or None, timeout=args.timeout)
+    console = Console(stderr=args.json, width=200)
+    table = Table(title=f"vLLM reader: extra memory during an update (max_bucket_bytes {args.max_bucket_mb} MB)")
+    for col in ("model", "params", "staging", "staging MB", "peak extra MB", "bucket + largest layer MB",
+                "within", "x model", "update s", "outputs restored"):
+        table.add_column(col, justify="right")
+    mb = 1 << 20
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["model"], "", r["mode"], "", "", "", "", "", "", f"[red]{r['error'][:60]}[/red]")
+            continue
+        table.add_row(r["model"], f"{r['parameters'] / 1e6:.0f}M", r["mode"], f"{r['staging_bytes'] / mb:.0f}",
+                      f"{r['peak_extra_bytes'] / mb:.0f}", f"{r['bound_bytes'] / mb:.0f}",
+                      "yes" if r["peak_extra_bytes"] <= r["bound_bytes"] else "no",
+                      f"{r['peak_extra_bytes'] / r['model_bytes']:.2f}", f"{r['seconds']:.2f}",
+                      "yes" if r["verified"] else "[red]NO[/red]")
+    console.print(table)
+    if args.json:
+        sys.stdout.flush()
+        print(json.dumps({"rows": rows, "machine": machine()}), flush=True)
+    return 0 if all(r.get("verified") for r in rows) else 1

@@ -1,15 +1,16 @@
-"""Phases: a version moved a few whole layers at a time, so a reader's staging stays bounded.
+"""Phases: a version moved a few modules at a time, so a reader's staging stays bounded.
 
 An engine that must run its own loader (vLLM on CPU repacks every linear layer) receives a
 version into staging buffers. Moved at once, staging is a whole-model copy; moved in
-*phases* of whole decoder layers, each at most ``budget_bytes``, one staging arena of the
-largest phase serves them all: the reader receives a phase, hands it to the loader (a layer
-is rebuilt as soon as all its tensors arrived), and the next phase lands in the same memory.
-Peak staging is ``budget_bytes``, or one layer when a layer alone is larger.
+*phases* of whole modules, each at most ``budget_bytes``, one staging arena of the largest
+phase serves them all: the reader receives a phase, hands it to the loader (vLLM's
+layerwise reload rebuilds a module as soon as all its tensors arrived, so a fused module's
+parts, q/k/v or gate/up, travel together), and the next phase lands in the same memory.
+Peak staging is ``budget_bytes``, or one module when a module alone is larger.
 
 Both sides compute the same phases from the canonical tensors alone, in their canonical
-order: tensors before the first layer (embeddings), then layers in ascending order, greedily
-packed while they fit, then the rest (final norm, ``lm_head``).
+order: tensors before the first layer (embeddings), then layers in ascending order, their
+modules greedily packed while they fit, then the rest (final norm, ``lm_head``).
 
     phases = layer_phases(canonical, budget_bytes=64 << 20)      # tuple of tuples of names
     sub_plans = split_plan(plan, phases)                         # one plan per phase, wire order kept
@@ -33,35 +34,45 @@ def layer_index(name: str) -> int | None:
     return None
 
 
+#: Checkpoint modules an engine fuses into one (vLLM: ``qkv_proj``, ``gate_up_proj``, expert ``w13``):
+#: their tensors must arrive in one phase, since the engine rebuilds the fused module only once
+#: all its parts arrived.
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "w1": "w13", "w3": "w13"}
+
+
+def module_unit(name: str) -> str:
+    """The engine module a canonical tensor loads into (weight and bias together, fused parts together)."""
+    parts = name.split(".")[:-1]  # drop "weight" / "bias"
+    return ".".join(_FUSED.get(p, p) for p in parts)
+
+
 def layer_phases(canonical: Mapping[str, CanonicalTensor], *, budget_bytes: int) -> tuple[tuple[str, ...], ...]:
-    """Canonical tensors grouped into phases of whole layers (see module docstring)."""
+    """Canonical tensors grouped into phases of whole modules, at most ``budget_bytes`` each
+    (a module alone may exceed it), in layer order (see module docstring)."""
     if budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
-    pre: list[str] = []
-    post: list[str] = []
-    layers: dict[int, list[str]] = {}
+    pre: dict[str, list[str]] = {}
+    post: dict[str, list[str]] = {}
+    layers: dict[int, dict[str, list[str]]] = {}
     for name in canonical:
         index = layer_index(name)
-        if index is None:
-            (post if layers else pre).append(name)
-        else:
-            layers.setdefault(index, []).append(name)
+        target = (post if layers else pre) if index is None else layers.setdefault(index, {})
+        target.setdefault(module_unit(name), []).append(name)
 
     def nbytes(names: Sequence[str]) -> int:
         return sum(canonical[n].numel * itemsize(canonical[n].dtype) for n in names)
 
-    phases: list[tuple[str, ...]] = [tuple(pre)] if pre else []
+    units = [*pre.values(), *(u for index in sorted(layers) for u in layers[index].values()), *post.values()]
+    phases: list[tuple[str, ...]] = []
     current: list[str] = []
-    for index in sorted(layers):
-        names = layers[index]
+    for names in units:
         if current and nbytes(current) + nbytes(names) > budget_bytes:
             phases.append(tuple(current))
             current = []
         current.extend(names)
     if current:
         phases.append(tuple(current))
-    if post:
-        phases.append(tuple(post))
     return tuple(phases)
 
 
