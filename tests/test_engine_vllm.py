@@ -77,7 +77,8 @@ def vllm_env(request, tmp_path_factory):
 def start_llm(path: Path, **kwargs: Any) -> Any:
     from vllm import LLM
 
-    return LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=2, seed=0,
+    kwargs.setdefault("dtype", "float32")
+    return LLM(model=str(path), enforce_eager=True, max_model_len=512, max_num_seqs=2, seed=0,
                kv_cache_memory_bytes=32 << 20, skip_tokenizer_init=True, **kwargs)
 
 
@@ -283,6 +284,82 @@ class TestQwen3MoE(EngineProofs):
         assert case.greedy()[0] == case.ref_b
 
 
+#: compressed-tensors FP8_DYNAMIC: FP8 weights with per-channel static scales (served by vLLM's CPU build)
+FP8_CHANNEL = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+               "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                   "num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False},
+                   "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                                         "dynamic": True}}},
+               "ignore": ["lm_head"]}
+
+
+def write_fp8_checkpoint(path: Path, config: dict[str, Any], seed: int) -> None:
+    """An FP8 checkpoint of ``canonical_weights(config, seed)`` in bf16, quantized by the reference."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from weightsync.layout.quant import SCHEMES, quantized_tensors
+    from weightsync.quantize import reference_quantize
+
+    spec = ModelSpec.from_hf_config(config)
+    quantized = set(quantized_tensors(spec))
+    tensors = {}
+    for name, value in canonical_weights(config, seed).items():
+        weight = value.to(torch.bfloat16)
+        if name in quantized:
+            q, scale = reference_quantize(weight, SCHEMES["fp8_channel"])
+            tensors[name], tensors[name[: -len("weight")] + "weight_scale"] = q, scale
+        else:
+            tensors[name] = weight
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": FP8_CHANNEL}))
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+@vllm_test("fp8")
+class TestFP8Channel:
+    """Trainers hold bf16; the engine serves compressed-tensors FP8: writers quantize on send."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def case(cls, vllm_env, tmp_path_factory):
+        tmp = tmp_path_factory.mktemp("fp8")
+        config = {**tiny_config(), "torch_dtype": "bfloat16"}
+        write_fp8_checkpoint(tmp / "A", config, seed=1)
+        write_fp8_checkpoint(tmp / "B", config, seed=2)
+        fresh_b = start_llm(tmp / "B", dtype="bfloat16")
+        ref_b, _ = greedy(fresh_b)
+        shutdown(fresh_b)
+        llm = start_llm(tmp / "A", dtype="bfloat16")
+        ref_a, _ = greedy(llm)
+        assert ref_a != ref_b
+        yield SimpleNamespace(config=config, llm=llm, engine=VLLMEngine(llm), ref_a=ref_a, ref_b=ref_b)
+        shutdown(llm)
+
+    def test_fp8_from_bf16_training_ranks_matches_fresh_fp8_engine(self, case):
+        from weightsync.meta import client as meta
+        from weightsync.reader import WeightReader
+        from weightsync.session import SyncConfig
+
+        assert case.engine.layout_text == "hf:dtype=bfloat16,quant=fp8_channel"
+        job = f"vllm-fp8-{uuid.uuid4().hex[:8]}"
+        with meta.EmbeddedMetaServer() as server, writer_processes(server, case.config, "fsdp:dp=2", job=job,
+                                                                   seeds=[2]):
+            config = SyncConfig(num_writers=2, num_readers=1, job=job, timeout=120)
+            client = meta.MetaClient(server.address, job=job, token=server.token)
+            with WeightReader(case.engine, rank=0, config=config, meta=client) as reader:
+                result = reader.update(timeout=120)
+            client.close()
+        assert result.version == 1
+        spec = ModelSpec.from_hf_config(case.config)
+        from weightsync.layout.quant import quantized_tensors
+
+        linear = sum(spec.canonical_tensors()[n].numel for n in quantized_tensors(spec))
+        assert result.nbytes < spec.num_parameters * 2 - linear + linear // 8  # FP8 on the wire, not bf16
+        assert greedy(case.llm)[0] == case.ref_b
+
+
 # -- without vLLM ---------------------------------------------------------------------------------
 
 class _Recorder(StagedWeights):
@@ -326,15 +403,24 @@ def test_staging_is_the_checkpoint_under_its_own_names(is_moe):
 
 
 def test_unsupported_engine_configurations_are_rejected():
-    def config(world_size=1, quantization=None, lora=None):
+    def config(world_size=1, quantization=None, lora=None, qc=None):
         return SimpleNamespace(parallel_config=SimpleNamespace(world_size=world_size, tensor_parallel_size=world_size,
                                                                pipeline_parallel_size=1),
-                               model_config=SimpleNamespace(quantization=quantization), lora_config=lora)
+                               model_config=SimpleNamespace(quantization=quantization,
+                                                            hf_config=SimpleNamespace(quantization_config=qc)),
+                               lora_config=lora)
 
     check_supported(config())
     with pytest.raises(ValueError, match="one worker per engine"):
         check_supported(config(world_size=2))
-    with pytest.raises(ValueError, match="quantized"):
-        check_supported(config(quantization="fp8"))
+    with pytest.raises(ValueError, match=r"quantized models \(awq\) are not supported"):
+        check_supported(config(quantization="awq", qc={"quant_method": "awq"}))
+    with pytest.raises(ValueError, match="weight_block_size=\\[64, 64\\]"):
+        check_supported(config(quantization="fp8", qc={"quant_method": "fp8", "weight_block_size": [64, 64]}))
+    with pytest.raises(ValueError, match=r"leaves .*o_proj.* unquantized"):
+        check_supported(config(quantization="compressed-tensors", qc={**FP8_CHANNEL, "ignore": ["lm_head", "o_proj"]}))
+    assert vllm_engine.staging_quant(config(quantization="compressed-tensors", qc=FP8_CHANNEL)) == "fp8_channel"
+    assert vllm_engine.staging_quant(config(quantization="fp8", qc={
+        "quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]})) == "fp8_block"
     with pytest.raises(ValueError, match="LoRA"):
         check_supported(config(lora=object()))

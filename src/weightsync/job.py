@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -78,6 +78,10 @@ def _endpoint_key(transport: str, epoch: int, role: Role, rank: int) -> str:
 
 def _store_index_key(version: int, writer: int) -> str:
     return f"tensorstore/{version}/writer{writer}"
+
+
+def _tile_maxima_key(version: int, writer: int) -> str:
+    return f"quant/{version}/writer{writer}"
 
 
 def model_digest(config: Mapping[str, Any]) -> str:
@@ -243,6 +247,33 @@ class JobChannel:
         if not isinstance(doc, dict):
             raise ValueError(f"{role} {rank}'s {transport} endpoint for epoch {epoch} is malformed")
         return doc
+
+    # -- FP8 tile maxima ----------------------------------------------------------------------
+    def exchange_tile_maxima(self, version: int, payload: bytes | None, publishers: Sequence[int], *,
+                             deadline: Deadline) -> list[bytes]:
+        """Publish this writer's maxima of shared FP8 tiles for ``version`` (when it holds any)
+        and collect those of ``publishers`` (see :mod:`weightsync.quantize`).
+
+        Raises:
+            TimeoutError: naming the writers whose maxima did not arrive.
+        """
+        if payload is not None:
+            self.meta.put_document(_tile_maxima_key(version, self.rank), payload)
+        out = []
+        missing = []
+        for writer in publishers:
+            if writer == self.rank and payload is not None:
+                out.append(payload)
+                continue
+            raw = self.meta.get_document(_tile_maxima_key(version, writer), wait=deadline.remaining(0.0))
+            if raw is None:
+                missing.append(writer)
+            else:
+                out.append(raw)
+        if missing:
+            raise TimeoutError(f"{self.who}: FP8 tile maxima of version {version} never came from writer(s) "
+                               f"{missing} (they share FP8 blocks with this writer)")
+        return out
 
     # -- tensor store -------------------------------------------------------------------------
     def publish_store_index(self, version: int, index: bytes) -> None:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from weightsync.deadline import Deadline
 from weightsync.devices import RankPlacement, choose_transport, tensors_device
 from weightsync.job import JobChannel, Role
+from weightsync.layout.quant import quantized_sources
 from weightsync.layout.wire import decode_layout, encode_descriptor, encode_explicit
 from weightsync.plan import PlanOptions, build_local_plan, layer_phases, split_plan
 from weightsync.transport import TransportContext, TransportOptions, create_transport, unavailable_reason
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from weightsync.layout import LayoutProvider, RankLayout
     from weightsync.meta.client import MetaClient, Participant
     from weightsync.plan import Plan
+    from weightsync.quantize import WriterQuantizer
     from weightsync.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -122,6 +124,8 @@ class PlannedSync:
     phase_names: tuple[tuple[str, ...], ...] = ()
     #: this rank's plan cut by phase (empty without ``layer_phases``)
     phases: tuple[Plan, ...] = ()
+    #: a writer's FP8 quantizer, when readers ask for FP8 weights it sends (``layout.quant``)
+    quantizer: WriterQuantizer | None = None
 
     @property
     def num_phases(self) -> int:
@@ -188,8 +192,16 @@ class SyncSession:
         people = self.channel.wait_roster(writers=self.config.num_writers, readers=self.config.num_readers,
                                           deadline=deadline)
         writers, readers = self._decode(people)
+        writers, quant = quantized_sources(writers, readers)  # FP8 readers: writers quantize on send
         t0 = time.perf_counter()
         plan = build_local_plan(writers, readers, role=self.role, rank=self.rank, options=self.config.plan_options)
+        quantizer = None
+        if quant and self.role == "writer":
+            from weightsync.quantize import WriterQuantizer
+
+            own = next(w for w in writers if w.rank == self.rank)
+            quantizer = WriterQuantizer(quant, own, plan)
+            quantizer = quantizer if quantizer.active else None
         self.timings["plan"] = time.perf_counter() - t0
         placements = [RankPlacement(p.role, p.rank, p.host, p.endpoints.get("device", "cpu"))  # type: ignore[arg-type]
                       for p in people]
@@ -209,7 +221,7 @@ class SyncSession:
         transport = create_transport(choice.name, ctx)
         self.timings["setup"] = time.perf_counter() - started
         self.planned = PlannedSync(plan, transport, choice.name, f"{plan.fingerprint}-{digest}",
-                                   self.timings["setup"], device, choice.reason, phase_names, phases)
+                                   self.timings["setup"], device, choice.reason, phase_names, phases, quantizer)
         logger.info("%s planned %d ops (%d bytes) over %s on %s (%s) in %.3fs", self.channel.who, len(plan),
                     plan.total_bytes, choice.name, device, choice.reason, self.timings["plan"])
         return self.planned

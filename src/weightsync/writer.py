@@ -86,6 +86,14 @@ class WeightWriter:
             raise SyncError(str(exc)) from exc
         published = PublishedVersion(version, planned.fingerprint, epoch)
         tensors = self.source.tensors()
+        if planned.quantizer is not None:  # FP8 readers: quantize what this writer sends
+            t0 = time.perf_counter()
+            try:
+                tensors = planned.quantizer.derive(tensors, exchange=lambda payload, publishers: (
+                    channel.exchange_tile_maxima(version, payload, publishers, deadline=deadline)))
+            except TimeoutError as exc:
+                raise SyncError(str(exc)) from exc
+            result.phases["quantize"] = time.perf_counter() - t0
         try:
             if transport.publishes_before_send:
                 self._publish(published, result)

@@ -13,6 +13,7 @@ from typing import Any
 
 from weightsync.configs import load_spec
 from weightsync.layout import parse_layout
+from weightsync.layout.quant import fp8_bytes_saved, quantized_sources
 from weightsync.plan import PlanOptions, build_local_plan, build_plan, plan_statistics
 
 
@@ -41,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     writers = source.all_rank_layouts(spec)
     readers = target.all_rank_layouts(spec)
+    writers, quant = quantized_sources(writers, readers)  # an FP8 target: writers quantize on send
     expand_seconds = time.perf_counter() - started
     stats = plan_statistics(writers, readers, options)
     t0 = time.perf_counter()
@@ -60,7 +62,14 @@ def run(args: argparse.Namespace) -> int:
         "expand_seconds": expand_seconds,
         "local_plan_seconds": {"reader0": reader_local, "writer0": writer_local},
     }
+    if quant:
+        out["fp8"] = {"tensors": len(quant.tensors),
+                      "shared_tiles": int(sum(int(t.exchanged.sum()) for t in quant.tensors.values())),
+                      "bytes_saved": fp8_bytes_saved(readers[0].canonical)}
     if args.verify:
+        if quant:
+            raise ValueError("--verify moves random values, not quantized ones; FP8 plans are checked bitwise "
+                             "by tests/test_quant.py")
         out["verified"] = _verify(writers, readers, options, stats.needed_bytes)
     if args.json:
         print(json.dumps(out))

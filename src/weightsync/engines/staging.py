@@ -51,11 +51,11 @@ class StagedWeights:
     loads_in_phases: bool = True
 
     def __init__(self, spec: ModelSpec, *, dtype: torch.dtype, device: str | torch.device, rank: int,
-                 replicas: int | None = None) -> None:
+                 replicas: int | None = None, quant: str | None = None) -> None:
         self.spec = spec
         # The hf kind's world must include this rank; pass the number of engines so that all
         # readers publish one descriptor (and share one layout template when planning).
-        kind = HFLayout(replicas=replicas or rank + 1, dtype=dtype_name(dtype))
+        kind = HFLayout(replicas=replicas or rank + 1, dtype=dtype_name(dtype), quant=quant)  # quant: FP8 engines
         kind.validate(spec)
         self.layout_text = kind.describe()
         self._layout = kind.rank_layout(spec, rank)

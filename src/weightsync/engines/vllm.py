@@ -37,7 +37,7 @@ this module; ``vllm`` is imported lazily, inside functions.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -75,7 +75,8 @@ class VLLMEngine(StagedWeights):
         vllm_config: Any = engine.vllm_config
         check_supported(vllm_config)
         super().__init__(spec_of(vllm_config), dtype=vllm_config.model_config.dtype,
-                         device=vllm_config.device_config.device, rank=rank, replicas=replicas)
+                         device=vllm_config.device_config.device, rank=rank, replicas=replicas,
+                         quant=staging_quant(vllm_config))
         self.llm = llm
 
     # In-process, collective_rpc calls the functions directly: the tensors are passed by reference.
@@ -125,6 +126,48 @@ def spec_of(vllm_config: Any) -> ModelSpec:
     return ModelSpec.from_hf_config(vllm_config.model_config.hf_config.to_dict())
 
 
+def staging_quant(vllm_config: Any) -> str | None:
+    """The FP8 scheme the engine's checkpoint uses (staged and sent as FP8), None if unquantized."""
+    config = getattr(vllm_config.model_config.hf_config, "quantization_config", None)
+    if config is None and vllm_config.model_config.quantization is None:
+        return None
+    return quant_scheme(config or {"quant_method": vllm_config.model_config.quantization})
+
+
+def quant_scheme(config: Mapping[str, Any]) -> str:
+    """weightsync's FP8 scheme for a checkpoint's ``quantization_config``; anything else is refused.
+
+    Two formats are served: DeepSeek-V3 style blocks (``quant_method: fp8``,
+    ``weight_block_size: [128, 128]``) and compressed-tensors per-channel FP8 weights
+    (``strategy: channel``, 8-bit float, static). Both must quantize exactly the tensors
+    weightsync quantizes (every linear weight but ``lm_head``; routers and norms stay).
+    """
+    method = config.get("quant_method")
+    if method == "fp8":
+        if list(config.get("weight_block_size") or []) != [128, 128]:
+            raise ValueError(f"FP8 checkpoints with weight_block_size={config.get('weight_block_size')} are not "
+                             "supported: weightsync sends 128x128 blocks (fp8_block) or per-channel scales")
+        skipped = config.get("modules_to_not_convert") or config.get("ignored_layers") or []
+        scheme = "fp8_block"
+    elif method == "compressed-tensors":
+        groups = list((config.get("config_groups") or {}).values())
+        weights = groups[0].get("weights") or {} if len(groups) == 1 else {}
+        if not (weights.get("num_bits") == 8 and weights.get("type") == "float" and weights.get("strategy") == "channel"
+                and weights.get("symmetric", True) and not weights.get("dynamic", False)):
+            raise ValueError("of compressed-tensors checkpoints weightsync serves FP8 weights with per-channel static "
+                             f"scales (FP8_DYNAMIC); this one has config_groups {config.get('config_groups')}")
+        skipped = config.get("ignore") or []
+        scheme = "fp8_channel"
+    else:
+        raise ValueError(f"quantized models ({method}) are not supported: weightsync stages unquantized "
+                         "checkpoints, fp8 block (weight_block_size [128, 128]) or compressed-tensors per-channel FP8")
+    unexpected = [m for m in skipped if m.split(".")[-1] not in ("lm_head", "gate")]
+    if unexpected:
+        raise ValueError(f"the checkpoint leaves {unexpected[:4]} unquantized; weightsync quantizes every linear "
+                         "weight but lm_head and the MoE routers")
+    return scheme
+
+
 def check_supported(vllm_config: Any) -> None:
     """Reject engine configurations whose reload path this adapter has not been built for."""
     parallel = vllm_config.parallel_config
@@ -132,9 +175,7 @@ def check_supported(vllm_config: Any) -> None:
         raise ValueError(f"weightsync's vLLM adapter supports one worker per engine (TP=PP=1), got "
                          f"TP={parallel.tensor_parallel_size} PP={parallel.pipeline_parallel_size}; "
                          "run several engines, one reader each")
-    if vllm_config.model_config.quantization is not None:
-        raise ValueError(f"quantized models ({vllm_config.model_config.quantization}) are not supported: "
-                         "staging holds unquantized checkpoint tensors")
+    staging_quant(vllm_config)
     if vllm_config.lora_config is not None:
         raise ValueError("engines with LoRA enabled are not supported")
 

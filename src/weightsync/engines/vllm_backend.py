@@ -35,7 +35,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightsync.engines.staging import StagedWeights
-from weightsync.engines.vllm import ReloadSession, check_supported, spec_of
+from weightsync.engines.vllm import ReloadSession, check_supported, spec_of, staging_quant
 from weightsync.reader import WeightReader
 from weightsync.session import SyncConfig, TransportOptions
 
@@ -75,7 +75,7 @@ class _WorkerEngine(StagedWeights):
                  replicas: int) -> None:
         check_supported(vllm_config)
         super().__init__(spec_of(vllm_config), dtype=vllm_config.model_config.dtype, device=device, rank=rank,
-                         replicas=replicas)
+                         replicas=replicas, quant=staging_quant(vllm_config))
         self.model = model
         self.vllm_config = vllm_config
         self._session: ReloadSession | None = None

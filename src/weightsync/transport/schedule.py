@@ -119,10 +119,13 @@ def build_messages(ops: Iterable[TransferOp], *, message_bytes: int, direct_min_
                 flush()
                 out.append(Message((Piece(op, box, src_off, dst_off, nbytes, 0),), nbytes, direct=True))
                 continue
-            if staged_bytes + nbytes > message_bytes:
+            elem = itemsize(op.dst_dtype)
+            at = -(-staged_bytes // elem) * elem  # each piece aligned to its dtype (FP8 beside fp32)
+            if at + nbytes > message_bytes and staged:
                 flush()
-            staged.append(Piece(op, box, src_off, dst_off, nbytes, staged_bytes))
-            staged_bytes += nbytes
+                at = 0
+            staged.append(Piece(op, box, src_off, dst_off, nbytes, at))
+            staged_bytes = at + nbytes
     flush()
     return out
 

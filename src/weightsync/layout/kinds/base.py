@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 from weightsync.layout.columns import layout_columns
 from weightsync.layout.model import ModelSpec
+from weightsync.layout.quant import quantize_shards, quantized_canonical, scheme_named
 from weightsync.layout.types import DTYPE_ITEMSIZE, CanonicalTensor, RankLayout, Shard
 
 
@@ -31,6 +32,10 @@ class LayoutKind:
     kind: ClassVar[str] = ""
     #: Local dtype of every shard; ``None`` means the model's dtype.
     dtype: str | None = None
+    #: FP8 weights (``fp8_block``, ``fp8_channel``: see ``layout.quant``); readers only.
+    quant: str | None = None
+    #: whether the kind describes an engine that can serve FP8 weights
+    supports_quant: ClassVar[bool] = False
 
     @property
     def world_size(self) -> int:
@@ -53,7 +58,12 @@ class LayoutKind:
         key = self.shard_key(rank)
         template = templates.get(key)
         if template is None:
-            template = RankLayout(rank, tuple(self.shards(spec, rank)), spec.canonical_tensors())
+            if self.quant:
+                scheme = scheme_named(self.quant)
+                template = RankLayout(rank, tuple(quantize_shards(self.shards(spec, rank), spec, scheme)),
+                                      quantized_canonical(spec, scheme))
+            else:
+                template = RankLayout(rank, tuple(self.shards(spec, rank)), spec.canonical_tensors())
             layout_columns(template)  # validate once; ranks sharing the template share the result
             templates[key] = template
         return template if template.rank == rank else template.with_rank(rank)
@@ -80,6 +90,12 @@ class LayoutKind:
             if f.name == "dtype":
                 if value is not None and value not in DTYPE_ITEMSIZE:
                     raise ValueError(f"{self.kind}: dtype={value} is not one of {sorted(DTYPE_ITEMSIZE)}")
+            elif f.name == "quant":
+                if value is not None:
+                    scheme_named(value)
+                    if not self.supports_quant:
+                        raise ValueError(f"{self.kind}: quant= is for FP8 readers (hf, vllm), "
+                                         "not a training layout")
             elif isinstance(value, int) and value < 1 and not (value == 0 and f.default == 0):
                 # A field defaulting to 0 means "derive it"; any other int must be >= 1.
                 raise ValueError(f"{self.kind}: {f.name} must be >= 1, got {value}")
@@ -127,7 +143,7 @@ def parse_layout(text: str) -> LayoutKind:
             raise ValueError(
                 f"layout kind {kind!r} has no option {key!r}; options: {sorted(fields)}"
             )
-        if key == "dtype":
+        if key in ("dtype", "quant"):
             kwargs[key] = value
             continue
         try:

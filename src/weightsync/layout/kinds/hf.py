@@ -46,6 +46,7 @@ class HFLayout(LayoutKind):
 
     kind = "hf"
     replicas: int = 1
+    supports_quant = True
 
     @property
     def world_size(self) -> int:

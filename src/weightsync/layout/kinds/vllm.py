@@ -55,6 +55,7 @@ class VLLMLayout(LayoutKind):
     dp: int = 1
     ep: int = 1
     replicas: int = 1
+    supports_quant = True
 
     @property
     def world_size(self) -> int:
