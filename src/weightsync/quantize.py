@@ -60,21 +60,38 @@ def _chunks(values: torch.Tensor, box: Box, tile: Sequence[int]) -> Iterator[tup
         lo = hi
 
 
+def _tiled(values: torch.Tensor, box: Box, tile: Sequence[int], dtype: torch.dtype | None
+           ) -> tuple[torch.Tensor, tuple[slice, ...] | None]:
+    """``values`` (one chunk) as a ``(c0, t0, c1, t1, ...)`` view of whole tiles.
+
+    A box that starts and ends on tile boundaries is viewed as it is (converted to ``dtype``
+    when given); any other is copied into a zero buffer of whole tiles first, and the slices
+    that select the box in that buffer are returned too.
+    """
+    pre = [o % t for o, t in zip(box.offsets, tile, strict=True)]
+    counts = [-(-(p + s) // t) for p, s, t in zip(pre, box.sizes, tile, strict=True)]
+    split = [x for c, t in zip(counts, tile, strict=True) for x in (c, t)]
+    if not any(pre) and all(c * t == s for c, t, s in zip(counts, tile, box.sizes, strict=True)):
+        data = values if dtype is None else values.to(dtype)
+        return data.contiguous().view(split), None
+    buf = torch.zeros([c * t for c, t in zip(counts, tile, strict=True)], dtype=dtype or values.dtype,
+                      device=values.device)
+    inside = tuple(slice(p, p + s) for p, s in zip(pre, box.sizes, strict=True))
+    buf[inside] = values
+    return buf.view(split), inside
+
+
 def tile_maxima(values: torch.Tensor, box: Box, tile: Sequence[int]) -> torch.Tensor:
     """max |x| of each tile ``box`` touches, over the part of it ``values`` (the box) holds.
 
     Returns a float32 tensor shaped like ``tile_box(box)``. Padding up to tile boundaries
-    is zero, which never raises a maximum of absolute values.
+    is zero, which never raises a maximum of absolute values; ``abs`` and ``max`` are exact
+    in the source dtype, so they run there and only the maxima become float32.
     """
     parts = []
     for chunk, sub in _chunks(values, box, tile):
-        pre = [o % t for o, t in zip(sub.offsets, tile, strict=True)]
-        counts = [-(-(p + s) // t) for p, s, t in zip(pre, sub.sizes, tile, strict=True)]
-        buf = torch.zeros([c * t for c, t in zip(counts, tile, strict=True)], dtype=torch.float32,
-                          device=values.device)
-        buf[tuple(slice(p, p + s) for p, s in zip(pre, sub.sizes, strict=True))] = chunk.float().abs()
-        split = [x for c, t in zip(counts, tile, strict=True) for x in (c, t)]
-        parts.append(buf.view(split).amax(dim=tuple(range(1, 2 * len(tile), 2))) if tile else buf)
+        tiles, _ = _tiled(chunk, sub, tile, None)
+        parts.append(tiles.abs().amax(dim=tuple(range(1, 2 * len(tile), 2))).float() if tile else tiles.float())
     return torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
 
 
@@ -98,11 +115,19 @@ def _expand(scales: torch.Tensor, box: Box, tile: Sequence[int]) -> torch.Tensor
 
 def quantize_box(values: torch.Tensor, box: Box, tile: Sequence[int], scales: torch.Tensor,
                  out: torch.Tensor) -> None:
-    """Write FP8 values of ``box`` into ``out`` (same sizes) given the full scale grid."""
+    """Write FP8 values of ``box`` into ``out`` (same sizes) given the full scale grid.
+
+    Each tile is divided by its own scale through a broadcast over the tiled view (no
+    per-element scale tensor is built).
+    """
     for chunk, sub in _chunks(values, box, tile):
-        s = _expand(scales[tile_box(sub, tile, ()).slices()], sub, tile)
+        tiles, inside = _tiled(chunk, sub, tile, torch.float32)
+        grid = scales[tile_box(sub, tile, ()).slices()]
+        per_tile = grid.reshape([x for c in grid.shape for x in (c, 1)])
+        q = (tiles / per_tile).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        q = q.view([c * t for c, t in zip(grid.shape, tile, strict=True)])
         at = tuple(slice(a - b, a - b + n) for a, b, n in zip(sub.offsets, box.offsets, sub.sizes, strict=True))
-        out[at].copy_((chunk.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn))
+        out[at].copy_(q if inside is None else q[inside])
 
 
 def reference_quantize(weight: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,9 +22,10 @@ def _csv(text: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="the quick suite (one small model, every method)")
-    p.add_argument("--suite", choices=["quick", "full", "test", "vllm-memory"], default=None,
+    p.add_argument("--suite", choices=["quick", "full", "test", "vllm-memory", "fewer-bytes"], default=None,
                    help="quick | full (every model, dtype and layout that fits in memory) | test (tiny) | "
-                        "vllm-memory (a vLLM reader's extra memory: whole-model staging vs phases)")
+                        "vllm-memory (a vLLM reader's extra memory: whole-model staging vs phases) | "
+                        "fewer-bytes (FP8 quantize-on-send vs full bf16 syncs, same layout, one run)")
     p.add_argument("--models", type=_csv, default=[], help="comma-separated model names (see bench.cases.MODELS)")
     p.add_argument("--dtypes", type=_csv, default=[], help="bf16,fp32")
     p.add_argument("--layouts", type=_csv, default=[], help="tp2->tp1x2,fsdp2->tp2,same")
@@ -59,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     kind = args.suite or ("quick" if args.quick else "full")
     if kind == "vllm-memory":
         return _vllm_memory(args)
+    if kind == "fewer-bytes":
+        return _fewer_bytes(args)
     transports = args.transports or available_transports()
     unknown = sorted(set(transports) - set(available_transports()))
     if unknown:
@@ -123,6 +126,36 @@ def _vllm_memory(args: argparse.Namespace) -> int:
                       "yes" if r["peak_extra_bytes"] <= r["bound_bytes"] else "no",
                       f"{r['peak_extra_bytes'] / r['model_bytes']:.2f}", f"{r['seconds']:.2f}",
                       "yes" if r["verified"] else "[red]NO[/red]")
+    console.print(table)
+    if args.json:
+        sys.stdout.flush()
+        print(json.dumps({"rows": rows, "machine": machine()}), flush=True)
+    return 0 if all(r.get("verified") for r in rows) else 1
+
+
+def _fewer_bytes(args: argparse.Namespace) -> int:
+    """``--suite fewer-bytes``: see :mod:`weightsync.bench.fewer_bytes`."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from weightsync.bench import machine
+    from weightsync.bench.fewer_bytes import run_fewer_bytes
+
+    model = args.models[0] if args.models else "qwen3-0.2b"
+    rows = run_fewer_bytes(model=model, versions=max(3, args.reps + 1), bucket_bytes=args.max_bucket_mb << 20,
+                           timeout=args.timeout)
+    console = Console(stderr=args.json, width=200)
+    table = Table(title=f"{model}: 2 FSDP writers (bf16) -> 1 reader over torch/gloo, per version")
+    for col in ("reader asks for", "MB on the wire", "x bf16 bytes", "sync s", "x bf16 time", "quantize s",
+                "bitwise"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["mode"], "", "", "", "", "", f"[red]{r['error'][:80]}[/red]")
+            continue
+        table.add_row(r["mode"], f"{r['nbytes'] / 1e6:.1f}", f"{r.get('bytes_vs_bf16', float('nan')):.3f}",
+                      f"{r['seconds']:.3f}", f"{r.get('seconds_vs_bf16', float('nan')):.3f}",
+                      f"{r['quantize_seconds']:.3f}", "yes" if r["verified"] else "[red]NO[/red]")
     console.print(table)
     if args.json:
         sys.stdout.flush()

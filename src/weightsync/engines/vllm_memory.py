@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from weightsync.session import SyncConfig, TransportOptions
 
     llm = LLM(model=args.checkpoint, dtype="float32", enforce_eager=True, max_model_len=128, max_num_seqs=1, seed=0,
-              kv_cache_memory_bytes=16 << 20, skip_tokenizer_init=True)
+              kv_cache_memory_bytes=64 << 20, skip_tokenizer_init=True)
     start = _greedy(llm)
     engine = VLLMEngine(llm)
     # torch (gloo): every byte the reader holds is its own (shared memory would add the writer's
