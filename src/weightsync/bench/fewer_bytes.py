@@ -35,7 +35,7 @@ def _config(model: str) -> dict[str, Any]:
     return {**model_config(model), "torch_dtype": "bfloat16"}
 
 
-def _writer(model: str, job: str, rank: int, versions: int, bucket: int, timeout: float) -> None:
+def _writer(model: str, job: str, rank: int, *, versions: int, bucket: int, timeout: float) -> None:
     from weightsync.session import SyncConfig, TransportOptions
     from weightsync.sources.module import ShardedSource
     from weightsync.tiny import canonical_weights
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--bucket", type=int, required=True)
     w.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
-    _writer(args.model, args.job, args.rank, args.versions, args.bucket, args.timeout)
+    _writer(args.model, args.job, args.rank, versions=args.versions, bucket=args.bucket, timeout=args.timeout)
     return 0
 
 
