@@ -10,6 +10,7 @@ from weightsync.devices import (
     RankPlacement,
     check_serves,
     choose_transport,
+    gpu_duplicates,
     ipc_attach_device,
     nixl_device_id,
     parse_device,
@@ -23,8 +24,8 @@ from weightsync.transport import TransportContext, TransportOptions, create_tran
 from weightsync.transport.base import check_tensors_device
 
 
-def place(role, rank, node="h0", device="cpu"):
-    return RankPlacement(role, rank, node, device)
+def place(role, rank, node="h0", device="cpu", gpu=""):
+    return RankPlacement(role, rank, node, device, gpu)
 
 
 def test_parse_and_resolve_devices():
@@ -114,6 +115,43 @@ def test_cuda_ipc_attaches_on_the_writers_device():
     assert ipc_attach_device("cuda:1") == "cuda:1"
     with pytest.raises(ValueError, match="with its index"):
         ipc_attach_device("cuda")
+
+
+def test_cuda_ipc_finds_the_writers_gpu_by_identity_under_other_visible_devices():
+    # The writer runs with CUDA_VISIBLE_DEVICES=1 (its cuda:0); this reader sees GPUs 0 and 1.
+    visible = ["GPU-aaaa", "GPU-bbbb"]
+    assert ipc_attach_device("cuda:0", "GPU-bbbb", visible) == "cuda:1"
+    with pytest.raises(ValueError, match=r"writer's GPU GPU-cccc \(cuda:0 in its process\) is not one of the 2 GPUs"):
+        ipc_attach_device("cuda:0", "GPU-cccc", visible)
+    assert ipc_attach_device("cuda:0", "", visible) == "cuda:0"  # a writer that published no identity
+
+
+def test_ranks_compare_gpus_by_identity_and_nccl_refuses_any_two_ranks_on_one():
+    # cuda:0 in two processes with different CUDA_VISIBLE_DEVICES: two GPUs, not one
+    apart = [place("writer", 0, device="cuda:0", gpu="GPU-a"), place("reader", 0, device="cuda:0", gpu="GPU-b")]
+    assert gpu_duplicates(apart) == [] and choose_transport("torch", apart).name == "torch"
+    # cuda:1 and cuda:0 naming one physical GPU: the same GPU
+    same = [place("writer", 0, device="cuda:1", gpu="GPU-a"), place("reader", 0, device="cuda:0", gpu="GPU-a")]
+    assert gpu_duplicates(same) == [(same[0], same[1])]
+    # two engines (readers) on one GPU break NCCL just as a trainer and an engine do
+    readers = [place("writer", 0, "h0", "cuda:0", gpu="GPU-w"), place("reader", 0, "h1", "cuda:0", gpu="GPU-r"),
+               place("reader", 1, "h1", "cuda:0", gpu="GPU-r")]
+    assert shared_gpus(readers) == []
+    with pytest.raises(ValueError, match="reader 0 and reader 1 both use GPU GPU-r on h1, and NCCL refuses"):
+        choose_transport("auto", readers)  # several nodes: auto means NCCL, refused before NCCL would be
+
+
+def test_nccl_group_is_built_without_torch_watchdog_and_leaves_the_environment_as_it_was(monkeypatch):
+    from weightsync.transport.torch_nccl import nccl_group_env, scoped_env
+
+    assert nccl_group_env() == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
+    import os
+
+    with scoped_env(nccl_group_env()):
+        assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1"
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and "TORCH_NCCL_BLOCKING_WAIT" not in os.environ
 
 
 def test_nixl_descriptors_carry_each_sides_own_device_id():

@@ -76,16 +76,27 @@ def check_serves(transport: str, *, serves_cpu: bool, serves_cuda: bool, device:
 
 @dataclass(frozen=True, slots=True)
 class RankPlacement:
-    """Where one rank runs: its node (host name, or a Ray node id) and its tensors' device."""
+    """Where one rank runs: its node (host name, or a Ray node id), its tensors' device, and
+    that device's physical identity (a GPU's UUID, "" for host memory or when unknown).
+
+    ``cuda:N`` means something only inside one process (``CUDA_VISIBLE_DEVICES`` renumbers
+    GPUs per process, as Ray, vLLM and SGLang workers do), so ranks are compared by ``gpu``
+    when they published it.
+    """
 
     role: Role
     rank: int
     node: str
     device: str = "cpu"
+    gpu: str = ""
 
     @property
     def who(self) -> str:
         return f"{self.role} {self.rank}"
+
+    @property
+    def gpu_key(self) -> tuple[str, str]:
+        return (self.node, self.gpu) if self.gpu else (self.node, self.device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,22 +105,23 @@ class TransportChoice:
     reason: str
 
 
-def shared_gpus(placements: Sequence[RankPlacement]) -> list[tuple[RankPlacement, RankPlacement]]:
-    """Pairs of ranks (one writer, one reader) whose tensors live on the same GPU of one node.
+def gpu_duplicates(placements: Sequence[RankPlacement]) -> list[tuple[RankPlacement, RankPlacement]]:
+    """Pairs of ranks, of any roles, whose tensors live on one physical GPU.
 
-    NCCL refuses two ranks of a communicator on one GPU ("Duplicate GPU detected"), so such
-    a pair can only use CUDA IPC (the shared-memory transport).
+    One NCCL communicator spans every writer and reader, and NCCL refuses two of its ranks on
+    one GPU ("Duplicate GPU detected", keyed by PCI bus id): two engines sharing a GPU fail as
+    surely as a trainer and an engine.
     """
     by_gpu: dict[tuple[str, str], list[RankPlacement]] = {}
     for p in placements:
         if parse_device(p.device)[0] == "cuda":
-            by_gpu.setdefault((p.node, p.device), []).append(p)
-    out: list[tuple[RankPlacement, RankPlacement]] = []
-    for ranks in by_gpu.values():
-        writers = [p for p in ranks if p.role == "writer"]
-        readers = [p for p in ranks if p.role == "reader"]
-        out.extend((w, r) for w in writers for r in readers)
-    return out
+            by_gpu.setdefault(p.gpu_key, []).append(p)
+    return [(a, b) for ranks in by_gpu.values() for i, a in enumerate(ranks) for b in ranks[i + 1:]]
+
+
+def shared_gpus(placements: Sequence[RankPlacement]) -> list[tuple[RankPlacement, RankPlacement]]:
+    """Pairs of one writer and one reader on one physical GPU (CUDA IPC is their only path)."""
+    return [(a, b) if a.role == "writer" else (b, a) for a, b in gpu_duplicates(placements) if a.role != b.role]
 
 
 def choose_transport(requested: str, placements: Sequence[RankPlacement], *,
@@ -132,10 +144,10 @@ def choose_transport(requested: str, placements: Sequence[RankPlacement], *,
         raise ValueError(f"{cpu.who} holds its weights on cpu and {gpu.who} on {gpu.device}: every rank of a "
                          "job must use the same kind of device")
     nodes = {p.node for p in placements}
-    same_gpu = shared_gpus(placements)
+    same_gpu = gpu_duplicates(placements)
     if requested == "auto":
         if len(nodes) == 1 and "shm" not in unavailable:
-            why = ("writers and readers share GPUs (NCCL refuses two ranks on one GPU): CUDA IPC" if same_gpu
+            why = ("ranks share GPUs (NCCL refuses two ranks on one GPU): CUDA IPC" if same_gpu
                    else "all ranks on one node")
             return TransportChoice("shm", why)
         requested = "torch"
@@ -145,9 +157,11 @@ def choose_transport(requested: str, placements: Sequence[RankPlacement], *,
     if requested in unavailable:
         raise ValueError(f"transport {requested!r} cannot be used: {unavailable[requested]}")
     if requested == "torch" and same_gpu and "cuda" in kinds:
-        w, r = same_gpu[0]
-        raise ValueError(f"{w.who} and {r.who} both use {w.device} on {w.node}, and NCCL refuses two ranks on one "
-                         "GPU: use transport 'shm' (CUDA IPC) or 'auto' for co-located ranks")
+        a, b = same_gpu[0]
+        where = f"GPU {a.gpu}" if a.gpu else a.device
+        raise ValueError(f"{a.who} and {b.who} both use {where} on {a.node}, and NCCL refuses two ranks of one "
+                         "communicator on one GPU: give each rank its own GPU, or use transport 'shm' (CUDA IPC) "
+                         "or 'auto' when every rank runs on one node")
     if requested == "shm" and len(nodes) > 1:
         raise ValueError(f"transport 'shm' needs every rank on one node, but they run on {sorted(nodes)[:4]}: "
                          "use 'torch', 'nixl' or 'auto'")
@@ -159,17 +173,47 @@ def torch_backend(device: str) -> str:
     return "nccl" if parse_device(device)[0] == "cuda" else "gloo"
 
 
-def ipc_attach_device(writer_device: str) -> str:
-    """The device a CUDA IPC mapping of a writer's memory must be created on: the writer's.
+def gpu_identity(device: str) -> str:
+    """The physical identity of a CUDA device (its UUID), comparable across processes; "" for
+    host memory. vLLM's and SGLang's own CUDA IPC paths identify GPUs the same way."""
+    kind, index = parse_device(device)
+    if kind != "cuda":
+        return ""
+    import torch
 
-    ``UntypedStorage._new_shared_cuda`` opens the handle on the device recorded with it,
-    whatever the reader's current device is; building the receiving tensor on the reader's
-    current device instead makes ``set_`` fail with "devices must match" (TP2 -> TP1 across
-    GPUs, say).
+    return str(torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).uuid)
+
+
+def visible_gpus() -> list[str]:
+    """The identities of the GPUs this process sees, by local index."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [gpu_identity(f"cuda:{i}") for i in range(torch.cuda.device_count())]
+
+
+def ipc_attach_device(writer_device: str, writer_gpu: str = "", visible: Sequence[str] = ()) -> str:
+    """The local device a CUDA IPC mapping of a writer's memory must be opened on: the
+    writer's GPU, as this process numbers it.
+
+    ``UntypedStorage._new_shared_cuda`` opens the handle on the device index it is given, and
+    the index the writer recorded is the writer's own; under another ``CUDA_VISIBLE_DEVICES``
+    it names another GPU (or none). With the writer's GPU identity the index is looked up
+    among the GPUs this process sees; without it, the writer's index is all there is.
+
+    Raises:
+        ValueError: the writer's GPU is not visible here (naming it), or no index was given.
     """
     kind, index = parse_device(writer_device)
     if kind != "cuda" or index is None:
         raise ValueError(f"a CUDA IPC segment needs the writer's CUDA device with its index, got {writer_device!r}")
+    if writer_gpu and visible:
+        if writer_gpu not in visible:
+            raise ValueError(f"the writer's GPU {writer_gpu} ({writer_device} in its process) is not one of the "
+                             f"{len(visible)} GPUs this process sees: CUDA IPC needs both processes to see the GPU "
+                             "(check CUDA_VISIBLE_DEVICES)")
+        return f"cuda:{list(visible).index(writer_gpu)}"
     return writer_device
 
 

@@ -143,14 +143,16 @@ class JobChannel:
         return f"{self.role} {self.rank}"
 
     # -- membership ---------------------------------------------------------------------------
-    def register(self, *, host: str, group: str, layout: bytes, device: str = "cpu") -> bool:
-        """Register this rank: its node, the device of its tensors and its layout blob.
+    def register(self, *, host: str, group: str, layout: bytes, device: str = "cpu", gpu: str = "") -> bool:
+        """Register this rank: its node, the device of its tensors (and that GPU's UUID, the
+        identity other processes can compare) and its layout blob.
         Returns True if the rank was registered before (this process is a restart of it)."""
         from weightsync.meta.records import Participant
 
         restarted = any(p.rank == self.rank for p in self.meta.participants(self.role))
+        endpoints = {"device": device, **({"gpu": gpu} if gpu else {})}
         self.meta.register(Participant(role=self.role, rank=self.rank, group=group, host=host,
-                                       endpoints={"device": device}, layout=layout))
+                                       endpoints=endpoints, layout=layout))
         return restarted
 
     def wait_roster(self, *, writers: int, readers: int, deadline: Deadline) -> list[Participant]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from weightsync.deadline import Deadline
-from weightsync.devices import RankPlacement, choose_transport, tensors_device
+from weightsync.devices import RankPlacement, choose_transport, gpu_identity, tensors_device
 from weightsync.job import JobChannel, Role
 from weightsync.layout.quant import quantized_sources
 from weightsync.layout.wire import decode_layout, encode_descriptor, encode_explicit
@@ -174,8 +174,9 @@ class SyncSession:
     def register(self) -> None:
         if self._registered:
             return
+        device = self.device()
         restarted = self.channel.register(host=self.host, group=self.config.job, layout=self._layout_blob(),
-                                          device=self.device())
+                                          device=device, gpu=gpu_identity(device))
         if restarted:
             # The others' connections do not include this new process: move everyone on.
             self.channel.advance_epoch(self.channel.current_epoch())
@@ -203,8 +204,8 @@ class SyncSession:
             quantizer = WriterQuantizer(quant, own, plan)
             quantizer = quantizer if quantizer.active else None
         self.timings["plan"] = time.perf_counter() - t0
-        placements = [RankPlacement(p.role, p.rank, p.host, p.endpoints.get("device", "cpu"))  # type: ignore[arg-type]
-                      for p in people]
+        placements = [RankPlacement(p.role, p.rank, p.host, p.endpoints.get("device", "cpu"),  # type: ignore[arg-type]
+                                    p.endpoints.get("gpu", "")) for p in people]
         unavailable = {n: r for n in ("shm", "nixl", "file") if (r := unavailable_reason(n)) is not None}
         choice = choose_transport(self.config.transport, placements, unavailable=unavailable)
         opts = self.config.transport_options

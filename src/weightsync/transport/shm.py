@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 
 from weightsync.deadline import Deadline
-from weightsync.devices import ipc_attach_device
+from weightsync.devices import gpu_identity, ipc_attach_device, visible_gpus
 from weightsync.torch_layout import TORCH_DTYPES
 from weightsync.transport.base import (
     PhaseTimer,
@@ -251,6 +251,7 @@ class SnapshotWriter:
         if device.type == "cuda":
             data = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=device)
             header["cuda_ipc"] = list(data.untyped_storage()._share_cuda_())
+            header["gpu"] = gpu_identity(str(device))  # the index in cuda_ipc is this process's own
         self.segment = OwnSegment(ctx.rank, header, 0 if data is not None else slots * slot_bytes)
         self.segment.words[3: 3 + 3 * slots].fill_(EMPTY)
         self.segment.seal()
@@ -364,9 +365,11 @@ def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, 
     writer_device = str(header.get("device", "cpu"))
     if writer_device.startswith("cuda"):
         # The mapping lives on the writer's GPU, whatever this reader's current device is.
-        home = torch.device(ipc_attach_device(writer_device))
+        home = torch.device(ipc_attach_device(writer_device, str(header.get("gpu", "")), visible_gpus()))
+        handle = list(header["cuda_ipc"])
+        handle[0] = home.index  # _share_cuda_'s first field: the device, renumbered for this process
         with torch.cuda.device(home):
-            storage = torch.UntypedStorage._new_shared_cuda(*header["cuda_ipc"])
+            storage = torch.UntypedStorage._new_shared_cuda(*handle)
             data = torch.empty(0, dtype=torch.uint8, device=home).set_(storage)
     else:
         data = mem[CONTROL_BYTES:CONTROL_BYTES + slots * slot_bytes]

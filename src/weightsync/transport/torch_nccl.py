@@ -16,16 +16,19 @@ on (torch 2.13, ``torch/distributed/distributed_c10d.py``):
   A peer holds window ``k`` of the pair in its own round ``k``, so every rank's round ``k``
   completes once its peers reach round ``k``: no deadlock whatever the fan-in or fan-out.
 * **No CPU polling.** Each round's work only makes the current stream wait for it
-  (``work.wait()`` without a timeout), so packing the next round and scattering the last
+  (``work.block_current_stream()``), so packing the next round and scattering the last
   run on the GPU in order; the CPU blocks once, on a blocking-sync CUDA event recorded after
   the last round.
 * **Timeouts abort, they never kill.** A :class:`Watchdog` thread aborts the communicator if
   the event has not completed by the deadline; aborted NCCL kernels end, the event
   completes, and the sync raises :class:`TransportError` naming the peers. The group is
-  created with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (read by ``ProcessGroupNCCL``'s
-  constructor only), because torch's default (3) tears the whole process down when a work
-  times out or fails: a dead rollout worker must never kill the trainer. The next version
-  runs in a new epoch with a new communicator.
+  created with the settings of :func:`nccl_group_env` (read by ``ProcessGroupNCCL``'s
+  constructor only, so the user's own groups keep theirs): ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``,
+  because torch's default (3) tears the whole process down when a work times out or fails,
+  and ``TORCH_NCCL_BLOCKING_WAIT=1``, which starts no torch watchdog (nor heartbeat monitor)
+  for this group, so an error in it never raises torch's process-wide dump signal that the
+  default group's monitor answers by terminating the process. A dead rollout worker must
+  never kill the trainer. The next version runs in a new epoch with a new communicator.
 
 Staging: one buffer of ``max_bucket_bytes / 16`` per pair (a window holds at most one staged
 message), so peak extra memory is within ``max_bucket_bytes`` up to 16 peers per rank.
@@ -136,19 +139,24 @@ class Watchdog:
         self._thread.join()
 
 
+def nccl_group_env() -> dict[str, str]:
+    """The torch settings weightsync's own NCCL group is constructed with (module docstring)."""
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+
+
 @contextlib.contextmanager
-def _async_error_handling_off() -> Iterator[None]:
-    """``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` while a ProcessGroupNCCL is constructed (module docstring)."""
-    key = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-    before = os.environ.get(key)
-    os.environ[key] = "0"
+def scoped_env(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` for the duration, then exactly what was there before."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = before
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def nccl_group(store: dist.Store, rank: int, size: int, device: torch.device, *, name: str) -> Any:
@@ -156,13 +164,13 @@ def nccl_group(store: dist.Store, rank: int, size: int, device: torch.device, *,
     options = dist.ProcessGroupNCCL.Options()
     options.is_high_priority_stream = False
     options._timeout = _GROUP_TIMEOUT
-    with _async_error_handling_off():
+    with scoped_env(nccl_group_env()):
         backend = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", store), rank, size, options)
     backend._set_sequence_number_for_group()
     pg = dist.ProcessGroup(store, rank, size)
     pg._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
+    pg.bound_device_id = device  # before the backend is registered, which hands it on
     pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, backend)
-    pg.bound_device_id = device
     pg._set_group_name(name)  # type: ignore[arg-type]  # GroupName is a str at run time
     backend.eager_connect_single_device(device)
     return pg
@@ -227,7 +235,7 @@ class NcclTransport(TorchDistBase):
 
         Each send or receive makes the NCCL stream wait for the current stream first, so a
         pack enqueued just before its send is complete when NCCL reads the buffer, and a
-        buffer is only refilled after the previous round's ``work.wait()``.
+        buffer is only refilled after the previous round's ``work.block_current_stream()``.
         """
         landed: list[tuple[Message, torch.Tensor, int, int]] = []
         pg._start_coalescing(self.device)
@@ -251,7 +259,7 @@ class NcclTransport(TorchDistBase):
                 stats.messages += 1
                 stats.direct_bytes += message.nbytes if message.direct else 0
         work = pg._end_coalescing(self.device)
-        work.wait()  # the current stream waits for the round; the CPU does not
+        work.block_current_stream()  # the current stream waits for the round; the CPU does not
         if sending:
             return
         for message, payload, index, tag in landed:
@@ -272,7 +280,7 @@ class NcclTransport(TorchDistBase):
                     else torch.empty(len(pair.messages), dtype=torch.int64, device=self.device))
             (pg.send if sending else pg.recv)([tail], pair.peer_global, len(pair.messages))
             tails.append((pair, tail, ordered))
-        pg._end_coalescing(self.device).wait()
+        pg._end_coalescing(self.device).block_current_stream()  # tolist() below waits for the stream
         if sending:
             return
         for pair, tail, ordered in tails:
