@@ -151,7 +151,12 @@ class EngineProofs:
                 result = reader.update(timeout=120)
             client.close()
         assert result.version == 1
-        assert result.nbytes == case.engine.staging_bytes  # every byte exactly once
+        assert result.nbytes == case.engine.layout().nbytes  # every byte exactly once
+        # the norms need no processing on CPU: received straight into the model, never staged
+        in_place = case.engine.in_place_names
+        assert in_place and all(n.endswith("norm.weight") for n in in_place), in_place
+        assert case.engine.staging_bytes <= case.engine.layout().nbytes - sum(
+            case.engine.layout().shard(n).nbytes for n in in_place)
         tokens, out = case.greedy()
         assert tokens == case.ref_b
         assert [span.version for span in out.weight_versions] == ["1"]
@@ -400,6 +405,32 @@ def test_staging_is_the_checkpoint_under_its_own_names(is_moe):
     assert engine.weight_version is None
     with pytest.raises(ValueError, match="must cover the whole model"):
         engine.update({names[0]: torch.ones(engine.receive_buffers()[names[0]].shape)}, version=4)
+
+
+def test_in_place_parameters_follow_vllms_direct_load_rules():
+    from weightsync.engines.vllm import ParamFacts, in_place_names
+
+    ckpt = {"m.layers.0.input_layernorm.weight": ((8,), "float32"), "m.layers.0.o_proj.weight": ((8, 8), "float32"),
+            "m.layers.0.o_proj.bias": ((8,), "float32"), "m.embed.weight": ((16, 8), "float32")}
+
+    def facts(name, shape, loader="", dtype="float32", contiguous=True, repacked=False):
+        return ParamFacts(name, shape, dtype, contiguous, loader, repacked)
+
+    gpu = [facts("m.layers.0.input_layernorm.weight", (8,)),
+           facts("m.layers.0.o_proj.weight", (8, 8), "RowParallelLinear.weight_loader_v2"),
+           facts("m.layers.0.o_proj.bias", (8,), "RowParallelLinear.weight_loader"),
+           facts("m.embed.weight", (16, 8), "VocabParallelEmbedding.weight_loader"),
+           facts("m.layers.0.qkv_proj.weight", (24, 8), "QKVParallelLinear.weight_loader_v2")]
+    assert in_place_names(gpu, ckpt, quantized=False) == [
+        "m.layers.0.input_layernorm.weight", "m.layers.0.o_proj.bias", "m.layers.0.o_proj.weight"]
+    # CPU: vLLM empties linear weights into oneDNN handles; a module is in place only as a whole
+    cpu = [gpu[0], facts("m.layers.0.o_proj.weight", (0,), "RowParallelLinear.weight_loader_v2"), gpu[2]]
+    assert in_place_names(cpu, ckpt, quantized=False) == ["m.layers.0.input_layernorm.weight"]
+    assert in_place_names([gpu[0], facts("m.layers.0.input_layernorm.weight", (8,), "<opaque>")], ckpt,
+                          quantized=False) == []
+    assert in_place_names([facts("m.layers.0.input_layernorm.weight", (8,), repacked=True)], ckpt,
+                          quantized=False) == []
+    assert in_place_names(gpu, ckpt, quantized=True) == []
 
 
 def test_unsupported_engine_configurations_are_rejected():

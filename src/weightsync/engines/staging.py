@@ -67,6 +67,8 @@ class StagedWeights:
         self._complete = False  # every buffer holds one consistent version
         self._touched = False   # a load into the engine started and did not finish
         self._loading: int | None = None  # the version whose load is open (between phases)
+        #: checkpoint tensors received straight into the engine's own parameters (no staging)
+        self._direct: dict[str, torch.Tensor] = {}
 
     # -- InferenceEngine ----------------------------------------------------------------------
     def layout(self) -> RankLayout:
@@ -93,6 +95,22 @@ class StagedWeights:
         """Memory the staging buffers take (the arena: the largest phase)."""
         return 0 if self._arena is None else self._arena.numel()
 
+    def receive_in_place(self, targets: Mapping[str, torch.Tensor]) -> None:
+        """Receive these checkpoint tensors straight into the engine's parameters: no staging,
+        and the engine's loader never sees them (each must need no post-processing)."""
+        for name, tensor in targets.items():
+            shard = self._layout.shard(name)
+            if tuple(tensor.shape) != shard.shape or TORCH_DTYPES[shard.dtype] != tensor.dtype \
+                    or not tensor.is_contiguous():
+                raise ValueError(f"{name}: the engine's tensor ({tuple(tensor.shape)}, {tensor.dtype}) is not the "
+                                 f"checkpoint's ({shard.shape}, {shard.dtype}); it cannot be received in place")
+        self._direct = dict(targets)
+        self._phases = None  # lay the buffers out again
+
+    @property
+    def in_place_names(self) -> tuple[str, ...]:
+        return tuple(self._direct)
+
     # -- phases -------------------------------------------------------------------------------
     def use_phases(self, phases: tuple[tuple[str, ...], ...] | None) -> None:
         """Lay the buffers out for ``phases`` of canonical tensors (None: the whole model at once)."""
@@ -103,6 +121,8 @@ class StagedWeights:
         phase_of = {name: i for i, names in enumerate(wanted) for name in names}
         by_phase: list[list[Shard]] = [[] for _ in wanted]
         for shard in self._layout.shards:
+            if shard.name in self._direct:
+                continue
             owners = {phase_of.get(r.canonical) for r in shard.regions}
             if len(owners) != 1 or None in owners:
                 raise ValueError(f"shard {shard.name} spans phases {sorted(o for o in owners if o is not None)}")
@@ -119,6 +139,9 @@ class StagedWeights:
         self._buffers = {}
         arena = torch.zeros(max(size, _ALIGN), dtype=torch.uint8, device=self._device)
         for shard in self._layout.shards:
+            if shard.name in self._direct:
+                self._buffers[shard.name] = self._direct[shard.name]
+                continue
             at = offsets[shard.name]
             self._buffers[shard.name] = arena[at: at + shard.nbytes].view(TORCH_DTYPES[shard.dtype]).view(shard.shape)
         self._arena, self._phases = arena, wanted
@@ -169,6 +192,7 @@ class StagedWeights:
                 logger.warning("closing the failed load of version %d: %s", version, exc)
         self._complete = False
         self._version = None
+        self._touched = self._touched or bool(self._direct)  # in-place tensors may hold part of it
         logger.warning("version %d was not applied (%s); the engine's weights are %s", version, error,
                        "invalid until the next full update" if self._touched else "unchanged")
 
@@ -199,7 +223,8 @@ class StagedWeights:
     def staged_items(self) -> list[tuple[str, torch.Tensor]]:
         """(checkpoint name, buffer) in checkpoint order: embeddings, layer by layer, head."""
         check_weights(self._layout, self._buffers, complete=True, exact_dtype=True)
-        return [(shard.name, self._buffers[shard.name]) for shard in self._layout.shards]
+        return [(shard.name, self._buffers[shard.name]) for shard in self._layout.shards
+                if shard.name not in self._direct]
 
     # -- the engine's loader (subclasses) ------------------------------------------------------
     def _begin(self, version: int) -> None:

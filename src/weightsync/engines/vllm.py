@@ -38,12 +38,14 @@ this module; ``vllm`` is imported lazily, inside functions.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from weightsync.engines.staging import StagedWeights
 from weightsync.layout import ModelSpec
+from weightsync.torch_layout import dtype_name
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -64,7 +66,7 @@ class VLLMEngine(StagedWeights):
     says which weights produced it.
     """
 
-    def __init__(self, llm: LLM, *, rank: int = 0, replicas: int | None = None) -> None:
+    def __init__(self, llm: LLM, *, rank: int = 0, replicas: int | None = None, in_place: bool = True) -> None:
         engine = llm.llm_engine
         if type(engine.engine_core).__name__ != "InprocClient":
             raise ValueError(
@@ -78,6 +80,10 @@ class VLLMEngine(StagedWeights):
                          device=vllm_config.device_config.device, rank=rank, replicas=replicas,
                          quant=staging_quant(vllm_config))
         self.llm = llm
+        if in_place:  # parameters that need no processing are received straight into the model
+            checkpoint = {shard.name: (shard.shape, shard.dtype) for shard in self.layout().shards}
+            quantized = staging_quant(vllm_config) is not None
+            self.receive_in_place(llm.collective_rpc(_in_place_params, args=(checkpoint, quantized))[0])
 
     # In-process, collective_rpc calls the functions directly: the tensors are passed by reference.
     def _begin(self, version: int) -> None:
@@ -124,6 +130,69 @@ def update_llm(llm: LLM, version: int, *, timeout: float | None = None) -> None:
 def spec_of(vllm_config: Any) -> ModelSpec:
     """The canonical model of a vLLM engine, read from the Hugging Face config vLLM loaded."""
     return ModelSpec.from_hf_config(vllm_config.model_config.hf_config.to_dict())
+
+
+#: Weight loaders that copy a checkpoint tensor into the parameter as it is (vLLM's own list
+#: for ``nccl_m2n``'s direct loads, ``distributed/weight_transfer/m2n_layout.py``).
+PLAIN_LOADERS = frozenset({"", "default_weight_loader", "ReplicatedLinear.weight_loader",
+                           "ColumnParallelLinear.weight_loader", "ColumnParallelLinear.weight_loader_v2",
+                           "RowParallelLinear.weight_loader", "RowParallelLinear.weight_loader_v2"})
+#: Parameter attributes that mean the stored tensor is not the checkpoint's layout.
+REPACKED_ATTRS = ("packed_dim", "packed_factor", "marlin_tile_size", "needs_scalar_to_array", "is_sharded_weight",
+                  "is_transposed")
+
+
+@dataclass(frozen=True, slots=True)
+class ParamFacts:
+    """What decides whether a vLLM parameter can be received in place (see :func:`in_place_names`)."""
+
+    name: str  # the parameter's name in the model
+    shape: tuple[int, ...]
+    dtype: str
+    contiguous: bool
+    loader: str  # the weight loader's qualified name ("" when the parameter has none)
+    repacked: bool  # carries one of REPACKED_ATTRS
+
+
+def in_place_names(params: Iterable[ParamFacts], checkpoint: Mapping[str, tuple[tuple[int, ...], str]], *,
+                   quantized: bool) -> list[str]:
+    """Checkpoint tensors a vLLM model can take straight into its parameters, with no staging.
+
+    A parameter qualifies when its name, shape and dtype are the checkpoint tensor's, it is
+    contiguous, its loader copies as is (:data:`PLAIN_LOADERS`) and nothing repacks it; and
+    only when every parameter of its module qualifies: vLLM's layerwise reload rebuilds a
+    module as a unit, so a module fed through the reload would overwrite an in-place write
+    into a sibling. Quantized models process every linear weight: none qualifies. On CPU,
+    vLLM empties linear weights into oneDNN handles (shape ``[0]``), so what remains is the
+    norms; on GPU it is also ``o_proj``, ``down_proj`` and the like.
+    """
+    if quantized:
+        return []
+    by_module: dict[str, list[tuple[str, bool]]] = {}
+    for p in params:
+        want = checkpoint.get(p.name)
+        ok = (want is not None and want == (p.shape, p.dtype) and p.contiguous and p.loader in PLAIN_LOADERS
+              and not p.repacked)
+        by_module.setdefault(p.name.rpartition(".")[0], []).append((p.name, ok))
+    return sorted(name for members in by_module.values() if all(ok for _, ok in members) for name, _ in members)
+
+
+def param_facts(model: torch.nn.Module) -> list[ParamFacts]:
+    """:class:`ParamFacts` of every parameter of a live vLLM model."""
+    out = []
+    for name, param in model.named_parameters():
+        loader = getattr(param, "weight_loader", None)
+        qualname = "" if loader is None else getattr(loader, "__qualname__", "<opaque>")
+        out.append(ParamFacts(name, tuple(param.shape), dtype_name(param.dtype), param.is_contiguous(), qualname,
+                              any(hasattr(param, a) for a in REPACKED_ATTRS)))
+    return out
+
+
+def in_place_targets(model: torch.nn.Module, engine: StagedWeights, *, quantized: bool) -> dict[str, torch.Tensor]:
+    """The parameters ``engine`` receives in place (:func:`in_place_names`), by checkpoint name."""
+    checkpoint = {s.name: (s.shape, s.dtype) for s in engine.layout().shards}
+    names = set(in_place_names(param_facts(model), checkpoint, quantized=quantized))
+    return {name: param.data for name, param in model.named_parameters() if name in names}
 
 
 def staging_quant(vllm_config: Any) -> str | None:
@@ -235,6 +304,13 @@ def reload_model(model: Any, vllm_config: Any, weights: Iterable[tuple[str, torc
 
 
 # Worker-side halves of VLLMEngine's load (collective_rpc runs them in the worker; in process).
+def _in_place_params(worker: Any, checkpoint: Mapping[str, tuple[tuple[int, ...], str]],
+                     quantized: bool) -> dict[str, torch.Tensor]:
+    model = worker.model_runner.get_model()
+    names = set(in_place_names(param_facts(model), checkpoint, quantized=quantized))
+    return {name: param.data for name, param in model.named_parameters() if name in names}
+
+
 def _reload_begin(worker: Any) -> None:
     worker._weightsync_reload = ReloadSession(worker.model_runner.get_model(), worker.vllm_config)
     worker._weightsync_reload.begin()

@@ -35,7 +35,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightsync.engines.staging import StagedWeights
-from weightsync.engines.vllm import ReloadSession, check_supported, spec_of, staging_quant
+from weightsync.engines.vllm import ReloadSession, check_supported, in_place_targets, spec_of, staging_quant
 from weightsync.reader import WeightReader
 from weightsync.session import SyncConfig, TransportOptions
 
@@ -79,6 +79,8 @@ class _WorkerEngine(StagedWeights):
         self.model = model
         self.vllm_config = vllm_config
         self._session: ReloadSession | None = None
+        # parameters that need no processing are received straight into the model
+        self.receive_in_place(in_place_targets(model, self, quantized=staging_quant(vllm_config) is not None))
 
     def _begin(self, version: int) -> None:
         self._session = ReloadSession(self.model, self.vllm_config)
