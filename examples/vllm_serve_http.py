@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 PROMPT = [17 + 3 * i for i in range(40)]
 TARGET = [101, 202, 303, 404, 105, 206, 307, 408]
