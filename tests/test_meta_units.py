@@ -302,3 +302,39 @@ def test_importing_the_client_imports_neither_torch_nor_the_server_stack():
             "print(sorted(m for m in ('torch', 'fastapi', 'uvicorn', 'starlette') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_a_failed_journal_write_shows_in_healthz_and_the_journal_goes_on(tmp_path, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from weightsync.meta.server import ServerConfig, create_app
+
+    state = MetaState(Journal(tmp_path))
+    state.load()
+    token = "t" * 16
+    auth = {"Authorization": f"Bearer {token}"}
+    with TestClient(create_app(state, ServerConfig(token=token))) as http:
+        assert http.get("/healthz").text == "ok"
+        journal = state.journal
+        assert journal is not None
+        append = journal._append
+
+        def disk_full(data: bytes) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(journal, "_append", disk_full)
+        r = http.put("/v1/jobs/j/documents/a", content=b"1", headers=auth)
+        assert r.status_code == 503 and "No space left on device" in r.json()["detail"]
+        health = http.get("/healthz")
+        assert health.status_code == 503 and "No space left on device" in health.text
+        monkeypatch.setattr(journal, "_append", append)
+        assert http.put("/v1/jobs/j/documents/b", content=b"2", headers=auth).status_code == 200
+        assert http.get("/healthz").text == "ok"
+
+
+def test_a_server_reachable_from_other_hosts_needs_a_shared_token(monkeypatch, capsys):
+    from weightsync.cli import main
+
+    monkeypatch.delenv("WEIGHTSYNC_META_TOKEN", raising=False)
+    assert main(["meta-server", "--host", "0.0.0.0", "--port", "0"]) == 2
+    assert "--host 0.0.0.0 accepts connections from other machines" in capsys.readouterr().err

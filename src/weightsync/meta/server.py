@@ -47,10 +47,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import weightsync
 from weightsync.meta import status_page, wire
+from weightsync.meta.journal import JournalError
 from weightsync.meta.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from weightsync.meta.metrics import ServerMetrics
 from weightsync.meta.records import MAX_RANK, check_document_key
-from weightsync.meta.state import ConflictError, MetaState
+from weightsync.meta.state import ConflictError, MetaState, RecordError
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,10 @@ Job = Annotated[str, Path(pattern=JOB_PATTERN, description="job namespace")]
 Wait = Annotated[float, Query(ge=0, le=3600, description="seconds to hold the request (long-poll)")]
 Count = Annotated[int, Query(ge=0, lt=1 << 31, description="barrier: wait for this many registered")]
 Documents = Annotated[Sequence[str], Query(max_length=64, description="documents to include in the answer")]
+#: every integer the server stores or compares fits in msgpack's and the journal's int64
+MAX_INT = 1 << 62
+VersionNumber = Annotated[int, Field(ge=0, lt=MAX_INT)]
+Seconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,7 +111,7 @@ class RegisterBody(_Body):
 
 
 class VersionBody(_Body):
-    version: Annotated[int, Field(ge=0, lt=1 << 62)]
+    version: VersionNumber
     fingerprint: Annotated[str, Field(min_length=1, max_length=256)]
     writer_rank: Annotated[int, Field(ge=0, lt=MAX_RANK)]
     num_writers: Annotated[int, Field(ge=1, le=MAX_RANK)]
@@ -119,13 +124,13 @@ class VersionBody(_Body):
 
 
 class AppliedBody(_Body):
-    version: Annotated[int, Field(ge=0, lt=1 << 62)]
-    nbytes: Annotated[int, Field(ge=0)] = 0
-    seconds: Annotated[float, Field(ge=0)] = 0.0
+    version: VersionNumber
+    nbytes: Annotated[int, Field(ge=0, lt=MAX_INT)] = 0
+    seconds: Seconds = 0.0
 
 
 class FailedBody(_Body):
-    version: Annotated[int, Field(ge=-1, lt=1 << 62)]
+    version: Annotated[int, Field(ge=-1, lt=MAX_INT)]
     error: Annotated[str, Field(max_length=4096)]
 
 
@@ -276,12 +281,23 @@ def create_app(state: MetaState, config: ServerConfig) -> FastAPI:
     async def _disk(request: Request, exc: OSError) -> JSONResponse:
         return JSONResponse({"detail": f"the server could not persist the change: {exc}"}, status_code=503)
 
+    @app.exception_handler(JournalError)
+    async def _journal(request: Request, exc: JournalError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=503)
+
+    @app.exception_handler(RecordError)
+    async def _record(request: Request, exc: RecordError) -> JSONResponse:
+        return JSONResponse({"detail": f"invalid request: {exc}"}, status_code=422)
+
     def held(wait: float) -> float:
         return min(wait, config.max_wait)
 
     @app.get("/healthz", response_class=PlainTextResponse)
-    async def healthz() -> str:
-        return "ok"
+    async def healthz() -> Response:
+        broken = state.broken()
+        if broken is not None:  # a server that cannot persist changes must not look healthy
+            return PlainTextResponse(f"unhealthy: {broken}", status_code=503)
+        return PlainTextResponse("ok")
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -351,7 +367,7 @@ def create_app(state: MetaState, config: ServerConfig) -> FastAPI:
         return _reply(request, {"published": info.to_wire() if info else None})
 
     @app.get("/v1/jobs/{job}/versions/latest")
-    async def latest_version(request: Request, job: Job, after: Annotated[int, Query(ge=-1)] = -1,
+    async def latest_version(request: Request, job: Job, after: Annotated[int, Query(ge=-1, lt=MAX_INT)] = -1,
                              wait: Wait = 0.0) -> Response:
         info = await state.wait_version(job, after, held(wait))
         return _reply(request, {"latest": info.to_wire() if info else None})
@@ -369,8 +385,8 @@ def create_app(state: MetaState, config: ServerConfig) -> FastAPI:
         return _reply(request, {"ok": True})
 
     @app.get("/v1/jobs/{job}/readers")
-    async def readers(request: Request, job: Job, min_version: Annotated[int, Query(ge=0)] = 0,
-                      count: Annotated[int, Query(ge=0)] = 0, wait: Wait = 0.0) -> Response:
+    async def readers(request: Request, job: Job, min_version: Annotated[int, Query(ge=0, lt=MAX_INT)] = 0,
+                      count: Annotated[int, Query(ge=0, le=MAX_RANK)] = 0, wait: Wait = 0.0) -> Response:
         if count:
             await state.wait_readers(job, min_version=min_version, count=count, wait=held(wait))
         latest = state.latest(job)

@@ -29,6 +29,8 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
 from weightsync.meta import wire
 from weightsync.meta.journal import Journal
 from weightsync.meta.records import ROLES, VersionInfo, blob_hash, encode_columns
@@ -38,6 +40,17 @@ logger = logging.getLogger(__name__)
 
 class ConflictError(Exception):
     """A request that contradicts the state (the server answers 409 with this message)."""
+
+
+class RecordError(ValueError):
+    """A change whose record cannot be stored (the server answers 422; nothing is applied)."""
+
+
+def _encode(records: list[dict[str, Any]]) -> bytes:
+    try:
+        return b"".join(msgpack.packb(r, use_bin_type=True) for r in records)
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise RecordError(f"the change cannot be stored ({exc})") from None
 
 
 class Watch:
@@ -261,12 +274,19 @@ class MetaState:
         """
         async with self._lock:
             records = plan()
+            # Encode before applying: a record the journal cannot store is refused here, whole,
+            # instead of failing the journal's writer after the state already changed.
+            encoded = _encode(records)
             for record in records:
                 self._apply(record)
-            done = self._journal.submit(records) if self._journal is not None else None
+            done = self._journal.submit(records, encoded) if self._journal is not None else None
         if done is not None:
             await done
         return bool(records)
+
+    def broken(self) -> str | None:
+        """Why this server cannot accept changes (its journal failed), or None when healthy."""
+        return self._journal.broken() if self._journal is not None else None
 
     # --- participants ----------------------------------------------------------------------
     async def register(self, job: str, role: str, rank: int, *, group: str, host: str,
