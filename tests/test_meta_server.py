@@ -221,18 +221,21 @@ def test_readers_report_lag_and_wait(client):
     assert client.wait_readers(min_version=1, readers=2, timeout=5) == {0: 1, 1: 1, 2: None}
     client.publish_version(2, "fp2", writer_rank=0, num_writers=1)
     client.report_failed(1, 2, "CUDA error: out of memory")
+    with pytest.raises(TimeoutError, match=r"to apply \(or fail\) version >= 2: 1 did; laggards: rank 0 at 1$"):
+        client.wait_readers(min_version=2, readers=2, timeout=0.3)  # ranks 0 and 1: rank 0 is behind
+    client.report_applied(0, 2)
     # A reader that failed version 2 waits for version 3, never 2: it is done with 2.
-    assert client.wait_readers(min_version=2, readers=1, timeout=5) == {0: 1, 1: None, 2: None}
-    with pytest.raises(TimeoutError, match=r"to apply \(or fail\) version >= 2: 1 did; laggards: rank 0 at 1; "
+    assert client.wait_readers(min_version=2, readers=2, timeout=5) == {0: 2, 1: None, 2: None}
+    with pytest.raises(TimeoutError, match=r"to apply \(or fail\) version >= 2: 2 did; laggards: "
                                            r"rank 2 at no valid version$"):
-        client.wait_readers(min_version=2, readers=2, timeout=0.3)
+        client.wait_readers(min_version=2, readers=3, timeout=0.3)
     late = threading.Timer(0.2, lambda: client.report_applied(2, 2))
     late.start()
-    assert client.wait_readers(min_version=2, readers=2, timeout=10)[2] == 2
+    assert client.wait_readers(min_version=2, readers=3, timeout=10)[2] == 2
     late.join(10)
     status = client.status()
     lag = {r["rank"]: r["lag"] for r in status["reader_state"]}
-    assert lag == {0: 1, 1: None, 2: 0}
+    assert lag == {0: 0, 1: None, 2: 0}
     assert status["latest_version"]["version"] == 2 and status["last_sync_at"] is not None
 
 

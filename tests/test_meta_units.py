@@ -154,7 +154,10 @@ async def _exercise(state: MetaState) -> None:
     assert await state.report_version("j", 1, "fp", writer_rank=0, num_writers=1) is not None
     assert await state.report_version("j", 2, "fp2", writer_rank=0, num_writers=2) is None
     await state.report_reader("j", 0, 1, nbytes=5, seconds=0.5)
+    await state.register("j", "reader", 1, group="g", host="h", endpoints={}, layout=b"R")
     await state.report_reader("j", 1, 1, error="boom")
+    with pytest.raises(ConflictError, match="reader rank 2 is not registered in job 'j'"):
+        await state.report_reader("j", 2, 1)
     await state.register("other", "reader", 0, group="", host="", endpoints={}, layout=b"")
     assert await state.delete_job("other")
 
@@ -338,3 +341,19 @@ def test_a_server_reachable_from_other_hosts_needs_a_shared_token(monkeypatch, c
     monkeypatch.delenv("WEIGHTSYNC_META_TOKEN", raising=False)
     assert main(["meta-server", "--host", "0.0.0.0", "--port", "0"]) == 2
     assert "--host 0.0.0.0 accepts connections from other machines" in capsys.readouterr().err
+
+
+def test_the_meta_server_process_imports_no_torch(tmp_path):
+    """cli.py promises lazy imports: a meta server used to hold torch (250 MB) it never uses."""
+    import sys as _sys
+
+    _sys.path.insert(0, os.path.dirname(__file__))
+    from meta_proc import MetaServerProcess
+
+    with MetaServerProcess(tmp_path) as server:
+        assert server.proc is not None
+        with open(f"/proc/{server.proc.pid}/maps") as maps:
+            libraries = {line.split()[-1].rsplit("/", 1)[-1] for line in maps if ".so" in line}
+        assert not [lib for lib in libraries if "torch" in lib], sorted(libraries)
+        with MetaClient(server.address, token=server.token) as c:
+            assert c.status()["job"] == "default"

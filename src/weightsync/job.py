@@ -139,15 +139,35 @@ class JobChannel:
         return f"{self.role} {self.rank}"
 
     # -- membership ---------------------------------------------------------------------------
-    def register(self, *, host: str, group: str, layout: bytes, device: str = "cpu") -> bool:
-        """Register this rank: its node, the device of its tensors and its layout blob.
+    def register(self, *, host: str, group: str, layout: bytes, device: str = "cpu", settings: str = "") -> bool:
+        """Register this rank: its node, the device of its tensors, its layout blob and the job
+        settings it runs with (compared across ranks, see :meth:`check_settings`).
         Returns True if the rank was registered before (this process is a restart of it)."""
         from weightsync.meta.records import Participant
 
         restarted = any(p.rank == self.rank for p in self.meta.participants(self.role))
+        endpoints = {"device": device, **({"settings": settings} if settings else {})}
         self.meta.register(Participant(role=self.role, rank=self.rank, group=group, host=host,
-                                       endpoints={"device": device}, layout=layout))
+                                       endpoints=endpoints, layout=layout))
         return restarted
+
+    def check_settings(self, settings: str, people: list[Participant] | None = None) -> None:
+        """Compare this rank's job settings with every rank registered so far.
+
+        Each rank checks after registering (the later of two ranks that disagree sees the
+        other) and again once the roster is complete (``people``), so every rank stops before
+        planning, naming the ranks that differ.
+
+        Raises:
+            ValueError: naming the ranks whose settings differ and the settings themselves.
+        """
+        differ = [f"{p.role} {p.rank} ({p.endpoints['settings']})"
+                  for p in (self.meta.participants() if people is None else people)
+                  if p.endpoints.get("settings", settings) != settings]
+        if differ:
+            raise ValueError(f"{self.who} runs job {self.meta.job!r} with {settings}, but "
+                             f"{', '.join(differ[:8])}{' ...' if len(differ) > 8 else ''} registered with other "
+                             "settings: every writer and reader of a job must use the same SyncConfig")
 
     def wait_roster(self, *, writers: int, readers: int, deadline: Deadline) -> list[Participant]:
         """Everyone, once ``writers`` writers and ``readers`` readers registered."""
@@ -218,15 +238,16 @@ class JobChannel:
         """This reader failed ``version``: its weights are at no valid version until the next."""
         self.meta.report_failed(self.rank, version, error[:2000])
 
-    def wait_readers(self, *, min_version: int, readers: int, deadline: Deadline) -> dict[int, int | None]:
-        """Until ``readers`` readers are done with ``min_version`` (applied or failed it, or newer).
+    def wait_readers(self, *, min_version: int, readers: int, deadline: Deadline) -> dict[int, str]:
+        """Until reader ranks ``0..readers-1`` are done with ``min_version`` (applied or failed it,
+        or newer). Returns the readers that failed it: rank -> the error each reported.
 
         Raises:
             TimeoutError: naming the laggards.
         """
-        result: dict[int, int | None] = self.meta.wait_readers(min_version=min_version, readers=readers,
-                                                                timeout=deadline.remaining())
-        return result
+        report = self.meta.wait_reader_report(min_version=min_version, readers=readers, timeout=deadline.remaining())
+        failed: dict[int, str] = report.failed(min_version, readers)
+        return failed
 
     # -- transport endpoints ------------------------------------------------------------------
     def publish_endpoint(self, transport: str, epoch: int, endpoint: Mapping[str, Any]) -> None:

@@ -26,6 +26,7 @@ from weightsync.devices import RankPlacement, choose_transport, tensors_device
 from weightsync.job import JobChannel, Role
 from weightsync.layout.wire import decode_layout, encode_descriptor, encode_explicit
 from weightsync.plan import PlanOptions, build_local_plan, layer_phases, split_plan
+from weightsync.torch_layout import check_tensors
 from weightsync.transport import TransportContext, TransportOptions, create_transport, unavailable_reason
 
 if TYPE_CHECKING:
@@ -101,6 +102,12 @@ class SyncConfig:
             object.__setattr__(self, "transport_options",
                                dataclasses.replace(self.transport_options, slots=self.staleness + 1))
 
+    def settings(self) -> str:
+        """What every rank of a job must agree on, as ranks compare it when they register."""
+        opts = self.transport_options
+        return (f"writers={self.num_writers},readers={self.num_readers},staleness={self.staleness},"
+                f"slots={opts.slots},{opts.digest()}")
+
 
 @dataclass(frozen=True)
 class PlannedSync:
@@ -133,6 +140,9 @@ class SyncSession:
 
     def __init__(self, role: Role, rank: int, provider: LayoutProvider, config: SyncConfig,
                  meta: MetaClient, *, device: Callable[[], str]) -> None:
+        if getattr(meta, "job", config.job) != config.job:
+            raise ValueError(f"SyncConfig(job={config.job!r}) but the MetaClient passed in speaks for job "
+                             f"{meta.job!r}: build the client with job={config.job!r} (or leave meta= out)")
         size = config.num_writers if role == "writer" else config.num_readers
         if not 0 <= rank < size:
             raise ValueError(f"{role} rank {rank} is outside 0..{size - 1} (the job has {size} {role}s)")
@@ -170,8 +180,10 @@ class SyncSession:
     def register(self) -> None:
         if self._registered:
             return
+        settings = self.config.settings()
         restarted = self.channel.register(host=self.host, group=self.config.job, layout=self._layout_blob(),
-                                          device=self.device())
+                                          device=self.device(), settings=settings)
+        self.channel.check_settings(settings)
         if restarted:
             # The others' connections do not include this new process: move everyone on.
             self.channel.advance_epoch(self.channel.current_epoch())
@@ -187,6 +199,7 @@ class SyncSession:
         self.register()
         people = self.channel.wait_roster(writers=self.config.num_writers, readers=self.config.num_readers,
                                           deadline=deadline)
+        self.channel.check_settings(self.config.settings(), people)
         writers, readers = self._decode(people)
         t0 = time.perf_counter()
         plan = build_local_plan(writers, readers, role=self.role, rank=self.rank, options=self.config.plan_options)
@@ -227,6 +240,11 @@ class SyncSession:
         return writers, readers
 
     # -- transport ------------------------------------------------------------------------
+    def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Before a version is published: the tensors agree with this rank's layout (shape,
+        dtype, contiguous), whatever the transport (:func:`weightsync.torch_layout.check_tensors`)."""
+        check_tensors(self.provider.layout(), tensors, self.channel.who)
+
     def arm(self, tensors: Mapping[str, torch.Tensor], epoch: int, deadline: Deadline) -> Transport:
         """The planned transport, (re)prepared when the epoch or the buffers' storage changed."""
         planned = self.planned

@@ -163,12 +163,22 @@ class ReaderReport:
     def versions(self) -> dict[int, int | None]:
         return {int(r["rank"]): r["version"] for r in self.rows}
 
-    def settled(self, min_version: int) -> list[int]:
-        """Reader ranks done with ``min_version``: applied it or newer, or failed it or newer."""
+    def settled(self, min_version: int, readers: int | None = None) -> list[int]:
+        """Registered reader ranks (below ``readers``, if given) done with ``min_version``:
+        applied it or newer, or failed it or newer."""
         def last(row: Mapping[str, Any]) -> int:
             seen = [v for v in (row.get("version"), row.get("failed_version")) if v is not None]
             return max(seen, default=-1)
-        return [int(r["rank"]) for r in self.rows if last(r) >= min_version]
+        return [int(r["rank"]) for r in self.rows if r.get("registered", True) and last(r) >= min_version
+                and (readers is None or int(r["rank"]) < readers)]
+
+    def failed(self, min_version: int, readers: int | None = None) -> dict[int, str]:
+        """Registered reader ranks that failed ``min_version`` (or newer) and applied nothing as new
+        since, with the error each reported."""
+        return {int(r["rank"]): str(r.get("error") or "failed") for r in self.rows
+                if r.get("registered", True) and (readers is None or int(r["rank"]) < readers)
+                and r.get("failed_version") is not None and r["failed_version"] >= min_version
+                and (r.get("version") is None or r["version"] < min_version)}
 
     @classmethod
     def from_wire(cls, obj: Any) -> ReaderReport:

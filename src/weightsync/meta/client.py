@@ -82,17 +82,20 @@ def _barrier_result(table: ParticipantTable, writers: int, readers: int, timeout
 def _readers_result(report: ReaderReport, job: str, min_version: int, readers: int,
                     timeout: float) -> dict[int, int | None]:
     versions = report.versions
-    done = report.settled(min_version)
+    done = report.settled(min_version, readers)
     if len(done) >= readers:
         return versions
+    expected = [row for row in report.rows if int(row["rank"]) < readers and row.get("registered", True)]
     laggards = [f"rank {row['rank']} at {'no valid version' if row['version'] is None else row['version']}"
                 + (f" ({row['error']})" if row.get("error") else "")
-                for row in report.rows if int(row["rank"]) not in done]
+                for row in expected if int(row["rank"]) not in done]
+    missing = sorted(set(range(readers)) - {int(row["rank"]) for row in expected})
+    if missing:
+        laggards.append(f"ranks {_shorten(missing)} not registered")
     raise TimeoutError(f"timed out after {timeout:.1f} s waiting for {readers} readers of job {job!r} to apply "
                        f"(or fail) version >= {min_version}: {len(done)} did; "
                        f"laggards: {'; '.join(laggards[:20]) or 'none'}"
-                       + (f" (+{len(laggards) - 20} more)" if len(laggards) > 20 else "")
-                       + (f"; only {len(versions)} readers are known" if len(versions) < readers else ""))
+                       + (f" (+{len(laggards) - 20} more)" if len(laggards) > 20 else ""))
 
 
 class _Base:
@@ -282,15 +285,21 @@ class MetaClient(_Base):
         return self._execute(calls.readers(self.job)).versions
 
     def wait_readers(self, *, min_version: int, readers: int, timeout: float) -> dict[int, int | None]:
-        """Long-poll until ``readers`` readers are done with ``min_version``: applied it or newer,
-        or reported failing it or newer (such a reader waits for a newer version, never this one).
+        """Long-poll until reader ranks ``0..readers-1`` (registered) are done with ``min_version``:
+        applied it or newer, or reported failing it or newer (such a reader waits for a newer
+        version, never this one). Returns reader rank -> applied version.
 
         Raises:
             TimeoutError: naming the laggards and their versions.
         """
+        return self.wait_reader_report(min_version=min_version, readers=readers, timeout=timeout).versions
+
+    def wait_reader_report(self, *, min_version: int, readers: int, timeout: float) -> ReaderReport:
+        """:meth:`wait_readers`, answering the whole report (``report.failed(v)``: who failed and why)."""
         report = self._poll(lambda w: calls.readers(self.job, min_version=min_version, count=readers, wait=w),
-                            lambda r: len(r.settled(min_version)) >= readers, timeout)
-        return _readers_result(report, self.job, min_version, readers, timeout)
+                            lambda r: len(r.settled(min_version, readers)) >= readers, timeout)
+        _readers_result(report, self.job, min_version, readers, timeout)
+        return report
 
     # --- jobs ------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -403,10 +412,14 @@ class AsyncMetaClient(_Base):
         return (await self._execute(calls.readers(self.job))).versions
 
     async def wait_readers(self, *, min_version: int, readers: int, timeout: float) -> dict[int, int | None]:
+        return (await self.wait_reader_report(min_version=min_version, readers=readers, timeout=timeout)).versions
+
+    async def wait_reader_report(self, *, min_version: int, readers: int, timeout: float) -> ReaderReport:
         report = await self._poll(
             lambda w: calls.readers(self.job, min_version=min_version, count=readers, wait=w),
-            lambda r: len(r.settled(min_version)) >= readers, timeout)
-        return _readers_result(report, self.job, min_version, readers, timeout)
+            lambda r: len(r.settled(min_version, readers)) >= readers, timeout)
+        _readers_result(report, self.job, min_version, readers, timeout)
+        return report
 
     async def status(self) -> dict[str, Any]:
         jobs = (await self._execute(calls.status(self.job)))["jobs"]

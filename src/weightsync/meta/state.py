@@ -147,15 +147,19 @@ class Job:
     def reader_ranks(self) -> list[int]:
         return sorted(set(self.rows["reader"]) | set(self.readers))
 
-    def settled_count(self, min_version: int) -> int:
-        """Readers done with ``min_version``: applied it or newer, or failed it or newer.
+    def settled_count(self, min_version: int, count: int) -> int:
+        """Registered readers of rank below ``count`` done with ``min_version``: applied it or
+        newer, or failed it or newer.
 
         A reader that failed version V never applies V (it waits for V+1), so a writer's
-        staleness or slot-reuse wait must not wait for it to.
+        staleness or slot-reuse wait must not wait for it to. Only registered ranks of the job
+        count: a stale process of an older job that reports progress passes no barrier.
         """
-        return sum(1 for r in self.readers.values()
-                   if max(-1 if r.version is None else r.version,
-                          -1 if r.failed_version is None else r.failed_version) >= min_version)
+        registered = self.rows["reader"]
+        return sum(1 for rank, r in self.readers.items()
+                   if rank < count and rank in registered
+                   and max(-1 if r.version is None else r.version,
+                           -1 if r.failed_version is None else r.failed_version) >= min_version)
 
 
 class MetaState:
@@ -246,7 +250,7 @@ class MetaState:
             state.error = r.get("error") if op == "failed" else None
             if op == "failed":
                 state.failed_version = r["version"]
-            self.watch.fire("readers", name, lambda k: job.settled_count(k[0]) >= k[1])
+            self.watch.fire("readers", name, lambda k: job.settled_count(k[0], k[1]) >= k[1])
         else:
             raise ValueError(f"unknown state record op {op!r}")
 
@@ -423,12 +427,24 @@ class MetaState:
     # --- readers ---------------------------------------------------------------------------
     async def report_reader(self, job: str, rank: int, version: int, *, nbytes: int = 0, seconds: float = 0.0,
                             error: str | None = None) -> None:
-        """Record that reader ``rank`` applied ``version`` (or failed to: ``error`` set)."""
+        """Record that reader ``rank`` applied ``version`` (or failed to: ``error`` set).
+
+        Raises:
+            ConflictError: ``rank`` is not a registered reader of ``job``.
+        """
         record: dict[str, Any] = {"op": "applied" if error is None else "failed", "job": job, "rank": rank,
                                   "version": version, "nbytes": nbytes, "seconds": seconds, "at": time.time()}
         if error is not None:
             record["error"] = error
-        await self._change(lambda: [record])
+
+        def plan() -> list[dict[str, Any]]:
+            state = self.jobs.get(job)
+            if state is None or rank not in state.rows["reader"]:
+                raise ConflictError(f"reader rank {rank} is not registered in job {job!r}: a reader registers "
+                                    "(WeightReader does, on its first update) before it reports progress")
+            return [record]
+
+        await self._change(plan)
 
     def readers(self, job: str) -> list[dict[str, Any]]:
         """Every known reader (registered or reported): rank, version, lag, last sync, error."""
@@ -440,7 +456,8 @@ class MetaState:
         for rank in state.reader_ranks():
             r = state.readers.get(rank, _Reader())
             lag = latest - r.version if latest is not None and r.version is not None else None
-            out.append({"rank": rank, "version": r.version, "lag": lag, "last_sync_at": r.applied_at,
+            out.append({"rank": rank, "registered": rank in state.rows["reader"], "version": r.version, "lag": lag,
+                        "last_sync_at": r.applied_at,
                         "seconds": r.seconds, "nbytes": r.nbytes, "error": r.error,
                         "failed_version": r.failed_version if r.error is not None else None})
         return out
@@ -449,7 +466,7 @@ class MetaState:
         """Wait until ``count`` readers are done with ``min_version`` (applied or failed it, or newer)."""
         def ready() -> bool:
             state = self.jobs.get(job)
-            return state is not None and state.settled_count(min_version) >= count
+            return state is not None and state.settled_count(min_version, count) >= count
         return await self.watch.wait("readers", job, (min_version, count), ready, wait)
 
     # --- jobs ------------------------------------------------------------------------------
