@@ -202,3 +202,46 @@ def test_a_meta_client_of_another_job_is_refused():
         with pytest.raises(ValueError, match=r"SyncConfig\(job='default'\) but the MetaClient passed in speaks for "
                                              r"job 'other-job'"):
             WeightWriter(good_source(), rank=0, config=SyncConfig(num_writers=1, num_readers=1), meta=meta)
+
+
+# -- the transport epoch moves forward only --------------------------------------------------------
+
+def test_epoch_advances_are_atomic_and_never_move_it_back(server):
+    """advance_epoch used to read, then write, in two calls: a rank that read an old epoch could
+    write it back after others had moved on (one failure is noticed by many ranks at once)."""
+    from weightsync.job import JobChannel
+
+    meta = client(server, "epochs")
+    read_first, moved_on = threading.Event(), threading.Event()
+
+    class SlowReads:  # a rank that stalls between its read and its write, if it reads at all
+        job = meta.job
+
+        def __getattr__(self, name):
+            return getattr(meta, name)
+
+        def get_document(self, key, *, wait=0.0):
+            value = meta.get_document(key, wait=wait)
+            if key == "epoch" and not read_first.is_set():
+                read_first.set()
+                assert moved_on.wait(10)
+            return value
+
+    slow = JobChannel(SlowReads(), role="reader", rank=0)
+    fast = JobChannel(meta, role="reader", rank=1)
+    stalled = threading.Thread(target=slow.advance_epoch, args=(0,))
+    stalled.start()
+    read_first.wait(2)  # the old implementation is now between its read (epoch 0) and its write
+    assert fast.advance_epoch(0) == 1 and fast.advance_epoch(1) == 2
+    moved_on.set()
+    stalled.join(10)
+    assert fast.current_epoch() == 2  # never back to 1
+    # many ranks noticing the same failure move it by exactly one
+    seen = fast.current_epoch()
+    threads = [threading.Thread(target=JobChannel(meta, role="writer", rank=r).advance_epoch, args=(seen,))
+               for r in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert fast.current_epoch() == seen + 1

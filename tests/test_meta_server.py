@@ -356,3 +356,15 @@ def test_fuzzed_bodies_never_break_the_server(server, route, body):
 def test_server_is_healthy_after_the_fuzzing(server):
     assert raw(server, "GET", "/healthz", token=None).status_code == 200
     assert raw(server, "GET", "/v1/status").status_code == 200
+
+
+def test_counters_compare_and_set_and_long_poll(client):
+    assert client.counter("epoch") == 0
+    assert client.compare_and_set("epoch", expected=0, value=1) == (True, 1)
+    assert client.compare_and_set("epoch", expected=0, value=5) == (False, 1)  # someone moved it already
+    late = threading.Timer(0.2, lambda: client.compare_and_set("epoch", expected=1, value=2))
+    late.start()
+    assert client.counter("epoch", at_least=2, wait=10) == 2
+    late.join(10)
+    assert client.counter("epoch", at_least=3, wait=0.2) == 2  # timed out: the current value
+    assert client.status()["counters"] == {"epoch": 2}

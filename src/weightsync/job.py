@@ -188,13 +188,15 @@ class JobChannel:
 
     # -- epochs -------------------------------------------------------------------------------
     def current_epoch(self) -> int:
-        doc = self.meta.get_document(_epoch_key())
-        return int(doc.decode()) if doc else 0
+        epoch: int = self.meta.counter(_epoch_key())
+        return epoch
 
-    def advance_epoch(self, seen: int) -> None:
-        """Move the job past epoch ``seen`` (no-op if someone already did)."""
-        if self.current_epoch() == seen:
-            self.meta.put_document(_epoch_key(), str(seen + 1).encode())
+    def advance_epoch(self, seen: int) -> int:
+        """Move the job past epoch ``seen``: one compare-and-set on the server, so of ranks that
+        saw the same epoch fail only one moves it, and a rank that saw an older epoch never
+        moves it back. Returns the job's epoch now."""
+        _, epoch = self.meta.compare_and_set(_epoch_key(), expected=seen, value=seen + 1)
+        return int(epoch)
 
     def decide_epoch(self, version: int, deadline: Deadline) -> int:
         """Writer 0 fixes the epoch of ``version``; the other writers wait for its decision.

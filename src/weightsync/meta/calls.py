@@ -122,6 +122,17 @@ def get_document(job: str, key: str, *, wait: float) -> Call[bytes | None]:
                 params={"wait": f"{wait:.3f}"}, wait=wait, raw=True, missing_ok=True)
 
 
+def counter(job: str, name: str, *, at_least: int = 0, wait: float = 0.0) -> Call[int]:
+    return Call("GET", f"{_job(job)}/counters/{quote(check_document_key(name))}", lambda o: int(o["value"]),
+                params={"at_least": _int("at_least", at_least), "wait": f"{wait:.3f}"}, wait=wait)
+
+
+def compare_and_set(job: str, name: str, *, expected: int, value: int) -> Call[tuple[bool, int]]:
+    body = {"expected": _int("expected", expected), "value": _int("value", value)}
+    return Call("POST", f"{_job(job)}/counters/{quote(check_document_key(name))}",
+                lambda o: (bool(o["swapped"]), int(o["value"])), body=wire.pack(body))
+
+
 def publish_version(job: str, version: int, fingerprint: str, *, writer_rank: int,
                     num_writers: int) -> Call[VersionInfo | None]:
     if not isinstance(fingerprint, str) or not fingerprint:

@@ -249,6 +249,17 @@ class MetaClient(_Base):
         """The document ``key``; with ``wait > 0``, long-poll until it exists. None if absent."""
         return self._poll(lambda w: calls.get_document(self.job, key, wait=w), lambda v: v is not None, wait)
 
+    # --- counters --------------------------------------------------------------------------
+    def counter(self, name: str, *, at_least: int = 0, wait: float = 0.0) -> int:
+        """The job's counter ``name`` (0 until set); with ``wait``, long-poll until it reaches ``at_least``."""
+        return self._poll(lambda w: calls.counter(self.job, name, at_least=at_least, wait=w),
+                          lambda v: v >= at_least, wait)
+
+    def compare_and_set(self, name: str, *, expected: int, value: int) -> tuple[bool, int]:
+        """Set counter ``name`` to ``value`` if it holds ``expected``, atomically on the server.
+        Returns (whether it was set, the value it holds now)."""
+        return self._execute(calls.compare_and_set(self.job, name, expected=expected, value=value))
+
     # --- versions --------------------------------------------------------------------------
     def publish_version(self, version: int, fingerprint: str, *, writer_rank: int,
                         num_writers: int) -> VersionInfo | None:
@@ -387,6 +398,13 @@ class AsyncMetaClient(_Base):
 
     async def get_document(self, key: str, *, wait: float = 0.0) -> bytes | None:
         return await self._poll(lambda w: calls.get_document(self.job, key, wait=w), lambda v: v is not None, wait)
+
+    async def counter(self, name: str, *, at_least: int = 0, wait: float = 0.0) -> int:
+        return await self._poll(lambda w: calls.counter(self.job, name, at_least=at_least, wait=w),
+                                lambda v: v >= at_least, wait)
+
+    async def compare_and_set(self, name: str, *, expected: int, value: int) -> tuple[bool, int]:
+        return await self._execute(calls.compare_and_set(self.job, name, expected=expected, value=value))
 
     async def publish_version(self, version: int, fingerprint: str, *, writer_rank: int,
                               num_writers: int) -> VersionInfo | None:

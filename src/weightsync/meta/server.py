@@ -12,6 +12,8 @@ Routes (all but ``/healthz`` need ``Authorization: Bearer <token>``; ``{job}`` n
     GET  /v1/jobs/{job}/participants?writers&readers&wait&documents   roster; long-polls for a barrier
     POST /v1/jobs/{job}/join?writers&readers&wait&documents   register + barrier + roster in one trip
     PUT  /v1/jobs/{job}/documents/{key}               raw bytes
+    GET  /v1/jobs/{job}/counters/{name}?at_least&wait an integer (0 until set); long-polls for >= at_least
+    POST /v1/jobs/{job}/counters/{name}               compare-and-set: {"expected": e, "value": v}
     GET  /v1/jobs/{job}/documents/{key}?wait          raw bytes; 404 if absent after the wait
     POST /v1/jobs/{job}/versions                      a writer's "version V is ready" report
     GET  /v1/jobs/{job}/versions/latest?after&wait    long-poll for a version newer than ``after``
@@ -127,6 +129,11 @@ class AppliedBody(_Body):
     version: VersionNumber
     nbytes: Annotated[int, Field(ge=0, lt=MAX_INT)] = 0
     seconds: Seconds = 0.0
+
+
+class CompareAndSetBody(_Body):
+    expected: Annotated[int, Field(ge=0, lt=MAX_INT)]
+    value: Annotated[int, Field(ge=0, lt=MAX_INT)]
 
 
 class FailedBody(_Body):
@@ -358,6 +365,19 @@ def create_app(state: MetaState, config: ServerConfig) -> FastAPI:
         if value is None:
             return JSONResponse({"detail": f"no document {key!r} in job {job!r}"}, status_code=404)
         return Response(value, media_type=wire.OCTETS)
+
+    @app.get("/v1/jobs/{job}/counters/{name:path}")
+    async def get_counter(request: Request, job: Job, name: str,
+                          at_least: Annotated[int, Query(ge=0, lt=MAX_INT)] = 0, wait: Wait = 0.0) -> Response:
+        _check_key(name)
+        return _reply(request, {"value": await state.wait_counter(job, name, at_least, held(wait))})
+
+    @app.post("/v1/jobs/{job}/counters/{name:path}")
+    async def compare_and_set(request: Request, job: Job, name: str) -> Response:
+        _check_key(name)
+        body = await _parse(request, CompareAndSetBody)
+        swapped, value = await state.compare_and_set(job, name, expected=body.expected, value=body.value)
+        return _reply(request, {"swapped": swapped, "value": value})
 
     @app.post("/v1/jobs/{job}/versions")
     async def post_version(request: Request, job: Job) -> Response:

@@ -137,6 +137,7 @@ class Job:
     rows: dict[str, dict[int, _Row]] = field(default_factory=lambda: {role: {} for role in ROLES})
     blobs: dict[str, bytes] = field(default_factory=dict)
     documents: dict[str, bytes] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=dict)
     latest: VersionInfo | None = None
     pending: dict[int, _Pending] = field(default_factory=dict)
     readers: dict[int, _Reader] = field(default_factory=dict)
@@ -234,6 +235,9 @@ class MetaState:
         elif op == "document":
             job.documents[r["key"]] = r["value"]
             self.watch.fire("document", name, lambda k: k == r["key"])
+        elif op == "counter":
+            value = job.counters[r["name"]] = int(r["value"])
+            self.watch.fire("counter", name, lambda k: k[0] == r["name"] and value >= k[1])
         elif op == "report":
             self._apply_report(job, r["version"], r["fingerprint"], writer_rank=r["writer_rank"],
                                num_writers=r["num_writers"], at=at)
@@ -373,6 +377,28 @@ class MetaState:
         await self.watch.wait("document", job, key, lambda: self.document(job, key) is not None, wait)
         return self.document(job, key)
 
+    # --- counters --------------------------------------------------------------------------
+    def counter(self, job: str, name: str) -> int:
+        """A job's named counter (0 until first set)."""
+        state = self.jobs.get(job)
+        return state.counters.get(name, 0) if state else 0
+
+    async def compare_and_set(self, job: str, name: str, *, expected: int, value: int) -> tuple[bool, int]:
+        """Set counter ``name`` to ``value`` if it holds ``expected``, atomically (one record under
+        the state's lock). Returns (whether it was set, the value it holds now)."""
+        def plan() -> list[dict[str, Any]]:
+            if self.counter(job, name) != expected:
+                return []
+            return [{"op": "counter", "job": job, "name": name, "value": value, "at": time.time()}]
+
+        swapped = await self._change(plan) or (expected == value == self.counter(job, name))
+        return swapped, self.counter(job, name)
+
+    async def wait_counter(self, job: str, name: str, at_least: int, wait: float) -> int:
+        """Wait until counter ``name`` reaches ``at_least``; returns its value (maybe lower)."""
+        await self.watch.wait("counter", job, (name, at_least), lambda: self.counter(job, name) >= at_least, wait)
+        return self.counter(job, name)
+
     # --- versions --------------------------------------------------------------------------
     def latest(self, job: str) -> VersionInfo | None:
         state = self.jobs.get(job)
@@ -485,6 +511,8 @@ class MetaState:
                            for rank, row in rows.items())
             out.extend({"op": "document", "job": name, "key": k, "value": v, "at": job.updated_at}
                        for k, v in job.documents.items())
+            out.extend({"op": "counter", "job": name, "name": k, "value": v, "at": job.updated_at}
+                       for k, v in job.counters.items())
             if job.latest is not None:
                 out.append({"op": "version", "job": name, "version": job.latest.version,
                             "fingerprint": job.latest.fingerprint, "at": job.latest.published_at})
@@ -520,6 +548,7 @@ class MetaState:
                               "endpoints": row.endpoints, "layout": row.layout[:12]}
                              for role in ROLES for rank, row in sorted(job.rows[role].items())],
             "documents": {k: len(v) for k, v in sorted(job.documents.items())},
+            "counters": dict(sorted(job.counters.items())),
             "blobs": {h: len(d) for h, d in job.blobs.items()},
         }
 
