@@ -49,6 +49,18 @@ class SyncError(RuntimeError):
     """A sync could not complete; the message names the version, the peer and the tensors."""
 
 
+def state_lost(exc: BaseException) -> BaseException | None:
+    """The :class:`~weightsync.meta.calls.ServerStateLostError` behind ``exc``, if any."""
+    from weightsync.meta.calls import ServerStateLostError
+
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None or isinstance(seen, ServerStateLostError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 @dataclass(slots=True)
 class SyncResult:
     """What one sync did on this rank: the version, bytes moved and seconds per phase."""
@@ -72,6 +84,9 @@ class SyncConfig:
         staleness: how many versions training may run ahead of the slowest reader; 0 means
             synchronous (``write`` returns when every reader applied the version).
         timeout: default bound, in seconds, on every blocking step.
+        lease_seconds: a rank that sends no heartbeat (a background thread renews its lease on
+            the meta server every quarter of this) for this long is dead: peers waiting on it
+            fail at once, naming it, and a restarted process may take its rank over.
         layer_phases: move each version in phases of whole layers, each at most
             ``transport_options.max_bucket_bytes`` (:mod:`weightsync.plan.phases`), so that an
             engine running its own loader (vLLM) stages one phase at a time instead of a
@@ -86,6 +101,7 @@ class SyncConfig:
     plan_options: PlanOptions = field(default_factory=PlanOptions)
     staleness: int = 0
     timeout: float = 300.0
+    lease_seconds: float = 3.0
     host: str = ""
     layer_phases: bool = False
 
@@ -97,6 +113,8 @@ class SyncConfig:
             raise ValueError(f"staleness must be >= 0, got {self.staleness}")
         if self.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
+        if not 0.1 <= self.lease_seconds <= 3600:
+            raise ValueError(f"lease_seconds must be in [0.1, 3600], got {self.lease_seconds}")
         if self.transport_options.slots <= self.staleness:
             # One-sided transports keep a version slot per version a reader may lag behind.
             object.__setattr__(self, "transport_options",
@@ -155,6 +173,8 @@ class SyncSession:
         self.timings: dict[str, float] = {}
         self._armed: tuple[int, tuple[int, ...]] | None = None  # (epoch, buffer pointers) prepared for
         self._registered = False
+        #: this session registered again after the meta server lost its state (see forget())
+        self.rejoined = False
 
     @property
     def role(self) -> Role:
@@ -182,7 +202,8 @@ class SyncSession:
             return
         settings = self.config.settings()
         restarted = self.channel.register(host=self.host, group=self.config.job, layout=self._layout_blob(),
-                                          device=self.device(), settings=settings)
+                                          device=self.device(), settings=settings, lease=self.config.lease_seconds)
+        self.channel.start_heartbeat()
         self.channel.check_settings(settings)
         if restarted:
             # The others' connections do not include this new process: move everyone on.
@@ -263,7 +284,19 @@ class SyncSession:
         """Forget the transport's connections (after a failure): the next version re-prepares."""
         self._armed = None
 
-    def close(self) -> None:
+    def check_alive(self) -> None:
+        """Raise if another process took this rank over (its heartbeat found out)."""
+        if self.channel.lost is not None:
+            raise SyncError(f"{self.channel.who} no longer belongs to job {self.config.job!r}: {self.channel.lost}")
+
+    def forget(self) -> None:
+        """Start over (the meta server lost its state): the next version registers and plans anew."""
+        self.close(release=False)
+        self._registered = False
+        self.rejoined = True
+
+    def close(self, *, release: bool = True) -> None:
+        self.channel.stop_heartbeat(release=release)
         if self.planned is not None:
             self.planned.transport.close()
             self.planned = None

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from weightsync.deadline import Deadline
 from weightsync.job import PublishedVersion
-from weightsync.session import SyncConfig, SyncError, SyncResult, SyncSession, device_of
+from weightsync.session import SyncConfig, SyncError, SyncResult, SyncSession, device_of, state_lost
 from weightsync.transport import TransportError
 
 if TYPE_CHECKING:
@@ -85,6 +85,18 @@ class WeightWriter:
         """
         if self.version is not None and version <= self.version:
             raise ValueError(f"writer {self.rank}: version {version} does not increase past {self.version}")
+        self.session.check_alive()
+        try:
+            return self._write(version, timeout)
+        except Exception as exc:
+            lost = state_lost(exc)
+            if lost is None:
+                raise
+            self.session.forget()  # the next write registers and plans anew
+            raise SyncError(f"writer {self.rank}: version {version} failed: {lost}. This writer registers again "
+                            "on its next write") from exc
+
+    def _write(self, version: int, timeout: float | None) -> WriteResult:
         deadline = Deadline.after(timeout if timeout is not None else self.config.timeout)
         session, channel = self.session, self.session.channel
         result = WriteResult(version, 0)

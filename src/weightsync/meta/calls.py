@@ -21,6 +21,13 @@ T = TypeVar("T")
 
 #: answers worth retrying: the server is restarting, overloaded or behind a proxy that is
 RETRY_STATUSES = frozenset({502, 503, 504})
+#: the request header naming the server instance a client pinned (see server.py, "Identity")
+EXPECT_INSTANCE = "X-Weightsync-Expect-Instance"
+
+
+class ServerStateLostError(ConnectionError):
+    """The meta server is not the one this client registered with: it restarted without its
+    state, so the job's registrations, versions and reader progress are gone (412)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +77,8 @@ def finish(call: Call[T], status: int, content: bytes, address: str) -> T:
     where = f"{call.method} {address}{call.path}"
     if status == 401:
         raise PermissionError(f"the meta server at {address} rejected the token (401): {detail}")
+    if status == 412:
+        raise ServerStateLostError(f"meta server {address}: {detail}")
     if status in (400, 404, 409, 413, 415, 422):
         raise ValueError(detail if status == 409 else f"meta server refused {where} ({status}): {detail}")
     raise RuntimeError(f"meta server error on {where} ({status}): {detail}")
@@ -200,6 +209,22 @@ def readers(job: str, *, min_version: int = 0, count: int = 0, wait: float = 0.0
     params = {"min_version": _int("min_version", min_version), "count": _int("readers", count),
               "wait": f"{wait:.3f}"}
     return Call("GET", f"{_job(job)}/readers", ReaderReport.from_wire, params=params, wait=wait)
+
+
+def server() -> Call[dict[str, Any]]:
+    return Call("GET", "/v1/server", dict)
+
+
+def lease(job: str, role: str, rank: int, *, incarnation: str, ttl: float, pid: int, host: str,
+          wait: float = 0.0, release: bool = False) -> Call[bool]:
+    body = {"incarnation": incarnation, "ttl": float(ttl), "pid": _int("pid", pid), "host": host,
+            "release": bool(release)}
+    return Call("POST", f"{_job(job)}/leases/{role}/{_int('rank', rank)}", lambda o: bool(o["took_over"]),
+                params={"wait": f"{wait:.3f}"}, body=wire.pack(body), wait=wait)
+
+
+def leases(job: str) -> Call[list[dict[str, Any]]]:
+    return Call("GET", f"{_job(job)}/leases", lambda o: list(o["leases"]))
 
 
 def status(job: str | None = None) -> Call[dict[str, Any]]:

@@ -116,6 +116,14 @@ class _Base:
         self.timeout = float(timeout)
         self._headers = {"Authorization": f"Bearer {self._token}", "Accept": wire.MSGPACK,
                          "User-Agent": f"weightsync/{weightsync.__version__}"}
+        #: the server instance this client pinned (None: any); see :meth:`MetaClient.pin_instance`
+        self.instance: str | None = None
+
+    def _request_headers(self, call: Call[Any]) -> dict[str, str] | None:
+        headers = call.headers
+        if self.instance is not None:
+            headers = {**(headers or {}), calls.EXPECT_INSTANCE: self.instance}
+        return headers
 
     @classmethod
     def from_env(cls: type[T], *, job: str = "default", address: str | None = None, token: str | None = None,
@@ -172,7 +180,7 @@ class MetaClient(_Base):
         failing_since = 0.0
         for attempt in itertools.count():
             try:
-                r = self._http.request(call.method, call.url, content=call.body, headers=call.headers,
+                r = self._http.request(call.method, call.url, content=call.body, headers=self._request_headers(call),
                                        timeout=self._attempt_timeout(call))
             except httpx.TransportError as exc:
                 error: BaseException | str = exc
@@ -312,6 +320,30 @@ class MetaClient(_Base):
         _readers_result(report, self.job, min_version, readers, timeout)
         return report
 
+    # --- identity and liveness ---------------------------------------------------------------
+    def pin_instance(self) -> str:
+        """Pin the server's current instance: from now on every call fails at once with
+        :class:`~weightsync.meta.calls.ServerStateLostError` if the server restarted without its
+        state (its registrations gone). Returns the instance."""
+        self.instance = None
+        self.instance = str(self._execute(calls.server())["instance"])
+        return self.instance
+
+    def acquire_lease(self, role: str, rank: int, *, incarnation: str, ttl: float, pid: int = 0, host: str = "",
+                      wait: float = 0.0, release: bool = False) -> bool:
+        """Take, renew or release the lease of ``(role, rank)`` (see :mod:`weightsync.meta.leases`).
+        Returns True if this incarnation took it over from a dead one.
+
+        Raises:
+            ValueError: another live process holds it (after ``wait`` seconds), naming it.
+        """
+        return self._execute(calls.lease(self.job, role, rank, incarnation=incarnation, ttl=ttl, pid=pid, host=host,
+                                         wait=wait, release=release))
+
+    def leases(self) -> list[dict[str, Any]]:
+        """Every lease of this job: role, rank, holder (pid, host), alive, seconds since its heartbeat."""
+        return self._execute(calls.leases(self.job))
+
     # --- jobs ------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         """This job's status (participants, versions, each reader's lag and last sync), as JSON data."""
@@ -346,8 +378,8 @@ class AsyncMetaClient(_Base):
         failing_since = 0.0
         for attempt in itertools.count():
             try:
-                r = await self._http.request(call.method, call.url, content=call.body, headers=call.headers,
-                                             timeout=self._attempt_timeout(call))
+                r = await self._http.request(call.method, call.url, content=call.body,
+                                             headers=self._request_headers(call), timeout=self._attempt_timeout(call))
             except httpx.TransportError as exc:
                 error: BaseException | str = exc
             else:
@@ -438,6 +470,19 @@ class AsyncMetaClient(_Base):
             lambda r: len(r.settled(min_version, readers)) >= readers, timeout)
         _readers_result(report, self.job, min_version, readers, timeout)
         return report
+
+    async def pin_instance(self) -> str:
+        self.instance = None
+        self.instance = str((await self._execute(calls.server()))["instance"])
+        return self.instance
+
+    async def acquire_lease(self, role: str, rank: int, *, incarnation: str, ttl: float, pid: int = 0,
+                            host: str = "", wait: float = 0.0, release: bool = False) -> bool:
+        return await self._execute(calls.lease(self.job, role, rank, incarnation=incarnation, ttl=ttl, pid=pid,
+                                               host=host, wait=wait, release=release))
+
+    async def leases(self) -> list[dict[str, Any]]:
+        return await self._execute(calls.leases(self.job))
 
     async def status(self) -> dict[str, Any]:
         jobs = (await self._execute(calls.status(self.job)))["jobs"]

@@ -62,6 +62,8 @@ class Journal:
         self._lock_fd: int | None = None
         self._closing = False
         self._error: str | None = None  # the last write failure, until a write succeeds
+        #: the identity of the state kept here (see MetaState.instance), from the snapshot header
+        self.instance: str | None = None
 
     # --- startup ---------------------------------------------------------------------------
     def load(self) -> list[dict[str, Any]]:
@@ -77,6 +79,7 @@ class Journal:
                 raise ValueError(f"{snapshot} is not a weightsync meta snapshot (format {FORMAT}); "
                                  "move the state directory away to start empty")
             self.snapshot_number = int(header.get("snapshot") or header.get("generation") or 0)
+            self.instance = header.get("instance") if isinstance(header.get("instance"), str) else None
             records.extend(items[1:])
         journal = self._journal_path(self.snapshot_number)
         if journal.exists():
@@ -131,7 +134,7 @@ class Journal:
         tmp = self.directory / (SNAPSHOT + ".tmp")
         with open(tmp, "wb") as f:
             packer = msgpack.Packer(use_bin_type=True)
-            f.write(packer.pack({"format": FORMAT, "snapshot": new_number}))
+            f.write(packer.pack({"format": FORMAT, "snapshot": new_number, "instance": self.instance}))
             for r in records:
                 f.write(packer.pack(r))
             f.flush()

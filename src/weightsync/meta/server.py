@@ -20,10 +20,20 @@ Routes (all but ``/healthz`` need ``Authorization: Bearer <token>``; ``{job}`` n
     POST /v1/jobs/{job}/readers/{rank}/applied|failed a reader's progress
     GET  /v1/jobs/{job}/readers?min_version&count&wait       reader versions; long-poll
     DELETE /v1/jobs/{job}                             forget a job
+    POST /v1/jobs/{job}/leases/{role}/{rank}?wait      take, renew or release a participant's lease
+    GET  /v1/jobs/{job}/leases                        every lease: holder, alive, seconds since its heartbeat
+    GET  /v1/server                                   this server's instance (the identity of its state)
+
+**Identity.** Every answer carries ``X-Weightsync-Instance``: the identity of the server's
+state, new for every empty state and kept in ``--state-dir``. A request with
+``X-Weightsync-Expect-Instance`` naming another one gets 412: the client registered with a
+server whose state this one does not have (it restarted without its state directory), so
+its job's registrations and versions are gone; clients then fail at once instead of waiting.
 
 Bodies are msgpack (``Content-Type: application/msgpack``) or JSON; answers follow ``Accept``.
-Errors are JSON ``{"detail": "..."}``: 401 token, 404, 409 conflict, 413 too large, 415 media
-type, 422 schema (naming the field). Long-polls are held at most ``max_wait`` seconds and answer
+Errors are JSON ``{"detail": "..."}``: 401 token, 404, 409 conflict, 412 another server
+state, 413 too large, 415 media type, 422 schema (naming the field), 503 journal failed.
+Long-polls are held at most ``max_wait`` seconds and answer
 with the current state when they end, so a client simply asks again.
 """
 
@@ -50,12 +60,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import weightsync
 from weightsync.meta import status_page, wire
 from weightsync.meta.journal import JournalError
+from weightsync.meta.leases import LeaseHeldError
 from weightsync.meta.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from weightsync.meta.metrics import ServerMetrics
 from weightsync.meta.records import MAX_RANK, check_document_key
 from weightsync.meta.state import ConflictError, MetaState, RecordError
 
 logger = logging.getLogger(__name__)
+
+INSTANCE_HEADER = b"x-weightsync-instance"
+EXPECT_HEADER = b"x-weightsync-expect-instance"
 
 JOB_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 PUBLIC_PATHS = frozenset({"/healthz"})
@@ -136,6 +150,14 @@ class CompareAndSetBody(_Body):
     value: Annotated[int, Field(ge=0, lt=MAX_INT)]
 
 
+class LeaseBody(_Body):
+    incarnation: Annotated[str, Field(min_length=1, max_length=64)]
+    ttl: Annotated[float, Field(gt=0.01, le=3600, allow_inf_nan=False)]
+    pid: Annotated[int, Field(ge=0, lt=1 << 31)] = 0
+    host: Name = ""
+    release: bool = False
+
+
 class FailedBody(_Body):
     version: Annotated[int, Field(ge=-1, lt=MAX_INT)]
     error: Annotated[str, Field(max_length=4096)]
@@ -178,8 +200,10 @@ def _reply(request: Request, obj: Any) -> Response:
 class Guard:
     """ASGI middleware: checks the token, caps request bodies and records request metrics."""
 
-    def __init__(self, app: ASGIApp, *, token: str, max_body_bytes: int, metrics: ServerMetrics) -> None:
+    def __init__(self, app: ASGIApp, *, token: str, max_body_bytes: int, metrics: ServerMetrics,
+                 state: MetaState) -> None:
         self.app = app
+        self.state = state
         self.token = token.encode()
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
@@ -205,10 +229,13 @@ class Guard:
         started = time.perf_counter()
         status = 500
 
+        instance = self.state.instance.encode()
+
         async def send_recording(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), (INSTANCE_HEADER, instance)]}
             await send(message)
 
         try:
@@ -218,6 +245,10 @@ class Guard:
                                   "WEIGHTSYNC_META_TOKEN_FILE)",
                                   [(b"www-authenticate", b'Bearer realm="weightsync"'),
                                    (b"www-authenticate", b'Basic realm="weightsync"')])
+                return
+            expected = next((v for k, v in scope["headers"] if k == EXPECT_HEADER), None)
+            if expected is not None and expected != instance:
+                await _send_error(send_recording, 412, self._other_state(expected.decode("latin-1")))
                 return
             length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
             if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
@@ -229,6 +260,13 @@ class Guard:
             route = scope.get("route")
             self.metrics.observe(getattr(route, "path", "other"), scope["method"], status,
                                  time.perf_counter() - started)
+
+    def _other_state(self, expected: str) -> str:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.state.started_at))
+        how = "with a state directory that is not the one" if self.state.durable else "without --state-dir"
+        return (f"this meta server (instance {self.state.instance}, started {started}, {how}) is not the server "
+                f"instance {expected} this client registered with: it restarted and lost the job's registrations, "
+                "versions and reader progress. Run it with --state-dir to ride out restarts")
 
     def _capped(self, receive: Receive) -> Receive:
         seen = 0
@@ -273,7 +311,7 @@ def create_app(state: MetaState, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="weightsync meta server", version=weightsync.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, **options)
     metrics = ServerMetrics(state)
-    app.add_middleware(Guard, token=config.token, max_body_bytes=config.max_body_bytes, metrics=metrics)
+    app.add_middleware(Guard, token=config.token, max_body_bytes=config.max_body_bytes, metrics=metrics, state=state)
     app.state.meta = state
 
     @app.exception_handler(ConflictError)
@@ -291,6 +329,10 @@ def create_app(state: MetaState, config: ServerConfig) -> FastAPI:
     @app.exception_handler(JournalError)
     async def _journal(request: Request, exc: JournalError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=503)
+
+    @app.exception_handler(LeaseHeldError)
+    async def _held(request: Request, exc: LeaseHeldError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=409)
 
     @app.exception_handler(RecordError)
     async def _record(request: Request, exc: RecordError) -> JSONResponse:
@@ -411,6 +453,23 @@ def create_app(state: MetaState, config: ServerConfig) -> FastAPI:
             await state.wait_readers(job, min_version=min_version, count=count, wait=held(wait))
         latest = state.latest(job)
         return _reply(request, {"latest": latest.to_wire() if latest else None, "readers": state.readers(job)})
+
+    @app.get("/v1/server")
+    async def server_identity(request: Request) -> Response:
+        return _reply(request, {"instance": state.instance, "durable": state.durable, "started_at": state.started_at,
+                                "version": weightsync.__version__})
+
+    @app.post("/v1/jobs/{job}/leases/{role}/{rank}")
+    async def lease(request: Request, job: Job, role: Literal["writer", "reader"],
+                    rank: Annotated[int, Path(ge=0, lt=MAX_RANK)], wait: Wait = 0.0) -> Response:
+        body = await _parse(request, LeaseBody)
+        took_over = await state.leases.acquire(job, role, rank, incarnation=body.incarnation, ttl=body.ttl,
+                                               pid=body.pid, host=body.host, wait=held(wait), release=body.release)
+        return _reply(request, {"took_over": took_over})
+
+    @app.get("/v1/jobs/{job}/leases")
+    async def leases(request: Request, job: Job) -> Response:
+        return _reply(request, {"leases": state.leases.table(job)})
 
     @app.delete("/v1/jobs/{job}")
     async def delete_job(request: Request, job: Job) -> Response:

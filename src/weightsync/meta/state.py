@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ import msgpack
 
 from weightsync.meta import wire
 from weightsync.meta.journal import Journal
+from weightsync.meta.leases import Leases
 from weightsync.meta.records import ROLES, VersionInfo, blob_hash, encode_columns
 
 logger = logging.getLogger(__name__)
@@ -169,7 +171,11 @@ class MetaState:
     def __init__(self, journal: Journal | None = None) -> None:
         self.jobs: dict[str, Job] = {}
         self.watch = Watch()
+        self.leases = Leases()
         self.started_at = time.time()
+        #: Who this state is: new with every empty state, kept in the state directory. Clients
+        #: pin it; a server restarted without its state answers with another one (see server.py).
+        self.instance = secrets.token_hex(8)
         self._journal = journal
         self._lock = asyncio.Lock()
 
@@ -187,6 +193,7 @@ class MetaState:
         if self._journal is None:
             return 0
         records = self._journal.load()
+        self.instance = self._journal.instance = self._journal.instance or self.instance
         for i, record in enumerate(records):
             try:
                 self._apply(record)
@@ -497,6 +504,7 @@ class MetaState:
 
     # --- jobs ------------------------------------------------------------------------------
     async def delete_job(self, job: str) -> bool:
+        self.leases.drop(job)
         return await self._change(lambda: [{"op": "drop", "job": job}] if job in self.jobs else [])
 
     def records(self) -> list[dict[str, Any]]:
@@ -554,6 +562,7 @@ class MetaState:
 
     def status(self, job: str | None = None) -> dict[str, Any]:
         names = sorted(self.jobs) if job is None else [job] if job in self.jobs else []
-        return {"server": {"started_at": self.started_at, "uptime_seconds": time.time() - self.started_at,
+        return {"server": {"instance": self.instance, "started_at": self.started_at,
+                           "uptime_seconds": time.time() - self.started_at,
                            "durable": self.durable, "waiting": self.watch.waiting},
                 "jobs": [self.job_status(n) for n in names]}
