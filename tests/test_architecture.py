@@ -80,7 +80,8 @@ def test_sources_and_engines_import_neither_each_other_nor_a_transport(package):
 #: Meta-server calls that carry the job protocol; only the job channel (and the meta package
 #: itself) may make them, so that every key and message of the protocol lives in one module.
 PROTOCOL_CALLS = {"put_document", "get_document", "publish_version", "wait_version", "report_applied",
-                  "report_failed", "wait_readers", "wait_registered", "latest_version"}
+                  "report_failed", "wait_readers", "wait_registered", "latest_version", "wait_reader_report",
+                  "compare_and_set", "counter", "acquire_lease", "leases", "pin_instance"}
 
 
 def test_only_the_job_channel_speaks_the_protocol():

@@ -221,18 +221,21 @@ def test_readers_report_lag_and_wait(client):
     assert client.wait_readers(min_version=1, readers=2, timeout=5) == {0: 1, 1: 1, 2: None}
     client.publish_version(2, "fp2", writer_rank=0, num_writers=1)
     client.report_failed(1, 2, "CUDA error: out of memory")
+    with pytest.raises(TimeoutError, match=r"to apply \(or fail\) version >= 2: 1 did; laggards: rank 0 at 1$"):
+        client.wait_readers(min_version=2, readers=2, timeout=0.3)  # ranks 0 and 1: rank 0 is behind
+    client.report_applied(0, 2)
     # A reader that failed version 2 waits for version 3, never 2: it is done with 2.
-    assert client.wait_readers(min_version=2, readers=1, timeout=5) == {0: 1, 1: None, 2: None}
-    with pytest.raises(TimeoutError, match=r"to apply \(or fail\) version >= 2: 1 did; laggards: rank 0 at 1; "
+    assert client.wait_readers(min_version=2, readers=2, timeout=5) == {0: 2, 1: None, 2: None}
+    with pytest.raises(TimeoutError, match=r"to apply \(or fail\) version >= 2: 2 did; laggards: "
                                            r"rank 2 at no valid version$"):
-        client.wait_readers(min_version=2, readers=2, timeout=0.3)
+        client.wait_readers(min_version=2, readers=3, timeout=0.3)
     late = threading.Timer(0.2, lambda: client.report_applied(2, 2))
     late.start()
-    assert client.wait_readers(min_version=2, readers=2, timeout=10)[2] == 2
+    assert client.wait_readers(min_version=2, readers=3, timeout=10)[2] == 2
     late.join(10)
     status = client.status()
     lag = {r["rank"]: r["lag"] for r in status["reader_state"]}
-    assert lag == {0: 1, 1: None, 2: 0}
+    assert lag == {0: 0, 1: None, 2: 0}
     assert status["latest_version"]["version"] == 2 and status["last_sync_at"] is not None
 
 
@@ -353,3 +356,15 @@ def test_fuzzed_bodies_never_break_the_server(server, route, body):
 def test_server_is_healthy_after_the_fuzzing(server):
     assert raw(server, "GET", "/healthz", token=None).status_code == 200
     assert raw(server, "GET", "/v1/status").status_code == 200
+
+
+def test_counters_compare_and_set_and_long_poll(client):
+    assert client.counter("epoch") == 0
+    assert client.compare_and_set("epoch", expected=0, value=1) == (True, 1)
+    assert client.compare_and_set("epoch", expected=0, value=5) == (False, 1)  # someone moved it already
+    late = threading.Timer(0.2, lambda: client.compare_and_set("epoch", expected=1, value=2))
+    late.start()
+    assert client.counter("epoch", at_least=2, wait=10) == 2
+    late.join(10)
+    assert client.counter("epoch", at_least=3, wait=0.2) == 2  # timed out: the current value
+    assert client.status()["counters"] == {"epoch": 2}

@@ -154,7 +154,10 @@ async def _exercise(state: MetaState) -> None:
     assert await state.report_version("j", 1, "fp", writer_rank=0, num_writers=1) is not None
     assert await state.report_version("j", 2, "fp2", writer_rank=0, num_writers=2) is None
     await state.report_reader("j", 0, 1, nbytes=5, seconds=0.5)
+    await state.register("j", "reader", 1, group="g", host="h", endpoints={}, layout=b"R")
     await state.report_reader("j", 1, 1, error="boom")
+    with pytest.raises(ConflictError, match="reader rank 2 is not registered in job 'j'"):
+        await state.report_reader("j", 2, 1)
     await state.register("other", "reader", 0, group="", host="", endpoints={}, layout=b"")
     assert await state.delete_job("other")
 
@@ -302,3 +305,55 @@ def test_importing_the_client_imports_neither_torch_nor_the_server_stack():
             "print(sorted(m for m in ('torch', 'fastapi', 'uvicorn', 'starlette') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_a_failed_journal_write_shows_in_healthz_and_the_journal_goes_on(tmp_path, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from weightsync.meta.server import ServerConfig, create_app
+
+    state = MetaState(Journal(tmp_path))
+    state.load()
+    token = "t" * 16
+    auth = {"Authorization": f"Bearer {token}"}
+    with TestClient(create_app(state, ServerConfig(token=token))) as http:
+        assert http.get("/healthz").text == "ok"
+        journal = state.journal
+        assert journal is not None
+        append = journal._append
+
+        def disk_full(data: bytes) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(journal, "_append", disk_full)
+        r = http.put("/v1/jobs/j/documents/a", content=b"1", headers=auth)
+        assert r.status_code == 503 and "No space left on device" in r.json()["detail"]
+        health = http.get("/healthz")
+        assert health.status_code == 503 and "No space left on device" in health.text
+        monkeypatch.setattr(journal, "_append", append)
+        assert http.put("/v1/jobs/j/documents/b", content=b"2", headers=auth).status_code == 200
+        assert http.get("/healthz").text == "ok"
+
+
+def test_a_server_reachable_from_other_hosts_needs_a_shared_token(monkeypatch, capsys):
+    from weightsync.cli import main
+
+    monkeypatch.delenv("WEIGHTSYNC_META_TOKEN", raising=False)
+    assert main(["meta-server", "--host", "0.0.0.0", "--port", "0"]) == 2
+    assert "--host 0.0.0.0 accepts connections from other machines" in capsys.readouterr().err
+
+
+def test_the_meta_server_process_imports_no_torch(tmp_path):
+    """cli.py promises lazy imports: a meta server used to hold torch (250 MB) it never uses."""
+    import sys as _sys
+
+    _sys.path.insert(0, os.path.dirname(__file__))
+    from meta_proc import MetaServerProcess
+
+    with MetaServerProcess(tmp_path) as server:
+        assert server.proc is not None
+        with open(f"/proc/{server.proc.pid}/maps") as maps:
+            libraries = {line.split()[-1].rsplit("/", 1)[-1] for line in maps if ".so" in line}
+        assert not [lib for lib in libraries if "torch" in lib], sorted(libraries)
+        with MetaClient(server.address, token=server.token) as c:
+            assert c.status()["job"] == "default"

@@ -188,7 +188,9 @@ def test_uncovered_destination_names_rank_and_box():
 
 
 def test_shape_disagreement_is_named():
-    with pytest.raises(PlanError, match=r"'w' has shape \(8,\) in one layout .* and \(6,\)"):
+    # it used to say "(rank 0) ... (rank 0)" without saying which side
+    with pytest.raises(PlanError, match=r"'w' has shape \(8,\) in writer rank 0's layout and \(6,\) in reader rank "
+                                        r"0's: the two sides were built from different model configs"):
         build_plan([_one(0, "w", (8,), Box((0,), (8,)))], [_one(0, "w", (6,), Box((0,), (6,)))])
 
 

@@ -104,3 +104,38 @@ def test_verify_cli_two_checkpoints(tmp_path, capsys):
     _, _, ckpt, _ = _setup(tmp_path)
     assert main(["verify", "--checkpoint", str(ckpt), "--weights", str(ckpt)]) == 0
     assert capsys.readouterr().out.startswith("OK")
+
+
+def test_nan_never_matches_a_number(tmp_path):
+    """An engine full of NaN must not verify (``nan - x > atol`` is False: it used to)."""
+    _, _, ckpt, ranks = _setup(tmp_path)
+    layout, tensors = ranks[0]
+    name = next(iter(tensors))
+    tensors[name].fill_(float("nan"))
+    report = verify_rank(layout, tensors, ckpt, atol=1.0)
+    assert not report.ok
+    bad = [c for c in report.tensors.values() if c.status == "mismatch"]
+    assert bad and all(c.max_abs_diff == float("inf") for c in bad)
+
+
+def test_nan_in_the_checkpoint_matches_only_the_same_nan(tmp_path):
+    from weightsync.verify import differences
+
+    want = torch.tensor([1.0, float("nan"), float("inf"), -float("inf")], dtype=torch.float32)
+    same = want.clone()
+    assert differences(same, want, 0.0).max() == 0  # NaN in the same place, inf == inf
+    number = torch.tensor([1.0, 2.0, float("inf"), -float("inf")])
+    assert differences(number, want, 0.0)[1] == float("inf")
+    other_nan = same.clone()
+    other_nan.view(torch.int32)[1] = other_nan.view(torch.int32)[1] ^ 1  # another NaN payload
+    assert other_nan[1].isnan() and differences(other_nan, want, 0.0)[1] == float("inf")
+    assert differences(torch.tensor([1.0, 2.0, -float("inf"), -float("inf")]), want, 10.0)[2] == float("inf")
+    # end to end: a checkpoint holding a NaN verifies against an engine holding that NaN, and only it
+    _, values, _, ranks = _setup(tmp_path, "vllm:tp=1")
+    layout, tensors = ranks[0]
+    values["model.norm.weight"][0] = float("nan")
+    save_canonical(values, tmp_path / "nan-ckpt")
+    fill_from_canonical(layout, tensors, values)
+    assert verify_rank(layout, tensors, tmp_path / "nan-ckpt").tensors["model.norm.weight"].status == "ok"
+    tensors["model.norm.weight"][0] = 0.0
+    assert verify_rank(layout, tensors, tmp_path / "nan-ckpt").tensors["model.norm.weight"].status == "mismatch"

@@ -17,11 +17,11 @@ if TYPE_CHECKING:
     from weightsync.session import SyncConfig, SyncError, TransportOptions
     from weightsync.tensorstore import StoreConfig, TensorSlice, TensorStore
     from weightsync.transport.shm_files import SharedTensors, share_tensors
-    from weightsync.writer import WeightWriter, WriteResult
+    from weightsync.writer import ReadersFailedError, WeightWriter, WriteResult
 
 _LAZY = {
     "SyncConfig": "weightsync.session", "SyncError": "weightsync.session", "TransportOptions": "weightsync.session",
-    "WeightWriter": "weightsync.writer", "WriteResult": "weightsync.writer",
+    "WeightWriter": "weightsync.writer", "WriteResult": "weightsync.writer", "ReadersFailedError": "weightsync.writer",
     "WeightReader": "weightsync.reader", "UpdateResult": "weightsync.reader",
     "InflightReader": "weightsync.inflight",
     "TensorStore": "weightsync.tensorstore", "StoreConfig": "weightsync.tensorstore",
@@ -29,7 +29,8 @@ _LAZY = {
     "share_tensors": "weightsync.transport.shm_files", "SharedTensors": "weightsync.transport.shm_files",
 }
 
-__all__ = ["InflightReader", "SharedTensors", "StoreConfig", "SyncConfig", "SyncError", "TensorSlice", "TensorStore",
+__all__ = ["InflightReader", "ReadersFailedError", "SharedTensors", "StoreConfig", "SyncConfig", "SyncError",
+           "TensorSlice", "TensorStore",
            "TransportOptions", "UpdateResult", "WeightReader", "WeightWriter", "WriteResult", "share_tensors"]
 
 

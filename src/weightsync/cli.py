@@ -29,19 +29,24 @@ class UserError(Exception):
     """An error caused by the user's input; printed as one line, exit status 2."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The command line parser. With ``argv``, only the subcommand it names is imported (to add
+    its options): ``weightsync meta-server`` must not hold torch (250 MB) for nothing."""
+    chosen = next((a for a in argv if a in COMMANDS), None) if argv is not None else None
     parser = argparse.ArgumentParser(prog="weightsync", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p)
+        if argv is None or name == chosen:
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -28,7 +28,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -137,23 +141,64 @@ class JobChannel:
         self.meta = meta
         self.role: Role = role
         self.rank = rank
+        #: this process's claim on (role, rank): a restarted process has a new one
+        self.incarnation = secrets.token_hex(8)
+        self.lease_seconds = 0.0
+        self.host = ""
+        self._heartbeat: Heartbeat | None = None
+        self._dead_cache: tuple[float, dict[tuple[str, int], str]] = (-1.0, {})
 
     @property
     def who(self) -> str:
         return f"{self.role} {self.rank}"
 
     # -- membership ---------------------------------------------------------------------------
-    def register(self, *, host: str, group: str, layout: bytes, device: str = "cpu", gpu: str = "") -> bool:
-        """Register this rank: its node, the device of its tensors (and that GPU's UUID, the
-        identity other processes can compare) and its layout blob.
-        Returns True if the rank was registered before (this process is a restart of it)."""
+    def register(self, *, host: str, group: str, layout: bytes, device: str = "cpu", gpu: str = "",
+                 settings: str = "", lease: float = 0.0) -> bool:
+        """Register this rank: its node, the device of its tensors (and that GPU's UUID, the identity
+        other processes can compare), its layout blob and the job
+        settings it runs with (compared across ranks, see :meth:`check_settings`).
+
+        First the client pins the server's instance (a server that loses its state later is
+        noticed at the next call) and, with ``lease`` seconds, this process takes the rank's
+        lease (:mod:`weightsync.meta.leases`), waiting for a dead predecessor's to expire.
+        Returns True if the rank was registered before (this process is a restart of it).
+
+        Raises:
+            ValueError: another live process holds this rank (two processes claim it).
+        """
         from weightsync.meta.records import Participant
 
-        restarted = any(p.rank == self.rank for p in self.meta.participants(self.role))
-        endpoints = {"device": device, **({"gpu": gpu} if gpu else {})}
+        if hasattr(self.meta, "pin_instance"):
+            self.meta.pin_instance()
+        took_over = False
+        if lease > 0 and hasattr(self.meta, "acquire_lease"):
+            self.lease_seconds, self.host = lease, host
+            took_over = self.meta.acquire_lease(self.role, self.rank, incarnation=self.incarnation, ttl=lease,
+                                                pid=os.getpid(), host=host, wait=lease + 1.0)
+        restarted = took_over or any(p.rank == self.rank for p in self.meta.participants(self.role))
+        endpoints = {"device": device, **({"gpu": gpu} if gpu else {}), **({"settings": settings} if settings else {})}
         self.meta.register(Participant(role=self.role, rank=self.rank, group=group, host=host,
                                        endpoints=endpoints, layout=layout))
         return restarted
+
+    def check_settings(self, settings: str, people: list[Participant] | None = None) -> None:
+        """Compare this rank's job settings with every rank registered so far.
+
+        Each rank checks after registering (the later of two ranks that disagree sees the
+        other) and again once the roster is complete (``people``), so every rank stops before
+        planning, naming the ranks that differ.
+
+        Raises:
+            ValueError: naming the ranks whose settings differ and the settings themselves.
+        """
+        differ = [f"{p.role} {p.rank} ({p.endpoints['settings']})"
+                  for p in (self.meta.participants() if people is None else people)
+                  if p.endpoints.get("settings", settings) != settings]
+        if differ:
+            raise ValueError(f"{self.who} runs job {self.meta.job!r} with {settings}, but "
+                             f"{', '.join(differ[:8])}{' ...' if len(differ) > 8 else ''} registered with other "
+                             "settings: every writer and reader of a job must use the same SyncConfig")
 
     def wait_roster(self, *, writers: int, readers: int, deadline: Deadline) -> list[Participant]:
         """Everyone, once ``writers`` writers and ``readers`` readers registered."""
@@ -174,13 +219,15 @@ class JobChannel:
 
     # -- epochs -------------------------------------------------------------------------------
     def current_epoch(self) -> int:
-        doc = self.meta.get_document(_epoch_key())
-        return int(doc.decode()) if doc else 0
+        epoch: int = self.meta.counter(_epoch_key())
+        return epoch
 
-    def advance_epoch(self, seen: int) -> None:
-        """Move the job past epoch ``seen`` (no-op if someone already did)."""
-        if self.current_epoch() == seen:
-            self.meta.put_document(_epoch_key(), str(seen + 1).encode())
+    def advance_epoch(self, seen: int) -> int:
+        """Move the job past epoch ``seen``: one compare-and-set on the server, so of ranks that
+        saw the same epoch fail only one moves it, and a rank that saw an older epoch never
+        moves it back. Returns the job's epoch now."""
+        _, epoch = self.meta.compare_and_set(_epoch_key(), expected=seen, value=seen + 1)
+        return int(epoch)
 
     def decide_epoch(self, version: int, deadline: Deadline) -> int:
         """Writer 0 fixes the epoch of ``version``; the other writers wait for its decision.
@@ -224,15 +271,63 @@ class JobChannel:
         """This reader failed ``version``: its weights are at no valid version until the next."""
         self.meta.report_failed(self.rank, version, error[:2000])
 
-    def wait_readers(self, *, min_version: int, readers: int, deadline: Deadline) -> dict[int, int | None]:
-        """Until ``readers`` readers are done with ``min_version`` (applied or failed it, or newer).
+    def wait_readers(self, *, min_version: int, readers: int, deadline: Deadline) -> dict[int, str]:
+        """Until reader ranks ``0..readers-1`` are done with ``min_version`` (applied or failed it,
+        or newer, or died: their lease expired). Returns the readers that failed it: rank -> the
+        error each reported, or how it died.
 
         Raises:
             TimeoutError: naming the laggards.
         """
-        result: dict[int, int | None] = self.meta.wait_readers(min_version=min_version, readers=readers,
-                                                                timeout=deadline.remaining())
-        return result
+        while True:
+            # In slices of a lease, so that a reader that died is reported as such, not waited for.
+            step = deadline.remaining() if self.lease_seconds <= 0 else min(deadline.remaining(), self.lease_seconds)
+            try:
+                report = self.meta.wait_reader_report(min_version=min_version, readers=readers, timeout=step)
+            except TimeoutError:
+                dead = self.dead_peers("reader", range(readers), max_age=0.0)
+                if dead:
+                    versions = self.meta.reader_versions()
+                    behind = {r: f"died before it applied version {min_version}: {why}" for r, why in dead.items()
+                              if (versions.get(r) if versions.get(r) is not None else -1) < min_version}
+                    if behind:
+                        return behind
+                if deadline.expired:
+                    raise
+                continue
+            failed: dict[int, str] = report.failed(min_version, readers)
+            return failed
+
+    # -- liveness -----------------------------------------------------------------------------
+    def start_heartbeat(self) -> None:
+        """Keep this rank's lease alive from a background thread (after :meth:`register`)."""
+        if self.lease_seconds > 0 and self._heartbeat is None and hasattr(self.meta, "acquire_lease"):
+            self._heartbeat = Heartbeat(self)
+
+    def stop_heartbeat(self, *, release: bool = True) -> None:
+        """Stop renewing the lease; ``release`` tells peers this rank left (it did not die)."""
+        beat, self._heartbeat = self._heartbeat, None
+        if beat is not None:
+            beat.stop(release=release)
+
+    @property
+    def lost(self) -> str | None:
+        """Why this rank can no longer take part (another process took its rank over), or None."""
+        return self._heartbeat.lost if self._heartbeat is not None else None
+
+    def dead_peers(self, role: Role, ranks: Iterable[int], *, max_age: float = 0.25) -> dict[int, str]:
+        """Peers of ``role`` among ``ranks`` whose lease expired or was released: rank -> what the
+        meta server knows of them. Peers without a lease count as alive. Answers are cached for
+        ``max_age`` seconds, so transports may ask from their wait loops."""
+        if not hasattr(self.meta, "leases"):
+            return {}
+        at, table = self._dead_cache
+        now = time.monotonic()
+        if now - at > max_age:
+            table = {(row["role"], int(row["rank"])): str(row["detail"]) for row in self.meta.leases()
+                     if not row["alive"]}
+            self._dead_cache = (now, table)
+        return {r: table[(role, r)] for r in ranks if (role, r) in table}
 
     # -- transport endpoints ------------------------------------------------------------------
     def publish_endpoint(self, transport: str, epoch: int, endpoint: Mapping[str, Any]) -> None:
@@ -298,3 +393,44 @@ class JobChannel:
     def wait_store_version(self, *, after: int, deadline: Deadline) -> int | None:
         info = self.meta.wait_version(after=after, timeout=deadline.remaining(0.0))
         return info.version if info is not None else None
+
+
+class Heartbeat:
+    """A daemon thread renewing one rank's lease every quarter of its ttl (see :mod:`weightsync.meta.leases`).
+
+    If the lease was taken over (the rank runs in another process now), the thread stops and
+    :attr:`lost` says so; the rank's next ``write``/``update`` fails with that message.
+    """
+
+    def __init__(self, channel: JobChannel) -> None:
+        self.channel = channel
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"weightsync-heartbeat-{channel.role}{channel.rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _renew(self, *, release: bool = False) -> None:
+        c = self.channel
+        c.meta.acquire_lease(c.role, c.rank, incarnation=c.incarnation, ttl=c.lease_seconds, pid=os.getpid(),
+                             host=c.host, release=release)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.channel.lease_seconds / 4):
+            try:
+                self._renew()
+            except ValueError as exc:  # another process holds the rank now
+                self.lost = str(exc)
+                logger.error("%s: %s", self.channel.who, exc)
+                return
+            except Exception as exc:  # the server is away (or lost its state): the next call says so
+                logger.debug("%s: heartbeat failed: %s", self.channel.who, exc)
+
+    def stop(self, *, release: bool) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        if release and self.lost is None:
+            try:
+                self._renew(release=True)
+            except Exception as exc:  # best effort: the lease expires anyway
+                logger.debug("%s: could not release its lease: %s", self.channel.who, exc)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from weightsync.deadline import Deadline
 from weightsync.job import PublishedVersion
-from weightsync.session import SyncConfig, SyncError, SyncResult, SyncSession, device_of
+from weightsync.session import SyncConfig, SyncError, SyncResult, SyncSession, device_of, state_lost
 from weightsync.transport import TransportError
 
 if TYPE_CHECKING:
@@ -90,12 +90,27 @@ class WeightReader:
             ValueError: the writers' sync fingerprint differs from this reader's.
             SyncError: the transfer failed; the engine is not at a valid version.
         """
+        self.session.check_alive()
+        try:
+            return self._update(version, timeout)
+        except Exception as exc:
+            lost = state_lost(exc)
+            if lost is None:
+                raise
+            self.session.forget()  # the next update registers and plans anew
+            raise SyncError(f"reader {self.rank}: update failed: {lost}. This reader registers again on its next "
+                            f"update (its engine keeps version {self.version})") from exc
+
+    def _update(self, version: int | None, timeout: float | None) -> UpdateResult:
         deadline = Deadline.after(timeout if timeout is not None else self.config.timeout)
         session = self.session
         phases: dict[str, float] = {}
         if session.planned is None:
             session.plan(deadline)
             phases["plan"] = session.timings["setup"]
+            if session.rejoined and self.version is not None:  # tell the new server what this engine serves
+                session.channel.report_applied(self.version, nbytes=0, seconds=0.0)
+                session.rejoined = False
         planned = session.planned
         assert planned is not None
         self._lay_out(planned.phase_names)

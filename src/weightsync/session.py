@@ -27,6 +27,7 @@ from weightsync.job import JobChannel, Role
 from weightsync.layout.quant import quantized_sources
 from weightsync.layout.wire import decode_layout, encode_descriptor, encode_explicit
 from weightsync.plan import PlanOptions, build_local_plan, layer_phases, split_plan
+from weightsync.torch_layout import check_tensors
 from weightsync.transport import TransportContext, TransportOptions, create_transport, unavailable_reason
 
 if TYPE_CHECKING:
@@ -48,6 +49,18 @@ def device_of(tensors: Mapping[str, torch.Tensor], who: str) -> str:
 
 class SyncError(RuntimeError):
     """A sync could not complete; the message names the version, the peer and the tensors."""
+
+
+def state_lost(exc: BaseException) -> BaseException | None:
+    """The :class:`~weightsync.meta.calls.ServerStateLostError` behind ``exc``, if any."""
+    from weightsync.meta.calls import ServerStateLostError
+
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None or isinstance(seen, ServerStateLostError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 @dataclass(slots=True)
@@ -73,6 +86,9 @@ class SyncConfig:
         staleness: how many versions training may run ahead of the slowest reader; 0 means
             synchronous (``write`` returns when every reader applied the version).
         timeout: default bound, in seconds, on every blocking step.
+        lease_seconds: a rank that sends no heartbeat (a background thread renews its lease on
+            the meta server every quarter of this) for this long is dead: peers waiting on it
+            fail at once, naming it, and a restarted process may take its rank over.
         layer_phases: move each version in phases of whole layers, each at most
             ``transport_options.max_bucket_bytes`` (:mod:`weightsync.plan.phases`), so that an
             engine running its own loader (vLLM) stages one phase at a time instead of a
@@ -87,6 +103,7 @@ class SyncConfig:
     plan_options: PlanOptions = field(default_factory=PlanOptions)
     staleness: int = 0
     timeout: float = 300.0
+    lease_seconds: float = 3.0
     host: str = ""
     layer_phases: bool = False
 
@@ -98,10 +115,18 @@ class SyncConfig:
             raise ValueError(f"staleness must be >= 0, got {self.staleness}")
         if self.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
+        if not 0.1 <= self.lease_seconds <= 3600:
+            raise ValueError(f"lease_seconds must be in [0.1, 3600], got {self.lease_seconds}")
         if self.transport_options.slots <= self.staleness:
             # One-sided transports keep a version slot per version a reader may lag behind.
             object.__setattr__(self, "transport_options",
                                dataclasses.replace(self.transport_options, slots=self.staleness + 1))
+
+    def settings(self) -> str:
+        """What every rank of a job must agree on, as ranks compare it when they register."""
+        opts = self.transport_options
+        return (f"writers={self.num_writers},readers={self.num_readers},staleness={self.staleness},"
+                f"slots={opts.slots},{opts.digest()}")
 
 
 @dataclass(frozen=True)
@@ -137,6 +162,9 @@ class SyncSession:
 
     def __init__(self, role: Role, rank: int, provider: LayoutProvider, config: SyncConfig,
                  meta: MetaClient, *, device: Callable[[], str]) -> None:
+        if getattr(meta, "job", config.job) != config.job:
+            raise ValueError(f"SyncConfig(job={config.job!r}) but the MetaClient passed in speaks for job "
+                             f"{meta.job!r}: build the client with job={config.job!r} (or leave meta= out)")
         size = config.num_writers if role == "writer" else config.num_readers
         if not 0 <= rank < size:
             raise ValueError(f"{role} rank {rank} is outside 0..{size - 1} (the job has {size} {role}s)")
@@ -149,6 +177,8 @@ class SyncSession:
         self.timings: dict[str, float] = {}
         self._armed: tuple[int, tuple[int, ...]] | None = None  # (epoch, buffer pointers) prepared for
         self._registered = False
+        #: this session registered again after the meta server lost its state (see forget())
+        self.rejoined = False
 
     @property
     def role(self) -> Role:
@@ -174,9 +204,13 @@ class SyncSession:
     def register(self) -> None:
         if self._registered:
             return
+        settings = self.config.settings()
         device = self.device()
         restarted = self.channel.register(host=self.host, group=self.config.job, layout=self._layout_blob(),
-                                          device=device, gpu=gpu_identity(device))
+                                          device=device, gpu=gpu_identity(device), settings=settings,
+                                          lease=self.config.lease_seconds)
+        self.channel.start_heartbeat()
+        self.channel.check_settings(settings)
         if restarted:
             # The others' connections do not include this new process: move everyone on.
             self.channel.advance_epoch(self.channel.current_epoch())
@@ -192,6 +226,7 @@ class SyncSession:
         self.register()
         people = self.channel.wait_roster(writers=self.config.num_writers, readers=self.config.num_readers,
                                           deadline=deadline)
+        self.channel.check_settings(self.config.settings(), people)
         writers, readers = self._decode(people)
         writers, quant = quantized_sources(writers, readers)  # FP8 readers: writers quantize on send
         t0 = time.perf_counter()
@@ -240,6 +275,11 @@ class SyncSession:
         return writers, readers
 
     # -- transport ------------------------------------------------------------------------
+    def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Before a version is published: the tensors agree with this rank's layout (shape,
+        dtype, contiguous), whatever the transport (:func:`weightsync.torch_layout.check_tensors`)."""
+        check_tensors(self.provider.layout(), tensors, self.channel.who)
+
     def arm(self, tensors: Mapping[str, torch.Tensor], epoch: int, deadline: Deadline) -> Transport:
         """The planned transport, (re)prepared when the epoch or the buffers' storage changed."""
         planned = self.planned
@@ -258,7 +298,19 @@ class SyncSession:
         """Forget the transport's connections (after a failure): the next version re-prepares."""
         self._armed = None
 
-    def close(self) -> None:
+    def check_alive(self) -> None:
+        """Raise if another process took this rank over (its heartbeat found out)."""
+        if self.channel.lost is not None:
+            raise SyncError(f"{self.channel.who} no longer belongs to job {self.config.job!r}: {self.channel.lost}")
+
+    def forget(self) -> None:
+        """Start over (the meta server lost its state): the next version registers and plans anew."""
+        self.close(release=False)
+        self._registered = False
+        self.rejoined = True
+
+    def close(self, *, release: bool = True) -> None:
+        self.channel.stop_heartbeat(release=release)
         if self.planned is not None:
             self.planned.transport.close()
             self.planned = None

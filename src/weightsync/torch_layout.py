@@ -43,6 +43,34 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype name {name!r}; known: {sorted(TORCH_DTYPES)}") from None
 
 
+def check_tensors(layout: RankLayout, tensors: Mapping[str, torch.Tensor], who: str) -> None:
+    """Every shard of ``layout`` is in ``tensors`` with the shard's shape and dtype, contiguous.
+
+    Transports address shards through their flat storage by the layout's offsets, so a
+    tensor that disagrees would be read as the wrong bytes (fp16 read as fp32, the first
+    rows of a larger tensor) without any error of its own.
+
+    Raises:
+        ValueError: naming each tensor that disagrees and how to fix it.
+    """
+    problems = []
+    for shard in layout.shards:
+        t = tensors.get(shard.name)
+        if t is None:
+            problems.append(f"{shard.name}: missing (the layout has it, the tensors do not)")
+        elif tuple(t.shape) != tuple(shard.shape) or DTYPE_NAMES.get(t.dtype) != shard.dtype:
+            problems.append(f"{shard.name}: {DTYPE_NAMES.get(t.dtype, t.dtype)}{list(t.shape)}, the layout says "
+                            f"{shard.dtype}{list(shard.shape)}")
+        elif not t.is_contiguous():
+            problems.append(f"{shard.name}: not contiguous (strides {t.stride()}, a transposed view?); weightsync "
+                            "reads shards through their flat storage: hand it t.contiguous() or lay the tensor out "
+                            "contiguously")
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise ValueError(f"{who}: {len(problems)} tensor(s) disagree with the layout, nothing was sent: {shown}. "
+                         "Fix the source (or the model config / layout it was built from) so that they agree")
+
+
 def strided_view(flat: torch.Tensor, sizes: Sequence[int], strides: Sequence[int], offset: int) -> torch.Tensor:
     """The ``as_strided`` view of a flat tensor's storage that a plan op or region describes."""
     return flat.as_strided(tuple(sizes), tuple(strides), flat.storage_offset() + offset)

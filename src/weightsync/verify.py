@@ -180,7 +180,7 @@ class _Comparer:
             self.handles[entry.file] = handle
         want = handle.get_slice(key)[slices]
         got = got.detach().cpu()  # an engine's weights may live on a GPU; the checkpoint is read to host memory
-        diff = (got.reshape(want.shape).double() - want.double()).abs()
+        diff = differences(got.reshape(want.shape), want, self.report.atol)
         differing = int((diff > self.report.atol).sum())
         check.checked_elements += got.numel()
         check.differing_elements += differing
@@ -194,6 +194,27 @@ class _Comparer:
         for h in self.handles.values():
             h.__exit__(None, None, None)
         self.handles.clear()
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def differences(got: torch.Tensor, want: torch.Tensor, atol: float) -> torch.Tensor:
+    """``|got - want|`` element by element, where a NaN never passes for a number.
+
+    ``(got - want).abs() > atol`` is False for NaN, so an engine full of NaN would verify.
+    Here a NaN on either side is ``inf`` (a mismatch), unless both sides hold a NaN in the
+    same place, bitwise when the dtypes agree; equal infinities are 0 (``inf - inf`` is NaN).
+    """
+    g, w = got.double(), want.double()
+    diff = (g - w).abs()
+    g_nan, w_nan = g.isnan(), w.isnan()
+    same_nan = g_nan & w_nan
+    if got.dtype == want.dtype and got.element_size() in _BITS and same_nan.any():
+        bits = _BITS[got.element_size()]
+        same_nan &= got.contiguous().view(bits) == want.contiguous().view(bits)
+    diff = torch.where(g_nan | w_nan, torch.where(same_nan, 0.0, math.inf), diff)
+    return torch.where(g.isinf() & (g == w), 0.0, diff)
 
 
 def union_volume(boxes: list[Box]) -> int:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from weightsync.deadline import Deadline
 from weightsync.job import PublishedVersion
-from weightsync.session import SyncConfig, SyncError, SyncResult, SyncSession, device_of
+from weightsync.session import SyncConfig, SyncError, SyncResult, SyncSession, device_of, state_lost
 from weightsync.transport import TransportError
 
 if TYPE_CHECKING:
@@ -34,6 +34,22 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class WriteResult(SyncResult):
     """What one ``write`` did, with per-phase seconds (plan, prepare, send, wait_readers)."""
+
+
+class ReadersFailedError(SyncError):
+    """Readers reported failing a version: ``write`` never returns success for it.
+
+    Attributes:
+        version: the version they failed (``write(V)`` waits for ``V - staleness``).
+        failed: reader rank -> the error it reported. Those readers hold no valid version
+            until the next one; the writer's next ``write`` sends a newer version as usual.
+    """
+
+    def __init__(self, writer: int, version: int, failed: dict[int, str]) -> None:
+        self.version, self.failed = version, dict(failed)
+        shown = "; ".join(f"reader {r}: {why}" for r, why in sorted(failed.items())[:8])
+        super().__init__(f"writer {writer}: {len(failed)} reader(s) failed version {version} and serve no valid "
+                         f"version until the next one: {shown}")
 
 
 class WeightWriter:
@@ -61,11 +77,26 @@ class WeightWriter:
 
         Raises:
             ValueError: the version does not increase, or tensors disagree with the layout.
+            ReadersFailedError: readers reported failing the version this write waited for
+                (``version - staleness``), naming them and why; the version is out, the next
+                ``write`` (of a newer version) proceeds as usual.
             SyncError: a peer died, a timeout expired, or writers disagree on the plan;
                 the job moves to a new epoch and the next ``write`` starts clean.
         """
         if self.version is not None and version <= self.version:
             raise ValueError(f"writer {self.rank}: version {version} does not increase past {self.version}")
+        self.session.check_alive()
+        try:
+            return self._write(version, timeout)
+        except Exception as exc:
+            lost = state_lost(exc)
+            if lost is None:
+                raise
+            self.session.forget()  # the next write registers and plans anew
+            raise SyncError(f"writer {self.rank}: version {version} failed: {lost}. This writer registers again "
+                            "on its next write") from exc
+
+    def _write(self, version: int, timeout: float | None) -> WriteResult:
         deadline = Deadline.after(timeout if timeout is not None else self.config.timeout)
         session, channel = self.session, self.session.channel
         result = WriteResult(version, 0)
@@ -86,6 +117,7 @@ class WeightWriter:
             raise SyncError(str(exc)) from exc
         published = PublishedVersion(version, planned.fingerprint, epoch)
         tensors = self.source.tensors()
+        session.check_tensors(tensors)  # a clear error before anything is published or sent
         if planned.quantizer is not None:  # FP8 readers: quantize what this writer sends
             t0 = time.perf_counter()
             try:
@@ -127,13 +159,17 @@ class WeightWriter:
         result.phases["publish"] = time.perf_counter() - t0
 
     def _wait_readers(self, min_version: int, deadline: Deadline, result: WriteResult, phase: str) -> None:
+        """Wait until every reader is done with ``min_version``; for the staleness bound
+        (``phase == "wait_readers"``) a reader that failed it is an error, never a success."""
         t0 = time.perf_counter()
         try:
-            self.session.channel.wait_readers(min_version=min_version, readers=self.config.num_readers,
-                                              deadline=deadline)
+            failed = self.session.channel.wait_readers(min_version=min_version, readers=self.config.num_readers,
+                                                       deadline=deadline)
         except TimeoutError as exc:
             raise SyncError(f"writer {self.rank}: readers did not reach version {min_version} in time: {exc}") from exc
         result.phases[phase] = result.phases.get(phase, 0.0) + time.perf_counter() - t0
+        if failed and phase == "wait_readers":
+            raise ReadersFailedError(self.rank, min_version, failed)
 
     def close(self) -> None:
         self.session.close()

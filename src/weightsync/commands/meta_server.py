@@ -2,7 +2,9 @@
 
     weightsync meta-server --host 0.0.0.0 --port 7700 --token-file /shared/ws.token --state-dir /var/lib/ws
 
-Binds 127.0.0.1 unless told otherwise. The token comes from ``--token-file`` (created with a
+Binds 127.0.0.1 unless told otherwise; a server reachable from other machines (``--host
+0.0.0.0``) refuses to start without a token they can share (``--token-file``,
+WEIGHTSYNC_META_TOKEN or ``--state-dir``). The token comes from ``--token-file`` (created with a
 random token if it does not exist, so one shared file serves the server and every client), else
 from WEIGHTSYNC_META_TOKEN, else from ``<state-dir>/token`` (created likewise), else a random
 one is generated and printed. With ``--state-dir`` a
@@ -13,6 +15,7 @@ restarted server carries on where it stopped. Once listening it prints one line,
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import socket
 import sys
@@ -46,8 +49,22 @@ def _token(args: argparse.Namespace) -> tuple[str, str]:
         path = Path(args.state_dir) / "token"
         path.parent.mkdir(parents=True, exist_ok=True)
         return ensure_token_file(path), f"token file {path}"
+    if not is_loopback(getattr(args, "host", "127.0.0.1")):
+        # A token printed to a terminal is not a shared secret other hosts can be given safely.
+        raise ValueError(f"--host {args.host} accepts connections from other machines: give the server a token "
+                         f"they share (--token-file FILE on a shared disk, or {ENV_TOKEN}), or bind 127.0.0.1")
     token = new_token()
     return token, f"token {token} (generated; pass --token-file to keep one)"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from weightsync.meta.calls import ServerStateLostError
 from weightsync.meta.client import AsyncMetaClient, MetaClient, connect
 from weightsync.meta.config import MetaEnv
 from weightsync.meta.records import Participant, ParticipantTable, VersionInfo
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from weightsync.meta.embedded import EmbeddedMetaServer
 
 __all__ = ["AsyncMetaClient", "EmbeddedMetaServer", "MetaClient", "MetaEnv", "Participant", "ParticipantTable",
-           "VersionInfo", "connect"]
+           "ServerStateLostError", "VersionInfo", "connect"]
 
 
 def __getattr__(name: str) -> Any:

@@ -21,6 +21,13 @@ T = TypeVar("T")
 
 #: answers worth retrying: the server is restarting, overloaded or behind a proxy that is
 RETRY_STATUSES = frozenset({502, 503, 504})
+#: the request header naming the server instance a client pinned (see server.py, "Identity")
+EXPECT_INSTANCE = "X-Weightsync-Expect-Instance"
+
+
+class ServerStateLostError(ConnectionError):
+    """The meta server is not the one this client registered with: it restarted without its
+    state, so the job's registrations, versions and reader progress are gone (412)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +77,8 @@ def finish(call: Call[T], status: int, content: bytes, address: str) -> T:
     where = f"{call.method} {address}{call.path}"
     if status == 401:
         raise PermissionError(f"the meta server at {address} rejected the token (401): {detail}")
+    if status == 412:
+        raise ServerStateLostError(f"meta server {address}: {detail}")
     if status in (400, 404, 409, 413, 415, 422):
         raise ValueError(detail if status == 409 else f"meta server refused {where} ({status}): {detail}")
     raise RuntimeError(f"meta server error on {where} ({status}): {detail}")
@@ -122,6 +131,17 @@ def get_document(job: str, key: str, *, wait: float) -> Call[bytes | None]:
                 params={"wait": f"{wait:.3f}"}, wait=wait, raw=True, missing_ok=True)
 
 
+def counter(job: str, name: str, *, at_least: int = 0, wait: float = 0.0) -> Call[int]:
+    return Call("GET", f"{_job(job)}/counters/{quote(check_document_key(name))}", lambda o: int(o["value"]),
+                params={"at_least": _int("at_least", at_least), "wait": f"{wait:.3f}"}, wait=wait)
+
+
+def compare_and_set(job: str, name: str, *, expected: int, value: int) -> Call[tuple[bool, int]]:
+    body = {"expected": _int("expected", expected), "value": _int("value", value)}
+    return Call("POST", f"{_job(job)}/counters/{quote(check_document_key(name))}",
+                lambda o: (bool(o["swapped"]), int(o["value"])), body=wire.pack(body))
+
+
 def publish_version(job: str, version: int, fingerprint: str, *, writer_rank: int,
                     num_writers: int) -> Call[VersionInfo | None]:
     if not isinstance(fingerprint, str) or not fingerprint:
@@ -163,12 +183,22 @@ class ReaderReport:
     def versions(self) -> dict[int, int | None]:
         return {int(r["rank"]): r["version"] for r in self.rows}
 
-    def settled(self, min_version: int) -> list[int]:
-        """Reader ranks done with ``min_version``: applied it or newer, or failed it or newer."""
+    def settled(self, min_version: int, readers: int | None = None) -> list[int]:
+        """Registered reader ranks (below ``readers``, if given) done with ``min_version``:
+        applied it or newer, or failed it or newer."""
         def last(row: Mapping[str, Any]) -> int:
             seen = [v for v in (row.get("version"), row.get("failed_version")) if v is not None]
             return max(seen, default=-1)
-        return [int(r["rank"]) for r in self.rows if last(r) >= min_version]
+        return [int(r["rank"]) for r in self.rows if r.get("registered", True) and last(r) >= min_version
+                and (readers is None or int(r["rank"]) < readers)]
+
+    def failed(self, min_version: int, readers: int | None = None) -> dict[int, str]:
+        """Registered reader ranks that failed ``min_version`` (or newer) and applied nothing as new
+        since, with the error each reported."""
+        return {int(r["rank"]): str(r.get("error") or "failed") for r in self.rows
+                if r.get("registered", True) and (readers is None or int(r["rank"]) < readers)
+                and r.get("failed_version") is not None and r["failed_version"] >= min_version
+                and (r.get("version") is None or r["version"] < min_version)}
 
     @classmethod
     def from_wire(cls, obj: Any) -> ReaderReport:
@@ -179,6 +209,22 @@ def readers(job: str, *, min_version: int = 0, count: int = 0, wait: float = 0.0
     params = {"min_version": _int("min_version", min_version), "count": _int("readers", count),
               "wait": f"{wait:.3f}"}
     return Call("GET", f"{_job(job)}/readers", ReaderReport.from_wire, params=params, wait=wait)
+
+
+def server() -> Call[dict[str, Any]]:
+    return Call("GET", "/v1/server", dict)
+
+
+def lease(job: str, role: str, rank: int, *, incarnation: str, ttl: float, pid: int, host: str,
+          wait: float = 0.0, release: bool = False) -> Call[bool]:
+    body = {"incarnation": incarnation, "ttl": float(ttl), "pid": _int("pid", pid), "host": host,
+            "release": bool(release)}
+    return Call("POST", f"{_job(job)}/leases/{role}/{_int('rank', rank)}", lambda o: bool(o["took_over"]),
+                params={"wait": f"{wait:.3f}"}, body=wire.pack(body), wait=wait)
+
+
+def leases(job: str) -> Call[list[dict[str, Any]]]:
+    return Call("GET", f"{_job(job)}/leases", lambda o: list(o["leases"]))
 
 
 def status(job: str | None = None) -> Call[dict[str, Any]]:

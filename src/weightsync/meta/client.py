@@ -82,17 +82,20 @@ def _barrier_result(table: ParticipantTable, writers: int, readers: int, timeout
 def _readers_result(report: ReaderReport, job: str, min_version: int, readers: int,
                     timeout: float) -> dict[int, int | None]:
     versions = report.versions
-    done = report.settled(min_version)
+    done = report.settled(min_version, readers)
     if len(done) >= readers:
         return versions
+    expected = [row for row in report.rows if int(row["rank"]) < readers and row.get("registered", True)]
     laggards = [f"rank {row['rank']} at {'no valid version' if row['version'] is None else row['version']}"
                 + (f" ({row['error']})" if row.get("error") else "")
-                for row in report.rows if int(row["rank"]) not in done]
+                for row in expected if int(row["rank"]) not in done]
+    missing = sorted(set(range(readers)) - {int(row["rank"]) for row in expected})
+    if missing:
+        laggards.append(f"ranks {_shorten(missing)} not registered")
     raise TimeoutError(f"timed out after {timeout:.1f} s waiting for {readers} readers of job {job!r} to apply "
                        f"(or fail) version >= {min_version}: {len(done)} did; "
                        f"laggards: {'; '.join(laggards[:20]) or 'none'}"
-                       + (f" (+{len(laggards) - 20} more)" if len(laggards) > 20 else "")
-                       + (f"; only {len(versions)} readers are known" if len(versions) < readers else ""))
+                       + (f" (+{len(laggards) - 20} more)" if len(laggards) > 20 else ""))
 
 
 class _Base:
@@ -113,6 +116,14 @@ class _Base:
         self.timeout = float(timeout)
         self._headers = {"Authorization": f"Bearer {self._token}", "Accept": wire.MSGPACK,
                          "User-Agent": f"weightsync/{weightsync.__version__}"}
+        #: the server instance this client pinned (None: any); see :meth:`MetaClient.pin_instance`
+        self.instance: str | None = None
+
+    def _request_headers(self, call: Call[Any]) -> dict[str, str] | None:
+        headers = call.headers
+        if self.instance is not None:
+            headers = {**(headers or {}), calls.EXPECT_INSTANCE: self.instance}
+        return headers
 
     @classmethod
     def from_env(cls: type[T], *, job: str = "default", address: str | None = None, token: str | None = None,
@@ -169,7 +180,7 @@ class MetaClient(_Base):
         failing_since = 0.0
         for attempt in itertools.count():
             try:
-                r = self._http.request(call.method, call.url, content=call.body, headers=call.headers,
+                r = self._http.request(call.method, call.url, content=call.body, headers=self._request_headers(call),
                                        timeout=self._attempt_timeout(call))
             except httpx.TransportError as exc:
                 error: BaseException | str = exc
@@ -246,6 +257,17 @@ class MetaClient(_Base):
         """The document ``key``; with ``wait > 0``, long-poll until it exists. None if absent."""
         return self._poll(lambda w: calls.get_document(self.job, key, wait=w), lambda v: v is not None, wait)
 
+    # --- counters --------------------------------------------------------------------------
+    def counter(self, name: str, *, at_least: int = 0, wait: float = 0.0) -> int:
+        """The job's counter ``name`` (0 until set); with ``wait``, long-poll until it reaches ``at_least``."""
+        return self._poll(lambda w: calls.counter(self.job, name, at_least=at_least, wait=w),
+                          lambda v: v >= at_least, wait)
+
+    def compare_and_set(self, name: str, *, expected: int, value: int) -> tuple[bool, int]:
+        """Set counter ``name`` to ``value`` if it holds ``expected``, atomically on the server.
+        Returns (whether it was set, the value it holds now)."""
+        return self._execute(calls.compare_and_set(self.job, name, expected=expected, value=value))
+
     # --- versions --------------------------------------------------------------------------
     def publish_version(self, version: int, fingerprint: str, *, writer_rank: int,
                         num_writers: int) -> VersionInfo | None:
@@ -282,15 +304,45 @@ class MetaClient(_Base):
         return self._execute(calls.readers(self.job)).versions
 
     def wait_readers(self, *, min_version: int, readers: int, timeout: float) -> dict[int, int | None]:
-        """Long-poll until ``readers`` readers are done with ``min_version``: applied it or newer,
-        or reported failing it or newer (such a reader waits for a newer version, never this one).
+        """Long-poll until reader ranks ``0..readers-1`` (registered) are done with ``min_version``:
+        applied it or newer, or reported failing it or newer (such a reader waits for a newer
+        version, never this one). Returns reader rank -> applied version.
 
         Raises:
             TimeoutError: naming the laggards and their versions.
         """
+        return self.wait_reader_report(min_version=min_version, readers=readers, timeout=timeout).versions
+
+    def wait_reader_report(self, *, min_version: int, readers: int, timeout: float) -> ReaderReport:
+        """:meth:`wait_readers`, answering the whole report (``report.failed(v)``: who failed and why)."""
         report = self._poll(lambda w: calls.readers(self.job, min_version=min_version, count=readers, wait=w),
-                            lambda r: len(r.settled(min_version)) >= readers, timeout)
-        return _readers_result(report, self.job, min_version, readers, timeout)
+                            lambda r: len(r.settled(min_version, readers)) >= readers, timeout)
+        _readers_result(report, self.job, min_version, readers, timeout)
+        return report
+
+    # --- identity and liveness ---------------------------------------------------------------
+    def pin_instance(self) -> str:
+        """Pin the server's current instance: from now on every call fails at once with
+        :class:`~weightsync.meta.calls.ServerStateLostError` if the server restarted without its
+        state (its registrations gone). Returns the instance."""
+        self.instance = None
+        self.instance = str(self._execute(calls.server())["instance"])
+        return self.instance
+
+    def acquire_lease(self, role: str, rank: int, *, incarnation: str, ttl: float, pid: int = 0, host: str = "",
+                      wait: float = 0.0, release: bool = False) -> bool:
+        """Take, renew or release the lease of ``(role, rank)`` (see :mod:`weightsync.meta.leases`).
+        Returns True if this incarnation took it over from a dead one.
+
+        Raises:
+            ValueError: another live process holds it (after ``wait`` seconds), naming it.
+        """
+        return self._execute(calls.lease(self.job, role, rank, incarnation=incarnation, ttl=ttl, pid=pid, host=host,
+                                         wait=wait, release=release))
+
+    def leases(self) -> list[dict[str, Any]]:
+        """Every lease of this job: role, rank, holder (pid, host), alive, seconds since its heartbeat."""
+        return self._execute(calls.leases(self.job))
 
     # --- jobs ------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -326,8 +378,8 @@ class AsyncMetaClient(_Base):
         failing_since = 0.0
         for attempt in itertools.count():
             try:
-                r = await self._http.request(call.method, call.url, content=call.body, headers=call.headers,
-                                             timeout=self._attempt_timeout(call))
+                r = await self._http.request(call.method, call.url, content=call.body,
+                                             headers=self._request_headers(call), timeout=self._attempt_timeout(call))
             except httpx.TransportError as exc:
                 error: BaseException | str = exc
             else:
@@ -379,6 +431,13 @@ class AsyncMetaClient(_Base):
     async def get_document(self, key: str, *, wait: float = 0.0) -> bytes | None:
         return await self._poll(lambda w: calls.get_document(self.job, key, wait=w), lambda v: v is not None, wait)
 
+    async def counter(self, name: str, *, at_least: int = 0, wait: float = 0.0) -> int:
+        return await self._poll(lambda w: calls.counter(self.job, name, at_least=at_least, wait=w),
+                                lambda v: v >= at_least, wait)
+
+    async def compare_and_set(self, name: str, *, expected: int, value: int) -> tuple[bool, int]:
+        return await self._execute(calls.compare_and_set(self.job, name, expected=expected, value=value))
+
     async def publish_version(self, version: int, fingerprint: str, *, writer_rank: int,
                               num_writers: int) -> VersionInfo | None:
         return await self._execute(calls.publish_version(self.job, version, fingerprint, writer_rank=writer_rank,
@@ -403,10 +462,27 @@ class AsyncMetaClient(_Base):
         return (await self._execute(calls.readers(self.job))).versions
 
     async def wait_readers(self, *, min_version: int, readers: int, timeout: float) -> dict[int, int | None]:
+        return (await self.wait_reader_report(min_version=min_version, readers=readers, timeout=timeout)).versions
+
+    async def wait_reader_report(self, *, min_version: int, readers: int, timeout: float) -> ReaderReport:
         report = await self._poll(
             lambda w: calls.readers(self.job, min_version=min_version, count=readers, wait=w),
-            lambda r: len(r.settled(min_version)) >= readers, timeout)
-        return _readers_result(report, self.job, min_version, readers, timeout)
+            lambda r: len(r.settled(min_version, readers)) >= readers, timeout)
+        _readers_result(report, self.job, min_version, readers, timeout)
+        return report
+
+    async def pin_instance(self) -> str:
+        self.instance = None
+        self.instance = str((await self._execute(calls.server()))["instance"])
+        return self.instance
+
+    async def acquire_lease(self, role: str, rank: int, *, incarnation: str, ttl: float, pid: int = 0,
+                            host: str = "", wait: float = 0.0, release: bool = False) -> bool:
+        return await self._execute(calls.lease(self.job, role, rank, incarnation=incarnation, ttl=ttl, pid=pid,
+                                               host=host, wait=wait, release=release))
+
+    async def leases(self) -> list[dict[str, Any]]:
+        return await self._execute(calls.leases(self.job))
 
     async def status(self) -> dict[str, Any]:
         jobs = (await self._execute(calls.status(self.job)))["jobs"]

@@ -38,6 +38,10 @@ FORMAT = 1
 SNAPSHOT = "snapshot.msgpack"
 
 
+class JournalError(RuntimeError):
+    """The journal cannot store changes (its writer stopped, or the disk failed)."""
+
+
 class Journal:
     """The files of one state directory. Only one server may use a directory at a time."""
 
@@ -51,12 +55,15 @@ class Journal:
         self.fsyncs = 0
         self.fsync_seconds = 0.0
         self._journal: Any = None  # binary file object
-        self._queue: list[tuple[list[dict[str, Any]], asyncio.Future[None]]] = []
+        self._queue: list[tuple[bytes, asyncio.Future[None]]] = []
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._snapshot: Callable[[], list[dict[str, Any]]] | None = None
         self._lock_fd: int | None = None
         self._closing = False
+        self._error: str | None = None  # the last write failure, until a write succeeds
+        #: the identity of the state kept here (see MetaState.instance), from the snapshot header
+        self.instance: str | None = None
 
     # --- startup ---------------------------------------------------------------------------
     def load(self) -> list[dict[str, Any]]:
@@ -72,6 +79,7 @@ class Journal:
                 raise ValueError(f"{snapshot} is not a weightsync meta snapshot (format {FORMAT}); "
                                  "move the state directory away to start empty")
             self.snapshot_number = int(header.get("snapshot") or header.get("generation") or 0)
+            self.instance = header.get("instance") if isinstance(header.get("instance"), str) else None
             records.extend(items[1:])
         journal = self._journal_path(self.snapshot_number)
         if journal.exists():
@@ -126,7 +134,7 @@ class Journal:
         tmp = self.directory / (SNAPSHOT + ".tmp")
         with open(tmp, "wb") as f:
             packer = msgpack.Packer(use_bin_type=True)
-            f.write(packer.pack({"format": FORMAT, "snapshot": new_number}))
+            f.write(packer.pack({"format": FORMAT, "snapshot": new_number, "instance": self.instance}))
             for r in records:
                 f.write(packer.pack(r))
             f.flush()
@@ -159,12 +167,24 @@ class Journal:
         self._wakeup = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._writer(), name="weightsync-meta-journal")
 
-    def submit(self, records: list[dict[str, Any]]) -> asyncio.Future[None]:
-        """Queue ``records``; the future resolves once they (and all before them) are on disk."""
+    def broken(self) -> str | None:
+        """Why changes cannot be stored right now, or None (``/healthz`` reports it)."""
+        if self._task is not None and self._task.done() and not self._closing:
+            return f"the journal writer of {self.directory} stopped"
+        if self._error is not None:
+            return f"the last journal write to {self.directory} failed: {self._error}"
+        return None
+
+    def submit(self, records: list[dict[str, Any]], encoded: bytes | None = None) -> asyncio.Future[None]:
+        """Queue ``records`` (``encoded``: their msgpack encoding, if the caller has it); the
+        future resolves once they (and all before them) are on disk."""
         if self._wakeup is None or self._task is None or self._task.done() or self._closing:
-            raise RuntimeError("the meta server's journal is not running (closed or failed)")
+            raise JournalError(f"the meta server's journal in {self.directory} is not running (closed or failed); "
+                               "restart the server")
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.append((records, future))
+        if encoded is None:
+            encoded = b"".join(msgpack.packb(r, use_bin_type=True) for r in records)
+        self._queue.append((encoded, future))
         self._wakeup.set()
         return future
 
@@ -178,22 +198,30 @@ class Journal:
                 self._wakeup.clear()
                 continue
             batch, self._queue = self._queue, []
-            data = b"".join(msgpack.packb(r, use_bin_type=True) for records, _ in batch for r in records)
+            data = b"".join(encoded for encoded, _ in batch)
             try:
                 if data:
                     await asyncio.to_thread(self._append, data)
-            except OSError as exc:
+            except Exception as exc:
+                self._error = f"{type(exc).__name__}: {exc}"
                 logger.error("meta journal write failed: %s", exc)
+                failure = exc if isinstance(exc, OSError) else JournalError(f"the journal write failed: {exc}")
                 for _, future in batch:
                     if not future.done():
-                        future.set_exception(exc)
+                        future.set_exception(failure)
                 continue
+            self._error = None
             for _, future in batch:
                 if not future.done():
                     future.set_result(None)
             if self.journal_bytes > self.compact_bytes and self._snapshot is not None:
-                records = self._snapshot()
-                await asyncio.to_thread(self.rewrite, records)
+                try:
+                    records = self._snapshot()
+                    await asyncio.to_thread(self.rewrite, records)
+                except Exception as exc:
+                    self._error = f"compaction failed: {exc}"
+                    logger.error("meta journal compaction failed: %s", exc)
+                    continue
                 logger.info("meta journal compacted into snapshot %d (%d records)", self.snapshot_number, len(records))
 
     def _append(self, data: bytes) -> None:

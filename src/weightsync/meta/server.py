@@ -12,16 +12,28 @@ Routes (all but ``/healthz`` need ``Authorization: Bearer <token>``; ``{job}`` n
     GET  /v1/jobs/{job}/participants?writers&readers&wait&documents   roster; long-polls for a barrier
     POST /v1/jobs/{job}/join?writers&readers&wait&documents   register + barrier + roster in one trip
     PUT  /v1/jobs/{job}/documents/{key}               raw bytes
+    GET  /v1/jobs/{job}/counters/{name}?at_least&wait an integer (0 until set); long-polls for >= at_least
+    POST /v1/jobs/{job}/counters/{name}               compare-and-set: {"expected": e, "value": v}
     GET  /v1/jobs/{job}/documents/{key}?wait          raw bytes; 404 if absent after the wait
     POST /v1/jobs/{job}/versions                      a writer's "version V is ready" report
     GET  /v1/jobs/{job}/versions/latest?after&wait    long-poll for a version newer than ``after``
     POST /v1/jobs/{job}/readers/{rank}/applied|failed a reader's progress
     GET  /v1/jobs/{job}/readers?min_version&count&wait       reader versions; long-poll
     DELETE /v1/jobs/{job}                             forget a job
+    POST /v1/jobs/{job}/leases/{role}/{rank}?wait      take, renew or release a participant's lease
+    GET  /v1/jobs/{job}/leases                        every lease: holder, alive, seconds since its heartbeat
+    GET  /v1/server                                   this server's instance (the identity of its state)
+
+**Identity.** Every answer carries ``X-Weightsync-Instance``: the identity of the server's
+state, new for every empty state and kept in ``--state-dir``. A request with
+``X-Weightsync-Expect-Instance`` naming another one gets 412: the client registered with a
+server whose state this one does not have (it restarted without its state directory), so
+its job's registrations and versions are gone; clients then fail at once instead of waiting.
 
 Bodies are msgpack (``Content-Type: application/msgpack``) or JSON; answers follow ``Accept``.
-Errors are JSON ``{"detail": "..."}``: 401 token, 404, 409 conflict, 413 too large, 415 media
-type, 422 schema (naming the field). Long-polls are held at most ``max_wait`` seconds and answer
+Errors are JSON ``{"detail": "..."}``: 401 token, 404, 409 conflict, 412 another server
+state, 413 too large, 415 media type, 422 schema (naming the field), 503 journal failed.
+Long-polls are held at most ``max_wait`` seconds and answer
 with the current state when they end, so a client simply asks again.
 """
 
@@ -47,12 +59,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import weightsync
 from weightsync.meta import status_page, wire
+from weightsync.meta.journal import JournalError
+from weightsync.meta.leases import LeaseHeldError
 from weightsync.meta.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from weightsync.meta.metrics import ServerMetrics
 from weightsync.meta.records import MAX_RANK, check_document_key
-from weightsync.meta.state import ConflictError, MetaState
+from weightsync.meta.state import ConflictError, MetaState, RecordError
 
 logger = logging.getLogger(__name__)
+
+INSTANCE_HEADER = b"x-weightsync-instance"
+EXPECT_HEADER = b"x-weightsync-expect-instance"
 
 JOB_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 PUBLIC_PATHS = frozenset({"/healthz"})
@@ -60,6 +77,10 @@ Job = Annotated[str, Path(pattern=JOB_PATTERN, description="job namespace")]
 Wait = Annotated[float, Query(ge=0, le=3600, description="seconds to hold the request (long-poll)")]
 Count = Annotated[int, Query(ge=0, lt=1 << 31, description="barrier: wait for this many registered")]
 Documents = Annotated[Sequence[str], Query(max_length=64, description="documents to include in the answer")]
+#: every integer the server stores or compares fits in msgpack's and the journal's int64
+MAX_INT = 1 << 62
+VersionNumber = Annotated[int, Field(ge=0, lt=MAX_INT)]
+Seconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,7 +127,7 @@ class RegisterBody(_Body):
 
 
 class VersionBody(_Body):
-    version: Annotated[int, Field(ge=0, lt=1 << 62)]
+    version: VersionNumber
     fingerprint: Annotated[str, Field(min_length=1, max_length=256)]
     writer_rank: Annotated[int, Field(ge=0, lt=MAX_RANK)]
     num_writers: Annotated[int, Field(ge=1, le=MAX_RANK)]
@@ -119,13 +140,26 @@ class VersionBody(_Body):
 
 
 class AppliedBody(_Body):
-    version: Annotated[int, Field(ge=0, lt=1 << 62)]
-    nbytes: Annotated[int, Field(ge=0)] = 0
-    seconds: Annotated[float, Field(ge=0)] = 0.0
+    version: VersionNumber
+    nbytes: Annotated[int, Field(ge=0, lt=MAX_INT)] = 0
+    seconds: Seconds = 0.0
+
+
+class CompareAndSetBody(_Body):
+    expected: Annotated[int, Field(ge=0, lt=MAX_INT)]
+    value: Annotated[int, Field(ge=0, lt=MAX_INT)]
+
+
+class LeaseBody(_Body):
+    incarnation: Annotated[str, Field(min_length=1, max_length=64)]
+    ttl: Annotated[float, Field(gt=0.01, le=3600, allow_inf_nan=False)]
+    pid: Annotated[int, Field(ge=0, lt=1 << 31)] = 0
+    host: Name = ""
+    release: bool = False
 
 
 class FailedBody(_Body):
-    version: Annotated[int, Field(ge=-1, lt=1 << 62)]
+    version: Annotated[int, Field(ge=-1, lt=MAX_INT)]
     error: Annotated[str, Field(max_length=4096)]
 
 
@@ -166,8 +200,10 @@ def _reply(request: Request, obj: Any) -> Response:
 class Guard:
     """ASGI middleware: checks the token, caps request bodies and records request metrics."""
 
-    def __init__(self, app: ASGIApp, *, token: str, max_body_bytes: int, metrics: ServerMetrics) -> None:
+    def __init__(self, app: ASGIApp, *, token: str, max_body_bytes: int, metrics: ServerMetrics,
+                 state: MetaState) -> None:
         self.app = app
+        self.state = state
         self.token = token.encode()
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
@@ -193,10 +229,13 @@ class Guard:
         started = time.perf_counter()
         status = 500
 
+        instance = self.state.instance.encode()
+
         async def send_recording(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), (INSTANCE_HEADER, instance)]}
             await send(message)
 
         try:
@@ -206,6 +245,10 @@ class Guard:
                                   "WEIGHTSYNC_META_TOKEN_FILE)",
                                   [(b"www-authenticate", b'Bearer realm="weightsync"'),
                                    (b"www-authenticate", b'Basic realm="weightsync"')])
+                return
+            expected = next((v for k, v in scope["headers"] if k == EXPECT_HEADER), None)
+            if expected is not None and expected != instance:
+                await _send_error(send_recording, 412, self._other_state(expected.decode("latin-1")))
                 return
             length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
             if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
@@ -217,6 +260,13 @@ class Guard:
             route = scope.get("route")
             self.metrics.observe(getattr(route, "path", "other"), scope["method"], status,
                                  time.perf_counter() - started)
+
+    def _other_state(self, expected: str) -> str:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.state.started_at))
+        how = "with a state directory that is not the one" if self.state.durable else "without --state-dir"
+        return (f"this meta server (instance {self.state.instance}, started {started}, {how}) is not the server "
+                f"instance {expected} this client registered with: it restarted and lost the job's registrations, "
+                "versions and reader progress. Run it with --state-dir to ride out restarts")
 
     def _capped(self, receive: Receive) -> Receive:
         seen = 0
@@ -261,7 +311,7 @@ def create_app(state: MetaState, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="weightsync meta server", version=weightsync.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, **options)
     metrics = ServerMetrics(state)
-    app.add_middleware(Guard, token=config.token, max_body_bytes=config.max_body_bytes, metrics=metrics)
+    app.add_middleware(Guard, token=config.token, max_body_bytes=config.max_body_bytes, metrics=metrics, state=state)
     app.state.meta = state
 
     @app.exception_handler(ConflictError)
@@ -276,12 +326,27 @@ def create_app(state: MetaState, config: ServerConfig) -> FastAPI:
     async def _disk(request: Request, exc: OSError) -> JSONResponse:
         return JSONResponse({"detail": f"the server could not persist the change: {exc}"}, status_code=503)
 
+    @app.exception_handler(JournalError)
+    async def _journal(request: Request, exc: JournalError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=503)
+
+    @app.exception_handler(LeaseHeldError)
+    async def _held(request: Request, exc: LeaseHeldError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=409)
+
+    @app.exception_handler(RecordError)
+    async def _record(request: Request, exc: RecordError) -> JSONResponse:
+        return JSONResponse({"detail": f"invalid request: {exc}"}, status_code=422)
+
     def held(wait: float) -> float:
         return min(wait, config.max_wait)
 
     @app.get("/healthz", response_class=PlainTextResponse)
-    async def healthz() -> str:
-        return "ok"
+    async def healthz() -> Response:
+        broken = state.broken()
+        if broken is not None:  # a server that cannot persist changes must not look healthy
+            return PlainTextResponse(f"unhealthy: {broken}", status_code=503)
+        return PlainTextResponse("ok")
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -343,6 +408,19 @@ def create_app(state: MetaState, config: ServerConfig) -> FastAPI:
             return JSONResponse({"detail": f"no document {key!r} in job {job!r}"}, status_code=404)
         return Response(value, media_type=wire.OCTETS)
 
+    @app.get("/v1/jobs/{job}/counters/{name:path}")
+    async def get_counter(request: Request, job: Job, name: str,
+                          at_least: Annotated[int, Query(ge=0, lt=MAX_INT)] = 0, wait: Wait = 0.0) -> Response:
+        _check_key(name)
+        return _reply(request, {"value": await state.wait_counter(job, name, at_least, held(wait))})
+
+    @app.post("/v1/jobs/{job}/counters/{name:path}")
+    async def compare_and_set(request: Request, job: Job, name: str) -> Response:
+        _check_key(name)
+        body = await _parse(request, CompareAndSetBody)
+        swapped, value = await state.compare_and_set(job, name, expected=body.expected, value=body.value)
+        return _reply(request, {"swapped": swapped, "value": value})
+
     @app.post("/v1/jobs/{job}/versions")
     async def post_version(request: Request, job: Job) -> Response:
         body = await _parse(request, VersionBody)
@@ -351,7 +429,7 @@ def create_app(state: MetaState, config: ServerConfig) -> FastAPI:
         return _reply(request, {"published": info.to_wire() if info else None})
 
     @app.get("/v1/jobs/{job}/versions/latest")
-    async def latest_version(request: Request, job: Job, after: Annotated[int, Query(ge=-1)] = -1,
+    async def latest_version(request: Request, job: Job, after: Annotated[int, Query(ge=-1, lt=MAX_INT)] = -1,
                              wait: Wait = 0.0) -> Response:
         info = await state.wait_version(job, after, held(wait))
         return _reply(request, {"latest": info.to_wire() if info else None})
@@ -369,12 +447,29 @@ def create_app(state: MetaState, config: ServerConfig) -> FastAPI:
         return _reply(request, {"ok": True})
 
     @app.get("/v1/jobs/{job}/readers")
-    async def readers(request: Request, job: Job, min_version: Annotated[int, Query(ge=0)] = 0,
-                      count: Annotated[int, Query(ge=0)] = 0, wait: Wait = 0.0) -> Response:
+    async def readers(request: Request, job: Job, min_version: Annotated[int, Query(ge=0, lt=MAX_INT)] = 0,
+                      count: Annotated[int, Query(ge=0, le=MAX_RANK)] = 0, wait: Wait = 0.0) -> Response:
         if count:
             await state.wait_readers(job, min_version=min_version, count=count, wait=held(wait))
         latest = state.latest(job)
         return _reply(request, {"latest": latest.to_wire() if latest else None, "readers": state.readers(job)})
+
+    @app.get("/v1/server")
+    async def server_identity(request: Request) -> Response:
+        return _reply(request, {"instance": state.instance, "durable": state.durable, "started_at": state.started_at,
+                                "version": weightsync.__version__})
+
+    @app.post("/v1/jobs/{job}/leases/{role}/{rank}")
+    async def lease(request: Request, job: Job, role: Literal["writer", "reader"],
+                    rank: Annotated[int, Path(ge=0, lt=MAX_RANK)], wait: Wait = 0.0) -> Response:
+        body = await _parse(request, LeaseBody)
+        took_over = await state.leases.acquire(job, role, rank, incarnation=body.incarnation, ttl=body.ttl,
+                                               pid=body.pid, host=body.host, wait=held(wait), release=body.release)
+        return _reply(request, {"took_over": took_over})
+
+    @app.get("/v1/jobs/{job}/leases")
+    async def leases(request: Request, job: Job) -> Response:
+        return _reply(request, {"leases": state.leases.table(job)})
 
     @app.delete("/v1/jobs/{job}")
     async def delete_job(request: Request, job: Job) -> Response:

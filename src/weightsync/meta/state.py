@@ -24,13 +24,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
 from weightsync.meta import wire
 from weightsync.meta.journal import Journal
+from weightsync.meta.leases import Leases
 from weightsync.meta.records import ROLES, VersionInfo, blob_hash, encode_columns
 
 logger = logging.getLogger(__name__)
@@ -38,6 +42,17 @@ logger = logging.getLogger(__name__)
 
 class ConflictError(Exception):
     """A request that contradicts the state (the server answers 409 with this message)."""
+
+
+class RecordError(ValueError):
+    """A change whose record cannot be stored (the server answers 422; nothing is applied)."""
+
+
+def _encode(records: list[dict[str, Any]]) -> bytes:
+    try:
+        return b"".join(msgpack.packb(r, use_bin_type=True) for r in records)
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise RecordError(f"the change cannot be stored ({exc})") from None
 
 
 class Watch:
@@ -124,6 +139,7 @@ class Job:
     rows: dict[str, dict[int, _Row]] = field(default_factory=lambda: {role: {} for role in ROLES})
     blobs: dict[str, bytes] = field(default_factory=dict)
     documents: dict[str, bytes] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=dict)
     latest: VersionInfo | None = None
     pending: dict[int, _Pending] = field(default_factory=dict)
     readers: dict[int, _Reader] = field(default_factory=dict)
@@ -134,15 +150,19 @@ class Job:
     def reader_ranks(self) -> list[int]:
         return sorted(set(self.rows["reader"]) | set(self.readers))
 
-    def settled_count(self, min_version: int) -> int:
-        """Readers done with ``min_version``: applied it or newer, or failed it or newer.
+    def settled_count(self, min_version: int, count: int) -> int:
+        """Registered readers of rank below ``count`` done with ``min_version``: applied it or
+        newer, or failed it or newer.
 
         A reader that failed version V never applies V (it waits for V+1), so a writer's
-        staleness or slot-reuse wait must not wait for it to.
+        staleness or slot-reuse wait must not wait for it to. Only registered ranks of the job
+        count: a stale process of an older job that reports progress passes no barrier.
         """
-        return sum(1 for r in self.readers.values()
-                   if max(-1 if r.version is None else r.version,
-                          -1 if r.failed_version is None else r.failed_version) >= min_version)
+        registered = self.rows["reader"]
+        return sum(1 for rank, r in self.readers.items()
+                   if rank < count and rank in registered
+                   and max(-1 if r.version is None else r.version,
+                           -1 if r.failed_version is None else r.failed_version) >= min_version)
 
 
 class MetaState:
@@ -151,7 +171,11 @@ class MetaState:
     def __init__(self, journal: Journal | None = None) -> None:
         self.jobs: dict[str, Job] = {}
         self.watch = Watch()
+        self.leases = Leases()
         self.started_at = time.time()
+        #: Who this state is: new with every empty state, kept in the state directory. Clients
+        #: pin it; a server restarted without its state answers with another one (see server.py).
+        self.instance = secrets.token_hex(8)
         self._journal = journal
         self._lock = asyncio.Lock()
 
@@ -169,6 +193,7 @@ class MetaState:
         if self._journal is None:
             return 0
         records = self._journal.load()
+        self.instance = self._journal.instance = self._journal.instance or self.instance
         for i, record in enumerate(records):
             try:
                 self._apply(record)
@@ -217,6 +242,9 @@ class MetaState:
         elif op == "document":
             job.documents[r["key"]] = r["value"]
             self.watch.fire("document", name, lambda k: k == r["key"])
+        elif op == "counter":
+            value = job.counters[r["name"]] = int(r["value"])
+            self.watch.fire("counter", name, lambda k: k[0] == r["name"] and value >= k[1])
         elif op == "report":
             self._apply_report(job, r["version"], r["fingerprint"], writer_rank=r["writer_rank"],
                                num_writers=r["num_writers"], at=at)
@@ -233,7 +261,7 @@ class MetaState:
             state.error = r.get("error") if op == "failed" else None
             if op == "failed":
                 state.failed_version = r["version"]
-            self.watch.fire("readers", name, lambda k: job.settled_count(k[0]) >= k[1])
+            self.watch.fire("readers", name, lambda k: job.settled_count(k[0], k[1]) >= k[1])
         else:
             raise ValueError(f"unknown state record op {op!r}")
 
@@ -261,12 +289,19 @@ class MetaState:
         """
         async with self._lock:
             records = plan()
+            # Encode before applying: a record the journal cannot store is refused here, whole,
+            # instead of failing the journal's writer after the state already changed.
+            encoded = _encode(records)
             for record in records:
                 self._apply(record)
-            done = self._journal.submit(records) if self._journal is not None else None
+            done = self._journal.submit(records, encoded) if self._journal is not None else None
         if done is not None:
             await done
         return bool(records)
+
+    def broken(self) -> str | None:
+        """Why this server cannot accept changes (its journal failed), or None when healthy."""
+        return self._journal.broken() if self._journal is not None else None
 
     # --- participants ----------------------------------------------------------------------
     async def register(self, job: str, role: str, rank: int, *, group: str, host: str,
@@ -349,6 +384,28 @@ class MetaState:
         await self.watch.wait("document", job, key, lambda: self.document(job, key) is not None, wait)
         return self.document(job, key)
 
+    # --- counters --------------------------------------------------------------------------
+    def counter(self, job: str, name: str) -> int:
+        """A job's named counter (0 until first set)."""
+        state = self.jobs.get(job)
+        return state.counters.get(name, 0) if state else 0
+
+    async def compare_and_set(self, job: str, name: str, *, expected: int, value: int) -> tuple[bool, int]:
+        """Set counter ``name`` to ``value`` if it holds ``expected``, atomically (one record under
+        the state's lock). Returns (whether it was set, the value it holds now)."""
+        def plan() -> list[dict[str, Any]]:
+            if self.counter(job, name) != expected:
+                return []
+            return [{"op": "counter", "job": job, "name": name, "value": value, "at": time.time()}]
+
+        swapped = await self._change(plan) or (expected == value == self.counter(job, name))
+        return swapped, self.counter(job, name)
+
+    async def wait_counter(self, job: str, name: str, at_least: int, wait: float) -> int:
+        """Wait until counter ``name`` reaches ``at_least``; returns its value (maybe lower)."""
+        await self.watch.wait("counter", job, (name, at_least), lambda: self.counter(job, name) >= at_least, wait)
+        return self.counter(job, name)
+
     # --- versions --------------------------------------------------------------------------
     def latest(self, job: str) -> VersionInfo | None:
         state = self.jobs.get(job)
@@ -403,12 +460,24 @@ class MetaState:
     # --- readers ---------------------------------------------------------------------------
     async def report_reader(self, job: str, rank: int, version: int, *, nbytes: int = 0, seconds: float = 0.0,
                             error: str | None = None) -> None:
-        """Record that reader ``rank`` applied ``version`` (or failed to: ``error`` set)."""
+        """Record that reader ``rank`` applied ``version`` (or failed to: ``error`` set).
+
+        Raises:
+            ConflictError: ``rank`` is not a registered reader of ``job``.
+        """
         record: dict[str, Any] = {"op": "applied" if error is None else "failed", "job": job, "rank": rank,
                                   "version": version, "nbytes": nbytes, "seconds": seconds, "at": time.time()}
         if error is not None:
             record["error"] = error
-        await self._change(lambda: [record])
+
+        def plan() -> list[dict[str, Any]]:
+            state = self.jobs.get(job)
+            if state is None or rank not in state.rows["reader"]:
+                raise ConflictError(f"reader rank {rank} is not registered in job {job!r}: a reader registers "
+                                    "(WeightReader does, on its first update) before it reports progress")
+            return [record]
+
+        await self._change(plan)
 
     def readers(self, job: str) -> list[dict[str, Any]]:
         """Every known reader (registered or reported): rank, version, lag, last sync, error."""
@@ -420,7 +489,8 @@ class MetaState:
         for rank in state.reader_ranks():
             r = state.readers.get(rank, _Reader())
             lag = latest - r.version if latest is not None and r.version is not None else None
-            out.append({"rank": rank, "version": r.version, "lag": lag, "last_sync_at": r.applied_at,
+            out.append({"rank": rank, "registered": rank in state.rows["reader"], "version": r.version, "lag": lag,
+                        "last_sync_at": r.applied_at,
                         "seconds": r.seconds, "nbytes": r.nbytes, "error": r.error,
                         "failed_version": r.failed_version if r.error is not None else None})
         return out
@@ -429,11 +499,12 @@ class MetaState:
         """Wait until ``count`` readers are done with ``min_version`` (applied or failed it, or newer)."""
         def ready() -> bool:
             state = self.jobs.get(job)
-            return state is not None and state.settled_count(min_version) >= count
+            return state is not None and state.settled_count(min_version, count) >= count
         return await self.watch.wait("readers", job, (min_version, count), ready, wait)
 
     # --- jobs ------------------------------------------------------------------------------
     async def delete_job(self, job: str) -> bool:
+        self.leases.drop(job)
         return await self._change(lambda: [{"op": "drop", "job": job}] if job in self.jobs else [])
 
     def records(self) -> list[dict[str, Any]]:
@@ -448,6 +519,8 @@ class MetaState:
                            for rank, row in rows.items())
             out.extend({"op": "document", "job": name, "key": k, "value": v, "at": job.updated_at}
                        for k, v in job.documents.items())
+            out.extend({"op": "counter", "job": name, "name": k, "value": v, "at": job.updated_at}
+                       for k, v in job.counters.items())
             if job.latest is not None:
                 out.append({"op": "version", "job": name, "version": job.latest.version,
                             "fingerprint": job.latest.fingerprint, "at": job.latest.published_at})
@@ -483,11 +556,13 @@ class MetaState:
                               "endpoints": row.endpoints, "layout": row.layout[:12]}
                              for role in ROLES for rank, row in sorted(job.rows[role].items())],
             "documents": {k: len(v) for k, v in sorted(job.documents.items())},
+            "counters": dict(sorted(job.counters.items())),
             "blobs": {h: len(d) for h, d in job.blobs.items()},
         }
 
     def status(self, job: str | None = None) -> dict[str, Any]:
         names = sorted(self.jobs) if job is None else [job] if job in self.jobs else []
-        return {"server": {"started_at": self.started_at, "uptime_seconds": time.time() - self.started_at,
+        return {"server": {"instance": self.instance, "started_at": self.started_at,
+                           "uptime_seconds": time.time() - self.started_at,
                            "durable": self.durable, "waiting": self.watch.waiting},
                 "jobs": [self.job_status(n) for n in names]}

@@ -85,7 +85,7 @@ class _Context:
         sources = sorted(sources, key=lambda lay: lay.rank)
         dests = sorted(dests, key=lambda lay: lay.rank)
         self.options = options
-        shapes = _canonical_shapes([*sources, *dests])
+        shapes = _canonical_shapes(sources, dests)
         self.tensors = tuple(sorted(shapes))
         self.shapes = tuple(shapes[n] for n in self.tensors)
         self.tensor_ndim = tuple(len(s) for s in self.shapes)
@@ -476,25 +476,26 @@ def _check_unique_ranks(layouts: Sequence[RankLayout], role: str) -> None:
         raise PlanError(f"{role} rank(s) {dup[:8]} appear more than once")
 
 
-def _canonical_shapes(layouts: Sequence[RankLayout]) -> dict[str, tuple[int, ...]]:
+def _canonical_shapes(sources: Sequence[RankLayout], dests: Sequence[RankLayout]) -> dict[str, tuple[int, ...]]:
     """Union of the canonical tensors all layouts declare; shapes must agree."""
     shapes: dict[str, tuple[int, ...]] = {}
-    owner: dict[str, int] = {}
+    owner: dict[str, str] = {}
     seen: set[int] = set()
-    for layout in layouts:
-        if id(layout.canonical) in seen:
-            continue
-        seen.add(id(layout.canonical))
-        for name, tensor in layout.canonical.items():
-            prev = shapes.get(name)
-            if prev is None:
-                shapes[name] = tensor.shape
-                owner[name] = layout.rank
-            elif prev != tensor.shape:
-                raise PlanError(
-                    f"canonical tensor {name!r} has shape {prev} in one layout (rank {owner[name]}) "
-                    f"and {tensor.shape} in another (rank {layout.rank})"
-                )
+    for role, layouts in (("writer", sources), ("reader", dests)):
+        for layout in layouts:
+            if id(layout.canonical) in seen:
+                continue
+            seen.add(id(layout.canonical))
+            for name, tensor in layout.canonical.items():
+                prev = shapes.get(name)
+                if prev is None:
+                    shapes[name] = tensor.shape
+                    owner[name] = f"{role} rank {layout.rank}"
+                elif prev != tensor.shape:
+                    raise PlanError(
+                        f"canonical tensor {name!r} has shape {prev} in {owner[name]}'s layout and {tensor.shape} "
+                        f"in {role} rank {layout.rank}'s: the two sides were built from different model configs"
+                    )
     return shapes
 
 

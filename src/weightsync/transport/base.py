@@ -236,6 +236,40 @@ def check_tensors_device(transport: ServesDevices, ctx: TransportContext,
                  who=ctx.who)
 
 
+class PeerWatch:
+    """Liveness of the peers a transport waits on, for its wait loops (rate-limited).
+
+    Asks the job channel (:meth:`weightsync.job.JobChannel.dead_peers`, leases on the meta
+    server) at most every ``every`` seconds, so a spin loop may call :meth:`check` on every
+    turn: a peer that died (killed, stopped, hung) fails the wait within about a second of
+    its lease expiring, naming it, instead of at the timeout.
+    """
+
+    def __init__(self, ctx: TransportContext, role: Role, ranks: Sequence[int], *, every: float = 0.5) -> None:
+        self.ctx, self.role, self.ranks, self.every = ctx, role, list(ranks), every
+        self._next = time.monotonic() + every
+
+    def dead(self) -> dict[int, str]:
+        return self.ctx.job.dead_peers(self.role, self.ranks) if self.ranks else {}
+
+    def describe(self) -> str:
+        """`` (writer 1 is dead: ...)`` for error messages, or empty."""
+        dead = self.dead()
+        return "".join(f" ({self.role} {r} is dead: {why})" for r, why in sorted(dead.items()))
+
+    def check(self, what: str) -> None:
+        """Raise TransportError if a watched peer is dead (``what``: the wait, for the message)."""
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.every
+        dead = self.dead()
+        if dead:
+            rank, why = min(dead.items())
+            raise TransportError(f"{self.ctx.who}: {self.role} {rank} died while this rank waited for {what}: "
+                                 f"{why} (the meta server's lease of it expired)")
+
+
 def phase_plans(plan: Plan, phases: Sequence[Plan] | None) -> list[Plan]:
     """The phases a transport was prepared with: ``[plan]`` when the version is not cut."""
     return [plan] if not phases else list(phases)

@@ -35,6 +35,7 @@ from weightsync.deadline import Deadline
 from weightsync.layout.types import itemsize
 from weightsync.torch_layout import TORCH_DTYPES, strided_view
 from weightsync.transport.base import (
+    PeerWatch,
     PhaseTimer,
     TransferStats,
     TransportContext,
@@ -176,10 +177,12 @@ class FileTransport:
         deadline = Deadline.after(timeout)
         for writer, ops in sorted(self._reads[phase].items()):
             path = self._path(version, writer, phase)
+            watch = PeerWatch(self.ctx, "writer", [writer])
             while not os.path.exists(path):
                 if deadline.expired:
                     raise TransportError(f"reader {self.ctx.rank}: writer {writer}'s file for version {version} "
-                                         f"did not appear at {path} within {timeout:.0f}s")
+                                         f"did not appear at {path} within {timeout:.0f}s{watch.describe()}")
+                watch.check(f"writer {writer}'s file of version {version}")
                 time.sleep(0.005)
             try:
                 with timer("read"), safe_open(path, framework="pt") as f:

@@ -48,6 +48,7 @@ from weightsync.deadline import Deadline
 from weightsync.devices import gpu_identity, ipc_attach_device, visible_gpus
 from weightsync.torch_layout import TORCH_DTYPES
 from weightsync.transport.base import (
+    PeerWatch,
     PhaseTimer,
     TransferStats,
     TransportContext,
@@ -298,10 +299,10 @@ class SnapshotPeer:
     """Snapshot mode, reader side: copy from the writer's slot, as far as it is packed."""
 
     def __init__(self, control: torch.Tensor, data: torch.Tensor, index: ExposedIndex, *, slot_bytes: int,
-                 slots: int, writer: int, reader: int, streaming: bool) -> None:
+                 slots: int, writer: int, reader: int, streaming: bool, watch: PeerWatch) -> None:
         self.control, self.data, self.index = control, data, index
         self.slot_bytes, self.slots = slot_bytes, slots
-        self.writer, self.reader, self.streaming = writer, reader, streaming
+        self.writer, self.reader, self.streaming, self.watch = writer, reader, streaming, watch
         self._ready = -1  # bytes of the current slot known to be packed
 
     def begin(self, version: int, deadline: Deadline) -> None:
@@ -346,13 +347,16 @@ class SnapshotPeer:
                 if packed >= need:
                     return packed
             if deadline.expired:
-                raise TransportError(self._stale_message(version, held))
+                raise TransportError(self._stale_message(version, held) + self.watch.describe())
+            self.watch.check(f"version {version} in writer {self.writer}'s shared memory")
             spins = spin_wait(spins)
 
     def _stale_message(self, version: int, held: int) -> str:
-        what = "not yet written" if held == EMPTY or held < version else f"already replaced by {held}"
-        return (f"reader {self.reader}: version {version} in writer {self.writer}'s shared memory is {what}; "
-                f"readers may fall at most {self.slots - 1} version(s) behind")
+        if held == EMPTY or held < version:  # the writer is late (or dead), not this reader
+            return (f"reader {self.reader}: writer {self.writer} did not finish writing version {version} into its "
+                    "shared memory in time")
+        return (f"reader {self.reader}: version {version} in writer {self.writer}'s shared memory was already "
+                f"replaced by {held}; readers may fall at most {self.slots - 1} version(s) behind")
 
 
 def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, streaming: bool) -> PeerSegment:
@@ -360,7 +364,8 @@ def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, 
     mem, words, header = read_segment(path, writer)
     index = ExposedIndex.decode(header["index"])
     if header.get("mode") == "zero_copy":
-        return ZeroCopyPeer(words, index, header["files"], writer=writer, reader=ctx.rank)
+        return ZeroCopyPeer(words, index, header["files"], writer=writer, reader=ctx.rank,
+                            watch=PeerWatch(ctx, "writer", [writer]))
     slot_bytes, slots = int(header["slot_bytes"]), int(header["slots"])
     writer_device = str(header.get("device", "cpu"))
     if writer_device.startswith("cuda"):
@@ -374,4 +379,5 @@ def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, 
     else:
         data = mem[CONTROL_BYTES:CONTROL_BYTES + slots * slot_bytes]
     return SnapshotPeer(words, data, index, slot_bytes=slot_bytes, slots=slots, writer=writer, reader=ctx.rank,
-                        streaming=streaming and not writer_device.startswith("cuda"))
+                        streaming=streaming and not writer_device.startswith("cuda"),
+                        watch=PeerWatch(ctx, "writer", [writer]))

@@ -28,7 +28,7 @@ import torch
 
 from weightsync.deadline import Deadline
 from weightsync.torch_layout import DTYPE_NAMES, TORCH_DTYPES, strided_view
-from weightsync.transport.base import PhaseTimer, TransferStats, TransportContext, TransportError
+from weightsync.transport.base import PeerWatch, PhaseTimer, TransferStats, TransportContext, TransportError
 from weightsync.transport.shm_files import SHM_DIR
 from weightsync.transport.shm_segment import CONTROL_BYTES, EMPTY, OwnSegment, seq_word, spin_wait
 
@@ -75,6 +75,7 @@ class ZeroCopyWriter:
         words[DONE_BASE: DONE_BASE + ctx.num_readers].fill_(EMPTY)
         self.segment.seal()
         self.who, self.index, self.readers, self.pieces = ctx.who, index, readers, pieces
+        self.ctx = ctx
         logger.info("%s exposes its parameters' shared memory (zero-copy) in %s", ctx.who, self.segment.path)
 
     @classmethod
@@ -103,6 +104,7 @@ class ZeroCopyWriter:
         try:
             with PhaseTimer(stats)("wait_readers"):
                 waiting = list(self.readers)
+                watch = PeerWatch(self.ctx, "reader", waiting)
                 spins = 0
                 while waiting:
                     waiting = [r for r in waiting if int(control[DONE_BASE + r]) < version]
@@ -110,7 +112,9 @@ class ZeroCopyWriter:
                         break
                     if deadline.expired:
                         raise TransportError(f"{self.who}: readers {waiting} did not copy version {version} from "
-                                             f"its shared parameters within {timeout:.0f}s")
+                                             f"its shared parameters within {timeout:.0f}s{watch.describe()}")
+                    watch.ranks = waiting
+                    watch.check(f"readers {waiting} to copy version {version}")
                     spins = spin_wait(spins)
         finally:
             control[EXPOSED_WORD] = EMPTY  # the trainer may change its weights from now on
@@ -123,9 +127,9 @@ class ZeroCopyPeer:
     """Reader side: the writer's parameter files, mapped; copies come straight from them."""
 
     def __init__(self, control: torch.Tensor, index: ExposedIndex, files: Mapping[str, list[Any]], *,
-                 writer: int, reader: int) -> None:
+                 writer: int, reader: int, watch: PeerWatch) -> None:
         self.control, self.index = control, index
-        self.writer, self.reader = writer, reader
+        self.writer, self.reader, self.watch = writer, reader, watch
         self.files = map_files(files)
 
     def begin(self, version: int, deadline: Deadline) -> None:
@@ -137,7 +141,8 @@ class ZeroCopyPeer:
                                      f"not {version}")
             if deadline.expired:
                 raise TransportError(f"reader {self.reader}: writer {self.writer} did not expose version {version} "
-                                     "of its shared parameters in time")
+                                     f"of its shared parameters in time{self.watch.describe()}")
+            self.watch.check(f"writer {self.writer} to expose version {version}")
             spins = spin_wait(spins)
 
     def source(self, op: TransferOp, at: int, version: int, deadline: Deadline) -> torch.Tensor:

@@ -37,7 +37,14 @@ import torch
 import torch.distributed as dist
 
 from weightsync.deadline import Deadline
-from weightsync.transport.base import TransportContext, TransportError, check_phase, check_tensors_device, phase_plans
+from weightsync.transport.base import (
+    PeerWatch,
+    TransportContext,
+    TransportError,
+    check_phase,
+    check_tensors_device,
+    phase_plans,
+)
 from weightsync.transport.schedule import Message, build_messages, pair_order
 from weightsync.transport.tensors import flat_views
 
@@ -116,7 +123,12 @@ class TorchDistBase:
                 raise TransportError(f"{ctx.who}: writer 0 did not publish the torch rendezvous address for "
                                      f"epoch {epoch} in time")
             rendezvous = TorchRendezvous.from_wire(doc)
-            store = dist.TCPStore(rendezvous.host, rendezvous.port, ctx.world_size, False, timeout=td)
+            try:
+                store = dist.TCPStore(rendezvous.host, rendezvous.port, ctx.world_size, False, timeout=td)
+            except RuntimeError as exc:  # DistNetworkError and friends: writer 0's store of this epoch is gone
+                dead = PeerWatch(ctx, "writer", [0]).describe()
+                raise TransportError(f"{ctx.who}: cannot join writer 0's rendezvous of epoch {epoch} at "
+                                     f"{rendezvous.host}:{rendezvous.port}{dead}: {exc}") from exc
         self._store = store
         return dist.PrefixStore(f"weightsync/{epoch}", store)
 

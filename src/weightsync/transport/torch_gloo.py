@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync.deadline import Deadline
-from weightsync.transport.base import PhaseTimer, TransferStats, TransportError
+from weightsync.transport.base import PeerWatch, PhaseTimer, TransferStats, TransportError
 from weightsync.transport.schedule import Message
 from weightsync.transport.tensors import as_bytes, checksum, direct_source, dst_view, pack, scatter
 from weightsync.transport.torch_dist import MAX_LANES, Pair, TorchDistBase
@@ -46,7 +46,9 @@ class GlooTransport(TorchDistBase):
             return dist.ProcessGroupGloo(prefix, self.ctx.global_rank, self.ctx.world_size,
                                          datetime.timedelta(seconds=deadline.remaining()))
         except RuntimeError as exc:
-            raise TransportError(f"{self.ctx.who}: process group of epoch {epoch} did not form: {exc}") from exc
+            dead = "".join(PeerWatch(self.ctx, role, range(n)).describe()  # type: ignore[arg-type]
+                           for role, n in (("writer", self.ctx.num_writers), ("reader", self.ctx.num_readers)))
+            raise TransportError(f"{self.ctx.who}: process group of epoch {epoch} did not form{dead}: {exc}") from exc
 
     # -- data movement --------------------------------------------------------------------
     def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
@@ -189,8 +191,9 @@ class GlooTransport(TorchDistBase):
                     raise TimeoutError(f"no progress within the timeout ({remaining:.1f}s left)")
         except (RuntimeError, TimeoutError) as exc:
             self._teardown_group()  # a broken group cannot be reused; the next epoch rebuilds it
+            dead = PeerWatch(self.ctx, other, [peer]).describe()  # type: ignore[arg-type]
             raise TransportError(
-                f"{self.ctx.who}: transfer with {other} {peer} failed "
+                f"{self.ctx.who}: transfer with {other} {peer} failed{dead} "
                 f"({message.describe()}): {exc}"
             ) from exc
 

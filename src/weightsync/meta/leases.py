@@ -1,0 +1,106 @@
+"""Liveness on the meta server: one lease per participant, kept alive by heartbeats.
+
+A writer or reader process holds the lease of its ``(role, rank)`` under a random
+*incarnation* (one per process). Its session's background thread renews it every quarter of
+its ``ttl``; a process that stops renewing (killed, stopped, hung) is *dead* once ``ttl``
+seconds pass, and a process that closed its session *released* it. Peers ask the server
+which participants are dead (:meth:`Leases.table`) and fail their waits naming them
+instead of waiting for their full timeout.
+
+A lease is also how the server tells a restart from two processes claiming one rank: a new
+incarnation takes over a lease only once the old one is dead or released. An acquisition
+against a live holder is held (at most ``wait`` seconds, until the holder's lease would
+expire) and then refused, naming the holder.
+
+Leases live in memory only: a restarted server (with or without its state directory) knows
+no lease until the next heartbeat, and counts a participant without one as alive.
+
+    leases = Leases()
+    await leases.acquire("job", "writer", 0, incarnation="3fa2", ttl=3.0, pid=41, host="n0", wait=3.0)
+    leases.table("job")       # [{"role": "writer", "rank": 0, "alive": True, "age": 0.01, ...}]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+
+class LeaseHeldError(Exception):
+    """Another live process holds the lease (the server answers 409 with this message)."""
+
+
+@dataclass(slots=True)
+class Lease:
+    incarnation: str
+    ttl: float
+    pid: int
+    host: str
+    renewed: float  # time.monotonic() of the last heartbeat
+    released: bool = False
+
+    def age(self, now: float) -> float:
+        return now - self.renewed
+
+    def alive(self, now: float) -> bool:
+        return not self.released and self.age(now) <= self.ttl
+
+    def describe(self, now: float) -> str:
+        state = "released it" if self.released else f"last heartbeat {self.age(now):.1f} s ago (ttl {self.ttl:g} s)"
+        return f"pid {self.pid} on {self.host or 'an unnamed host'}, {state}"
+
+
+class Leases:
+    """Every job's leases (in memory; see module docstring)."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, dict[tuple[str, int], Lease]] = {}
+
+    async def acquire(self, job: str, role: str, rank: int, *, incarnation: str, ttl: float, pid: int, host: str,
+                      wait: float, release: bool = False) -> bool:
+        """Take, renew or (``release``) give up the lease of ``(role, rank)``.
+
+        Returns True if this incarnation took it over from another one (a restart).
+
+        Raises:
+            LeaseHeldError: another incarnation still holds it, alive, after ``wait`` seconds.
+        """
+        leases = self._jobs.setdefault(job, {})
+        deadline = time.monotonic() + wait
+        while True:
+            now = time.monotonic()
+            held = leases.get((role, rank))
+            if held is None or held.incarnation == incarnation or not held.alive(now):
+                break
+            remaining = deadline - now
+            if remaining <= 0:
+                raise LeaseHeldError(
+                    f"{role} rank {rank} of job {job!r} is held by another live process ({held.describe(now)}): two "
+                    f"processes claim the same rank (pid {pid} on {host or 'an unnamed host'} asked); check the rank "
+                    "each process is given, or stop the other one first")
+            # until the holder's lease would expire, unless it renews it meanwhile (then refuse)
+            await asyncio.sleep(min(remaining, held.ttl - held.age(now) + 0.01))
+        took_over = held is not None and held.incarnation != incarnation
+        if release:
+            if held is not None and not took_over:
+                held.released = True
+            return False
+        leases[(role, rank)] = Lease(incarnation, ttl, pid, host, time.monotonic())
+        return took_over
+
+    def table(self, job: str) -> list[dict[str, Any]]:
+        """Every lease of ``job``: who holds it, whether it is alive, seconds since its heartbeat."""
+        now = time.monotonic()
+        return [{"role": role, "rank": rank, "incarnation": lease.incarnation, "pid": lease.pid, "host": lease.host,
+                 "ttl": lease.ttl, "age": round(lease.age(now), 3), "alive": lease.alive(now),
+                 "released": lease.released, "detail": lease.describe(now)}
+                for (role, rank), lease in sorted(self._jobs.get(job, {}).items())]
+
+    def drop(self, job: str) -> None:
+        self._jobs.pop(job, None)
+
+    @property
+    def count(self) -> int:
+        return sum(len(v) for v in self._jobs.values())
