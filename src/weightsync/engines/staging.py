@@ -222,6 +222,8 @@ class StagedWeights:
 
     def staged_items(self) -> list[tuple[str, torch.Tensor]]:
         """(checkpoint name, buffer) in checkpoint order: embeddings, layer by layer, head."""
+        if self._phases is None:
+            self.use_phases(None)
         check_weights(self._layout, self._buffers, complete=True, exact_dtype=True)
         return [(shard.name, self._buffers[shard.name]) for shard in self._layout.shards
                 if shard.name not in self._direct]
