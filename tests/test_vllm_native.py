@@ -92,3 +92,21 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def test_the_prefix_cache_reset_is_decided_at_init_and_a_client_without_one_is_refused():
+    from types import SimpleNamespace
+
+    from weightsync.sources.vllm_trainer import prefix_cache_resetter
+
+    calls = []
+    own = SimpleNamespace(reset_prefix_cache=lambda: calls.append("own"))
+    prefix_cache_resetter(own, 5)()
+    assert calls == ["own"]
+
+    class Wrapped:  # a user's wrapper around vLLM's HTTP client: found by its base_url, not its class name
+        base_url = "http://127.0.0.1:1"
+
+    assert callable(prefix_cache_resetter(Wrapped(), 5))
+    with pytest.raises(ValueError, match="Opaque cannot reset vLLM's prefix cache"):
+        prefix_cache_resetter(type("Opaque", (), {})(), 5)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
@@ -183,27 +183,38 @@ class LLMClient:
             raise RuntimeError("vLLM could not reset its prefix cache (requests are running)")
 
 
-def reset_prefix_cache(client: Any, timeout: float) -> None:
-    """Drop KV blocks cached with the old weights, through whichever control plane ``client`` is.
+def prefix_cache_resetter(client: Any, timeout: float) -> Callable[[], None]:
+    """How to drop KV blocks cached with the old weights, through whichever control plane
+    ``client`` is; decided once, at ``trainer_init``, so that a client that cannot do it is an
+    error then, not stale completions later.
 
-    ``VLLMWeightSyncClient`` has no such call; vLLM's HTTP client posts to the server's
-    ``/reset_prefix_cache`` (a dev-mode route, like the weight-transfer routes), its Ray
-    client calls each actor.
+    ``VLLMWeightSyncClient`` has no such call: a client with ``reset_prefix_cache()`` (ours,
+    ``LLMClient``) uses it; vLLM's HTTP client (or anything with its ``base_url``) posts to the
+    server's ``/reset_prefix_cache`` (a dev-mode route, like the weight-transfer routes); its
+    Ray client (or anything with its actor ``handles``) calls each actor.
+
+    Raises:
+        ValueError: naming the client's type, when none of these applies.
     """
-    if hasattr(client, "reset_prefix_cache"):
-        client.reset_prefix_cache()
-        return
-    if type(client).__name__ == "HTTPVLLMWeightSyncClient":
-        import httpx
+    if callable(getattr(client, "reset_prefix_cache", None)):
+        return client.reset_prefix_cache  # type: ignore[no-any-return]
+    base_url = getattr(client, "base_url", None)
+    if isinstance(base_url, str):
+        def over_http() -> None:
+            import httpx
 
-        httpx.post(f"{client.base_url}/reset_prefix_cache", timeout=timeout).raise_for_status()
-    elif type(client).__name__ == "RayVLLMWeightSyncClient":
-        import ray
+            httpx.post(f"{base_url.rstrip('/')}/reset_prefix_cache", timeout=timeout).raise_for_status()
+        return over_http
+    handles = getattr(client, "handles", None)
+    if handles is not None:
+        def over_ray() -> None:
+            import ray
 
-        ray.get([h.reset_prefix_cache.remote() for h in client.handles], timeout=timeout)
-    else:
-        logger.warning("%s has no prefix-cache reset: cached KV blocks may predate the new weights",
-                       type(client).__name__)
+            ray.get([h.reset_prefix_cache.remote() for h in handles], timeout=timeout)
+        return over_ray
+    raise ValueError(f"{type(client).__name__} cannot reset vLLM's prefix cache (KV blocks computed with old "
+                     "weights would be reused): give it a reset_prefix_cache() method, or use vLLM's "
+                     "HTTPVLLMWeightSyncClient / RayVLLMWeightSyncClient or weightsync's LLMClient")
 
 
 class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitInfo]):
@@ -219,6 +230,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         self.version = 0
         self._closers = closers
         self._lock = threading.Lock()
+        self._reset_prefix_cache: Callable[[], None] = lambda: None  # the sender's is set at trainer_init
 
     @classmethod
     def trainer_init(cls, init_info: WeightSyncTrainerInitInfo, *, client: Any,
@@ -231,6 +243,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         if source is None:
             raise ValueError("the weightsync trainer backend needs a source (a weightsync TrainingSource or a vLLM "
                              "WeightSource) on every trainer rank")
+        resetter = prefix_cache_resetter(client, init_info.timeout) if init_info.is_sender else None
         address, token = init_info.meta_address, init_info.meta_token
         closers: list[Any] = []
         if not address:
@@ -257,6 +270,8 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, writer=writer, info=init_info,
                      closers=closers)
         if engine.is_sender:
+            assert resetter is not None
+            engine._reset_prefix_cache = resetter
             client.init_weight_transfer_engine(init_info.worker_init_info(address, token))
         return engine
 
@@ -281,7 +296,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                 finally:
                     rpc.result(timeout=self.info.timeout)  # surfaces a worker's error
             self.client.finish_weight_update(weight_version=str(v))
-            reset_prefix_cache(self.client, self.info.timeout)
+            self._reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.writer.close()
