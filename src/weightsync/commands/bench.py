@@ -22,10 +22,13 @@ def _csv(text: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="the quick suite (one small model, every method)")
-    p.add_argument("--suite", choices=["quick", "full", "test", "vllm-memory", "fewer-bytes"], default=None,
+    p.add_argument("--suite", choices=["quick", "full", "test", "vllm-memory", "fewer-bytes", "load"], default=None,
                    help="quick | full (every model, dtype and layout that fits in memory) | test (tiny) | "
                         "vllm-memory (a vLLM reader's extra memory: whole-model staging vs phases) | "
-                        "fewer-bytes (FP8 quantize-on-send vs full bf16 syncs, same layout, one run)")
+                        "fewer-bytes (FP8 quantize-on-send vs full bf16 syncs, same layout, one run) | "
+                        "load (--load-readers readers x --load-versions back-to-back versions: flat memory?)")
+    p.add_argument("--load-readers", type=int, default=16, help="readers of the load suite")
+    p.add_argument("--load-versions", type=int, default=200, help="versions of the load suite")
     p.add_argument("--models", type=_csv, default=[], help="comma-separated model names (see bench.cases.MODELS)")
     p.add_argument("--dtypes", type=_csv, default=[], help="bf16,fp32")
     p.add_argument("--layouts", type=_csv, default=[], help="tp2->tp1x2,fsdp2->tp2,same")
@@ -62,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         return _vllm_memory(args)
     if kind == "fewer-bytes":
         return _fewer_bytes(args)
+    if kind == "load":
+        return _load(args)
     transports = args.transports or available_transports()
     unknown = sorted(set(transports) - set(available_transports()))
     if unknown:
@@ -161,3 +166,36 @@ def _fewer_bytes(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         print(json.dumps({"rows": rows, "machine": machine()}), flush=True)
     return 0 if all(r.get("verified") for r in rows) else 1
+
+
+def _load(args: argparse.Namespace) -> int:
+    """``--suite load``: see :mod:`weightsync.bench.load`."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from weightsync.bench import machine
+    from weightsync.bench.load import run_load
+
+    result = run_load(readers=args.load_readers, versions=args.load_versions,
+                      every=max(1, args.load_versions // 4), timeout=min(args.timeout, 300.0))
+    console = Console(stderr=args.json, width=200)
+    mb = 1 << 20
+    p50, p99 = (result["write_seconds_p50"] or 0) * 1e3, (result["write_seconds_p99"] or 0) * 1e3
+    table = Table(title=f"{result['readers']} readers x {result['versions']} versions (shm, staleness 0): "
+                        f"write p50 {p50:.1f} ms, p99 {p99:.1f} ms")
+    for col in ("after version", "writer RSS MB", "readers RSS MB (sum)", "/dev/shm MB"):
+        table.add_column(col, justify="right")
+    for row in result["writer"]:
+        table.add_row(str(row["version"]), f"{row['rss'] / mb:.1f}",
+                      f"{result['readers_rss'].get(row['version'], 0) / mb:.1f}", f"{row['shm'] / mb:.2f}")
+    console.print(table)
+    server = result["server"]
+    if server:
+        console.print(f"meta server RSS {server[0]['rss'] / mb:.1f} MB -> {server[-1]['rss'] / mb:.1f} MB over "
+                      f"{len(server)} samples, /healthz {sorted({s['healthz'] for s in server})}; "
+                      f"/dev/shm before {result['shm_before']} B, after {result['shm_after']} B; "
+                      f"wrong tensors {result['wrong']}; failed processes {result['failed'] or 'none'}")
+    if args.json:
+        sys.stdout.flush()
+        print(json.dumps({**result, "machine": machine()}), flush=True)
+    return 0 if result["ok"] else 1
