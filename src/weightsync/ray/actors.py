@@ -75,7 +75,11 @@ class SyncActor:
         raise NotImplementedError(f"{type(self).__name__} joins as a reader: define weightsync_engine()")
 
     def weightsync_join(self, role: Role, rank: int, config: SyncConfig, address: str, token: str) -> dict[str, Any]:
-        """Become ``role`` ``rank`` of the job (called by :func:`attach_writers` / :func:`attach_readers`)."""
+        """Become ``role`` ``rank`` of the job (called by :func:`attach_writers` / :func:`attach_readers`).
+
+        The rank registers now (a quick call to the meta server, no waiting), so the job's
+        roster is complete once both groups are attached; planning waits for the first sync.
+        """
         self.weightsync_leave()
         placed = placed_config(config)
         meta = MetaConnection(address, token).client(job=config.job)
@@ -83,10 +87,12 @@ class SyncActor:
             from weightsync.writer import WeightWriter
 
             self.weightsync_writer = WeightWriter(self.weightsync_source(), rank=rank, config=placed, meta=meta)
+            self.weightsync_writer.session.register()
         else:
             from weightsync.reader import WeightReader
 
             self.weightsync_reader = WeightReader(self.weightsync_engine(), rank=rank, config=placed, meta=meta)
+            self.weightsync_reader.session.register()
         logger.info("%s %d joined job %s on node %s", role, rank, config.job, placed.host)
         return {"role": role, "rank": rank, "node": placed.host}
 
