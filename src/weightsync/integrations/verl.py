@@ -130,11 +130,14 @@ def topology(actor_world_size: int, rollout_world_size: int,
     if len(masters) != 1:
         raise ValueError(f"the weightsync backend needs exactly one master actor worker, got {len(masters)} "
                          "(verl marks actor rank 0 with is_master=True)")
-    actor_kwargs: dict[str, list[Any]] = {"role": ["writer" if i == masters[0] else "none" for i in range(actor_world_size)],
-                    "rank": [0 if i == masters[0] else -1 for i in range(actor_world_size)],
-                    "num_readers": [rollout_world_size] * actor_world_size}
-    rollout_kwargs: dict[str, list[Any]] = {"role": ["reader"] * rollout_world_size, "rank": list(range(rollout_world_size)),
-                      "num_readers": [rollout_world_size] * rollout_world_size}
+    master = masters[0]
+    actor_kwargs: dict[str, list[Any]] = {
+        "role": ["writer" if i == master else "none" for i in range(actor_world_size)],
+        "rank": [0 if i == master else -1 for i in range(actor_world_size)],
+        "num_readers": [rollout_world_size] * actor_world_size}
+    rollout_kwargs: dict[str, list[Any]] = {
+        "role": ["reader"] * rollout_world_size, "rank": list(range(rollout_world_size)),
+        "num_readers": [rollout_world_size] * rollout_world_size}
     return actor_kwargs, rollout_kwargs
 
 
