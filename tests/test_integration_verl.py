@@ -23,7 +23,7 @@ from ray import cloudpickle  # noqa: E402
 
 from weightsync.ray import stop_meta_server  # noqa: E402
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("ray"), pytest.mark.timeout(240)]
 MODULE = "weightsync.integrations.verl"
 WAIT = 120.0
 

@@ -24,7 +24,8 @@ from weightsync.ray.actors import NODE_LABEL  # noqa: E402
 from weightsync.session import SyncConfig  # noqa: E402
 from weightsync.transport import TransportOptions  # noqa: E402
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+# one Ray cluster at a time on a 2-core CI machine: every Ray test runs in one xdist worker
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("ray"), pytest.mark.timeout(240)]
 
 CONFIG_NAME = "tiny-qwen3-moe"
 WAIT = 60.0  # bounds failures only
