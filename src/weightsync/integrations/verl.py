@@ -198,21 +198,20 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
                 pass
             return {}
         with torch.no_grad():
-            incoming = [(name, t) async for name, t in _aiter(weights)] if self._staged is None else None
             if self._staged is None:
-                assert incoming is not None
-                self._start_writer(incoming)
+                await self._start_writer(weights)
             else:
                 await self._stage(weights)
         version = global_steps if global_steps is not None else next(self._versions)
         result = await asyncio.to_thread(self._writer.write, version)
         return {"weightsync/bytes": result.nbytes, "weightsync/seconds": result.seconds}
 
-    def _start_writer(self, incoming: list[tuple[str, torch.Tensor]]) -> None:
+    async def _start_writer(self, weights: Any) -> None:
         from weightsync.writer import WeightWriter
 
         device = self.settings.staging_device
-        buffers = {name: t.detach().to(device, copy=True).contiguous() for name, t in incoming}
+        # one tensor at a time: verl may gather each on the fly and free it after the yield
+        buffers = {name: t.detach().to(device, copy=True).contiguous() async for name, t in _aiter(weights)}
         table = tensor_table(buffers)
         self._staged = StagedWeights(table_layout(table, 0), buffers)
         self._writer = WeightWriter(self._staged, rank=0, config=self._config(), meta=self._meta())
