@@ -87,7 +87,7 @@ def table_layout(table: Iterable[list[Any]], rank: int) -> RankLayout:
     return RankLayout(rank, tuple(replicated(t, t.name) for t in canonical.values()), canonical)
 
 
-class StagedWeights:
+class WholeTensorBuffers:
     """Whole tensors in persistent buffers: a training source (writer) and an engine (reader)."""
 
     def __init__(self, layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> None:
@@ -154,7 +154,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self.num_readers = 0
         self._writer: Any = None
         self._reader: Any = None
-        self._staged: StagedWeights | None = None
+        self._staged: WholeTensorBuffers | None = None
         self._versions = itertools.count(1)
 
     # -- verl's per-step setup ------------------------------------------------------------
@@ -213,7 +213,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         # one tensor at a time: verl may gather each on the fly and free it after the yield
         buffers = {name: t.detach().to(device, copy=True).contiguous() async for name, t in _aiter(weights)}
         table = tensor_table(buffers)
-        self._staged = StagedWeights(table_layout(table, 0), buffers)
+        self._staged = WholeTensorBuffers(table_layout(table, 0), buffers)
         self._writer = WeightWriter(self._staged, rank=0, config=self._config(), meta=self._meta())
         channel = self._writer.session.channel
         channel.publish_endpoint(LAYOUT_ENDPOINT, 0, {"tensors": channel.publish_model_config({"tensors": table})})
@@ -255,7 +255,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
                                "actor's tensor list (does the actor use the weightsync backend too?)")
         table = channel.model_config(str(doc["tensors"]))["tensors"]
         layout = table_layout(table, self.rank)
-        self._staged = StagedWeights(layout, allocate(layout, device=self.settings.staging_device))
+        self._staged = WholeTensorBuffers(layout, allocate(layout, device=self.settings.staging_device))
         self._reader = WeightReader(self._staged, rank=self.rank, config=self._config(), meta=meta)
 
 
