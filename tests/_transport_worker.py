@@ -16,6 +16,7 @@ import torch
 
 from fake_meta import DirectoryMeta
 from weightsync.configs import load_spec
+from weightsync.devices import RankPlacement
 from weightsync.job import JobChannel
 from weightsync.layout import parse_layout
 from weightsync.plan import PlanOptions, build_local_plan
@@ -54,9 +55,11 @@ def main() -> None:
     meta = DirectoryMeta(args["meta_dir"])
     opts = TransportOptions(max_bucket_bytes=args.get("bucket", 1 << 16), direct_min_bytes=1024,
                             checksum=args.get("checksum", False), **args.get("options", {}))
+    nodes = args.get("nodes", {})  # role -> each rank's node (the routed transport splits pairs by it)
+    placements = tuple(RankPlacement(r, i, node) for r, names in nodes.items() for i, node in enumerate(names))
     ctx = TransportContext(job=JobChannel(meta, role=role, rank=rank), num_writers=len(writers),
                            num_readers=len(readers), device=str(torch.device(device)) if device != "cuda" else
-                           f"cuda:{torch.cuda.current_device()}", options=opts)
+                           f"cuda:{torch.cuda.current_device()}", options=opts, placements=placements)
     transport = create_transport(args["transport"], ctx)
     timeout = args.get("timeout", 30.0)
     t0 = time.monotonic()
@@ -76,7 +79,8 @@ def main() -> None:
                 if args.get("die_at") == version and rank == args.get("die_rank", 0):
                     os._exit(3)  # a peer dying mid-sync
                 fill_from_canonical(mine, tensors, values_for(spec, version, args["source_dtype"]))
-                if transport.one_sided and version >= 1:
+                # (routed: its shm part keeps version slots too; WeightWriter's staleness wait guards them)
+                if (transport.one_sided or transport.name == "routed") and version >= 1:
                     for r in range(len(readers)):  # do not overwrite a slot still being read
                         assert meta.get_document(f"done/{version - 1}/{r}", wait=timeout) is not None
                 # what WeightWriter does: publish first when receive() itself waits for the data

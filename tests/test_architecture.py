@@ -20,6 +20,7 @@ ADAPTER_ONLY = {
     "vllm": ("engines/vllm", "sources/vllm"), "sglang": "engines/sglang", "transformers": ("engines/hf", "sources/"),
     "megatron": "sources/megatron", "deepspeed": "sources/deepspeed",
     "nixl": "transport/nixl", "nixl_cu12": "transport/nixl",
+    "ray": ("ray/", "sources/vllm"), "verl": "integrations/verl",  # weightsync.ray, and the vLLM trainer source driving vLLM's Ray workers
 }
 
 

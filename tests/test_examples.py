@@ -32,3 +32,16 @@ def test_async_grpo_example_runs_sync_and_async_with_the_staleness_bound():
         assert r["max_version_lag"] <= r["staleness"]  # every batch generated within the bound
         assert r["staging_bytes"] > 0
     assert "async/sync samples/s ratio" in proc.stdout
+
+
+@pytest.mark.ray
+@pytest.mark.xdist_group("ray")
+def test_ray_grpo_example_trains_on_ray_actors_within_the_staleness_bound():
+    pytest.importorskip("ray", reason="needs ray (pip install 'weightsync[ray]')")
+    pytest.importorskip("transformers")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "ray_grpo.py"), "--steps", "3"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert result["steps"] == 3 and result["max_version_lag"] <= result["staleness"] == 1
+    assert proc.stdout.count("written") == 3

@@ -21,11 +21,13 @@ from weightsync.transport import unavailable_reason
 from weightsync.transport.shm_files import sweep_stale_segments
 
 HERE = os.path.dirname(__file__)
-TRANSPORTS = ["torch", "shm", "shm-zero-copy", "file", "nixl-pull", "nixl-push"]
+TRANSPORTS = ["torch", "shm", "shm-zero-copy", "file", "nixl-pull", "nixl-push", "routed"]
 #: Contract names of transport variants: (registry name, TransportOptions overrides, worker args).
 VARIANTS = {"nixl-pull": ("nixl", {"nixl_mode": "pull"}, {}), "nixl-push": ("nixl", {"nixl_mode": "push"}, {}),
             # trainer weights allocated in /dev/shm: readers copy straight from them
-            "shm-zero-copy": ("shm", {}, {"shared_sources": True})}
+            "shm-zero-copy": ("shm", {}, {"shared_sources": True}),
+            # writers and reader 0 on node a, reader 1 on node b: shm to reader 0, gloo to reader 1
+            "routed": ("routed", {}, {"nodes": {"writer": ["a", "a"], "reader": ["a", "b"]}})}
 
 
 def run_scenario(tmp_path, transport, *, versions=3, timeout=30.0, **extra):

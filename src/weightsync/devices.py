@@ -130,6 +130,9 @@ def choose_transport(requested: str, placements: Sequence[RankPlacement], *,
 
     * all ranks on one node: ``shm`` (POSIX shared memory on CPU, CUDA IPC on GPU), which is
       also the only transport for a trainer and an engine sharing one GPU;
+    * ranks on several nodes with some writer and reader on one node: ``routed``
+      (:mod:`weightsync.transport.routed`), i.e. ``shm`` between each writer and reader on one
+      node and ``torch`` between the others, decided per pair by :func:`same_node`;
     * otherwise ``torch`` (gloo on CPU, NCCL on GPU), unless two ranks share a GPU.
 
     Raises:
@@ -150,13 +153,14 @@ def choose_transport(requested: str, placements: Sequence[RankPlacement], *,
             why = ("ranks share GPUs (NCCL refuses two ranks on one GPU): CUDA IPC" if same_gpu
                    else "all ranks on one node")
             return TransportChoice("shm", why)
-        requested = "torch"
-        reason = "ranks on several nodes"
+        requested, reason = "torch", "ranks on several nodes"
+        if "shm" not in unavailable and any(same_node(placements).values()):
+            requested, reason = "routed", "ranks on several nodes: shm between same-node pairs, torch between nodes"
     else:
         reason = "requested"
     if requested in unavailable:
         raise ValueError(f"transport {requested!r} cannot be used: {unavailable[requested]}")
-    if requested == "torch" and same_gpu and "cuda" in kinds:
+    if requested in ("torch", "routed") and same_gpu and "cuda" in kinds:
         a, b = same_gpu[0]
         where = f"GPU {a.gpu}" if a.gpu else a.device
         raise ValueError(f"{a.who} and {b.who} both use {where} on {a.node}, and NCCL refuses two ranks of one "
@@ -166,6 +170,17 @@ def choose_transport(requested: str, placements: Sequence[RankPlacement], *,
         raise ValueError(f"transport 'shm' needs every rank on one node, but they run on {sorted(nodes)[:4]}: "
                          "use 'torch', 'nixl' or 'auto'")
     return TransportChoice(requested, reason)
+
+
+def same_node(placements: Sequence[RankPlacement]) -> dict[tuple[int, int], bool]:
+    """For every (writer rank, reader rank): whether the two run on one node.
+
+    Nodes are compared by the name each rank published (``SyncConfig.host``: a host name, or
+    a Ray node id, which tells apart two Ray nodes sharing one machine).
+    """
+    writers = {p.rank: p.node for p in placements if p.role == "writer"}
+    readers = {p.rank: p.node for p in placements if p.role == "reader"}
+    return {(w, r): wn == rn for w, wn in writers.items() for r, rn in readers.items()}
 
 
 def torch_backend(device: str) -> str:

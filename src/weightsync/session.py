@@ -253,7 +253,8 @@ class SyncSession:
                                  digest_size=4).hexdigest()
         device = self.device()
         ctx = TransportContext(job=self.channel, num_writers=self.config.num_writers,
-                               num_readers=self.config.num_readers, device=device, options=opts)
+                               num_readers=self.config.num_readers, device=device, options=opts,
+                               placements=tuple(placements))
         transport = create_transport(choice.name, ctx)
         self.timings["setup"] = time.perf_counter() - started
         self.planned = PlannedSync(plan, transport, choice.name, f"{plan.fingerprint}-{digest}",

@@ -6,6 +6,7 @@
 | shm     | shm.py, shm_zero_copy.py             | POSIX shared memory / CUDA IPC, co-located ranks | yes       |
 | file    | file.py                              | safetensors files on (shared) storage            | yes       |
 | nixl    | nixl_pull.py, nixl_push.py           | NIXL/UCX RDMA reads (pull) or writes (push)      | pull only |
+| routed  | routed.py                            | shm within a node, torch across nodes, per pair  | no        |
 
 Adding a transport is one module, one entry in ``_FACTORIES`` and one availability probe.
 A transport with several modes (torch: gloo or NCCL by device; nixl: pull or push) has one
@@ -40,6 +41,7 @@ _FACTORIES: dict[str, str | dict[str, str]] = {
     "file": "weightsync.transport.file:FileTransport",
     "nixl": {"pull": "weightsync.transport.nixl_pull:NixlPullTransport",
              "push": "weightsync.transport.nixl_push:NixlPushTransport"},
+    "routed": "weightsync.transport.routed:RoutedTransport",
 }
 
 
@@ -70,7 +72,7 @@ def _shm_missing() -> str | None:
     return None if os.path.isdir("/dev/shm") else "/dev/shm is not available on this system"
 
 
-_PROBES: dict[str, Callable[[], str | None]] = {"nixl": _nixl_missing, "shm": _shm_missing}
+_PROBES: dict[str, Callable[[], str | None]] = {"nixl": _nixl_missing, "shm": _shm_missing, "routed": _shm_missing}
 
 
 def unavailable_reason(name: str) -> str | None:

@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
-from weightsync.devices import check_serves, parse_device, tensors_device
+from weightsync.devices import RankPlacement, check_serves, parse_device, tensors_device
 
 if TYPE_CHECKING:
     import torch
@@ -106,7 +106,8 @@ class TransportContext:
 
     ``device`` is the device of the tensors this rank hands the transport (``"cpu"`` or
     ``"cuda:N"``, with its index): staging buffers, the process-group backend and memory
-    registrations follow it, and ``prepare`` refuses tensors elsewhere.
+    registrations follow it, and ``prepare`` refuses tensors elsewhere. ``placements`` are
+    where every rank of the job runs (what the routed transport splits pairs by).
     """
 
     job: JobChannel
@@ -114,6 +115,7 @@ class TransportContext:
     num_readers: int
     device: str = "cpu"
     options: TransportOptions = field(default_factory=TransportOptions)
+    placements: tuple[RankPlacement, ...] = ()
 
     def __post_init__(self) -> None:
         parse_device(self.device)

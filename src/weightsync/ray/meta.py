@@ -1,0 +1,96 @@
+"""The meta server as a named, detached Ray actor that every rank finds by name.
+
+    conn = meta_server()                 # the driver: get or create, then read its address
+    client = conn.client(job="default")  # any actor: a MetaClient (token from the actor, not env)
+
+The actor runs :class:`weightsync.meta.EmbeddedMetaServer` on its node's IP address with a
+random token; :func:`meta_server` asks the actor for both, and the resulting
+:class:`MetaConnection` travels to trainer and rollout actors as an argument of a Ray call,
+so no secret is ever placed in an environment variable. It is detached (outlives the driver
+that created it) and, by default, pinned to the head node, which outlives worker nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+if TYPE_CHECKING:
+    from weightsync.meta.client import MetaClient
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_NAME = "weightsync-meta"
+NAMESPACE = "weightsync"
+#: Ray's built-in resource of the head node: a tiny share of it pins an actor there.
+HEAD_RESOURCE = "node:__internal_head__"
+
+
+@dataclass(frozen=True, slots=True)
+class MetaConnection:
+    """How to reach the meta server: its HTTP address and token (plain strings)."""
+
+    address: str
+    token: str
+
+    def client(self, *, job: str = "default") -> MetaClient:
+        from weightsync.meta.client import MetaClient
+
+        return MetaClient(self.address, job=job, token=self.token)
+
+
+class MetaServerActor:
+    """Hosts an embedded meta server in a Ray actor process (see module docstring)."""
+
+    def __init__(self, state_dir: str | None = None) -> None:
+        from weightsync.meta.embedded import EmbeddedMetaServer
+
+        host = ray.util.get_node_ip_address()
+        self.server = EmbeddedMetaServer(host=host, state_dir=state_dir).start()
+
+    def connection(self) -> dict[str, str]:
+        return {"address": self.server.address, "token": self.server.token}
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def meta_server(*, name: str = DEFAULT_NAME, namespace: str = NAMESPACE, state_dir: str | None = None,
+                on_head: bool = True, timeout: float = 60.0, **actor_options: Any) -> MetaConnection:
+    """The job's meta server: the named actor if it exists, else a new detached one.
+
+    Args:
+        name / namespace: the actor's Ray name; every driver and actor using the same name
+            shares one server.
+        state_dir: journal directory, so a restarted server keeps the job's state.
+        on_head: pin the actor to the head node (worker nodes may go away).
+        timeout: bound on creating the actor and reading its address.
+        actor_options: further ``.options(...)`` for the actor (resources, runtime_env).
+
+    Raises:
+        ray.exceptions.GetTimeoutError: the server did not answer within ``timeout``.
+    """
+    options: dict[str, Any] = {"name": name, "namespace": namespace, "lifetime": "detached",
+                               "get_if_exists": True, "num_cpus": 0, **actor_options}
+    if on_head:
+        options.setdefault("resources", {})[HEAD_RESOURCE] = 0.001
+    actor = ray.remote(MetaServerActor).options(**options).remote(state_dir)
+    info = ray.get(actor.connection.remote(), timeout=timeout)
+    logger.info("weightsync meta server %s/%s at %s", namespace, name, info["address"])
+    return MetaConnection(info["address"], info["token"])
+
+
+def stop_meta_server(*, name: str = DEFAULT_NAME, namespace: str = NAMESPACE, timeout: float = 30.0) -> bool:
+    """Stop and kill the named meta server actor; False when there is none."""
+    try:
+        actor = ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return False
+    try:
+        ray.get(actor.stop.remote(), timeout=timeout)
+    finally:
+        ray.kill(actor)
+    return True
