@@ -112,6 +112,7 @@ def spawn(cls, node, rank):
 def test_two_nodes_route_per_pair_and_survive_a_lost_node(cluster):
     c, node_b = cluster
     conn = meta_server()
+    assert meta_server() == conn  # found by name: one server, one token
     config = SyncConfig(num_writers=2, num_readers=2, timeout=WAIT,
                         transport_options=TransportOptions(max_bucket_bytes=1 << 16, direct_min_bytes=1024))
     trainers = [spawn(Trainer, "node_a", r) for r in range(2)]
