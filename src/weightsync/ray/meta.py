@@ -77,8 +77,10 @@ def meta_server(*, name: str = DEFAULT_NAME, namespace: str = NAMESPACE, state_d
                                "get_if_exists": True, "num_cpus": 0, **actor_options}
     if on_head:
         options.setdefault("resources", {})[HEAD_RESOURCE] = 0.001
-    actor = ray.remote(MetaServerActor).options(**options).remote(state_dir)
-    info = ray.get(actor.connection.remote(), timeout=timeout)
+    # Ray's stubs type a decorated class as its constructor; the handle is dynamic.
+    actor_class: Any = ray.remote(MetaServerActor)
+    actor = actor_class.options(**options).remote(state_dir)
+    info: dict[str, str] = ray.get(actor.connection.remote(), timeout=timeout)
     logger.info("weightsync meta server %s/%s at %s", namespace, name, info["address"])
     return MetaConnection(info["address"], info["token"])
 
