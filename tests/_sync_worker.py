@@ -73,6 +73,14 @@ def die_receiving(reader: WeightReader, version: int, how: str) -> None:
     transport.receive = receive
 
 
+def reported(reader: WeightReader, rank: int) -> int | str | None:
+    """What the meta server says this reader applied (or why it cannot say)."""
+    try:
+        return reader.meta.reader_versions().get(rank)
+    except Exception as exc:  # e.g. a meta server that restarted without its state
+        return f"unknown: {type(exc).__name__}"
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     torch.set_num_threads(1)
@@ -121,7 +129,7 @@ def main() -> None:
             except (SyncError, TimeoutError, ValueError) as exc:
                 emit(role=role, rank=rank, version=version, ok=False, error=f"{type(exc).__name__}: {exc}",
                      seconds=time.monotonic() - t0, weight_version=engine.weight_version,
-                     reported=reader.meta.reader_versions().get(rank))
+                     reported=reported(reader, rank))
                 continue
             values = canonical_values(config, result.version)
             want = allocate(layout)
