@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -30,8 +31,17 @@ def emit(**record):
     print("RESULT " + json.dumps(record), flush=True)
 
 
-def die_mid_transfer(writer: WeightWriter) -> None:
-    """Make this writer's process exit part-way through its next send."""
+def die(how: str) -> None:
+    """End this process abruptly: exit code 3, SIGKILL or SIGSTOP (frozen until killed)."""
+    if how == "exit":
+        os._exit(3)
+    os.kill(os.getpid(), getattr(signal, how))
+    if how == "SIGSTOP":  # continued by the test only to be killed
+        os._exit(3)
+
+
+def die_mid_transfer(writer: WeightWriter, how: str = "exit") -> None:
+    """Make this writer's process die part-way through its next send."""
     assert writer.session.planned is not None
     transport = writer.session.planned.transport
     if hasattr(transport, "_post"):  # two-sided: after a couple of messages are on the wire
@@ -41,12 +51,34 @@ def die_mid_transfer(writer: WeightWriter) -> None:
         def post(*a, **kw):
             count["n"] += 1
             if count["n"] > 2:
-                os._exit(3)
+                die(how)
             return original(*a, **kw)
 
         transport._post = post
     else:  # one-sided: during the copy, before the version is published
-        transport.send = lambda *a, **kw: os._exit(3)
+        transport.send = lambda *a, **kw: die(how)
+
+
+def die_receiving(reader: WeightReader, version: int, how: str) -> None:
+    """Make this reader's process die as it starts receiving ``version`` (writers are sending)."""
+    assert reader.session.planned is not None
+    transport = reader.session.planned.transport
+    original = transport.receive
+
+    def receive(v, *a, **kw):
+        if v >= version:
+            die(how)
+        return original(v, *a, **kw)
+
+    transport.receive = receive
+
+
+def reported(reader: WeightReader, rank: int) -> int | str | None:
+    """What the meta server says this reader applied (or why it cannot say)."""
+    try:
+        return reader.meta.reader_versions().get(rank)
+    except Exception as exc:  # e.g. a meta server that restarted without its state
+        return f"unknown: {type(exc).__name__}"
 
 
 def main() -> None:
@@ -68,27 +100,36 @@ def main() -> None:
                 fill_from_canonical(source.layout(), source.tensors(), canonical_values(config, version))
                 if args.get("die_at") == version:
                     writer.session.plan(Deadline.after(sync.timeout))
-                    die_mid_transfer(writer)
-                t0 = time.monotonic()
-                try:
-                    result = writer.write(version)
-                    emit(role=role, rank=rank, version=version, ok=True, bytes=result.nbytes)
-                except SyncError as exc:
-                    emit(role=role, rank=rank, version=version, ok=False, error=str(exc),
-                         seconds=time.monotonic() - t0)
+                    die_mid_transfer(writer, args.get("die_how", "exit"))
+                for _ in range(1 + args.get("retries", 0)):  # a trainer may write a failed version again
+                    t0 = time.monotonic()
+                    try:
+                        result = writer.write(version)
+                        emit(role=role, rank=rank, version=version, ok=True, bytes=result.nbytes)
+                        break
+                    except SyncError as exc:
+                        emit(role=role, rank=rank, version=version, ok=False, error=str(exc),
+                             seconds=time.monotonic() - t0)
         return
     engine = ShardedEngine(args["target"], config, rank)
     pointers = {n: t.data_ptr() for n, t in engine.tensors.items()}
     layout = engine.layout()
     with WeightReader(engine, rank=rank, config=sync) as reader:
-        for version in args["versions"]:
+        # with "until": update until that version is applied (at most a few failures on the way)
+        versions = args["versions"] if "until" not in args else range(args["until"] + 3)
+        for version in versions:
+            if "until" in args and engine.weight_version == args["until"]:
+                break
+            if args.get("die_at") is not None and reader.session.planned is None:
+                reader.session.plan(Deadline.after(sync.timeout))
+                die_receiving(reader, args["die_at"], args.get("die_how", "exit"))
             t0 = time.monotonic()
             try:
                 result = reader.update(timeout=args.get("timeout", 60.0))
             except (SyncError, TimeoutError, ValueError) as exc:
                 emit(role=role, rank=rank, version=version, ok=False, error=f"{type(exc).__name__}: {exc}",
                      seconds=time.monotonic() - t0, weight_version=engine.weight_version,
-                     reported=reader.meta.reader_versions().get(rank))
+                     reported=reported(reader, rank))
                 continue
             values = canonical_values(config, result.version)
             want = allocate(layout)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,3 +104,11 @@ def _is_channel(value: ast.expr) -> bool:
     """``channel.x()``, ``self.channel.x()``, ``ctx.job.x()``, ``session.channel.x()``..."""
     name = value.attr if isinstance(value, ast.Attribute) else value.id if isinstance(value, ast.Name) else ""
     return name in ("channel", "job")
+
+
+def test_engine_adapters_are_lazy_attributes_of_the_engines_package():
+    """``from weightsync.engines import VLLMEngine`` works (docs), importing vLLM only then."""
+    code = ("import sys, weightsync.engines as e; assert 'vllm' not in sys.modules; "
+            "from weightsync.engines import VLLMEngine, update_llm; "
+            "assert VLLMEngine.__module__ == 'weightsync.engines.vllm' and callable(update_llm)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -158,8 +158,36 @@ async def _exercise(state: MetaState) -> None:
     await state.report_reader("j", 1, 1, error="boom")
     with pytest.raises(ConflictError, match="reader rank 2 is not registered in job 'j'"):
         await state.report_reader("j", 2, 1)
+    # a new attempt of version 2 (writers restarted) supersedes the pending one, and survives a replay
+    assert (await state.report_version("j", 2, "fp2@1", writer_rank=0, num_writers=1, attempt=1)).attempt == 1
     await state.register("other", "reader", 0, group="", host="", endpoints={}, layout=b"")
     assert await state.delete_job("other")
+
+
+def test_a_new_attempt_of_a_version_supersedes_it_and_readers_failures_of_the_old_one():
+    """Writers restarted in version 2 publish it again in a newer epoch (attempt): readers
+    waiting past the failed attempt wake, their failure of it no longer counts for the
+    writers' barrier, and a late report of the old attempt is refused."""
+    async def run() -> None:
+        state = MetaState()
+        await state.start()
+        await state.register("j", "reader", 0, group="g", host="h", endpoints={}, layout=b"R")
+        assert await state.report_version("j", 2, "fp@3", writer_rank=0, num_writers=1, attempt=3)
+        await state.report_reader("j", 0, 2, error="writer 1 died")
+        assert await state.wait_readers("j", min_version=2, count=1, wait=0.0)  # failed: done with 2
+        waiter = asyncio.ensure_future(state.wait_version("j", 2, 30.0, after_attempt=3))
+        assert (await state.wait_version("j", 2, 0.0)).attempt == 3  # nothing newer than version 2
+        assert not waiter.done()
+        assert await state.report_version("j", 2, "fp@4", writer_rank=0, num_writers=1, attempt=4)
+        assert (await asyncio.wait_for(waiter, 10.0)).attempt == 4
+        assert not await state.wait_readers("j", min_version=2, count=1, wait=0.0)  # must apply attempt 4
+        await state.report_reader("j", 0, 2, error="late news of attempt 3", attempt=3)  # superseded: ignored
+        assert not await state.wait_readers("j", min_version=2, count=1, wait=0.0)
+        with pytest.raises(ConflictError, match="attempt 3 of version 2, but attempt 4 of it is published"):
+            await state.report_version("j", 2, "fp@3", writer_rank=0, num_writers=1, attempt=3)
+        await state.close()
+
+    asyncio.run(run())
 
 
 def _view(state: MetaState) -> dict:

@@ -139,7 +139,7 @@ def test_writer_killed_mid_transfer_then_next_version_succeeds(transport, option
         else:  # nixl pull: version 1 was never published, so nothing was touched
             assert failed["weight_version"] == 0 and failed["reported"] == 0
             assert "no version newer than 0" in failed["error"]
-        assert ok2["ok"] and ok2["exact"] and ok2["version"] == 2, (ok2, stderr[-3000:])
+        assert ok2["ok"] and ok2["exact"] and ok2["version"] == 2, (out, stderr[-3000:])
     code, records, stderr = out[("writer", 1)]
     assert code == 0 and records[-1]["ok"], stderr[-3000:]
 
@@ -156,3 +156,45 @@ def test_readers_reject_a_different_plan():
     (record,) = out[("reader", 0)][1]
     assert not record["ok"]
     assert "ValueError" in record["error"] and "disagree on the plan" in record["error"]
+
+
+@pytest.mark.parametrize(("transport", "options"), [
+    pytest.param("torch", {}, id="torch"),
+    pytest.param("shm", {}, id="shm"),
+    pytest.param("file", {}, id="file"),
+    pytest.param("nixl", {"nixl_mode": "pull"}, id="nixl-pull"),
+    pytest.param("nixl", {"nixl_mode": "push"}, id="nixl-push"),
+])
+def test_writer_killed_in_a_version_restarts_and_writes_it_again(transport, options):
+    """Killed in V, restarted, writes V again: that attempt of V completes, bitwise, everywhere.
+
+    As torchrun does, every writer restarts (from the trainer's checkpoint of V-1) and writes V
+    again while the readers carry on; readers that failed V take the new attempt of V,
+    published in a newer epoch."""
+    if unavailable_reason(transport):
+        pytest.skip(unavailable_reason(transport))
+    timeout = 20.0
+    common = {"source": "megatron:tp=2", "target": "vllm:tp=1,replicas=2", "num_writers": 2, "num_readers": 2,
+              "transport": transport, "config": "tiny-qwen3-moe", "timeout": timeout,
+              "transport_options": options}
+    with EmbeddedMetaServer() as server:
+        procs = {("writer", 0): launch(server, "writer", 0, versions=[0, 1], **common),
+                 ("writer", 1): launch(server, "writer", 1, versions=[0, 1], die_at=1, **common)}
+        procs |= {("reader", r): launch(server, "reader", r, until=1, **common) for r in range(2)}
+        first = {rank: procs.pop(("writer", rank)) for rank in range(2)}
+        for p in first.values():
+            p.communicate(timeout=timeout * 4)
+        assert first[1].returncode == 3  # died part-way through version 1
+        for rank in range(2):  # restarted: both write 1 again
+            procs[("writer", rank)] = launch(server, "writer", rank, versions=[1], **common)
+        out = finish(procs, timeout * 8)
+    for rank in range(2):
+        code, records, stderr = out[("writer", rank)]
+        assert code == 0 and [(r["version"], r["ok"]) for r in records] == [(1, True)], (out, stderr[-3000:])
+    for rank in range(2):
+        code, records, stderr = out[("reader", rank)]
+        assert code == 0, stderr[-3000:]
+        assert records[0]["ok"] and records[0]["exact"] and records[0]["version"] == 0
+        last = records[-1]
+        assert last["ok"] and last["exact"] and last["version"] == 1, (records, stderr[-3000:])
+        assert all(not r["ok"] for r in records[1:-1])  # failures of the killed attempt only

@@ -79,3 +79,15 @@ def test_private_sources_keep_snapshot_slots(tmp_path):
         assert stats.peak_extra_bytes >= stats.nbytes > 0
     finally:
         transport.close()
+
+
+def test_a_segment_never_unlinked_removes_its_file_when_the_process_exits():
+    """A writer not closed must not leave a model-sized file in /dev/shm."""
+    import subprocess
+
+    code = ("from weightsync.transport.shm_segment import OwnSegment; import os; "
+            "s = OwnSegment(0, {'k': 1}, 1 << 16); assert os.path.exists(s.path); print(s.path)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    path = done.stdout.strip()
+    assert path.startswith(SHM_DIR) and not os.path.exists(path)

@@ -69,7 +69,11 @@ def _epoch_key() -> str:
 
 
 def _version_epoch_key(version: int) -> str:
-    return f"versions/{version}/epoch"
+    return f"versions/{version}/epoch"  # a counter: the epoch writer 0 decided for the version, + 1
+
+
+def _joined_key(version: int, epoch: int, rank: int) -> str:
+    return f"versions/{version}/joined/{epoch}/writer{rank}"  # a writer took part in this attempt
 
 
 def _model_key(digest: str) -> str:
@@ -143,6 +147,11 @@ class JobChannel:
         self.rank = rank
         #: this process's claim on (role, rank): a restarted process has a new one
         self.incarnation = secrets.token_hex(8)
+        #: the oldest epoch this rank may take part in: the job's epoch when it (re)joined or last
+        #: saw a failure. Endpoints of older epochs may belong to processes that are gone.
+        self.min_epoch = 0
+        #: this process replaced a dead one (registration found an earlier incarnation)
+        self.restarted = False
         self.lease_seconds = 0.0
         self.host = ""
         self._heartbeat: Heartbeat | None = None
@@ -227,25 +236,46 @@ class JobChannel:
         saw the same epoch fail only one moves it, and a rank that saw an older epoch never
         moves it back. Returns the job's epoch now."""
         _, epoch = self.meta.compare_and_set(_epoch_key(), expected=seen, value=seen + 1)
+        self.min_epoch = max(self.min_epoch, int(epoch))
         return int(epoch)
 
     def decide_epoch(self, version: int, deadline: Deadline) -> int:
-        """Writer 0 fixes the epoch of ``version``; the other writers wait for its decision.
+        """Writer 0 fixes the epoch of each attempt of ``version``; the other writers wait for a
+        decision no older than their :attr:`min_epoch`.
 
-        One decision per version means writers never publish different epochs, even when a
-        failure report or a restarted rank advances the job's epoch concurrently.
+        One decision per attempt means writers never publish different epochs, even when a
+        failure report or a restarted rank advances the job's epoch concurrently; and a writer
+        that failed a version, or restarted, never joins the attempt it saw fail (whose
+        connections include dead processes) but waits for writer 0's next one.
+
+        A restarted writer (:attr:`restarted`) joins an attempt decided in the epoch it found
+        at registration or later, unless its dead predecessor joined that very attempt (each
+        writer leaves a "joined" mark): so an attempt writer 0 decided just before the
+        restarted rank advanced the epoch still completes.
 
         Raises:
-            TimeoutError: writer 0 did not start ``version`` before the deadline.
+            TimeoutError: writer 0 did not start ``version`` (in a recent enough epoch) in time.
         """
+        key = _version_epoch_key(version)  # a counter holding the decided epoch + 1 (0: undecided)
         if self.role == "writer" and self.rank == 0:
-            epoch = self.current_epoch()
-            self.meta.put_document(_version_epoch_key(version), str(epoch).encode())
-            return epoch
-        doc = self.meta.get_document(_version_epoch_key(version), wait=deadline.remaining())
-        if doc is None:
-            raise TimeoutError(f"{self.who}: writer 0 did not start version {version} in time")
-        return int(doc.decode())
+            epoch = max(self.current_epoch(), self.min_epoch)
+            held = int(self.meta.counter(key))
+            if held < epoch + 1:  # only writer 0 sets it
+                self.meta.compare_and_set(key, expected=held, value=epoch + 1)
+            return max(epoch, held - 1)
+        floor = self.min_epoch
+        while True:
+            held = int(self.meta.counter(key, at_least=floor + 1, wait=deadline.remaining()))
+            if held < floor + 1:
+                raise TimeoutError(f"{self.who}: writer 0 did not start version {version} in epoch {floor} or "
+                                   "later in time" + (f" (it decided epoch {held - 1}, before this writer joined "
+                                                      "or failed)" if held else ""))
+            joined = _joined_key(version, held - 1, self.rank)
+            if self.restarted and self.meta.get_document(joined) is not None:
+                floor = held  # this rank's dead predecessor joined that attempt: wait for the next
+                continue
+            self.meta.put_document(joined, self.incarnation.encode())
+            return held - 1
 
     # -- versions -----------------------------------------------------------------------------
     def publish_version(self, published: PublishedVersion, *, num_writers: int) -> None:
@@ -256,20 +286,23 @@ class JobChannel:
         """
         assert self.role == "writer", "only writers publish versions"
         self.meta.publish_version(published.version, published.wire_fingerprint(), writer_rank=self.rank,
-                                  num_writers=num_writers)
+                                  num_writers=num_writers, attempt=published.epoch)
 
-    def wait_version(self, *, after: int, deadline: Deadline) -> PublishedVersion | None:
-        """The newest version newer than ``after``, once one is published; None at the deadline."""
-        info = self.meta.wait_version(after=after, timeout=deadline.remaining(0.0))
+    def wait_version(self, *, after: int, deadline: Deadline, after_epoch: int | None = None
+                     ) -> PublishedVersion | None:
+        """The newest version newer than ``after`` (with ``after_epoch``: or a later attempt of
+        ``after``, published in a later epoch), once one is published; None at the deadline."""
+        info = self.meta.wait_version(after=after, timeout=deadline.remaining(0.0), after_attempt=after_epoch)
         return PublishedVersion.from_info(info) if info is not None else None
 
     def report_applied(self, version: int, *, nbytes: int, seconds: float) -> None:
         """This reader now serves ``version``."""
         self.meta.report_applied(self.rank, version, nbytes=nbytes, seconds=seconds)
 
-    def report_failed(self, version: int, error: str) -> None:
-        """This reader failed ``version``: its weights are at no valid version until the next."""
-        self.meta.report_failed(self.rank, version, error[:2000])
+    def report_failed(self, version: int, error: str, *, epoch: int | None = None) -> None:
+        """This reader failed ``version`` (published in ``epoch``): its weights are at no valid
+        version until the next (or a later attempt of this one)."""
+        self.meta.report_failed(self.rank, version, error[:2000], attempt=epoch)
 
     def wait_readers(self, *, min_version: int, readers: int, deadline: Deadline) -> dict[int, str]:
         """Until reader ranks ``0..readers-1`` are done with ``min_version`` (applied or failed it,

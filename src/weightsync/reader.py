@@ -60,6 +60,7 @@ class WeightReader:
         self.config = config
         self.session = SyncSession("reader", rank, engine, config, self.meta, device=self._device)
         self._failed: int | None = None
+        self._failed_epoch = -1  # the epoch (attempt) of the version that failed here
 
     def _device(self) -> str:
         from weightsync.engines.base import PhasedEngine
@@ -174,23 +175,25 @@ class WeightReader:
 
     def _wait_for_version(self, version: int | None, deadline: Deadline) -> PublishedVersion:
         # Never re-take a version that already failed here (two-sided writers moved on).
+        # A later attempt of it (writers restarted and wrote it again, in a newer epoch) is fine.
         floor = max(x for x in (self.version, self._failed, -1) if x is not None)
         want = floor if version is None else max(floor, version - 1)
+        retry = self._failed_epoch if self._failed is not None and want == self._failed else None
         while True:
             if deadline.expired:
                 raise TimeoutError(f"reader {self.rank}: no version newer than {want} was published in time")
-            published = self.session.channel.wait_version(after=want, deadline=deadline)
+            published = self.session.channel.wait_version(after=want, deadline=deadline, after_epoch=retry)
             if published is not None:
                 return published
 
     def _fail(self, published: PublishedVersion, exc: BaseException) -> None:
-        self._failed = published.version
+        self._failed, self._failed_epoch = published.version, published.epoch
         self.engine.abort(published.version, exc)
         self.session.disarm()
         channel = self.session.channel
         channel.advance_epoch(published.epoch)
         try:
-            channel.report_failed(published.version, str(exc))
+            channel.report_failed(published.version, str(exc), epoch=published.epoch)
         except Exception as report_exc:  # the failure itself is what the caller must see
             logger.warning("reader %d could not report its failure: %s", self.rank, report_exc)
 

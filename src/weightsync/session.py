@@ -213,7 +213,12 @@ class SyncSession:
         self.channel.check_settings(settings)
         if restarted:
             # The others' connections do not include this new process: move everyone on.
-            self.channel.advance_epoch(self.channel.current_epoch())
+            # This rank joins attempts of that epoch or later that its dead predecessor did not
+            # join (see JobChannel.decide_epoch): an attempt writer 0 decided just before this
+            # advance is fine, the one the predecessor died in is not.
+            seen = self.channel.current_epoch()
+            self.channel.advance_epoch(seen)
+            self.channel.min_epoch, self.channel.restarted = seen, True
             logger.info("%s rejoined the job; epoch advanced", self.channel.who)
         self._registered = True
 

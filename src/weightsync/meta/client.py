@@ -98,6 +98,11 @@ def _readers_result(report: ReaderReport, job: str, min_version: int, readers: i
                        + (f" (+{len(laggards) - 20} more)" if len(laggards) > 20 else ""))
 
 
+def _newer(after: int, after_attempt: int | None) -> Callable[[VersionInfo | None], bool]:
+    key = (after, (1 << 62) if after_attempt is None else after_attempt)
+    return lambda v: v is not None and (v.version, v.attempt) > key
+
+
 class _Base:
     """Settings shared by both clients."""
 
@@ -270,7 +275,7 @@ class MetaClient(_Base):
 
     # --- versions --------------------------------------------------------------------------
     def publish_version(self, version: int, fingerprint: str, *, writer_rank: int,
-                        num_writers: int) -> VersionInfo | None:
+                        num_writers: int, attempt: int = 0) -> VersionInfo | None:
         """One writer's "version ``version`` is ready". Returns the VersionInfo once all
         ``num_writers`` writers reported it with the same fingerprint, else None.
 
@@ -279,25 +284,28 @@ class MetaClient(_Base):
                 version is not newer than the published one.
         """
         return self._execute(calls.publish_version(self.job, version, fingerprint, writer_rank=writer_rank,
-                                                   num_writers=num_writers))
+                                                   num_writers=num_writers, attempt=attempt))
 
     def latest_version(self) -> VersionInfo | None:
         return self._execute(calls.latest_version(self.job))
 
-    def wait_version(self, after: int, timeout: float) -> VersionInfo | None:
-        """Long-poll for a published version newer than ``after``; None on timeout."""
-        info = self._poll(lambda w: calls.latest_version(self.job, after=after, wait=w),
-                          lambda v: v is not None and v.version > after, timeout)
-        return info if info is not None and info.version > after else None
+    def wait_version(self, after: int, timeout: float, *, after_attempt: int | None = None) -> VersionInfo | None:
+        """Long-poll for a published version newer than ``after`` (with ``after_attempt``: or a
+        later attempt of version ``after``); None on timeout."""
+        newer = _newer(after, after_attempt)
+        info = self._poll(lambda w: calls.latest_version(self.job, after=after, wait=w, after_attempt=after_attempt),
+                          newer, timeout)
+        return info if newer(info) else None
 
     # --- readers ---------------------------------------------------------------------------
     def report_applied(self, reader_rank: int, version: int, *, nbytes: int = 0, seconds: float = 0.0) -> None:
         """Reader ``reader_rank`` now serves ``version`` (``nbytes`` received in ``seconds``)."""
         self._execute(calls.report_applied(self.job, reader_rank, version, nbytes=nbytes, seconds=seconds))
 
-    def report_failed(self, reader_rank: int, version: int, error: str) -> None:
-        """Reader ``reader_rank`` failed to apply ``version``: its weights are not at a valid version."""
-        self._execute(calls.report_failed(self.job, reader_rank, version, error))
+    def report_failed(self, reader_rank: int, version: int, error: str, *, attempt: int | None = None) -> None:
+        """Reader ``reader_rank`` failed to apply ``version`` (its ``attempt``): its weights are not
+        at a valid version. A failure of an attempt that a newer one superseded is ignored."""
+        self._execute(calls.report_failed(self.job, reader_rank, version, error, attempt))
 
     def reader_versions(self) -> dict[int, int | None]:
         """Reader rank -> last applied version (None: never applied, or failed since)."""
@@ -439,24 +447,26 @@ class AsyncMetaClient(_Base):
         return await self._execute(calls.compare_and_set(self.job, name, expected=expected, value=value))
 
     async def publish_version(self, version: int, fingerprint: str, *, writer_rank: int,
-                              num_writers: int) -> VersionInfo | None:
+                              num_writers: int, attempt: int = 0) -> VersionInfo | None:
         return await self._execute(calls.publish_version(self.job, version, fingerprint, writer_rank=writer_rank,
-                                                         num_writers=num_writers))
+                                                         num_writers=num_writers, attempt=attempt))
 
     async def latest_version(self) -> VersionInfo | None:
         return await self._execute(calls.latest_version(self.job))
 
-    async def wait_version(self, after: int, timeout: float) -> VersionInfo | None:
-        info = await self._poll(lambda w: calls.latest_version(self.job, after=after, wait=w),
-                                lambda v: v is not None and v.version > after, timeout)
-        return info if info is not None and info.version > after else None
+    async def wait_version(self, after: int, timeout: float, *, after_attempt: int | None = None
+                           ) -> VersionInfo | None:
+        newer = _newer(after, after_attempt)
+        info = await self._poll(
+            lambda w: calls.latest_version(self.job, after=after, wait=w, after_attempt=after_attempt), newer, timeout)
+        return info if newer(info) else None
 
     async def report_applied(self, reader_rank: int, version: int, *, nbytes: int = 0,
                              seconds: float = 0.0) -> None:
         await self._execute(calls.report_applied(self.job, reader_rank, version, nbytes=nbytes, seconds=seconds))
 
-    async def report_failed(self, reader_rank: int, version: int, error: str) -> None:
-        await self._execute(calls.report_failed(self.job, reader_rank, version, error))
+    async def report_failed(self, reader_rank: int, version: int, error: str, *, attempt: int | None = None) -> None:
+        await self._execute(calls.report_failed(self.job, reader_rank, version, error, attempt))
 
     async def reader_versions(self) -> dict[int, int | None]:
         return (await self._execute(calls.readers(self.job))).versions

@@ -131,7 +131,7 @@ _SET_ROLE, _SET_RANK, _SET_GROUP, _SET_HOST, _SET_ENDPOINTS, _SET_LAYOUT = (
 
 @dataclass(frozen=True, slots=True)
 class VersionInfo:
-    """A published weight version: all writers reported it with the same plan fingerprint.
+    """A published weight version: all writers reported it with the same plan fingerprint (and attempt).
 
     ``published_at`` is the server's wall-clock time (seconds since the epoch).
     """
@@ -139,15 +139,19 @@ class VersionInfo:
     version: int
     fingerprint: str
     published_at: float
+    #: which try of the version (writers publish a failed version again with a higher attempt)
+    attempt: int = 0
 
     @classmethod
     def from_wire(cls, obj: Any) -> VersionInfo | None:
         if obj is None:
             return None
-        return cls(int(obj["version"]), str(obj["fingerprint"]), float(obj["published_at"]))
+        return cls(int(obj["version"]), str(obj["fingerprint"]), float(obj["published_at"]),
+                   int(obj.get("attempt", 0)))
 
     def to_wire(self) -> dict[str, Any]:
-        return {"version": self.version, "fingerprint": self.fingerprint, "published_at": self.published_at}
+        return {"version": self.version, "fingerprint": self.fingerprint, "published_at": self.published_at,
+                "attempt": self.attempt}
 
 
 # --- the columnar roster -----------------------------------------------------------------------

@@ -39,6 +39,9 @@ from weightsync.meta.records import ROLES, VersionInfo, blob_hash, encode_column
 
 logger = logging.getLogger(__name__)
 
+#: attempts of a version are below this (a reader waiting "after version V" waits past them all)
+MAX_ATTEMPT = 1 << 62
+
 
 class ConflictError(Exception):
     """A request that contradicts the state (the server answers 409 with this message)."""
@@ -117,6 +120,7 @@ class _Pending:
     fingerprint: str
     num_writers: int
     ranks: set[int] = field(default_factory=set)
+    attempt: int = 0
 
 
 @dataclass(slots=True)
@@ -246,10 +250,11 @@ class MetaState:
             value = job.counters[r["name"]] = int(r["value"])
             self.watch.fire("counter", name, lambda k: k[0] == r["name"] and value >= k[1])
         elif op == "report":
-            self._apply_report(job, r["version"], r["fingerprint"], writer_rank=r["writer_rank"],
+            self._apply_report(job, r["version"], r["fingerprint"], attempt=int(r.get("attempt", 0)),
+                               writer_rank=r["writer_rank"],
                                num_writers=r["num_writers"], at=at)
         elif op == "version":
-            self._set_latest(job, VersionInfo(r["version"], r["fingerprint"], at))
+            self._set_latest(job, VersionInfo(r["version"], r["fingerprint"], at, int(r.get("attempt", 0))))
         elif op in ("applied", "failed"):
             state = job.readers.setdefault(r["rank"], _Reader())
             state.at, state.version = at, (r["version"] if op == "applied" else None)
@@ -265,20 +270,31 @@ class MetaState:
         else:
             raise ValueError(f"unknown state record op {op!r}")
 
-    def _apply_report(self, job: Job, version: int, fingerprint: str, *, writer_rank: int, num_writers: int,
-                      at: float) -> None:
-        if job.latest is not None and version <= job.latest.version:
+    def _apply_report(self, job: Job, version: int, fingerprint: str, *, attempt: int, writer_rank: int,
+                      num_writers: int, at: float) -> None:
+        if job.latest is not None and (version, attempt) <= (job.latest.version, job.latest.attempt):
             return  # already published (a replayed or late report)
-        pending = job.pending.setdefault(version, _Pending(fingerprint, num_writers))
+        pending = job.pending.get(version)
+        if pending is None or pending.attempt < attempt:  # a new attempt supersedes the pending one
+            pending = job.pending[version] = _Pending(fingerprint, num_writers, attempt=attempt)
+        elif pending.attempt > attempt:
+            return
         pending.ranks.add(writer_rank)
         if len(pending.ranks) >= pending.num_writers:
-            self._set_latest(job, VersionInfo(version, fingerprint, at))
+            self._set_latest(job, VersionInfo(version, fingerprint, at, attempt))
 
     def _set_latest(self, job: Job, info: VersionInfo) -> None:
+        if info.attempt > 0:
+            # A new attempt of a version: failures reported for the version were of an older
+            # attempt (a reader can fail an attempt only once it is published); the readers
+            # take this one, and the writers' barrier must wait for them again.
+            for reader in job.readers.values():
+                if reader.failed_version == info.version:
+                    reader.failed_version = None
         job.latest = info
         for v in [v for v in job.pending if v <= info.version]:
             del job.pending[v]
-        self.watch.fire("version", job.name, lambda after: info.version > after)
+        self.watch.fire("version", job.name, lambda after: (info.version, info.attempt) > after)
 
     async def _change(self, plan: Callable[[], list[dict[str, Any]]]) -> bool:
         """Run ``plan`` (validate against the current state, return records) and apply its records.
@@ -412,18 +428,25 @@ class MetaState:
         return state.latest if state else None
 
     async def report_version(self, job: str, version: int, fingerprint: str, *, writer_rank: int,
-                             num_writers: int) -> VersionInfo | None:
+                             num_writers: int, attempt: int = 0) -> VersionInfo | None:
         """One writer says ``version`` is ready; returns the VersionInfo once all writers did.
 
+        ``attempt`` numbers the tries of one version: writers that failed a version may publish
+        it again with a higher attempt (weightsync uses the transport epoch), which supersedes
+        the earlier one, published or pending.
+
         Raises:
-            ConflictError: an older version, a different fingerprint or a different writer count.
+            ConflictError: an older version or attempt, a different fingerprint or writer count.
         """
         def plan() -> list[dict[str, Any]]:
             state = self.jobs.get(job)
             latest = state.latest if state else None
-            if latest is not None and version <= latest.version:
-                if version == latest.version and fingerprint == latest.fingerprint:
+            if latest is not None and (version, attempt) <= (latest.version, latest.attempt):
+                if (version, attempt) == (latest.version, latest.attempt) and fingerprint == latest.fingerprint:
                     return []  # a retry or a late writer
+                if version == latest.version and attempt < latest.attempt:
+                    raise ConflictError(f"writer rank {writer_rank} reports attempt {attempt} of version {version}, "
+                                        f"but attempt {latest.attempt} of it is published already")
                 if version == latest.version:
                     raise ConflictError(f"writer rank {writer_rank} reports version {version} with fingerprint "
                                    f"{fingerprint!r}, but it was published with fingerprint "
@@ -431,7 +454,10 @@ class MetaState:
                 raise ConflictError(f"version {version} is older than the published version {latest.version} of "
                                f"job {job!r}: versions must increase")
             pending = state.pending.get(version) if state else None
-            if pending is not None:
+            if pending is not None and pending.attempt > attempt:
+                raise ConflictError(f"writer rank {writer_rank} reports attempt {attempt} of version {version}, but "
+                                    f"writer ranks {sorted(pending.ranks)[:8]} publish attempt {pending.attempt}")
+            if pending is not None and pending.attempt == attempt:
                 if pending.fingerprint != fingerprint:
                     raise ConflictError(
                         f"writer rank {writer_rank} reports version {version} with fingerprint {fingerprint!r}, "
@@ -442,25 +468,32 @@ class MetaState:
                                    f"writers, earlier reports said {pending.num_writers}")
                 if writer_rank in pending.ranks:
                     return []
-            return [{"op": "report", "job": job, "version": version, "fingerprint": fingerprint,
+            return [{"op": "report", "job": job, "version": version, "fingerprint": fingerprint, "attempt": attempt,
                      "writer_rank": writer_rank, "num_writers": num_writers, "at": time.time()}]
 
         await self._change(plan)
         latest = self.latest(job)
-        return latest if latest is not None and latest.version == version else None
+        return latest if latest is not None and (latest.version, latest.attempt) == (version, attempt) else None
 
-    async def wait_version(self, job: str, after: int, wait: float) -> VersionInfo | None:
-        """Wait for a published version newer than ``after``; returns the latest (maybe older)."""
+    async def wait_version(self, job: str, after: int, wait: float, after_attempt: int | None = None
+                           ) -> VersionInfo | None:
+        """Wait for a published version newer than ``after`` (or, with ``after_attempt``, a later
+        attempt of ``after`` itself); returns the latest (maybe older)."""
+        key = (after, MAX_ATTEMPT if after_attempt is None else after_attempt)
+
         def ready() -> bool:
             info = self.latest(job)
-            return info is not None and info.version > after
-        await self.watch.wait("version", job, after, ready, wait)
+            return info is not None and (info.version, info.attempt) > key
+        await self.watch.wait("version", job, key, ready, wait)
         return self.latest(job)
 
     # --- readers ---------------------------------------------------------------------------
     async def report_reader(self, job: str, rank: int, version: int, *, nbytes: int = 0, seconds: float = 0.0,
-                            error: str | None = None) -> None:
+                            error: str | None = None, attempt: int | None = None) -> None:
         """Record that reader ``rank`` applied ``version`` (or failed to: ``error`` set).
+
+        A failure of an ``attempt`` of the version that a newer attempt superseded is ignored
+        (a late report: the reader takes the newer attempt, and the writers wait for it).
 
         Raises:
             ConflictError: ``rank`` is not a registered reader of ``job``.
@@ -475,6 +508,10 @@ class MetaState:
             if state is None or rank not in state.rows["reader"]:
                 raise ConflictError(f"reader rank {rank} is not registered in job {job!r}: a reader registers "
                                     "(WeightReader does, on its first update) before it reports progress")
+            latest = state.latest
+            if (error is not None and attempt is not None and latest is not None and latest.version == version
+                    and latest.attempt > attempt):
+                return []
             return [record]
 
         await self._change(plan)
@@ -523,9 +560,11 @@ class MetaState:
                        for k, v in job.counters.items())
             if job.latest is not None:
                 out.append({"op": "version", "job": name, "version": job.latest.version,
-                            "fingerprint": job.latest.fingerprint, "at": job.latest.published_at})
+                            "fingerprint": job.latest.fingerprint, "at": job.latest.published_at,
+                            "attempt": job.latest.attempt})
             for version, p in job.pending.items():
                 out.extend({"op": "report", "job": name, "version": version, "fingerprint": p.fingerprint,
+                            "attempt": p.attempt,
                             "writer_rank": w, "num_writers": p.num_writers, "at": job.updated_at}
                            for w in sorted(p.ranks))
             for rank, r in job.readers.items():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,6 +63,9 @@ class OwnSegment:
         self.words[1], self.words[2] = len(meta), size - len(meta)
         self.mem[size - len(meta):] = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
         self.data = self.mem[CONTROL_BYTES:CONTROL_BYTES + data_bytes]
+        # A writer never closed (dropped, or alive at interpreter exit) still removes its file:
+        # otherwise a 2x-model-size file stays in /dev/shm until the next writer's sweep.
+        self._remove = weakref.finalize(self, _remove_file, self.path)
 
     def seal(self) -> None:
         """Mark the segment initialised: readers attaching from now on trust it."""
@@ -69,9 +73,13 @@ class OwnSegment:
 
     def unlink(self) -> None:
         if self.path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+            self._remove()
             self.path = None
+
+
+def _remove_file(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def read_segment(path: str, writer: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
