@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -137,7 +138,6 @@ def lora_llm(request, tmp_path_factory):
 @pytest.mark.xdist_group("vllm-lora")
 @pytest.mark.slow
 def test_vllm_adapter_synced_from_tp_trainers_matches_disk(lora_llm):
-    from vllm.lora.request import LoRARequest
 
     from weightsync.engines.vllm_lora import VLLMLoraEngine
     from weightsync.meta import client as meta
@@ -145,12 +145,7 @@ def test_vllm_adapter_synced_from_tp_trainers_matches_disk(lora_llm):
     from weightsync.session import SyncConfig
 
     tmp, config, llm, greedy = lora_llm
-    disk = {seed: write_adapter(tmp / f"adapter{seed}", config, LORA, seed) for seed in (2, 3)}
-    base = greedy(llm, PROMPT)
-    ref = {seed: greedy(llm, PROMPT, LoRARequest(f"disk{seed}", 10 + seed, str(tmp / f"adapter{seed}")))
-           for seed in (2, 3)}
-    assert len({tuple(base), tuple(ref[2]), tuple(ref[3])}) == 3, "the adapters must change the output"
-
+    disk, base, ref = disk_refs(tmp, config, llm)
     engine = VLLMLoraEngine(llm, LORA, name="policy", lora_id=1)
     assert engine.lora_request is None
     job = f"lora-{uuid.uuid4().hex[:8]}"
@@ -172,6 +167,47 @@ def test_vllm_adapter_synced_from_tp_trainers_matches_disk(lora_llm):
                 assert greedy(llm, PROMPT, engine.lora_request) == ref[seed]
         client.close()
     assert greedy(llm, PROMPT) == base  # the base model never moved
+
+
+def disk_refs(tmp, config, llm):
+    """Adapters of seeds 2 and 3 on disk, and what the engine generates with each loaded from there."""
+    from vllm.lora.request import LoRARequest
+
+    disk = {seed: write_adapter(tmp / f"adapter{seed}", config, LORA, seed) for seed in (2, 3)}
+    base = greedy(llm, PROMPT)
+    ref = {seed: greedy(llm, PROMPT, LoRARequest(f"disk{seed}", 10 + seed, str(tmp / f"adapter{seed}")))
+           for seed in (2, 3)}
+    assert len({tuple(base), tuple(ref[2]), tuple(ref[3])}) == 3, "the adapters must change the output"
+    return disk, base, ref
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed (pip install -e '.[vllm]')")
+@pytest.mark.xdist_group("vllm-lora")
+@pytest.mark.slow
+def test_vllm_adapter_in_flight_updates_apply_at_step_boundaries(lora_llm):
+    from weightsync.engines.vllm_lora import VLLMLoraEngine
+    from weightsync.inflight import InflightReader
+    from weightsync.meta import client as meta
+    from weightsync.session import SyncConfig
+
+    tmp, config, llm, greedy = lora_llm
+    _, _, ref = disk_refs(tmp, config, llm)
+    seeds = {1: 2, 2: 3}
+    engine = VLLMLoraEngine(llm, LORA, name="inflight", lora_id=2)
+    job = f"lora-{uuid.uuid4().hex[:8]}"
+    with meta.EmbeddedMetaServer() as server, LoraWriters(server, config, tp=2, job=job, seeds=[2, 3]):
+        client = meta.MetaClient(server.address, job=job, token=server.token)
+        sync = SyncConfig(num_writers=2, num_readers=1, job=job, timeout=120)
+        with InflightReader(engine, rank=0, config=sync, meta=client, poll=0.2) as inflight:
+            inflight.wait_version(1, timeout=120)
+            end = time.monotonic() + 120
+            while engine.weight_version != 2 and time.monotonic() < end:  # serve; apply only between steps
+                version = engine.weight_version
+                assert version is not None and greedy(llm, PROMPT, engine.lora_request) == ref[seeds[version]]
+                inflight.step_boundary()
+            assert inflight.wait_version(2, timeout=120) == 2
+            assert greedy(llm, PROMPT, engine.lora_request) == ref[3]
+        client.close()
 
 
 @pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed (pip install -e '.[vllm]')")

@@ -153,6 +153,8 @@ def _install_adapter(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor]
         skip_prefixes=getattr(model, "lora_skip_prefixes", None))
     adapters.remove_adapter(lora_id)  # also deactivates it; the next batch activates the new one
     adapters.add_adapter(lora)
+    # Never evicted from the CPU-side cache: vLLM would try to reload it from its (fake) path.
+    adapters._registered_adapters.pin(lora_id)
 
 
 def _read_adapter(worker: Any, lora_id: int) -> dict[str, torch.Tensor]:
