@@ -138,7 +138,6 @@ def lora_llm(request, tmp_path_factory):
 @pytest.mark.xdist_group("vllm-lora")
 @pytest.mark.slow
 def test_vllm_adapter_synced_from_tp_trainers_matches_disk(lora_llm):
-
     from weightsync.engines.vllm_lora import VLLMLoraEngine
     from weightsync.meta import client as meta
     from weightsync.reader import WeightReader

@@ -126,8 +126,8 @@ class VLLMLoraEngine:
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         """The adapter as the engine computes with it, by PEFT name: A as sent, B times ``alpha / r``.
 
-        vLLM folds the scaling into B when it adds an adapter, so the bitwise check of B is
-        against ``B * lora.scaling`` in the adapter dtype (exact when the scaling is a power of two).
+        vLLM folds the scaling into B when it adds an adapter (``lora_b *= scaling``), so the
+        bitwise check of B is against ``B * lora.scaling`` computed in the adapter dtype.
         """
         return self.llm.collective_rpc(_read_adapter, args=(self.lora_id,))[0]
 
