@@ -85,6 +85,14 @@ def test_bad_specs_and_shapes_name_the_problem():
         LoraSource(tensors, tiny_config(), LoraSpec(r=8, alpha=16, target_modules=("q_proj",)))
 
 
+def test_spec_round_trips_through_adapter_config():
+    assert LoraSpec.from_peft_config(LORA.peft_config()) == LORA
+    with pytest.raises(ValueError, match="use_dora=True; only plain LoRA"):
+        LoraSpec.from_peft_config({**LORA.peft_config(), "use_dora": True})
+    with pytest.raises(ValueError, match=r"\['lm_head'\] not supported"):
+        LoraSpec.from_peft_config({**LORA.peft_config(), "target_modules": ["q_proj", "lm_head"]})
+
+
 def test_peft_names_in_every_form():
     saved = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     assert peft_name(saved) == saved
@@ -218,6 +226,20 @@ def test_vllm_lora_engine_rejects_a_rank_above_max(lora_llm):
     _, _, llm, _ = lora_llm
     with pytest.raises(ValueError, match="max_lora_rank=8"):
         VLLMLoraEngine(llm, LoraSpec(r=16, alpha=16))
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed (pip install -e '.[vllm]')")
+@pytest.mark.xdist_group("vllm-lora")
+@pytest.mark.slow
+def test_vllm_lora_engine_direct_update_matches_disk(lora_llm):
+    from weightsync.engines.vllm_lora import VLLMLoraEngine
+
+    tmp, config, llm, greedy = lora_llm
+    disk, _, ref = disk_refs(tmp, config, llm)
+    engine = VLLMLoraEngine(llm, LORA, name="direct", lora_id=3)
+    engine.update(disk[3], version=5)
+    assert engine.weight_version == 5 and engine.lora_request.lora_path == "weightsync://direct/v5"
+    assert greedy(llm, PROMPT, engine.lora_request) == ref[3]
 
 
 class LoraWriters:

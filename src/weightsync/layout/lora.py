@@ -98,9 +98,9 @@ class LoraSpec:
         targets = config.get("target_modules") or []
         if isinstance(targets, str):
             raise ValueError(f"adapter config target_modules is a pattern ({targets!r}); list the modules")
+        known = [m for m in LORA_MODULES if m in set(targets)]
         return cls(r=int(config["r"]), alpha=float(config["lora_alpha"]),
-                   target_modules=tuple(m for m in LORA_MODULES if m in set(targets)) or tuple(targets),
-                   dtype=dtype)
+                   target_modules=tuple(known + [m for m in targets if m not in LORA_MODULES]), dtype=dtype)
 
     def peft_config(self) -> dict[str, Any]:
         """The ``adapter_config.json`` of this adapter (what vLLM's ``PEFTHelper`` reads)."""
