@@ -72,6 +72,13 @@ def test_two_tp_writers_into_one_reader_move_the_adapter_once():
     assert sum(op.nbytes for op in plan.ops) == LORA.nbytes(s)
 
 
+def test_fp32_trainer_adapter_into_bf16_engine_moves_bf16_bytes():
+    s = spec()  # PEFT keeps adapters in fp32 on a bf16 base; the engine's LoRA dtype decides the bytes
+    writers = [LORA.rank_layout(s, r, tp=2, tp_rank=r, dtype="float32") for r in range(2)]
+    plan = build_plan(writers, [LORA.rank_layout(s, 0, dtype="bfloat16")])
+    assert sum(op.nbytes for op in plan.ops) == LORA.nbytes(s) // 2
+
+
 def test_bad_specs_and_shapes_name_the_problem():
     with pytest.raises(ValueError, match="qkv_proj"):
         LoraSpec(r=8, alpha=16, target_modules=("qkv_proj",))
