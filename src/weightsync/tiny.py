@@ -89,3 +89,25 @@ class CanonicalSource:
 
     def descriptor(self) -> tuple[str, dict[str, Any]]:
         return self._kind.describe(), self.config
+
+
+def lora_weights(config: dict[str, Any], lora: Any, seed: int) -> dict[str, torch.Tensor]:
+    """Random adapter tensors (PEFT saved names) of ``lora`` (a ``LoraSpec``) on ``config``'s model.
+
+    Both A and B are drawn N(0, 0.2) (PEFT starts B at zero; a trained adapter is not), so
+    adapters of two seeds generate differently."""
+    from weightsync.torch_layout import torch_dtype
+
+    spec = ModelSpec.from_hf_config(config)
+    gen = torch.Generator().manual_seed(seed)
+    return {name: (0.2 * torch.randn(t.shape, generator=gen)).to(torch_dtype(t.dtype))
+            for name, t in lora.canonical(spec).items()}
+
+
+def write_adapter(path: Path, config: dict[str, Any], lora: Any, seed: int) -> dict[str, torch.Tensor]:
+    """Write a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps(lora.peft_config()))
+    tensors = lora_weights(config, lora, seed)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    return tensors
