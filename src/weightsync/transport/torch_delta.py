@@ -9,7 +9,9 @@ one ordered exchange (no message overlap: the payloads are small):
 2. the writer sends in full when that is not the version it last sent to this reader, when
    it holds no copy, or when the pair has had K-1 deltas since its last full version;
    otherwise every message goes in the smallest encoding of :mod:`weightsync.delta`;
-3. per message: a header ``[kind, changed, nbytes, crc32 or 0]`` (int64), then the payload.
+3. batches of consecutive messages whose encoded bytes fit a staging buffer: a header block
+   with a row ``[kind, changed, nbytes, crc32 or 0]`` (int64) per message of the batch (-1 for
+   the others), then the batch's payloads back to back (absent when empty).
 
 The writer keeps a copy of the bytes it last sent per pair (the ``previous`` buffers, counted
 in ``peak_extra_bytes``); ``TransferStats.nbytes`` counts the payload bytes on the wire.
@@ -21,7 +23,7 @@ in ``peak_extra_bytes``); ``TransferStats.nbytes`` counts the payload bytes on t
 
 from __future__ import annotations
 
-import itertools
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -69,33 +71,31 @@ def send_pair(t: GlooTransport, phase: int, pair: Pair, run: _LaneRun) -> None:
     messages, stats, timer = pair.messages, run.stats, run.timer
     if not messages:
         return
-    tags = itertools.count()
     base = torch.empty(1, dtype=torch.int64)
-    _exchange(t, run, "recv", base, pair=pair, message=messages[0], tag=next(tags))
+    _exchange(t, run, "recv", base, pair=pair, message=messages[0], tag=0)
     key = (phase, pair.peer)
     sent = t.delta_sent.pop(key, None)  # dropped until this send completes: a failure means full next time
     anchor = t.ctx.options.delta_anchor_every
     full = sent is None or int(base.item()) != sent.version or sent.deltas_since_full + 1 >= anchor
     previous = sent.previous if sent else [torch.empty(m.nbytes, dtype=torch.uint8) for m in messages]
-    for message, old in zip(messages, previous, strict=True):
+    batch = _Batch(t, run, pair)
+    for index, (message, old) in enumerate(zip(messages, previous, strict=True)):
         new = direct_source(message, t._flats) if message.direct else None
         if new is None:
             with timer("pack"):
-                new = pack(message, t._flats, t._buffer(run.lane, 0))
+                new = pack(message, t._flats, t._buffer(run.lane, 2))
         with timer("encode"):
             enc = Encoded(Kind.DENSE, 0, new) if full else encode(new, old, unit=message_unit(message))
         crc = 0
         if t.ctx.options.checksum:
             with timer("checksum"):
                 crc = checksum(new)
-        header = torch.tensor([int(enc.kind), enc.changed, enc.nbytes, crc], dtype=torch.int64)
-        _exchange(t, run, "send", header, pair=pair, message=message, tag=next(tags))
-        if enc.nbytes:
-            _exchange(t, run, "send", enc.payload, pair=pair, message=message, tag=next(tags))
+        batch.add(index, enc, crc)
         with timer("encode"):
             old.copy_(new)
         stats.nbytes += enc.nbytes
         stats.messages += 1
+    batch.close()
     t.delta_sent[key] = SentState(stats.version, 0 if full or sent is None else sent.deltas_since_full + 1,
                                   previous)
 
@@ -105,31 +105,38 @@ def receive_pair(t: GlooTransport, phase: int, pair: Pair, run: _LaneRun) -> Non
     messages, stats, timer = pair.messages, run.stats, run.timer
     if not messages:
         return
-    tags = itertools.count()
     key = (phase, pair.peer)
     held = t.delta_held.pop(key, None)  # dropped until every message landed
     base = held if held is not None and t.holds_versions() else -1
-    _exchange(t, run, "send", torch.tensor([base], dtype=torch.int64), pair=pair, message=messages[0], tag=next(tags))
-    header = torch.empty(4, dtype=torch.int64)
-    for message in messages:
-        _exchange(t, run, "recv", header, pair=pair, message=message, tag=next(tags))
-        kind, changed, nbytes, crc = (int(x) for x in header.tolist())
-        _check_header(t, pair, message, kind=kind, nbytes=nbytes, base=base)
-        if kind == Kind.DENSE and message.direct:
-            payload = as_bytes(dst_view(t._flats, message.pieces[0]))
-        else:
-            payload = t._buffer(run.lane, 0)[:nbytes]
-        if nbytes:
-            _exchange(t, run, "recv", payload, pair=pair, message=message, tag=next(tags))
-        with timer("unpack"):
-            result = _apply(t, run, message, kind=Kind(kind), payload=payload, changed=changed, pair=pair)
-        if t.ctx.options.checksum:
-            with timer("checksum"):
-                if checksum(result) != crc:
-                    raise TransportError(f"reader {t.ctx.rank}: checksum mismatch in version {stats.version} from "
-                                         f"writer {pair.peer}: {message.describe()}")
-        stats.nbytes += nbytes
-        stats.messages += 1
+    _exchange(t, run, "send", torch.tensor([base], dtype=torch.int64), pair=pair, message=messages[0], tag=0)
+    index, tag = 0, 1
+    while index < len(messages):
+        headers = torch.empty(len(messages), 4, dtype=torch.int64)
+        _exchange(t, run, "recv", headers, pair=pair, message=messages[index], tag=tag)
+        rows = torch.nonzero(headers[:, 0] >= 0).reshape(-1).tolist()
+        total = int(headers[rows, 2].sum()) if rows else 0
+        if not rows or rows != list(range(index, index + len(rows))) or total > t._message_bytes:
+            raise TransportError(f"reader {t.ctx.rank}: malformed delta batch from writer {pair.peer} "
+                                 f"(messages {rows[:3]}..., {total} bytes, expected message {index} first)")
+        data = t._buffer(run.lane, 0)[:total]
+        if total:
+            _exchange(t, run, "recv", data, pair=pair, message=messages[index], tag=tag + 1)
+        at = 0
+        for row in rows:
+            message = messages[row]
+            kind, changed, nbytes, crc = (int(x) for x in headers[row].tolist())
+            _check_header(t, pair, message, kind=kind, nbytes=nbytes, base=base)
+            payload, at = data[at: at + nbytes], at + nbytes
+            with timer("unpack"):
+                result = _apply(t, run, message, kind=Kind(kind), payload=payload, changed=changed, pair=pair)
+            if t.ctx.options.checksum:
+                with timer("checksum"):
+                    if checksum(result) != crc:
+                        raise TransportError(f"reader {t.ctx.rank}: checksum mismatch in version {stats.version} "
+                                             f"from writer {pair.peer}: {message.describe()}")
+            stats.nbytes += nbytes
+            stats.messages += 1
+        index, tag = rows[-1] + 1, tag + 2
     t.delta_held[key] = stats.version
 
 
@@ -137,7 +144,9 @@ def _apply(t: GlooTransport, run: _LaneRun, message: Message, *, kind: Kind, pay
            changed: int, pair: Pair) -> torch.Tensor:
     """Bring the message's destination to the new bytes; returns them (for the checksum)."""
     if kind == Kind.DENSE:
-        if not message.direct:
+        if message.direct:
+            as_bytes(dst_view(t._flats, message.pieces[0])).copy_(payload)
+        else:
             scatter(message, t._flats, payload)
         return payload
     if message.direct:
@@ -163,6 +172,52 @@ def _check_header(t: GlooTransport, pair: Pair, message: Message, *, kind: int, 
         raise TransportError(f"reader {t.ctx.rank}: writer {pair.peer} sent a delta although this reader holds "
                              f"no base version ({message.describe()}); writers and readers disagree on "
                              f"delta_anchor_every")
+
+
+class _Batch:
+    """Consecutive encoded messages sent as one header block (rows of other messages: -1) and one payload.
+
+    Payloads collect in one of two staging buffers (``message_bytes``) while the other one is
+    on the wire, so a delta version costs a round trip or two per pair instead of one per message.
+    """
+
+    def __init__(self, t: GlooTransport, run: _LaneRun, pair: Pair) -> None:
+        self.t, self.run, self.pair = t, run, pair
+        self.slot, self.at, self.tag = 0, 0, 1
+        self.headers = self._fresh_headers()
+        self.in_flight: deque[tuple[Any, Message, int, torch.Tensor]] = deque()  # keeps posted tensors alive
+
+    def _fresh_headers(self) -> torch.Tensor:
+        return torch.full((len(self.pair.messages), 4), -1, dtype=torch.int64)
+
+    def add(self, index: int, enc: Encoded, crc: int) -> None:
+        if self.at + enc.nbytes > self.t._message_bytes:
+            self.flush()
+        buffer = self.t._buffer(self.run.lane, self.slot)
+        buffer[self.at: self.at + enc.nbytes].copy_(enc.payload)
+        self.at += enc.nbytes
+        self.headers[index] = torch.tensor([int(enc.kind), enc.changed, enc.nbytes, crc])
+
+    def flush(self) -> None:
+        message = self.pair.messages[int(torch.nonzero(self.headers[:, 0] >= 0)[0])]
+        parts = [self.headers] + ([self.t._buffer(self.run.lane, self.slot)[: self.at]] if self.at else [])
+        for offset, tensor in enumerate(parts):
+            with self.run.timer("transfer"):
+                work = self.t._post(self.run.pg, "send", tensor, self.pair, message, tag=self.tag + offset)
+            self.in_flight.append((work, message, self.slot, tensor))
+        self.slot, self.at, self.tag, self.headers = 1 - self.slot, 0, self.tag + 2, self._fresh_headers()
+        while any(item[2] == self.slot for item in self.in_flight):  # the next buffer must be free
+            self._finish()
+
+    def close(self) -> None:
+        if bool((self.headers[:, 0] >= 0).any()):
+            self.flush()
+        while self.in_flight:
+            self._finish()
+
+    def _finish(self) -> None:
+        work, message, slot, _ = self.in_flight.popleft()
+        self.t._wait((work, message, slot), self.run.deadline, self.pair.peer, self.run.timer)
 
 
 def _exchange(t: GlooTransport, run: _LaneRun, kind: str, tensor: torch.Tensor, *, pair: Pair, message: Message,
