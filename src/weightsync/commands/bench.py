@@ -22,7 +22,8 @@ def _csv(text: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="the quick suite (one small model, every method)")
-    p.add_argument("--suite", choices=["quick", "full", "test", "vllm-memory", "fewer-bytes", "load", "delta"], default=None,
+    p.add_argument("--suite", choices=["quick", "full", "test", "vllm-memory", "fewer-bytes", "load", "delta"],
+                   default=None,
                    help="quick | full (every model, dtype and layout that fits in memory) | test (tiny) | "
                         "vllm-memory (a vLLM reader's extra memory: whole-model staging vs phases) | "
                         "fewer-bytes (FP8 quantize-on-send vs full bf16 syncs, same layout, one run) | "
