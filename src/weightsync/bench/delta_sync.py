@@ -30,41 +30,13 @@ from typing import Any
 import torch
 
 from weightsync.bench.vllm_memory import MODELS, model_config
+from weightsync.sources.trained import train_snapshots
 
 MODES = {"full": 0, "delta": 1000}
 
 
 def _config(model: str) -> dict[str, Any]:
     return {**model_config(model), "torch_dtype": "bfloat16"}
-
-
-def train_snapshots(model: str, steps: int, lr: float, out: Path) -> list[float]:
-    """Train ``steps`` AdamW steps (fp32 master weights); save each step's bf16 weights; changed fractions."""
-    from safetensors.torch import save_file
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = model_config(model)
-    net = Qwen3ForCausalLM(Qwen3Config(**{k: v for k, v in config.items() if k != "architectures"}))
-    net.float().train()
-    optim = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-    gen = torch.Generator().manual_seed(1)
-    previous: dict[str, torch.Tensor] | None = None
-    changed = []
-    for step in range(1, steps + 1):
-        tokens = torch.randint(0, config["vocab_size"], (4, 128), generator=gen)
-        loss = net(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        weights = {n: p.detach().to(torch.bfloat16).contiguous() for n, p in net.state_dict().items()}
-        if previous is not None:
-            diff = sum(int((weights[n].view(torch.int16) != previous[n].view(torch.int16)).sum()) for n in weights)
-            changed.append(diff / sum(t.numel() for t in weights.values()))
-        save_file(weights, str(out / f"step{step}.safetensors"))
-        previous = weights
-    return changed
 
 
 def _writer(model: str, job: str, rank: int, *, snapshots: str, versions: int, anchor: int, timeout: float) -> None:
@@ -145,7 +117,7 @@ def run_delta(*, model: str = "qwen3-30m", steps: int = 8, lr: float = 1e-6,
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="weightsync-delta-") as tmp, EmbeddedMetaServer() as server:
-        changed = train_snapshots(model, steps, lr, Path(tmp))
+        changed = train_snapshots(model_config(model), steps, lr, Path(tmp))
         env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
                "OMP_NUM_THREADS": "1"}
         for mode in MODES:
