@@ -33,6 +33,18 @@ def values_for(spec, version, dtype):
     return out
 
 
+def sparse_values_for(spec, version, dtype):
+    """Version 0's values with ~2% of the elements moved per later version (what training does)."""
+    out = values_for(spec, 0, dtype)
+    for step in range(1, version + 1):
+        for i, t in enumerate(out.values()):
+            g = torch.Generator().manual_seed(104729 * step + i)
+            flat = t.view(-1)
+            idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 50),), generator=g)
+            flat[idx] += 0.25
+    return out
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     torch.set_num_threads(1)
@@ -41,6 +53,7 @@ def main() -> None:
     readers = parse_layout(args["target"]).all_rank_layouts(spec)
     role, rank = args["role"], args["rank"]
     mine = (writers if role == "writer" else readers)[rank]
+    values = sparse_values_for if args.get("sparse_steps") else values_for
     plan = build_local_plan(writers, readers, role=role, rank=rank, options=PlanOptions(min_split_bytes=0))
     # "cuda": every process on one GPU (CUDA IPC); "cuda-per-rank": one GPU per process (NCCL).
     device = args.get("device", "cpu")
@@ -78,7 +91,7 @@ def main() -> None:
             if role == "writer":
                 if args.get("die_at") == version and rank == args.get("die_rank", 0):
                     os._exit(3)  # a peer dying mid-sync
-                fill_from_canonical(mine, tensors, values_for(spec, version, args["source_dtype"]))
+                fill_from_canonical(mine, tensors, values(spec, version, args["source_dtype"]))
                 # (routed: its shm part keeps version slots too; WeightWriter's staleness wait guards them)
                 if (transport.one_sided or transport.name == "routed") and version >= 1:
                     for r in range(len(readers)):  # do not overwrite a slot still being read
@@ -92,6 +105,10 @@ def main() -> None:
                     meta.put_document(f"sent/{version}/{rank}", b"1")
                 results.append({"version": version, "peak_extra_bytes": stats.peak_extra_bytes})
             else:
+                if version in args.get("new_memory_at", {}).get(str(rank), []):  # a restarted/staging reader
+                    tensors = allocate(mine, device=device)  # fresh (zeroed) memory
+                    pointers = {n: t.data_ptr() for n, t in tensors.items()}
+                    transport.prepare(plan, tensors, epoch=0, timeout=timeout)
                 t0 = time.monotonic()
                 try:
                     if transport.one_sided:  # what WeightReader does: wait for the publication
@@ -103,7 +120,7 @@ def main() -> None:
                     print(json.dumps({"error": type(exc).__name__, "message": str(exc),
                                       "seconds": time.monotonic() - t0}), flush=True)
                     return
-                expected = values_for(spec, version, args["source_dtype"])
+                expected = values(spec, version, args["source_dtype"])
                 expected = {n: v.to(TORCH_DTYPES[args["target_dtype"]]) for n, v in expected.items()}
                 want = allocate(mine, device=device)
                 fill_from_canonical(mine, want, expected)

@@ -22,11 +22,16 @@ def _csv(text: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="the quick suite (one small model, every method)")
-    p.add_argument("--suite", choices=["quick", "full", "test", "vllm-memory", "fewer-bytes", "load"], default=None,
+    p.add_argument("--suite", choices=["quick", "full", "test", "vllm-memory", "fewer-bytes", "load", "delta"],
+                   default=None,
                    help="quick | full (every model, dtype and layout that fits in memory) | test (tiny) | "
                         "vllm-memory (a vLLM reader's extra memory: whole-model staging vs phases) | "
                         "fewer-bytes (FP8 quantize-on-send vs full bf16 syncs, same layout, one run) | "
                         "load (--load-readers readers x --load-versions back-to-back versions: flat memory?)")
+    p.add_argument("--delta", action="store_true",
+                   help="delta vs full syncs of a really trained model (same as --suite delta)")
+    p.add_argument("--delta-steps", type=int, default=8, help="training steps (one sync each) of --delta")
+    p.add_argument("--delta-lr", type=float, default=1e-6, help="AdamW lr of --delta (fp32 master weights)")
     p.add_argument("--load-readers", type=int, default=16, help="readers of the load suite")
     p.add_argument("--load-versions", type=int, default=200, help="versions of the load suite")
     p.add_argument("--models", type=_csv, default=[], help="comma-separated model names (see bench.cases.MODELS)")
@@ -65,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
         return _vllm_memory(args)
     if kind == "fewer-bytes":
         return _fewer_bytes(args)
+    if kind == "delta" or args.delta:
+        return _delta(args)
     if kind == "load":
         return _load(args)
     transports = args.transports or available_transports()
@@ -165,6 +172,35 @@ def _fewer_bytes(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.flush()
         print(json.dumps({"rows": rows, "machine": machine()}), flush=True)
+    return 0 if all(r.get("verified") for r in rows) else 1
+
+
+def _delta(args: argparse.Namespace) -> int:
+    """``--delta``: see :mod:`weightsync.bench.delta_sync`."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from weightsync.bench import machine
+    from weightsync.bench.delta_sync import run_delta
+
+    model = args.models[0] if args.models else "qwen3-30m"
+    rows, changed = run_delta(model=model, steps=max(3, args.delta_steps), lr=args.delta_lr, timeout=args.timeout)
+    console = Console(stderr=args.json, width=200)
+    console.print(f"bf16 elements changed per step (steps 2..): {', '.join(f'{c:.2%}' for c in changed)}")
+    table = Table(title=f"{model}: 2 FSDP writers (bf16) -> 1 reader over torch/gloo, median over versions 2..")
+    for col in ("mode", "MB on the wire", "x full bytes", "sync s", "x full time", "bitwise"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["mode"], "", "", "", "", f"[red]{r['error'][:80]}[/red]")
+            continue
+        table.add_row(r["mode"], f"{r['nbytes'] / 1e6:.2f}", f"{r.get('bytes_vs_full', float('nan')):.3f}",
+                      f"{r['seconds']:.3f}", f"{r.get('seconds_vs_full', float('nan')):.3f}",
+                      "yes" if r["verified"] else "[red]NO[/red]")
+    console.print(table)
+    if args.json:
+        sys.stdout.flush()
+        print(json.dumps({"rows": rows, "changed": changed, "machine": machine()}), flush=True)
     return 0 if all(r.get("verified") for r in rows) else 1
 
 

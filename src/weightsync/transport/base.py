@@ -69,6 +69,9 @@ class TransportOptions:
             transport/nixl_common.py).
         shm_streaming: shared-memory readers copy while writers pack (x86-64 CPU only; see
             transport/shm.py); False makes them wait for whole slots (for A/B measurements).
+        delta_anchor_every: torch (gloo) transport only: 0 sends every version in full; K >= 1
+            sends each reader only what changed since the version it holds (weightsync/delta.py),
+            with a full version at least every K versions per pair (K=1: always full).
     """
 
     max_bucket_bytes: int = 64 << 20
@@ -79,12 +82,15 @@ class TransportOptions:
     file_dir: str = ""
     nixl_mode: Literal["auto", "pull", "push"] = "auto"
     shm_streaming: bool = True
+    delta_anchor_every: int = 0
 
     def __post_init__(self) -> None:
         if self.max_bucket_bytes < 2 * 4096:
             raise ValueError(f"max_bucket_bytes must be at least 8192, got {self.max_bucket_bytes}")
         if self.direct_min_bytes < 0:
             raise ValueError(f"direct_min_bytes must be >= 0, got {self.direct_min_bytes}")
+        if self.delta_anchor_every < 0:
+            raise ValueError(f"delta_anchor_every must be >= 0 (0 = no deltas), got {self.delta_anchor_every}")
         if self.slots < 1:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
         if self.nixl_mode not in ("auto", "pull", "push"):
@@ -96,8 +102,9 @@ class TransportOptions:
         return self.max_bucket_bytes // 2
 
     def digest(self) -> str:
+        delta = f",delta={self.delta_anchor_every}" if self.delta_anchor_every else ""
         return (f"bucket={self.max_bucket_bytes},direct={self.direct_min_bytes},"
-                f"checksum={int(self.checksum)}")
+                f"checksum={int(self.checksum)}{delta}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -8,6 +8,8 @@ the wire and the receiver posts the receive of message i+1 before scattering mes
 direct messages need no buffer (received straight into the destination parameter, sent
 without packing when the source view is already a dense run of the right dtype), and up
 to eight of them are in flight per pair. Setup and the schedule: :mod:`weightsync.transport.torch_dist`.
+With ``TransportOptions.delta_anchor_every`` set, pairs exchange only what changed since the
+reader's version instead (:mod:`weightsync.transport.torch_delta`).
 """
 
 from __future__ import annotations
@@ -15,18 +17,23 @@ from __future__ import annotations
 import datetime
 import logging
 from collections import deque
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from weightsync.deadline import Deadline
-from weightsync.transport.base import PeerWatch, PhaseTimer, TransferStats, TransportError
+from weightsync.transport import torch_delta
+from weightsync.transport.base import PeerWatch, PhaseTimer, TransferStats, TransportContext, TransportError
 from weightsync.transport.schedule import Message
 from weightsync.transport.tensors import as_bytes, checksum, direct_source, dst_view, pack, scatter
 from weightsync.transport.torch_dist import MAX_LANES, Pair, TorchDistBase
+
+if TYPE_CHECKING:
+    from weightsync.plan import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +47,29 @@ class GlooTransport(TorchDistBase):
     serves_cpu: ClassVar[bool] = True
     serves_cuda: ClassVar[bool] = False
 
+    def __init__(self, ctx: TransportContext) -> None:
+        super().__init__(ctx)
+        #: Whoever hands this transport staging buffers that may not keep the received bytes
+        #: until the next receive sets this False: the reader then always asks for full versions.
+        self.delta_in_place = True
+        self.delta_sent: dict[tuple[int, int], torch_delta.SentState] = {}  # writer: (phase, reader) -> sent
+        self.delta_held: dict[tuple[int, int], int] = {}  # reader: (phase, writer) -> version in memory
+        self._one_phase = True
+        self._pointers: dict[str, int] = {}
+
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
+                phases: Sequence[Plan] | None = None) -> None:
+        super().prepare(plan, tensors, epoch=epoch, timeout=timeout, phases=phases)
+        pointers = {name: t.data_ptr() for name, t in tensors.items()}
+        if pointers != self._pointers:  # other memory: it does not hold the versions we received
+            self.delta_held.clear()
+        self._pointers = pointers
+        self._one_phase = len(self._schedules) == 1
+
+    def holds_versions(self) -> bool:
+        """Whether the destination keeps each received version until the next receive (see torch_delta)."""
+        return self.delta_in_place and self._one_phase
+
     def _form_group(self, epoch: int, deadline: Deadline) -> Any:
         prefix = self._store_for(epoch, deadline)
         try:
@@ -52,10 +82,27 @@ class GlooTransport(TorchDistBase):
 
     # -- data movement --------------------------------------------------------------------
     def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
-        return self._run_pairs(version, timeout, self._send_pair, self._phase_schedule(phase))
+        move = self._send_pair
+        if self.ctx.options.delta_anchor_every:
+            def move(pair: Pair, run: _LaneRun) -> None:
+                torch_delta.send_pair(self, phase, pair, run)
+        return self._run_pairs(version, timeout, move, self._phase_schedule(phase))
 
     def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
-        return self._run_pairs(version, timeout, self._receive_pair, self._phase_schedule(phase))
+        move = self._receive_pair
+        if self.ctx.options.delta_anchor_every:
+            def move(pair: Pair, run: _LaneRun) -> None:
+                torch_delta.receive_pair(self, phase, pair, run)
+        return self._run_pairs(version, timeout, move, self._phase_schedule(phase))
+
+    def _extra_bytes(self) -> int:
+        return super()._extra_bytes() + torch_delta.previous_bytes(self.delta_sent)
+
+    def close(self) -> None:
+        super().close()
+        self.delta_sent.clear()
+        self.delta_held.clear()
+        self._pointers = {}
 
     def _run_pairs(self, version: int, timeout: float, move: Any, schedule: list[Pair]) -> TransferStats:
         """Run ``move`` for every peer, on up to ``MAX_LANES`` threads (see module docstring)."""

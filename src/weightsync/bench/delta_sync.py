@@ -1,0 +1,155 @@
+"""``weightsync bench --suite delta``: delta sync against full syncs of a really trained model.
+
+The parent process trains a small Qwen3 (``qwen3-30m`` by default) for a few steps the way RL
+trainers do: fp32 master weights, AdamW at lr 1e-6, the synced copy cast to bf16. Each
+step's bf16 weights go to a safetensors file. Then the same syncs run twice over torch/gloo,
+2 FSDP writers -> 1 reader: version v sends step v's weights, once with
+``delta_anchor_every=0`` (full) and once with deltas (``delta_anchor_every=1000``: only the
+first version is full). Every version the reader receives is checked bitwise against the
+step's weights. Reported per mode: bytes on the wire and the writers' ``write()`` seconds
+(slower writer, median over versions 2..N: version 1 plans, connects and is always full),
+plus the fraction of bf16 elements each step changed.
+
+    rows, changed = run_delta(model="qwen3-30m", steps=8)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from weightsync.bench.vllm_memory import MODELS, model_config
+from weightsync.sources.trained import train_snapshots
+
+MODES = {"full": 0, "delta": 1000}
+
+
+def _config(model: str) -> dict[str, Any]:
+    return {**model_config(model), "torch_dtype": "bfloat16"}
+
+
+def _writer(model: str, job: str, rank: int, *, snapshots: str, versions: int, anchor: int, timeout: float) -> None:
+    from safetensors.torch import load_file
+
+    from weightsync.session import SyncConfig, TransportOptions
+    from weightsync.sources.module import ShardedSource
+    from weightsync.torch_layout import fill_from_canonical
+    from weightsync.writer import WeightWriter
+
+    torch.set_num_threads(1)
+    source = ShardedSource("fsdp:dp=2", _config(model), rank)
+    sync = SyncConfig(num_writers=2, num_readers=1, job=job, timeout=timeout, transport="torch",
+                      transport_options=TransportOptions(delta_anchor_every=anchor))
+    with WeightWriter(source, rank=rank, config=sync) as writer:
+        for version in range(1, versions + 1):
+            fill_from_canonical(source.layout(), source.tensors(), load_file(f"{snapshots}/step{version}.safetensors"))
+            result = writer.write(version)
+            print("WSDELTA " + json.dumps({"version": version, "seconds": result.seconds, "nbytes": result.nbytes,
+                                           "phases": result.phases}), flush=True)
+
+
+def _case(model: str, mode: str, *, snapshots: Path, versions: int, timeout: float, env: dict[str, str],
+          address: str, token: str) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    from weightsync.engines.buffers import ShardedEngine
+    from weightsync.meta.client import MetaClient
+    from weightsync.reader import WeightReader
+    from weightsync.session import SyncConfig, TransportOptions
+
+    job = f"delta-{uuid.uuid4().hex[:8]}"
+    anchor = MODES[mode]
+    writers = [subprocess.Popen([sys.executable, "-m", "weightsync.bench.delta_sync", "writer", "--model", model,
+                                 "--job", job, "--rank", str(rank), "--versions", str(versions), "--snapshots",
+                                 str(snapshots), "--anchor", str(anchor), "--timeout", str(timeout)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    engine = ShardedEngine("hf", _config(model), 0)
+    sync = SyncConfig(num_writers=2, num_readers=1, job=job, timeout=timeout, transport="torch",
+                      transport_options=TransportOptions(delta_anchor_every=anchor))
+    row: dict[str, Any] = {"model": model, "mode": mode, "versions": versions}
+    wrong: list[str] = []
+    try:
+        with MetaClient(address, job=job, token=token) as meta, \
+                WeightReader(engine, rank=0, config=sync, meta=meta) as reader:
+            for version in range(1, versions + 1):
+                reader.update(version, timeout=timeout)
+                want = load_file(str(snapshots / f"step{version}.safetensors"))
+                wrong += [f"v{version} {n}" for n, t in engine.tensors.items() if not torch.equal(t, want[n])]
+        outs = [w.communicate(timeout=timeout) for w in writers]
+    except Exception as exc:  # a failed case is a row with its error, not a crashed suite
+        for w in writers:
+            w.kill()
+            w.wait(10)
+        return row | {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    records: dict[int, list[dict[str, Any]]] = {}
+    for w, (out, err) in zip(writers, outs, strict=True):
+        if w.returncode:
+            return row | {"error": f"writer exit {w.returncode}: {err.strip().splitlines()[-1:]}"}
+        for line in out.splitlines():
+            if line.startswith("WSDELTA "):
+                rec = json.loads(line[len("WSDELTA "):])
+                records.setdefault(rec["version"], []).append(rec)
+    timed = [v for v in sorted(records) if v > 1]
+    row["seconds"] = statistics.median(max(r["seconds"] for r in records[v]) for v in timed)
+    row["nbytes"] = statistics.median(sum(r["nbytes"] for r in records[v]) for v in timed)
+    row["nbytes_per_version"] = [sum(r["nbytes"] for r in records[v]) for v in sorted(records)]
+    row["verified"] = not wrong
+    if wrong:
+        row["error"] = f"{len(wrong)} tensors differ, e.g. {wrong[:3]}"
+    return row
+
+
+def run_delta(*, model: str = "qwen3-30m", steps: int = 8, lr: float = 1e-6,
+              timeout: float = 600.0) -> tuple[list[dict[str, Any]], list[float]]:
+    """Train, then sync every step's weights full and as deltas; rows with ratios to full."""
+    from weightsync.meta.client import EmbeddedMetaServer
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="weightsync-delta-") as tmp, EmbeddedMetaServer() as server:
+        changed = train_snapshots(model_config(model), steps, lr, Path(tmp))
+        env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
+               "OMP_NUM_THREADS": "1"}
+        for mode in MODES:
+            started = time.perf_counter()
+            row = _case(model, mode, snapshots=Path(tmp), versions=steps, timeout=timeout, env=env,
+                        address=server.address, token=server.token)
+            row["wall_seconds"] = time.perf_counter() - started
+            rows.append(row)
+    full = next((r for r in rows if r["mode"] == "full" and "error" not in r), None)
+    for r in rows:
+        if full is not None and "error" not in r:
+            r["bytes_vs_full"] = r["nbytes"] / full["nbytes"]
+            r["seconds_vs_full"] = r["seconds"] / full["seconds"]
+    return rows, changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m weightsync.bench.delta_sync")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("writer")
+    w.add_argument("--model", required=True, choices=sorted(MODELS))
+    w.add_argument("--job", required=True)
+    w.add_argument("--rank", type=int, required=True)
+    w.add_argument("--versions", type=int, required=True)
+    w.add_argument("--snapshots", required=True)
+    w.add_argument("--anchor", type=int, required=True)
+    w.add_argument("--timeout", type=float, default=600.0)
+    args = parser.parse_args(argv)
+    _writer(args.model, args.job, args.rank, snapshots=args.snapshots, versions=args.versions, anchor=args.anchor,
+            timeout=args.timeout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
