@@ -115,8 +115,9 @@ def main() -> None:
     pointers = {n: t.data_ptr() for n, t in engine.tensors.items()}
     layout = engine.layout()
     with WeightReader(engine, rank=rank, config=sync) as reader:
-        # with "until": update until that version is applied (at most a few failures on the way)
-        versions = args["versions"] if "until" not in args else range(args["until"] + 3)
+        # with "until": update until that version is applied (a few failures or timeouts on the way:
+        # restarted writers start a fresh interpreter, slow on a loaded 2-core machine)
+        versions = args["versions"] if "until" not in args else range(args["until"] + 6)
         for version in versions:
             if "until" in args and engine.weight_version == args["until"]:
                 break
