@@ -36,9 +36,12 @@ def shm_files() -> set[str]:
 
 def owner_alive(name: str) -> bool:
     """A segment named ``weightsync-<pid>-...`` whose creator still runs (another test's, under xdist)."""
+    pid = next((int(part) for part in name.split("-")[1:] if part.isdigit()), None)
+    if pid is None:
+        return False
     try:
-        os.kill(int(name.split("-")[1]), 0)
-    except (IndexError, ValueError, ProcessLookupError):
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return False
     except PermissionError:
         return True
