@@ -18,7 +18,8 @@ import time
 import pytest
 
 from meta_proc import MetaServerProcess
-from test_sync_e2e import finish, launch
+from test_sync_e2e import finish
+from test_sync_e2e import launch as launch_rank
 from weightsync.deadline import Deadline
 from weightsync.meta.client import EmbeddedMetaServer, MetaClient
 from weightsync.transport import unavailable_reason
@@ -34,27 +35,28 @@ def shm_files() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("weightsync")} if os.path.isdir("/dev/shm") else set()
 
 
-def owner_alive(name: str) -> bool:
-    """A segment named ``weightsync-<pid>-...`` whose creator still runs (another test's, under xdist)."""
-    pid = next((int(part) for part in name.split("-")[1:] if part.isdigit()), None)
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+#: pids of the rank processes the running test started (segment names carry their creator's pid)
+LAUNCHED: set[int] = set()
+
+
+def launch(*args, **kwargs):
+    proc = launch_rank(*args, **kwargs)
+    LAUNCHED.add(proc.pid)
+    return proc
+
+
+def creator(name: str) -> int | None:
+    """The pid in a segment name (``weightsync-<pid>-...``, nixl's ``weightsync-<who>-e<n>-<pid>-...``)."""
+    return next((int(part) for part in name.split("-")[1:] if part.isdigit()), None)
 
 
 @pytest.fixture
 def no_leaks():
-    """Every segment this test's processes made is gone once they are (segments of live processes
-    belong to tests running beside this one)."""
-    before = shm_files()
+    """No segment of this test's rank processes is left once they are gone (tests running beside
+    this one under xdist have segments of their own, alive or about to be swept)."""
+    LAUNCHED.clear()
     yield
-    leaked = {n for n in shm_files() - before if not owner_alive(n)}
+    leaked = {n for n in shm_files() if creator(n) in LAUNCHED}
     assert leaked == set(), f"/dev/shm files leaked: {sorted(leaked)}"
 
 

@@ -385,3 +385,26 @@ def test_the_meta_server_process_imports_no_torch(tmp_path):
         assert not [lib for lib in libraries if "torch" in lib], sorted(libraries)
         with MetaClient(server.address, token=server.token) as c:
             assert c.status()["job"] == "default"
+
+
+def test_a_writer_waits_for_its_own_attempt_before_it_counts_readers_failures():
+    """A restarted writer 0 publishes its part of attempt 2 of version 1 before writer 1 has: the
+    readers' failures of attempt 0 are not failures of its attempt. It waits until every writer
+    published attempt 2 (a bounded wait naming the attempt), then for the readers on it."""
+    from weightsync.deadline import Deadline
+    from weightsync.job import JobChannel
+
+    with EmbeddedMetaServer() as server, MetaClient(server.address, token=server.token, job="j", timeout=5) as c:
+        c.register(Participant("reader", 0))
+        for w in range(2):
+            c.publish_version(1, "fp@0", writer_rank=w, num_writers=2, attempt=0)
+        c.report_failed(0, 1, "writer 1 died", attempt=0)
+        c.publish_version(1, "fp@2", writer_rank=0, num_writers=2, attempt=2)  # writer 1 restarts slowly
+        writer0 = JobChannel(c, role="writer", rank=0)
+        with pytest.raises(TimeoutError, match="attempt 2 of version 1 was not published by every writer"):
+            writer0.wait_readers(min_version=1, readers=1, deadline=Deadline.after(0.3), attempt=2)
+        c.publish_version(1, "fp@2", writer_rank=1, num_writers=2, attempt=2)
+        with pytest.raises(TimeoutError):  # the reader has not taken attempt 2 yet
+            writer0.wait_readers(min_version=1, readers=1, deadline=Deadline.after(0.3), attempt=2)
+        c.report_applied(0, 1, nbytes=8, seconds=0.1)
+        assert writer0.wait_readers(min_version=1, readers=1, deadline=Deadline.after(5), attempt=2) == {}

@@ -304,14 +304,24 @@ class JobChannel:
         version until the next (or a later attempt of this one)."""
         self.meta.report_failed(self.rank, version, error[:2000], attempt=epoch)
 
-    def wait_readers(self, *, min_version: int, readers: int, deadline: Deadline) -> dict[int, str]:
+    def wait_readers(self, *, min_version: int, readers: int, deadline: Deadline,
+                     attempt: int | None = None) -> dict[int, str]:
         """Until reader ranks ``0..readers-1`` are done with ``min_version`` (applied or failed it,
         or newer, or died: their lease expired). Returns the readers that failed it: rank -> the
         error each reported, or how it died.
 
+        With ``attempt`` (the epoch this writer published ``min_version`` in), first until that
+        attempt is published by every writer: until then the readers' failures of the version
+        are those of an older attempt (the server clears them when the new one completes), and
+        a writer that restarted faster than its peers must not take them for its own.
+
         Raises:
-            TimeoutError: naming the laggards.
+            TimeoutError: naming the laggards (or the attempt that no one completed).
         """
+        if attempt is not None and self.meta.wait_version(after=min_version, timeout=deadline.remaining(0.0),
+                                                          after_attempt=attempt - 1) is None:
+            raise TimeoutError(f"{self.who}: attempt {attempt} of version {min_version} was not published by "
+                               "every writer in time (another writer did not publish its part)")
         while True:
             # In slices of a lease, so that a reader that died is reported as such, not waited for.
             step = deadline.remaining() if self.lease_seconds <= 0 else min(deadline.remaining(), self.lease_seconds)
