@@ -6,6 +6,7 @@ version. The meta server address comes from WEIGHTSYNC_META_ADDR / _TOKEN.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ from weightsync.session import SyncConfig, SyncError
 from weightsync.sources.module import ShardedSource
 from weightsync.torch_layout import TORCH_DTYPES, allocate, fill_from_canonical
 from weightsync.transport import TransportOptions
+from weightsync.transport.shm_files import share_tensors
 from weightsync.writer import WeightWriter
 
 
@@ -57,6 +59,31 @@ def die_mid_transfer(writer: WeightWriter, how: str = "exit") -> None:
         transport._post = post
     else:  # one-sided: during the copy, before the version is published
         transport.send = lambda *a, **kw: die(how)
+
+
+def wait_for_go(flag_dir: str, timeout: float) -> None:
+    """Touch ``flag_dir/held``, then wait for ``flag_dir/go``: the test injects its fault between."""
+    open(os.path.join(flag_dir, "held"), "w").close()
+    deadline = Deadline.after(timeout)
+    while not os.path.exists(os.path.join(flag_dir, "go")):
+        if deadline.expired:
+            raise TimeoutError(f"no go in {flag_dir} within {timeout} s")
+        time.sleep(0.02)
+
+
+def hold_before_send(writer: WeightWriter, version: int, flag_dir: str, timeout: float) -> None:
+    """Pause this writer in ``version`` just before it sends (its epoch decided, the version
+    maybe published): a fault injected then lands during the version."""
+    assert writer.session.planned is not None
+    transport = writer.session.planned.transport
+    original = transport.send
+
+    def send(v, *a, **kw):
+        if v == version:
+            wait_for_go(flag_dir, timeout)
+        return original(v, *a, **kw)
+
+    transport.send = send
 
 
 def die_receiving(reader: WeightReader, version: int, how: str) -> None:
@@ -95,9 +122,20 @@ def main() -> None:
     role, rank = args["role"], args["rank"]
     if role == "writer":
         source = ShardedSource(args["source"], config, rank)
-        with WeightWriter(source, rank=rank, config=sync) as writer:
+        shared = None
+        if args.get("shared_source"):  # parameters in /dev/shm: the shm transport goes zero-copy
+            shared = share_tensors(source.tensors())
+            source = ShardedSource(args["source"], config, rank, tensors=shared.tensors)
+        with contextlib.ExitStack() as stack, WeightWriter(source, rank=rank, config=sync) as writer:
+            if shared is not None:
+                stack.callback(shared.close)
             for version in args["versions"]:
                 fill_from_canonical(source.layout(), source.tensors(), canonical_values(config, version))
+                if args.get("pause_before") == version:  # the previous version is done: between versions
+                    wait_for_go(args["flag_dir"], sync.timeout * 4)
+                if args.get("hold_at") == version:
+                    writer.session.plan(Deadline.after(sync.timeout))
+                    hold_before_send(writer, version, args["flag_dir"], sync.timeout * 4)
                 if args.get("die_at") == version:
                     writer.session.plan(Deadline.after(sync.timeout))
                     die_mid_transfer(writer, args.get("die_how", "exit"))

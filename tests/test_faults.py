@@ -21,7 +21,7 @@ from meta_proc import MetaServerProcess
 from test_sync_e2e import finish
 from test_sync_e2e import launch as launch_rank
 from weightsync.deadline import Deadline
-from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+from weightsync.meta.client import EmbeddedMetaServer
 from weightsync.transport import unavailable_reason
 
 pytestmark = pytest.mark.faults
@@ -60,6 +60,39 @@ def no_leaks():
     assert leaked == set(), f"/dev/shm files leaked: {sorted(leaked)}"
 
 
+#: every transport, with resharding (TP2 writers -> TP1 x 2 readers); shm both ways it exposes versions
+TRANSPORTS = [
+    pytest.param({"transport": "torch"}, id="torch"),
+    pytest.param({"transport": "shm"}, id="shm-snapshot"),
+    pytest.param({"transport": "shm", "shared_source": True}, id="shm-zero-copy"),
+    pytest.param({"transport": "file"}, id="file"),
+    pytest.param({"transport": "nixl", "transport_options": {"nixl_mode": "pull"}}, id="nixl-pull"),
+    pytest.param({"transport": "nixl", "transport_options": {"nixl_mode": "push"}}, id="nixl-push"),
+]
+
+def transport_name(options) -> str:
+    name = options["transport"]
+    if options.get("shared_source"):
+        return f"{name} (zero-copy)"
+    mode = options.get("transport_options", {}).get("nixl_mode")
+    return f"{name} {mode}" if mode else name
+
+
+@pytest.fixture
+def tally(request):
+    """Name the fault this test injects: conftest.py counts it (injected / survived / hangs) and
+    prints the table at the end of the run, xdist workers included."""
+    def record(fault: str, options) -> None:
+        request.node.user_properties.append(("fault", f"{fault}|{transport_name(options)}"))
+
+    return record
+
+
+def skip_unavailable(options) -> None:
+    if unavailable_reason(options["transport"]):
+        pytest.skip(unavailable_reason(options["transport"]))
+
+
 def assert_reader_ends_exact(out, rank, version):
     code, records, stderr = out[("reader", rank)]
     assert code == 0, stderr[-3000:]
@@ -69,11 +102,11 @@ def assert_reader_ends_exact(out, rank, version):
         assert r["ok"] or r["seconds"] < TIMEOUT + 10  # a failure ends within the timeout, never hangs
 
 
-@pytest.mark.parametrize("transport", ["torch", "shm"])
-def test_writer_sigkilled_mid_transfer_restarts_and_writes_the_version_again(transport, no_leaks):
-    if unavailable_reason(transport):
-        pytest.skip(unavailable_reason(transport))
-    common = {**COMMON, "transport": transport}
+@pytest.mark.parametrize("options", TRANSPORTS)
+def test_writer_sigkilled_mid_transfer_restarts_and_writes_the_version_again(options, no_leaks, tally):
+    skip_unavailable(options)
+    tally("writer SIGKILL mid-send; both writers restart and write V again", options)
+    common = {**COMMON, **options}
     with EmbeddedMetaServer() as server:
         procs = {("writer", 0): launch(server, "writer", 0, versions=[0, 1], **common),
                  ("writer", 1): launch(server, "writer", 1, versions=[0, 1], die_at=1, die_how="SIGKILL", **common)}
@@ -91,8 +124,12 @@ def test_writer_sigkilled_mid_transfer_restarts_and_writes_the_version_again(tra
         assert code == 0 and records[-1]["ok"], (records, stderr[-3000:])
 
 
-def test_reader_sigkilled_mid_transfer_the_other_carries_on_and_the_restarted_one_catches_up(no_leaks):
-    common = {**COMMON, "transport": "torch"}
+@pytest.mark.parametrize("options", TRANSPORTS)
+def test_reader_sigkilled_mid_transfer_the_other_carries_on_and_the_restarted_one_catches_up(options, no_leaks,
+                                                                                              tally):
+    skip_unavailable(options)
+    tally("reader SIGKILL as it receives V; restarted", options)
+    common = {**COMMON, **options}
     with EmbeddedMetaServer() as server:
         procs = {("writer", r): launch(server, "writer", r, versions=[0, 1, 2], **common) for r in range(2)}
         procs[("reader", 0)] = launch(server, "reader", 0, until=2, **common)
@@ -107,10 +144,11 @@ def test_reader_sigkilled_mid_transfer_the_other_carries_on_and_the_restarted_on
         assert code == 0 and records[-1]["version"] == 2 and records[-1]["ok"], (records, stderr[-3000:])
 
 
-@pytest.mark.xfail(reason="intermittent over shm: a reader sometimes takes the restarted attempt after writer 0's "
-                   "barrier passed and finds its segment gone (issue 18, open)", strict=False)
-def test_writer_sigstopped_others_fail_in_time_then_a_restart_completes_the_version(no_leaks):
-    common = {**COMMON, "transport": "shm"}
+@pytest.mark.parametrize("options", TRANSPORTS)
+def test_writer_sigstopped_others_fail_in_time_then_a_restart_completes_the_version(options, no_leaks, tally):
+    skip_unavailable(options)
+    tally("writer SIGSTOP mid-send (others fail in time); killed, both writers restart", options)
+    common = {**COMMON, **options}
     with EmbeddedMetaServer() as server:
         procs = {("writer", 0): launch(server, "writer", 0, versions=[0, 1], **common)}
         stopped = launch(server, "writer", 1, versions=[0, 1], die_at=1, die_how="SIGSTOP", **common)
@@ -128,29 +166,32 @@ def test_writer_sigstopped_others_fail_in_time_then_a_restart_completes_the_vers
         assert_reader_ends_exact(out, rank, 1)
 
 
-@pytest.mark.parametrize("durable", [
-    True,
-    pytest.param(False, marks=pytest.mark.xfail(
-        reason="readers keep failing with ServerStateLostError after re-registering (issue 18, open)",
-        strict=False)),
-], ids=["state-dir", "no-state-dir"])
-def test_meta_server_killed_and_restarted_between_versions_the_job_carries_on(tmp_path, durable, no_leaks):
+@pytest.mark.parametrize("when", ["between", "during"])
+@pytest.mark.parametrize("durable", [True, False], ids=["state-dir", "no-state-dir"])
+def test_meta_server_killed_and_restarted_the_job_carries_on(tmp_path, durable, when, no_leaks, tally):
     """With ``--state-dir`` the restarted server has everything; without, clients see that it
-    lost its state (a new server instance) and register again. Either way versions go on."""
+    lost its state (a new server instance), fail the version in flight naming that, and register
+    again. Either way the next versions succeed. Writer 0 pauses (after version 0, or inside
+    version 1 just before it sends) while the server is killed and restarted."""
     common = {**COMMON, "transport": "shm"}
+    tally(f"meta server SIGKILL + restart {when} versions, " + ("with" if durable else "without") + " --state-dir",
+          common)
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    pause = {"pause_before": 1} if when == "between" else {"hold_at": 1}
     args = ("--state-dir", str(tmp_path / "state")) if durable else ()
     with MetaServerProcess(tmp_path, *args) as server:
-        procs = {("writer", r): launch(server, "writer", r, versions=[0, 1, 2], **common) for r in range(2)}
+        procs = {("writer", r): launch(server, "writer", r, versions=[0, 1, 2], retries=1, flag_dir=str(flags),
+                                       **(pause if r == 0 else {}), **common) for r in range(2)}
         procs |= {("reader", r): launch(server, "reader", r, until=2, **common) for r in range(2)}
         try:
-            client = MetaClient(server.address, token=server.token)
             deadline = Deadline.after(TIMEOUT * 3)
-            while not all(client.reader_versions().get(r) is not None for r in range(2)):
-                assert not deadline.expired, "readers did not apply version 0 in time"
-                time.sleep(0.05)  # a bounded poll: the fault lands after version 0
-            client.close()
+            while not (flags / "held").exists():
+                assert not deadline.expired, "writer 0 did not reach the fault point in time"
+                time.sleep(0.02)  # a bounded poll for the worker's flag file
             server.kill()
             server.start()  # same port
+            (flags / "go").touch()
             out = finish(procs, TIMEOUT * 8)
         finally:
             for p in procs.values():

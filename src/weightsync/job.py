@@ -178,8 +178,7 @@ class JobChannel:
         """
         from weightsync.meta.records import Participant
 
-        if hasattr(self.meta, "pin_instance"):
-            self.meta.pin_instance()
+        self.pin_server()
         took_over = False
         if lease > 0 and hasattr(self.meta, "acquire_lease"):
             self.lease_seconds, self.host = lease, host
@@ -212,6 +211,12 @@ class JobChannel:
     def wait_roster(self, *, writers: int, readers: int, deadline: Deadline) -> list[Participant]:
         """Everyone, once ``writers`` writers and ``readers`` readers registered."""
         return list(self.meta.wait_registered(writers=writers, readers=readers, timeout=deadline.remaining()))
+
+    def pin_server(self) -> None:
+        """Pin the meta server's current instance: the first step of (re)joining, before anything
+        is written to it (a server that later loses its state is noticed at the next call)."""
+        if hasattr(self.meta, "pin_instance"):
+            self.meta.pin_instance()
 
     def publish_model_config(self, config: Mapping[str, Any]) -> str:
         """Store a model config once per job; returns the digest layout descriptors name it by."""

@@ -99,6 +99,8 @@ class WeightReader:
             if lost is None:
                 raise
             self.session.forget()  # the next update registers and plans anew
+            # The new server's versions and epochs start over: a failure here says nothing about them.
+            self._failed, self._failed_epoch = None, -1
             raise SyncError(f"reader {self.rank}: update failed: {lost}. This reader registers again on its next "
                             f"update (its engine keeps version {self.version})") from exc
 

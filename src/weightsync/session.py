@@ -204,6 +204,7 @@ class SyncSession:
     def register(self) -> None:
         if self._registered:
             return
+        self.channel.pin_server()  # first: the layout blob below is already written to the server
         settings = self.config.settings()
         device = self.device()
         restarted = self.channel.register(host=self.host, group=self.config.job, layout=self._layout_blob(),

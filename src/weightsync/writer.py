@@ -86,6 +86,7 @@ class WeightWriter:
         if self.version is not None and version <= self.version:
             raise ValueError(f"writer {self.rank}: version {version} does not increase past {self.version}")
         self.session.check_alive()
+        written, history = self.version, list(self._history)
         try:
             return self._write(version, timeout)
         except Exception as exc:
@@ -93,8 +94,10 @@ class WeightWriter:
             if lost is None:
                 raise
             self.session.forget()  # the next write registers and plans anew
+            # The new server knows no version: this one may be written again (a trainer retries it).
+            self.version, self._history = written, history
             raise SyncError(f"writer {self.rank}: version {version} failed: {lost}. This writer registers again "
-                            "on its next write") from exc
+                            "on its next write, which may write this version again") from exc
 
     def _write(self, version: int, timeout: float | None) -> WriteResult:
         deadline = Deadline.after(timeout if timeout is not None else self.config.timeout)

@@ -101,9 +101,10 @@ class FileTransport:
             return self.ctx.options.file_dir
         if self.ctx.role == "writer" and self.ctx.rank == 0:
             if self._owns_directory and self.directory is not None:
-                return self.directory  # the same directory across epochs
-            path = tempfile.mkdtemp(prefix="weightsync-file-")
-            self._owns_directory = True
+                path = self.directory  # the same directory across epochs, announced in each
+            else:
+                path = tempfile.mkdtemp(prefix="weightsync-file-")
+                self._owns_directory = True
             self.ctx.job.publish_endpoint(self.name, epoch, {"directory": path})
             return path
         doc = self.ctx.job.wait_endpoint(self.name, epoch, "writer", 0, deadline=deadline)
