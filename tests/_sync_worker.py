@@ -148,6 +148,8 @@ def main() -> None:
                     except SyncError as exc:
                         emit(role=role, rank=rank, version=version, ok=False, error=str(exc),
                              seconds=time.monotonic() - t0)
+                        if writer.version is not None and writer.version >= version:
+                            break  # the version is out (its readers failed it): go on with the next
         return
     engine = ShardedEngine(args["target"], config, rank)
     pointers = {n: t.data_ptr() for n, t in engine.tensors.items()}
