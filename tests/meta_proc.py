@@ -15,6 +15,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from weightsync.meta.config import ensure_token_file
@@ -80,3 +81,15 @@ class MetaServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def wait_for_long_polls(client, count: int = 1, timeout: float = 20.0) -> None:
+    """Until the server holds ``count`` long-polls (a waiter thread's call has reached it): an
+    event to order a test on, instead of a sleep that fails under load."""
+    from weightsync.deadline import Deadline
+
+    deadline = Deadline.after(timeout)
+    while client.server_status()["waiting"] < count:
+        if deadline.expired:
+            raise TimeoutError(f"the server did not hold {count} long-poll(s) within {timeout} s")
+        time.sleep(0.01)  # a bounded poll of the server's own count

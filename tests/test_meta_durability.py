@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from meta_proc import MetaServerProcess
+from meta_proc import MetaServerProcess, wait_for_long_polls
 from weightsync.meta import MetaClient, Participant
 
 pytestmark = pytest.mark.timeout(90)
@@ -36,13 +36,13 @@ def test_crash_restart_reloads_everything_and_clients_carry_on(tmp_path):
         before = (c.participants(), c.latest_version(), c.status()["pending_versions"])
         waiter = threading.Thread(target=lambda: waiter_result.append(c2.wait_version(after=1, timeout=40)))
         waiter.start()
-        time.sleep(0.3)  # the waiter is now inside a long-poll on the old process
+        wait_for_long_polls(c)  # the waiter is now inside a long-poll on the old process
 
         server.kill()  # SIGKILL: nothing flushed at exit; acknowledged changes must already be on disk
         during: list[object] = []
         caller = threading.Thread(target=lambda: during.append(c.latest_version()))
         caller.start()  # a call while the server is down: retried with backoff
-        time.sleep(0.5)
+        time.sleep(0.5)  # the server stays down a while (not an ordering: the call retries either way)
         server.start()  # same port, same state directory
 
         caller.join(20)
@@ -77,7 +77,7 @@ def test_sigterm_answers_waiting_long_polls_and_exits(tmp_path):
         started = time.monotonic()
         waiter = threading.Thread(target=lambda: result.append(_swallow(c.wait_version, after=0, timeout=60)))
         waiter.start()
-        time.sleep(0.3)
+        wait_for_long_polls(c)
         proc = server.proc
         assert proc is not None
         proc.send_signal(signal.SIGTERM)

@@ -7,11 +7,11 @@ import json
 import os
 import stat
 import threading
-import time
 
 import msgpack
 import pytest
 
+from meta_proc import wait_for_long_polls
 from weightsync.meta import EmbeddedMetaServer, MetaClient, MetaEnv, Participant, ParticipantTable, connect, wire
 from weightsync.meta.config import ensure_token_file, normalize_address, read_token_file
 from weightsync.meta.journal import Journal
@@ -282,7 +282,7 @@ def test_embedded_server_starts_serves_and_stops_cleanly():
 
         waiter = threading.Thread(target=wait)
         waiter.start()
-        time.sleep(0.3)  # the long-poll reaches the server
+        wait_for_long_polls(c)  # the long-poll reached the server
         server.stop()  # a long-poll in flight must not hold up stop(); its client then gives up
         waiter.join(10)
     assert not waiter.is_alive() and isinstance(outcome[0], ConnectionError) and _server_threads() == []

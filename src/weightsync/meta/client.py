@@ -353,6 +353,11 @@ class MetaClient(_Base):
         return self._execute(calls.leases(self.job))
 
     # --- jobs ------------------------------------------------------------------------------
+    def server_status(self) -> dict[str, Any]:
+        """The server's own status: ``instance``, ``started_at``, ``uptime_seconds``, ``durable``,
+        and ``waiting`` (long-polls it holds now, which tests and operators can watch)."""
+        return dict(self._execute(calls.status(self.job))["server"])
+
     def status(self) -> dict[str, Any]:
         """This job's status (participants, versions, each reader's lag and last sync), as JSON data."""
         jobs = self._execute(calls.status(self.job))["jobs"]
