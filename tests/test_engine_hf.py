@@ -43,14 +43,23 @@ def greedy(model: torch.nn.Module) -> list[int]:
     return out[0, PROMPT.shape[1]:].tolist()
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Generation compares token lists; one intra-op thread keeps the two writers and this
+    process off each other's cores. The count is put back so later tests see the default."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_sync_into_transformers_model_matches_fresh_model(moe):
+def test_sync_into_transformers_model_matches_fresh_model(moe, one_torch_thread):
     from weightsync.engines import ModuleEngine
     from weightsync.meta import EmbeddedMetaServer, MetaClient
     from weightsync.reader import WeightReader
     from weightsync.session import SyncConfig
 
-    torch.set_num_threads(1)
     config = tiny_config(moe=moe)
     engine_model, fresh_b = hf_model(config, seed=1), hf_model(config, seed=2)
     assert greedy(engine_model) != greedy(fresh_b), "A and B must generate differently for the proof to mean anything"

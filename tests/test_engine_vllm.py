@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from weightsync.engines import vllm as vllm_engine
+from weightsync.engines.process_state import preserved_process_state
 from weightsync.engines.staging import StagedWeights
 from weightsync.engines.vllm import VLLMEngine, check_supported
 from weightsync.layout import ModelSpec
@@ -57,11 +58,10 @@ def vllm_env(request, tmp_path_factory):
     vLLM's CPU worker binds this process's threads to cores and replaces
     ``torch.set_num_threads`` with a no-op for the rest of the process. Tests that run
     later in the same xdist worker fork training ranks, which would inherit both and
-    crawl: undo them when the engines are gone.
+    crawl: undo them when the engines are gone (:func:`preserved_process_state`, the library's
+    own guard for programs that host vLLM in-process).
     """
-    threads, affinity = torch.get_num_threads(), os.sched_getaffinity(0)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch, "set_num_threads", torch.set_num_threads)  # restored on exit
+    with preserved_process_state(), pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: tensors by reference
         mp.setenv("VLLM_HOST_IP", "127.0.0.1")
         mp.setenv("HF_HUB_OFFLINE", "1")
@@ -70,8 +70,6 @@ def vllm_env(request, tmp_path_factory):
             root = cache.mkdir("vllm") if cache is not None else tmp_path_factory.mktemp("vllm-cache")
             mp.setenv("VLLM_CACHE_ROOT", str(root))
         yield
-    os.sched_setaffinity(0, affinity)
-    torch.set_num_threads(threads)
 
 
 def start_llm(path: Path, **kwargs: Any) -> Any:
