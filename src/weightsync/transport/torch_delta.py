@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weightsync.delta import Encoded, Kind, apply, element_unit, encode
+from weightsync.delta import Encoded, Kind, apply, diff, element_unit
 from weightsync.torch_layout import TORCH_DTYPES
 from weightsync.transport.base import TransportError
 from weightsync.transport.schedule import Message
@@ -84,15 +84,17 @@ def send_pair(t: GlooTransport, phase: int, pair: Pair, run: _LaneRun) -> None:
         if new is None:
             with timer("pack"):
                 new = pack(message, t._flats, t._buffer(run.lane, 2))
-        with timer("encode"):
-            enc = Encoded(Kind.DENSE, 0, new) if full else encode(new, old, unit=message_unit(message))
+        with timer("encode"):  # `old` becomes what the reader holds after this: the base of the next delta
+            if full:
+                enc = Encoded(Kind.DENSE, 0, (new,))
+                old.copy_(new)
+            else:
+                enc = diff(new, old, unit=message_unit(message), update_old=True).encode()
         crc = 0
         if t.ctx.options.checksum:
             with timer("checksum"):
                 crc = checksum(new)
         batch.add(index, enc, crc)
-        with timer("encode"):
-            old.copy_(new)
         stats.nbytes += enc.nbytes
         stats.messages += 1
     batch.close()
@@ -179,6 +181,8 @@ class _Batch:
 
     Payloads collect in one of two staging buffers (``message_bytes``) while the other one is
     on the wire, so a delta version costs a round trip or two per pair instead of one per message.
+    (Sending smaller batches sooner, so that the reader applies while the writer compares, was
+    slower on a 2-core machine: three busy processes share two cores; docs/benchmarks.md.)
     """
 
     def __init__(self, t: GlooTransport, run: _LaneRun, pair: Pair) -> None:
@@ -194,8 +198,9 @@ class _Batch:
         if self.at + enc.nbytes > self.t._message_bytes:
             self.flush()
         buffer = self.t._buffer(self.run.lane, self.slot)
-        buffer[self.at: self.at + enc.nbytes].copy_(enc.payload)
-        self.at += enc.nbytes
+        for part in enc.parts:
+            buffer[self.at: self.at + part.numel()].copy_(part)
+            self.at += part.numel()
         self.headers[index] = torch.tensor([int(enc.kind), enc.changed, enc.nbytes, crc])
 
     def flush(self) -> None:
