@@ -168,6 +168,14 @@ def diff(new: torch.Tensor, old: torch.Tensor, *, unit: int, update_old: bool = 
     return Changes(new, unit, np.concatenate(index_parts), np.concatenate(value_parts))
 
 
+def warm_up() -> None:
+    """Compile the kernels (or load them from numba's cache) before the first delta needs them."""
+    data = torch.zeros(64, dtype=torch.uint8)
+    for unit in (2, 4):  # bf16/fp16 and fp32 payloads
+        enc = diff(data, data.clone(), unit=unit, update_old=True).encode()
+        apply(enc.kind, enc.payload, data.clone(), unit=unit, changed=enc.changed)
+
+
 def apply(kind: Kind, payload: torch.Tensor, dest: torch.Tensor, *, unit: int, changed: int,
           compiled: bool = True) -> None:
     """Turn ``dest`` (1-d uint8, holding the old bytes) into the new bytes, in place.
