@@ -9,7 +9,7 @@ bitwise), and each payload goes out in the smallest of three lossless encodings:
 * ``SPARSE``: int32 indices of the changed elements, then their new values (``nnz * (4 + unit)``);
 * ``BITMAP``: the changed values, then one bit per element (set = changed) (``n/8 + nnz * unit``).
 
-Pure functions on 1-d uint8 tensors in host memory; the torch transport does the bookkeeping of versions::
+Functions on 1-d uint8 tensors in host memory; the torch transport keeps track of versions::
 
     changes = diff(new_bytes, old_bytes, unit=2, update_old=True)   # writer: old_bytes = what the reader holds
     enc = changes.encode()               # the smallest encoding; enc.parts go on the wire back to back
@@ -18,7 +18,8 @@ Pure functions on 1-d uint8 tensors in host memory; the torch transport does the
 Finding the changes is the writer's whole cost, so :func:`diff` compares 8-byte words and
 splits only the changed words into elements: in one compiled pass that also updates the
 writer's copy (:mod:`weightsync.delta_jit`, when numba is installed), else with numpy in
-chunks that stay in cache. Neither allocates scratch of the payload's size.
+chunks that stay in cache. Neither writes temporaries of the payload's size (the kernel's
+outputs are reserved at that size, but only the pages that changes fill are touched).
 """
 
 from __future__ import annotations
