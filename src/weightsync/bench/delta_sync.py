@@ -1,16 +1,23 @@
-"""``weightsync bench --suite delta``: delta sync against full syncs of a really trained model.
+"""``weightsync bench --delta``: delta sync against full syncs of really trained models.
 
-The parent process trains a small Qwen3 (``qwen3-30m`` by default) for a few steps the way RL
-trainers do: fp32 master weights, AdamW at lr 1e-6, the synced copy cast to bf16. Each
-step's bf16 weights go to a safetensors file. Then the same syncs run twice over torch/gloo,
-2 FSDP writers -> 1 reader: version v sends step v's weights, once with
+The parent process trains a small Qwen3 per model (``qwen3-30m``, ``qwen3-0.2b``) for a few
+steps the way RL trainers do: fp32 master weights, AdamW at lr 1e-6, the synced copy cast to
+bf16. Each step's bf16 weights go to a safetensors file. Then the same syncs run twice over
+torch/gloo, 2 FSDP writers -> 1 reader: version v sends step v's weights, once with
 ``delta_anchor_every=0`` (full) and once with deltas (``delta_anchor_every=1000``: only the
 first version is full). Every version the reader receives is checked bitwise against the
-step's weights. Reported per mode: bytes on the wire and the writers' ``write()`` seconds
-(slower writer, median over versions 2..N: version 1 plans, connects and is always full),
-plus the fraction of bf16 elements each step changed.
+step's weights, and the writers start each ``write()`` only once the reader is idle and
+waiting (it checks the previous version in between), so that the times are the sync's own.
 
-    rows, changed = run_delta(model="qwen3-30m", steps=8)
+Reported per model and mode (medians over versions 2..N; version 1 plans, connects and is
+always full): bytes on the wire; the slower writer's whole ``write()`` (publish, transfer,
+wait for the reader's report); the *transfer phase*, the reader's ``receive()`` from its
+first receive to the last byte in place (for delta: the writers' comparisons, the wire and
+the reader's apply); and what ``write()`` spends outside it (meta-server round trips, the
+reader waking up), which is the same for both modes. Plus the fraction of bf16 elements each
+step changed.
+
+    rows, changed = run_delta(models=["qwen3-30m", "qwen3-0.2b"], steps=8)
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -54,9 +62,18 @@ def _writer(model: str, job: str, rank: int, *, snapshots: str, versions: int, a
     with WeightWriter(source, rank=rank, config=sync) as writer:
         for version in range(1, versions + 1):
             fill_from_canonical(source.layout(), source.tensors(), load_file(f"{snapshots}/step{version}.safetensors"))
+            _wait_for_go(version, timeout)
             result = writer.write(version)
             print("WSDELTA " + json.dumps({"version": version, "seconds": result.seconds, "nbytes": result.nbytes,
                                            "phases": result.phases}), flush=True)
+
+
+def _wait_for_go(version: int, timeout: float) -> None:
+    """Block until the bench says the reader is idle (it checks each version between syncs)."""
+    ready, _, _ = select.select([sys.stdin], [], [], timeout)
+    line = sys.stdin.readline() if ready else ""
+    if line.strip() != str(version):
+        raise SystemExit(f"writer: expected the go for version {version} within {timeout}s, got {line!r}")
 
 
 def _case(model: str, mode: str, *, snapshots: Path, versions: int, timeout: float, env: dict[str, str],
@@ -73,17 +90,23 @@ def _case(model: str, mode: str, *, snapshots: Path, versions: int, timeout: flo
     writers = [subprocess.Popen([sys.executable, "-m", "weightsync.bench.delta_sync", "writer", "--model", model,
                                  "--job", job, "--rank", str(rank), "--versions", str(versions), "--snapshots",
                                  str(snapshots), "--anchor", str(anchor), "--timeout", str(timeout)], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for rank in (0, 1)]
     engine = ShardedEngine("hf", _config(model), 0)
     sync = SyncConfig(num_writers=2, num_readers=1, job=job, timeout=timeout, transport="torch",
                       transport_options=TransportOptions(delta_anchor_every=anchor))
     row: dict[str, Any] = {"model": model, "mode": mode, "versions": versions}
     wrong: list[str] = []
+    received: dict[int, dict[str, float]] = {}
     try:
         with MetaClient(address, job=job, token=token) as meta, \
                 WeightReader(engine, rank=0, config=sync, meta=meta) as reader:
             for version in range(1, versions + 1):
-                reader.update(version, timeout=timeout)
+                for w in writers:  # the writers time write() with this reader idle, waiting
+                    assert w.stdin is not None
+                    w.stdin.write(f"{version}\n")
+                    w.stdin.flush()
+                received[version] = reader.update(version, timeout=timeout).phases
                 want = load_file(str(snapshots / f"step{version}.safetensors"))
                 wrong += [f"v{version} {n}" for n, t in engine.tensors.items() if not torch.equal(t, want[n])]
         outs = [w.communicate(timeout=timeout) for w in writers]
@@ -100,9 +123,7 @@ def _case(model: str, mode: str, *, snapshots: Path, versions: int, timeout: flo
             if line.startswith("WSDELTA "):
                 rec = json.loads(line[len("WSDELTA "):])
                 records.setdefault(rec["version"], []).append(rec)
-    timed = [v for v in sorted(records) if v > 1]
-    row["seconds"] = statistics.median(max(r["seconds"] for r in records[v]) for v in timed)
-    row["nbytes"] = statistics.median(sum(r["nbytes"] for r in records[v]) for v in timed)
+    row |= _medians(records, received)
     row["nbytes_per_version"] = [sum(r["nbytes"] for r in records[v]) for v in sorted(records)]
     row["verified"] = not wrong
     if wrong:
@@ -110,27 +131,46 @@ def _case(model: str, mode: str, *, snapshots: Path, versions: int, timeout: flo
     return row
 
 
-def run_delta(*, model: str = "qwen3-30m", steps: int = 8, lr: float = 1e-6,
-              timeout: float = 600.0) -> tuple[list[dict[str, Any]], list[float]]:
-    """Train, then sync every step's weights full and as deltas; rows with ratios to full."""
+def _medians(records: dict[int, list[dict[str, Any]]], received: dict[int, dict[str, float]]) -> dict[str, Any]:
+    """Medians over versions 2..N: write() of the slower writer, its phases, the reader's receive()."""
+    timed = [v for v in sorted(records) if v > 1]
+    slower = [max(records[v], key=lambda r: r["seconds"]) for v in timed]
+    names = sorted({n for r in slower for n in r["phases"]})
+    reader_names = sorted({n for v in timed for n in received[v]})
+    return {
+        "seconds": statistics.median(r["seconds"] for r in slower),
+        "transfer_seconds": statistics.median(
+            sum(s for n, s in received[v].items() if n.startswith("receive.")) for v in timed),
+        "nbytes": statistics.median(sum(r["nbytes"] for r in records[v]) for v in timed),
+        "phases": {n: statistics.median(r["phases"].get(n, 0.0) for r in slower) for n in names},
+        "reader_phases": {n: statistics.median(received[v].get(n, 0.0) for v in timed) for n in reader_names},
+    }
+
+
+def run_delta(*, models: list[str] | None = None, steps: int = 8, lr: float = 1e-6,
+              timeout: float = 600.0) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
+    """Per model: train, then sync every step's weights full and as deltas; rows with ratios to full."""
     from weightsync.meta.client import EmbeddedMetaServer
 
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="weightsync-delta-") as tmp, EmbeddedMetaServer() as server:
-        changed = train_snapshots(model_config(model), steps, lr, Path(tmp))
-        env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
-               "OMP_NUM_THREADS": "1"}
-        for mode in MODES:
-            started = time.perf_counter()
-            row = _case(model, mode, snapshots=Path(tmp), versions=steps, timeout=timeout, env=env,
-                        address=server.address, token=server.token)
-            row["wall_seconds"] = time.perf_counter() - started
-            rows.append(row)
-    full = next((r for r in rows if r["mode"] == "full" and "error" not in r), None)
+    rows: list[dict[str, Any]] = []
+    changed: dict[str, list[float]] = {}
+    for model in models or ["qwen3-30m"]:
+        with tempfile.TemporaryDirectory(prefix="weightsync-delta-") as tmp, EmbeddedMetaServer() as server:
+            changed[model] = train_snapshots(model_config(model), steps, lr, Path(tmp))
+            env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
+                   "OMP_NUM_THREADS": "1"}
+            for mode in MODES:
+                started = time.perf_counter()
+                row = _case(model, mode, snapshots=Path(tmp), versions=steps, timeout=timeout, env=env,
+                            address=server.address, token=server.token)
+                row["wall_seconds"] = time.perf_counter() - started
+                rows.append(row)
     for r in rows:
+        full = next((f for f in rows if f["model"] == r["model"] and f["mode"] == "full" and "error" not in f), None)
         if full is not None and "error" not in r:
             r["bytes_vs_full"] = r["nbytes"] / full["nbytes"]
             r["seconds_vs_full"] = r["seconds"] / full["seconds"]
+            r["transfer_vs_full"] = r["transfer_seconds"] / full["transfer_seconds"]
     return rows, changed
 
 

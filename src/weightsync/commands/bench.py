@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fewer-bytes (FP8 quantize-on-send vs full bf16 syncs, same layout, one run) | "
                         "load (--load-readers readers x --load-versions back-to-back versions: flat memory?)")
     p.add_argument("--delta", action="store_true",
-                   help="delta vs full syncs of a really trained model (same as --suite delta)")
+                   help="delta vs full syncs of really trained models (same as --suite delta; --models, "
+                        "default qwen3-30m,qwen3-0.2b)")
     p.add_argument("--delta-steps", type=int, default=8, help="training steps (one sync each) of --delta")
     p.add_argument("--delta-lr", type=float, default=1e-6, help="AdamW lr of --delta (fp32 master weights)")
     p.add_argument("--load-readers", type=int, default=16, help="readers of the load suite")
@@ -183,19 +184,25 @@ def _delta(args: argparse.Namespace) -> int:
     from weightsync.bench import machine
     from weightsync.bench.delta_sync import run_delta
 
-    model = args.models[0] if args.models else "qwen3-30m"
-    rows, changed = run_delta(model=model, steps=max(3, args.delta_steps), lr=args.delta_lr, timeout=args.timeout)
+    models = args.models or ["qwen3-30m", "qwen3-0.2b"]
+    rows, changed = run_delta(models=models, steps=max(3, args.delta_steps), lr=args.delta_lr, timeout=args.timeout)
     console = Console(stderr=args.json, width=200)
-    console.print(f"bf16 elements changed per step (steps 2..): {', '.join(f'{c:.2%}' for c in changed)}")
-    table = Table(title=f"{model}: 2 FSDP writers (bf16) -> 1 reader over torch/gloo, median over versions 2..")
-    for col in ("mode", "MB on the wire", "x full bytes", "sync s", "x full time", "bitwise"):
+    for model, fractions in changed.items():
+        listed = ", ".join(f"{c:.2%}" for c in fractions)
+        console.print(f"{model}: bf16 elements changed per step (steps 2..): {listed}")
+    table = Table(title="2 FSDP writers (bf16) -> 1 reader over torch/gloo, median over versions 2..; transfer = "
+                        "the reader's receive(), other = write() minus transfer")
+    for col in ("model", "mode", "MB on the wire", "x full bytes", "write() s", "x full", "transfer s", "x full",
+                "other s", "bitwise"):
         table.add_column(col, justify="right")
     for r in rows:
         if "error" in r:
-            table.add_row(r["mode"], "", "", "", "", f"[red]{r['error'][:80]}[/red]")
+            table.add_row(r["model"], r["mode"], "", "", "", "", "", "", "", f"[red]{r['error'][:80]}[/red]")
             continue
-        table.add_row(r["mode"], f"{r['nbytes'] / 1e6:.2f}", f"{r.get('bytes_vs_full', float('nan')):.3f}",
-                      f"{r['seconds']:.3f}", f"{r.get('seconds_vs_full', float('nan')):.3f}",
+        nan = float("nan")
+        table.add_row(r["model"], r["mode"], f"{r['nbytes'] / 1e6:.2f}", f"{r.get('bytes_vs_full', nan):.3f}",
+                      f"{r['seconds']:.3f}", f"{r.get('seconds_vs_full', nan):.2f}", f"{r['transfer_seconds']:.3f}",
+                      f"{r.get('transfer_vs_full', nan):.2f}", f"{r['seconds'] - r['transfer_seconds']:.3f}",
                       "yes" if r["verified"] else "[red]NO[/red]")
     console.print(table)
     if args.json:

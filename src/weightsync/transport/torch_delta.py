@@ -8,7 +8,9 @@ one ordered exchange (no message overlap: the payloads are small):
    reuse a staging arena, or ``delta_in_place`` switched off by whoever stages);
 2. the writer sends in full when that is not the version it last sent to this reader, when
    it holds no copy, or when the pair has had K-1 deltas since its last full version;
-   otherwise every message goes in the smallest encoding of :mod:`weightsync.delta`;
+   otherwise every message goes in the smallest encoding of :mod:`weightsync.delta`. It
+   compares while the reader's message is on its way and reads it before its first batch
+   goes out (a reader on another base then gets the version in full: nothing was sent);
 3. batches of consecutive messages whose encoded bytes fit a staging buffer: a header block
    with a row ``[kind, changed, nbytes, crc32 or 0]`` (int64) per message of the batch (-1 for
    the others), then the batch's payloads back to back (absent when empty).
@@ -24,13 +26,13 @@ in ``peak_extra_bytes``); ``TransferStats.nbytes`` counts the payload bytes on t
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weightsync.delta import Encoded, Kind, apply, element_unit, encode
+from weightsync.delta import Encoded, Kind, apply, diff, element_unit
 from weightsync.torch_layout import TORCH_DTYPES
 from weightsync.transport.base import TransportError
 from weightsync.transport.schedule import Message
@@ -67,37 +69,78 @@ def gather(message: Message, dst_flats: Mapping[str, torch.Tensor], buffer: torc
 
 
 def send_pair(t: GlooTransport, phase: int, pair: Pair, run: _LaneRun) -> None:
-    """Writer side of one pair's exchange (see module docstring)."""
-    messages, stats, timer = pair.messages, run.stats, run.timer
+    """Writer side of one pair's exchange (see module docstring).
+
+    A delta is computed while the reader's base version is still on its way (the reader
+    states it only once it has woken up and armed); the base decides, before the first
+    batch goes out, whether the delta is sent or the version goes in full after all.
+    """
+    messages, stats = pair.messages, run.stats
     if not messages:
         return
     base = torch.empty(1, dtype=torch.int64)
-    _exchange(t, run, "recv", base, pair=pair, message=messages[0], tag=0)
+    with run.timer("transfer"):
+        base_work = t._post(run.pg, "recv", base, pair, messages[0], tag=0)
     key = (phase, pair.peer)
     sent = t.delta_sent.pop(key, None)  # dropped until this send completes: a failure means full next time
-    anchor = t.ctx.options.delta_anchor_every
-    full = sent is None or int(base.item()) != sent.version or sent.deltas_since_full + 1 >= anchor
     previous = sent.previous if sent else [torch.empty(m.nbytes, dtype=torch.uint8) for m in messages]
-    batch = _Batch(t, run, pair)
-    for index, (message, old) in enumerate(zip(messages, previous, strict=True)):
+    base_known = False
+
+    def reader_holds(version: int) -> bool:
+        nonlocal base_known
+        if not base_known:
+            t._wait((base_work, messages[0], -1), run.deadline, pair.peer, run.timer)
+            base_known = True
+        return int(base.item()) == version
+
+    full = sent is None or sent.deltas_since_full + 1 >= t.ctx.options.delta_anchor_every
+    if sent is not None and not full:
+        version = sent.version
+        try:
+            nbytes = _send_messages(t, run, pair, previous, full=False, confirm=lambda: reader_holds(version))
+        except _StaleBaseError:  # nothing went out; every `previous` already holds the new bytes
+            full = True
+    if full:
+        reader_holds(-1)  # the reader's message is read either way
+        nbytes = _send_messages(t, run, pair, previous, full=True, confirm=None)
+    stats.nbytes += nbytes
+    stats.messages += len(messages)
+    t.delta_sent[key] = SentState(stats.version, 0 if full or sent is None else sent.deltas_since_full + 1,
+                                  previous)
+
+
+class _StaleBaseError(Exception):
+    """The reader does not hold the version a delta was computed against (it gets the version in full)."""
+
+
+def _send_messages(t: GlooTransport, run: _LaneRun, pair: Pair, previous: list[torch.Tensor], *, full: bool,
+                   confirm: Callable[[], bool] | None) -> int:
+    """Encode and send every message of the pair; each ``previous`` becomes what the reader holds after.
+
+    Returns the payload bytes sent. Raises _StaleBaseError, before anything is sent, when ``confirm``
+    (called before the first batch goes out) says the reader's base is not the one compared with.
+    """
+    timer, nbytes = run.timer, 0
+    batch = _Batch(t, run, pair, confirm)
+    for index, (message, old) in enumerate(zip(pair.messages, previous, strict=True)):
         new = direct_source(message, t._flats) if message.direct else None
         if new is None:
             with timer("pack"):
                 new = pack(message, t._flats, t._buffer(run.lane, 2))
         with timer("encode"):
-            enc = Encoded(Kind.DENSE, 0, new) if full else encode(new, old, unit=message_unit(message))
+            if full:
+                enc = Encoded(Kind.DENSE, 0, (new,))
+                old.copy_(new)
+            else:
+                enc = diff(new, old, unit=message_unit(message), update_old=True).encode()
         crc = 0
         if t.ctx.options.checksum:
             with timer("checksum"):
                 crc = checksum(new)
         batch.add(index, enc, crc)
-        with timer("encode"):
-            old.copy_(new)
-        stats.nbytes += enc.nbytes
-        stats.messages += 1
+        nbytes += enc.nbytes
     batch.close()
-    t.delta_sent[key] = SentState(stats.version, 0 if full or sent is None else sent.deltas_since_full + 1,
-                                  previous)
+    return nbytes
 
 
 def receive_pair(t: GlooTransport, phase: int, pair: Pair, run: _LaneRun) -> None:
@@ -179,10 +222,12 @@ class _Batch:
 
     Payloads collect in one of two staging buffers (``message_bytes``) while the other one is
     on the wire, so a delta version costs a round trip or two per pair instead of one per message.
+    (Sending smaller batches sooner, so that the reader applies while the writer compares, was
+    slower on a 2-core machine: three busy processes share two cores; docs/benchmarks.md.)
     """
 
-    def __init__(self, t: GlooTransport, run: _LaneRun, pair: Pair) -> None:
-        self.t, self.run, self.pair = t, run, pair
+    def __init__(self, t: GlooTransport, run: _LaneRun, pair: Pair, confirm: Callable[[], bool] | None) -> None:
+        self.t, self.run, self.pair, self.confirm = t, run, pair, confirm
         self.slot, self.at, self.tag = 0, 0, 1
         self.headers = self._fresh_headers()
         self.in_flight: deque[tuple[Any, Message, int, torch.Tensor]] = deque()  # keeps posted tensors alive
@@ -194,11 +239,16 @@ class _Batch:
         if self.at + enc.nbytes > self.t._message_bytes:
             self.flush()
         buffer = self.t._buffer(self.run.lane, self.slot)
-        buffer[self.at: self.at + enc.nbytes].copy_(enc.payload)
-        self.at += enc.nbytes
+        for part in enc.parts:
+            buffer[self.at: self.at + part.numel()].copy_(part)
+            self.at += part.numel()
         self.headers[index] = torch.tensor([int(enc.kind), enc.changed, enc.nbytes, crc])
 
     def flush(self) -> None:
+        if self.confirm is not None:
+            confirm, self.confirm = self.confirm, None
+            if not confirm():
+                raise _StaleBaseError
         message = self.pair.messages[int(torch.nonzero(self.headers[:, 0] >= 0)[0])]
         parts = [self.headers] + ([self.t._buffer(self.run.lane, self.slot)[: self.at]] if self.at else [])
         for offset, tensor in enumerate(parts):

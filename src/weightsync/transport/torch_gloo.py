@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync.deadline import Deadline
+from weightsync.delta import warm_up
 from weightsync.transport import torch_delta
 from weightsync.transport.base import PeerWatch, PhaseTimer, TransferStats, TransportContext, TransportError
 from weightsync.transport.schedule import Message
@@ -65,6 +66,8 @@ class GlooTransport(TorchDistBase):
             self.delta_held.clear()
         self._pointers = pointers
         self._one_phase = len(self._schedules) == 1
+        if self.ctx.options.delta_anchor_every:
+            warm_up()  # not in the first delta version's time
 
     def holds_versions(self) -> bool:
         """Whether the destination keeps each received version until the next receive (see torch_delta)."""
