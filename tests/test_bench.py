@@ -164,3 +164,24 @@ def test_gpu_script_fails_clearly_without_cuda():
     proc = subprocess.run([sys.executable, script, "--sizes", "1b"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "CUDA" in proc.stderr
+
+
+def test_link_shaping_commands_pace_rather_than_drop():
+    from weightsync.bench.link import tbf_arguments
+
+    ten = tbf_arguments(10)
+    assert ten[:6] == ["qdisc", "add", "dev", "lo", "root", "tbf"]
+    assert ten[ten.index("rate") + 1] == "10gbit"
+    assert int(ten[ten.index("burst") + 1]) == 1_250_000  # 1 ms at 10 Gbit/s
+    assert int(tbf_arguments(0.1)[ten.index("burst") + 1]) == 4 * 65536  # never below four loopback packets
+    with pytest.raises(ValueError, match="positive"):
+        tbf_arguments(0)
+
+
+def test_link_shaping_never_replaces_someone_elses_qdisc():
+    from weightsync.bench.link import root_qdisc_is_default
+
+    assert root_qdisc_is_default("qdisc noqueue 0: root refcnt 2 \n")
+    assert root_qdisc_is_default("")
+    assert not root_qdisc_is_default("qdisc tbf 8001: root refcnt 2 rate 10Gbit burst 4Mb lat 50ms \n")
+    assert not root_qdisc_is_default("qdisc netem 8002: root refcnt 2 limit 1000 delay 5ms\n")

@@ -104,3 +104,18 @@ def test_out_of_range_index_is_refused_before_writing(compiled: bool) -> None:
     with pytest.raises(ValueError, match="sparse delta index out of range for 8 elements"):
         apply(Kind.SPARSE, payload, dest, unit=2, changed=2, compiled=compiled)
     assert not dest.any()
+
+
+def test_compiled_kernels_leave_module_namespaces_scannable_by_vllm() -> None:
+    """vLLM's CPU worker start reads ``vars(obj).get("kernel")`` for every module attribute; once
+    numba had loaded, llvmlite's library handle broke that and in-process engines failed to start."""
+    import sys
+
+    from weightsync import delta_jit
+
+    if delta_jit.load() is None:
+        pytest.skip("numba is not installed")
+    for module in list(sys.modules.values()):
+        for value in list(getattr(module, "__dict__", {}).values()):
+            if hasattr(value, "__dict__"):
+                assert hasattr(vars(value), "get"), f"vars({value!r}) of {module.__name__} is not a mapping"

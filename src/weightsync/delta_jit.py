@@ -37,8 +37,27 @@ def load() -> Kernels | None:
         return None
     from numba import njit
 
+    _answer_dict_lookups_with_a_dict()
     jit = njit(cache=True, nogil=True)
     return Kernels(diff=jit(_diff), in_range=jit(_in_range), scatter=jit(_scatter))
+
+
+def _answer_dict_lookups_with_a_dict() -> None:
+    """Keep vLLM engines startable in this process after numba loaded.
+
+    llvmlite's library handle (``llvmlite.binding.ffi.lib``) resolves unknown attributes as C
+    functions, ``__dict__`` included, so ``vars(lib)`` is a function wrapper. vLLM's CPU platform
+    scans every module namespace when a worker starts and calls ``vars(obj).get("kernel")``
+    (``vllm/triton_utils/dispatcher.py``, 0.32): an in-process ``LLM`` built after a delta was
+    computed here died with ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``.
+    The handle's own cache of resolved names answers ``__dict__`` with an empty dict instead."""
+    try:
+        from llvmlite.binding import ffi
+    except ImportError:
+        return
+    table = getattr(ffi.lib, "_fntab", None)
+    if isinstance(table, dict) and not isinstance(table.get("__dict__"), dict):
+        table["__dict__"] = {}
 
 
 def _diff(a64: Any, b64: Any, a_el: Any, b_el: Any, per: int, index: Any, values: Any,  # noqa: PLR0917

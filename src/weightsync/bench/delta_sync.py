@@ -18,6 +18,7 @@ reader waking up), which is the same for both modes. Plus the fraction of bf16 e
 step changed.
 
     rows, changed = run_delta(models=["qwen3-30m", "qwen3-0.2b"], steps=8)
+    rows, changed = run_delta(models=["qwen3-0.2b"], links=[None, 10.0])  # and over a 10 Gbit/s link (root)
 """
 
 from __future__ import annotations
@@ -147,9 +148,12 @@ def _medians(records: dict[int, list[dict[str, Any]]], received: dict[int, dict[
     }
 
 
-def run_delta(*, models: list[str] | None = None, steps: int = 8, lr: float = 1e-6,
-              timeout: float = 600.0) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
-    """Per model: train, then sync every step's weights full and as deltas; rows with ratios to full."""
+def run_delta(*, models: list[str] | None = None, steps: int = 8, lr: float = 1e-6, timeout: float = 600.0,
+              links: list[float | None] | None = None) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
+    """Per model: train, then sync every step's weights full and as deltas, over plain loopback
+    (``None``) and over loopback shaped to each rate in ``links`` (Gbit/s, see
+    :mod:`weightsync.bench.link`); rows with ratios to the full sync on the same link."""
+    from weightsync.bench.link import shaped_loopback
     from weightsync.meta.client import EmbeddedMetaServer
 
     rows: list[dict[str, Any]] = []
@@ -159,14 +163,17 @@ def run_delta(*, models: list[str] | None = None, steps: int = 8, lr: float = 1e
             changed[model] = train_snapshots(model_config(model), steps, lr, Path(tmp))
             env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
                    "OMP_NUM_THREADS": "1"}
-            for mode in MODES:
-                started = time.perf_counter()
-                row = _case(model, mode, snapshots=Path(tmp), versions=steps, timeout=timeout, env=env,
-                            address=server.address, token=server.token)
-                row["wall_seconds"] = time.perf_counter() - started
-                rows.append(row)
+            for gbit in links or [None]:
+                with shaped_loopback(gbit) as link:
+                    for mode in MODES:  # full, then delta, on the same link
+                        started = time.perf_counter()
+                        row = _case(model, mode, snapshots=Path(tmp), versions=steps, timeout=timeout, env=env,
+                                    address=server.address, token=server.token)
+                        row["wall_seconds"] = time.perf_counter() - started
+                        rows.append(row | {"link": link, "link_gbit": gbit})
     for r in rows:
-        full = next((f for f in rows if f["model"] == r["model"] and f["mode"] == "full" and "error" not in f), None)
+        full = next((f for f in rows if (f["model"], f["link"]) == (r["model"], r["link"]) and f["mode"] == "full"
+                     and "error" not in f), None)
         if full is not None and "error" not in r:
             r["bytes_vs_full"] = r["nbytes"] / full["nbytes"]
             r["seconds_vs_full"] = r["seconds"] / full["seconds"]

@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default qwen3-30m,qwen3-0.2b)")
     p.add_argument("--delta-steps", type=int, default=8, help="training steps (one sync each) of --delta")
     p.add_argument("--delta-lr", type=float, default=1e-6, help="AdamW lr of --delta (fp32 master weights)")
+    p.add_argument("--link-gbit", type=_csv, default=[],
+                   help="--delta also over loopback shaped to these rates (Gbit/s, e.g. 10,25; needs root and "
+                        "tc; 'lo' = plain loopback), full and delta side by side on each")
     p.add_argument("--load-readers", type=int, default=16, help="readers of the load suite")
     p.add_argument("--load-versions", type=int, default=200, help="versions of the load suite")
     p.add_argument("--models", type=_csv, default=[], help="comma-separated model names (see bench.cases.MODELS)")
@@ -185,23 +188,26 @@ def _delta(args: argparse.Namespace) -> int:
     from weightsync.bench.delta_sync import run_delta
 
     models = args.models or ["qwen3-30m", "qwen3-0.2b"]
-    rows, changed = run_delta(models=models, steps=max(3, args.delta_steps), lr=args.delta_lr, timeout=args.timeout)
+    links = [None if rate == "lo" else float(rate) for rate in args.link_gbit or ["lo"]]
+    rows, changed = run_delta(models=models, steps=max(3, args.delta_steps), lr=args.delta_lr, timeout=args.timeout,
+                              links=links)
     console = Console(stderr=args.json, width=200)
     for model, fractions in changed.items():
         listed = ", ".join(f"{c:.2%}" for c in fractions)
         console.print(f"{model}: bf16 elements changed per step (steps 2..): {listed}")
     table = Table(title="2 FSDP writers (bf16) -> 1 reader over torch/gloo, median over versions 2..; transfer = "
                         "the reader's receive(), other = write() minus transfer")
-    for col in ("model", "mode", "MB on the wire", "x full bytes", "write() s", "x full", "transfer s", "x full",
-                "other s", "bitwise"):
+    for col in ("model", "link", "mode", "MB on the wire", "x full bytes", "write() s", "x full", "transfer s",
+                "x full", "other s", "bitwise"):
         table.add_column(col, justify="right")
     for r in rows:
         if "error" in r:
-            table.add_row(r["model"], r["mode"], "", "", "", "", "", "", "", f"[red]{r['error'][:80]}[/red]")
+            table.add_row(r["model"], r["link"], r["mode"], "", "", "", "", "", "", "", f"[red]{r['error'][:80]}[/red]")
             continue
         nan = float("nan")
-        table.add_row(r["model"], r["mode"], f"{r['nbytes'] / 1e6:.2f}", f"{r.get('bytes_vs_full', nan):.3f}",
-                      f"{r['seconds']:.3f}", f"{r.get('seconds_vs_full', nan):.2f}", f"{r['transfer_seconds']:.3f}",
+        table.add_row(r["model"], r["link"], r["mode"], f"{r['nbytes'] / 1e6:.2f}",
+                      f"{r.get('bytes_vs_full', nan):.3f}", f"{r['seconds']:.3f}",
+                      f"{r.get('seconds_vs_full', nan):.2f}", f"{r['transfer_seconds']:.3f}",
                       f"{r.get('transfer_vs_full', nan):.2f}", f"{r['seconds'] - r['transfer_seconds']:.3f}",
                       "yes" if r["verified"] else "[red]NO[/red]")
     console.print(table)
