@@ -56,3 +56,25 @@ def test_unknown_architecture(tmp_path):
     cfg.write_text(json.dumps({"architectures": ["BertModel"], "hidden_size": 8}))
     proc = run_cli("plan", "--config", str(cfg), "--source", "hf", "--target", "hf")
     assert proc.returncode == 2 and "unknown architecture 'BertModel'" in proc.stderr
+
+
+def test_fp8_block_target_reports_fp8_bytes_and_their_scales(capsys):
+    """``--target ...,quant=fp8_block``: every linear weight of the layers moves one byte per element
+    plus a float32 scale per 128x128 block; embeddings, lm_head, norms and biases stay bf16."""
+    import math
+    from importlib import resources
+
+    def needed(target: str) -> int:
+        assert main(["plan", "--config", "qwen2.5-7b", "--source", "megatron:tp=4", "--target", target,
+                     "--json"]) == 0
+        return int(json.loads(capsys.readouterr().out)["needed_bytes"])
+
+    cfg = json.loads((resources.files("weightsync.configs") / "qwen2.5-7b.json").read_text())
+    h, inter, kv = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_key_value_heads"]
+    head = h // cfg["num_attention_heads"]
+    linears = [(h, h), (kv * head, h), (kv * head, h), (h, h), (inter, h), (inter, h), (h, inter)]
+    saved = cfg["num_hidden_layers"] * sum(
+        2 * o * i - (o * i + 4 * math.ceil(o / 128) * math.ceil(i / 128)) for o, i in linears)
+    bf16, fp8 = needed("vllm:tp=2"), needed("vllm:tp=2,quant=fp8_block")
+    assert bf16 - fp8 == saved
+    assert 0.55 < fp8 / bf16 < 0.65  # 7.6B parameters, 1.1B of them in bf16 embeddings and lm_head
