@@ -176,6 +176,38 @@ def mp_engine(checkpoint: str, versions: list[str]) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
+def mp_engine_delta(checkpoint: str, seed: int) -> None:
+    """Deltas into an LLM whose engine core runs in a child process, over the torch transport:
+    version 1 is the checkpoint's weights (canonical weights of ``seed``) with every 50th element
+    of every tensor moved (the first version: sent in full), version 2 the checkpoint's weights
+    again (a delta: only those elements). Prints greedy tokens and bytes sent per version."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightsync.sources.module import ShardedSource
+    from weightsync.sources.vllm_trainer import LLMClient, WeightSyncTrainerInitInfo
+    from weightsync.tiny import canonical_weights
+    from weightsync.torch_layout import fill_from_canonical
+
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    llm = _engine(checkpoint, weight_transfer_config={"backend": "weightsync"})
+    source = ShardedSource("hf", config, 0)
+    info = WeightSyncTrainerInitInfo(rank=0, model_config=config, transport="torch", layer_phases=False,
+                                     delta_anchor_every=8)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=LLMClient(llm), source=source)
+    print("RESULT " + json.dumps({"version": 0, "tokens": _greedy(llm)}), flush=True)
+    exact = canonical_weights(config, seed)
+    moved = {name: t.clone() for name, t in exact.items()}
+    for t in moved.values():
+        t.view(-1)[::50] += 0.25
+    for version, weights in ((1, moved), (2, exact)):
+        fill_from_canonical(source.layout(), source.tensors(), weights)
+        engine.send_weights()
+        print("RESULT " + json.dumps({"version": version, "tokens": _greedy(llm), "nbytes": engine.last_result.nbytes,
+                                      "weight_version": llm.get_weight_version()}), flush=True)
+    engine.shutdown()
+    llm.llm_engine.engine_core.shutdown()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -190,6 +222,9 @@ def main() -> int:
     m = sub.add_parser("mp-engine")
     m.add_argument("--checkpoint", required=True)
     m.add_argument("--seeds", required=True)
+    d = sub.add_parser("mp-engine-delta")
+    d.add_argument("--checkpoint", required=True)
+    d.add_argument("--seed", type=int, required=True)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -197,6 +232,8 @@ def main() -> int:
         trainer(args)
     elif args.cmd == "reference":
         reference(args.paths)
+    elif args.cmd == "mp-engine-delta":
+        mp_engine_delta(args.checkpoint, args.seed)
     else:
         mp_engine(args.checkpoint, args.seeds.split(","))
     return 0

@@ -86,6 +86,19 @@ def test_llm_with_a_child_engine_core_is_updated_through_the_same_api(tmp_path):
     assert (one["weight_version"], two["weight_version"]) == ("1", "2")
 
 
+def test_deltas_through_the_weightsync_backend_restore_the_engine_exactly(tmp_path):
+    """``delta_anchor_every`` on both sides: the second version moves only the elements that
+    changed, and the engine ends on exactly the checkpoint's weights (its tokens at start)."""
+    config = tiny_config()
+    write_checkpoint(tmp_path / "B", config, seed=2)
+    start, moved, restored = _run(["mp-engine-delta", "--checkpoint", str(tmp_path / "B"), "--seed", "2"],
+                                  env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    assert moved["tokens"] != start["tokens"]  # 2% of the elements moved: a different model
+    assert restored["tokens"] == start["tokens"]  # the delta put exactly those elements back
+    assert restored["nbytes"] < 0.1 * moved["nbytes"]  # and only they crossed the wire
+    assert (moved["weight_version"], restored["weight_version"]) == ("1", "2")
+
+
 def _free_port() -> int:
     import socket
 

@@ -57,6 +57,9 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     timeout: float = 300.0
     max_bucket_bytes: int = 64 << 20
     layer_phases: bool = False
+    #: K >= 1: receive only what changed since the version this worker holds (a full version at
+    #: least every K; torch transport; with ``layer_phases`` every version comes in full)
+    delta_anchor_every: int = 0
 
 
 @dataclass
@@ -117,7 +120,8 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         config = SyncConfig(num_writers=init_info.num_writers, num_readers=init_info.num_readers,
                             job=init_info.job, transport=init_info.transport, timeout=init_info.timeout,
                             layer_phases=init_info.layer_phases,
-                            transport_options=TransportOptions(max_bucket_bytes=init_info.max_bucket_bytes))
+                            transport_options=TransportOptions(max_bucket_bytes=init_info.max_bucket_bytes,
+                                                               delta_anchor_every=init_info.delta_anchor_every))
         meta = (MetaClient(init_info.meta_address, job=init_info.job, token=init_info.meta_token)
                 if init_info.meta_address else MetaClient.from_env(job=init_info.job))
         self.reader = WeightReader(engine, rank=init_info.rank, config=config, meta=meta)

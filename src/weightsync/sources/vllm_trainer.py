@@ -63,6 +63,10 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
         layer_phases: move each version in phases of whole layers (``SyncConfig.layer_phases``), so
             a worker stages one phase (at most ``max_bucket_bytes``, or one layer) instead of the
             whole model.
+        delta_anchor_every: 0 sends every version in full; K >= 1 sends each worker only what
+            changed since the version it holds, with a full version at least every K
+            (``TransportOptions.delta_anchor_every``: the torch transport, and workers that keep
+            their staging between versions, i.e. ``layer_phases=False``; phases always go in full).
     """
 
     backend: ClassVar[str] = "weightsync"
@@ -79,12 +83,14 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
     model_config: dict[str, Any] | None = None
     reader_rank: int = 0
     layer_phases: bool = True
+    delta_anchor_every: int = 0
 
     def worker_init_info(self, meta_address: str, meta_token: str) -> dict[str, Any]:
         """What the workers' ``init_weight_transfer_engine`` needs (JSON-safe)."""
         return {"meta_address": meta_address, "meta_token": meta_token, "job": self.job, "rank": self.reader_rank,
                 "num_writers": self.num_writers, "num_readers": self.num_readers, "transport": self.transport,
-                "timeout": self.timeout, "max_bucket_bytes": self.max_bucket_bytes, "layer_phases": self.layer_phases}
+                "timeout": self.timeout, "max_bucket_bytes": self.max_bucket_bytes, "layer_phases": self.layer_phases,
+                "delta_anchor_every": self.delta_anchor_every}
 
 
 class WeightSourceAdapter:
@@ -228,6 +234,8 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         self.writer = writer
         self.info = info
         self.version = 0
+        #: this rank's WriteResult of the last version sent (bytes on the wire, seconds per phase)
+        self.last_result: Any = None
         self._closers = closers
         self._lock = threading.Lock()
         self._reset_prefix_cache: Callable[[], None] = lambda: None  # the sender's is set at trainer_init
@@ -264,7 +272,8 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         config = SyncConfig(num_writers=init_info.num_writers, num_readers=init_info.num_readers, job=init_info.job,
                             transport=init_info.transport, timeout=init_info.timeout,
                             layer_phases=init_info.layer_phases,
-                            transport_options=TransportOptions(max_bucket_bytes=init_info.max_bucket_bytes))
+                            transport_options=TransportOptions(max_bucket_bytes=init_info.max_bucket_bytes,
+                                                               delta_anchor_every=init_info.delta_anchor_every))
         training_source = as_training_source(source, init_info.model_config, init_info.rank)
         writer = WeightWriter(training_source, rank=init_info.rank, config=config, meta=meta)
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, writer=writer, info=init_info,
@@ -285,14 +294,14 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             self.version = version if version is not None else self.version + 1
             v = self.version
             if not self.is_sender:
-                self.writer.write(v)
+                self.last_result = self.writer.write(v)
                 return
             self.client.start_weight_update()
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-vllm-rpc") as pool:
                 # The workers receive inside update_weights while this rank (and every other) writes.
                 rpc = pool.submit(self.client.update_weights, {"version": v, "timeout": self.info.timeout})
                 try:
-                    self.writer.write(v)
+                    self.last_result = self.writer.write(v)
                 finally:
                     rpc.result(timeout=self.info.timeout)  # surfaces a worker's error
             self.client.finish_weight_update(weight_version=str(v))
