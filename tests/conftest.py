@@ -19,21 +19,22 @@ def sweep_dead_writers_segments():
     sweep_stale_segments()
 
 
-#: variables that shape the ranks a process starts (added ones are leaks; other added ones are
-#: libraries' one-time import settings such as TORCHINDUCTOR_CACHE_DIR)
+#: variables that shape the ranks a process starts: adding one is a leak. Other added variables
+#: are libraries' one-time import settings (TORCHINDUCTOR_CACHE_DIR); changing or removing any
+#: variable is a leak.
 _RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                    "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _RANK_PREFIXES = ("VLLM_", "TORCHELASTIC_", "NCCL_", "GLOO_", "WEIGHTSYNC_")
 
 
-def _leak(change: str) -> bool:
-    if not change.startswith("environment "):
-        return True
-    key, _, values = change[len("environment "):].partition(": ")
-    if key == "PYTEST_CURRENT_TEST":
-        return False  # pytest's own
-    added = values.startswith("None -> ")
-    return not added or key in _RANK_VARIABLES or key.startswith(_RANK_PREFIXES)
+def _comparable(before, now):
+    """``now`` without the variables a test may add, and without pytest's own; ``before`` likewise."""
+    from dataclasses import replace
+
+    benign = {key for key in now.environ.keys() - before.environ.keys()
+              if key not in _RANK_VARIABLES and not key.startswith(_RANK_PREFIXES)} | {"PYTEST_CURRENT_TEST"}
+    return (replace(before, environ={k: v for k, v in before.environ.items() if k not in benign}),
+            replace(now, environ={k: v for k, v in now.environ.items() if k not in benign}))
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +46,8 @@ def process_state_unchanged(request):
 
     before = ProcessState.capture()
     yield
-    changed = [c for c in before.differences(ProcessState.capture()) if _leak(c)]
+    expected, now = _comparable(before, ProcessState.capture())
+    changed = expected.differences(now)
     if changed:
         before.restore()
         pytest.fail(f"{request.node.nodeid} changed the process for later tests: {'; '.join(changed[:6])}",

@@ -185,3 +185,15 @@ def test_link_shaping_never_replaces_someone_elses_qdisc():
     assert root_qdisc_is_default("")
     assert not root_qdisc_is_default("qdisc tbf 8001: root refcnt 2 rate 10Gbit burst 4Mb lat 50ms \n")
     assert not root_qdisc_is_default("qdisc netem 8002: root refcnt 2 limit 1000 delay 5ms\n")
+
+
+def test_link_rates_are_parsed_or_refused_by_name():
+    import argparse
+
+    from weightsync.commands.bench import _link_rates
+
+    assert _link_rates("lo,10,2.5") == [None, 10.0, 2.5]
+    with pytest.raises(argparse.ArgumentTypeError, match="'ten' is neither 'lo' nor a rate"):
+        _link_rates("lo,ten")
+    with pytest.raises(argparse.ArgumentTypeError, match="positive, got 0"):
+        _link_rates("0")

@@ -20,6 +20,20 @@ def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def _link_rates(text: str) -> list[float | None]:
+    """``--link-gbit lo,10,25``: plain loopback (``lo``) or positive rates in Gbit/s."""
+    rates: list[float | None] = []
+    for item in _csv(text):
+        try:
+            rate = None if item == "lo" else float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is neither 'lo' nor a rate in Gbit/s") from None
+        if rate is not None and not rate > 0:
+            raise argparse.ArgumentTypeError(f"link rate must be positive, got {item}")
+        rates.append(rate)
+    return rates
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="the quick suite (one small model, every method)")
     p.add_argument("--suite", choices=["quick", "full", "test", "vllm-memory", "fewer-bytes", "load", "delta"],
@@ -33,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default qwen3-30m,qwen3-0.2b)")
     p.add_argument("--delta-steps", type=int, default=8, help="training steps (one sync each) of --delta")
     p.add_argument("--delta-lr", type=float, default=1e-6, help="AdamW lr of --delta (fp32 master weights)")
-    p.add_argument("--link-gbit", type=_csv, default=[],
+    p.add_argument("--link-gbit", type=_link_rates, default=[None],
                    help="--delta also over loopback shaped to these rates (Gbit/s, e.g. 10,25; needs root and "
                         "tc; 'lo' = plain loopback), full and delta side by side on each")
     p.add_argument("--load-readers", type=int, default=16, help="readers of the load suite")
@@ -188,9 +202,8 @@ def _delta(args: argparse.Namespace) -> int:
     from weightsync.bench.delta_sync import run_delta
 
     models = args.models or ["qwen3-30m", "qwen3-0.2b"]
-    links = [None if rate == "lo" else float(rate) for rate in args.link_gbit or ["lo"]]
     rows, changed = run_delta(models=models, steps=max(3, args.delta_steps), lr=args.delta_lr, timeout=args.timeout,
-                              links=links)
+                              links=args.link_gbit)
     console = Console(stderr=args.json, width=200)
     for model, fractions in changed.items():
         listed = ", ".join(f"{c:.2%}" for c in fractions)

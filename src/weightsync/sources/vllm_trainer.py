@@ -36,13 +36,16 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
 from weightsync.layout import ModelSpec, RankLayout
 from weightsync.torch_layout import module_layout
+
+if TYPE_CHECKING:
+    from weightsync.writer import WriteResult
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +238,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         self.info = info
         self.version = 0
         #: this rank's WriteResult of the last version sent (bytes on the wire, seconds per phase)
-        self.last_result: Any = None
+        self.last_result: WriteResult | None = None
         self._closers = closers
         self._lock = threading.Lock()
         self._reset_prefix_cache: Callable[[], None] = lambda: None  # the sender's is set at trainer_init
