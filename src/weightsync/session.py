@@ -33,10 +33,10 @@ from weightsync.transport import TransportContext, TransportOptions, create_tran
 if TYPE_CHECKING:
     import torch
 
+    from weightsync.codecs.fp8 import WriterQuantizer
     from weightsync.layout import LayoutProvider, RankLayout
     from weightsync.meta.client import MetaClient, Participant
     from weightsync.plan import Plan
-    from weightsync.quantize import WriterQuantizer
     from weightsync.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -239,7 +239,7 @@ class SyncSession:
         plan = build_local_plan(writers, readers, role=self.role, rank=self.rank, options=self.config.plan_options)
         quantizer = None
         if quant and self.role == "writer":
-            from weightsync.quantize import WriterQuantizer
+            from weightsync.codecs.fp8 import WriterQuantizer
 
             own = next(w for w in writers if w.rank == self.rank)
             quantizer = WriterQuantizer(quant, own, plan)

@@ -70,7 +70,7 @@ class TransportOptions:
         shm_streaming: shared-memory readers copy while writers pack (x86-64 CPU only; see
             transport/shm.py); False makes them wait for whole slots (for A/B measurements).
         delta_anchor_every: torch (gloo) transport only: 0 sends every version in full; K >= 1
-            sends each reader only what changed since the version it holds (weightsync/delta.py),
+            sends each reader only what changed since the version it holds (weightsync/codecs/delta.py),
             with a full version at least every K versions per pair (K=1: always full).
     """
 

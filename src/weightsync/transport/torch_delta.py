@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weightsync.delta import Encoded, Kind, apply, diff, element_unit
+from weightsync.codecs.delta import Encoded, Kind, apply, diff, element_unit
 from weightsync.torch_layout import TORCH_DTYPES
 from weightsync.transport.base import TransportError
 from weightsync.transport.schedule import Message

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from weightsync.codecs.delta import warm_up
 from weightsync.deadline import Deadline
-from weightsync.delta import warm_up
 from weightsync.transport import torch_delta
 from weightsync.transport.base import PeerWatch, PhaseTimer, TransferStats, TransportContext, TransportError
 from weightsync.transport.schedule import Message

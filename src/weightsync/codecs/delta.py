@@ -17,7 +17,7 @@ Functions on 1-d uint8 tensors in host memory; the torch transport keeps track o
 
 Finding the changes is the writer's whole cost, so :func:`diff` compares 8-byte words and
 splits only the changed words into elements: in one compiled pass that also updates the
-writer's copy (:mod:`weightsync.delta_jit`, when numba is installed), else with numpy in
+writer's copy (:mod:`weightsync.codecs.delta_jit`, when numba is installed), else with numpy in
 chunks that stay in cache. Neither writes temporaries of the payload's size (the kernel's
 outputs are reserved at that size, but only the pages that changes fill are touched).
 """
@@ -31,7 +31,7 @@ from enum import IntEnum
 import numpy as np
 import torch
 
-from weightsync import delta_jit
+from weightsync.codecs import delta_jit
 
 _NP_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 #: Words (8 bytes) compared per pass of :func:`diff`: 2 x 512 KiB of payload and a 64 KiB mask.
