@@ -37,7 +37,7 @@ import itertools
 import logging
 from collections.abc import AsyncGenerator, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
@@ -89,6 +89,9 @@ def table_layout(table: Iterable[list[Any]], rank: int) -> RankLayout:
 
 class WholeTensorBuffers:
     """Whole tensors in persistent buffers: a training source (writer) and an engine (reader)."""
+
+    stages_in_phases: ClassVar[bool] = False
+    keeps_received_bytes: ClassVar[bool] = True
 
     def __init__(self, layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> None:
         self._layout = layout
