@@ -60,7 +60,8 @@ class WeightReader:
         #: the engine's phase hooks, when it stages phase by phase (its declared capability)
         self._phased = cast("PhasedEngine", engine) if engine.stages_in_phases else None
         self.config = config
-        self.session = SyncSession("reader", rank, engine, config, self.meta, device=self._device)
+        self.session = SyncSession("reader", rank, engine, config, self.meta, device=self._device,
+                                   keeps_received_bytes=engine.keeps_received_bytes)
         self._failed: int | None = None
         self._failed_epoch = -1  # the epoch (attempt) of the version that failed here
 
