@@ -19,7 +19,7 @@ Two ways in:
       reader.update()                   # receive, reload, reset the prefix cache, stamp the version
       engine.update(state_dict, version=7)   # or: load tensors you already hold
 
-* the ``"weightsync"`` weight-transfer backend (:mod:`weightsync.engines.vllm_backend`) puts
+* the ``"weightsync"`` weight-transfer backend (:mod:`weightsync.integrations.vllm_backend`) puts
   the reader inside vLLM's worker, so bytes go from the trainers straight into the worker's
   staging buffers, whatever process the worker lives in::
 
@@ -394,8 +394,8 @@ def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     if BACKEND_NAME not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND_NAME, "weightsync.engines.vllm_backend",
+        WeightTransferEngineFactory.register_engine(BACKEND_NAME, "weightsync.integrations.vllm_backend",
                                                     "WeightSyncTransferEngine")
     if BACKEND_NAME not in WeightTransferTrainerFactory._registry:  # the trainer side: a training-side adapter
-        WeightTransferTrainerFactory.register_engine(BACKEND_NAME, "weightsync.sources.vllm_trainer",
+        WeightTransferTrainerFactory.register_engine(BACKEND_NAME, "weightsync.integrations.vllm_trainer",
                                                      "WeightSyncTrainerEngine")

@@ -26,7 +26,7 @@ the other actor ranks walk the generator (producing a tensor is collective over 
 group) and send nothing. Rollout workers receive into persistent buffers of the same
 layout, which they learn from the writer through the job channel on the first step, and
 yield views of them to verl's server adapter. The meta server is the named Ray actor of
-:mod:`weightsync.ray`, found by every worker; the weightsync job is planned once and reused
+:mod:`weightsync.integrations.ray`, found by every worker; the weightsync job is planned once and reused
 by every step, so verl's per-step ``prepare``/``finalize`` cost nothing.
 """
 
@@ -162,7 +162,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
 
     # -- verl's per-step setup ------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
-        from weightsync.ray import node_identity
+        from weightsync.integrations.ray import node_identity
 
         return {"master": self.is_master, "node": node_identity()[0]}
 
@@ -182,15 +182,15 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         """Nothing to free between steps: the job's connections and buffers persist."""
 
     def _config(self) -> Any:
-        """The job's settings, placed on this worker's Ray node (see :mod:`weightsync.ray.actors`)."""
-        from weightsync.ray.actors import placed_config
+        """The job's settings, placed on this worker's Ray node (see :mod:`weightsync.integrations.ray.actors`)."""
+        from weightsync.integrations.ray.actors import placed_config
         from weightsync.session import SyncConfig
 
         return placed_config(SyncConfig(num_writers=1, num_readers=self.num_readers, job=self.settings.job,
                                         transport=self.settings.transport, timeout=self.settings.timeout))
 
     def _meta(self) -> Any:
-        from weightsync.ray import meta_server
+        from weightsync.integrations.ray import meta_server
 
         return meta_server(name=self.settings.meta_name, timeout=self.settings.timeout).client(job=self.settings.job)
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from weightsync.ray.meta import MetaConnection
+from weightsync.integrations.ray.meta import MetaConnection
 from weightsync.session import SyncConfig
 
 if TYPE_CHECKING:
