@@ -9,7 +9,8 @@ bitwise), and each payload goes out in the smallest of three lossless encodings:
 * ``SPARSE``: int32 indices of the changed elements, then their new values (``nnz * (4 + unit)``);
 * ``BITMAP``: the changed values, then one bit per element (set = changed) (``n/8 + nnz * unit``).
 
-Functions on 1-d uint8 tensors in host memory; the torch transport keeps track of versions::
+Functions on 1-d uint8 tensors in host memory; which version each side holds is the
+transports' business (:mod:`weightsync.transport.delta`)::
 
     changes = diff(new_bytes, old_bytes, unit=2, update_old=True)   # writer: old_bytes = what the reader holds
     enc = changes.encode()               # the smallest encoding; enc.parts go on the wire back to back

@@ -388,7 +388,9 @@ def register() -> None:
     """Register the ``"weightsync"`` weight-transfer backend with vLLM (idempotent).
 
     Also the ``vllm.general_plugins`` entry point, so every vLLM process (engine core,
-    workers) registers it without user code.
+    workers) registers it without user code. The backend's two sides are integrations above
+    the roles (:mod:`weightsync.integrations`), named here by module path: vLLM's factories
+    import them when an engine asks for the backend, and this adapter never does.
     """
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -396,6 +398,6 @@ def register() -> None:
     if BACKEND_NAME not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND_NAME, "weightsync.integrations.vllm_backend",
                                                     "WeightSyncTransferEngine")
-    if BACKEND_NAME not in WeightTransferTrainerFactory._registry:  # the trainer side: a training-side adapter
+    if BACKEND_NAME not in WeightTransferTrainerFactory._registry:  # the trainer side
         WeightTransferTrainerFactory.register_engine(BACKEND_NAME, "weightsync.integrations.vllm_trainer",
                                                      "WeightSyncTrainerEngine")
