@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from weightsync.deadline import Deadline
+
 #: How a worker's line on stdout starts (the rest is one JSON record).
 PREFIX = "WEIGHTSYNC "
 
@@ -228,7 +230,7 @@ def run_demo(*, size: str = "small", source: str = "megatron:tp=2", target: str 
                        "--spec", spec.to_json()]
                 procs.append((role, rank, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                                            stderr=subprocess.PIPE, text=True)))
-        steps_seen, failures = _collect(procs, deadline=time.monotonic() + timeout * (steps + 2))
+        steps_seen, failures = _collect(procs, deadline=Deadline.after(timeout * (steps + 2)))
     writers = [s for s in steps_seen if isinstance(s, WriterStep)]
     readers = [s for s in steps_seen if isinstance(s, ReaderStep)]
     ok = not failures and all(r.verified and r.in_place for r in readers)
@@ -236,13 +238,13 @@ def run_demo(*, size: str = "small", source: str = "megatron:tp=2", target: str 
                       target=spec.target, parameters=spec_model.num_parameters)
 
 
-def _collect(procs: list[tuple[str, int, subprocess.Popen[str]]], deadline: float
+def _collect(procs: list[tuple[str, int, subprocess.Popen[str]]], deadline: Deadline
              ) -> tuple[list[WriterStep | ReaderStep], list[str]]:
     steps: list[WriterStep | ReaderStep] = []
     failures: list[str] = []
     for role, rank, proc in procs:
         try:
-            out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1.0))
+            out, err = proc.communicate(timeout=deadline.remaining(1.0))
         except subprocess.TimeoutExpired:
             proc.kill()
             out, err = proc.communicate()
