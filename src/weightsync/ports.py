@@ -50,7 +50,7 @@ class TrainingSource(LayoutProvider, Protocol):
 class InferenceEngine(LayoutProvider, Protocol):
     """A :class:`~weightsync.layout.LayoutProvider` (rank = the reader rank) that can be updated.
 
-    Capabilities (class attributes, read by the roles):
+    Its capabilities are the class attributes below, which the roles read.
     """
 
     #: The engine stages a version phase by phase (``SyncConfig(layer_phases=True)``) and
