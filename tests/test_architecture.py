@@ -416,28 +416,6 @@ def imports_of(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("package", ["layout", "plan"])
-def test_core_imports_nothing_outside_the_core(package):
-    offenders = []
-    for path in sorted((PKG / package).rglob("*.py")):
-        for name in imports_of(path):
-            if any(_matches(name, bad) for bad in CORE_FORBIDDEN):
-                offenders.append(f"{path.relative_to(PKG)} imports {name}")
-    assert not offenders, "core must stay pure:\n" + "\n".join(offenders)
-
-
-def test_engines_are_imported_only_inside_their_adapter():
-    offenders = []
-    for path in sorted(PKG.rglob("*.py")):
-        rel = path.relative_to(PKG).as_posix()
-        for name in imports_of(path):
-            for pkg, home in ADAPTER_ONLY.items():
-                homes = home if isinstance(home, tuple) else (home,)
-                if _matches(name, pkg) and not any(rel.startswith(h) for h in homes):
-                    offenders.append(f"{rel} imports {name}")
-    assert not offenders, "\n".join(offenders)
-
-
 #: Adapters never reach across: a source is not an engine, and neither moves bytes itself.
 ADAPTER_FORBIDDEN = {
     "sources": ("weightsync.engines", "weightsync.transport"),
@@ -445,13 +423,39 @@ ADAPTER_FORBIDDEN = {
 }
 
 
+def forbidden_imports(pkg: Path, package: str, forbidden: Iterable[str]) -> list[str]:
+    """Imports (of any package, libraries included) of ``forbidden`` names in ``pkg/package``."""
+    forbidden = tuple(forbidden)
+    return [f"{path.relative_to(pkg)} imports {name}" for path in sorted((pkg / package).rglob("*.py"))
+            for name in sorted(imports_of(path)) if any(_matches(name, bad) for bad in forbidden)]
+
+
+def libraries_outside_their_adapter(pkg: Path) -> list[str]:
+    offenders = []
+    for path in sorted(pkg.rglob("*.py")):
+        rel = path.relative_to(pkg).as_posix()
+        for name in sorted(imports_of(path)):
+            for library, home in ADAPTER_ONLY.items():
+                homes = home if isinstance(home, tuple) else (home,)
+                if _matches(name, library) and not any(rel.startswith(h) for h in homes):
+                    offenders.append(f"{rel} imports {name}")
+    return offenders
+
+
+@pytest.mark.parametrize("package", ["layout", "plan"])
+def test_core_imports_nothing_outside_the_core(package):
+    offenders = forbidden_imports(PKG, package, CORE_FORBIDDEN)
+    assert not offenders, "core must stay pure:\n" + "\n".join(offenders)
+
+
+def test_engines_are_imported_only_inside_their_adapter():
+    offenders = libraries_outside_their_adapter(PKG)
+    assert not offenders, "\n".join(offenders)
+
+
 @pytest.mark.parametrize("package", sorted(ADAPTER_FORBIDDEN))
 def test_sources_and_engines_import_neither_each_other_nor_a_transport(package):
-    offenders = []
-    for path in sorted((PKG / package).rglob("*.py")):
-        for name in imports_of(path):
-            if any(_matches(name, bad) for bad in ADAPTER_FORBIDDEN[package]):
-                offenders.append(f"{path.relative_to(PKG)} imports {name}")
+    offenders = forbidden_imports(PKG, package, ADAPTER_FORBIDDEN[package])
     assert not offenders, "\n".join(offenders)
 
 
@@ -539,3 +543,20 @@ def test_a_protocol_call_outside_the_channel_is_caught_by_what_its_receiver_is(t
         "weightsync.probe_named_like_a_channel:5 .publish_version on speaker weightsync.meta.client.MetaClient",
         "weightsync.probe_untyped:3 .wait_version on unknown Any",
     ]
+
+
+def test_a_library_in_the_core_or_outside_its_adapter_is_caught(tmp_path):
+    root = _tree(tmp_path, {
+        "plan/ops.py": "def f():\n    import torch\n",
+        "engines/hf.py": "import transformers\nfrom weightsync.transport import shm\n",
+        "sources/module.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from weightsync.engines import hf\n",
+        "session.py": "import vllm\n",
+        "integrations/vllm_backend.py": "import vllm\n",
+    })
+    pkg = root / "weightsync"
+    assert forbidden_imports(pkg, "plan", CORE_FORBIDDEN) == ["plan/ops.py imports torch"]
+    assert libraries_outside_their_adapter(pkg) == ["session.py imports vllm"]
+    assert forbidden_imports(pkg, "engines", ADAPTER_FORBIDDEN["engines"]) == [
+        "engines/hf.py imports weightsync.transport"]
+    assert forbidden_imports(pkg, "sources", ADAPTER_FORBIDDEN["sources"]) == [
+        "sources/module.py imports weightsync.engines"]
