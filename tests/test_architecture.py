@@ -51,7 +51,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "ports": (("weightsync.ports",), ("core",)),
     "adapters": (("weightsync.sources", "weightsync.engines"), ("ports", "tools")),
     "meta": (("weightsync.meta",), ("core",)),
-    "job channel": (("weightsync.job",), ("meta",)),
+    "job channel": (("weightsync.job", "weightsync.job_wire", "weightsync.heartbeat"), ("meta",)),
     "transports": (("weightsync.transport",), ("job channel", "tools")),
     "session": (("weightsync.session",), ("transports",)),
     "roles": (("weightsync.writer", "weightsync.reader", "weightsync.inflight", "weightsync.tensorstore"),
@@ -246,14 +246,13 @@ def integrations_imported_below(edges: Iterable[Import], layers: Layers = LAYERS
             if _matches(e.imported, "weightsync.integrations") and layer_of(e.importer, layers) not in above]
 
 
-#: Meta-server calls that carry the job protocol; only the job channel (and the meta package
-#: itself) may make them, so that every key and message of the protocol lives in one module.
-PROTOCOL_CALLS = {"put_document", "get_document", "publish_version", "wait_version", "report_applied",
-                  "report_failed", "wait_readers", "wait_registered", "latest_version", "wait_reader_report",
-                  "compare_and_set", "counter", "acquire_lease", "leases", "pin_instance"}
-#: What speaks the protocol: the meta clients (all share ClientBase) and the job channel's view
-#: of its document board.
-PROTOCOL_SPEAKERS = ("weightsync.meta.client_base.ClientBase", "weightsync.job.DocumentBoard")
+#: The job protocol: every method of what the job channel asks of the meta server (its
+#: ``MetaPort``, ``TransportBoard`` included). Only the job channel (and the meta package itself)
+#: may call them on a meta client, so that every key and message of the protocol lives in one module.
+PROTOCOL_PORT = "weightsync.job.MetaPort"
+#: What speaks the protocol: the meta clients (all share ClientBase) and the ports they fill.
+PROTOCOL_SPEAKERS = ("weightsync.meta.client_base.ClientBase", "weightsync.job.MetaPort",
+                     "weightsync.job.TransportBoard")
 #: Where the protocol may be spoken.
 PROTOCOL_HOMES = ("weightsync.job", "weightsync.meta")
 
@@ -281,8 +280,10 @@ def type_checked(extra: Mapping[str, str] | None = None) -> tuple[Any, dict[str,
 
 
 def _speakers(typ: Any) -> list[str]:
-    """What a receiver's type says it is: "speaker" (a meta client), "unknown" (Any), or nothing."""
-    from mypy.types import AnyType, CallableType, Instance, TypeType, UnionType, get_proper_type
+    """What a receiver's type says it is: "speaker" (a meta client or port), "unknown" (``Any``
+    that our own code left unannotated: it may be one), or nothing (anything else, libraries'
+    values included: with their imports skipped they are ``Any`` too, but never a meta client)."""
+    from mypy.types import AnyType, CallableType, Instance, TypeOfAny, TypeType, UnionType, get_proper_type
 
     proper = get_proper_type(typ) if typ is not None else None
     if isinstance(proper, UnionType):
@@ -293,7 +294,22 @@ def _speakers(typ: Any) -> list[str]:
         proper = get_proper_type(proper.ret_type)
     if isinstance(proper, Instance):
         return ["speaker"] if any(base.fullname in PROTOCOL_SPEAKERS for base in proper.type.mro) else []
-    return ["unknown"] if proper is None or isinstance(proper, AnyType) else []
+    if isinstance(proper, AnyType):
+        while proper.type_of_any == TypeOfAny.from_another_any and proper.source_any is not None:
+            proper = proper.source_any
+        return ["unknown"] if proper.type_of_any == TypeOfAny.unannotated else []
+    return []
+
+
+def protocol_calls(trees: Mapping[str, Any]) -> set[str]:
+    """The methods of :data:`PROTOCOL_PORT` and of the ports it extends, read from its type."""
+    from mypy.nodes import Decorator, FuncDef, OverloadedFuncDef
+
+    module, _, name = PROTOCOL_PORT.rpartition(".")
+    port = trees[module].names[name].node
+    return {member for base in port.mro if base.fullname.startswith("weightsync.")
+            for member, symbol in base.names.items()
+            if isinstance(symbol.node, (FuncDef, Decorator, OverloadedFuncDef)) and not member.startswith("_")}
 
 
 def protocol_calls_outside_the_channel(types: Mapping[Any, Any], trees: Mapping[str, Any]) -> list[str]:
@@ -301,6 +317,7 @@ def protocol_calls_outside_the_channel(types: Mapping[Any, Any], trees: Mapping[
     by its type, whatever its name (or whose type is unknown, so it may be one)."""
     from mypy.traverser import NameAndMemberCollector
 
+    calls = protocol_calls(trees)
     offenders = []
     for module, tree in sorted(trees.items()):
         if not _matches(module, "weightsync") or any(_matches(module, home) for home in PROTOCOL_HOMES):
@@ -308,7 +325,7 @@ def protocol_calls_outside_the_channel(types: Mapping[Any, Any], trees: Mapping[
         collector = NameAndMemberCollector()
         tree.accept(collector)
         for member in collector.member_exprs:
-            if member.name in PROTOCOL_CALLS and (kinds := _speakers(types.get(member.expr))):
+            if member.name in calls and (kinds := _speakers(types.get(member.expr))):
                 offenders.append(f"{module}:{member.line} .{member.name} on {'/'.join(sorted(set(kinds)))} "
                                  f"{types.get(member.expr)}")
     return offenders
@@ -328,6 +345,12 @@ PROTOCOL_PROBES = {
         async def sneak(job: AsyncMetaClient) -> None:
             board = job
             await board.put_document("key", b"")
+    """,
+    "weightsync.probe_through_the_port": """
+        from weightsync.job import MetaPort
+
+        def sneak(port: MetaPort) -> None:
+            port.report_applied(0, 1)
     """,
     "weightsync.probe_untyped": """
         def sneak(whatever):
@@ -541,6 +564,7 @@ def test_a_protocol_call_outside_the_channel_is_caught_by_what_its_receiver_is(t
     assert found == [
         "weightsync.probe_async_and_aliased:6 .put_document on speaker weightsync.meta.async_client.AsyncMetaClient",
         "weightsync.probe_named_like_a_channel:5 .publish_version on speaker weightsync.meta.client.MetaClient",
+        "weightsync.probe_through_the_port:5 .report_applied on speaker weightsync.job.MetaPort",
         "weightsync.probe_untyped:3 .wait_version on unknown Any",
     ]
 
