@@ -86,7 +86,7 @@ def measure(model: str, steps: int, reps: int) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     from weightsync.bench.vllm_memory import model_config
-    from weightsync.delta import apply, diff
+    from weightsync.codecs.delta import apply, diff
     from weightsync.sources.trained import train_snapshots
 
     torch.set_num_threads(1)

@@ -38,7 +38,7 @@ import ray
 import torch
 
 from weightsync import SyncConfig
-from weightsync.ray import SyncActor, attach_readers, attach_writers, meta_server, stop_meta_server
+from weightsync.integrations.ray import SyncActor, attach_readers, attach_writers, meta_server, stop_meta_server
 
 PROMPTS_PER_WORKER, GROUP, PROMPT_LEN, NEW_TOKENS = 2, 4, 8, 12
 

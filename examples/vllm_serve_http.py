@@ -62,7 +62,7 @@ def train(rank: int, args: argparse.Namespace) -> None:
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from weightsync.sources.vllm_trainer import WeightSyncTrainerInitInfo
+    from weightsync.integrations.vllm_trainer import WeightSyncTrainerInitInfo
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)

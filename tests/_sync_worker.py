@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from weightsync.commands.demo import canonical_values
 from weightsync.configs import load_spec
 from weightsync.deadline import Deadline
+from weightsync.demo import canonical_values
 from weightsync.engines.buffers import ShardedEngine
 from weightsync.plan import PlanOptions
 from weightsync.reader import WeightReader

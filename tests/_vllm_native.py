@@ -88,7 +88,7 @@ def trainer(args: argparse.Namespace) -> None:
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from weightsync.sources.vllm_trainer import WeightSyncTrainerInitInfo
+    from weightsync.integrations.vllm_trainer import WeightSyncTrainerInitInfo
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
@@ -156,8 +156,8 @@ def mp_engine(checkpoint: str, versions: list[str]) -> None:
     process through vLLM's API (``LLMClient``); prints greedy tokens per version."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
+    from weightsync.integrations.vllm_trainer import LLMClient, WeightSyncTrainerInitInfo
     from weightsync.sources.module import ShardedSource
-    from weightsync.sources.vllm_trainer import LLMClient, WeightSyncTrainerInitInfo
     from weightsync.tiny import canonical_weights
     from weightsync.torch_layout import fill_from_canonical
 
@@ -183,8 +183,8 @@ def mp_engine_delta(checkpoint: str, seed: int) -> None:
     again (a delta: only those elements). Prints greedy tokens and bytes sent per version."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
+    from weightsync.integrations.vllm_trainer import LLMClient, WeightSyncTrainerInitInfo
     from weightsync.sources.module import ShardedSource
-    from weightsync.sources.vllm_trainer import LLMClient, WeightSyncTrainerInitInfo
     from weightsync.tiny import canonical_weights
     from weightsync.torch_layout import fill_from_canonical
 

@@ -302,8 +302,8 @@ def write_fp8_checkpoint(path: Path, config: dict[str, Any], seed: int) -> None:
 
     from safetensors.torch import save_file
 
+    from weightsync.codecs.fp8 import reference_quantize
     from weightsync.layout.quant import SCHEMES, quantized_tensors
-    from weightsync.quantize import reference_quantize
 
     spec = ModelSpec.from_hf_config(config)
     quantized = set(quantized_tensors(spec))

@@ -21,7 +21,7 @@ ray = pytest.importorskip("ray", reason="needs ray (pip install 'weightsync[ray]
 import torch  # noqa: E402
 from ray import cloudpickle  # noqa: E402
 
-from weightsync.ray import stop_meta_server  # noqa: E402
+from weightsync.integrations.ray import stop_meta_server  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("ray"), pytest.mark.timeout(240)]
 MODULE = "weightsync.integrations.verl"

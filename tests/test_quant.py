@@ -1,6 +1,6 @@
 """FP8 quantize-on-send (issue 17): readers ask for FP8, writers quantize what they send.
 
-The reference here is written independently of ``weightsync.quantize``: a loop over tiles of
+The reference here is written independently of ``weightsync.codecs.fp8``: a loop over tiles of
 the full tensor, in fp32, exactly the rule the module states. Every case plans from real
 layout kinds, lets each writer's quantizer fill its FP8 twins and scales (exchanging the
 maxima of shared tiles through an in-memory board, concurrently, as the job channel does),
@@ -19,10 +19,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from weightsync.codecs.fp8 import WriterQuantizer, dequantize
 from weightsync.layout import ModelSpec, parse_layout
 from weightsync.layout.quant import SCHEMES, grid_boxes, quantized_sources, quantized_tensors
 from weightsync.plan import PlanOptions, build_plan
-from weightsync.quantize import WriterQuantizer, dequantize
 from weightsync.tiny import canonical_weights
 from weightsync.torch_layout import TORCH_DTYPES, allocate, fill_from_canonical, strided_view
 

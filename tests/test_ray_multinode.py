@@ -19,8 +19,8 @@ import sys  # noqa: E402
 from ray import cloudpickle  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from weightsync.ray import SyncActor, attach_readers, attach_writers, meta_server, rejoin, stop_meta_server  # noqa: E402
-from weightsync.ray.actors import NODE_LABEL  # noqa: E402
+from weightsync.integrations.ray import SyncActor, attach_readers, attach_writers, meta_server, rejoin, stop_meta_server  # noqa: E402
+from weightsync.integrations.ray.actors import NODE_LABEL  # noqa: E402
 from weightsync.session import SyncConfig  # noqa: E402
 from weightsync.transport import TransportOptions  # noqa: E402
 
@@ -46,7 +46,7 @@ class Trainer(SyncActor):
         return self.source
 
     def step(self, version, timeout=WAIT):
-        from weightsync.commands.demo import canonical_values
+        from weightsync.demo import canonical_values
         from weightsync.session import SyncError
         from weightsync.torch_layout import fill_from_canonical
 
@@ -75,7 +75,7 @@ class Rollout(SyncActor):
         """Apply ``version``; whether every tensor equals that version's weights, bitwise."""
         import torch
 
-        from weightsync.commands.demo import canonical_values
+        from weightsync.demo import canonical_values
         from weightsync.torch_layout import allocate, fill_from_canonical
 
         result = self.weightsync_update(version, timeout=WAIT)

@@ -11,8 +11,8 @@ import threading
 import pytest
 import torch
 
-from weightsync.commands.demo import canonical_values
 from weightsync.configs import load_spec
+from weightsync.demo import canonical_values
 from weightsync.devices import RankPlacement, choose_transport, same_node
 from weightsync.engines.buffers import ShardedEngine
 from weightsync.meta import EmbeddedMetaServer, MetaClient

@@ -9,8 +9,8 @@ import os
 import torch
 
 from weightsync.cli import main
-from weightsync.commands.demo import canonical_values
 from weightsync.configs import load_spec
+from weightsync.demo import canonical_values
 from weightsync.layout import parse_layout
 from weightsync.torch_layout import allocate, fill_from_canonical
 from weightsync.verify import dump_rank, merge_reports, save_canonical, union_volume, verify_rank

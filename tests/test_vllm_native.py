@@ -110,7 +110,7 @@ def _free_port() -> int:
 def test_the_prefix_cache_reset_is_decided_at_init_and_a_client_without_one_is_refused():
     from types import SimpleNamespace
 
-    from weightsync.sources.vllm_trainer import prefix_cache_resetter
+    from weightsync.integrations.vllm_trainer import prefix_cache_resetter
 
     calls = []
     own = SimpleNamespace(reset_prefix_cache=lambda: calls.append("own"))

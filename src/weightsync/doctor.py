@@ -99,16 +99,15 @@ class DoctorReport:
 def _sync(transport: str, devices: dict[str, list[str]] | None, timeout: float, *,
           source: str = "megatron:tp=1", target: str = "vllm:tp=1", size: str = "tiny") -> Check:
     """Two versions of a model between real processes, every byte checked."""
-    from weightsync.commands.demo import run_demo
+    from weightsync.demo import run_demo
 
     result = run_demo(size=size, source=source, target=target, steps=2, transport=transport, timeout=timeout,
-                      quiet=True, devices=devices)
-    readers = [r for r in result["records"] if r["role"] == "reader"]
-    if not result["ok"]:
-        bad = [f"version {r['version']}: {r['mismatches']}" for r in readers if not r.get("verified")]
-        return Check("", "failed", "; ".join(result["failures"] + bad)[:500] or "weights differ")
-    gbps = max((r["gbps"] for r in readers), default=0.0)
-    return Check("", "passed", f"{len(readers)} version(s) arrived bitwise, in place", gbps=gbps)
+                      devices=devices)
+    if not result.ok:
+        bad = [f"version {r.version}: {r.mismatches}" for r in result.readers if not r.verified]
+        return Check("", "failed", "; ".join(result.failures + bad)[:500] or "weights differ")
+    gbps = max((r.gbps for r in result.readers), default=0.0)
+    return Check("", "passed", f"{len(result.readers)} version(s) arrived bitwise, in place", gbps=gbps)
 
 
 def _meta_server(env: Environment, options: DoctorOptions) -> Check:
@@ -199,7 +198,7 @@ def _engine(name: str) -> Callable[[Environment, DoctorOptions], Check]:
             return Check("", "skipped", "starts an engine (a minute or more): run with --engines")
         import importlib
 
-        module = importlib.import_module(f"weightsync.engines.{name}_selfcheck")
+        module = importlib.import_module(f"weightsync.integrations.{name}_selfcheck")
         passed, detail = module.self_check(timeout=options.timeout)
         return Check("", "passed" if passed else "failed", detail)
     return check

@@ -14,12 +14,27 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from weightsync.job import JobChannel
+from typing import Protocol
 
 logger = logging.getLogger(__name__)
+
+
+class LeaseHolder(Protocol):
+    """The rank a heartbeat renews the lease of (:class:`~weightsync.job.JobChannel` is one)."""
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def who(self) -> str: ...
+
+    @property
+    def lease_seconds(self) -> float: ...
+
+    def renew_lease(self, *, release: bool = False) -> None: ...
 
 
 class Heartbeat:
@@ -29,7 +44,7 @@ class Heartbeat:
     :attr:`lost` says so; the rank's next ``write``/``update`` fails with that message.
     """
 
-    def __init__(self, channel: JobChannel) -> None:
+    def __init__(self, channel: LeaseHolder) -> None:
         self.channel = channel
         self.lost: str | None = None
         self._stop = threading.Event()

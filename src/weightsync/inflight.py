@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -39,9 +39,9 @@ from weightsync.reader import UpdateResult, WeightReader
 from weightsync.session import SyncConfig, SyncError
 
 if TYPE_CHECKING:
-    from weightsync.engines.base import InferenceEngine
     from weightsync.layout import RankLayout
     from weightsync.meta.client import MetaClient
+    from weightsync.ports import InferenceEngine
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,9 @@ class _ClosedError(RuntimeError):
 
 class _StagingEngine:
     """The background reader's engine: staging buffers shaped like the live engine's."""
+
+    stages_in_phases: ClassVar[bool] = False
+    keeps_received_bytes: ClassVar[bool] = True  # step_boundary copies out of staging, never into it
 
     def __init__(self, live: InferenceEngine, timeout: float) -> None:
         self.live = live

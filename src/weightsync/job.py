@@ -446,7 +446,7 @@ class JobChannel:
     def exchange_tile_maxima(self, version: int, payload: bytes | None, publishers: Sequence[int], *,
                              deadline: Deadline) -> list[bytes]:
         """Publish this writer's maxima of shared FP8 tiles for ``version`` (when it holds any)
-        and collect those of ``publishers`` (see :mod:`weightsync.quantize`).
+        and collect those of ``publishers`` (see :mod:`weightsync.codecs.fp8`).
 
         Raises:
             TimeoutError: naming the writers whose maxima did not arrive.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from weightsync.deadline import Deadline
 from weightsync.job import PublishedVersion
@@ -27,8 +27,8 @@ from weightsync.session import SyncConfig, SyncError, SyncResult, SyncSession, d
 from weightsync.transport import TransportError
 
 if TYPE_CHECKING:
-    from weightsync.engines.base import InferenceEngine
     from weightsync.meta.client import MetaClient
+    from weightsync.ports import InferenceEngine, PhasedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -57,16 +57,17 @@ class WeightReader:
         self._own_meta = meta is None
         self.meta = meta if meta is not None else MetaClient.from_env(job=config.job)
         self.engine = engine
+        #: the engine's phase hooks, when it stages phase by phase (its declared capability)
+        self._phased = cast("PhasedEngine", engine) if engine.stages_in_phases else None
         self.config = config
-        self.session = SyncSession("reader", rank, engine, config, self.meta, device=self._device)
+        self.session = SyncSession("reader", rank, engine, config, self.meta, device=self._device,
+                                   keeps_received_bytes=engine.keeps_received_bytes)
         self._failed: int | None = None
         self._failed_epoch = -1  # the epoch the version that failed here was published in
 
     def _device(self) -> str:
-        from weightsync.engines.base import PhasedEngine
-
-        if isinstance(self.engine, PhasedEngine):  # its buffers are laid out only once the phases are known
-            return self.engine.device
+        if self._phased is not None:  # its buffers are laid out only once the phases are known
+            return self._phased.device
         return device_of(self.engine.receive_buffers(), f"reader {self.rank}")
 
     @property
@@ -163,17 +164,13 @@ class WeightReader:
 
     def _lay_out(self, phases: tuple[tuple[str, ...], ...]) -> None:
         """A phased engine lays its staging out for the job's phases (idempotent)."""
-        from weightsync.engines.base import PhasedEngine
-
-        if isinstance(self.engine, PhasedEngine):
-            self.engine.use_phases(phases or None)
+        if self._phased is not None:
+            self._phased.use_phases(phases or None)
 
     def _phase_arrived(self, version: int, phase: int, names: tuple[str, ...]) -> None:
         """Tell an engine that stages phase by phase (``PhasedEngine``) that a phase is complete."""
-        from weightsync.engines.base import PhasedEngine
-
-        if isinstance(self.engine, PhasedEngine):
-            self.engine.phase_arrived(version, phase, names)
+        if self._phased is not None:
+            self._phased.phase_arrived(version, phase, names)
 
     def _wait_for_version(self, version: int | None, deadline: Deadline) -> PublishedVersion:
         # Never re-take a version that already failed here (two-sided writers moved on).

@@ -33,10 +33,10 @@ from weightsync.transport import TransportContext, TransportOptions, create_tran
 if TYPE_CHECKING:
     import torch
 
+    from weightsync.codecs.fp8 import WriterQuantizer
     from weightsync.layout import LayoutProvider, RankLayout
     from weightsync.meta.client import MetaClient
     from weightsync.plan import Plan
-    from weightsync.quantize import WriterQuantizer
     from weightsync.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ class SyncSession:
     """One rank's view of a job (see module docstring)."""
 
     def __init__(self, role: Role, rank: int, provider: LayoutProvider, config: SyncConfig,
-                 meta: MetaClient, *, device: Callable[[], str]) -> None:
+                 meta: MetaClient, *, device: Callable[[], str], keeps_received_bytes: bool = True) -> None:
         if getattr(meta, "job", config.job) != config.job:
             raise ValueError(f"SyncConfig(job={config.job!r}) but the MetaClient passed in speaks for job "
                              f"{meta.job!r}: build the client with job={config.job!r} (or leave meta= out)")
@@ -170,6 +170,7 @@ class SyncSession:
             raise ValueError(f"{role} rank {rank} is outside 0..{size - 1} (the job has {size} {role}s)")
         self.provider = provider
         self._device = device  # where the source's tensors or the engine's buffers live
+        self._keeps_received_bytes = keeps_received_bytes  # a reader's engine's capability
         self.config = config
         self.channel = JobChannel(meta, role=role, rank=rank)
         self.host = config.host or socket.gethostname()
@@ -239,7 +240,7 @@ class SyncSession:
         plan = build_local_plan(writers, readers, role=self.role, rank=self.rank, options=self.config.plan_options)
         quantizer = None
         if quant and self.role == "writer":
-            from weightsync.quantize import WriterQuantizer
+            from weightsync.codecs.fp8 import WriterQuantizer
 
             own = next(w for w in writers if w.rank == self.rank)
             quantizer = WriterQuantizer(quant, own, plan)
@@ -259,7 +260,7 @@ class SyncSession:
         device = self.device()
         ctx = TransportContext(channel=self.channel, num_writers=self.config.num_writers,
                                num_readers=self.config.num_readers, device=device, options=opts,
-                               placements=tuple(placements))
+                               placements=tuple(placements), keeps_received_bytes=self._keeps_received_bytes)
         transport = create_transport(choice.name, ctx)
         self.timings["setup"] = time.perf_counter() - started
         self.planned = PlannedSync(plan, transport, choice.name, f"{plan.fingerprint}-{digest}",

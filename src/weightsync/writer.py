@@ -26,7 +26,7 @@ from weightsync.transport import TransportError
 
 if TYPE_CHECKING:
     from weightsync.meta.client import MetaClient
-    from weightsync.sources.base import TrainingSource
+    from weightsync.ports import TrainingSource
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ The same model, the same training layout (two FSDP processes holding bf16) and t
 transport (torch/gloo, the network transport) in one run; only what the reader asks for
 differs: the bf16 weights, 128x128-block FP8 (``hf:quant=fp8_block``) or per-channel FP8
 (``hf:quant=fp8_channel``). Every version a reader receives is checked bitwise: bf16 against
-the trainer's weights, FP8 against :func:`weightsync.quantize.reference_quantize` of the full
+the trainer's weights, FP8 against :func:`weightsync.codecs.fp8.reference_quantize` of the full
 tensors. Times are the writers' ``write()`` (quantize + send + until the reader applied it),
 the slower writer per version, median over the timed versions.
 
@@ -58,9 +58,9 @@ def _writer(model: str, job: str, rank: int, *, versions: int, bucket: int, time
 
 def _expected(config: dict[str, Any], mode: str) -> dict[int, dict[str, torch.Tensor]]:
     """What the reader's tensors must hold for each seed, by checkpoint name."""
+    from weightsync.codecs.fp8 import reference_quantize
     from weightsync.layout import ModelSpec
     from weightsync.layout.quant import SCHEMES, quantized_tensors
-    from weightsync.quantize import reference_quantize
     from weightsync.tiny import canonical_weights
 
     quantized = set(quantized_tensors(ModelSpec.from_hf_config(config))) if mode != "bf16" else set()

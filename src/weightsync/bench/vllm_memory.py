@@ -2,7 +2,7 @@
 whole-model staging against phases of whole layers, side by side, on two model sizes.
 
 For each model a writer process syncs two versions into a vLLM engine process
-(:mod:`weightsync.engines.vllm_memory` measures the engine process's peak resident memory
+(:mod:`weightsync.integrations.vllm_memory` measures the engine process's peak resident memory
 above its resident set before the update, and checks that the update really happened:
 greedy output changes with version 1 and comes back, token for token, with version 2).
 The target (issue 14): with phases, the extra memory stays within ``max_bucket_bytes``
@@ -66,7 +66,7 @@ def _case(name: str, phases: bool, *, bucket: int, timeout: float, tmp: Path, en
     if not checkpoint.exists():
         write_checkpoint(checkpoint, config, seed=2)
     job = f"vllm-mem-{uuid.uuid4().hex[:8]}"
-    reader = subprocess.Popen([sys.executable, "-m", "weightsync.engines.vllm_memory", "--checkpoint",
+    reader = subprocess.Popen([sys.executable, "-m", "weightsync.integrations.vllm_memory", "--checkpoint",
                                str(checkpoint), "--job", job, "--bucket", str(bucket), "--timeout", str(timeout),
                                *(["--phases"] if phases else [])], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)

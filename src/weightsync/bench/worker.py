@@ -33,29 +33,13 @@ import sys
 import time
 from typing import Any
 
+from weightsync.rss import reset_peak_rss, status_bytes
+
 PREFIX = "WSBENCH "
 
 
 def emit(record: dict[str, Any]) -> None:
     print(PREFIX + json.dumps(record), flush=True)
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def reset_peak_rss() -> bool:
-    """Reset VmHWM (Linux ``clear_refs`` 5); False where the kernel does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def measure_limits(ctx: Any, nbytes: int, *, reps: int = 5) -> dict[str, float]:
@@ -162,8 +146,8 @@ def _run_method(ctx: Any, name: str, *, reps: int, warmup: int, make: Any, pool:
         for t in ctx.tensors.values():
             t.zero_()
     dist.barrier()
-    rss_before = _status_kb("VmRSS")
-    shmem_before = _status_kb("RssShmem")
+    rss_before = status_bytes("VmRSS")
+    shmem_before = status_bytes("RssShmem")
     hwm_ok = reset_peak_rss()
     peak = 0  # the highest resident memory *during a sync* above rss_before (not the checks between)
     method = make(name, ctx)
@@ -187,7 +171,7 @@ def _run_method(ctx: Any, name: str, *, reps: int, warmup: int, make: Any, pool:
             report = method.sync(i)
             dt = time.perf_counter() - t0
             if hwm_ok:
-                peak = max(peak, _status_kb("VmHWM") - rss_before)
+                peak = max(peak, status_bytes("VmHWM") - rss_before)
             if ctx.role == "reader":  # untimed: every byte of version i, bitwise
                 wrong = check(version)
                 verified.append(not wrong)
@@ -199,7 +183,7 @@ def _run_method(ctx: Any, name: str, *, reps: int, warmup: int, make: Any, pool:
             elif i == 0:
                 setup_seconds += dt
         peak = peak if hwm_ok else -1
-        shmem = _status_kb("RssShmem") - shmem_before
+        shmem = status_bytes("RssShmem") - shmem_before
     finally:
         dist.barrier()  # nobody tears down (unlinks shared memory, files) while a peer still reads
         method.close()

@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from weightsync.engines.base import InferenceEngine
 from weightsync.engines.buffers import ModuleEngine, ShardedEngine
+from weightsync.ports import InferenceEngine
 
 #: attribute -> the adapter module that defines it (imported on first access)
 _LAZY = {"VLLMEngine": "weightsync.engines.vllm", "update_llm": "weightsync.engines.vllm",

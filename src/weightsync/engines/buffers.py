@@ -11,7 +11,7 @@ straight into the tensors (parameters), and ``apply`` only records the version.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -21,6 +21,9 @@ from weightsync.torch_layout import allocate, module_layout
 
 class _InPlace:
     """Shared bookkeeping: version and validity of in-place buffers."""
+
+    stages_in_phases: ClassVar[bool] = False
+    keeps_received_bytes: ClassVar[bool] = True  # the parameters themselves
 
     def __init__(self) -> None:
         self._version: int | None = None

@@ -21,6 +21,7 @@ import ctypes
 import logging
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
+from typing import ClassVar
 
 import torch
 
@@ -39,13 +40,17 @@ class StagedWeights:
     push staged tensors through the engine's loader: :meth:`_begin` opens a load,
     :meth:`_load_items` loads some tensors, :meth:`_end` completes the version.
 
-    **Phases** (``SyncConfig(layer_phases=True)``; a :class:`~weightsync.engines.base.PhasedEngine`):
+    **Phases** (``SyncConfig(layer_phases=True)``; a :class:`~weightsync.ports.PhasedEngine`):
     the reader calls :meth:`use_phases` with the job's phases of whole layers; an engine that
     ``loads_in_phases`` then lays its buffers out in one *arena* the size of the largest
     phase, every phase's tensors on the same memory, and loads each phase as it arrives
     (:meth:`phase_arrived`). Staging is then one phase, not the model.
     """
 
+    stages_in_phases: ClassVar[bool] = True
+    #: Staging is allocated once and only the transport writes it (phases that share the
+    #: arena excepted, see :class:`~weightsync.ports.InferenceEngine`).
+    keeps_received_bytes: ClassVar[bool] = True
     #: Whether the engine's loader takes a version in several calls (vLLM's layerwise reload
     #: does); an engine that does not stages the whole model whatever the phases.
     loads_in_phases: bool = True

@@ -19,7 +19,7 @@ Two ways in:
       reader.update()                   # receive, reload, reset the prefix cache, stamp the version
       engine.update(state_dict, version=7)   # or: load tensors you already hold
 
-* the ``"weightsync"`` weight-transfer backend (:mod:`weightsync.engines.vllm_backend`) puts
+* the ``"weightsync"`` weight-transfer backend (:mod:`weightsync.integrations.vllm_backend`) puts
   the reader inside vLLM's worker, so bytes go from the trainers straight into the worker's
   staging buffers, whatever process the worker lives in::
 
@@ -388,14 +388,16 @@ def register() -> None:
     """Register the ``"weightsync"`` weight-transfer backend with vLLM (idempotent).
 
     Also the ``vllm.general_plugins`` entry point, so every vLLM process (engine core,
-    workers) registers it without user code.
+    workers) registers it without user code. The backend's two sides are integrations above
+    the roles (:mod:`weightsync.integrations`), named here by module path: vLLM's factories
+    import them when an engine asks for the backend, and this adapter never does.
     """
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     if BACKEND_NAME not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND_NAME, "weightsync.engines.vllm_backend",
+        WeightTransferEngineFactory.register_engine(BACKEND_NAME, "weightsync.integrations.vllm_backend",
                                                     "WeightSyncTransferEngine")
-    if BACKEND_NAME not in WeightTransferTrainerFactory._registry:  # the trainer side: a training-side adapter
-        WeightTransferTrainerFactory.register_engine(BACKEND_NAME, "weightsync.sources.vllm_trainer",
+    if BACKEND_NAME not in WeightTransferTrainerFactory._registry:  # the trainer side
+        WeightTransferTrainerFactory.register_engine(BACKEND_NAME, "weightsync.integrations.vllm_trainer",
                                                      "WeightSyncTrainerEngine")

@@ -26,7 +26,7 @@ Staging buffers are separate from the live adapter (``apply`` copies them), so a
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -50,6 +50,9 @@ class VLLMLoraEngine:
         name, lora_id: the adapter's name and integer id in vLLM (``lora_id > 0``).
         rank: the reader rank.
     """
+
+    stages_in_phases: ClassVar[bool] = False
+    keeps_received_bytes: ClassVar[bool] = True  # apply installs copies of the staged adapter
 
     def __init__(self, llm: LLM, lora: LoraSpec, *, name: str = "policy", lora_id: int = 1, rank: int = 0) -> None:
         engine = llm.llm_engine

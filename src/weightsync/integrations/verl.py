@@ -26,7 +26,7 @@ the other actor ranks walk the generator (producing a tensor is collective over 
 group) and send nothing. Rollout workers receive into persistent buffers of the same
 layout, which they learn from the writer through the job channel on the first step, and
 yield views of them to verl's server adapter. The meta server is the named Ray actor of
-:mod:`weightsync.ray`, found by every worker; the weightsync job is planned once and reused
+:mod:`weightsync.integrations.ray`, found by every worker; the weightsync job is planned once and reused
 by every step, so verl's per-step ``prepare``/``finalize`` cost nothing.
 """
 
@@ -37,7 +37,7 @@ import itertools
 import logging
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
@@ -88,6 +88,9 @@ def table_layout(table: TensorTable, rank: int) -> RankLayout:
 
 class WholeTensorBuffers:
     """Whole tensors in persistent buffers: a training source (writer) and an engine (reader)."""
+
+    stages_in_phases: ClassVar[bool] = False
+    keeps_received_bytes: ClassVar[bool] = True
 
     def __init__(self, layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> None:
         self._layout = layout
@@ -158,7 +161,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
 
     # -- verl's per-step setup ------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
-        from weightsync.ray import node_identity
+        from weightsync.integrations.ray import node_identity
 
         return {"master": self.is_master, "node": node_identity()[0]}
 
@@ -178,15 +181,15 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         """Nothing to free between steps: the job's connections and buffers persist."""
 
     def _config(self) -> Any:
-        """The job's settings, placed on this worker's Ray node (see :mod:`weightsync.ray.actors`)."""
-        from weightsync.ray.actors import placed_config
+        """The job's settings, placed on this worker's Ray node (see :mod:`weightsync.integrations.ray.actors`)."""
+        from weightsync.integrations.ray.actors import placed_config
         from weightsync.session import SyncConfig
 
         return placed_config(SyncConfig(num_writers=1, num_readers=self.num_readers, job=self.settings.job,
                                         transport=self.settings.transport, timeout=self.settings.timeout))
 
     def _meta(self) -> Any:
-        from weightsync.ray import meta_server
+        from weightsync.integrations.ray import meta_server
 
         return meta_server(name=self.settings.meta_name, timeout=self.settings.timeout).client(job=self.settings.job)
 

@@ -92,11 +92,6 @@ ARCHITECTURES: Mapping[str, str] = {
 _TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
                  "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
-LAYER_ROLES = (
-    "input_norm", "q", "k", "v", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "o",
-    "post_attn_norm", "gate", "up", "down", "router", "expert_gate", "expert_up", "expert_down",
-)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec:

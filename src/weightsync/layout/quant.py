@@ -14,7 +14,7 @@ cut, a ZeRO-3 flat partition, a K-split row for per-channel scales) is *exchange
 holder publishes its partial maximum and each sender takes the maximum of all
 (:class:`QuantSources.exchange`). Every other tile lies whole inside one region of each of
 its holders, which computes it alone. Either way the result equals the reference
-quantizer applied to the full tensor, bit for bit (``weightsync.quantize``).
+quantizer applied to the full tensor, bit for bit (``weightsync.codecs.fp8``).
 
     layout = parse_layout("vllm:tp=2,quant=fp8_block")       # a reader asking for FP8
     writers, quant = quantized_sources(writer_layouts, reader_layouts)

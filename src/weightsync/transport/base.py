@@ -75,8 +75,9 @@ class TransportOptions:
         shm_streaming: shared-memory readers copy while writers pack (x86-64 CPU only; see
             transport/shm.py); False makes them wait for whole slots (for A/B measurements).
         delta_anchor_every: torch (gloo) transport only: 0 sends every version in full; K >= 1
-            sends each reader only what changed since the version it holds (weightsync/delta.py),
-            with a full version at least every K versions per pair (K=1: always full).
+            sends each reader only what changed since the version it holds
+            (:mod:`weightsync.transport.delta`), with a full version at least every K versions
+            per pair (K=1: always full).
     """
 
     max_bucket_bytes: int = 64 << 20
@@ -120,6 +121,9 @@ class TransportContext:
     ``"cuda:N"``, with its index): staging buffers, the process-group backend and memory
     registrations follow it, and ``prepare`` refuses tensors elsewhere. ``placements`` are
     where every rank of the job runs (what the routed transport splits pairs by).
+    ``keeps_received_bytes`` says whether a reader's tensors hold what arrived until the next
+    receive (its engine's capability, :class:`weightsync.ports.InferenceEngine`): only then
+    may it receive only what changed (:mod:`weightsync.transport.delta`).
     """
 
     channel: JobChannel
@@ -128,6 +132,7 @@ class TransportContext:
     device: str = "cpu"
     options: TransportOptions = field(default_factory=TransportOptions)
     placements: tuple[RankPlacement, ...] = ()
+    keeps_received_bytes: bool = True
 
     def __post_init__(self) -> None:
         parse_device(self.device)

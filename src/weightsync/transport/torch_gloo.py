@@ -9,7 +9,8 @@ direct messages need no buffer (received straight into the destination parameter
 without packing when the source view is already a dense run of the right dtype), and up
 to eight of them are in flight per pair. Setup and the schedule: :mod:`weightsync.transport.torch_dist`.
 With ``TransportOptions.delta_anchor_every`` set, pairs exchange only what changed since the
-reader's version instead (:mod:`weightsync.transport.torch_delta`).
+reader's version instead: each pair's lane lends its connection and staging buffers to
+:mod:`weightsync.transport.delta` (a :class:`_GlooLink`).
 """
 
 from __future__ import annotations
@@ -20,15 +21,14 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
 
 from weightsync.deadline import Deadline
-from weightsync.delta import warm_up
-from weightsync.transport import torch_delta
 from weightsync.transport.base import PeerWatch, PhaseTimer, TransferStats, TransportContext, TransportError
+from weightsync.transport.delta import DeltaSync
 from weightsync.transport.schedule import Message
 from weightsync.transport.tensors import as_bytes, checksum, direct_source, dst_view, pack, scatter
 from weightsync.transport.torch_dist import MAX_LANES, Pair, TorchDistBase
@@ -50,28 +50,13 @@ class GlooTransport(TorchDistBase):
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
-        #: Whoever hands this transport staging buffers that may not keep the received bytes
-        #: until the next receive sets this False: the reader then always asks for full versions.
-        self.delta_in_place = True
-        self.delta_sent: dict[tuple[int, int], torch_delta.SentState] = {}  # writer: (phase, reader) -> sent
-        self.delta_held: dict[tuple[int, int], int] = {}  # reader: (phase, writer) -> version in memory
-        self._one_phase = True
-        self._pointers: dict[str, int] = {}
+        self.delta = DeltaSync(ctx) if ctx.options.delta_anchor_every else None
 
     def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
                 phases: Sequence[Plan] | None = None) -> None:
         super().prepare(plan, tensors, epoch=epoch, timeout=timeout, phases=phases)
-        pointers = {name: t.data_ptr() for name, t in tensors.items()}
-        if pointers != self._pointers:  # other memory: it does not hold the versions we received
-            self.delta_held.clear()
-        self._pointers = pointers
-        self._one_phase = len(self._schedules) == 1
-        if self.ctx.options.delta_anchor_every:
-            warm_up()  # not in the first delta version's time
-
-    def holds_versions(self) -> bool:
-        """Whether the destination keeps each received version until the next receive (see torch_delta)."""
-        return self.delta_in_place and self._one_phase
+        if self.delta is not None:
+            self.delta.prepared(tensors, phases=len(self._schedules))
 
     def _form_group(self, epoch: int, deadline: Deadline) -> Any:
         prefix = self._store_for(epoch, deadline)
@@ -86,26 +71,27 @@ class GlooTransport(TorchDistBase):
     # -- data movement --------------------------------------------------------------------
     def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
         move = self._send_pair
-        if self.ctx.options.delta_anchor_every:
+        if (delta := self.delta) is not None:
             def move(pair: Pair, run: _LaneRun) -> None:
-                torch_delta.send_pair(self, phase, pair, run)
+                delta.send_pair(_GlooLink(self, run, pair), pair.messages, self._flats, phase=phase,
+                                stats=run.stats, timer=run.timer)
         return self._run_pairs(version, timeout, move, self._phase_schedule(phase))
 
     def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
         move = self._receive_pair
-        if self.ctx.options.delta_anchor_every:
+        if (delta := self.delta) is not None:
             def move(pair: Pair, run: _LaneRun) -> None:
-                torch_delta.receive_pair(self, phase, pair, run)
+                delta.receive_pair(_GlooLink(self, run, pair), pair.messages, self._flats, phase=phase,
+                                   stats=run.stats, timer=run.timer)
         return self._run_pairs(version, timeout, move, self._phase_schedule(phase))
 
     def _extra_bytes(self) -> int:
-        return super()._extra_bytes() + torch_delta.previous_bytes(self.delta_sent)
+        return super()._extra_bytes() + (self.delta.extra_bytes() if self.delta is not None else 0)
 
     def close(self) -> None:
         super().close()
-        self.delta_sent.clear()
-        self.delta_held.clear()
-        self._pointers = {}
+        if self.delta is not None:
+            self.delta.close()
 
     def _run_pairs(self, version: int, timeout: float, move: Any, schedule: list[Pair]) -> TransferStats:
         """Run ``move`` for every peer, on up to ``MAX_LANES`` threads (see module docstring)."""
@@ -261,6 +247,35 @@ class _LaneRun:
 
     def __post_init__(self) -> None:
         self.timer = PhaseTimer(self.stats)
+
+
+@dataclass(frozen=True)
+class _GlooLink:
+    """One pair of a lane as :class:`weightsync.transport.delta.PairLink`: its tagged sends and
+    receives on the lane's group, under the lane's deadline, and the lane's three buffers."""
+
+    transport: GlooTransport
+    run: _LaneRun
+    pair: Pair
+
+    @property
+    def peer(self) -> int:
+        return self.pair.peer
+
+    @property
+    def capacity(self) -> int:
+        return self.transport._message_bytes
+
+    def post(self, op: Literal["send", "recv"], tensor: torch.Tensor, message: Message, *,
+             tag: int) -> tuple[Any, Message]:
+        return self.transport._post(self.run.pg, op, tensor, self.pair, message, tag=tag), message
+
+    def wait(self, posted: tuple[Any, Message]) -> None:
+        work, message = posted
+        self.transport._wait((work, message, -1), self.run.deadline, self.pair.peer, self.run.timer)
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        return self.transport._buffer(self.run.lane, slot)
 
 
 def _buffers_in_use(in_flight: deque[tuple[Any, Message, int]]) -> int:

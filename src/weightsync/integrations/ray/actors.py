@@ -31,14 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from weightsync.ray.meta import MetaConnection
+from weightsync.integrations.ray.meta import MetaConnection
 from weightsync.session import SyncConfig
 
 if TYPE_CHECKING:
-    from weightsync.engines.base import InferenceEngine
     from weightsync.job import Role
+    from weightsync.ports import InferenceEngine, TrainingSource
     from weightsync.reader import WeightReader
-    from weightsync.sources.base import TrainingSource
     from weightsync.writer import WeightWriter
 
 logger = logging.getLogger(__name__)

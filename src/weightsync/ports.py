@@ -1,4 +1,10 @@
-"""What a reader needs from an inference engine on one worker.
+"""The ports: what the roles need from a training framework and from an inference engine.
+
+A writer sends what a :class:`TrainingSource` holds; a reader receives into an
+:class:`InferenceEngine`. Adapters (``sources/``, ``engines/``, the integrations) implement
+these Protocols, and the roles (``writer.py``, ``reader.py``, ``inflight.py``) import only
+this module, never an adapter. What an engine can do it declares in class attributes, as
+transports do, and the roles read them instead of testing the engine's class.
 
 Lifecycle of one update, driven by ``WeightReader.update``::
 
@@ -11,13 +17,15 @@ Engines whose parameters can be written in place (HF models, vLLM on GPU without
 repacking) return their parameters from ``receive_buffers`` and ``apply`` only records the
 version. Engines that must run their own loader (vLLM on CPU repacks linear weights into
 oneDNN handles; quantised weights) return staging buffers in a layout of their choice and
-push them through the loader in ``apply``.
+push them through the loader in ``apply``. A training source is built once; the writer calls
+``tensors()`` before every version (a framework may re-allocate parameters between steps,
+and the writer notices when their storage moved).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 from weightsync.layout import LayoutProvider
 
@@ -26,8 +34,35 @@ if TYPE_CHECKING:
 
 
 @runtime_checkable
+class TrainingSource(LayoutProvider, Protocol):
+    """A :class:`~weightsync.layout.LayoutProvider` (rank = the writer rank) with live tensors.
+
+    It says which slices of which canonical tensors this rank holds (its layout) and hands
+    over the local tensors themselves, without copying or gathering.
+    """
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        """Shard name -> the live local tensor (contiguous) holding the current weights."""
+        ...
+
+
+@runtime_checkable
 class InferenceEngine(LayoutProvider, Protocol):
-    """A :class:`~weightsync.layout.LayoutProvider` (rank = the reader rank) that can be updated."""
+    """A :class:`~weightsync.layout.LayoutProvider` (rank = the reader rank) that can be updated.
+
+    Its capabilities are the class attributes below, which the roles read.
+    """
+
+    #: The engine stages a version phase by phase (``SyncConfig(layer_phases=True)``) and
+    #: implements :class:`PhasedEngine`'s hooks: the reader lays its buffers out for the job's
+    #: phases and reports each phase as it arrives.
+    stages_in_phases: ClassVar[bool]
+    #: Each receive buffer holds the bytes a transport wrote into it until the next receive
+    #: writes into it again (neither the engine's loader nor anything else changes them), so
+    #: a reader may vouch for the version they hold and receive only what changed (delta
+    #: sync). Buffers that several phases share (a staging arena) hold only the last phase's:
+    #: with more than one phase, transports assume nothing is kept.
+    keeps_received_bytes: ClassVar[bool]
 
     def receive_buffers(self) -> Mapping[str, torch.Tensor]:
         """Shard name -> tensor the transport writes into (parameters or staging)."""
@@ -47,9 +82,8 @@ class InferenceEngine(LayoutProvider, Protocol):
         ...
 
 
-@runtime_checkable
 class PhasedEngine(InferenceEngine, Protocol):
-    """An engine that stages a version phase by phase (``SyncConfig(layer_phases=True)``).
+    """The hooks of an engine that declares ``stages_in_phases``.
 
     Its receive buffers for different phases may share memory (one staging arena): after each
     phase arrives, the reader calls ``phase_arrived``, and the engine loads those tensors
@@ -69,3 +103,6 @@ class PhasedEngine(InferenceEngine, Protocol):
     def phase_arrived(self, version: int, phase: int, names: tuple[str, ...]) -> None:
         """Phase ``phase`` of ``version`` (canonical tensors ``names``) is in the buffers."""
         ...
+
+
+__all__ = ["InferenceEngine", "PhasedEngine", "TrainingSource"]

@@ -1,4 +1,4 @@
-"""Compiled inner loops of :mod:`weightsync.delta` (numba), used when numba is installed.
+"""Compiled inner loops of :mod:`weightsync.codecs.delta` (numba), used when numba is installed.
 
 Finding the changed elements is the whole cost of a delta on the writer. numpy needs several
 passes for it (compare, find the changed words, gather them, split them into elements: 9-11

@@ -1,10 +1,10 @@
 """``weightsync doctor --engines``: update a live SGLang engine through weightsync (GPU only).
 
-The same proof as :mod:`weightsync.engines.vllm_selfcheck`: an engine started on a tiny
+The same proof as :mod:`weightsync.integrations.vllm_selfcheck`: an engine started on a tiny
 checkpoint B, version 1 (weights A) changes its greedy output, version 2 (B) restores it
 token for token. ``mode="tensor"`` (staged CUDA tensors handed over by IPC), one GPU.
 
-    python -m weightsync.engines.sglang_selfcheck      # prints one JSON line
+    python -m weightsync.integrations.sglang_selfcheck      # prints one JSON line
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ PREFIX = "WSSGLANGCHECK "
 def self_check(*, timeout: float) -> tuple[bool, str]:
     """Run the check in a child process; (passed, what happened)."""
     try:
-        proc = subprocess.run([sys.executable, "-m", "weightsync.engines.sglang_selfcheck"], text=True,
+        proc = subprocess.run([sys.executable, "-m", "weightsync.integrations.sglang_selfcheck"], text=True,
                               capture_output=True, timeout=timeout, check=False,
                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
     except subprocess.TimeoutExpired:

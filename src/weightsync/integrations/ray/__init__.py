@@ -1,6 +1,6 @@
 """weightsync on Ray: the meta server as a named actor, and trainer/rollout actors as ranks.
 
-    from weightsync.ray import SyncActor, attach_readers, attach_writers, meta_server
+    from weightsync.integrations.ray import SyncActor, attach_readers, attach_writers, meta_server
 
     @ray.remote
     class Trainer(SyncActor):
@@ -23,8 +23,8 @@ pair (:mod:`weightsync.transport.routed`). ``ray`` is imported only inside this 
 
 from __future__ import annotations
 
-from weightsync.ray.actors import SyncActor, attach_readers, attach_writers, node_identity, rejoin
-from weightsync.ray.meta import MetaConnection, meta_server, stop_meta_server
+from weightsync.integrations.ray.actors import SyncActor, attach_readers, attach_writers, node_identity, rejoin
+from weightsync.integrations.ray.meta import MetaConnection, meta_server, stop_meta_server
 
 __all__ = ["MetaConnection", "SyncActor", "attach_readers", "attach_writers", "meta_server", "node_identity",
            "rejoin", "stop_meta_server"]

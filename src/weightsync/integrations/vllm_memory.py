@@ -9,7 +9,7 @@ steady state; version 1 also forms the process group) is what staging and the re
 greedy output after version 1 must differ and after version 2 equal the start, token for
 token (so the figure belongs to an update that really happened).
 
-    python -m weightsync.engines.vllm_memory --checkpoint DIR --job J --bucket BYTES [--phases]
+    python -m weightsync.integrations.vllm_memory --checkpoint DIR --job J --bucket BYTES [--phases]
 """
 
 from __future__ import annotations
@@ -21,21 +21,15 @@ import os
 import sys
 import time
 
+from weightsync.rss import reset_peak_rss, status_bytes
+
 PREFIX = "WSVLLMMEM "
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _reset_peak() -> None:
     """Reset the kernel's peak resident-set counter (VmHWM) to the current resident set."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    if not reset_peak_rss():
+        raise OSError("cannot reset the peak resident set (/proc/self/clear_refs): the figure would be wrong")
 
 
 def _greedy(llm: object) -> list[int]:
@@ -48,7 +42,7 @@ def _greedy(llm: object) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m weightsync.engines.vllm_memory")
+    parser = argparse.ArgumentParser(prog="python -m weightsync.integrations.vllm_memory")
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--job", required=True)
     parser.add_argument("--bucket", type=int, required=True)
@@ -72,17 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     sync = SyncConfig(num_writers=1, num_readers=1, job=args.job, timeout=args.timeout, layer_phases=args.phases,
                       transport="torch", transport_options=TransportOptions(max_bucket_bytes=args.bucket))
     gc.collect()
-    baseline = _status_kb("VmRSS")
+    baseline = status_bytes("VmRSS")
     _reset_peak()
     with WeightReader(engine, rank=0, config=sync) as reader:
         reader.update(1)  # the first update also forms the process group and lays out staging
-        first = _status_kb("VmHWM") - baseline
+        first = status_bytes("VmHWM") - baseline
         other = _greedy(llm)
         _reset_peak()
         t0 = time.perf_counter()
         reader.update(2)  # steady state: what every later version costs
         seconds = time.perf_counter() - t0
-        steady = _status_kb("VmHWM") - baseline
+        steady = status_bytes("VmHWM") - baseline
         restored = _greedy(llm)
     record = {"peak_extra_bytes": steady, "first_update_extra_bytes": first, "staging_bytes": engine.staging_bytes,
               "seconds": seconds, "changed": other != start, "restored": restored == start,

@@ -7,7 +7,7 @@ and the update is shown both to take effect and to be exact. Runs in a child pro
 in-process vLLM binds threads and sets global parallel state), on the GPU when there is one.
 
     ok, detail = self_check(timeout=300)
-    python -m weightsync.engines.vllm_selfcheck        # what self_check runs; prints one JSON line
+    python -m weightsync.integrations.vllm_selfcheck        # what self_check runs; prints one JSON line
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def self_check(*, timeout: float) -> tuple[bool, str]:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
            "VLLM_HOST_IP": "127.0.0.1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     try:
-        proc = subprocess.run([sys.executable, "-m", "weightsync.engines.vllm_selfcheck"], env=env, text=True,
+        proc = subprocess.run([sys.executable, "-m", "weightsync.integrations.vllm_selfcheck"], env=env, text=True,
                               capture_output=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         return False, f"the vLLM self-check did not finish within {timeout:.0f}s"

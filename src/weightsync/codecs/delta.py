@@ -9,7 +9,8 @@ bitwise), and each payload goes out in the smallest of three lossless encodings:
 * ``SPARSE``: int32 indices of the changed elements, then their new values (``nnz * (4 + unit)``);
 * ``BITMAP``: the changed values, then one bit per element (set = changed) (``n/8 + nnz * unit``).
 
-Functions on 1-d uint8 tensors in host memory; the torch transport keeps track of versions::
+Functions on 1-d uint8 tensors in host memory; which version each side holds is the
+transports' business (:mod:`weightsync.transport.delta`)::
 
     changes = diff(new_bytes, old_bytes, unit=2, update_old=True)   # writer: old_bytes = what the reader holds
     enc = changes.encode()               # the smallest encoding; enc.parts go on the wire back to back
@@ -17,7 +18,7 @@ Functions on 1-d uint8 tensors in host memory; the torch transport keeps track o
 
 Finding the changes is the writer's whole cost, so :func:`diff` compares 8-byte words and
 splits only the changed words into elements: in one compiled pass that also updates the
-writer's copy (:mod:`weightsync.delta_jit`, when numba is installed), else with numpy in
+writer's copy (:mod:`weightsync.codecs.delta_jit`, when numba is installed), else with numpy in
 chunks that stay in cache. Neither writes temporaries of the payload's size (the kernel's
 outputs are reserved at that size, but only the pages that changes fill are touched).
 """
@@ -31,7 +32,7 @@ from enum import IntEnum
 import numpy as np
 import torch
 
-from weightsync import delta_jit
+from weightsync.codecs import delta_jit
 
 _NP_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 #: Words (8 bytes) compared per pass of :func:`diff`: 2 x 512 KiB of payload and a 64 KiB mask.

@@ -1,0 +1,308 @@
+"""The planner's first half: every rank's regions in, disjoint source atoms with their holders out.
+
+Steps 1-3 of :mod:`weightsync.plan.planner`, which depend on the metadata alone (never on a
+destination piece):
+
+1. number the canonical tensors and flatten every rank's regions into a
+   :class:`~weightsync.plan.table.RegionTable` (one per side); check that both sides agree on
+   shapes, that every needed tensor has a source, and that sources of a tensor agree on dtype;
+2. cut the source side into disjoint *atoms* (identical boxes merged, partial overlaps
+   refined) and give each atom its *holder class* (the ranks holding it);
+3. estimate how many bytes each class must send and water-fill them over its ranks
+   (:mod:`weightsync.plan.balance`), giving each rank a share of each class.
+
+The result, :class:`Atoms`, also carries the plan's fingerprint (a hash of its inputs and
+options). The planner then joins destinations with atoms and assigns each piece::
+
+    atoms = Atoms(writer_layouts, reader_layouts, PlanOptions())
+    atoms.atom_tensor, atoms.holder_ptr, atoms.class_alloc, atoms.fingerprint
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from weightsync.layout.box import Box
+from weightsync.layout.columns import DTYPE_CODES
+from weightsync.layout.types import RankLayout
+from weightsync.plan.balance import water_fill
+from weightsync.plan.table import RegionTable
+
+#: Bump when the planner's decisions change, so mixed versions fail the fingerprint check.
+PLANNER_VERSION = "1"
+
+
+class PlanError(ValueError):
+    """The metadata cannot be planned (missing tensors, gaps, inconsistent shapes)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanOptions:
+    """Planner options; every rank must use the same (they enter the fingerprint).
+
+    Attributes:
+        min_split_bytes: a piece held by ``k`` ranks is cut among them only if each part
+            would be at least this large; smaller pieces go whole to one holder.
+        allow_unneeded_sources: accept source tensors no destination needs (otherwise
+            an error lists them: usually a name-mapping mistake).
+    """
+
+    min_split_bytes: int = 1 << 20
+    allow_unneeded_sources: bool = False
+
+    def __post_init__(self) -> None:
+        if self.min_split_bytes < 0:
+            raise ValueError(f"min_split_bytes must be >= 0, got {self.min_split_bytes}")
+
+class Atoms:
+    """Everything derived from the full metadata (steps 1-3); shared by global and local planning."""
+
+    def __init__(self, sources: Sequence[RankLayout], dests: Sequence[RankLayout],
+                 options: PlanOptions) -> None:
+        if not sources:
+            raise PlanError("no writer layouts given")
+        if not dests:
+            raise PlanError("no reader layouts given")
+        _check_unique_ranks(sources, "writer")
+        _check_unique_ranks(dests, "reader")
+        # Input order must not matter: every rank may list the layouts differently.
+        sources = sorted(sources, key=lambda lay: lay.rank)
+        dests = sorted(dests, key=lambda lay: lay.rank)
+        self.options = options
+        shapes = _canonical_shapes(sources, dests)
+        self.tensors = tuple(sorted(shapes))
+        self.shapes = tuple(shapes[n] for n in self.tensors)
+        self.tensor_ndim = tuple(len(s) for s in self.shapes)
+        self.ndim = max(max(self.tensor_ndim, default=1), 1)
+        ids = {n: i for i, n in enumerate(self.tensors)}
+        self.src = _nonempty(RegionTable.build(sources, ids, self.ndim))
+        self.dst = _nonempty(RegionTable.build(dests, ids, self.ndim))
+        self.num_sources = len(sources)
+        self.num_dests = len(dests)
+        self.big = max((max(s) if s else 1) for s in self.shapes) + 1 if self.shapes else 2
+        self.name_hash = np.array([zlib.crc32(n.encode()) for n in self.tensors], dtype=np.int64)
+        self._check_names()
+        self._check_source_dtypes()
+        self._build_atoms()
+        self._balance()
+        self.fingerprint = self._fingerprint()
+
+    # -- validation -----------------------------------------------------------------------
+    def _check_names(self) -> None:
+        have = set(np.unique(self.src.tensor).tolist())
+        need = set(np.unique(self.dst.tensor).tolist())
+        missing = sorted(self.tensors[i] for i in need - have)
+        if missing:
+            raise PlanError(
+                f"{len(missing)} tensor(s) needed by readers are held by no writer: "
+                f"{_preview(missing)}"
+            )
+        extra = sorted(self.tensors[i] for i in have - need)
+        if extra and not self.options.allow_unneeded_sources:
+            raise PlanError(
+                f"{len(extra)} tensor(s) held by writers are needed by no reader: "
+                f"{_preview(extra)} (pass allow_unneeded_sources=True if that is intended)"
+            )
+
+    def _check_source_dtypes(self) -> None:
+        order = np.lexsort([self.src.dtype, self.src.tensor])
+        t = self.src.tensor[order]
+        d = self.src.dtype[order]
+        bad = np.flatnonzero((t[1:] == t[:-1]) & (d[1:] != d[:-1]))
+        if bad.size:
+            tensor = int(t[bad[0]])
+            rows = np.flatnonzero(self.src.tensor == tensor)
+            found = sorted({f"rank {int(self.src.rank[r])}: {DTYPE_CODES[int(self.src.dtype[r])]}"
+                            for r in rows[:64].tolist()})
+            raise PlanError(
+                f"writers hold {self.tensors[tensor]!r} in different dtypes ({', '.join(found[:6])}); "
+                "all sources of a tensor must share one dtype"
+            )
+
+    # -- atoms ----------------------------------------------------------------------------
+    def _build_atoms(self) -> None:
+        src = self.src
+        nd = self.ndim
+        keys = [src.rank]
+        keys += [src.size[:, d] for d in range(nd - 1, -1, -1)]
+        keys += [src.off[:, d] for d in range(nd - 1, -1, -1)]
+        keys.append(src.tensor)
+        order = np.lexsort(keys)
+        t = src.tensor[order]
+        off = src.off[order]
+        size = src.size[order]
+        rank = src.rank[order]
+        new_atom = np.ones(len(order), dtype=bool)
+        if len(order) > 1:
+            same = (t[1:] == t[:-1]) & (off[1:] == off[:-1]).all(1) & (size[1:] == size[:-1]).all(1)
+            new_atom[1:] = ~same
+            # Drop a rank's second region of the same box (keep one holder per rank).
+            dup = np.zeros(len(order), dtype=bool)
+            dup[1:] = same & (rank[1:] == rank[:-1])
+        else:
+            dup = np.zeros(len(order), dtype=bool)
+        keep = ~dup
+        starts = np.flatnonzero(new_atom)
+        atom_of_row = np.cumsum(new_atom) - 1
+        self.atom_tensor = t[starts]
+        self.atom_off = off[starts]
+        self.atom_size = size[starts]
+        holder_rows = order[keep]
+        holder_atom = atom_of_row[keep]
+        self.holder_ptr = np.searchsorted(holder_atom, np.arange(len(starts) + 1))
+        self.holder_row = holder_rows
+        self._refine_overlaps()
+
+    def _refine_overlaps(self) -> None:
+        """Split partially overlapping source boxes into disjoint atoms (rare layouts)."""
+        n = len(self.atom_tensor)
+        if n < 2:
+            return
+        start_key = self.atom_tensor * self.big + self.atom_off[:, 0]
+        end_key = self.atom_tensor * self.big + self.atom_off[:, 0] + self.atom_size[:, 0]
+        hi = np.searchsorted(start_key, end_key, side="left")
+        counts = np.maximum(hi - np.arange(1, n + 1), 0)
+        if not counts.any():
+            return
+        i = np.repeat(np.arange(n), counts)
+        j = i + 1 + ranges(counts)
+        lo = np.maximum(self.atom_off[i], self.atom_off[j])
+        up = np.minimum(self.atom_off[i] + self.atom_size[i], self.atom_off[j] + self.atom_size[j])
+        overlap = (up > lo).all(1)
+        if not overlap.any():
+            return
+        bad_tensors = set(self.atom_tensor[i[overlap]].tolist())
+        self._replace_atoms(bad_tensors)
+
+    def _replace_atoms(self, tensors: set[int]) -> None:
+        nd = self.ndim
+        keep_atoms = [a for a in range(len(self.atom_tensor)) if int(self.atom_tensor[a]) not in tensors]
+        new: list[tuple[int, Box, list[int]]] = []
+        for a in keep_atoms:
+            rows = self.holder_row[self.holder_ptr[a]:self.holder_ptr[a + 1]].tolist()
+            new.append((int(self.atom_tensor[a]), box_of(self.atom_off[a], self.atom_size[a]), rows))
+        for tensor in sorted(tensors):
+            pieces: list[tuple[Box, set[int]]] = []
+            for row in np.flatnonzero(self.src.tensor == tensor).tolist():
+                box = box_of(self.src.off[row], self.src.size[row])
+                pending = [box]
+                nxt: list[tuple[Box, set[int]]] = []
+                for abox, arows in pieces:
+                    inter = abox.intersect(box)
+                    if inter is None:
+                        nxt.append((abox, arows))
+                        continue
+                    nxt.append((inter, arows | {row}))
+                    nxt.extend((p, set(arows)) for p in abox.subtract(box))
+                    pending = [q for p in pending for q in p.subtract(inter)]
+                nxt.extend((p, {row}) for p in pending)
+                pieces = nxt
+            for abox, arows in pieces:
+                by_rank: dict[int, int] = {}
+                for row in sorted(arows):
+                    by_rank.setdefault(int(self.src.rank[row]), row)
+                new.append((tensor, abox, [by_rank[r] for r in sorted(by_rank)]))
+        new.sort(key=lambda x: (x[0], x[1].offsets, x[1].sizes))
+        self.atom_tensor = np.array([x[0] for x in new], dtype=np.int64)
+        self.atom_off = np.array([x[1].offsets for x in new], dtype=np.int64).reshape(-1, nd)
+        self.atom_size = np.array([x[1].sizes for x in new], dtype=np.int64).reshape(-1, nd)
+        counts = [len(x[2]) for x in new]
+        self.holder_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.holder_row = np.array([r for x in new for r in x[2]], dtype=np.int64)
+
+    # -- balancing ------------------------------------------------------------------------
+    def _balance(self) -> None:
+        """Holder classes, their estimated demand, and each rank's share of each class."""
+        n_atoms = len(self.atom_tensor)
+        ranks = self.src.rank[self.holder_row]
+        class_index: dict[tuple[int, ...], int] = {}
+        atom_class = np.empty(n_atoms, dtype=np.int64)
+        ptr = self.holder_ptr.tolist()
+        rank_list = ranks.tolist()
+        for a in range(n_atoms):
+            cls = tuple(rank_list[ptr[a]:ptr[a + 1]])
+            atom_class[a] = class_index.setdefault(cls, len(class_index))
+        self.atom_class = atom_class
+        self.classes = list(class_index)
+        # Demand estimate: each atom is needed as often as its tensor is, on average.
+        need = np.zeros(len(self.tensors), dtype=np.int64)
+        np.add.at(need, self.dst.tensor, self.dst.volume * self.dst.itemsize)
+        numel = np.array([max(int(np.prod(s)), 1) for s in self.shapes], dtype=np.float64)
+        atom_vol = np.prod(self.atom_size, axis=1).astype(np.float64)
+        per_elem = need.astype(np.float64) / numel
+        atom_demand = np.floor(atom_vol * per_elem[self.atom_tensor]).astype(np.int64)
+        class_demand = np.zeros(len(self.classes), dtype=np.int64)
+        np.add.at(class_demand, atom_class, atom_demand)
+        alloc = water_fill({cls: int(class_demand[i]) for i, cls in enumerate(self.classes)})
+        self.class_alloc = [alloc[cls] for cls in self.classes]
+        self.class_cum = [np.cumsum(np.array(a, dtype=np.int64)) for a in self.class_alloc]
+        self.class_nnz = np.array([sum(1 for x in a if x > 0) for a in self.class_alloc], dtype=np.int64)
+
+    def _fingerprint(self) -> str:
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"weightsync-plan-v{PLANNER_VERSION}|{self.options}\n".encode())
+        for name, shape in zip(self.tensors, self.shapes, strict=True):
+            h.update(f"{name}{shape}\n".encode())
+        self.src.digest_update(h)
+        h.update(b"|readers|")
+        self.dst.digest_update(h)
+        return h.hexdigest()
+
+
+def ranges(counts: np.ndarray) -> np.ndarray:
+    """Concatenated ``arange(c)`` for each c in counts."""
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.cumsum(counts) - counts
+    return np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
+
+
+def box_of(off: np.ndarray, size: np.ndarray, ndim: int | None = None) -> Box:
+    n = len(off) if ndim is None else ndim
+    return Box(tuple(int(x) for x in off[:n]), tuple(int(x) for x in size[:n]))
+
+
+def _nonempty(table: RegionTable) -> RegionTable:
+    vol = table.volume
+    return table if (vol > 0).all() else table.take(np.flatnonzero(vol > 0))
+
+
+def _preview(names: Sequence[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def _check_unique_ranks(layouts: Sequence[RankLayout], role: str) -> None:
+    ranks = [lay.rank for lay in layouts]
+    if len(set(ranks)) != len(ranks):
+        dup = sorted({r for r in ranks if ranks.count(r) > 1})
+        raise PlanError(f"{role} rank(s) {dup[:8]} appear more than once")
+
+
+def _canonical_shapes(sources: Sequence[RankLayout], dests: Sequence[RankLayout]) -> dict[str, tuple[int, ...]]:
+    """Union of the canonical tensors all layouts declare; shapes must agree."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    owner: dict[str, str] = {}
+    seen: set[int] = set()
+    for role, layouts in (("writer", sources), ("reader", dests)):
+        for layout in layouts:
+            if id(layout.canonical) in seen:
+                continue
+            seen.add(id(layout.canonical))
+            for name, tensor in layout.canonical.items():
+                prev = shapes.get(name)
+                if prev is None:
+                    shapes[name] = tensor.shape
+                    owner[name] = f"{role} rank {layout.rank}"
+                elif prev != tensor.shape:
+                    raise PlanError(
+                        f"canonical tensor {name!r} has shape {prev} in {owner[name]}'s layout and {tensor.shape} "
+                        f"in {role} rank {layout.rank}'s: the two sides were built from different model configs"
+                    )
+    return shapes
