@@ -1,7 +1,7 @@
 """Meta-server scale: a 1T-parameter MoE job's metadata, published and fetched by every rank.
 
     python benchmarks/meta_scale.py                       # 1024 writers + 256 readers, 2 client processes
-    python benchmarks/meta_scale.py --state-dir --json    # with the durable journal (fsync per group commit)
+    python benchmarks/meta_scale.py --state-dir --json    # with the durable store (one fsynced commit per change)
     python benchmarks/meta_scale.py --mode separate       # register, then a separate barrier fetch
     python benchmarks/meta_scale.py --materialize         # also build all 1280 Participant objects per rank
 
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             roster = httpx.get(f"{address}/v1/jobs/{JOB}/participants", headers=headers, timeout=30).content
             metrics = httpx.get(f"{address}/metrics", headers=headers, timeout=30).text
             fsyncs = next((float(line.split()[-1]) for line in metrics.splitlines()
-                           if line.startswith("weightsync_meta_journal_fsyncs_total")), None)
+                           if line.startswith("weightsync_meta_store_commits_total")), None)
         finally:
             server.terminate()
             server.wait(timeout=30)
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": round(total, 3), "requests": (args.writers + args.readers) * (1 if args.mode == "join" else 2) + 1,
         "roster_bytes": len(roster), "client_cpu_seconds": round(sum(r[3] for r in results), 2),
         "server_cpu_seconds": round(server_cpu, 2),
-        "journal_fsyncs": fsyncs,
+        "store_commits": fsyncs,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
     }
 
@@ -177,7 +177,7 @@ def main() -> int:
               f"{best['seconds']:.3f} s (runs: {best['all_seconds']}); roster {best['roster_bytes']} bytes; "
               f"{best['requests']} requests; CPU: clients {best['client_cpu_seconds']} s, "
               f"server {best['server_cpu_seconds']} s; "
-              f"fsyncs {best['journal_fsyncs']}; {best['machine']}")
+              f"commits {best['store_commits']}; {best['machine']}")
     return 0
 
 

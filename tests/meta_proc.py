@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from weightsync.meta.config import ensure_token_file
@@ -24,8 +25,9 @@ START_TIMEOUT = 30.0
 
 
 class MetaServerProcess:
-    def __init__(self, directory: Path, *args: str, port: int = 0) -> None:
+    def __init__(self, directory: Path, *args: str, port: int = 0, prefix: Sequence[str] = ()) -> None:
         self.directory = directory
+        self.prefix = list(prefix)  # e.g. nsenter into a mount namespace
         self.token_file = directory / "token"
         self.token = ensure_token_file(self.token_file)
         self.args = list(args)
@@ -35,7 +37,7 @@ class MetaServerProcess:
         self.log = directory / "server.log"
 
     def start(self) -> MetaServerProcess:
-        cmd = [sys.executable, "-m", "weightsync.cli", "meta-server", "--port", str(self.port),
+        cmd = [*self.prefix, sys.executable, "-m", "weightsync.cli", "meta-server", "--port", str(self.port),
                "--token-file", str(self.token_file), *self.args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with open(self.log, "a") as log:

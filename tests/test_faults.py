@@ -205,3 +205,179 @@ def test_meta_server_killed_and_restarted_the_job_carries_on(tmp_path, durable, 
         assert_reader_ends_exact(out, rank, 2)
         code, records, stderr = out[("writer", rank)]
         assert code == 0 and records[-1]["version"] == 2 and records[-1]["ok"], (records, stderr[-3000:])
+
+
+# -- the meta server's store: a full disk and damaged files --------------------------------------------------------
+
+META_STORE = {"transport": "- (meta server)"}
+DOCUMENT = b"an acknowledged document " * 3
+
+
+def acknowledge(client) -> None:
+    """Changes the server answered: two ranks, versions 1..4, the epoch counter at 5, a document, a reader."""
+    from weightsync.meta import Participant
+
+    client.register(Participant("writer", 0, "train", "h0", {"device": "cpu"}, b"writer layout"))
+    client.register(Participant("reader", 0, "rollout", "h1", {"device": "cpu"}, b"reader layout"))
+    for epoch in range(5):
+        assert client.compare_and_set("epoch", expected=epoch, value=epoch + 1) == (True, epoch + 1)
+    client.put_document("model/x", DOCUMENT)
+    for version in range(1, 5):
+        assert client.publish_version(version, "fp", writer_rank=0, num_writers=1) is not None
+    client.report_applied(0, 4, nbytes=8, seconds=0.1)
+
+
+def assert_acknowledged(client, epoch: int = 5) -> None:
+    """Every acknowledged change is there, and no counter went backwards."""
+    assert len(client.participants()) == 2
+    assert client.counter("epoch") == epoch
+    assert client.get_document("model/x") == DOCUMENT
+    latest = client.latest_version()
+    assert latest is not None and latest.version == 4
+    assert client.reader_versions() == {0: 4}
+
+
+def state_files(state) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in state.iterdir() if p.is_file() and p.name not in ("lock", "token")}
+
+
+def refused_or_intact(tmp_path, server, state) -> str:
+    """Start the server on its damaged state: it either refuses, saying what is damaged and how to
+    recover, or serves every acknowledged change. Returns which."""
+    from weightsync.meta import MetaClient
+
+    try:
+        server.start()
+    except RuntimeError as exc:
+        message = (tmp_path / "server.log").read_text()
+        assert str(state) in message and ("restore" in message.lower() or "move" in message), str(exc)[-2000:]
+        assert "Traceback" not in message, message[-3000:]
+        return "refused"
+    with server, MetaClient(server.address, job="j", token=server.token, timeout=10) as client:
+        assert_acknowledged(client)
+    return "intact"
+
+
+def populated(tmp_path, *, crash: bool):
+    """A durable server that acknowledged :func:`acknowledge`'s changes, then stopped (SIGTERM) or crashed (SIGKILL)."""
+    from weightsync.meta import MetaClient
+
+    state = tmp_path / "state"
+    server = MetaServerProcess(tmp_path, "--state-dir", str(state))
+    with server, MetaClient(server.address, job="j", token=server.token, timeout=10) as client:
+        acknowledge(client)
+        if crash:
+            server.kill()
+    return server, state
+
+
+def test_meta_store_a_flipped_byte_in_an_acknowledged_value_is_refused(tmp_path, tally):
+    """A one-byte flip inside a stored value used to be replayed as if it had been written."""
+    tally("meta store: a flipped byte inside an acknowledged record", META_STORE)
+    server, state = populated(tmp_path, crash=False)
+    hits = [(name, data.index(DOCUMENT)) for name in state_files(state)
+            if DOCUMENT in (data := (state / name).read_bytes())]
+    assert hits, state_files(state)
+    for name, at in hits:
+        data = bytearray((state / name).read_bytes())
+        data[at + 5] ^= 0x01
+        (state / name).write_bytes(bytes(data))
+    assert refused_or_intact(tmp_path, server, state) == "refused"
+
+
+def test_meta_store_a_truncated_file_after_a_crash_is_refused_or_loses_nothing(tmp_path, tally):
+    """The file the last acknowledged changes went to loses its tail after a crash: a truncated
+    journal used to be taken for a torn write, dropping acknowledged records."""
+    tally("meta store: SIGKILL, then the newest state file loses its last 100 bytes", META_STORE)
+    server, state = populated(tmp_path, crash=True)
+    files = {n: s for n, s in state_files(state).items() if s > 256}
+    newest = max(files, key=lambda n: (state / n).stat().st_mtime_ns)
+    with open(state / newest, "r+b") as f:
+        f.truncate(files[newest] - 100)
+    refused_or_intact(tmp_path, server, state)
+
+
+def test_meta_store_a_deleted_file_is_refused(tmp_path, tally):
+    """The largest state file deleted after a clean stop: the server used to start empty, and an
+    older state came back at the next restart."""
+    tally("meta store: the largest state file deleted after a clean stop", META_STORE)
+    server, state = populated(tmp_path, crash=False)
+    files = state_files(state)
+    (state / max(files, key=files.__getitem__)).unlink()
+    assert refused_or_intact(tmp_path, server, state) == "refused"
+
+
+def _tmpfs_namespace(mountpoint, size: str):
+    """A process holding a private mount namespace with a ``size`` tmpfs on ``mountpoint`` (and the
+    nsenter prefix that runs a command in it), or None where this machine cannot make one."""
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None or shutil.which("nsenter") is None:
+        return None
+    user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    holder = subprocess.Popen(["unshare", *user, "--mount", "--propagation", "private", "sh", "-c",
+                               f"mount -t tmpfs -o size={size} tmpfs {mountpoint} && echo ready && exec sleep 300"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert holder.stdout is not None
+    if holder.stdout.readline().strip() != "ready":
+        holder.kill()
+        holder.communicate(timeout=10)
+        return None
+    enter = ["nsenter", f"--target={holder.pid}", "--mount", *(["--user", "--preserve-credentials"] if user else [])]
+    if subprocess.run([*enter, "true"], capture_output=True, timeout=30).returncode != 0:
+        holder.kill()
+        holder.communicate(timeout=10)
+        return None
+    return holder, enter
+
+
+def test_meta_store_full_disk_answers_503_changes_nothing_and_a_retry_succeeds_once(tmp_path, tally):
+    """On a full tmpfs a change is refused with 503 and not applied; once space returns the same
+    request succeeds exactly once, and a restart has every acknowledged change, counters never
+    going back. (It used to be applied in memory with the 503, and partially written.)"""
+    import httpx
+
+    from weightsync.meta import MetaClient
+
+    tally("meta store: disk full (tmpfs), then space returns", META_STORE)
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    made = _tmpfs_namespace(fs, "4m")
+    if made is None:
+        pytest.skip("no private mount namespace with a tmpfs here (unshare/nsenter); "
+                    "tests/test_meta_store.py injects ENOSPC instead")
+    holder, enter = made
+    outside = f"/proc/{holder.pid}/root{fs}"  # the namespace's tmpfs, seen from here
+    server = MetaServerProcess(tmp_path, "--state-dir", str(fs / "state"), prefix=enter)
+    try:
+        with server, MetaClient(server.address, job="j", token=server.token, timeout=10) as client:
+            acknowledge(client)
+            with open(f"{outside}/filler", "wb") as filler:
+                try:
+                    while True:
+                        filler.write(b"\0" * (64 << 10))
+                        filler.flush()
+                except OSError:
+                    pass  # the tmpfs is full
+            http = httpx.Client(base_url=server.address, headers={"Authorization": f"Bearer {server.token}"},
+                                timeout=10)
+            cas = ("/v1/jobs/j/counters/epoch", {"json": {"expected": 5, "value": 6}})
+            refused = [http.put("/v1/jobs/j/documents/during", content=b"x" * 20000), http.post(cas[0], **cas[1])]
+            assert [r.status_code for r in refused] == [503, 503], [r.text for r in refused]
+            assert client.get_document("during") is None and client.counter("epoch") == 5  # changed nothing
+            assert "full" in refused[1].json()["detail"], refused[1].text
+            assert http.get("/healthz").status_code == 503
+            os.unlink(f"{outside}/filler")  # space returns
+            assert http.post(cas[0], **cas[1]).json() == {"swapped": True, "value": 6}
+            assert http.post(cas[0], **cas[1]).json() == {"swapped": False, "value": 6}  # exactly once
+            assert http.put("/v1/jobs/j/documents/during", content=b"x" * 20000).status_code == 200
+            assert http.get("/healthz").text == "ok"
+            http.close()
+        with server.start(), MetaClient(server.address, job="j", token=server.token, timeout=10) as client:
+            assert_acknowledged(client, epoch=6)
+            assert client.get_document("during") == b"x" * 20000
+    finally:
+        server.stop()
+        holder.kill()
+        holder.communicate(timeout=10)

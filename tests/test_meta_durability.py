@@ -61,13 +61,13 @@ def test_crash_restart_reloads_everything_and_clients_carry_on(tmp_path):
 
         c.report_failed(0, 2, "peer died")  # the failed version survives the snapshot too
 
-        # a clean restart compacts the journal into the snapshot; the state is unchanged
+        # a clean restart compacts the store's log into a snapshot; the state is unchanged
         server.restart()
         assert c.latest_version() == info and len(c.participants()) == 3
         assert c.wait_readers(min_version=2, readers=1, timeout=5) == {0: None}
         assert c.status()["reader_state"][0]["failed_version"] == 2
     files = sorted(p.name for p in (tmp_path / "state").iterdir())
-    assert files == ["journal-3.msgpack", "lock", "snapshot.msgpack"], files
+    assert files == ["committed", "lock", "meta.sqlite3"], files
 
 
 def test_sigterm_answers_waiting_long_polls_and_exits(tmp_path):

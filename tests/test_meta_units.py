@@ -1,4 +1,4 @@
-"""Meta server pieces without a server process: records, wire, config, state, journal, embedded server."""
+"""Meta server pieces without a server process: records, wire, config, state, store, embedded server."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 from meta_proc import wait_for_long_polls
 from weightsync.meta import EmbeddedMetaServer, MetaClient, MetaEnv, Participant, ParticipantTable, connect, wire
 from weightsync.meta.config import ensure_token_file, normalize_address, read_token_file
-from weightsync.meta.journal import Journal
 from weightsync.meta.records import encode_columns, run_length
+from weightsync.meta.sqlite_store import DATABASE, SqliteStore
 from weightsync.meta.state import ConflictError, MetaState
 
 pytestmark = pytest.mark.timeout(60)
@@ -141,7 +141,7 @@ def test_client_needs_a_token(monkeypatch):
         MetaClient("127.0.0.1:1", job="a b", token="abcdefgh")
 
 
-# --- state and journal -------------------------------------------------------------------------
+# --- state and store ---------------------------------------------------------------------------
 
 async def _exercise(state: MetaState) -> None:
     await state.start()
@@ -198,9 +198,9 @@ def _view(state: MetaState) -> dict:
     return {"status": status, "rosters": {n: state.roster(n, msgpack_=True) for n in state.jobs}}
 
 
-def test_journal_replays_to_the_same_state_and_compacts(tmp_path):
+def test_the_store_replays_to_the_same_state_and_compacts(tmp_path):
     async def live() -> dict:
-        state = MetaState(Journal(tmp_path, compact_bytes=200))  # compacts while running, too
+        state = MetaState(SqliteStore(tmp_path, compact_bytes=200))  # compacts while running, too
         state.load()
         await _exercise(state)
         view = _view(state)
@@ -208,34 +208,26 @@ def test_journal_replays_to_the_same_state_and_compacts(tmp_path):
         return view
 
     before = asyncio.run(live())
-    state = MetaState(Journal(tmp_path))
+    state = MetaState(SqliteStore(tmp_path))
     assert state.load() > 0
     assert _view(state) == before
-    assert state.journal is not None
-    state.journal.close_files()
+    assert state.store.stats.compactions == 1  # at start
+    state.store.close()
 
 
-def test_a_torn_journal_tail_is_dropped_and_corruption_is_refused(tmp_path, caplog):
+def test_a_store_that_is_not_a_database_is_refused(tmp_path):
+    """A crash never leaves half a change in the store (one SQLite transaction each), so there is
+    no torn tail to cut off: what does not read back whole is damage, and is refused."""
     async def live() -> None:
-        state = MetaState(Journal(tmp_path))
+        state = MetaState(SqliteStore(tmp_path))
         state.load()
-        await state.start()
         await state.put_document("j", "a", b"1")
-        await state.put_document("j", "b", b"2")
         await state.close()
 
     asyncio.run(live())
-    journal = next(tmp_path.glob("journal-*.msgpack"))
-    data = journal.read_bytes()
-    journal.write_bytes(data[:-3])  # a crash mid-write of the last record (never acknowledged)
-    state = MetaState(Journal(tmp_path))
-    state.load()
-    assert state.document("j", "a") == b"1" and state.document("j", "b") is None
-    assert "dropping a torn record" in caplog.text
-    state.journal.close_files()  # type: ignore[union-attr]
-    (tmp_path / "snapshot.msgpack").write_bytes(b"\x93garbage")
-    with pytest.raises(ValueError, match=r"snapshot.msgpack is (corrupt|truncated|not a weightsync meta snapshot)"):
-        MetaState(Journal(tmp_path)).load()
+    (tmp_path / DATABASE).write_bytes(b"\x93garbage")
+    with pytest.raises(ValueError, match=rf"store in {tmp_path} is damaged: {DATABASE} is not an SQLite database"):
+        MetaState(SqliteStore(tmp_path)).load()
 
 
 def test_long_polls_wake_only_when_satisfied():
@@ -335,31 +327,26 @@ def test_importing_the_client_imports_neither_torch_nor_the_server_stack():
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
 
 
-def test_a_failed_journal_write_shows_in_healthz_and_the_journal_goes_on(tmp_path, monkeypatch):
+def test_a_failed_commit_shows_in_healthz_changes_nothing_and_the_store_goes_on(tmp_path):
     from fastapi.testclient import TestClient
 
     from weightsync.meta.server import ServerConfig, create_app
 
-    state = MetaState(Journal(tmp_path))
+    state = MetaState(SqliteStore(tmp_path))
     state.load()
     token = "t" * 16
     auth = {"Authorization": f"Bearer {token}"}
     with TestClient(create_app(state, ServerConfig(token=token))) as http:
         assert http.get("/healthz").text == "ok"
-        journal = state.journal
-        assert journal is not None
-        append = journal._append
-
-        def disk_full(data: bytes) -> None:
-            raise OSError(28, "No space left on device")
-
-        monkeypatch.setattr(journal, "_append", disk_full)
-        r = http.put("/v1/jobs/j/documents/a", content=b"1", headers=auth)
-        assert r.status_code == 503 and "No space left on device" in r.json()["detail"]
+        db = state.store._db  # type: ignore[attr-defined]
+        db.execute(f"PRAGMA max_page_count={db.execute('PRAGMA page_count').fetchone()[0]}")  # the disk is full
+        r = http.put("/v1/jobs/j/documents/a", content=b"1" * 100_000, headers=auth)
+        assert r.status_code == 503 and "is full" in r.json()["detail"] and "nothing was changed" in r.json()["detail"]
         health = http.get("/healthz")
-        assert health.status_code == 503 and "No space left on device" in health.text
-        monkeypatch.setattr(journal, "_append", append)
-        assert http.put("/v1/jobs/j/documents/b", content=b"2", headers=auth).status_code == 200
+        assert health.status_code == 503 and "is full" in health.text
+        assert http.get("/v1/jobs/j/documents/a", headers=auth).status_code == 404  # not applied
+        db.execute("PRAGMA max_page_count=1073741823")
+        assert http.put("/v1/jobs/j/documents/a", content=b"1" * 100_000, headers=auth).status_code == 200
         assert http.get("/healthz").text == "ok"
 
 

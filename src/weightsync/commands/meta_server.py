@@ -29,13 +29,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="address to bind (default 127.0.0.1; 0.0.0.0 for a multi-node job)")
     p.add_argument("--port", type=int, default=0, help="port to bind (default 0: a free port, printed)")
     p.add_argument("--token-file", help="file holding the shared token; created (mode 0600) if missing")
-    p.add_argument("--state-dir", help="directory for durable state (journal + snapshot); memory only if unset")
+    p.add_argument("--state-dir", help="directory for durable state (an SQLite store, see docs/meta-server.md); "
+                                       "memory only if unset")
     p.add_argument("--max-body-bytes", type=int, default=64 << 20,
                    help="largest request body accepted (default 64 MiB); larger ones get 413")
     p.add_argument("--max-wait", type=float, default=30.0,
                    help="longest a long-poll is held before it answers with the current state (default 30 s)")
     p.add_argument("--compact-bytes", type=int, default=64 << 20,
-                   help="compact the journal into a snapshot once it exceeds this size (default 64 MiB)")
+                   help="compact the store's log of changes into a snapshot once it exceeds this size "
+                        "(default 64 MiB)")
 
 
 def _token(args: argparse.Namespace) -> tuple[str, str]:
@@ -86,6 +88,5 @@ def run(args: argparse.Namespace) -> int:
         prepared.server.run(sockets=[prepared.sock])
     finally:
         prepared.sock.close()
-        if prepared.state.journal is not None:
-            prepared.state.journal.close_files()
+        prepared.state.store.close()
     return 0

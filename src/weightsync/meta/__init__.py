@@ -10,9 +10,12 @@ The server holds only metadata, never weights.
     client.register(Participant("reader", 0, "rollout", "node-3", {"tcp": "10.0.0.3:6000"}, layout))
     info = client.wait_version(after=-1, timeout=600)
 
-Modules: ``records`` (data model and the compact roster), ``client`` (sync and async clients),
-``calls`` (the API as data), ``server`` (FastAPI app), ``state`` (in-memory state, long-polls),
-``journal`` (durable state), ``embedded`` (running it), ``config`` (environment).
+Modules: ``records`` (data model and the compact roster), ``client``/``async_client``/``client_base``
+(sync and async clients, one retry and poll loop), ``calls`` (the API as data), ``server`` (FastAPI
+app), ``state`` (the service), ``events`` and ``reducer`` (the state as a pure reducer of typed
+events), ``watch`` (long-polls), ``views`` (status), ``store``/``sqlite_store`` (durable state;
+``legacy`` reads earlier releases' journals to migrate them), ``embedded`` (running it),
+``config`` (environment).
 Importing this package does not import the server stack (FastAPI, uvicorn).
 """
 

@@ -24,8 +24,8 @@ from typing import Any
 import uvicorn
 
 from weightsync.meta.config import new_token
-from weightsync.meta.journal import Journal
 from weightsync.meta.server import ServerConfig, create_app
+from weightsync.meta.sqlite_store import SqliteStore
 from weightsync.meta.state import MetaState
 
 logger = logging.getLogger(__name__)
@@ -128,14 +128,12 @@ def prepare_server(*, host: str = "127.0.0.1", port: int = 0, token: str,
                    log_level: str = "warning") -> PreparedServer:
     """Load the state and bind the socket; ``server.run(sockets=[sock])`` then serves."""
     config = ServerConfig(token=token, max_body_bytes=max_body_bytes, max_wait=max_wait)
-    journal = Journal(state_dir, compact_bytes=compact_bytes) if state_dir is not None else None
-    state = MetaState(journal)
+    state = MetaState(SqliteStore(state_dir, compact_bytes=compact_bytes) if state_dir is not None else None)
     try:
         state.load()
         sock = bind(host, port)
     except BaseException:
-        if journal is not None:
-            journal.close_files()
+        state.store.close()
         raise
     app = create_app(state, config)
     uv_config = uvicorn.Config(app, http=_nodelay_http_protocol(), lifespan="on",
@@ -207,9 +205,7 @@ class EmbeddedMetaServer:
         if thread.is_alive():
             logger.error("the embedded meta server thread did not stop within %.0f s", 2 * timeout)
         prepared.sock.close()
-        journal = prepared.state.journal
-        if journal is not None:
-            journal.close_files()
+        prepared.state.store.close()  # after a clean stop it is closed already (idempotent)
         self._thread = None
 
     def __enter__(self) -> EmbeddedMetaServer:

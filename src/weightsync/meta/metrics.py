@@ -52,14 +52,14 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("weightsync_meta_jobs", "job namespaces", value=len(self.state.jobs))
         yield GaugeMetricFamily("weightsync_meta_waiting_requests", "long-polls being held",
                                 value=self.state.watch.waiting)
-        journal = self.state.journal
-        if journal is not None:
-            yield CounterMetricFamily("weightsync_meta_journal_fsyncs", "journal fsyncs (group commits)",
-                                      value=journal.fsyncs)
-            yield CounterMetricFamily("weightsync_meta_journal_fsync_seconds", "time spent writing and fsyncing",
-                                      value=journal.fsync_seconds)
-            yield GaugeMetricFamily("weightsync_meta_journal_bytes", "journal size since the last compaction",
-                                    value=journal.journal_bytes)
+        store = self.state.store
+        if store.durable:
+            yield CounterMetricFamily("weightsync_meta_store_commits", "changes committed (an fsynced transaction "
+                                      "each)", value=store.stats.commits)
+            yield CounterMetricFamily("weightsync_meta_store_commit_seconds", "time spent committing",
+                                      value=store.stats.commit_seconds)
+            yield GaugeMetricFamily("weightsync_meta_store_log_bytes", "changes logged since the last compaction",
+                                    value=store.stats.log_bytes)
 
 
 class ServerMetrics:

@@ -33,7 +33,8 @@ its job's registrations and versions are gone; clients then fail at once instead
 
 Bodies are msgpack (``Content-Type: application/msgpack``) or JSON; answers follow ``Accept``.
 Errors are JSON ``{"detail": "..."}``: 401 token, 404, 409 conflict, 412 another server
-state, 413 too large, 415 media type, 422 schema (naming the field), 503 journal failed.
+state, 413 too large, 415 media type, 422 schema (naming the field), 503 the store cannot take
+the change (a full disk: nothing was changed; the same request succeeds once it can).
 Long-polls are held at most ``max_wait`` seconds and answer
 with the current state when they end, so a client simply asks again.
 """
@@ -60,12 +61,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import weightsync
 from weightsync.meta import status_page, wire
-from weightsync.meta.journal import JournalError
 from weightsync.meta.leases import LeaseHeldError
 from weightsync.meta.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from weightsync.meta.metrics import ServerMetrics
 from weightsync.meta.records import MAX_RANK, check_document_key
 from weightsync.meta.state import ConflictError, MetaState, RecordError
+from weightsync.meta.store import StoreError
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ Job = Annotated[str, Path(pattern=JOB_PATTERN, description="job namespace")]
 Wait = Annotated[float, Query(ge=0, le=3600, description="seconds to hold the request (long-poll)")]
 Count = Annotated[int, Query(ge=0, lt=1 << 31, description="barrier: wait for this many registered")]
 Documents = Annotated[Sequence[str], Query(max_length=64, description="documents to include in the answer")]
-#: every integer the server stores or compares fits in msgpack's and the journal's int64
+#: every integer the server stores or compares fits in msgpack's and the store's int64
 MAX_INT = 1 << 62
 VersionNumber = Annotated[int, Field(ge=0, lt=MAX_INT)]
 Seconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
@@ -329,8 +330,8 @@ def create_app(state: MetaState, config: ServerConfig) -> FastAPI:
     async def _disk(request: Request, exc: OSError) -> JSONResponse:
         return JSONResponse({"detail": f"the server could not persist the change: {exc}"}, status_code=503)
 
-    @app.exception_handler(JournalError)
-    async def _journal(request: Request, exc: JournalError) -> JSONResponse:
+    @app.exception_handler(StoreError)
+    async def _store(request: Request, exc: StoreError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=503)
 
     @app.exception_handler(LeaseHeldError)

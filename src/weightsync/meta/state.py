@@ -6,15 +6,17 @@ Three layers, each in its own module:
   one event (:mod:`weightsync.meta.events`) to it;
 * the **watches** (:mod:`weightsync.meta.watch`): long-polls woken by what the reducer says changed;
 * this **service**: each request validates against the current state and yields the events of
-  its change, under one asyncio lock; the events are applied, stored in the journal (with a state
-  directory) and only then answered, so an acknowledged change survives a crash. A restarted
-  server replays the same events through the same reducer, so live and recovered state cannot
-  drift apart.
+  its change, under one asyncio lock; the events are committed to the store (:mod:`weightsync.meta.store`:
+  SQLite with a state directory, memory without), and only once they are durable applied and
+  answered. A change the store cannot take (a full disk) is refused whole: nothing in memory or
+  on disk changes, and the same request succeeds once the store can take it. A restarted server
+  replays the stored events through the same reducer, so live and recovered state cannot drift
+  apart.
 
 The status view (:mod:`weightsync.meta.views`) reads the state; nothing here sleeps or polls.
 
-    state = MetaState(journal)          # journal=None: memory only
-    state.load()                        # replay the state directory, if any
+    state = MetaState(SqliteStore(dir))  # or MetaState(): memory only
+    state.load()                        # replay the store (refuses a damaged one)
     await state.start()
     created = await state.register("job", "writer", 0, group="train", host="h", endpoints={}, layout=b"")
     await state.wait_registered("job", writers=1, readers=0, wait=5.0)
@@ -44,10 +46,10 @@ from weightsync.meta.events import (
     VersionReported,
     encode_events,
 )
-from weightsync.meta.journal import Journal
 from weightsync.meta.leases import Leases
 from weightsync.meta.records import VersionInfo, blob_hash
 from weightsync.meta.reducer import MAX_EPOCH, Job, MetaData, apply, snapshot
+from weightsync.meta.store import MemoryStore, Store, StoreError
 from weightsync.meta.watch import Watch, notify
 
 logger = logging.getLogger(__name__)
@@ -66,7 +68,7 @@ RecordError = EventError
 class MetaState:
     """All jobs of one server. Methods run on the server's event loop only."""
 
-    def __init__(self, journal: Journal | None = None) -> None:
+    def __init__(self, store: Store | None = None) -> None:
         self.data = MetaData()
         self.watch = Watch()
         self.leases = Leases()
@@ -74,7 +76,7 @@ class MetaState:
         #: Who this state is: new with every empty state, kept in the state directory. Clients
         #: pin it; a server restarted without its state answers with another one (see server.py).
         self.instance = secrets.token_hex(8)
-        self._journal = journal
+        self.store: Store = store if store is not None else MemoryStore()
         self._lock = asyncio.Lock()
         self._rosters: dict[tuple[str, bool], tuple[Job, int, bytes]] = {}  # encoded rosters, per revision
 
@@ -84,62 +86,78 @@ class MetaState:
 
     @property
     def durable(self) -> bool:
-        return self._journal is not None
-
-    @property
-    def journal(self) -> Journal | None:
-        return self._journal
+        return self.store.durable
 
     # --- lifecycle -------------------------------------------------------------------------
     def load(self) -> int:
-        """Replay the state directory (before serving). Returns the number of events replayed."""
-        if self._journal is None:
-            return 0
-        events = self._journal.load()
-        self.instance = self._journal.instance = self._journal.instance or self.instance
-        for event in events:
+        """Open the store and replay it (before serving). Returns the number of events replayed.
+
+        Raises:
+            StoreDamagedError: the store fails its integrity check (the message says how to recover).
+        """
+        opened = self.store.open(self.instance)
+        self.instance = opened.instance
+        for event in opened.events:
             apply(self.data, event)
-        self._journal.rewrite(self.records())  # start from a compact snapshot and an empty journal
-        logger.info("meta state: replayed %d events: %d jobs", len(events), len(self.jobs))
-        return len(events)
+        if opened.events:
+            self._compact()  # start from a compact snapshot
+        logger.info("meta state: replayed %d events: %d jobs", len(opened.events), len(self.jobs))
+        return len(opened.events)
+
+    def _compact(self) -> None:
+        try:
+            self.store.compact(snapshot(self.data))
+        except StoreError as exc:  # the log is intact; compaction is tried again later
+            logger.warning("meta state: compaction failed: %s", exc)
 
     async def start(self) -> None:
-        if self._journal is not None:
-            await self._journal.start(self.records)
+        pass
 
     async def close(self) -> None:
-        """Wake every long-poll (they answer with what they have) and flush the journal."""
+        """Wake every long-poll (they answer with what they have) and close the store."""
         self.watch.close()
-        if self._journal is not None:
-            await self._journal.close()
+        async with self._lock:  # a change being committed finishes first
+            self.store.close()
 
     def records(self) -> list[Event]:
         """The current state as events (a snapshot: replaying it rebuilds this state)."""
         return snapshot(self.data)
 
     async def _change(self, plan: Callable[[], list[Event]]) -> bool:
-        """Run ``plan`` (validate against the current state, return the change's events) and apply them.
+        """Run ``plan`` (validate against the current state, return the change's events), commit the
+        events to the store and only then apply them. Returns whether anything changed.
 
-        Validation and application happen under the lock, so no other change interleaves; the
-        caller is answered only once the events (or, for a no-op, everything before them) are
-        durable, so an acknowledged change survives a crash. Returns whether anything changed.
+        Validation, commit and application happen under the lock, so no other change interleaves.
+        A commit that fails raises (StoreError: nothing was stored, nothing is applied). The work
+        runs as its own task: a request cancelled meanwhile (its client went away) does not leave
+        a committed change unapplied.
         """
+        task = asyncio.ensure_future(self._commit(plan))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved, even if nobody awaits
+        return await asyncio.shield(task)
+
+    async def _commit(self, plan: Callable[[], list[Event]]) -> bool:
         async with self._lock:
             events = plan()
-            # Encode before applying: an event the journal cannot store is refused here, whole,
-            # instead of failing the journal's writer after the state already changed.
-            encoded = encode_events(events)
+            if not events:
+                return False
+            encoded = encode_events(events)  # an event the store cannot hold is refused here, whole
+            if self.store.durable:
+                await asyncio.to_thread(self.store.commit, events, encoded)
             for event in events:
                 for notice in apply(self.data, event):
                     notify(self.watch, self.data, notice)
-            done = self._journal.submit(events, encoded) if self._journal is not None else None
-        if done is not None:
-            await done
-        return bool(events)
+            if self.store.needs_compaction:
+                snap = snapshot(self.data)
+                try:
+                    await asyncio.to_thread(self.store.compact, snap)
+                except StoreError as exc:  # the log is intact; compaction is tried again later
+                    logger.warning("meta state: compaction failed: %s", exc)
+        return True
 
     def broken(self) -> str | None:
-        """Why this server cannot accept changes (its journal failed), or None when healthy."""
-        return self._journal.broken() if self._journal is not None else None
+        """Why this server cannot store changes right now (the last commit failed), or None."""
+        return self.store.broken()
 
     # --- participants ----------------------------------------------------------------------
     async def register(self, job: str, role: str, rank: int, *, group: str, host: str,

@@ -65,7 +65,7 @@ def meta_server(*, name: str = DEFAULT_NAME, namespace: str = NAMESPACE, state_d
     Args:
         name / namespace: the actor's Ray name; every driver and actor using the same name
             shares one server.
-        state_dir: journal directory, so a restarted server keeps the job's state.
+        state_dir: the store's directory (SQLite), so a restarted server keeps the job's state.
         on_head: pin the actor to the head node (worker nodes may go away).
         timeout: bound on creating the actor and reading its address.
         actor_options: further ``.options(...)`` for the actor (resources, runtime_env).
