@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from weightsync.layout import ModelSpec, parse_layout
-from weightsync.layout.quant import SCHEMES, grid_boxes, quantized_sources, quantized_tensors
+from weightsync.layout.quant import SCHEMES, quantized_tensors
+from weightsync.layout.quant_offers import grid_boxes, quantized_sources
 from weightsync.plan import PlanOptions, build_plan
 from weightsync.quantize import WriterQuantizer, dequantize
 from weightsync.tiny import canonical_weights

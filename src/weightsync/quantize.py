@@ -10,7 +10,7 @@ whole tensor (:func:`reference_quantize`):
 
 Every step is correctly rounded in eager torch on CPU and GPU, and the clamp makes the cast
 independent of torch's saturation behaviour. A :class:`WriterQuantizer` fills a writer's
-FP8 twins and scale shards (``layout.quant``) before each version is sent: it computes the
+FP8 twins and scale shards (``layout.quant_offers``) before each version is sent: it computes the
 tile maxima of what it holds, exchanges the maxima of tiles that writers share (one small
 document per writer and version through the job channel), and quantizes only the boxes its
 plan sends.
@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from weightsync.layout.box import Box
-from weightsync.layout.quant import QuantScheme, QuantSources, tile_box
+from weightsync.layout.quant import QuantScheme, tile_box
+from weightsync.layout.quant_offers import QuantSources
 from weightsync.layout.types import RankLayout
 from weightsync.plan import Plan
 from weightsync.torch_layout import TORCH_DTYPES, strided_view

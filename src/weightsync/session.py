@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from weightsync.deadline import Deadline
 from weightsync.devices import RankPlacement, choose_transport, gpu_identity, tensors_device
 from weightsync.job import JobChannel, Role
-from weightsync.layout.quant import quantized_sources
+from weightsync.layout.quant_offers import quantized_sources
 from weightsync.layout.wire import decode_layout, encode_descriptor, encode_explicit
 from weightsync.plan import PlanOptions, build_local_plan, layer_phases, split_plan
 from weightsync.torch_layout import check_tensors
@@ -149,7 +149,7 @@ class PlannedSync:
     phase_names: tuple[tuple[str, ...], ...] = ()
     #: this rank's plan cut by phase (empty without ``layer_phases``)
     phases: tuple[Plan, ...] = ()
-    #: a writer's FP8 quantizer, when readers ask for FP8 weights it sends (``layout.quant``)
+    #: a writer's FP8 quantizer, when readers ask for FP8 weights it sends (``layout.quant_offers``)
     quantizer: WriterQuantizer | None = None
 
     @property

@@ -1,0 +1,360 @@
+"""What writers offer FP8 readers: an FP8 twin of each shard, and the scale tiles they can compute.
+
+Writers hold only the model-dtype weight ``X``; an FP8 reader asks for ``X#<scheme>`` and its
+scale tensor (:mod:`weightsync.layout.quant`). Every rank derives, from the same roster,
+what each writer offers in addition (:func:`quantized_sources`): an FP8 twin of each of its
+shards with quantized regions (same geometry, so the planner's offsets address both), and a
+scale shard declaring the tiles its regions touch. The planner then plans FP8 like any other
+dtype.
+
+A scale depends on a whole tile; a tile cut by any writer's region boundary (an FSDP row
+cut, a ZeRO-3 flat partition, a K-split row for per-channel scales) is *exchanged*: every
+holder publishes its partial maximum and each sender takes the maximum of all
+(:class:`weightsync.quantize.WriterQuantizer`). Every other tile lies whole inside one region
+of each of its holders, which computes it alone.
+
+Every rank runs this at job start, over every writer of the job, so its cost is linear in
+the regions and never in the size of the scale grids (a 1T MoE has 62M scale tiles): tiles
+are computed as boxes, and only the few tiles writers cut are painted on a grid.
+
+    writers, quant = quantized_sources(writer_layouts, reader_layouts)
+    plan = build_local_plan(writers, reader_layouts, role="writer", rank=3)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from weightsync.layout.box import Box, contiguous_strides
+from weightsync.layout.quant import FP8_DTYPE, Derived, QuantScheme, derived_names
+from weightsync.layout.types import CanonicalTensor, RankLayout, Region, Shard
+
+#: A box of a scale grid as plain tuples: ``[lo, hi)``.
+_Tiles = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+# -- tile geometry ------------------------------------------------------------------------
+
+def _slices(lo: Sequence[int], hi: Sequence[int]) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))
+
+
+def _tile_bounds(off: np.ndarray, size: np.ndarray, tile: Sequence[int], shape: Sequence[int]
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For boxes given as rows ``off``, ``size``: the tiles each touches, ``[lo, hi)``, and
+    the tiles it holds whole, ``[ilo, ihi)`` (a ragged last tile is whole when the box
+    reaches the tensor's end). Clipped to the grid, as indexing the grid clips them."""
+    t = np.array(tile, dtype=np.int64)
+    s = np.array(shape, dtype=np.int64)
+    grid = np.array([-(-x // y) if x else 0 for x, y in zip(shape, tile, strict=True)], dtype=np.int64)
+    end = off + size
+    lo = off // t
+    hi = -(-end // t)
+    ilo = -(-off // t)
+    ihi = np.maximum(ilo, np.where(end == s, hi, end // t))
+    return (np.minimum(lo, grid), np.minimum(hi, grid), np.minimum(ilo, grid), np.minimum(ihi, grid))
+
+
+def _exchanged(grid: Sequence[int], lo: np.ndarray, hi: np.ndarray, ilo: np.ndarray, ihi: np.ndarray
+               ) -> tuple[np.ndarray, bool]:
+    """The tiles some box touches without holding them whole (their scale needs other
+    holders too), and whether there are any. Only the boxes that cut a tile are painted."""
+    out = np.zeros(tuple(grid), dtype=bool)
+    cut = (hi > lo).all(1) & ((lo != ilo) | (hi != ihi)).any(1)
+    for i in np.flatnonzero(cut).tolist():
+        part = np.ones(hi[i] - lo[i], dtype=bool)
+        if (ihi[i] > ilo[i]).all():
+            part[_slices(ilo[i] - lo[i], ihi[i] - lo[i])] = False
+        out[_slices(lo[i], hi[i])] |= part
+    return out, bool(cut.any())
+
+
+def _grid_runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`grid_boxes` of a non-empty mask as ``(n, ndim)`` offsets and sizes, by offsets."""
+    ndim = mask.ndim
+    rows = mask.reshape(-1, mask.shape[-1])
+    padded = np.zeros((rows.shape[0], rows.shape[1] + 2), dtype=np.int8)
+    padded[:, 1:-1] = rows
+    step = np.diff(padded, axis=1)
+    start_row, start_col = np.nonzero(step == 1)  # row-major: a row's runs left to right
+    _, end_col = np.nonzero(step == -1)
+    length = end_col - start_col
+    # A box is a maximal chain of consecutive rows of one block holding the same run.
+    order = np.lexsort((start_row, length, start_col))
+    row, col, length = start_row[order], start_col[order], length[order]
+    block = mask.shape[-2] if ndim > 1 else 1
+    chained = np.zeros(len(row), dtype=bool)
+    chained[1:] = ((col[1:] == col[:-1]) & (length[1:] == length[:-1]) & (row[1:] == row[:-1] + 1)
+                   & (row[1:] % block != 0))
+    heads = np.flatnonzero(~chained)
+    count = np.diff(np.append(heads, len(row)))
+    lead = np.unravel_index(row[heads], mask.shape[:-1]) if ndim > 1 else ()
+    offs = np.stack([*lead, col[heads]], axis=1).astype(np.int64)
+    ones = [np.ones(len(heads), dtype=np.int64)] * max(ndim - 2, 0)
+    sizes = np.stack([*ones, *([count] if ndim > 1 else []), length[heads]], axis=1).astype(np.int64)
+    by_offset = np.lexsort(offs.T[::-1])  # disjoint boxes: offsets alone order them
+    return offs[by_offset], sizes[by_offset]
+
+
+def grid_boxes(mask: np.ndarray) -> list[Box]:
+    """Disjoint boxes covering the True cells of a boolean grid, sorted by offsets: runs
+    along the last dim, merged over consecutive rows holding the same run; rows of
+    different indices of the dims before the last two (experts) never merge."""
+    if mask.ndim == 0 or not mask.any():
+        return []
+    offs, sizes = _grid_runs(mask)
+    return [Box(tuple(o), tuple(s)) for o, s in zip(offs.tolist(), sizes.tolist(), strict=True)]
+
+
+def _union_boxes(boxes: Sequence[_Tiles], grid: Sequence[int]) -> list[Box]:
+    """:func:`grid_boxes` of the grid cells ``boxes`` cover, without painting the grid.
+
+    Rows of different indices of the dims before the last two never merge, so each such
+    *block* is cut on its own: a block one box covers gives one box (the usual case: whole
+    experts, whole TP shards); a block several different boxes cover is painted inside
+    their bounding rectangle only (rows outside it are empty and end every run).
+    """
+    if not grid:
+        return []
+    lead = max(len(grid) - 2, 0)
+    blocks: dict[tuple[int, ...], list[_Tiles]] = {}
+    for lo, hi in boxes:
+        if any(h <= low for low, h in zip(lo, hi, strict=True)):
+            continue
+        rect = (lo[lead:], hi[lead:])
+        if lead == 1:
+            keys: Sequence[tuple[int, ...]] | itertools.product[tuple[int, ...]] = [
+                (e,) for e in range(lo[0], hi[0])]
+        else:
+            keys = itertools.product(*(range(a, b) for a, b in zip(lo[:lead], hi[:lead], strict=True)))
+        for key in keys:
+            blocks.setdefault(key, []).append(rect)
+    ones = (1,) * lead
+    out: list[Box] = []
+    for key, rects in sorted(blocks.items()):
+        lo, hi = rects[0]
+        if all(r == rects[0] for r in rects):
+            out.append(Box(key + lo, ones + tuple(h - low for low, h in zip(lo, hi, strict=True))))
+            continue
+        corner = np.min([lo for lo, _ in rects], axis=0)
+        mask = np.zeros(np.max([hi for _, hi in rects], axis=0) - corner, dtype=bool)
+        for lo, hi in rects:
+            mask[_slices(np.subtract(lo, corner), np.subtract(hi, corner))] = True
+        offs, sizes = _grid_runs(mask)
+        offs += corner
+        out.extend(Box(key + tuple(o), ones + tuple(s)) for o, s in zip(offs.tolist(), sizes.tolist(), strict=True))
+    return out
+
+
+# -- what writers offer -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class QuantTensor:
+    """One quantized weight some reader needs: its scheme and who must exchange which tiles."""
+
+    base: str
+    scheme: QuantScheme
+    shape: tuple[int, ...]
+    #: tiles cut by some writer's region: their maxima are exchanged between holders
+    exchanged: np.ndarray = field(repr=False, compare=False)
+    #: writer ranks that touch an exchanged tile (each publishes its partial maxima)
+    publishers: frozenset[int] = frozenset()
+
+    @property
+    def tile(self) -> tuple[int, ...]:
+        return self.scheme.tile(self.shape)
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        return self.scheme.grid(self.shape)
+
+
+@dataclass(frozen=True)
+class QuantSources:
+    """Every quantized weight the readers need and how writers provide it (same on every rank)."""
+
+    tensors: Mapping[str, QuantTensor]  # by FP8 canonical name (``X#scheme``)
+    #: writer rank -> {derived shard name: base shard name} (FP8 twins of its shards)
+    twins: Mapping[int, Mapping[str, str]]
+    #: writer rank -> {scale shard name: FP8 canonical name}
+    scales: Mapping[int, Mapping[str, str]]
+
+    def __bool__(self) -> bool:
+        return bool(self.tensors)
+
+
+def quantized_sources(writers: Sequence[RankLayout], readers: Sequence[RankLayout]
+                      ) -> tuple[list[RankLayout], QuantSources]:
+    """Writer layouts as planned when readers ask for FP8, and what each writer derives.
+
+    Each writer gains an FP8 twin ``<shard>#<scheme>`` of every shard holding a weight the
+    readers want in FP8, and a scale shard ``#<scheme>/<scale name>`` (the whole scale grid)
+    declaring the tiles its regions touch. Base regions no reader needs in the model dtype
+    drop out of the planned layout. Pure and deterministic: every rank computes the same
+    result from the roster.
+    """
+    wanted, needed_plain = _requests(readers)
+    if not wanted:
+        return list(writers), QuantSources({}, {}, {})
+    by_base: dict[str, list[str]] = {}
+    for fp8, d in wanted.items():
+        by_base.setdefault(d.base, []).append(fp8)
+    held: dict[str, list[tuple[int, Region]]] = {}
+    for layout in writers:
+        for shard in layout.shards:
+            for r in shard.regions:
+                if r.canonical in by_base:
+                    held.setdefault(r.canonical, []).append((layout.rank, r))
+    canonical = dict(writers[0].canonical) if writers else {}
+    tensors: dict[str, QuantTensor] = {}
+    derive = _Derivation(by_base, needed_plain)
+    for fp8, d in sorted(wanted.items()):
+        shape = _shape_of(d.base, readers, writers)
+        grid = d.scheme.grid(shape)
+        canonical[fp8] = CanonicalTensor(fp8, shape, FP8_DTYPE)
+        scale = d.scheme.scale_name(d.base)
+        canonical[scale] = CanonicalTensor(scale, grid, "float32")
+        tensors[fp8], derive.tiles[fp8] = _quant_tensor(d, shape, held.get(d.base, []))
+        derive.scale_of[fp8] = (d.scheme.name, scale, grid, contiguous_strides(grid))
+    out = []
+    twins: dict[int, dict[str, str]] = {}
+    scales: dict[int, dict[str, str]] = {}
+    done: dict[int, tuple[tuple[Shard, ...], dict[str, str], dict[str, str]]] = {}
+    for layout in writers:
+        # Replicas share their shards tuple (``RankLayout.with_rank``): derive theirs once.
+        if id(layout.shards) not in done:
+            done[id(layout.shards)] = derive.writer(layout)
+        shards, twins[layout.rank], scales[layout.rank] = done[id(layout.shards)]
+        out.append(RankLayout(layout.rank, shards, canonical))
+    return out, QuantSources(tensors, twins, scales)
+
+
+def _requests(readers: Sequence[RankLayout]) -> tuple[dict[str, Derived], set[str]]:
+    """The FP8 tensors readers ask for, and the tensors some reader wants in the model dtype."""
+    wanted: dict[str, Derived] = {}
+    needed_plain: set[str] = set()
+    seen: set[int] = set()
+    derived_of: dict[int, dict[str, Derived]] = {}
+    for layout in readers:
+        if id(layout.shards) in seen:  # replicas ask for the same
+            continue
+        seen.add(id(layout.shards))
+        derived = derived_of.get(id(layout.canonical))
+        if derived is None:
+            derived = derived_of[id(layout.canonical)] = derived_names(layout.canonical)
+        for shard in layout.shards:
+            for r in shard.regions:
+                d = derived.get(r.canonical)
+                if d is None:
+                    needed_plain.add(r.canonical)
+                elif not d.is_scale:
+                    wanted[r.canonical] = d
+    return wanted, needed_plain
+
+
+def _shape_of(base: str, readers: Sequence[RankLayout], writers: Sequence[RankLayout]) -> tuple[int, ...]:
+    for layout in (*writers, *readers):
+        if base in layout.canonical:
+            return layout.canonical[base].shape
+    raise ValueError(f"no layout declares the shape of {base!r}")
+
+
+def _quant_tensor(d: Derived, shape: tuple[int, ...], held: Sequence[tuple[int, Region]]
+                  ) -> tuple[QuantTensor, dict[int, _Tiles]]:
+    """Which tiles of one FP8 tensor writers share and who publishes their partial maxima,
+    and the tiles each held region touches (by region identity)."""
+    ndim = len(shape)
+    bad = next(((w, r) for w, r in held if r.box.ndim != ndim), None)
+    if bad is not None:
+        raise ValueError(f"writer rank {bad[0]} holds a {bad[1].box.ndim}-d box {bad[1].box} of {d.base!r}, "
+                         f"whose shape is {shape}")
+    off = np.array([r.box.offsets for _, r in held], dtype=np.int64).reshape(len(held), ndim)
+    size = np.array([r.box.sizes for _, r in held], dtype=np.int64).reshape(len(held), ndim)
+    lo, hi, ilo, ihi = _tile_bounds(off, size, d.scheme.tile(shape), shape)
+    exchanged, any_cut = _exchanged(d.scheme.grid(shape), lo, hi, ilo, ihi)
+    los, his = lo.tolist(), hi.tolist()
+    publishers: frozenset[int] = frozenset()
+    if any_cut:
+        publishers = frozenset(w for (w, _), a, b in zip(held, los, his, strict=True)
+                               if exchanged[_slices(a, b)].any())
+    tiles = {id(r): (tuple(a), tuple(b)) for (_, r), a, b in zip(held, los, his, strict=True)}
+    return QuantTensor(d.base, d.scheme, shape, exchanged, publishers), tiles
+
+
+class _Derivation:
+    """Derives writers' planned shards, sharing what writers share (one call's worth).
+
+    Layout kinds hand out the same :class:`Shard` object to every rank holding it (a
+    Megatron layer's attention on each DP rank), so a shard's twin, and a scale shard for
+    the same tiles, are built once and shared too: their columnar form is then cached once.
+    """
+
+    def __init__(self, by_base: Mapping[str, list[str]], needed_plain: set[str]) -> None:
+        self.by_base = by_base
+        self.needed_plain = needed_plain
+        #: fp8 name -> {id(region): tiles it touches}
+        self.tiles: dict[str, dict[int, _Tiles]] = {}
+        #: fp8 name -> (scheme name, scale name, grid, grid strides)
+        self.scale_of: dict[str, tuple[str, str, tuple[int, ...], tuple[int, ...]]] = {}
+        self._derived: dict[int, tuple[Shard | None, tuple[Shard, ...]]] = {}
+        self._scales: dict[tuple[str, frozenset[_Tiles]], Shard] = {}
+
+    def writer(self, layout: RankLayout) -> tuple[tuple[Shard, ...], dict[str, str], dict[str, str]]:
+        """A writer's planned shards, its twins (name -> base name), its scale shards (name -> fp8)."""
+        by_base = self.by_base
+        shards: list[Shard] = []
+        twins: dict[str, str] = {}
+        touched: dict[str, list[_Tiles]] = {}
+        for shard in layout.shards:
+            quantized = [r for r in shard.regions if r.canonical in by_base]
+            if not quantized:
+                shards.append(shard)
+                continue
+            derived = self._derived.get(id(shard))
+            if derived is None:
+                derived = self._derived[id(shard)] = self._twins(shard)
+            plain, shard_twins = derived
+            if plain is not None:
+                shards.append(plain)
+            for twin in shard_twins:
+                shards.append(twin)
+                twins[twin.name] = shard.name
+            for r in quantized:
+                for fp8 in by_base[r.canonical]:
+                    touched.setdefault(fp8, []).append(self.tiles[fp8][id(r)])
+        scales: dict[str, str] = {}
+        for fp8 in sorted(touched):
+            scale = self._scale_shard(fp8, touched[fp8])
+            shards.append(scale)
+            scales[scale.name] = fp8
+        return tuple(shards), twins, scales
+
+    def _twins(self, shard: Shard) -> tuple[Shard | None, tuple[Shard, ...]]:
+        """What a shard keeps in the model dtype (if a reader needs it), and its FP8 twins."""
+        by_base = self.by_base
+        plain = tuple(r for r in shard.regions if r.canonical not in by_base or r.canonical in self.needed_plain)
+        kept = None if not plain else shard if len(plain) == len(shard.regions) else \
+            Shard(shard.name, shard.shape, shard.dtype, plain)
+        by_scheme: dict[str, list[Region]] = {}  # one FP8 twin per shard and scheme
+        for r in shard.regions:
+            for fp8 in by_base.get(r.canonical, ()):
+                by_scheme.setdefault(self.scale_of[fp8][0], []).append(Region(fp8, r.box, r.offset, r.strides))
+        return kept, tuple(Shard(f"{shard.name}#{scheme}", shard.shape, FP8_DTYPE, tuple(regions))
+                           for scheme, regions in sorted(by_scheme.items()))
+
+    def _scale_shard(self, fp8: str, touched: list[_Tiles]) -> Shard:
+        key = (fp8, frozenset(touched))
+        shard = self._scales.get(key)
+        if shard is None:
+            scheme, scale, grid, strides = self.scale_of[fp8]
+            tiles = tuple(Region(scale, b, sum(o * s for o, s in zip(b.offsets, strides, strict=True)), strides)
+                          for b in _union_boxes(touched, grid))
+            shard = self._scales[key] = Shard(f"#{scheme}/{scale}", grid, "float32", tiles)
+        return shard
+
+
+__all__ = ["QuantSources", "QuantTensor", "grid_boxes", "quantized_sources"]
