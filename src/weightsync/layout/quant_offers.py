@@ -24,6 +24,7 @@ are computed as boxes, and only the few tiles writers cut are painted on a grid.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -74,7 +75,8 @@ def _exchanged(grid: Sequence[int], lo: np.ndarray, hi: np.ndarray, ilo: np.ndar
 
 
 def _grid_runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`grid_boxes` of a non-empty mask as ``(n, ndim)`` offsets and sizes, by offsets."""
+    """The cut of a non-empty mask within each block, as ``(n, ndim)`` offsets and sizes:
+    runs along the last dim merged over consecutive rows of one block holding the same run."""
     ndim = mask.ndim
     rows = mask.reshape(-1, mask.shape[-1])
     padded = np.zeros((rows.shape[0], rows.shape[1] + 2), dtype=np.int8)
@@ -83,7 +85,6 @@ def _grid_runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     start_row, start_col = np.nonzero(step == 1)  # row-major: a row's runs left to right
     _, end_col = np.nonzero(step == -1)
     length = end_col - start_col
-    # A box is a maximal chain of consecutive rows of one block holding the same run.
     order = np.lexsort((start_row, length, start_col))
     row, col, length = start_row[order], start_col[order], length[order]
     block = mask.shape[-2] if ndim > 1 else 1
@@ -96,58 +97,93 @@ def _grid_runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     offs = np.stack([*lead, col[heads]], axis=1).astype(np.int64)
     ones = [np.ones(len(heads), dtype=np.int64)] * max(ndim - 2, 0)
     sizes = np.stack([*ones, *([count] if ndim > 1 else []), length[heads]], axis=1).astype(np.int64)
-    by_offset = np.lexsort(offs.T[::-1])  # disjoint boxes: offsets alone order them
+    return offs, sizes
+
+
+def _join_experts(offs: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Join boxes that differ only along the last of the leading dims (the expert), where
+    one ends and the next begins; sorted by offsets (boxes are disjoint: offsets order them)."""
+    d = offs.shape[1] - 3
+    if d >= 0 and len(offs) > 1:
+        rest = [c for c in range(offs.shape[1]) if c != d]
+        order = np.lexsort([offs[:, d], *(sizes[:, c] for c in rest), *(offs[:, c] for c in rest)])
+        offs, sizes = offs[order], sizes[order]
+        joined = np.zeros(len(offs), dtype=bool)
+        joined[1:] = ((offs[1:, rest] == offs[:-1, rest]).all(1) & (sizes[1:, rest] == sizes[:-1, rest]).all(1)
+                      & (offs[1:, d] == offs[:-1, d] + sizes[:-1, d]))
+        heads = np.flatnonzero(~joined)
+        last = np.append(heads[1:], len(offs)) - 1
+        ends = offs[last, d] + sizes[last, d]
+        offs, sizes = offs[heads], sizes[heads]
+        sizes[:, d] = ends - offs[:, d]
+    by_offset = np.lexsort(offs.T[::-1])
     return offs[by_offset], sizes[by_offset]
 
 
+def _boxes(offs: np.ndarray, sizes: np.ndarray) -> list[Box]:
+    return [Box(tuple(o), tuple(s)) for o, s in zip(offs.tolist(), sizes.tolist(), strict=True)]
+
+
 def grid_boxes(mask: np.ndarray) -> list[Box]:
-    """Disjoint boxes covering the True cells of a boolean grid, sorted by offsets: runs
-    along the last dim, merged over consecutive rows holding the same run; rows of
-    different indices of the dims before the last two (experts) never merge."""
+    """Disjoint boxes covering the True cells of a boolean grid, sorted by offsets.
+
+    Within each *block* (one index of the dims before the last two: one expert of a
+    stack), runs along the last dim merged over consecutive rows holding the same run;
+    then a box of consecutive experts where their boxes are the same. A writer's scale
+    shard declares these boxes: a 1T MoE's writer holds 6 consecutive experts of each
+    stack, so its scale tiles are one box, and one op per reader, rather than six.
+    """
     if mask.ndim == 0 or not mask.any():
         return []
-    offs, sizes = _grid_runs(mask)
-    return [Box(tuple(o), tuple(s)) for o, s in zip(offs.tolist(), sizes.tolist(), strict=True)]
+    return _boxes(*_join_experts(*_grid_runs(mask)))
 
 
 def _union_boxes(boxes: Sequence[_Tiles], grid: Sequence[int]) -> list[Box]:
     """:func:`grid_boxes` of the grid cells ``boxes`` cover, without painting the grid.
 
-    Rows of different indices of the dims before the last two never merge, so each such
-    *block* is cut on its own: a block one box covers gives one box (the usual case: whole
-    experts, whole TP shards); a block several different boxes cover is painted inside
-    their bounding rectangle only (rows outside it are empty and end every run).
+    A block one box covers is cut as that box (the usual case: whole experts, whole TP
+    shards); a block several different boxes cover is painted inside their bounding
+    rectangle only (rows outside it are empty and end every run).
     """
-    if not grid:
+    distinct = sorted({(lo, hi) for lo, hi in boxes if all(map(operator.lt, lo, hi))})
+    if not grid or not distinct:
         return []
     lead = max(len(grid) - 2, 0)
+    if len(distinct) == 1 and lead == 0:
+        ((lo, hi),) = distinct
+        return [Box(lo, tuple(map(operator.sub, hi, lo)))]
+    if lead == 1 and all(b[0][0] >= a[1][0] for a, b in zip(distinct, distinct[1:])):
+        # No two boxes share an expert: each is its experts' cut, and joins its neighbour
+        # along the experts when they hold the same rows and columns.
+        runs: list[list[tuple[int, ...]]] = []
+        for lo, hi in sorted(distinct, key=lambda b: (b[0][1:], b[1][1:], b[0][0])):
+            if runs and runs[-1][0][1:] == lo[1:] and runs[-1][1][1:] == hi[1:] and runs[-1][1][0] == lo[0]:
+                runs[-1][1] = hi
+            else:
+                runs.append([lo, hi])
+        return [Box(lo, tuple(map(operator.sub, hi, lo))) for lo, hi in sorted(runs)]
     blocks: dict[tuple[int, ...], list[_Tiles]] = {}
-    for lo, hi in boxes:
-        if any(h <= low for low, h in zip(lo, hi, strict=True)):
-            continue
+    for lo, hi in distinct:
         rect = (lo[lead:], hi[lead:])
-        if lead == 1:
-            keys: Sequence[tuple[int, ...]] | itertools.product[tuple[int, ...]] = [
-                (e,) for e in range(lo[0], hi[0])]
-        else:
-            keys = itertools.product(*(range(a, b) for a, b in zip(lo[:lead], hi[:lead], strict=True)))
-        for key in keys:
+        for key in itertools.product(*(range(a, b) for a, b in zip(lo[:lead], hi[:lead], strict=True))):
             blocks.setdefault(key, []).append(rect)
+    offs: list[tuple[int, ...]] = []
+    sizes: list[tuple[int, ...]] = []
     ones = (1,) * lead
-    out: list[Box] = []
-    for key, rects in sorted(blocks.items()):
-        lo, hi = rects[0]
-        if all(r == rects[0] for r in rects):
-            out.append(Box(key + lo, ones + tuple(h - low for low, h in zip(lo, hi, strict=True))))
+    for key, rects in blocks.items():
+        if len(rects) == 1:
+            lo, hi = rects[0]
+            offs.append(key + lo)
+            sizes.append(ones + tuple(map(operator.sub, hi, lo)))
             continue
         corner = np.min([lo for lo, _ in rects], axis=0)
         mask = np.zeros(np.max([hi for _, hi in rects], axis=0) - corner, dtype=bool)
         for lo, hi in rects:
             mask[_slices(np.subtract(lo, corner), np.subtract(hi, corner))] = True
-        offs, sizes = _grid_runs(mask)
-        offs += corner
-        out.extend(Box(key + tuple(o), ones + tuple(s)) for o, s in zip(offs.tolist(), sizes.tolist(), strict=True))
-    return out
+        cut_offs, cut_sizes = _grid_runs(mask)
+        offs.extend(key + tuple(o) for o in (cut_offs + corner).tolist())
+        sizes.extend(ones + tuple(s) for s in cut_sizes.tolist())
+    return _boxes(*_join_experts(np.array(offs, dtype=np.int64), np.array(sizes, dtype=np.int64)))
 
 
 # -- what writers offer -------------------------------------------------------------------
@@ -351,7 +387,7 @@ class _Derivation:
         shard = self._scales.get(key)
         if shard is None:
             scheme, scale, grid, strides = self.scale_of[fp8]
-            tiles = tuple(Region(scale, b, sum(o * s for o, s in zip(b.offsets, strides, strict=True)), strides)
+            tiles = tuple(Region(scale, b, sum(map(operator.mul, b.offsets, strides)), strides)
                           for b in _union_boxes(touched, grid))
             shard = self._scales[key] = Shard(f"#{scheme}/{scale}", grid, "float32", tiles)
         return shard
