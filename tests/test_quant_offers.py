@@ -19,6 +19,8 @@ from weightsync.layout import Box, CanonicalTensor, RankLayout, Region, Shard, p
 from weightsync.layout.box import contiguous_strides
 from weightsync.layout.quant import SCHEMES, quantized_canonical
 from weightsync.layout.quant_offers import grid_boxes, quantized_sources
+from weightsync.plan import PlanOptions, build_plan
+from weightsync.quantize import WriterQuantizer
 
 
 def slow(examples: int) -> settings:
@@ -94,6 +96,18 @@ def test_megatron_experts_and_vllm_tp_readers():
         assert_same(writers, parse_layout(target).all_rank_layouts(spec))
 
 
+def test_writers_that_hold_nothing_of_a_tensor():
+    # FSDP over 3 ranks cuts a 2-expert router into 1, 1 and 0 rows: rank 2's shard is empty.
+    from weightsync.layout import ModelSpec
+
+    spec = ModelSpec(family="qwen3_moe", hidden_size=192, intermediate_size=192, num_layers=1, num_heads=1,
+                     num_kv_heads=1, head_dim=96, vocab_size=240, tie_word_embeddings=False, num_experts=2,
+                     moe_intermediate_size=96, dtype="float32")
+    writers = parse_layout("fsdp:dp=3").all_rank_layouts(spec)
+    assert any(not s.regions for s in writers[2].shards)
+    assert_same(writers, [parse_layout("hf:quant=fp8_block").rank_layout(spec, 0)])
+
+
 @st.composite
 def raw_fp8_layouts(draw):
     """Weights (2-d, and 3-d expert stacks) held as arbitrary boxes by a few writers, asked
@@ -141,6 +155,31 @@ def raw_fp8_layouts(draw):
                                     (Region(wanted, box, 0, contiguous_strides(box.sizes)),)))
         readers.append(RankLayout(r, tuple(shards), names))
     return writers, readers
+
+
+@slow(25)
+@given(data=st.data())
+def test_writer_quantizers_need_what_the_oracle_finds_in_the_ops(data):
+    # FSDP and ZeRO-3 cut tiles (maxima exchanged); the quantizer reads the plan's columns.
+    spec = data.draw(model_specs(scale=48))
+    kind = parse_layout(data.draw(st.sampled_from(["fsdp:dp=3", "deepspeed:dp=2", "megatron:tp=2,dp=2",
+                                                   "hf:replicas=2"])))
+    try:
+        kind.validate(spec)
+    except ValueError:
+        assume(False)
+    scheme = data.draw(st.sampled_from(sorted(SCHEMES)))
+    readers = [parse_layout(f"hf:quant={scheme}").rank_layout(spec, 0)]
+    if data.draw(st.booleans()):
+        readers.append(parse_layout("hf").rank_layout(spec, 0).with_rank(1))
+    planned, quant = quantized_sources(kind.all_rank_layouts(spec), readers)
+    plan = build_plan(planned, readers, PlanOptions(min_split_bytes=data.draw(st.sampled_from([0, 1 << 20]))))
+    for layout in planned:
+        quantizer = WriterQuantizer(quant, layout, plan)
+        want = oracle.quantizer_needs(quant, layout, plan)
+        got = {"needed": quantizer.needed, "exchanged": quantizer.exchanged, "listen": quantizer.listen,
+               "publishes": quantizer.publishes, "value_ops": quantizer.value_ops, "active": quantizer.active}
+        assert got == want, layout.rank
 
 
 @slow(150)

@@ -152,7 +152,7 @@ def _union_boxes(boxes: Sequence[_Tiles], grid: Sequence[int]) -> list[Box]:
     if len(distinct) == 1 and lead == 0:
         ((lo, hi),) = distinct
         return [Box(lo, tuple(map(operator.sub, hi, lo)))]
-    if lead == 1 and all(b[0][0] >= a[1][0] for a, b in zip(distinct, distinct[1:])):
+    if lead == 1 and all(b[0][0] >= a[1][0] for a, b in itertools.pairwise(distinct)):
         # No two boxes share an expert: each is its experts' cut, and joins its neighbour
         # along the experts when they hold the same rows and columns.
         runs: list[list[tuple[int, ...]]] = []
@@ -348,7 +348,8 @@ class _Derivation:
         for shard in layout.shards:
             quantized = [r for r in shard.regions if r.canonical in by_base]
             if not quantized:
-                shards.append(shard)
+                if shard.regions:  # a shard holding nothing (an FSDP rank past the rows) is not planned
+                    shards.append(shard)
                 continue
             derived = self._derived.get(id(shard))
             if derived is None:
