@@ -163,3 +163,34 @@ def _writer_shards(layout: RankLayout, tensors: Mapping[str, QuantTensor], by_ba
         shards.append(Shard(name, qt.grid, "float32", tiles))
         scales[name] = fp8
     return shards, twins, scales
+
+
+def quantizer_needs(sources: QuantSources, layout: RankLayout, plan) -> dict:  # type: ignore[no-untyped-def]
+    """What ``WriterQuantizer`` first derived from a plan, from its op objects: the tensors
+    whose tiles the writer's ops need, those among them with exchanged tiles, whom to hear
+    from, what it publishes, and its value ops."""
+    rank = layout.rank
+    twins = dict(sources.twins.get(rank, {}))
+    scale_shards = dict(sources.scales.get(rank, {}))
+    shards = {s.name: s for s in layout.shards}
+    held: dict[str, list] = {}
+    for twin in twins:
+        for r in shards[twin].regions:
+            held.setdefault(r.canonical, []).append(r)
+    value_ops = [op for op in plan.ops if op.src_rank == rank and op.src_shard in twins]
+    scale_ops = [op for op in plan.ops if op.src_rank == rank and op.src_shard in scale_shards]
+    needed: dict[str, np.ndarray] = {}
+    for op in value_ops:
+        qt = sources.tensors[op.canonical]
+        mask = needed.setdefault(op.canonical, np.zeros(qt.grid, dtype=bool))
+        mask[tile_box(op.box, qt.tile).slices()] = True
+    for op in scale_ops:
+        fp8 = scale_shards[op.src_shard]
+        mask = needed.setdefault(fp8, np.zeros(sources.tensors[fp8].grid, dtype=bool))
+        mask[op.box.slices()] = True
+    exchanged = sorted(n for n, m in needed.items() if (m & sources.tensors[n].exchanged).any())
+    publishes = sorted(n for n, qt in sources.tensors.items() if rank in qt.publishers and n in held)
+    return {"needed": sorted(needed), "exchanged": exchanged,
+            "listen": sorted({w for n in exchanged for w in sources.tensors[n].publishers}),
+            "publishes": publishes, "value_ops": value_ops,
+            "active": bool(value_ops or scale_ops or publishes)}
