@@ -174,14 +174,20 @@ def decode_roster(people: Sequence[Participant], load_model: Callable[[str], Map
 
 
 def plan_share(writers: Sequence[RankLayout], readers: Sequence[RankLayout], *, role: Role, rank: int,
-               options: PlanOptions) -> tuple[Plan, list[RankLayout], WriterQuantizer | None]:
+               options: PlanOptions, timings: dict[str, float] | None = None
+               ) -> tuple[Plan, list[RankLayout], WriterQuantizer | None]:
     """One rank's share of the job from everyone's layouts, as :meth:`SyncSession.plan` computes it.
 
     Returns this rank's plan, the writer layouts as planned (with FP8 twins and scale shards
-    when readers ask for FP8) and, for a writer that sends FP8, its quantizer.
+    when readers ask for FP8) and, for a writer that sends FP8, its quantizer. ``timings``
+    receives the seconds of each step: ``fp8_offers``, ``local_plan``, ``quantizer``.
     """
+    times = timings if timings is not None else {}
+    t0 = time.perf_counter()
     planned, quant = quantized_sources(writers, readers)  # FP8 readers: writers quantize on send
+    t1 = time.perf_counter()
     plan = build_local_plan(planned, readers, role=role, rank=rank, options=options)
+    t2 = time.perf_counter()
     quantizer = None
     if quant and role == "writer":
         from weightsync.quantize import WriterQuantizer
@@ -189,6 +195,7 @@ def plan_share(writers: Sequence[RankLayout], readers: Sequence[RankLayout], *, 
         own = next(w for w in planned if w.rank == rank)
         quantizer = WriterQuantizer(quant, own, plan)
         quantizer = quantizer if quantizer.active else None
+    times.update(fp8_offers=t1 - t0, local_plan=t2 - t1, quantizer=time.perf_counter() - t2)
     return plan, planned, quantizer
 
 
@@ -270,9 +277,10 @@ class SyncSession:
         self.channel.check_settings(self.config.settings(), people)
         t0 = time.perf_counter()
         writers, readers = decode_roster(people, self.channel.model_config)
+        self.timings["decode"] = time.perf_counter() - t0
         plan, writers, quantizer = plan_share(writers, readers, role=self.role, rank=self.rank,
-                                              options=self.config.plan_options)
-        self.timings["plan"] = time.perf_counter() - t0
+                                              options=self.config.plan_options, timings=self.timings)
+        self.timings["plan"] = time.perf_counter() - t0  # all of the rank-local work above
         placements = [RankPlacement(p.role, p.rank, p.host, p.endpoints.get("device", "cpu"),  # type: ignore[arg-type]
                                     p.endpoints.get("gpu", "")) for p in people]
         unavailable = {n: r for n in ("shm", "nixl", "file") if (r := unavailable_reason(n)) is not None}
