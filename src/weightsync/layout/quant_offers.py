@@ -239,12 +239,13 @@ def quantized_sources(writers: Sequence[RankLayout], readers: Sequence[RankLayou
     by_base: dict[str, list[str]] = {}
     for fp8, d in wanted.items():
         by_base.setdefault(d.base, []).append(fp8)
-    held: dict[str, list[tuple[int, Region]]] = {}
-    for layout in writers:
+    held: dict[str, list[tuple[int, Region]]] = {}  # base -> [(writer index, region)]
+    for k, layout in enumerate(writers):
         for shard in layout.shards:
             for r in shard.regions:
                 if r.canonical in by_base:
-                    held.setdefault(r.canonical, []).append((layout.rank, r))
+                    held.setdefault(r.canonical, []).append((k, r))
+    ranks = [layout.rank for layout in writers]
     canonical = dict(writers[0].canonical) if writers else {}
     tensors: dict[str, QuantTensor] = {}
     derive = _Derivation(by_base, needed_plain)
@@ -254,16 +255,16 @@ def quantized_sources(writers: Sequence[RankLayout], readers: Sequence[RankLayou
         canonical[fp8] = CanonicalTensor(fp8, shape, FP8_DTYPE)
         scale = d.scheme.scale_name(d.base)
         canonical[scale] = CanonicalTensor(scale, grid, "float32")
-        tensors[fp8], derive.tiles[fp8] = _quant_tensor(d, shape, held.get(d.base, []))
+        tensors[fp8], derive.cuts[fp8] = _quant_tensor(d, shape, held.get(d.base, []), ranks)
         derive.scale_of[fp8] = (d.scheme.name, scale, grid, contiguous_strides(grid))
     out = []
     twins: dict[int, dict[str, str]] = {}
     scales: dict[int, dict[str, str]] = {}
     done: dict[int, tuple[tuple[Shard, ...], dict[str, str], dict[str, str]]] = {}
-    for layout in writers:
+    for k, layout in enumerate(writers):
         # Replicas share their shards tuple (``RankLayout.with_rank``): derive theirs once.
         if id(layout.shards) not in done:
-            done[id(layout.shards)] = derive.writer(layout)
+            done[id(layout.shards)] = derive.writer(k, layout)
         shards, twins[layout.rank], scales[layout.rank] = done[id(layout.shards)]
         out.append(RankLayout(layout.rank, shards, canonical))
     return out, QuantSources(tensors, twins, scales)
@@ -299,26 +300,65 @@ def _shape_of(base: str, readers: Sequence[RankLayout], writers: Sequence[RankLa
     raise ValueError(f"no layout declares the shape of {base!r}")
 
 
-def _quant_tensor(d: Derived, shape: tuple[int, ...], held: Sequence[tuple[int, Region]]
-                  ) -> tuple[QuantTensor, dict[int, _Tiles]]:
+def _quant_tensor(d: Derived, shape: tuple[int, ...], held: Sequence[tuple[int, Region]], ranks: Sequence[int]
+                  ) -> tuple[QuantTensor, dict[int, list[Box]]]:
     """Which tiles of one FP8 tensor writers share and who publishes their partial maxima,
-    and the tiles each held region touches (by region identity)."""
+    and the cut of the tiles each writer (by index) touches, for its scale shard."""
     ndim = len(shape)
-    bad = next(((w, r) for w, r in held if r.box.ndim != ndim), None)
+    bad = next(((k, r) for k, r in held if r.box.ndim != ndim), None)
     if bad is not None:
-        raise ValueError(f"writer rank {bad[0]} holds a {bad[1].box.ndim}-d box {bad[1].box} of {d.base!r}, "
-                         f"whose shape is {shape}")
+        raise ValueError(f"writer rank {ranks[bad[0]]} holds a {bad[1].box.ndim}-d box {bad[1].box} of "
+                         f"{d.base!r}, whose shape is {shape}")
+    writer = np.array([k for k, _ in held], dtype=np.int64)
     off = np.array([r.box.offsets for _, r in held], dtype=np.int64).reshape(len(held), ndim)
     size = np.array([r.box.sizes for _, r in held], dtype=np.int64).reshape(len(held), ndim)
+    grid = d.scheme.grid(shape)
     lo, hi, ilo, ihi = _tile_bounds(off, size, d.scheme.tile(shape), shape)
-    exchanged, any_cut = _exchanged(d.scheme.grid(shape), lo, hi, ilo, ihi)
-    los, his = lo.tolist(), hi.tolist()
+    exchanged, any_cut = _exchanged(grid, lo, hi, ilo, ihi)
     publishers: frozenset[int] = frozenset()
     if any_cut:
-        publishers = frozenset(w for (w, _), a, b in zip(held, los, his, strict=True)
+        publishers = frozenset(ranks[k] for k, a, b in zip(writer.tolist(), lo.tolist(), hi.tolist(), strict=True)
                                if exchanged[_slices(a, b)].any())
-    tiles = {id(r): (tuple(a), tuple(b)) for (_, r), a, b in zip(held, los, his, strict=True)}
-    return QuantTensor(d.base, d.scheme, shape, exchanged, publishers), tiles
+    return QuantTensor(d.base, d.scheme, shape, exchanged, publishers), _writer_cuts(writer, lo, hi, grid)
+
+
+def _writer_cuts(writer: np.ndarray, lo: np.ndarray, hi: np.ndarray, grid: Sequence[int]) -> dict[int, list[Box]]:
+    """:func:`_union_boxes` of each writer's tile boxes, for every writer at once.
+
+    The usual writer holds one box of a 2-d weight, or experts no other of its boxes holds:
+    those cuts are joined along the experts in one pass over all writers; any other writer
+    is cut on its own.
+    """
+    keep = (hi > lo).all(1)
+    if not keep.any():
+        return {}
+    ndim = lo.shape[1]
+    rows = np.column_stack([writer[keep], lo[keep], hi[keep]])
+    rows = rows[np.lexsort(rows.T[::-1])]  # by writer, then box
+    rows = rows[np.append(True, (rows[1:] != rows[:-1]).any(1))]
+    writer, lo, hi = rows[:, 0], rows[:, 1:1 + ndim], rows[:, 1 + ndim:]
+    lead = max(ndim - 2, 0)
+    same = writer[1:] == writer[:-1]
+    # Easy: one box of a 2-d weight; boxes that touch no expert twice. Else: cut each alone.
+    clash = same & (lo[1:, 0] < hi[:-1, 0]) if lead == 1 else same | (lead > 1)
+    alone = np.zeros(len(rows), dtype=bool)
+    alone[1:] |= clash
+    alone[:-1] |= clash | (lead > 1)
+    hard = np.unique(writer[alone])
+    hard_rows = np.isin(writer, hard)
+    out: dict[int, list[Box]] = {}
+    for k in hard.tolist():
+        sel = writer == k
+        out[k] = _union_boxes(list(zip(map(tuple, lo[sel].tolist()), map(tuple, hi[sel].tolist()), strict=True)),
+                              grid)
+    easy = ~hard_rows
+    offs = np.column_stack([writer[easy], lo[easy]])
+    sizes = np.column_stack([np.ones(int(easy.sum()), dtype=np.int64), hi[easy] - lo[easy]])
+    if lead == 1:
+        offs, sizes = _join_experts(offs, sizes)  # joins along the expert column, writers apart
+    for (k, *o), (_, *s) in zip(offs.tolist(), sizes.tolist(), strict=True):
+        out.setdefault(k, []).append(Box(tuple(o), tuple(s)))
+    return out
 
 
 class _Derivation:
@@ -332,64 +372,58 @@ class _Derivation:
     def __init__(self, by_base: Mapping[str, list[str]], needed_plain: set[str]) -> None:
         self.by_base = by_base
         self.needed_plain = needed_plain
-        #: fp8 name -> {id(region): tiles it touches}
-        self.tiles: dict[str, dict[int, _Tiles]] = {}
+        #: fp8 name -> {writer index: the cut of the scale tiles it touches}
+        self.cuts: dict[str, dict[int, list[Box]]] = {}
         #: fp8 name -> (scheme name, scale name, grid, grid strides)
         self.scale_of: dict[str, tuple[str, str, tuple[int, ...], tuple[int, ...]]] = {}
-        self._derived: dict[int, tuple[Shard | None, tuple[Shard, ...]]] = {}
-        self._scales: dict[tuple[str, frozenset[_Tiles]], Shard] = {}
+        self._derived: dict[int, tuple[tuple[Shard, ...], dict[str, str], frozenset[str]]] = {}
+        self._scales: dict[tuple[object, ...], Shard] = {}
 
-    def writer(self, layout: RankLayout) -> tuple[tuple[Shard, ...], dict[str, str], dict[str, str]]:
-        """A writer's planned shards, its twins (name -> base name), its scale shards (name -> fp8)."""
-        by_base = self.by_base
+    def writer(self, k: int, layout: RankLayout) -> tuple[tuple[Shard, ...], dict[str, str], dict[str, str]]:
+        """Writer ``k``'s planned shards, twins (name -> base name), scale shards (name -> fp8)."""
         shards: list[Shard] = []
         twins: dict[str, str] = {}
-        touched: dict[str, list[_Tiles]] = {}
+        touched: set[str] = set()
         for shard in layout.shards:
-            quantized = [r for r in shard.regions if r.canonical in by_base]
-            if not quantized:
-                if shard.regions:  # a shard holding nothing (an FSDP rank past the rows) is not planned
-                    shards.append(shard)
-                continue
             derived = self._derived.get(id(shard))
             if derived is None:
-                derived = self._derived[id(shard)] = self._twins(shard)
-            plain, shard_twins = derived
-            if plain is not None:
-                shards.append(plain)
-            for twin in shard_twins:
-                shards.append(twin)
-                twins[twin.name] = shard.name
-            for r in quantized:
-                for fp8 in by_base[r.canonical]:
-                    touched.setdefault(fp8, []).append(self.tiles[fp8][id(r)])
+                derived = self._derived[id(shard)] = self._derive(shard)
+            planned, names, fp8s = derived
+            shards.extend(planned)
+            twins.update(names)
+            touched.update(fp8s)
         scales: dict[str, str] = {}
         for fp8 in sorted(touched):
-            scale = self._scale_shard(fp8, touched[fp8])
+            scale = self._scale_shard(fp8, self.cuts[fp8].get(k, []))
             shards.append(scale)
             scales[scale.name] = fp8
         return tuple(shards), twins, scales
 
-    def _twins(self, shard: Shard) -> tuple[Shard | None, tuple[Shard, ...]]:
-        """What a shard keeps in the model dtype (if a reader needs it), and its FP8 twins."""
+    def _derive(self, shard: Shard) -> tuple[tuple[Shard, ...], dict[str, str], frozenset[str]]:
+        """A shard as planned: what it keeps in the model dtype (if a reader needs it) and
+        its FP8 twins; the twins' base names; the FP8 tensors it holds."""
         by_base = self.by_base
+        fp8s = frozenset(fp8 for r in shard.regions for fp8 in by_base.get(r.canonical, ()))
+        if not fp8s:  # a shard holding nothing (an FSDP rank past the rows) is not planned
+            return ((shard,) if shard.regions else ()), {}, fp8s
         plain = tuple(r for r in shard.regions if r.canonical not in by_base or r.canonical in self.needed_plain)
-        kept = None if not plain else shard if len(plain) == len(shard.regions) else \
-            Shard(shard.name, shard.shape, shard.dtype, plain)
+        kept = () if not plain else (shard,) if len(plain) == len(shard.regions) else \
+            (Shard(shard.name, shard.shape, shard.dtype, plain),)
         by_scheme: dict[str, list[Region]] = {}  # one FP8 twin per shard and scheme
         for r in shard.regions:
             for fp8 in by_base.get(r.canonical, ()):
                 by_scheme.setdefault(self.scale_of[fp8][0], []).append(Region(fp8, r.box, r.offset, r.strides))
-        return kept, tuple(Shard(f"{shard.name}#{scheme}", shard.shape, FP8_DTYPE, tuple(regions))
-                           for scheme, regions in sorted(by_scheme.items()))
+        twins = tuple(Shard(f"{shard.name}#{scheme}", shard.shape, FP8_DTYPE, tuple(regions))
+                      for scheme, regions in sorted(by_scheme.items()))
+        return kept + twins, {t.name: shard.name for t in twins}, fp8s
 
-    def _scale_shard(self, fp8: str, touched: list[_Tiles]) -> Shard:
-        key = (fp8, frozenset(touched))
+    def _scale_shard(self, fp8: str, boxes: list[Box]) -> Shard:
+        # Writers holding the same tiles (a layer's attention on each DP rank) share one shard.
+        key = (fp8, *(x for b in boxes for x in (b.offsets, b.sizes)))
         shard = self._scales.get(key)
         if shard is None:
             scheme, scale, grid, strides = self.scale_of[fp8]
-            tiles = tuple(Region(scale, b, sum(map(operator.mul, b.offsets, strides)), strides)
-                          for b in _union_boxes(touched, grid))
+            tiles = tuple(Region(scale, b, sum(map(operator.mul, b.offsets, strides)), strides) for b in boxes)
             shard = self._scales[key] = Shard(f"#{scheme}/{scale}", grid, "float32", tiles)
         return shard
 
