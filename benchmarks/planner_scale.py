@@ -80,8 +80,8 @@ def global_case(config: str, source: str, target: str, sample: int) -> dict[str,
 
 def job_start_case(config: str, source: str, target: str, role: str, rank: int) -> dict[str, Any]:
     """One rank's job-start work from the roster's descriptors, as the session runs it."""
+    from weightsync.job import Member
     from weightsync.layout.wire import encode_descriptor
-    from weightsync.meta.records import Participant
     from weightsync.plan import PlanOptions
     from weightsync.session import decode_roster, plan_share
 
@@ -89,8 +89,8 @@ def job_start_case(config: str, source: str, target: str, role: str, rank: int) 
     src, dst = parse_layout(source), parse_layout(target)
     hf_config = spec.to_hf_config()
     blobs = {"writer": encode_descriptor(src.describe(), "model"), "reader": encode_descriptor(dst.describe(), "model")}
-    people = [Participant("writer", r, layout=blobs["writer"]) for r in range(src.world_size)]
-    people += [Participant("reader", r, layout=blobs["reader"]) for r in range(dst.world_size)]
+    people = [Member("writer", r, "host", blobs["writer"]) for r in range(src.world_size)]
+    people += [Member("reader", r, "host", blobs["reader"]) for r in range(dst.world_size)]
     del spec  # the rank rebuilds it from the config, as a fresh process does
     started, cpu = time.perf_counter(), _cpu()
     writers, readers = decode_roster(people, lambda digest: hf_config)

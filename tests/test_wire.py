@@ -6,9 +6,9 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from weightsync.job import Member
 from weightsync.layout import ModelSpec, parse_layout
 from weightsync.layout.wire import LayoutDecoder, decode_layout, encode_descriptor, encode_explicit
-from weightsync.meta.records import Participant
 from weightsync.session import decode_roster
 
 CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
@@ -37,8 +37,8 @@ def test_a_roster_parses_each_descriptor_and_model_once():
 
     spec = ModelSpec.from_hf_config(CONFIG)
     train, serve = parse_layout("megatron:tp=2,dp=2,ep=2,etp=1"), parse_layout("vllm:tp=2,replicas=2")
-    people = [Participant("writer", r, layout=encode_descriptor(train.describe(), "cfg")) for r in range(4)]
-    people += [Participant("reader", r, layout=encode_descriptor(serve.describe(), "cfg")) for r in range(4)]
+    people = [Member("writer", r, "host", encode_descriptor(train.describe(), "cfg")) for r in range(4)]
+    people += [Member("reader", r, "host", encode_descriptor(serve.describe(), "cfg")) for r in range(4)]
     writers, readers = decode_roster(people, load_model)
     assert calls == ["cfg"]
     # One ModelSpec for the roster: its canonical tensors are one dict, which planning walks once.
