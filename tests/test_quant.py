@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from weightsync.codecs.fp8 import WriterQuantizer, dequantize
 from weightsync.layout import ModelSpec, parse_layout
-from weightsync.layout.quant import SCHEMES, grid_boxes, quantized_sources, quantized_tensors
+from weightsync.layout.quant import SCHEMES, quantized_tensors
+from weightsync.layout.quant_offers import grid_boxes, quantized_sources
 from weightsync.plan import PlanOptions, build_plan
 from weightsync.tiny import canonical_weights
 from weightsync.torch_layout import TORCH_DTYPES, allocate, fill_from_canonical, strided_view

@@ -17,15 +17,15 @@ import hashlib
 import logging
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from weightsync.deadline import Deadline
 from weightsync.devices import RankPlacement, choose_transport, gpu_identity, tensors_device
 from weightsync.job import JobChannel, Member, Role
-from weightsync.layout.quant import quantized_sources
-from weightsync.layout.wire import decode_layout, encode_descriptor, encode_explicit
+from weightsync.layout.quant_offers import quantized_sources
+from weightsync.layout.wire import LayoutDecoder, encode_descriptor, encode_explicit
 from weightsync.plan import PlanOptions, build_local_plan, layer_phases, split_plan
 from weightsync.torch_layout import check_tensors
 from weightsync.transport import TransportContext, TransportOptions, create_transport, unavailable_reason
@@ -149,12 +149,54 @@ class PlannedSync:
     phase_names: tuple[tuple[str, ...], ...] = ()
     #: this rank's plan cut by phase (empty without ``layer_phases``)
     phases: tuple[Plan, ...] = ()
-    #: a writer's FP8 quantizer, when readers ask for FP8 weights it sends (``layout.quant``)
+    #: a writer's FP8 quantizer, when readers ask for FP8 weights it sends (``layout.quant_offers``)
     quantizer: WriterQuantizer | None = None
 
     @property
     def num_phases(self) -> int:
         return max(1, len(self.phases))
+
+
+def decode_roster(people: Sequence[Member], load_model: Callable[[str], Mapping[str, Any]]
+                  ) -> tuple[list[RankLayout], list[RankLayout]]:
+    """Every writer's and reader's layout from the roster (``load_model``: model config by digest)."""
+    models: dict[str, Mapping[str, Any]] = {}
+
+    def model(digest: str) -> Mapping[str, Any]:
+        if digest not in models:
+            models[digest] = load_model(digest)
+        return models[digest]
+
+    decode = LayoutDecoder(model)
+    writers = [decode(p.layout, rank=p.rank) for p in people if p.role == "writer"]
+    readers = [decode(p.layout, rank=p.rank) for p in people if p.role == "reader"]
+    return writers, readers
+
+
+def plan_share(writers: Sequence[RankLayout], readers: Sequence[RankLayout], *, role: Role, rank: int,
+               options: PlanOptions, timings: dict[str, float] | None = None
+               ) -> tuple[Plan, list[RankLayout], WriterQuantizer | None]:
+    """One rank's share of the job from everyone's layouts, as :meth:`SyncSession.plan` computes it.
+
+    Returns this rank's plan, the writer layouts as planned (with FP8 twins and scale shards
+    when readers ask for FP8) and, for a writer that sends FP8, its quantizer. ``timings``
+    receives the seconds of each step: ``fp8_offers``, ``local_plan``, ``quantizer``.
+    """
+    times = timings if timings is not None else {}
+    t0 = time.perf_counter()
+    planned, quant = quantized_sources(writers, readers)  # FP8 readers: writers quantize on send
+    t1 = time.perf_counter()
+    plan = build_local_plan(planned, readers, role=role, rank=rank, options=options)
+    t2 = time.perf_counter()
+    quantizer = None
+    if quant and role == "writer":
+        from weightsync.codecs.fp8 import WriterQuantizer
+
+        own = next(w for w in planned if w.rank == rank)
+        quantizer = WriterQuantizer(quant, own, plan)
+        quantizer = quantizer if quantizer.active else None
+    times.update(fp8_offers=t1 - t0, local_plan=t2 - t1, quantizer=time.perf_counter() - t2)
+    return plan, planned, quantizer
 
 
 class SyncSession:
@@ -234,18 +276,12 @@ class SyncSession:
         people = self.channel.wait_roster(writers=self.config.num_writers, readers=self.config.num_readers,
                                           deadline=deadline)
         self.channel.check_settings(self.config.settings(), people)
-        writers, readers = self._decode(people)
-        writers, quant = quantized_sources(writers, readers)  # FP8 readers: writers quantize on send
         t0 = time.perf_counter()
-        plan = build_local_plan(writers, readers, role=self.role, rank=self.rank, options=self.config.plan_options)
-        quantizer = None
-        if quant and self.role == "writer":
-            from weightsync.codecs.fp8 import WriterQuantizer
-
-            own = next(w for w in writers if w.rank == self.rank)
-            quantizer = WriterQuantizer(quant, own, plan)
-            quantizer = quantizer if quantizer.active else None
-        self.timings["plan"] = time.perf_counter() - t0
+        writers, readers = decode_roster(people, self.channel.model_config)
+        self.timings["decode"] = time.perf_counter() - t0
+        plan, writers, quantizer = plan_share(writers, readers, role=self.role, rank=self.rank,
+                                              options=self.config.plan_options, timings=self.timings)
+        self.timings["plan"] = time.perf_counter() - t0  # all of the rank-local work above
         placements = [RankPlacement(m.role, m.rank, m.host, m.device, m.gpu) for m in people]
         unavailable = {n: r for n in ("shm", "nixl", "file") if (r := unavailable_reason(n)) is not None}
         choice = choose_transport(self.config.transport, placements, unavailable=unavailable)
@@ -268,18 +304,6 @@ class SyncSession:
         logger.info("%s planned %d ops (%d bytes) over %s on %s (%s) in %.3fs", self.channel.who, len(plan),
                     plan.total_bytes, choice.name, device, choice.reason, self.timings["plan"])
         return self.planned
-
-    def _decode(self, people: list[Member]) -> tuple[list[RankLayout], list[RankLayout]]:
-        models: dict[str, Mapping[str, Any]] = {}
-
-        def load_model(digest: str) -> Mapping[str, Any]:
-            if digest not in models:
-                models[digest] = self.channel.model_config(digest)
-            return models[digest]
-
-        writers = [decode_layout(p.layout, rank=p.rank, load_model=load_model) for p in people if p.role == "writer"]
-        readers = [decode_layout(p.layout, rank=p.rank, load_model=load_model) for p in people if p.role == "reader"]
-        return writers, readers
 
     # -- transport ------------------------------------------------------------------------
     def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -324,4 +348,5 @@ class SyncSession:
         self._armed = None
 
 
-__all__ = ["PlannedSync", "SyncConfig", "SyncError", "SyncResult", "SyncSession", "TransportOptions"]
+__all__ = ["PlannedSync", "SyncConfig", "SyncError", "SyncResult", "SyncSession", "TransportOptions", "decode_roster",
+           "plan_share"]

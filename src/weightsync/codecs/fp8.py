@@ -10,7 +10,7 @@ whole tensor (:func:`reference_quantize`):
 
 Every step is correctly rounded in eager torch on CPU and GPU, and the clamp makes the cast
 independent of torch's saturation behaviour. A :class:`WriterQuantizer` fills a writer's
-FP8 twins and scale shards (``layout.quant``) before each version is sent: it computes the
+FP8 twins and scale shards (``layout.quant_offers``) before each version is sent: it computes the
 tile maxima of what it holds, exchanges the maxima of tiles that writers share (one small
 document per writer and version through the job channel), and quantizes only the boxes its
 plan sends.
@@ -21,6 +21,7 @@ plan sends.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import msgpack
@@ -28,9 +29,10 @@ import numpy as np
 import torch
 
 from weightsync.layout.box import Box
-from weightsync.layout.quant import QuantScheme, QuantSources, tile_box
+from weightsync.layout.quant import QuantScheme, tile_box
+from weightsync.layout.quant_offers import QuantSources
 from weightsync.layout.types import RankLayout
-from weightsync.plan import Plan
+from weightsync.plan import Plan, TransferOp
 from weightsync.torch_layout import TORCH_DTYPES, strided_view
 
 FP8_MAX = 448.0
@@ -152,6 +154,7 @@ class WriterQuantizer:
     def __init__(self, sources: QuantSources, layout: RankLayout, plan: Plan) -> None:
         self.rank = layout.rank
         self.sources = sources
+        self.plan = plan
         self.twins = dict(sources.twins.get(self.rank, {}))
         self.scale_shards = dict(sources.scales.get(self.rank, {}))
         shards = {s.name: s for s in layout.shards}
@@ -160,28 +163,49 @@ class WriterQuantizer:
         for twin, base in self.twins.items():
             for r in shards[twin].regions:
                 self.held.setdefault(r.canonical, []).append((base, r.box, r.offset, r.strides))
-        ops = plan.ops
-        self.value_ops = [op for op in ops if op.src_rank == self.rank and op.src_shard in self.twins]
-        self.scale_ops = [op for op in ops if op.src_rank == self.rank and op.src_shard in self.scale_shards]
-        self.needed: dict[str, np.ndarray] = {}
-        for op in self.value_ops:
-            qt = sources.tensors[op.canonical]
-            mask = self.needed.setdefault(op.canonical, np.zeros(qt.grid, dtype=bool))
-            mask[tile_box(op.box, qt.tile, qt.shape).slices()] = True
-        for op in self.scale_ops:
-            fp8 = self.scale_shards[op.src_shard]
-            mask = self.needed.setdefault(fp8, np.zeros(sources.tensors[fp8].grid, dtype=bool))
-            mask[op.box.slices()] = True
+        # This runs at job start on every writer: read the plan's columns, not its op objects.
+        c = plan.columns
+        mine = np.flatnonzero(c.src_rank == self.rank)
+        names = {i: plan.src_shards[i].name for i in np.unique(c.src_shard[mine]).tolist()}
+        self._value_rows = mine[np.isin(c.src_shard[mine], [i for i, n in names.items() if n in self.twins])]
+        scale_rows = mine[np.isin(c.src_shard[mine], [i for i, n in names.items() if n in self.scale_shards])]
+        #: the FP8 tensors whose tiles this writer's ops need
+        self.needed = sorted({plan.tensors[t] for t in np.unique(c.tensor[self._value_rows]).tolist()}
+                             | {self.scale_shards[names[i]] for i in np.unique(c.src_shard[scale_rows]).tolist()})
         #: tensors whose needed tiles include exchanged ones, and the writers to hear from
-        self.exchanged = sorted(n for n, m in self.needed.items() if (m & sources.tensors[n].exchanged).any())
+        self.exchanged = [n for n in self.needed if sources.tensors[n].publishers
+                          and (self._needed_tiles(n, scale_rows) & sources.tensors[n].exchanged).any()]
         self.listen = sorted({w for n in self.exchanged for w in sources.tensors[n].publishers})
         self.publishes = sorted(n for n, qt in sources.tensors.items()
                                 if self.rank in qt.publishers and n in self.held)
+        self._active = bool(len(self._value_rows) or len(scale_rows) or self.publishes)
         self._buffers: dict[str, torch.Tensor] = {}
+
+    def _needed_tiles(self, fp8: str, scale_rows: np.ndarray) -> np.ndarray:
+        """The tiles of ``fp8`` this writer's ops need (its values' tiles, its scale boxes)."""
+        qt = self.sources.tensors[fp8]
+        c, tensors = self.plan.columns, self.plan.tensors
+        mask = np.zeros(qt.grid, dtype=bool)
+        ndim = len(qt.shape)
+        for i in self._value_rows[[tensors[t] == fp8 for t in c.tensor[self._value_rows].tolist()]].tolist():
+            box = Box(tuple(c.off[i, :ndim].tolist()), tuple(c.size[i, :ndim].tolist()))
+            mask[tile_box(box, qt.tile, qt.shape).slices()] = True
+        scale = qt.scheme.scale_name(qt.base)
+        for i in scale_rows[[tensors[t] == scale for t in c.tensor[scale_rows].tolist()]].tolist():
+            mask[tuple(slice(o, o + n) for o, n in zip(c.off[i, :ndim].tolist(), c.size[i, :ndim].tolist(),
+                                                        strict=True))] = True
+        return mask
+
+    @functools.cached_property
+    def value_ops(self) -> list[TransferOp]:
+        """The ops that send this writer's FP8 values (expanded at the first version, with the
+        plan's ops the transport expands anyway)."""
+        ops = self.plan.ops
+        return [ops[i] for i in self._value_rows.tolist()]
 
     @property
     def active(self) -> bool:
-        return bool(self.value_ops or self.scale_ops or self.publishes)
+        return self._active
 
     def _buffer(self, name: str, like: torch.Tensor | None, shape: Sequence[int], dtype: str) -> torch.Tensor:
         buf = self._buffers.get(name)

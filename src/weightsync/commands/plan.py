@@ -13,7 +13,8 @@ from typing import Any
 
 from weightsync.configs import load_spec
 from weightsync.layout import parse_layout
-from weightsync.layout.quant import fp8_bytes_saved, quantized_sources
+from weightsync.layout.quant import fp8_bytes_saved
+from weightsync.layout.quant_offers import quantized_sources
 from weightsync.plan import PlanOptions, build_local_plan, build_plan, plan_statistics
 
 

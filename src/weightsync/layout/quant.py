@@ -3,21 +3,14 @@
 An FP8 reader asks for *derived* canonical tensors: ``X#fp8_block`` (the float8_e4m3fn
 values of linear weight ``X``) and its scale tensor (``...weight_scale_inv`` for 128x128
 blocks, DeepSeek-V3 style; ``...weight_scale`` ``[N, 1]`` for compressed-tensors
-per-channel FP8). Writers hold only ``X``; every rank derives, from the same metadata, what
-each writer offers in addition (:func:`quantized_sources`): an FP8 twin of each of its
-shards with quantizable regions, and the scale tiles its regions touch. The planner then
-plans FP8 like any other dtype, so the bytes on the wire are FP8 and each destination
-element still arrives exactly once.
-
-A scale depends on a whole tile; a tile cut by any writer's region boundary (an FSDP row
-cut, a ZeRO-3 flat partition, a K-split row for per-channel scales) is *exchanged*: every
-holder publishes its partial maximum and each sender takes the maximum of all
-(:class:`QuantSources.exchange`). Every other tile lies whole inside one region of each of
-its holders, which computes it alone. Either way the result equals the reference
-quantizer applied to the full tensor, bit for bit (``weightsync.codecs.fp8``).
+per-channel FP8). This module names them and lays them out on the reader's side
+(:func:`quantize_shards`). Writers hold only ``X``: what each of them offers in addition
+(an FP8 twin of its shards, the scale tiles it can compute) is derived from the roster in
+:mod:`weightsync.layout.quant_offers`, and quantized on send by
+:mod:`weightsync.codecs.fp8`, bit for bit the reference quantizer applied to the full tensor.
 
     layout = parse_layout("vllm:tp=2,quant=fp8_block")       # a reader asking for FP8
-    writers, quant = quantized_sources(writer_layouts, reader_layouts)
+    writers, quant = quantized_sources(writer_layouts, reader_layouts)   # layout.quant_offers
 
 Which tensors stay unquantized follows the engines' FP8 checkpoints (DeepSeek-V3,
 vLLM's ``Fp8Config``, compressed-tensors' ``ignore: [lm_head]``): only the linear weights
@@ -29,9 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-
-import numpy as np
+from dataclasses import dataclass
 
 from weightsync.layout.box import Box, contiguous_strides
 from weightsync.layout.model import ModelSpec
@@ -210,202 +201,11 @@ def quantized_layout(layout: RankLayout, spec: ModelSpec, scheme: QuantScheme) -
 
 # -- tiles ------------------------------------------------------------------------------
 
-def tile_box(box: Box, tile: Sequence[int], shape: Sequence[int]) -> Box:
+def tile_box(box: Box, tile: Sequence[int], shape: Sequence[int] = ()) -> Box:
     """The tiles a box touches (a box of the scale grid)."""
     lo = tuple(o // t for o, t in zip(box.offsets, tile, strict=True))
     hi = tuple(-(-e // t) for e, t in zip(box.ends, tile, strict=True))
     return Box(lo, tuple(h - low for low, h in zip(lo, hi, strict=True)))
-
-
-def inner_tile_box(box: Box, tile: Sequence[int], shape: Sequence[int]) -> Box:
-    """The tiles lying whole inside ``box`` (a ragged last tile counts when the box reaches the end)."""
-    lo = []
-    hi = []
-    for o, e, t, s in zip(box.offsets, box.ends, tile, shape, strict=True):
-        a = -(-o // t)
-        b = -(-e // t) if e == s else e // t
-        lo.append(a)
-        hi.append(max(a, b))
-    return Box(tuple(lo), tuple(h - low for low, h in zip(lo, hi, strict=True)))
-
-
-def cut_tiles(box: Box, tile: Sequence[int], shape: Sequence[int]) -> list[Box]:
-    """Tiles ``box`` touches without holding them whole: their scale needs other holders too."""
-    outer = tile_box(box, tile, shape)
-    inner = inner_tile_box(box, tile, shape)
-    if inner.empty:
-        return [outer] if not outer.empty else []
-    return [b for b in outer.subtract(inner) if not b.empty]
-
-
-def grid_boxes(mask: np.ndarray) -> list[Box]:
-    """Disjoint boxes covering the True cells of a boolean grid (runs along the last dim,
-    merged over consecutive rows with the same runs)."""
-    if mask.ndim == 0 or not mask.any():
-        return []
-    rows = mask.reshape(-1, mask.shape[-1])
-    lead_shape = mask.shape[:-1]
-    out: list[Box] = []
-    open_boxes: dict[tuple[int, int], list[int]] = {}  # run -> [first row, rows]
-
-    def flush(run: tuple[int, int], first: int, count: int) -> None:
-        idx = np.unravel_index(first, lead_shape) if lead_shape else ()
-        offs = (*(int(i) for i in idx), run[0])
-        sizes = (*((1,) * (len(lead_shape) - 1)), count, run[1]) if lead_shape else (run[1],)
-        out.append(Box(offs, sizes))
-
-    inner = lead_shape[-1] if lead_shape else 1
-    for i, row in enumerate(rows):
-        padded = np.concatenate(([False], row, [False]))
-        edges = np.flatnonzero(padded[1:] != padded[:-1])
-        runs = {(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2], strict=True)}
-        new_block = i % inner == 0  # rows of another expert never merge
-        for run in list(open_boxes):
-            if run not in runs or new_block:
-                first, count = open_boxes.pop(run)
-                flush(run, first, count)
-        for run in runs:
-            if run in open_boxes:
-                open_boxes[run][1] += 1
-            else:
-                open_boxes[run] = [i, 1]
-    for run, (first, count) in open_boxes.items():
-        flush(run, first, count)
-    return sorted(out, key=lambda b: (b.offsets, b.sizes))
-
-
-# -- writers: what they offer an FP8 reader --------------------------------------------
-
-@dataclass(frozen=True)
-class QuantTensor:
-    """One quantized weight some reader needs: its scheme and who must exchange which tiles."""
-
-    base: str
-    scheme: QuantScheme
-    shape: tuple[int, ...]
-    #: tiles cut by some writer's region: their maxima are exchanged between holders
-    exchanged: np.ndarray = field(repr=False, compare=False)
-    #: writer ranks that touch an exchanged tile (each publishes its partial maxima)
-    publishers: frozenset[int] = frozenset()
-
-    @property
-    def tile(self) -> tuple[int, ...]:
-        return self.scheme.tile(self.shape)
-
-    @property
-    def grid(self) -> tuple[int, ...]:
-        return self.scheme.grid(self.shape)
-
-
-@dataclass(frozen=True)
-class QuantSources:
-    """Every quantized weight the readers need and how writers provide it (same on every rank)."""
-
-    tensors: Mapping[str, QuantTensor]  # by FP8 canonical name (``X#scheme``)
-    #: writer rank -> {derived shard name: base shard name} (FP8 twins of its shards)
-    twins: Mapping[int, Mapping[str, str]]
-    #: writer rank -> {scale shard name: FP8 canonical name}
-    scales: Mapping[int, Mapping[str, str]]
-
-    def __bool__(self) -> bool:
-        return bool(self.tensors)
-
-
-def quantized_sources(writers: Sequence[RankLayout], readers: Sequence[RankLayout]
-                      ) -> tuple[list[RankLayout], QuantSources]:
-    """Writer layouts as planned when readers ask for FP8, and what each writer derives.
-
-    Each writer gains an FP8 twin ``<shard>#<scheme>`` of every shard holding a weight the
-    readers want in FP8 (same geometry, so the planner's offsets address both), and a scale
-    shard ``#<scheme>/<scale name>`` (the whole scale grid) declaring the tiles its regions
-    touch. Base regions no reader needs in the model dtype drop out of the planned layout.
-    Pure and deterministic: every rank computes the same result from the roster.
-    """
-    wanted: dict[str, Derived] = {}
-    needed_plain: set[str] = set()
-    for layout in readers:
-        derived = derived_names(layout.canonical)
-        for shard in layout.shards:
-            for r in shard.regions:
-                d = derived.get(r.canonical)
-                if d is None:
-                    needed_plain.add(r.canonical)
-                elif not d.is_scale:
-                    wanted[r.canonical] = d
-    if not wanted:
-        return list(writers), QuantSources({}, {}, {})
-    by_base: dict[str, list[str]] = {}
-    for fp8, d in wanted.items():
-        by_base.setdefault(d.base, []).append(fp8)
-    held: dict[str, list[tuple[int, Region]]] = {}
-    for layout in writers:
-        for shard in layout.shards:
-            for r in shard.regions:
-                if r.canonical in by_base:
-                    held.setdefault(r.canonical, []).append((layout.rank, r))
-    tensors: dict[str, QuantTensor] = {}
-    canonical = dict(writers[0].canonical) if writers else {}
-    for fp8, d in sorted(wanted.items()):
-        shape = _shape_of(d.base, readers, writers)
-        canonical[fp8] = CanonicalTensor(fp8, shape, FP8_DTYPE)
-        scale = d.scheme.scale_name(d.base)
-        canonical[scale] = CanonicalTensor(scale, d.scheme.grid(shape), "float32")
-        tile = d.scheme.tile(shape)
-        exchanged = np.zeros(d.scheme.grid(shape), dtype=bool)
-        for _, r in held.get(d.base, []):
-            for b in cut_tiles(r.box, tile, shape):
-                exchanged[b.slices()] = True
-        publishers = frozenset(rank for rank, r in held.get(d.base, [])
-                               if exchanged[tile_box(r.box, tile, shape).slices()].any())
-        tensors[fp8] = QuantTensor(d.base, d.scheme, shape, exchanged, publishers)
-    out = []
-    twins: dict[int, dict[str, str]] = {}
-    scales: dict[int, dict[str, str]] = {}
-    for layout in writers:
-        shards, twins[layout.rank], scales[layout.rank] = _writer_shards(layout, tensors, by_base, needed_plain)
-        out.append(RankLayout(layout.rank, tuple(shards), canonical))
-    return out, QuantSources(tensors, twins, scales)
-
-
-def _shape_of(base: str, readers: Sequence[RankLayout], writers: Sequence[RankLayout]) -> tuple[int, ...]:
-    for layout in (*writers, *readers):
-        if base in layout.canonical:
-            return layout.canonical[base].shape
-    raise ValueError(f"no layout declares the shape of {base!r}")
-
-
-def _writer_shards(layout: RankLayout, tensors: Mapping[str, QuantTensor], by_base: Mapping[str, list[str]],
-                   needed_plain: set[str]) -> tuple[list[Shard], dict[str, str], dict[str, str]]:
-    shards: list[Shard] = []
-    twins: dict[str, str] = {}
-    touched: dict[str, np.ndarray] = {}
-    for shard in layout.shards:
-        plain = tuple(r for r in shard.regions if r.canonical not in by_base or r.canonical in needed_plain)
-        if plain:
-            shards.append(shard if len(plain) == len(shard.regions) else
-                          Shard(shard.name, shard.shape, shard.dtype, plain))
-        by_scheme: dict[str, list[Region]] = {}  # one FP8 twin per shard and scheme
-        for r in shard.regions:
-            for fp8 in by_base.get(r.canonical, ()):
-                qt = tensors[fp8]
-                by_scheme.setdefault(qt.scheme.name, []).append(Region(fp8, r.box, r.offset, r.strides))
-                mask = touched.setdefault(fp8, np.zeros(qt.grid, dtype=bool))
-                mask[tile_box(r.box, qt.tile, qt.shape).slices()] = True
-        for scheme_name, regions in sorted(by_scheme.items()):
-            name = f"{shard.name}#{scheme_name}"
-            shards.append(Shard(name, shard.shape, FP8_DTYPE, tuple(regions)))
-            twins[name] = shard.name
-    scales: dict[str, str] = {}
-    for fp8, mask in sorted(touched.items()):
-        qt = tensors[fp8]
-        scale = qt.scheme.scale_name(qt.base)
-        strides = contiguous_strides(qt.grid)
-        tiles = tuple(Region(scale, b, sum(o * s for o, s in zip(b.offsets, strides, strict=True)), strides)
-                      for b in grid_boxes(mask))
-        name = f"#{qt.scheme.name}/{scale}"
-        shards.append(Shard(name, qt.grid, "float32", tiles))
-        scales[name] = fp8
-    return shards, twins, scales
 
 
 def fp8_bytes_saved(canonical: Mapping[str, CanonicalTensor]) -> int:
@@ -425,16 +225,10 @@ __all__ = [
     "SCHEMES",
     "Derived",
     "QuantScheme",
-    "QuantSources",
-    "QuantTensor",
-    "cut_tiles",
     "derived_names",
-    "grid_boxes",
-    "inner_tile_box",
     "quantize_shards",
     "quantized_canonical",
     "quantized_layout",
-    "quantized_sources",
     "quantized_tensors",
     "scheme_named",
     "tile_box",

@@ -25,7 +25,7 @@ from typing import Any
 import msgpack
 
 from weightsync.layout.box import Box
-from weightsync.layout.kinds import parse_layout
+from weightsync.layout.kinds import LayoutKind, parse_layout
 from weightsync.layout.model import ModelSpec
 from weightsync.layout.types import CanonicalTensor, RankLayout, Region, Shard
 
@@ -54,30 +54,71 @@ def encode_explicit(layout: RankLayout) -> bytes:
 
 def decode_layout(blob: bytes, *, rank: int, load_model: Callable[[str], Mapping[str, Any]]) -> RankLayout:
     """Rebuild a rank's layout; raises ValueError naming the malformed part."""
-    try:
-        obj = msgpack.unpackb(blob, raw=False, strict_map_key=True)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as exc:
-        raise ValueError(f"layout metadata of rank {rank} is not valid msgpack: {exc}") from None
-    if not isinstance(obj, dict) or obj.get("v") != WIRE_VERSION:
-        raise ValueError(f"layout metadata of rank {rank} has unsupported wire version "
-                         f"{obj.get('v') if isinstance(obj, dict) else None!r} (expected {WIRE_VERSION})")
-    form = obj.get("form")
-    try:
-        if form == "descriptor":
-            spec = ModelSpec.from_hf_config(load_model(str(obj["model"])))
-            kind = parse_layout(str(obj["layout"]))
-            kind.validate(spec)
+    return LayoutDecoder(load_model)(blob, rank=rank)
+
+
+class LayoutDecoder:
+    """Rebuilds the layouts of a whole roster.
+
+    Every rank of a layout kind publishes the same descriptor, so a roster of a thousand
+    ranks holds a handful of distinct blobs: each is parsed, and its model config turned
+    into a :class:`ModelSpec`, once. Sharing the spec also shares what the layout kinds
+    cache on it (the canonical tensors, the shard templates).
+
+        decode = LayoutDecoder(load_model)
+        layouts = [decode(blob, rank=r) for r, blob in roster]
+    """
+
+    def __init__(self, load_model: Callable[[str], Mapping[str, Any]]) -> None:
+        self._load_model = load_model
+        self._specs: dict[str, ModelSpec] = {}
+        self._kinds: dict[bytes, tuple[LayoutKind, ModelSpec]] = {}
+
+    def __call__(self, blob: bytes, *, rank: int) -> RankLayout:
+        """One rank's layout; raises ValueError naming the malformed part."""
+        known = self._kinds.get(blob)
+        if known is not None:
+            kind, spec = known
             return kind.rank_layout(spec, rank)
-        if form == "explicit":
-            canonical = {str(n): CanonicalTensor(str(n), tuple(int(x) for x in s), str(d))
-                         for n, s, d in obj["canonical"]}
-            names = list(canonical)
-            shards = []
-            for name, shape, dtype, regions in obj["shards"]:
-                regs = tuple(Region(names[int(i)], Box(tuple(map(int, off)), tuple(map(int, sz))), int(lo),
-                                    tuple(map(int, st))) for i, off, sz, lo, st in regions)
-                shards.append(Shard(str(name), tuple(map(int, shape)), str(dtype), regs))
-            return RankLayout(rank, tuple(shards), canonical)
-    except (KeyError, TypeError, IndexError) as exc:
-        raise ValueError(f"layout metadata of rank {rank} is malformed ({form} form): {exc!r}") from None
-    raise ValueError(f"layout metadata of rank {rank} has unknown form {form!r}")
+        obj = self._unpack(blob, rank)
+        form = obj.get("form")
+        try:
+            if form == "descriptor":
+                spec = self._spec(str(obj["model"]))
+                kind = parse_layout(str(obj["layout"]))
+                kind.validate(spec)
+                self._kinds[blob] = (kind, spec)
+                return kind.rank_layout(spec, rank)
+            if form == "explicit":
+                return _explicit(obj, rank)
+        except (KeyError, TypeError, IndexError) as exc:
+            raise ValueError(f"layout metadata of rank {rank} is malformed ({form} form): {exc!r}") from None
+        raise ValueError(f"layout metadata of rank {rank} has unknown form {form!r}")
+
+    def _spec(self, digest: str) -> ModelSpec:
+        spec = self._specs.get(digest)
+        if spec is None:
+            spec = self._specs[digest] = ModelSpec.from_hf_config(self._load_model(digest))
+        return spec
+
+    @staticmethod
+    def _unpack(blob: bytes, rank: int) -> dict[str, Any]:
+        try:
+            obj = msgpack.unpackb(blob, raw=False, strict_map_key=True)
+        except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as exc:
+            raise ValueError(f"layout metadata of rank {rank} is not valid msgpack: {exc}") from None
+        if not isinstance(obj, dict) or obj.get("v") != WIRE_VERSION:
+            raise ValueError(f"layout metadata of rank {rank} has unsupported wire version "
+                             f"{obj.get('v') if isinstance(obj, dict) else None!r} (expected {WIRE_VERSION})")
+        return obj
+
+
+def _explicit(obj: Mapping[str, Any], rank: int) -> RankLayout:
+    canonical = {str(n): CanonicalTensor(str(n), tuple(int(x) for x in s), str(d)) for n, s, d in obj["canonical"]}
+    names = list(canonical)
+    shards = []
+    for name, shape, dtype, regions in obj["shards"]:
+        regs = tuple(Region(names[int(i)], Box(tuple(map(int, off)), tuple(map(int, sz))), int(lo),
+                            tuple(map(int, st))) for i, off, sz, lo, st in regions)
+        shards.append(Shard(str(name), tuple(map(int, shape)), str(dtype), regs))
+    return RankLayout(rank, tuple(shards), canonical)
