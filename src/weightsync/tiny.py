@@ -45,7 +45,7 @@ FRONTIER: dict[str, dict[str, Any]] = {
         "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
     },
     "gpt_oss": {
-        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 64, "intermediate_size": 32,
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 64, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_local_experts": 4,
         "num_experts_per_tok": 2, "experts_per_token": 2, "attention_bias": True, "sliding_window": 32,
         "layer_types": ["sliding_attention", "full_attention"], "swiglu_limit": 7.0, "rope_theta": 150000.0,

@@ -298,6 +298,8 @@ class ModelSpec:
             else:
                 cfg["moe_intermediate_size"] = self.moe_intermediate_size
                 cfg["mlp_only_layers"] = sorted(self.dense_layers)
+                if fam.experts_key == "n_routed_experts" and self.dense_layers == set(range(len(self.dense_layers))):
+                    cfg["first_k_dense_replace"] = len(self.dense_layers)  # what DeepSeek/GLM engines read
         if self.shared_intermediate_size:
             cfg["n_shared_experts"] = self.shared_intermediate_size // self.moe_intermediate_size
         if self.score_correction:
