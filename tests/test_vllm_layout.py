@@ -21,7 +21,7 @@ from weightsync.plan.reference import cut_shards, random_canonical
 from weightsync.tiny import tiny_config
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
-              pytest.mark.slow, pytest.mark.timeout(600)]
+              pytest.mark.slow, pytest.mark.xdist_group("vllm-layout"), pytest.mark.timeout(600)]
 
 MIXTRAL = {**tiny_config(moe=True), "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
            "num_local_experts": 4, "intermediate_size": 32}

@@ -148,5 +148,9 @@ ARCHITECTURES: Mapping[str, str] = {
 #: correction bias in float32; transformers' ``_keep_in_fp32_modules_strict``, vLLM's parameter).
 FLOAT32_ROLES = frozenset({"router_correction"})
 
+#: Roles transformers keeps as buffers, not parameters: training frameworks update them outside
+#: the optimizer (the router's load-balancing bias), FSDP2 and ZeRO-3 leave them whole on every rank.
+BUFFER_ROLES = frozenset({"router_correction"})
+
 #: Roles of the MTP layer that a decoder layer does not have.
 MTP_ROLES = ("mtp_enorm", "mtp_hnorm", "mtp_eh_proj", "mtp_head_norm")

@@ -44,7 +44,13 @@ from weightsync.layout.params import (
     runs_length,
     strided_runs,
 )
-from weightsync.sources.param_mapping import check_known, clean_name, matching_descriptor, read_config, uniform_dtype
+from weightsync.sources.param_mapping import (
+    check_known,
+    matching_descriptor,
+    named_tensors,
+    read_config,
+    uniform_dtype,
+)
 from weightsync.torch_layout import dtype_name
 
 
@@ -165,7 +171,7 @@ class DTensorSource:
                 f"FSDP2 has {len(unsharded)} parameter(s) unsharded right now ({unsharded[:3]}...): "
                 "read the weights between optimizer steps, not inside forward/backward or after unshard()"
             )
-        return {clean_name(n): p for n, p in self.model.named_parameters()}
+        return named_tensors(self.model, self.spec)
 
     def layout(self) -> RankLayout:
         return self._layout
