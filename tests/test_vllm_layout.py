@@ -106,3 +106,22 @@ def test_a_loader_that_computes_is_refused(vllm_env):
     assert recorder.regions["w"] == [Region("x", Box((0,), (4,)), 0, (1,))]
     with pytest.raises(NotImplementedError, match=r"mul.*not a slice"):
         param.data.copy_(src * 2)
+
+
+def test_weightsync_plan_from_vllms_loaders(vllm_env, tmp_path, capsys):
+    """``weightsync plan --vllm-loaders``: DeepSeek-V3 with its MTP drafter, FSDP2 into vLLM TP2,
+    planned on the recorded layout and run in numpy: every element once, bitwise."""
+    import json
+
+    from weightsync.cli import main
+    from weightsync.layout.kinds.vllm import use_recorder
+
+    (tmp_path / "config.json").write_text(json.dumps(MODELS["deepseek_v3"]))
+    try:
+        assert main(["plan", "--config", str(tmp_path), "--source", "fsdp:dp=2", "--target", "vllm:tp=2,mtp=1",
+                     "--vllm-loaders", "--verify", "--json"]) == 0
+    finally:
+        use_recorder(None)
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # vLLM logs to stdout before it
+    assert out["vllm_layouts"] == "vLLM's loaders" and out["verified"]
+    assert out["sent_bytes"] == out["needed_bytes"]
