@@ -267,8 +267,6 @@ def _build(vllm_config: Any, model_config: Any, ep: bool) -> torch.nn.Module:
 
 def _record(model: torch.nn.Module, checkpoint: list[Shard], skip: tuple[str, ...] = ()) -> list[Shard]:
     """Run ``model.load_weights`` on recording tensors of ``checkpoint``; the parameters as shards."""
-    from vllm.config import get_current_vllm_config  # noqa: F401  (vLLM must be importable)
-
     params = {n: p for n, p in model.named_parameters() if not n.startswith(skip)}
     recorder = _Recorder(params)
     weights = [(s.name, RecordingTensor(s.name, torch.empty(s.shape, dtype=_torch_dtype(s.dtype), device="meta"),
@@ -277,6 +275,9 @@ def _record(model: torch.nn.Module, checkpoint: list[Shard], skip: tuple[str, ..
     out = []
     for name, param in params.items():
         regions = recorder.regions[name]
+        if sum(r.numel for r in regions) > param.numel():
+            raise NotImplementedError(f"vLLM's loaders write some elements of {name} more than once (two checkpoint "
+                                      "tensors land on them): not a layout")
         if regions:
             out.append(Shard(name, tuple(param.shape), dtype_name(param.dtype),
                              tuple(sorted(regions, key=lambda r: (r.offset, r.canonical)))))
