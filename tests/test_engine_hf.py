@@ -101,3 +101,24 @@ def test_module_layout_of_a_transformers_moe_model_covers_every_canonical_tensor
     for name, tensor in canonical.items():
         volume = sum(b.numel for b in boxes[name])
         assert union_volume(boxes[name]) == volume == torch.Size(tensor.shape).numel(), name
+
+
+def test_a_transformers_engine_receives_the_correction_bias():
+    """The router's ``e_score_correction_bias`` is a transformers buffer: ModuleEngine and
+    ModuleSource list it with the parameters, so a sync does not leave it stale."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from weightsync.engines import ModuleEngine
+    from weightsync.sources import ModuleSource
+    from weightsync.tiny import tiny_config
+
+    config = {**tiny_config(family="glm4_moe"), "num_nextn_predict_layers": 0}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        **{k: v for k, v in config.items() if k != "architectures"}), dtype=torch.float32)
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    bias = dict(model.named_buffers())[name]
+    for side in (ModuleEngine(model, config), ModuleSource(model, config)):
+        assert side.layout().shard(name).dtype == "float32"
+        tensors = side.receive_buffers() if isinstance(side, ModuleEngine) else side.tensors()
+        assert tensors[name].data_ptr() == bias.data_ptr()

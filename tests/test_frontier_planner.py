@@ -42,23 +42,25 @@ def frontier_specs(draw):
     return ModelSpec(**common, **extra)
 
 
-def frontier_kinds(spec):
+def frontier_kinds(spec, *, readers: bool):
+    """Training kinds hold every tensor (MTP layers too); readers may also be vLLM engines,
+    with or without the MTP drafter."""
     ep = st.sampled_from([1, 2]) if spec.is_moe else st.just(1)
-    return st.one_of(
-        st.builds(lambda r: f"hf:replicas={r}", st.integers(1, 2)),
-        st.builds(lambda d: f"fsdp:dp={d}", st.integers(1, 3)),
-        st.builds(lambda d: f"deepspeed:dp={d}", st.integers(1, 3)),
-        st.builds(lambda t, d, e, m: f"vllm:tp={t},dp={d},ep={t * d if e > 1 else 1},mtp={m}",
-                  st.sampled_from([1, 2]), st.integers(1, 2), ep, st.integers(0, spec.mtp_layers)),
-    )
+    kinds = [st.builds(lambda r: f"hf:replicas={r}", st.integers(1, 2)),
+             st.builds(lambda d: f"fsdp:dp={d}", st.integers(1, 3)),
+             st.builds(lambda d: f"deepspeed:dp={d}", st.integers(1, 3))]
+    if readers:
+        kinds.append(st.builds(lambda t, d, e, m: f"vllm:tp={t},dp={d},ep={t * d if e > 1 else 1},mtp={m}",
+                               st.sampled_from([1, 2]), st.integers(1, 2), ep, st.integers(0, spec.mtp_layers)))
+    return st.one_of(*kinds)
 
 
 @st.composite
 def frontier_pairs(draw):
     spec = draw(frontier_specs())
     layouts = []
-    for _ in range(2):
-        kind = parse_layout(draw(frontier_kinds(spec)))
+    for readers in (False, True):
+        kind = parse_layout(draw(frontier_kinds(spec, readers=readers)))
         try:
             kind.validate(spec)
         except ValueError:
@@ -96,3 +98,4 @@ def test_kinds_that_do_not_model_a_family_refuse_it():
         parse_layout("fsdp:dp=1,tp=2").validate(spec)
     with pytest.raises(ValueError, match="mtp=1 needs a model with MTP layers"):
         parse_layout("vllm:mtp=1").validate(ModelSpec.from_hf_config(tiny_config(family="gpt_oss")))
+

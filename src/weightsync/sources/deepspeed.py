@@ -23,8 +23,8 @@ import torch
 from weightsync.layout import Box, ModelSpec, RankLayout, Shard
 from weightsync.layout.families import BUFFER_ROLES
 from weightsync.layout.params import ParamParts, hf_param
-from weightsync.sources.param_mapping import check_known, matching_descriptor, named_tensors, read_config, uniform_dtype
-from weightsync.torch_layout import dtype_name
+from weightsync.sources.param_mapping import check_known, clean_name, matching_descriptor, read_config, uniform_dtype
+from weightsync.torch_layout import dtype_name, named_tensors
 
 
 def partition_range(param: Any) -> tuple[int, int, int]:
@@ -71,7 +71,7 @@ class ZeroSource:
     def __init__(self, engine_or_model: Any, config: Mapping[str, Any] | ModelSpec, *, rank: int) -> None:
         self.module: torch.nn.Module = getattr(engine_or_model, "module", engine_or_model)
         self.spec, self.config = read_config(config)
-        params = named_tensors(self.module, self.spec)
+        params = named_tensors(self.module, self.spec, clean_name)
         parts = {name: hf_param(self.spec, name) for name in params}
         check_known([name for name, p in parts.items() if p is None], self.spec, "model")
         plain = [n for n, p in params.items() if not hasattr(p, "ds_tensor") and not _is_buffer(parts[n])]

@@ -36,23 +36,6 @@ def clean_name(name: str) -> str:
     return name
 
 
-def named_tensors(module: Any, spec: ModelSpec) -> dict[str, Any]:
-    """A module's parameters, and the buffers that are canonical tensors, by clean name.
-
-    Some canonical tensors are buffers (DeepSeek-V3's and GLM-4.5's router
-    ``e_score_correction_bias``: load balancing updates it outside the optimizer); FSDP2 and
-    ZeRO-3 leave buffers whole on every rank. Other buffers (rotary tables) are not weights.
-    """
-    from weightsync.layout.params import hf_param
-
-    out = {clean_name(n): p for n, p in module.named_parameters()}
-    for raw, buffer in module.named_buffers():
-        name = clean_name(raw)
-        if name not in out and hf_param(spec, name) is not None:
-            out[name] = buffer
-    return out
-
-
 def check_known(unknown: Sequence[str], spec: ModelSpec, what: str) -> None:
     """Raise a ValueError listing the parameters that map to no canonical tensor.
 
