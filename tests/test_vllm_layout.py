@@ -125,3 +125,22 @@ def test_weightsync_plan_from_vllms_loaders(vllm_env, tmp_path, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # vLLM logs to stdout before it
     assert out["vllm_layouts"] == "vLLM's loaders" and out["verified"]
     assert out["sent_bytes"] == out["needed_bytes"]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_recording_one_layer_of_each_kind_equals_recording_them_all(vllm_env, family):
+    """A layer's layout depends on its kind, not its index: the default recording (a model cut to
+    one layer of each kind, the others renamed from it) equals the whole model's, MTP included."""
+    from weightsync.engines.vllm_layout import record_rank
+
+    config = {**MODELS[family], "num_hidden_layers": 4}
+    if family == "deepseek_v3":
+        config["first_k_dense_replace"] = 2
+    else:
+        config["layer_types"] = ["sliding_attention", "full_attention"] * 2
+    mtp = family == "deepseek_v3"
+    for rank in (0, 1):
+        cut = record_rank(config, tp=2, ep=True, rank=rank, mtp=mtp)
+        whole = record_rank(config, tp=2, ep=True, rank=rank, mtp=mtp, every_layer=True)
+        assert {s.name: s for s in cut} == {s.name: s for s in whole}
+        assert [s.name for s in cut] == [s.name for s in whole]

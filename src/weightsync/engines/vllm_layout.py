@@ -28,6 +28,7 @@ first): the parameter then holds zeros, which map to no canonical tensor.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -289,8 +290,14 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 
 def record_rank(config: Mapping[str, Any], *, tp: int = 1, dp: int = 1, ep: bool = False, rank: int = 0,
-                mtp: bool = False, dtype: str | None = None) -> tuple[Shard, ...]:
+                mtp: bool = False, dtype: str | None = None, every_layer: bool = False) -> tuple[Shard, ...]:
     """The shards of vLLM worker ``rank`` (``d * tp + t``) of a model, as vLLM's loaders fill them.
+
+    vLLM lays out a decoder layer by its kind (which roles it has: dense or MoE), not by its
+    index, so by default the model is recorded with only as many layers as it takes to meet
+    each kind once (DeepSeek-V3: its 3 dense layers and one MoE layer), and every other layer
+    is its kind's recording renamed; ``every_layer`` records the whole model (a test checks
+    both agree).
 
     Args:
         config: the Hugging Face ``config.json`` of the model.
@@ -298,16 +305,29 @@ def record_rank(config: Mapping[str, Any], *, tp: int = 1, dp: int = 1, ep: bool
         rank: the worker's rank within one engine (``d * tp + t``).
         mtp: record the MTP drafter too (the engine runs MTP speculative decoding).
         dtype: the engine's dtype (default: the config's).
+        every_layer: build and record every layer.
 
     Raises:
         NotImplementedError: a loader does more than view and copy a checkpoint tensor.
     """
     spec = ModelSpec.from_hf_config(config)
     dtype = dtype or spec.dtype
-    key = (_digest(config), tp, dp, ep, rank, mtp, dtype)
+    key = (_digest(config), tp, dp, ep, rank, mtp, dtype, every_layer)
     cached = _CACHE.get(key)
     if cached is not None:
         return cached
+    kind_of = _layer_kinds(spec)
+    kept = spec.num_layers if every_layer else max(kind_of) + 1
+    small = dict(config) if kept == spec.num_layers else _truncated(config, kept)
+    shards = _record_model(small, tp=tp, dp=dp, ep=ep, rank=rank, mtp=mtp, dtype=dtype)
+    out = tuple(shards) if kept == spec.num_layers else tuple(_expand(shards, spec, kind_of, kept))
+    _CACHE[key] = out
+    return out
+
+
+def _record_model(config: Mapping[str, Any], *, tp: int, dp: int, ep: bool, rank: int, mtp: bool,
+                  dtype: str) -> list[Shard]:
+    spec = ModelSpec.from_hf_config(config)
     vllm_config = _engine_config(json.dumps(dict(config), sort_keys=True), dtype, mtp)
     checkpoint = list(HFLayout(dtype=None).rank_layout(spec, 0).shards)
     main = [s for s in checkpoint if _layer(s.name) < spec.num_layers]
@@ -319,9 +339,48 @@ def record_rank(config: Mapping[str, Any], *, tp: int = 1, dp: int = 1, ep: bool
             shards += _record(draft, [s for s in checkpoint if _layer(s.name) >= spec.num_layers],
                               skip=("model.embed_tokens.", "lm_head."))
             shards = [s for s in shards if ".shared_head.head." not in s.name]
-    out = tuple(shards)
-    _CACHE[key] = out
+    return shards
+
+
+def _layer_kinds(spec: ModelSpec) -> list[int]:
+    """For each decoder layer, the first layer of its kind (the same roles)."""
+    first: dict[tuple[str, ...], int] = {}
+    return [first.setdefault(spec.layer_roles(layer), layer) for layer in range(spec.num_layers)]
+
+
+def _truncated(config: Mapping[str, Any], layers: int) -> dict[str, Any]:
+    """``config`` with its first ``layers`` decoder layers (per-layer lists cut to match)."""
+    out = {**config, "num_hidden_layers": layers}
+    if isinstance(config.get("layer_types"), list):
+        out["layer_types"] = config["layer_types"][:layers]
+    if isinstance(config.get("mlp_only_layers"), list):
+        out["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < layers]
     return out
+
+
+def _expand(shards: list[Shard], spec: ModelSpec, kind_of: list[int], kept: int) -> list[Shard]:
+    """A truncated model's shards for the whole model: each layer is its kind's, renamed;
+    the MTP layers (numbered from ``kept`` in the truncated model) move after the last layer."""
+    by_layer: dict[int, list[Shard]] = {}
+    outside: list[Shard] = []
+    for shard in shards:
+        layer = _layer(shard.name)
+        (outside if layer < 0 else by_layer.setdefault(layer, [])).append(shard)
+    out = outside[:1]  # the embedding
+    for layer in range(spec.num_layers):
+        out += [_renamed(s, kind_of[layer], layer) for s in by_layer[kind_of[layer]]]
+    out += outside[1:]
+    for j in range(spec.mtp_layers):
+        out += [_renamed(s, kept + j, spec.num_layers + j) for s in by_layer.get(kept + j, [])]
+    return out
+
+
+def _renamed(shard: Shard, old: int, new: int) -> Shard:
+    if old == new:
+        return shard
+    a, b = f"model.layers.{old}.", f"model.layers.{new}."
+    regions = tuple(dataclasses.replace(r, canonical=b + r.canonical.removeprefix(a)) for r in shard.regions)
+    return Shard(b + shard.name.removeprefix(a), shard.shape, shard.dtype, regions)
 
 
 _CACHE: dict[tuple[Any, ...], tuple[Shard, ...]] = {}
