@@ -235,7 +235,7 @@ def test_vllm_expert_parallelism_is_what_vllm_runs():
     kind = parse_layout("vllm:tp=2,dp=2,ep=4")
     kind.validate(spec)
     assert kind.world_size == 4
-    w13 = {r: next(s for s in kind.rank_layout(spec, r).shards if s.name.endswith("mlp.experts.w13_weight"))
+    w13 = {r: next(s for s in kind.rank_layout(spec, r).shards if s.name.endswith("mlp.experts.routed_experts.w13_weight"))
            for r in range(4)}
     per = spec.num_experts // 4
     for r in range(4):  # rank d*tp+t holds experts [r*E/4, (r+1)*E/4), whole

@@ -101,3 +101,53 @@ def test_module_layout_of_a_transformers_moe_model_covers_every_canonical_tensor
     for name, tensor in canonical.items():
         volume = sum(b.numel for b in boxes[name])
         assert union_volume(boxes[name]) == volume == torch.Size(tensor.shape).numel(), name
+
+
+def test_a_transformers_engine_receives_the_correction_bias():
+    """The router's ``e_score_correction_bias`` is a transformers buffer: ModuleEngine and
+    ModuleSource list it with the parameters, so a sync does not leave it stale."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from weightsync.engines import ModuleEngine
+    from weightsync.sources import ModuleSource
+    from weightsync.tiny import tiny_config
+
+    config = {**tiny_config(family="glm4_moe"), "num_nextn_predict_layers": 0}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        **{k: v for k, v in config.items() if k != "architectures"}), dtype=torch.float32)
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    bias = dict(model.named_buffers())[name]
+    for side in (ModuleEngine(model, config), ModuleSource(model, config)):
+        assert side.layout().shard(name).dtype == "float32"
+        tensors = side.receive_buffers() if isinstance(side, ModuleEngine) else side.tensors()
+        assert tensors[name].data_ptr() == bias.data_ptr()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "gpt_oss"])
+def test_frontier_names_and_shapes_are_transformers_own(family, tmp_path):
+    """The canonical tables of the frontier families equal transformers 5: its parameter (and
+    correction-bias buffer) names and shapes in memory, and the names ``save_pretrained``
+    writes (all but the MTP layer, which transformers does not build)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from weightsync.layout import ModelSpec, parse_layout
+    from weightsync.layout.params import hf_params
+    from weightsync.tiny import tiny_config
+
+    config = tiny_config(family=family)
+    spec = ModelSpec.from_hf_config(config)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        **{k: v for k, v in config.items() if k != "architectures"}), dtype=torch.float32)
+    in_memory = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    mtp = {n for n, (_, layer) in spec.roles().items() if layer is not None and spec.is_mtp_layer(layer)}
+    ours = {n: p.shape for n, p in hf_params(spec).items() if not n.startswith(f"model.layers.{spec.num_layers}.")}
+    assert {n: in_memory.get(n) for n in ours} == ours
+    assert not {n for n, _ in model.named_parameters()} - set(ours)
+    model.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    checkpoint = {s.name: s.shape for s in parse_layout("hf").rank_layout(spec, 0).shards
+                  if not any(r.canonical in mtp for r in s.regions)}
+    assert saved == checkpoint

@@ -116,14 +116,30 @@ def test_vllm_stacked_experts_with_and_without_ep():
     g = v["model.layers.1.mlp.experts.*.gate_proj.weight"]
     u = v["model.layers.1.mlp.experts.*.up_proj.weight"]
     d = v["model.layers.1.mlp.experts.*.down_proj.weight"]
-    assert np.array_equal(shards["model.layers.1.mlp.experts.w13_weight"],
+    assert np.array_equal(shards["model.layers.1.mlp.experts.routed_experts.w13_weight"],
                           np.concatenate([g[:, 3:], u[:, 3:]], axis=1))
-    assert np.array_equal(shards["model.layers.1.mlp.experts.w2_weight"], d[:, :, 3:])
+    assert np.array_equal(shards["model.layers.1.mlp.experts.routed_experts.w2_weight"], d[:, :, 3:])
     shards, _, _ = local(MOE, "vllm:tp=2,ep=2", 1)  # experts 4..7 whole on rank 1
-    assert np.array_equal(shards["model.layers.1.mlp.experts.w13_weight"],
+    assert np.array_equal(shards["model.layers.1.mlp.experts.routed_experts.w13_weight"],
                           np.concatenate([g[4:], u[4:]], axis=1))
-    assert np.array_equal(shards["model.layers.1.mlp.experts.w2_weight"], d[4:])
+    assert np.array_equal(shards["model.layers.1.mlp.experts.routed_experts.w2_weight"], d[4:])
     assert np.array_equal(shards["model.layers.1.mlp.gate.weight"], v["model.layers.1.mlp.gate.weight"])
+
+
+def test_vllm_experts_without_ep_are_split_over_tp_and_dp():
+    """vLLM 0.32 flattens TP across DP for MoE layers when expert parallelism is off
+    (``FusedMoEParallelConfig.flatten_tp_across_dp_and_pcp``): with tp=1, dp=2 each DP rank
+    holds half of every expert's intermediate dim, not all of it (issue 23, defect 12)."""
+    g, u, d = (f"model.layers.1.mlp.experts.*.{m}_proj.weight" for m in ("gate", "up", "down"))
+    for rank, (lo, hi) in enumerate([(0, 3), (3, 6)]):
+        shards, v, _ = local(MOE, "vllm:tp=1,dp=2", rank)
+        assert np.array_equal(shards["model.layers.1.mlp.experts.routed_experts.w13_weight"],
+                              np.concatenate([v[g][:, lo:hi], v[u][:, lo:hi]], axis=1))
+        assert np.array_equal(shards["model.layers.1.mlp.experts.routed_experts.w2_weight"], v[d][:, :, lo:hi])
+        # attention and dense layers are whole on both DP ranks
+        assert np.array_equal(shards["model.layers.0.mlp.down_proj.weight"], v["model.layers.0.mlp.down_proj.weight"])
+    with pytest.raises(ValueError, match="moe_intermediate_size=6 is not divisible by the 4 ranks"):
+        parse_layout("vllm:tp=2,dp=2").validate(MOE)
 
 
 def test_vllm_qkv_bias_and_tied_head():
@@ -352,7 +368,7 @@ def test_mixtral_names_are_data():
                      dtype="float32")
     assert "model.layers.0.block_sparse_moe.experts.*.w1.weight" in spec.canonical_tensors()
     shards, _, _ = local(spec, "vllm:tp=1", 0)
-    assert "model.layers.0.block_sparse_moe.experts.w13_weight" in shards
+    assert "model.layers.0.block_sparse_moe.experts.routed_experts.w13_weight" in shards
 
 
 @pytest.mark.parametrize(("config", "message"), [

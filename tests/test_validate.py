@@ -54,7 +54,7 @@ def test_engine_matches_checkpoint_and_nothing_is_written(tmp_path):
 def test_mismatch_is_located_with_max_difference(tmp_path):
     _, _, ckpt, ranks = _setup(tmp_path, "vllm:tp=1")
     rl, tensors = ranks[0]
-    tensors["model.layers.1.mlp.experts.w2_weight"][3, 0, 0] += 0.5  # expert 3's down_proj
+    tensors["model.layers.1.mlp.experts.routed_experts.w2_weight"][3, 0, 0] += 0.5  # expert 3's down_proj
     report = verify_rank(rl, tensors, ckpt)
     bad = {n: t for n, t in report.tensors.items() if t.status != "ok"}
     assert list(bad) == ["model.layers.1.mlp.experts.3.down_proj.weight"]

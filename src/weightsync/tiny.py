@@ -22,7 +22,45 @@ from weightsync.layout import ModelSpec, expert_name, is_expert_stack
 VOCAB = 512
 
 
-def tiny_config(*, moe: bool = False, tie: bool = False) -> dict[str, Any]:
+#: Tiny configs of the frontier families, sized for vLLM's CPU build: its MLA backend takes only
+#: DeepSeek's latent sizes (kv_lora_rank 512, qk_rope_head_dim 64), its attention head sizes of 32
+#: and up. Each has 2 decoder layers (one dense where the family has dense layers), 4 experts and,
+#: where the family has it, one MTP layer.
+FRONTIER: dict[str, dict[str, Any]] = {
+    "deepseek_v3": {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
+        "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2,
+        "q_lora_rank": 32, "kv_lora_rank": 512, "qk_nope_head_dim": 32, "qk_rope_head_dim": 64, "v_head_dim": 32,
+        "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+        "moe_layer_freq": 1, "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+        "norm_topk_prob": True, "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 1, "hidden_act": "silu",
+        "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+    },
+    "glm4_moe": {
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 64, "intermediate_size": 128,
+        "moe_intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "partial_rotary_factor": 0.5, "attention_bias": True, "use_qk_norm": True, "n_routed_experts": 4,
+        "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+        "norm_topk_prob": True, "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 1, "hidden_act": "silu",
+        "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+    },
+    "gpt_oss": {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "experts_per_token": 2, "attention_bias": True, "sliding_window": 32,
+        "layer_types": ["sliding_attention", "full_attention"], "swiglu_limit": 7.0, "rope_theta": 150000.0,
+        "rms_norm_eps": 1e-5, "hidden_act": "silu",
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "original_max_position_embeddings": 256, "truncate": False},
+    },
+}
+
+
+def tiny_config(*, moe: bool = False, tie: bool = False, family: str | None = None) -> dict[str, Any]:
+    """A tiny Qwen3 (Qwen3-MoE with ``moe``) config, or one of :data:`FRONTIER` by family name."""
+    if family is not None:
+        return {**FRONTIER[family], "vocab_size": VOCAB, "num_hidden_layers": 2, "max_position_embeddings": 1024,
+                "tie_word_embeddings": tie, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
     config: dict[str, Any] = {
         "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
         "model_type": "qwen3_moe" if moe else "qwen3",

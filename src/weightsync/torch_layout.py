@@ -11,7 +11,7 @@ the tensor store, the bench) turns those into torch objects through this one mod
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -100,6 +100,23 @@ def fill_from_canonical(layout: RankLayout, tensors: Mapping[str, torch.Tensor],
         for region in shard.regions:
             view = strided_view(flat, region.box.sizes, region.strides, region.offset)
             view.copy_(values[region.canonical][region.box.slices()])
+
+
+def named_tensors(module: torch.nn.Module, spec: ModelSpec,
+                  clean: Callable[[str], str] = lambda n: n) -> dict[str, torch.Tensor]:
+    """A module's parameters, and the buffers that are canonical tensors, by clean name.
+
+    Some canonical tensors are buffers (DeepSeek-V3's and GLM-4.5's router
+    ``e_score_correction_bias``: load balancing updates it outside the optimizer); FSDP2 and
+    ZeRO-3 leave buffers whole on every rank. Other buffers (rotary tables) are not weights.
+    ``clean`` strips what wrappers insert into names.
+    """
+    out: dict[str, torch.Tensor] = {clean(n): p for n, p in module.named_parameters()}
+    for raw, buffer in module.named_buffers():
+        name = clean(raw)
+        if name not in out and hf_param(spec, name) is not None:
+            out[name] = buffer
+    return out
 
 
 def module_layout(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec, rank: int) -> RankLayout:

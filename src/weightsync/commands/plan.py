@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", action="store_true",
                    help="also run the plan in numpy on random weights and check every element "
                         "(small models only)")
+    p.add_argument("--vllm-loaders", action="store_true",
+                   help="take vllm layouts from a dry run of vLLM's own weight loaders (needs vllm installed); "
+                        "default: weightsync's tables, which a test keeps equal to them")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -40,6 +43,10 @@ def run(args: argparse.Namespace) -> int:
     if args.link_gbps <= 0:
         raise ValueError("--link-gbps must be positive")
     options = PlanOptions(min_split_bytes=args.min_split_bytes)
+    if args.vllm_loaders:
+        from weightsync.engines.vllm_layout import install
+
+        install()  # vllm kinds now come from vLLM's loaders; the time goes into expand_seconds
     started = time.perf_counter()
     writers = source.all_rank_layouts(spec)
     readers = target.all_rank_layouts(spec)
@@ -57,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         "parameters": spec.num_parameters,
         "source": source.describe(),
         "target": target.describe(),
+        "vllm_layouts": "vLLM's loaders" if args.vllm_loaders else "tables",
         "writers": source.world_size,
         "readers": target.world_size,
         **stats.to_dict(args.link_gbps),

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from weightsync.layout import ModelSpec, RankLayout, parse_layout
-from weightsync.torch_layout import allocate, module_layout
+from weightsync.torch_layout import allocate, module_layout, named_tensors
 
 
 class _InPlace:
@@ -70,14 +70,15 @@ class ModuleEngine(_InPlace):
         super().__init__()
         self.module = module
         spec = config if isinstance(config, ModelSpec) else ModelSpec.from_hf_config(config)
-        self._layout = module_layout(((n, p) for n, p in module.named_parameters()), spec, rank)
+        self.spec = spec
+        self._layout = module_layout(named_tensors(module, spec).items(), spec, rank)
 
     def layout(self) -> RankLayout:
         return self._layout
 
     def receive_buffers(self) -> Mapping[str, torch.Tensor]:
         names = {s.name for s in self._layout.shards}
-        return {n: p.detach() for n, p in self.module.named_parameters() if n in names}
+        return {n: p.detach() for n, p in named_tensors(self.module, self.spec).items() if n in names}
 
     def descriptor(self) -> tuple[str, Mapping[str, object]] | None:
         return None

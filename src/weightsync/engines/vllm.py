@@ -76,7 +76,8 @@ class VLLMEngine(StagedWeights):
             )
         vllm_config: Any = engine.vllm_config
         check_supported(vllm_config)
-        super().__init__(spec_of(vllm_config), dtype=vllm_config.model_config.dtype,
+        # with MTP drafting, the drafter's layers are synced too (reloaded after the target's)
+        super().__init__(spec_of(vllm_config, mtp=runs_mtp(vllm_config)), dtype=vllm_config.model_config.dtype,
                          device=vllm_config.device_config.device, rank=rank, replicas=replicas,
                          quant=staging_quant(vllm_config))
         self.llm = llm
@@ -127,9 +128,25 @@ def update_llm(llm: LLM, version: int, *, timeout: float | None = None) -> None:
 
 # -- worker side: runs in the process that holds the model ---------------------------------------
 
-def spec_of(vllm_config: Any) -> ModelSpec:
-    """The canonical model of a vLLM engine, read from the Hugging Face config vLLM loaded."""
-    return ModelSpec.from_hf_config(vllm_config.model_config.hf_config.to_dict())
+def spec_of(vllm_config: Any, *, mtp: bool = False) -> ModelSpec:
+    """The canonical model of a vLLM engine, read from the Hugging Face config vLLM loaded.
+
+    The MTP layers are part of it only with ``mtp`` (the caller reloads the MTP drafter: see
+    :func:`runs_mtp`); otherwise the engine never reads them, and staging them would be waste.
+    """
+    spec = ModelSpec.from_hf_config(vllm_config.model_config.hf_config.to_dict())
+    return spec if mtp else spec.without_mtp()
+
+
+def runs_mtp(vllm_config: Any) -> bool:
+    """Whether the engine drafts with the model's own MTP layers (``speculative_config`` method ``mtp``)."""
+    speculative = getattr(vllm_config, "speculative_config", None)
+    return speculative is not None and "mtp" in str(getattr(speculative, "method", "") or "")
+
+
+def draft_model(model_runner: Any) -> torch.nn.Module | None:
+    """The MTP drafter's model of a worker's model runner (vLLM 0.32: ``model_runner.drafter.model``)."""
+    return getattr(getattr(model_runner, "drafter", None), "model", None)
 
 
 #: Weight loaders that copy a checkpoint tensor into the parameter as it is (vLLM's own list
@@ -261,24 +278,40 @@ class ReloadSession:
     the engine.
     """
 
-    def __init__(self, model: Any, vllm_config: Any) -> None:
+    def __init__(self, model: Any, vllm_config: Any, *, draft: Any = None) -> None:
         self.model = model
         self.vllm_config = vllm_config
+        #: the MTP drafter, fed the checkpoint's MTP layers (from ``num_hidden_layers`` on)
+        self.draft = draft
+        self._first_mtp = int(vllm_config.model_config.hf_config.num_hidden_layers)
         self._stashed: list[tuple[Any, Any]] = []
+
+    def _models(self) -> list[Any]:
+        return [self.model] if self.draft is None else [self.model, self.draft]
 
     def begin(self) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        self._stashed = _stash_cpu_moe_kernels(self.model)
+        for model in self._models():
+            self._stashed += _stash_cpu_moe_kernels(model)
         with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(self.model)
+            # the drafter's modules shared with the target (embedding, output head) are the target's
+            # to reload: initialised here first, the drafter's initialisation skips them
+            for model in self._models():
+                initialize_layerwise_reload(model)
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         from vllm.config import set_current_vllm_config
 
+        items = list(weights)
+        draft = [(n, t) for n, t in items if _layer_of(n) >= self._first_mtp]
         with set_current_vllm_config(self.vllm_config):
-            self.model.load_weights(iter(weights))
+            self.model.load_weights(iter([(n, t) for n, t in items if _layer_of(n) < self._first_mtp]))
+            if draft:
+                if self.draft is None:
+                    raise ValueError(f"{draft[0][0]} is an MTP layer's, and this engine has no MTP drafter")
+                self.draft.load_weights(iter(draft))
 
     def end(self) -> None:
         from vllm.config import set_current_vllm_config
@@ -286,11 +319,18 @@ class ReloadSession:
 
         try:
             with set_current_vllm_config(self.vllm_config):
-                finalize_layerwise_reload(self.model, self.vllm_config.model_config)
+                for model in self._models():
+                    finalize_layerwise_reload(model, self.vllm_config.model_config)
         finally:
             _restore_cpu_moe_kernels(self._stashed)
             self._stashed = []
         _cpu_retie_lm_head(self.model)
+
+
+def _layer_of(name: str) -> int:
+    """The layer number of a checkpoint name (-1 outside the layers)."""
+    parts = name.split(".", 3)
+    return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() else -1
 
 
 def reload_model(model: Any, vllm_config: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -312,7 +352,8 @@ def _in_place_params(worker: Any, checkpoint: Mapping[str, tuple[tuple[int, ...]
 
 
 def _reload_begin(worker: Any) -> None:
-    worker._weightsync_reload = ReloadSession(worker.model_runner.get_model(), worker.vllm_config)
+    draft = draft_model(worker.model_runner) if runs_mtp(worker.vllm_config) else None
+    worker._weightsync_reload = ReloadSession(worker.model_runner.get_model(), worker.vllm_config, draft=draft)
     worker._weightsync_reload.begin()
 
 

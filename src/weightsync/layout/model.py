@@ -1,9 +1,9 @@
-"""Model families as data: which canonical tensors a model has, their names and shapes.
+"""The canonical model: which tensors a model has, their checkpoint names and shapes.
 
 A :class:`ModelSpec` is read from a Hugging Face ``config.json``. Each tensor of a
-decoder-only transformer plays a *role* (``q``, ``gate``, ``expert_down``, ...); a family's
-name map is a plain table from role to Hugging Face name template. Engine layouts
-(``layout/kinds``) speak in roles, so adding a family is adding a table row, and an
+decoder-only transformer plays a *role* (``q``, ``gate``, ``expert_down``, ...); each family's
+name map (``layout/families.py``) is a plain table from role to Hugging Face name template.
+Engine layouts (``layout/kinds``) speak in roles, so adding a family is adding a table, and an
 architecture no table knows is an error that lists the known ones.
 
     spec = ModelSpec.from_hf_config(json.load(open("config.json")))
@@ -13,81 +13,17 @@ architecture no table knows is an error that lists the known ones.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from weightsync.layout.families import ARCHITECTURES, FAMILIES, FLOAT32_ROLES, MTP_ROLES, Family
 from weightsync.layout.types import CanonicalTensor, itemsize
 
-_LLAMA_NAMES: dict[str, str] = {
-    "embed": "model.embed_tokens.weight",
-    "final_norm": "model.norm.weight",
-    "lm_head": "lm_head.weight",
-    "input_norm": "model.layers.{L}.input_layernorm.weight",
-    "post_attn_norm": "model.layers.{L}.post_attention_layernorm.weight",
-    "q": "model.layers.{L}.self_attn.q_proj.weight",
-    "k": "model.layers.{L}.self_attn.k_proj.weight",
-    "v": "model.layers.{L}.self_attn.v_proj.weight",
-    "q_bias": "model.layers.{L}.self_attn.q_proj.bias",
-    "k_bias": "model.layers.{L}.self_attn.k_proj.bias",
-    "v_bias": "model.layers.{L}.self_attn.v_proj.bias",
-    "o": "model.layers.{L}.self_attn.o_proj.weight",
-    "q_norm": "model.layers.{L}.self_attn.q_norm.weight",
-    "k_norm": "model.layers.{L}.self_attn.k_norm.weight",
-    "gate": "model.layers.{L}.mlp.gate_proj.weight",
-    "up": "model.layers.{L}.mlp.up_proj.weight",
-    "down": "model.layers.{L}.mlp.down_proj.weight",
-    "router": "model.layers.{L}.mlp.gate.weight",
-    "expert_gate": "model.layers.{L}.mlp.experts.*.gate_proj.weight",
-    "expert_up": "model.layers.{L}.mlp.experts.*.up_proj.weight",
-    "expert_down": "model.layers.{L}.mlp.experts.*.down_proj.weight",
-}
-
-_MIXTRAL_NAMES: dict[str, str] = {
-    **_LLAMA_NAMES,
-    "router": "model.layers.{L}.block_sparse_moe.gate.weight",
-    "expert_gate": "model.layers.{L}.block_sparse_moe.experts.*.w1.weight",
-    "expert_up": "model.layers.{L}.block_sparse_moe.experts.*.w3.weight",
-    "expert_down": "model.layers.{L}.block_sparse_moe.experts.*.w2.weight",
-}
-
-
-@dataclass(frozen=True, slots=True)
-class Family:
-    """One model family: its name table and which optional tensors it has."""
-
-    name: str
-    names: Mapping[str, str]
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    moe: bool = False
-
-
-FAMILIES: Mapping[str, Family] = {
-    "llama": Family("llama", _LLAMA_NAMES),
-    "qwen2": Family("qwen2", _LLAMA_NAMES, qkv_bias=True),
-    "qwen3": Family("qwen3", _LLAMA_NAMES, qk_norm=True),
-    "qwen3_moe": Family("qwen3_moe", _LLAMA_NAMES, qk_norm=True, moe=True),
-    "mixtral": Family("mixtral", _MIXTRAL_NAMES, moe=True),
-}
-
-#: Hugging Face ``architectures[0]`` (or ``model_type``) -> family.
-ARCHITECTURES: Mapping[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MixtralForCausalLM": "mixtral",
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "qwen3_moe": "qwen3_moe",
-    "mixtral": "mixtral",
-}
+__all__ = ["ARCHITECTURES", "FAMILIES", "Family", "ModelSpec"]
 
 _TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
                  "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -95,7 +31,12 @@ _TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec:
-    """The shape facts of a decoder-only transformer that layouts need."""
+    """The shape facts of a decoder-only transformer that layouts need.
+
+    Latent attention (``kv_lora_rank > 0``) uses ``q_lora_rank`` (0: a plain ``q_proj``),
+    ``qk_nope_head_dim``, ``qk_rope_head_dim`` and ``v_head_dim`` instead of ``head_dim``.
+    ``mtp_layers`` MTP layers follow the decoder layers, numbered from ``num_layers``.
+    """
 
     family: str
     hidden_size: int
@@ -107,15 +48,26 @@ class ModelSpec:
     vocab_size: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    qk_norm: bool | None = None  # None: the family's default
     num_experts: int = 0
     moe_intermediate_size: int = 0
     dense_layers: frozenset[int] = frozenset()
+    shared_intermediate_size: int = 0
+    score_correction: bool = False
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    mtp_layers: int = 0
     dtype: str = "bfloat16"
     _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"unknown model family {self.family!r}; known: {sorted(FAMILIES)}")
+        if self.qk_norm is None:
+            object.__setattr__(self, "qk_norm", FAMILIES[self.family].qk_norm)
         itemsize(self.dtype)
         for attr in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size"):
             if getattr(self, attr) <= 0:
@@ -127,6 +79,10 @@ class ModelSpec:
             )
         if FAMILIES[self.family].moe and self.num_experts <= 0:
             raise ValueError(f"model config: a {self.family} model needs num_experts > 0")
+        if self.is_mla and min(self.kv_lora_rank, self.qk_rope_head_dim, self.v_head_dim) <= 0:
+            raise ValueError(f"model config: a {self.family} model needs kv_lora_rank, qk_rope_head_dim and "
+                             f"v_head_dim > 0 (multi-head latent attention), got {self.kv_lora_rank}, "
+                             f"{self.qk_rope_head_dim}, {self.v_head_dim}")
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -147,35 +103,22 @@ class ModelSpec:
             vocab = int(config["vocab_size"])
         except KeyError as exc:
             raise ValueError(f"model config is missing {exc.args[0]!r}") from None
-        kv = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or hidden // heads)
-        num_experts = 0
-        moe_inter = 0
-        dense: set[int] = set()
-        if fam.moe:
-            num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
-            moe_inter = int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 0)
-            step = int(config.get("decoder_sparse_step") or 1)
-            dense = {int(x) for x in config.get("mlp_only_layers") or []}
-            dense |= {i for i in range(layers) if (i + 1) % step}
-            dense |= set(range(int(config.get("first_k_dense_replace") or 0)))
-        dtype = _TORCH_DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"),
-                                  "bfloat16")
+        dtype = _TORCH_DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), "bfloat16")
         return cls(
             family=family,
             hidden_size=hidden,
             intermediate_size=int(config.get("intermediate_size") or 4 * hidden),
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=kv,
-            head_dim=head_dim,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
             vocab_size=vocab,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=fam.qkv_bias or bool(config.get("attention_bias", False)),
-            num_experts=num_experts,
-            moe_intermediate_size=moe_inter,
-            dense_layers=frozenset(dense),
+            qk_norm=bool(config["use_qk_norm"]) if "use_qk_norm" in config else fam.qk_norm,
             dtype=dtype,
+            **_moe_fields(fam, config, layers),
+            **_mla_fields(fam, config),
         )
 
     @classmethod
@@ -201,6 +144,18 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return self.family_info.moe
 
+    @property
+    def is_mla(self) -> bool:
+        return self.family_info.attention == "mla"
+
+    @property
+    def total_layers(self) -> int:
+        """Decoder layers plus MTP layers (these are numbered after the decoder layers)."""
+        return self.num_layers + self.mtp_layers
+
+    def is_mtp_layer(self, layer: int) -> bool:
+        return layer >= self.num_layers
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.is_moe and layer not in self.dense_layers
 
@@ -212,47 +167,73 @@ class ModelSpec:
         return template.format(L=layer) if "{L}" in template else template
 
     def shape(self, role: str) -> tuple[int, ...]:
-        h, hd = self.hidden_size, self.head_dim
-        q_rows, kv_rows = self.num_heads * hd, self.num_kv_heads * hd
+        h, hd, heads = self.hidden_size, self.head_dim, self.num_heads
+        e, ie, i = self.num_experts, self.moe_intermediate_size, self.intermediate_size
+        if self.is_mla:
+            q_rows, o_cols = heads * (self.qk_nope_head_dim + self.qk_rope_head_dim), heads * self.v_head_dim
+        else:
+            q_rows, o_cols = heads * hd, heads * hd
+        kv_rows = self.num_kv_heads * hd
         shapes: dict[str, tuple[int, ...]] = {
-            "embed": (self.vocab_size, h),
-            "lm_head": (self.vocab_size, h),
-            "final_norm": (h,),
-            "input_norm": (h,),
-            "post_attn_norm": (h,),
-            "q": (q_rows, h),
-            "k": (kv_rows, h),
-            "v": (kv_rows, h),
-            "q_bias": (q_rows,),
-            "k_bias": (kv_rows,),
-            "v_bias": (kv_rows,),
-            "o": (h, q_rows),
-            "q_norm": (hd,),
-            "k_norm": (hd,),
-            "gate": (self.intermediate_size, h),
-            "up": (self.intermediate_size, h),
-            "down": (h, self.intermediate_size),
-            "router": (self.num_experts, h),
-            "expert_gate": (self.num_experts, self.moe_intermediate_size, h),
-            "expert_up": (self.num_experts, self.moe_intermediate_size, h),
-            "expert_down": (self.num_experts, h, self.moe_intermediate_size),
+            "embed": (self.vocab_size, h), "lm_head": (self.vocab_size, h),
+            "final_norm": (h,), "input_norm": (h,), "post_attn_norm": (h,),
+            "q": (q_rows, h), "k": (kv_rows, h), "v": (kv_rows, h),
+            "q_bias": (q_rows,), "k_bias": (kv_rows,), "v_bias": (kv_rows,),
+            "o": (h, o_cols), "o_bias": (h,), "sinks": (heads,),
+            "q_norm": (hd,), "k_norm": (hd,),
+            "q_a": (self.q_lora_rank, h), "q_a_norm": (self.q_lora_rank,), "q_b": (q_rows, self.q_lora_rank),
+            "kv_a": (self.kv_lora_rank + self.qk_rope_head_dim, h), "kv_a_norm": (self.kv_lora_rank,),
+            "kv_b": (heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank),
+            "gate": (i, h), "up": (i, h), "down": (h, i),
+            "router": (e, h), "router_bias": (e,), "router_correction": (e,),
+            "expert_gate": (e, ie, h), "expert_up": (e, ie, h), "expert_down": (e, h, ie),
+            "experts_gate_up": (e, h, 2 * ie), "experts_gate_up_bias": (e, 2 * ie),
+            "experts_down": (e, ie, h), "experts_down_bias": (e, h),
+            "shared_gate": (self.shared_intermediate_size, h), "shared_up": (self.shared_intermediate_size, h),
+            "shared_down": (h, self.shared_intermediate_size),
+            "mtp_enorm": (h,), "mtp_hnorm": (h,), "mtp_eh_proj": (h, 2 * h), "mtp_head_norm": (h,),
         }
         return shapes[role]
 
     def layer_roles(self, layer: int) -> tuple[str, ...]:
-        """The roles present in ``layer``, in a fixed order."""
+        """The roles present in ``layer`` (an MTP layer too), in a fixed order."""
+        key = f"roles{layer}"
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached  # type: ignore[no-any-return]
         fam = self.family_info
-        roles = ["input_norm", "q", "k", "v"]
-        if self.attention_bias:
-            roles += ["q_bias", "k_bias", "v_bias"]
-        if fam.qk_norm:
-            roles += ["q_norm", "k_norm"]
-        roles += ["o", "post_attn_norm"]
-        if self.is_moe_layer(layer):
-            roles += ["router", "expert_gate", "expert_up", "expert_down"]
+        roles = list(MTP_ROLES[:3]) if self.is_mtp_layer(layer) else []
+        roles.append("input_norm")
+        if self.is_mla:
+            roles += ["q_a", "q_a_norm", "q_b"] if self.q_lora_rank else ["q"]
+            roles += ["kv_a", "kv_a_norm", "kv_b"]
         else:
+            roles += ["q", "k", "v"]
+            if self.attention_bias:
+                roles += ["q_bias", "k_bias", "v_bias"]
+            if self.qk_norm:
+                roles += ["q_norm", "k_norm"]
+        roles.append("o")
+        if fam.experts == "whole":  # gpt-oss: biased output projection and attention sinks
+            roles += ["o_bias", "sinks"]
+        roles.append("post_attn_norm")
+        if not self.is_moe_layer(layer):
             roles += ["gate", "up", "down"]
-        return tuple(roles)
+        elif fam.experts == "whole":
+            roles += ["router", "router_bias", "experts_gate_up", "experts_gate_up_bias", "experts_down",
+                      "experts_down_bias"]
+        else:
+            roles.append("router")
+            if self.score_correction:
+                roles.append("router_correction")
+            roles += ["expert_gate", "expert_up", "expert_down"]
+            if self.shared_intermediate_size:
+                roles += ["shared_gate", "shared_up", "shared_down"]
+        if self.is_mtp_layer(layer):
+            roles.append(MTP_ROLES[3])
+        out = tuple(roles)
+        self._cache[key] = out
+        return out
 
     def tensor(self, role: str, layer: int | None = None) -> CanonicalTensor:
         return self.canonical_tensors()[self.name(role, layer)]
@@ -262,42 +243,39 @@ class ModelSpec:
         cached = self._cache.get("canonical")
         if cached is None:
             cached = {}
-            def add(role: str, layer: int | None = None) -> None:
-                name = self.name(role, layer)
-                cached[name] = CanonicalTensor(name, self.shape(role), self.dtype)
-            add("embed")
-            for layer in range(self.num_layers):
-                for role in self.layer_roles(layer):
-                    add(role, layer)
-            add("final_norm")
-            if not self.tie_word_embeddings:
-                add("lm_head")
+            for name, (role, _) in self.roles().items():
+                cached[name] = CanonicalTensor(name, self.shape(role),
+                                               "float32" if role in FLOAT32_ROLES else self.dtype)
             self._cache["canonical"] = cached
-        return cached
+        return cached  # type: ignore[no-any-return]
 
     def roles(self) -> dict[str, tuple[str, int | None]]:
-        """Canonical name -> (role, layer) for every canonical tensor (cached)."""
+        """Canonical name -> (role, layer) for every canonical tensor, in checkpoint order (cached)."""
         cached = self._cache.get("roles")
         if cached is None:
-            cached = {self.name("embed"): ("embed", None), self.name("final_norm"): ("final_norm", None)}
-            if not self.tie_word_embeddings:
-                cached[self.name("lm_head")] = ("lm_head", None)
-            for layer in range(self.num_layers):
+            cached = {self.name("embed"): ("embed", None)}
+            for layer in range(self.total_layers):
                 for role in self.layer_roles(layer):
                     cached[self.name(role, layer)] = (role, layer)
+            cached[self.name("final_norm")] = ("final_norm", None)
+            if not self.tie_word_embeddings:
+                cached[self.name("lm_head")] = ("lm_head", None)
             self._cache["roles"] = cached
-        return cached
+        return cached  # type: ignore[no-any-return]
 
     @property
     def num_parameters(self) -> int:
         return sum(t.numel for t in self.canonical_tensors().values())
 
+    def without_mtp(self) -> ModelSpec:
+        """The same model without its MTP layers (an engine that does not run them)."""
+        return self if not self.mtp_layers else dataclasses.replace(self, mtp_layers=0, _cache={})
+
     def to_hf_config(self) -> dict[str, Any]:
         """A minimal ``config.json`` that reads back to this spec."""
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}[self.family]
+        fam = self.family_info
         cfg: dict[str, Any] = {
-            "architectures": [arch],
+            "architectures": [fam.architecture],
             "model_type": self.family,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -309,10 +287,66 @@ class ModelSpec:
             "tie_word_embeddings": self.tie_word_embeddings,
             "torch_dtype": self.dtype,
         }
-        if self.family == "llama" and self.attention_bias:
+        if self.attention_bias and not fam.qkv_bias:
             cfg["attention_bias"] = True
+        if self.qk_norm != fam.qk_norm:
+            cfg["use_qk_norm"] = self.qk_norm
         if self.is_moe:
-            cfg["num_experts" if self.family != "mixtral" else "num_local_experts"] = self.num_experts
-            cfg["moe_intermediate_size"] = self.moe_intermediate_size
-            cfg["mlp_only_layers"] = sorted(self.dense_layers)
+            cfg[fam.experts_key] = self.num_experts
+            if fam.experts == "whole":
+                cfg["intermediate_size"] = self.moe_intermediate_size
+            else:
+                cfg["moe_intermediate_size"] = self.moe_intermediate_size
+                cfg["mlp_only_layers"] = sorted(self.dense_layers)
+                if fam.experts_key == "n_routed_experts" and self.dense_layers == set(range(len(self.dense_layers))):
+                    cfg["first_k_dense_replace"] = len(self.dense_layers)  # what DeepSeek/GLM engines read
+        if self.shared_intermediate_size:
+            cfg["n_shared_experts"] = self.shared_intermediate_size // self.moe_intermediate_size
+        if self.score_correction:
+            cfg["topk_method"] = "noaux_tc"
+        if self.is_mla:
+            cfg.update(q_lora_rank=self.q_lora_rank or None, kv_lora_rank=self.kv_lora_rank,
+                       qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                       v_head_dim=self.v_head_dim)
+        if self.mtp_layers:
+            cfg["num_nextn_predict_layers"] = self.mtp_layers
         return cfg
+
+
+def _moe_fields(fam: Family, config: Mapping[str, Any], layers: int) -> dict[str, Any]:
+    """Experts, dense layers, shared experts and the router's correction bias of an MoE config."""
+    if not fam.moe:
+        return {}
+    experts = int(config.get(fam.experts_key) or config.get("num_experts") or config.get("num_local_experts") or 0)
+    if fam.experts == "whole":  # gpt-oss: intermediate_size is the experts' size, every layer MoE
+        return {"num_experts": experts, "moe_intermediate_size": int(config.get("intermediate_size") or 0)}
+    moe_inter = int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 0)
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense = {int(x) for x in config.get("mlp_only_layers") or []}
+    dense |= {i for i in range(layers) if (i + 1) % step}
+    dense |= set(range(int(config.get("first_k_dense_replace") or 0)))
+    freq = int(config.get("moe_layer_freq") or 1)  # DeepSeek: MoE where layer % freq == 0
+    dense |= {i for i in range(layers) if i % freq}
+    mtp = int(config.get("num_nextn_predict_layers") or 0) if "mtp_enorm" in fam.names else 0
+    # vLLM's GLM-4.5 always has the correction bias; DeepSeek's only with noaux_tc routing
+    correction = fam.name == "glm4_moe" or config.get("topk_method") == "noaux_tc"
+    return {
+        "num_experts": experts,
+        "moe_intermediate_size": moe_inter,
+        "dense_layers": frozenset(dense),
+        "shared_intermediate_size": int(config.get("n_shared_experts") or 0) * moe_inter,
+        "score_correction": correction,
+        "mtp_layers": mtp,
+    }
+
+
+def _mla_fields(fam: Family, config: Mapping[str, Any]) -> dict[str, Any]:
+    if fam.attention != "mla":
+        return {}
+    return {
+        "q_lora_rank": int(config.get("q_lora_rank") or 0),
+        "kv_lora_rank": int(config.get("kv_lora_rank") or 0),
+        "qk_nope_head_dim": int(config.get("qk_nope_head_dim") or 0),
+        "qk_rope_head_dim": int(config.get("qk_rope_head_dim") or 0),
+        "v_head_dim": int(config.get("v_head_dim") or 0),
+    }

@@ -232,7 +232,9 @@ def hf_params(spec: ModelSpec, *, fused: bool = True) -> dict[str, ParamParts]:
     for name, tensor in spec.canonical_tensors().items():
         role, layer = roles[name]
         if not is_expert_stack(name):
-            local = FUSED_NAMES["router"].format(L=layer) if fused and role == "router" else name
+            # transformers 5 renames Mixtral's block_sparse_moe to mlp; gpt-oss keeps its own router name
+            stacked = spec.family_info.experts == "stacked"
+            local = FUSED_NAMES["router"].format(L=layer) if fused and stacked and role == "router" else name
             out[local] = ParamParts.whole(tensor, role)
         elif not fused:
             for e in range(tensor.shape[0]):

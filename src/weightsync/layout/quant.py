@@ -30,7 +30,8 @@ from weightsync.layout.types import CanonicalTensor, RankLayout, Region, Shard
 
 FP8_DTYPE = "float8_e4m3fn"
 #: Roles whose weights FP8 checkpoints store in FP8 (everything else stays in the model dtype).
-QUANTIZED_ROLES = frozenset({"q", "k", "v", "o", "gate", "up", "down", "expert_gate", "expert_up", "expert_down"})
+QUANTIZED_ROLES = frozenset({"q", "k", "v", "o", "gate", "up", "down", "expert_gate", "expert_up", "expert_down",
+                             "q_a", "q_b", "kv_a", "kv_b", "shared_gate", "shared_up", "shared_down"})
 BLOCK = 128
 
 

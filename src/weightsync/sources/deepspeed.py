@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
-from weightsync.layout import ModelSpec, RankLayout, Shard
+from weightsync.layout import Box, ModelSpec, RankLayout, Shard
+from weightsync.layout.families import BUFFER_ROLES
 from weightsync.layout.params import ParamParts, hf_param
 from weightsync.sources.param_mapping import check_known, clean_name, matching_descriptor, read_config, uniform_dtype
-from weightsync.torch_layout import dtype_name
+from weightsync.torch_layout import dtype_name, named_tensors
 
 
 def partition_range(param: Any) -> tuple[int, int, int]:
@@ -49,6 +50,10 @@ def _shard(name: str, param: Any, parts: ParamParts) -> tuple[Shard, int]:
     return Shard(name, (local.numel(),), dtype_name(local.dtype), tuple(parts.flat_regions(start, stop))), size
 
 
+def _is_buffer(parts: ParamParts | None) -> bool:
+    return parts is not None and parts.role in BUFFER_ROLES
+
+
 class ZeroSource:
     """A model partitioned by DeepSpeed ZeRO stage 3, parameters named like transformers'.
 
@@ -66,16 +71,20 @@ class ZeroSource:
     def __init__(self, engine_or_model: Any, config: Mapping[str, Any] | ModelSpec, *, rank: int) -> None:
         self.module: torch.nn.Module = getattr(engine_or_model, "module", engine_or_model)
         self.spec, self.config = read_config(config)
-        params = {clean_name(n): p for n, p in self.module.named_parameters()}
+        params = named_tensors(self.module, self.spec, clean_name)
         parts = {name: hf_param(self.spec, name) for name in params}
         check_known([name for name, p in parts.items() if p is None], self.spec, "model")
-        plain = [n for n, p in params.items() if not hasattr(p, "ds_tensor")]
+        plain = [n for n, p in params.items() if not hasattr(p, "ds_tensor") and not _is_buffer(parts[n])]
         if plain:
             raise ValueError(f"{len(plain)} parameter(s) are not ZeRO-3 partitioned (no ds_tensor), e.g. "
                              f"{plain[:3]}: ZeroSource reads stage 3 only; with stages 0-2 use ModuleSource")
         shards, sizes = [], set()
         for name, p in parts.items():
-            if p is not None:
+            if p is not None and _is_buffer(p):  # a buffer ZeRO-3 leaves whole
+                t = params[name]
+                shards.append(Shard(name, tuple(t.shape), dtype_name(t.dtype), tuple(p.box_regions(
+                    Box.full(p.shape), p.shape))))
+            elif p is not None:
                 shard, size = _shard(name, params[name], p)
                 shards.append(shard)
                 sizes.add(size)
@@ -88,7 +97,8 @@ class ZeroSource:
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
         """Each parameter's live ``ds_tensor`` (padding included, contiguous, no copy)."""
-        return {name: param.ds_tensor.detach() for name, param in self._params.items()}
+        return {name: (param.ds_tensor if hasattr(param, "ds_tensor") else param).detach()
+                for name, param in self._params.items()}
 
     def descriptor(self) -> tuple[str, Mapping[str, object]] | None:
         """``deepspeed:dp=N`` when this rank's shards are exactly that kind's."""

@@ -45,7 +45,7 @@ from weightsync.layout.params import (
     strided_runs,
 )
 from weightsync.sources.param_mapping import check_known, clean_name, matching_descriptor, read_config, uniform_dtype
-from weightsync.torch_layout import dtype_name
+from weightsync.torch_layout import dtype_name, named_tensors
 
 
 def placement_runs(shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int],
@@ -165,7 +165,7 @@ class DTensorSource:
                 f"FSDP2 has {len(unsharded)} parameter(s) unsharded right now ({unsharded[:3]}...): "
                 "read the weights between optimizer steps, not inside forward/backward or after unshard()"
             )
-        return {clean_name(n): p for n, p in self.model.named_parameters()}
+        return named_tensors(self.model, self.spec, clean_name)
 
     def layout(self) -> RankLayout:
         return self._layout

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from weightsync.layout import ModelSpec, RankLayout, parse_layout
-from weightsync.torch_layout import allocate, module_layout
+from weightsync.torch_layout import allocate, module_layout, named_tensors
 
 
 def _spec(config: Mapping[str, Any] | ModelSpec) -> ModelSpec:
@@ -31,14 +31,14 @@ class ModuleSource:
         self.module = module
         self.spec = _spec(config)
         self.config = dict(config) if not isinstance(config, ModelSpec) else config.to_hf_config()
-        self._layout = module_layout(((n, p) for n, p in module.named_parameters()), self.spec, rank)
+        self._layout = module_layout(named_tensors(module, self.spec).items(), self.spec, rank)
         self._names = {s.name for s in self._layout.shards}
 
     def layout(self) -> RankLayout:
         return self._layout
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
-        return {n: p.detach() for n, p in self.module.named_parameters() if n in self._names}
+        return {n: p.detach() for n, p in named_tensors(self.module, self.spec).items() if n in self._names}
 
     def descriptor(self) -> tuple[str, Mapping[str, object]] | None:
         return None

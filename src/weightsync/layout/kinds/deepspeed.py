@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from weightsync.layout.box import Box
+from weightsync.layout.families import BUFFER_ROLES
 from weightsync.layout.kinds.base import LayoutKind, register_kind
 from weightsync.layout.model import ModelSpec
 from weightsync.layout.params import hf_params
@@ -37,6 +39,11 @@ class DeepSpeedLayout(LayoutKind):
         dtype = self.dtype or spec.dtype
         out: list[Shard] = []
         for name, param in hf_params(spec, fused=not self.per_expert).items():
+            if param.role in BUFFER_ROLES:  # a buffer: ZeRO-3 leaves it whole, in its own dtype
+                tensor = spec.canonical_tensors()[param.parts[0][0]]
+                out.append(Shard(name, param.shape, tensor.dtype,
+                                 tuple(param.box_regions(Box.full(param.shape), param.shape))))
+                continue
             numel = math.prod(param.shape)
             per = -(-numel // self.dp)
             lo = min(rank * per, numel)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from weightsync.layout.box import Box
+from weightsync.layout.families import BUFFER_ROLES
 from weightsync.layout.kinds.base import LayoutKind, register_kind
 from weightsync.layout.model import ModelSpec
 from weightsync.layout.params import Runs, chunk_runs, hf_params, run_boxes, runs_length, strided_runs
@@ -52,6 +54,11 @@ class FSDPLayout(LayoutKind):
 
     def validate(self, spec: ModelSpec) -> None:
         if self.tp > 1:
+            roles = {p.role for p in hf_params(spec, fused=not self.per_expert).values()}
+            unplanned = sorted(roles - set(TP_PLAN) - BUFFER_ROLES)
+            if unplanned:
+                raise ValueError(f"fsdp: tp={self.tp} is modelled for Llama-style attention and MLPs; the "
+                                 f"{spec.family} model has {unplanned[:4]}, which no TP plan here places (use tp=1)")
             for what, n in (("num_attention_heads", spec.num_heads),
                             ("num_key_value_heads", spec.num_kv_heads)):
                 if n % self.tp:
@@ -63,6 +70,10 @@ class FSDPLayout(LayoutKind):
         out: list[Shard] = []
         for name, param in hf_params(spec, fused=not self.per_expert).items():
             runs: list[Runs] = [((0, n),) for n in param.shape]
+            if param.role in BUFFER_ROLES:  # a buffer: FSDP2 leaves it whole, in its own dtype
+                out.append(Shard(name, param.shape, spec.canonical_tensors()[param.parts[0][0]].dtype,
+                                 tuple(param.box_regions(Box.full(param.shape), param.shape))))
+                continue
             plan = TP_PLAN[param.role] if self.tp > 1 else None
             if plan is not None:
                 dim, split = plan

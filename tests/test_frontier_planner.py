@@ -1,0 +1,101 @@
+"""Planner properties on the frontier families: DeepSeek-V3 (latent attention with and without
+a query LoRA, shared experts, the correction bias, MTP layers), GLM-4.5 and gpt-oss.
+
+Random small models of each family, random pairs of the layout kinds that describe them
+(``hf``, ``fsdp``, ``deepspeed``, ``vllm`` with TP/DP/EP and the MTP drafter): the plan
+sends exactly the bytes the readers need (zero redundancy), and running it in numpy writes
+every destination element exactly once, bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from test_planner import SETTINGS, execute_and_check, needed_bytes
+from weightsync.layout import ModelSpec, parse_layout
+from weightsync.plan import PlanOptions, build_plan
+from weightsync.tiny import tiny_config
+
+
+@st.composite
+def frontier_specs(draw):
+    family = draw(st.sampled_from(["deepseek_v3", "glm4_moe", "gpt_oss"]))
+    layers = draw(st.integers(1, 3))
+    heads = draw(st.sampled_from([2, 4]))
+    inter = draw(st.sampled_from([2, 4]))
+    common = {"family": family, "hidden_size": draw(st.sampled_from([4, 8])), "intermediate_size": 8,
+              "num_layers": layers, "num_heads": heads, "num_kv_heads": draw(st.sampled_from([1, 2])),
+              "head_dim": 2, "vocab_size": draw(st.integers(5, 70)), "tie_word_embeddings": draw(st.booleans()),
+              "num_experts": draw(st.sampled_from([2, 4])), "moe_intermediate_size": inter, "dtype": "float32"}
+    if family == "gpt_oss":
+        return ModelSpec(**common, attention_bias=True)
+    extra = {"dense_layers": frozenset(range(draw(st.integers(0, layers)))),
+             "shared_intermediate_size": draw(st.sampled_from([0, inter])),
+             "score_correction": draw(st.booleans()), "mtp_layers": draw(st.integers(0, 1))}
+    if family == "deepseek_v3":
+        extra |= {"q_lora_rank": draw(st.sampled_from([0, 4])), "kv_lora_rank": 4, "qk_nope_head_dim": 2,
+                  "qk_rope_head_dim": 2, "v_head_dim": 2}
+    else:
+        extra |= {"attention_bias": True, "qk_norm": draw(st.booleans())}
+    return ModelSpec(**common, **extra)
+
+
+def frontier_kinds(spec, *, readers: bool):
+    """Training kinds hold every tensor (MTP layers too); readers may also be vLLM engines,
+    with or without the MTP drafter."""
+    ep = st.sampled_from([1, 2]) if spec.is_moe else st.just(1)
+    kinds = [st.builds(lambda r: f"hf:replicas={r}", st.integers(1, 2)),
+             st.builds(lambda d: f"fsdp:dp={d}", st.integers(1, 3)),
+             st.builds(lambda d: f"deepspeed:dp={d}", st.integers(1, 3))]
+    if readers:
+        kinds.append(st.builds(lambda t, d, e, m: f"vllm:tp={t},dp={d},ep={t * d if e > 1 else 1},mtp={m}",
+                               st.sampled_from([1, 2]), st.integers(1, 2), ep, st.integers(0, spec.mtp_layers)))
+    return st.one_of(*kinds)
+
+
+@st.composite
+def frontier_pairs(draw):
+    spec = draw(frontier_specs())
+    layouts = []
+    for readers in (False, True):
+        kind = parse_layout(draw(frontier_kinds(spec, readers=readers)))
+        try:
+            kind.validate(spec)
+        except ValueError:
+            assume(False)
+        layouts.append(kind.all_rank_layouts(spec))
+    return spec, layouts[0], layouts[1]
+
+
+@SETTINGS
+@given(frontier_pairs())
+def test_frontier_plans_have_zero_redundancy_and_cover_every_element_once(case):
+    spec, sources, dests = case
+    # a trainer of the MTP layers may sync an engine that does not draft with them (vllm mtp=0)
+    plan = build_plan(sources, dests, PlanOptions(min_split_bytes=0, allow_unneeded_sources=True))
+    execute_and_check(spec.canonical_tensors(), sources, dests, plan)
+    assert plan.stats.sent_bytes == plan.stats.needed_bytes == needed_bytes(dests)
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2", "glm-4.5", "gpt-oss-120b"])
+def test_published_configs_read_to_their_parameter_counts(name):
+    """The bundled configs of the real models, with the sizes their authors publish."""
+    from weightsync.configs import load_spec
+
+    spec = load_spec(name)
+    billions = {"deepseek-v3": (671 + 11.5, 1), "kimi-k2": (1026.4, 0.1), "glm-4.5": (355, 2.5),
+                "gpt-oss-120b": (116.8, 0.1)}[name]
+    assert abs(spec.num_parameters / 1e9 - billions[0]) <= billions[1], spec.num_parameters
+
+
+def test_kinds_that_do_not_model_a_family_refuse_it():
+    spec = ModelSpec.from_hf_config(tiny_config(family="deepseek_v3"))
+    with pytest.raises(ValueError, match="megatron: the deepseek_v3 family's Megatron-core names are not modelled"):
+        parse_layout("megatron:tp=2").validate(spec)
+    with pytest.raises(ValueError, match=r"fsdp: tp=2 is modelled for Llama-style.*'kv_a'"):
+        parse_layout("fsdp:dp=1,tp=2").validate(spec)
+    with pytest.raises(ValueError, match="mtp=1 needs a model with MTP layers"):
+        parse_layout("vllm:mtp=1").validate(ModelSpec.from_hf_config(tiny_config(family="gpt_oss")))
+
