@@ -19,7 +19,8 @@ CORE_FORBIDDEN = (
 )
 #: Engine / framework packages only their own adapter module may import.
 ADAPTER_ONLY = {
-    "vllm": ("engines/vllm", "sources/vllm"), "sglang": "engines/sglang", "transformers": ("engines/hf", "sources/"),
+    "vllm": ("engines/vllm", "sources/vllm", "integrations/trl"), "sglang": "engines/sglang",
+    "transformers": ("engines/hf", "sources/"), "trl": "integrations/trl",
     "megatron": "sources/megatron", "deepspeed": "sources/deepspeed",
     "nixl": "transport/nixl", "nixl_cu12": "transport/nixl",
     "ray": ("ray/", "sources/vllm"), "verl": "integrations/verl",  # weightsync.ray, and the vLLM trainer source driving vLLM's Ray workers
