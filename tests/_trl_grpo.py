@@ -25,18 +25,11 @@ HERE = Path(__file__).resolve().parent
 
 def write_model(path: Path) -> dict[str, Any]:
     """The tiny Qwen3 checkpoint (seed 1) with a word-level tokenizer: ``w3 w4 ...`` are ids 3, 4, ..."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from weightsync.tiny import VOCAB, tiny_config, write_checkpoint
+    from weightsync.tiny import tiny_config, write_checkpoint, write_tokenizer
 
     config = tiny_config()
     write_checkpoint(path, config, seed=1)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                            pad_token="<unk>").save_pretrained(path)
+    write_tokenizer(path)
     return config
 
 
