@@ -1,14 +1,17 @@
 """TRL's own vLLM weight sync against weightsync's, side by side in one run (a script, not a test).
 
-Two data-parallel training ranks (accelerate on CPU runs DDP; its FSDP needs an accelerator)
-each build ``weightsync.integrations.trl.GRPOTrainer`` in colocate mode: one in-process vLLM
-engine per rank, as TRL builds it. Each round changes the weights once, then syncs them into
-the same engines twice, in alternating order:
+Two training ranks each build ``weightsync.integrations.trl.GRPOTrainer`` in colocate mode: one
+in-process vLLM engine per rank, as TRL builds it. The ranks hold the model as accelerate runs
+them on CPU, data-parallel (DDP: a replica each), or with ``--fsdp`` sharded by FSDP2
+(``fully_shard`` per decoder layer; accelerate enables FSDP only on accelerators, so the script
+shards the model itself and gives TRL the FSDP2 flag accelerate would). Each round changes the
+weights once, then syncs them into the same engines twice, in alternating order:
 
 * ``trl``: TRL 1.16's own ``VLLMGeneration.sync_weights`` (the base class's method on the same
-  object): every parameter, one ``load_weights`` call each, then a prefix-cache reset. On
-  vLLM's CPU build a ``load_weights`` after start-up needs a layerwise-reload session (linear
-  layers are repacked into oneDNN handles), so the loop runs inside one;
+  object): every parameter gathered whole on every rank (FSDP2: ``full_tensor()``), one
+  ``load_weights`` call each, then a prefix-cache reset. On vLLM's CPU build a
+  ``load_weights`` after start-up needs a layerwise-reload session (linear layers are repacked
+  into oneDNN handles), so the loop runs inside one;
 * ``weightsync``: the switch's sync: both ranks write their part over shared memory, each
   engine receives the whole model and loads it in one reload session.
 
@@ -17,7 +20,7 @@ main process (VmHWM reset before each sync, minus the RSS then), and checks that
 leave the engines generating the same greedy tokens. TRL's server mode cannot run here: its
 NCCL weight-transfer group needs CUDA.
 
-    python benchmarks/trl_sync.py [--hidden 512 --layers 8 --vocab 32000] [--rounds 5] [--json]
+    python benchmarks/trl_sync.py [--fsdp] [--hidden 512 --layers 8 --vocab 32000] [--rounds 5] [--json]
 """
 
 from __future__ import annotations
@@ -96,6 +99,15 @@ def rank_main(args: argparse.Namespace) -> None:
                           processing_class=AutoTokenizer.from_pretrained(args.dir))
     generation = trainer.vllm_generation
     model, version = generation.model, 0
+    if args.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        generation._dist.fsdp_version = 2  # what accelerate's FSDP2 plugin tells TRL on an accelerator
     for round_ in range(args.rounds + 1):  # round 0 warms both paths up (weightsync plans there)
         with torch.no_grad():
             for p in model.parameters():
@@ -137,7 +149,8 @@ def launch(args: argparse.Namespace) -> list[dict[str, Any]]:
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
                "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
                "VLLM_HOST_IP": "127.0.0.1"}
-        cmd = [sys.executable, __file__, "--rank-of", tmp, "--rounds", str(args.rounds)]
+        cmd = [sys.executable, __file__, "--rank-of", tmp, "--rounds", str(args.rounds),
+               *(["--fsdp"] if args.fsdp else [])]
         procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for r in range(2)]
         outs = [p.communicate(timeout=args.timeout) for p in procs]
@@ -175,6 +188,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up round)")
+    parser.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (default: DDP replicas)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--rank-of", default=None, help=argparse.SUPPRESS)  # a rank's process
@@ -187,8 +201,8 @@ def main() -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"{result['params'] / 1e6:.1f}M parameters, 2 DDP ranks, colocated vLLM (CPU), median of "
-              f"{args.rounds} rounds")
+        print(f"{result['params'] / 1e6:.1f}M parameters, 2 {'FSDP2' if args.fsdp else 'DDP'} ranks, colocated "
+              f"vLLM (CPU), median of {args.rounds} rounds")
         print("| path | seconds per sync | peak extra memory, main process |")
         print("| --- | --- | --- |")
         for method in ("trl", "weightsync"):

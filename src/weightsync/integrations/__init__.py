@@ -1,5 +1,5 @@
-"""Backends that plug weightsync into RL frameworks' own weight-sync registries (verl: ``verl.py``).
+"""weightsync inside RL frameworks: verl (``verl.py``, a backend in its registry) and TRL (``trl.py``).
 
-Each module imports its framework at the top, and is imported only by that framework (by
-name, from its configuration), never by weightsync itself.
+Each module imports its framework at the top, and is imported only from outside (verl: by
+name, from its configuration; TRL: by the training script), never by weightsync itself.
 """
