@@ -37,14 +37,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
 import trl
 from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
@@ -204,31 +201,3 @@ class WeightSyncVLLMGeneration(VLLMGeneration):  # type: ignore[misc]
         """Leave the weightsync job (writers, readers, an embedded meta server)."""
         if self.sync is not None:
             self.sync.close()
-
-
-def share_from_main(accelerator: Any, payload: dict[str, Any] | None) -> dict[str, Any]:
-    """The main process's ``payload`` on every rank, as JSON bytes broadcast over the process group."""
-    if accelerator.num_processes == 1:
-        assert payload is not None
-        return payload
-    import torch.distributed as dist
-
-    data = json.dumps(payload).encode() if accelerator.is_main_process else b""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=accelerator.device)
-    dist.broadcast(size, src=0)
-    buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=accelerator.device)
-    if accelerator.is_main_process:
-        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    dist.broadcast(buffer, src=0)
-    shared: dict[str, Any] = json.loads(bytes(buffer.cpu().tolist()))
-    return shared
-
-
-def run_concurrently(first: Callable[[], Any], second: Callable[[], Any], timeout: float) -> Any:
-    """``first()`` on a helper thread while ``second()`` runs here; ``second``'s result; raises either's error."""
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-trl") as pool:
-        future = pool.submit(first)
-        try:
-            return second()
-        finally:
-            future.result(timeout=timeout)

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,7 +53,6 @@ class _Sync:
     def _meta(self, check: Any = None) -> tuple[str, str]:
         """(address, token) of the job's meta server, the same on every rank; ``check()`` runs on
         the main process first and a message it returns is raised on every rank."""
-        from weightsync.integrations.trl import share_from_main
         from weightsync.meta.config import MetaEnv
 
         payload = None
@@ -178,7 +179,6 @@ class ColocateSync(_Sync):
                           transport_options=TransportOptions(max_bucket_bytes=s.max_bucket_bytes))
 
     def _send(self, version: int) -> WriteResult:
-        from weightsync.integrations.trl import run_concurrently
         from weightsync.writer import WeightWriter
 
         if self.writer is None:
@@ -188,6 +188,34 @@ class ColocateSync(_Sync):
         result: WriteResult = run_concurrently(lambda: self.reader.update(version, timeout=self.settings.timeout),
                                                lambda: writer.write(version), self.settings.timeout)
         return result
+
+
+def share_from_main(accelerator: Any, payload: dict[str, Any] | None) -> dict[str, Any]:
+    """The main process's ``payload`` on every rank, as JSON bytes broadcast over the process group."""
+    if accelerator.num_processes == 1:
+        assert payload is not None
+        return payload
+    import torch.distributed as dist
+
+    data = json.dumps(payload).encode() if accelerator.is_main_process else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=accelerator.device)
+    dist.broadcast(size, src=0)
+    buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=accelerator.device)
+    if accelerator.is_main_process:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buffer, src=0)
+    shared: dict[str, Any] = json.loads(bytes(buffer.cpu().tolist()))
+    return shared
+
+
+def run_concurrently(first: Callable[[], Any], second: Callable[[], Any], timeout: float) -> Any:
+    """``first()`` on a helper thread while ``second()`` runs here; ``second``'s result; raises either's error."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-trl") as pool:
+        future = pool.submit(first)
+        try:
+            return second()
+        finally:
+            future.result(timeout=timeout)
 
 
 # -- the trainer's model as a training source ------------------------------------------------
