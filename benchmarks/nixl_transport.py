@@ -110,7 +110,7 @@ def _rank_main(bench: str, role: str, rank: int, layers: int, layouts: tuple[str
     want = _tensors(layout, values) if role == "reader" else None
     del values
     meta = DirDocuments(meta_root)
-    ctx = TransportContext(job=JobChannel(meta, role=role, rank=rank), num_writers=len(writers),
+    ctx = TransportContext(channel=JobChannel(meta, role=role, rank=rank), num_writers=len(writers),
                            num_readers=len(readers), options=TransportOptions(**overrides))
     transport = create_transport(name, ctx)
     spans, phases, nbytes, prepare_s = [], [], 0, 0.0

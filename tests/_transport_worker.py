@@ -70,7 +70,7 @@ def main() -> None:
                             checksum=args.get("checksum", False), **args.get("options", {}))
     nodes = args.get("nodes", {})  # role -> each rank's node (the routed transport splits pairs by it)
     placements = tuple(RankPlacement(r, i, node) for r, names in nodes.items() for i, node in enumerate(names))
-    ctx = TransportContext(job=JobChannel(meta, role=role, rank=rank), num_writers=len(writers),
+    ctx = TransportContext(channel=JobChannel(meta, role=role, rank=rank), num_writers=len(writers),
                            num_readers=len(readers), device=str(torch.device(device)) if device != "cuda" else
                            f"cuda:{torch.cuda.current_device()}", options=opts, placements=placements)
     transport = create_transport(args["transport"], ctx)

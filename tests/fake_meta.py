@@ -1,8 +1,9 @@
-"""A document store with the two methods transports use, backed by a directory.
+"""What transports use of the meta server (:class:`weightsync.job.TransportBoard`), backed by a directory.
 
 Transport contract tests run transports without the meta server (which has its own
 tests); this keeps them fast and isolates failures. Works across processes: writes are
-atomic renames, waits poll with short sleeps and always end at their deadline.
+atomic renames, waits poll with short sleeps and always end at their deadline. It holds no
+leases, so every peer counts as alive (as it does on a server that knows no lease of it).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import urllib.parse
 
 
 class DirectoryMeta:
+    job = "directory"
+
     def __init__(self, directory: str) -> None:
         self.directory = directory
         os.makedirs(directory, exist_ok=True)
@@ -37,6 +40,9 @@ class DirectoryMeta:
                 if time.monotonic() >= deadline:
                     return None
                 time.sleep(0.005)
+
+    def leases(self) -> list:
+        return []
 
     def close(self) -> None:
         pass

@@ -63,7 +63,7 @@ class _Channel:
 
 
 def test_prepare_refuses_tensors_elsewhere_than_the_context_device():
-    ctx = TransportContext(job=_Channel(), num_writers=1, num_readers=1, device="cpu")  # type: ignore[arg-type]
+    ctx = TransportContext(channel=_Channel(), num_writers=1, num_readers=1, device="cpu")  # type: ignore[arg-type]
     gloo = create_transport("torch", ctx)
     check_tensors_device(gloo, ctx, {"a": torch.zeros(2)})
     meta = torch.zeros(2, device="meta")
@@ -75,7 +75,7 @@ def test_prepare_refuses_tensors_elsewhere_than_the_context_device():
 
 def test_torch_transport_backend_follows_the_device():
     def path(device):
-        ctx = TransportContext(job=_Channel(), num_writers=1, num_readers=1, device=device,  # type: ignore[arg-type]
+        ctx = TransportContext(channel=_Channel(), num_writers=1, num_readers=1, device=device,  # type: ignore[arg-type]
                                options=TransportOptions())
         return transport_class_path("torch", ctx)
 

@@ -158,33 +158,33 @@ async def _exercise(state: MetaState) -> None:
     await state.report_reader("j", 1, 1, error="boom")
     with pytest.raises(ConflictError, match="reader rank 2 is not registered in job 'j'"):
         await state.report_reader("j", 2, 1)
-    # a new attempt of version 2 (writers restarted) supersedes the pending one, and survives a replay
-    assert (await state.report_version("j", 2, "fp2@1", writer_rank=0, num_writers=1, attempt=1)).attempt == 1
+    # version 2 in a later epoch (writers restarted) supersedes the pending one, and survives a replay
+    assert (await state.report_version("j", 2, "fp2@1", writer_rank=0, num_writers=1, epoch=1)).epoch == 1
     await state.register("other", "reader", 0, group="", host="", endpoints={}, layout=b"")
     assert await state.delete_job("other")
 
 
 def test_a_new_attempt_of_a_version_supersedes_it_and_readers_failures_of_the_old_one():
-    """Writers restarted in version 2 publish it again in a newer epoch (attempt): readers
-    waiting past the failed attempt wake, their failure of it no longer counts for the
-    writers' barrier, and a late report of the old attempt is refused."""
+    """Writers restarted in version 2 publish it again in a later epoch: readers waiting past
+    the failed epoch wake, their failure of it no longer counts for the writers' barrier, and a
+    late report of the earlier epoch is refused."""
     async def run() -> None:
         state = MetaState()
         await state.start()
         await state.register("j", "reader", 0, group="g", host="h", endpoints={}, layout=b"R")
-        assert await state.report_version("j", 2, "fp@3", writer_rank=0, num_writers=1, attempt=3)
+        assert await state.report_version("j", 2, "fp@3", writer_rank=0, num_writers=1, epoch=3)
         await state.report_reader("j", 0, 2, error="writer 1 died")
         assert await state.wait_readers("j", min_version=2, count=1, wait=0.0)  # failed: done with 2
-        waiter = asyncio.ensure_future(state.wait_version("j", 2, 30.0, after_attempt=3))
-        assert (await state.wait_version("j", 2, 0.0)).attempt == 3  # nothing newer than version 2
+        waiter = asyncio.ensure_future(state.wait_version("j", 2, 30.0, after_epoch=3))
+        assert (await state.wait_version("j", 2, 0.0)).epoch == 3  # nothing newer than version 2
         assert not waiter.done()
-        assert await state.report_version("j", 2, "fp@4", writer_rank=0, num_writers=1, attempt=4)
-        assert (await asyncio.wait_for(waiter, 10.0)).attempt == 4
-        assert not await state.wait_readers("j", min_version=2, count=1, wait=0.0)  # must apply attempt 4
-        await state.report_reader("j", 0, 2, error="late news of attempt 3", attempt=3)  # superseded: ignored
+        assert await state.report_version("j", 2, "fp@4", writer_rank=0, num_writers=1, epoch=4)
+        assert (await asyncio.wait_for(waiter, 10.0)).epoch == 4
+        assert not await state.wait_readers("j", min_version=2, count=1, wait=0.0)  # must apply epoch 4
+        await state.report_reader("j", 0, 2, error="late news of epoch 3", epoch=3)  # superseded: ignored
         assert not await state.wait_readers("j", min_version=2, count=1, wait=0.0)
-        with pytest.raises(ConflictError, match="attempt 3 of version 2, but attempt 4 of it is published"):
-            await state.report_version("j", 2, "fp@3", writer_rank=0, num_writers=1, attempt=3)
+        with pytest.raises(ConflictError, match="epoch 3 of version 2, but epoch 4 of it is published"):
+            await state.report_version("j", 2, "fp@3", writer_rank=0, num_writers=1, epoch=3)
         await state.close()
 
     asyncio.run(run())
@@ -388,23 +388,55 @@ def test_the_meta_server_process_imports_no_torch(tmp_path):
 
 
 def test_a_writer_waits_for_its_own_attempt_before_it_counts_readers_failures():
-    """A restarted writer 0 publishes its part of attempt 2 of version 1 before writer 1 has: the
-    readers' failures of attempt 0 are not failures of its attempt. It waits until every writer
-    published attempt 2 (a bounded wait naming the attempt), then for the readers on it."""
+    """A restarted writer 0 publishes its part of version 1 in epoch 2 before writer 1 has: the
+    readers' failures of epoch 0 are not failures of its epoch. It waits until every writer
+    published epoch 2 (a bounded wait naming the epoch), then for the readers on it."""
     from weightsync.deadline import Deadline
     from weightsync.job import JobChannel
 
     with EmbeddedMetaServer() as server, MetaClient(server.address, token=server.token, job="j", timeout=5) as c:
         c.register(Participant("reader", 0))
         for w in range(2):
-            c.publish_version(1, "fp@0", writer_rank=w, num_writers=2, attempt=0)
-        c.report_failed(0, 1, "writer 1 died", attempt=0)
-        c.publish_version(1, "fp@2", writer_rank=0, num_writers=2, attempt=2)  # writer 1 restarts slowly
+            c.publish_version(1, "fp@0", writer_rank=w, num_writers=2, epoch=0)
+        c.report_failed(0, 1, "writer 1 died", epoch=0)
+        c.publish_version(1, "fp@2", writer_rank=0, num_writers=2, epoch=2)  # writer 1 restarts slowly
         writer0 = JobChannel(c, role="writer", rank=0)
-        with pytest.raises(TimeoutError, match="attempt 2 of version 1 was not published by every writer"):
-            writer0.wait_readers(min_version=1, readers=1, deadline=Deadline.after(0.3), attempt=2)
-        c.publish_version(1, "fp@2", writer_rank=1, num_writers=2, attempt=2)
-        with pytest.raises(TimeoutError):  # the reader has not taken attempt 2 yet
-            writer0.wait_readers(min_version=1, readers=1, deadline=Deadline.after(0.3), attempt=2)
+        with pytest.raises(TimeoutError, match="epoch 2 of version 1 was not published by every writer"):
+            writer0.wait_readers(min_version=1, readers=1, deadline=Deadline.after(0.3), epoch=2)
+        c.publish_version(1, "fp@2", writer_rank=1, num_writers=2, epoch=2)
+        with pytest.raises(TimeoutError):  # the reader has not taken epoch 2 yet
+            writer0.wait_readers(min_version=1, readers=1, deadline=Deadline.after(0.3), epoch=2)
         c.report_applied(0, 1, nbytes=8, seconds=0.1)
-        assert writer0.wait_readers(min_version=1, readers=1, deadline=Deadline.after(5), attempt=2) == {}
+        assert writer0.wait_readers(min_version=1, readers=1, deadline=Deadline.after(5), epoch=2) == {}
+
+
+def _protocol_methods(proto: type) -> dict[str, object]:
+    from typing import Generic, Protocol
+
+    return {name: value for cls in reversed(proto.__mro__) if cls not in (object, Protocol, Generic)
+            for name, value in vars(cls).items() if callable(value) and not name.startswith("_")}
+
+
+def _signature(fn) -> list[tuple[str, object, object]]:
+    import inspect
+
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values() if p.name != "self"]
+
+
+@pytest.mark.parametrize("pair", ["MetaClient:MetaPort", "DirectoryMeta:TransportBoard"])
+def test_what_the_job_channel_is_given_has_every_call_of_its_port(tmp_path, pair):
+    """``JobChannel`` takes a ``MetaPort`` (a ``TransportBoard`` when only transports use it, as in
+    the transport contract tests): every call the port declares exists, with its parameters."""
+    from fake_meta import DirectoryMeta
+    from weightsync import job
+
+    given, port = pair.split(":")
+    meta = (MetaClient("127.0.0.1:1", token="abcdefgh") if given == "MetaClient"
+            else DirectoryMeta(str(tmp_path)))
+    methods = _protocol_methods(getattr(job, port))
+    assert "put_document" in methods and (port == "TransportBoard" or "acquire_lease" in methods)
+    assert isinstance(meta.job, str)
+    for name, declared in methods.items():
+        assert _signature(getattr(meta, name)) == _signature(declared), name
+    if given == "MetaClient":
+        meta.close()

@@ -121,3 +121,41 @@ def test_gpu_versions_arrive_bitwise_in_place(tmp_path, transport, device, gpus)
         if role == "reader":
             assert [r["exact"] for r in payload["results"]] == [True] * 3
             assert all(r["bytes"] == r["needed"] > 0 and r["in_place"] for r in payload["results"])
+
+
+# -- endpoints: every transport's typed record, checked on receipt ------------------------------------------------
+
+def test_every_transports_endpoint_round_trips_and_a_malformed_one_is_named(tmp_path):
+    """Each transport's endpoint crosses the job channel as a typed record (msgpack); one of another
+    shape fails where it is read, naming the peer, the transport, the epoch and the field."""
+    import msgpack
+
+    from fake_meta import DirectoryMeta
+    from weightsync.deadline import Deadline
+    from weightsync.job import JobChannel
+    from weightsync.transport.base import TransportContext, TransportError, peer_endpoint
+    from weightsync.transport.endpoints import FileEndpoint, NixlEndpoint, NixlSlots, ShmEndpoint, TorchRendezvous
+
+    meta = DirectoryMeta(str(tmp_path))
+    writer = JobChannel(meta, role="writer", rank=1)
+    reader = JobChannel(meta, role="reader", rank=0)
+    records = [TorchRendezvous("10.0.0.1", 29500), ShmEndpoint("/dev/shm/weightsync-1-ab"), FileEndpoint("/shared/x"),
+               NixlEndpoint("pull", b"agent", 4096, "cpu", slots=NixlSlots(8192, 2, 64, b"index")),
+               NixlEndpoint("push", b"agent", 4096, "cuda:1", shards={"w": (1 << 40, 512)})]
+    for epoch, record in enumerate(records):
+        writer.publish_endpoint(epoch, record)
+        assert reader.wait_endpoint(type(record), epoch, "writer", 1, deadline=Deadline.after(1)) == record
+    assert reader.wait_endpoint(ShmEndpoint, 9, "writer", 1, deadline=Deadline.after(0.05)) is None  # not yet
+
+    meta.put_document("transport/shm/7/writer1", msgpack.packb({"path": 42}))
+    with pytest.raises(ValueError, match=r"reader 0: writer 1's shm endpoint for epoch 7 is malformed \(field 'path' "
+                                         r"must be a str, not int 42\)"):
+        reader.wait_endpoint(ShmEndpoint, 7, "writer", 1, deadline=Deadline.after(1))
+    meta.put_document("transport/torch/7/writer1", msgpack.packb({"host": "h", "port": 70000}))
+    ctx = TransportContext(channel=reader, num_writers=2, num_readers=1)
+    with pytest.raises(TransportError, match=r"torch endpoint for epoch 7 is malformed \(field 'port' must be a TCP"):
+        peer_endpoint(ctx, TorchRendezvous, 7, "writer", 1, deadline=Deadline.after(1))
+    meta.put_document("transport/nixl/7/writer1", msgpack.packb(NixlEndpoint("push", b"a", 1, "cpu").to_wire()))
+    peer = reader.wait_endpoint(NixlEndpoint, 7, "writer", 1, deadline=Deadline.after(1))
+    with pytest.raises(ValueError, match="writer 1's nixl endpoint exposes no version slots: is it a pull writer"):
+        peer.exposed_slots("writer 1")

@@ -77,7 +77,7 @@ def _rank_main(role, rank, scenarios, meta_root, barrier, results, stop_after=No
             plan = build_local_plan(writers, readers, role=role, rank=rank)
             # Small buckets: several staged messages per pair share one landing buffer.
             options = TransportOptions(nixl_mode=mode, max_bucket_bytes=64 << 10, direct_min_bytes=1 << 10)
-            ctx = TransportContext(job=JobChannel(DirectoryMeta(meta_root), role=role, rank=rank),
+            ctx = TransportContext(channel=JobChannel(DirectoryMeta(meta_root), role=role, rank=rank),
                                    num_writers=len(writers), num_readers=len(readers), options=options)
             canonical = writers[0].canonical
             arrays = cut_shards(layout, random_canonical(canonical, seed=0)) if role == "writer" else empty_shards(layout)
@@ -245,7 +245,7 @@ def test_modes_and_options(tmp_path):
 
     def make(mode, writers, readers):
         return create_transport("nixl", TransportContext(
-            job=JobChannel(DirectoryMeta(str(tmp_path)), role="reader", rank=0), num_writers=writers,
+            channel=JobChannel(DirectoryMeta(str(tmp_path)), role="reader", rank=0), num_writers=writers,
             num_readers=readers, options=TransportOptions(nixl_mode=mode)))
 
     # Constructing creates no agent, so this runs without NIXL installed.
@@ -282,7 +282,7 @@ def test_slots_stale_versions_and_mode_mismatch_in_one_process(tmp_path, monkeyp
     meta = DirectoryMeta(tmp_path)
 
     def ctx(role, mode="pull"):
-        return TransportContext(job=JobChannel(meta, role=role, rank=0), num_writers=1, num_readers=1,
+        return TransportContext(channel=JobChannel(meta, role=role, rank=0), num_writers=1, num_readers=1,
                                 options=TransportOptions(nixl_mode=mode, slots=2))
 
     src = {s.name: torch.zeros(s.numel) for s in writers[0].shards}

@@ -106,7 +106,7 @@ def test_routed_refuses_a_context_without_placements(bad):
     from weightsync.job import JobChannel
     from weightsync.transport import TransportContext, create_transport
 
-    ctx = TransportContext(job=JobChannel(None, role="reader", rank=0), num_writers=1, num_readers=1,  # type: ignore[arg-type]
+    ctx = TransportContext(channel=JobChannel(None, role="reader", rank=0), num_writers=1, num_readers=1,  # type: ignore[arg-type]
                            placements=bad)
     with pytest.raises(ValueError, match="routed transport needs every rank's node"):
         create_transport("routed", ctx)

@@ -29,7 +29,7 @@ def _writer(tmp_path, tensors):
     writers = parse_layout("megatron:tp=1").all_rank_layouts(spec)
     readers = parse_layout("vllm:tp=1,replicas=2").all_rank_layouts(spec)
     plan = build_local_plan(writers, readers, role="writer", rank=0, options=PlanOptions(min_split_bytes=0))
-    ctx = TransportContext(job=JobChannel(DirectoryMeta(str(tmp_path)), role="writer", rank=0), num_writers=1,
+    ctx = TransportContext(channel=JobChannel(DirectoryMeta(str(tmp_path)), role="writer", rank=0), num_writers=1,
                            num_readers=2, options=TransportOptions())
     transport = create_transport("shm", ctx)
     transport.prepare(plan, tensors(writers[0]), epoch=0, timeout=5)

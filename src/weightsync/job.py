@@ -7,7 +7,7 @@ plain text, never pickle. Following one version ``V`` from writer to reader::
 
     # every rank, once:            channel.register(host, layout_blob) -> channel.wait_roster(...)
     # writer 0 decides V's epoch:  epoch = channel.decide_epoch(V, deadline)   (the others wait for it)
-    # transports, once per epoch:  channel.publish_endpoint("shm", epoch, {...}) / channel.wait_endpoint(...)
+    # transports, once per epoch:  channel.publish_endpoint(epoch, ShmEndpoint(path)) / channel.wait_endpoint(...)
     # every writer:                channel.publish_version(PublishedVersion(V, fingerprint, epoch), num_writers)
     # every reader:                published = channel.wait_version(after=applied, deadline)
     #                              ... receive, apply ...
@@ -20,46 +20,100 @@ and a rank that restarts, moves the job past the epoch it saw (:meth:`JobChannel
 a no-op when someone already did). Writer 0 fixes the epoch of each version once
 (:meth:`JobChannel.decide_epoch`), every writer publishes the version with it, and readers
 prepare their transport for the epoch they read in :class:`PublishedVersion`, so after a
-failure the next version re-forms every connection cleanly.
+failure the next version re-forms every connection cleanly. The same counter tells the tries
+of one version apart: a version written again after a failure is written in a later epoch,
+and the meta server keeps the one in the latest epoch. It has one name everywhere, on the
+server too (``epoch``, ``after_epoch``): it numbers connections, and a try is one use of them.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import secrets
-import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import msgpack
 
+from weightsync.job_wire import (
+    STORE_FINGERPRINT,
+    EndpointRecord,
+    Member,
+    PublishedVersion,
+    TensorTable,
+    WireError,
+    model_digest,
+    unpack_map,
+)
 from weightsync.plan.ops import Role
 
 if TYPE_CHECKING:
     from weightsync.deadline import Deadline
-    from weightsync.meta.records import Participant, VersionInfo
+    from weightsync.heartbeat import Heartbeat
+    from weightsync.meta.calls import ReaderReport
+    from weightsync.meta.records import LeaseRow, Participant, VersionInfo
 
 logger = logging.getLogger(__name__)
 
-#: What the tensor store publishes as the sync fingerprint of its versions (it has no plan).
-STORE_FINGERPRINT = "tensorstore/1"
+__all__ = ["STORE_FINGERPRINT", "JobChannel", "Member", "MetaPort", "PublishedVersion", "Role", "TransportBoard",
+           "model_digest"]
+
+E = TypeVar("E", bound=EndpointRecord)
 
 
-class DocumentBoard(Protocol):
-    """The part of the meta client that transports need: job documents, with long-poll reads.
+class TransportBoard(Protocol):
+    """What transports use of the meta server through the channel: job documents (with
+    long-poll reads) and peers' leases (:meth:`JobChannel.dead_peers`).
 
-    :class:`~weightsync.meta.client.MetaClient` provides it; transport contract tests use a
-    directory-backed stand-in.
+    The transport contract tests give the channel a directory-backed stand-in of this
+    (``tests/fake_meta.py``): a channel over it serves transports, nothing else.
     """
+
+    job: str
 
     def put_document(self, key: str, value: bytes) -> None: ...
 
     def get_document(self, key: str, *, wait: float = 0.0) -> bytes | None: ...
+
+    def leases(self) -> list[LeaseRow]: ...
+
+
+class MetaPort(TransportBoard, Protocol):
+    """Everything :class:`JobChannel` asks of the meta server (:class:`~weightsync.meta.client.MetaClient`
+    provides it; see that class for what each call means)."""
+
+    def pin_instance(self) -> str: ...
+
+    def register(self, participant: Participant) -> bool: ...
+
+    def participants(self, role: str | None = None) -> list[Participant]: ...
+
+    def wait_registered(self, *, writers: int, readers: int, timeout: float) -> list[Participant]: ...
+
+    def counter(self, name: str, *, at_least: int = 0, wait: float = 0.0) -> int: ...
+
+    def compare_and_set(self, name: str, *, expected: int, value: int) -> tuple[bool, int]: ...
+
+    def publish_version(self, version: int, fingerprint: str, *, writer_rank: int, num_writers: int,
+                        epoch: int = 0) -> VersionInfo | None: ...
+
+    def latest_version(self) -> VersionInfo | None: ...
+
+    def wait_version(self, after: int, timeout: float, *, after_epoch: int | None = None) -> VersionInfo | None: ...
+
+    def report_applied(self, reader_rank: int, version: int, *, nbytes: int = 0, seconds: float = 0.0) -> None: ...
+
+    def report_failed(self, reader_rank: int, version: int, error: str, *, epoch: int | None = None) -> None: ...
+
+    def reader_versions(self) -> dict[int, int | None]: ...
+
+    def wait_reader_report(self, *, min_version: int, readers: int, timeout: float) -> ReaderReport: ...
+
+    def acquire_lease(self, role: str, rank: int, *, incarnation: str, ttl: float, pid: int = 0, host: str = "",
+                      wait: float = 0.0, release: bool = False) -> bool: ...
 
 
 # -- keys: the only place that builds a meta-server document key ------------------------------
@@ -73,11 +127,15 @@ def _version_epoch_key(version: int) -> str:
 
 
 def _joined_key(version: int, epoch: int, rank: int) -> str:
-    return f"versions/{version}/joined/{epoch}/writer{rank}"  # a writer took part in this attempt
+    return f"versions/{version}/joined/{epoch}/writer{rank}"  # a writer took part in the version in this epoch
 
 
 def _model_key(digest: str) -> str:
     return f"models/{digest}"
+
+
+def _tensor_table_key() -> str:
+    return "tensor-table"
 
 
 def _endpoint_key(transport: str, epoch: int, role: Role, rank: int) -> str:
@@ -92,56 +150,16 @@ def _tile_maxima_key(version: int, writer: int) -> str:
     return f"quant/{version}/writer{writer}"
 
 
-def model_digest(config: Mapping[str, Any]) -> str:
-    """Content address of a model config (a layout descriptor names its model by it)."""
-    canonical = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(canonical).hexdigest()[:24]
-
-
-# -- what crosses the channel -------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class PublishedVersion:
-    """A version as writers publish it: the sync it belongs to and the transport epoch.
-
-    ``sync_fingerprint`` hashes the plan, the transport and its settings: a reader takes no
-    byte of a version whose fingerprint differs from its own.
-    """
-
-    version: int
-    sync_fingerprint: str
-    epoch: int
-    published_at: float = 0.0
-
-    def __post_init__(self) -> None:
-        if "@" in self.sync_fingerprint:
-            raise ValueError(f"a sync fingerprint cannot contain '@': {self.sync_fingerprint!r}")
-        if self.epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {self.epoch}")
-
-    def wire_fingerprint(self) -> str:
-        """The meta server compares this string across writers: plan, settings and epoch."""
-        return f"{self.sync_fingerprint}@{self.epoch}"
-
-    @classmethod
-    def from_info(cls, info: VersionInfo) -> PublishedVersion:
-        fingerprint, sep, epoch = info.fingerprint.rpartition("@")
-        if not sep or not epoch.isdigit():
-            raise ValueError(f"version {info.version} was published with fingerprint {info.fingerprint!r}, "
-                             "which is not '<sync fingerprint>@<epoch>': a writer of another weightsync "
-                             "release, or of a tensor store, shares this job name")
-        return cls(info.version, fingerprint, int(epoch), info.published_at)
-
-
 class JobChannel:
     """One rank's typed view of its job on the meta server (see module docstring).
 
     Args:
-        meta: the meta client (or, for transport tests, any :class:`DocumentBoard`).
+        meta: the meta client. A channel that only serves transports (their contract tests)
+            may be given just a :class:`TransportBoard`.
         role, rank: who speaks; endpoints and reports are this rank's own.
     """
 
-    def __init__(self, meta: Any, *, role: Role, rank: int) -> None:
+    def __init__(self, meta: MetaPort, *, role: Role, rank: int) -> None:
         self.meta = meta
         self.role: Role = role
         self.rank = rank
@@ -180,17 +198,17 @@ class JobChannel:
 
         self.pin_server()
         took_over = False
-        if lease > 0 and hasattr(self.meta, "acquire_lease"):
+        if lease > 0:
             self.lease_seconds, self.host = lease, host
             took_over = self.meta.acquire_lease(self.role, self.rank, incarnation=self.incarnation, ttl=lease,
                                                 pid=os.getpid(), host=host, wait=lease + 1.0)
         restarted = took_over or any(p.rank == self.rank for p in self.meta.participants(self.role))
-        endpoints = {"device": device, **({"gpu": gpu} if gpu else {}), **({"settings": settings} if settings else {})}
+        me = Member(self.role, self.rank, host, layout, device, gpu, settings or None)
         self.meta.register(Participant(role=self.role, rank=self.rank, group=group, host=host,
-                                       endpoints=endpoints, layout=layout))
+                                       endpoints=me.endpoints(), layout=layout))
         return restarted
 
-    def check_settings(self, settings: str, people: list[Participant] | None = None) -> None:
+    def check_settings(self, settings: str, people: list[Member] | None = None) -> None:
         """Compare this rank's job settings with every rank registered so far.
 
         Each rank checks after registering (the later of two ranks that disagree sees the
@@ -200,23 +218,23 @@ class JobChannel:
         Raises:
             ValueError: naming the ranks whose settings differ and the settings themselves.
         """
-        differ = [f"{p.role} {p.rank} ({p.endpoints['settings']})"
-                  for p in (self.meta.participants() if people is None else people)
-                  if p.endpoints.get("settings", settings) != settings]
+        if people is None:
+            people = [Member.from_participant(p) for p in self.meta.participants()]
+        differ = [f"{m.who} ({m.settings})" for m in people if m.settings is not None and m.settings != settings]
         if differ:
             raise ValueError(f"{self.who} runs job {self.meta.job!r} with {settings}, but "
                              f"{', '.join(differ[:8])}{' ...' if len(differ) > 8 else ''} registered with other "
                              "settings: every writer and reader of a job must use the same SyncConfig")
 
-    def wait_roster(self, *, writers: int, readers: int, deadline: Deadline) -> list[Participant]:
+    def wait_roster(self, *, writers: int, readers: int, deadline: Deadline) -> list[Member]:
         """Everyone, once ``writers`` writers and ``readers`` readers registered."""
-        return list(self.meta.wait_registered(writers=writers, readers=readers, timeout=deadline.remaining()))
+        people = self.meta.wait_registered(writers=writers, readers=readers, timeout=deadline.remaining())
+        return [Member.from_participant(p) for p in people]
 
     def pin_server(self) -> None:
         """Pin the meta server's current instance: the first step of (re)joining, before anything
         is written to it (a server that later loses its state is noticed at the next call)."""
-        if hasattr(self.meta, "pin_instance"):
-            self.meta.pin_instance()
+        self.meta.pin_instance()
 
     def publish_model_config(self, config: Mapping[str, Any]) -> str:
         """Store a model config once per job; returns the digest layout descriptors name it by."""
@@ -230,6 +248,24 @@ class JobChannel:
             raise ValueError(f"model config {digest} is missing from the meta server (job {self.meta.job!r})")
         config: Mapping[str, Any] = json.loads(doc)
         return config
+
+    def publish_tensor_table(self, table: TensorTable) -> None:
+        """The job's table of whole tensors (the writers' names, shapes and dtypes), once per job."""
+        self.meta.put_document(_tensor_table_key(), msgpack.packb(table.to_wire(), use_bin_type=True))
+
+    def wait_tensor_table(self, *, deadline: Deadline) -> TensorTable | None:
+        """The job's tensor table, once published; None at the deadline.
+
+        Raises:
+            WireError: the table is malformed (named).
+        """
+        raw = self.meta.get_document(_tensor_table_key(), wait=deadline.remaining(0.0))
+        if raw is None:
+            return None
+        try:
+            return TensorTable.from_wire(unpack_map(raw))
+        except WireError as exc:
+            raise WireError(f"{self.who}: the tensor table of job {self.meta.job!r} is malformed: {exc}") from None
 
     # -- epochs -------------------------------------------------------------------------------
     def current_epoch(self) -> int:
@@ -245,18 +281,18 @@ class JobChannel:
         return int(epoch)
 
     def decide_epoch(self, version: int, deadline: Deadline) -> int:
-        """Writer 0 fixes the epoch of each attempt of ``version``; the other writers wait for a
-        decision no older than their :attr:`min_epoch`.
+        """Writer 0 fixes the epoch each try of ``version`` is written in; the other writers wait
+        for a decision no older than their :attr:`min_epoch`.
 
-        One decision per attempt means writers never publish different epochs, even when a
+        One decision per try means writers never publish different epochs, even when a
         failure report or a restarted rank advances the job's epoch concurrently; and a writer
-        that failed a version, or restarted, never joins the attempt it saw fail (whose
-        connections include dead processes) but waits for writer 0's next one.
+        that failed a version, or restarted, never joins the epoch it saw fail (whose
+        connections include dead processes) but waits for writer 0's next decision.
 
-        A restarted writer (:attr:`restarted`) joins an attempt decided in the epoch it found
-        at registration or later, unless its dead predecessor joined that very attempt (each
-        writer leaves a "joined" mark): so an attempt writer 0 decided just before the
-        restarted rank advanced the epoch still completes.
+        A restarted writer (:attr:`restarted`) joins a version in an epoch decided at the epoch it
+        found at registration or later, unless its dead predecessor joined the version in that
+        very epoch (each writer leaves a "joined" mark): so an epoch writer 0 decided just before
+        the restarted rank advanced the job's epoch still completes.
 
         Raises:
             TimeoutError: writer 0 did not start ``version`` (in a recent enough epoch) in time.
@@ -277,7 +313,7 @@ class JobChannel:
                                                       "or failed)" if held else ""))
             joined = _joined_key(version, held - 1, self.rank)
             if self.restarted and self.meta.get_document(joined) is not None:
-                floor = held  # this rank's dead predecessor joined that attempt: wait for the next
+                floor = held  # this rank's dead predecessor joined the version in that epoch: wait for the next
                 continue
             self.meta.put_document(joined, self.incarnation.encode())
             return held - 1
@@ -290,14 +326,14 @@ class JobChannel:
             ValueError: another writer published the version with a different fingerprint.
         """
         assert self.role == "writer", "only writers publish versions"
-        self.meta.publish_version(published.version, published.wire_fingerprint(), writer_rank=self.rank,
-                                  num_writers=num_writers, attempt=published.epoch)
+        self.meta.publish_version(published.version, published.sync_fingerprint, writer_rank=self.rank,
+                                  num_writers=num_writers, epoch=published.epoch)
 
     def wait_version(self, *, after: int, deadline: Deadline, after_epoch: int | None = None
                      ) -> PublishedVersion | None:
-        """The newest version newer than ``after`` (with ``after_epoch``: or a later attempt of
-        ``after``, published in a later epoch), once one is published; None at the deadline."""
-        info = self.meta.wait_version(after=after, timeout=deadline.remaining(0.0), after_attempt=after_epoch)
+        """The newest version newer than ``after`` (with ``after_epoch``: or ``after`` itself,
+        written again in a later epoch), once one is published; None at the deadline."""
+        info = self.meta.wait_version(after=after, timeout=deadline.remaining(0.0), after_epoch=after_epoch)
         return PublishedVersion.from_info(info) if info is not None else None
 
     def report_applied(self, version: int, *, nbytes: int, seconds: float) -> None:
@@ -306,26 +342,26 @@ class JobChannel:
 
     def report_failed(self, version: int, error: str, *, epoch: int | None = None) -> None:
         """This reader failed ``version`` (published in ``epoch``): its weights are at no valid
-        version until the next (or a later attempt of this one)."""
-        self.meta.report_failed(self.rank, version, error[:2000], attempt=epoch)
+        version until the next (or this one, written again in a later epoch)."""
+        self.meta.report_failed(self.rank, version, error[:2000], epoch=epoch)
 
     def wait_readers(self, *, min_version: int, readers: int, deadline: Deadline,
-                     attempt: int | None = None) -> dict[int, str]:
+                     epoch: int | None = None) -> dict[int, str]:
         """Until reader ranks ``0..readers-1`` are done with ``min_version`` (applied or failed it,
         or newer, or died: their lease expired). Returns the readers that failed it: rank -> the
         error each reported, or how it died.
 
-        With ``attempt`` (the epoch this writer published ``min_version`` in), first until that
-        attempt is published by every writer: until then the readers' failures of the version
-        are those of an older attempt (the server clears them when the new one completes), and
-        a writer that restarted faster than its peers must not take them for its own.
+        With ``epoch`` (the epoch this writer published ``min_version`` in), first until the
+        version is published in that epoch by every writer: until then the readers' failures of
+        the version are those of an earlier epoch (the server clears them when the new one
+        completes), and a writer that restarted faster than its peers must not take them for its own.
 
         Raises:
-            TimeoutError: naming the laggards (or the attempt that no one completed).
+            TimeoutError: naming the laggards (or the epoch in which no one completed the version).
         """
-        if attempt is not None and self.meta.wait_version(after=min_version, timeout=deadline.remaining(0.0),
-                                                          after_attempt=attempt - 1) is None:
-            raise TimeoutError(f"{self.who}: attempt {attempt} of version {min_version} was not published by "
+        if epoch is not None and self.meta.wait_version(after=min_version, timeout=deadline.remaining(0.0),
+                                                        after_epoch=epoch - 1) is None:
+            raise TimeoutError(f"{self.who}: epoch {epoch} of version {min_version} was not published by "
                                "every writer in time (another writer did not publish its part)")
         while True:
             # In slices of a lease, so that a reader that died is reported as such, not waited for.
@@ -335,9 +371,9 @@ class JobChannel:
             except TimeoutError:
                 dead = self.dead_peers("reader", range(readers), max_age=0.0)
                 if dead:
-                    versions = self.meta.reader_versions()
+                    versions = {r: -1 if v is None else v for r, v in self.meta.reader_versions().items()}
                     behind = {r: f"died before it applied version {min_version}: {why}" for r, why in dead.items()
-                              if (versions.get(r) if versions.get(r) is not None else -1) < min_version}
+                              if versions.get(r, -1) < min_version}
                     if behind:
                         return behind
                 if deadline.expired:
@@ -349,7 +385,9 @@ class JobChannel:
     # -- liveness -----------------------------------------------------------------------------
     def start_heartbeat(self) -> None:
         """Keep this rank's lease alive from a background thread (after :meth:`register`)."""
-        if self.lease_seconds > 0 and self._heartbeat is None and hasattr(self.meta, "acquire_lease"):
+        if self.lease_seconds > 0 and self._heartbeat is None:
+            from weightsync.heartbeat import Heartbeat
+
             self._heartbeat = Heartbeat(self)
 
     def stop_heartbeat(self, *, release: bool = True) -> None:
@@ -357,6 +395,15 @@ class JobChannel:
         beat, self._heartbeat = self._heartbeat, None
         if beat is not None:
             beat.stop(release=release)
+
+    def renew_lease(self, *, release: bool = False) -> None:
+        """Renew this rank's lease (or, with ``release``, give it up: the rank left, it did not die).
+
+        Raises:
+            ValueError: another process holds the rank now.
+        """
+        self.meta.acquire_lease(self.role, self.rank, incarnation=self.incarnation, ttl=self.lease_seconds,
+                                pid=os.getpid(), host=self.host, release=release)
 
     @property
     def lost(self) -> str | None:
@@ -367,31 +414,33 @@ class JobChannel:
         """Peers of ``role`` among ``ranks`` whose lease expired or was released: rank -> what the
         meta server knows of them. Peers without a lease count as alive. Answers are cached for
         ``max_age`` seconds, so transports may ask from their wait loops."""
-        if not hasattr(self.meta, "leases"):
-            return {}
         at, table = self._dead_cache
         now = time.monotonic()
         if now - at > max_age:
-            table = {(row["role"], int(row["rank"])): str(row["detail"]) for row in self.meta.leases()
-                     if not row["alive"]}
+            table = {(row.role, row.rank): row.detail for row in self.meta.leases() if not row.alive}
             self._dead_cache = (now, table)
         return {r: table[(role, r)] for r in ranks if (role, r) in table}
 
     # -- transport endpoints ------------------------------------------------------------------
-    def publish_endpoint(self, transport: str, epoch: int, endpoint: Mapping[str, Any]) -> None:
-        """What peers need to reach this rank's ``transport`` in ``epoch`` (msgpack-encoded)."""
-        self.meta.put_document(_endpoint_key(transport, epoch, self.role, self.rank), msgpack.packb(dict(endpoint)))
+    def publish_endpoint(self, epoch: int, endpoint: EndpointRecord) -> None:
+        """What peers need to reach this rank's transport (``endpoint.transport``) in ``epoch``."""
+        key = _endpoint_key(endpoint.transport, epoch, self.role, self.rank)
+        self.meta.put_document(key, msgpack.packb(endpoint.to_wire(), use_bin_type=True))
 
-    def wait_endpoint(self, transport: str, epoch: int, role: Role, rank: int, *,
-                      deadline: Deadline) -> dict[str, Any] | None:
-        """A peer's endpoint for ``transport`` in ``epoch``, once published; None at the deadline."""
-        raw = self.meta.get_document(_endpoint_key(transport, epoch, role, rank), wait=deadline.remaining(0.0))
+    def wait_endpoint(self, kind: type[E], epoch: int, role: Role, rank: int, *, deadline: Deadline) -> E | None:
+        """A peer's endpoint of ``kind``'s transport in ``epoch``, once published; None at the deadline.
+
+        Raises:
+            WireError: the peer published something else (names the peer and the field).
+        """
+        raw = self.meta.get_document(_endpoint_key(kind.transport, epoch, role, rank), wait=deadline.remaining(0.0))
         if raw is None:
             return None
-        doc = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-        if not isinstance(doc, dict):
-            raise ValueError(f"{role} {rank}'s {transport} endpoint for epoch {epoch} is malformed")
-        return doc
+        try:
+            return kind.from_wire(unpack_map(raw))
+        except WireError as exc:
+            raise WireError(f"{self.who}: {role} {rank}'s {kind.transport} endpoint for epoch {epoch} is malformed "
+                            f"({exc}): is it running another weightsync release?") from None
 
     # -- FP8 tile maxima ----------------------------------------------------------------------
     def exchange_tile_maxima(self, version: int, payload: bytes | None, publishers: Sequence[int], *,
@@ -441,44 +490,3 @@ class JobChannel:
     def wait_store_version(self, *, after: int, deadline: Deadline) -> int | None:
         info = self.meta.wait_version(after=after, timeout=deadline.remaining(0.0))
         return info.version if info is not None else None
-
-
-class Heartbeat:
-    """A daemon thread renewing one rank's lease every quarter of its ttl (see :mod:`weightsync.meta.leases`).
-
-    If the lease was taken over (the rank runs in another process now), the thread stops and
-    :attr:`lost` says so; the rank's next ``write``/``update`` fails with that message.
-    """
-
-    def __init__(self, channel: JobChannel) -> None:
-        self.channel = channel
-        self.lost: str | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"weightsync-heartbeat-{channel.role}{channel.rank}",
-                                        daemon=True)
-        self._thread.start()
-
-    def _renew(self, *, release: bool = False) -> None:
-        c = self.channel
-        c.meta.acquire_lease(c.role, c.rank, incarnation=c.incarnation, ttl=c.lease_seconds, pid=os.getpid(),
-                             host=c.host, release=release)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.channel.lease_seconds / 4):
-            try:
-                self._renew()
-            except ValueError as exc:  # another process holds the rank now
-                self.lost = str(exc)
-                logger.error("%s: %s", self.channel.who, exc)
-                return
-            except Exception as exc:  # the server is away (or lost its state): the next call says so
-                logger.debug("%s: heartbeat failed: %s", self.channel.who, exc)
-
-    def stop(self, *, release: bool) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        if release and self.lost is None:
-            try:
-                self._renew(release=True)
-            except Exception as exc:  # best effort: the lease expires anyway
-                logger.debug("%s: could not release its lease: %s", self.channel.who, exc)

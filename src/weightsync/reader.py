@@ -60,7 +60,7 @@ class WeightReader:
         self.config = config
         self.session = SyncSession("reader", rank, engine, config, self.meta, device=self._device)
         self._failed: int | None = None
-        self._failed_epoch = -1  # the epoch (attempt) of the version that failed here
+        self._failed_epoch = -1  # the epoch the version that failed here was published in
 
     def _device(self) -> str:
         from weightsync.engines.base import PhasedEngine
@@ -177,7 +177,7 @@ class WeightReader:
 
     def _wait_for_version(self, version: int | None, deadline: Deadline) -> PublishedVersion:
         # Never re-take a version that already failed here (two-sided writers moved on).
-        # A later attempt of it (writers restarted and wrote it again, in a newer epoch) is fine.
+        # The same version written again in a later epoch (writers restarted) is fine.
         floor = max(x for x in (self.version, self._failed, -1) if x is not None)
         want = floor if version is None else max(floor, version - 1)
         retry = self._failed_epoch if self._failed is not None and want == self._failed else None

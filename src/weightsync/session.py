@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from weightsync.deadline import Deadline
 from weightsync.devices import RankPlacement, choose_transport, gpu_identity, tensors_device
-from weightsync.job import JobChannel, Role
+from weightsync.job import JobChannel, Member, Role
 from weightsync.layout.quant import quantized_sources
 from weightsync.layout.wire import decode_layout, encode_descriptor, encode_explicit
 from weightsync.plan import PlanOptions, build_local_plan, layer_phases, split_plan
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     import torch
 
     from weightsync.layout import LayoutProvider, RankLayout
-    from weightsync.meta.client import MetaClient, Participant
+    from weightsync.meta.client import MetaClient
     from weightsync.plan import Plan
     from weightsync.quantize import WriterQuantizer
     from weightsync.transport import Transport
@@ -214,8 +214,8 @@ class SyncSession:
         self.channel.check_settings(settings)
         if restarted:
             # The others' connections do not include this new process: move everyone on.
-            # This rank joins attempts of that epoch or later that its dead predecessor did not
-            # join (see JobChannel.decide_epoch): an attempt writer 0 decided just before this
+            # This rank joins versions in that epoch or later that its dead predecessor did not
+            # join (see JobChannel.decide_epoch): an epoch writer 0 decided just before this
             # advance is fine, the one the predecessor died in is not.
             seen = self.channel.current_epoch()
             self.channel.advance_epoch(seen)
@@ -245,8 +245,7 @@ class SyncSession:
             quantizer = WriterQuantizer(quant, own, plan)
             quantizer = quantizer if quantizer.active else None
         self.timings["plan"] = time.perf_counter() - t0
-        placements = [RankPlacement(p.role, p.rank, p.host, p.endpoints.get("device", "cpu"),  # type: ignore[arg-type]
-                                    p.endpoints.get("gpu", "")) for p in people]
+        placements = [RankPlacement(m.role, m.rank, m.host, m.device, m.gpu) for m in people]
         unavailable = {n: r for n in ("shm", "nixl", "file") if (r := unavailable_reason(n)) is not None}
         choice = choose_transport(self.config.transport, placements, unavailable=unavailable)
         opts = self.config.transport_options
@@ -258,7 +257,7 @@ class SyncSession:
         digest = hashlib.blake2b(f"{choice.name}|{opts.digest()}|phases={len(phase_names)}".encode(),
                                  digest_size=4).hexdigest()
         device = self.device()
-        ctx = TransportContext(job=self.channel, num_writers=self.config.num_writers,
+        ctx = TransportContext(channel=self.channel, num_writers=self.config.num_writers,
                                num_readers=self.config.num_readers, device=device, options=opts,
                                placements=tuple(placements))
         transport = create_transport(choice.name, ctx)
@@ -269,7 +268,7 @@ class SyncSession:
                     plan.total_bytes, choice.name, device, choice.reason, self.timings["plan"])
         return self.planned
 
-    def _decode(self, people: list[Participant]) -> tuple[list[RankLayout], list[RankLayout]]:
+    def _decode(self, people: list[Member]) -> tuple[list[RankLayout], list[RankLayout]]:
         models: dict[str, Mapping[str, Any]] = {}
 
         def load_model(digest: str) -> Mapping[str, Any]:

@@ -152,7 +152,7 @@ class WeightWriter:
         if len(self._history) > k:
             # Training may run at most k versions ahead of the slowest reader.
             self._wait_readers(self._history[-1 - k], deadline, result, "wait_readers",
-                               attempt=epoch if k == 0 else None)
+                               epoch=epoch if k == 0 else None)
         logger.info("writer %d wrote version %d: %d bytes in %.3fs", self.rank, version, result.nbytes,
                     result.seconds)
         return result
@@ -163,14 +163,14 @@ class WeightWriter:
         result.phases["publish"] = time.perf_counter() - t0
 
     def _wait_readers(self, min_version: int, deadline: Deadline, result: WriteResult, phase: str, *,
-                      attempt: int | None = None) -> None:
-        """Wait until every reader is done with ``min_version`` (in ``attempt``, when it is the version
-        just written); for the staleness bound (``phase == "wait_readers"``) a reader that failed it
-        is an error, never a success."""
+                      epoch: int | None = None) -> None:
+        """Wait until every reader is done with ``min_version`` (as published in ``epoch``, when it is
+        the version just written); for the staleness bound (``phase == "wait_readers"``) a reader that
+        failed it is an error, never a success."""
         t0 = time.perf_counter()
         try:
             failed = self.session.channel.wait_readers(min_version=min_version, readers=self.config.num_readers,
-                                                       deadline=deadline, attempt=attempt)
+                                                       deadline=deadline, epoch=epoch)
         except TimeoutError as exc:
             raise SyncError(f"writer {self.rank}: readers did not reach version {min_version} in time: {exc}") from exc
         result.phases[phase] = result.phases.get(phase, 0.0) + time.perf_counter() - t0

@@ -35,6 +35,7 @@ from typing import Any
 from weightsync.bench.baselines import BASELINES
 from weightsync.bench.cases import LAYOUTS, Case
 from weightsync.bench.worker import PREFIX
+from weightsync.deadline import Deadline
 
 #: Methods whose bytes cross gloo: their physical limit is loopback bandwidth, not memcpy.
 GLOO_METHODS = ("weightsync-torch", "per-param-broadcast", "bucketed-broadcast", "awex-p2p")
@@ -119,7 +120,7 @@ def run_case(case: Case, options: BenchOptions, *, meta_env: dict[str, str],
             with open(out, "wb") as fo, open(err, "wb") as fe:
                 cmd = [sys.executable, "-m", "weightsync.bench.worker", "--spec", json.dumps(spec), "--rank", str(g)]
                 procs.append((subprocess.Popen(cmd, env=env, stdout=fo, stderr=fe), out, err))
-        result.failure = _wait(procs, deadline=time.monotonic() + options.timeout * 2, on_method=on_method)
+        result.failure = _wait(procs, deadline=Deadline.after(options.timeout * 2), on_method=on_method)
         records = [rec for _, out, _ in procs for rec in _records(out)]
     finally:
         for proc, _, _ in procs:
@@ -142,7 +143,7 @@ def _records(path: str) -> list[dict[str, Any]]:
         return [json.loads(line[len(PREFIX):]) for line in f if line.startswith(PREFIX)]
 
 
-def _wait(procs: list[tuple[subprocess.Popen[bytes], str, str]], *, deadline: float,
+def _wait(procs: list[tuple[subprocess.Popen[bytes], str, str]], *, deadline: Deadline,
           on_method: Callable[[str], None] | None) -> str:
     """Wait for every worker; returns "" or what went wrong (stops all on the first failure)."""
     seen = 0
@@ -156,7 +157,7 @@ def _wait(procs: list[tuple[subprocess.Popen[bytes], str, str]], *, deadline: fl
         if all(c == 0 for c in codes):
             return ""
         bad = [(g, c) for g, c in enumerate(codes) if c not in (None, 0)]
-        if bad or time.monotonic() > deadline:
+        if bad or deadline.expired:
             for p, _, _ in procs:
                 if p.poll() is None:
                     p.kill()

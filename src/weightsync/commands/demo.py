@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightsync.deadline import Deadline
+
 SIZES: Mapping[str, dict[str, Any]] = {
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1000},
@@ -188,7 +190,7 @@ def run_demo(*, size: str = "small", source: str = "megatron:tp=2", target: str 
                        "--spec", spec.to_json()]
                 procs.append((role, rank, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                                            stderr=subprocess.PIPE, text=True)))
-        records, failures = _collect(procs, deadline=time.monotonic() + timeout * (steps + 2))
+        records, failures = _collect(procs, deadline=Deadline.after(timeout * (steps + 2)))
     ok = not failures and all(r.get("verified") and r.get("in_place") for r in records if r["role"] == "reader")
     result = {"ok": ok, "records": records, "failures": failures, "size": size, "source": spec.source,
               "target": spec.target, "parameters": spec_model.num_parameters}
@@ -197,13 +199,13 @@ def run_demo(*, size: str = "small", source: str = "megatron:tp=2", target: str 
     return result
 
 
-def _collect(procs: list[tuple[str, int, subprocess.Popen[str]]], deadline: float
+def _collect(procs: list[tuple[str, int, subprocess.Popen[str]]], deadline: Deadline
              ) -> tuple[list[dict[str, Any]], list[str]]:
     records: list[dict[str, Any]] = []
     failures: list[str] = []
     for role, rank, proc in procs:
         try:
-            out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1.0))
+            out, err = proc.communicate(timeout=deadline.remaining(1.0))
         except subprocess.TimeoutExpired:
             proc.kill()
             out, err = proc.communicate()

@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncGenerator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,7 @@ import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
 from weightsync.deadline import Deadline
+from weightsync.job_wire import TensorTable
 from weightsync.layout import RankLayout
 from weightsync.layout.builders import replicated
 from weightsync.layout.types import CanonicalTensor
@@ -51,8 +52,6 @@ from weightsync.torch_layout import allocate, dtype_name
 logger = logging.getLogger(__name__)
 
 BACKEND = "weightsync"
-#: The job-channel endpoint under which writer 0 names the tensors it sends (epoch 0: once per job).
-LAYOUT_ENDPOINT = "verl-layout"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,14 +75,14 @@ class VerlSyncSettings:
         return self.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def tensor_table(tensors: Mapping[str, torch.Tensor]) -> list[list[Any]]:
-    """``[[name, shape, dtype], ...]``: what a reader needs to lay out the same buffers (JSON)."""
-    return [[name, list(t.shape), dtype_name(t.dtype)] for name, t in tensors.items()]
+def tensor_table(tensors: Mapping[str, torch.Tensor]) -> TensorTable:
+    """Names, shapes and dtypes: what a reader needs to lay out the same buffers."""
+    return TensorTable.from_tensors((name, t.shape, dtype_name(t.dtype)) for name, t in tensors.items())
 
 
-def table_layout(table: Iterable[list[Any]], rank: int) -> RankLayout:
+def table_layout(table: TensorTable, rank: int) -> RankLayout:
     """One whole tensor per name: the explicit layout of a rank holding every tensor in ``table``."""
-    canonical = {name: CanonicalTensor(name, tuple(shape), dtype) for name, shape, dtype in table}
+    canonical = {e.name: CanonicalTensor(e.name, e.shape, e.dtype) for e in table.entries}
     return RankLayout(rank, tuple(replicated(t, t.name) for t in canonical.values()), canonical)
 
 
@@ -215,8 +214,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         table = tensor_table(buffers)
         self._staged = WholeTensorBuffers(table_layout(table, 0), buffers)
         self._writer = WeightWriter(self._staged, rank=0, config=self._config(), meta=self._meta())
-        channel = self._writer.session.channel
-        channel.publish_endpoint(LAYOUT_ENDPOINT, 0, {"tensors": channel.publish_model_config({"tensors": table})})
+        self._writer.session.channel.publish_tensor_table(table)
         logger.info("weightsync backend: writer stages %d tensors (%d bytes) on %s", len(buffers),
                     self._staged.layout().nbytes, device)
 
@@ -249,11 +247,10 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
 
         meta = self._meta()
         channel = JobChannel(meta, role="reader", rank=self.rank)
-        doc = channel.wait_endpoint(LAYOUT_ENDPOINT, 0, "writer", 0, deadline=Deadline.after(self.settings.timeout))
-        if doc is None:
+        table = channel.wait_tensor_table(deadline=Deadline.after(self.settings.timeout))
+        if table is None:
             raise TimeoutError(f"weightsync backend: reader {self.rank} waited {self.settings.timeout} s for the "
                                "actor's tensor list (does the actor use the weightsync backend too?)")
-        table = channel.model_config(str(doc["tensors"]))["tensors"]
         layout = table_layout(table, self.rank)
         self._staged = WholeTensorBuffers(layout, allocate(layout, device=self.settings.staging_device))
         self._reader = WeightReader(self._staged, rank=self.rank, config=self._config(), meta=meta)

@@ -15,7 +15,7 @@ from typing import Any, Generic, TypeVar
 from urllib.parse import quote, urlencode
 
 from weightsync.meta import wire
-from weightsync.meta.records import ParticipantTable, VersionInfo, check_document_key
+from weightsync.meta.records import LeaseRow, ParticipantTable, VersionInfo, check_document_key
 
 T = TypeVar("T")
 
@@ -143,23 +143,23 @@ def compare_and_set(job: str, name: str, *, expected: int, value: int) -> Call[t
 
 
 def publish_version(job: str, version: int, fingerprint: str, *, writer_rank: int,
-                    num_writers: int, attempt: int = 0) -> Call[VersionInfo | None]:
+                    num_writers: int, epoch: int = 0) -> Call[VersionInfo | None]:
     if not isinstance(fingerprint, str) or not fingerprint:
         raise ValueError(f"fingerprint must be a non-empty str (the plan's fingerprint), got {fingerprint!r}")
     _int("num_writers", num_writers, 1)
     if not 0 <= _int("writer_rank", writer_rank) < num_writers:
         raise ValueError(f"writer_rank {writer_rank} must be below num_writers {num_writers}")
     body = {"version": _int("version", version), "fingerprint": fingerprint,
-            "writer_rank": writer_rank, "num_writers": num_writers, "attempt": _int("attempt", attempt)}
+            "writer_rank": writer_rank, "num_writers": num_writers, "epoch": _int("epoch", epoch)}
     return Call("POST", f"{_job(job)}/versions", lambda o: VersionInfo.from_wire(o["published"]),
                 body=wire.pack(body))
 
 
 def latest_version(job: str, *, after: int = -1, wait: float = 0.0,
-                   after_attempt: int | None = None) -> Call[VersionInfo | None]:
+                   after_epoch: int | None = None) -> Call[VersionInfo | None]:
     params: dict[str, Any] = {"after": _int("after", after, -1), "wait": f"{wait:.3f}"}
-    if after_attempt is not None:
-        params["after_attempt"] = _int("after_attempt", after_attempt, -1)
+    if after_epoch is not None:
+        params["after_epoch"] = _int("after_epoch", after_epoch, -1)
     return Call("GET", f"{_job(job)}/versions/latest", lambda o: VersionInfo.from_wire(o["latest"]),
                 params=params, wait=wait)
 
@@ -170,10 +170,10 @@ def report_applied(job: str, reader_rank: int, version: int, *, nbytes: int, sec
                 body=wire.pack(body))
 
 
-def report_failed(job: str, reader_rank: int, version: int, error: str, attempt: int | None = None) -> Call[None]:
+def report_failed(job: str, reader_rank: int, version: int, error: str, epoch: int | None = None) -> Call[None]:
     body: dict[str, Any] = {"version": _int("version", version, -1), "error": str(error)[:4096]}
-    if attempt is not None:
-        body["attempt"] = _int("attempt", attempt)
+    if epoch is not None:
+        body["epoch"] = _int("epoch", epoch)
     return Call("POST", f"{_job(job)}/readers/{_int('reader_rank', reader_rank)}/failed", lambda o: None,
                 body=wire.pack(body))
 
@@ -229,8 +229,8 @@ def lease(job: str, role: str, rank: int, *, incarnation: str, ttl: float, pid: 
                 params={"wait": f"{wait:.3f}"}, body=wire.pack(body), wait=wait)
 
 
-def leases(job: str) -> Call[list[dict[str, Any]]]:
-    return Call("GET", f"{_job(job)}/leases", lambda o: list(o["leases"]))
+def leases(job: str) -> Call[list[LeaseRow]]:
+    return Call("GET", f"{_job(job)}/leases", lambda o: [LeaseRow.from_wire(row) for row in o["leases"]])
 
 
 def status(job: str | None = None) -> Call[dict[str, Any]]:

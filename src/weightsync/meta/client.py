@@ -22,9 +22,8 @@ both clients share (settings, retries, barrier errors) in :mod:`weightsync.meta.
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -32,17 +31,9 @@ import httpx
 from weightsync.meta import calls
 from weightsync.meta.async_client import AsyncMetaClient
 from weightsync.meta.calls import Call, ReaderReport
-from weightsync.meta.client_base import (
-    MAX_POLL_SECONDS,
-    ClientBase,
-    T,
-    barrier_result,
-    newer_than,
-    readers_result,
-    ssl_context,
-)
+from weightsync.meta.client_base import Answer, ClientBase, Outcome, Sleep, Steps, T, ssl_context
 from weightsync.meta.config import MetaEnv
-from weightsync.meta.records import Participant, ParticipantTable, VersionInfo
+from weightsync.meta.records import LeaseRow, Participant, ParticipantTable, VersionInfo
 
 if TYPE_CHECKING:
     from weightsync.meta.embedded import EmbeddedMetaServer
@@ -70,29 +61,27 @@ class MetaClient(ClientBase):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _execute(self, call: Call[T]) -> T:
-        failing_since = 0.0
-        for attempt in itertools.count():
-            try:
-                r = self._http.request(call.method, call.url, content=call.body, headers=self._request_headers(call),
-                                       timeout=self._attempt_timeout(call))
-            except httpx.TransportError as exc:
-                error: BaseException | str = exc
-            else:
-                if r.status_code not in calls.RETRY_STATUSES:
-                    return calls.finish(call, r.status_code, r.content, self.address)
-                error = f"HTTP {r.status_code}"
-            failing_since = failing_since or time.monotonic()
-            time.sleep(self._retry_delay(call, error, attempt, failing_since))  # backoff, not polling
-        raise AssertionError("unreachable")
+    def _send(self, call: Call[Any]) -> Outcome:
+        try:
+            r = self._http.request(call.method, call.url, content=call.body, headers=self._request_headers(call),
+                                   timeout=self._request_timeout(call))
+        except httpx.TransportError as exc:
+            return exc
+        return Answer(r.status_code, r.content)
 
-    def _poll(self, make: Callable[[float], Call[T]], done: Callable[[T], bool], timeout: float) -> T:
-        deadline = time.monotonic() + max(0.0, timeout)
+    def _run(self, steps: Steps[T]) -> T:
+        """Drive an operation's steps (see :mod:`weightsync.meta.client_base`) with blocking calls."""
+        outcome: Outcome | None = None
         while True:
-            remaining = deadline - time.monotonic()
-            result = self._execute(make(max(0.0, min(remaining, MAX_POLL_SECONDS))))
-            if done(result) or remaining <= 0 or time.monotonic() >= deadline:
-                return result
+            try:
+                step = steps.send(outcome)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            if isinstance(step, Sleep):
+                time.sleep(step.seconds)  # backoff, not polling
+                outcome = None
+            else:
+                outcome = self._send(step)
 
     # --- participants ----------------------------------------------------------------------
     def register(self, participant: Participant) -> bool:
@@ -101,12 +90,12 @@ class MetaClient(ClientBase):
         Raises:
             ValueError: the rank is already registered with different data (names the fields).
         """
-        return self._execute(calls.register(self.job, participant))
+        return self._run(self._one(calls.register(self.job, participant)))
 
     def table(self, *, documents: Sequence[str] = ()) -> ParticipantTable:
         """The roster in one bulk call, decoded lazily (the fast path for thousands of ranks),
         with the job documents named in ``documents`` (``table.documents``)."""
-        return self._execute(calls.roster(self.job, documents=documents))
+        return self._run(self._one(calls.roster(self.job, documents=documents)))
 
     def participants(self, role: str | None = None) -> list[Participant]:
         """All registered participants (or those of ``role``), sorted by ``(role, rank)``."""
@@ -120,10 +109,7 @@ class MetaClient(ClientBase):
         Raises:
             TimeoutError: naming the ranks still missing.
         """
-        table = self._poll(lambda w: calls.roster(self.job, writers=writers, readers=readers, wait=w,
-                                                  documents=documents),
-                           lambda t: t.count("writer") >= writers and t.count("reader") >= readers, timeout)
-        return barrier_result(table, writers, readers, timeout)
+        return self._run(self._wait_table(writers, readers, timeout, documents))
 
     def wait_registered(self, *, writers: int, readers: int, timeout: float) -> list[Participant]:
         """:meth:`wait_table`, as a list of participants sorted by ``(role, rank)``."""
@@ -137,68 +123,62 @@ class MetaClient(ClientBase):
             ValueError: the rank is already registered with different data.
             TimeoutError: naming the ranks still missing.
         """
-        table = self._poll(lambda w: calls.join(self.job, participant, writers=writers, readers=readers, wait=w,
-                                                documents=documents),
-                           lambda t: t.count("writer") >= writers and t.count("reader") >= readers, timeout)
-        return barrier_result(table, writers, readers, timeout)
+        return self._run(self._wait_table(writers, readers, timeout, documents, join=participant))
 
     # --- documents -------------------------------------------------------------------------
     def put_document(self, key: str, value: bytes) -> None:
         """Store a job-level document (e.g. the model config) under ``key``; overwrites."""
-        self._execute(calls.put_document(self.job, key, value))
+        self._run(self._one(calls.put_document(self.job, key, value)))
 
     def get_document(self, key: str, *, wait: float = 0.0) -> bytes | None:
         """The document ``key``; with ``wait > 0``, long-poll until it exists. None if absent."""
-        return self._poll(lambda w: calls.get_document(self.job, key, wait=w), lambda v: v is not None, wait)
+        return self._run(self._get_document(key, wait))
 
     # --- counters --------------------------------------------------------------------------
     def counter(self, name: str, *, at_least: int = 0, wait: float = 0.0) -> int:
         """The job's counter ``name`` (0 until set); with ``wait``, long-poll until it reaches ``at_least``."""
-        return self._poll(lambda w: calls.counter(self.job, name, at_least=at_least, wait=w),
-                          lambda v: v >= at_least, wait)
+        return self._run(self._counter(name, at_least, wait))
 
     def compare_and_set(self, name: str, *, expected: int, value: int) -> tuple[bool, int]:
         """Set counter ``name`` to ``value`` if it holds ``expected``, atomically on the server.
         Returns (whether it was set, the value it holds now)."""
-        return self._execute(calls.compare_and_set(self.job, name, expected=expected, value=value))
+        return self._run(self._one(calls.compare_and_set(self.job, name, expected=expected, value=value)))
 
     # --- versions --------------------------------------------------------------------------
     def publish_version(self, version: int, fingerprint: str, *, writer_rank: int,
-                        num_writers: int, attempt: int = 0) -> VersionInfo | None:
-        """One writer's "version ``version`` is ready". Returns the VersionInfo once all
-        ``num_writers`` writers reported it with the same fingerprint, else None.
+                        num_writers: int, epoch: int = 0) -> VersionInfo | None:
+        """One writer's "version ``version`` is ready" (written in the job's transport ``epoch``).
+        Returns the VersionInfo once all ``num_writers`` writers reported it with the same
+        fingerprint and epoch, else None.
 
         Raises:
             ValueError: another writer reported a different fingerprint (both named), or the
                 version is not newer than the published one.
         """
-        return self._execute(calls.publish_version(self.job, version, fingerprint, writer_rank=writer_rank,
-                                                   num_writers=num_writers, attempt=attempt))
+        return self._run(self._one(calls.publish_version(self.job, version, fingerprint, writer_rank=writer_rank,
+                                                         num_writers=num_writers, epoch=epoch)))
 
     def latest_version(self) -> VersionInfo | None:
-        return self._execute(calls.latest_version(self.job))
+        return self._run(self._one(calls.latest_version(self.job)))
 
-    def wait_version(self, after: int, timeout: float, *, after_attempt: int | None = None) -> VersionInfo | None:
-        """Long-poll for a published version newer than ``after`` (with ``after_attempt``: or a
-        later attempt of version ``after``); None on timeout."""
-        newer = newer_than(after, after_attempt)
-        info = self._poll(lambda w: calls.latest_version(self.job, after=after, wait=w, after_attempt=after_attempt),
-                          newer, timeout)
-        return info if newer(info) else None
+    def wait_version(self, after: int, timeout: float, *, after_epoch: int | None = None) -> VersionInfo | None:
+        """Long-poll for a published version newer than ``after`` (with ``after_epoch``: or
+        version ``after`` published again in a later epoch); None on timeout."""
+        return self._run(self._wait_version(after, timeout, after_epoch))
 
     # --- readers ---------------------------------------------------------------------------
     def report_applied(self, reader_rank: int, version: int, *, nbytes: int = 0, seconds: float = 0.0) -> None:
         """Reader ``reader_rank`` now serves ``version`` (``nbytes`` received in ``seconds``)."""
-        self._execute(calls.report_applied(self.job, reader_rank, version, nbytes=nbytes, seconds=seconds))
+        self._run(self._one(calls.report_applied(self.job, reader_rank, version, nbytes=nbytes, seconds=seconds)))
 
-    def report_failed(self, reader_rank: int, version: int, error: str, *, attempt: int | None = None) -> None:
-        """Reader ``reader_rank`` failed to apply ``version`` (its ``attempt``): its weights are not
-        at a valid version. A failure of an attempt that a newer one superseded is ignored."""
-        self._execute(calls.report_failed(self.job, reader_rank, version, error, attempt))
+    def report_failed(self, reader_rank: int, version: int, error: str, *, epoch: int | None = None) -> None:
+        """Reader ``reader_rank`` failed to apply ``version`` (as published in ``epoch``): its weights
+        are not at a valid version. A failure of an epoch that a later one superseded is ignored."""
+        self._run(self._one(calls.report_failed(self.job, reader_rank, version, error, epoch)))
 
     def reader_versions(self) -> dict[int, int | None]:
         """Reader rank -> last applied version (None: never applied, or failed since)."""
-        return self._execute(calls.readers(self.job)).versions
+        return self._run(self._one(calls.readers(self.job))).versions
 
     def wait_readers(self, *, min_version: int, readers: int, timeout: float) -> dict[int, int | None]:
         """Long-poll until reader ranks ``0..readers-1`` (registered) are done with ``min_version``:
@@ -212,19 +192,14 @@ class MetaClient(ClientBase):
 
     def wait_reader_report(self, *, min_version: int, readers: int, timeout: float) -> ReaderReport:
         """:meth:`wait_readers`, answering the whole report (``report.failed(v)``: who failed and why)."""
-        report = self._poll(lambda w: calls.readers(self.job, min_version=min_version, count=readers, wait=w),
-                            lambda r: len(r.settled(min_version, readers)) >= readers, timeout)
-        readers_result(report, self.job, min_version, readers, timeout)
-        return report
+        return self._run(self._wait_reader_report(min_version, readers, timeout))
 
     # --- identity and liveness ---------------------------------------------------------------
     def pin_instance(self) -> str:
         """Pin the server's current instance: from now on every call fails at once with
         :class:`~weightsync.meta.calls.ServerStateLostError` if the server restarted without its
         state (its registrations gone). Returns the instance."""
-        self.instance = None
-        self.instance = str(self._execute(calls.server())["instance"])
-        return self.instance
+        return self._run(self._pin_instance())
 
     def acquire_lease(self, role: str, rank: int, *, incarnation: str, ttl: float, pid: int = 0, host: str = "",
                       wait: float = 0.0, release: bool = False) -> bool:
@@ -234,28 +209,26 @@ class MetaClient(ClientBase):
         Raises:
             ValueError: another live process holds it (after ``wait`` seconds), naming it.
         """
-        return self._execute(calls.lease(self.job, role, rank, incarnation=incarnation, ttl=ttl, pid=pid, host=host,
-                                         wait=wait, release=release))
+        return self._run(self._one(calls.lease(self.job, role, rank, incarnation=incarnation, ttl=ttl, pid=pid,
+                                               host=host, wait=wait, release=release)))
 
-    def leases(self) -> list[dict[str, Any]]:
+    def leases(self) -> list[LeaseRow]:
         """Every lease of this job: role, rank, holder (pid, host), alive, seconds since its heartbeat."""
-        return self._execute(calls.leases(self.job))
+        return self._run(self._leases())
 
     # --- jobs ------------------------------------------------------------------------------
     def server_status(self) -> dict[str, Any]:
         """The server's own status: ``instance``, ``started_at``, ``uptime_seconds``, ``durable``,
         and ``waiting`` (long-polls it holds now, which tests and operators can watch)."""
-        return dict(self._execute(calls.status(self.job))["server"])
+        return dict(self._run(self._one(calls.status(self.job)))["server"])
 
     def status(self) -> dict[str, Any]:
         """This job's status (participants, versions, each reader's lag and last sync), as JSON data."""
-        jobs = self._execute(calls.status(self.job))["jobs"]
-        return jobs[0] if jobs else {"job": self.job, "writers": 0, "readers": 0, "latest_version": None}
+        return self._run(self._job_status())
 
     def delete_job(self) -> bool:
         """Forget this job on the server (participants, documents, versions). True if it existed."""
-        return self._execute(calls.delete_job(self.job))
-
+        return self._run(self._one(calls.delete_job(self.job)))
 
 
 def connect(address: str | None = None, *, job: str = "default", token: str | None = None,

@@ -1,27 +1,41 @@
 """What :class:`~weightsync.meta.client.MetaClient` and
-:class:`~weightsync.meta.async_client.AsyncMetaClient` share: settings, retry policy, and the
-errors a barrier that timed out raises. The two clients differ only in how they wait (threads
-or asyncio); everything that decides *what* to send and *what a result means* is here or in
-:mod:`weightsync.meta.calls`, once.
+:class:`~weightsync.meta.async_client.AsyncMetaClient` share: settings, the retry and poll loops,
+and what every call means. The two clients differ only in how they wait (threads or asyncio).
+
+Each operation is written once, as a generator of *steps* (sans I/O): it yields a
+:class:`~weightsync.meta.calls.Call` to send and receives the :class:`Answer` (or the transport
+error), or yields a :class:`Sleep` for a backoff, and finally returns its result. A client only
+drives the steps: the sync one with blocking sends and ``time.sleep``, the async one with
+awaits. So there is one retry loop (:func:`exchange`) and one ``Deadline``-based long-poll loop
+(:func:`poll`), whichever client runs them::
+
+    def _counter(self, name, at_least, wait) -> Steps[int]:
+        return poll(self, lambda w: calls.counter(self.job, name, at_least=at_least, wait=w),
+                    lambda v: v >= at_least, wait)
+    value = client._run(client._counter("epoch", 3, 10.0))     # MetaClient
+    value = await client._run(client._counter("epoch", 3, 10.0))   # AsyncMetaClient
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import random
 import ssl
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias, TypeVar
 
 import httpx
 
 import weightsync
+from weightsync.deadline import Deadline
 from weightsync.meta import calls, wire
 from weightsync.meta.calls import Call, ReaderReport
 from weightsync.meta.config import MetaEnv, check_token, normalize_address
-from weightsync.meta.records import ParticipantTable, VersionInfo, check_job
+from weightsync.meta.records import LeaseRow, Participant, ParticipantTable, VersionInfo, check_job
 
 logger = logging.getLogger("weightsync.meta.client")
 T = TypeVar("T")
@@ -37,8 +51,8 @@ def ssl_context() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
-def backoff(attempt: int) -> float:
-    return min(_BACKOFF_MAX, _BACKOFF_FIRST * 2 ** attempt) * random.uniform(0.5, 1.0)
+def backoff(tries: int) -> float:
+    return min(_BACKOFF_MAX, _BACKOFF_FIRST * 2 ** tries) * random.uniform(0.5, 1.0)
 
 
 def shorten(ranks: Sequence[int], limit: int = 20) -> str:
@@ -60,7 +74,7 @@ def barrier_result(table: ParticipantTable, writers: int, readers: int, timeout:
 
 
 def readers_result(report: ReaderReport, job: str, min_version: int, readers: int,
-                    timeout: float) -> dict[int, int | None]:
+                   timeout: float) -> dict[int, int | None]:
     versions = report.versions
     done = report.settled(min_version, readers)
     if len(done) >= readers:
@@ -78,9 +92,59 @@ def readers_result(report: ReaderReport, job: str, min_version: int, readers: in
                        + (f" (+{len(laggards) - 20} more)" if len(laggards) > 20 else ""))
 
 
-def newer_than(after: int, after_attempt: int | None) -> Callable[[VersionInfo | None], bool]:
-    key = (after, (1 << 62) if after_attempt is None else after_attempt)
-    return lambda v: v is not None and (v.version, v.attempt) > key
+def newer_than(after: int, after_epoch: int | None) -> Callable[[VersionInfo | None], bool]:
+    key = (after, (1 << 62) if after_epoch is None else after_epoch)
+    return lambda v: v is not None and (v.version, v.epoch) > key
+
+
+# -- steps: what an operation asks its client to do ------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Back off this long before the next try."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The server's answer to a sent call."""
+
+    status: int
+    content: bytes
+
+
+#: what a sent call comes back as: an answer, or the error that kept it from being answered
+Outcome: TypeAlias = Answer | httpx.TransportError
+Steps: TypeAlias = Generator[Call[Any] | Sleep, Outcome | None, T]
+
+
+def exchange(client: ClientBase, call: Call[T]) -> Steps[T]:
+    """Send ``call`` until the server answers it for good (retrying 502/503/504 and transport
+    errors with jittered backoff); returns the parsed answer or raises what it means."""
+    unreachable: Deadline | None = None
+    for tries in itertools.count():
+        outcome = yield call
+        if isinstance(outcome, Answer):
+            if outcome.status not in calls.RETRY_STATUSES:
+                return calls.finish(call, outcome.status, outcome.content, client.address)
+            error: BaseException | str = f"HTTP {outcome.status}"
+        else:
+            assert outcome is not None, "a client answers every call it is given"
+            error = outcome
+        unreachable = unreachable or Deadline.after(client.timeout)
+        yield Sleep(client._retry_delay(call, error, tries, unreachable))
+    raise AssertionError("unreachable")
+
+
+def poll(client: ClientBase, make: Callable[[float], Call[T]], done: Callable[[T], bool], timeout: float) -> Steps[T]:
+    """Long-poll: ask with ``make(wait)`` until ``done(result)`` or ``timeout`` seconds passed;
+    returns the last result. Each request waits on the server at most :data:`MAX_POLL_SECONDS`."""
+    deadline = Deadline.after(max(0.0, timeout))
+    while True:
+        result = yield from exchange(client, make(min(deadline.remaining(0.0), MAX_POLL_SECONDS)))
+        if done(result) or deadline.expired:
+            return result
 
 
 class ClientBase:
@@ -122,21 +186,68 @@ class ClientBase:
                              "(or use weightsync.meta.connect(), which starts an embedded server)")
         return cls(address, job=job, token=token or env.token, timeout=timeout)  # type: ignore[call-arg]
 
-    def _attempt_timeout(self, call: Call[Any]) -> httpx.Timeout:
+    def _request_timeout(self, call: Call[Any]) -> httpx.Timeout:
         return httpx.Timeout(self.timeout, connect=min(self.timeout, 10.0), read=call.wait + self.timeout)
 
-    def _retry_delay(self, call: Call[Any], error: BaseException | str, attempt: int, failing_since: float) -> float:
-        """Seconds to back off before the next attempt; ConnectionError once the server has been
-        unreachable for longer than ``timeout``."""
-        delay = backoff(attempt)
-        if time.monotonic() + delay - failing_since > self.timeout:
+    def _retry_delay(self, call: Call[Any], error: BaseException | str, tries: int, unreachable: Deadline) -> float:
+        """Seconds to back off before the next try; ConnectionError once the server has been
+        unreachable for longer than ``timeout`` (``unreachable``: since the first failure)."""
+        delay = backoff(tries)
+        if unreachable.remaining(0.0) < delay:
+            failing = self.timeout - (unreachable.at - time.monotonic())
             raise ConnectionError(
-                f"meta server {self.address} unreachable for {time.monotonic() - failing_since:.1f} s on "
+                f"meta server {self.address} unreachable for {failing:.1f} s on "
                 f"{call.method} {call.path} ({error}); is `weightsync meta-server` running there and "
                 "WEIGHTSYNC_META_ADDR right?") from (error if isinstance(error, BaseException) else None)
-        (logger.warning if attempt == 0 else logger.debug)(
+        (logger.warning if tries == 0 else logger.debug)(
             "meta server %s: %s on %s %s; retrying", self.address, error, call.method, call.path)
         return delay
+
+    # -- every operation, once (see module docstring) ------------------------------------------
+    def _one(self, call: Call[T]) -> Steps[T]:
+        return exchange(self, call)
+
+    def _wait_table(self, writers: int, readers: int, timeout: float, documents: Sequence[str],
+                    join: Participant | None = None) -> Steps[ParticipantTable]:
+        def make(w: float) -> Call[ParticipantTable]:
+            if join is not None:
+                return calls.join(self.job, join, writers=writers, readers=readers, wait=w, documents=documents)
+            return calls.roster(self.job, writers=writers, readers=readers, wait=w, documents=documents)
+        table = yield from poll(self, make, lambda t: t.count("writer") >= writers and t.count("reader") >= readers,
+                                timeout)
+        return barrier_result(table, writers, readers, timeout)
+
+    def _get_document(self, key: str, wait: float) -> Steps[bytes | None]:
+        return poll(self, lambda w: calls.get_document(self.job, key, wait=w), lambda v: v is not None, wait)
+
+    def _counter(self, name: str, at_least: int, wait: float) -> Steps[int]:
+        return poll(self, lambda w: calls.counter(self.job, name, at_least=at_least, wait=w),
+                    lambda v: v >= at_least, wait)
+
+    def _wait_version(self, after: int, timeout: float, after_epoch: int | None) -> Steps[VersionInfo | None]:
+        newer = newer_than(after, after_epoch)
+        info = yield from poll(self, lambda w: calls.latest_version(self.job, after=after, wait=w,
+                                                                    after_epoch=after_epoch), newer, timeout)
+        return info if newer(info) else None
+
+    def _wait_reader_report(self, min_version: int, readers: int, timeout: float) -> Steps[ReaderReport]:
+        report = yield from poll(self, lambda w: calls.readers(self.job, min_version=min_version, count=readers,
+                                                               wait=w),
+                                 lambda r: len(r.settled(min_version, readers)) >= readers, timeout)
+        readers_result(report, self.job, min_version, readers, timeout)
+        return report
+
+    def _pin_instance(self) -> Steps[str]:
+        self.instance = None
+        self.instance = str((yield from exchange(self, calls.server()))["instance"])
+        return self.instance
+
+    def _job_status(self) -> Steps[dict[str, Any]]:
+        jobs = (yield from exchange(self, calls.status(self.job)))["jobs"]
+        return jobs[0] if jobs else {"job": self.job, "writers": 0, "readers": 0, "latest_version": None}
+
+    def _leases(self) -> Steps[list[LeaseRow]]:
+        return exchange(self, calls.leases(self.job))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.address!r}, job={self.job!r})"

@@ -32,6 +32,8 @@ from typing import Any
 
 import msgpack
 
+from weightsync.meta.events import Event, EventError, encode_events, event_from_wire, event_to_wire
+
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
@@ -58,7 +60,7 @@ class Journal:
         self._queue: list[tuple[bytes, asyncio.Future[None]]] = []
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        self._snapshot: Callable[[], list[dict[str, Any]]] | None = None
+        self._snapshot: Callable[[], list[Event]] | None = None
         self._lock_fd: int | None = None
         self._closing = False
         self._error: str | None = None  # the last write failure, until a write succeeds
@@ -66,11 +68,11 @@ class Journal:
         self.instance: str | None = None
 
     # --- startup ---------------------------------------------------------------------------
-    def load(self) -> list[dict[str, Any]]:
-        """Lock the directory and return the records to replay (snapshot, then journal)."""
+    def load(self) -> list[Event]:
+        """Lock the directory and return the events to replay (snapshot, then journal)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock_directory()
-        records: list[dict[str, Any]] = []
+        records: list[Any] = []
         snapshot = self.directory / SNAPSHOT
         if snapshot.exists():
             items = self._read(snapshot, tolerate_torn_tail=False)
@@ -84,11 +86,15 @@ class Journal:
         journal = self._journal_path(self.snapshot_number)
         if journal.exists():
             records.extend(self._read(journal, tolerate_torn_tail=True))
+        events = []
         for i, r in enumerate(records):
-            if not isinstance(r, dict) or "op" not in r or "job" not in r:
-                raise ValueError(f"state directory {self.directory}: record {i} is malformed ({r!r:.80}); "
-                                 "move the state directory away to start empty")
-        return records
+            try:
+                events.append(event_from_wire(r))
+            except EventError as exc:
+                self.close_files()
+                raise ValueError(f"state directory {self.directory}: record {i} is malformed ({exc}); "
+                                 "move the state directory away to start empty") from None
+        return events
 
     def _lock_directory(self) -> None:
         import fcntl
@@ -128,7 +134,7 @@ class Journal:
     def _journal_path(self, snapshot_number: int) -> Path:
         return self.directory / f"journal-{snapshot_number}.msgpack"
 
-    def rewrite(self, records: list[dict[str, Any]]) -> None:
+    def rewrite(self, records: list[Event]) -> None:
         """Compact: a new snapshot holding ``records`` and a new, empty journal."""
         new_number = self.snapshot_number + 1
         tmp = self.directory / (SNAPSHOT + ".tmp")
@@ -136,7 +142,7 @@ class Journal:
             packer = msgpack.Packer(use_bin_type=True)
             f.write(packer.pack({"format": FORMAT, "snapshot": new_number, "instance": self.instance}))
             for r in records:
-                f.write(packer.pack(r))
+                f.write(packer.pack(event_to_wire(r)))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.directory / SNAPSHOT)
@@ -159,7 +165,7 @@ class Journal:
             os.close(fd)
 
     # --- group commit ----------------------------------------------------------------------
-    async def start(self, snapshot: Callable[[], list[dict[str, Any]]]) -> None:
+    async def start(self, snapshot: Callable[[], list[Event]]) -> None:
         """Start the writer task; ``snapshot()`` returns the current state's records for compaction."""
         if self._journal is None:
             raise RuntimeError("Journal.start() before load() and rewrite()")
@@ -175,7 +181,7 @@ class Journal:
             return f"the last journal write to {self.directory} failed: {self._error}"
         return None
 
-    def submit(self, records: list[dict[str, Any]], encoded: bytes | None = None) -> asyncio.Future[None]:
+    def submit(self, records: list[Event], encoded: bytes | None = None) -> asyncio.Future[None]:
         """Queue ``records`` (``encoded``: their msgpack encoding, if the caller has it); the
         future resolves once they (and all before them) are on disk."""
         if self._wakeup is None or self._task is None or self._task.done() or self._closing:
@@ -183,7 +189,7 @@ class Journal:
                                "restart the server")
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if encoded is None:
-            encoded = b"".join(msgpack.packb(r, use_bin_type=True) for r in records)
+            encoded = encode_events(records)
         self._queue.append((encoded, future))
         self._wakeup.set()
         return future

@@ -17,7 +17,7 @@ no lease until the next heartbeat, and counts a participant without one as alive
 
     leases = Leases()
     await leases.acquire("job", "writer", 0, incarnation="3fa2", ttl=3.0, pid=41, host="n0", wait=3.0)
-    leases.table("job")       # [{"role": "writer", "rank": 0, "alive": True, "age": 0.01, ...}]
+    leases.table("job")       # [LeaseRow(role="writer", rank=0, alive=True, age=0.01, ...)]
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any
+
+from weightsync.deadline import Deadline
+from weightsync.meta.records import LeaseRow
 
 
 class LeaseHeldError(Exception):
@@ -68,20 +70,19 @@ class Leases:
             LeaseHeldError: another incarnation still holds it, alive, after ``wait`` seconds.
         """
         leases = self._jobs.setdefault(job, {})
-        deadline = time.monotonic() + wait
+        deadline = Deadline.after(wait)
         while True:
             now = time.monotonic()
             held = leases.get((role, rank))
             if held is None or held.incarnation == incarnation or not held.alive(now):
                 break
-            remaining = deadline - now
-            if remaining <= 0:
+            if deadline.expired:
                 raise LeaseHeldError(
                     f"{role} rank {rank} of job {job!r} is held by another live process ({held.describe(now)}): two "
                     f"processes claim the same rank (pid {pid} on {host or 'an unnamed host'} asked); check the rank "
                     "each process is given, or stop the other one first")
             # until the holder's lease would expire, unless it renews it meanwhile (then refuse)
-            await asyncio.sleep(min(remaining, held.ttl - held.age(now) + 0.01))
+            await asyncio.sleep(min(deadline.remaining(0.0), held.ttl - held.age(now) + 0.01))
         took_over = held is not None and held.incarnation != incarnation
         if release:
             if held is not None and not took_over:
@@ -90,12 +91,11 @@ class Leases:
         leases[(role, rank)] = Lease(incarnation, ttl, pid, host, time.monotonic())
         return took_over
 
-    def table(self, job: str) -> list[dict[str, Any]]:
+    def table(self, job: str) -> list[LeaseRow]:
         """Every lease of ``job``: who holds it, whether it is alive, seconds since its heartbeat."""
         now = time.monotonic()
-        return [{"role": role, "rank": rank, "incarnation": lease.incarnation, "pid": lease.pid, "host": lease.host,
-                 "ttl": lease.ttl, "age": round(lease.age(now), 3), "alive": lease.alive(now),
-                 "released": lease.released, "detail": lease.describe(now)}
+        return [LeaseRow(role, rank, lease.incarnation, lease.pid, lease.host, lease.ttl, round(lease.age(now), 3),
+                         lease.alive(now), lease.released, lease.describe(now))
                 for (role, rank), lease in sorted(self._jobs.get(job, {}).items())]
 
     def drop(self, job: str) -> None:

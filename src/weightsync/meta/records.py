@@ -131,27 +131,69 @@ _SET_ROLE, _SET_RANK, _SET_GROUP, _SET_HOST, _SET_ENDPOINTS, _SET_LAYOUT = (
 
 @dataclass(frozen=True, slots=True)
 class VersionInfo:
-    """A published weight version: all writers reported it with the same plan fingerprint (and attempt).
+    """A published weight version: all writers reported it with the same sync fingerprint, in one epoch.
 
-    ``published_at`` is the server's wall-clock time (seconds since the epoch).
+    ``epoch`` is the job's transport epoch the writers wrote the version in: writers that failed
+    a version write it again in a later epoch, which supersedes the earlier one. ``published_at``
+    is the server's wall-clock time (seconds since the epoch).
     """
 
     version: int
     fingerprint: str
     published_at: float
-    #: which try of the version (writers publish a failed version again with a higher attempt)
-    attempt: int = 0
+    epoch: int = 0
 
     @classmethod
     def from_wire(cls, obj: Any) -> VersionInfo | None:
         if obj is None:
             return None
-        return cls(int(obj["version"]), str(obj["fingerprint"]), float(obj["published_at"]),
-                   int(obj.get("attempt", 0)))
+        return cls(int(obj["version"]), str(obj["fingerprint"]), float(obj["published_at"]), int(obj.get("epoch", 0)))
 
     def to_wire(self) -> dict[str, Any]:
         return {"version": self.version, "fingerprint": self.fingerprint, "published_at": self.published_at,
-                "attempt": self.attempt}
+                "epoch": self.epoch}
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRow:
+    """One participant's lease as the server reports it (:mod:`weightsync.meta.leases`).
+
+    Attributes:
+        alive: it renewed within its ``ttl`` and did not release it.
+        released: the process gave it up (it left; it did not die).
+        age: seconds since its last heartbeat.
+        detail: who holds it and its state, for messages (``"pid 41 on n0, last heartbeat 9.1 s ago"``).
+    """
+
+    role: str
+    rank: int
+    incarnation: str
+    pid: int
+    host: str
+    ttl: float
+    age: float
+    alive: bool
+    released: bool
+    detail: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"role": self.role, "rank": self.rank, "incarnation": self.incarnation, "pid": self.pid,
+                "host": self.host, "ttl": self.ttl, "age": self.age, "alive": self.alive, "released": self.released,
+                "detail": self.detail}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> LeaseRow:
+        """Raises ValueError naming the field when the server's row is malformed."""
+        try:
+            row = cls(check_role(obj["role"]), int(obj["rank"]), str(obj["incarnation"]), int(obj["pid"]),
+                      str(obj["host"]), float(obj["ttl"]), float(obj["age"]), obj["alive"], obj["released"],
+                      str(obj["detail"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed lease row from the meta server ({exc!r}): {obj!r:.120}") from None
+        if not isinstance(row.alive, bool) or not isinstance(row.released, bool):
+            raise ValueError(f"malformed lease row from the meta server: 'alive' and 'released' are booleans: "
+                             f"{obj!r:.120}")
+        return row
 
 
 # --- the columnar roster -----------------------------------------------------------------------

@@ -17,7 +17,7 @@ Routes (all but ``/healthz`` need ``Authorization: Bearer <token>``; ``{job}`` n
     GET  /v1/jobs/{job}/documents/{key}?wait          raw bytes; 404 if absent after the wait
     POST /v1/jobs/{job}/versions                      a writer's "version V is ready" report
     GET  /v1/jobs/{job}/versions/latest?after&wait    long-poll for a version newer than ``after``
-                                    [&after_attempt]  ... or a later attempt of version ``after``
+                                      [&after_epoch]  ... or version ``after`` in a later epoch
     POST /v1/jobs/{job}/readers/{rank}/applied|failed a reader's progress
     GET  /v1/jobs/{job}/readers?min_version&count&wait       reader versions; long-poll
     DELETE /v1/jobs/{job}                             forget a job
@@ -132,7 +132,7 @@ class VersionBody(_Body):
     fingerprint: Annotated[str, Field(min_length=1, max_length=256)]
     writer_rank: Annotated[int, Field(ge=0, lt=MAX_RANK)]
     num_writers: Annotated[int, Field(ge=1, le=MAX_RANK)]
-    attempt: Annotated[int, Field(ge=0, lt=MAX_INT)] = 0
+    epoch: Annotated[int, Field(ge=0, lt=MAX_INT)] = 0
 
     @model_validator(mode="after")
     def _rank_in_range(self) -> VersionBody:
@@ -163,7 +163,7 @@ class LeaseBody(_Body):
 class FailedBody(_Body):
     version: Annotated[int, Field(ge=-1, lt=MAX_INT)]
     error: Annotated[str, Field(max_length=4096)]
-    attempt: Annotated[int | None, Field(ge=0, lt=MAX_INT)] = None
+    epoch: Annotated[int | None, Field(ge=0, lt=MAX_INT)] = None
 
 
 M = TypeVar("M", bound=_Body)
@@ -428,14 +428,14 @@ def create_app(state: MetaState, config: ServerConfig) -> FastAPI:
     async def post_version(request: Request, job: Job) -> Response:
         body = await _parse(request, VersionBody)
         info = await state.report_version(job, body.version, body.fingerprint, writer_rank=body.writer_rank,
-                                          num_writers=body.num_writers, attempt=body.attempt)
+                                          num_writers=body.num_writers, epoch=body.epoch)
         return _reply(request, {"published": info.to_wire() if info else None})
 
     @app.get("/v1/jobs/{job}/versions/latest")
     async def latest_version(request: Request, job: Job, after: Annotated[int, Query(ge=-1, lt=MAX_INT)] = -1,
                              wait: Wait = 0.0,
-                             after_attempt: Annotated[int | None, Query(ge=-1, lt=MAX_INT)] = None) -> Response:
-        info = await state.wait_version(job, after, held(wait), after_attempt)
+                             after_epoch: Annotated[int | None, Query(ge=-1, lt=MAX_INT)] = None) -> Response:
+        info = await state.wait_version(job, after, held(wait), after_epoch)
         return _reply(request, {"latest": info.to_wire() if info else None})
 
     @app.post("/v1/jobs/{job}/readers/{rank}/applied")
@@ -447,7 +447,7 @@ def create_app(state: MetaState, config: ServerConfig) -> FastAPI:
     @app.post("/v1/jobs/{job}/readers/{rank}/failed")
     async def failed(request: Request, job: Job, rank: Annotated[int, Path(ge=0, lt=MAX_RANK)]) -> Response:
         body = await _parse(request, FailedBody)
-        await state.report_reader(job, rank, body.version, error=body.error, attempt=body.attempt)
+        await state.report_reader(job, rank, body.version, error=body.error, epoch=body.epoch)
         return _reply(request, {"ok": True})
 
     @app.get("/v1/jobs/{job}/readers")
@@ -473,7 +473,7 @@ def create_app(state: MetaState, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/jobs/{job}/leases")
     async def leases(request: Request, job: Job) -> Response:
-        return _reply(request, {"leases": state.leases.table(job)})
+        return _reply(request, {"leases": [row.to_wire() for row in state.leases.table(job)]})
 
     @app.delete("/v1/jobs/{job}")
     async def delete_job(request: Request, job: Job) -> Response:

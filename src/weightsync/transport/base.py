@@ -23,7 +23,8 @@ the engine's parameters (or staging buffers when an engine must run its own load
 the transport writes straight into them. Every blocking call takes an explicit version and
 timeout; a failure raises :class:`TransportError` naming the peer and the tensors.
 Transports reach their peers (rendezvous addresses, memory handles) only through the job
-channel's endpoints (:meth:`weightsync.job.JobChannel.publish_endpoint`), one per epoch.
+channel's endpoints (:meth:`weightsync.job.JobChannel.publish_endpoint`), one typed record per
+transport and epoch (:mod:`weightsync.transport.endpoints`).
 
 Capabilities are class attributes, so callers (and the contract tests) can ask what a
 transport can do without instantiating it.
@@ -34,15 +35,19 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 
 from weightsync.devices import RankPlacement, check_serves, parse_device, tensors_device
+from weightsync.job_wire import EndpointRecord, WireError
 
 if TYPE_CHECKING:
     import torch
 
+    from weightsync.deadline import Deadline
     from weightsync.job import JobChannel, Role
     from weightsync.plan import Plan
+
+E = TypeVar("E", bound=EndpointRecord)
 
 
 class TransportError(RuntimeError):
@@ -109,7 +114,7 @@ class TransportOptions:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TransportContext:
-    """Who this rank is (its job channel), where its tensors live, and how many peers it has.
+    """Who this rank is (its job ``channel``), where its tensors live, and how many peers it has.
 
     ``device`` is the device of the tensors this rank hands the transport (``"cpu"`` or
     ``"cuda:N"``, with its index): staging buffers, the process-group backend and memory
@@ -117,7 +122,7 @@ class TransportContext:
     where every rank of the job runs (what the routed transport splits pairs by).
     """
 
-    job: JobChannel
+    channel: JobChannel
     num_writers: int
     num_readers: int
     device: str = "cpu"
@@ -129,16 +134,16 @@ class TransportContext:
 
     @property
     def role(self) -> Role:
-        return self.job.role
+        return self.channel.role
 
     @property
     def rank(self) -> int:
-        return self.job.rank
+        return self.channel.rank
 
     @property
     def who(self) -> str:
         """``"writer 3"``: how messages name this rank."""
-        return self.job.who
+        return self.channel.who
 
     @property
     def global_rank(self) -> int:
@@ -259,7 +264,7 @@ class PeerWatch:
         self._next = time.monotonic() + every
 
     def dead(self) -> dict[int, str]:
-        return self.ctx.job.dead_peers(self.role, self.ranks) if self.ranks else {}
+        return self.ctx.channel.dead_peers(self.role, self.ranks) if self.ranks else {}
 
     def describe(self) -> str:
         """`` (writer 1 is dead: ...)`` for error messages, or empty."""
@@ -277,6 +282,19 @@ class PeerWatch:
             rank, why = min(dead.items())
             raise TransportError(f"{self.ctx.who}: {self.role} {rank} died while this rank waited for {what}: "
                                  f"{why} (the meta server's lease of it expired)")
+
+
+def peer_endpoint(ctx: TransportContext, kind: type[E], epoch: int, role: Role, rank: int, *,
+                  deadline: Deadline) -> E | None:
+    """A peer's endpoint of ``kind`` in ``epoch`` (None at the deadline), through the job channel.
+
+    Raises:
+        TransportError: the peer published a malformed one (named, with the field).
+    """
+    try:
+        return ctx.channel.wait_endpoint(kind, epoch, role, rank, deadline=deadline)
+    except WireError as exc:
+        raise TransportError(str(exc)) from exc
 
 
 def phase_plans(plan: Plan, phases: Sequence[Plan] | None) -> list[Plan]:

@@ -42,8 +42,10 @@ from weightsync.transport.base import (
     TransportError,
     check_phase,
     check_tensors_device,
+    peer_endpoint,
     phase_plans,
 )
+from weightsync.transport.endpoints import FileEndpoint
 from weightsync.transport.exposed import ExposedIndex, piece_key
 from weightsync.transport.schedule import slabs
 from weightsync.transport.tensors import flat_views, op_dst_view
@@ -105,13 +107,13 @@ class FileTransport:
             else:
                 path = tempfile.mkdtemp(prefix="weightsync-file-")
                 self._owns_directory = True
-            self.ctx.job.publish_endpoint(self.name, epoch, {"directory": path})
+            self.ctx.channel.publish_endpoint(epoch, FileEndpoint(path))
             return path
-        doc = self.ctx.job.wait_endpoint(self.name, epoch, "writer", 0, deadline=deadline)
-        if doc is None or not isinstance(doc.get("directory"), str):
+        endpoint = peer_endpoint(self.ctx, FileEndpoint, epoch, "writer", 0, deadline=deadline)
+        if endpoint is None:
             raise TransportError(f"{self.ctx.who}: writer 0 did not publish the file transport directory for "
                                  f"epoch {epoch} in time")
-        return str(doc["directory"])
+        return endpoint.directory
 
     def _path(self, version: int, writer: int, phase: int) -> str:
         assert self.directory is not None

@@ -66,7 +66,14 @@ from weightsync.deadline import Deadline
 from weightsync.devices import nixl_device_id
 from weightsync.layout.types import itemsize
 from weightsync.torch_layout import TORCH_DTYPES
-from weightsync.transport.base import TransportContext, TransportError, check_tensors_device, phase_plans
+from weightsync.transport.base import (
+    TransportContext,
+    TransportError,
+    check_tensors_device,
+    peer_endpoint,
+    phase_plans,
+)
+from weightsync.transport.endpoints import NixlEndpoint, NixlSlots
 from weightsync.transport.exposed import ExposedIndex
 from weightsync.transport.nixl_agent import Descriptors, NixlAgent, Xfer
 from weightsync.transport.tensors import flat_views, op_src_view
@@ -202,26 +209,27 @@ class NixlBase:
         self.setup["registered_bytes"] = self.setup.get("registered_bytes", 0) + sum(
             n for regions in by_kind.values() for n in regions.values())
 
-    def _publish(self, epoch: int, doc: dict[str, Any]) -> None:
-        """This rank's endpoint of the epoch: mode, agent metadata, control words, and ``doc``."""
+    def _publish(self, epoch: int, *, slots: NixlSlots | None = None,
+                 shards: Mapping[str, tuple[int, int]] | None = None) -> None:
+        """This rank's endpoint of the epoch: mode, agent metadata, control words, and what its
+        mode exposes (a pull writer's ``slots``, a push reader's ``shards``)."""
         assert self._agent is not None
-        doc = {"mode": self.mode, "agent": self._agent.metadata(), "ctl": self._ctl.data_ptr(),
-               "device": self.ctx.device, **doc}
-        self.ctx.job.publish_endpoint(self.name, epoch, doc)
+        self.ctx.channel.publish_endpoint(epoch, NixlEndpoint(self.mode, self._agent.metadata(), self._ctl.data_ptr(),
+                                                              self.ctx.device, slots, shards))
 
     def _connect(self, epoch: int, role: Role, rank: int, deadline: Deadline) -> Peer:
         """Wait for a peer's endpoint, check that it agrees with us, connect to its agent."""
         assert self._agent is not None
         label = f"{role} {rank}"
-        doc = self.ctx.job.wait_endpoint(self.name, epoch, role, rank, deadline=deadline)
-        if doc is None:
+        endpoint = peer_endpoint(self.ctx, NixlEndpoint, epoch, role, rank, deadline=deadline)
+        if endpoint is None:
             raise TransportError(f"{self.who}: {label} did not publish its NIXL metadata for epoch "
                                  f"{epoch} in time (is it running with transport 'nixl'?)")
-        if doc.get("mode") != self.mode:
-            raise TransportError(f"{self.who}: {label} uses nixl_mode {doc['mode']!r}, this rank "
+        if endpoint.mode != self.mode:
+            raise TransportError(f"{self.who}: {label} uses nixl_mode {endpoint.mode!r}, this rank "
                                  f"{self.mode!r}; set the same TransportOptions.nixl_mode everywhere")
         t0 = time.perf_counter()
-        peer = Peer(rank, label, self._agent.connect(doc["agent"], label=label), doc)
+        peer = Peer(rank, label, self._agent.connect(endpoint.agent, label=label), endpoint)
         self.setup["connect_seconds"] = self.setup.get("connect_seconds", 0.0) + time.perf_counter() - t0
         return peer
 
@@ -238,14 +246,14 @@ class NixlBase:
         cuda = data and self.device.type == "cuda"
         xfer = self._agent.prepare(op, peer.agent, descs, "VRAM" if cuda else "DRAM", what=what,
                                    local_device=nixl_device_id(self.ctx.device) if cuda else 0,
-                                   remote_device=nixl_device_id(str(peer.doc.get("device", "cpu"))) if cuda else 0)
+                                   remote_device=nixl_device_id(peer.endpoint.device) if cuda else 0)
         self.setup["descriptors"] = self.setup.get("descriptors", 0) + xfer.descriptors
         self.setup["handles"] = self.setup.get("handles", 0) + 1
         return xfer
 
     def _word_xfer(self, peer: Peer, local: torch.Tensor, what: str) -> Xfer:
         """A READ of the peer's control words (as many as ``local`` holds) into ``local``."""
-        descs = Descriptors.of([local.data_ptr()], [peer.doc["ctl"]], [local.numel() * local.element_size()])
+        descs = Descriptors.of([local.data_ptr()], [peer.endpoint.ctl], [local.numel() * local.element_size()])
         return self._prepare_xfer(peer, "READ", descs, what, data=False)
 
     def _pack(self, base: int, phase: int) -> int:
@@ -298,13 +306,13 @@ def send_live(op: TransferOp) -> bool:
 
 
 class Peer:
-    """A connected peer: its rank, NIXL agent name, published document and prepared transfers."""
+    """A connected peer: its rank, NIXL agent name, published endpoint and prepared transfers."""
 
-    def __init__(self, rank: int, label: str, agent: str, doc: dict[str, Any]) -> None:
+    def __init__(self, rank: int, label: str, agent: str, endpoint: NixlEndpoint) -> None:
         self.rank = rank
         self.label = label
         self.agent = agent
-        self.doc = doc
+        self.endpoint = endpoint
         #: READ of the peer's control words (sequence words, ready word, or liveness).
         self.ctl: Xfer | None = None
         #: Per phase, per version slot (push: one), the transfers to run, each with the staged

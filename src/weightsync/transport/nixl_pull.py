@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from weightsync.deadline import Deadline
+from weightsync.job_wire import WireError
 from weightsync.layout.types import itemsize
 from weightsync.transport.base import PhaseTimer, TransferStats, TransportError, check_phase
+from weightsync.transport.endpoints import NixlSlots
 from weightsync.transport.exposed import ExposedIndex
 from weightsync.transport.nixl_agent import Descriptors, Xfer
 from weightsync.transport.nixl_common import EMPTY, NixlBase, Peer, slab_offset
@@ -38,8 +40,7 @@ class NixlPullTransport(NixlBase):
         self._area = torch.empty(self.slots * self._slot_bytes, dtype=torch.uint8, device=self.device)
         self._ctl = torch.full((self.slots,), EMPTY, dtype=torch.int64)
         self._register([self._area, self._ctl])
-        self._publish(epoch, {"area": self._area.data_ptr(), "slots": self.slots,
-                                   "slot_bytes": self._slot_bytes, "index": self._index.encode()})
+        self._publish(epoch, slots=NixlSlots(self._area.data_ptr(), self.slots, self._slot_bytes, self._index.encode()))
 
     def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
         if self._area is None:
@@ -58,6 +59,12 @@ class NixlPullTransport(NixlBase):
         return stats
 
     # -- pull: reader -----------------------------------------------------------------------
+    def _slots_of(self, peer: Peer) -> NixlSlots:
+        try:
+            return peer.endpoint.exposed_slots(peer.label)
+        except WireError as exc:
+            raise TransportError(f"{self.who}: {exc}") from exc
+
     def _prepare_reader(self, parts: list[Plan], epoch: int, deadline: Deadline) -> None:
         opts = self.ctx.options
         writers = sorted({op.src_rank for part in parts for op in part.ops})
@@ -71,11 +78,12 @@ class NixlPullTransport(NixlBase):
         self._register([*self._flats.values(), self._ctl, *([] if self._landing is None else [self._landing])])
         t0 = time.perf_counter()
         for i, (peer, messages) in enumerate(zip(self._peers, schedules, strict=True)):
-            if int(peer.doc["slots"]) != self.slots:
-                raise TransportError(f"{self.who}: {peer.label} has {peer.doc['slots']} version slots, this "
+            exposed = self._slots_of(peer)
+            if exposed.slots != self.slots:
+                raise TransportError(f"{self.who}: {peer.label} has {exposed.slots} version slots, this "
                                      f"reader {self.slots}; use the same TransportOptions.slots everywhere")
             peer.ctl = self._word_xfer(peer, self._ctl[i], "version words")
-            index = ExposedIndex.decode(peer.doc["index"])
+            index = ExposedIndex.decode(exposed.index)
             peer.phases = [[self._pull_xfers(peer, index, phase_messages, slot) for slot in range(self.slots)]
                            for phase_messages in messages]
         self.setup["prepare_xfers_seconds"] = time.perf_counter() - t0
@@ -83,7 +91,8 @@ class NixlPullTransport(NixlBase):
     def _pull_xfers(self, peer: Peer, index: ExposedIndex, messages: list[Message],
                     slot: int) -> list[tuple[Xfer, Message | None]]:
         """READs of one slot: all dense destinations in one request, then one per staged message."""
-        area = int(peer.doc["area"]) + slot * int(peer.doc["slot_bytes"])
+        exposed = self._slots_of(peer)
+        area = exposed.area + slot * exposed.slot_bytes
 
         def remote(piece: Piece) -> int:
             at, nbytes = index.locate(piece.op, peer.rank)

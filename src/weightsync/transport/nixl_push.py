@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from weightsync.deadline import Deadline
+from weightsync.job_wire import WireError
 from weightsync.layout.types import itemsize
 from weightsync.transport.base import PhaseTimer, TransferStats, TransportError, check_phase
 from weightsync.transport.exposed import piece_key
@@ -55,7 +56,7 @@ class NixlPushTransport(NixlBase):
         self._ctl = torch.full((1 + len(readers),), EMPTY, dtype=torch.int64)  # own word, readers' ready words
         live = sorted({op.src_shard for op in ops if send_live(op)})
         self._register([self._area, self._ctl, *(self._flats[name] for name in live)])
-        self._publish(epoch, {})
+        self._publish(epoch)
         self._peers = [self._connect(epoch, "reader", r, deadline) for r in readers]
         t0 = time.perf_counter()
         for i, peer in enumerate(self._peers):
@@ -71,7 +72,10 @@ class NixlPushTransport(NixlBase):
     def _runs(self, peer: Peer, ops: list[TransferOp]) -> Descriptors:
         """One descriptor per run contiguous in both the source and the reader's tensor."""
         assert self._area is not None and self._index is not None
-        shards = peer.doc["shards"]
+        try:
+            shards = peer.endpoint.destination_shards(peer.label)
+        except WireError as exc:
+            raise TransportError(f"{self.who}: {exc}") from exc
         local, remote, lengths = [], [], []
         for op in ops:
             size = itemsize(op.dst_dtype)
@@ -141,8 +145,8 @@ class NixlPushTransport(NixlBase):
         writers = sorted({op.src_rank for part in parts for op in part.ops})
         self._ctl = torch.full((1 + len(writers),), EMPTY, dtype=torch.int64)  # ready word, liveness mirrors
         self._register([*self._flats.values(), self._ctl])
-        shards = {name: [t.data_ptr(), t.numel() * t.element_size()] for name, t in self._flats.items()}
-        self._publish(epoch, {"shards": shards})
+        self._publish(epoch, shards={name: (t.data_ptr(), t.numel() * t.element_size())
+                                     for name, t in self._flats.items()})
         self._peers = [self._connect(epoch, "writer", w, deadline) for w in writers]
         for i, peer in enumerate(self._peers):
             peer.ctl = self._word_xfer(peer, self._ctl[1 + i: 2 + i], "liveness word")

@@ -55,8 +55,10 @@ from weightsync.transport.base import (
     TransportError,
     check_phase,
     check_tensors_device,
+    peer_endpoint,
     phase_plans,
 )
+from weightsync.transport.endpoints import ShmEndpoint
 from weightsync.transport.exposed import ExposedIndex
 from weightsync.transport.shm_segment import (
     CONTROL_BYTES,
@@ -168,7 +170,8 @@ class SharedMemoryTransport:
                                                                          device=self.device,
                                                                          streaming=self.streaming)
         path = self._writer.segment.path
-        self.ctx.job.publish_endpoint(self.name, epoch, {"path": path})
+        assert path is not None, "a segment has its path until it is closed"
+        self.ctx.channel.publish_endpoint(epoch, ShmEndpoint(path))
 
     def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
         if self._writer is None:
@@ -181,11 +184,11 @@ class SharedMemoryTransport:
         self._close_peers()
         writers = sorted({op.src_rank for part in parts for op in part.ops})
         for w in writers:
-            doc = self.ctx.job.wait_endpoint(self.name, epoch, "writer", w, deadline=deadline)
-            if doc is None or not isinstance(doc.get("path"), str):
+            endpoint = peer_endpoint(self.ctx, ShmEndpoint, epoch, "writer", w, deadline=deadline)
+            if endpoint is None:
                 raise TransportError(f"reader {self.ctx.rank}: writer {w} did not expose its shared memory "
                                      f"for epoch {epoch} in time")
-            self._peers[w] = attach(str(doc["path"]), w, self.ctx, self.device, self.streaming)
+            self._peers[w] = attach(endpoint.path, w, self.ctx, self.device, self.streaming)
         self._reads = []
         for part in parts:
             reads = []

@@ -43,8 +43,10 @@ from weightsync.transport.base import (
     TransportError,
     check_phase,
     check_tensors_device,
+    peer_endpoint,
     phase_plans,
 )
+from weightsync.transport.endpoints import TorchRendezvous
 from weightsync.transport.schedule import Message, build_messages, pair_order
 from weightsync.transport.tensors import flat_views
 
@@ -116,13 +118,12 @@ class TorchDistBase:
         td = datetime.timedelta(seconds=deadline.remaining())
         if ctx.role == "writer" and ctx.rank == 0:
             store = dist.TCPStore(ctx.options.host, 0, ctx.world_size, True, timeout=td, wait_for_workers=False)
-            ctx.job.publish_endpoint(self.name, epoch, TorchRendezvous(ctx.options.host, store.port).to_wire())
+            ctx.channel.publish_endpoint(epoch, TorchRendezvous(ctx.options.host, store.port))
         else:
-            doc = ctx.job.wait_endpoint(self.name, epoch, "writer", 0, deadline=deadline)
-            if doc is None:
+            rendezvous = peer_endpoint(ctx, TorchRendezvous, epoch, "writer", 0, deadline=deadline)
+            if rendezvous is None:
                 raise TransportError(f"{ctx.who}: writer 0 did not publish the torch rendezvous address for "
                                      f"epoch {epoch} in time")
-            rendezvous = TorchRendezvous.from_wire(doc)
             try:
                 store = dist.TCPStore(rendezvous.host, rendezvous.port, ctx.world_size, False, timeout=td)
             except RuntimeError as exc:  # DistNetworkError and friends: writer 0's store of this epoch is gone
@@ -163,24 +164,6 @@ class TorchDistBase:
         self._buffers.clear()
         self._flats = {}
         self._schedules = []
-
-
-@dataclass(frozen=True, slots=True)
-class TorchRendezvous:
-    """Writer 0's endpoint: the TCPStore every rank of the epoch's process group joins."""
-
-    host: str
-    port: int
-
-    def to_wire(self) -> dict[str, object]:
-        return {"host": self.host, "port": self.port}
-
-    @classmethod
-    def from_wire(cls, doc: dict[str, object]) -> TorchRendezvous:
-        host, port = doc.get("host"), doc.get("port")
-        if not isinstance(host, str) or not isinstance(port, int) or not 0 < port < 65536:
-            raise TransportError(f"malformed torch rendezvous endpoint {doc!r}")
-        return cls(host, port)
 
 
 @dataclass(frozen=True)
