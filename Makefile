@@ -14,7 +14,11 @@ TEST_EXTRAS ?= test,all
 # Every test must leave the process as it found it (tests/conftest.py checks).
 TEST_SEED ?= 2701297310
 
-.PHONY: demo test lint typecheck clean
+# verl pins transformers<5.11 (and pulls datasets, wandb, ...), so its tests run in a venv of their own.
+VERL_VENV ?= .venv-verl
+VERL_PY := $(VERL_VENV)/bin/python
+
+.PHONY: demo test test-verl lint typecheck clean
 
 # One stamp per set of extras, so `make demo` then `make test` installs only what is missing.
 $(VENV)/.installed-%: pyproject.toml
@@ -37,6 +41,16 @@ typecheck: $(VENV)/.installed-$(TEST_EXTRAS)
 
 test: lint typecheck
 	$(VENV)/bin/pytest -n 2 -p randomly --randomly-seed=$(TEST_SEED)
+	@echo "verl's backend is tested in a venv of its own (verl pins transformers<5.11): make test-verl"
+
+$(VERL_VENV)/.installed: pyproject.toml
+	test -x $(VERL_PY) || python3 -m venv $(VERL_VENV)
+	$(VERL_PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(VERL_PY) -m pip install -q --disable-pip-version-check -e '.[test,verl,ray]'
+	touch $@
+
+test-verl: $(VERL_VENV)/.installed
+	$(VERL_VENV)/bin/pytest -p randomly --randomly-seed=$(TEST_SEED) tests/test_integration_verl.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VERL_VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

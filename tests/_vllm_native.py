@@ -33,14 +33,16 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def vllm_server(model: Path, *, timeout: float = 240.0) -> Iterator[str]:
-    """``vllm serve`` as a user starts it (the RL routes need VLLM_SERVER_DEV_MODE=1)."""
+def vllm_server(model: Path, *, timeout: float = 240.0, extra: tuple[str, ...] = (),
+                port: int | None = None) -> Iterator[str]:
+    """``vllm serve`` as a user starts it (the RL routes need VLLM_SERVER_DEV_MODE=1), with ``extra``
+    arguments, on ``port`` (default: a free one)."""
     import httpx
 
-    port = free_port()
+    port = port or free_port()
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port), *VLLM_ARGS, "--weight-transfer-config", json.dumps({"backend": "weightsync"})]
+           "--port", str(port), *VLLM_ARGS, *extra, "--weight-transfer-config", json.dumps({"backend": "weightsync"})]
     log = open(model.parent / f"server-{port}.log", "wb")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

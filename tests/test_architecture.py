@@ -32,8 +32,8 @@ CORE_FORBIDDEN = (
 )
 #: Engine / framework packages only their own adapter (or integration) modules may import.
 ADAPTER_ONLY = {
-    "vllm": ("engines/vllm", "integrations/vllm"), "sglang": ("engines/sglang", "integrations/sglang"),
-    "transformers": ("engines/hf", "sources/"),
+    "vllm": ("engines/vllm", "integrations/vllm", "integrations/trl"), "sglang": ("engines/sglang", "integrations/sglang"),
+    "transformers": ("engines/hf", "sources/"), "trl": "integrations/trl",
     "megatron": "sources/megatron", "deepspeed": "sources/deepspeed",
     "nixl": "transport/nixl", "nixl_cu12": "transport/nixl",
     # weightsync's Ray actors, and the vLLM trainer engine driving vLLM's Ray workers

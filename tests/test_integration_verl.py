@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-pytest.importorskip("verl", reason="needs verl (pip install 'weightsync[verl]')")
+pytest.importorskip("verl", reason="needs verl: `make test-verl` runs it in a venv of its own (verl pins transformers<5.11)")
 ray = pytest.importorskip("ray", reason="needs ray (pip install 'weightsync[ray]')")
 
 import torch  # noqa: E402

@@ -3,6 +3,7 @@
 For self-checks (``weightsync doctor``), examples and tests: a real engine loads them in
 seconds. Shapes suit vLLM on CPU (head_dim 32: its CPU attention has no smaller size).
 Matrices are drawn N(0, 0.2), so greedy outputs of two seeds differ within a few tokens.
+:func:`write_tokenizer` adds a word-level tokenizer for trainers that need one.
 
     config = tiny_config(moe=False)
     canonical = write_checkpoint(path, config, seed=1)      # config.json + model.safetensors
@@ -149,3 +150,18 @@ def write_adapter(path: Path, config: dict[str, Any], lora: Any, seed: int) -> d
     tensors = lora_weights(config, lora, seed)
     save_file(tensors, str(path / "adapter_model.safetensors"))
     return tensors
+
+
+def write_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
+    """A word-level tokenizer over ``vocab_size`` ids (``<unk>``, ``<s>``, ``</s>``, then ``w3``,
+    ``w4``, ...: the word ``wN`` is id N), for trainers that need one (TRL) and no hub."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>",
+        "pad_token": "<unk>"}))

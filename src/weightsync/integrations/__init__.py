@@ -11,5 +11,6 @@ one (``tests/test_architecture.py``):
   update of a live engine; ``vllm_memory``: the reader process of ``weightsync bench --suite
   vllm-memory``;
 * ``ray``: Ray actors as ranks, the meta server as a named actor (docs/distributed.md);
-* ``verl``: verl's checkpoint-engine backend.
+* ``verl``: verl's checkpoint-engine backend (imports verl);
+* ``trl`` / ``trl_sync``: TRL's GRPOTrainer through weightsync (imports trl; docs/distributed.md).
 """

@@ -1,0 +1,292 @@
+"""The two ways :mod:`weightsync.integrations.trl` moves a TRL trainer's weights into vLLM.
+
+:class:`ServerSync` (``vllm_mode="server"``) makes every trainer rank a writer through the
+``"weightsync"`` trainer backend of vLLM's weight-transfer API; :class:`ColocateSync`
+(``vllm_mode="colocate"``) makes every rank a writer and its in-process ``LLM`` a reader.
+Both are built on every rank by ``WeightSyncVLLMGeneration._init_vllm`` and driven by its
+``sync_weights``::
+
+    sync = ServerSync(generation, settings)     # every rank, when TRL sets up vLLM
+    sync.sync(version)                          # every rank, each time TRL syncs
+    sync.close()
+
+The writer is created at the first sync, not at set-up: the trainer shards (FSDP2) or
+partitions (ZeRO-3) the model when training starts, after TRL built its vLLM side.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from weightsync.integrations.trl import TRLSyncSettings
+    from weightsync.writer import WriteResult
+
+logger = logging.getLogger(__name__)
+
+
+class _Sync:
+    """What both modes share: the job's meta server, the version guard, the writer's source."""
+
+    def __init__(self, generation: Any, settings: TRLSyncSettings) -> None:
+        self.generation = generation
+        self.settings = settings
+        self.accelerator = generation.accelerator
+        self.rank = int(self.accelerator.process_index)
+        self.world = int(self.accelerator.num_processes)
+        self.version: int | None = None
+        #: this rank's WriteResult of the last version (bytes on the wire, seconds per phase)
+        self.last_result: WriteResult | None = None
+        self._closers: list[Any] = []
+        self._lock = threading.Lock()
+        atexit.register(self.close)
+
+    def _meta(self, check: Any = None) -> tuple[str, str]:
+        """(address, token) of the job's meta server, the same on every rank; ``check()`` runs on
+        the main process first and a message it returns is raised on every rank."""
+        from weightsync.meta.config import MetaEnv
+
+        payload = None
+        if self.accelerator.is_main_process:
+            payload = {"address": self.settings.meta_address, "token": self.settings.meta_token, "error": ""}
+            try:
+                payload["error"] = check() if check is not None else ""
+                if not payload["address"]:
+                    env = MetaEnv.from_env()
+                    payload["address"], payload["token"] = env.address or "", env.token or ""
+                if not payload["address"]:
+                    from weightsync.meta.embedded import EmbeddedMetaServer
+
+                    server = EmbeddedMetaServer(host=self.settings.meta_host).start()
+                    self._closers.append(server.stop)
+                    payload["address"], payload["token"] = server.address, server.token
+            except Exception as exc:  # every rank must learn it, or the others wait forever
+                payload["error"] = f"{type(exc).__name__}: {exc}"
+        shared = share_from_main(self.accelerator, payload)
+        if shared["error"]:
+            raise ValueError(f"weightsync (TRL {self.generation.mode} mode): {shared['error']}")
+        return str(shared["address"]), str(shared["token"])
+
+    def _source(self) -> Any:
+        """This rank's training source over the trainer's model (merged-weight names for PEFT)."""
+        return training_source(self.generation.model, self.rank)
+
+    def sync(self, version: int) -> None:
+        with self._lock:
+            if self.version is not None and version <= self.version:
+                if version == self.version:
+                    return  # vLLM holds this step's weights already
+                raise ValueError(f"weightsync: version {version} (the trainer's global step) is older than "
+                                 f"{self.version}, which vLLM holds; a resumed run must not go back in steps")
+            with merged_adapter(self.generation.model):
+                self.last_result = self._send(version)
+            self.version = version
+            logger.info("weightsync: rank %d sent version %d (%d bytes, %.3f s)", self.rank, version,
+                        self.last_result.nbytes, self.last_result.seconds)
+
+    def _send(self, version: int) -> WriteResult:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        closers, self._closers = self._closers, []
+        for close in closers:
+            try:
+                close()
+            except Exception as exc:  # best effort: everything else still closes
+                logger.warning("weightsync: closing the TRL sync: %s", exc)
+
+
+class ServerSync(_Sync):
+    """Every rank writes its shards into a ``vllm serve --weight-transfer-config
+    '{"backend": "weightsync"}'`` server; the main process drives the server's routes."""
+
+    def __init__(self, generation: Any, settings: TRLSyncSettings) -> None:
+        super().__init__(generation, settings)
+        self.engine: Any = None
+        self.address, self.token = self._meta(self._check_server)
+
+    def _check_server(self) -> str:
+        client = self.generation.vllm_client
+        transfer = client.get_server_info().get("weight_transfer_config") or {}
+        if transfer.get("backend") != "weightsync":
+            return (f"the vLLM server at {client.base_url} runs weight-transfer backend {transfer.get('backend')!r}; "
+                    "start it with --weight-transfer-config '{\"backend\": \"weightsync\"}' (and "
+                    "VLLM_SERVER_DEV_MODE=1)")
+        workers = client.get_world_size()
+        if workers != 1:
+            return (f"the vLLM server at {client.base_url} has {workers} workers; weightsync's vLLM backend serves "
+                    "engines of one worker (tensor, pipeline and data parallel size 1)")
+        return ""
+
+    def _send(self, version: int) -> WriteResult:
+        if self.engine is None:
+            self.engine = self._start()
+        self.engine.send_weights(version)
+        result: WriteResult | None = self.engine.last_result
+        assert result is not None
+        return result
+
+    def _start(self) -> Any:
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from weightsync.integrations.vllm_trainer import WeightSyncTrainerInitInfo
+
+        s = self.settings
+        source = self._source()
+        info = WeightSyncTrainerInitInfo(
+            rank=self.rank, num_writers=self.world, num_readers=1, meta_address=self.address, meta_token=self.token,
+            job=s.job, transport=s.transport, timeout=s.timeout, max_bucket_bytes=s.max_bucket_bytes,
+            model_config=source.config, layer_phases=s.layer_phases)
+        client = HTTPVLLMWeightSyncClient(self.generation.base_url, timeout=s.timeout)  # rank 0 drives it
+        engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+        self._closers.insert(0, engine.shutdown)
+        return engine
+
+
+class ColocateSync(_Sync):
+    """Every rank writes its shards; every rank's in-process ``LLM`` reads a whole model."""
+
+    def __init__(self, generation: Any, settings: TRLSyncSettings) -> None:
+        from weightsync.engines.vllm import VLLMEngine
+        from weightsync.meta.client import MetaClient
+        from weightsync.reader import WeightReader
+
+        super().__init__(generation, settings)
+        self.writer: Any = None
+        self.address, self.token = self._meta()
+        self.meta = MetaClient(self.address, job=settings.job, token=self.token or None)
+        self._closers.insert(0, self.meta.close)
+        engine = VLLMEngine(generation.llm, rank=self.rank, replicas=self.world)
+        self.reader = WeightReader(engine, rank=self.rank, config=self._config(), meta=self.meta)
+        self._closers.insert(0, self.reader.close)
+
+    def _config(self) -> Any:
+        from weightsync.session import SyncConfig, TransportOptions
+
+        s = self.settings
+        return SyncConfig(num_writers=self.world, num_readers=self.world, job=s.job, transport=s.transport,
+                          timeout=s.timeout, layer_phases=s.layer_phases,
+                          transport_options=TransportOptions(max_bucket_bytes=s.max_bucket_bytes))
+
+    def _send(self, version: int) -> WriteResult:
+        from weightsync.writer import WeightWriter
+
+        if self.writer is None:
+            self.writer = WeightWriter(self._source(), rank=self.rank, config=self._config(), meta=self.meta)
+            self._closers.insert(0, self.writer.close)
+        writer = self.writer
+        result: WriteResult = run_concurrently(lambda: self.reader.update(version, timeout=self.settings.timeout),
+                                               lambda: writer.write(version), self.settings.timeout)
+        return result
+
+
+def share_from_main(accelerator: Any, payload: dict[str, Any] | None) -> dict[str, Any]:
+    """The main process's ``payload`` on every rank, as JSON bytes broadcast over the process group."""
+    if accelerator.num_processes == 1:
+        assert payload is not None
+        return payload
+    import torch.distributed as dist
+
+    data = json.dumps(payload).encode() if accelerator.is_main_process else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=accelerator.device)
+    dist.broadcast(size, src=0)
+    buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=accelerator.device)
+    if accelerator.is_main_process:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buffer, src=0)
+    shared: dict[str, Any] = json.loads(bytes(buffer.cpu().tolist()))
+    return shared
+
+
+def run_concurrently(first: Callable[[], Any], second: Callable[[], Any], timeout: float) -> Any:
+    """``first()`` on a helper thread while ``second()`` runs here; ``second``'s result; raises either's error."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-trl") as pool:
+        future = pool.submit(first)
+        try:
+            return second()
+        finally:
+            future.result(timeout=timeout)
+
+
+# -- the trainer's model as a training source ------------------------------------------------
+
+def hf_config(model: Any) -> dict[str, Any]:
+    """The Hugging Face config of a transformers model, PEFT-wrapped or not."""
+    base = model.get_base_model() if _is_peft(model) else model
+    config = getattr(base, "config", None)
+    if config is None:
+        raise ValueError(f"{type(base).__name__} has no Hugging Face config: weightsync's TRL integration needs a "
+                         "transformers model")
+    return dict(config.to_dict())
+
+
+def training_source(model: torch.nn.Module, rank: int) -> Any:
+    """This rank's source: ZeRO-3 partitions, FSDP2 shards, or a whole (DDP) replica, under the
+    checkpoint names vLLM loads (a PEFT model: its merged base weights)."""
+    from weightsync.sources import DTensorSource, ZeroSource
+
+    config = hf_config(model)
+    view: Any = PeftMergedView(model) if _is_peft(model) else model
+    if any(hasattr(p, "ds_tensor") for p in model.parameters()):
+        return ZeroSource(view, config, rank=rank)
+    if any(type(p).__name__ == "FlatParameter" for p in model.parameters()):
+        raise ValueError("FSDP1 flattens parameters, which weightsync cannot send without a gather: use FSDP2 "
+                         "(fsdp_config={'version': 2}), the default of transformers >= 5")
+    return DTensorSource(view, config, rank=rank)  # FSDP2 shards; plain tensors are whole replicas
+
+
+def _is_peft(model: torch.nn.Module) -> bool:
+    return callable(getattr(model, "merge_adapter", None)) and callable(getattr(model, "get_base_model", None))
+
+
+class PeftMergedView:
+    """A PEFT model's parameters under the names of the merged checkpoint, as TRL names them
+    for vLLM: ``base_model.model.`` and ``.base_layer`` dropped, the adapter's own tensors and
+    ``modules_to_save``'s original copies left out, its trained copies renamed."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.peft_model = model
+        self.prefix = str(getattr(model, "prefix", "lora_"))
+
+    def name(self, name: str) -> str | None:
+        name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        if self.prefix in name or "original_module" in name:
+            return None
+        return name.replace("modules_to_save.default.", "")
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        for name, param in self.peft_model.named_parameters():
+            renamed = self.name(name)
+            if renamed is not None:
+                yield renamed, param
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        return (p for _, p in self.named_parameters())
+
+    def modules(self) -> Iterator[torch.nn.Module]:
+        return self.peft_model.modules()
+
+
+@contextlib.contextmanager
+def merged_adapter(model: Any) -> Iterator[None]:
+    """A PEFT model's adapters merged into its base weights while the block runs (TRL does the same)."""
+    if not _is_peft(model):
+        yield
+        return
+    with torch.no_grad():
+        model.merge_adapter()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            model.unmerge_adapter()

@@ -1,0 +1,130 @@
+"""TRL's GRPOTrainer on weightsync's one-line switch (``weightsync.integrations.trl``).
+
+Real GRPO runs of 3 optimizer steps: two data-parallel training processes (accelerate on CPU
+runs DDP over gloo: its FSDP needs an accelerator) on a tiny Qwen3 built here, with a
+tokenizer, prompts and a reward built here too. Server mode syncs a real ``vllm serve
+--weight-transfer-config '{"backend": "weightsync"}'``; colocate mode the ``LLM`` TRL builds
+inside each training process. After each step the engine's greedy tokens equal a fresh
+engine's on the trainer's weights of that step, and the two ranks each send a part of the
+model, the parts making exactly one model: no rank sends (or gathers) the whole of it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+    pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed (weightsync[trl])"),
+    pytest.mark.slow,
+    pytest.mark.xdist_group("trl"),
+    pytest.mark.timeout(900),
+]
+STEPS = 3
+
+
+def _results(out: str) -> list[dict]:
+    return [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
+
+
+def _trainers(tmp_path: Path, mode: str, url: str | None, server=None) -> list[dict]:
+    """Two training ranks (the ``server`` context, if any, is entered while they start up)."""
+    sys.path.insert(0, str(HERE))
+    from _vllm_native import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_HOST_IP": "127.0.0.1"}
+    cmd = [sys.executable, str(HERE / "_trl_grpo.py"), "train", "--model", str(tmp_path / "model"), "--out",
+           str(tmp_path / "out"), "--mode", mode, "--steps", str(STEPS), *(["--url", url] if url else [])]
+    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        if server is not None:
+            with server:
+                outputs = [p.communicate(timeout=600) for p in procs]
+        else:
+            outputs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for p, (_, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err[-5000:]
+    return [r for out, _ in outputs for r in _results(out)]
+
+
+def _references(tmp_path: Path, script: str, command: str) -> dict[int, list[int]]:
+    """Greedy tokens of a fresh engine on each saved version of the trainer's weights."""
+    paths = [str(tmp_path / "out" / f"v{v}") for v in range(1, STEPS + 1)]
+    proc = subprocess.run([sys.executable, str(HERE / script), command, *paths],
+                          capture_output=True, text=True, timeout=300, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # in-process: no engine processes to start
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {int(Path(r["path"]).name[1:]): r["tokens"] for r in _results(proc.stdout)}
+
+
+def _check_shares(results: list[dict], dtype: str, *, exactly_one_model: bool = True) -> None:
+    """Each rank sent a part of the model, and the parts make exactly one model (in the engine's
+    dtype): no rank sends the whole model, no byte goes twice."""
+    import torch
+
+    itemsize = getattr(torch, dtype).itemsize
+    for version in range(1, STEPS + 1):
+        ranks = {r["rank"]: r for r in results if r["version"] == version}
+        assert sorted(ranks) == [0, 1], results
+        total = ranks[0]["model_numel"] * itemsize
+        for r in ranks.values():
+            assert r["held"] == r["model_bytes"], r  # DDP: a whole replica on each rank
+            assert 0 < r["nbytes"] < total, r
+        if exactly_one_model:
+            assert sum(r["nbytes"] for r in ranks.values()) == total, ranks
+
+
+def test_grpo_trainer_syncs_a_vllm_server_through_weightsync_without_a_gather(tmp_path):
+    sys.path.insert(0, str(HERE))
+    from _trl_grpo import write_model
+    from _vllm_native import free_port, vllm_server
+
+    write_model(tmp_path / "model")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = vllm_server(tmp_path / "model", port=port, timeout=300,
+                         extra=("--logprobs-mode", "processed_logprobs"))
+    results = _trainers(tmp_path, "server", url, server)
+    _check_shares(results, "float32")
+    refs = _references(tmp_path, "_vllm_native.py", "reference")  # the server's engine arguments
+    served = sorted((r for r in results if "tokens" in r), key=lambda r: r["version"])
+    assert [r["version"] for r in served] == list(range(1, STEPS + 1))
+    for r in served:
+        assert r["weight_version"] == str(r["version"])  # the engine's stamp is the trainer's global step
+        assert r["tokens"] == refs[r["version"]], r  # the same weights as a fresh engine, token for token
+    assert len({tuple(t) for t in refs.values()}) > 1  # training moved the weights, and the server followed
+
+
+def test_grpo_trainer_colocated_engines_are_synced_through_shared_memory(tmp_path):
+    sys.path.insert(0, str(HERE))
+    from _trl_grpo import write_model
+
+    write_model(tmp_path / "model")
+    results = _trainers(tmp_path, "colocate", None)
+    dtypes = {r["dtype"] for r in results}
+    assert len(dtypes) == 1, dtypes
+    dtype = dtypes.pop()
+    # Each writer packs its pieces of every reader's copy into its shared-memory slot once; the planner
+    # balances each reader's load on its own, so together the two writers pack more than one model.
+    _check_shares(results, dtype, exactly_one_model=False)
+    refs = _references(tmp_path, "_trl_grpo.py", "colocate-reference")  # the arguments TRL builds its LLM with
+    for r in results:  # both ranks' engines, after every step
+        assert r["tokens"] == refs[r["version"]], r
+        assert r["weight_version"] == str(r["version"])
