@@ -36,7 +36,6 @@ versions it was written against are checked first (:func:`check_trl_version`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -45,6 +44,8 @@ from typing import Any
 import trl
 from trl.generation.vllm_client import VLLMClient
 from trl.generation.vllm_generation import VLLMGeneration
+
+from weightsync.integrations.trl_sync import TRLSyncSettings
 
 logger = logging.getLogger(__name__)
 
@@ -70,42 +71,6 @@ def check_trl_version(version: str | None = None) -> None:
             getattr(VLLMGeneration, "_init_vllm", None)):
         raise RuntimeError(f"trl {version} does not build its vLLM engine through VLLMGeneration._init_vllm as "
                            "weightsync.integrations.trl expects")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TRLSyncSettings:
-    """weightsync's settings for a TRL trainer (the same on every rank).
-
-    Attributes:
-        meta_address / meta_token: the job's meta server, reachable by every trainer rank and by
-            the vLLM server; empty: ``WEIGHTSYNC_META_ADDR`` / ``WEIGHTSYNC_META_TOKEN`` if set,
-            else the main process starts an embedded one on ``meta_host`` and tells the others.
-        meta_host: the interface the embedded meta server listens on: loopback by default, an
-            address the other nodes reach when the trainers or the vLLM server span machines.
-        job: the weightsync job name (one per trainer/engine pair sharing a meta server).
-        transport: ``auto`` (shared memory on one node), ``torch``, ``shm``, ``nixl`` or ``file``.
-        timeout: seconds any one wait may take (planning, one version's transfer).
-        max_bucket_bytes: transfer bucket size, and the phase size with ``layer_phases``.
-        layer_phases: move each version in phases of whole layers, so a vLLM worker stages one
-            phase rather than a copy of the whole model.
-    """
-
-    meta_address: str = ""
-    meta_token: str = ""
-    meta_host: str = "127.0.0.1"
-    job: str = "trl"
-    transport: str = "auto"
-    timeout: float = 300.0
-    max_bucket_bytes: int = 64 << 20
-    layer_phases: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.job:
-            raise ValueError("TRLSyncSettings.job must be a non-empty job name")
-        if self.timeout <= 0:
-            raise ValueError(f"TRLSyncSettings.timeout must be positive, got {self.timeout}")
-        if self.meta_token and not self.meta_address:
-            raise ValueError("TRLSyncSettings.meta_token is set without meta_address: give both, or neither")
 
 
 class GRPOTrainer(trl.GRPOTrainer):  # type: ignore[misc]
