@@ -306,6 +306,12 @@ class PeftMergedView:
             if renamed is not None:
                 yield renamed, param
 
+    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, buffer in self.peft_model.named_buffers():
+            renamed = self.name(name)
+            if renamed is not None:
+                yield renamed, buffer
+
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         return (p for _, p in self.named_parameters())
 
