@@ -11,6 +11,7 @@ restarted; no process is left and no ``/dev/shm/weightsync-*`` file leaks. Marke
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -27,6 +28,9 @@ from weightsync.transport import unavailable_reason
 pytestmark = pytest.mark.faults
 
 TIMEOUT = 20.0
+#: Seconds from a rank's death to a survivor's failure that names it: the 3 s lease, a poll of
+#: the leases, and slack for a loaded 2-core machine (issue 28 asks for 5 s; the timeout is 20 s)
+DETECT = 8.0
 COMMON = {"source": "megatron:tp=2", "target": "vllm:tp=1,replicas=2", "num_writers": 2, "num_readers": 2,
           "config": "tiny-qwen3-moe", "timeout": TIMEOUT}
 
@@ -93,6 +97,22 @@ def skip_unavailable(options) -> None:
         pytest.skip(unavailable_reason(options["transport"]))
 
 
+def died_at(stdout: str) -> float:
+    """When the dying rank process emitted its last record (``died``), just before its fault."""
+    return died_at_records([json.loads(line[7:]) for line in stdout.splitlines() if line.startswith("RESULT ")])
+
+
+def died_at_records(records) -> float:
+    return next(r["at"] for r in records if "died" in r)
+
+
+def assert_noticed(records, death: float, dead: str) -> None:
+    """The rank's first failure after ``death`` came within DETECT seconds and named ``dead``."""
+    failure = next((r for r in records if not r["ok"] and r["at"] > death), None)
+    assert failure is not None, records
+    assert failure["at"] - death < DETECT and dead in failure["error"], (failure["at"] - death, failure)
+
+
 def assert_reader_ends_exact(out, rank, version):
     code, records, stderr = out[("reader", rank)]
     assert code == 0, stderr[-3000:]
@@ -112,9 +132,10 @@ def test_writer_sigkilled_mid_transfer_restarts_and_writes_the_version_again(opt
                  ("writer", 1): launch(server, "writer", 1, versions=[0, 1], die_at=1, die_how="SIGKILL", **common)}
         procs |= {("reader", r): launch(server, "reader", r, until=1, **common) for r in range(2)}
         first = {rank: procs.pop(("writer", rank)) for rank in range(2)}
-        for p in first.values():
-            p.communicate(timeout=TIMEOUT * 4)
-        assert first[1].returncode == -signal.SIGKILL
+        died = finish({1: first[1]}, TIMEOUT * 4)[1]
+        survived = finish({0: first[0]}, TIMEOUT * 4)[0]
+        assert died[0] == -signal.SIGKILL
+        assert_noticed(survived[1], died_at_records(died[1]), "writer 1")
         for rank in range(2):
             procs[("writer", rank)] = launch(server, "writer", rank, versions=[1], **common)
         out = finish(procs, TIMEOUT * 8)
@@ -137,7 +158,7 @@ def test_reader_sigkilled_mid_transfer_the_other_carries_on_and_the_restarted_on
                  for r in range(2)}
         procs[("reader", 0)] = launch(server, "reader", 0, until=2, **common)
         dying = launch(server, "reader", 1, until=2, die_at=1, die_how="SIGKILL", **common)
-        dying.communicate(timeout=TIMEOUT * 4)
+        stdout, _ = dying.communicate(timeout=TIMEOUT * 4)
         assert dying.returncode == -signal.SIGKILL
         procs[("reader", 1)] = launch(server, "reader", 1, until=2, **common)
         out = finish(procs, TIMEOUT * 8)
@@ -145,6 +166,7 @@ def test_reader_sigkilled_mid_transfer_the_other_carries_on_and_the_restarted_on
         assert_reader_ends_exact(out, rank, 2)
         code, records, stderr = out[("writer", rank)]
         assert code == 0 and records[-1]["version"] == 2 and records[-1]["ok"], (records, stderr[-3000:])
+        assert_noticed(records, died_at(stdout), "reader 1")
 
 
 @pytest.mark.parametrize("options", TRANSPORTS)
@@ -161,7 +183,8 @@ def test_writer_sigstopped_others_fail_in_time_then_a_restart_completes_the_vers
             assert code == 0 and not records[-1]["ok"] and records[-1]["seconds"] < TIMEOUT + 10, records
         finally:
             stopped.kill()  # frozen: the operator (or torchrun) kills it
-            stopped.communicate(timeout=TIMEOUT)
+            stdout, _ = stopped.communicate(timeout=TIMEOUT)
+        assert_noticed(records, died_at(stdout), "writer 1")
         for rank in range(2):
             procs[("writer", rank)] = launch(server, "writer", rank, versions=[1], **common)
         out = finish(procs, TIMEOUT * 8)

@@ -182,6 +182,8 @@ def test_readers_count_only_when_registered(server):
 @pytest.mark.parametrize(("writer_config", "reader_config", "message"), [
     ({"num_writers": 1}, {"num_writers": 2}, r"writers=1,.*registered with other settings"),
     ({"staleness": 1}, {"staleness": 0}, r"staleness=(0|1).*registered with other settings"),
+    # the setting is named with both values, not left to a fingerprint mismatch (issue 28)
+    ({"layer_phases": True}, {"layer_phases": False}, r"\(layer_phases=[01], not [01]\) registered with other"),
 ])
 def test_settings_that_differ_between_ranks_are_an_error_before_planning(server, writer_config, reader_config,
                                                                          message):
@@ -195,6 +197,17 @@ def test_settings_that_differ_between_ranks_are_an_error_before_planning(server,
             reader.update(timeout=5)
         with pytest.raises(ValueError, match=message):  # and the writer sees it as well
             writer.write(0)
+
+
+def test_a_second_writer_of_one_rank_in_one_process_is_refused_until_the_first_closes(server):
+    config = SyncConfig(num_writers=1, num_readers=1, transport="shm", timeout=10)
+    with WeightWriter(good_source(), rank=0, config=config, meta=client(server)):
+        with pytest.raises(ValueError, match=r"a WeightWriter for writer rank 0 of job 'default' \(meta server "
+                                             r"http://127\.0\.0\.1:\d+\) is already open in this process: close it"):
+            WeightWriter(good_source(), rank=0, config=config, meta=client(server))
+        WeightWriter(good_source(), rank=0, config=SyncConfig(num_writers=1, num_readers=1, job="other"),
+                     meta=client(server, "other")).close()  # another job's rank 0 is another rank
+    WeightWriter(good_source(), rank=0, config=config, meta=client(server)).close()
 
 
 def test_a_meta_client_of_another_job_is_refused():

@@ -126,7 +126,7 @@ class SyncConfig:
         """What every rank of a job must agree on, as ranks compare it when they register."""
         opts = self.transport_options
         return (f"writers={self.num_writers},readers={self.num_readers},staleness={self.staleness},"
-                f"slots={opts.slots},{opts.digest()}")
+                f"slots={opts.slots},layer_phases={int(self.layer_phases)},{opts.digest()}")
 
 
 @dataclass(frozen=True)

@@ -64,8 +64,8 @@ class GlooTransport(TorchDistBase):
             return dist.ProcessGroupGloo(prefix, self.ctx.global_rank, self.ctx.world_size,
                                          datetime.timedelta(seconds=deadline.remaining()))
         except RuntimeError as exc:
-            dead = "".join(PeerWatch(self.ctx, role, range(n)).describe()  # type: ignore[arg-type]
-                           for role, n in (("writer", self.ctx.num_writers), ("reader", self.ctx.num_readers)))
+            dead = (PeerWatch(self.ctx, "writer", range(self.ctx.num_writers)).describe()
+                    + PeerWatch(self.ctx, "reader", range(self.ctx.num_readers)).describe())
             raise TransportError(f"{self.ctx.who}: process group of epoch {epoch} did not form{dead}: {exc}") from exc
 
     # -- data movement --------------------------------------------------------------------
@@ -94,11 +94,43 @@ class GlooTransport(TorchDistBase):
             self.delta.close()
 
     def _run_pairs(self, version: int, timeout: float, move: Any, schedule: list[Pair]) -> TransferStats:
-        """Run ``move`` for every peer, on up to ``MAX_LANES`` threads (see module docstring)."""
-        deadline = Deadline.after(timeout)
+        """Run ``move`` for every peer (see :meth:`_run_lanes`) while a :class:`PeerGuard` watches
+        them: gloo's waits cannot be interrupted, so when a peer's lease expires the guard breaks
+        the group (:func:`break_group`) and the waits fail at once; the error names the dead peer."""
         pg = self._pg
         if pg is None:
             raise TransportError(f"{self.ctx.who}: no process group; call prepare() first")
+        watch = PeerWatch(self.ctx, self._other, sorted({pair.peer for pair in schedule}))
+        with watch.guard(abort=lambda: break_group(pg, self._any_peer())) as guard:
+            try:
+                stats = self._run_lanes(version, Deadline.after(timeout), pg, move, schedule)
+            except TransportError as exc:
+                if not guard.dead:
+                    raise
+                error: TransportError | None = exc
+            else:
+                error = None
+        if guard.dead:  # even if every byte arrived meanwhile: the group is broken, the epoch must move on
+            self._teardown_group()
+            raise TransportError(watch.died(guard.dead, f"version {version}")) from error
+        return stats
+
+    @property
+    def _other(self) -> Literal["writer", "reader"]:
+        return "reader" if self.ctx.role == "writer" else "writer"
+
+    def _any_peer(self) -> int:
+        """Some other rank of the group (every group has a writer and a reader)."""
+        return 1 if self.ctx.global_rank == 0 else 0
+
+    def _teardown_group(self) -> None:
+        pg = self._pg
+        if pg is not None:  # peers blocked on this rank fail now instead of at their timeout
+            break_group(pg, self._any_peer())
+        super()._teardown_group()
+
+    def _run_lanes(self, version: int, deadline: Deadline, pg: Any, move: Any, schedule: list[Pair]) -> TransferStats:
+        """Run ``move`` for every peer, on up to ``MAX_LANES`` threads (see module docstring)."""
         lanes = max(1, min(len(schedule), MAX_LANES))
         runs = [_LaneRun(i, pg, deadline, TransferStats(version), schedule[i::lanes]) for i in range(lanes)]
         if len(runs) == 1:
@@ -220,14 +252,14 @@ class GlooTransport(TorchDistBase):
     def _wait(self, item: tuple[Any, Message, int], deadline: Deadline, peer: int, timer: PhaseTimer) -> None:
         work, message, _ = item
         remaining = deadline.remaining(0.0)
-        other = "reader" if self.ctx.role == "writer" else "writer"
+        other = self._other
         try:
             with timer("transfer"):
                 if remaining <= 0 or not work.wait(datetime.timedelta(seconds=remaining)):
                     raise TimeoutError(f"no progress within the timeout ({remaining:.1f}s left)")
         except (RuntimeError, TimeoutError) as exc:
             self._teardown_group()  # a broken group cannot be reused; the next epoch rebuilds it
-            dead = PeerWatch(self.ctx, other, [peer]).describe()  # type: ignore[arg-type]
+            dead = PeerWatch(self.ctx, self._other, [peer]).describe()
             raise TransportError(
                 f"{self.ctx.who}: transfer with {other} {peer} failed{dead} "
                 f"({message.describe()}): {exc}"
@@ -276,6 +308,24 @@ class _GlooLink:
 
     def buffer(self, slot: int) -> torch.Tensor:
         return self.transport._buffer(self.run.lane, slot)
+
+
+#: The tag of :func:`break_group`'s receive, which no message ever uses (tags are message indices).
+_BREAK_TAG = (1 << 31) - 1
+
+
+def break_group(pg: Any, peer: int) -> None:
+    """Make every pending and future operation of a gloo group fail now.
+
+    Neither ``abort()`` nor ``shutdown()`` of a gloo group wakes a thread blocked in a send or
+    receive (torch 2.13), but a receive that times out makes gloo close every pair of the
+    group with "Application timeout caused pair closure" (``UnboundBuffer::waitRecv``), which
+    fails the blocked waits, here and at the peers, and keeps a late peer's bytes out.
+    """
+    try:
+        pg.recv([torch.empty(1)], peer, _BREAK_TAG).wait(datetime.timedelta(milliseconds=1))
+    except Exception as exc:  # the timeout that breaks it, or a group that is broken already
+        logger.debug("gloo group broken: %s", exc)
 
 
 def _buffers_in_use(in_flight: deque[tuple[Any, Message, int]]) -> int:
