@@ -63,6 +63,7 @@ from weightsync.transport.exposed import ExposedIndex
 from weightsync.transport.shm_segment import (
     CONTROL_BYTES,
     EMPTY,
+    FileGoneError,
     OwnSegment,
     progress_word,
     read_segment,
@@ -362,13 +363,25 @@ class SnapshotPeer:
                 f"replaced by {held}; readers may fall at most {self.slots - 1} version(s) behind")
 
 
+def gone_why(ctx: TransportContext, writer: int) -> str:
+    """What a missing file of ``writer``'s says, by its lease: it exited, or someone else removed it."""
+    dead = PeerWatch(ctx, "writer", [writer]).dead()
+    if dead:
+        return f" (writer {writer} exited: {dead[writer]})"
+    return (f" while writer {writer} is alive (its lease is held): another process removed it (a cleanup of "
+            "/dev/shm, or a sweep that judges liveness by pid, from another pid namespace)")
+
+
 def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, streaming: bool) -> PeerSegment:
     """Map writer ``writer``'s segment and return the peer of the mode it was written in."""
-    mem, words, header = read_segment(path, writer)
-    index = ExposedIndex.decode(header["index"])
-    if header.get("mode") == "zero_copy":
-        return ZeroCopyPeer(words, index, header["files"], writer=writer, reader=ctx.rank,
-                            watch=PeerWatch(ctx, "writer", [writer]))
+    try:
+        mem, words, header = read_segment(path, writer)
+        index = ExposedIndex.decode(header["index"])
+        if header.get("mode") == "zero_copy":
+            return ZeroCopyPeer(words, index, header["files"], writer=writer, reader=ctx.rank,
+                                watch=PeerWatch(ctx, "writer", [writer]))
+    except FileGoneError as exc:
+        raise TransportError(f"{ctx.who}: {exc}{gone_why(ctx, writer)}") from None
     slot_bytes, slots = int(header["slot_bytes"]), int(header["slots"])
     writer_device = str(header.get("device", "cpu"))
     if writer_device.startswith("cuda"):
