@@ -22,7 +22,7 @@ from meta_proc import MetaServerProcess
 from test_sync_e2e import finish
 from test_sync_e2e import launch as launch_rank
 from weightsync.deadline import Deadline
-from weightsync.meta.client import EmbeddedMetaServer
+from weightsync.meta.client import EmbeddedMetaServer, MetaClient
 from weightsync.transport import unavailable_reason
 
 pytestmark = pytest.mark.faults
@@ -113,6 +113,16 @@ def assert_noticed(records, death: float, dead: str) -> None:
     assert failure["at"] - death < DETECT and dead in failure["error"], (failure["at"] - death, failure)
 
 
+def wait_for_lease(server, role: str, rank: int, pid: int) -> None:
+    """Until process ``pid`` holds the lease of ``role`` ``rank`` (it joined the job)."""
+    deadline = Deadline.after(TIMEOUT * 4)
+    with MetaClient(server.address, token=server.token) as meta:
+        while not any(row.role == role and row.rank == rank and row.pid == pid and row.alive
+                      for row in meta.leases()):
+            assert not deadline.expired, f"{role} {rank} (pid {pid}) did not join in time"
+            time.sleep(0.2)
+
+
 def assert_reader_ends_exact(out, rank, version):
     code, records, stderr = out[("reader", rank)]
     assert code == 0, stderr[-3000:]
@@ -147,20 +157,27 @@ def test_writer_sigkilled_mid_transfer_restarts_and_writes_the_version_again(opt
 
 @pytest.mark.parametrize("options", TRANSPORTS)
 def test_reader_sigkilled_mid_transfer_the_other_carries_on_and_the_restarted_one_catches_up(options, no_leaks,
-                                                                                              tally):
+                                                                                              tally, tmp_path):
     skip_unavailable(options)
     tally("reader SIGKILL as it receives V; restarted", options)
     common = {**COMMON, **options}
+    flags = tmp_path / "flags"
+    flags.mkdir()
     with EmbeddedMetaServer() as server:
         # retries: a version in flight when the restarted reader joins fails (the writers'
-        # connections do not include it) and the trainer writes it again, as after any failure
-        procs = {("writer", r): launch(server, "writer", r, versions=[0, 1, 2], retries=1, **common)
+        # connections do not include it) and the trainer writes it again, as after any failure.
+        # The writers fail version 1 within seconds of the death, so they hold version 2 until
+        # the restarted reader joined (a trainer's next step takes longer than a restart).
+        procs = {("writer", r): launch(server, "writer", r, versions=[0, 1, 2], retries=1, pause_before=2,
+                                       flag_dir=str(flags), **common)
                  for r in range(2)}
         procs[("reader", 0)] = launch(server, "reader", 0, until=2, **common)
         dying = launch(server, "reader", 1, until=2, die_at=1, die_how="SIGKILL", **common)
         stdout, _ = dying.communicate(timeout=TIMEOUT * 4)
         assert dying.returncode == -signal.SIGKILL
         procs[("reader", 1)] = launch(server, "reader", 1, until=2, **common)
+        wait_for_lease(server, "reader", 1, procs[("reader", 1)].pid)
+        (flags / "go").touch()
         out = finish(procs, TIMEOUT * 8)
     for rank in range(2):
         assert_reader_ends_exact(out, rank, 2)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -245,8 +246,7 @@ class GlooTransport(TorchDistBase):
             return op([tensor], pair.peer_global, tag)
         except RuntimeError as exc:
             self._teardown_group()
-            other = "reader" if self.ctx.role == "writer" else "writer"
-            raise TransportError(f"{self.ctx.who}: transfer with {other} {peer} failed "
+            raise TransportError(f"{self.ctx.who}: transfer with {self._other} {peer} failed{self._blame(None)} "
                                  f"({message.describe()}): {exc}") from exc
 
     def _wait(self, item: tuple[Any, Message, int], deadline: Deadline, peer: int, timer: PhaseTimer) -> None:
@@ -259,11 +259,35 @@ class GlooTransport(TorchDistBase):
                     raise TimeoutError(f"no progress within the timeout ({remaining:.1f}s left)")
         except (RuntimeError, TimeoutError) as exc:
             self._teardown_group()  # a broken group cannot be reused; the next epoch rebuilds it
-            dead = PeerWatch(self.ctx, self._other, [peer]).describe()
             raise TransportError(
-                f"{self.ctx.who}: transfer with {other} {peer} failed{dead} "
+                f"{self.ctx.who}: transfer with {other} {peer} failed{self._blame(deadline)} "
                 f"({message.describe()}): {exc}"
             ) from exc
+
+    def _blame(self, deadline: Deadline | None) -> str:
+        """Which ranks of the group are dead, for the error of a failed wait: `` (reader 1 is dead: ...)``.
+
+        A rank that dies breaks its pairs, and the rank that notices breaks the whole group
+        (:func:`break_group`), so the pair that failed here is rarely the dead rank's, and its
+        lease expires only up to a ttl later: wait that long (within the call's deadline) for
+        a lease to say who it was. Empty if none did.
+        """
+        ctx = self.ctx
+        writers = [r for r in range(ctx.num_writers) if (ctx.role, r) != ("writer", ctx.rank)]
+        readers = [r for r in range(ctx.num_readers) if (ctx.role, r) != ("reader", ctx.rank)]
+        watches = [PeerWatch(ctx, "writer", writers), PeerWatch(ctx, "reader", readers)]
+        ttl = float(getattr(ctx.channel, "lease_seconds", 0.0) or 0.0)
+        grace = ttl + 1.0 if ttl > 0 else 0.0
+        wait = Deadline.after(grace if deadline is None else min(grace, deadline.remaining(0.0)))
+        while True:
+            try:
+                dead = "".join(watch.describe() for watch in watches)
+            except Exception as exc:  # the meta server is away: the failure speaks for itself
+                logger.debug("%s: cannot read leases: %s", ctx.who, exc)
+                return ""
+            if dead or wait.expired:
+                return dead
+            time.sleep(0.25)
 
 
 @dataclass
