@@ -305,7 +305,8 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                 self.last_result = self.writer.write(v)
                 return
             self.client.start_weight_update()
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-vllm-rpc") as pool:
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-vllm-rpc")
+            try:
                 # The workers receive inside update_weights while this rank (and every other) writes.
                 rpc = pool.submit(self.client.update_weights, {"version": v, "timeout": self.info.timeout})
                 try:
@@ -315,6 +316,8 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                         rpc.result(timeout=self.info.timeout)
                     raise
                 self._worker_result(rpc, v)
+            finally:
+                pool.shutdown(wait=False)  # an RPC that never answers must not hold this call past its timeout
             self.client.finish_weight_update(weight_version=str(v))
             self._reset_prefix_cache()
 
