@@ -164,11 +164,12 @@ def test_reader_sigkilled_mid_transfer_the_other_carries_on_and_the_restarted_on
     flags = tmp_path / "flags"
     flags.mkdir()
     with EmbeddedMetaServer() as server:
-        # retries: a version in flight when the restarted reader joins fails (the writers'
-        # connections do not include it) and the trainer writes it again, as after any failure.
+        # retries: version 1 fails when the dead reader's lease expires; the retry fails too if
+        # the restarted reader joins while it is in flight (the writers' connections do not include
+        # it), which a loaded machine makes likely; the trainer writes it again, as after any failure.
         # The writers fail version 1 within seconds of the death, so they hold version 2 until
         # the restarted reader joined (a trainer's next step takes longer than a restart).
-        procs = {("writer", r): launch(server, "writer", r, versions=[0, 1, 2], retries=1, pause_before=2,
+        procs = {("writer", r): launch(server, "writer", r, versions=[0, 1, 2], retries=2, pause_before=2,
                                        flag_dir=str(flags), **common)
                  for r in range(2)}
         procs[("reader", 0)] = launch(server, "reader", 0, until=2, **common)
