@@ -139,6 +139,10 @@ class WeightReader:
                 nbytes += stats.nbytes
                 for name, seconds in stats.phases.items():
                     phases[f"receive.{name}"] = phases.get(f"receive.{name}", 0.0) + seconds
+                if planned.digests is not None:  # before the engine loads or applies a byte of it
+                    t0 = time.perf_counter()
+                    planned.digests.check(phase, buffers, version=v)
+                    phases["check"] = phases.get("check", 0.0) + time.perf_counter() - t0
                 if planned.phases:  # an engine staging phase by phase loads this one now
                     t0 = time.perf_counter()
                     self._phase_arrived(v, phase, planned.phase_names[phase])
