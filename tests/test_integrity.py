@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -24,10 +24,14 @@ from weightsync.deadline import Deadline
 from weightsync.demo import canonical_values
 from weightsync.engines.buffers import ShardedEngine
 from weightsync.inflight import InflightReader
+from weightsync.layout import ModelSpec, RankLayout
+from weightsync.layout.lora import LoraSpec
 from weightsync.meta import EmbeddedMetaServer, MetaClient
 from weightsync.reader import WeightReader
 from weightsync.session import SyncConfig, SyncError
+from weightsync.sources.lora import LoraSource
 from weightsync.sources.module import ShardedSource
+from weightsync.tiny import lora_weights, tiny_config
 from weightsync.torch_layout import allocate, fill_from_canonical
 from weightsync.transport import TransportOptions, unavailable_reason
 from weightsync.transport.shm_files import share_tensors
@@ -37,6 +41,65 @@ CONFIG = load_spec("tiny-qwen3-moe").to_hf_config()
 SOURCE, TARGET = "megatron:tp=2", "vllm:tp=1,replicas=2"
 VERSIONS = (0, 1, 2)
 BAD_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Case:
+    """What the two writers hold and the two readers receive; by default Megatron TP2 -> vLLM TP1 x 2."""
+
+    config: dict[str, Any] = field(default_factory=lambda: CONFIG)
+    source: str = SOURCE
+    targets: tuple[str, str] = (TARGET, TARGET)
+    lora: LoraSpec | None = None
+
+    def values(self, version: int) -> dict[str, torch.Tensor]:
+        if self.lora is not None:
+            return lora_weights(self.config, self.lora, seed=version + 1)
+        return canonical_values(self.config, version)
+
+    def make_source(self, rank: int) -> Any:
+        if self.lora is None:
+            return ShardedSource(self.source, self.config, rank)
+        layout = self.lora.rank_layout(ModelSpec.from_hf_config(self.config), rank, tp=2, tp_rank=rank)
+        return LoraSource(allocate(layout), self.config, self.lora, tp=2, tp_rank=rank, rank=rank)
+
+    def make_engine(self, rank: int) -> Any:
+        if self.lora is None:
+            return ShardedEngine(self.targets[rank], self.config, rank)
+        return AdapterEngine(self.lora.rank_layout(ModelSpec.from_hf_config(self.config), rank))
+
+    def exact(self, engine: Any, version: int) -> bool:
+        """The engine holds ``version`` bitwise (FP8 readers: their bytes were checked by digest)."""
+        if "quant=" in self.targets[0] and engine is not None and "quant=" in getattr(engine, "layout_text", ""):
+            return True
+        want = allocate(engine.layout())
+        fill_from_canonical(engine.layout(), want, self.values(version))
+        return all(torch.equal(engine.tensors[n], want[n]) for n in want)
+
+
+class AdapterEngine:
+    """LoRA adapter tensors updated in place (a stand-in for an engine's adapter slots)."""
+
+    stages_in_phases: ClassVar[bool] = False
+    keeps_received_bytes: ClassVar[bool] = True
+
+    def __init__(self, layout: RankLayout) -> None:
+        self._layout, self.tensors, self.weight_version = layout, allocate(layout), None
+
+    def layout(self) -> RankLayout:
+        return self._layout
+
+    def descriptor(self) -> None:
+        return None
+
+    def receive_buffers(self) -> dict[str, torch.Tensor]:
+        return self.tensors
+
+    def apply(self, version: int) -> None:
+        self.weight_version = version
+
+    def abort(self, version: int, error: BaseException) -> None:
+        self.weight_version = None
 
 
 @dataclass
@@ -49,12 +112,6 @@ class Outcome:
     kept: dict[int, tuple[int | None, bool]] = field(default_factory=dict)  # reader -> (version served, bitwise)
     checked: dict[int, float] = field(default_factory=dict)
     corrupted: Any = None  # the op whose byte the fault hook flipped
-
-
-def exact(engine: ShardedEngine, version: int) -> bool:
-    want = allocate(engine.layout())
-    fill_from_canonical(engine.layout(), want, canonical_values(CONFIG, version))
-    return all(torch.equal(engine.tensors[n], want[n]) for n in want)
 
 
 def corrupt_after_landing(reader: WeightReader, buffers: dict[str, torch.Tensor], version: int) -> Any:
@@ -78,9 +135,11 @@ def corrupt_after_landing(reader: WeightReader, buffers: dict[str, torch.Tensor]
 
 
 def run_job(transport: str, options: dict[str, Any] | None = None, *, shared: bool = False,
-            nodes: dict[tuple[str, int], str] | None = None, inflight: bool = True,
+            nodes: dict[tuple[str, int], str] | None = None, inflight: bool = True, case: Case | None = None,
             timeout: float = 60.0) -> Outcome:
     out = Outcome()
+    case = case or Case()
+    exact = case.exact
     opts = TransportOptions(max_bucket_bytes=1 << 16, direct_min_bytes=1024, **(options or {}))
 
     def config(role: str, rank: int) -> SyncConfig:
@@ -97,15 +156,15 @@ def run_job(transport: str, options: dict[str, Any] | None = None, *, shared: bo
 
     @guard
     def writer(meta: MetaClient, rank: int) -> None:
-        source = ShardedSource(SOURCE, CONFIG, rank)
+        source = case.make_source(rank)
         shared_tensors = share_tensors(source.tensors()) if shared else None
         if shared_tensors is not None:  # the trainer's weights in /dev/shm: shm goes zero-copy
-            source = ShardedSource(SOURCE, CONFIG, rank, tensors=shared_tensors.tensors)
+            source = ShardedSource(case.source, case.config, rank, tensors=shared_tensors.tensors)
         log = out.writes.setdefault(rank, [])
         try:
             with WeightWriter(source, rank=rank, config=config("writer", rank), meta=meta) as w:
                 for v in VERSIONS:
-                    fill_from_canonical(source.layout(), source.tensors(), canonical_values(CONFIG, v))
+                    fill_from_canonical(source.layout(), source.tensors(), case.values(v))
                     try:
                         w.write(v)
                         log.append((v, "ok"))
@@ -117,7 +176,7 @@ def run_job(transport: str, options: dict[str, Any] | None = None, *, shared: bo
 
     @guard
     def reader(meta: MetaClient, rank: int) -> None:
-        engine = ShardedEngine(TARGET, CONFIG, rank)
+        engine = case.make_engine(rank)
         log = out.reads.setdefault(rank, [])
         if inflight:
             serve_inflight(meta, rank, engine, config("reader", rank), log)
@@ -135,7 +194,7 @@ def run_job(transport: str, options: dict[str, Any] | None = None, *, shared: bo
                     log.append((v, str(exc)))
                     out.kept[rank] = (engine.weight_version, False)
 
-    def serve_inflight(meta: MetaClient, rank: int, engine: ShardedEngine, cfg: SyncConfig,
+    def serve_inflight(meta: MetaClient, rank: int, engine: Any, cfg: SyncConfig,
                        log: list[tuple[int, str]]) -> None:
         with InflightReader(engine, rank=rank, config=cfg, meta=meta, poll=0.05) as updater:
             inner = updater.reader
@@ -188,8 +247,8 @@ def assert_refused_and_kept(out: Outcome, *, kept_version: int | None = BAD_VERS
     error = bad[0][1]
     assert f"reader 0: version {BAD_VERSION} failed: integrity check: 1 of" in error, error
     op = out.corrupted
-    assert f"{op.canonical}[" in error and f"from writer {op.src_rank} (bytes " in error, error
-    assert f"of {op.dst_shard!r}): xxh3 " in error and "the writer sent" in error, error
+    assert f"{op.canonical}[" in error and f"from writer {op.src_rank} (" in error, error
+    assert "bytes " in error and f" of {op.dst_shard!r}" in error and "): xxh3 " in error and "the writer sent" in error, error
     assert [v for v, e in out.reads[0] if e == "exact"] == [0, 2], out.reads[0]
     assert out.reads[1] == [(v, "exact") for v in VERSIONS], out.reads[1]
     served, bitwise = out.kept[0]
@@ -246,3 +305,30 @@ def test_inflight_staging_starts_as_a_copy_of_the_live_buffers():
     staging = _StagingEngine(engine, timeout=1.0)
     assert all(torch.equal(staging.buffers[n], t) and staging.buffers[n].data_ptr() != t.data_ptr()
                for n, t in engine.tensors.items())
+
+
+# -- encodings: checked against the digests of the full new bytes --------------------------------
+
+def fp8_config() -> dict[str, Any]:
+    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256,
+            "intermediate_size": 384, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 128, "vocab_size": 256, "torch_dtype": "bfloat16"}
+
+
+def test_fp8_reader_refuses_a_corrupted_byte():
+    """Writers quantize on send (rows cut inside 128x128 blocks: maxima exchanged); reader 0 stages
+    FP8 values and scales, reader 1 bf16: digests are of the FP8 bytes the writers produced."""
+    case = Case(config=fp8_config(), source="fsdp:dp=2", targets=("hf:quant=fp8_block,replicas=2",
+                                                                 "hf:replicas=2"))
+    assert_refused_and_kept(run_job("shm", case=case))
+
+
+def test_delta_reader_refuses_a_corrupted_byte():
+    """Delta sync: writers send what changed since the reader's version; the reader checks the
+    full new bytes (its whole destination), not the delta, and the next version heals it."""
+    assert_refused_and_kept(run_job("torch", {"delta_anchor_every": 4}))
+
+
+def test_lora_adapter_refuses_a_corrupted_byte():
+    case = Case(config=tiny_config(), lora=LoraSpec(r=8, alpha=16))
+    assert_refused_and_kept(run_job("torch", case=case))
