@@ -60,6 +60,8 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     #: K >= 1: receive only what changed since the version this worker holds (a full version at
     #: least every K; torch transport; with ``layer_phases`` every version comes in full)
     delta_anchor_every: int = 0
+    #: digests of every version checked before vLLM loads a byte of it (``SyncConfig.integrity``)
+    integrity: bool = False
 
 
 @dataclass
@@ -119,7 +121,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         engine = _WorkerEngine(self.model, self.vllm_config, self.device, init_info.rank, init_info.num_readers)
         config = SyncConfig(num_writers=init_info.num_writers, num_readers=init_info.num_readers,
                             job=init_info.job, transport=init_info.transport, timeout=init_info.timeout,
-                            layer_phases=init_info.layer_phases,
+                            layer_phases=init_info.layer_phases, integrity=init_info.integrity,
                             transport_options=TransportOptions(max_bucket_bytes=init_info.max_bucket_bytes,
                                                                delta_anchor_every=init_info.delta_anchor_every))
         meta = (MetaClient(init_info.meta_address, job=init_info.job, token=init_info.meta_token)
