@@ -100,6 +100,12 @@ def die_receiving(reader: WeightReader, version: int, how: str) -> None:
     transport.receive = receive
 
 
+def digest_bytes(reader: WeightReader) -> int:
+    """The bytes of the digests that travel with each version (SyncConfig.integrity)."""
+    digests = reader.session.planned.digests
+    return digests.nbytes if digests is not None else 0
+
+
 def reported(reader: WeightReader, rank: int) -> int | str | None:
     """What the meta server says this reader applied (or why it cannot say)."""
     try:
@@ -115,6 +121,7 @@ def main() -> None:
     config = spec.to_hf_config()
     sync = SyncConfig(num_writers=args["num_writers"], num_readers=args["num_readers"],
                       transport=args.get("transport", "auto"), timeout=args.get("timeout", 60.0),
+                      integrity=args.get("integrity", False),
                       plan_options=PlanOptions(min_split_bytes=args.get("min_split_bytes", 1 << 20)),
                       transport_options=TransportOptions(max_bucket_bytes=args.get("bucket", 1 << 16),
                                                          direct_min_bytes=1024,
@@ -177,7 +184,7 @@ def main() -> None:
             fill_from_canonical(layout, want, {n: v.to(TORCH_DTYPES[spec.dtype]) for n, v in values.items()})
             exact = all(torch.equal(engine.tensors[n], want[n]) for n in want)
             emit(role=role, rank=rank, version=result.version, ok=True, exact=exact, bytes=result.nbytes,
-                 needed=reader.session.planned.plan.total_bytes,
+                 needed=reader.session.planned.plan.total_bytes + digest_bytes(reader),
                  in_place=all(t.data_ptr() == pointers[n] for n, t in engine.tensors.items()))
 
 

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from weightsync.meta.client import MetaClient
     from weightsync.plan import Plan
     from weightsync.transport import Transport
+    from weightsync.transport.digests import VersionDigests
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,9 @@ class SyncConfig:
             ``transport_options.max_bucket_bytes`` (:mod:`weightsync.plan.phases`), so that an
             engine running its own loader (vLLM) stages one phase at a time instead of a
             whole-model copy.
+        integrity: writers digest every piece they send and readers check what landed in their
+            memory before the engine applies it (:mod:`weightsync.transport.digests`); a
+            mismatch fails the version on that reader, naming the tensor, writer and bytes.
     """
 
     num_writers: int
@@ -107,6 +111,7 @@ class SyncConfig:
     lease_seconds: float = 3.0
     host: str = ""
     layer_phases: bool = False
+    integrity: bool = False
 
     def __post_init__(self) -> None:
         if self.num_writers < 1 or self.num_readers < 1:
@@ -127,7 +132,7 @@ class SyncConfig:
         """What every rank of a job must agree on, as ranks compare it when they register."""
         opts = self.transport_options
         return (f"writers={self.num_writers},readers={self.num_readers},staleness={self.staleness},"
-                f"slots={opts.slots},{opts.digest()}")
+                f"slots={opts.slots},{opts.digest()}" + (",integrity" if self.integrity else ""))
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,8 @@ class PlannedSync:
     phases: tuple[Plan, ...] = ()
     #: a writer's FP8 quantizer, when readers ask for FP8 weights it sends (``layout.quant_offers``)
     quantizer: WriterQuantizer | None = None
+    #: with ``SyncConfig.integrity``: the plan with its digest ops, and this rank's digests
+    digests: VersionDigests | None = None
 
     @property
     def num_phases(self) -> int:
@@ -296,16 +303,25 @@ class SyncSession:
         if self.config.layer_phases:
             phase_names = layer_phases(writers.canonical_tensors(), budget_bytes=opts.max_bucket_bytes)
             phases = tuple(split_plan(plan, phase_names))
-        digest = hashlib.blake2b(f"{choice.name}|{opts.digest()}|phases={len(phase_names)}".encode(),
-                                 digest_size=4).hexdigest()
         device = self.device()
+        digests = None
+        if self.config.integrity:
+            from weightsync.codecs.digest import kind_for
+            from weightsync.transport.digests import VersionDigests
+
+            digests = VersionDigests(plan, phases or None, role=self.role, rank=self.rank,
+                                     kind=kind_for(m.device for m in people), device=device)
+        checked = f"|digests={digests.kind}" if digests is not None else ""
+        digest = hashlib.blake2b(f"{choice.name}|{opts.digest()}|phases={len(phase_names)}{checked}".encode(),
+                                 digest_size=4).hexdigest()
         ctx = TransportContext(channel=self.channel, num_writers=self.config.num_writers,
                                num_readers=self.config.num_readers, device=device, options=opts,
                                placements=tuple(placements), keeps_received_bytes=self._keeps_received_bytes)
         transport = create_transport(choice.name, ctx)
         self.timings["setup"] = time.perf_counter() - started
         self.planned = PlannedSync(plan, transport, choice.name, f"{plan.fingerprint}-{digest}",
-                                   self.timings["setup"], device, choice.reason, phase_names, phases, quantizer)
+                                   self.timings["setup"], device, choice.reason, phase_names, phases, quantizer,
+                                   digests)
         logger.info("%s planned %d ops (%d bytes) over %s on %s (%s) in %.3fs", self.channel.who, len(plan),
                     plan.total_bytes, choice.name, device, choice.reason, self.timings["plan"])
         return self.planned
@@ -321,11 +337,14 @@ class SyncSession:
         planned = self.planned
         if planned is None:
             raise RuntimeError(f"{self.channel.who}: arm() before plan()")
+        digests = planned.digests
+        plan, phases = (planned.plan, planned.phases) if digests is None else (digests.plan, digests.phases)
+        if digests is not None:  # the transport moves the digests too, in band
+            tensors = digests.attach(tensors)
         ptrs = tuple(t.data_ptr() for t in tensors.values())
         if self._armed != (epoch, ptrs):
             t0 = time.perf_counter()
-            planned.transport.prepare(planned.plan, tensors, epoch=epoch, timeout=deadline.remaining(),
-                                      phases=planned.phases or None)
+            planned.transport.prepare(plan, tensors, epoch=epoch, timeout=deadline.remaining(), phases=phases or None)
             self._armed = (epoch, ptrs)
             self.timings["prepare"] = time.perf_counter() - t0
         return planned.transport
@@ -349,6 +368,8 @@ class SyncSession:
         self.channel.stop_heartbeat(release=release)
         if self.planned is not None:
             self.planned.transport.close()
+            if self.planned.digests is not None:
+                self.planned.digests.close()
             self.planned = None
         self._armed = None
 

@@ -16,9 +16,18 @@ worker-side lifecycle, driven by vLLM's standard weight-transfer API::
 
 ``update_weights`` runs the whole update in the worker: the reader receives version 7
 straight from the trainers into the worker's staging buffers, then one layerwise-reload
-session loads every tensor. Names, shapes and dtypes are checked before the session
-starts, and the session is always closed, so a failed update never leaves the model
-half-materialised; the next version recovers it.
+session loads every tensor. With ``prefetch=True`` in the init info, ``start_weight_update``
+starts that receive in a background thread of the worker and returns, so the engine keeps
+generating with its current weights while the next version arrives; ``update_weights`` then
+waits for the receive to end and only applies (the reload session, and after
+``finish_weight_update`` the cache reset): the engine's pause. Call ``start_weight_update``
+early (when the trainer publishes, or right after the previous update), generate, then pause
+and call ``update_weights``. Prefetching stages the whole model (the norms too, which are
+otherwise received straight into the model) and refuses ``layer_phases``.
+
+Names, shapes and dtypes are checked before the session starts, and the session is always
+closed, so a failed update never leaves the model half-materialised; the next version
+recovers it.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from weightsync.engines.staging import StagedWeights
 from weightsync.engines.vllm import ReloadSession, check_supported, in_place_targets, spec_of, staging_quant
-from weightsync.reader import WeightReader
+from weightsync.reader import Prefetch, UpdateResult, WeightReader
 from weightsync.session import SyncConfig, TransportOptions
 
 logger = logging.getLogger(__name__)
@@ -60,6 +69,11 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     #: K >= 1: receive only what changed since the version this worker holds (a full version at
     #: least every K; torch transport; with ``layer_phases`` every version comes in full)
     delta_anchor_every: int = 0
+    #: digests of every version checked before vLLM loads a byte of it (``SyncConfig.integrity``)
+    integrity: bool = False
+    #: receive the next version in the background from ``start_weight_update`` on, while the
+    #: engine keeps generating; ``update_weights`` then only applies (module docstring)
+    prefetch: bool = False
 
 
 @dataclass
@@ -75,15 +89,15 @@ class _WorkerEngine(StagedWeights):
     phase of whole layers at a time with ``layer_phases``)."""
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device, rank: int,
-                 replicas: int) -> None:
+                 replicas: int, *, in_place: bool = True) -> None:
         check_supported(vllm_config)
         super().__init__(spec_of(vllm_config), dtype=vllm_config.model_config.dtype, device=device, rank=rank,
                          replicas=replicas, quant=staging_quant(vllm_config))
         self.model = model
         self.vllm_config = vllm_config
         self._session: ReloadSession | None = None
-        # parameters that need no processing are received straight into the model
-        self.receive_in_place(in_place_targets(model, self, quantized=staging_quant(vllm_config) is not None))
+        if in_place:  # parameters that need no processing are received straight into the model
+            self.receive_in_place(in_place_targets(model, self, quantized=staging_quant(vllm_config) is not None))
 
     def _begin(self, version: int) -> None:
         self._session = ReloadSession(self.model, self.vllm_config)
@@ -109,29 +123,39 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.reader: WeightReader | None = None
+        self.prefetch: Prefetch | None = None
         self.last_version: int | None = None
+        self.last_result: UpdateResult | None = None  # its phases: what the update cost
 
     def init_transfer_engine(self, init_info: WeightSyncInitInfo) -> None:
         from weightsync.meta.client import MetaClient
 
         if self.reader is not None:
             raise RuntimeError("the weightsync transfer engine is already initialised; shut it down first")
-        engine = _WorkerEngine(self.model, self.vllm_config, self.device, init_info.rank, init_info.num_readers)
+        if init_info.prefetch and init_info.layer_phases:
+            raise ValueError("weightsync init_info: prefetch=True with layer_phases=True: each phase is loaded into "
+                             "the model as it arrives, so the transfer cannot overlap generation; choose one")
+        engine = _WorkerEngine(self.model, self.vllm_config, self.device, init_info.rank, init_info.num_readers,
+                               in_place=not init_info.prefetch)  # prefetched bytes must not reach the model early
         config = SyncConfig(num_writers=init_info.num_writers, num_readers=init_info.num_readers,
                             job=init_info.job, transport=init_info.transport, timeout=init_info.timeout,
-                            layer_phases=init_info.layer_phases,
+                            layer_phases=init_info.layer_phases, integrity=init_info.integrity,
                             transport_options=TransportOptions(max_bucket_bytes=init_info.max_bucket_bytes,
                                                                delta_anchor_every=init_info.delta_anchor_every))
         meta = (MetaClient(init_info.meta_address, job=init_info.job, token=init_info.meta_token)
                 if init_info.meta_address else MetaClient.from_env(job=init_info.job))
         self.reader = WeightReader(engine, rank=init_info.rank, config=config, meta=meta)
+        self.prefetch = Prefetch(self.reader) if init_info.prefetch else None
         logger.info("weightsync reader %d ready (%s); staging is laid out at the first update", init_info.rank,
                     "phases of whole layers" if init_info.layer_phases else "the whole model at once")
 
     def start_weight_update(self) -> None:
-        # Nothing to prepare: the data arrives, and is checked, before the reload session opens.
+        # The data arrives, and is checked, before the reload session opens: nothing to prepare,
+        # unless prefetching, which starts receiving now while the engine keeps generating.
         if self.reader is None:
             raise RuntimeError("call llm.init_weight_transfer_engine(...) before updating weights")
+        if self.prefetch is not None:
+            self.prefetch.start()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on CPU-only torch.
@@ -142,8 +166,11 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
     def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
         if self.reader is None:
             raise RuntimeError("call llm.init_weight_transfer_engine(...) before updating weights")
-        result = self.reader.update(update_info.version, timeout=update_info.timeout)
-        self.last_version = result.version
+        if self.prefetch is not None:
+            result = self.prefetch.apply(update_info.version, timeout=update_info.timeout)
+        else:
+            result = self.reader.update(update_info.version, timeout=update_info.timeout)
+        self.last_version, self.last_result = result.version, result
         logger.info("weightsync: version %d applied (%.1f MB, %.3fs)", result.version, result.nbytes / 1e6,
                     result.seconds)
 
@@ -151,6 +178,9 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         pass
 
     def shutdown(self) -> None:
+        if self.prefetch is not None:
+            self.prefetch.close()
+            self.prefetch = None
         if self.reader is not None:
             reader, self.reader = self.reader, None
             reader.close()

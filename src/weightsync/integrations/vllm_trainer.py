@@ -70,6 +70,8 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
             changed since the version it holds, with a full version at least every K
             (``TransportOptions.delta_anchor_every``: the torch transport, and workers that keep
             their staging between versions, i.e. ``layer_phases=False``; phases always go in full).
+        integrity: writers digest what they send and workers check it before vLLM loads it
+            (``SyncConfig.integrity``, docs/integrity.md).
     """
 
     backend: ClassVar[str] = "weightsync"
@@ -87,13 +89,14 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
     reader_rank: int = 0
     layer_phases: bool = True
     delta_anchor_every: int = 0
+    integrity: bool = False
 
     def worker_init_info(self, meta_address: str, meta_token: str) -> dict[str, Any]:
         """What the workers' ``init_weight_transfer_engine`` needs (JSON-safe)."""
         return {"meta_address": meta_address, "meta_token": meta_token, "job": self.job, "rank": self.reader_rank,
                 "num_writers": self.num_writers, "num_readers": self.num_readers, "transport": self.transport,
                 "timeout": self.timeout, "max_bucket_bytes": self.max_bucket_bytes, "layer_phases": self.layer_phases,
-                "delta_anchor_every": self.delta_anchor_every}
+                "delta_anchor_every": self.delta_anchor_every, "integrity": self.integrity}
 
 
 class WeightSourceAdapter:
@@ -274,7 +277,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         closers.insert(0, meta.close)
         config = SyncConfig(num_writers=init_info.num_writers, num_readers=init_info.num_readers, job=init_info.job,
                             transport=init_info.transport, timeout=init_info.timeout,
-                            layer_phases=init_info.layer_phases,
+                            layer_phases=init_info.layer_phases, integrity=init_info.integrity,
                             transport_options=TransportOptions(max_bucket_bytes=init_info.max_bucket_bytes,
                                                                delta_anchor_every=init_info.delta_anchor_every))
         training_source = as_training_source(source, init_info.model_config, init_info.rank)
