@@ -28,7 +28,7 @@ inside functions.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -162,9 +162,19 @@ class WorkerLoraEngine(_AdapterStaging):
         super().__init__(vllm_config, lora, lora_id, rank)
         self.manager = lora_manager(model)
         self.vllm_config = vllm_config
+        #: the adapter as last installed (as received, unscaled): put back after vLLM drops it
+        self._installed: dict[str, torch.Tensor] | None = None
+        keep_across_resets(self.manager, self._reinstall)
 
     def _install(self, tensors: dict[str, torch.Tensor]) -> None:
+        kept = {name: t.clone() for name, t in tensors.items()}  # install_adapter scales B in place
         install_adapter(self.manager, self.vllm_config, self.lora_id, tensors, self.lora.peft_config())
+        self._installed = kept
+
+    def _reinstall(self) -> None:
+        if self._installed is not None:
+            tensors = {name: t.clone() for name, t in self._installed.items()}
+            install_adapter(self.manager, self.vllm_config, self.lora_id, tensors, self.lora.peft_config())
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         return read_adapter(self.manager, self.lora_id)
@@ -180,6 +190,30 @@ def lora_manager(model: torch.nn.Module) -> Any:
         raise ValueError("the vLLM model has no LoRA manager: start the engine with LoRA enabled (vllm serve: "
                          "--enable-lora --max-lora-rank R --lora-modules NAME=DIR)")
     return manager
+
+
+def keep_across_resets(adapters: Any, reinstall: Callable[[], None]) -> None:
+    """Call ``reinstall`` each time vLLM empties the worker's adapter manager.
+
+    vLLM's worker drops every adapter when a weight update finishes (``finish_weight_update``
+    calls ``model_runner.reset_lora_state()``: new base weights invalidate LoRA state, it
+    assumes), and would then reload adapter ``lora_id`` from its ``--lora-modules`` path, the
+    first version, on the next request. An adapter-only version changes no base weight, so
+    the adapter weightsync installed is put back at once. The manager's
+    ``remove_all_adapters`` is wrapped on this instance only (vLLM 0.32), once; a later engine
+    on the same worker (a new trainer) replaces ``reinstall``.
+    """
+    adapters._weightsync_reinstall = reinstall
+    if getattr(adapters.remove_all_adapters, "__weightsync_reinstalls__", False):
+        return
+    original = adapters.remove_all_adapters
+
+    def remove_all_adapters() -> None:
+        original()
+        adapters._weightsync_reinstall()
+
+    remove_all_adapters.__weightsync_reinstalls__ = True  # type: ignore[attr-defined]
+    adapters.remove_all_adapters = remove_all_adapters
 
 
 def _install_in_worker(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor],
