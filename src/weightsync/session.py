@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from weightsync.combinations import refuse_combinations
 from weightsync.deadline import Deadline
 from weightsync.devices import RankPlacement, choose_transport, gpu_identity, tensors_device
 from weightsync.job import JobChannel, Member, Role
@@ -232,6 +233,7 @@ class SyncSession:
         placements = [RankPlacement(m.role, m.rank, m.host, m.device, m.gpu) for m in people]
         unavailable = {n: r for n in ("shm", "nixl", "file") if (r := unavailable_reason(n)) is not None}
         choice = choose_transport(self.config.transport, placements, unavailable=unavailable)
+        refuse_combinations(self.config.to_wire(), transport=choice.name, why=choice.reason)
         opts = self.config.transport_options
         phase_names: tuple[tuple[str, ...], ...] = ()
         phases: tuple[Plan, ...] = ()

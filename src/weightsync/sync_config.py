@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from weightsync.combinations import refuse_combinations
 from weightsync.plan import PlanOptions
 from weightsync.transport import TransportOptions
 
@@ -160,6 +161,7 @@ class SyncConfig:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
         if not 0.1 <= self.lease_seconds <= 3600:
             raise ValueError(f"lease_seconds must be in [0.1, 3600], got {self.lease_seconds}")
+        refuse_combinations(self.to_wire(), transport=self.transport)  # "auto" is checked once it has chosen
         if self.transport_options.slots <= self.staleness:
             # One-sided transports keep a version slot per version a reader may lag behind.
             object.__setattr__(self, "transport_options",
