@@ -22,8 +22,8 @@ from weightsync.combinations import CombinationError
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "fewer-bytes.md"
-#: the settings a feature of the tables stands for (FP8 and LoRA are layouts, not settings)
-SETTINGS = {"delta": {"transport_options": TransportOptions(delta_anchor_every=4)}, "layer phases": {"layer_phases": True}}
+#: the settings (wire form) a feature of the tables stands for (FP8 and LoRA are layouts, not settings)
+SETTINGS = {"delta": {"delta_anchor_every": 4}, "layer phases": {"layer_phases": True}}
 ENTRY = re.compile(r"^(works|refused|untested|n/a)\b")
 
 
@@ -45,14 +45,17 @@ def cells() -> list[tuple[str, str, str, str]]:
             for column, entry in list(row.items())[1:] if entry]
 
 
-def test_the_section_has_the_three_tables_with_every_feature():
+def test_the_section_has_the_four_tables_with_every_feature():
     found = tables()
-    assert set(found) == {"Transport x feature", "Engine x feature", "Feature x feature"}
+    assert set(found) == {"Transport x feature", "Engine x feature", "Feature x feature", "Transport x option"}
     features = ["delta", "FP8", "LoRA", "layer phases"]
     assert list(found["Transport x feature"][0])[1:] == features
     assert list(found["Engine x feature"][0])[1:] == features
     transports = [re.match(r"`(\w+)`", row["transport"]).group(1) for row in found["Transport x feature"]]
     assert transports == ["torch", "shm", "nixl", "file", "routed", "auto"]
+    assert list(found["Transport x option"][0])[1:] == transports
+    options = [row["option"].strip("`").split("=")[0] for row in found["Transport x option"]]
+    assert options == ["checksum", "nixl_mode", "file_dir", "shm_streaming"]
 
 
 @pytest.mark.parametrize(("table", "row", "column", "entry"), cells())
@@ -97,30 +100,45 @@ def test_each_works_entry_names_a_test_that_exists(table, row, column, ref):
         assert repr(param.rstrip("]")) in source or f'"{param.rstrip("]")}"' in source, ref
 
 
-def _refusals() -> list[tuple[str, dict, str]]:
-    """(where, SyncConfig keywords, message) of every "refused" entry with a message."""
+def _settings(table: str, row: str, column: str) -> dict:
+    """The wire settings an entry stands for, from its row and column."""
+    if table == "Transport x feature":
+        return {"transport": re.match(r"`(\w+)`", row).group(1), **SETTINGS[column]}
+    if table == "Transport x option":
+        name, value = row.strip("`").split("=", 1)
+        return {"transport": column, name: ast.literal_eval(value)}
+    return {**SETTINGS[row], **SETTINGS[column]}
+
+
+def _refusals(*, when_planned: bool) -> list[tuple[str, dict, str]]:
+    """(where, settings, message) of every "refused" entry: refused where the settings are
+    written, or (``when_planned``) once ``auto`` has picked a transport."""
     out = []
     for table, row, column, entry in cells():
         found = re.search(r'refused[^"]*: "([^"]+)"', entry)
-        if not found:
-            continue
-        kwargs = dict(SETTINGS[column])
-        if table == "Transport x feature":
-            kwargs["transport"] = re.match(r"`(\w+)`", row).group(1)
-        else:
-            kwargs.update(SETTINGS[row])
-        out.append((f"{table} / {row} / {column}", kwargs, found.group(1)))
+        if found and entry.startswith("refused once it picks") == when_planned:
+            out.append((f"{table} / {row} / {column}", _settings(table, row, column), found.group(1)))
     return out
 
 
-@pytest.mark.parametrize(("where", "kwargs", "message"), [r for r in _refusals() if r[1].get("transport") != "auto"])
-def test_each_refused_entry_is_refused_when_the_settings_are_written(where, kwargs, message):
+@pytest.mark.parametrize(("where", "settings", "message"), _refusals(when_planned=False))
+def test_each_refused_entry_is_refused_when_the_settings_are_written(where, settings, message):
     with pytest.raises(CombinationError, match=re.escape(message)):
-        SyncConfig(num_writers=1, num_readers=1, **kwargs)
+        SyncConfig(num_writers=1, num_readers=1, **_keywords(settings))
+    with pytest.raises(ValueError, match=re.escape(message)):  # an init info's wire form: the same words
+        SyncConfig.from_wire({"num_writers": 1, "num_readers": 1, **settings}, where="WeightSyncInitInfo")
+
+
+def _keywords(settings: dict) -> dict:
+    options = {k: v for k, v in settings.items() if k in TransportOptions.__dataclass_fields__}
+    return {**{k: v for k, v in settings.items() if k not in options},
+            "transport_options": TransportOptions(**options)}
 
 
 def test_refused_entries_exist_for_every_rule():
-    assert len(_refusals()) == 6  # delta x {shm, nixl, file, routed, auto}, delta x layer phases
+    # delta x {shm, nixl, file, routed}, delta x layer phases; nixl_mode, file_dir x 5; shm_streaming x 3; checksum x 4
+    assert len(_refusals(when_planned=False)) == 5 + 5 + 5 + 3 + 4
+    assert len(_refusals(when_planned=True)) == 2  # delta and checksum with auto
 
 
 def test_the_vllm_trainer_init_info_refuses_deltas_with_its_default_layer_phases():
@@ -137,10 +155,12 @@ def test_the_vllm_trainer_init_info_refuses_deltas_with_its_default_layer_phases
 
 
 @pytest.mark.timeout(120)
-def test_auto_choosing_shm_refuses_deltas_before_any_byte_moves():
-    """One writer and one reader on this host: ``auto`` picks shm, where deltas do not run. Both
-    ranks are refused when they plan, naming the setting and what ``auto`` chose; the reader
-    applies nothing (on 3ee4748 the versions went out in full, the delta setting ignored)."""
+@pytest.mark.parametrize(("where", "settings", "message"), _refusals(when_planned=True))
+def test_auto_choosing_shm_refuses_before_any_byte_moves(where, settings, message):
+    """One writer and one reader on this host: ``auto`` picks shm, where deltas do not run and
+    messages are not checksummed. Both ranks are refused when they plan, naming the setting and
+    what ``auto`` chose; the reader applies nothing (on 3ee4748 the versions went out in full,
+    the setting ignored)."""
     from weightsync import WeightReader, WeightWriter
     from weightsync.engines.buffers import ShardedEngine
     from weightsync.meta import EmbeddedMetaServer, MetaClient
@@ -148,7 +168,7 @@ def test_auto_choosing_shm_refuses_deltas_before_any_byte_moves():
     from weightsync.tiny import tiny_config
 
     config = tiny_config()
-    sync = SyncConfig(num_writers=1, num_readers=1, timeout=30, transport_options=TransportOptions(delta_anchor_every=4))
+    sync = SyncConfig(num_writers=1, num_readers=1, timeout=30, **_keywords(settings))
     errors: dict[str, BaseException] = {}
     engine = ShardedEngine("hf", config, 0)
 
@@ -168,8 +188,7 @@ def test_auto_choosing_shm_refuses_deltas_before_any_byte_moves():
                 with pytest.raises(CombinationError) as raised:
                     writer.write(1, timeout=30)
             thread.join(60)
-    expected = "delta_anchor_every=4 with transport='auto' chose 'shm' (all ranks on one node)"
-    assert expected in str(raised.value)
-    assert "Set transport='torch', or delta_anchor_every=0" in str(raised.value)
-    assert expected in str(errors["reader"])
+    assert message in str(raised.value)
+    assert "Set transport='torch'" in str(raised.value)
+    assert message in str(errors["reader"])
     assert engine.weight_version is None

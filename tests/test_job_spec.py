@@ -44,9 +44,14 @@ SETTINGS = {
     "layer_phases": ("match", (True, False)),
 }
 CASES = [(name, value) for name, (_, values) in SETTINGS.items() for value in values]
-#: what a setting needs beside it where an integration's defaults differ from SyncConfig's
-#: (deltas are refused with layer phases: weightsync/combinations.py)
-NEEDS = {"delta_anchor_every": {"layer_phases": False}}
+#: what a setting needs beside it to be valid (weightsync/combinations.py): deltas are refused with
+#: layer phases (on by default in vLLM's trainer and TRL), a transport's own option without it
+NEEDS = {"delta_anchor_every": {"layer_phases": False}, "nixl_mode": {"transport": "nixl"},
+         "file_dir": {"transport": "file"}}
+
+
+def with_needs(name, value, **base):
+    return {**base, **NEEDS.get(name, {}), name: value}
 BASE = {"num_writers": 4, "num_readers": 4}  # room for the ranks below
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed")
@@ -58,12 +63,12 @@ def test_every_setting_is_listed_here_with_its_scope():
 
 @pytest.mark.parametrize(("name", "value"), CASES)
 def test_the_wire_form_carries_the_setting_and_ranks_compare_it_where_it_must_match(name, value):
-    config = SyncConfig.from_wire({**BASE, name: value})
+    config = SyncConfig.from_wire(with_needs(name, value, **BASE))
     wire = config.to_wire()
     assert wire[name] == value
     assert json.loads(json.dumps(wire)) == wire  # plain data
     assert SyncConfig.from_wire(wire) == config
-    other = SyncConfig.from_wire({**BASE, name: SETTINGS[name][1][1 - SETTINGS[name][1].index(value)]})
+    other = SyncConfig.from_wire(with_needs(name, SETTINGS[name][1][1 - SETTINGS[name][1].index(value)], **BASE))
     if SETTINGS[name][0] == "match":
         assert config.settings() != other.settings()
         assert f"{name}: " in settings_difference(config.settings(), other.settings())
@@ -77,9 +82,9 @@ def test_vllm_init_infos_carry_the_setting_from_trainer_to_worker(name, value):
     from weightsync.integrations.vllm_backend import WeightSyncInitInfo
     from weightsync.integrations.vllm_trainer import WeightSyncTrainerInitInfo
 
-    worker = WeightSyncInitInfo.from_wire({**BASE, name: value})
+    worker = WeightSyncInitInfo.from_wire(with_needs(name, value, **BASE))
     assert worker.sync_config().to_wire()[name] == value
-    trainer = WeightSyncTrainerInitInfo(rank=0, **{**BASE, **NEEDS.get(name, {}), name: value})
+    trainer = WeightSyncTrainerInitInfo(rank=0, **with_needs(name, value, **BASE))
     assert trainer.sync_config().to_wire()[name] == value
     sent = trainer.worker_init_info("http://meta:1", "token")
     assert json.loads(json.dumps(sent)) == sent
@@ -103,7 +108,7 @@ def test_verl_engine_kwargs_carry_the_setting(name, value):
         with pytest.raises(ValueError, match=rf"engine_kwargs.weightsync has unknown fields \['{name}'\]"):
             VerlSyncSettings.from_engine_kwargs({name: value})
         return
-    settings = VerlSyncSettings.from_engine_kwargs({name: value})
+    settings = VerlSyncSettings.from_engine_kwargs(with_needs(name, value))
     assert settings.sync_config(num_readers=4).to_wire()[name] == value
 
 
@@ -115,7 +120,7 @@ def test_trl_settings_carry_the_setting_in_both_modes(name, value):
         with pytest.raises(TypeError, match=name):
             TRLSyncSettings(**{name: value})
         return
-    settings = TRLSyncSettings(**{**NEEDS.get(name, {}), name: value})
+    settings = TRLSyncSettings(**with_needs(name, value))
     assert settings.sync_config(num_writers=4, num_readers=4).to_wire()[name] == value  # colocate
     if HAVE_VLLM:  # server mode: through vLLM's trainer init info
         info = settings.trainer_init_info(rank=0, world=4, meta_address="http://meta:1", meta_token="t",
@@ -129,7 +134,7 @@ def test_ray_attach_carries_the_setting_and_places_the_rank(name, value, monkeyp
     from weightsync.integrations.ray import actors
 
     monkeypatch.setattr(actors, "node_identity", lambda: ("label:slot-1", "10.9.9.9"))
-    sent = SyncConfig.from_wire({**BASE, name: value}).to_wire()  # what attach_* sends each actor
+    sent = SyncConfig.from_wire(with_needs(name, value, **BASE)).to_wire()  # what attach_* sends each actor
     placed = actors.placed_config(SyncConfig.from_wire(json.loads(json.dumps(sent)), where="attach_writers"))
     wire = placed.to_wire()
     assert (wire["host"], wire["transport_host"]) == ("label:slot-1", "10.9.9.9")  # the actor's own node
