@@ -9,6 +9,7 @@ applies the plan op by op, and compares every FP8 byte and every scale bit with 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -211,7 +212,7 @@ def test_any_shape_any_cut_matches_the_reference(rows, cols, writers, seed, sche
     check_hf_reader(result, scheme)
 
 
-@pytest.mark.parametrize("transport", ["shm", "torch", "file"])
+@pytest.mark.parametrize("transport", ["shm", "torch", "file", "nixl", "routed"])
 def test_fp8_and_bf16_readers_from_three_training_processes(transport):
     """Three FSDP ranks (rows cut inside blocks: maxima exchanged through the meta server) write two
     versions; an FP8 reader and a bf16 reader of the same job each get their own format, bitwise."""
@@ -224,20 +225,27 @@ def test_fp8_and_bf16_readers_from_three_training_processes(transport):
     from weightsync.meta.client import EmbeddedMetaServer, MetaClient
     from weightsync.reader import WeightReader
     from weightsync.session import SyncConfig
+    from weightsync.transport import unavailable_reason
     from writer_process import writer_processes
 
+    if unavailable_reason(transport):
+        pytest.skip(unavailable_reason(transport))
+    # routed: writers 0 and 2 with reader 0 on node a (shared memory), writer 1 and reader 1 on node b (torch)
+    writer_hosts, reader_hosts = ("a,b,a", ["a", "b"]) if transport == "routed" else ("", ["", ""])
     cfg = config(hidden=256, inter=320)
     job = f"fp8-{uuid.uuid4().hex[:8]}"
     engines = [ShardedEngine("hf:quant=fp8_block", cfg, 0), ShardedEngine("hf:replicas=2", cfg, 1)]
     errors: list[BaseException] = []
     with EmbeddedMetaServer() as server, writer_processes(server, cfg, "fsdp:dp=3", job=job, seeds=[2, 1],
-                                                          extra=("--transport", transport, "--readers", "2")):
+                                                          extra=("--transport", transport, "--readers", "2",
+                                                                 "--hosts", writer_hosts)):
         sync = SyncConfig(num_writers=3, num_readers=2, job=job, transport=transport, timeout=120)
 
         def read(rank: int) -> None:
             try:
                 with MetaClient(server.address, job=job, token=server.token) as meta, \
-                        WeightReader(engines[rank], rank=rank, config=sync, meta=meta) as reader:
+                        WeightReader(engines[rank], rank=rank, config=dataclasses.replace(sync, host=reader_hosts[rank]),
+                                     meta=meta) as reader:
                     for version in (1, 2):
                         assert reader.update(version).version == version
                         if version == 1:
