@@ -53,7 +53,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "meta": (("weightsync.meta",), ("core",)),
     "job channel": (("weightsync.job", "weightsync.job_wire", "weightsync.heartbeat"), ("meta",)),
     "transports": (("weightsync.transport",), ("job channel", "tools")),
-    "session": (("weightsync.session",), ("transports",)),
+    "session": (("weightsync.session", "weightsync.sync_config", "weightsync.combinations"), ("transports",)),
     "roles": (("weightsync.writer", "weightsync.reader", "weightsync.inflight", "weightsync.tensorstore"),
               ("session", "ports")),
     "integrations": (("weightsync.integrations",), ("roles", "adapters")),

@@ -86,7 +86,9 @@ class _PhaseChecker(StagedWeights):
             self.checked[version].append(name)
 
 
-TRANSPORTS = ["torch", "shm", "file"] + (["nixl"] if importlib.util.find_spec("nixl_cu12") else [])
+TRANSPORTS = ["torch", "shm", "file", "routed"] + (["nixl"] if importlib.util.find_spec("nixl_cu12") else [])
+#: routed: writer 0 and the reader on node a (shared memory), writer 1 on node b (torch)
+HOSTS = {"routed": ("node-a,node-b", "node-a")}
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -104,11 +106,12 @@ def test_versions_arrive_phase_by_phase_into_one_arena(transport):
     assert len(phases) >= 3
     engine = _PhaseChecker(config, {1: 2, 2: 1})
     job = f"phases-{uuid.uuid4().hex[:8]}"
-    extra = ("--transport", transport, "--bucket", str(bucket), "--layer-phases")
+    writer_hosts, reader_host = HOSTS.get(transport, ("", ""))
+    extra = ("--transport", transport, "--bucket", str(bucket), "--layer-phases", "--hosts", writer_hosts)
     with EmbeddedMetaServer() as server, writer_processes(server, config, "megatron:tp=2", job=job, seeds=[2, 1],
                                                           extra=extra):
         sync = SyncConfig(num_writers=2, num_readers=1, job=job, transport=transport, timeout=120, layer_phases=True,
-                          transport_options=TransportOptions(max_bucket_bytes=bucket))
+                          host=reader_host, transport_options=TransportOptions(max_bucket_bytes=bucket))
         meta = MetaClient(server.address, job=job, token=server.token)
         with WeightReader(engine, rank=0, config=sync, meta=meta) as reader:
             for version in (1, 2):

@@ -150,6 +150,19 @@ def _tile_maxima_key(version: int, writer: int) -> str:
     return f"quant/{version}/writer{writer}"
 
 
+
+def settings_difference(mine: str, theirs: str) -> str:
+    """``"layer_phases: True here, False there"`` for two ranks' settings (``SyncConfig.settings()``,
+    a JSON object); the two texts whole when either is not one."""
+    try:
+        a, b = json.loads(mine), json.loads(theirs)
+    except ValueError:
+        a = b = None
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return f"{theirs} there, {mine} here"
+    names = [k for k in {**a, **b} if a.get(k) != b.get(k)]
+    return "; ".join(f"{k}: {json.dumps(a.get(k))} here, {json.dumps(b.get(k))} there" for k in names)
+
 class JobChannel:
     """One rank's typed view of its job on the meta server (see module docstring).
 
@@ -220,11 +233,12 @@ class JobChannel:
         """
         if people is None:
             people = [Member.from_participant(p) for p in self.meta.participants()]
-        differ = [f"{m.who} ({m.settings})" for m in people if m.settings is not None and m.settings != settings]
+        differ = [f"{m.who} ({settings_difference(settings, m.settings)})" for m in people
+                  if m.settings is not None and m.settings != settings]
         if differ:
-            raise ValueError(f"{self.who} runs job {self.meta.job!r} with {settings}, but "
-                             f"{', '.join(differ[:8])}{' ...' if len(differ) > 8 else ''} registered with other "
-                             "settings: every writer and reader of a job must use the same SyncConfig")
+            raise ValueError(f"{self.who} runs job {self.meta.job!r} with other settings than "
+                             f"{', '.join(differ[:8])}{' ...' if len(differ) > 8 else ''}: every writer and reader "
+                             "of a job must use the same SyncConfig")
 
     def wait_roster(self, *, writers: int, readers: int, deadline: Deadline) -> list[Member]:
         """Everyone, once ``writers`` writers and ``readers`` readers registered."""

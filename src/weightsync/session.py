@@ -12,7 +12,6 @@ drive versions on top; epochs are explained in :mod:`weightsync.job`.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import socket
@@ -21,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from weightsync.combinations import refuse_combinations
 from weightsync.deadline import Deadline
 from weightsync.devices import RankPlacement, choose_transport, gpu_identity, tensors_device
 from weightsync.job import JobChannel, Member, Role
@@ -28,6 +28,7 @@ from weightsync.layout.quant_offers import quantized_sources
 from weightsync.layout.roster import Roster
 from weightsync.layout.wire import LayoutDecoder, encode_descriptor, encode_explicit
 from weightsync.plan import PlanOptions, build_local_plan, layer_phases, split_plan
+from weightsync.sync_config import SyncConfig
 from weightsync.torch_layout import check_tensors
 from weightsync.transport import TransportContext, TransportOptions, create_transport, unavailable_reason
 
@@ -76,63 +77,6 @@ class SyncResult:
     @property
     def seconds(self) -> float:
         return sum(self.phases.values())
-
-
-@dataclass(frozen=True, kw_only=True)
-class SyncConfig:
-    """Job-wide settings; every writer and reader must pass the same values.
-
-    Attributes:
-        num_writers / num_readers: participants the job waits for before planning.
-        transport: ``auto`` (shared memory on one host, torch p2p across hosts), or a name.
-        staleness: how many versions training may run ahead of the slowest reader; 0 means
-            synchronous (``write`` returns when every reader applied the version).
-        timeout: default bound, in seconds, on every blocking step.
-        lease_seconds: a rank that sends no heartbeat (a background thread renews its lease on
-            the meta server every quarter of this) for this long is dead: peers waiting on it
-            fail at once, naming it, and a restarted process may take its rank over.
-        layer_phases: move each version in phases of whole layers, each at most
-            ``transport_options.max_bucket_bytes`` (:mod:`weightsync.plan.phases`), so that an
-            engine running its own loader (vLLM) stages one phase at a time instead of a
-            whole-model copy.
-        integrity: writers digest every piece they send and readers check what landed in their
-            memory before the engine applies it (:mod:`weightsync.transport.digests`); a
-            mismatch fails the version on that reader, naming the tensor, writer and bytes.
-    """
-
-    num_writers: int
-    num_readers: int
-    job: str = "default"
-    transport: str = "auto"
-    transport_options: TransportOptions = field(default_factory=TransportOptions)
-    plan_options: PlanOptions = field(default_factory=PlanOptions)
-    staleness: int = 0
-    timeout: float = 300.0
-    lease_seconds: float = 3.0
-    host: str = ""
-    layer_phases: bool = False
-    integrity: bool = False
-
-    def __post_init__(self) -> None:
-        if self.num_writers < 1 or self.num_readers < 1:
-            raise ValueError(f"a job needs at least one writer and one reader, got "
-                             f"{self.num_writers} writers and {self.num_readers} readers")
-        if self.staleness < 0:
-            raise ValueError(f"staleness must be >= 0, got {self.staleness}")
-        if self.timeout <= 0:
-            raise ValueError(f"timeout must be positive, got {self.timeout}")
-        if not 0.1 <= self.lease_seconds <= 3600:
-            raise ValueError(f"lease_seconds must be in [0.1, 3600], got {self.lease_seconds}")
-        if self.transport_options.slots <= self.staleness:
-            # One-sided transports keep a version slot per version a reader may lag behind.
-            object.__setattr__(self, "transport_options",
-                               dataclasses.replace(self.transport_options, slots=self.staleness + 1))
-
-    def settings(self) -> str:
-        """What every rank of a job must agree on, as ranks compare it when they register."""
-        opts = self.transport_options
-        return (f"writers={self.num_writers},readers={self.num_readers},staleness={self.staleness},"
-                f"slots={opts.slots},{opts.digest()}" + (",integrity" if self.integrity else ""))
 
 
 @dataclass(frozen=True)
@@ -297,6 +241,7 @@ class SyncSession:
         placements = [RankPlacement(m.role, m.rank, m.host, m.device, m.gpu) for m in people]
         unavailable = {n: r for n in ("shm", "nixl", "file") if (r := unavailable_reason(n)) is not None}
         choice = choose_transport(self.config.transport, placements, unavailable=unavailable)
+        refuse_combinations(self.config.to_wire(), transport=choice.name, why=choice.reason)
         opts = self.config.transport_options
         phase_names: tuple[tuple[str, ...], ...] = ()
         phases: tuple[Plan, ...] = ()

@@ -33,6 +33,7 @@ recovers it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,35 +46,80 @@ from vllm.distributed.weight_transfer.base import (
 
 from weightsync.engines.staging import StagedWeights
 from weightsync.engines.vllm import ReloadSession, check_supported, in_place_targets, spec_of, staging_quant
+from weightsync.engines.vllm_lora import WorkerLoraEngine
+from weightsync.layout.lora import LoraSpec
 from weightsync.reader import Prefetch, UpdateResult, WeightReader
-from weightsync.session import SyncConfig, TransportOptions
+from weightsync.sync_config import SyncConfig, check_value, from_fields, job_config, with_job_settings
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(kw_only=True)
+@with_job_settings()
 class WeightSyncInitInfo(WeightTransferInitInfo):
-    """Where the job's meta server is and who this worker is in the job."""
+    """Where the job's meta server is, who this worker is in the job, and the job's settings.
 
-    num_writers: int
-    num_readers: int
+    Besides the fields below it has one field per job setting (``SyncConfig``'s wire form,
+    :mod:`weightsync.sync_config`): ``num_writers`` and ``num_readers`` are required, the rest
+    take ``SyncConfig``'s defaults. Every field is checked when vLLM parses the dict
+    (:meth:`from_wire`), and an error names it.
+    """
+
     rank: int = 0
     #: Empty: read WEIGHTSYNC_META_ADDR / WEIGHTSYNC_META_TOKEN from the worker's environment.
     meta_address: str = ""
     meta_token: str = ""
-    job: str = "default"
-    transport: str = "auto"
-    timeout: float = 300.0
-    max_bucket_bytes: int = 64 << 20
-    layer_phases: bool = False
-    #: K >= 1: receive only what changed since the version this worker holds (a full version at
-    #: least every K; torch transport; with ``layer_phases`` every version comes in full)
-    delta_anchor_every: int = 0
-    #: digests of every version checked before vLLM loads a byte of it (``SyncConfig.integrity``)
-    integrity: bool = False
+    #: A LoRA adapter's PEFT config (``adapter_config.json``: r, lora_alpha, target_modules):
+    #: versions are that adapter alone, installed in vLLM's LoRA manager as ``lora_id``.
+    lora: dict[str, Any] | None = None
+    #: the adapter's id in vLLM (vllm serve: its position in --lora-modules, from 1)
+    lora_id: int = 1
     #: receive the next version in the background from ``start_weight_update`` on, while the
-    #: engine keeps generating; ``update_weights`` then only applies (module docstring)
+    #: engine keeps generating; ``update_weights`` then only applies (module docstring). This
+    #: worker's own choice, not a job setting: the trainers never see it.
     prefetch: bool = False
+
+    def __post_init__(self) -> None:
+        where = type(self).__name__
+        for name, kind in (("rank", int), ("meta_address", str), ("meta_token", str), ("lora_id", int),
+                           ("prefetch", bool)):
+            check_value(getattr(self, name), kind, f"{where}.{name}")
+        if self.lora is not None and not isinstance(self.lora, dict):
+            raise ValueError(f"{where}.lora must be an adapter config (a mapping) or null, got "
+                             f"{type(self.lora).__name__}")
+        config = self.sync_config()
+        if not 0 <= self.rank < config.num_readers:
+            raise ValueError(f"{where}.rank must be in [0, num_readers={config.num_readers}), got {self.rank}")
+        if self.lora_id < 1:
+            raise ValueError(f"{where}.lora_id must be >= 1 (vLLM reserves 0 for 'no adapter'), got {self.lora_id}")
+        if self.prefetch and config.layer_phases:
+            raise ValueError(f"{where}: prefetch=True with layer_phases=True: each phase is loaded into the model "
+                             "as it arrives, so the transfer cannot overlap generation; choose one")
+        if self.prefetch and self.lora is not None:
+            raise ValueError(f"{where}: prefetch=True with lora: adapter versions are installed whole into vLLM's "
+                             "LoRA manager as they arrive, there is no staging to prefetch into; choose one")
+        self.lora_spec()  # a malformed adapter config is refused here, naming the key
+
+    @classmethod
+    def from_wire(cls, wire: Mapping[str, Any]) -> WeightSyncInitInfo:
+        """The init info vLLM's ``init_weight_transfer_engine`` passes (a dict), checked field by field.
+
+        Raises:
+            ValueError: naming ``WeightSyncInitInfo.<field>`` for an unknown, missing or malformed field.
+        """
+        return from_fields(cls, wire, cls.__name__, required=("num_writers", "num_readers"))
+
+    def sync_config(self) -> SyncConfig:
+        """The job's settings as this worker's reader takes them."""
+        return job_config(self, type(self).__name__)
+
+    def lora_spec(self) -> LoraSpec | None:
+        if self.lora is None:
+            return None
+        try:
+            return LoraSpec.from_peft_config(self.lora)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{type(self).__name__}.lora is not a plain LoRA adapter config: {exc!r}") from exc
 
 
 @dataclass
@@ -127,27 +173,32 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self.last_version: int | None = None
         self.last_result: UpdateResult | None = None  # its phases: what the update cost
 
+    def parse_init_info(self, init_dict: dict[str, Any]) -> WeightSyncInitInfo:
+        """Every field checked, an error naming it (vLLM's default passes the dict on unchecked)."""
+        return WeightSyncInitInfo.from_wire(init_dict)
+
     def init_transfer_engine(self, init_info: WeightSyncInitInfo) -> None:
         from weightsync.meta.client import MetaClient
 
         if self.reader is not None:
             raise RuntimeError("the weightsync transfer engine is already initialised; shut it down first")
-        if init_info.prefetch and init_info.layer_phases:
-            raise ValueError("weightsync init_info: prefetch=True with layer_phases=True: each phase is loaded into "
-                             "the model as it arrives, so the transfer cannot overlap generation; choose one")
-        engine = _WorkerEngine(self.model, self.vllm_config, self.device, init_info.rank, init_info.num_readers,
-                               in_place=not init_info.prefetch)  # prefetched bytes must not reach the model early
-        config = SyncConfig(num_writers=init_info.num_writers, num_readers=init_info.num_readers,
-                            job=init_info.job, transport=init_info.transport, timeout=init_info.timeout,
-                            layer_phases=init_info.layer_phases, integrity=init_info.integrity,
-                            transport_options=TransportOptions(max_bucket_bytes=init_info.max_bucket_bytes,
-                                                               delta_anchor_every=init_info.delta_anchor_every))
-        meta = (MetaClient(init_info.meta_address, job=init_info.job, token=init_info.meta_token)
-                if init_info.meta_address else MetaClient.from_env(job=init_info.job))
+        config = init_info.sync_config()
+        lora = init_info.lora_spec()
+        engine: Any
+        if lora is not None:  # adapter-only versions, into vLLM's LoRA manager
+            engine = WorkerLoraEngine(self.model, self.vllm_config, lora, lora_id=init_info.lora_id,
+                                      rank=init_info.rank)
+        else:  # prefetched bytes must not reach the model early: stage everything
+            engine = _WorkerEngine(self.model, self.vllm_config, self.device, init_info.rank, config.num_readers,
+                                   in_place=not init_info.prefetch)
+        meta = (MetaClient(init_info.meta_address, job=config.job, token=init_info.meta_token)
+                if init_info.meta_address else MetaClient.from_env(job=config.job))
         self.reader = WeightReader(engine, rank=init_info.rank, config=config, meta=meta)
         self.prefetch = Prefetch(self.reader) if init_info.prefetch else None
-        logger.info("weightsync reader %d ready (%s); staging is laid out at the first update", init_info.rank,
-                    "phases of whole layers" if init_info.layer_phases else "the whole model at once")
+        what = (f"LoRA adapter id {init_info.lora_id} (r={lora.r})" if lora is not None else
+                "phases of whole layers" if config.layer_phases else "the whole model at once")
+        logger.info("weightsync reader %d ready (%s%s); staging is laid out at the first update", init_info.rank,
+                    what, ", prefetching" if init_info.prefetch else "")
 
     def start_weight_update(self) -> None:
         # The data arrives, and is checked, before the reload session opens: nothing to prepare,
