@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from safetensors import safe_open
 
+from weightsync import device_port
 from weightsync.deadline import Deadline
 from weightsync.layout.types import itemsize
 from weightsync.torch_layout import TORCH_DTYPES, strided_view
@@ -73,6 +74,8 @@ class FileTransport:
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
+        self.dev = device_port.current()
+        self.device = torch.device(ctx.device)
         self.directory: str | None = None
         self._owns_directory = False
         self._flats: dict[str, torch.Tensor] = {}
@@ -160,7 +163,9 @@ class FileTransport:
         for box, src_off, _ in slabs(op, self.ctx.options.message_bytes):
             n = box.numel * itemsize(op.dst_dtype)
             out = self._buffer[:n].view(TORCH_DTYPES[op.dst_dtype]).view(box.sizes)
-            out.copy_(strided_view(flat, box.sizes, op.src_strides, src_off))
+            self.dev.copy(out, strided_view(flat, box.sizes, op.src_strides, src_off))
+            self.dev.synchronize(self.device)  # the CPU writes the buffer out next
+            self.dev.touch(self._buffer[:n], write=False)
             f.write(self._buffer[:n].numpy().data)  # type: ignore[attr-defined]
 
     def _prune(self) -> None:
@@ -191,7 +196,7 @@ class FileTransport:
                 with timer("read"), safe_open(path, framework="pt") as f:
                     for op in ops:
                         data = f.get_slice(piece_key(op))[tuple(slice(None) for _ in op.box.sizes)]
-                        op_dst_view(self._flats, op).copy_(data.view(op.box.sizes))
+                        self.dev.copy(op_dst_view(self._flats, op), data.view(op.box.sizes))
                         stats.nbytes += op.nbytes
                         stats.messages += 1
             except (OSError, KeyError, RuntimeError, ValueError) as exc:

@@ -56,7 +56,7 @@ def load_nixl() -> ModuleType:
 
 
 def _nixl_errors(nixl: ModuleType) -> tuple[type[BaseException], ...]:
-    bindings = importlib.import_module(f"{nixl.__name__}._bindings")
+    bindings = getattr(nixl, "_bindings", None) or importlib.import_module(f"{nixl.__name__}._bindings")
     return tuple(obj for name, obj in vars(bindings).items()
                  if name.startswith("nixl") and isinstance(obj, type) and issubclass(obj, Exception))
 

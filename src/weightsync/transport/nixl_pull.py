@@ -37,9 +37,9 @@ class NixlPullTransport(NixlBase):
         self._exposed(parts)
         assert self._index is not None
         self._slot_bytes = max(self._index.total_bytes, 64)
-        self._area = torch.empty(self.slots * self._slot_bytes, dtype=torch.uint8, device=self.device)
+        self._area = self.dev.empty(self.slots * self._slot_bytes, self.device, what=f"{self.who}'s NIXL version slots")
         self._ctl = torch.full((self.slots,), EMPTY, dtype=torch.int64)
-        self._register([self._area, self._ctl])
+        self._register([self._area], words=self._ctl)
         self._publish(epoch, slots=NixlSlots(self._area.data_ptr(), self.slots, self._slot_bytes, self._index.encode()))
 
     def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
@@ -52,8 +52,9 @@ class NixlPullTransport(NixlBase):
             self._ctl[slot] = EMPTY  # a reader of the old version in this slot will notice
         with PhaseTimer(stats)("pack"):
             stats.nbytes = self._pack(slot * self._slot_bytes, phase)
-        if phase == self._phases - 1:
-            self._ctl[slot] = version  # readers read every phase once the whole slot is packed
+        if phase == self._phases - 1:  # readers read every phase once the whole slot is packed
+            area = self._area[slot * self._slot_bytes: (slot + 1) * self._slot_bytes]
+            self.dev.signal(self._ctl, slot, version, covers=[area])
         stats.messages = len(self._copies[phase])
         stats.peak_extra_bytes = self.slots * self._slot_bytes
         return stats
@@ -73,9 +74,10 @@ class NixlPullTransport(NixlBase):
                                      direct_min_bytes=opts.direct_min_bytes) for part in parts] for p in self._peers]
         staged = max((m.nbytes for per_phase in schedules for ms in per_phase for m in ms if not m.direct),
                      default=0)
-        self._landing = torch.empty(staged, dtype=torch.uint8, device=self.device) if staged else None
+        self._landing = (self.dev.empty(staged, self.device, what=f"{self.who}'s NIXL landing buffer") if staged
+                         else None)
         self._ctl = torch.full((len(self._peers), self.slots), EMPTY, dtype=torch.int64)
-        self._register([*self._flats.values(), self._ctl, *([] if self._landing is None else [self._landing])])
+        self._register([*self._flats.values(), *([] if self._landing is None else [self._landing])], words=self._ctl)
         t0 = time.perf_counter()
         for i, (peer, messages) in enumerate(zip(self._peers, schedules, strict=True)):
             exposed = self._slots_of(peer)
@@ -137,9 +139,8 @@ class NixlPullTransport(NixlBase):
                     continue
                 assert self._landing is not None
                 with timer("unpack"):
-                    scatter(message, self._flats, self._landing[: message.nbytes])
-                    if self.device.type == "cuda":  # the next READ reuses the landing buffer
-                        torch.cuda.synchronize(self.device)
+                    scatter(message, self._flats, self._landing[: message.nbytes], copy=self.dev.copy)
+                    self.dev.synchronize(self.device)  # the next READ reuses the landing buffer
         with timer("verify"):
             for i, peer in enumerate(self._peers):
                 assert peer.ctl is not None

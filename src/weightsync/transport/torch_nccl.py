@@ -185,7 +185,7 @@ class NcclTransport(TorchDistBase):
     def _form_group(self, epoch: int, deadline: Deadline) -> Any:
         prefix = self._store_for(epoch, deadline)
         try:
-            with torch.cuda.device(self.device):
+            with self.dev.scope(self.device):
                 return nccl_group(prefix, self.ctx.global_rank, self.ctx.world_size, self.device,
                                   name=f"weightsync-e{epoch}")
         except (RuntimeError, dist.DistError) as exc:
@@ -207,16 +207,15 @@ class NcclTransport(TorchDistBase):
         rounds = rounds_of([pair.messages for pair in schedule])
         sums: dict[int, dict[int, int]] = {i: {} for i in range(len(schedule))}
         try:
-            with torch.cuda.device(self.device):
+            with self.dev.scope(self.device):
                 with timer("post"):
                     for windows in rounds:
                         self._round(pg, schedule, windows, sending=sending, stats=stats, sums=sums)
                     if self.ctx.options.checksum:
                         self._checksums(pg, schedule, sending, sums)
-                    done = torch.cuda.Event(blocking=True)
-                    done.record()
+                    done = self.dev.record(self.device)
                 with timer("transfer"), Watchdog(deadline, pg.abort) as dog:
-                    done.synchronize()
+                    self.dev.wait(done)
         except RuntimeError as exc:
             self._teardown_group()
             raise TransportError(f"{self.ctx.who}: version {version} failed with "
@@ -246,7 +245,7 @@ class NcclTransport(TorchDistBase):
                 if sending:
                     payload = None if needs_buffer(message) else direct_source(message, self._flats)
                     if payload is None:
-                        payload = pack(message, self._flats, self._buffer(window.pair, 0))
+                        payload = pack(message, self._flats, self._buffer(window.pair, 0), copy=self.dev.copy)
                     if self.ctx.options.checksum:
                         sums[window.pair][tag] = checksum(payload)
                 elif message.direct:
@@ -266,7 +265,7 @@ class NcclTransport(TorchDistBase):
             if self.ctx.options.checksum:  # debugging option: synchronises every round
                 sums[index][tag] = checksum(payload)
             if not message.direct:
-                scatter(message, self._flats, payload)
+                scatter(message, self._flats, payload, copy=self.dev.copy)
 
     def _checksums(self, pg: Any, schedule: list[Pair], sending: bool, sums: dict[int, dict[int, int]]) -> None:
         """One more round: each pair's CRC32s in message order, compared by the receiver."""

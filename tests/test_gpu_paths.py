@@ -1,0 +1,31 @@
+"""The GPU paths of the transports, run on CPU under the device model (``tests/device_model.py``):
+asynchronous copies, CUDA IPC handles, NIXL registrations. Each test names the issue-23 defect it
+pins where it pins one."""
+
+from __future__ import annotations
+
+import pytest
+
+from device_model import DeviceModel, NixlModel
+from gpu_harness import run_pair
+from weightsync.transport import nixl_agent
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_cuda_ipc_between_two_processes_moves_every_byte(tmp_path):
+    model = DeviceModel(seed=1)
+    result = run_pair("shm", tmp_path, model=model, target="vllm:tp=1,replicas=2")
+    assert result.errors == [] and result.bad == [] and len(result.received) == 4
+    assert model.violations == []
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_nixl_on_device_memory_moves_every_byte(tmp_path, monkeypatch, mode):
+    from weightsync.transport import TransportOptions
+
+    model = DeviceModel(seed=2)
+    monkeypatch.setattr(nixl_agent, "load_nixl", NixlModel(model).module)
+    result = run_pair("nixl", tmp_path, model=model, options=TransportOptions(
+        nixl_mode=mode, max_bucket_bytes=1 << 16, direct_min_bytes=1024))
+    assert result.errors == [] and result.bad == [] and model.violations == []
