@@ -4,10 +4,13 @@ pins where it pins one."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from device_model import DeviceModel, NixlModel
 from gpu_harness import run_pair
+from weightsync.layout.types import itemsize
 from weightsync.transport import nixl_agent
 
 pytestmark = pytest.mark.timeout(120)
@@ -28,4 +31,33 @@ def test_nixl_on_device_memory_moves_every_byte(tmp_path, monkeypatch, mode):
     monkeypatch.setattr(nixl_agent, "load_nixl", NixlModel(model).module)
     result = run_pair("nixl", tmp_path, model=model, options=TransportOptions(
         nixl_mode=mode, max_bucket_bytes=1 << 16, direct_min_bytes=1024))
+    assert result.errors == [] and result.bad == [] and model.violations == []
+
+
+def back_to_back(layout):
+    """The reader's tensors as separate allocations placed back to back, as the CUDA caching
+    allocator places them: each its own storage (its own NIXL registration), one after another."""
+    import torch
+
+    from weightsync.torch_layout import TORCH_DTYPES
+
+    sizes = [(s, math.prod(s.shape) * itemsize(s.dtype)) for s in layout.shards]
+    memory = bytearray(sum(n for _, n in sizes))
+    out, at = {}, 0
+    for shard, n in sizes:
+        storage = torch.frombuffer(memoryview(memory)[at: at + n], dtype=torch.uint8)
+        out[shard.name] = storage.view(TORCH_DTYPES[shard.dtype])  # flat, as empty_shards makes them
+        at += n
+    return out
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_nixl_descriptors_never_span_two_registrations(tmp_path, monkeypatch, mode):
+    """Defect 8: ranges adjacent in memory but in two registrations stay two descriptors."""
+    from weightsync.transport import TransportOptions
+
+    model = DeviceModel(seed=4)
+    monkeypatch.setattr(nixl_agent, "load_nixl", NixlModel(model).module)
+    result = run_pair("nixl", tmp_path, model=model, target="hf", reader_tensors=back_to_back, options=TransportOptions(
+        nixl_mode=mode, max_bucket_bytes=1 << 16, direct_min_bytes=64))
     assert result.errors == [] and result.bad == [] and model.violations == []

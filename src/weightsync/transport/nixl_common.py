@@ -120,6 +120,7 @@ class NixlBase:
         self.dev = device_port.current()
         self.device = torch.device(ctx.device)
         self.slots = ctx.options.slots
+        self._starts: list[int] = []  # where this rank's memory registrations begin (Descriptors.of)
         self.who = ctx.who
         self.epoch: int | None = None
         #: Seconds, bytes and counts of the last prepare(): registration is paid there, once.
@@ -209,6 +210,7 @@ class NixlBase:
             by_kind.setdefault(kind, {})[storage.data_ptr()] = storage.nbytes()
         for (mem, dev), regions in by_kind.items():
             self._agent.register(sorted(regions.items()), mem, dev)
+        self._starts = sorted({start for regions in by_kind.values() for start in regions})
         self.setup["register_seconds"] = self.setup.get("register_seconds", 0.0) + time.perf_counter() - t0
         self.setup["registered_bytes"] = self.setup.get("registered_bytes", 0) + sum(
             n for regions in by_kind.values() for n in regions.values())

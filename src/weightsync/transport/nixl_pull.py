@@ -107,7 +107,8 @@ class NixlPullTransport(NixlBase):
         direct = [p for m in messages if m.direct for p in m.pieces]
         if direct:
             local = [self._flats[p.op.dst_shard].data_ptr() + p.dst_offset * itemsize(p.op.dst_dtype) for p in direct]
-            descs = Descriptors.of(local, [remote(p) for p in direct], [p.nbytes for p in direct])
+            descs = Descriptors.of(local, [remote(p) for p in direct], [p.nbytes for p in direct],
+                                   local_starts=self._starts)
             out.append((self._prepare_xfer(peer, "READ", descs, f"slot {slot} into destination tensors"), None))
         for m in messages:
             if not m.direct:

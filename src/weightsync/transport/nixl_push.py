@@ -94,7 +94,10 @@ class NixlPushTransport(NixlBase):
             lengths.append(np.full(len(a), run * size, dtype=np.int64))
         if not ops:
             return Descriptors.of([], [], [])
-        return Descriptors.of(np.concatenate(local), np.concatenate(remote), np.concatenate(lengths))
+        # the reader registers the storages behind its tensors; a range that begins where one
+        # storage begins begins a tensor, so never joining at a tensor's start keeps them apart
+        return Descriptors.of(np.concatenate(local), np.concatenate(remote), np.concatenate(lengths),
+                              local_starts=self._starts, remote_starts=[addr for addr, _ in shards.values()])
 
     def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
         agent = self._prepared_agent("send")
