@@ -61,3 +61,30 @@ def test_nixl_descriptors_never_span_two_registrations(tmp_path, monkeypatch, mo
     result = run_pair("nixl", tmp_path, model=model, target="hf", reader_tensors=back_to_back, options=TransportOptions(
         nixl_mode=mode, max_bucket_bytes=1 << 16, direct_min_bytes=64))
     assert result.errors == [] and result.bad == [] and model.violations == []
+
+
+def engine_reads(model):
+    """before_receive: the engine's kernels (a forward pass) still read its weights, queued on its
+    stream, when the next version's receive starts."""
+    import torch
+
+    def queue(version, phase, tensors):
+        for t in tensors.values():
+            model.copy(torch.empty_like(t), t)
+    return queue
+
+
+@pytest.mark.parametrize("phase_bytes", [None, 1 << 17])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_nixl_readers_synchronise_before_a_nic_writes_into_their_tensors(tmp_path, monkeypatch, mode, phase_bytes):
+    """Defect 3: a pull reader's READs, and a push reader's ready word, come after its device
+    synchronise: the NIC writes outside stream order, into memory queued kernels may still read
+    (the engine's last forward; with layer phases, the previous phase's load kernels reading the
+    staging arena the next phase lands in)."""
+    from weightsync.transport import TransportOptions
+
+    model = DeviceModel(seed=5, chance=0.0)
+    monkeypatch.setattr(nixl_agent, "load_nixl", NixlModel(model).module)
+    result = run_pair("nixl", tmp_path, model=model, before_receive=engine_reads(model), phase_bytes=phase_bytes,
+                      options=TransportOptions(nixl_mode=mode, max_bucket_bytes=1 << 16, direct_min_bytes=1024))
+    assert result.errors == [] and result.bad == [] and model.violations == []

@@ -129,6 +129,9 @@ class NixlPullTransport(NixlBase):
         with timer("wait"):
             for i, peer in enumerate(self._peers):
                 self._wait_slot(i, peer, version, deadline)
+        # the NIC writes outside stream order: kernels queued on our tensors (the engine's last
+        # forward, the previous phase's loads) must be done before the first READ lands
+        self.dev.synchronize(self.device)
         for peer in self._peers:
             for xfer, message in peer.phases[phase][slot]:
                 with timer("transfer"):

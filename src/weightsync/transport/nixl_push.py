@@ -162,7 +162,9 @@ class NixlPushTransport(NixlBase):
         deadline = Deadline.after(timeout)
         token = phase_token(version, phase)
         pending = {peer.agent: peer for peer in self._peers if peer.nbytes[phase]}
-        # writers poll this word before they WRITE into our tensors
+        # writers poll this word before they WRITE into our tensors, outside stream order: what
+        # is queued on them (the engine's last forward, the previous phase's loads) completes first
+        self.dev.synchronize(self.device)
         self.dev.signal(self._ctl, 0, token, covers=list(self._flats.values()))
         next_probe = time.monotonic() + _PROBE_S
         with PhaseTimer(stats)("transfer"):
