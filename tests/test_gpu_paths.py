@@ -88,3 +88,12 @@ def test_nixl_readers_synchronise_before_a_nic_writes_into_their_tensors(tmp_pat
     result = run_pair("nixl", tmp_path, model=model, before_receive=engine_reads(model), phase_bytes=phase_bytes,
                       options=TransportOptions(nixl_mode=mode, max_bucket_bytes=1 << 16, direct_min_bytes=1024))
     assert result.errors == [] and result.bad == [] and model.violations == []
+
+
+def test_cuda_ipc_within_one_process_hands_the_slots_over_without_opening_the_handle(tmp_path):
+    """Defect 2: an in-process trainer and engine (what ``auto`` picks shm for): CUDA refuses to
+    open a handle in the process that exported it, so the reader takes the writer's slots as they are."""
+    model = DeviceModel(seed=6)
+    result = run_pair("shm", tmp_path, model=model, processes=None, target="vllm:tp=1,replicas=2")
+    assert result.errors == [] and result.bad == [] and len(result.received) == 4
+    assert model.violations == []

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -84,6 +85,12 @@ logger = logging.getLogger(__name__)
 _PROGRESS_BYTES = 4 << 20
 #: Store order is program order (x86-64 TSO), so progress words may be read without fences.
 _ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
+
+#: This process's CUDA IPC version slots, by segment path. CUDA refuses to open a handle in the
+#: process that exported it (``cudaIpcOpenMemHandle``: invalid context), so a reader in the
+#: writer's process (an in-process trainer and engine, which ``auto`` gives shm) takes the
+#: writer's tensor from here, as torch's own reductions do from their cache.
+_OWN_SLOTS: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 def streams(device: torch.device, enabled: bool, dev: DevicePort) -> bool:
@@ -262,6 +269,9 @@ class SnapshotWriter:
         self.segment = OwnSegment(ctx.rank, header, 0 if data is not None else slots * slot_bytes)
         self.segment.words[3: 3 + 3 * slots].fill_(EMPTY)
         self.segment.seal()
+        if data is not None:
+            assert self.segment.path is not None, "a segment has its path until it is closed"
+            _OWN_SLOTS[self.segment.path] = data
         self.data = data if data is not None else self.segment.data
         self.index, self.copies, self.slots, self.slot_bytes = index, copies, slots, slot_bytes
         self.device, self.streaming, self.dev = device, streaming, dev
@@ -376,7 +386,14 @@ def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, 
     ipc = header.get("ipc")
     if ipc is not None:
         handle = IpcHandle.from_wire(ipc)
-        data = dev.open(handle, ipc_home(handle))
+        if handle.process == dev.process():  # our own export: never opened here (see _OWN_SLOTS)
+            own = _OWN_SLOTS.get(path)
+            if own is None:
+                raise TransportError(f"reader {ctx.rank}: writer {writer}'s CUDA IPC slots in {path} were exported "
+                                     "by this process and are already released (the writer closed)")
+            data = own
+        else:
+            data = dev.open(handle, ipc_home(handle))
     else:
         data = mem[CONTROL_BYTES:CONTROL_BYTES + slots * slot_bytes]
     return SnapshotPeer(words, data, index, slot_bytes=slot_bytes, slots=slots, writer=writer, reader=ctx.rank,
