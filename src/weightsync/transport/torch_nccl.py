@@ -176,6 +176,13 @@ def nccl_group(store: dist.Store, rank: int, size: int, device: torch.device, *,
     return pg
 
 
+def block_on(work: Any) -> None:
+    """Make the current stream wait for a coalesced group's work. ``ProcessGroupNCCL::endCoalescing``
+    returns no work (None) when nothing was posted in the group."""
+    if work is not None:
+        work.block_current_stream()
+
+
 class NcclTransport(TorchDistBase):
     """Two-sided p2p over a private NCCL group (see module docstring)."""
 
@@ -216,8 +223,10 @@ class NcclTransport(TorchDistBase):
                     done = self.dev.record(self.device)
                 with timer("transfer"), Watchdog(deadline, pg.abort) as dog:
                     self.dev.wait(done)
-        except RuntimeError as exc:
+        except Exception as exc:  # whatever failed, the group may be mid-operation: never reuse it
             self._teardown_group()
+            if isinstance(exc, TransportError) and exc.__cause__ is None:
+                raise
             raise TransportError(f"{self.ctx.who}: version {version} failed with "
                                  f"{', '.join(self._peer_label(p.peer) for p in schedule)}: {exc}") from exc
         if dog.fired:
@@ -257,8 +266,7 @@ class NcclTransport(TorchDistBase):
                 stats.nbytes += message.nbytes
                 stats.messages += 1
                 stats.direct_bytes += message.nbytes if message.direct else 0
-        work = pg._end_coalescing(self.device)
-        work.block_current_stream()  # the current stream waits for the round; the CPU does not
+        block_on(pg._end_coalescing(self.device))  # the current stream waits for the round; the CPU does not
         if sending:
             return
         for message, payload, index, tag in landed:
@@ -279,7 +287,9 @@ class NcclTransport(TorchDistBase):
                     else torch.empty(len(pair.messages), dtype=torch.int64, device=self.device))
             (pg.send if sending else pg.recv)([tail], pair.peer_global, len(pair.messages))
             tails.append((pair, tail, ordered))
-        pg._end_coalescing(self.device).block_current_stream()  # tolist() below waits for the stream
+        if not tails:
+            return  # no message with any peer this phase: nothing to compare
+        block_on(pg._end_coalescing(self.device))  # tolist() below waits for the stream
         if sending:
             return
         for pair, tail, ordered in tails:
