@@ -97,3 +97,15 @@ def test_cuda_ipc_within_one_process_hands_the_slots_over_without_opening_the_ha
     result = run_pair("shm", tmp_path, model=model, processes=None, target="vllm:tp=1,replicas=2")
     assert result.errors == [] and result.bad == [] and len(result.received) == 4
     assert model.violations == []
+
+
+def test_the_self_checks_trainer_holds_its_weights_where_the_engine_stages():
+    """Defect 1: ``doctor --engines`` ran a CPU stand-in trainer against a GPU engine, a mix
+    ``choose_transport`` refuses. The stand-in now lives on the engine's device ("meta" here:
+    a device that is not the CPU, on any machine)."""
+    import types
+
+    from weightsync.tiny import CanonicalSource, tiny_config
+
+    source = CanonicalSource.beside(types.SimpleNamespace(device="meta"), tiny_config())
+    assert {str(t.device) for t in source.tensors().values()} == {"meta"}
