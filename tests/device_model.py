@@ -99,6 +99,7 @@ class DeviceModel:
         self.used = 0
         self.peak = 0
         self.allocations: dict[int, tuple[int, str]] = {}  # id -> (bytes, what)
+        self.pinned: list[tuple[int, str]] = []  # page-locked host buffers asked for: (bytes, what)
         self._streams: dict[str, Stream] = {}
         self._seq = 0
         self._rng = random.Random(seed)
@@ -153,6 +154,9 @@ class DeviceModel:
         return torch.device(device).type in self.gpu_types
 
     def empty(self, nbytes: int, device: str | torch.device, *, what: str, pinned: bool = False) -> torch.Tensor:
+        if pinned:  # page-locked host memory: outside the device budget, and recorded
+            self.pinned.append((nbytes, what))
+            return torch.empty(nbytes, dtype=torch.uint8)
         if not self.is_gpu(device):
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
         with self._lock:

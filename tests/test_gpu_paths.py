@@ -109,3 +109,17 @@ def test_the_self_checks_trainer_holds_its_weights_where_the_engine_stages():
 
     source = CanonicalSource.beside(types.SimpleNamespace(device="meta"), tiny_config())
     assert {str(t.device) for t in source.tensors().values()} == {"meta"}
+
+
+def test_the_file_transport_on_gpu_goes_through_one_bounded_pinned_buffer_per_rank(tmp_path):
+    """Defect 11: GPU tensors are written and read through page-locked host memory, one buffer
+    of ``message_bytes`` per rank, never a pageable copy of a whole tensor."""
+    from weightsync.transport import TransportOptions
+
+    options = TransportOptions(max_bucket_bytes=1 << 16, direct_min_bytes=1024)
+    model = DeviceModel(seed=7)
+    result = run_pair("file", tmp_path, model=model, target="vllm:tp=1,replicas=2", options=options)
+    assert result.errors == [] and result.bad == [] and len(result.received) == 4 and model.violations == []
+    assert sorted(what for _, what in model.pinned) == [
+        "reader 0's file staging buffer", "reader 1's file staging buffer", "writer 0's file staging buffer"]
+    assert {n for n, _ in model.pinned} == {options.message_bytes}
