@@ -10,6 +10,7 @@ import pytest
 
 from device_model import DeviceModel, NixlModel
 from gpu_harness import run_pair
+from weightsync import device_port
 from weightsync.layout.types import itemsize
 from weightsync.transport import nixl_agent
 
@@ -123,3 +124,38 @@ def test_the_file_transport_on_gpu_goes_through_one_bounded_pinned_buffer_per_ra
     assert sorted(what for _, what in model.pinned) == [
         "reader 0's file staging buffer", "reader 1's file staging buffer", "writer 0's file staging buffer"]
     assert {n for n, _ in model.pinned} == {options.message_bytes}
+
+
+def test_the_staging_arena_is_refused_with_its_figure_when_the_engine_left_no_room():
+    """Defect 7 (vLLM staging): vLLM sizes its KV cache out of what it measured free, then the
+    arena came lazily, as an out-of-memory error. It is refused before anything is allocated,
+    naming the figure and the setting to change."""
+    import torch
+
+    from weightsync.configs import load_spec
+    from weightsync.device_port import DeviceMemoryError
+    from weightsync.engines.staging import StagedWeights
+
+    model = DeviceModel(budget=64 << 20)
+    model.reserve(48 << 20, "the engine's weights")
+    model.reserve_rest("vLLM's KV cache")
+    with device_port.use(model):
+        staged = StagedWeights(load_spec("tiny-qwen3"), dtype=torch.float32, device="cpu", rank=0)
+        with pytest.raises(DeviceMemoryError, match=r"the engine's staging arena needs [0-9.]+ MiB on cpu, and only "
+                                                    r"0\.0 MiB of it is free: .*gpu_memory_utilization.*layer_phases"):
+            staged.receive_buffers()
+    assert model.peak == 0
+
+
+@pytest.mark.parametrize("transport", ["shm", "nixl"])
+def test_version_slots_on_the_trainer_gpu_are_refused_with_their_figure(tmp_path, monkeypatch, transport):
+    """Defect 7 (IPC and NIXL writers): ``slots`` x the exposed bytes on the trainer's GPU are
+    refused at prepare, naming the figure and the setting, rather than failing mid-sync."""
+    from weightsync.transport import TransportOptions
+
+    model = DeviceModel(budget=1 << 20)
+    monkeypatch.setattr(nixl_agent, "load_nixl", NixlModel(model).module)
+    result = run_pair(transport, tmp_path, model=model, timeout=5.0, options=TransportOptions(
+        slots=3, nixl_mode="pull", max_bucket_bytes=1 << 16, direct_min_bytes=1024))
+    assert any(f"writer 0's {'CUDA IPC' if transport == 'shm' else 'NIXL'} version slots (3 x " in str(e)
+               and "TransportOptions.slots" in str(e) for e in result.errors), result.errors

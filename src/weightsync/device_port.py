@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DeviceMemoryError", "DevicePort", "IpcHandle", "TorchDevices", "check_fits", "current", "gib", "use"]
+__all__ = ["DeviceMemoryError", "DevicePort", "IpcHandle", "TorchDevices", "allocate", "check_fits", "current", "gib",
+           "use"]
 
 
 class DeviceMemoryError(ValueError):
@@ -238,3 +239,10 @@ def check_fits(port: DevicePort, nbytes: int, device: str | torch.device, *, wha
     free = port.free_bytes(device)
     if free is not None and nbytes > free:
         raise DeviceMemoryError(f"{what} needs {gib(nbytes)} on {device}, and only {gib(free)} of it is free: {fix}")
+
+
+def allocate(port: DevicePort, nbytes: int, device: str | torch.device, *, what: str, fix: str) -> torch.Tensor:
+    """``port.empty`` after :func:`check_fits`: what a rank keeps on a device is refused at
+    prepare time with its figure and ``fix``, never an out-of-memory error inside a sync."""
+    check_fits(port, nbytes, device, what=what, fix=fix)
+    return port.empty(nbytes, device, what=what)

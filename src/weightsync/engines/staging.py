@@ -144,7 +144,11 @@ class StagedWeights:
             size = max(size, at)
         self._arena = None
         self._buffers = {}
-        arena = self.dev.empty(max(size, _ALIGN), self._device, what="the engine's staging arena").zero_()
+        arena = device_port.allocate(
+            self.dev, max(size, _ALIGN), self._device, what="the engine's staging arena",
+            fix="leave the engine room for it (vLLM: a lower gpu_memory_utilization; SGLang: a lower "
+                "mem_fraction_static), or stage one phase of layers at a time (SyncConfig(layer_phases=True))",
+        ).zero_()
         for shard in self._layout.shards:
             if shard.name in self._direct:
                 self._buffers[shard.name] = self._direct[shard.name]

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from weightsync import device_port
 from weightsync.deadline import Deadline
 from weightsync.job_wire import WireError
 from weightsync.layout.types import itemsize
@@ -37,7 +38,10 @@ class NixlPullTransport(NixlBase):
         self._exposed(parts)
         assert self._index is not None
         self._slot_bytes = max(self._index.total_bytes, 64)
-        self._area = self.dev.empty(self.slots * self._slot_bytes, self.device, what=f"{self.who}'s NIXL version slots")
+        self._area = device_port.allocate(
+            self.dev, self.slots * self._slot_bytes, self.device,
+            what=f"{self.who}'s NIXL version slots ({self.slots} x {device_port.gib(self._slot_bytes)})",
+            fix="use fewer TransportOptions.slots, or nixl_mode='push' (which packs only what is not sent live)")
         self._ctl = torch.full((self.slots,), EMPTY, dtype=torch.int64)
         self._register([self._area], words=self._ctl)
         self._publish(epoch, slots=NixlSlots(self._area.data_ptr(), self.slots, self._slot_bytes, self._index.encode()))

@@ -264,7 +264,10 @@ class SnapshotWriter:
                                   "slot_bytes": slot_bytes, "device": str(device)}
         data: torch.Tensor | None = None
         if dev.is_gpu(device):
-            data = dev.empty(slots * slot_bytes, device, what=f"{ctx.who}'s CUDA IPC version slots")
+            data = device_port.allocate(dev, slots * slot_bytes, device, what=f"{ctx.who}'s CUDA IPC version slots "
+                                        f"({slots} x {device_port.gib(slot_bytes)})",
+                                        fix="use fewer TransportOptions.slots, or SyncConfig(layer_phases=True) with "
+                                            "transport 'torch' (NCCL stages one bucket, not the model)")
             header["ipc"] = dev.share(data).to_wire()
         self.segment = OwnSegment(ctx.rank, header, 0 if data is not None else slots * slot_bytes)
         self.segment.words[3: 3 + 3 * slots].fill_(EMPTY)
