@@ -4,16 +4,23 @@ posted), so that each issue-23 defect of this transport has a test that runs in 
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import pytest
 import torch
 
 from fake_meta import DirectoryMeta
+from gpu_harness import as_tensors
+from weightsync.configs import load_spec
 from weightsync.deadline import Deadline
 from weightsync.device_port import TorchDevices
 from weightsync.job import JobChannel
+from weightsync.layout import parse_layout
+from weightsync.plan.reference import empty_shards
 from weightsync.transport import TransportContext, TransportError, TransportOptions
+from weightsync.transport.tensors import flat_views
 from weightsync.transport.torch_dist import Pair
 from weightsync.transport.torch_nccl import NcclTransport
 
@@ -82,3 +89,87 @@ def test_an_unexpected_failure_tears_the_group_down_and_raises_a_transport_error
                                              "attribute 'block_current_stream'"):
         t._move(4, Deadline.after(5), [Pair(0, 1, [])], sending=False)
     assert group.aborted and t._pg is None
+
+
+class HangingGroup(FakeGroup):
+    """The end of a coalesced group blocks until the communicator is aborted, as NCCL's does when
+    it connects a pair on first use and the peer never comes (bounded here, so a test on code
+    without a watchdog there ends)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._aborted = threading.Event()
+
+    def _end_coalescing(self, device: Any) -> FakeWork | None:
+        self._aborted.wait(6)
+        return FakeWork()
+
+    def abort(self) -> None:
+        super().abort()
+        self._aborted.set()
+
+
+def one_message_schedule() -> list[Pair]:
+    from weightsync.plan import build_local_plan
+    from weightsync.transport.schedule import build_messages
+
+    spec = load_spec("tiny-qwen3")
+    writers = parse_layout("megatron:tp=1").all_rank_layouts(spec)
+    readers = parse_layout("vllm:tp=1").all_rank_layouts(spec)
+    plan = build_local_plan(writers, readers, role="reader", rank=0)
+    messages = build_messages(plan.ops_between(0, 0), message_bytes=1 << 20, direct_min_bytes=1 << 30)
+    return [Pair(0, 0, messages[:1])]
+
+
+def test_a_round_that_never_connects_is_aborted_at_the_deadline(tmp_path):
+    """Defect 5: the end of a coalesced group (where NCCL connects a pair on first use) blocked
+    with no deadline: only the final event wait was under the watchdog."""
+    t = nccl(tmp_path, "reader")
+    t._pg = group = HangingGroup()
+    t._flats = dict(flat_views(as_tensors(empty_shards(readers_layout()), readers_layout())))
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match=r"reader 0: version 5 failed with writer 0: it did not complete in "
+                                             "time; the NCCL communicator was aborted"):
+        t._move(5, Deadline.after(0.5), one_message_schedule(), sending=False)
+    assert time.monotonic() - t0 < 4 and group.aborted and t._pg is None
+
+
+def test_a_dead_peer_aborts_the_round_long_before_the_deadline(tmp_path, monkeypatch):
+    """Defect 5: NCCL has no peer watch; the watchdog now asks the job channel (leases on the
+    meta server) and aborts as soon as a peer is dead, naming it."""
+    t = nccl(tmp_path, "reader")
+    t._pg = group = HangingGroup()
+    t._flats = dict(flat_views(as_tensors(empty_shards(readers_layout()), readers_layout())))
+    monkeypatch.setattr(t.ctx.channel, "dead_peers", lambda role, ranks: {0: "lease expired 2.0s ago"})
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match=r"reader 0: version 6 failed with writer 0: writer 0 is dead \(lease "
+                                             r"expired 2\.0s ago\); the NCCL communicator was aborted"):
+        t._move(6, Deadline.after(60), one_message_schedule(), sending=False)
+    assert time.monotonic() - t0 < 4 and group.aborted
+
+
+class HangingBackend:
+    def __init__(self) -> None:
+        self.aborted = threading.Event()
+
+    def eager_connect_single_device(self, device: Any) -> None:
+        self.aborted.wait(6)
+
+    def abort(self) -> None:
+        self.aborted.set()
+
+
+def test_the_eager_connect_is_aborted_at_the_deadline():
+    """Defect 5: ``eager_connect_single_device`` (NCCL's bootstrap waits for every rank) had no
+    deadline."""
+    from weightsync.transport.torch_nccl import connect_eagerly
+
+    backend = HangingBackend()
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="did not connect on cuda:0 in time"):
+        connect_eagerly(backend, torch.device("cuda:0"), Deadline.after(0.3))
+    assert time.monotonic() - t0 < 4 and backend.aborted.is_set()
+
+
+def readers_layout() -> Any:
+    return parse_layout("vllm:tp=1").all_rank_layouts(load_spec("tiny-qwen3"))[0]
