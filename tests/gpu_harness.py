@@ -44,12 +44,15 @@ def run_pair(transport: str, tmp_path: Any, *, model: Any, processes: tuple[str,
              versions: tuple[int, ...] = (1, 2), phase_bytes: int | None = None,
              options: TransportOptions | None = None, timeout: float = 20.0,
              reader_tensors: Callable[[Any], dict[str, torch.Tensor]] | None = None,
-             before_receive: Callable[[int, int, dict[str, torch.Tensor]], None] | None = None) -> PairResult:
+             before_receive: Callable[[int, int, dict[str, torch.Tensor]], None] | None = None,
+             lockstep: bool = False) -> PairResult:
     """One writer and the readers of ``target``, in threads; ``processes``: the simulated process of
     the writer and of every reader (None: all in this process, like an in-process trainer and engine).
 
     ``before_receive(version, phase, tensors)`` runs on the reader before each receive (to queue
-    the engine's work on its tensors, say).
+    the engine's work on its tensors, say). ``lockstep``: every rank finishes phase ``p`` before
+    any sends phase ``p + 1``, as when a rank's other route (the routed transport's NCCL) blocks
+    per phase.
     """
     spec = load_spec(config)
     writers = parse_layout(source).all_rank_layouts(spec)
@@ -82,11 +85,15 @@ def run_pair(transport: str, tmp_path: Any, *, model: Any, processes: tuple[str,
                         tensors[name].copy_(src)
                     for p in range(len(phases or [plan])):
                         t.send(v, timeout=timeout, phase=p)
+                        if lockstep:
+                            barrier.wait(timeout)
                 else:
                     for p in range(len(phases or [plan])):
                         if before_receive is not None:
                             before_receive(v, p, tensors)
                         t.receive(v, timeout=timeout, phase=p)
+                        if lockstep:
+                            barrier.wait(timeout)
                     device_port.current().synchronize("cpu")
                     want = as_tensors(cut_shards(layout, values), layout)
                     result.received.append((rank, v))

@@ -159,3 +159,13 @@ def test_version_slots_on_the_trainer_gpu_are_refused_with_their_figure(tmp_path
         slots=3, nixl_mode="pull", max_bucket_bytes=1 << 16, direct_min_bytes=1024))
     assert any(f"writer 0's {'CUDA IPC' if transport == 'shm' else 'NIXL'} version slots (3 x " in str(e)
                and "TransportOptions.slots" in str(e) for e in result.errors), result.errors
+
+
+def test_cuda_ipc_readers_take_each_phase_as_it_completes(tmp_path):
+    """Defect 4: with layer phases, a CUDA IPC reader waited for the whole slot at phase 0 while
+    the writer sealed it at its last phase; the routed transport's torch route blocks each rank
+    at every phase, so two nodes of a trainer and an engine each waited on each other forever.
+    Here every rank finishes a phase before any sends the next (the same interlock, in one pair)."""
+    model = DeviceModel(seed=8)
+    result = run_pair("shm", tmp_path, model=model, phase_bytes=1 << 17, lockstep=True, timeout=8.0)
+    assert result.errors == [] and result.bad == [] and len(result.received) == 2 and model.violations == []

@@ -120,8 +120,9 @@ class PeerSegment(Protocol):
         """The view to copy ``op`` from (once its bytes are there)."""
         ...
 
-    def finish(self, version: int, deadline: Deadline) -> None:
-        """After copying: raise if ``version`` changed under the reader."""
+    def finish(self, version: int, deadline: Deadline, *, last: bool = True) -> None:
+        """After copying (``last``: the version's last phase): raise if ``version`` changed under
+        the reader."""
 
     def release(self, version: int) -> None:
         """The reader is done with ``version`` (copied, or gave up)."""
@@ -230,7 +231,7 @@ class SharedMemoryTransport:
                 # the sequence words are checked after the copies: they must have read the slot by then
                 self.dev.synchronize(self.device)
             for peer in involved:
-                peer.finish(version, deadline)
+                peer.finish(version, deadline, last=phase == self._phases - 1)
             done = True
         finally:  # zero-copy writers hold their weights until every reader is done (or gave up)
             if phase == self._phases - 1 or not done:
@@ -278,6 +279,11 @@ class SnapshotWriter:
         self.data = data if data is not None else self.segment.data
         self.index, self.copies, self.slots, self.slot_bytes = index, copies, slots, slot_bytes
         self.device, self.streaming, self.dev = device, streaming, dev
+        # device memory: each phase is published once complete (after a synchronise), so that
+        # readers take a phase while the writer is busy elsewhere (the routed transport's
+        # other route blocks per phase: waiting for the whole slot would hang the job). The
+        # words are plain stores, read in order only where the CPU keeps store order.
+        self.phased = data is not None and _ORDERED_STORES
         logger.info("%s exposes %d bytes x %d slots in %s", ctx.who, index.total_bytes, slots, self.segment.path)
 
     def send(self, version: int, flats: Mapping[str, torch.Tensor], timeout: float, *, phase: int,
@@ -291,7 +297,7 @@ class SnapshotWriter:
         if phase == 0:
             control[seq_word(slot)] = EMPTY  # readers of the old version in this slot will notice
             control[progress_at] = 0
-            control[writing_word(self.slots, slot)] = version if self.streaming else EMPTY
+            control[writing_word(self.slots, slot)] = version if self.streaming or self.phased else EMPTY
         published = int(control[progress_at])
         with PhaseTimer(stats)("pack"):
             for key, op in self.copies[phase]:
@@ -309,6 +315,11 @@ class SnapshotWriter:
         if last:
             self.dev.synchronize(self.device)  # the copies above are asynchronous on a GPU
             self.dev.signal(control, seq_word(slot), version, covers=[self.data[base: base + self.slot_bytes]])
+        elif self.phased and self.copies[phase]:
+            key, _ = self.copies[phase][-1]
+            end = sum(self.index.entries[key])  # a slot is laid out phase after phase
+            self.dev.synchronize(self.device)
+            self.dev.signal(control, progress_at, end, covers=[self.data[base: base + end]])
         stats.peak_extra_bytes = self.slots * self.slot_bytes
         return stats
 
@@ -317,15 +328,17 @@ class SnapshotPeer:
     """Snapshot mode, reader side: copy from the writer's slot, as far as it is packed."""
 
     def __init__(self, control: torch.Tensor, data: torch.Tensor, index: ExposedIndex, *, slot_bytes: int,
-                 slots: int, writer: int, reader: int, streaming: bool, watch: PeerWatch) -> None:
+                 slots: int, writer: int, reader: int, streaming: bool, phased: bool = False,
+                 watch: PeerWatch) -> None:
         self.control, self.data, self.index = control, data, index
         self.slot_bytes, self.slots = slot_bytes, slots
         self.writer, self.reader, self.streaming, self.watch = writer, reader, streaming, watch
+        self.phased = phased  # the writer publishes each completed phase (device memory)
         self._ready = -1  # bytes of the current slot known to be packed
 
     def begin(self, version: int, deadline: Deadline) -> None:
         self._ready = -1
-        if not self.streaming:
+        if not self.streaming and not self.phased:
             self._ready = self._wait_packed(version, None, deadline)
 
     def source(self, op: TransferOp, at: int, version: int, deadline: Deadline) -> torch.Tensor:
@@ -334,10 +347,13 @@ class SnapshotPeer:
         base = (version % self.slots) * self.slot_bytes
         return self.data[base + at: base + at + op.nbytes].view(TORCH_DTYPES[op.dst_dtype]).view(op.box.sizes)
 
-    def finish(self, version: int, deadline: Deadline) -> None:
-        if self.streaming:  # the writer may still be packing pieces other readers need
+    def finish(self, version: int, deadline: Deadline, *, last: bool = True) -> None:
+        slot = version % self.slots
+        if not last and self.word(writing_word(self.slots, slot)) == version:
+            return  # copied, and the writer has not begun another version in this slot
+        if self.streaming or self.phased:  # the writer may still be packing pieces other readers need
             self._wait_packed(version, None, deadline)
-        held = self.word(seq_word(version % self.slots))
+        held = self.word(seq_word(slot))
         if held != version:
             raise TransportError(self._stale_message(version, held) + " (overwritten while reading)")
 
@@ -400,7 +416,8 @@ def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, 
     else:
         data = mem[CONTROL_BYTES:CONTROL_BYTES + slots * slot_bytes]
     return SnapshotPeer(words, data, index, slot_bytes=slot_bytes, slots=slots, writer=writer, reader=ctx.rank,
-                        streaming=streaming and ipc is None, watch=PeerWatch(ctx, "writer", [writer]))
+                        streaming=streaming and ipc is None, phased=ipc is not None and _ORDERED_STORES,
+                        watch=PeerWatch(ctx, "writer", [writer]))
 
 
 def ipc_home(handle: IpcHandle) -> str:
