@@ -39,13 +39,16 @@ from __future__ import annotations
 
 import logging
 import platform
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from weightsync import device_port
 from weightsync.deadline import Deadline
-from weightsync.devices import gpu_identity, ipc_attach_device, visible_gpus
+from weightsync.device_port import DevicePort, IpcHandle
+from weightsync.devices import ipc_attach_device, visible_gpus
 from weightsync.torch_layout import TORCH_DTYPES
 from weightsync.transport.base import (
     PeerWatch,
@@ -83,10 +86,17 @@ _PROGRESS_BYTES = 4 << 20
 #: Store order is program order (x86-64 TSO), so progress words may be read without fences.
 _ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
 
+#: This process's CUDA IPC version slots, by segment path. CUDA refuses to open a handle in the
+#: process that exported it (``cudaIpcOpenMemHandle``: invalid context), so a reader in the
+#: writer's process (an in-process trainer and engine, which ``auto`` gives shm) takes the
+#: writer's tensor from here, as torch's own reductions do from their cache.
+_OWN_SLOTS: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 
-def streams(device: torch.device, enabled: bool) -> bool:
-    """Readers may copy while the writer packs: CPU slots on a CPU that keeps store order."""
-    return enabled and device.type == "cpu" and _ORDERED_STORES
+
+def streams(device: torch.device, enabled: bool, dev: DevicePort) -> bool:
+    """Readers may copy while the writer packs: host-memory slots on a CPU that keeps store order
+    (device memory is written by asynchronous copies: see :class:`SnapshotWriter`)."""
+    return enabled and not dev.is_gpu(device) and _ORDERED_STORES
 
 
 class WriterSide(Protocol):
@@ -110,8 +120,9 @@ class PeerSegment(Protocol):
         """The view to copy ``op`` from (once its bytes are there)."""
         ...
 
-    def finish(self, version: int, deadline: Deadline) -> None:
-        """After copying: raise if ``version`` changed under the reader."""
+    def finish(self, version: int, deadline: Deadline, *, last: bool = True) -> None:
+        """After copying (``last``: the version's last phase): raise if ``version`` changed under
+        the reader."""
 
     def release(self, version: int) -> None:
         """The reader is done with ``version`` (copied, or gave up)."""
@@ -130,9 +141,10 @@ class SharedMemoryTransport:
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
+        self.dev = device_port.current()
         self.device = torch.device(ctx.device)
         self.slots = ctx.options.slots
-        self.streaming = streams(self.device, ctx.options.shm_streaming)
+        self.streaming = streams(self.device, ctx.options.shm_streaming, self.dev)
         self._flats: dict[str, torch.Tensor] = {}
         self._writer: WriterSide | None = None
         self._peers: dict[int, PeerSegment] = {}
@@ -168,7 +180,7 @@ class SharedMemoryTransport:
         writer = ZeroCopyWriter.create(self.ctx, plan, self._flats, index, copies, device=self.device)
         self._writer = writer if writer is not None else SnapshotWriter(self.ctx, index, copies, slots=self.slots,
                                                                          device=self.device,
-                                                                         streaming=self.streaming)
+                                                                         streaming=self.streaming, dev=self.dev)
         path = self._writer.segment.path
         assert path is not None, "a segment has its path until it is closed"
         self.ctx.channel.publish_endpoint(epoch, ShmEndpoint(path))
@@ -188,7 +200,7 @@ class SharedMemoryTransport:
             if endpoint is None:
                 raise TransportError(f"reader {self.ctx.rank}: writer {w} did not expose its shared memory "
                                      f"for epoch {epoch} in time")
-            self._peers[w] = attach(endpoint.path, w, self.ctx, self.device, self.streaming)
+            self._peers[w] = attach(endpoint.path, w, self.ctx, self.device, self.streaming, dev=self.dev)
         self._reads = []
         for part in parts:
             reads = []
@@ -213,13 +225,13 @@ class SharedMemoryTransport:
                 peer.begin(version, deadline)
             with timer("transfer"):
                 for w, op, at in reads:
-                    op_dst_view(self._flats, op).copy_(self._peers[w].source(op, at, version, deadline))
+                    self.dev.copy(op_dst_view(self._flats, op), self._peers[w].source(op, at, version, deadline))
                     stats.nbytes += op.nbytes
                     stats.messages += 1
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
+                # the sequence words are checked after the copies: they must have read the slot by then
+                self.dev.synchronize(self.device)
             for peer in involved:
-                peer.finish(version, deadline)
+                peer.finish(version, deadline, last=phase == self._phases - 1)
             done = True
         finally:  # zero-copy writers hold their weights until every reader is done (or gave up)
             if phase == self._phases - 1 or not done:
@@ -247,21 +259,31 @@ class SnapshotWriter:
     """Snapshot mode, writer side: pack every exposed piece into version slot ``V % slots``."""
 
     def __init__(self, ctx: TransportContext, index: ExposedIndex, copies: list[list[tuple[str, TransferOp]]], *,
-                 slots: int, device: torch.device, streaming: bool) -> None:
+                 slots: int, device: torch.device, streaming: bool, dev: DevicePort) -> None:
         slot_bytes = max(index.total_bytes, 64)
         header: dict[str, Any] = {"mode": "snapshot", "index": index.encode(), "slots": slots,
                                   "slot_bytes": slot_bytes, "device": str(device)}
         data: torch.Tensor | None = None
-        if device.type == "cuda":
-            data = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=device)
-            header["cuda_ipc"] = list(data.untyped_storage()._share_cuda_())
-            header["gpu"] = gpu_identity(str(device))  # the index in cuda_ipc is this process's own
+        if dev.is_gpu(device):
+            data = device_port.allocate(dev, slots * slot_bytes, device, what=f"{ctx.who}'s CUDA IPC version slots "
+                                        f"({slots} x {device_port.gib(slot_bytes)})",
+                                        fix="use fewer TransportOptions.slots, or SyncConfig(layer_phases=True) with "
+                                            "transport 'torch' (NCCL stages one bucket, not the model)")
+            header["ipc"] = dev.share(data).to_wire()
         self.segment = OwnSegment(ctx.rank, header, 0 if data is not None else slots * slot_bytes)
         self.segment.words[3: 3 + 3 * slots].fill_(EMPTY)
         self.segment.seal()
+        if data is not None:
+            assert self.segment.path is not None, "a segment has its path until it is closed"
+            _OWN_SLOTS[self.segment.path] = data
         self.data = data if data is not None else self.segment.data
         self.index, self.copies, self.slots, self.slot_bytes = index, copies, slots, slot_bytes
-        self.device, self.streaming = device, streaming
+        self.device, self.streaming, self.dev = device, streaming, dev
+        # device memory: each phase is published once complete (after a synchronise), so that
+        # readers take a phase while the writer is busy elsewhere (the routed transport's
+        # other route blocks per phase: waiting for the whole slot would hang the job). The
+        # words are plain stores, read in order only where the CPU keeps store order.
+        self.phased = data is not None and _ORDERED_STORES
         logger.info("%s exposes %d bytes x %d slots in %s", ctx.who, index.total_bytes, slots, self.segment.path)
 
     def send(self, version: int, flats: Mapping[str, torch.Tensor], timeout: float, *, phase: int,
@@ -275,13 +297,13 @@ class SnapshotWriter:
         if phase == 0:
             control[seq_word(slot)] = EMPTY  # readers of the old version in this slot will notice
             control[progress_at] = 0
-            control[writing_word(self.slots, slot)] = version if self.streaming else EMPTY
+            control[writing_word(self.slots, slot)] = version if self.streaming or self.phased else EMPTY
         published = int(control[progress_at])
         with PhaseTimer(stats)("pack"):
             for key, op in self.copies[phase]:
                 at, nbytes = self.index.entries[key]
                 out = self.data[base + at: base + at + nbytes].view(TORCH_DTYPES[op.dst_dtype])
-                out.view(op.box.sizes).copy_(op_src_view(flats, op))
+                self.dev.copy(out.view(op.box.sizes), op_src_view(flats, op))
                 stats.nbytes += nbytes
                 stats.messages += 1
                 if self.streaming and at + nbytes - published >= _PROGRESS_BYTES:
@@ -291,9 +313,13 @@ class SnapshotWriter:
                 key, _ = self.copies[phase][-1]
                 control[progress_at] = max(published, sum(self.index.entries[key]))
         if last:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            control[seq_word(slot)] = version
+            self.dev.synchronize(self.device)  # the copies above are asynchronous on a GPU
+            self.dev.signal(control, seq_word(slot), version, covers=[self.data[base: base + self.slot_bytes]])
+        elif self.phased and self.copies[phase]:
+            key, _ = self.copies[phase][-1]
+            end = sum(self.index.entries[key])  # a slot is laid out phase after phase
+            self.dev.synchronize(self.device)
+            self.dev.signal(control, progress_at, end, covers=[self.data[base: base + end]])
         stats.peak_extra_bytes = self.slots * self.slot_bytes
         return stats
 
@@ -302,15 +328,17 @@ class SnapshotPeer:
     """Snapshot mode, reader side: copy from the writer's slot, as far as it is packed."""
 
     def __init__(self, control: torch.Tensor, data: torch.Tensor, index: ExposedIndex, *, slot_bytes: int,
-                 slots: int, writer: int, reader: int, streaming: bool, watch: PeerWatch) -> None:
+                 slots: int, writer: int, reader: int, streaming: bool, phased: bool = False,
+                 watch: PeerWatch) -> None:
         self.control, self.data, self.index = control, data, index
         self.slot_bytes, self.slots = slot_bytes, slots
         self.writer, self.reader, self.streaming, self.watch = writer, reader, streaming, watch
+        self.phased = phased  # the writer publishes each completed phase (device memory)
         self._ready = -1  # bytes of the current slot known to be packed
 
     def begin(self, version: int, deadline: Deadline) -> None:
         self._ready = -1
-        if not self.streaming:
+        if not self.streaming and not self.phased:
             self._ready = self._wait_packed(version, None, deadline)
 
     def source(self, op: TransferOp, at: int, version: int, deadline: Deadline) -> torch.Tensor:
@@ -319,10 +347,13 @@ class SnapshotPeer:
         base = (version % self.slots) * self.slot_bytes
         return self.data[base + at: base + at + op.nbytes].view(TORCH_DTYPES[op.dst_dtype]).view(op.box.sizes)
 
-    def finish(self, version: int, deadline: Deadline) -> None:
-        if self.streaming:  # the writer may still be packing pieces other readers need
+    def finish(self, version: int, deadline: Deadline, *, last: bool = True) -> None:
+        slot = version % self.slots
+        if not last and self.word(writing_word(self.slots, slot)) == version:
+            return  # copied, and the writer has not begun another version in this slot
+        if self.streaming or self.phased:  # the writer may still be packing pieces other readers need
             self._wait_packed(version, None, deadline)
-        held = self.word(seq_word(version % self.slots))
+        held = self.word(seq_word(slot))
         if held != version:
             raise TransportError(self._stale_message(version, held) + " (overwritten while reading)")
 
@@ -362,7 +393,8 @@ class SnapshotPeer:
                 f"replaced by {held}; readers may fall at most {self.slots - 1} version(s) behind")
 
 
-def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, streaming: bool) -> PeerSegment:
+def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, streaming: bool, *,
+           dev: DevicePort) -> PeerSegment:
     """Map writer ``writer``'s segment and return the peer of the mode it was written in."""
     mem, words, header = read_segment(path, writer)
     index = ExposedIndex.decode(header["index"])
@@ -370,17 +402,27 @@ def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, 
         return ZeroCopyPeer(words, index, header["files"], writer=writer, reader=ctx.rank,
                             watch=PeerWatch(ctx, "writer", [writer]))
     slot_bytes, slots = int(header["slot_bytes"]), int(header["slots"])
-    writer_device = str(header.get("device", "cpu"))
-    if writer_device.startswith("cuda"):
-        # The mapping lives on the writer's GPU, whatever this reader's current device is.
-        home = torch.device(ipc_attach_device(writer_device, str(header.get("gpu", "")), visible_gpus()))
-        handle = list(header["cuda_ipc"])
-        handle[0] = home.index  # _share_cuda_'s first field: the device, renumbered for this process
-        with torch.cuda.device(home):
-            storage = torch.UntypedStorage._new_shared_cuda(*handle)
-            data = torch.empty(0, dtype=torch.uint8, device=home).set_(storage)
+    ipc = header.get("ipc")
+    if ipc is not None:
+        handle = IpcHandle.from_wire(ipc)
+        if handle.process == dev.process():  # our own export: never opened here (see _OWN_SLOTS)
+            own = _OWN_SLOTS.get(path)
+            if own is None:
+                raise TransportError(f"reader {ctx.rank}: writer {writer}'s CUDA IPC slots in {path} were exported "
+                                     "by this process and are already released (the writer closed)")
+            data = own
+        else:
+            data = dev.open(handle, ipc_home(handle))
     else:
         data = mem[CONTROL_BYTES:CONTROL_BYTES + slots * slot_bytes]
     return SnapshotPeer(words, data, index, slot_bytes=slot_bytes, slots=slots, writer=writer, reader=ctx.rank,
-                        streaming=streaming and not writer_device.startswith("cuda"),
+                        streaming=streaming and ipc is None, phased=ipc is not None and _ORDERED_STORES,
                         watch=PeerWatch(ctx, "writer", [writer]))
+
+
+def ipc_home(handle: IpcHandle) -> str:
+    """The local device a writer's CUDA IPC slots are mapped on: the writer's GPU, as this process
+    numbers it (:func:`weightsync.devices.ipc_attach_device`)."""
+    if not handle.device.startswith("cuda"):
+        return handle.device  # the device model's "GPU" memory
+    return ipc_attach_device(handle.device, handle.gpu, visible_gpus())

@@ -148,7 +148,7 @@ class ZeroCopyPeer:
     def source(self, op: TransferOp, at: int, version: int, deadline: Deadline) -> torch.Tensor:
         return strided_view(self.files[op.src_shard], op.box.sizes, op.src_strides, op.src_offset)
 
-    def finish(self, version: int, deadline: Deadline) -> None:
+    def finish(self, version: int, deadline: Deadline, *, last: bool = True) -> None:
         if int(self.control[EXPOSED_WORD]) != version:
             raise TransportError(f"reader {self.reader}: writer {self.writer} stopped exposing version {version} "
                                  "while this reader copied it (it gave up waiting)")

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from weightsync import device_port
 from weightsync.deadline import Deadline
 from weightsync.transport.base import (
     PeerWatch,
@@ -72,6 +73,7 @@ class TorchDistBase:
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
+        self.dev = device_port.current()
         self.device = torch.device(ctx.device)
         self.epoch: int | None = None
         self._store: dist.TCPStore | None = None
@@ -139,7 +141,7 @@ class TorchDistBase:
     def _buffer(self, lane: int, slot: int) -> torch.Tensor:
         key = (lane, slot)
         if key not in self._buffers:
-            self._buffers[key] = torch.empty(self._message_bytes, dtype=torch.uint8, device=self.device)
+            self._buffers[key] = self.dev.empty(self._message_bytes, self.device, what=f"{self.ctx.who}'s staging")
         return self._buffers[key]
 
     def _extra_bytes(self) -> int:
