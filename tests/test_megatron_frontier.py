@@ -1,0 +1,306 @@
+"""Megatron-core trainers of DeepSeek-V3 and GLM-4.5 on CPU, synced into a transformers model bitwise.
+
+Four forked gloo ranks each build their stage of a real megatron-core ``GPTModel`` (the local
+spec: no Transformer Engine on CPU) of a tiny DeepSeek-V3 (latent attention, a dense first layer,
+shared experts, the router's expert bias, an MTP layer; TP 2 x DP 2, EP 2) or GLM-4.5 (q/k/v
+biases, QK norm, shared experts, expert bias, an MTP layer; TP 2 x PP 2, EP 2, so the last
+stage holds the MTP layer and an embedding of its own). Each rank loads checkpoint values the
+way mbridge's ``load_weights`` does (its ``_weight_to_mcore_format`` and
+``_weight_split_across_tp``, run on the real tensors). Then, on every rank:
+
+* ``MegatronSource`` finds every canonical value where its layout says, in the live tensors;
+* its layout equals the ``megatron`` kind's, laid out from mbridge and megatron-core's specs;
+* the ranks write the version through ``WeightWriter``, and a transformers model of the family
+  (with its MTP layer appended, as a trainer of it does) receives it in place: every parameter
+  and buffer equals the checkpoint's, bitwise.
+
+**A test-only device shim.** megatron-core 0.16.1 cannot build these models on a CPU-only torch,
+for these reasons, each patched in the forked ranks only (:func:`_cpu_shims`):
+
+1. MLA's ``RotaryEmbedding`` and the router's ``expert_bias`` buffers are allocated on
+   ``torch.cuda.current_device()``, which raises without CUDA: it returns ``"cpu"`` here;
+2. ``MultiLatentAttention.__init__`` tests ``isinstance(linear_proj, TELinear)``, and
+   ``TELinear`` is None without Transformer Engine: its ``HAVE_TE`` is set False;
+3. the local MLA spec passes ``k_channels``/``v_channels`` to ``DotProductAttention``, which does
+   not take them: the core attention, which has no parameters, is an ``IdentityOp``;
+4. with MTP layers and PP > 1 the last stage's embedding is moved ``.cuda()`` (as tied
+   embeddings are, ``tests/test_sources_megatron.py``): ``Tensor.cuda`` returns the tensor.
+
+The parameters are megatron-core's own (names, shapes, partition attributes); the model cannot
+run a forward pass, which a weight sync does not need.
+"""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _frontier_trainer import add_mtp_layers
+from _sources import check_source, run_ranks
+from meta_proc import MetaServerProcess
+from weightsync.layout import ModelSpec, parse_layout
+from weightsync.sources.param_mapping import same_layout
+from weightsync.tiny import canonical_weights, tiny_config
+
+pytestmark = [pytest.mark.xdist_group("sources-megatron"), pytest.mark.slow]
+
+SEED = 3
+#: family -> (megatron-core parallelism, the same as a ``megatron`` layout kind)
+CASES = {
+    "deepseek_v3": ({"tp": 2, "pp": 1, "ep": 2, "etp": 1}, "megatron:tp=2,dp=2,ep=2,etp=1"),
+    "glm4_moe": ({"tp": 2, "pp": 2, "ep": 2, "etp": 1}, "megatron:tp=2,pp=2,ep=2,etp=1"),
+}
+
+
+def import_libraries() -> None:
+    """Import megatron-core and mbridge once, in the test process (forked ranks inherit them)."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install weightsync[megatron])")
+    pytest.importorskip("mbridge", reason="mbridge is not installed (pip install weightsync[megatron])")
+    import mbridge.models  # noqa: F401
+    import megatron.core.models.gpt.gpt_layer_specs
+    import megatron.core.post_training.modelopt.gpt.state_dict_hooks  # noqa: F401
+    import transformers  # noqa: F401
+
+
+def _cpu_shims() -> None:
+    """The test-only device shim of the module docstring (forked ranks only: the parent is untouched)."""
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    mla.HAVE_TE = False
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+
+
+def transformer_config(hf: dict[str, Any], par: dict[str, int]) -> Any:
+    """The megatron-core config a trainer of ``hf`` writes (routing settings change no weight)."""
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+    layers, dense = hf["num_hidden_layers"], hf["first_k_dense_replace"]
+    common: dict[str, Any] = {
+        "num_layers": layers, "hidden_size": hf["hidden_size"], "num_attention_heads": hf["num_attention_heads"],
+        "ffn_hidden_size": hf["intermediate_size"], "gated_linear_unit": True, "activation_func": F.silu,
+        "normalization": "RMSNorm", "add_bias_linear": False, "use_cpu_initialization": True, "params_dtype": torch.float32,
+        "pipeline_dtype": torch.float32, "bias_activation_fusion": False, "bias_dropout_fusion": False,
+        "masked_softmax_fusion": False, "apply_rope_fusion": False, "persist_layer_norm": False,
+        "gradient_accumulation_fusion": False, "tensor_model_parallel_size": par["tp"],
+        "pipeline_model_parallel_size": par["pp"], "expert_model_parallel_size": par["ep"],
+        "expert_tensor_parallel_size": par["etp"], "num_moe_experts": hf["n_routed_experts"],
+        "moe_ffn_hidden_size": hf["moe_intermediate_size"], "moe_router_topk": hf["num_experts_per_tok"],
+        "moe_token_dispatcher_type": "allgather", "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0,
+        "moe_layer_freq": [0] * dense + [1] * (layers - dense),
+        "moe_shared_expert_intermediate_size": hf["moe_intermediate_size"] * hf["n_shared_experts"],
+        "moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid", "moe_router_dtype": "fp32",
+        "mtp_num_layers": hf["num_nextn_predict_layers"], "qk_layernorm": True,
+    }
+    if hf["model_type"] == "deepseek_v3":
+        return MLATransformerConfig(**common, multi_latent_attention=True, q_lora_rank=hf["q_lora_rank"],
+                                    kv_lora_rank=hf["kv_lora_rank"], qk_head_dim=hf["qk_nope_head_dim"],
+                                    qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+                                    rope_type="rope")
+    return TransformerConfig(**common, num_query_groups=hf["num_key_value_heads"], kv_channels=hf["head_dim"],
+                             add_qkv_bias=True)
+
+
+def build(hf: dict[str, Any], par: dict[str, int]) -> torch.nn.Module:
+    """This rank's stage of a megatron-core GPTModel of ``hf`` (local spec, MTP on the last stage)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=par["tp"], pipeline_model_parallel_size=par["pp"],
+                                 expert_model_parallel_size=par["ep"], expert_tensor_parallel_size=par["etp"])
+    config = transformer_config(hf, par)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    layer = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                       pp_rank=par["pp"] - 1).layer_specs[-1]
+    if config.multi_latent_attention:  # shim 3 (module docstring)
+        for spec in [*block.layer_specs, layer]:
+            spec.submodules.self_attention.submodules.core_attention = IdentityOp
+    mtp = get_gpt_mtp_block_spec(config, layer, use_transformer_engine=False)
+    return GPTModel(config=config, transformer_layer_spec=block, vocab_size=hf["vocab_size"], max_sequence_length=64,
+                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                    position_embedding_type="rope", mtp_block_spec=mtp)
+
+
+def load_like_mbridge(model: torch.nn.Module, spec: ModelSpec, canonical: dict[str, torch.Tensor]) -> None:
+    """Put the checkpoint into ``model`` with mbridge's own conversion and TP split of each tensor
+    (what its ``load_weights`` does, without the scatter from TP rank 0)."""
+    from megatron.core import parallel_state as ps
+
+    from weightsync.sources.megatron import _global_name, _tensors
+    from weightsync.sources.megatron_names import MegatronNames
+
+    names = MegatronNames.of(spec)
+    bridge = copy.copy(names.bridge)  # the real hidden size: these are the real tensors, not probes
+    bridge.hf_config = copy.copy(bridge.hf_config)
+    bridge.hf_config.hidden_size = spec.hidden_size
+    with torch.no_grad():
+        for name, tensor in _tensors(model).items():
+            found = names.resolve(_global_name(model, name))
+            assert found is not None, name
+            hf = [canonical[t.name] if e is None else canonical[t.name][e]
+                  for t, e in zip(found.tensors, found.experts, strict=True)]
+            whole = bridge._weight_to_mcore_format(found.te_name, hf)
+            if ".experts." in name:
+                size, rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+            else:
+                size, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+            tensor.copy_(bridge._weight_split_across_tp(found.te_name, whole, tensor, size)[rank])
+
+
+def _rank(rank: int, world: int, family: str, job: str) -> list:
+    from megatron.core import parallel_state as ps
+
+    from weightsync.session import SyncConfig
+    from weightsync.sources.megatron import MegatronSource, _tensors
+    from weightsync.sources.megatron_names import install
+    from weightsync.writer import WeightWriter
+
+    _cpu_shims()
+    hf = tiny_config(family=family)
+    par, kind = CASES[family]
+    model = build(hf, par)
+    spec = ModelSpec.from_hf_config(hf)
+    canonical = canonical_weights(hf, SEED)
+    load_like_mbridge(model, spec, canonical)
+    source = MegatronSource(model, hf)
+    held = check_source(source, canonical, _tensors(model))
+    install()
+    assert same_layout(source.layout(), parse_layout(kind).rank_layout(spec, rank)), rank
+    with WeightWriter(source, rank=rank, config=SyncConfig(num_writers=world, num_readers=1, job=job,
+                                                           timeout=120)) as writer:
+        writer.write(1)
+    ps.destroy_model_parallel()
+    return held
+
+
+def hf_model(hf: dict[str, Any]) -> torch.nn.Module:
+    """A transformers model of ``hf`` with its MTP layer, holding arbitrary values."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in hf.items() if k != "architectures"})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    add_mtp_layers(model, hf)
+    return model
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_megatron_trainer_syncs_a_transformers_model_bitwise(family, tmp_path, monkeypatch):
+    import_libraries()
+    from weightsync.engines import ModuleEngine
+    from weightsync.meta.client import MetaClient
+    from weightsync.reader import WeightReader
+    from weightsync.session import SyncConfig
+    from weightsync.sources.module import ModuleSource
+    from weightsync.torch_layout import fill_from_canonical
+
+    hf = tiny_config(family=family)
+    model, expected = hf_model(hf), hf_model(hf)
+    fill_from_canonical(ModuleSource(expected, hf).layout(), ModuleSource(expected, hf).tensors(),
+                        canonical_weights(hf, SEED))
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), expected.parameters(), strict=True))
+    engine = ModuleEngine(model, hf)
+    job = f"megatron-{uuid.uuid4().hex[:8]}"
+    with MetaServerProcess(tmp_path) as server:
+        monkeypatch.setenv("WEIGHTSYNC_META_ADDR", server.address)
+        monkeypatch.setenv("WEIGHTSYNC_META_TOKEN", server.token)
+
+        def read() -> int:
+            with MetaClient(server.address, job=job, token=server.token) as client, \
+                    WeightReader(engine, rank=0, config=SyncConfig(num_writers=4, num_readers=1, job=job,
+                                                                   timeout=120), meta=client) as reader:
+                return reader.update(1, timeout=150).nbytes
+
+        *_, nbytes = run_ranks(_rank, 4, family, job, timeout=300, alongside=read)
+    assert nbytes == engine.layout().nbytes  # every byte once
+    want = dict(expected.state_dict())
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, want[name]), name
+    mtp = [n for n in want if n.startswith(f"model.layers.{hf['num_hidden_layers']}.")]
+    assert any(n.endswith("eh_proj.weight") for n in mtp) and any("experts" in n for n in mtp)
+
+
+#: Tiny configs of the families the ``megatron`` kind's own rules name.
+HAND = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000, "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8,
+              "num_key_value_heads": 4, "head_dim": 8, "torch_dtype": "float32"},
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 1000, "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8,
+              "num_key_value_heads": 4, "head_dim": 8, "tie_word_embeddings": True, "torch_dtype": "float32"},
+    "qwen3": tiny_config(),
+    "qwen3_moe": tiny_config(moe=True),
+    "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 1000,
+                "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 8,
+                "num_key_value_heads": 4, "head_dim": 8, "num_local_experts": 4, "torch_dtype": "float32"},
+}
+
+
+@pytest.mark.parametrize("family", list(HAND))
+def test_rules_derived_from_mbridge_and_megatron_core_equal_the_kinds_own(family, monkeypatch):
+    """The Llama-style families, laid out from mbridge's mappings and megatron-core's layer specs,
+    equal the ``megatron`` kind's own rules on every rank (TP, PP, EP, expert TP, grouped experts)."""
+    import_libraries()
+    from weightsync.layout.kinds import megatron as kind_module
+    from weightsync.layout.kinds.base import _memo_tables
+    from weightsync.sources.megatron_names import install
+
+    spec = ModelSpec.from_hf_config(HAND[family])
+    kinds = ["megatron:tp=2", "megatron:tp=2,pp=2,dp=2"]
+    if spec.is_moe:
+        kinds += ["megatron:tp=2,dp=2,ep=2,etp=1", "megatron:tp=2,dp=2,ep=2,grouped=1"]
+    install()
+    try:
+        for text in kinds:
+            kind = parse_layout(text)
+            for rank in range(kind.world_size):
+                hand = kind.rank_layout(spec, rank)
+                _memo_tables.cache_clear()
+                with monkeypatch.context() as patch:
+                    patch.setattr(kind_module.MegatronLayout, "_derived", lambda self, spec: True)
+                    derived = kind.rank_layout(spec, rank)
+                _memo_tables.cache_clear()
+                assert same_layout(hand, derived), (text, rank)
+    finally:
+        kind_module.use_params(None)  # the kind refuses the other families again, as without mbridge
+
+
+#: (family, config changes, Megatron trainer, engine): the Megatron layouts laid out from mbridge.
+PLANS = [
+    ("deepseek_v3", {}, "megatron:tp=2,pp=2,ep=2,etp=1", "vllm:tp=2,mtp=1"),
+    ("deepseek_v3", {"q_lora_rank": None}, "megatron:tp=2,dp=2,ep=4,etp=1,grouped=1", "vllm:tp=2,dp=2,ep=4,mtp=1"),
+    ("glm4_moe", {}, "megatron:tp=2,pp=2,dp=2,ep=2,etp=2", "vllm:tp=2,mtp=1"),
+    ("glm4_moe", {}, "megatron:tp=1,pp=2,dp=2,ep=2", "hf:replicas=2"),
+]
+
+
+@pytest.mark.parametrize(("family", "changes", "source", "target"), PLANS)
+def test_megatron_plans_of_the_derived_families_have_zero_redundancy(family, changes, source, target):
+    """Megatron trainers of DeepSeek-V3 (with and without a query LoRA) and GLM-4.5, MTP layers
+    included, into vLLM engines drafting with MTP and HF replicas: the plan sends exactly the bytes
+    the readers need, and running it in numpy writes every destination element once, bitwise."""
+    import_libraries()
+    from test_planner import execute_and_check, needed_bytes
+    from weightsync.layout.kinds.megatron import use_params
+    from weightsync.plan import PlanOptions, build_plan
+    from weightsync.sources.megatron_names import install
+
+    spec = ModelSpec.from_hf_config({**tiny_config(family=family), **changes})
+    install()
+    try:
+        sources = parse_layout(source).all_rank_layouts(spec)
+    finally:
+        use_params(None)
+    dests = parse_layout(target).all_rank_layouts(spec)
+    plan = build_plan(sources, dests, PlanOptions(min_split_bytes=0, allow_unneeded_sources=True))
+    execute_and_check(spec.canonical_tensors(), sources, dests, plan)
+    assert plan.stats.sent_bytes == plan.stats.needed_bytes == needed_bytes(dests)
+    mtp = [s for layout in sources for s in layout.shards if s.name.startswith("mtp.layers.0.")]
+    assert any(s.name.endswith("eh_proj.weight") for s in mtp), [s.name for s in mtp]
