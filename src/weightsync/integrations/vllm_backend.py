@@ -35,7 +35,14 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightsync.engines.staging import StagedWeights
-from weightsync.engines.vllm import ReloadSession, check_supported, in_place_targets, spec_of, staging_quant
+from weightsync.engines.vllm import (
+    ReloadSession,
+    check_supported,
+    in_place_targets,
+    runs_mtp,
+    spec_of,
+    staging_quant,
+)
 from weightsync.reader import WeightReader
 from weightsync.session import SyncConfig, TransportOptions
 
@@ -76,6 +83,13 @@ class _WorkerEngine(StagedWeights):
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device, rank: int,
                  replicas: int) -> None:
+        if runs_mtp(vllm_config):
+            # vLLM hands this backend the drafter only inside a draft session (start_draft_weight_update):
+            # synced without it, the drafter would keep its start-up weights and go stale unnoticed
+            raise ValueError("the 'weightsync' weight-transfer backend does not sync the MTP drafter of an engine "
+                             "that drafts with MTP (speculative_config method 'mtp'): its weights would go stale. "
+                             "Use weightsync.engines.vllm.VLLMEngine in process (it syncs the drafter with every "
+                             "version), or serve without MTP speculative decoding")
         check_supported(vllm_config)
         super().__init__(spec_of(vllm_config), dtype=vllm_config.model_config.dtype, device=device, rank=rank,
                          replicas=replicas, quant=staging_quant(vllm_config))
