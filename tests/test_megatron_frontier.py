@@ -15,7 +15,7 @@ way mbridge's ``load_weights`` does (its ``_weight_to_mcore_format`` and
   and buffer equals the checkpoint's, bitwise.
 
 **A test-only device shim.** megatron-core 0.16.1 cannot build these models on a CPU-only torch,
-for these reasons, each patched in the forked ranks only (:func:`_cpu_shims`):
+for these reasons, each patched in the forked ranks only (``cpu_shims`` in ``tests/_megatron_trainer.py``):
 
 1. MLA's ``RotaryEmbedding`` and the router's ``expert_bias`` buffers are allocated on
    ``torch.cuda.current_device()``, which raises without CUDA: it returns ``"cpu"`` here;
@@ -32,15 +32,14 @@ run a forward pass, which a weight sync does not need.
 
 from __future__ import annotations
 
-import copy
 import uuid
 from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from _frontier_trainer import add_mtp_layers
+from _megatron_trainer import build, cpu_shims, load_like_mbridge
 from _sources import check_source, run_ranks
 from meta_proc import MetaServerProcess
 from weightsync.layout import ModelSpec, parse_layout
@@ -67,93 +66,6 @@ def import_libraries() -> None:
     import transformers  # noqa: F401
 
 
-def _cpu_shims() -> None:
-    """The test-only device shim of the module docstring (forked ranks only: the parent is untouched)."""
-    import megatron.core.transformer.multi_latent_attention as mla
-
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
-    mla.HAVE_TE = False
-    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
-
-
-def transformer_config(hf: dict[str, Any], par: dict[str, int]) -> Any:
-    """The megatron-core config a trainer of ``hf`` writes (routing settings change no weight)."""
-    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
-
-    layers, dense = hf["num_hidden_layers"], hf["first_k_dense_replace"]
-    common: dict[str, Any] = {
-        "num_layers": layers, "hidden_size": hf["hidden_size"], "num_attention_heads": hf["num_attention_heads"],
-        "ffn_hidden_size": hf["intermediate_size"], "gated_linear_unit": True, "activation_func": F.silu,
-        "normalization": "RMSNorm", "add_bias_linear": False, "use_cpu_initialization": True, "params_dtype": torch.float32,
-        "pipeline_dtype": torch.float32, "bias_activation_fusion": False, "bias_dropout_fusion": False,
-        "masked_softmax_fusion": False, "apply_rope_fusion": False, "persist_layer_norm": False,
-        "gradient_accumulation_fusion": False, "tensor_model_parallel_size": par["tp"],
-        "pipeline_model_parallel_size": par["pp"], "expert_model_parallel_size": par["ep"],
-        "expert_tensor_parallel_size": par["etp"], "num_moe_experts": hf["n_routed_experts"],
-        "moe_ffn_hidden_size": hf["moe_intermediate_size"], "moe_router_topk": hf["num_experts_per_tok"],
-        "moe_token_dispatcher_type": "allgather", "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0,
-        "moe_layer_freq": [0] * dense + [1] * (layers - dense),
-        "moe_shared_expert_intermediate_size": hf["moe_intermediate_size"] * hf["n_shared_experts"],
-        "moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid", "moe_router_dtype": "fp32",
-        "mtp_num_layers": hf["num_nextn_predict_layers"], "qk_layernorm": True,
-    }
-    if hf["model_type"] == "deepseek_v3":
-        return MLATransformerConfig(**common, multi_latent_attention=True, q_lora_rank=hf["q_lora_rank"],
-                                    kv_lora_rank=hf["kv_lora_rank"], qk_head_dim=hf["qk_nope_head_dim"],
-                                    qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
-                                    rope_type="rope")
-    return TransformerConfig(**common, num_query_groups=hf["num_key_value_heads"], kv_channels=hf["head_dim"],
-                             add_qkv_bias=True)
-
-
-def build(hf: dict[str, Any], par: dict[str, int]) -> torch.nn.Module:
-    """This rank's stage of a megatron-core GPTModel of ``hf`` (local spec, MTP on the last stage)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
-    from megatron.core.transformer.identity_op import IdentityOp
-
-    ps.initialize_model_parallel(tensor_model_parallel_size=par["tp"], pipeline_model_parallel_size=par["pp"],
-                                 expert_model_parallel_size=par["ep"], expert_tensor_parallel_size=par["etp"])
-    config = transformer_config(hf, par)
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    layer = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
-                                       pp_rank=par["pp"] - 1).layer_specs[-1]
-    if config.multi_latent_attention:  # shim 3 (module docstring)
-        for spec in [*block.layer_specs, layer]:
-            spec.submodules.self_attention.submodules.core_attention = IdentityOp
-    mtp = get_gpt_mtp_block_spec(config, layer, use_transformer_engine=False)
-    return GPTModel(config=config, transformer_layer_spec=block, vocab_size=hf["vocab_size"], max_sequence_length=64,
-                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                    position_embedding_type="rope", mtp_block_spec=mtp)
-
-
-def load_like_mbridge(model: torch.nn.Module, spec: ModelSpec, canonical: dict[str, torch.Tensor]) -> None:
-    """Put the checkpoint into ``model`` with mbridge's own conversion and TP split of each tensor
-    (what its ``load_weights`` does, without the scatter from TP rank 0)."""
-    from megatron.core import parallel_state as ps
-
-    from weightsync.sources.megatron import _global_name, _tensors
-    from weightsync.sources.megatron_names import MegatronNames
-
-    names = MegatronNames.of(spec)
-    bridge = copy.copy(names.bridge)  # the real hidden size: these are the real tensors, not probes
-    bridge.hf_config = copy.copy(bridge.hf_config)
-    bridge.hf_config.hidden_size = spec.hidden_size
-    with torch.no_grad():
-        for name, tensor in _tensors(model).items():
-            found = names.resolve(_global_name(model, name))
-            assert found is not None, name
-            hf = [canonical[t.name] if e is None else canonical[t.name][e]
-                  for t, e in zip(found.tensors, found.experts, strict=True)]
-            whole = bridge._weight_to_mcore_format(found.te_name, hf)
-            if ".experts." in name:
-                size, rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
-            else:
-                size, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-            tensor.copy_(bridge._weight_split_across_tp(found.te_name, whole, tensor, size)[rank])
-
-
 def _rank(rank: int, world: int, family: str, job: str) -> list:
     from megatron.core import parallel_state as ps
 
@@ -162,7 +74,7 @@ def _rank(rank: int, world: int, family: str, job: str) -> list:
     from weightsync.sources.megatron_names import install
     from weightsync.writer import WeightWriter
 
-    _cpu_shims()
+    cpu_shims()
     hf = tiny_config(family=family)
     par, kind = CASES[family]
     model = build(hf, par)
