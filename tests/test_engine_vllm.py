@@ -454,17 +454,3 @@ def test_unsupported_engine_configurations_are_rejected():
     with pytest.raises(ValueError, match="LoRA"):
         check_supported(config(lora=object()))
 
-
-@pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed (pip install -e '.[vllm]')")
-def test_the_worker_backend_refuses_an_engine_drafting_with_mtp():
-    """The 'weightsync' backend gets vLLM's MTP drafter only in a draft session, so it refuses such an
-    engine at init rather than leave the drafter's weights stale (VLLMEngine syncs them)."""
-    from weightsync.integrations.vllm_backend import _WorkerEngine
-
-    config = SimpleNamespace(parallel_config=SimpleNamespace(world_size=1, tensor_parallel_size=1,
-                                                             pipeline_parallel_size=1),
-                             model_config=SimpleNamespace(quantization=None,
-                                                          hf_config=SimpleNamespace(quantization_config=None)),
-                             lora_config=None, speculative_config=SimpleNamespace(method="mtp"))
-    with pytest.raises(ValueError, match=r"does not sync the MTP drafter .*speculative_config method 'mtp'"):
-        _WorkerEngine(torch.nn.Module(), config, torch.device("cpu"), rank=0, replicas=1)

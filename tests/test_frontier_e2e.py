@@ -96,12 +96,20 @@ def test_megatron_trainers_sync_a_live_vllm_engine(family, parallel, tmp_path, m
         server, config, job, seeds, world=4, script="_megatron_trainer.py", extra=extra), writers=4)
 
 
-def _sync_a_live_engine(family, tmp_path, monkeypatch, start_trainers, *, writers: int) -> None:
+def test_the_weightsync_backend_syncs_the_mtp_drafter(tmp_path, monkeypatch):
+    """The same through the ``"weightsync"`` weight-transfer backend (``update_llm``: the target's
+    session, then vLLM's draft session, which hands the backend the drafter) for DeepSeek-V3."""
+    _sync_a_live_engine("deepseek_v3", tmp_path, monkeypatch, _trainers, writers=2, backend=True)
+
+
+def _sync_a_live_engine(family, tmp_path, monkeypatch, start_trainers, *, writers: int,
+                        backend: bool = False) -> None:
     """Versions 1 (checkpoint A) and 2 (B) from ``start_trainers(server, config, job, seeds)`` into an
-    engine started on B: see the module docstring for what is checked."""
+    engine started on B (``backend``: through the weightsync backend in its worker, else a
+    ``VLLMEngine`` reader): see the module docstring for what is checked."""
     from vllm import LLM
 
-    from weightsync.engines.vllm import VLLMEngine
+    from weightsync.engines.vllm import VLLMEngine, update_llm
     from weightsync.meta import client as meta
     from weightsync.reader import WeightReader
     from weightsync.session import SyncConfig
@@ -110,6 +118,8 @@ def _sync_a_live_engine(family, tmp_path, monkeypatch, start_trainers, *, writer
     spec = ModelSpec.from_hf_config(config)
     write_checkpoint(tmp_path / "B", config, seed=2)
     mtp = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}} if spec.mtp_layers else {}
+    if backend:
+        mtp["weight_transfer_config"] = {"backend": "weightsync"}
     for name, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_HOST_IP", "127.0.0.1"),
                         ("HF_HUB_OFFLINE", "1")):
         monkeypatch.setenv(name, value)
@@ -118,20 +128,32 @@ def _sync_a_live_engine(family, tmp_path, monkeypatch, start_trainers, *, writer
                   dtype="float32", kv_cache_memory_bytes=32 << 20, skip_tokenizer_init=True, **mtp)
         try:
             fresh_b = _greedy(llm)  # a fresh engine on B
-            engine = VLLMEngine(llm)
             job = f"frontier-{uuid.uuid4().hex[:8]}"
+            steps = []
             with meta.EmbeddedMetaServer() as server:
                 procs = start_trainers(server, config, job, [1, 2])
                 client = meta.MetaClient(server.address, job=job, token=server.token)
                 try:
-                    sync = SyncConfig(num_writers=writers, num_readers=1, job=job, timeout=240)
-                    with WeightReader(engine, rank=0, config=sync, meta=client) as reader:
-                        steps = []
+                    if backend:
+                        llm.init_weight_transfer_engine({"init_info": {
+                            "meta_address": server.address, "meta_token": server.token, "job": job, "rank": 0,
+                            "num_writers": writers, "num_readers": 1, "timeout": 240}})
                         for version, seed in ((1, 1), (2, 2)):
-                            result = reader.update(version, timeout=240)
-                            assert result.version == version
-                            assert result.nbytes == engine.layout().nbytes  # every byte once
+                            update_llm(llm, version, timeout=240)
                             steps.append((_greedy(llm), _drafter_params(llm), canonical_weights(config, seed)))
+                        llm.shutdown_weight_transfer_engine()
+                    else:
+                        engine = VLLMEngine(llm)
+                        sync = SyncConfig(num_writers=writers, num_readers=1, job=job, timeout=240)
+                        with WeightReader(engine, rank=0, config=sync, meta=client) as reader:
+                            for version, seed in ((1, 1), (2, 2)):
+                                result = reader.update(version, timeout=240)
+                                assert result.version == version
+                                assert result.nbytes == engine.layout().nbytes  # every byte once
+                                steps.append((_greedy(llm), _drafter_params(llm), canonical_weights(config, seed)))
+                        mtp_names = [n for n, (_, layer) in spec.roles().items()
+                                     if layer is not None and spec.is_mtp_layer(layer)]
+                        assert {n for n in engine.layout().canonical if n in mtp_names} == set(mtp_names)
                     for proc in procs:
                         _, err = proc.communicate(timeout=120)
                         assert proc.returncode == 0, err[-3000:]
@@ -148,7 +170,6 @@ def _sync_a_live_engine(family, tmp_path, monkeypatch, start_trainers, *, writer
     assert tokens_b == fresh_b  # version 2: exactly a fresh engine on B
     if spec.mtp_layers:
         mtp_names = [n for n, (_, layer) in spec.roles().items() if layer is not None and spec.is_mtp_layer(layer)]
-        assert {n for n in engine.layout().canonical if n in mtp_names} == set(mtp_names)  # the whole MTP layer
         assert sorted(draft_b) == sorted(n for n in mtp_names if n.endswith(PLAIN_MTP))
         for name in draft_b:
             assert torch.equal(draft_a[name], a[name]), name
