@@ -112,7 +112,8 @@ class VLLMEngine(StagedWeights):
 def update_llm(llm: LLM, version: int, *, timeout: float | None = None) -> None:
     """Driver side of the ``"weightsync"`` backend: bring every worker of ``llm`` to ``version``.
 
-    Each worker's reader receives ``version`` from the trainers and reloads; then the
+    Each worker's reader receives ``version`` from the trainers and reloads (an engine drafting
+    with MTP then runs vLLM's draft session, which hands the backend its drafter); then the
     prefix cache is reset and the engine's weight version set to ``str(version)``.
 
     Raises:
@@ -125,9 +126,9 @@ def update_llm(llm: LLM, version: int, *, timeout: float | None = None) -> None:
     if runs_mtp(llm.llm_engine.vllm_config):
         # vLLM hands the backend its MTP drafter in a draft session only; the drafter's layers came with
         # the version, so the first such session loads them, and every later version loads both at once
-        llm.collective_rpc("start_draft_weight_update")
-        llm.collective_rpc("update_weights", args=({"version": version, "timeout": timeout},))
-        llm.collective_rpc("finish_weight_update")
+        llm.start_draft_weight_update()
+        llm.update_weights({"update_info": {"version": version, "timeout": timeout}})
+        llm.finish_weight_update()
     if not llm.reset_prefix_cache():
         raise RuntimeError("vLLM could not reset its prefix cache (requests are running)")
 
