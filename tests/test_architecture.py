@@ -34,7 +34,7 @@ CORE_FORBIDDEN = (
 ADAPTER_ONLY = {
     "vllm": ("engines/vllm", "integrations/vllm", "integrations/trl"), "sglang": ("engines/sglang", "integrations/sglang"),
     "transformers": ("engines/hf", "sources/"), "trl": "integrations/trl",
-    "megatron": "sources/megatron", "deepspeed": "sources/deepspeed",
+    "megatron": "sources/megatron", "mbridge": "sources/megatron", "deepspeed": "sources/deepspeed",
     "nixl": "transport/nixl", "nixl_cu12": "transport/nixl",
     # weightsync's Ray actors, and the vLLM trainer engine driving vLLM's Ray workers
     "ray": ("integrations/ray/", "integrations/vllm_trainer"), "verl": "integrations/verl",

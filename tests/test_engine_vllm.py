@@ -497,3 +497,21 @@ def test_unsupported_engine_configurations_are_rejected():
         "quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]})) == "fp8_block"
     with pytest.raises(ValueError, match="LoRA"):
         check_supported(config(lora=object()))
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed (pip install -e '.[vllm]')")
+def test_a_draft_update_takes_only_the_version_the_target_holds():
+    """The MTP drafter's layers arrive with the target's version: a draft session asking for another
+    version is refused with what to do, before anything is loaded."""
+    from weightsync.integrations.vllm_backend import _WorkerEngine
+
+    worker = _WorkerEngine.__new__(_WorkerEngine)
+    worker.draft, worker._held = torch.nn.Module(), []
+    worker.draft_pending, worker._version = 1, 1  # the drafter has yet to load version 1
+    with pytest.raises(ValueError, match="draft update to version 2: update the target model to it first"):
+        worker.load_draft(2)
+    worker.draft_pending, worker._version = None, 2  # both hold version 2
+    worker.load_draft(2)  # nothing left to do
+    with pytest.raises(ValueError, match="holds version 2, and the drafter is updated with the target, not alone"):
+        worker.load_draft(3)
+

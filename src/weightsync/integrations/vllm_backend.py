@@ -28,6 +28,12 @@ otherwise received straight into the model) and refuses ``layer_phases``.
 Names, shapes and dtypes are checked before the session starts, and the session is always
 closed, so a failed update never leaves the model half-materialised; the next version
 recovers it.
+
+An engine that drafts with the model's MTP layers (``speculative_config`` method ``mtp``) stages
+them too. vLLM hands a backend the drafter only in a draft session (``start_draft_weight_update``,
+``update_weights`` with the same version, ``finish_weight_update``; ``update_llm`` runs one after
+the target's): the first loads the MTP layers the target's update brought, and once the drafter
+is known every version reloads target and drafter in one session.
 """
 
 from __future__ import annotations
@@ -45,7 +51,15 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightsync.engines.staging import StagedWeights
-from weightsync.engines.vllm import ReloadSession, check_supported, in_place_targets, spec_of, staging_quant
+from weightsync.engines.vllm import (
+    ReloadSession,
+    check_supported,
+    in_place_targets,
+    layer_of,
+    runs_mtp,
+    spec_of,
+    staging_quant,
+)
 from weightsync.engines.vllm_lora import WorkerLoraEngine
 from weightsync.layout.lora import LoraSpec
 from weightsync.reader import Prefetch, UpdateResult, WeightReader
@@ -137,26 +151,67 @@ class _WorkerEngine(StagedWeights):
     def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device, rank: int,
                  replicas: int, *, in_place: bool = True) -> None:
         check_supported(vllm_config)
-        super().__init__(spec_of(vllm_config), dtype=vllm_config.model_config.dtype, device=device, rank=rank,
-                         replicas=replicas, quant=staging_quant(vllm_config))
+        self.mtp = runs_mtp(vllm_config)
+        # with MTP drafting the MTP layers are staged too, for the drafter
+        super().__init__(spec_of(vllm_config, mtp=self.mtp), dtype=vllm_config.model_config.dtype, device=device,
+                         rank=rank, replicas=replicas, quant=staging_quant(vllm_config))
         self.model = model
         self.vllm_config = vllm_config
         self._session: ReloadSession | None = None
+        #: the MTP drafter, known once vLLM has retargeted a session at it (start_draft_weight_update)
+        self.draft: torch.nn.Module | None = None
+        #: (version, its MTP layers) that the drafter, not yet known, still has to load
+        self._held: list[tuple[str, torch.Tensor]] = []
+        self.draft_pending: int | None = None
+        self._first_mtp = int(vllm_config.model_config.hf_config.num_hidden_layers)
         if in_place:  # parameters that need no processing are received straight into the model
             self.receive_in_place(in_place_targets(model, self, quantized=staging_quant(vllm_config) is not None))
 
     def _begin(self, version: int) -> None:
-        self._session = ReloadSession(self.model, self.vllm_config)
+        self._held = []
+        self._session = ReloadSession(self.model, self.vllm_config, draft=self.draft)
         self._session.begin()
 
     def _load_items(self, items: list[tuple[str, torch.Tensor]]) -> None:
         assert self._session is not None, "a load outside a reload session"
+        if self.mtp and self.draft is None:
+            # copied: staging may be reused (phases) before the draft session loads them
+            self._held += [(n, t.clone()) for n, t in items if layer_of(n) >= self._first_mtp]
+            items = [(n, t) for n, t in items if layer_of(n) < self._first_mtp]
         self._session.load(items)
 
     def _end(self, version: int, *, failed: bool = False) -> None:
         session, self._session = self._session, None
         if session is not None:
             session.end()
+        if self.mtp and not failed:
+            self.draft_pending = version if self.draft is None else None
+            if self.draft is None:
+                logger.warning("weightsync: the MTP drafter has not loaded version %d yet: vLLM hands it to this "
+                               "backend in a draft session (start_draft_weight_update, update_weights with the "
+                               "same version, finish_weight_update; weightsync.engines.vllm.update_llm does it)",
+                               version)
+
+    def load_draft(self, version: int | None) -> None:
+        """A draft session: the drafter loads the MTP layers of ``version``, the version the target
+        holds (received with it); from now on every version loads both in one reload session."""
+        if self.draft is None:
+            raise RuntimeError("a draft weight update outside a draft session")
+        if self.draft_pending is None:
+            if version is not None and version != self._version:
+                raise ValueError(f"a draft update to version {version}: the target model holds version "
+                                 f"{self._version}, and the drafter is updated with the target, not alone")
+            return  # the drafter loaded it with the target
+        if version is not None and version != self.draft_pending:
+            raise ValueError(f"a draft update to version {version}: update the target model to it first (it "
+                             f"holds version {self.draft_pending}; the drafter's layers arrive with the target's)")
+        session = ReloadSession(None, self.vllm_config, draft=self.draft)
+        session.begin()
+        try:
+            session.load(self._held)
+        finally:
+            session.end()
+        self._held, self.draft_pending = [], None
 
 
 class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):
@@ -164,7 +219,9 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
 
     init_info_cls = WeightSyncInitInfo
     update_info_cls = WeightSyncUpdateInfo
-    supports_draft_weight_update = False
+    #: With MTP drafting the drafter's layers arrive with every version; vLLM hands this backend the
+    #: drafter in its first draft session, which loads them (see :meth:`_WorkerEngine.load_draft`).
+    supports_draft_weight_update = True
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
@@ -172,6 +229,9 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self.prefetch: Prefetch | None = None
         self.last_version: int | None = None
         self.last_result: UpdateResult | None = None  # its phases: what the update cost
+        #: the full-model engine (None with LoRA): the one that holds the MTP drafter's layers
+        self._worker: _WorkerEngine | None = None
+        self._draft_session = False
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> WeightSyncInitInfo:
         """Every field checked, an error naming it (vLLM's default passes the dict on unchecked)."""
@@ -186,11 +246,11 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         lora = init_info.lora_spec()
         engine: Any
         if lora is not None:  # adapter-only versions, into vLLM's LoRA manager
-            engine = WorkerLoraEngine(self.model, self.vllm_config, lora, lora_id=init_info.lora_id,
+            engine = WorkerLoraEngine(self._default_model, self.vllm_config, lora, lora_id=init_info.lora_id,
                                       rank=init_info.rank)
         else:  # prefetched bytes must not reach the model early: stage everything
-            engine = _WorkerEngine(self.model, self.vllm_config, self.device, init_info.rank, config.num_readers,
-                                   in_place=not init_info.prefetch)
+            engine = self._worker = _WorkerEngine(self._default_model, self.vllm_config, self.device, init_info.rank,
+                                                  config.num_readers, in_place=not init_info.prefetch)
         meta = (MetaClient(init_info.meta_address, job=config.job, token=init_info.meta_token)
                 if init_info.meta_address else MetaClient.from_env(job=config.job))
         self.reader = WeightReader(engine, rank=init_info.rank, config=config, meta=meta)
@@ -205,6 +265,15 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         # unless prefetching, which starts receiving now while the engine keeps generating.
         if self.reader is None:
             raise RuntimeError("call llm.init_weight_transfer_engine(...) before updating weights")
+        # vLLM's start_draft_weight_update retargets this engine at the drafter before calling this
+        self._draft_session = self.model is not self._default_model
+        if self._draft_session:
+            if self._worker is None or not self._worker.mtp:
+                raise RuntimeError("a draft weight update: weightsync syncs MTP drafters (speculative_config "
+                                   "method 'mtp') of full-model versions, and this engine drafts with another "
+                                   "model or takes LoRA adapters")
+            self._worker.draft = self.model
+            return
         if self.prefetch is not None:
             self.prefetch.start()
 
@@ -217,6 +286,11 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
     def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
         if self.reader is None:
             raise RuntimeError("call llm.init_weight_transfer_engine(...) before updating weights")
+        if self._draft_session:
+            if self._worker is None:
+                raise RuntimeError("a draft weight update on an engine that takes LoRA adapters")
+            self._worker.load_draft(update_info.version)
+            return
         if self.prefetch is not None:
             result = self.prefetch.apply(update_info.version, timeout=update_info.timeout)
         else:
