@@ -68,8 +68,8 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
             whole model.
         delta_anchor_every: 0 sends every version in full; K >= 1 sends each worker only what
             changed since the version it holds, with a full version at least every K
-            (``TransportOptions.delta_anchor_every``: the torch transport, and workers that keep
-            their staging between versions, i.e. ``layer_phases=False``; phases always go in full).
+            (``TransportOptions.delta_anchor_every``: torch (gloo), shm and routed between CPU ranks,
+            refused elsewhere; with ``layer_phases`` a worker keeps a host copy of its share).
     """
 
     backend: ClassVar[str] = "weightsync"

@@ -70,6 +70,7 @@ class FileTransport:
     publishes_before_send: ClassVar[bool] = False  # a version is published once its files are complete
     serves_cpu: ClassVar[bool] = True
     serves_cuda: ClassVar[bool] = True  # through a host buffer
+    carries_deltas: ClassVar[bool] = False  # a reader reads whole files
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
@@ -198,6 +199,9 @@ class FileTransport:
                 raise TransportError(f"reader {self.ctx.rank}: reading version {version} from writer {writer} "
                                      f"({path}) failed: {exc}") from exc
         return stats
+
+    def forget_received(self) -> None:
+        """Nothing is kept between receives."""
 
     def close(self) -> None:
         if self.ctx.role == "writer" and self.directory is not None:
