@@ -144,3 +144,19 @@ def test_recording_one_layer_of_each_kind_equals_recording_them_all(vllm_env, fa
         whole = record_rank(config, tp=2, ep=True, rank=rank, mtp=mtp, every_layer=True)
         assert {s.name: s for s in cut} == {s.name: s for s in whole}
         assert [s.name for s in cut] == [s.name for s in whole]
+
+
+def test_a_recording_leaves_vllms_rope_cache_as_it_was(vllm_env):
+    """A recording builds rotary embeddings on meta; vLLM memoises them process-wide.
+
+    Left in ``_ROPE_DICT``, the next real engine of the same shape in this process (a test, or
+    an in-process trainer's engine) takes the meta one and fails at its first forward.
+    """
+    from vllm.model_executor.layers import rotary_embedding
+
+    from weightsync.engines.vllm_layout import record_rank
+
+    before = dict(rotary_embedding._ROPE_DICT)
+    record_rank({**tiny_config(), "rope_theta": 12345.0}, tp=1)  # a key no other test builds
+    assert rotary_embedding._ROPE_DICT == before
+    assert not any(r.cos_sin_cache.is_meta for r in rotary_embedding._ROPE_DICT.values())

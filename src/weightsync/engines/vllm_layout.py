@@ -254,6 +254,26 @@ def _expert_maps_on_cpu() -> Iterator[None]:
         ExpertMapManager.__init__ = original  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def _rope_cache_untouched() -> Iterator[None]:
+    """Keep the rotary embeddings built on meta out of vLLM's process-wide cache.
+
+    ``get_rope`` memoises every ``RotaryEmbedding`` it builds in ``_ROPE_DICT``: a recording
+    would leave one whose ``cos_sin_cache`` is a meta tensor, and the next real engine of
+    the same shape in this process would pick it up and fail at its first forward
+    ("Cannot copy out of meta tensor").
+    """
+    from vllm.model_executor.layers import rotary_embedding
+
+    saved = dict(rotary_embedding._ROPE_DICT)
+    rotary_embedding._ROPE_DICT.clear()
+    try:
+        yield
+    finally:
+        rotary_embedding._ROPE_DICT.clear()
+        rotary_embedding._ROPE_DICT.update(saved)
+
+
 def _build(vllm_config: Any, model_config: Any, ep: bool) -> torch.nn.Module:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
@@ -262,7 +282,7 @@ def _build(vllm_config: Any, model_config: Any, ep: bool) -> torch.nn.Module:
     vllm_config.compilation_config.static_forward_context.clear()  # the attention layers of the last build
     vllm_config.parallel_config.enable_expert_parallel = ep
     with set_current_vllm_config(vllm_config), set_default_torch_dtype(model_config.dtype), \
-            _expert_maps_on_cpu(), torch.device("meta"):
+            _expert_maps_on_cpu(), _rope_cache_untouched(), torch.device("meta"):
         return initialize_model(vllm_config=vllm_config, model_config=model_config)
 
 

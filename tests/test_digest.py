@@ -1,0 +1,141 @@
+"""The digest primitive (weightsync/codecs/digest.py): values against independent references,
+streaming equal to one shot, every one-byte change seen, and the same bits on every device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from weightsync.codecs import digest as digest_mod
+from weightsync.codecs.digest import (
+    Digest,
+    Hasher,
+    as_signed,
+    as_unsigned,
+    bytes_digest,
+    kind_for,
+    tensor_digest,
+)
+
+M = (1 << 64) - 1
+
+
+def splitmix_finish(z):
+    """SplitMix64's finaliser, on numpy uint64 arrays or Python ints."""
+    if isinstance(z, int):
+        z = ((z ^ (z >> 30)) * digest_mod._M1) & M
+        z = ((z ^ (z >> 27)) * digest_mod._M2) & M
+        return z ^ (z >> 31)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(digest_mod._M1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(digest_mod._M2)
+    return z ^ (z >> np.uint64(31))
+
+
+def sum64_reference(data: bytes) -> int:
+    """sum64 written out with numpy's wrapping uint64 arithmetic (the definition in the docs)."""
+    padded = data + b"\0" * (-len(data) % 8)
+    words = np.frombuffer(padded, dtype="<u8")
+    with np.errstate(over="ignore"):
+        keys = np.arange(words.size, dtype=np.uint64) * np.uint64(digest_mod._K_POS) + np.uint64(digest_mod._K_SEED)
+        total = int(splitmix_finish(words ^ keys).sum(dtype=np.uint64)) if words.size else 0
+    return splitmix_finish((total + digest_mod._K_LEN * len(data)) & M)
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int64, torch.uint8])
+def test_values_match_references_for_every_dtype_and_view(dtype):
+    g = torch.Generator().manual_seed(1)
+    base = (torch.randn(13, 7, generator=g) * 4).to(dtype)
+    for t in (base, base[:, 2:5], base.t(), base[3], base[5:5]):  # contiguous, strided, transposed, row, empty
+        data = raw(t)
+        assert tensor_digest(t, "xxh3") == Digest("xxh3", xxhash.xxh3_64_intdigest(data), len(data))
+        assert tensor_digest(t, "sum64") == Digest("sum64", sum64_reference(data), len(data))
+        assert bytes_digest(data, "xxh3") == tensor_digest(t, "xxh3")
+        assert bytes_digest(data, "sum64") == tensor_digest(t, "sum64")
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.binary(min_size=0, max_size=300), cuts=st.lists(st.integers(0, 300), max_size=6),
+       kind=st.sampled_from(["xxh3", "sum64"]))
+def test_streaming_equals_one_shot_whatever_the_cuts(data, cuts, kind):
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    bounds = sorted({0, len(data), *(c for c in cuts if c <= len(data))})
+    h = Hasher(kind)
+    for lo, hi in zip(bounds, bounds[1:]):
+        h.update(t[lo:hi])
+    assert h.digest() == tensor_digest(t, kind)
+
+
+def test_sum64_chunks_compose(monkeypatch):
+    """Words beyond one chunk are weighted by their index in the stream, not in the chunk."""
+    data = torch.randint(0, 256, (8 * 37 + 5,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    expected = sum64_reference(raw(data))
+    monkeypatch.setattr(digest_mod, "CHUNK_WORDS", 4)
+    assert tensor_digest(data, "sum64").value == expected
+    h = Hasher("sum64")
+    for lo in range(0, data.numel(), 11):  # odd piece sizes: partial words carried across updates
+        h.update(data[lo: lo + 11])
+    assert h.value() == expected
+
+
+@pytest.mark.parametrize("kind", ["xxh3", "sum64"])
+def test_every_one_byte_change_is_seen(kind):
+    data = torch.randint(0, 256, (67,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    before = tensor_digest(data, kind)
+    seen = set()
+    for at in range(data.numel()):
+        for flip in (1, 0x80, 0xFF):
+            changed = data.clone()
+            changed[at] ^= flip
+            after = tensor_digest(changed, kind)
+            assert after != before, (at, flip)
+            seen.add(after.value)
+    assert len(seen) == 3 * data.numel()  # no two of these changes collide either
+
+
+def test_length_counts_and_zero_padding_is_not_content():
+    assert tensor_digest(torch.zeros(3, dtype=torch.uint8), "sum64") != tensor_digest(
+        torch.zeros(4, dtype=torch.uint8), "sum64")
+    assert bytes_digest(b"", "sum64").value == sum64_reference(b"")
+
+
+def test_kind_for_a_job_and_the_wire_form():
+    assert kind_for(["cpu", "cpu"]) == "xxh3"
+    assert kind_for(["cpu", "cuda:1"]) == "sum64"
+    d = tensor_digest(torch.arange(10.0), "sum64")
+    assert Digest.from_wire(d.to_wire()) == d
+    assert str(d) == f"sum64:{d.value:016x}"
+    with pytest.raises(ValueError, match="field 'kind' is missing"):
+        Digest.from_wire({"value": 1, "nbytes": 2})
+    with pytest.raises(ValueError, match="unknown digest kind 'md5'"):
+        Digest("md5", 1, 2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown digest kind"):
+        Hasher("crc")  # type: ignore[arg-type]
+    for v in (0, 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1):
+        assert as_unsigned(as_signed(v)) == v
+        assert -(1 << 63) <= as_signed(v) < 1 << 63
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["xxh3", "sum64"])
+def test_same_value_on_gpu_and_cpu(kind):
+    t = torch.randn(1000, 33, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    assert tensor_digest(t.cuda(), kind) == tensor_digest(t, kind)
+    assert tensor_digest(t.cuda()[:, 1:9], kind) == tensor_digest(t[:, 1:9], kind)
+
+
+def test_the_device_kernels_equal_the_host_ones():
+    """GPUs run sum64's torch kernels, CPUs its numpy ones: run the torch ones here, on the CPU."""
+    words = torch.randint(-(1 << 62), 1 << 62, (1001,), dtype=torch.int64, generator=torch.Generator().manual_seed(5))
+    words[::7] |= -(1 << 63)  # top bits set: the logical shifts matter
+    for base in (0, 3, 1 << 40):
+        on_device = as_unsigned(int(digest_mod._mix(words, base).sum()))
+        assert on_device == digest_mod._mix_host(words.numpy().view(np.uint64), base)
