@@ -16,14 +16,6 @@ transports' business (:mod:`weightsync.transport.delta`)::
     enc = changes.encode()               # the smallest encoding; enc.parts go on the wire back to back
     apply(enc.kind, payload, dest_bytes, unit=2, changed=enc.changed)   # reader: old bytes -> new bytes
 
-A reader receives a delta only when it can vouch that its memory holds the base: it compares
-:func:`digest` of that memory with the digest the writer sent with the base version (a sum of
-position-keyed word hashes, see :func:`digest`; :func:`diff` computes the new bytes' digest on
-its way through them)::
-
-    changes = diff(new_bytes, old_bytes, unit=2, update_old=True, digests=True)
-    changes.digest_new                          # == digest(new_bytes)
-
 Finding the changes is the writer's whole cost, so :func:`diff` compares 8-byte words and
 splits only the changed words into elements: in one compiled pass that also updates the
 writer's copy (:mod:`weightsync.codecs.delta_jit`, when numba is installed), else with numpy in
@@ -33,7 +25,6 @@ outputs are reserved at that size, but only the pages that changes fill are touc
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from enum import IntEnum
@@ -82,7 +73,6 @@ class Changes:
     unit: int
     index: np.ndarray  # int32 or int64, ascending
     values: np.ndarray  # uint of ``unit`` bytes, new[index]
-    digest_new: int | None = None  # digest(new), with ``diff(..., digests=True)``
 
     @property
     def changed(self) -> int:
@@ -129,7 +119,7 @@ def encode(new: torch.Tensor, old: torch.Tensor, *, unit: int, compiled: bool = 
     return diff(new, old, unit=unit, compiled=compiled).encode()
 
 
-def diff(new: torch.Tensor, old: torch.Tensor, *, unit: int, update_old: bool = False, digests: bool = False,
+def diff(new: torch.Tensor, old: torch.Tensor, *, unit: int, update_old: bool = False,
          chunk_words: int = CHUNK_WORDS, compiled: bool = True) -> Changes:
     """The elements of ``unit`` bytes where ``new`` and ``old`` (same-length 1-d uint8 tensors) differ.
 
@@ -138,7 +128,6 @@ def diff(new: torch.Tensor, old: torch.Tensor, *, unit: int, update_old: bool = 
 
     Args:
         update_old: also turn ``old`` into ``new`` (writing only what changed).
-        digests: also compute :func:`digest` of ``new`` (``digest_new``), in the same pass.
         chunk_words: words per pass (a knob for tests).
         compiled: use the numba kernel when numba is installed (False: numpy, for tests).
     """
@@ -147,16 +136,13 @@ def diff(new: torch.Tensor, old: torch.Tensor, *, unit: int, update_old: bool = 
     words, per, el = a.size // 8, 8 // unit, _NP_OF_SIZE[unit]
     wa, wb = a[: words * 8].view(np.uint64), b[: words * 8].view(np.uint64)
     jit = delta_jit.load() if compiled else None
-    sums = np.zeros(1 if digests else 0, dtype=np.uint64)
     if jit is not None:
         n = a.size // unit
         index = np.empty(n, dtype=np.int32 if n < 2**31 else np.int64)  # pages are touched only up to nnz
         values = np.empty(n, dtype=el)
         scratch = np.empty(max(1, min(words, chunk_words)), dtype=np.int64)
-        k = jit.diff(wa, wb, a.view(el), b.view(el), per, index, values, scratch, update_old, sums)
-        return _with_digest(Changes(new, unit, index[:k], values[:k]), a, sums, words)
-    if digests:
-        sums[0] = _word_sum(wa, compiled=False)
+        k = jit.diff(wa, wb, a.view(el), b.view(el), per, index, values, scratch, update_old)
+        return Changes(new, unit, index[:k], values[:k])
     mask = np.empty(min(words, chunk_words), dtype=np.bool_)
     index_parts, value_parts = [], []
     shift = per.bit_length() - 1
@@ -180,77 +166,8 @@ def diff(new: torch.Tensor, old: torch.Tensor, *, unit: int, update_old: bool = 
         if update_old:
             tail_b[tail] = tail_a[tail]
     if not index_parts:
-        changes = Changes(new, unit, np.empty(0, dtype=np.int64), np.empty(0, dtype=el))
-    else:
-        changes = Changes(new, unit, np.concatenate(index_parts), np.concatenate(value_parts))
-    return _with_digest(changes, a, sums, words)
-
-
-# -- the digest a reader vouches for its base with ---------------------------------------------------
-
-def digest(data: torch.Tensor, *, compiled: bool = True) -> int:
-    """A 64-bit digest of a payload (1-d uint8, host memory), as a signed int64.
-
-    The sum, modulo 2**64, of one hash per 8-byte word: MurmurHash3's 64-bit finalizer of the
-    word XOR its position times the golden-ratio key; the bytes after the last whole word count
-    as one more word (zero-padded), and the length as another. The finalizer is a bijection,
-    so changing one word always changes the digest, and changes to several words cancel out
-    with probability about 2**-64 (the failures it is for are resets, bit flips and reused
-    memory, not adversaries). Unlike a streaming hash it reads at memory speed (13-14 GB/s
-    per core here, numba) and :func:`diff` computes it on its way through the words.
-    """
-    _check_bytes(data)
-    a = data.numpy()
-    words = a.size // 8
-    return _finish(_word_sum(a[: words * 8].view(np.uint64), compiled=compiled), _tail_word(a, words), words,
-                   a.size)
-
-
-def _word_sum(words: np.ndarray, *, compiled: bool) -> int:
-    jit = delta_jit.load() if compiled else None
-    if jit is not None:
-        return int(jit.digest(words, 0))
-    total = 0
-    for start in range(0, words.size, CHUNK_WORDS):
-        chunk = words[start: start + CHUNK_WORDS]
-        positions = np.arange(start, start + chunk.size, dtype=np.uint64)
-        total += int(np.sum(_fmix(chunk ^ positions * np.uint64(delta_jit.POSITION_KEY)), dtype=np.uint64))
-    return total & _MASK
-
-
-def _fmix(x: np.ndarray) -> np.ndarray:
-    """MurmurHash3's 64-bit finalizer, elementwise on uint64 (numpy wraps array products)."""
-    shift = np.uint64(33)
-    x = x ^ (x >> shift)
-    x = x * np.uint64(delta_jit.FMIX_1)
-    x ^= x >> shift
-    x = x * np.uint64(delta_jit.FMIX_2)
-    return x ^ (x >> shift)
-
-
-_MASK = (1 << 64) - 1
-_LENGTH_KEY = 0xD6E8FEB86659FD93
-
-
-def _tail_word(a: np.ndarray, words: int) -> int:
-    """The bytes after the last whole word as one little-endian word (zero-padded), -1 if none."""
-    tail = a[words * 8:]
-    return int.from_bytes(tail.tobytes(), "little") if tail.size else -1
-
-
-def _finish(word_sum: int, tail: int, words: int, nbytes: int) -> int:
-    total = word_sum
-    if tail >= 0:
-        total += int(_fmix(np.array([tail ^ (words * delta_jit.POSITION_KEY & _MASK)], dtype=np.uint64))[0])
-    total += int(_fmix(np.array([nbytes ^ _LENGTH_KEY], dtype=np.uint64))[0])
-    total &= _MASK
-    return total - (1 << 64) if total >= 1 << 63 else total
-
-
-def _with_digest(changes: Changes, new: np.ndarray, sums: np.ndarray, words: int) -> Changes:
-    if not sums.size:
-        return changes
-    return dataclasses.replace(changes, digest_new=_finish(int(sums[0]), _tail_word(new, words), words, new.size))
+        return Changes(new, unit, np.empty(0, dtype=np.int64), np.empty(0, dtype=el))
+    return Changes(new, unit, np.concatenate(index_parts), np.concatenate(value_parts))
 
 
 def warm_up() -> None:
@@ -309,12 +226,6 @@ def apply(kind: Kind, payload: torch.Tensor, dest: torch.Tensor, *, unit: int, c
 def _numpy_elements(data: torch.Tensor, unit: int) -> np.ndarray:
     """A CPU uint8 tensor's bytes as a writable numpy array of ``unit``-byte unsigned integers (no copy)."""
     return data.numpy().view(_NP_OF_SIZE[unit])
-
-
-def _check_bytes(data: torch.Tensor) -> None:
-    if data.dtype != torch.uint8 or data.dim() != 1 or data.device.type != "cpu":
-        raise ValueError(f"digest takes a 1-d uint8 tensor in host memory, got {data.dtype} {tuple(data.shape)} "
-                         f"on {data.device}")
 
 
 def _check(new: torch.Tensor, old: torch.Tensor, unit: int) -> None:

@@ -10,12 +10,7 @@ Kernels compile on first use and are cached on disk (``cache=True``)::
 
     jit = load()
     if jit is not None:
-        k = jit.diff(a64, b64, a_el, b_el, per, index, values, scratch, update, sums)   # index[:k], values[:k]
-        total = jit.digest(a64, 0)     # the words' hash sum (what sums[0] receives above)
-
-The hash of word ``w`` at word position ``p`` is MurmurHash3's 64-bit finalizer of
-``w ^ p * POSITION_KEY``; a payload's digest sums it over its words (``codecs/delta.py``
-adds the tail and the length). Written out in each kernel: numba compiles what it sees.
+        k = jit.diff(a64, b64, a_el, b_el, per, index, values, scratch, update)   # index[:k], values[:k]
 """
 
 from __future__ import annotations
@@ -25,14 +20,6 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-#: The word hash: a position key (the golden ratio) and MurmurHash3's 64-bit finalizer.
-POSITION_KEY = 0x9E3779B97F4A7C15
-FMIX_1 = 0xFF51AFD7ED558CCD
-FMIX_2 = 0xC4CEB9FE1A85EC53
-_KEY, _F1, _F2, _S = np.uint64(POSITION_KEY), np.uint64(FMIX_1), np.uint64(FMIX_2), np.uint64(33)
-
 
 @dataclass(frozen=True)
 class Kernels:
@@ -41,7 +28,6 @@ class Kernels:
     diff: Any
     in_range: Any
     scatter: Any
-    digest: Any
 
 
 @functools.cache
@@ -53,9 +39,7 @@ def load() -> Kernels | None:
 
     _answer_dict_lookups_with_a_dict()
     jit = njit(cache=True, nogil=True)
-    digest = jit(_digest)
-    globals()["_digest_jit"] = digest  # _diff calls it by this name (numba resolves globals when compiling)
-    return Kernels(diff=jit(_diff), in_range=jit(_in_range), scatter=jit(_scatter), digest=digest)
+    return Kernels(diff=jit(_diff), in_range=jit(_in_range), scatter=jit(_scatter))
 
 
 def _answer_dict_lookups_with_a_dict() -> None:
@@ -76,34 +60,24 @@ def _answer_dict_lookups_with_a_dict() -> None:
         table["__dict__"] = {}
 
 
-_digest_jit: Any = None  # the compiled _digest, set by load()
-
-
 def _diff(a64: Any, b64: Any, a_el: Any, b_el: Any, per: int, index: Any, values: Any,  # noqa: PLR0917
-          scratch: Any, update: bool, sums: Any) -> int:  # numba kernels take their arrays positionally
+          scratch: Any, update: bool) -> int:  # numba kernels take their arrays positionally
     """Ascending positions (``index``) and new values (``values``) of the elements where ``a_el``
     differs from ``b_el``; returns how many. ``a64``/``b64`` are the same bytes as 8-byte words
     (``per`` elements each; elements after the last whole word are compared one by one).
 
     Branch-free where it matters: pass 1 writes every word's position to ``scratch`` and
     advances only past changed ones; pass 2 does the same for the elements of those words.
-    With ``update``, ``b`` takes the new words (it then equals ``a``). When ``sums`` has a
-    slot, it receives the word hash sum of ``a64`` (:func:`_digest`), computed chunk by chunk
-    while the chunk is in cache.
+    With ``update``, ``b`` takes the new words (it then equals ``a``).
     """
     k = 0
     words = a64.size
     chunk = scratch.size
-    hashing = sums.size > 0
-    total = np.uint64(0)
     for start in range(0, words, chunk):
         m = 0
-        stop = min(words, start + chunk)
-        for w in range(start, stop):
+        for w in range(start, min(words, start + chunk)):
             scratch[m] = w
             m += a64[w] != b64[w]
-        if hashing:  # while the chunk is in cache, in a loop of its own (no branch: it vectorises)
-            total += _digest_jit(a64[start:stop], start)
         for i in range(m):
             w = scratch[i]
             for e in range(w * per, w * per + per):
@@ -121,25 +95,7 @@ def _diff(a64: Any, b64: Any, a_el: Any, b_el: Any, per: int, index: Any, values
             k += 1
             if update:
                 b_el[e] = v
-    if hashing:
-        sums[0] = total
     return k
-
-
-def _digest(a64: Any, first: int) -> Any:
-    """The sum of the word hashes of ``a64``, its words at positions ``first``, ``first + 1``, ...
-
-    Hash of word ``w`` at position ``p``: MurmurHash3's 64-bit finalizer of ``w ^ p * KEY``
-    (a bijection of ``w`` for each ``p``, so one changed word always changes the sum)."""
-    total = np.uint64(0)
-    for i in range(a64.size):
-        x = a64[i] ^ (np.uint64(first + i) * _KEY)
-        x ^= x >> _S
-        x *= _F1
-        x ^= x >> _S
-        x *= _F2
-        total += x ^ (x >> _S)
-    return total
 
 
 def _in_range(index: Any, n: int) -> bool:

@@ -20,7 +20,7 @@ Per pair and version, both ends run one ordered exchange (no message overlap: th
 are small):
 
 1. the reader sends the version it can vouch for, or -1: it holds the version it last
-   received from this writer *and* the :func:`~weightsync.codecs.delta.digest` of every
+   received from this writer *and* the :func:`base_digest` of every
    message's bytes in its memory equals the digest the writer sent with them. Anything that
    changed the memory since (a ``copy_`` or ``load_state_dict``, a flipped bit, buffers
    reused as scratch) therefore gives -1, and so do a first sync, a failed or missed
@@ -33,8 +33,8 @@ are small):
    base then gets the version in full: nothing was sent);
 3. batches of consecutive messages whose encoded bytes fit a staging buffer: a header block
    with a row ``[kind, changed, nbytes, crc32 or 0, digest]`` (int64) per message of the
-   batch (-1 for the others; ``digest``: of the message's new bytes, computed while
-   comparing), then the batch's payloads back to back (absent when empty).
+   batch (-1 for the others; ``digest``: :func:`base_digest` of the message's new bytes),
+   then the batch's payloads back to back (absent when empty).
 
 **Destinations that do not keep what they received** (an engine without
 ``keeps_received_bytes``, or several phases sharing one staging arena: vLLM with
@@ -59,7 +59,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import torch
 
-from weightsync.codecs.delta import Encoded, Kind, apply, diff, digest, element_unit, warm_up
+from weightsync.codecs.delta import Encoded, Kind, apply, diff, element_unit, warm_up
+from weightsync.codecs.digest import as_signed, tensor_digest
 from weightsync.torch_layout import TORCH_DTYPES
 from weightsync.transport.base import TransportError
 from weightsync.transport.tensors import as_bytes, checksum, direct_source, dst_view, pack, scatter
@@ -239,11 +240,10 @@ class DeltaSync:
                 if full:
                     enc = Encoded(Kind.DENSE, 0, (new,))
                     old.copy_(new)
-                    new_digest = digest(new)
                 else:
-                    changes = diff(new, old, unit=message_unit(message), update_old=True, digests=True)
-                    assert changes.digest_new is not None
-                    enc, new_digest = changes.encode(), changes.digest_new
+                    enc = diff(new, old, unit=message_unit(message), update_old=True).encode()
+            with timer("digest"):
+                new_digest = base_digest(new)
             crc = 0
             if self.checksum:
                 with timer("checksum"):
@@ -315,7 +315,7 @@ class DeltaSync:
                 data = as_bytes(dst_view(flats, message.pieces[0]))
             else:
                 data = gather(message, flats, link.buffer(1))
-            if digest(data) != held.digests[index]:
+            if base_digest(data) != held.digests[index]:
                 logger.info("reader %d: %s no longer holds what writer %d sent as version %d (it was written "
                             "since); this version comes in full", self.rank, message.describe(), link.peer,
                             held.version)
@@ -360,6 +360,12 @@ class DeltaSync:
             raise TransportError(f"reader {self.rank}: writer {link.peer} sent a delta although this reader holds "
                                  f"no base version ({message.describe()}); writers and readers disagree on "
                                  f"delta_anchor_every")
+
+
+def base_digest(data: torch.Tensor) -> int:
+    """What a reader vouches for its base with: the XXH3-64 digest (:mod:`weightsync.codecs.digest`)
+    of a payload's bytes (1-d uint8, host memory), as the int64 a header or table row holds."""
+    return as_signed(tensor_digest(data, "xxh3").value)
 
 
 def message_unit(message: Message) -> int:

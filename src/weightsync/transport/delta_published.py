@@ -27,7 +27,7 @@ smaller, or an area already full: it holds at most a quarter of the exposed byte
 
 **Vouching.** A reader asks nothing of the writer, so it checks by itself that its memory
 holds the base: it remembers the writer's digest of every op it received
-(:func:`weightsync.codecs.delta.digest`), and before using a version's changes it digests
+(:func:`weightsync.transport.delta.base_digest`), and before using a version's changes it digests
 its destination and compares. Memory changed since (a reset, a flipped bit, buffers used as
 scratch), a missed version, a failed receive or :meth:`ChangeReader.forget` (a version
 change it did not make) make it copy the version in full. A reader whose destination does
@@ -44,9 +44,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from weightsync.codecs.delta import Kind, apply, diff, digest, element_unit, warm_up
+from weightsync.codecs.delta import Kind, apply, diff, element_unit, warm_up
 from weightsync.torch_layout import TORCH_DTYPES
 from weightsync.transport.base import TransportError
+from weightsync.transport.delta import base_digest
 from weightsync.transport.exposed import ALIGN, ExposedIndex
 from weightsync.transport.tensors import as_bytes, op_dst_view
 
@@ -160,20 +161,20 @@ class ChangeWriter:
         if self._base < 0 or old is None:
             if update_old and old is not None:
                 old.copy_(new)
-            table[row] = torch.tensor([int(Kind.DENSE), 0, 0, 0, digest(new)])
+            table[row] = torch.tensor([int(Kind.DENSE), 0, 0, 0, base_digest(new)])
             return
-        changes = diff(new, old, unit=piece_unit(op), update_old=update_old, digests=True)
-        assert changes.digest_new is not None
+        changes = diff(new, old, unit=piece_unit(op), update_old=update_old)
+        new_digest = base_digest(new)
         enc = changes.encode()
         if enc.kind == Kind.DENSE or self._used + enc.nbytes > area.numel():
-            table[row] = torch.tensor([int(Kind.DENSE), changes.changed, 0, 0, changes.digest_new])
+            table[row] = torch.tensor([int(Kind.DENSE), changes.changed, 0, 0, new_digest])
             return
         at = self._used
         for part in enc.parts:
             area[self._used: self._used + part.numel()].copy_(part)
             self._used += part.numel()
         self._used = -(-self._used // 8) * 8  # the next encoding's int32 indices stay aligned
-        table[row] = torch.tensor([int(enc.kind), enc.changed, enc.nbytes, at, changes.digest_new])
+        table[row] = torch.tensor([int(enc.kind), enc.changed, enc.nbytes, at, new_digest])
         table[0, USED] = self._used
 
     def end(self, version: int) -> None:
@@ -232,7 +233,7 @@ class ChangeReader:
         shadow = self.shadow.get(key)
         for i, op in enumerate(ops):
             data = shadow[i] if shadow is not None else _dst_bytes(flats, op)[0]
-            if digest(data) != held.digests[i]:
+            if base_digest(data) != held.digests[i]:
                 logger.info("reader %d: %s %s no longer holds what writer %d published as version %d (it was "
                             "written since); this version comes in full", self.rank, op.canonical, op.box,
                             key[1], held.version)
