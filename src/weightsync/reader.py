@@ -64,7 +64,8 @@ class WeightReader:
                                    keeps_received_bytes=engine.keeps_received_bytes)
         self._failed: int | None = None
         self._failed_epoch = -1  # the epoch the version that failed here was published in
-        self._applied: int | None = None  # the version this reader last applied (None: none, or it failed)
+        #: the version this reader last applied (at first: the engine's own; None after a failure)
+        self._applied: int | None = engine.weight_version
 
     def _device(self) -> str:
         if self._phased is not None:  # its buffers are laid out only once the phases are known
@@ -181,8 +182,9 @@ class WeightReader:
         received is no base to build on, and the versions this reader took stay taken."""
         if self.engine.weight_version == self._applied:
             return
-        logger.warning("reader %d: the engine's version changed from %s to %s outside this reader; the next "
-                       "version is received in full", self.rank, self._applied, self.engine.weight_version)
+        if self._applied is not None:  # None: this reader's last receive failed, it knows
+            logger.warning("reader %d: the engine's version changed from %s to %s outside this reader; the next "
+                           "version is received in full", self.rank, self._applied, self.engine.weight_version)
         assert self.session.planned is not None
         self.session.planned.transport.forget_received()
 
