@@ -18,12 +18,19 @@ carries over), one after the other, on one core when started under ``taskset -c 
 On a shared machine, ``--repeat N`` runs every case N times (bf16 and FP8 alternating) and
 keeps each case's least wall time and least CPU time.
 
+``--baseline DIR`` runs the job-start cases a second time, interleaved, on the weightsync
+package under ``DIR`` (another version's ``src``), for a before/after comparison in one run:
+each job-start case reports a digest of its ops (columns, tensor names and the shards they
+address), which must be equal before and after.
+
     taskset -c 0 python benchmarks/planner_scale.py [--quant fp8_block] [--repeat 3] [--json]
+    git archive <base> src | tar -x -C /tmp/base && python benchmarks/planner_scale.py --baseline /tmp/base/src
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -52,8 +59,8 @@ def global_case(config: str, source: str, target: str, sample: int) -> dict[str,
     started, cpu = time.perf_counter(), _cpu()
     spec = load_spec(config)
     src, dst = parse_layout(source), parse_layout(target)
-    writers = src.all_rank_layouts(spec)
-    readers = dst.all_rank_layouts(spec)
+    writers = src.roster(spec)  # every rank's layout, as columns
+    readers = dst.roster(spec)
     t1 = time.perf_counter()
     writers, quant = quantized_sources(writers, readers)
     t2 = time.perf_counter()
@@ -64,14 +71,14 @@ def global_case(config: str, source: str, target: str, sample: int) -> dict[str,
     for role, world in (("reader", dst.world_size), ("writer", src.world_size)):
         for rank in [0, *range(1, world, max(world // sample, 1))][: sample + 1]:
             t0 = time.perf_counter()
-            build_local_plan(writers, readers, role=role, rank=rank)  # type: ignore[arg-type]
+            build_local_plan(writers, readers, role=role, rank=rank)
             local[f"{role}{rank}"] = time.perf_counter() - t0
     return {
         "wall_seconds": wall, "cpu_seconds": cpu, "peak_rss_mib": _peak_mib(),
         "expand_seconds": t1 - started, "fp8_offers_seconds": t2 - t1, "statistics_seconds": t3 - t2,
         "fp8_tensors": len(quant.tensors),
         "shared_tiles": int(sum(int(t.exchanged.sum()) for t in quant.tensors.values())),
-        "writer_regions": sum(len(s.regions) for w in writers for s in w.shards),
+        "writer_regions": len(writers),  # non-empty regions, FP8 twins and scale shards included
         "num_ops": stats.num_ops, "sent_equals_needed": stats.sent_bytes == stats.needed_bytes,
         "sent_bytes": stats.sent_bytes, "balance_ratio": stats.balance_ratio,
         "local_plan_seconds": local, "max_local_plan_seconds": max(local.values()),
@@ -98,11 +105,28 @@ def job_start_case(config: str, source: str, target: str, role: str, rank: int) 
     timings: dict[str, float] = {}
     plan, _, quantizer = plan_share(writers, readers, role=role, rank=rank,  # type: ignore[arg-type]
                                     options=PlanOptions(), timings=timings)
+    seconds, cpu = time.perf_counter() - started, _cpu() - cpu
     return {
-        "seconds": time.perf_counter() - started, "cpu_seconds": _cpu() - cpu, "peak_rss_mib": _peak_mib(),
+        "seconds": seconds, "cpu_seconds": cpu, "peak_rss_mib": _peak_mib(),
         "decode_seconds": decoded - started, **{f"{k}_seconds": v for k, v in timings.items()},
-        "ops": len(plan), "quantizer": quantizer is not None,
+        "ops": len(plan), "ops_digest": _ops_digest(plan), "quantizer": quantizer is not None,
     }
+
+
+def _ops_digest(plan: Any) -> str:
+    """A digest of a plan's ops that does not depend on how the planner numbers things
+    internally: the op columns, the tensor names, and each addressed shard's rank, name, dtype."""
+    import numpy as np
+
+    h = hashlib.blake2b(digest_size=16)
+    cols = plan.columns
+    for field in ("src_rank", "dst_rank", "off", "size", "src_off", "src_stride", "dst_off", "dst_stride", "nbytes"):
+        h.update(np.ascontiguousarray(getattr(cols, field)).tobytes())
+    h.update("\n".join(plan.tensors[i] for i in cols.tensor.tolist()).encode())
+    for shards, index in ((plan.src_shards, cols.src_shard), (plan.dst_shards, cols.dst_shard)):
+        refs = {i: shards[i] for i in np.unique(index).tolist()}
+        h.update("\n".join(f"{refs[i].rank}:{refs[i].name}:{refs[i].dtype}" for i in index.tolist()).encode())
+    return h.hexdigest()
 
 
 def _keep_fastest(results: dict[str, Any], name: str, result: dict[str, Any], key: str) -> None:
@@ -115,9 +139,11 @@ def _keep_fastest(results: dict[str, Any], name: str, result: dict[str, Any], ke
     results[name] = {**(result if result[key] < best[key] else best), "cpu_seconds": cpu, "runs": best["runs"] + 1}
 
 
-def _child(args: list[str]) -> dict[str, Any]:
-    """Run one case in a fresh interpreter; its JSON result."""
-    out = subprocess.run([sys.executable, __file__, "--child", *args], check=True, capture_output=True, text=True)
+def _child(args: list[str], src: str | None = None) -> dict[str, Any]:
+    """Run one case in a fresh interpreter (on the weightsync under ``src`` if given); its JSON result."""
+    env = None if src is None else {**os.environ, "PYTHONPATH": src}
+    out = subprocess.run([sys.executable, __file__, "--child", *args], check=True, capture_output=True, text=True,
+                         env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
@@ -130,6 +156,8 @@ def main() -> None:
     parser.add_argument("--sample", type=int, default=4, help="extra ranks per role timed for local plans")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run every case this many times, bf16 and FP8 alternating; report each case's fastest")
+    parser.add_argument("--baseline", metavar="SRC",
+                        help="also run the job-start cases on the weightsync package under SRC (before/after)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -153,8 +181,10 @@ def main() -> None:
             _keep_fastest(out["global"], name, _child(["global", args.config, args.source, target, str(args.sample)]),
                           "wall_seconds")
             for role in ("writer", "reader"):
-                _keep_fastest(out["job_start"], f"{name} {role}0",
-                              _child(["job", args.config, args.source, target, role, "0"]), "seconds")
+                case = ["job", args.config, args.source, target, role, "0"]
+                if args.baseline:
+                    _keep_fastest(out["job_start"], f"{name} {role}0 before", _child(case, args.baseline), "seconds")
+                _keep_fastest(out["job_start"], f"{name} {role}0", _child(case), "seconds")
     bf16, fp8 = out["global"]["bf16"], out["global"][args.quant]
     out["fp8_over_bf16"] = {
         "global_wall": fp8["wall_seconds"] / bf16["wall_seconds"],
@@ -162,6 +192,11 @@ def main() -> None:
         **{f"job_start_{role}0": out["job_start"][f"{args.quant} {role}0"]["seconds"]
            / out["job_start"][f"bf16 {role}0"]["seconds"] for role in ("writer", "reader")},
     }
+    if args.baseline:
+        out["before_over_after_cpu"] = {k: v["cpu_seconds"] / out["job_start"][k[: -len(" before")]]["cpu_seconds"]
+                                        for k, v in out["job_start"].items() if k.endswith(" before")}
+        out["same_ops"] = all(v["ops_digest"] == out["job_start"][k[: -len(" before")]]["ops_digest"]
+                              for k, v in out["job_start"].items() if k.endswith(" before"))
     out["load_average_after"] = os.getloadavg()
     if args.json:
         print(json.dumps(out))
@@ -185,6 +220,10 @@ def _print(out: dict[str, Any]) -> None:
               f"{j['decode_seconds']:9.2f} {j['fp8_offers_seconds']:9.2f} {j['local_plan_seconds']:7.2f} "
               f"{j['quantizer_seconds']:12.3f}  ({j['ops']:,} ops)")
     print("\nFP8 / bf16: " + ", ".join(f"{k} {v:.2f}x" for k, v in out["fp8_over_bf16"].items()))
+    if "same_ops" in out:
+        print("before / after, job-start CPU: " + ", ".join(f"{k[: -len(' before')]} {v:.2f}x"
+                                                           for k, v in out["before_over_after_cpu"].items())
+              + f"; same ops before and after: {out['same_ops']}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ right; ``layout.quant_offers`` computes the same result from the boxes themselve
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -76,8 +77,20 @@ def grid_boxes(mask: np.ndarray) -> list[Box]:
     return sorted(out, key=lambda b: (b.offsets, b.sizes))
 
 
+@dataclass
+class OracleSources:
+    """What the first derivation returned: every writer's twins and scale shards, by rank."""
+
+    tensors: dict[str, QuantTensor]
+    twins: dict[int, dict[str, str]]
+    scales: dict[int, dict[str, str]]
+
+    def __bool__(self) -> bool:
+        return bool(self.tensors)
+
+
 def quantized_sources(writers: Sequence[RankLayout], readers: Sequence[RankLayout]
-                      ) -> tuple[list[RankLayout], QuantSources]:
+                      ) -> tuple[list[RankLayout], OracleSources]:
     wanted: dict[str, Derived] = {}
     needed_plain: set[str] = set()
     for layout in readers:
@@ -90,7 +103,7 @@ def quantized_sources(writers: Sequence[RankLayout], readers: Sequence[RankLayou
                 elif not d.is_scale:
                     wanted[r.canonical] = d
     if not wanted:
-        return list(writers), QuantSources({}, {}, {})
+        return list(writers), OracleSources({}, {}, {})
     by_base: dict[str, list[str]] = {}
     for fp8, d in wanted.items():
         by_base.setdefault(d.base, []).append(fp8)
@@ -121,7 +134,7 @@ def quantized_sources(writers: Sequence[RankLayout], readers: Sequence[RankLayou
     for layout in writers:
         shards, twins[layout.rank], scales[layout.rank] = _writer_shards(layout, tensors, by_base, needed_plain)
         out.append(RankLayout(layout.rank, tuple(shards), canonical))
-    return out, QuantSources(tensors, twins, scales)
+    return out, OracleSources(tensors, twins, scales)
 
 
 def _shape_of(base: str, readers: Sequence[RankLayout], writers: Sequence[RankLayout]) -> tuple[int, ...]:
@@ -170,8 +183,8 @@ def quantizer_needs(sources: QuantSources, layout: RankLayout, plan) -> dict:  #
     whose tiles the writer's ops need, those among them with exchanged tiles, whom to hear
     from, what it publishes, and its value ops."""
     rank = layout.rank
-    twins = dict(sources.twins.get(rank, {}))
-    scale_shards = dict(sources.scales.get(rank, {}))
+    twins = sources.twins(rank)
+    scale_shards = sources.scales(rank)
     shards = {s.name: s for s in layout.shards}
     held: dict[str, list] = {}
     for twin in twins:

@@ -61,8 +61,9 @@ def run_sync(cfg: dict, writer_kind: str, reader_kind: str, seed: int = 0) -> di
     spec = ModelSpec.from_hf_config(cfg)
     writers = parse_layout(writer_kind).all_rank_layouts(spec)
     readers = parse_layout(reader_kind).all_rank_layouts(spec)
-    planned_writers, quant = quantized_sources(writers, readers)
-    plan = build_plan(planned_writers, readers, options=PlanOptions(min_split_bytes=0))
+    planned, quant = quantized_sources(writers, readers)
+    plan = build_plan(planned, readers, options=PlanOptions(min_split_bytes=0))
+    planned_writers = planned.layouts()
     weights = {n: t.to(torch.bfloat16) for n, t in canonical_weights(cfg, seed).items()}
     src = {}
     for layout in writers:

@@ -44,9 +44,19 @@ def joined(shard: Shard) -> Shard:
         for b in grid_boxes(painted(shard) > 0)))
 
 
+def without_empty_boxes(layouts):
+    """The layouts without regions of empty boxes: they hold nothing (rosters have no rows for
+    them), so they touch no tile. The oracle's painting marks the tile at an empty box's
+    corner when that corner is off a tile boundary."""
+    return [RankLayout(layout.rank, tuple(Shard(s.name, s.shape, s.dtype, tuple(r for r in s.regions
+                                                                              if not r.box.empty))
+                                          for s in layout.shards), layout.canonical) for layout in layouts]
+
+
 def assert_same(writers, readers) -> None:
-    got_layouts, got = quantized_sources(writers, readers)
-    want_layouts, want = oracle.quantized_sources(writers, readers)
+    got_roster, got = quantized_sources(writers, readers)
+    got_layouts = got_roster.layouts()
+    want_layouts, want = oracle.quantized_sources(without_empty_boxes(writers), without_empty_boxes(readers))
     assert len(got_layouts) == len(want_layouts)
     for g, w in zip(got_layouts, want_layouts, strict=True):
         assert g.rank == w.rank
@@ -59,13 +69,14 @@ def assert_same(writers, readers) -> None:
             else:
                 assert gs == ws, f"writer {w.rank} {gs.name}"
         assert dict(g.canonical) == dict(w.canonical)
+        if want:
+            assert got.twins(w.rank) == want.twins[w.rank]
+            assert got.scales(w.rank) == want.scales[w.rank]
     assert got.tensors.keys() == want.tensors.keys()
     for name, w in want.tensors.items():
         g = got.tensors[name]
         assert g == w, name  # base, scheme, shape, publishers
         assert g.exchanged.shape == w.exchanged.shape and np.array_equal(g.exchanged, w.exchanged), name
-    assert got.twins == want.twins
-    assert got.scales == want.scales
 
 
 @slow(40)
@@ -131,9 +142,10 @@ def raw_fp8_layouts(draw):
             region = Region(name, box, 0, contiguous_strides(box.sizes))
             rank = draw(st.integers(0, n_writers - 1))
             shards = held[rank]
-            if shards and draw(st.booleans()):  # another region in the same shard
+            if shards and draw(st.booleans()):  # another region in the same shard (flat, as large as both)
                 last = shards[-1]
-                shards[-1] = Shard(last.name, last.shape, last.dtype, (*last.regions, region))
+                numel = max(int(np.prod(last.shape)), int(np.prod([max(x, 1) for x in size])))
+                shards[-1] = Shard(last.name, (numel,), last.dtype, (*last.regions, region))
             else:
                 shards.append(Shard(f"{name}.s{k}", tuple(max(s, 1) for s in size), "bfloat16", (region,)))
     writers = [RankLayout(r, tuple(s), canonical) for r, s in held.items()]
@@ -174,7 +186,7 @@ def test_writer_quantizers_need_what_the_oracle_finds_in_the_ops(data):
         readers.append(parse_layout("hf").rank_layout(spec, 0).with_rank(1))
     planned, quant = quantized_sources(kind.all_rank_layouts(spec), readers)
     plan = build_plan(planned, readers, PlanOptions(min_split_bytes=data.draw(st.sampled_from([0, 1 << 20]))))
-    for layout in planned:
+    for layout in planned.layouts():
         quantizer = WriterQuantizer(quant, layout, plan)
         want = oracle.quantizer_needs(quant, layout, plan)
         got = {"needed": quantizer.needed, "exchanged": quantizer.exchanged, "listen": quantizer.listen,
@@ -188,8 +200,8 @@ def test_arbitrary_boxes_derive_what_the_oracle_derives(layouts):
     assert_same(*layouts)
 
 
-def test_replicas_share_one_derivation():
-    # Writers holding the same shards (hf replicas) get equal, shared, derived shards.
+def test_replicas_get_one_derivation():
+    # Writers holding the same shards (hf replicas) get equal derived shards.
     from weightsync.layout import ModelSpec
 
     spec = ModelSpec(family="qwen3", hidden_size=256, intermediate_size=384, num_layers=1, num_heads=4,
@@ -197,9 +209,9 @@ def test_replicas_share_one_derivation():
     writers = parse_layout("hf:replicas=3").all_rank_layouts(spec)
     readers = [RankLayout(0, parse_layout("hf:quant=fp8_block").rank_layout(spec, 0).shards,
                           quantized_canonical(spec, SCHEMES["fp8_block"]))]
-    planned, _ = quantized_sources(writers, readers)
+    planned = quantized_sources(writers, readers)[0].layouts()
     assert [w.rank for w in planned] == [0, 1, 2]
-    assert planned[0].shards is planned[2].shards
+    assert planned[0].shards == planned[2].shards
     assert_same(writers, readers)
 
 

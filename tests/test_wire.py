@@ -42,10 +42,21 @@ def test_a_roster_parses_each_descriptor_and_model_once():
     writers, readers = decode_roster(people, load_model)
     assert calls == ["cfg"]
     # One ModelSpec for the roster: its canonical tensors are one dict, which planning walks once.
-    assert len({id(layout.canonical) for layout in writers}) == 1
-    assert [w.shards for w in writers] == [w.shards for w in train.all_rank_layouts(spec)]
-    assert [r.shards for r in readers] == [r.shards for r in serve.all_rank_layouts(spec)]
-    assert [w.rank for w in writers] == [0, 1, 2, 3]
+    assert len(writers.canonical) == 1
+    assert [w.shards for w in writers.layouts()] == [w.shards for w in train.all_rank_layouts(spec)]
+    assert [r.shards for r in readers.layouts()] == [r.shards for r in serve.all_rank_layouts(spec)]
+    assert writers.ranks.tolist() == [0, 1, 2, 3]
+
+
+def test_a_roster_mixes_descriptors_and_explicit_layouts_in_rank_order():
+    spec = ModelSpec.from_hf_config(CONFIG)
+    serve = parse_layout("vllm:tp=2,replicas=2")
+    want = serve.all_rank_layouts(spec)
+    blob = encode_descriptor(serve.describe(), "cfg")
+    members = [(3, blob), (0, encode_explicit(want[0])), (1, blob), (2, encode_explicit(want[2]))]
+    side = LayoutDecoder(lambda _: CONFIG).roster(members)
+    assert side.ranks.tolist() == [0, 1, 2, 3]
+    assert [lay.shards for lay in side.layouts()] == [lay.shards for lay in want]
 
 
 @pytest.mark.parametrize(("blob", "message"), [
@@ -59,3 +70,5 @@ def test_malformed_blobs_name_the_rank(blob, message):
     decode = LayoutDecoder(lambda _: CONFIG)
     with pytest.raises(ValueError, match=message):
         decode(blob, rank=3)
+    with pytest.raises(ValueError, match=message):
+        decode.roster([(3, blob)])

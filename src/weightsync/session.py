@@ -25,6 +25,7 @@ from weightsync.deadline import Deadline
 from weightsync.devices import RankPlacement, choose_transport, gpu_identity, tensors_device
 from weightsync.job import JobChannel, Member, Role
 from weightsync.layout.quant_offers import quantized_sources
+from weightsync.layout.roster import Roster
 from weightsync.layout.wire import LayoutDecoder, encode_descriptor, encode_explicit
 from weightsync.plan import PlanOptions, build_local_plan, layer_phases, split_plan
 from weightsync.torch_layout import check_tensors
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from weightsync.codecs.fp8 import WriterQuantizer
-    from weightsync.layout import LayoutProvider, RankLayout
+    from weightsync.layout import LayoutProvider
     from weightsync.meta.client import MetaClient
     from weightsync.plan import Plan
     from weightsync.transport import Transport
@@ -158,8 +159,12 @@ class PlannedSync:
 
 
 def decode_roster(people: Sequence[Member], load_model: Callable[[str], Mapping[str, Any]]
-                  ) -> tuple[list[RankLayout], list[RankLayout]]:
-    """Every writer's and reader's layout from the roster (``load_model``: model config by digest)."""
+                  ) -> tuple[Roster, Roster]:
+    """Every writer's and reader's layout from the roster, as columns (``load_model``: model config by digest).
+
+    Ranks publishing one descriptor are built together by their layout kind, with no object per
+    rank (:class:`~weightsync.layout.roster.Roster`).
+    """
     models: dict[str, Mapping[str, Any]] = {}
 
     def model(digest: str) -> Mapping[str, Any]:
@@ -168,18 +173,19 @@ def decode_roster(people: Sequence[Member], load_model: Callable[[str], Mapping[
         return models[digest]
 
     decode = LayoutDecoder(model)
-    writers = [decode(p.layout, rank=p.rank) for p in people if p.role == "writer"]
-    readers = [decode(p.layout, rank=p.rank) for p in people if p.role == "reader"]
-    return writers, readers
+    sides = []
+    for role in ("writer", "reader"):
+        members = [(p.rank, p.layout) for p in people if p.role == role]
+        sides.append(decode.roster(members) if members else Roster.from_layouts([]))
+    return sides[0], sides[1]
 
 
-def plan_share(writers: Sequence[RankLayout], readers: Sequence[RankLayout], *, role: Role, rank: int,
-               options: PlanOptions, timings: dict[str, float] | None = None
-               ) -> tuple[Plan, list[RankLayout], WriterQuantizer | None]:
+def plan_share(writers: Roster, readers: Roster, *, role: Role, rank: int, options: PlanOptions,
+               timings: dict[str, float] | None = None) -> tuple[Plan, Roster, WriterQuantizer | None]:
     """One rank's share of the job from everyone's layouts, as :meth:`SyncSession.plan` computes it.
 
-    Returns this rank's plan, the writer layouts as planned (with FP8 twins and scale shards
-    when readers ask for FP8) and, for a writer that sends FP8, its quantizer. ``timings``
+    Returns this rank's plan, the writers as planned (with FP8 twins and scale shards when
+    readers ask for FP8) and, for a writer that sends FP8, its quantizer. ``timings``
     receives the seconds of each step: ``fp8_offers``, ``local_plan``, ``quantizer``.
     """
     times = timings if timings is not None else {}
@@ -192,8 +198,7 @@ def plan_share(writers: Sequence[RankLayout], readers: Sequence[RankLayout], *, 
     if quant and role == "writer":
         from weightsync.codecs.fp8 import WriterQuantizer
 
-        own = next(w for w in planned if w.rank == rank)
-        quantizer = WriterQuantizer(quant, own, plan)
+        quantizer = WriterQuantizer(quant, planned.layout(rank), plan)  # objects for this rank only
         quantizer = quantizer if quantizer.active else None
     times.update(fp8_offers=t1 - t0, local_plan=t2 - t1, quantizer=time.perf_counter() - t2)
     return plan, planned, quantizer
@@ -289,7 +294,7 @@ class SyncSession:
         phase_names: tuple[tuple[str, ...], ...] = ()
         phases: tuple[Plan, ...] = ()
         if self.config.layer_phases:
-            phase_names = layer_phases(writers[0].canonical, budget_bytes=opts.max_bucket_bytes)
+            phase_names = layer_phases(writers.canonical_tensors(), budget_bytes=opts.max_bucket_bytes)
             phases = tuple(split_plan(plan, phase_names))
         digest = hashlib.blake2b(f"{choice.name}|{opts.digest()}|phases={len(phase_names)}".encode(),
                                  digest_size=4).hexdigest()

@@ -155,8 +155,8 @@ class WriterQuantizer:
         self.rank = layout.rank
         self.sources = sources
         self.plan = plan
-        self.twins = dict(sources.twins.get(self.rank, {}))
-        self.scale_shards = dict(sources.scales.get(self.rank, {}))
+        self.twins = sources.twins(self.rank)
+        self.scale_shards = sources.scales(self.rank)
         shards = {s.name: s for s in layout.shards}
         #: fp8 canonical -> [(base shard, region)] this writer holds
         self.held: dict[str, list[tuple[str, Box, int, tuple[int, ...]]]] = {}

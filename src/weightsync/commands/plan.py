@@ -48,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
 
         install()  # vllm kinds now come from vLLM's loaders; the time goes into expand_seconds
     started = time.perf_counter()
-    writers = source.all_rank_layouts(spec)
-    readers = target.all_rank_layouts(spec)
+    writers = source.roster(spec)  # every rank's layout as columns (layout.roster)
+    readers = target.roster(spec)
     writers, quant = quantized_sources(writers, readers)  # an FP8 target: writers quantize on send
     expand_seconds = time.perf_counter() - started
     stats = plan_statistics(writers, readers, options)
@@ -74,12 +74,12 @@ def run(args: argparse.Namespace) -> int:
     if quant:
         out["fp8"] = {"tensors": len(quant.tensors),
                       "shared_tiles": int(sum(int(t.exchanged.sum()) for t in quant.tensors.values())),
-                      "bytes_saved": fp8_bytes_saved(readers[0].canonical)}
+                      "bytes_saved": fp8_bytes_saved(readers.canonical_tensors())}
     if args.verify:
         if quant:
             raise ValueError("--verify moves random values, not quantized ones; FP8 plans are checked bitwise "
                              "by tests/test_quant.py")
-        out["verified"] = _verify(writers, readers, options, stats.needed_bytes)
+        out["verified"] = _verify(writers.layouts(), readers.layouts(), options, stats.needed_bytes)
     if args.json:
         print(json.dumps(out))
     else:

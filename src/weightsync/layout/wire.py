@@ -19,7 +19,7 @@ descriptors name it by.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -27,6 +27,7 @@ import msgpack
 from weightsync.layout.box import Box
 from weightsync.layout.kinds import LayoutKind, parse_layout
 from weightsync.layout.model import ModelSpec
+from weightsync.layout.roster import Roster
 from weightsync.layout.types import CanonicalTensor, RankLayout, Region, Shard
 
 WIRE_VERSION = 1
@@ -66,7 +67,8 @@ class LayoutDecoder:
     cache on it (the canonical tensors, the shard templates).
 
         decode = LayoutDecoder(load_model)
-        layouts = [decode(blob, rank=r) for r, blob in roster]
+        layouts = [decode(blob, rank=r) for r, blob in roster]   # objects, rank by rank
+        side = decode.roster(roster)                             # or all of them as columns
     """
 
     def __init__(self, load_model: Callable[[str], Mapping[str, Any]]) -> None:
@@ -84,16 +86,52 @@ class LayoutDecoder:
         form = obj.get("form")
         try:
             if form == "descriptor":
-                spec = self._spec(str(obj["model"]))
-                kind = parse_layout(str(obj["layout"]))
-                kind.validate(spec)
-                self._kinds[blob] = (kind, spec)
+                kind, spec = self._descriptor(blob, obj)
                 return kind.rank_layout(spec, rank)
             if form == "explicit":
                 return _explicit(obj, rank)
         except (KeyError, TypeError, IndexError) as exc:
             raise ValueError(f"layout metadata of rank {rank} is malformed ({form} form): {exc!r}") from None
         raise ValueError(f"layout metadata of rank {rank} has unknown form {form!r}")
+
+    def roster(self, members: Sequence[tuple[int, bytes]]) -> Roster:
+        """The layouts of ``members`` (rank, blob) as one roster, without an object per rank.
+
+        The ranks that publish one descriptor are built together by their layout kind
+        (:meth:`LayoutKind.roster`); explicit shard lists are decoded rank by rank.
+        """
+        by_blob: dict[bytes, list[int]] = {}
+        for rank, blob in members:
+            by_blob.setdefault(blob, []).append(rank)
+        parts = []
+        for blob, ranks in by_blob.items():
+            known = self._kinds.get(blob)
+            if known is None:
+                obj = self._unpack(blob, ranks[0])
+                form = obj.get("form")
+                try:
+                    if form == "explicit":
+                        parts.append(Roster.from_layouts([_explicit(obj, rank) for rank in ranks]))
+                        continue
+                    if form == "descriptor":
+                        known = self._descriptor(blob, obj)
+                except (KeyError, TypeError, IndexError) as exc:
+                    raise ValueError(f"layout metadata of rank {ranks[0]} is malformed ({form} form): "
+                                     f"{exc!r}") from None
+                if known is None:
+                    raise ValueError(f"layout metadata of rank {ranks[0]} has unknown form {form!r}")
+            kind, spec = known
+            parts.append(kind.roster(spec, ranks))
+        if not parts:
+            raise ValueError("no layouts to decode")
+        return Roster.concat(parts)
+
+    def _descriptor(self, blob: bytes, obj: Mapping[str, Any]) -> tuple[LayoutKind, ModelSpec]:
+        spec = self._spec(str(obj["model"]))
+        kind = parse_layout(str(obj["layout"]))
+        kind.validate(spec)
+        self._kinds[blob] = (kind, spec)
+        return kind, spec
 
     def _spec(self, digest: str) -> ModelSpec:
         spec = self._specs.get(digest)

@@ -29,9 +29,13 @@ import numpy as np
 
 from weightsync.layout.box import Box
 from weightsync.layout.columns import DTYPE_CODES
+from weightsync.layout.roster import Roster
 from weightsync.layout.types import RankLayout
 from weightsync.plan.balance import water_fill
 from weightsync.plan.table import RegionTable
+
+#: One side of a job: its ranks' layouts, or the same as a roster's columns.
+Side = Roster | Sequence[RankLayout]
 
 #: Bump when the planner's decisions change, so mixed versions fail the fingerprint check.
 PLANNER_VERSION = "1"
@@ -62,28 +66,27 @@ class PlanOptions:
 class Atoms:
     """Everything derived from the full metadata (steps 1-3); shared by global and local planning."""
 
-    def __init__(self, sources: Sequence[RankLayout], dests: Sequence[RankLayout],
-                 options: PlanOptions) -> None:
-        if not sources:
+    def __init__(self, sources: Side, dests: Side, options: PlanOptions) -> None:
+        # Input order must not matter: every rank may list the layouts differently (rosters
+        # are in rank order).
+        src, dst = Roster.of(sources), Roster.of(dests)
+        if not src.num_ranks:
             raise PlanError("no writer layouts given")
-        if not dests:
+        if not dst.num_ranks:
             raise PlanError("no reader layouts given")
-        _check_unique_ranks(sources, "writer")
-        _check_unique_ranks(dests, "reader")
-        # Input order must not matter: every rank may list the layouts differently.
-        sources = sorted(sources, key=lambda lay: lay.rank)
-        dests = sorted(dests, key=lambda lay: lay.rank)
+        _check_unique_ranks(src.ranks, "writer")
+        _check_unique_ranks(dst.ranks, "reader")
         self.options = options
-        shapes = _canonical_shapes(sources, dests)
+        shapes = _canonical_shapes(src, dst)
         self.tensors = tuple(sorted(shapes))
         self.shapes = tuple(shapes[n] for n in self.tensors)
         self.tensor_ndim = tuple(len(s) for s in self.shapes)
         self.ndim = max(max(self.tensor_ndim, default=1), 1)
         ids = {n: i for i, n in enumerate(self.tensors)}
-        self.src = _nonempty(RegionTable.build(sources, ids, self.ndim))
-        self.dst = _nonempty(RegionTable.build(dests, ids, self.ndim))
-        self.num_sources = len(sources)
-        self.num_dests = len(dests)
+        self.src = _nonempty(RegionTable.build(src, ids, self.ndim))
+        self.dst = _nonempty(RegionTable.build(dst, ids, self.ndim))
+        self.num_sources = src.num_ranks
+        self.num_dests = dst.num_ranks
         self.big = max((max(s) if s else 1) for s in self.shapes) + 1 if self.shapes else 2
         self.name_hash = np.array([zlib.crc32(n.encode()) for n in self.tensors], dtype=np.int64)
         self._check_names()
@@ -278,31 +281,31 @@ def _preview(names: Sequence[str], limit: int = 8) -> str:
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
-def _check_unique_ranks(layouts: Sequence[RankLayout], role: str) -> None:
-    ranks = [lay.rank for lay in layouts]
-    if len(set(ranks)) != len(ranks):
-        dup = sorted({r for r in ranks if ranks.count(r) > 1})
-        raise PlanError(f"{role} rank(s) {dup[:8]} appear more than once")
+def _check_unique_ranks(ranks: np.ndarray, role: str) -> None:
+    values, counts = np.unique(ranks, return_counts=True)
+    if (counts > 1).any():
+        raise PlanError(f"{role} rank(s) {values[counts > 1][:8].tolist()} appear more than once")
 
 
-def _canonical_shapes(sources: Sequence[RankLayout], dests: Sequence[RankLayout]) -> dict[str, tuple[int, ...]]:
+def _canonical_shapes(sources: Roster, dests: Roster) -> dict[str, tuple[int, ...]]:
     """Union of the canonical tensors all layouts declare; shapes must agree."""
     shapes: dict[str, tuple[int, ...]] = {}
     owner: dict[str, str] = {}
     seen: set[int] = set()
-    for role, layouts in (("writer", sources), ("reader", dests)):
-        for layout in layouts:
-            if id(layout.canonical) in seen:
+    for role, side in (("writer", sources), ("reader", dests)):
+        for i, mapping in enumerate(side.canonical):
+            if id(mapping) in seen:
                 continue
-            seen.add(id(layout.canonical))
-            for name, tensor in layout.canonical.items():
+            seen.add(id(mapping))
+            rank = int(side.ranks[np.flatnonzero(side.rank_canonical == i)[0]])
+            for name, tensor in mapping.items():
                 prev = shapes.get(name)
                 if prev is None:
                     shapes[name] = tensor.shape
-                    owner[name] = f"{role} rank {layout.rank}"
+                    owner[name] = f"{role} rank {rank}"
                 elif prev != tensor.shape:
                     raise PlanError(
                         f"canonical tensor {name!r} has shape {prev} in {owner[name]}'s layout and {tensor.shape} "
-                        f"in {role} rank {layout.rank}'s: the two sides were built from different model configs"
+                        f"in {role} rank {rank}'s: the two sides were built from different model configs"
                     )
     return shapes

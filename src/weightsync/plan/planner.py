@@ -28,12 +28,11 @@ global plan.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import numpy as np
 
-from weightsync.layout.types import RankLayout
-from weightsync.plan.atoms import PLANNER_VERSION, Atoms, PlanError, PlanOptions, box_of, ranges
+from weightsync.plan.atoms import PLANNER_VERSION, Atoms, PlanError, PlanOptions, Side, box_of, ranges
 from weightsync.plan.balance import send_lower_bound
 from weightsync.plan.ops import OpColumns, Plan, PlanStats, Role
 
@@ -228,7 +227,7 @@ def _finish(ctx: Atoms, batches: list[OpColumns], scope: str, stats: PlanStats |
                 scope=scope)
 
 
-def build_plan(sources: Sequence[RankLayout], dests: Sequence[RankLayout],
+def build_plan(sources: Side, dests: Side,
                options: PlanOptions | None = None) -> Plan:
     """The global plan: every op between every writer and reader rank, with statistics.
 
@@ -246,7 +245,7 @@ def build_plan(sources: Sequence[RankLayout], dests: Sequence[RankLayout],
     return _finish(ctx, batches, "global", acc.finish(time.perf_counter() - started))
 
 
-def build_local_plan(sources: Sequence[RankLayout], dests: Sequence[RankLayout], *,
+def build_local_plan(sources: Side, dests: Side, *,
                      role: Role, rank: int,
                      options: PlanOptions | None = None) -> Plan:
     """One rank's ops only (those it sends, or those it receives), without the global plan.
@@ -270,7 +269,7 @@ def build_local_plan(sources: Sequence[RankLayout], dests: Sequence[RankLayout],
     return _finish(ctx, batches, f"writer:{rank}", None)
 
 
-def plan_statistics(sources: Sequence[RankLayout], dests: Sequence[RankLayout],
+def plan_statistics(sources: Side, dests: Side,
                     options: PlanOptions | None = None) -> PlanStats:
     """The global plan's statistics, streaming (ops are counted, never all kept)."""
     started = time.perf_counter()

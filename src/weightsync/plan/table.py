@@ -5,7 +5,7 @@ balances them with vectorised numpy instead of Python objects. Every region beco
 row: its rank, shard, canonical tensor id, box (padded with unit trailing dims to a common
 rank ``ndim``), and its local strided view.
 
-    table = RegionTable.build(layouts, tensor_ids, ndim)
+    table = RegionTable.build(roster, tensor_ids, ndim)   # roster: layout.roster.Roster
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from weightsync.layout.columns import layout_columns
-from weightsync.layout.types import RankLayout
+from weightsync.layout.roster import Roster, ShardColumns
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,34 +28,25 @@ class ShardRef:
 
 
 class ShardIndex(Sequence[ShardRef]):
-    """All shards of many ranks, numbered consecutively; refs are made on demand.
+    """All shards of a side's ranks, numbered as the roster numbers them; refs are made on demand.
 
     A thousand ranks hold hundreds of thousands of shards: creating an object per shard
     for every plan would cost more than planning itself.
     """
 
-    def __init__(self, layouts: Sequence[RankLayout]) -> None:
-        self.layouts = tuple(layouts)
-        counts = [len(lay.shards) for lay in self.layouts]
-        self.base = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    def __init__(self, shards: ShardColumns) -> None:
+        self.columns = shards
 
     def __len__(self) -> int:
-        return int(self.base[-1])
+        return len(self.columns)
 
     def __getitem__(self, index):  # type: ignore[no-untyped-def, override]
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         if index < 0:
             index += len(self)
-        k = int(np.searchsorted(self.base, index, side="right")) - 1
-        layout = self.layouts[k]
-        shard = layout.shards[index - int(self.base[k])]
-        return ShardRef(layout.rank, shard.name, shard.dtype)
-
-    def digest_update(self, hasher: object) -> None:
-        for layout in self.layouts:
-            cols = layout_columns(layout)
-            hasher.update(f"{layout.rank}:{cols.digest}\n".encode())  # type: ignore[attr-defined]
+        cols = self.columns
+        return ShardRef(int(cols.rank[index]), cols.names[index], cols.dtype_of(index))
 
 
 @dataclass(frozen=True, eq=False)
@@ -73,6 +63,7 @@ class RegionTable:
     itemsize: np.ndarray
     dtype: np.ndarray
     shards: ShardIndex
+    roster: Roster
 
     def __len__(self) -> int:
         return int(self.rank.shape[0])
@@ -85,34 +76,26 @@ class RegionTable:
         """Rows ``index`` (shard references are kept whole)."""
         return RegionTable(self.rank[index], self.shard[index], self.tensor[index], self.off[index],
                            self.size[index], self.loff[index], self.lstride[index],
-                           self.itemsize[index], self.dtype[index], self.shards)
+                           self.itemsize[index], self.dtype[index], self.shards, self.roster)
 
     @classmethod
-    def build(cls, layouts: Sequence[RankLayout], tensor_ids: Mapping[str, int], ndim: int) -> RegionTable:
-        """Concatenate the ranks' cached columnar regions; ``tensor_ids`` numbers the names."""
-        index = ShardIndex(layouts)
-        parts = []
-        for k, layout in enumerate(index.layouts):
-            cols = layout_columns(layout).padded(ndim)
-            ids = np.array([tensor_ids[n] for n in cols.names], dtype=np.int64)
-            parts.append((np.full(len(cols), layout.rank, dtype=np.int64),
-                          cols.shard_idx + index.base[k], ids[cols.name_idx] if len(ids) else cols.name_idx,
-                          cols))
-        if not parts:
-            z = np.zeros(0, dtype=np.int64)
-            z2 = np.zeros((0, ndim), dtype=np.int64)
-            return cls(z, z, z, z2, z2, z, z2, z, z, index)
+    def build(cls, roster: Roster, tensor_ids: Mapping[str, int], ndim: int) -> RegionTable:
+        """A side's rows with canonical names numbered by ``tensor_ids``, boxes padded to ``ndim`` dims."""
+        ids = np.array([tensor_ids[n] for n in roster.names], dtype=np.int64)
+        extra = ndim - roster.width
+        pad0 = np.zeros((len(roster), max(extra, 0)), dtype=np.int64)
         return cls(
-            rank=np.concatenate([p[0] for p in parts]),
-            shard=np.concatenate([p[1] for p in parts]),
-            tensor=np.concatenate([p[2] for p in parts]),
-            off=np.concatenate([p[3].off for p in parts]),
-            size=np.concatenate([p[3].size for p in parts]),
-            loff=np.concatenate([p[3].loff for p in parts]),
-            lstride=np.concatenate([p[3].stride for p in parts]),
-            itemsize=np.concatenate([p[3].itemsize for p in parts]),
-            dtype=np.concatenate([p[3].dtype for p in parts]),
-            shards=index,
+            rank=roster.rank,
+            shard=roster.shard,
+            tensor=ids[roster.name_idx] if len(ids) else roster.name_idx,
+            off=np.hstack([roster.off, pad0]) if extra > 0 else roster.off,
+            size=np.hstack([roster.size, pad0 + 1]) if extra > 0 else roster.size,
+            loff=roster.loff,
+            lstride=np.hstack([roster.stride, pad0]) if extra > 0 else roster.stride,
+            itemsize=roster.itemsize,
+            dtype=roster.dtype,
+            shards=ShardIndex(roster.shards),
+            roster=roster,
         )
 
     def digest_update(self, hasher: object) -> None:
@@ -120,4 +103,4 @@ class RegionTable:
         for arr in (self.rank, self.shard, self.tensor, self.off, self.size, self.loff,
                     self.lstride, self.itemsize, self.dtype):
             hasher.update(np.ascontiguousarray(arr).tobytes())  # type: ignore[attr-defined]
-        self.shards.digest_update(hasher)
+        self.roster.digest_update(hasher)

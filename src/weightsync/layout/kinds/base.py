@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from weightsync.layout.columns import layout_columns
+from weightsync.layout.kinds.pieces import Piece, assemble
 from weightsync.layout.model import ModelSpec
 from weightsync.layout.quant import quantize_shards, quantized_canonical, scheme_named
+from weightsync.layout.roster import Roster
 from weightsync.layout.types import DTYPE_ITEMSIZE, CanonicalTensor, RankLayout, Shard
 
 
@@ -50,6 +52,54 @@ class LayoutKind:
     def shard_key(self, rank: int) -> Hashable:
         """Ranks with equal keys hold identical shards (replicas); they share one template."""
         return rank
+
+    def pieces(self, spec: ModelSpec, rank: int) -> list[Piece] | None:
+        """The rank's shards as pieces (:mod:`weightsync.layout.kinds.pieces`), or None when the
+        kind builds whole ranks only. A kind that returns pieces builds them in :meth:`build_piece`."""
+        return None
+
+    def build_piece(self, spec: ModelSpec, piece: Piece) -> list[Shard]:
+        raise NotImplementedError(f"{self.kind}: pieces() without build_piece()")
+
+    def piece_shards(self, spec: ModelSpec, rank: int) -> list[Shard]:
+        """A rank's shards from its pieces (each piece built once per layout and model)."""
+        built = memo(self, spec, "pieces")
+        out: list[Shard] = []
+        for piece in self.pieces(spec, rank) or ():
+            shards = built.get(piece)
+            if shards is None:
+                shards = built[piece] = self.build_piece(spec, piece)
+            out.extend(shards)
+        return out
+
+    def roster(self, spec: ModelSpec, ranks: Sequence[int] | None = None) -> Roster:
+        """Every rank's layout (or ``ranks``'), as columns: what a job's planning reads.
+
+        A kind that describes ranks as pieces builds each piece once and renames it for the
+        other layers (:func:`~weightsync.layout.kinds.pieces.assemble`); any other is built from
+        its rank layouts, one template per :meth:`shard_key`. The same for the same inputs
+        (cached per layout and model).
+        """
+        self.validate(spec)
+        cache = memo(self, spec, "roster")
+        whole = cache.get("all")
+        if whole is None:
+            everyone = range(self.world_size)
+            if self.pieces(spec, 0) is None:
+                whole = Roster.from_layouts([self.rank_layout(spec, r) for r in everyone])
+            elif self.quant:
+                scheme = scheme_named(self.quant)
+                whole = assemble(self, spec, everyone, quantized_canonical(spec, scheme),
+                                 lambda shards: quantize_shards(shards, spec, scheme))
+            else:
+                whole = assemble(self, spec, everyone, spec.canonical_tensors())
+            cache["all"] = whole
+        if ranks is None:
+            return whole  # type: ignore[no-any-return]
+        bad = [r for r in ranks if not 0 <= r < self.world_size]
+        if bad:
+            raise ValueError(f"{self.describe()}: rank {bad[0]} is outside world size {self.world_size}")
+        return whole.select(ranks)  # type: ignore[no-any-return]
 
     def rank_layout(self, spec: ModelSpec, rank: int) -> RankLayout:
         if not 0 <= rank < self.world_size:

@@ -37,7 +37,8 @@ from weightsync.layout.builders import (
     split,
     vocab_parallel,
 )
-from weightsync.layout.kinds.base import LayoutKind, memo, register_kind
+from weightsync.layout.kinds.base import LayoutKind, register_kind
+from weightsync.layout.kinds.pieces import Piece
 from weightsync.layout.model import ModelSpec
 from weightsync.layout.types import Shard
 
@@ -124,33 +125,42 @@ class MegatronLayout(LayoutKind):
 
     def shards(self, spec: ModelSpec, rank: int) -> list[Shard]:
         self.validate(spec)
+        return self.piece_shards(spec, rank)
+
+    def pieces(self, spec: ModelSpec, rank: int) -> list[Piece]:
+        """The embedding (first stage), each layer's dense part and experts, the head (last stage)."""
         t, d, p = self.coords(rank)
-        out: list[Shard] = []
-        padded = padded_size(spec.vocab_size, self.vocab_multiple * self.tp)
-        if p == 0:
-            embed = spec.tensor("embed")
-            out.append(vocab_parallel(embed, "embedding.word_embeddings.weight", tp=self.tp, rank=t,
-                                      padded_rows=padded, dtype=self.local_dtype(embed)))
-        dense = memo(self, spec, "dense")
-        experts = memo(self, spec, "experts")
+        out = [Piece("embed", (t,))] if p == 0 else []
         i = t + self.tp * d  # index among the tp x dp ranks of this stage
         e_rank, ep_rank = i % self.expert_tp, (i // self.expert_tp) % self.ep
         for local, layer in enumerate(stage_layers(spec.num_layers, self.pp, p)):
             prefix = f"decoder.layers.{local}."
-            if (layer, t) not in dense:
-                dense[layer, t] = self._layer(spec, layer, prefix, t)
-            out.extend(dense[layer, t])
+            out.append(Piece("dense", (t,), layer, prefix))
             if spec.is_moe_layer(layer):
-                if (layer, ep_rank, e_rank) not in experts:
-                    experts[layer, ep_rank, e_rank] = self._experts(spec, layer, prefix, ep_rank, e_rank)
-                out.extend(experts[layer, ep_rank, e_rank])
+                out.append(Piece("experts", (ep_rank, e_rank), layer, prefix))
         if p == self.pp - 1:
-            norm = spec.tensor("final_norm")
-            out.append(replicated(norm, "decoder.final_layernorm.weight", self.local_dtype(norm)))
-            if not spec.tie_word_embeddings or self.pp > 1:
-                head = spec.tensor("lm_head")  # resolves to the embedding when tied
-                out.append(vocab_parallel(head, "output_layer.weight", tp=self.tp, rank=t,
-                                          padded_rows=padded, dtype=self.local_dtype(head)))
+            out.append(Piece("head", (t,)))
+        return out
+
+    def build_piece(self, spec: ModelSpec, piece: Piece) -> list[Shard]:
+        what, args, layer = piece.what, piece.args, piece.layer
+        padded = padded_size(spec.vocab_size, self.vocab_multiple * self.tp)
+        if what == "embed":
+            embed = spec.tensor("embed")
+            return [vocab_parallel(embed, "embedding.word_embeddings.weight", tp=self.tp, rank=args[0],
+                                   padded_rows=padded, dtype=self.local_dtype(embed))]
+        if what == "dense":
+            assert layer is not None
+            return self._layer(spec, layer, piece.prefix, args[0])
+        if what == "experts":
+            assert layer is not None
+            return self._experts(spec, layer, piece.prefix, args[0], args[1])
+        norm = spec.tensor("final_norm")
+        out = [replicated(norm, "decoder.final_layernorm.weight", self.local_dtype(norm))]
+        if not spec.tie_word_embeddings or self.pp > 1:
+            head = spec.tensor("lm_head")  # resolves to the embedding when tied
+            out.append(vocab_parallel(head, "output_layer.weight", tp=self.tp, rank=args[0],
+                                      padded_rows=padded, dtype=self.local_dtype(head)))
         return out
 
     def _layer(self, spec: ModelSpec, layer: int, prefix: str, t: int) -> list[Shard]:

@@ -52,6 +52,7 @@ from weightsync.layout.builders import (
     vocab_parallel,
 )
 from weightsync.layout.kinds.base import LayoutKind, register_kind
+from weightsync.layout.kinds.pieces import Piece
 from weightsync.layout.model import ModelSpec
 from weightsync.layout.types import Shard, box_region
 
@@ -150,28 +151,45 @@ class VLLMLayout(LayoutKind):
         self.validate(spec)
         if "vllm" in _RECORDER:
             return _RECORDER["vllm"](spec, self, rank)
+        return self.piece_shards(spec, rank)
+
+    def pieces(self, spec: ModelSpec, rank: int) -> list[Piece] | None:
+        """The embedding, each layer (MTP layers too), the norm and head; None with vLLM's recorder."""
+        if "vllm" in _RECORDER:
+            return None
         t = rank % self.tp
         i = rank % (self.tp * self.dp)  # this rank's place in the MoE group (EP or flattened TP)
-        padded = padded_size(spec.vocab_size, VOCAB_PADDING)
-        embed = spec.tensor("embed")
-        out = [vocab_parallel(embed, _EMBED_NAME.get(spec.family, "model.embed_tokens.weight"), tp=self.tp, rank=t,
-                              padded_rows=padded, dtype=self.local_dtype(embed))]
-        for layer in range(spec.num_layers):
-            out.extend(self._layer(spec, layer, t, i, f"model.layers.{layer}."))
-        norm = spec.tensor("final_norm")
-        out.append(replicated(norm, "model.norm.weight", self.local_dtype(norm)))
-        if not spec.tie_word_embeddings:
-            head = spec.tensor("lm_head")
-            out.append(vocab_parallel(head, "lm_head.weight", tp=self.tp, rank=t,
-                                      padded_rows=padded, dtype=self.local_dtype(head)))
+        out = [Piece("embed", (t,))]
+        out += [Piece("layer", (t, i), layer, f"model.layers.{layer}.") for layer in range(spec.num_layers)]
+        out.append(Piece("head", (t,)))
         if self.mtp:
-            for layer in range(spec.num_layers, spec.total_layers):
-                prefix = f"model.layers.{layer}."
-                dtype = self.local_dtype(spec.tensor("mtp_enorm", layer))
-                out += [replicated(spec.tensor(r, layer), spec.name(r, layer), dtype)
-                        for r in ("mtp_enorm", "mtp_hnorm", "mtp_eh_proj", "mtp_head_norm")]
-                out.extend(self._layer(spec, layer, t, i, prefix + "mtp_block."))
+            out += [Piece("mtp", (t, i), layer, f"model.layers.{layer}.")
+                    for layer in range(spec.num_layers, spec.total_layers)]
         return out
+
+    def build_piece(self, spec: ModelSpec, piece: Piece) -> list[Shard]:
+        what, (t, *rest) = piece.what, piece.args
+        padded = padded_size(spec.vocab_size, VOCAB_PADDING)
+        if what == "embed":
+            embed = spec.tensor("embed")
+            return [vocab_parallel(embed, _EMBED_NAME.get(spec.family, "model.embed_tokens.weight"), tp=self.tp,
+                                   rank=t, padded_rows=padded, dtype=self.local_dtype(embed))]
+        if what == "head":
+            norm = spec.tensor("final_norm")
+            out = [replicated(norm, "model.norm.weight", self.local_dtype(norm))]
+            if not spec.tie_word_embeddings:
+                head = spec.tensor("lm_head")
+                out.append(vocab_parallel(head, "lm_head.weight", tp=self.tp, rank=t,
+                                          padded_rows=padded, dtype=self.local_dtype(head)))
+            return out
+        layer, prefix = piece.layer, piece.prefix
+        assert layer is not None
+        if what == "layer":
+            return self._layer(spec, layer, t, rest[0], prefix)
+        dtype = self.local_dtype(spec.tensor("mtp_enorm", layer))
+        out = [replicated(spec.tensor(r, layer), spec.name(r, layer), dtype)
+               for r in ("mtp_enorm", "mtp_hnorm", "mtp_eh_proj", "mtp_head_norm")]
+        return out + self._layer(spec, layer, t, rest[0], prefix + "mtp_block.")
 
     def _layer(self, spec: ModelSpec, layer: int, t: int, i: int, prefix: str) -> list[Shard]:
         tensor = lambda role: spec.tensor(role, layer)  # noqa: E731
