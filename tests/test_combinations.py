@@ -136,29 +136,28 @@ def _keywords(settings: dict) -> dict:
 
 
 def test_refused_entries_exist_for_every_rule():
-    # delta x {shm, nixl, file, routed}, delta x layer phases; nixl_mode, file_dir x 5; shm_streaming x 3; checksum x 4
-    assert len(_refusals(when_planned=False)) == 5 + 5 + 5 + 3 + 4
-    assert len(_refusals(when_planned=True)) == 2  # delta and checksum with auto
+    # delta x {nixl, file}; nixl_mode, file_dir x 5; shm_streaming x 3; checksum x 4
+    assert len(_refusals(when_planned=False)) == 2 + 5 + 5 + 3 + 4
+    assert len(_refusals(when_planned=True)) == 1  # checksum with auto (every transport auto picks carries deltas)
 
 
-def test_the_vllm_trainer_init_info_refuses_deltas_with_its_default_layer_phases():
+def test_the_vllm_trainer_init_info_takes_deltas_with_its_default_layer_phases():
     """``WeightSyncTrainerInitInfo`` turns layer phases on by default; deltas with them were
-    accepted on 3ee4748 and every version went out in full."""
+    accepted on 3ee4748 and every version went out in full, then refused; now deltas move phase
+    by phase (``tests/test_phases.py::test_deltas_arrive_phase_by_phase_into_one_arena``)."""
     pytest.importorskip("vllm")
     from weightsync.integrations.vllm_trainer import WeightSyncTrainerInitInfo
 
-    with pytest.raises(ValueError, match=r"WeightSyncTrainerInitInfo: delta_anchor_every=8 with layer_phases=True: .*"
-                                         r"Set layer_phases=False"):
-        WeightSyncTrainerInitInfo(rank=0, transport="torch", delta_anchor_every=8)
-    info = WeightSyncTrainerInitInfo(rank=0, transport="torch", delta_anchor_every=8, layer_phases=False)
-    assert info.sync_config().transport_options.delta_anchor_every == 8
+    info = WeightSyncTrainerInitInfo(rank=0, transport="torch", delta_anchor_every=8)
+    config = info.sync_config()
+    assert config.layer_phases and config.transport_options.delta_anchor_every == 8
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("where", "settings", "message"), _refusals(when_planned=True))
 def test_auto_choosing_shm_refuses_before_any_byte_moves(where, settings, message):
-    """One writer and one reader on this host: ``auto`` picks shm, where deltas do not run and
-    messages are not checksummed. Both ranks are refused when they plan, naming the setting and
+    """One writer and one reader on this host: ``auto`` picks shm, where messages are not
+    checksummed. Both ranks are refused when they plan, naming the setting and
     what ``auto`` chose; the reader applies nothing (on 3ee4748 the versions went out in full,
     the setting ignored)."""
     from weightsync import WeightReader, WeightWriter

@@ -19,8 +19,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-#: Transports whose writer and reader run the delta exchange (transport/delta.py).
-DELTA_TRANSPORTS = frozenset({"torch"})
+#: Transports that carry deltas: torch and routed run the delta exchange per pair
+#: (transport/delta.py), shm writers publish each version's changes (transport/delta_published.py).
+#: On GPU memory (NCCL, CUDA IPC) the transport refuses them when it is created.
+DELTA_TRANSPORTS = frozenset({"torch", "shm", "routed"})
 #: Transports that checksum every message with ``checksum=True``.
 CHECKSUM_TRANSPORTS = frozenset({"torch"})
 #: Transport options that only one kind of transport reads: (setting, its no-op value, the
@@ -41,14 +43,10 @@ def refusal(settings: Mapping[str, Any], *, transport: str, why: str = "") -> st
     picked = f"transport='auto' chose {transport!r} ({why})" if why else f"transport={transport!r}"
     chosen = transport != "auto"
     delta = settings["delta_anchor_every"]
-    if delta and settings["layer_phases"]:
-        return (f"delta_anchor_every={delta} with layer_phases=True: a version moved in phases of layers is always "
-                "sent in full, so the deltas would never be used. Set layer_phases=False to move deltas (the engine "
-                "then stages the whole model), or delta_anchor_every=0")
     if delta and chosen and transport not in DELTA_TRANSPORTS:
-        return (f"delta_anchor_every={delta} with {picked}: deltas run on the {_names(DELTA_TRANSPORTS)} transport "
-                f"only, and {transport!r} would send every version in full. Set transport='torch', or "
-                "delta_anchor_every=0")
+        return (f"delta_anchor_every={delta} with {picked}: deltas run on the {_names(DELTA_TRANSPORTS)} transports "
+                f"only, and {transport!r} would send every version in full. Set transport='torch' (or 'shm' on one "
+                "node), or delta_anchor_every=0")
     if settings["checksum"] and chosen and transport not in CHECKSUM_TRANSPORTS:
         return (f"checksum=True with {picked}: only the {_names(CHECKSUM_TRANSPORTS)} transport checksums its "
                 f"messages, so nothing would be checked. Set transport='torch', or checksum=False")

@@ -83,6 +83,8 @@ class WeightReader:
                                    keeps_received_bytes=engine.keeps_received_bytes)
         self._failed: int | None = None
         self._failed_epoch = -1  # the epoch the version that failed here was published in
+        #: the version this reader last applied (at first: the engine's own; None after a failure)
+        self._applied: int | None = engine.weight_version
 
     def _device(self) -> str:
         if self._phased is not None:  # its buffers are laid out only once the phases are known
@@ -156,6 +158,7 @@ class WeightReader:
         planned = session.planned
         assert planned is not None
         self._lay_out(planned.phase_names)
+        self._notice_outside_change()
         t0 = time.perf_counter()
         published = self._wait_for_version(version, deadline)
         phases["wait"] = time.perf_counter() - t0
@@ -207,6 +210,7 @@ class WeightReader:
             raise SyncError(f"reader {self.rank}: engine could not apply version {v}: {exc}") from exc
         phases["apply"] = time.perf_counter() - t0
         result = UpdateResult(v, nbytes, phases)
+        self._applied = v
         self.session.channel.report_applied(v, nbytes=nbytes, seconds=result.seconds)
         self._failed = None
         logger.info("reader %d applied version %d: %d bytes, %.3fs", self.rank, v, nbytes, result.seconds)
@@ -222,10 +226,24 @@ class WeightReader:
         if self._phased is not None:
             self._phased.phase_arrived(version, phase, names)
 
+    def _notice_outside_change(self) -> None:
+        """The engine's version moved without this reader (``engine.update(..., version=older)``,
+        a failed manual update, a version set to None): whatever the transport kept of what it
+        received is no base to build on, and the versions this reader took stay taken."""
+        if self.engine.weight_version == self._applied:
+            return
+        if self._applied is not None:  # None: this reader's last receive failed, it knows
+            logger.warning("reader %d: the engine's version changed from %s to %s outside this reader; the next "
+                           "version is received in full", self.rank, self._applied, self.engine.weight_version)
+        assert self.session.planned is not None
+        self.session.planned.transport.forget_received()
+
     def _wait_for_version(self, version: int | None, deadline: Deadline) -> PublishedVersion:
-        # Never re-take a version that already failed here (two-sided writers moved on).
-        # The same version written again in a later epoch (writers restarted) is fine.
-        floor = max(x for x in (self.version, self._failed, -1) if x is not None)
+        # Never re-take a version that already failed here, nor one this reader applied before its
+        # engine's version moved back (two-sided writers moved on: they would send another version's
+        # bytes under that number). The same version written again in a later epoch (writers
+        # restarted) is fine.
+        floor = max(x for x in (self.version, self._applied, self._failed, -1) if x is not None)
         want = floor if version is None else max(floor, version - 1)
         retry = self._failed_epoch if self._failed is not None and want == self._failed else None
         while True:
@@ -237,6 +255,7 @@ class WeightReader:
 
     def _fail(self, published: PublishedVersion, exc: BaseException) -> None:
         self._failed, self._failed_epoch = published.version, published.epoch
+        self._applied = None
         self.engine.abort(published.version, exc)
         self.session.disarm()
         channel = self.session.channel

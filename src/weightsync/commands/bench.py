@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default qwen3-30m,qwen3-0.2b)")
     p.add_argument("--delta-steps", type=int, default=8, help="training steps (one sync each) of --delta")
     p.add_argument("--delta-lr", type=float, default=1e-6, help="AdamW lr of --delta (fp32 master weights)")
+    p.add_argument("--delta-transports", type=_csv, default=["torch", "shm", "shm-zero-copy"],
+                   help="transports of --delta, full and delta side by side on each (torch, shm, shm-zero-copy)")
     p.add_argument("--link-gbit", type=_link_rates, default=[None],
                    help="--delta also over loopback shaped to these rates (Gbit/s, e.g. 10,25; needs root and "
                         "tc; 'lo' = plain loopback), full and delta side by side on each")
@@ -239,22 +241,23 @@ def _delta(args: argparse.Namespace) -> int:
 
     models = args.models or ["qwen3-30m", "qwen3-0.2b"]
     rows, changed = run_delta(models=models, steps=max(3, args.delta_steps), lr=args.delta_lr, timeout=args.timeout,
-                              links=args.link_gbit)
+                              links=args.link_gbit, transports=args.delta_transports)
     console = Console(stderr=args.json, width=200)
     for model, fractions in changed.items():
         listed = ", ".join(f"{c:.2%}" for c in fractions)
         console.print(f"{model}: bf16 elements changed per step (steps 2..): {listed}")
-    table = Table(title="2 FSDP writers (bf16) -> 1 reader over torch/gloo, median over versions 2..; transfer = "
+    table = Table(title="2 FSDP writers (bf16) -> 1 reader, median over versions 2..; transfer = "
                         "the reader's receive(), other = write() minus transfer")
-    for col in ("model", "link", "mode", "MB on the wire", "x full bytes", "write() s", "x full", "transfer s",
-                "x full", "other s", "bitwise"):
+    for col in ("model", "link", "transport", "mode", "MB on the wire", "x full bytes", "write() s", "x full",
+                "transfer s", "x full", "other s", "bitwise"):
         table.add_column(col, justify="right")
     for r in rows:
         if "error" in r:
-            table.add_row(r["model"], r["link"], r["mode"], "", "", "", "", "", "", "", f"[red]{r['error'][:80]}[/red]")
+            table.add_row(r["model"], r["link"], r["transport"], r["mode"], "", "", "", "", "", "", "",
+                          f"[red]{r['error'][:80]}[/red]")
             continue
         nan = float("nan")
-        table.add_row(r["model"], r["link"], r["mode"], f"{r['nbytes'] / 1e6:.2f}",
+        table.add_row(r["model"], r["link"], r["transport"], r["mode"], f"{r['nbytes'] / 1e6:.2f}",
                       f"{r.get('bytes_vs_full', nan):.3f}", f"{r['seconds']:.3f}",
                       f"{r.get('seconds_vs_full', nan):.2f}", f"{r['transfer_seconds']:.3f}",
                       f"{r.get('transfer_vs_full', nan):.2f}", f"{r['seconds'] - r['transfer_seconds']:.3f}",

@@ -76,6 +76,10 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
         layer_phases: move each version in phases of whole layers (``SyncConfig.layer_phases``), so
             a worker stages one phase (at most ``max_bucket_bytes``, or one layer) instead of the
             whole model.
+        delta_anchor_every: 0 sends every version in full; K >= 1 sends each worker only what
+            changed since the version it holds, with a full version at least every K
+            (``TransportOptions.delta_anchor_every``: torch (gloo), shm and routed between CPU ranks,
+            refused elsewhere; with ``layer_phases`` a worker keeps a host copy of its share).
     """
 
     backend: ClassVar[str] = "weightsync"

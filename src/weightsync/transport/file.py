@@ -79,6 +79,7 @@ class FileTransport:
     publishes_before_send: ClassVar[bool] = False  # a version is published once its files are complete
     serves_cpu: ClassVar[bool] = True
     serves_cuda: ClassVar[bool] = True  # through a host buffer
+    carries_deltas: ClassVar[bool] = False  # a reader reads whole files
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
@@ -249,6 +250,9 @@ class FileTransport:
                     src = buffer[:n].view(TORCH_DTYPES[op.dst_dtype]).view(box.sizes)
                     self.dev.copy(strided_view(self._flats[op.dst_shard], box.sizes, op.dst_strides, dst_off), src)
                     self.dev.synchronize(self.device)  # the next slab refills the buffer
+
+    def forget_received(self) -> None:
+        """Nothing is kept between receives."""
 
     def close(self) -> None:
         if self.ctx.role == "writer" and self.directory is not None:

@@ -113,6 +113,7 @@ class NixlBase:
     publishes_before_send: ClassVar[bool]
     serves_cpu: ClassVar[bool] = True
     serves_cuda: ClassVar[bool] = True  # GPUDirect RDMA where UCX has it
+    carries_deltas: ClassVar[bool] = False  # not yet (issue 25): refused at creation
     mode: ClassVar[str]
 
     def __init__(self, ctx: TransportContext) -> None:
@@ -175,6 +176,9 @@ class NixlBase:
         self._copies = []
         self._flats = {}
         self.epoch = None
+
+    def forget_received(self) -> None:
+        """Nothing is kept between receives (a mode with deltas overrides this)."""
 
     def __enter__(self) -> NixlBase:
         return self

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 
 from weightsync import device_port
+from weightsync.codecs.delta import Kind
 from weightsync.deadline import Deadline
 from weightsync.device_port import DevicePort, IpcHandle
 from weightsync.devices import ipc_attach_device, visible_gpus
@@ -61,8 +62,21 @@ from weightsync.transport.base import (
     peer_endpoint,
     phase_plans,
 )
+from weightsync.transport.delta_published import (
+    BASE,
+    DIGEST,
+    KIND,
+    NBYTES,
+    OFFSET,
+    VERSION,
+    ChangeLayout,
+    ChangeReader,
+    ChangeWriter,
+    check_delta,
+    check_row,
+)
 from weightsync.transport.endpoints import ShmEndpoint
-from weightsync.transport.exposed import ExposedIndex
+from weightsync.transport.exposed import ExposedIndex, piece_key
 from weightsync.transport.shm_segment import (
     CONTROL_BYTES,
     EMPTY,
@@ -120,6 +134,11 @@ class PeerSegment(Protocol):
         """The view to copy ``op`` from (once its bytes are there)."""
         ...
 
+    def changes(self, version: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The table and change area published with ``version`` (None: the writer publishes none);
+        valid for an op once :meth:`source` returned its view."""
+        ...
+
     def finish(self, version: int, deadline: Deadline, *, last: bool = True) -> None:
         """After copying (``last``: the version's last phase): raise if ``version`` changed under
         the reader."""
@@ -138,6 +157,7 @@ class SharedMemoryTransport:
     publishes_before_send: ClassVar[bool] = True
     serves_cpu: ClassVar[bool] = True
     serves_cuda: ClassVar[bool] = True  # CUDA IPC
+    carries_deltas: ClassVar[bool] = True  # host memory only (delta_published.check_delta)
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
@@ -148,9 +168,11 @@ class SharedMemoryTransport:
         self._flats: dict[str, torch.Tensor] = {}
         self._writer: WriterSide | None = None
         self._peers: dict[int, PeerSegment] = {}
-        self._reads: list[list[tuple[int, TransferOp, int]]] = []  # per phase: (writer, op, byte offset)
+        self._reads: list[list[tuple[int, TransferOp, int, int]]] = []  # per phase: (writer, op, offset, row)
         self._phases = 1
         self.epoch: int | None = None
+        check_delta(self.name, ctx)
+        self._changes = ChangeReader(ctx) if ctx.options.delta_anchor_every and ctx.role == "reader" else None
 
     def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
                 phases: Sequence[Plan] | None = None) -> None:
@@ -202,6 +224,7 @@ class SharedMemoryTransport:
                                      f"for epoch {epoch} in time")
             self._peers[w] = attach(endpoint.path, w, self.ctx, self.device, self.streaming, dev=self.dev)
         self._reads = []
+        rows = {w: {key: 1 + i for i, key in enumerate(peer.index.entries)} for w, peer in self._peers.items()}
         for part in parts:
             reads = []
             for op in part.ops:
@@ -209,8 +232,10 @@ class SharedMemoryTransport:
                 if nbytes != op.nbytes:
                     raise TransportError(f"reader {self.ctx.rank}: writer {op.src_rank} exposes {nbytes} bytes for "
                                          f"{op.canonical} {op.box}, expected {op.nbytes}")
-                reads.append((op.src_rank, op, at))
+                reads.append((op.src_rank, op, at, rows[op.src_rank][piece_key(op)]))
             self._reads.append(reads)
+        if self._changes is not None:
+            self._changes.prepared(len(parts))
 
     def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
         check_phase(phase, self._phases, self.ctx.who)
@@ -218,26 +243,80 @@ class SharedMemoryTransport:
         timer = PhaseTimer(stats)
         deadline = Deadline.after(timeout)
         reads = self._reads[phase]
-        involved = [self._peers[w] for w in dict.fromkeys(w for w, _, _ in reads)]
+        involved = {w: self._peers[w] for w in dict.fromkeys(w for w, _, _, _ in reads)}
+        taking = self._vouch(phase, reads, timer)
         done = False
         try:
-            for peer in involved:
+            for peer in involved.values():
                 peer.begin(version, deadline)
             with timer("transfer"):
-                for w, op, at in reads:
-                    self.dev.copy(op_dst_view(self._flats, op), self._peers[w].source(op, at, version, deadline))
-                    stats.nbytes += op.nbytes
+                for w, op, at, row in reads:
+                    source = self._peers[w].source(op, at, version, deadline)
+                    if w in taking:
+                        stats.nbytes += self._take(version, w, op, row=row, source=source, taking=taking[w])
+                    else:
+                        self.dev.copy(op_dst_view(self._flats, op), source)
+                        stats.nbytes += op.nbytes
                     stats.messages += 1
                 # the sequence words are checked after the copies: they must have read the slot by then
                 self.dev.synchronize(self.device)
-            for peer in involved:
+            for peer in involved.values():
                 peer.finish(version, deadline, last=phase == self._phases - 1)
             done = True
         finally:  # zero-copy writers hold their weights until every reader is done (or gave up)
             if phase == self._phases - 1 or not done:
                 for peer in self._peers.values():
                     peer.release(version)
+        if self._changes is not None:
+            for w, (_, _, digests) in taking.items():
+                self._changes.received((phase, w), version, digests)
+            stats.peak_extra_bytes = self._changes.extra_bytes()
         return stats
+
+    def _vouch(self, phase: int, reads: list[tuple[int, TransferOp, int, int]],
+               timer: PhaseTimer) -> dict[int, tuple[int, list[torch.Tensor] | None, list[int]]]:
+        """Per writer whose segment publishes changes: (the base this reader vouches for, its
+        shadow of the writer's ops, the digests collected as the ops land)."""
+        changes = self._changes
+        if changes is None:
+            return {}
+        out: dict[int, tuple[int, list[torch.Tensor] | None, list[int]]] = {}
+        with timer("vouch"):
+            for w in dict.fromkeys(w for w, _, _, _ in reads):
+                if self._peers[w].changes(0) is None:
+                    raise TransportError(f"reader {self.ctx.rank}: writer {w} publishes no changes; set the same "
+                                         "TransportOptions.delta_anchor_every on every rank")
+                ops = [op for v, op, _, _ in reads if v == w]
+                key = (phase, w)
+                out[w] = (changes.vouch(key, ops, self._flats), changes.shadow_of(key, ops), [])
+        return out
+
+    def _take(self, version: int, w: int, op: TransferOp, *, row: int, source: torch.Tensor,
+              taking: tuple[int, list[torch.Tensor] | None, list[int]]) -> int:
+        """Copy one op: its change when this reader holds the version's base, else in full. Returns
+        the bytes copied out of the writer's segment."""
+        assert self._changes is not None
+        base, shadow, digests = taking
+        published = self._peers[w].changes(version)
+        assert published is not None
+        table, area = published
+        if int(table[0, VERSION]) != version:
+            raise TransportError(f"reader {self.ctx.rank}: writer {w}'s change table holds version "
+                                 f"{int(table[0, VERSION])}, not {version}")
+        values = table[row].tolist()
+        kept = None if shadow is None else shadow[len(digests)]
+        digests.append(values[DIGEST])
+        if base < 0 or int(table[0, BASE]) != base or values[KIND] == Kind.DENSE:
+            self._changes.copy(op, source, self._flats, shadow=kept)
+            return op.nbytes
+        check_row(values, op, area.numel(), reader=self.ctx.rank, writer=w)
+        encoded = area[values[OFFSET]: values[OFFSET] + values[NBYTES]]
+        self._changes.apply(op, values, encoded, self._flats, writer=w, shadow=kept)
+        return int(values[NBYTES])
+
+    def forget_received(self) -> None:
+        if self._changes is not None:
+            self._changes.forget()
 
     # -- teardown -------------------------------------------------------------------------
     def _release_own(self) -> None:
@@ -253,6 +332,8 @@ class SharedMemoryTransport:
         self._release_own()
         self._close_peers()
         self._flats = {}
+        if self._changes is not None:
+            self._changes.close()
 
 
 class SnapshotWriter:
@@ -270,7 +351,14 @@ class SnapshotWriter:
                                         fix="use fewer TransportOptions.slots, or SyncConfig(layer_phases=True) with "
                                             "transport 'torch' (NCCL stages one bucket, not the model)")
             header["ipc"] = dev.share(data).to_wire()
-        self.segment = OwnSegment(ctx.rank, header, 0 if data is not None else slots * slot_bytes)
+        # the change area lives in host shared memory after the slots (deltas between GPUs are
+        # refused when the transport is created)
+        changes = ChangeLayout.for_index(index, slots, after=slots * slot_bytes) \
+            if ctx.options.delta_anchor_every and data is None else None
+        if changes is not None:
+            header["changes"] = changes.to_header()
+        self.segment = OwnSegment(ctx.rank, header, 0 if data is not None else slots * slot_bytes + (
+            changes.nbytes if changes is not None else 0))
         self.segment.words[3: 3 + 3 * slots].fill_(EMPTY)
         self.segment.seal()
         if data is not None:
@@ -284,6 +372,8 @@ class SnapshotWriter:
         # other route blocks per phase: waiting for the whole slot would hang the job). The
         # words are plain stores, read in order only where the CPU keeps store order.
         self.phased = data is not None and _ORDERED_STORES
+        self.changes = None if changes is None else (
+            ChangeWriter(index, anchor_every=ctx.options.delta_anchor_every), changes.views(self.segment.data))
         logger.info("%s exposes %d bytes x %d slots in %s", ctx.who, index.total_bytes, slots, self.segment.path)
 
     def send(self, version: int, flats: Mapping[str, torch.Tensor], timeout: float, *, phase: int,
@@ -297,13 +387,21 @@ class SnapshotWriter:
         if phase == 0:
             control[seq_word(slot)] = EMPTY  # readers of the old version in this slot will notice
             control[progress_at] = 0
+            if self.changes is not None:  # before readers may look at the slot
+                book, (tables, areas) = self.changes
+                book.begin(version, tables[slot], areas[slot])
             control[writing_word(self.slots, slot)] = version if self.streaming or self.phased else EMPTY
         published = int(control[progress_at])
+        previous = (version - 1) % self.slots * self.slot_bytes
         with PhaseTimer(stats)("pack"):
             for key, op in self.copies[phase]:
                 at, nbytes = self.index.entries[key]
-                out = self.data[base + at: base + at + nbytes].view(TORCH_DTYPES[op.dst_dtype])
-                self.dev.copy(out.view(op.box.sizes), op_src_view(flats, op))
+                out = self.data[base + at: base + at + nbytes]
+                self.dev.copy(out.view(TORCH_DTYPES[op.dst_dtype]).view(op.box.sizes), op_src_view(flats, op))
+                if self.changes is not None:  # against the previous version, in the previous slot
+                    book, (tables, areas) = self.changes
+                    old = self.data[previous + at: previous + at + nbytes] if book.base >= 0 else None
+                    book.piece(key, op, out, old, table=tables[slot], area=areas[slot], update_old=False)
                 stats.nbytes += nbytes
                 stats.messages += 1
                 if self.streaming and at + nbytes - published >= _PROGRESS_BYTES:
@@ -314,6 +412,8 @@ class SnapshotWriter:
                 control[progress_at] = max(published, sum(self.index.entries[key]))
         if last:
             self.dev.synchronize(self.device)  # the copies above are asynchronous on a GPU
+            if self.changes is not None:
+                self.changes[0].end(version)
             self.dev.signal(control, seq_word(slot), version, covers=[self.data[base: base + self.slot_bytes]])
         elif self.phased and self.copies[phase]:
             key, _ = self.copies[phase][-1]
@@ -329,11 +429,12 @@ class SnapshotPeer:
 
     def __init__(self, control: torch.Tensor, data: torch.Tensor, index: ExposedIndex, *, slot_bytes: int,
                  slots: int, writer: int, reader: int, streaming: bool, phased: bool = False,
-                 watch: PeerWatch) -> None:
+                 watch: PeerWatch, changes: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.control, self.data, self.index = control, data, index
         self.slot_bytes, self.slots = slot_bytes, slots
         self.writer, self.reader, self.streaming, self.watch = writer, reader, streaming, watch
         self.phased = phased  # the writer publishes each completed phase (device memory)
+        self._changes = changes  # (tables per slot, areas per slot)
         self._ready = -1  # bytes of the current slot known to be packed
 
     def begin(self, version: int, deadline: Deadline) -> None:
@@ -346,6 +447,12 @@ class SnapshotPeer:
             self._ready = self._wait_packed(version, at + op.nbytes, deadline)
         base = (version % self.slots) * self.slot_bytes
         return self.data[base + at: base + at + op.nbytes].view(TORCH_DTYPES[op.dst_dtype]).view(op.box.sizes)
+
+    def changes(self, version: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self._changes is None:
+            return None
+        tables, areas = self._changes
+        return tables[version % self.slots], areas[version % self.slots]
 
     def finish(self, version: int, deadline: Deadline, *, last: bool = True) -> None:
         slot = version % self.slots
@@ -399,8 +506,12 @@ def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, 
     mem, words, header = read_segment(path, writer)
     index = ExposedIndex.decode(header["index"])
     if header.get("mode") == "zero_copy":
+        changes = None
+        if "changes" in header:
+            tables, areas = ChangeLayout.from_header(header["changes"], writer=writer).views(mem[CONTROL_BYTES:])
+            changes = (tables[0], areas[0])
         return ZeroCopyPeer(words, index, header["files"], writer=writer, reader=ctx.rank,
-                            watch=PeerWatch(ctx, "writer", [writer]))
+                            watch=PeerWatch(ctx, "writer", [writer]), changes=changes)
     slot_bytes, slots = int(header["slot_bytes"]), int(header["slots"])
     ipc = header.get("ipc")
     if ipc is not None:
@@ -415,9 +526,12 @@ def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, 
             data = dev.open(handle, ipc_home(handle))
     else:
         data = mem[CONTROL_BYTES:CONTROL_BYTES + slots * slot_bytes]
+    changes = None
+    if "changes" in header:
+        changes = ChangeLayout.from_header(header["changes"], writer=writer).views(mem[CONTROL_BYTES:])
     return SnapshotPeer(words, data, index, slot_bytes=slot_bytes, slots=slots, writer=writer, reader=ctx.rank,
                         streaming=streaming and ipc is None, phased=ipc is not None and _ORDERED_STORES,
-                        watch=PeerWatch(ctx, "writer", [writer]))
+                        watch=PeerWatch(ctx, "writer", [writer]), changes=changes)
 
 
 def ipc_home(handle: IpcHandle) -> str:

@@ -70,6 +70,7 @@ class TorchDistBase:
     publishes_before_send: ClassVar[bool] = True  # receivers must post their receives
     serves_cpu: ClassVar[bool]
     serves_cuda: ClassVar[bool]
+    carries_deltas: ClassVar[bool] = False  # gloo does (transport/delta.py); NCCL not yet (issue 25)
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
@@ -149,6 +150,9 @@ class TorchDistBase:
 
     def _peer_label(self, peer: int) -> str:
         return f"{'reader' if self.ctx.role == 'writer' else 'writer'} {peer}"
+
+    def forget_received(self) -> None:
+        """Nothing is kept between receives (a backend with deltas overrides this)."""
 
     # -- teardown -------------------------------------------------------------------------
     def _teardown_group(self) -> None:
