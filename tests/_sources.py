@@ -46,8 +46,13 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, results
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0) -> list[Any]:
-    """Results of ``fn(rank, world, *args)`` on ``world`` forked gloo ranks, by rank."""
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0,
+              alongside: Callable[[], Any] | None = None) -> list[Any]:
+    """Results of ``fn(rank, world, *args)`` on ``world`` forked gloo ranks, by rank.
+
+    ``alongside`` runs in this process once the ranks are forked (a reader of what they write:
+    no thread of it exists at the fork); its result is appended to the ranks'.
+    """
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     port = free_port()
@@ -60,6 +65,18 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
             warnings.simplefilter("ignore", DeprecationWarning)
             for p in procs:
                 p.start()
+        extra = []
+        if alongside is not None:
+            try:
+                extra.append(alongside())
+            except BaseException:  # a rank that failed first is the cause: report it
+                while True:
+                    try:
+                        rank, error, _ = results.get(timeout=5)
+                    except queue.Empty:
+                        raise
+                    if error is not None:
+                        raise AssertionError(f"rank {rank} failed:\n{error}") from None
         while len(out) < world:
             try:
                 rank, error, payload = results.get(timeout=max(0.1, deadline - time.monotonic()))
@@ -76,7 +93,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
                 p.kill()
                 p.join(timeout=10)
         results.close()
-    return [out[r] for r in range(world)]
+    return [out[r] for r in range(world)] + extra
 
 
 def check_source(source: Any, canonical: Mapping[str, torch.Tensor], live: Mapping[str, torch.Tensor]) -> list:

@@ -24,7 +24,7 @@ from weightsync.plan import PlanOptions
 from weightsync.reader import WeightReader
 from weightsync.session import SyncConfig, SyncError
 from weightsync.sources.module import ShardedSource
-from weightsync.torch_layout import TORCH_DTYPES, allocate, fill_from_canonical
+from weightsync.torch_layout import TORCH_DTYPES, allocate, fill_from_canonical, strided_view
 from weightsync.transport import TransportOptions
 from weightsync.transport.shm_files import share_tensors
 from weightsync.writer import WeightWriter
@@ -113,6 +113,55 @@ def die_receiving(reader: WeightReader, version: int, how: str) -> None:
     transport.receive = receive
 
 
+def digest_bytes(reader: WeightReader) -> int:
+    """The bytes of the digests that travel with each version (SyncConfig.integrity)."""
+    digests = reader.session.planned.digests
+    return digests.nbytes if digests is not None else 0
+
+
+def sparse_values(config, version: int):
+    """Version 0's weights with ~2% of the elements moved per later version (what training does)."""
+    out = canonical_values(config, 0)
+    for step in range(1, version + 1):
+        for i, t in enumerate(out.values()):
+            flat = t.view(-1)
+            g = torch.Generator().manual_seed(104729 * step + i)
+            flat[torch.randint(0, flat.numel(), (max(1, flat.numel() // 50),), generator=g)] += 0.25
+    return out
+
+
+def poke(engine: ShardedEngine, how: str, version: int, values) -> None:
+    """Change the engine outside its reader, before the update that takes ``version`` (issue 28):
+
+    * ``rollback``: a manual update to an older version (its weights, and its number);
+    * ``none``: a manual update that failed half-way (half a tensor written, the version None);
+    * ``reset``: every tensor reset in place to version 0 (``copy_`` / ``load_state_dict``), the
+      version unchanged;
+    * ``flip``: one bit flipped in one element;
+    * ``scratch``: one tensor used as scratch space (random values), the version unchanged.
+    """
+    layout = engine.layout()
+    biggest = max(engine.tensors, key=lambda n: engine.tensors[n].numel())
+    target = engine.tensors[biggest]
+    if how == "rollback":
+        fill_from_canonical(layout, engine.tensors, values(version - 2))
+        engine.apply(version - 2)
+    elif how == "none":
+        target.view(-1)[: target.numel() // 2] = 0
+        engine.abort(version - 1, RuntimeError("manual update failed"))
+    elif how == "reset":
+        fill_from_canonical(layout, engine.tensors, values(0))
+    elif how == "flip":
+        target.view(-1).view(torch.uint8)[target.numel()] ^= 4  # a bit in the middle of the tensor
+    elif how == "scratch":  # every byte the sync owns in it (padding rows are no one's)
+        shard = next(s for s in layout.shards if s.name == biggest)
+        for region in shard.regions:
+            view = strided_view(target.view(-1), region.box.sizes, region.strides, region.offset)
+            view.copy_(torch.randn(view.shape) * 100)
+    else:
+        raise ValueError(f"unknown poke {how!r}")
+
+
 def reported(reader: WeightReader, rank: int) -> int | str | None:
     """What the meta server says this reader applied (or why it cannot say)."""
     try:
@@ -126,13 +175,15 @@ def main() -> None:
     torch.set_num_threads(1)
     spec = load_spec(args["config"])
     config = spec.to_hf_config()
-    sync = SyncConfig(num_writers=args["num_writers"], num_readers=args["num_readers"],
+    sync = SyncConfig(num_writers=args["num_writers"], num_readers=args["num_readers"], host=args.get("host", ""),
                       transport=args.get("transport", "auto"), timeout=args.get("timeout", 60.0),
+                      integrity=args.get("integrity", False),
                       plan_options=PlanOptions(min_split_bytes=args.get("min_split_bytes", 1 << 20)),
                       transport_options=TransportOptions(max_bucket_bytes=args.get("bucket", 1 << 16),
                                                          direct_min_bytes=1024,
                                                          **args.get("transport_options", {})))
     role, rank = args["role"], args["rank"]
+    values = (lambda v: sparse_values(config, v)) if args.get("sparse") else (lambda v: canonical_values(config, v))
     if role == "writer":
         source = ShardedSource(args["source"], config, rank)
         shared = None
@@ -143,7 +194,7 @@ def main() -> None:
             if shared is not None:
                 stack.callback(shared.close)
             for version in args["versions"]:
-                fill_from_canonical(source.layout(), source.tensors(), canonical_values(config, version))
+                fill_from_canonical(source.layout(), source.tensors(), values(version))
                 if args.get("pause_before") == version:  # the previous version is done: between versions
                     wait_for_go(args["flag_dir"], sync.timeout * 4)
                 if args.get("hold_at") == version:
@@ -178,6 +229,8 @@ def main() -> None:
             if args.get("die_at") is not None and reader.session.planned is None:
                 reader.session.plan(Deadline.after(sync.timeout))
                 die_receiving(reader, args["die_at"], args.get("die_how", "exit"))
+            if (how := args.get("pokes", {}).get(str(version))) is not None:
+                poke(engine, how, version, values)
             t0 = time.monotonic()
             try:
                 result = reader.update(timeout=args.get("timeout", 60.0))
@@ -186,12 +239,12 @@ def main() -> None:
                      seconds=time.monotonic() - t0, weight_version=engine.weight_version,
                      reported=reported(reader, rank))
                 continue
-            values = canonical_values(config, result.version)
             want = allocate(layout)
-            fill_from_canonical(layout, want, {n: v.to(TORCH_DTYPES[spec.dtype]) for n, v in values.items()})
+            fill_from_canonical(layout, want, {n: v.to(TORCH_DTYPES[spec.dtype])
+                                               for n, v in values(result.version).items()})
             exact = all(torch.equal(engine.tensors[n], want[n]) for n in want)
             emit(role=role, rank=rank, version=result.version, ok=True, exact=exact, bytes=result.nbytes,
-                 needed=reader.session.planned.plan.total_bytes,
+                 needed=reader.session.planned.plan.total_bytes + digest_bytes(reader),
                  in_place=all(t.data_ptr() == pointers[n] for n, t in engine.tensors.items()))
 
 

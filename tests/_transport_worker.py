@@ -19,23 +19,24 @@ from weightsync.configs import load_spec
 from weightsync.devices import RankPlacement
 from weightsync.job import JobChannel
 from weightsync.layout import parse_layout
+from weightsync.layout.lora import LoraSpec
 from weightsync.plan import PlanOptions, build_local_plan
 from weightsync.torch_layout import TORCH_DTYPES, allocate, fill_from_canonical
 from weightsync.transport import TransportContext, TransportOptions, create_transport
 from weightsync.transport.shm_files import share_tensors
 
 
-def values_for(spec, version, dtype):
+def values_for(canonical, version, dtype):
     out = {}
-    for i, (name, t) in enumerate(spec.canonical_tensors().items()):
+    for i, (name, t) in enumerate(canonical.items()):
         g = torch.Generator().manual_seed(7919 * version + i)
         out[name] = torch.randn(t.shape, generator=g).to(TORCH_DTYPES[dtype])
     return out
 
 
-def sparse_values_for(spec, version, dtype):
+def sparse_values_for(canonical, version, dtype):
     """Version 0's values with ~2% of the elements moved per later version (what training does)."""
-    out = values_for(spec, 0, dtype)
+    out = values_for(canonical, 0, dtype)
     for step in range(1, version + 1):
         for i, t in enumerate(out.values()):
             g = torch.Generator().manual_seed(104729 * step + i)
@@ -49,8 +50,15 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     torch.set_num_threads(1)
     spec = load_spec(args["config"])
-    writers = parse_layout(args["source"]).all_rank_layouts(spec)
-    readers = parse_layout(args["target"]).all_rank_layouts(spec)
+    if "lora" in args:  # a LoRA adapter: fp32 TP slices on the writers, whole bf16 adapters on the readers
+        lora = LoraSpec(r=args["lora"]["r"], alpha=args["lora"]["alpha"])
+        tp = args["lora"]["tp"]
+        writers = [lora.rank_layout(spec, w, tp=tp, tp_rank=w, dtype="float32") for w in range(tp)]
+        readers = [lora.rank_layout(spec, r, dtype="bfloat16") for r in range(args["lora"]["readers"])]
+    else:
+        writers = parse_layout(args["source"]).all_rank_layouts(spec)
+        readers = parse_layout(args["target"]).all_rank_layouts(spec)
+    canonical = writers[0].canonical
     role, rank = args["role"], args["rank"]
     mine = (writers if role == "writer" else readers)[rank]
     values = sparse_values_for if args.get("sparse_steps") else values_for
@@ -91,7 +99,7 @@ def main() -> None:
             if role == "writer":
                 if args.get("die_at") == version and rank == args.get("die_rank", 0):
                     os._exit(3)  # a peer dying mid-sync
-                fill_from_canonical(mine, tensors, values(spec, version, args["source_dtype"]))
+                fill_from_canonical(mine, tensors, values(canonical, version, args["source_dtype"]))
                 # (routed: its shm part keeps version slots too; WeightWriter's staleness wait guards them)
                 if (transport.one_sided or transport.name == "routed") and version >= 1:
                     for r in range(len(readers)):  # do not overwrite a slot still being read
@@ -120,7 +128,7 @@ def main() -> None:
                     print(json.dumps({"error": type(exc).__name__, "message": str(exc),
                                       "seconds": time.monotonic() - t0}), flush=True)
                     return
-                expected = values(spec, version, args["source_dtype"])
+                expected = values(canonical, version, args["source_dtype"])
                 expected = {n: v.to(TORCH_DTYPES[args["target_dtype"]]) for n, v in expected.items()}
                 want = allocate(mine, device=device)
                 fill_from_canonical(mine, want, expected)

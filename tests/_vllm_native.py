@@ -4,6 +4,7 @@ and the reference engines (one per checkpoint) the outputs are compared with.
     python tests/_vllm_native.py trainer --rank R --world 2 --checkpoint DIR --url URL --out DIR ...
     python tests/_vllm_native.py reference DIR [DIR ...]         # one JSON line of greedy tokens per DIR
     python tests/_vllm_native.py mp-engine --checkpoint DIR      # LLM with its engine core in a child process
+    python tests/_vllm_native.py lora-trainer --rank R --world 2 --url URL ...   # TP ranks of a LoRA adapter
 """
 
 from __future__ import annotations
@@ -128,6 +129,48 @@ def trainer(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def lora_trainer(args: argparse.Namespace) -> None:
+    """A tensor-parallel rank of a LoRA adapter (r=8, alpha=16) on vLLM's native API, version ``i``
+    the adapter of ``seeds[i - 1]``. Each rank prints the bytes it sent per version; rank 0 also
+    the server's greedy tokens after each version,
+    for the synced adapter (``--served``), the base model and each of ``--compare`` (adapters
+    the server loaded from disk)."""
+    import torch
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightsync.integrations.vllm_trainer import WeightSyncTrainerInitInfo
+    from weightsync.layout import ModelSpec
+    from weightsync.layout.lora import LoraSpec
+    from weightsync.sources.lora import LoraSource
+    from weightsync.tiny import lora_weights
+    from weightsync.torch_layout import allocate, fill_from_canonical
+
+    torch.set_num_threads(1)
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    lora = LoraSpec(r=8, alpha=16)
+    layout = lora.rank_layout(ModelSpec.from_hf_config(config), args.rank, tp=args.world, tp_rank=args.rank)
+    live = {name.replace(".weight", ".default.weight"): t for name, t in allocate(layout).items()}  # a PeftModel's
+    source = LoraSource(live, config, lora, tp=args.world, tp_rank=args.rank, rank=args.rank)
+    info = WeightSyncTrainerInitInfo(rank=args.rank, num_writers=args.world, num_readers=1, meta_address=args.meta,
+                                     meta_token=args.token, job=args.job, timeout=120.0, lora_id=args.lora_id)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=HTTPVLLMWeightSyncClient(args.url),
+                                                       source=source)
+    names = [args.served, args.model, *args.compare.split(",")]
+    if args.rank == 0:  # before the first version: the server's own adapter
+        print("RESULT " + json.dumps({"version": 0, "tokens": {name: completion(args.url, name)[0]
+                                                               for name in names}}), flush=True)
+    for version, seed in enumerate(map(int, args.seeds.split(",")), start=1):
+        fill_from_canonical(source.layout(), source.tensors(), lora_weights(config, lora, seed))
+        engine.send_weights()
+        result: dict[str, Any] = {"version": version, "nbytes": engine.last_result.nbytes}
+        if args.rank == 0:
+            tokens = {name: completion(args.url, name) for name in names}
+            result.update(weight_version=tokens[args.served][1], tokens={name: t for name, (t, _) in tokens.items()})
+        print("RESULT " + json.dumps(result), flush=True)
+    engine.shutdown()
+
+
 # -- reference engines --------------------------------------------------------------------------
 
 def _engine(path: str, **kwargs: Any) -> Any:
@@ -233,11 +276,19 @@ def main() -> int:
     d = sub.add_parser("mp-engine-delta")
     d.add_argument("--checkpoint", required=True)
     d.add_argument("--seed", type=int, required=True)
+    lt = sub.add_parser("lora-trainer")
+    for name in ("url", "meta", "token", "job", "model", "served", "compare", "seeds"):
+        lt.add_argument(f"--{name}", required=True)
+    lt.add_argument("--rank", type=int, required=True)
+    lt.add_argument("--world", type=int, default=2)
+    lt.add_argument("--lora-id", type=int, default=1)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     if args.cmd == "trainer":
         trainer(args)
+    elif args.cmd == "lora-trainer":
+        lora_trainer(args)
     elif args.cmd == "reference":
         reference(args.paths)
     elif args.cmd == "mp-engine-delta":

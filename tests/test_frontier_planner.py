@@ -92,7 +92,7 @@ def test_published_configs_read_to_their_parameter_counts(name):
 
 def test_kinds_that_do_not_model_a_family_refuse_it():
     spec = ModelSpec.from_hf_config(tiny_config(family="deepseek_v3"))
-    with pytest.raises(ValueError, match="megatron: the deepseek_v3 family's Megatron-core names are not modelled"):
+    with pytest.raises(ValueError, match="megatron: the deepseek_v3 family's Megatron-core names come from mbridge"):
         parse_layout("megatron:tp=2").validate(spec)
     with pytest.raises(ValueError, match=r"fsdp: tp=2 is modelled for Llama-style.*'kv_a'"):
         parse_layout("fsdp:dp=1,tp=2").validate(spec)

@@ -86,7 +86,9 @@ class _PhaseChecker(StagedWeights):
             self.checked[version].append(name)
 
 
-TRANSPORTS = ["torch", "shm", "file"] + (["nixl"] if importlib.util.find_spec("nixl_cu12") else [])
+TRANSPORTS = ["torch", "shm", "file", "routed"] + (["nixl"] if importlib.util.find_spec("nixl_cu12") else [])
+#: routed: writer 0 and the reader on node a (shared memory), writer 1 on node b (torch)
+HOSTS = {"routed": ("node-a,node-b", "node-a")}
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -104,11 +106,12 @@ def test_versions_arrive_phase_by_phase_into_one_arena(transport):
     assert len(phases) >= 3
     engine = _PhaseChecker(config, {1: 2, 2: 1})
     job = f"phases-{uuid.uuid4().hex[:8]}"
-    extra = ("--transport", transport, "--bucket", str(bucket), "--layer-phases")
+    writer_hosts, reader_host = HOSTS.get(transport, ("", ""))
+    extra = ("--transport", transport, "--bucket", str(bucket), "--layer-phases", "--hosts", writer_hosts)
     with EmbeddedMetaServer() as server, writer_processes(server, config, "megatron:tp=2", job=job, seeds=[2, 1],
                                                           extra=extra):
         sync = SyncConfig(num_writers=2, num_readers=1, job=job, transport=transport, timeout=120, layer_phases=True,
-                          transport_options=TransportOptions(max_bucket_bytes=bucket))
+                          host=reader_host, transport_options=TransportOptions(max_bucket_bytes=bucket))
         meta = MetaClient(server.address, job=job, token=server.token)
         with WeightReader(engine, rank=0, config=sync, meta=meta) as reader:
             for version in (1, 2):
@@ -120,3 +123,40 @@ def test_versions_arrive_phase_by_phase_into_one_arena(transport):
     assert engine.checked == {1: names, 2: names}  # every tensor, once per version, in checkpoint order
     largest = max(sum(spec.canonical_tensors()[n].nbytes for n in p) for p in phases)
     assert engine.staging_bytes <= largest + 64 * len(names) < spec.num_parameters * 4  # a phase, not the model
+
+
+@pytest.mark.parametrize("transport", ["torch", "shm"])
+def test_deltas_arrive_phase_by_phase_into_one_arena(transport):
+    """Delta with layer phases: the staging arena holds one phase, so the reader applies each
+    delta to its own host copy and stages whole phases from it. Version 3 equals version 2:
+    nothing changed, next to nothing moves, and every phase still arrives bitwise."""
+    sys.path.insert(0, str(HERE))
+    from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+    from weightsync.reader import WeightReader
+    from weightsync.session import SyncConfig, TransportOptions
+    from writer_process import writer_processes
+
+    config = tiny_config()
+    spec = ModelSpec.from_hf_config(config)
+    bucket = 256 << 10
+    engine = _PhaseChecker(config, {1: 2, 2: 1, 3: 1})
+    job = f"phases-delta-{uuid.uuid4().hex[:8]}"
+    extra = ("--transport", transport, "--bucket", str(bucket), "--layer-phases", "--delta", "100")
+    with EmbeddedMetaServer() as server, writer_processes(server, config, "megatron:tp=2", job=job, seeds=[2, 1, 1],
+                                                          extra=extra):
+        sync = SyncConfig(num_writers=2, num_readers=1, job=job, transport=transport, timeout=120, layer_phases=True,
+                          transport_options=TransportOptions(max_bucket_bytes=bucket, delta_anchor_every=100))
+        meta = MetaClient(server.address, job=job, token=server.token)
+        with WeightReader(engine, rank=0, config=sync, meta=meta) as reader:
+            moved = {}
+            for version in (1, 2, 3):
+                result = reader.update(version)
+                assert result.version == version and engine.weight_version == version
+                moved[version] = result.nbytes
+            full = reader.session.planned.plan.total_bytes
+        meta.close()
+    assert engine.wrong == []
+    names = [s.name for s in engine.layout().shards]
+    assert engine.checked == {1: names, 2: names, 3: names}
+    assert moved[1] == full and moved[3] < full // 20, (moved, full)
+    assert engine.staging_bytes < spec.num_parameters * 4  # still a phase, not the model

@@ -36,10 +36,14 @@ MOE = {  # Qwen3-MoE: q/k norms, 8 experts in every layer
 
 
 def import_megatron() -> None:
-    """Import megatron-core once, in the test process (forked ranks inherit it)."""
+    """Import megatron-core and mbridge (which names its parameters) once, in the test process
+    (forked ranks inherit them)."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install weightsync[megatron])")
+    pytest.importorskip("mbridge", reason="mbridge is not installed (pip install weightsync[megatron])")
+    import mbridge.models  # noqa: F401
     import megatron.core.models.gpt
-    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    import megatron.core.models.gpt.gpt_layer_specs
+    import megatron.core.post_training.modelopt.gpt.state_dict_hooks  # noqa: F401
 
 
 def build(hf: dict, *, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> torch.nn.Module:
@@ -186,7 +190,9 @@ def test_te_grouped_experts_without_partition_attributes_match_the_kind():
     to build one): the split follows the name, and equals ``megatron:...,grouped=1``."""
     from types import SimpleNamespace
 
-    from weightsync.sources.megatron import Groups, _param_parts, _shard, _split
+    pytest.importorskip("mbridge", reason="mbridge is not installed (pip install weightsync[megatron])")
+    from weightsync.sources.megatron import Groups, _global_name, _shard, _split
+    from weightsync.sources.megatron_names import MegatronNames
 
     spec = ModelSpec.from_hf_config(MOE)
     kind = parse_layout("megatron:tp=2,dp=2,ep=2,etp=2,grouped=1,dtype=float32")
@@ -197,8 +203,8 @@ def test_te_grouped_experts_without_partition_attributes_match_the_kind():
     expected = {s.name: s for s in kind.rank_layout(spec, rank).shards}
     for name, shape in (("decoder.layers.1.mlp.experts.linear_fc1.weight2", (32, 64)),
                         ("decoder.layers.1.mlp.experts.linear_fc2.weight2", (64, 16))):
-        parts, is_expert = _param_parts(spec, model, name)
+        parts = MegatronNames.of(spec).parts(_global_name(model, name))
         param = torch.zeros(shape)
-        shard = _shard(name, param, parts, _split(param, parts, is_expert, groups))
+        shard = _shard(name, param, parts, _split(name, param, True, groups))
         assert shard.shape == expected[name].shape
         assert set(shard.regions) == set(expected[name].regions)

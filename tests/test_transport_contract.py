@@ -90,6 +90,39 @@ def test_versions_arrive_bitwise_in_place_with_exact_bytes(tmp_path, transport):
                 assert r["in_place"]
 
 
+def test_lora_adapter_versions_arrive_bitwise_over_every_transport(tmp_path, transport):
+    """Adapter-only versions (issue 25): two TP ranks of a LoRA adapter (fp32 slices) into two
+    readers of the whole adapter (bf16), bitwise, each byte a reader needs once, in place."""
+    lora = {"r": 8, "alpha": 16, "tp": 2, "readers": 2}
+    out = run_scenario(tmp_path, transport, versions=2, lora=lora)
+    assert not own_segments(out.pop("pids"))
+    for (role, rank), (code, payload, stderr) in out.items():
+        assert code == 0, f"{role} {rank} failed:\n{stderr[-3000:]}"
+        if role == "reader":
+            assert [r["version"] for r in payload["results"]] == [0, 1]
+            for r in payload["results"]:
+                assert r["exact"] and r["in_place"], (rank, r)
+                assert r["bytes"] == r["needed"] > 0
+
+
+def test_lora_adapter_deltas_arrive_bitwise_over_torch(tmp_path):
+    """Adapter-only versions with deltas: ~2% of the adapter's elements move per version, and
+    each reader gets version 0 in full, then only what changed, bitwise."""
+    if unavailable_reason("torch"):
+        pytest.skip(unavailable_reason("torch"))
+    lora = {"r": 8, "alpha": 16, "tp": 2, "readers": 2}
+    out = run_scenario(tmp_path, "torch", versions=3, lora=lora, options={"delta_anchor_every": 4},
+                       sparse_steps=True)
+    assert not own_segments(out.pop("pids"))
+    for (role, rank), (code, payload, stderr) in out.items():
+        assert code == 0, f"{role} {rank} failed:\n{stderr[-3000:]}"
+        if role == "reader":
+            results = payload["results"]
+            assert all(r["exact"] and r["in_place"] for r in results), (rank, results)
+            assert results[0]["bytes"] == results[0]["needed"]  # the first version: full
+            assert all(0 < r["bytes"] < r["needed"] // 4 for r in results[1:]), results
+
+
 def test_dead_writer_fails_the_readers_within_their_timeout(tmp_path, transport):
     out = run_scenario(tmp_path, transport, versions=2, timeout=8.0, die_at=1, die_rank=1)
     assert not own_segments(out.pop("pids"))  # even the killed writer's segment is gone

@@ -1,4 +1,5 @@
-"""Delta sync on the torch (gloo) transport: bitwise versions, full on a new base, anchors.
+"""Delta sync on the torch (gloo) transport: bitwise versions, full on a new base, anchors; and
+``delta_anchor_every`` refused, naming the transport, where it would be ignored (issue 23, defect 9).
 
 Each scenario runs 2 writers (megatron tp=2, fp32) and 1 or 2 readers (vLLM tp=1, bf16) as
 processes of tests/_transport_worker.py; between versions ~2% of the elements change.
@@ -70,3 +71,44 @@ def test_reader_with_new_memory_gets_full_versions(tmp_path):
     out = run(tmp_path, readers=2, versions=4, anchor=100, new_memory_at={"1": [2]})
     assert _full(out[("reader", 0)]) == [True, False, False, False]
     assert _full(out[("reader", 1)]) == [True, False, True, False]
+
+
+@pytest.mark.parametrize(("name", "device", "options", "words"), [
+    ("file", "cpu", {}, "the file transport (FileTransport, on cpu)"),
+    ("nixl", "cpu", {"nixl_mode": "pull"}, "the nixl transport (NixlPullTransport, on cpu)"),
+    ("nixl", "cpu", {"nixl_mode": "push"}, "the nixl transport (NixlPushTransport, on cpu)"),
+    ("torch", "cuda:0", {}, "the torch transport (NcclTransport, on cuda:0)"),
+    ("routed", "cuda:0", {}, "the routed transport's torch route (NcclTransport, on cuda:0)"),
+])
+def test_delta_is_refused_where_it_would_be_ignored(name, device, options, words):
+    """On 3ee4748 these transports took ``delta_anchor_every`` and sent every version in full."""
+    from weightsync.job import JobChannel
+    from weightsync.transport import TransportContext, TransportOptions, check_delta_carried
+
+    for anchor, refused in ((0, False), (4, True)):
+        ctx = TransportContext(channel=JobChannel(None, role="writer", rank=1), num_writers=2,  # type: ignore[arg-type]
+                               num_readers=2, device=device,
+                               options=TransportOptions(delta_anchor_every=anchor, **options))
+        if not refused:
+            check_delta_carried(name, ctx)
+            continue
+        with pytest.raises(ValueError) as info:
+            check_delta_carried(name, ctx)
+        assert str(info.value) == (f"writer 1: delta_anchor_every=4 is not supported by {words}: it would send every "
+                                   "version in full. Deltas run over torch (gloo), shm and routed between CPU ranks; "
+                                   "use one of those, or delta_anchor_every=0")
+
+
+def test_shm_delta_between_gpus_is_refused():
+    from weightsync.job import JobChannel
+    from weightsync.transport import TransportContext, TransportOptions
+    from weightsync.transport.delta_published import check_delta
+
+    ctx = TransportContext(channel=JobChannel(None, role="reader", rank=0), num_writers=1,  # type: ignore[arg-type]
+                           num_readers=1, device="cuda:0", options=TransportOptions(delta_anchor_every=4))
+    with pytest.raises(ValueError, match=r"reader 0: delta_anchor_every=4 over the shm transport needs host memory, "
+                                         r"but the tensors live on cuda:0"):
+        check_delta("shm", ctx)
+    with pytest.raises(ValueError, match="needs slots >= 2"):
+        check_delta("shm", TransportContext(channel=ctx.channel, num_writers=1, num_readers=1,
+                                            options=TransportOptions(delta_anchor_every=4, slots=1)))

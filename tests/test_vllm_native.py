@@ -50,29 +50,73 @@ def test_vllm_serve_is_updated_by_two_fsdp2_trainers_over_http(tmp_path):
     write_checkpoint(tmp_path / "B", config, seed=2)  # the trainers start here
     out = tmp_path / "versions"
     with EmbeddedMetaServer() as meta, vllm_server(tmp_path / "A") as url:
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1",
-               "HF_HUB_OFFLINE": "1"}
         cmd = [sys.executable, str(HERE / "_vllm_native.py"), "trainer", "--world", "2", "--checkpoint",
                str(tmp_path / "B"), "--url", url, "--out", str(out), "--meta", meta.address, "--token", meta.token,
                "--job", "serve", "--model", str(tmp_path / "A"), "--versions", "2"]
-        procs = [subprocess.Popen([*cmd, "--rank", str(r)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True) for r in range(2)]
-        try:
-            outputs = [p.communicate(timeout=300) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.communicate()
-        for p, (_, err) in zip(procs, outputs, strict=True):
-            assert p.returncode == 0, err[-4000:]
-    served = _results(outputs[0][0])
+        outputs = _trainers(cmd, world=2)
+    served = _results(outputs[0])
     assert [r["version"] for r in served] == [1, 2]
     refs = {Path(r["path"]).name: r["tokens"] for r in _run(["reference", str(out / "v1"), str(out / "v2")])}
     for r in served:
         assert r["weight_version"] == str(r["version"])
         assert r["tokens"] == refs[f"v{r['version']}"], r  # the same weights as a fresh engine, token for token
     assert refs["v1"] != refs["v2"]  # the training step changed the weights, and the server followed
+
+
+def _trainers(cmd: list[str], *, world: int) -> list[str]:
+    """Run trainer ranks ``0..world-1`` of ``cmd`` (one process each, ``--rank R`` appended) to
+    the end; their stdouts."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1"}
+    procs = [subprocess.Popen([*cmd, "--rank", str(r)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in range(world)]
+    try:
+        outputs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for p, (_, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err[-4000:]
+    return [out for out, _ in outputs]
+
+
+def test_vllm_serve_takes_lora_adapter_versions_from_two_tp_trainers_over_http(tmp_path):
+    """``vllm serve --enable-lora --lora-modules policy=...`` with the "weightsync" backend: two
+    tensor-parallel trainer ranks of a LoRA adapter send adapter-only versions through vLLM's
+    HTTP routes into the adapter ``policy`` (id 1). After each version, requests naming
+    ``policy`` generate exactly what the server generates with that adapter loaded from disk
+    by vLLM itself (``disk2``, ``disk3``), the weight version is the version sent, only the
+    adapter's bytes moved, and the base model never changed."""
+    sys.path.insert(0, str(HERE))
+    from _vllm_native import vllm_server
+    from weightsync.layout import ModelSpec
+    from weightsync.layout.lora import LoraSpec
+    from weightsync.meta.client import EmbeddedMetaServer
+    from weightsync.tiny import write_adapter
+
+    config, lora = tiny_config(), LoraSpec(r=8, alpha=16)
+    write_checkpoint(tmp_path / "base", config, seed=1)
+    for seed in (4, 2, 3):  # policy starts from seed 4's adapter; the trainers send seeds 2 and 3
+        write_adapter(tmp_path / f"adapter{seed}", config, lora, seed)
+    modules = [f"policy={tmp_path / 'adapter4'}", f"disk2={tmp_path / 'adapter2'}", f"disk3={tmp_path / 'adapter3'}"]
+    extra = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "3", "--max-cpu-loras", "4",
+             "--lora-modules", *modules)
+    with EmbeddedMetaServer() as meta, vllm_server(tmp_path / "base", extra=extra) as url:
+        cmd = [sys.executable, str(HERE / "_vllm_native.py"), "lora-trainer", "--world", "2", "--url", url,
+               "--meta", meta.address, "--token", meta.token, "--job", "serve-lora", "--model",
+               str(tmp_path / "base"), "--served", "policy", "--compare", "disk2,disk3", "--seeds", "2,3"]
+        outputs = _trainers(cmd, world=2)
+    start, *served = _results(outputs[0])
+    assert [(r["version"], r["weight_version"]) for r in served] == [(1, "1"), (2, "2")]
+    base = str(tmp_path / "base")
+    zero, one, two = (r["tokens"] for r in (start, *served))
+    assert len({tuple(zero["policy"]), tuple(zero["disk2"]), tuple(zero["disk3"]), tuple(zero[base])}) == 4
+    assert one["policy"] == zero["disk2"] and two["policy"] == zero["disk3"]  # token for token, as loaded from disk
+    assert zero[base] == one[base] == two[base]  # the base model never moved
+    sent = [sum(r["nbytes"] for r in rank) for rank in zip(_results(outputs[0])[1:], _results(outputs[1]), strict=True)]
+    assert sent == [lora.nbytes(ModelSpec.from_hf_config(config))] * 2  # the adapter's bytes, each once
 
 
 def test_llm_with_a_child_engine_core_is_updated_through_the_same_api(tmp_path):

@@ -59,7 +59,9 @@ class _StagingEngine:
     def __init__(self, live: InferenceEngine, timeout: float) -> None:
         self.live = live
         self.timeout = timeout
-        self.buffers = {name: torch.empty_like(t, memory_format=torch.contiguous_format)
+        # Copies, not empty tensors: bytes no op writes (a vocabulary's padding rows) must not
+        # reach the live weights as garbage at the first step boundary.
+        self.buffers = {name: t.detach().clone(memory_format=torch.contiguous_format)
                         for name, t in live.receive_buffers().items()}
         self.cond = threading.Condition()
         self.ready: int | None = None  # staged, waiting for a step boundary

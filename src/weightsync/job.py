@@ -142,15 +142,6 @@ def _tensor_table_key() -> str:
     return "tensor-table"
 
 
-def _settings_diff(mine: str, theirs: str) -> str:
-    """The settings in which ``theirs`` differs from ``mine`` (``"layer_phases=1, not 0"``), each
-    a ``name=value`` list as :meth:`weightsync.session.SyncConfig.settings` writes them."""
-    a = dict(item.partition("=")[::2] for item in mine.split(","))
-    b = dict(item.partition("=")[::2] for item in theirs.split(","))
-    return "; ".join(f"{k}={b.get(k, 'unset')}, not {a.get(k, 'unset')}"
-                     for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)) or theirs
-
-
 def _endpoint_key(transport: str, epoch: int, role: Role, rank: int) -> str:
     return f"transport/{transport}/{epoch}/{role}{rank}"
 
@@ -162,6 +153,19 @@ def _store_index_key(version: int, writer: int) -> str:
 def _tile_maxima_key(version: int, writer: int) -> str:
     return f"quant/{version}/writer{writer}"
 
+
+
+def settings_difference(mine: str, theirs: str) -> str:
+    """``"layer_phases: True here, False there"`` for two ranks' settings (``SyncConfig.settings()``,
+    a JSON object); the two texts whole when either is not one."""
+    try:
+        a, b = json.loads(mine), json.loads(theirs)
+    except ValueError:
+        a = b = None
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return f"{theirs} there, {mine} here"
+    names = [k for k in {**a, **b} if a.get(k) != b.get(k)]
+    return "; ".join(f"{k}: {json.dumps(a.get(k))} here, {json.dumps(b.get(k))} there" for k in names)
 
 class JobChannel:
     """One rank's typed view of its job on the meta server (see module docstring).
@@ -233,12 +237,12 @@ class JobChannel:
         """
         if people is None:
             people = [Member.from_participant(p) for p in self.meta.participants()]
-        others = [m for m in people if m.settings is not None and m.settings != settings]
-        if others:
-            differ = [f"{m.who} ({_settings_diff(settings, m.settings or '')})" for m in others[:8]]
-            raise ValueError(f"{self.who} runs job {self.meta.job!r} with {settings}, but "
-                             f"{', '.join(differ)}{' ...' if len(others) > 8 else ''} registered with other "
-                             "settings: every writer and reader of a job must use the same SyncConfig")
+        differ = [f"{m.who} ({settings_difference(settings, m.settings)})" for m in people
+                  if m.settings is not None and m.settings != settings]
+        if differ:
+            raise ValueError(f"{self.who} runs job {self.meta.job!r} with other settings than "
+                             f"{', '.join(differ[:8])}{' ...' if len(differ) > 8 else ''}: every writer and reader "
+                             "of a job must use the same SyncConfig")
 
     def wait_roster(self, *, writers: int, readers: int, deadline: Deadline) -> list[Member]:
         """Everyone, once ``writers`` writers and ``readers`` readers registered."""

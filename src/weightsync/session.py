@@ -12,7 +12,6 @@ drive versions on top; epochs are explained in :mod:`weightsync.job`.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import socket
@@ -21,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from weightsync.combinations import refuse_combinations
 from weightsync.deadline import Deadline
 from weightsync.devices import RankPlacement, choose_transport, gpu_identity, tensors_device
 from weightsync.job import JobChannel, Member, Role
@@ -28,6 +28,7 @@ from weightsync.layout.quant_offers import quantized_sources
 from weightsync.layout.roster import Roster
 from weightsync.layout.wire import LayoutDecoder, encode_descriptor, encode_explicit
 from weightsync.plan import PlanOptions, build_local_plan, layer_phases, split_plan
+from weightsync.sync_config import SyncConfig
 from weightsync.torch_layout import check_tensors
 from weightsync.transport import TransportContext, TransportOptions, create_transport, unavailable_reason
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from weightsync.meta.client import MetaClient
     from weightsync.plan import Plan
     from weightsync.transport import Transport
+    from weightsync.transport.digests import VersionDigests
 
 logger = logging.getLogger(__name__)
 
@@ -77,59 +79,6 @@ class SyncResult:
         return sum(self.phases.values())
 
 
-@dataclass(frozen=True, kw_only=True)
-class SyncConfig:
-    """Job-wide settings; every writer and reader must pass the same values.
-
-    Attributes:
-        num_writers / num_readers: participants the job waits for before planning.
-        transport: ``auto`` (shared memory on one host, torch p2p across hosts), or a name.
-        staleness: how many versions training may run ahead of the slowest reader; 0 means
-            synchronous (``write`` returns when every reader applied the version).
-        timeout: default bound, in seconds, on every blocking step.
-        lease_seconds: a rank that sends no heartbeat (a background thread renews its lease on
-            the meta server every quarter of this) for this long is dead: peers waiting on it
-            fail at once, naming it, and a restarted process may take its rank over.
-        layer_phases: move each version in phases of whole layers, each at most
-            ``transport_options.max_bucket_bytes`` (:mod:`weightsync.plan.phases`), so that an
-            engine running its own loader (vLLM) stages one phase at a time instead of a
-            whole-model copy.
-    """
-
-    num_writers: int
-    num_readers: int
-    job: str = "default"
-    transport: str = "auto"
-    transport_options: TransportOptions = field(default_factory=TransportOptions)
-    plan_options: PlanOptions = field(default_factory=PlanOptions)
-    staleness: int = 0
-    timeout: float = 300.0
-    lease_seconds: float = 3.0
-    host: str = ""
-    layer_phases: bool = False
-
-    def __post_init__(self) -> None:
-        if self.num_writers < 1 or self.num_readers < 1:
-            raise ValueError(f"a job needs at least one writer and one reader, got "
-                             f"{self.num_writers} writers and {self.num_readers} readers")
-        if self.staleness < 0:
-            raise ValueError(f"staleness must be >= 0, got {self.staleness}")
-        if self.timeout <= 0:
-            raise ValueError(f"timeout must be positive, got {self.timeout}")
-        if not 0.1 <= self.lease_seconds <= 3600:
-            raise ValueError(f"lease_seconds must be in [0.1, 3600], got {self.lease_seconds}")
-        if self.transport_options.slots <= self.staleness:
-            # One-sided transports keep a version slot per version a reader may lag behind.
-            object.__setattr__(self, "transport_options",
-                               dataclasses.replace(self.transport_options, slots=self.staleness + 1))
-
-    def settings(self) -> str:
-        """What every rank of a job must agree on, as ranks compare it when they register."""
-        opts = self.transport_options
-        return (f"writers={self.num_writers},readers={self.num_readers},staleness={self.staleness},"
-                f"slots={opts.slots},layer_phases={int(self.layer_phases)},{opts.digest()}")
-
-
 @dataclass(frozen=True)
 class PlannedSync:
     """A rank's planned share of the job: its plan, transport and the sync fingerprint.
@@ -152,6 +101,8 @@ class PlannedSync:
     phases: tuple[Plan, ...] = ()
     #: a writer's FP8 quantizer, when readers ask for FP8 weights it sends (``layout.quant_offers``)
     quantizer: WriterQuantizer | None = None
+    #: with ``SyncConfig.integrity``: the plan with its digest ops, and this rank's digests
+    digests: VersionDigests | None = None
 
     @property
     def num_phases(self) -> int:
@@ -290,22 +241,32 @@ class SyncSession:
         placements = [RankPlacement(m.role, m.rank, m.host, m.device, m.gpu) for m in people]
         unavailable = {n: r for n in ("shm", "nixl", "file") if (r := unavailable_reason(n)) is not None}
         choice = choose_transport(self.config.transport, placements, unavailable=unavailable)
+        refuse_combinations(self.config.to_wire(), transport=choice.name, why=choice.reason)
         opts = self.config.transport_options
         phase_names: tuple[tuple[str, ...], ...] = ()
         phases: tuple[Plan, ...] = ()
         if self.config.layer_phases:
             phase_names = layer_phases(writers.canonical_tensors(), budget_bytes=opts.max_bucket_bytes)
             phases = tuple(split_plan(plan, phase_names))
-        digest = hashlib.blake2b(f"{choice.name}|{opts.digest()}|phases={len(phase_names)}".encode(),
-                                 digest_size=4).hexdigest()
         device = self.device()
+        digests = None
+        if self.config.integrity:
+            from weightsync.codecs.digest import kind_for
+            from weightsync.transport.digests import VersionDigests
+
+            digests = VersionDigests(plan, phases or None, role=self.role, rank=self.rank,
+                                     kind=kind_for(m.device for m in people), device=device)
+        checked = f"|digests={digests.kind}" if digests is not None else ""
+        digest = hashlib.blake2b(f"{choice.name}|{opts.digest()}|phases={len(phase_names)}{checked}".encode(),
+                                 digest_size=4).hexdigest()
         ctx = TransportContext(channel=self.channel, num_writers=self.config.num_writers,
                                num_readers=self.config.num_readers, device=device, options=opts,
                                placements=tuple(placements), keeps_received_bytes=self._keeps_received_bytes)
         transport = create_transport(choice.name, ctx)
         self.timings["setup"] = time.perf_counter() - started
         self.planned = PlannedSync(plan, transport, choice.name, f"{plan.fingerprint}-{digest}",
-                                   self.timings["setup"], device, choice.reason, phase_names, phases, quantizer)
+                                   self.timings["setup"], device, choice.reason, phase_names, phases, quantizer,
+                                   digests)
         logger.info("%s planned %d ops (%d bytes) over %s on %s (%s) in %.3fs", self.channel.who, len(plan),
                     plan.total_bytes, choice.name, device, choice.reason, self.timings["plan"])
         return self.planned
@@ -321,11 +282,14 @@ class SyncSession:
         planned = self.planned
         if planned is None:
             raise RuntimeError(f"{self.channel.who}: arm() before plan()")
+        digests = planned.digests
+        plan, phases = (planned.plan, planned.phases) if digests is None else (digests.plan, digests.phases)
+        if digests is not None:  # the transport moves the digests too, in band
+            tensors = digests.attach(tensors)
         ptrs = tuple(t.data_ptr() for t in tensors.values())
         if self._armed != (epoch, ptrs):
             t0 = time.perf_counter()
-            planned.transport.prepare(planned.plan, tensors, epoch=epoch, timeout=deadline.remaining(),
-                                      phases=planned.phases or None)
+            planned.transport.prepare(plan, tensors, epoch=epoch, timeout=deadline.remaining(), phases=phases or None)
             self._armed = (epoch, ptrs)
             self.timings["prepare"] = time.perf_counter() - t0
         return planned.transport
@@ -349,6 +313,8 @@ class SyncSession:
         self.channel.stop_heartbeat(release=release)
         if self.planned is not None:
             self.planned.transport.close()
+            if self.planned.digests is not None:
+                self.planned.digests.close()
             self.planned = None
         self._armed = None
 

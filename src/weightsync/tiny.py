@@ -109,16 +109,26 @@ def write_checkpoint(path: Path, config: dict[str, Any], seed: int) -> dict[str,
 
 class CanonicalSource:
     """A training source holding the whole model under checkpoint names (the ``hf`` kind, rank 0):
-    a stand-in trainer for self-checks and examples. ``tensors()`` are filled in place."""
+    a stand-in trainer for self-checks and examples. ``tensors()`` are filled in place.
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    ``device``: where the tensors live. A job's ranks all hold their weights on one kind of
+    device (:func:`weightsync.devices.choose_transport`), so a stand-in for an engine's trainer
+    lives where that engine stages: :meth:`beside`.
+    """
+
+    def __init__(self, config: dict[str, Any], *, device: str = "cpu") -> None:
         from weightsync.layout import parse_layout
         from weightsync.torch_layout import allocate
 
         self.config = dict(config)
         self._kind = parse_layout("hf")
         self._layout = self._kind.rank_layout(ModelSpec.from_hf_config(config), 0)
-        self._tensors = allocate(self._layout)
+        self._tensors = allocate(self._layout, device=device)
+
+    @classmethod
+    def beside(cls, engine: Any, config: dict[str, Any]) -> CanonicalSource:
+        """A source on ``engine``'s device (its ``device`` property: a GPU engine stages on GPU)."""
+        return cls(config, device=str(engine.device))
 
     def layout(self) -> Any:
         return self._layout

@@ -41,15 +41,17 @@ class ReadersFailedError(SyncError):
 
     Attributes:
         version: the version they failed (``write(V)`` waits for ``V - staleness``).
-        failed: reader rank -> the error it reported. Those readers hold no valid version
-            until the next one; the writer's next ``write`` sends a newer version as usual.
+        failed: reader rank -> the error it reported. A reader that received in place holds
+            no valid version until the next one, one that received into staging (vLLM,
+            ``InflightReader``) still serves its previous version; the writer's next ``write``
+            sends a newer version as usual.
     """
 
     def __init__(self, writer: int, version: int, failed: dict[int, str]) -> None:
         self.version, self.failed = version, dict(failed)
         shown = "; ".join(f"reader {r}: {why}" for r, why in sorted(failed.items())[:8])
-        super().__init__(f"writer {writer}: {len(failed)} reader(s) failed version {version} and serve no valid "
-                         f"version until the next one: {shown}")
+        super().__init__(f"writer {writer}: {len(failed)} reader(s) failed version {version} (the next version "
+                         f"brings them up to date): {shown}")
 
 
 #: (meta server address, job, rank) of every open WeightWriter of this process
@@ -148,6 +150,10 @@ class WeightWriter:
             session.arm(tensors, epoch, deadline)
             result.phases["prepare"] = time.perf_counter() - t0
             for phase in range(planned.num_phases):  # phases of whole layers, or the version at once
+                if planned.digests is not None:  # in band: the phase's digest ops carry them
+                    t0 = time.perf_counter()
+                    planned.digests.fill(phase, tensors)
+                    result.phases["digest"] = result.phases.get("digest", 0.0) + time.perf_counter() - t0
                 stats = transport.send(version, timeout=deadline.remaining(), phase=phase)
                 result.nbytes += stats.nbytes
                 for name, seconds in stats.phases.items():

@@ -326,11 +326,13 @@ class BucketedBroadcast(_GatherThenLoad):
 class WeightsyncMethod:
     """weightsync over one transport: ``WeightWriter.write`` / ``WeightReader.update``."""
 
-    def __init__(self, ctx: RankContext, *, transport: str, zero_copy: bool = False) -> None:
+    def __init__(self, ctx: RankContext, *, transport: str, zero_copy: bool = False, integrity: bool = False) -> None:
         self.ctx = ctx
         self.transport = transport
         self.zero_copy = zero_copy  # shm: the trainer's weights live in /dev/shm (no snapshot copy)
-        self.name = f"weightsync-{transport}" + ("-zero-copy" if zero_copy else "")
+        self.integrity = integrity  # SyncConfig(integrity=True): digests sent and checked in band
+        self.name = (f"weightsync-{transport}" + ("-zero-copy" if zero_copy else "")
+                     + (INTEGRITY_SUFFIX if integrity else ""))
         self._endpoint: Any = None
         self._shared: Any = None
         self._sources: dict[str, torch.Tensor] = ctx.tensors
@@ -346,9 +348,9 @@ class WeightsyncMethod:
 
         ctx = self.ctx
         opts = ctx.options
-        job = f"{opts.get('job_prefix', 'bench')}-{self.name}"
+        job = f"{opts.get('job_prefix', 'bench')}-{self.name.replace('+', '-')}"  # a job name has no '+'
         config = SyncConfig(num_writers=ctx.num_writers, num_readers=ctx.num_readers, job=job,
-                            transport=self.transport, timeout=ctx.timeout,
+                            transport=self.transport, timeout=ctx.timeout, integrity=self.integrity,
                             transport_options=TransportOptions(max_bucket_bytes=int(opts["max_bucket_bytes"]),
                                                                slots=int(opts.get("slots", 1))))
         meta = MetaClient.from_env(job=job)
@@ -388,19 +390,25 @@ class WeightsyncMethod:
             self._shared = None
 
 
+#: ``weightsync-<transport>+integrity``: the same method with ``SyncConfig(integrity=True)``.
+INTEGRITY_SUFFIX = "+integrity"
+
+
 def make_method(name: str, ctx: RankContext) -> Method:
-    """``weightsync-<transport>``, one of :data:`BASELINES`, or ``pkg.module:Class`` (your own;
-    constructed as ``Class(ctx)``)."""
+    """``weightsync-<transport>`` (``+integrity``: with in-band digests), one of :data:`BASELINES`,
+    or ``pkg.module:Class`` (your own; constructed as ``Class(ctx)``)."""
     if ":" in name:
         import importlib
 
         module, cls = name.split(":", 1)
         method: Method = getattr(importlib.import_module(module), cls)(ctx)
         return method
+    integrity = name.endswith(INTEGRITY_SUFFIX)
+    name = name.removesuffix(INTEGRITY_SUFFIX)
     if name == "weightsync-shm-zero-copy":
-        return WeightsyncMethod(ctx, transport="shm", zero_copy=True)
+        return WeightsyncMethod(ctx, transport="shm", zero_copy=True, integrity=integrity)
     if name.startswith("weightsync-"):
-        return WeightsyncMethod(ctx, transport=name.removeprefix("weightsync-"))
+        return WeightsyncMethod(ctx, transport=name.removeprefix("weightsync-"), integrity=integrity)
     if name in ("safetensors-disk", "safetensors-shm"):
         return SafetensorsReload(ctx, where=name.removeprefix("safetensors-"))
     if name == "per-param-broadcast":

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightsync.bench.baselines import BASELINES
+from weightsync.bench.baselines import BASELINES, INTEGRITY_SUFFIX
 
 #: name -> HF config (shape facts only; the dtype is set per case).
 MODELS: Mapping[str, dict[str, Any]] = {
@@ -79,6 +79,11 @@ def weightsync_methods(transports: Sequence[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def with_integrity(methods: Sequence[str]) -> tuple[str, ...]:
+    """Each weightsync method followed by itself with in-band digests (``+integrity``)."""
+    return tuple(x for m in methods for x in (m, m + INTEGRITY_SUFFIX))
+
+
 @dataclass(frozen=True, kw_only=True)
 class Case:
     """One model x dtype x layout pair, and the methods run on it side by side."""
@@ -134,10 +139,13 @@ def suite(kind: str, transports: Sequence[str], *, models: Sequence[str] = (), d
     if kind == "quick":
         model = (models or ("llama-0.1b",))[0]
         dtype = (dtypes or ("bf16",))[0]
+        shm = tuple(m for m in ws if m.startswith("weightsync-shm"))
         cases.append(Case(model="qwen3-0.6b", dtype="bf16", layout="tp2->tp1", tag="issue4",
-                          methods=tuple(m for m in ws if m.startswith("weightsync-shm")), reps=reps or 3))
-        for layout in layouts or ("tp2->tp1x2", "fsdp2->tp2", "same"):
-            cases.append(Case(model=model, dtype=dtype, layout=layout, methods=every, reps=reps or 3))
+                          methods=with_integrity(shm), reps=reps or 3))
+        for i, layout in enumerate(layouts or ("tp2->tp1x2", "fsdp2->tp2", "same")):
+            # the first layout also runs every weightsync method with integrity checks, side by side
+            methods = with_integrity(ws) + BASELINES if i == 0 else every
+            cases.append(Case(model=model, dtype=dtype, layout=layout, methods=methods, reps=reps or 3))
         if peer:
             cases.append(Case(model="qwen3-0.2b", dtype="bf16", layout="tp2->tp1x2", tag="awex-peer",
                               methods=tuple(m for m in ws if m in ("weightsync-torch", "weightsync-shm",

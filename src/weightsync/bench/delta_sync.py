@@ -3,14 +3,16 @@
 The parent process trains a small Qwen3 per model (``qwen3-30m``, ``qwen3-0.2b``) for a few
 steps the way RL trainers do: fp32 master weights, AdamW at lr 1e-6, the synced copy cast to
 bf16. Each step's bf16 weights go to a safetensors file. Then the same syncs run twice over
-torch/gloo, 2 FSDP writers -> 1 reader: version v sends step v's weights, once with
+each transport (:data:`TRANSPORTS`: torch/gloo, shm snapshot, shm zero-copy), 2 FSDP writers
+-> 1 reader: version v sends step v's weights, once with
 ``delta_anchor_every=0`` (full) and once with deltas (``delta_anchor_every=1000``: only the
 first version is full). Every version the reader receives is checked bitwise against the
 step's weights, and the writers start each ``write()`` only once the reader is idle and
 waiting (it checks the previous version in between), so that the times are the sync's own.
 
-Reported per model and mode (medians over versions 2..N; version 1 plans, connects and is
-always full): bytes on the wire; the slower writer's whole ``write()`` (publish, transfer,
+Reported per model, transport and mode (medians over versions 2..N; version 1 plans, connects
+and is always full): bytes on the wire (what the reader received: over shm, what it copied out
+of the writers' segments); the slower writer's whole ``write()`` (publish, transfer,
 wait for the reader's report); the *transfer phase*, the reader's ``receive()`` from its
 first receive to the last byte in place (for delta: the writers' comparisons, the wire and
 the reader's apply); and what ``write()`` spends outside it (meta-server round trips, the
@@ -19,6 +21,7 @@ step changed.
 
     rows, changed = run_delta(models=["qwen3-30m", "qwen3-0.2b"], steps=8)
     rows, changed = run_delta(models=["qwen3-0.2b"], links=[None, 10.0])  # and over a 10 Gbit/s link (root)
+    rows, changed = run_delta(transports=["shm"])                          # one transport
 """
 
 from __future__ import annotations
@@ -42,25 +45,37 @@ from weightsync.bench.vllm_memory import MODELS, model_config
 from weightsync.sources.trained import train_snapshots
 
 MODES = {"full": 0, "delta": 1000}
+#: bench name -> (weightsync transport, writers' parameters in /dev/shm: shm goes zero-copy)
+TRANSPORTS = {"torch": ("torch", False), "shm": ("shm", False), "shm-zero-copy": ("shm", True)}
 
 
 def _config(model: str) -> dict[str, Any]:
     return {**model_config(model), "torch_dtype": "bfloat16"}
 
 
-def _writer(model: str, job: str, rank: int, *, snapshots: str, versions: int, anchor: int, timeout: float) -> None:
+def _writer(model: str, job: str, rank: int, *, snapshots: str, versions: int, anchor: int, timeout: float,
+            transport: str) -> None:
+    import contextlib
+
     from safetensors.torch import load_file
 
     from weightsync.session import SyncConfig, TransportOptions
     from weightsync.sources.module import ShardedSource
     from weightsync.torch_layout import fill_from_canonical
+    from weightsync.transport.shm_files import share_tensors
     from weightsync.writer import WeightWriter
 
     torch.set_num_threads(1)
+    name, shared = TRANSPORTS[transport]
     source = ShardedSource("fsdp:dp=2", _config(model), rank)
-    sync = SyncConfig(num_writers=2, num_readers=1, job=job, timeout=timeout, transport="torch",
+    sync = SyncConfig(num_writers=2, num_readers=1, job=job, timeout=timeout, transport=name,
                       transport_options=TransportOptions(delta_anchor_every=anchor))
-    with WeightWriter(source, rank=rank, config=sync) as writer:
+    with contextlib.ExitStack() as stack:
+        if shared:
+            files = share_tensors(source.tensors())
+            stack.callback(files.close)
+            source = ShardedSource("fsdp:dp=2", _config(model), rank, tensors=files.tensors)
+        writer = stack.enter_context(WeightWriter(source, rank=rank, config=sync))
         for version in range(1, versions + 1):
             fill_from_canonical(source.layout(), source.tensors(), load_file(f"{snapshots}/step{version}.safetensors"))
             _wait_for_go(version, timeout)
@@ -77,8 +92,8 @@ def _wait_for_go(version: int, timeout: float) -> None:
         raise SystemExit(f"writer: expected the go for version {version} within {timeout}s, got {line!r}")
 
 
-def _case(model: str, mode: str, *, snapshots: Path, versions: int, timeout: float, env: dict[str, str],
-          address: str, token: str) -> dict[str, Any]:
+def _case(model: str, mode: str, *, transport: str, snapshots: Path, versions: int, timeout: float,
+          env: dict[str, str], address: str, token: str) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     from weightsync.engines.buffers import ShardedEngine
@@ -90,15 +105,17 @@ def _case(model: str, mode: str, *, snapshots: Path, versions: int, timeout: flo
     anchor = MODES[mode]
     writers = [subprocess.Popen([sys.executable, "-m", "weightsync.bench.delta_sync", "writer", "--model", model,
                                  "--job", job, "--rank", str(rank), "--versions", str(versions), "--snapshots",
-                                 str(snapshots), "--anchor", str(anchor), "--timeout", str(timeout)], env=env,
+                                 str(snapshots), "--anchor", str(anchor), "--timeout", str(timeout),
+                                 "--transport", transport], env=env,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for rank in (0, 1)]
     engine = ShardedEngine("hf", _config(model), 0)
-    sync = SyncConfig(num_writers=2, num_readers=1, job=job, timeout=timeout, transport="torch",
+    sync = SyncConfig(num_writers=2, num_readers=1, job=job, timeout=timeout, transport=TRANSPORTS[transport][0],
                       transport_options=TransportOptions(delta_anchor_every=anchor))
-    row: dict[str, Any] = {"model": model, "mode": mode, "versions": versions}
+    row: dict[str, Any] = {"model": model, "transport": transport, "mode": mode, "versions": versions}
     wrong: list[str] = []
     received: dict[int, dict[str, float]] = {}
+    got: dict[int, int] = {}  # bytes the reader received (one-sided writers cannot tell what readers copy)
     try:
         with MetaClient(address, job=job, token=token) as meta, \
                 WeightReader(engine, rank=0, config=sync, meta=meta) as reader:
@@ -107,7 +124,8 @@ def _case(model: str, mode: str, *, snapshots: Path, versions: int, timeout: flo
                     assert w.stdin is not None
                     w.stdin.write(f"{version}\n")
                     w.stdin.flush()
-                received[version] = reader.update(version, timeout=timeout).phases
+                result = reader.update(version, timeout=timeout)
+                received[version], got[version] = result.phases, result.nbytes
                 want = load_file(str(snapshots / f"step{version}.safetensors"))
                 wrong += [f"v{version} {n}" for n, t in engine.tensors.items() if not torch.equal(t, want[n])]
         outs = [w.communicate(timeout=timeout) for w in writers]
@@ -125,7 +143,8 @@ def _case(model: str, mode: str, *, snapshots: Path, versions: int, timeout: flo
                 rec = json.loads(line[len("WSDELTA "):])
                 records.setdefault(rec["version"], []).append(rec)
     row |= _medians(records, received)
-    row["nbytes_per_version"] = [sum(r["nbytes"] for r in records[v]) for v in sorted(records)]
+    row["nbytes"] = statistics.median(got[v] for v in sorted(got) if v > 1)
+    row["nbytes_per_version"] = [got[v] for v in sorted(got)]
     row["verified"] = not wrong
     if wrong:
         row["error"] = f"{len(wrong)} tensors differ, e.g. {wrong[:3]}"
@@ -149,8 +168,10 @@ def _medians(records: dict[int, list[dict[str, Any]]], received: dict[int, dict[
 
 
 def run_delta(*, models: list[str] | None = None, steps: int = 8, lr: float = 1e-6, timeout: float = 600.0,
-              links: list[float | None] | None = None) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
-    """Per model: train, then sync every step's weights full and as deltas, over plain loopback
+              links: list[float | None] | None = None, transports: list[str] | None = None,
+              ) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
+    """Per model: train, then sync every step's weights full and as deltas over each transport
+    (:data:`TRANSPORTS`; one-sided shm ignores the link, its bytes never touch it), over plain loopback
     (``None``) and over loopback shaped to each rate in ``links`` (Gbit/s, see
     :mod:`weightsync.bench.link`); rows with ratios to the full sync on the same link."""
     from weightsync.bench.link import shaped_loopback
@@ -165,15 +186,16 @@ def run_delta(*, models: list[str] | None = None, steps: int = 8, lr: float = 1e
                    "OMP_NUM_THREADS": "1"}
             for gbit in links or [None]:
                 with shaped_loopback(gbit) as link:
-                    for mode in MODES:  # full, then delta, on the same link
-                        started = time.perf_counter()
-                        row = _case(model, mode, snapshots=Path(tmp), versions=steps, timeout=timeout, env=env,
-                                    address=server.address, token=server.token)
-                        row["wall_seconds"] = time.perf_counter() - started
-                        rows.append(row | {"link": link, "link_gbit": gbit})
+                    for transport in transports or list(TRANSPORTS):
+                        for mode in MODES:  # full, then delta, on the same link and transport
+                            started = time.perf_counter()
+                            row = _case(model, mode, transport=transport, snapshots=Path(tmp), versions=steps,
+                                        timeout=timeout, env=env, address=server.address, token=server.token)
+                            row["wall_seconds"] = time.perf_counter() - started
+                            rows.append(row | {"link": link, "link_gbit": gbit})
     for r in rows:
-        full = next((f for f in rows if (f["model"], f["link"]) == (r["model"], r["link"]) and f["mode"] == "full"
-                     and "error" not in f), None)
+        full = next((f for f in rows if (f["model"], f["link"], f["transport"]) == (r["model"], r["link"],
+                     r["transport"]) and f["mode"] == "full" and "error" not in f), None)
         if full is not None and "error" not in r:
             r["bytes_vs_full"] = r["nbytes"] / full["nbytes"]
             r["seconds_vs_full"] = r["seconds"] / full["seconds"]
@@ -192,9 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--snapshots", required=True)
     w.add_argument("--anchor", type=int, required=True)
     w.add_argument("--timeout", type=float, default=600.0)
+    w.add_argument("--transport", choices=sorted(TRANSPORTS), default="torch")
     args = parser.parse_args(argv)
     _writer(args.model, args.job, args.rank, snapshots=args.snapshots, versions=args.versions, anchor=args.anchor,
-            timeout=args.timeout)
+            timeout=args.timeout, transport=args.transport)
     return 0
 
 

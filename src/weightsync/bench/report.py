@@ -9,7 +9,9 @@ The summary's ``ratios`` are always two times measured in the same run, side by 
   baseline's time / weightsync's time on the main case (TP2 -> TP1 x 2), weightsync with the
   transport ``auto`` picks for co-located ranks (shared memory);
 * ``*_over_weightsync_torch``: the same against weightsync over gloo (the baselines' medium);
-* ``awex_over_weightsync_torch``: the awex peer / weightsync over gloo on the same shapes.
+* ``awex_over_weightsync_torch``: the awex peer / weightsync over gloo on the same shapes;
+* ``integrity_cost_<method>``: a weightsync method with in-band digests (``+integrity``) / the
+  same method without, minus one, on the same case (issue 4's case first, then the main case).
 """
 
 from __future__ import annotations
@@ -56,6 +58,14 @@ def summary_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
                 theirs = _seconds(rows, main, method)
                 if theirs:
                     out[f"{key}_over_weightsync{suffix}"] = theirs / mine
+    for r in rows:
+        method = r["method"]
+        if not method.endswith("+integrity") or not r.get("seconds"):
+            continue
+        plain = _seconds(rows, r["case"], method.removesuffix("+integrity"))
+        key = f"integrity_cost_{method.removesuffix('+integrity').removeprefix('weightsync-').replace('-', '_')}"
+        if plain and key not in out:
+            out[key] = float(r["seconds"]) / plain - 1.0
     peer = next((r for r in rows if r["method"] == "awex-p2p" and r.get("seconds")), None)
     if peer is not None:
         mine = _seconds(rows, peer["case"], "weightsync-torch")

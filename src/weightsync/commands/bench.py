@@ -36,10 +36,13 @@ def _link_rates(text: str) -> list[float | None]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="the quick suite (one small model, every method)")
-    p.add_argument("--suite", choices=["quick", "full", "test", "vllm-memory", "fewer-bytes", "load", "delta"],
+    p.add_argument("--suite", choices=["quick", "full", "test", "vllm-memory", "vllm-prefetch", "fewer-bytes", "load",
+                                        "delta"],
                    default=None,
                    help="quick | full (every model, dtype and layout that fits in memory) | test (tiny) | "
                         "vllm-memory (a vLLM reader's extra memory: whole-model staging vs phases) | "
+                        "vllm-prefetch (a vLLM engine's pause per update with and without prefetch; "
+                        "tokens/s during a sync vs idle; --models, --reps updates) | "
                         "fewer-bytes (FP8 quantize-on-send vs full bf16 syncs, same layout, one run) | "
                         "load (--load-readers readers x --load-versions back-to-back versions: flat memory?)")
     p.add_argument("--delta", action="store_true",
@@ -47,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default qwen3-30m,qwen3-0.2b)")
     p.add_argument("--delta-steps", type=int, default=8, help="training steps (one sync each) of --delta")
     p.add_argument("--delta-lr", type=float, default=1e-6, help="AdamW lr of --delta (fp32 master weights)")
+    p.add_argument("--delta-transports", type=_csv, default=["torch", "shm", "shm-zero-copy"],
+                   help="transports of --delta, full and delta side by side on each (torch, shm, shm-zero-copy)")
     p.add_argument("--link-gbit", type=_link_rates, default=[None],
                    help="--delta also over loopback shaped to these rates (Gbit/s, e.g. 10,25; needs root and "
                         "tc; 'lo' = plain loopback), full and delta side by side on each")
@@ -86,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     kind = args.suite or ("quick" if args.quick else "full")
     if kind == "vllm-memory":
         return _vllm_memory(args)
+    if kind == "vllm-prefetch":
+        return _vllm_prefetch(args)
     if kind == "fewer-bytes":
         return _fewer_bytes(args)
     if kind == "delta" or args.delta:
@@ -163,6 +170,37 @@ def _vllm_memory(args: argparse.Namespace) -> int:
     return 0 if all(r.get("verified") for r in rows) else 1
 
 
+def _vllm_prefetch(args: argparse.Namespace) -> int:
+    """``--suite vllm-prefetch``: see :mod:`weightsync.bench.vllm_prefetch`."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from weightsync.bench import machine
+    from weightsync.bench.vllm_prefetch import run_vllm_prefetch
+
+    transport = args.transports[0] if args.transports else "auto"
+    rows = run_vllm_prefetch(model=args.models[0] if args.models else "qwen3-30m", updates=args.reps or 3,
+                             transport=transport, timeout=args.timeout)
+    console = Console(stderr=args.json, width=200)
+    table = Table(title="vLLM: the engine's pause per update (medians), and tokens/s during a sync")
+    for col in ("path", "model", "no prefetch: pause = sync s", "prefetch: sync s", "pause s", "apply s",
+                "pause / apply", "tokens/s idle", "during sync", "during / idle"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["path"], r["model"], f"[red]{r['error'][:100]}[/red]", *[""] * 7)
+            continue
+        table.add_row(r["path"], r["model"], f"{r['blocking_pause_s']:.3f}", f"{r['prefetch_sync_s']:.3f}",
+                      f"{r['prefetch_pause_s']:.3f}", f"{r['prefetch_apply_s']:.3f}", f"{r['pause_over_apply']:.2f}",
+                      f"{r['idle_tokens_per_s']:.0f}", f"{r['during_tokens_per_s']:.0f}",
+                      f"{r['during_over_idle']:.2f}")
+    console.print(table)
+    if args.json:
+        sys.stdout.flush()
+        print(json.dumps({"rows": rows, "machine": machine()}), flush=True)
+    return 1 if any("error" in r for r in rows) else 0
+
+
 def _fewer_bytes(args: argparse.Namespace) -> int:
     """``--suite fewer-bytes``: see :mod:`weightsync.bench.fewer_bytes`."""
     from rich.console import Console
@@ -203,22 +241,23 @@ def _delta(args: argparse.Namespace) -> int:
 
     models = args.models or ["qwen3-30m", "qwen3-0.2b"]
     rows, changed = run_delta(models=models, steps=max(3, args.delta_steps), lr=args.delta_lr, timeout=args.timeout,
-                              links=args.link_gbit)
+                              links=args.link_gbit, transports=args.delta_transports)
     console = Console(stderr=args.json, width=200)
     for model, fractions in changed.items():
         listed = ", ".join(f"{c:.2%}" for c in fractions)
         console.print(f"{model}: bf16 elements changed per step (steps 2..): {listed}")
-    table = Table(title="2 FSDP writers (bf16) -> 1 reader over torch/gloo, median over versions 2..; transfer = "
+    table = Table(title="2 FSDP writers (bf16) -> 1 reader, median over versions 2..; transfer = "
                         "the reader's receive(), other = write() minus transfer")
-    for col in ("model", "link", "mode", "MB on the wire", "x full bytes", "write() s", "x full", "transfer s",
-                "x full", "other s", "bitwise"):
+    for col in ("model", "link", "transport", "mode", "MB on the wire", "x full bytes", "write() s", "x full",
+                "transfer s", "x full", "other s", "bitwise"):
         table.add_column(col, justify="right")
     for r in rows:
         if "error" in r:
-            table.add_row(r["model"], r["link"], r["mode"], "", "", "", "", "", "", "", f"[red]{r['error'][:80]}[/red]")
+            table.add_row(r["model"], r["link"], r["transport"], r["mode"], "", "", "", "", "", "", "",
+                          f"[red]{r['error'][:80]}[/red]")
             continue
         nan = float("nan")
-        table.add_row(r["model"], r["link"], r["mode"], f"{r['nbytes'] / 1e6:.2f}",
+        table.add_row(r["model"], r["link"], r["transport"], r["mode"], f"{r['nbytes'] / 1e6:.2f}",
                       f"{r.get('bytes_vs_full', nan):.3f}", f"{r['seconds']:.3f}",
                       f"{r.get('seconds_vs_full', nan):.2f}", f"{r['transfer_seconds']:.3f}",
                       f"{r.get('transfer_vs_full', nan):.2f}", f"{r['seconds'] - r['transfer_seconds']:.3f}",

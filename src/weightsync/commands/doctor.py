@@ -3,6 +3,7 @@
     weightsync doctor                 # every check the hardware allows; GPU checks say why they skip
     weightsync doctor --engines       # also update a live vLLM / SGLang engine
     weightsync doctor --json
+    weightsync doctor --report doctor.json   # versions, GPU topology, results: attach it to a bug report
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", default="", help="comma-separated check-name prefixes, e.g. cpu,gpu/nccl")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds allowed for each check")
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line of stdout")
+    p.add_argument("--report", metavar="FILE", default="",
+                   help="write the report (versions, GPU topology, every check's result, timing or skip reason) "
+                        "as one JSON file to attach to a bug report")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,6 +47,10 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(c.name, f"[{colours[c.status]}]{c.status}[/]", "" if c.gbps is None else f"{c.gbps:.2f}",
                       f"{c.seconds:.1f}", c.detail)
     console.print(table)
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump(report.to_dict(), f, indent=1)
+        console.print(f"report written to {args.report}")
     if args.json:
         sys.stdout.flush()
         print(json.dumps(report.to_dict()), flush=True)

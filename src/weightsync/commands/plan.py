@@ -13,6 +13,7 @@ from typing import Any
 
 from weightsync.configs import load_spec
 from weightsync.layout import parse_layout
+from weightsync.layout.kinds.megatron import MegatronLayout, derives
 from weightsync.layout.quant import fp8_bytes_saved
 from weightsync.layout.quant_offers import quantized_sources
 from weightsync.plan import PlanOptions, build_local_plan, build_plan, plan_statistics
@@ -43,6 +44,10 @@ def run(args: argparse.Namespace) -> int:
     if args.link_gbps <= 0:
         raise ValueError("--link-gbps must be positive")
     options = PlanOptions(min_split_bytes=args.min_split_bytes)
+    if any(isinstance(kind, MegatronLayout) and derives(spec) for kind in (source, target)):
+        from weightsync.sources.megatron_names import install as install_megatron_names
+
+        install_megatron_names()  # DeepSeek-V3/GLM-4.5's Megatron names come from mbridge (needs it installed)
     if args.vllm_loaders:
         from weightsync.engines.vllm_layout import install
 

@@ -25,6 +25,7 @@ from typing import ClassVar
 
 import torch
 
+from weightsync import device_port
 from weightsync.layout import ModelSpec, RankLayout, Shard
 from weightsync.layout.kinds.hf import HFLayout
 from weightsync.torch_layout import TORCH_DTYPES, dtype_name
@@ -65,6 +66,7 @@ class StagedWeights:
         self.layout_text = kind.describe()
         self._layout = kind.rank_layout(spec, rank)
         self._device = torch.device(device)
+        self.dev = device_port.current()
         self._phases: tuple[tuple[str, ...], ...] | None = None  # laid out for these; None: not yet
         self._arena: torch.Tensor | None = None
         self._buffers: dict[str, torch.Tensor] = {}
@@ -142,7 +144,12 @@ class StagedWeights:
             size = max(size, at)
         self._arena = None
         self._buffers = {}
-        arena = torch.zeros(max(size, _ALIGN), dtype=torch.uint8, device=self._device)
+        arena = device_port.allocate(
+            self.dev, max(size, _ALIGN), self._device, what="the engine's staging arena",
+            fix="leave the engine room for it (vLLM: a lower gpu_memory_utilization; SGLang: a lower "
+                "mem_fraction_static)" + (", or stage one phase of layers at a time (SyncConfig(layer_phases=True))"
+                                          if self.loads_in_phases and len(wanted) == 1 else ""),
+        ).zero_()
         for shard in self._layout.shards:
             if shard.name in self._direct:
                 self._buffers[shard.name] = self._direct[shard.name]
@@ -218,7 +225,7 @@ class StagedWeights:
         items = dict(weights.items() if isinstance(weights, Mapping) else weights)
         check_weights(self._layout, items, complete=not self._complete)
         for name, tensor in items.items():
-            self._buffers[name].copy_(tensor)
+            self.dev.copy(self._buffers[name], tensor)
         try:
             self.apply(version)
         except Exception as exc:

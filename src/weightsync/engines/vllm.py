@@ -112,7 +112,8 @@ class VLLMEngine(StagedWeights):
 def update_llm(llm: LLM, version: int, *, timeout: float | None = None) -> None:
     """Driver side of the ``"weightsync"`` backend: bring every worker of ``llm`` to ``version``.
 
-    Each worker's reader receives ``version`` from the trainers and reloads; then the
+    Each worker's reader receives ``version`` from the trainers and reloads (an engine drafting
+    with MTP then runs vLLM's draft session, which hands the backend its drafter); then the
     prefix cache is reset and the engine's weight version set to ``str(version)``.
 
     Raises:
@@ -122,6 +123,12 @@ def update_llm(llm: LLM, version: int, *, timeout: float | None = None) -> None:
     llm.start_weight_update()
     llm.update_weights({"update_info": {"version": version, "timeout": timeout}})
     llm.finish_weight_update(weight_version=str(version))
+    if runs_mtp(llm.llm_engine.vllm_config):
+        # vLLM hands the backend its MTP drafter in a draft session only; the drafter's layers came with
+        # the version, so the first such session loads them, and every later version loads both at once
+        llm.start_draft_weight_update()
+        llm.update_weights({"update_info": {"version": version, "timeout": timeout}})
+        llm.finish_weight_update()
     if not llm.reset_prefix_cache():
         raise RuntimeError("vLLM could not reset its prefix cache (requests are running)")
 
@@ -287,7 +294,7 @@ class ReloadSession:
         self._stashed: list[tuple[Any, Any]] = []
 
     def _models(self) -> list[Any]:
-        return [self.model] if self.draft is None else [self.model, self.draft]
+        return [m for m in (self.model, self.draft) if m is not None]  # model None: the drafter alone
 
     def begin(self) -> None:
         from vllm.config import set_current_vllm_config
@@ -305,9 +312,13 @@ class ReloadSession:
         from vllm.config import set_current_vllm_config
 
         items = list(weights)
-        draft = [(n, t) for n, t in items if _layer_of(n) >= self._first_mtp]
+        draft = [(n, t) for n, t in items if layer_of(n) >= self._first_mtp]
+        target = [(n, t) for n, t in items if layer_of(n) < self._first_mtp]
         with set_current_vllm_config(self.vllm_config):
-            self.model.load_weights(iter([(n, t) for n, t in items if _layer_of(n) < self._first_mtp]))
+            if target:
+                if self.model is None:
+                    raise ValueError(f"{target[0][0]} is the target model's, and this session reloads the drafter")
+                self.model.load_weights(iter(target))
             if draft:
                 if self.draft is None:
                     raise ValueError(f"{draft[0][0]} is an MTP layer's, and this engine has no MTP drafter")
@@ -324,10 +335,11 @@ class ReloadSession:
         finally:
             _restore_cpu_moe_kernels(self._stashed)
             self._stashed = []
-        _cpu_retie_lm_head(self.model)
+        if self.model is not None:
+            _cpu_retie_lm_head(self.model)
 
 
-def _layer_of(name: str) -> int:
+def layer_of(name: str) -> int:
     """The layer number of a checkpoint name (-1 outside the layers)."""
     parts = name.split(".", 3)
     return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() else -1

@@ -19,13 +19,16 @@ an older adapter from being reused; requests holding an older request object kee
 cache keys but run with the newest adapter (vLLM keeps one copy per id).
 
 Staging buffers are separate from the live adapter (``apply`` copies them), so an
-``InflightReader`` can receive version N+1 while N serves. Everything vLLM-version-specific
-(private worker attributes) is in this module; ``vllm`` is imported inside functions.
+``InflightReader`` can receive version N+1 while N serves. :class:`WorkerLoraEngine` does the
+same from inside a vLLM worker, for the ``"weightsync"`` weight-transfer backend (``vllm
+serve``, an ``LLM`` whose engine core runs in another process). Everything
+vLLM-version-specific (private worker attributes) is in this module; ``vllm`` is imported
+inside functions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -40,45 +43,29 @@ if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
 
 
-class VLLMLoraEngine:
-    """An in-process ``vllm.LLM`` with LoRA enabled, whose adapter ``lora_id`` weightsync updates.
-
-    Args:
-        llm: started with ``enable_lora=True`` and ``max_lora_rank >= lora.r``, in this process
-            (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
-        lora: the adapter's shape; its dtype defaults to vLLM's LoRA dtype.
-        name, lora_id: the adapter's name and integer id in vLLM (``lora_id > 0``).
-        rank: the reader rank.
-    """
+class _AdapterStaging:
+    """Staging buffers of one adapter and its version; ``_install`` puts a copy in vLLM."""
 
     stages_in_phases: ClassVar[bool] = False
     keeps_received_bytes: ClassVar[bool] = True  # apply installs copies of the staged adapter
 
-    def __init__(self, llm: LLM, lora: LoraSpec, *, name: str = "policy", lora_id: int = 1, rank: int = 0) -> None:
-        engine = llm.llm_engine
-        if type(engine.engine_core).__name__ != "InprocClient":
-            raise ValueError("VLLMLoraEngine needs an in-process vLLM engine: set "
-                             "VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating the LLM")
-        vllm_config: Any = engine.vllm_config
+    def __init__(self, vllm_config: Any, lora: LoraSpec, lora_id: int, rank: int) -> None:
         lora_config = vllm_config.lora_config
         if lora_config is None:
-            raise ValueError("the vLLM engine has LoRA disabled: start it with LLM(..., enable_lora=True, "
-                             f"max_lora_rank={lora.r})")
+            raise ValueError("the vLLM engine has LoRA disabled: start it with enable_lora=True (vllm serve: "
+                             f"--enable-lora) and max_lora_rank >= {lora.r}")
         if lora.r > lora_config.max_lora_rank:
             raise ValueError(f"adapter rank r={lora.r} exceeds the engine's max_lora_rank="
                              f"{lora_config.max_lora_rank}; start vLLM with max_lora_rank >= {lora.r}")
-        if lora_id <= 0:
-            raise ValueError(f"lora_id must be positive (vLLM reserves 0 for 'no adapter'), got {lora_id}")
-        spec = spec_of(vllm_config)
+        if isinstance(lora_id, bool) or not isinstance(lora_id, int) or lora_id <= 0:
+            raise ValueError(f"lora_id must be a positive integer (vLLM reserves 0 for 'no adapter'), got {lora_id!r}")
         engine_dtype = lora_config.lora_dtype
         if not isinstance(engine_dtype, torch.dtype):  # "auto": the model's dtype
             engine_dtype = vllm_config.model_config.dtype
         self.lora = lora
-        self.llm = llm
-        self.name = name
         self.lora_id = lora_id
         self._dtype = engine_dtype
-        self._layout = lora.rank_layout(spec, rank, dtype=dtype_name(engine_dtype))
+        self._layout = lora.rank_layout(spec_of(vllm_config), rank, dtype=dtype_name(engine_dtype))
         self._buffers = allocate(self._layout)
         self._version: int | None = None
 
@@ -100,7 +87,7 @@ class VLLMLoraEngine:
         """Swap the staged adapter in as ``version`` (the old one serves until the swap)."""
         tensors = {name: t.clone() for name, t in self._buffers.items()}  # vLLM scales B in place
         try:
-            self.llm.collective_rpc(_install_adapter, args=(self.lora_id, tensors, self.lora.peft_config()))
+            self._install(tensors)
         except BaseException:
             self._version = None  # the old adapter may be gone: serve nothing stale under a version
             raise
@@ -108,6 +95,34 @@ class VLLMLoraEngine:
 
     def abort(self, version: int, error: BaseException) -> None:
         """Only staging was written: the live adapter (and its version) is unchanged."""
+
+    def _install(self, tensors: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+
+class VLLMLoraEngine(_AdapterStaging):
+    """An in-process ``vllm.LLM`` with LoRA enabled, whose adapter ``lora_id`` weightsync updates.
+
+    Args:
+        llm: started with ``enable_lora=True`` and ``max_lora_rank >= lora.r``, in this process
+            (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+        lora: the adapter's shape; its dtype defaults to vLLM's LoRA dtype.
+        name, lora_id: the adapter's name and integer id in vLLM (``lora_id > 0``).
+        rank: the reader rank.
+    """
+
+    def __init__(self, llm: LLM, lora: LoraSpec, *, name: str = "policy", lora_id: int = 1, rank: int = 0) -> None:
+        engine = llm.llm_engine
+        if type(engine.engine_core).__name__ != "InprocClient":
+            raise ValueError("VLLMLoraEngine needs an in-process vLLM engine: set "
+                             "VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating the LLM (an engine in other "
+                             "processes takes adapters through the \"weightsync\" weight-transfer backend)")
+        super().__init__(engine.vllm_config, lora, lora_id, rank)
+        self.llm = llm
+        self.name = name
+
+    def _install(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.llm.collective_rpc(_install_in_worker, args=(self.lora_id, tensors, self.lora.peft_config()))
 
     # -- direct use ---------------------------------------------------------------------------
     def update(self, tensors: Mapping[str, torch.Tensor], *, version: int) -> None:
@@ -132,37 +147,112 @@ class VLLMLoraEngine:
         vLLM folds the scaling into B when it adds an adapter (``lora_b *= scaling``), so the
         bitwise check of B is against ``B * lora.scaling`` computed in the adapter dtype.
         """
-        return self.llm.collective_rpc(_read_adapter, args=(self.lora_id,))[0]
+        return self.llm.collective_rpc(_read_in_worker, args=(self.lora_id,))[0]
+
+
+class WorkerLoraEngine(_AdapterStaging):
+    """The adapter ``lora_id`` of the model inside a vLLM worker (the ``"weightsync"`` weight-transfer
+    backend with ``lora`` in its init info): what :class:`VLLMLoraEngine` does, from inside the worker.
+
+    Requests carrying ``lora_id`` (``vllm serve``: the name of the ``--lora-modules`` entry with
+    that id) generate with the newest version once it is applied.
+    """
+
+    def __init__(self, model: torch.nn.Module, vllm_config: Any, lora: LoraSpec, *, lora_id: int, rank: int) -> None:
+        super().__init__(vllm_config, lora, lora_id, rank)
+        self.manager = lora_manager(model)
+        self.vllm_config = vllm_config
+        #: the adapter as last installed (as received, unscaled): put back after vLLM drops it
+        self._installed: dict[str, torch.Tensor] | None = None
+        keep_across_resets(self.manager, self._reinstall)
+
+    def _install(self, tensors: dict[str, torch.Tensor]) -> None:
+        kept = {name: t.clone() for name, t in tensors.items()}  # install_adapter scales B in place
+        install_adapter(self.manager, self.vllm_config, self.lora_id, tensors, self.lora.peft_config())
+        self._installed = kept
+
+    def _reinstall(self) -> None:
+        if self._installed is not None:
+            tensors = {name: t.clone() for name, t in self._installed.items()}
+            install_adapter(self.manager, self.vllm_config, self.lora_id, tensors, self.lora.peft_config())
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        return read_adapter(self.manager, self.lora_id)
 
 
 # -- worker side: runs where the model lives ----------------------------------------------------
 
-def _install_adapter(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor],
-                     peft_config: dict[str, Any]) -> None:
+def lora_manager(model: torch.nn.Module) -> Any:
+    """vLLM's adapter manager of a LoRA-enabled model (the worker's ``lora_manager._adapter_manager``;
+    ``LoRAModelManager`` records itself on the model it wraps)."""
+    manager = getattr(model, "lora_manager", None)
+    if manager is None:
+        raise ValueError("the vLLM model has no LoRA manager: start the engine with LoRA enabled (vllm serve: "
+                         "--enable-lora --max-lora-rank R --lora-modules NAME=DIR)")
+    return manager
+
+
+def keep_across_resets(adapters: Any, reinstall: Callable[[], None]) -> None:
+    """Call ``reinstall`` each time vLLM empties the worker's adapter manager.
+
+    vLLM's worker drops every adapter when a weight update finishes (``finish_weight_update``
+    calls ``model_runner.reset_lora_state()``: new base weights invalidate LoRA state, it
+    assumes), and would then reload adapter ``lora_id`` from its ``--lora-modules`` path, the
+    first version, on the next request. An adapter-only version changes no base weight, so
+    the adapter weightsync installed is put back at once. The manager's
+    ``remove_all_adapters`` is wrapped on this instance only (vLLM 0.32), once; a later engine
+    on the same worker (a new trainer) replaces ``reinstall``.
+    """
+    adapters._weightsync_reinstall = reinstall
+    if getattr(adapters.remove_all_adapters, "__weightsync_reinstalls__", False):
+        return
+    original = adapters.remove_all_adapters
+
+    def remove_all_adapters() -> None:
+        original()
+        adapters._weightsync_reinstall()
+
+    remove_all_adapters.__weightsync_reinstalls__ = True  # type: ignore[attr-defined]
+    adapters.remove_all_adapters = remove_all_adapters
+
+
+def _install_in_worker(worker: Any, lora_id: int, tensors: dict[str, torch.Tensor],
+                       peft_config: dict[str, Any]) -> None:
+    install_adapter(worker.model_runner.lora_manager._adapter_manager, worker.vllm_config, lora_id, tensors,
+                    peft_config)
+
+
+def _read_in_worker(worker: Any, lora_id: int) -> dict[str, torch.Tensor]:
+    return read_adapter(worker.model_runner.lora_manager._adapter_manager, lora_id)
+
+
+def install_adapter(adapters: Any, vllm_config: Any, lora_id: int, tensors: dict[str, torch.Tensor],
+                    peft_config: dict[str, Any]) -> None:
     """Build the ``LoRAModel`` from tensors (as vLLM does after reading files) and replace ``lora_id``."""
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper
 
-    manager = worker.model_runner.lora_manager  # LRUCacheWorkerLoRAManager
-    adapters = manager._adapter_manager
-    helper = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
-    helper.validate_legal(manager.lora_config)
+    lora_config = adapters.lora_config
+    text_config = vllm_config.model_config.hf_config.get_text_config()
+    helper = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings":
+                                   getattr(text_config, "max_position_embeddings", None)})
+    helper.validate_legal(lora_config)
     model = adapters.model
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     lora = LoRAModel.from_lora_tensors(
         lora_model_id=lora_id, tensors=tensors, peft_helper=helper, device="cpu",
-        dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+        dtype=lora_config.lora_dtype, model_vocab_size=adapters.vocab_size,
         weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
         skip_prefixes=getattr(model, "lora_skip_prefixes", None))
     adapters.remove_adapter(lora_id)  # also deactivates it; the next batch activates the new one
     adapters.add_adapter(lora)
-    # Never evicted from the CPU-side cache: vLLM would try to reload it from its (fake) path.
+    # Never evicted from the CPU-side cache: vLLM would try to reload it from its path, which
+    # holds the first version at best (vllm serve's --lora-modules) or nothing at all.
     adapters._registered_adapters.pin(lora_id)
 
 
-def _read_adapter(worker: Any, lora_id: int) -> dict[str, torch.Tensor]:
-    """The worker's A and B matrices of ``lora_id`` under PEFT names (packed q/k/v, gate/up unpacked)."""
-    adapters = worker.model_runner.lora_manager._adapter_manager
+def read_adapter(adapters: Any, lora_id: int) -> dict[str, torch.Tensor]:
+    """The A and B matrices of ``lora_id`` under PEFT names (packed q/k/v, gate/up unpacked)."""
     lora = adapters.get_adapter(lora_id)
     if lora is None:
         raise KeyError(f"vLLM holds no adapter with id {lora_id}")

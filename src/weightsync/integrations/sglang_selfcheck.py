@@ -64,7 +64,8 @@ def main() -> int:
         try:
             ref_b = _greedy(engine)
             sync = SyncConfig(num_writers=1, num_readers=1, job="selfcheck", timeout=120.0)
-            source = CanonicalSource(config)
+            adapter = SGLangEngine(engine, config, dtype=torch.float32)
+            source = CanonicalSource.beside(adapter, config)  # the engine stages on GPU where there is one
             errors: list[BaseException] = []
 
             def train() -> None:
@@ -79,7 +80,6 @@ def main() -> int:
 
             trainer = threading.Thread(target=train, name="selfcheck-trainer")
             trainer.start()
-            adapter = SGLangEngine(engine, config, dtype=torch.float32)
             with WeightReader(adapter, rank=0, config=sync,
                               meta=MetaClient(server.address, job="selfcheck", token=server.token)) as reader:
                 reader.update(1)

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from weightsync.sync_config import SyncConfig, check_value, job_config, job_wire, with_job_settings
+
 if TYPE_CHECKING:
     from weightsync.writer import WriteResult
 
@@ -35,8 +37,15 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+@with_job_settings(exclude=("num_writers", "num_readers", "host", "transport_host"),
+                   defaults={"job": "trl", "layer_phases": True})
 class TRLSyncSettings:
     """weightsync's settings for a TRL trainer (the same on every rank).
+
+    Besides the fields below, every job setting of ``SyncConfig``'s wire form
+    (:mod:`weightsync.sync_config`) but the job's size (TRL's world) and the rank's own node and
+    address; defaults as ``SyncConfig``'s, except ``job="trl"`` and ``layer_phases=True``
+    (a vLLM worker stages one phase of whole layers rather than a copy of the whole model).
 
     Attributes:
         meta_address / meta_token: the job's meta server, reachable by every trainer rank and by
@@ -44,30 +53,31 @@ class TRLSyncSettings:
             else the main process starts an embedded one on ``meta_host`` and tells the others.
         meta_host: the interface the embedded meta server listens on: loopback by default, an
             address the other nodes reach when the trainers or the vLLM server span machines.
-        job: the weightsync job name (one per trainer/engine pair sharing a meta server).
-        transport: ``auto`` (shared memory on one node), ``torch``, ``shm``, ``nixl`` or ``file``.
-        timeout: seconds any one wait may take (planning, one version's transfer).
-        max_bucket_bytes: transfer bucket size, and the phase size with ``layer_phases``.
-        layer_phases: move each version in phases of whole layers, so a vLLM worker stages one
-            phase rather than a copy of the whole model.
     """
 
     meta_address: str = ""
     meta_token: str = ""
     meta_host: str = "127.0.0.1"
-    job: str = "trl"
-    transport: str = "auto"
-    timeout: float = 300.0
-    max_bucket_bytes: int = 64 << 20
-    layer_phases: bool = True
 
     def __post_init__(self) -> None:
-        if not self.job:
-            raise ValueError("TRLSyncSettings.job must be a non-empty job name")
-        if self.timeout <= 0:
-            raise ValueError(f"TRLSyncSettings.timeout must be positive, got {self.timeout}")
+        for name in ("meta_address", "meta_token", "meta_host"):
+            check_value(getattr(self, name), str, f"TRLSyncSettings.{name}")
         if self.meta_token and not self.meta_address:
             raise ValueError("TRLSyncSettings.meta_token is set without meta_address: give both, or neither")
+        self.sync_config(num_writers=1, num_readers=1)  # every job setting checked now, named
+
+    def sync_config(self, *, num_writers: int, num_readers: int) -> SyncConfig:
+        """The job's settings for ``num_writers`` trainer ranks and ``num_readers`` engines."""
+        return job_config(self, "TRLSyncSettings", num_writers=num_writers, num_readers=num_readers)
+
+    def trainer_init_info(self, *, rank: int, world: int, meta_address: str, meta_token: str,
+                          model_config: Any) -> Any:
+        """vLLM's ``WeightSyncTrainerInitInfo`` for trainer rank ``rank`` of ``world`` (server mode)."""
+        from weightsync.integrations.vllm_trainer import WeightSyncTrainerInitInfo
+
+        job = {**job_wire(self), "num_writers": world, "num_readers": 1}
+        return WeightSyncTrainerInitInfo(rank=rank, meta_address=meta_address, meta_token=meta_token,
+                                         model_config=model_config, **job)
 
 
 class _Sync:
@@ -80,6 +90,8 @@ class _Sync:
         self.rank = int(self.accelerator.process_index)
         self.world = int(self.accelerator.num_processes)
         self.version: int | None = None
+        #: seconds any one wait may take (the job's ``timeout``)
+        self.timeout = settings.sync_config(num_writers=1, num_readers=1).timeout
         #: this rank's WriteResult of the last version (bytes on the wire, seconds per phase)
         self.last_result: WriteResult | None = None
         self._closers: list[Any] = []
@@ -175,15 +187,10 @@ class ServerSync(_Sync):
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        from weightsync.integrations.vllm_trainer import WeightSyncTrainerInitInfo
-
-        s = self.settings
         source = self._source()
-        info = WeightSyncTrainerInitInfo(
-            rank=self.rank, num_writers=self.world, num_readers=1, meta_address=self.address, meta_token=self.token,
-            job=s.job, transport=s.transport, timeout=s.timeout, max_bucket_bytes=s.max_bucket_bytes,
-            model_config=source.config, layer_phases=s.layer_phases)
-        client = HTTPVLLMWeightSyncClient(self.generation.base_url, timeout=s.timeout)  # rank 0 drives it
+        info = self.settings.trainer_init_info(rank=self.rank, world=self.world, meta_address=self.address,
+                                               meta_token=self.token, model_config=source.config)
+        client = HTTPVLLMWeightSyncClient(self.generation.base_url, timeout=self.timeout)  # rank 0 drives it
         engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
         self._closers.insert(0, engine.shutdown)
         return engine
@@ -200,19 +207,14 @@ class ColocateSync(_Sync):
         super().__init__(generation, settings)
         self.writer: Any = None
         self.address, self.token = self._meta()
-        self.meta = MetaClient(self.address, job=settings.job, token=self.token or None)
+        self.meta = MetaClient(self.address, job=self._config().job, token=self.token or None)
         self._closers.insert(0, self.meta.close)
         engine = VLLMEngine(generation.llm, rank=self.rank, replicas=self.world)
         self.reader = WeightReader(engine, rank=self.rank, config=self._config(), meta=self.meta)
         self._closers.insert(0, self.reader.close)
 
-    def _config(self) -> Any:
-        from weightsync.session import SyncConfig, TransportOptions
-
-        s = self.settings
-        return SyncConfig(num_writers=self.world, num_readers=self.world, job=s.job, transport=s.transport,
-                          timeout=s.timeout, layer_phases=s.layer_phases,
-                          transport_options=TransportOptions(max_bucket_bytes=s.max_bucket_bytes))
+    def _config(self) -> SyncConfig:
+        return self.settings.sync_config(num_writers=self.world, num_readers=self.world)
 
     def _send(self, version: int) -> WriteResult:
         from weightsync.writer import WeightWriter
@@ -221,8 +223,8 @@ class ColocateSync(_Sync):
             self.writer = WeightWriter(self._source(), rank=self.rank, config=self._config(), meta=self.meta)
             self._closers.insert(0, self.writer.close)
         writer = self.writer
-        result: WriteResult = run_concurrently(lambda: self.reader.update(version, timeout=self.settings.timeout),
-                                               lambda: writer.write(version), self.settings.timeout)
+        result: WriteResult = run_concurrently(lambda: self.reader.update(version, timeout=self.timeout),
+                                               lambda: writer.write(version), self.timeout)
         return result
 
 

@@ -7,9 +7,10 @@ registers the backend)::
     actor_rollout_ref.rollout.checkpoint_engine.backend=weightsync \\
     actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=weightsync.integrations.verl
 
-Optional ``engine_kwargs.weightsync``: ``job`` (default ``"verl"``), ``transport``
-(``"auto"``: shared memory between workers on one Ray node, torch between nodes, per pair),
-``device`` (of the staging buffers; default ``cuda`` when available), ``timeout`` seconds.
+Optional ``engine_kwargs.weightsync`` (:mod:`weightsync.integrations.verl_settings`): ``device``
+(of the staging buffers; default ``cuda`` when available) and any job setting of ``SyncConfig``
+(``job``, default ``"verl"``; ``transport``, default ``"auto"``: shared memory between workers on
+one Ray node, torch between nodes, per pair; ``timeout``, default 600 s; ``max_bucket_bytes``, ...).
 
 How verl drives it, every training step (``CheckpointEngineManager.update_weights``)::
 
@@ -36,13 +37,13 @@ import asyncio
 import itertools
 import logging
 from collections.abc import AsyncGenerator, Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
 from weightsync.deadline import Deadline
+from weightsync.integrations.verl_settings import VerlSyncSettings
 from weightsync.job_wire import TensorTable
 from weightsync.layout import RankLayout
 from weightsync.layout.builders import replicated
@@ -52,27 +53,6 @@ from weightsync.torch_layout import allocate, dtype_name
 logger = logging.getLogger(__name__)
 
 BACKEND = "weightsync"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class VerlSyncSettings:
-    """``engine_kwargs.weightsync`` of verl's checkpoint-engine config (see module docstring)."""
-
-    job: str = "verl"
-    transport: str = "auto"
-    device: str = ""
-    timeout: float = 600.0
-    meta_name: str = "weightsync-meta"
-
-    def __post_init__(self) -> None:
-        if not self.job:
-            raise ValueError("engine_kwargs.weightsync.job must be a non-empty job name")
-        if self.timeout <= 0:
-            raise ValueError(f"engine_kwargs.weightsync.timeout must be positive, got {self.timeout}")
-
-    @property
-    def staging_device(self) -> str:
-        return self.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def tensor_table(tensors: Mapping[str, torch.Tensor]) -> TensorTable:
@@ -150,7 +130,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     def __init__(self, bucket_size: int, is_master: bool = False, **settings: Any) -> None:
         self.bucket_size = bucket_size  # verl's bucket: weightsync sizes its own messages
         self.is_master = is_master
-        self.settings = VerlSyncSettings(**settings)
+        self.settings = VerlSyncSettings.from_engine_kwargs(settings)
         self.role = ""
         self.rank = -1
         self.num_readers = 0
@@ -183,15 +163,14 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     def _config(self) -> Any:
         """The job's settings, placed on this worker's Ray node (see :mod:`weightsync.integrations.ray.actors`)."""
         from weightsync.integrations.ray.actors import placed_config
-        from weightsync.session import SyncConfig
 
-        return placed_config(SyncConfig(num_writers=1, num_readers=self.num_readers, job=self.settings.job,
-                                        transport=self.settings.transport, timeout=self.settings.timeout))
+        return placed_config(self.settings.sync_config(num_readers=self.num_readers))
 
     def _meta(self) -> Any:
         from weightsync.integrations.ray import meta_server
 
-        return meta_server(name=self.settings.meta_name, timeout=self.settings.timeout).client(job=self.settings.job)
+        job = self.settings.sync_config(num_readers=1)
+        return meta_server(name=self.settings.meta_name, timeout=job.timeout).client(job=job.job)
 
     # -- actor side -----------------------------------------------------------------------
     async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, Any]:
@@ -250,9 +229,10 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
 
         meta = self._meta()
         channel = JobChannel(meta, role="reader", rank=self.rank)
-        table = channel.wait_tensor_table(deadline=Deadline.after(self.settings.timeout))
+        timeout = self.settings.sync_config(num_readers=1).timeout
+        table = channel.wait_tensor_table(deadline=Deadline.after(timeout))
         if table is None:
-            raise TimeoutError(f"weightsync backend: reader {self.rank} waited {self.settings.timeout} s for the "
+            raise TimeoutError(f"weightsync backend: reader {self.rank} waited {timeout} s for the "
                                "actor's tensor list (does the actor use the weightsync backend too?)")
         layout = table_layout(table, self.rank)
         self._staged = WholeTensorBuffers(layout, allocate(layout, device=self.settings.staging_device))

@@ -72,7 +72,8 @@ def main() -> int:
                   seed=0, kv_cache_memory_bytes=32 << 20, skip_tokenizer_init=True)
         ref_b = _greedy(llm)
         sync = SyncConfig(num_writers=1, num_readers=1, job="selfcheck", timeout=120.0)
-        source = CanonicalSource(config)
+        engine = VLLMEngine(llm)
+        source = CanonicalSource.beside(engine, config)  # the engine stages on GPU where there is one
         errors: list[BaseException] = []
 
         def train() -> None:
@@ -87,7 +88,7 @@ def main() -> int:
 
         trainer = threading.Thread(target=train, name="selfcheck-trainer")
         trainer.start()
-        with WeightReader(VLLMEngine(llm), rank=0, config=sync,
+        with WeightReader(engine, rank=0, config=sync,
                           meta=MetaClient(server.address, job="selfcheck", token=server.token)) as reader:
             first = reader.update(1)
             out_a = _greedy(llm)

@@ -44,6 +44,8 @@ import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
 from weightsync.layout import ModelSpec, RankLayout
+from weightsync.layout.lora import LoraSpec
+from weightsync.sync_config import SCOPES, SyncConfig, check_value, job_config, job_wire, with_job_settings
 from weightsync.torch_layout import module_layout
 
 if TYPE_CHECKING:
@@ -53,8 +55,14 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
+@with_job_settings(defaults={"num_writers": 1, "num_readers": 1, "layer_phases": True})
 class WeightSyncTrainerInitInfo(TrainerInitInfo):
     """What every trainer rank passes to ``trainer_init`` (``rank`` is this rank's).
+
+    Besides the fields below it has one field per job setting (``SyncConfig``'s wire form,
+    :mod:`weightsync.sync_config`, docs/engines.md lists them), with ``SyncConfig``'s
+    defaults except ``num_writers=1``, ``num_readers=1`` and ``layer_phases=True``. The
+    workers receive every setting but the rank's own (``host``, ``transport_host``).
 
     Attributes:
         num_writers: trainer ranks (every one sends its own shards).
@@ -62,40 +70,77 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
         meta_address / meta_token: the job's meta server, reachable by trainers and workers;
             empty: ``WEIGHTSYNC_META_ADDR`` / ``WEIGHTSYNC_META_TOKEN``, or, for a single trainer
             rank with neither set, an embedded server on this host (``meta_host``).
-        model_config: the model's Hugging Face config (needed for vLLM sources; weightsync
-            sources carry their own).
+        model_config: the model's Hugging Face config, a dict or a transformers config object
+            (needed for vLLM sources; weightsync sources carry their own).
         reader_rank: the weightsync rank of the engine's first worker (several engines: 0, 1, ...).
+        lora_id: with a LoRA source (``LoraSource``), the adapter's id in the workers' LoRA manager
+            (vllm serve: its position in ``--lora-modules``, from 1).
         layer_phases: move each version in phases of whole layers (``SyncConfig.layer_phases``), so
             a worker stages one phase (at most ``max_bucket_bytes``, or one layer) instead of the
             whole model.
         delta_anchor_every: 0 sends every version in full; K >= 1 sends each worker only what
             changed since the version it holds, with a full version at least every K
-            (``TransportOptions.delta_anchor_every``: the torch transport, and workers that keep
-            their staging between versions, i.e. ``layer_phases=False``; phases always go in full).
+            (``TransportOptions.delta_anchor_every``: torch (gloo), shm and routed between CPU ranks,
+            refused elsewhere; with ``layer_phases`` a worker keeps a host copy of its share).
     """
 
     backend: ClassVar[str] = "weightsync"
 
-    num_writers: int = 1
-    num_readers: int = 1
     meta_address: str = ""
     meta_token: str = ""
     meta_host: str = "127.0.0.1"
-    job: str = "default"
-    transport: str = "auto"
-    timeout: float = 300.0
-    max_bucket_bytes: int = 64 << 20
-    model_config: dict[str, Any] | None = None
+    model_config: Any = None
     reader_rank: int = 0
-    layer_phases: bool = True
-    delta_anchor_every: int = 0
+    lora_id: int = 1
 
-    def worker_init_info(self, meta_address: str, meta_token: str) -> dict[str, Any]:
-        """What the workers' ``init_weight_transfer_engine`` needs (JSON-safe)."""
-        return {"meta_address": meta_address, "meta_token": meta_token, "job": self.job, "rank": self.reader_rank,
-                "num_writers": self.num_writers, "num_readers": self.num_readers, "transport": self.transport,
-                "timeout": self.timeout, "max_bucket_bytes": self.max_bucket_bytes, "layer_phases": self.layer_phases,
-                "delta_anchor_every": self.delta_anchor_every}
+    def __post_init__(self) -> None:
+        where = type(self).__name__
+        for name, kind in (("rank", int), ("meta_address", str), ("meta_token", str), ("meta_host", str),
+                           ("reader_rank", int), ("lora_id", int)):
+            check_value(getattr(self, name), kind, f"{where}.{name}")
+        self.model_config = hf_config_dict(self.model_config, f"{where}.model_config")
+        config = self.sync_config()
+        if not 0 <= self.rank < config.num_writers:
+            raise ValueError(f"{where}.rank must be in [0, num_writers={config.num_writers}), got {self.rank}")
+        if not 0 <= self.reader_rank < config.num_readers:
+            raise ValueError(f"{where}.reader_rank must be in [0, num_readers={config.num_readers}), got "
+                             f"{self.reader_rank}")
+        if self.lora_id < 1:
+            raise ValueError(f"{where}.lora_id must be >= 1 (vLLM reserves 0 for 'no adapter'), got {self.lora_id}")
+
+    def sync_config(self) -> SyncConfig:
+        """The job's settings as this trainer rank's writer takes them."""
+        return job_config(self, type(self).__name__)
+
+    def worker_init_info(self, meta_address: str, meta_token: str,
+                         lora: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """What the workers' ``init_weight_transfer_engine`` needs (JSON-safe): every job setting
+        but this rank's own, and ``lora`` (an adapter's PEFT config) for adapter-only versions."""
+        wire = {name: value for name, value in job_wire(self).items() if SCOPES[name] != "rank"}
+        out = {**wire, "meta_address": meta_address, "meta_token": meta_token, "rank": self.reader_rank}
+        if lora is not None:
+            out.update(lora=dict(lora), lora_id=self.lora_id)
+        return out
+
+
+def hf_config_dict(config: Any, what: str) -> dict[str, Any] | None:
+    """A Hugging Face config as a plain dict: a mapping as is, a transformers config object by
+    ``to_dict()`` (what weightsync publishes must be JSON).
+
+    Raises:
+        ValueError: naming ``what``, for anything else.
+    """
+    if config is None or isinstance(config, dict):
+        return config
+    if isinstance(config, Mapping):
+        return dict(config)
+    to_dict = getattr(config, "to_dict", None)
+    if callable(to_dict):
+        out = to_dict()
+        if isinstance(out, Mapping):
+            return dict(out)
+    raise ValueError(f"{what} must be the model's Hugging Face config, a dict or a transformers config object "
+                     f"(PretrainedConfig), got {type(config).__name__}")
 
 
 class WeightSourceAdapter:
@@ -247,26 +292,28 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         self._closers = closers
         self._lock = threading.Lock()
         self._reset_prefix_cache: Callable[[], None] = lambda: None  # the sender's is set at trainer_init
+        #: seconds any one wait may take (the job's ``timeout``)
+        self.timeout: float = info.sync_config().timeout
 
     @classmethod
     def trainer_init(cls, init_info: WeightSyncTrainerInitInfo, *, client: Any,
                      source: Any = None) -> WeightSyncTrainerEngine:
         from weightsync.meta.client import MetaClient
         from weightsync.meta.config import MetaEnv
-        from weightsync.session import SyncConfig, TransportOptions
         from weightsync.writer import WeightWriter
 
         if source is None:
             raise ValueError("the weightsync trainer backend needs a source (a weightsync TrainingSource or a vLLM "
                              "WeightSource) on every trainer rank")
-        resetter = prefix_cache_resetter(client, init_info.timeout) if init_info.is_sender else None
+        config = init_info.sync_config()
+        resetter = prefix_cache_resetter(client, config.timeout) if init_info.is_sender else None
         address, token = init_info.meta_address, init_info.meta_token
         closers: list[Any] = []
         if not address:
             env = MetaEnv.from_env()
             address, token = env.address or "", token or env.token or ""
         if not address:
-            if init_info.num_writers != 1:
+            if config.num_writers != 1:
                 raise ValueError("several trainer ranks need one meta server they all reach: set "
                                  "WeightSyncTrainerInitInfo.meta_address (and meta_token), or WEIGHTSYNC_META_ADDR, "
                                  "e.g. to a `weightsync meta-server`")
@@ -275,21 +322,18 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             server = EmbeddedMetaServer(host=init_info.meta_host).start()
             closers.append(server.stop)
             address, token = server.address, server.token
-        meta = MetaClient(address, job=init_info.job, token=token or None)
+        meta = MetaClient(address, job=config.job, token=token or None)
         closers.insert(0, meta.close)
-        config = SyncConfig(num_writers=init_info.num_writers, num_readers=init_info.num_readers, job=init_info.job,
-                            transport=init_info.transport, timeout=init_info.timeout,
-                            layer_phases=init_info.layer_phases,
-                            transport_options=TransportOptions(max_bucket_bytes=init_info.max_bucket_bytes,
-                                                               delta_anchor_every=init_info.delta_anchor_every))
         training_source = as_training_source(source, init_info.model_config, init_info.rank)
+        lora = getattr(training_source, "lora", None)
         writer = WeightWriter(training_source, rank=init_info.rank, config=config, meta=meta)
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, writer=writer, info=init_info,
                      closers=closers)
         if engine.is_sender:
             assert resetter is not None
             engine._reset_prefix_cache = resetter
-            client.init_weight_transfer_engine(init_info.worker_init_info(address, token))
+            adapter = lora.peft_config() if isinstance(lora, LoraSpec) else None  # adapter-only versions
+            client.init_weight_transfer_engine(init_info.worker_init_info(address, token, adapter))
         return engine
 
     def send_weights(self, version: int | None = None) -> None:
@@ -308,12 +352,12 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-vllm-rpc")
             try:
                 # The workers receive inside update_weights while this rank (and every other) writes.
-                rpc = pool.submit(self.client.update_weights, {"version": v, "timeout": self.info.timeout})
+                rpc = pool.submit(self.client.update_weights, {"version": v, "timeout": self.timeout})
                 try:
                     self.last_result = self.writer.write(v)
                 except BaseException:
                     with contextlib.suppress(Exception):  # the writer's error is the one to see
-                        rpc.result(timeout=self.info.timeout)
+                        rpc.result(timeout=self.timeout)
                     raise
                 self._worker_result(rpc, v)
             finally:
@@ -327,10 +371,10 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         from weightsync.session import SyncError
 
         try:
-            rpc.result(timeout=self.info.timeout)
+            rpc.result(timeout=self.timeout)
         except FutureTimeout:
             raise SyncError(f"trainer rank {self.info.rank}: vLLM's workers did not finish update_weights of version "
-                            f"{version} within {self.info.timeout:g} s after this rank sent it; they receive through "
+                            f"{version} within {self.timeout:g} s after this rank sent it; they receive through "
                             f"the meta server at {self.writer.meta.address}: check that they reach it "
                             "(WeightSyncTrainerInitInfo.meta_address, meta_host) and the workers' log") from None
 

@@ -21,6 +21,7 @@ import importlib
 import importlib.util
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from weightsync.devices import torch_backend
 from weightsync.transport.base import (
@@ -91,9 +92,29 @@ def create_transport(name: str, ctx: TransportContext) -> Transport:
     reason = unavailable_reason(name)
     if reason:
         raise ValueError(f"transport {name!r} cannot be used: {reason}")
+    check_delta_carried(name, ctx)
+    return _class_of(name, ctx)(ctx)  # type: ignore[no-any-return]
+
+
+def check_delta_carried(name: str, ctx: TransportContext) -> None:
+    """Refuse ``delta_anchor_every`` where transport ``name`` (in this job's mode, and for
+    ``routed`` both its routes) would send full versions anyway: a setting is never ignored."""
+    anchor = ctx.options.delta_anchor_every
+    if not anchor:
+        return
+    for route in ("shm", "torch") if name == "routed" else (name,):
+        cls = _class_of(route, ctx)
+        if not getattr(cls, "carries_deltas", False):
+            where = f"the {name} transport" if route == name else f"the {name} transport's {route} route"
+            raise ValueError(f"{ctx.who}: delta_anchor_every={anchor} is not supported by {where} "
+                             f"({cls.__name__}, on {ctx.device}): it would send every version in full. Deltas "
+                             "run over torch (gloo), shm and routed between CPU ranks; use one of those, or "
+                             "delta_anchor_every=0")
+
+
+def _class_of(name: str, ctx: TransportContext) -> Any:
     module, cls = transport_class_path(name, ctx).split(":")
-    factory = getattr(importlib.import_module(module), cls)
-    return factory(ctx)  # type: ignore[no-any-return]
+    return getattr(importlib.import_module(module), cls)
 
 
 __all__ = [
@@ -103,6 +124,7 @@ __all__ = [
     "TransportError",
     "TransportOptions",
     "available_transports",
+    "check_delta_carried",
     "create_transport",
     "transport_class_path",
     "unavailable_reason",

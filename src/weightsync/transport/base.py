@@ -77,10 +77,11 @@ class TransportOptions:
             transport/nixl_common.py).
         shm_streaming: shared-memory readers copy while writers pack (x86-64 CPU only; see
             transport/shm.py); False makes them wait for whole slots (for A/B measurements).
-        delta_anchor_every: torch (gloo) transport only: 0 sends every version in full; K >= 1
-            sends each reader only what changed since the version it holds
-            (:mod:`weightsync.transport.delta`), with a full version at least every K versions
-            per pair (K=1: always full).
+        delta_anchor_every: 0 sends every version in full; K >= 1 sends each reader only what
+            changed since the version it holds and can vouch for (two-sided transports:
+            :mod:`weightsync.transport.delta`; one-sided: :mod:`weightsync.transport.delta_published`),
+            with a full version at least every K versions (K=1: always full). The file
+            transport refuses it.
     """
 
     max_bucket_bytes: int = 64 << 20
@@ -126,7 +127,8 @@ class TransportContext:
     where every rank of the job runs (what the routed transport splits pairs by).
     ``keeps_received_bytes`` says whether a reader's tensors hold what arrived until the next
     receive (its engine's capability, :class:`weightsync.ports.InferenceEngine`): only then
-    may it receive only what changed (:mod:`weightsync.transport.delta`).
+    may it apply what changed straight to them; otherwise a delta reader keeps a copy of its
+    own (:mod:`weightsync.transport.delta`).
     """
 
     channel: JobChannel
@@ -223,6 +225,9 @@ class Transport(Protocol):
     #: bytes itself (two-sided transports post receives; shared memory streams). Otherwise
     #: writers publish V once ``send(V)`` returned, and readers may read all of it at once.
     publishes_before_send: ClassVar[bool]
+    #: Honours ``TransportOptions.delta_anchor_every`` (:func:`weightsync.transport.create_transport`
+    #: refuses it, naming the transport, where this is False or absent).
+    carries_deltas: ClassVar[bool]
 
     def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
                 phases: Sequence[Plan] | None = None) -> None: ...
@@ -230,6 +235,11 @@ class Transport(Protocol):
     def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats: ...
 
     def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats: ...
+
+    def forget_received(self) -> None:
+        """Reader: its tensors may no longer hold what this transport last wrote into them
+        (their version changed outside the reader), so the next receive builds on nothing it
+        received before (with deltas: it is full). A no-op where nothing is kept."""
 
     def close(self) -> None: ...
 

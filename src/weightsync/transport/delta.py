@@ -1,34 +1,48 @@
-"""Delta sync over a transport: per pair, only what changed since the version the reader holds.
+"""Delta sync between two-sided peers: per pair, only what changed since the version the reader holds.
 
 Enabled by ``TransportOptions(delta_anchor_every=K)``. What does not depend on the transport
-lives here: the per-pair state (the version each reader's memory holds, the writer's copy of
-what it last sent, the count since the last full version) and the exchange below, in the
-encodings of :mod:`weightsync.codecs.delta`. A transport lends each pair a :class:`PairLink`
-for one send or receive (post a tagged send or receive of a tensor, wait for it, and three
-staging buffers), and runs :meth:`DeltaSync.send_pair` / :meth:`DeltaSync.receive_pair` in
-place of moving the pair's messages itself. The torch (gloo) transport does
-(:mod:`weightsync.transport.torch_gloo`)::
+lives here: the per-pair state (the version each reader holds and the digests that vouch
+for it, the writer's copy of what it last sent, the count since the last full version) and
+the exchange below, in the encodings of :mod:`weightsync.codecs.delta`. A transport lends
+each pair a :class:`PairLink` for one send or receive (post a tagged send or receive of a
+tensor, wait for it, and three staging buffers), and runs :meth:`DeltaSync.send_pair` /
+:meth:`DeltaSync.receive_pair` in place of moving the pair's messages itself. The torch
+(gloo and NCCL) and NIXL push transports do; one-sided transports (shared memory, NIXL pull)
+publish each version's changes instead (:mod:`weightsync.transport.delta_published`)::
 
     delta = DeltaSync(ctx)                                   # ctx.options.delta_anchor_every = K
     delta.prepared(tensors, phases=len(schedules))           # at the end of every prepare()
     delta.send_pair(link, messages, flats, phase=p, stats=stats, timer=timer)      # writer
     delta.receive_pair(link, messages, flats, phase=p, stats=stats, timer=timer)   # reader
+    delta.forget_received()                                  # reader: something else wrote the memory
 
 Per pair and version, both ends run one ordered exchange (no message overlap: the payloads
 are small):
 
-1. the reader sends the version its destination memory holds for this pair, or -1 when it
-   cannot vouch for it: first sync, a failed or missed receive, new tensors, an engine that
-   does not keep received bytes (``TransportContext.keeps_received_bytes``), or several
-   phases (a staging arena shared by phases holds only the last one's bytes);
+1. the reader sends the version it can vouch for, or -1: it holds the version it last
+   received from this writer *and* the :func:`base_digest` of every
+   message's bytes in its memory equals the digest the writer sent with them. Anything that
+   changed the memory since (a ``copy_`` or ``load_state_dict``, a flipped bit, buffers
+   reused as scratch) therefore gives -1, and so do a first sync, a failed or missed
+   receive, new tensors and :meth:`DeltaSync.forget_received` (a version change the reader
+   did not make);
 2. the writer sends in full when that is not the version it last sent to this reader, when
    it holds no copy, or when the pair has had K-1 deltas since its last full version;
    otherwise every message goes in the smallest encoding. It compares while the reader's
    message is on its way and reads it before its first batch goes out (a reader on another
    base then gets the version in full: nothing was sent);
 3. batches of consecutive messages whose encoded bytes fit a staging buffer: a header block
-   with a row ``[kind, changed, nbytes, crc32 or 0]`` (int64) per message of the batch (-1 for
-   the others), then the batch's payloads back to back (absent when empty).
+   with a row ``[kind, changed, nbytes, crc32 or 0, digest]`` (int64) per message of the
+   batch (-1 for the others; ``digest``: :func:`base_digest` of the message's new bytes),
+   then the batch's payloads back to back (absent when empty).
+
+**Destinations that do not keep what they received** (an engine without
+``keeps_received_bytes``, or several phases sharing one staging arena: vLLM with
+``layer_phases=True``): the reader keeps its own host copy of every message it received
+(the *shadow*), applies deltas to it and writes each message's whole new bytes into the
+destination. The wire still carries only what changed; the reader's memory grows by the
+bytes it receives per version (its share of the model), counted in ``peak_extra_bytes``,
+and device staging stays one phase.
 
 The writer keeps a copy of the bytes it last sent per pair (the ``previous`` buffers, counted
 by :meth:`DeltaSync.extra_bytes` in ``peak_extra_bytes``); ``TransferStats.nbytes`` counts the
@@ -37,6 +51,7 @@ payload bytes on the wire.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -45,6 +60,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 import torch
 
 from weightsync.codecs.delta import Encoded, Kind, apply, diff, element_unit, warm_up
+from weightsync.codecs.digest import as_signed, tensor_digest
 from weightsync.torch_layout import TORCH_DTYPES
 from weightsync.transport.base import TransportError
 from weightsync.transport.tensors import as_bytes, checksum, direct_source, dst_view, pack, scatter
@@ -53,8 +69,12 @@ if TYPE_CHECKING:
     from weightsync.transport.base import PhaseTimer, TransferStats, TransportContext
     from weightsync.transport.schedule import Message
 
+logger = logging.getLogger(__name__)
+
 #: Staging buffers a link lends: two for batches in flight, one for packing (or gathering).
 LINK_BUFFERS = 3
+#: Columns of a batch's header rows: kind, changed, nbytes, crc32, digest of the new bytes.
+HEADER = 5
 
 #: What a link's ``post`` returns and its ``wait`` takes (the transport's own handle).
 Posted = TypeVar("Posted")
@@ -102,6 +122,15 @@ class SentState:
     previous: list[torch.Tensor]  # per message, the bytes the reader now holds
 
 
+@dataclass
+class HeldState:
+    """What a reader last received from one writer (per phase): the version and, per message,
+    the writer's digest of the bytes it should hold now."""
+
+    version: int
+    digests: list[int]
+
+
 class DeltaSync:
     """One transport's delta state for every pair it serves, and the exchange (module docstring)."""
 
@@ -111,18 +140,25 @@ class DeltaSync:
         self.rank = ctx.rank
         self.keeps_received_bytes = ctx.keeps_received_bytes
         self.sent: dict[tuple[int, int], SentState] = {}  # writer: (phase, reader) -> sent
-        self.held: dict[tuple[int, int], int] = {}  # reader: (phase, writer) -> version in memory
+        self.held: dict[tuple[int, int], HeldState] = {}  # reader: (phase, writer) -> held
+        self.shadow: dict[tuple[int, int], list[torch.Tensor]] = {}  # reader: its copy (see module docstring)
         self._one_phase = True
         self._pointers: dict[str, int] = {}
 
     def prepared(self, tensors: Mapping[str, torch.Tensor], *, phases: int) -> None:
         """The transport was (re)prepared for ``tensors`` cut in ``phases``."""
         pointers = {name: t.data_ptr() for name, t in tensors.items()}
-        if pointers != self._pointers:  # other memory: it does not hold the versions we received
-            self.held.clear()
+        if pointers != self._pointers or (phases == 1) != self._one_phase:
+            self.held.clear()  # other memory, or other messages: nothing to build on
+            self.shadow.clear()
         self._pointers = pointers
         self._one_phase = phases == 1
         warm_up()  # not in the first delta version's time
+
+    def forget_received(self) -> None:
+        """The reader's destination may no longer hold what arrived (its version changed
+        outside the reader): the next receive of every pair is full."""
+        self.held.clear()
 
     @property
     def holds_versions(self) -> bool:
@@ -130,12 +166,15 @@ class DeltaSync:
         return self.keeps_received_bytes and self._one_phase
 
     def extra_bytes(self) -> int:
-        """Host memory the writer's copies of previously sent bytes take."""
-        return sum(int(b.numel()) for state in self.sent.values() for b in state.previous)
+        """Host memory the writer's copies of sent bytes, and the reader's shadows, take."""
+        copies = [b for state in self.sent.values() for b in state.previous]
+        copies += [b for shadow in self.shadow.values() for b in shadow]
+        return sum(int(b.numel()) for b in copies)
 
     def close(self) -> None:
         self.sent.clear()
         self.held.clear()
+        self.shadow.clear()
         self._pointers = {}
 
     # -- writer -------------------------------------------------------------------------------
@@ -144,8 +183,9 @@ class DeltaSync:
         """Writer side of one pair's exchange (see module docstring).
 
         A delta is computed while the reader's base version is still on its way (the reader
-        states it only once it has woken up and armed); the base decides, before the first
-        batch goes out, whether the delta is sent or the version goes in full after all.
+        states it only once it has woken up, armed and checked its memory); the base decides,
+        before the first batch goes out, whether the delta is sent or the version goes in
+        full after all.
         """
         if not messages:
             return
@@ -202,11 +242,13 @@ class DeltaSync:
                     old.copy_(new)
                 else:
                     enc = diff(new, old, unit=message_unit(message), update_old=True).encode()
+            with timer("digest"):
+                new_digest = base_digest(new)
             crc = 0
             if self.checksum:
                 with timer("checksum"):
                     crc = checksum(new)
-            batch.add(index, enc, crc)
+            batch.add(index, enc, crc, new_digest)
             nbytes += enc.nbytes
         batch.close()
         return nbytes
@@ -214,16 +256,19 @@ class DeltaSync:
     # -- reader -------------------------------------------------------------------------------
     def receive_pair(self, link: PairLink[Any], messages: list[Message], flats: Mapping[str, torch.Tensor], *,
                      phase: int, stats: TransferStats, timer: PhaseTimer) -> None:
-        """Reader side of one pair's exchange: state the held version, then apply what arrives."""
+        """Reader side of one pair's exchange: state the version it vouches for, then apply what arrives."""
         if not messages:
             return
         key = (phase, link.peer)
         held = self.held.pop(key, None)  # dropped until every message landed
-        base = held if held is not None and self.holds_versions else -1
+        shadow = None if self.holds_versions else self._shadow(key, messages)
+        with timer("vouch"):
+            base = self._vouch(link, messages, flats, held, shadow)
         _exchange(link, "send", torch.tensor([base], dtype=torch.int64), messages[0], tag=0)
+        digests = [0] * len(messages)
         index, tag = 0, 1
         while index < len(messages):
-            headers = torch.empty(len(messages), 4, dtype=torch.int64)
+            headers = torch.empty(len(messages), HEADER, dtype=torch.int64)
             _exchange(link, "recv", headers, messages[index], tag=tag)
             rows = torch.nonzero(headers[:, 0] >= 0).reshape(-1).tolist()
             total = int(headers[rows, 2].sum()) if rows else 0
@@ -236,11 +281,12 @@ class DeltaSync:
             at = 0
             for row in rows:
                 message = messages[row]
-                kind, changed, nbytes, crc = (int(x) for x in headers[row].tolist())
+                kind, changed, nbytes, crc, digests[row] = (int(x) for x in headers[row].tolist())
                 self._check_header(link, message, kind=kind, nbytes=nbytes, base=base)
                 payload, at = data[at: at + nbytes], at + nbytes
                 with timer("unpack"):
-                    result = self._apply(link, message, flats, kind=Kind(kind), payload=payload, changed=changed)
+                    result = self._apply(link, message, flats, kind=Kind(kind), payload=payload, changed=changed,
+                                         shadow=None if shadow is None else shadow[row])
                 if self.checksum:
                     with timer("checksum"):
                         if checksum(result) != crc:
@@ -249,11 +295,39 @@ class DeltaSync:
                 stats.nbytes += nbytes
                 stats.messages += 1
             index, tag = rows[-1] + 1, tag + 2
-        self.held[key] = stats.version
+        self.held[key] = HeldState(stats.version, digests)
+
+    def _shadow(self, key: tuple[int, int], messages: list[Message]) -> list[torch.Tensor]:
+        shadow = self.shadow.get(key)
+        if shadow is None or [int(s.numel()) for s in shadow] != [m.nbytes for m in messages]:
+            shadow = self.shadow[key] = [torch.empty(m.nbytes, dtype=torch.uint8) for m in messages]
+        return shadow
+
+    def _vouch(self, link: PairLink[Any], messages: list[Message], flats: Mapping[str, torch.Tensor],
+               held: HeldState | None, shadow: list[torch.Tensor] | None) -> int:
+        """The version this reader's memory holds for the pair, checked byte for byte, or -1."""
+        if held is None:
+            return -1
+        for index, message in enumerate(messages):
+            if shadow is not None:
+                data = shadow[index]
+            elif message.direct:
+                data = as_bytes(dst_view(flats, message.pieces[0]))
+            else:
+                data = gather(message, flats, link.buffer(1))
+            if base_digest(data) != held.digests[index]:
+                logger.info("reader %d: %s no longer holds what writer %d sent as version %d (it was written "
+                            "since); this version comes in full", self.rank, message.describe(), link.peer,
+                            held.version)
+                return -1
+        return held.version
 
     def _apply(self, link: PairLink[Any], message: Message, flats: Mapping[str, torch.Tensor], *, kind: Kind,
-               payload: torch.Tensor, changed: int) -> torch.Tensor:
+               payload: torch.Tensor, changed: int, shadow: torch.Tensor | None) -> torch.Tensor:
         """Bring the message's destination to the new bytes; returns them (for the checksum)."""
+        if shadow is not None:  # the reader's own copy takes the change; the destination all of it
+            self._apply_bytes(link, message, kind, payload, dest=shadow, changed=changed)
+            payload, kind = shadow, Kind.DENSE
         if kind == Kind.DENSE:
             if message.direct:
                 as_bytes(dst_view(flats, message.pieces[0])).copy_(payload)
@@ -264,14 +338,18 @@ class DeltaSync:
             dest = as_bytes(dst_view(flats, message.pieces[0]))
         else:
             dest = gather(message, flats, link.buffer(1))
+        self._apply_bytes(link, message, kind, payload, dest=dest, changed=changed)
+        if not message.direct:
+            scatter(message, flats, dest)
+        return dest
+
+    def _apply_bytes(self, link: PairLink[Any], message: Message, kind: Kind, payload: torch.Tensor, *,
+                     dest: torch.Tensor, changed: int) -> None:
         try:
             apply(kind, payload, dest, unit=message_unit(message), changed=changed)
         except ValueError as exc:
             raise TransportError(f"reader {self.rank}: malformed delta from writer {link.peer} "
                                  f"({message.describe()}): {exc}") from exc
-        if not message.direct:
-            scatter(message, flats, dest)
-        return dest
 
     def _check_header(self, link: PairLink[Any], message: Message, *, kind: int, nbytes: int, base: int) -> None:
         if kind not in (Kind.DENSE, Kind.SPARSE, Kind.BITMAP) or not 0 <= nbytes <= message.nbytes or (
@@ -282,6 +360,12 @@ class DeltaSync:
             raise TransportError(f"reader {self.rank}: writer {link.peer} sent a delta although this reader holds "
                                  f"no base version ({message.describe()}); writers and readers disagree on "
                                  f"delta_anchor_every")
+
+
+def base_digest(data: torch.Tensor) -> int:
+    """What a reader vouches for its base with: the XXH3-64 digest (:mod:`weightsync.codecs.digest`)
+    of a payload's bytes (1-d uint8, host memory), as the int64 a header or table row holds."""
+    return as_signed(tensor_digest(data, "xxh3").value)
 
 
 def message_unit(message: Message) -> int:
@@ -322,16 +406,16 @@ class _Batch:
         self.in_flight: deque[tuple[Any, int, torch.Tensor]] = deque()  # keeps posted tensors alive
 
     def _fresh_headers(self) -> torch.Tensor:
-        return torch.full((len(self.messages), 4), -1, dtype=torch.int64)
+        return torch.full((len(self.messages), HEADER), -1, dtype=torch.int64)
 
-    def add(self, index: int, enc: Encoded, crc: int) -> None:
+    def add(self, index: int, enc: Encoded, crc: int, new_digest: int) -> None:
         if self.at + enc.nbytes > self.link.capacity:
             self.flush()
         buffer = self.link.buffer(self.slot)
         for part in enc.parts:
             buffer[self.at: self.at + part.numel()].copy_(part)
             self.at += part.numel()
-        self.headers[index] = torch.tensor([int(enc.kind), enc.changed, enc.nbytes, crc])
+        self.headers[index] = torch.tensor([int(enc.kind), enc.changed, enc.nbytes, crc, new_digest])
 
     def flush(self) -> None:
         if self.confirm is not None:

@@ -8,7 +8,9 @@ to a temporary name and renamed when complete, so a reader never sees half a fil
 is written piece by piece through one bounded buffer (no full-model copy in memory), in the
 documented safetensors layout. ``receive(V)`` opens each writer's file with
 ``safetensors.safe_open`` and reads only its own slices (``get_slice``) straight into the
-destination views. Writers keep the last ``slots`` versions and delete older ones.
+destination views; into GPU tensors, it reads each slice slab by slab into one bounded,
+page-locked host buffer and copies from there (as the writer packs through one). Writers keep
+the last ``slots`` versions and delete older ones.
 
 The directory is ``TransportOptions.file_dir`` (a shared filesystem for multi-node jobs);
 when unset, writer 0 creates a temporary directory and publishes it as its endpoint of the
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 import struct
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from safetensors import safe_open
 
+from weightsync import device_port
 from weightsync.deadline import Deadline
 from weightsync.layout.types import itemsize
 from weightsync.torch_layout import TORCH_DTYPES, strided_view
@@ -49,6 +53,11 @@ from weightsync.transport.endpoints import FileEndpoint
 from weightsync.transport.exposed import ExposedIndex, piece_key
 from weightsync.transport.schedule import slabs
 from weightsync.transport.tensors import flat_views, op_dst_view
+
+
+def row_major_strides(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Element strides of a dense row-major array of ``sizes`` (how a piece is stored)."""
+    return tuple(math.prod(sizes[d + 1:]) for d in range(len(sizes)))
 
 if TYPE_CHECKING:
     from weightsync.plan import Plan, TransferOp
@@ -70,9 +79,12 @@ class FileTransport:
     publishes_before_send: ClassVar[bool] = False  # a version is published once its files are complete
     serves_cpu: ClassVar[bool] = True
     serves_cuda: ClassVar[bool] = True  # through a host buffer
+    carries_deltas: ClassVar[bool] = False  # a reader reads whole files
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
+        self.dev = device_port.current()
+        self.device = torch.device(ctx.device)
         self.directory: str | None = None
         self._owns_directory = False
         self._flats: dict[str, torch.Tensor] = {}
@@ -136,7 +148,7 @@ class FileTransport:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         if self._buffer is None:
-            self._buffer = torch.empty(self.ctx.options.message_bytes, dtype=torch.uint8)
+            self._buffer = self._host_buffer()
         tmp = f"{path}.tmp-{os.getpid()}"
         with timer("write"), open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(raw)))
@@ -154,13 +166,22 @@ class FileTransport:
         stats.peak_extra_bytes = self.ctx.options.message_bytes
         return stats
 
+    def _host_buffer(self) -> torch.Tensor:
+        """The one bounded host buffer every byte goes through; page-locked when the tensors are
+        on a GPU, so that copies to and from it are DMA transfers (pageable memory makes CUDA
+        stage every copy through a pinned bounce buffer of its own, synchronously)."""
+        return self.dev.empty(self.ctx.options.message_bytes, "cpu", what=f"{self.ctx.who}'s file staging buffer",
+                              pinned=self.dev.is_gpu(self.device))
+
     def _write_piece(self, f: object, op: TransferOp) -> None:
         assert self._buffer is not None
         flat = self._flats[op.src_shard]
         for box, src_off, _ in slabs(op, self.ctx.options.message_bytes):
             n = box.numel * itemsize(op.dst_dtype)
             out = self._buffer[:n].view(TORCH_DTYPES[op.dst_dtype]).view(box.sizes)
-            out.copy_(strided_view(flat, box.sizes, op.src_strides, src_off))
+            self.dev.copy(out, strided_view(flat, box.sizes, op.src_strides, src_off))
+            self.dev.synchronize(self.device)  # the CPU writes the buffer out next
+            self.dev.touch(self._buffer[:n], write=False)
             f.write(self._buffer[:n].numpy().data)  # type: ignore[attr-defined]
 
     def _prune(self) -> None:
@@ -188,16 +209,50 @@ class FileTransport:
                 watch.check(f"writer {writer}'s file of version {version}")
                 time.sleep(0.005)
             try:
-                with timer("read"), safe_open(path, framework="pt") as f:
-                    for op in ops:
-                        data = f.get_slice(piece_key(op))[tuple(slice(None) for _ in op.box.sizes)]
-                        op_dst_view(self._flats, op).copy_(data.view(op.box.sizes))
-                        stats.nbytes += op.nbytes
-                        stats.messages += 1
+                with timer("read"):
+                    if self.dev.is_gpu(self.device):
+                        self._read_staged(path, ops)
+                    else:
+                        with safe_open(path, framework="pt") as f:
+                            for op in ops:
+                                data = f.get_slice(piece_key(op))[tuple(slice(None) for _ in op.box.sizes)]
+                                op_dst_view(self._flats, op).copy_(data.view(op.box.sizes))
+                stats.nbytes += sum(op.nbytes for op in ops)
+                stats.messages += len(ops)
             except (OSError, KeyError, RuntimeError, ValueError) as exc:
                 raise TransportError(f"reader {self.ctx.rank}: reading version {version} from writer {writer} "
                                      f"({path}) failed: {exc}") from exc
         return stats
+
+    def _read_staged(self, path: str, ops: list[TransferOp]) -> None:
+        """Read ``ops`` from a writer's file into device tensors through the bounded pinned host
+        buffer, slab by slab (a piece is stored row-major, so each slab is one byte range)."""
+        if self._buffer is None:
+            self._buffer = self._host_buffer()
+        buffer = self._buffer
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+            for op in ops:
+                entry = header[piece_key(op)]
+                if entry["dtype"] != ST_DTYPES[op.dst_dtype] or tuple(entry["shape"]) != op.box.sizes:
+                    raise ValueError(f"{piece_key(op)} is {entry['dtype']} {entry['shape']} in the file, this reader "
+                                     f"expects {ST_DTYPES[op.dst_dtype]} {list(op.box.sizes)}")
+                start = 8 + size + int(entry["data_offsets"][0])
+                dense = row_major_strides(op.box.sizes)
+                for box, _, dst_off in slabs(op, self.ctx.options.message_bytes):
+                    rel = sum((o - b) * s for o, b, s in zip(box.offsets, op.box.offsets, dense, strict=True))
+                    n = box.numel * itemsize(op.dst_dtype)
+                    self.dev.touch(buffer[:n], write=True)  # the CPU fills it: the last copy out is done
+                    f.seek(start + rel * itemsize(op.dst_dtype))
+                    if f.readinto(buffer[:n].numpy()) != n:  # type: ignore[arg-type]  # an ndarray is a buffer
+                        raise ValueError(f"{path} ends inside {piece_key(op)}")
+                    src = buffer[:n].view(TORCH_DTYPES[op.dst_dtype]).view(box.sizes)
+                    self.dev.copy(strided_view(self._flats[op.dst_shard], box.sizes, op.dst_strides, dst_off), src)
+                    self.dev.synchronize(self.device)  # the next slab refills the buffer
+
+    def forget_received(self) -> None:
+        """Nothing is kept between receives."""
 
     def close(self) -> None:
         if self.ctx.role == "writer" and self.directory is not None:

@@ -56,7 +56,7 @@ def load_nixl() -> ModuleType:
 
 
 def _nixl_errors(nixl: ModuleType) -> tuple[type[BaseException], ...]:
-    bindings = importlib.import_module(f"{nixl.__name__}._bindings")
+    bindings = getattr(nixl, "_bindings", None) or importlib.import_module(f"{nixl.__name__}._bindings")
     return tuple(obj for name, obj in vars(bindings).items()
                  if name.startswith("nixl") and isinstance(obj, type) and issubclass(obj, Exception))
 
@@ -70,12 +70,21 @@ class Descriptors(NamedTuple):
 
     @classmethod
     def of(cls, local: Sequence[int] | np.ndarray, remote: Sequence[int] | np.ndarray,
-           lengths: Sequence[int] | np.ndarray) -> Descriptors:
-        """Merge consecutive ranges that continue each other on both sides (each costs ~5 us)."""
+           lengths: Sequence[int] | np.ndarray, *, local_starts: Sequence[int] = (),
+           remote_starts: Sequence[int] = ()) -> Descriptors:
+        """Merge consecutive ranges that continue each other on both sides (each costs ~5 us).
+
+        ``local_starts`` / ``remote_starts``: where a memory registration begins on each side. A
+        range that begins there is never joined to the one before: the CUDA caching allocator
+        places tensors back to back, and NIXL refuses a descriptor that is not inside one
+        registration (``nixlSecDescList::getCoveringIndex``).
+        """
         loc, rem, n = (np.asarray(x, dtype=np.int64) for x in (local, remote, lengths))
         if len(n) <= 1:
             return cls(loc, rem, n)
         joins = (loc[:-1] + n[:-1] == loc[1:]) & (rem[:-1] + n[:-1] == rem[1:])
+        joins &= ~np.isin(loc[1:], np.asarray(local_starts, dtype=np.int64))
+        joins &= ~np.isin(rem[1:], np.asarray(remote_starts, dtype=np.int64))
         starts = np.flatnonzero(np.concatenate([[True], ~joins]))
         return cls(loc[starts], rem[starts], np.add.reduceat(n, starts))
 

@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
+from weightsync import device_port
 from weightsync.deadline import Deadline
 from weightsync.devices import nixl_device_id
 from weightsync.layout.types import itemsize
@@ -113,12 +114,15 @@ class NixlBase:
     publishes_before_send: ClassVar[bool]
     serves_cpu: ClassVar[bool] = True
     serves_cuda: ClassVar[bool] = True  # GPUDirect RDMA where UCX has it
+    carries_deltas: ClassVar[bool] = False  # not yet (issue 25): refused at creation
     mode: ClassVar[str]
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
+        self.dev = device_port.current()
         self.device = torch.device(ctx.device)
         self.slots = ctx.options.slots
+        self._starts: list[int] = []  # where this rank's memory registrations begin (Descriptors.of)
         self.who = ctx.who
         self.epoch: int | None = None
         #: Seconds, bytes and counts of the last prepare(): registration is paid there, once.
@@ -174,6 +178,9 @@ class NixlBase:
         self._flats = {}
         self.epoch = None
 
+    def forget_received(self) -> None:
+        """Nothing is kept between receives (a mode with deltas overrides this)."""
+
     def __enter__(self) -> NixlBase:
         return self
 
@@ -195,17 +202,20 @@ class NixlBase:
         self._copies = [[(k, op) for k, op in first if phase_of[op.canonical] == i] for i in range(len(parts))]
 
     # -- setup shared by both modes ---------------------------------------------------------
-    def _register(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Register each distinct storage behind ``tensors`` once (views share storages)."""
+    def _register(self, tensors: Sequence[torch.Tensor], *, words: torch.Tensor) -> None:
+        """Register each distinct storage behind ``tensors`` once (views share storages), and the
+        control ``words`` (host memory whatever the device)."""
         assert self._agent is not None
         t0 = time.perf_counter()
         by_kind: dict[tuple[str, int], dict[int, int]] = {}
-        for t in tensors:
+        for t in [*tensors, words]:
             storage = t.untyped_storage()
-            kind = ("VRAM", t.device.index or 0) if t.device.type == "cuda" else ("DRAM", 0)
+            gpu = t is not words and self.dev.is_gpu(t.device)
+            kind = ("VRAM", t.device.index or 0) if gpu else ("DRAM", 0)
             by_kind.setdefault(kind, {})[storage.data_ptr()] = storage.nbytes()
         for (mem, dev), regions in by_kind.items():
             self._agent.register(sorted(regions.items()), mem, dev)
+        self._starts = sorted({start for regions in by_kind.values() for start in regions})
         self.setup["register_seconds"] = self.setup.get("register_seconds", 0.0) + time.perf_counter() - t0
         self.setup["registered_bytes"] = self.setup.get("registered_bytes", 0) + sum(
             n for regions in by_kind.values() for n in regions.values())
@@ -250,7 +260,7 @@ class NixlBase:
         """A prepared READ/WRITE with ``peer``: data on each side's device (the peer's published
         one for the remote list), control words in host memory."""
         assert self._agent is not None
-        cuda = data and self.device.type == "cuda"
+        cuda = data and self.dev.is_gpu(self.device)
         xfer = self._agent.prepare(op, peer.agent, descs, "VRAM" if cuda else "DRAM", what=what,
                                    local_device=nixl_device_id(self.ctx.device) if cuda else 0,
                                    remote_device=nixl_device_id(peer.endpoint.device) if cuda else 0)
@@ -270,10 +280,9 @@ class NixlBase:
         for key, op in self._copies[phase]:
             at, n = self._index.entries[key]
             out = self._area[base + at: base + at + n].view(TORCH_DTYPES[op.dst_dtype])
-            out.view(op.box.sizes).copy_(op_src_view(self._flats, op))
+            self.dev.copy(out.view(op.box.sizes), op_src_view(self._flats, op))
             nbytes += n
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # also orders the training stream before peers read
+        self.dev.synchronize(self.device)  # also orders the training stream before peers read
         return nbytes
 
 # -- descriptor geometry: pure functions of an op -----------------------------------------------

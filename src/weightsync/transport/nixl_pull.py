@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from weightsync import device_port
 from weightsync.deadline import Deadline
 from weightsync.job_wire import WireError
 from weightsync.layout.types import itemsize
@@ -37,9 +38,12 @@ class NixlPullTransport(NixlBase):
         self._exposed(parts)
         assert self._index is not None
         self._slot_bytes = max(self._index.total_bytes, 64)
-        self._area = torch.empty(self.slots * self._slot_bytes, dtype=torch.uint8, device=self.device)
+        self._area = device_port.allocate(
+            self.dev, self.slots * self._slot_bytes, self.device,
+            what=f"{self.who}'s NIXL version slots ({self.slots} x {device_port.gib(self._slot_bytes)})",
+            fix="use fewer TransportOptions.slots, or nixl_mode='push' (which packs only what is not sent live)")
         self._ctl = torch.full((self.slots,), EMPTY, dtype=torch.int64)
-        self._register([self._area, self._ctl])
+        self._register([self._area], words=self._ctl)
         self._publish(epoch, slots=NixlSlots(self._area.data_ptr(), self.slots, self._slot_bytes, self._index.encode()))
 
     def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
@@ -52,8 +56,9 @@ class NixlPullTransport(NixlBase):
             self._ctl[slot] = EMPTY  # a reader of the old version in this slot will notice
         with PhaseTimer(stats)("pack"):
             stats.nbytes = self._pack(slot * self._slot_bytes, phase)
-        if phase == self._phases - 1:
-            self._ctl[slot] = version  # readers read every phase once the whole slot is packed
+        if phase == self._phases - 1:  # readers read every phase once the whole slot is packed
+            area = self._area[slot * self._slot_bytes: (slot + 1) * self._slot_bytes]
+            self.dev.signal(self._ctl, slot, version, covers=[area])
         stats.messages = len(self._copies[phase])
         stats.peak_extra_bytes = self.slots * self._slot_bytes
         return stats
@@ -73,9 +78,10 @@ class NixlPullTransport(NixlBase):
                                      direct_min_bytes=opts.direct_min_bytes) for part in parts] for p in self._peers]
         staged = max((m.nbytes for per_phase in schedules for ms in per_phase for m in ms if not m.direct),
                      default=0)
-        self._landing = torch.empty(staged, dtype=torch.uint8, device=self.device) if staged else None
+        self._landing = (self.dev.empty(staged, self.device, what=f"{self.who}'s NIXL landing buffer") if staged
+                         else None)
         self._ctl = torch.full((len(self._peers), self.slots), EMPTY, dtype=torch.int64)
-        self._register([*self._flats.values(), self._ctl, *([] if self._landing is None else [self._landing])])
+        self._register([*self._flats.values(), *([] if self._landing is None else [self._landing])], words=self._ctl)
         t0 = time.perf_counter()
         for i, (peer, messages) in enumerate(zip(self._peers, schedules, strict=True)):
             exposed = self._slots_of(peer)
@@ -105,7 +111,8 @@ class NixlPullTransport(NixlBase):
         direct = [p for m in messages if m.direct for p in m.pieces]
         if direct:
             local = [self._flats[p.op.dst_shard].data_ptr() + p.dst_offset * itemsize(p.op.dst_dtype) for p in direct]
-            descs = Descriptors.of(local, [remote(p) for p in direct], [p.nbytes for p in direct])
+            descs = Descriptors.of(local, [remote(p) for p in direct], [p.nbytes for p in direct],
+                                   local_starts=self._starts)
             out.append((self._prepare_xfer(peer, "READ", descs, f"slot {slot} into destination tensors"), None))
         for m in messages:
             if not m.direct:
@@ -126,6 +133,9 @@ class NixlPullTransport(NixlBase):
         with timer("wait"):
             for i, peer in enumerate(self._peers):
                 self._wait_slot(i, peer, version, deadline)
+        # the NIC writes outside stream order: kernels queued on our tensors (the engine's last
+        # forward, the previous phase's loads) must be done before the first READ lands
+        self.dev.synchronize(self.device)
         for peer in self._peers:
             for xfer, message in peer.phases[phase][slot]:
                 with timer("transfer"):
@@ -137,9 +147,8 @@ class NixlPullTransport(NixlBase):
                     continue
                 assert self._landing is not None
                 with timer("unpack"):
-                    scatter(message, self._flats, self._landing[: message.nbytes])
-                    if self.device.type == "cuda":  # the next READ reuses the landing buffer
-                        torch.cuda.synchronize(self.device)
+                    scatter(message, self._flats, self._landing[: message.nbytes], copy=self.dev.copy)
+                    self.dev.synchronize(self.device)  # the next READ reuses the landing buffer
         with timer("verify"):
             for i, peer in enumerate(self._peers):
                 assert peer.ctl is not None

@@ -51,11 +51,11 @@ class NixlPushTransport(NixlBase):
         ops = [op for part in parts for op in part.ops if op.src_rank == me]
         self._exposed(parts, keep=lambda op: not send_live(op))
         assert self._index is not None
-        self._area = torch.empty(max(self._index.total_bytes, 64), dtype=torch.uint8, device=self.device)
+        self._area = self.dev.empty(max(self._index.total_bytes, 64), self.device, what=f"{self.who}'s NIXL pack area")
         readers = sorted({op.dst_rank for op in ops})
         self._ctl = torch.full((1 + len(readers),), EMPTY, dtype=torch.int64)  # own word, readers' ready words
         live = sorted({op.src_shard for op in ops if send_live(op)})
-        self._register([self._area, self._ctl, *(self._flats[name] for name in live)])
+        self._register([self._area, *(self._flats[name] for name in live)], words=self._ctl)
         self._publish(epoch)
         self._peers = [self._connect(epoch, "reader", r, deadline) for r in readers]
         t0 = time.perf_counter()
@@ -94,7 +94,10 @@ class NixlPushTransport(NixlBase):
             lengths.append(np.full(len(a), run * size, dtype=np.int64))
         if not ops:
             return Descriptors.of([], [], [])
-        return Descriptors.of(np.concatenate(local), np.concatenate(remote), np.concatenate(lengths))
+        # the reader registers the storages behind its tensors; a range that begins where one
+        # storage begins begins a tensor, so never joining at a tensor's start keeps them apart
+        return Descriptors.of(np.concatenate(local), np.concatenate(remote), np.concatenate(lengths),
+                              local_starts=self._starts, remote_starts=[addr for addr, _ in shards.values()])
 
     def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
         self._prepared_agent("send")
@@ -145,7 +148,7 @@ class NixlPushTransport(NixlBase):
     def _prepare_reader(self, parts: list[Plan], epoch: int, deadline: Deadline) -> None:
         writers = sorted({op.src_rank for part in parts for op in part.ops})
         self._ctl = torch.full((1 + len(writers),), EMPTY, dtype=torch.int64)  # ready word, liveness mirrors
-        self._register([*self._flats.values(), self._ctl])
+        self._register(list(self._flats.values()), words=self._ctl)
         self._publish(epoch, shards={name: (t.data_ptr(), t.numel() * t.element_size())
                                      for name, t in self._flats.items()})
         self._peers = [self._connect(epoch, "writer", w, deadline) for w in writers]
@@ -160,7 +163,10 @@ class NixlPushTransport(NixlBase):
         deadline = Deadline.after(timeout)
         token = phase_token(version, phase)
         pending = {peer.agent: peer for peer in self._peers if peer.nbytes[phase]}
-        self._ctl[0] = token  # writers poll this word before they write into our tensors
+        # writers poll this word before they WRITE into our tensors, outside stream order: what
+        # is queued on them (the engine's last forward, the previous phase's loads) completes first
+        self.dev.synchronize(self.device)
+        self.dev.signal(self._ctl, 0, token, covers=list(self._flats.values()))
         next_probe = time.monotonic() + _PROBE_S
         with PhaseTimer(stats)("transfer"):
             while pending:

@@ -57,6 +57,7 @@ class RoutedTransport:
     one_sided: ClassVar[bool] = False  # its torch part needs the writer
     serves_cpu: ClassVar[bool] = True
     serves_cuda: ClassVar[bool] = True
+    carries_deltas: ClassVar[bool] = True  # both routes do
     publishes_before_send: ClassVar[bool] = True  # both parts: torch posts receives, shm streams
 
     def __init__(self, ctx: TransportContext) -> None:
@@ -132,6 +133,10 @@ class RoutedTransport:
             for name, seconds in stats.phases.items():
                 total.add_phase(f"{route}.{name}", seconds)
         return total
+
+    def forget_received(self) -> None:
+        for sub in self._subs.values():
+            sub.forget_received()
 
     def close(self) -> None:
         for sub in self._subs.values():

@@ -39,13 +39,17 @@ from __future__ import annotations
 
 import logging
 import platform
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from weightsync import device_port
+from weightsync.codecs.delta import Kind
 from weightsync.deadline import Deadline
-from weightsync.devices import gpu_identity, ipc_attach_device, visible_gpus
+from weightsync.device_port import DevicePort, IpcHandle
+from weightsync.devices import ipc_attach_device, visible_gpus
 from weightsync.torch_layout import TORCH_DTYPES
 from weightsync.transport.base import (
     PeerWatch,
@@ -58,8 +62,21 @@ from weightsync.transport.base import (
     peer_endpoint,
     phase_plans,
 )
+from weightsync.transport.delta_published import (
+    BASE,
+    DIGEST,
+    KIND,
+    NBYTES,
+    OFFSET,
+    VERSION,
+    ChangeLayout,
+    ChangeReader,
+    ChangeWriter,
+    check_delta,
+    check_row,
+)
 from weightsync.transport.endpoints import ShmEndpoint
-from weightsync.transport.exposed import ExposedIndex
+from weightsync.transport.exposed import ExposedIndex, piece_key
 from weightsync.transport.shm_segment import (
     CONTROL_BYTES,
     EMPTY,
@@ -84,10 +101,17 @@ _PROGRESS_BYTES = 4 << 20
 #: Store order is program order (x86-64 TSO), so progress words may be read without fences.
 _ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
 
+#: This process's CUDA IPC version slots, by segment path. CUDA refuses to open a handle in the
+#: process that exported it (``cudaIpcOpenMemHandle``: invalid context), so a reader in the
+#: writer's process (an in-process trainer and engine, which ``auto`` gives shm) takes the
+#: writer's tensor from here, as torch's own reductions do from their cache.
+_OWN_SLOTS: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 
-def streams(device: torch.device, enabled: bool) -> bool:
-    """Readers may copy while the writer packs: CPU slots on a CPU that keeps store order."""
-    return enabled and device.type == "cpu" and _ORDERED_STORES
+
+def streams(device: torch.device, enabled: bool, dev: DevicePort) -> bool:
+    """Readers may copy while the writer packs: host-memory slots on a CPU that keeps store order
+    (device memory is written by asynchronous copies: see :class:`SnapshotWriter`)."""
+    return enabled and not dev.is_gpu(device) and _ORDERED_STORES
 
 
 class WriterSide(Protocol):
@@ -111,8 +135,14 @@ class PeerSegment(Protocol):
         """The view to copy ``op`` from (once its bytes are there)."""
         ...
 
-    def finish(self, version: int, deadline: Deadline) -> None:
-        """After copying: raise if ``version`` changed under the reader."""
+    def changes(self, version: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The table and change area published with ``version`` (None: the writer publishes none);
+        valid for an op once :meth:`source` returned its view."""
+        ...
+
+    def finish(self, version: int, deadline: Deadline, *, last: bool = True) -> None:
+        """After copying (``last``: the version's last phase): raise if ``version`` changed under
+        the reader."""
 
     def release(self, version: int) -> None:
         """The reader is done with ``version`` (copied, or gave up)."""
@@ -128,18 +158,22 @@ class SharedMemoryTransport:
     publishes_before_send: ClassVar[bool] = True
     serves_cpu: ClassVar[bool] = True
     serves_cuda: ClassVar[bool] = True  # CUDA IPC
+    carries_deltas: ClassVar[bool] = True  # host memory only (delta_published.check_delta)
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
+        self.dev = device_port.current()
         self.device = torch.device(ctx.device)
         self.slots = ctx.options.slots
-        self.streaming = streams(self.device, ctx.options.shm_streaming)
+        self.streaming = streams(self.device, ctx.options.shm_streaming, self.dev)
         self._flats: dict[str, torch.Tensor] = {}
         self._writer: WriterSide | None = None
         self._peers: dict[int, PeerSegment] = {}
-        self._reads: list[list[tuple[int, TransferOp, int]]] = []  # per phase: (writer, op, byte offset)
+        self._reads: list[list[tuple[int, TransferOp, int, int]]] = []  # per phase: (writer, op, offset, row)
         self._phases = 1
         self.epoch: int | None = None
+        check_delta(self.name, ctx)
+        self._changes = ChangeReader(ctx) if ctx.options.delta_anchor_every and ctx.role == "reader" else None
 
     def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
                 phases: Sequence[Plan] | None = None) -> None:
@@ -169,7 +203,7 @@ class SharedMemoryTransport:
         writer = ZeroCopyWriter.create(self.ctx, plan, self._flats, index, copies, device=self.device)
         self._writer = writer if writer is not None else SnapshotWriter(self.ctx, index, copies, slots=self.slots,
                                                                          device=self.device,
-                                                                         streaming=self.streaming)
+                                                                         streaming=self.streaming, dev=self.dev)
         path = self._writer.segment.path
         assert path is not None, "a segment has its path until it is closed"
         self.ctx.channel.publish_endpoint(epoch, ShmEndpoint(path))
@@ -189,8 +223,9 @@ class SharedMemoryTransport:
             if endpoint is None:
                 raise TransportError(f"reader {self.ctx.rank}: writer {w} did not expose its shared memory "
                                      f"for epoch {epoch} in time")
-            self._peers[w] = attach(endpoint.path, w, self.ctx, self.device, self.streaming)
+            self._peers[w] = attach(endpoint.path, w, self.ctx, self.device, self.streaming, dev=self.dev)
         self._reads = []
+        rows = {w: {key: 1 + i for i, key in enumerate(peer.index.entries)} for w, peer in self._peers.items()}
         for part in parts:
             reads = []
             for op in part.ops:
@@ -198,8 +233,10 @@ class SharedMemoryTransport:
                 if nbytes != op.nbytes:
                     raise TransportError(f"reader {self.ctx.rank}: writer {op.src_rank} exposes {nbytes} bytes for "
                                          f"{op.canonical} {op.box}, expected {op.nbytes}")
-                reads.append((op.src_rank, op, at))
+                reads.append((op.src_rank, op, at, rows[op.src_rank][piece_key(op)]))
             self._reads.append(reads)
+        if self._changes is not None:
+            self._changes.prepared(len(parts))
 
     def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
         check_phase(phase, self._phases, self.ctx.who)
@@ -207,26 +244,80 @@ class SharedMemoryTransport:
         timer = PhaseTimer(stats)
         deadline = Deadline.after(timeout)
         reads = self._reads[phase]
-        involved = [self._peers[w] for w in dict.fromkeys(w for w, _, _ in reads)]
+        involved = {w: self._peers[w] for w in dict.fromkeys(w for w, _, _, _ in reads)}
+        taking = self._vouch(phase, reads, timer)
         done = False
         try:
-            for peer in involved:
+            for peer in involved.values():
                 peer.begin(version, deadline)
             with timer("transfer"):
-                for w, op, at in reads:
-                    op_dst_view(self._flats, op).copy_(self._peers[w].source(op, at, version, deadline))
-                    stats.nbytes += op.nbytes
+                for w, op, at, row in reads:
+                    source = self._peers[w].source(op, at, version, deadline)
+                    if w in taking:
+                        stats.nbytes += self._take(version, w, op, row=row, source=source, taking=taking[w])
+                    else:
+                        self.dev.copy(op_dst_view(self._flats, op), source)
+                        stats.nbytes += op.nbytes
                     stats.messages += 1
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-            for peer in involved:
-                peer.finish(version, deadline)
+                # the sequence words are checked after the copies: they must have read the slot by then
+                self.dev.synchronize(self.device)
+            for peer in involved.values():
+                peer.finish(version, deadline, last=phase == self._phases - 1)
             done = True
         finally:  # zero-copy writers hold their weights until every reader is done (or gave up)
             if phase == self._phases - 1 or not done:
                 for peer in self._peers.values():
                     peer.release(version)
+        if self._changes is not None:
+            for w, (_, _, digests) in taking.items():
+                self._changes.received((phase, w), version, digests)
+            stats.peak_extra_bytes = self._changes.extra_bytes()
         return stats
+
+    def _vouch(self, phase: int, reads: list[tuple[int, TransferOp, int, int]],
+               timer: PhaseTimer) -> dict[int, tuple[int, list[torch.Tensor] | None, list[int]]]:
+        """Per writer whose segment publishes changes: (the base this reader vouches for, its
+        shadow of the writer's ops, the digests collected as the ops land)."""
+        changes = self._changes
+        if changes is None:
+            return {}
+        out: dict[int, tuple[int, list[torch.Tensor] | None, list[int]]] = {}
+        with timer("vouch"):
+            for w in dict.fromkeys(w for w, _, _, _ in reads):
+                if self._peers[w].changes(0) is None:
+                    raise TransportError(f"reader {self.ctx.rank}: writer {w} publishes no changes; set the same "
+                                         "TransportOptions.delta_anchor_every on every rank")
+                ops = [op for v, op, _, _ in reads if v == w]
+                key = (phase, w)
+                out[w] = (changes.vouch(key, ops, self._flats), changes.shadow_of(key, ops), [])
+        return out
+
+    def _take(self, version: int, w: int, op: TransferOp, *, row: int, source: torch.Tensor,
+              taking: tuple[int, list[torch.Tensor] | None, list[int]]) -> int:
+        """Copy one op: its change when this reader holds the version's base, else in full. Returns
+        the bytes copied out of the writer's segment."""
+        assert self._changes is not None
+        base, shadow, digests = taking
+        published = self._peers[w].changes(version)
+        assert published is not None
+        table, area = published
+        if int(table[0, VERSION]) != version:
+            raise TransportError(f"reader {self.ctx.rank}: writer {w}'s change table holds version "
+                                 f"{int(table[0, VERSION])}, not {version}")
+        values = table[row].tolist()
+        kept = None if shadow is None else shadow[len(digests)]
+        digests.append(values[DIGEST])
+        if base < 0 or int(table[0, BASE]) != base or values[KIND] == Kind.DENSE:
+            self._changes.copy(op, source, self._flats, shadow=kept)
+            return op.nbytes
+        check_row(values, op, area.numel(), reader=self.ctx.rank, writer=w)
+        encoded = area[values[OFFSET]: values[OFFSET] + values[NBYTES]]
+        self._changes.apply(op, values, encoded, self._flats, writer=w, shadow=kept)
+        return int(values[NBYTES])
+
+    def forget_received(self) -> None:
+        if self._changes is not None:
+            self._changes.forget()
 
     # -- teardown -------------------------------------------------------------------------
     def _release_own(self) -> None:
@@ -242,27 +333,48 @@ class SharedMemoryTransport:
         self._release_own()
         self._close_peers()
         self._flats = {}
+        if self._changes is not None:
+            self._changes.close()
 
 
 class SnapshotWriter:
     """Snapshot mode, writer side: pack every exposed piece into version slot ``V % slots``."""
 
     def __init__(self, ctx: TransportContext, index: ExposedIndex, copies: list[list[tuple[str, TransferOp]]], *,
-                 slots: int, device: torch.device, streaming: bool) -> None:
+                 slots: int, device: torch.device, streaming: bool, dev: DevicePort) -> None:
         slot_bytes = max(index.total_bytes, 64)
         header: dict[str, Any] = {"mode": "snapshot", "index": index.encode(), "slots": slots,
                                   "slot_bytes": slot_bytes, "device": str(device)}
         data: torch.Tensor | None = None
-        if device.type == "cuda":
-            data = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=device)
-            header["cuda_ipc"] = list(data.untyped_storage()._share_cuda_())
-            header["gpu"] = gpu_identity(str(device))  # the index in cuda_ipc is this process's own
-        self.segment = OwnSegment(ctx.rank, header, 0 if data is not None else slots * slot_bytes)
+        if dev.is_gpu(device):
+            data = device_port.allocate(dev, slots * slot_bytes, device, what=f"{ctx.who}'s CUDA IPC version slots "
+                                        f"({slots} x {device_port.gib(slot_bytes)})",
+                                        fix="use fewer TransportOptions.slots, or SyncConfig(layer_phases=True) with "
+                                            "transport 'torch' (NCCL stages one bucket, not the model)")
+            header["ipc"] = dev.share(data).to_wire()
+        # the change area lives in host shared memory after the slots (deltas between GPUs are
+        # refused when the transport is created)
+        changes = ChangeLayout.for_index(index, slots, after=slots * slot_bytes) \
+            if ctx.options.delta_anchor_every and data is None else None
+        if changes is not None:
+            header["changes"] = changes.to_header()
+        self.segment = OwnSegment(ctx.rank, header, 0 if data is not None else slots * slot_bytes + (
+            changes.nbytes if changes is not None else 0))
         self.segment.words[3: 3 + 3 * slots].fill_(EMPTY)
         self.segment.seal()
+        if data is not None:
+            assert self.segment.path is not None, "a segment has its path until it is closed"
+            _OWN_SLOTS[self.segment.path] = data
         self.data = data if data is not None else self.segment.data
         self.index, self.copies, self.slots, self.slot_bytes = index, copies, slots, slot_bytes
-        self.device, self.streaming = device, streaming
+        self.device, self.streaming, self.dev = device, streaming, dev
+        # device memory: each phase is published once complete (after a synchronise), so that
+        # readers take a phase while the writer is busy elsewhere (the routed transport's
+        # other route blocks per phase: waiting for the whole slot would hang the job). The
+        # words are plain stores, read in order only where the CPU keeps store order.
+        self.phased = data is not None and _ORDERED_STORES
+        self.changes = None if changes is None else (
+            ChangeWriter(index, anchor_every=ctx.options.delta_anchor_every), changes.views(self.segment.data))
         logger.info("%s exposes %d bytes x %d slots in %s", ctx.who, index.total_bytes, slots, self.segment.path)
 
     def send(self, version: int, flats: Mapping[str, torch.Tensor], timeout: float, *, phase: int,
@@ -276,13 +388,21 @@ class SnapshotWriter:
         if phase == 0:
             control[seq_word(slot)] = EMPTY  # readers of the old version in this slot will notice
             control[progress_at] = 0
-            control[writing_word(self.slots, slot)] = version if self.streaming else EMPTY
+            if self.changes is not None:  # before readers may look at the slot
+                book, (tables, areas) = self.changes
+                book.begin(version, tables[slot], areas[slot])
+            control[writing_word(self.slots, slot)] = version if self.streaming or self.phased else EMPTY
         published = int(control[progress_at])
+        previous = (version - 1) % self.slots * self.slot_bytes
         with PhaseTimer(stats)("pack"):
             for key, op in self.copies[phase]:
                 at, nbytes = self.index.entries[key]
-                out = self.data[base + at: base + at + nbytes].view(TORCH_DTYPES[op.dst_dtype])
-                out.view(op.box.sizes).copy_(op_src_view(flats, op))
+                out = self.data[base + at: base + at + nbytes]
+                self.dev.copy(out.view(TORCH_DTYPES[op.dst_dtype]).view(op.box.sizes), op_src_view(flats, op))
+                if self.changes is not None:  # against the previous version, in the previous slot
+                    book, (tables, areas) = self.changes
+                    old = self.data[previous + at: previous + at + nbytes] if book.base >= 0 else None
+                    book.piece(key, op, out, old, table=tables[slot], area=areas[slot], update_old=False)
                 stats.nbytes += nbytes
                 stats.messages += 1
                 if self.streaming and at + nbytes - published >= _PROGRESS_BYTES:
@@ -292,9 +412,15 @@ class SnapshotWriter:
                 key, _ = self.copies[phase][-1]
                 control[progress_at] = max(published, sum(self.index.entries[key]))
         if last:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            control[seq_word(slot)] = version
+            self.dev.synchronize(self.device)  # the copies above are asynchronous on a GPU
+            if self.changes is not None:
+                self.changes[0].end(version)
+            self.dev.signal(control, seq_word(slot), version, covers=[self.data[base: base + self.slot_bytes]])
+        elif self.phased and self.copies[phase]:
+            key, _ = self.copies[phase][-1]
+            end = sum(self.index.entries[key])  # a slot is laid out phase after phase
+            self.dev.synchronize(self.device)
+            self.dev.signal(control, progress_at, end, covers=[self.data[base: base + end]])
         stats.peak_extra_bytes = self.slots * self.slot_bytes
         return stats
 
@@ -303,15 +429,18 @@ class SnapshotPeer:
     """Snapshot mode, reader side: copy from the writer's slot, as far as it is packed."""
 
     def __init__(self, control: torch.Tensor, data: torch.Tensor, index: ExposedIndex, *, slot_bytes: int,
-                 slots: int, writer: int, reader: int, streaming: bool, watch: PeerWatch) -> None:
+                 slots: int, writer: int, reader: int, streaming: bool, phased: bool = False,
+                 watch: PeerWatch, changes: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.control, self.data, self.index = control, data, index
         self.slot_bytes, self.slots = slot_bytes, slots
         self.writer, self.reader, self.streaming, self.watch = writer, reader, streaming, watch
+        self.phased = phased  # the writer publishes each completed phase (device memory)
+        self._changes = changes  # (tables per slot, areas per slot)
         self._ready = -1  # bytes of the current slot known to be packed
 
     def begin(self, version: int, deadline: Deadline) -> None:
         self._ready = -1
-        if not self.streaming:
+        if not self.streaming and not self.phased:
             self._ready = self._wait_packed(version, None, deadline)
 
     def source(self, op: TransferOp, at: int, version: int, deadline: Deadline) -> torch.Tensor:
@@ -320,10 +449,19 @@ class SnapshotPeer:
         base = (version % self.slots) * self.slot_bytes
         return self.data[base + at: base + at + op.nbytes].view(TORCH_DTYPES[op.dst_dtype]).view(op.box.sizes)
 
-    def finish(self, version: int, deadline: Deadline) -> None:
-        if self.streaming:  # the writer may still be packing pieces other readers need
+    def changes(self, version: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self._changes is None:
+            return None
+        tables, areas = self._changes
+        return tables[version % self.slots], areas[version % self.slots]
+
+    def finish(self, version: int, deadline: Deadline, *, last: bool = True) -> None:
+        slot = version % self.slots
+        if not last and self.word(writing_word(self.slots, slot)) == version:
+            return  # copied, and the writer has not begun another version in this slot
+        if self.streaming or self.phased:  # the writer may still be packing pieces other readers need
             self._wait_packed(version, None, deadline)
-        held = self.word(seq_word(version % self.slots))
+        held = self.word(seq_word(slot))
         if held != version:
             raise TransportError(self._stale_message(version, held) + " (overwritten while reading)")
 
@@ -372,28 +510,46 @@ def gone_why(ctx: TransportContext, writer: int) -> str:
             "/dev/shm, or a sweep that judges liveness by pid, from another pid namespace)")
 
 
-def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, streaming: bool) -> PeerSegment:
+def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, streaming: bool, *,
+           dev: DevicePort) -> PeerSegment:
     """Map writer ``writer``'s segment and return the peer of the mode it was written in."""
     try:
         mem, words, header = read_segment(path, writer)
         index = ExposedIndex.decode(header["index"])
         if header.get("mode") == "zero_copy":
+            changes = None
+            if "changes" in header:
+                tables, areas = ChangeLayout.from_header(header["changes"], writer=writer).views(mem[CONTROL_BYTES:])
+                changes = (tables[0], areas[0])
             return ZeroCopyPeer(words, index, header["files"], writer=writer, reader=ctx.rank,
-                                watch=PeerWatch(ctx, "writer", [writer]))
+                                watch=PeerWatch(ctx, "writer", [writer]), changes=changes)
     except FileGoneError as exc:
         raise TransportError(f"{ctx.who}: {exc}{gone_why(ctx, writer)}") from None
     slot_bytes, slots = int(header["slot_bytes"]), int(header["slots"])
-    writer_device = str(header.get("device", "cpu"))
-    if writer_device.startswith("cuda"):
-        # The mapping lives on the writer's GPU, whatever this reader's current device is.
-        home = torch.device(ipc_attach_device(writer_device, str(header.get("gpu", "")), visible_gpus()))
-        handle = list(header["cuda_ipc"])
-        handle[0] = home.index  # _share_cuda_'s first field: the device, renumbered for this process
-        with torch.cuda.device(home):
-            storage = torch.UntypedStorage._new_shared_cuda(*handle)
-            data = torch.empty(0, dtype=torch.uint8, device=home).set_(storage)
+    ipc = header.get("ipc")
+    if ipc is not None:
+        handle = IpcHandle.from_wire(ipc)
+        if handle.process == dev.process():  # our own export: never opened here (see _OWN_SLOTS)
+            own = _OWN_SLOTS.get(path)
+            if own is None:
+                raise TransportError(f"reader {ctx.rank}: writer {writer}'s CUDA IPC slots in {path} were exported "
+                                     "by this process and are already released (the writer closed)")
+            data = own
+        else:
+            data = dev.open(handle, ipc_home(handle))
     else:
         data = mem[CONTROL_BYTES:CONTROL_BYTES + slots * slot_bytes]
+    changes = None
+    if "changes" in header:
+        changes = ChangeLayout.from_header(header["changes"], writer=writer).views(mem[CONTROL_BYTES:])
     return SnapshotPeer(words, data, index, slot_bytes=slot_bytes, slots=slots, writer=writer, reader=ctx.rank,
-                        streaming=streaming and not writer_device.startswith("cuda"),
-                        watch=PeerWatch(ctx, "writer", [writer]))
+                        streaming=streaming and ipc is None, phased=ipc is not None and _ORDERED_STORES,
+                        watch=PeerWatch(ctx, "writer", [writer]), changes=changes)
+
+
+def ipc_home(handle: IpcHandle) -> str:
+    """The local device a writer's CUDA IPC slots are mapped on: the writer's GPU, as this process
+    numbers it (:func:`weightsync.devices.ipc_attach_device`)."""
+    if not handle.device.startswith("cuda"):
+        return handle.device  # the device model's "GPU" memory
+    return ipc_attach_device(handle.device, handle.gpu, visible_gpus())

@@ -29,8 +29,10 @@ import torch
 from weightsync.deadline import Deadline
 from weightsync.torch_layout import DTYPE_NAMES, TORCH_DTYPES, strided_view
 from weightsync.transport.base import PeerWatch, PhaseTimer, TransferStats, TransportContext, TransportError
+from weightsync.transport.delta_published import ChangeLayout, ChangeWriter
 from weightsync.transport.shm_files import SHM_DIR
 from weightsync.transport.shm_segment import CONTROL_BYTES, EMPTY, FileGoneError, OwnSegment, seq_word, spin_wait
+from weightsync.transport.tensors import op_src_view
 
 if TYPE_CHECKING:
     from weightsync.plan import Plan, TransferOp
@@ -67,15 +69,27 @@ class ZeroCopyWriter:
     """Writer side: expose the live parameters as version V until every reader copied them."""
 
     def __init__(self, ctx: TransportContext, index: ExposedIndex, files: dict[str, list[Any]],
-                 readers: list[int], pieces: int) -> None:
-        header = {"mode": "zero_copy", "index": index.encode(), "files": files, "device": "cpu"}
-        self.segment = OwnSegment(ctx.rank, header, 0)
+                 readers: list[int], copies: list[list[tuple[str, TransferOp]]]) -> None:
+        header: dict[str, Any] = {"mode": "zero_copy", "index": index.encode(), "files": files, "device": "cpu"}
+        layout = ChangeLayout.for_index(index, 1, after=0) if ctx.options.delta_anchor_every else None
+        if layout is not None:
+            header["changes"] = layout.to_header()
+        self.segment = OwnSegment(ctx.rank, header, 0 if layout is None else layout.end)
         words = self.segment.words
         words[3: DONE_BASE].fill_(EMPTY)
         words[DONE_BASE: DONE_BASE + ctx.num_readers].fill_(EMPTY)
         self.segment.seal()
-        self.who, self.index, self.readers, self.pieces = ctx.who, index, readers, pieces
+        self.who, self.index, self.readers, self.copies = ctx.who, index, readers, copies
+        self.pieces = sum(len(phase) for phase in copies)
         self.ctx = ctx
+        #: with deltas: the book, the table and area readers see, this writer's copy of the last
+        #: version (packed, the readers' dtype) and a buffer to pack the new one into
+        self.changes: tuple[ChangeWriter, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if layout is not None:
+            tables, areas = layout.views(self.segment.data)
+            biggest = max((n for _, n in index.entries.values()), default=0)
+            self.changes = (ChangeWriter(index, anchor_every=ctx.options.delta_anchor_every), tables[0], areas[0],
+                            torch.empty(index.total_bytes, dtype=torch.uint8), torch.empty(biggest, dtype=torch.uint8))
         logger.info("%s exposes its parameters' shared memory (zero-copy) in %s", ctx.who, self.segment.path)
 
     @classmethod
@@ -88,7 +102,7 @@ class ZeroCopyWriter:
         if files is None:
             return None
         readers = sorted({op.dst_rank for op in plan.ops if op.src_rank == ctx.rank})
-        return cls(ctx, index, files, readers, sum(len(phase) for phase in copies))
+        return cls(ctx, index, files, readers, copies)
 
     def send(self, version: int, flats: Mapping[str, torch.Tensor], timeout: float, *, phase: int,
              last: bool) -> TransferStats:
@@ -97,6 +111,9 @@ class ZeroCopyWriter:
         control = self.segment.words
         deadline = Deadline.after(timeout)
         if phase == 0:
+            if self.changes is not None:
+                with PhaseTimer(stats)("encode"):
+                    self._publish_changes(version, flats)
             control[EXPOSED_WORD] = version
         if not last:
             return stats  # readers copy phase by phase from the exposed weights
@@ -120,17 +137,37 @@ class ZeroCopyWriter:
             control[EXPOSED_WORD] = EMPTY  # the trainer may change its weights from now on
         stats.nbytes = self.index.total_bytes
         stats.messages = self.pieces
+        if self.changes is not None:
+            stats.peak_extra_bytes = sum(int(t.numel()) for t in self.changes[3:]) + self.segment.data.numel()
         return stats
+
+    def _publish_changes(self, version: int, flats: Mapping[str, torch.Tensor]) -> None:
+        """Every piece of ``version`` against this writer's copy of the last one, before it is
+        exposed (readers apply changes from the table while the weights stay as they are)."""
+        assert self.changes is not None
+        book, table, area, previous, scratch = self.changes
+        book.begin(version, table, area)
+        for key, op in (item for phase in self.copies for item in phase):
+            at, nbytes = self.index.entries[key]
+            new = scratch[:nbytes]
+            new.view(TORCH_DTYPES[op.dst_dtype]).view(op.box.sizes).copy_(op_src_view(flats, op))
+            book.piece(key, op, new, previous[at: at + nbytes], table=table, area=area, update_old=True)
+        book.end(version)
 
 
 class ZeroCopyPeer:
     """Reader side: the writer's parameter files, mapped; copies come straight from them."""
 
     def __init__(self, control: torch.Tensor, index: ExposedIndex, files: Mapping[str, list[Any]], *,
-                 writer: int, reader: int, watch: PeerWatch) -> None:
+                 writer: int, reader: int, watch: PeerWatch,
+                 changes: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.control, self.index = control, index
         self.writer, self.reader, self.watch = writer, reader, watch
         self.files = map_files(files)
+        self._changes = changes  # (the table, the area), published before each version is exposed
+
+    def changes(self, version: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self._changes
 
     def begin(self, version: int, deadline: Deadline) -> None:
         """Wait until the writer exposes ``version`` of its shared parameters."""
@@ -148,7 +185,7 @@ class ZeroCopyPeer:
     def source(self, op: TransferOp, at: int, version: int, deadline: Deadline) -> torch.Tensor:
         return strided_view(self.files[op.src_shard], op.box.sizes, op.src_strides, op.src_offset)
 
-    def finish(self, version: int, deadline: Deadline) -> None:
+    def finish(self, version: int, deadline: Deadline, *, last: bool = True) -> None:
         if int(self.control[EXPOSED_WORD]) != version:
             raise TransportError(f"reader {self.reader}: writer {self.writer} stopped exposing version {version} "
                                  "while this reader copied it (it gave up waiting)")

@@ -9,7 +9,7 @@ buffer; scattering copies from a buffer into destination views. Both are a singl
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,19 +61,30 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def pack(message: Message, src_flats: Mapping[str, torch.Tensor], buffer: torch.Tensor) -> torch.Tensor:
+#: How a piece is copied: ``dst.copy_(src)`` on host memory, the device port's queued copy on a
+#: GPU (:meth:`weightsync.device_port.DevicePort.copy`).
+Copy = Callable[[torch.Tensor, torch.Tensor], object]
+
+
+def _copy_now(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
+def pack(message: Message, src_flats: Mapping[str, torch.Tensor], buffer: torch.Tensor, *,
+         copy: Copy = _copy_now) -> torch.Tensor:
     """Copy every piece (converted to the destination dtype) into ``buffer``; returns the payload."""
     for piece in message.pieces:
         out = buffer[piece.at: piece.at + piece.nbytes].view(TORCH_DTYPES[piece.op.dst_dtype])
-        out.view(piece.box.sizes).copy_(src_view(src_flats, piece))
+        copy(out.view(piece.box.sizes), src_view(src_flats, piece))
     return buffer[: message.nbytes]
 
 
-def scatter(message: Message, dst_flats: Mapping[str, torch.Tensor], payload: torch.Tensor) -> None:
+def scatter(message: Message, dst_flats: Mapping[str, torch.Tensor], payload: torch.Tensor, *,
+            copy: Copy = _copy_now) -> None:
     """Copy each piece of a received payload into its destination view."""
     for piece in message.pieces:
         data = payload[piece.at: piece.at + piece.nbytes].view(TORCH_DTYPES[piece.op.dst_dtype])
-        dst_view(dst_flats, piece).copy_(data.view(piece.box.sizes))
+        copy(dst_view(dst_flats, piece), data.view(piece.box.sizes))
 
 
 def direct_source(message: Message, src_flats: Mapping[str, torch.Tensor]) -> torch.Tensor | None:

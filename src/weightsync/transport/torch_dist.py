@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from weightsync import device_port
 from weightsync.deadline import Deadline
 from weightsync.transport.base import (
     PeerWatch,
@@ -71,9 +72,11 @@ class TorchDistBase:
     publishes_before_send: ClassVar[bool] = True  # receivers must post their receives
     serves_cpu: ClassVar[bool]
     serves_cuda: ClassVar[bool]
+    carries_deltas: ClassVar[bool] = False  # gloo does (transport/delta.py); NCCL not yet (issue 25)
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
+        self.dev = device_port.current()
         self.device = torch.device(ctx.device)
         self.epoch: int | None = None
         self._store: dist.TCPStore | None = None
@@ -174,7 +177,7 @@ class TorchDistBase:
     def _buffer(self, lane: int, slot: int) -> torch.Tensor:
         key = (lane, slot)
         if key not in self._buffers:
-            self._buffers[key] = torch.empty(self._message_bytes, dtype=torch.uint8, device=self.device)
+            self._buffers[key] = self.dev.empty(self._message_bytes, self.device, what=f"{self.ctx.who}'s staging")
         return self._buffers[key]
 
     def _extra_bytes(self) -> int:
@@ -182,6 +185,9 @@ class TorchDistBase:
 
     def _peer_label(self, peer: int) -> str:
         return f"{'reader' if self.ctx.role == 'writer' else 'writer'} {peer}"
+
+    def forget_received(self) -> None:
+        """Nothing is kept between receives (a backend with deltas overrides this)."""
 
     # -- teardown -------------------------------------------------------------------------
     def _teardown_group(self) -> None:

@@ -48,6 +48,7 @@ class GlooTransport(TorchDistBase):
 
     serves_cpu: ClassVar[bool] = True
     serves_cuda: ClassVar[bool] = False
+    carries_deltas: ClassVar[bool] = True  # transport/delta.py over _GlooLink
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
@@ -85,6 +86,10 @@ class GlooTransport(TorchDistBase):
                 delta.receive_pair(_GlooLink(self, run, pair), pair.messages, self._flats, phase=phase,
                                    stats=run.stats, timer=run.timer)
         return self._run_pairs(version, timeout, move, self._phase_schedule(phase))
+
+    def forget_received(self) -> None:
+        if self.delta is not None:
+            self.delta.forget_received()
 
     def _extra_bytes(self) -> int:
         return super()._extra_bytes() + (self.delta.extra_bytes() if self.delta is not None else 0)

@@ -20,8 +20,11 @@ on (torch 2.13, ``torch/distributed/distributed_c10d.py``):
   run on the GPU in order; the CPU blocks once, on a blocking-sync CUDA event recorded after
   the last round.
 * **Timeouts abort, they never kill.** A :class:`Watchdog` thread aborts the communicator if
-  the event has not completed by the deadline; aborted NCCL kernels end, the event
-  completes, and the sync raises :class:`TransportError` naming the peers. The group is
+  the sync (posting included: the end of a coalesced group connects a pair on first use)
+  has not completed by the deadline, or as soon as the job channel reports a peer dead (NCCL
+  has no peer watch of its own); aborted NCCL kernels end, the event completes, and the sync
+  raises :class:`TransportError` naming the peers and why. The eager connect of ``prepare``
+  runs under one too. The group is
   created with the settings of :func:`nccl_group_env` (read by ``ProcessGroupNCCL``'s
   constructor only, so the user's own groups keep theirs): ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``,
   because torch's default (3) tears the whole process down when a work times out or fails,
@@ -49,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync.deadline import Deadline
-from weightsync.transport.base import PhaseTimer, TransferStats, TransportError
+from weightsync.transport.base import PeerWatch, PhaseTimer, TransferStats, TransportError
 from weightsync.transport.schedule import Message
 from weightsync.transport.tensors import as_bytes, checksum, direct_source, dst_view, pack, scatter
 from weightsync.transport.torch_dist import Pair, TorchDistBase
@@ -108,27 +111,49 @@ def rounds_of(schedule: Sequence[Sequence[Message]], *, window: int = WINDOW) ->
 
 
 class Watchdog:
-    """Calls ``abort`` once if the guarded block is still running at the deadline.
+    """Calls ``abort`` once if the guarded block is still running at the deadline, or as soon as
+    ``watch`` reports a peer dead (NCCL itself never notices a dead peer: its kernels wait).
 
-        with Watchdog(deadline, abort) as dog:
+        with Watchdog(deadline, abort, watch) as dog:
             event.synchronize()        # returns early if dog aborted the communicator
-        if dog.fired: raise ...
+        if dog.fired: raise ...        # dog.dead: the dead peers, if that is why
     """
 
-    def __init__(self, deadline: Deadline, abort: Callable[[], None]) -> None:
+    def __init__(self, deadline: Deadline, abort: Callable[[], None], watch: PeerWatch | None = None) -> None:
         self.deadline = deadline
         self.abort = abort
+        self.watch = watch
         self.fired = False
+        self.dead: dict[int, str] = {}
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="weightsync-nccl-watchdog", daemon=True)
 
     def _watch(self) -> None:
-        if not self._done.wait(self.deadline.remaining(0.0)):
-            self.fired = True
+        step = self.watch.every if self.watch is not None else None
+        while not self._done.wait(self.deadline.remaining(0.0) if step is None
+                                  else min(step, self.deadline.remaining(0.0))):
+            if self.deadline.expired:
+                break
             try:
-                self.abort()
-            except Exception as exc:  # the sync reports the timeout either way
-                logger.warning("aborting the NCCL communicator failed: %s", exc)
+                self.dead = self.watch.dead() if self.watch is not None else {}
+            except Exception as exc:  # the meta server is away: the deadline still holds
+                logger.debug("peer liveness unavailable: %s", exc)
+            if self.dead:
+                break
+        else:
+            return
+        self.fired = True
+        try:
+            self.abort()
+        except Exception as exc:  # the sync reports the timeout either way
+            logger.warning("aborting the NCCL communicator failed: %s", exc)
+
+    def reason(self) -> str:
+        """Why it fired, for the error: the dead peers, or the deadline."""
+        if self.dead:
+            role = self.watch.role if self.watch is not None else "peer"
+            return "; ".join(f"{role} {r} is dead ({why})" for r, why in sorted(self.dead.items()))
+        return "it did not complete in time"
 
     def __enter__(self) -> Watchdog:
         self._thread.start()
@@ -159,7 +184,8 @@ def scoped_env(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def nccl_group(store: dist.Store, rank: int, size: int, device: torch.device, *, name: str) -> Any:
+def nccl_group(store: dist.Store, rank: int, size: int, device: torch.device, *, name: str,
+               deadline: Deadline) -> Any:
     """A NCCL process group of our own, with its communicator created now (module docstring)."""
     options = dist.ProcessGroupNCCL.Options()
     options.is_high_priority_stream = False
@@ -172,8 +198,29 @@ def nccl_group(store: dist.Store, rank: int, size: int, device: torch.device, *,
     pg.bound_device_id = device  # before the backend is registered, which hands it on
     pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, backend)
     pg._set_group_name(name)  # type: ignore[arg-type]  # GroupName is a str at run time
-    backend.eager_connect_single_device(device)
+    connect_eagerly(backend, device, deadline)
     return pg
+
+
+def connect_eagerly(backend: Any, device: torch.device, deadline: Deadline) -> None:
+    """Create the communicator now (``eager_connect_single_device``), under a watchdog: NCCL's
+    bootstrap waits for every rank with no deadline of its own.
+
+    Raises:
+        TransportError: the deadline passed first (the backend was aborted).
+    """
+    with Watchdog(deadline, backend.abort) as dog:
+        backend.eager_connect_single_device(device)
+    if dog.fired:
+        raise TransportError(f"the NCCL communicator did not connect on {device} in time (every rank of the "
+                             "job must reach prepare); it was aborted")
+
+
+def block_on(work: Any) -> None:
+    """Make the current stream wait for a coalesced group's work. ``ProcessGroupNCCL::endCoalescing``
+    returns no work (None) when nothing was posted in the group."""
+    if work is not None:
+        work.block_current_stream()
 
 
 class NcclTransport(TorchDistBase):
@@ -185,9 +232,11 @@ class NcclTransport(TorchDistBase):
     def _form_group(self, epoch: int, deadline: Deadline) -> Any:
         prefix = self._store_for(epoch, deadline)
         try:
-            with torch.cuda.device(self.device):
+            with self.dev.scope(self.device):
                 return nccl_group(prefix, self.ctx.global_rank, self.ctx.world_size, self.device,
-                                  name=f"weightsync-e{epoch}")
+                                  name=f"weightsync-e{epoch}", deadline=deadline)
+        except TransportError as exc:
+            raise TransportError(f"{self.ctx.who}: epoch {epoch}: {exc}") from exc
         except (RuntimeError, dist.DistError) as exc:
             raise TransportError(f"{self.ctx.who}: NCCL group of epoch {epoch} did not form on {self.device}: "
                                  f"{exc}") from exc
@@ -206,26 +255,33 @@ class NcclTransport(TorchDistBase):
         timer = PhaseTimer(stats)
         rounds = rounds_of([pair.messages for pair in schedule])
         sums: dict[int, dict[int, int]] = {i: {} for i in range(len(schedule))}
+        other = "reader" if self.ctx.role == "writer" else "writer"
+        watch = PeerWatch(self.ctx, other, [p.peer for p in schedule])  # type: ignore[arg-type]
+        # posting blocks too: the end of a coalesced group connects a pair on its first use
+        dog = Watchdog(deadline, pg.abort, watch)
         try:
-            with torch.cuda.device(self.device):
+            with self.dev.scope(self.device), dog:
                 with timer("post"):
                     for windows in rounds:
                         self._round(pg, schedule, windows, sending=sending, stats=stats, sums=sums)
                     if self.ctx.options.checksum:
                         self._checksums(pg, schedule, sending, sums)
-                    done = torch.cuda.Event(blocking=True)
-                    done.record()
-                with timer("transfer"), Watchdog(deadline, pg.abort) as dog:
-                    done.synchronize()
-        except RuntimeError as exc:
+                    done = self.dev.record(self.device)
+                with timer("transfer"):
+                    self.dev.wait(done)
+        except Exception as exc:  # whatever failed, the group may be mid-operation: never reuse it
             self._teardown_group()
-            raise TransportError(f"{self.ctx.who}: version {version} failed with "
-                                 f"{', '.join(self._peer_label(p.peer) for p in schedule)}: {exc}") from exc
+            if isinstance(exc, TransportError) and exc.__cause__ is None:
+                raise
+            peers = ", ".join(self._peer_label(p.peer) for p in schedule)
+            # an aborted communicator fails what it was doing: then say why it was aborted
+            why = f"{dog.reason()}; the NCCL communicator was aborted" if dog.fired else str(exc)
+            raise TransportError(f"{self.ctx.who}: version {version} failed with {peers}: {why}") from exc
         if dog.fired:
             self._teardown_group()  # aborted: the next epoch forms a new communicator
-            raise TransportError(f"{self.ctx.who}: version {version} did not complete in time with "
-                                 f"{', '.join(self._peer_label(p.peer) for p in schedule)}; the NCCL "
-                                 "communicator was aborted")
+            raise TransportError(f"{self.ctx.who}: version {version} failed with "
+                                 f"{', '.join(self._peer_label(p.peer) for p in schedule)}: {dog.reason()}; "
+                                 "the NCCL communicator was aborted")
         stats.peak_extra_bytes = self._extra_bytes()
         return stats
 
@@ -246,7 +302,7 @@ class NcclTransport(TorchDistBase):
                 if sending:
                     payload = None if needs_buffer(message) else direct_source(message, self._flats)
                     if payload is None:
-                        payload = pack(message, self._flats, self._buffer(window.pair, 0))
+                        payload = pack(message, self._flats, self._buffer(window.pair, 0), copy=self.dev.copy)
                     if self.ctx.options.checksum:
                         sums[window.pair][tag] = checksum(payload)
                 elif message.direct:
@@ -258,15 +314,14 @@ class NcclTransport(TorchDistBase):
                 stats.nbytes += message.nbytes
                 stats.messages += 1
                 stats.direct_bytes += message.nbytes if message.direct else 0
-        work = pg._end_coalescing(self.device)
-        work.block_current_stream()  # the current stream waits for the round; the CPU does not
+        block_on(pg._end_coalescing(self.device))  # the current stream waits for the round; the CPU does not
         if sending:
             return
         for message, payload, index, tag in landed:
             if self.ctx.options.checksum:  # debugging option: synchronises every round
                 sums[index][tag] = checksum(payload)
             if not message.direct:
-                scatter(message, self._flats, payload)
+                scatter(message, self._flats, payload, copy=self.dev.copy)
 
     def _checksums(self, pg: Any, schedule: list[Pair], sending: bool, sums: dict[int, dict[int, int]]) -> None:
         """One more round: each pair's CRC32s in message order, compared by the receiver."""
@@ -280,7 +335,9 @@ class NcclTransport(TorchDistBase):
                     else torch.empty(len(pair.messages), dtype=torch.int64, device=self.device))
             (pg.send if sending else pg.recv)([tail], pair.peer_global, len(pair.messages))
             tails.append((pair, tail, ordered))
-        pg._end_coalescing(self.device).block_current_stream()  # tolist() below waits for the stream
+        if not tails:
+            return  # no message with any peer this phase: nothing to compare
+        block_on(pg._end_coalescing(self.device))  # tolist() below waits for the stream
         if sending:
             return
         for pair, tail, ordered in tails:

@@ -10,7 +10,8 @@ An actor class inherits :class:`SyncActor` and says what it holds: ``weightsync_
 workers. Joining replaces the config's ``host`` with the actor's node name, which
 placement compares (two Ray nodes on one machine are two nodes), and the transport's
 address with the node's IP; the rest of :class:`weightsync.session.SyncConfig` is the
-caller's, identical on every rank.
+caller's, identical on every rank. The config crosses Ray in its wire form
+(:meth:`SyncConfig.to_wire`: plain data, checked on arrival), never as a pickled object.
 
 **Node names.** A rank's node name is its Ray node's ``weightsync-node`` label when the node
 has one (``ray start --labels weightsync-node=rack3-n7``), else its Ray node id. A job is
@@ -73,13 +74,16 @@ class SyncActor:
     def weightsync_engine(self) -> InferenceEngine:
         raise NotImplementedError(f"{type(self).__name__} joins as a reader: define weightsync_engine()")
 
-    def weightsync_join(self, role: Role, rank: int, config: SyncConfig, address: str, token: str) -> dict[str, Any]:
+    def weightsync_join(self, role: Role, rank: int, settings: dict[str, Any], address: str,
+                        token: str) -> dict[str, Any]:
         """Become ``role`` ``rank`` of the job (called by :func:`attach_writers` / :func:`attach_readers`).
 
-        The rank registers now (a quick call to the meta server, no waiting), so the job's
-        roster is complete once both groups are attached; planning waits for the first sync.
+        ``settings`` is the job's ``SyncConfig`` in its wire form (plain data across Ray). The
+        rank registers now (a quick call to the meta server, no waiting), so the job's roster is
+        complete once both groups are attached; planning waits for the first sync.
         """
         self.weightsync_leave()
+        config = SyncConfig.from_wire(settings, where=f"attach_{role}s")
         placed = placed_config(config)
         meta = MetaConnection(address, token).client(job=config.job)
         if role == "writer":
@@ -133,14 +137,16 @@ def _attach(role: Role, actors: Sequence[Any], config: SyncConfig, meta: MetaCon
     if len(actors) != size:
         raise ValueError(f"{len(actors)} actors were given as {role}s, but the config says num_{role}s={size}: "
                          "pass one actor per rank")
-    calls = [a.weightsync_join.remote(role, rank, config, meta.address, meta.token) for rank, a in enumerate(actors)]
+    settings = config.to_wire()
+    calls = [a.weightsync_join.remote(role, rank, settings, meta.address, meta.token) for rank, a in enumerate(actors)]
     return list(ray.get(calls, timeout=timeout))
 
 
 def rejoin(actor: Any, role: Role, rank: int, config: SyncConfig, meta: MetaConnection, *,
            timeout: float = 120.0) -> dict[str, Any]:
     """Make one (restarted) actor ``role`` ``rank`` again; the job moves to a new epoch."""
-    return dict(ray.get(actor.weightsync_join.remote(role, rank, config, meta.address, meta.token), timeout=timeout))
+    return dict(ray.get(actor.weightsync_join.remote(role, rank, config.to_wire(), meta.address, meta.token),
+                        timeout=timeout))
 
 
 def attach_writers(actors: Sequence[Any], config: SyncConfig, meta: MetaConnection, *,

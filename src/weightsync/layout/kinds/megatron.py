@@ -21,11 +21,20 @@ Fused tensors, as Megatron lays them out:
 
 ``grouped=1`` names experts like ``TEGroupedMLP`` (``experts.linear_fc1.weight{i}``) instead
 of ``SequentialMLP`` (``experts.local_experts.{i}.linear_fc1.weight``).
+
+The rules above name Llama-style attention and MLPs (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral).
+The other families (DeepSeek-V3/Kimi-K2's latent attention, shared experts, router expert bias
+and MTP layers; GLM-4.5) are laid out from :class:`MegatronParam` rules that
+``weightsync.sources.megatron_names.install()`` derives from mbridge's mappings and
+megatron-core's layer specs (:func:`use_params`); without them this kind refuses those
+families by name. MTP layers (``mtp.layers.{i}.``) live on the last stage, which then holds
+an embedding of its own when ``pp > 1`` (megatron-core's ``GPTModel``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from weightsync.layout.box import Box, even_bounds
 from weightsync.layout.builders import (
@@ -37,10 +46,11 @@ from weightsync.layout.builders import (
     split,
     vocab_parallel,
 )
-from weightsync.layout.kinds.base import LayoutKind, register_kind
+from weightsync.layout.families import FLOAT32_ROLES
+from weightsync.layout.kinds.base import LayoutKind, memo, register_kind
 from weightsync.layout.kinds.pieces import Piece
 from weightsync.layout.model import ModelSpec
-from weightsync.layout.types import Shard
+from weightsync.layout.types import CanonicalTensor, Shard
 
 #: Megatron local name of each role that is a plain (unfused) parameter.
 _PLAIN_NAMES = {
@@ -54,6 +64,45 @@ _PLAIN_NAMES = {
 
 #: The families whose Megatron-core parameters the tables below name (Llama-style attention and MLPs).
 _FAMILIES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MegatronParam:
+    """One parameter of a Megatron layer, the same in every layer of its kind.
+
+    ``suffix`` is its name within the layer (``self_attention.linear_kv_up_proj.weight``; an
+    expert's as ``TEGroupedMLP`` names it before the expert number, ``mlp.experts.linear_fc1.weight``).
+    ``runs`` lay the whole parameter's rows out along dim 0: ``(role, first row, end row)`` of
+    that role's tensor in the layer, in order. Tensor parallelism cuts it along ``dim`` (None:
+    whole on every rank) into ``tp * stride`` chunks, rank ``r`` holding chunks ``r, r + tp, ...``
+    (megatron-core's ``partition_dim`` and ``partition_stride``); an ``expert`` parameter is one
+    per expert, placed by EP and cut over expert TP.
+    """
+
+    suffix: str
+    runs: tuple[tuple[str, int, int], ...]
+    dim: int | None
+    stride: int = 1
+    expert: bool = False
+
+
+#: (spec, global layer) -> the layer's parameters, set by ``weightsync.sources.megatron_names.install``.
+_PARAMS: dict[str, Callable[[ModelSpec, int], tuple[MegatronParam, ...]]] = {}
+
+
+def use_params(provider: Callable[[ModelSpec, int], tuple[MegatronParam, ...]] | None) -> None:
+    """Lay out the families the rules below do not name from ``provider`` (None: refuse them)."""
+    from weightsync.layout.kinds.base import _memo_tables
+
+    _PARAMS.pop("megatron", None)
+    if provider is not None:
+        _PARAMS["megatron"] = provider
+    _memo_tables.cache_clear()
+
+
+def derives(spec: ModelSpec) -> bool:
+    """Whether the kind lays ``spec`` out from the rules :func:`use_params` installs (not its own)."""
+    return spec.family not in _FAMILIES
 
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> range:
@@ -86,10 +135,14 @@ class MegatronLayout(LayoutKind):
         return self.etp or self.tp  # Megatron-core's default (see module docstring)
 
     def validate(self, spec: ModelSpec) -> None:
-        if spec.family not in _FAMILIES:
-            raise ValueError(f"megatron: the {spec.family} family's Megatron-core names are not modelled (its "
-                             f"latent attention, shared experts or MTP layers); modelled: {sorted(_FAMILIES)}")
-        if spec.num_kv_heads % self.tp:
+        if spec.family not in _FAMILIES and "megatron" not in _PARAMS:
+            raise ValueError(f"megatron: the {spec.family} family's Megatron-core names come from mbridge and "
+                             "megatron-core's layer specs: pip install 'weightsync[megatron]' and call "
+                             "weightsync.sources.megatron_names.install() first (weightsync plan does); "
+                             f"named without them: {sorted(_FAMILIES)}")
+        if self._derived(spec):
+            self._params(spec, 0)  # a family mbridge has no bridge for (gpt-oss) is refused here, by name
+        if not spec.is_mla and spec.num_kv_heads % self.tp:
             raise ValueError(
                 f"megatron: num_key_value_heads={spec.num_kv_heads} (query groups) is not "
                 f"divisible by tp={self.tp}"
@@ -128,17 +181,23 @@ class MegatronLayout(LayoutKind):
         return self.piece_shards(spec, rank)
 
     def pieces(self, spec: ModelSpec, rank: int) -> list[Piece]:
-        """The embedding (first stage), each layer's dense part and experts, the head (last stage)."""
+        """The embedding (first stage; the last too with MTP layers), each layer's dense part and experts (MTP
+        layers after the decoder's on the last stage), the head (last stage)."""
         t, d, p = self.coords(rank)
-        out = [Piece("embed", (t,))] if p == 0 else []
+        last = p == self.pp - 1
+        # megatron-core's MTP block (on the last stage) embeds on its own stage
+        out = [Piece("embed", (t,))] if p == 0 or (last and spec.mtp_layers) else []
         i = t + self.tp * d  # index among the tp x dp ranks of this stage
         e_rank, ep_rank = i % self.expert_tp, (i // self.expert_tp) % self.ep
-        for local, layer in enumerate(stage_layers(spec.num_layers, self.pp, p)):
-            prefix = f"decoder.layers.{local}."
+        layers = [(layer, f"decoder.layers.{local}.")
+                  for local, layer in enumerate(stage_layers(spec.num_layers, self.pp, p))]
+        if last:
+            layers += [(spec.num_layers + j, f"mtp.layers.{j}.") for j in range(spec.mtp_layers)]
+        for layer, prefix in layers:
             out.append(Piece("dense", (t,), layer, prefix))
             if spec.is_moe_layer(layer):
                 out.append(Piece("experts", (ep_rank, e_rank), layer, prefix))
-        if p == self.pp - 1:
+        if last:
             out.append(Piece("head", (t,)))
         return out
 
@@ -163,8 +222,61 @@ class MegatronLayout(LayoutKind):
                                       padded_rows=padded, dtype=self.local_dtype(head)))
         return out
 
+    def _derived(self, spec: ModelSpec) -> bool:
+        return derives(spec)
+
+    def _params(self, spec: ModelSpec, layer: int) -> tuple[MegatronParam, ...]:
+        """The derived rules of ``layer``, asked once per kind of layer (its roles)."""
+        cache = memo(self, spec, "params")
+        key = spec.layer_roles(layer)
+        if key not in cache:
+            cache[key] = _PARAMS["megatron"](spec, layer)
+        return cache[key]  # type: ignore[no-any-return]
+
+    def _param_shard(self, spec: ModelSpec, layer: int, param: MegatronParam, name: str, *, parts: int,
+                     index: int, expert: int | None = None) -> Shard:
+        """Rank ``index`` of ``parts`` of ``param`` (of expert ``expert``), named ``name``."""
+        tensors = [(spec.tensor(role, layer), lo, hi) for role, lo, hi in param.runs]
+        first = tensors[0][0]
+        dtype = "float32" if param.runs[0][0] in FLOAT32_ROLES else self.local_dtype(first)
+        lead = 0 if expert is None else 1
+
+        def box(tensor: CanonicalTensor, lo: int, hi: int) -> Box:
+            """Rows ``[lo, hi)`` of the tensor (of the expert's slice of a stack)."""
+            shape = tensor.shape[lead:]
+            inner = Box((lo,) + (0,) * (len(shape) - 1), (hi - lo, *shape[1:]))
+            return inner if expert is None else Box((expert, *inner.offsets), (1, *inner.sizes))
+
+        if param.dim == 1:
+            if len(tensors) != 1:
+                raise ValueError(f"megatron: {name} fuses {len(tensors)} tensors and is cut along dim 1")
+            tensor, lo, hi = tensors[0]
+            a, b = even_bounds(tensor.shape[lead + 1], parts, what=f"dim 1 of {name}")[index]
+            return concat_shard(name, dtype, [(tensor, _cols(box(tensor, lo, hi), lead, a, b))], dim=1,
+                                drop_leading=lead)
+        total = sum(hi - lo for _, lo, hi in tensors)
+        held = [(0, total)]
+        if param.dim == 0 and parts > 1:
+            if total % (parts * param.stride):
+                raise ValueError(f"megatron: {name} has {total} rows, not divisible by {parts} ranks x stride "
+                                 f"{param.stride}")
+            chunk = total // (parts * param.stride)
+            held = [((j * parts + index) * chunk, (j * parts + index + 1) * chunk) for j in range(param.stride)]
+        pieces = []
+        for start, stop in held:
+            cursor = 0
+            for tensor, lo, hi in tensors:
+                a, b = max(start, cursor), min(stop, cursor + hi - lo)
+                if b > a:
+                    pieces.append((tensor, box(tensor, lo + a - cursor, lo + b - cursor)))
+                cursor += hi - lo
+        return concat_shard(name, dtype, pieces, drop_leading=lead)
+
     def _layer(self, spec: ModelSpec, layer: int, prefix: str, t: int) -> list[Shard]:
         """The non-expert parameters of one layer on TP rank ``t``."""
+        if self._derived(spec):
+            return [self._param_shard(spec, layer, param, prefix + param.suffix, parts=self.tp, index=t)
+                    for param in self._params(spec, layer) if not param.expert]
         roles = spec.layer_roles(layer)
         tensor = lambda role: spec.tensor(role, layer)  # noqa: E731
         dtype = self.local_dtype(tensor("q"))
@@ -204,6 +316,8 @@ class MegatronLayout(LayoutKind):
 
     def _experts(self, spec: ModelSpec, layer: int, prefix: str, ep_rank: int, e_rank: int) -> list[Shard]:
         """The local experts of EP rank ``ep_rank``, expert-TP rank ``e_rank``."""
+        if self._derived(spec):
+            return self._derived_experts(spec, layer, prefix, ep_rank, e_rank)
         gate = spec.tensor("expert_gate", layer)
         up = spec.tensor("expert_up", layer)
         down = spec.tensor("expert_down", layer)
@@ -230,3 +344,26 @@ class MegatronLayout(LayoutKind):
             out.append(concat_shard(fc1_name, dtype, fc1_parts, dim=0, drop_leading=1))
             out.append(concat_shard(fc2_name, dtype, fc2_part, dim=1, drop_leading=1))
         return out
+
+    def _derived_experts(self, spec: ModelSpec, layer: int, prefix: str, ep_rank: int, e_rank: int) -> list[Shard]:
+        local_experts = spec.num_experts // self.ep
+        out = []
+        for local in range(local_experts):
+            expert = ep_rank * local_experts + local
+            for param in self._params(spec, layer):
+                if param.expert:
+                    head, _, tail = param.suffix.rpartition("experts.")
+                    name = (f"{prefix}{head}experts.{tail}{local}" if self.grouped
+                            else f"{prefix}{head}experts.local_experts.{local}.{tail}")
+                    out.append(self._param_shard(spec, layer, param, name, parts=self.expert_tp, index=e_rank,
+                                                 expert=expert))
+        return out
+
+
+def _cols(box: Box, lead: int, lo: int, hi: int) -> Box:
+    """Columns ``[lo, hi)`` (dim 1 after ``lead`` leading dims) of ``box``."""
+    d = lead + 1
+    offsets, sizes = list(box.offsets), list(box.sizes)
+    offsets[d] += lo
+    sizes[d] = hi - lo
+    return Box(tuple(offsets), tuple(sizes))

@@ -1,0 +1,171 @@
+"""The GPU paths of the transports, run on CPU under the device model (``tests/device_model.py``):
+asynchronous copies, CUDA IPC handles, NIXL registrations. Each test names the issue-23 defect it
+pins where it pins one."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from device_model import DeviceModel, NixlModel
+from gpu_harness import run_pair
+from weightsync import device_port
+from weightsync.layout.types import itemsize
+from weightsync.transport import nixl_agent
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_cuda_ipc_between_two_processes_moves_every_byte(tmp_path):
+    model = DeviceModel(seed=1)
+    result = run_pair("shm", tmp_path, model=model, target="vllm:tp=1,replicas=2")
+    assert result.errors == [] and result.bad == [] and len(result.received) == 4
+    assert model.violations == []
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_nixl_on_device_memory_moves_every_byte(tmp_path, monkeypatch, mode):
+    from weightsync.transport import TransportOptions
+
+    model = DeviceModel(seed=2)
+    monkeypatch.setattr(nixl_agent, "load_nixl", NixlModel(model).module)
+    result = run_pair("nixl", tmp_path, model=model, options=TransportOptions(
+        nixl_mode=mode, max_bucket_bytes=1 << 16, direct_min_bytes=1024))
+    assert result.errors == [] and result.bad == [] and model.violations == []
+
+
+def back_to_back(layout):
+    """The reader's tensors as separate allocations placed back to back, as the CUDA caching
+    allocator places them: each its own storage (its own NIXL registration), one after another."""
+    import torch
+
+    from weightsync.torch_layout import TORCH_DTYPES
+
+    sizes = [(s, math.prod(s.shape) * itemsize(s.dtype)) for s in layout.shards]
+    memory = bytearray(sum(n for _, n in sizes))
+    out, at = {}, 0
+    for shard, n in sizes:
+        storage = torch.frombuffer(memoryview(memory)[at: at + n], dtype=torch.uint8)
+        out[shard.name] = storage.view(TORCH_DTYPES[shard.dtype])  # flat, as empty_shards makes them
+        at += n
+    return out
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_nixl_descriptors_never_span_two_registrations(tmp_path, monkeypatch, mode):
+    """Defect 8: ranges adjacent in memory but in two registrations stay two descriptors."""
+    from weightsync.transport import TransportOptions
+
+    model = DeviceModel(seed=4)
+    monkeypatch.setattr(nixl_agent, "load_nixl", NixlModel(model).module)
+    result = run_pair("nixl", tmp_path, model=model, target="hf", reader_tensors=back_to_back, options=TransportOptions(
+        nixl_mode=mode, max_bucket_bytes=1 << 16, direct_min_bytes=64))
+    assert result.errors == [] and result.bad == [] and model.violations == []
+
+
+def engine_reads(model):
+    """before_receive: the engine's kernels (a forward pass) still read its weights, queued on its
+    stream, when the next version's receive starts."""
+    import torch
+
+    def queue(version, phase, tensors):
+        for t in tensors.values():
+            model.copy(torch.empty_like(t), t)
+    return queue
+
+
+@pytest.mark.parametrize("phase_bytes", [None, 1 << 17])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_nixl_readers_synchronise_before_a_nic_writes_into_their_tensors(tmp_path, monkeypatch, mode, phase_bytes):
+    """Defect 3: a pull reader's READs, and a push reader's ready word, come after its device
+    synchronise: the NIC writes outside stream order, into memory queued kernels may still read
+    (the engine's last forward; with layer phases, the previous phase's load kernels reading the
+    staging arena the next phase lands in)."""
+    from weightsync.transport import TransportOptions
+
+    model = DeviceModel(seed=5, chance=0.0)
+    monkeypatch.setattr(nixl_agent, "load_nixl", NixlModel(model).module)
+    result = run_pair("nixl", tmp_path, model=model, before_receive=engine_reads(model), phase_bytes=phase_bytes,
+                      options=TransportOptions(nixl_mode=mode, max_bucket_bytes=1 << 16, direct_min_bytes=1024))
+    assert result.errors == [] and result.bad == [] and model.violations == []
+
+
+def test_cuda_ipc_within_one_process_hands_the_slots_over_without_opening_the_handle(tmp_path):
+    """Defect 2: an in-process trainer and engine (what ``auto`` picks shm for): CUDA refuses to
+    open a handle in the process that exported it, so the reader takes the writer's slots as they are."""
+    model = DeviceModel(seed=6)
+    result = run_pair("shm", tmp_path, model=model, processes=None, target="vllm:tp=1,replicas=2")
+    assert result.errors == [] and result.bad == [] and len(result.received) == 4
+    assert model.violations == []
+
+
+def test_the_self_checks_trainer_holds_its_weights_where_the_engine_stages():
+    """Defect 1: ``doctor --engines`` ran a CPU stand-in trainer against a GPU engine, a mix
+    ``choose_transport`` refuses. The stand-in now lives on the engine's device ("meta" here:
+    a device that is not the CPU, on any machine)."""
+    import types
+
+    from weightsync.tiny import CanonicalSource, tiny_config
+
+    source = CanonicalSource.beside(types.SimpleNamespace(device="meta"), tiny_config())
+    assert {str(t.device) for t in source.tensors().values()} == {"meta"}
+
+
+def test_the_file_transport_on_gpu_goes_through_one_bounded_pinned_buffer_per_rank(tmp_path):
+    """Defect 11: GPU tensors are written and read through page-locked host memory, one buffer
+    of ``message_bytes`` per rank, never a pageable copy of a whole tensor."""
+    from weightsync.transport import TransportOptions
+
+    options = TransportOptions(max_bucket_bytes=1 << 16, direct_min_bytes=1024)
+    model = DeviceModel(seed=7)
+    result = run_pair("file", tmp_path, model=model, target="vllm:tp=1,replicas=2", options=options)
+    assert result.errors == [] and result.bad == [] and len(result.received) == 4 and model.violations == []
+    assert sorted(what for _, what in model.pinned) == [
+        "reader 0's file staging buffer", "reader 1's file staging buffer", "writer 0's file staging buffer"]
+    assert {n for n, _ in model.pinned} == {options.message_bytes}
+
+
+def test_the_staging_arena_is_refused_with_its_figure_when_the_engine_left_no_room():
+    """Defect 7 (vLLM staging): vLLM sizes its KV cache out of what it measured free, then the
+    arena came lazily, as an out-of-memory error. It is refused before anything is allocated,
+    naming the figure and the setting to change."""
+    import torch
+
+    from weightsync.configs import load_spec
+    from weightsync.device_port import DeviceMemoryError
+    from weightsync.engines.staging import StagedWeights
+
+    model = DeviceModel(budget=64 << 20)
+    model.reserve(48 << 20, "the engine's weights")
+    model.reserve_rest("vLLM's KV cache")
+    with device_port.use(model):
+        staged = StagedWeights(load_spec("tiny-qwen3"), dtype=torch.float32, device="cpu", rank=0)
+        with pytest.raises(DeviceMemoryError, match=r"the engine's staging arena needs [0-9.]+ MiB on cpu, and only "
+                                                    r"0\.0 MiB of it is free: .*gpu_memory_utilization.*layer_phases"):
+            staged.receive_buffers()
+    assert model.peak == 0
+
+
+@pytest.mark.parametrize("transport", ["shm", "nixl"])
+def test_version_slots_on_the_trainer_gpu_are_refused_with_their_figure(tmp_path, monkeypatch, transport):
+    """Defect 7 (IPC and NIXL writers): ``slots`` x the exposed bytes on the trainer's GPU are
+    refused at prepare, naming the figure and the setting, rather than failing mid-sync."""
+    from weightsync.transport import TransportOptions
+
+    model = DeviceModel(budget=1 << 20)
+    monkeypatch.setattr(nixl_agent, "load_nixl", NixlModel(model).module)
+    result = run_pair(transport, tmp_path, model=model, timeout=5.0, options=TransportOptions(
+        slots=3, nixl_mode="pull", max_bucket_bytes=1 << 16, direct_min_bytes=1024))
+    assert any(f"writer 0's {'CUDA IPC' if transport == 'shm' else 'NIXL'} version slots (3 x " in str(e)
+               and "TransportOptions.slots" in str(e) for e in result.errors), result.errors
+
+
+def test_cuda_ipc_readers_take_each_phase_as_it_completes(tmp_path):
+    """Defect 4: with layer phases, a CUDA IPC reader waited for the whole slot at phase 0 while
+    the writer sealed it at its last phase; the routed transport's torch route blocks each rank
+    at every phase, so two nodes of a trainer and an engine each waited on each other forever.
+    Here every rank finishes a phase before any sends the next (the same interlock, in one pair)."""
+    model = DeviceModel(seed=8)
+    result = run_pair("shm", tmp_path, model=model, phase_bytes=1 << 17, lockstep=True, timeout=8.0)
+    assert result.errors == [] and result.bad == [] and len(result.received) == 2 and model.violations == []

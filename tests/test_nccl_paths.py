@@ -1,0 +1,175 @@
+"""The NCCL transport's control flow without a GPU: a process group that behaves as torch 2.13's
+``ProcessGroupNCCL`` does where it matters (``endCoalescing`` returns no work when nothing was
+posted), so that each issue-23 defect of this transport has a test that runs in CI."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from fake_meta import DirectoryMeta
+from gpu_harness import as_tensors
+from weightsync.configs import load_spec
+from weightsync.deadline import Deadline
+from weightsync.device_port import TorchDevices
+from weightsync.job import JobChannel
+from weightsync.layout import parse_layout
+from weightsync.plan.reference import empty_shards
+from weightsync.transport import TransportContext, TransportError, TransportOptions
+from weightsync.transport.tensors import flat_views
+from weightsync.transport.torch_dist import Pair
+from weightsync.transport.torch_nccl import NcclTransport
+
+
+class FakeWork:
+    def block_current_stream(self) -> None:
+        pass
+
+
+class FakeGroup:
+    """Posts nothing anywhere; ``_end_coalescing`` as ``ProcessGroupNCCL::endCoalescing``: no
+    coalesced operation, no work (``nullptr``, None in Python)."""
+
+    def __init__(self) -> None:
+        self.posted: list[tuple[str, int, int]] = []
+        self.aborted = False
+
+    def _start_coalescing(self, device: Any) -> None:
+        self.posted = []
+
+    def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> None:
+        self.posted.append(("send", peer, tag))
+
+    def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> None:
+        self.posted.append(("recv", peer, tag))
+
+    def _end_coalescing(self, device: Any) -> FakeWork | None:
+        return FakeWork() if self.posted else None
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def nccl(tmp_path: Any, role: str, **options: Any) -> NcclTransport:
+    ctx = TransportContext(channel=JobChannel(DirectoryMeta(str(tmp_path)), role=role, rank=0),  # type: ignore[arg-type]
+                           num_writers=1, num_readers=1, options=TransportOptions(**options))
+    return NcclTransport(ctx)
+
+
+@pytest.mark.parametrize("role", ["writer", "reader"])
+def test_checksums_with_nothing_to_send_this_phase_complete(tmp_path, role):
+    """Defect 6: a phase in which this rank exchanges no message with its peer, with
+    ``checksum=True``: the checksum round posts nothing and NCCL returns no work."""
+    t = nccl(tmp_path, role, checksum=True)
+    group = FakeGroup()
+    t._pg = group
+    stats = t._move(3, Deadline.after(5), [Pair(0, 1 if role == "reader" else 0, [])], sending=role == "writer")
+    assert (stats.version, stats.nbytes, stats.messages) == (3, 0, 0)
+    assert t._pg is group and not group.aborted
+
+
+def test_an_unexpected_failure_tears_the_group_down_and_raises_a_transport_error(tmp_path):
+    """Defect 6's second half: whatever fails inside a sync (here an AttributeError, as
+    ``None.block_current_stream()`` raised), the caller sees a TransportError and the
+    communicator is aborted: the next epoch forms a new one."""
+    t = nccl(tmp_path, "reader")
+    group = FakeGroup()
+    t._pg = group
+
+    class Broken(TorchDevices):
+        def record(self, device: Any) -> Any:
+            raise AttributeError("'NoneType' object has no attribute 'block_current_stream'")
+
+    t.dev = Broken()
+    with pytest.raises(TransportError, match=r"reader 0: version 4 failed with writer 0: 'NoneType' object has no "
+                                             "attribute 'block_current_stream'"):
+        t._move(4, Deadline.after(5), [Pair(0, 1, [])], sending=False)
+    assert group.aborted and t._pg is None
+
+
+class HangingGroup(FakeGroup):
+    """The end of a coalesced group blocks until the communicator is aborted, as NCCL's does when
+    it connects a pair on first use and the peer never comes (bounded here, so a test on code
+    without a watchdog there ends)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._aborted = threading.Event()
+
+    def _end_coalescing(self, device: Any) -> FakeWork | None:
+        self._aborted.wait(6)
+        return FakeWork()
+
+    def abort(self) -> None:
+        super().abort()
+        self._aborted.set()
+
+
+def one_message_schedule() -> list[Pair]:
+    from weightsync.plan import build_local_plan
+    from weightsync.transport.schedule import build_messages
+
+    spec = load_spec("tiny-qwen3")
+    writers = parse_layout("megatron:tp=1").all_rank_layouts(spec)
+    readers = parse_layout("vllm:tp=1").all_rank_layouts(spec)
+    plan = build_local_plan(writers, readers, role="reader", rank=0)
+    messages = build_messages(plan.ops_between(0, 0), message_bytes=1 << 20, direct_min_bytes=1 << 30)
+    return [Pair(0, 0, messages[:1])]
+
+
+def test_a_round_that_never_connects_is_aborted_at_the_deadline(tmp_path):
+    """Defect 5: the end of a coalesced group (where NCCL connects a pair on first use) blocked
+    with no deadline: only the final event wait was under the watchdog."""
+    t = nccl(tmp_path, "reader")
+    t._pg = group = HangingGroup()
+    t._flats = dict(flat_views(as_tensors(empty_shards(readers_layout()), readers_layout())))
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match=r"reader 0: version 5 failed with writer 0: it did not complete in "
+                                             "time; the NCCL communicator was aborted"):
+        t._move(5, Deadline.after(0.5), one_message_schedule(), sending=False)
+    assert time.monotonic() - t0 < 4 and group.aborted and t._pg is None
+
+
+def test_a_dead_peer_aborts_the_round_long_before_the_deadline(tmp_path, monkeypatch):
+    """Defect 5: NCCL has no peer watch; the watchdog now asks the job channel (leases on the
+    meta server) and aborts as soon as a peer is dead, naming it."""
+    t = nccl(tmp_path, "reader")
+    t._pg = group = HangingGroup()
+    t._flats = dict(flat_views(as_tensors(empty_shards(readers_layout()), readers_layout())))
+    monkeypatch.setattr(t.ctx.channel, "dead_peers", lambda role, ranks: {0: "lease expired 2.0s ago"})
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match=r"reader 0: version 6 failed with writer 0: writer 0 is dead \(lease "
+                                             r"expired 2\.0s ago\); the NCCL communicator was aborted"):
+        t._move(6, Deadline.after(60), one_message_schedule(), sending=False)
+    assert time.monotonic() - t0 < 4 and group.aborted
+
+
+class HangingBackend:
+    def __init__(self) -> None:
+        self.aborted = threading.Event()
+
+    def eager_connect_single_device(self, device: Any) -> None:
+        self.aborted.wait(6)
+
+    def abort(self) -> None:
+        self.aborted.set()
+
+
+def test_the_eager_connect_is_aborted_at_the_deadline():
+    """Defect 5: ``eager_connect_single_device`` (NCCL's bootstrap waits for every rank) had no
+    deadline."""
+    from weightsync.transport.torch_nccl import connect_eagerly
+
+    backend = HangingBackend()
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="did not connect on cuda:0 in time"):
+        connect_eagerly(backend, torch.device("cuda:0"), Deadline.after(0.3))
+    assert time.monotonic() - t0 < 4 and backend.aborted.is_set()
+
+
+def readers_layout() -> Any:
+    return parse_layout("vllm:tp=1").all_rank_layouts(load_spec("tiny-qwen3"))[0]
