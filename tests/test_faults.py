@@ -104,14 +104,15 @@ def died_at_records(records) -> float:
     return next(r["at"] for r in records if "died" in r)
 
 
-def assert_noticed(records, death: float, dead: str, *, must_fail: bool = True) -> None:
+def assert_noticed(records, death: float, dead: str | None, *, must_fail: bool = True) -> None:
     """The rank's first failure after ``death`` came within DETECT seconds and named ``dead``
     (with ``must_fail=False``, if it failed at all: one-sided writers need not wait for readers)."""
     failure = next((r for r in records if not r["ok"] and r["at"] > death), None)
     if failure is None and not must_fail:
         return
     assert failure is not None, records
-    assert failure["at"] - death < DETECT and dead in failure["error"], (failure["at"] - death, failure)
+    assert failure["at"] - death < DETECT and (dead is None or dead in failure["error"]), (failure["at"] - death,
+                                                                                          failure)
 
 
 def wait_for_lease(server, role: str, rank: int, pid: int) -> None:
@@ -185,7 +186,9 @@ def test_reader_sigkilled_mid_transfer_the_other_carries_on_and_the_restarted_on
         assert_reader_ends_exact(out, rank, 2)
         code, records, stderr = out[("writer", rank)]
         assert code == 0 and records[-1]["version"] == 2 and records[-1]["ok"], (records, stderr[-3000:])
-        assert_noticed(records, died_at(stdout), "reader 1", must_fail=False)
+        # in time; named only when its lease is seen expired before the restarted reader takes it
+        # over (gloo: the pair that broke is often another's, see GlooTransport._blame)
+        assert_noticed(records, died_at(stdout), None, must_fail=False)
 
 
 @pytest.mark.parametrize("options", TRANSPORTS)

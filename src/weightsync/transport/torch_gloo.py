@@ -131,7 +131,9 @@ class GlooTransport(TorchDistBase):
 
     def _teardown_group(self) -> None:
         pg = self._pg
-        if pg is not None:  # peers blocked on this rank fail now instead of at their timeout
+        if pg is not None and float(getattr(self.ctx.channel, "lease_seconds", 0.0) or 0.0) > 0:
+            # peers blocked on this rank fail now instead of at their timeout; the leases then
+            # name the rank that died (:meth:`_blame`), which the pair that broke may not be
             break_group(pg, self._any_peer())
         super()._teardown_group()
 
@@ -274,7 +276,7 @@ class GlooTransport(TorchDistBase):
 
         A rank that dies breaks its pairs, and the rank that notices breaks the whole group
         (:func:`break_group`), so the pair that failed here is rarely the dead rank's, and its
-        lease expires only up to a ttl later: wait that long (within the call's deadline) for
+        lease expires only up to a ttl later: wait twice that (within the call's deadline) for
         a lease to say who it was. Empty if none did.
         """
         ctx = self.ctx
@@ -282,7 +284,7 @@ class GlooTransport(TorchDistBase):
         readers = [r for r in range(ctx.num_readers) if (ctx.role, r) != ("reader", ctx.rank)]
         watches = [PeerWatch(ctx, "writer", writers), PeerWatch(ctx, "reader", readers)]
         ttl = float(getattr(ctx.channel, "lease_seconds", 0.0) or 0.0)
-        grace = ttl + 1.0 if ttl > 0 else 0.0
+        grace = 2 * ttl + 1.0 if ttl > 0 else 0.0  # expiry comes up to a ttl after death, later if the server stalled
         wait = Deadline.after(grace if deadline is None else min(grace, deadline.remaining(0.0)))
         while True:
             try:
