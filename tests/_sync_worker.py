@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -30,15 +31,27 @@ from weightsync.writer import WeightWriter
 
 
 def emit(**record):
-    print("RESULT " + json.dumps(record), flush=True)
+    """One result line; ``at`` (wall clock) lets a test time how soon others noticed a fault here."""
+    print("RESULT " + json.dumps({**record, "at": time.time()}), flush=True)
+
+
+#: held by the first thread that dies: lanes of one transfer may reach die() together
+_DYING = threading.Lock()
 
 
 def die(how: str) -> None:
     """End this process abruptly: exit code 3, SIGKILL or SIGSTOP (frozen until killed)."""
+    if not _DYING.acquire(blocking=False):
+        time.sleep(3600)  # another thread of this process is dying: one record, one fault
+    emit(died=how)
     if how == "exit":
         os._exit(3)
     os.kill(os.getpid(), getattr(signal, how))
-    if how == "SIGSTOP":  # continued by the test only to be killed
+    if how == "SIGSTOP":
+        # The stop is pending until a thread of this process enters the kernel: sleep, or this
+        # thread may reach os._exit first and the "frozen" writer would simply exit. The test
+        # kills it; never continued before that.
+        time.sleep(3600)
         os._exit(3)
 
 
@@ -194,7 +207,8 @@ def main() -> None:
                     t0 = time.monotonic()
                     try:
                         result = writer.write(version)
-                        emit(role=role, rank=rank, version=version, ok=True, bytes=result.nbytes)
+                        emit(role=role, rank=rank, version=version, ok=True, bytes=result.nbytes,
+                             seconds=time.monotonic() - t0)
                         break
                     except SyncError as exc:
                         emit(role=role, rank=rank, version=version, ok=False, error=str(exc),

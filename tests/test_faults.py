@@ -11,6 +11,7 @@ restarted; no process is left and no ``/dev/shm/weightsync-*`` file leaks. Marke
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -21,12 +22,15 @@ from meta_proc import MetaServerProcess
 from test_sync_e2e import finish
 from test_sync_e2e import launch as launch_rank
 from weightsync.deadline import Deadline
-from weightsync.meta.client import EmbeddedMetaServer
+from weightsync.meta.client import EmbeddedMetaServer, MetaClient
 from weightsync.transport import unavailable_reason
 
 pytestmark = pytest.mark.faults
 
 TIMEOUT = 20.0
+#: Seconds from a rank's death to a survivor's failure that names it: the 3 s lease, a poll of
+#: the leases, and slack for a loaded 2-core machine (issue 28 asks for 5 s; the timeout is 20 s)
+DETECT = 8.0
 COMMON = {"source": "megatron:tp=2", "target": "vllm:tp=1,replicas=2", "num_writers": 2, "num_readers": 2,
           "config": "tiny-qwen3-moe", "timeout": TIMEOUT}
 
@@ -91,6 +95,36 @@ def skip_unavailable(options) -> None:
         pytest.skip(unavailable_reason(options["transport"]))
 
 
+def died_at(stdout: str) -> float:
+    """When the dying rank process emitted its last record (``died``), just before its fault."""
+    return died_at_records([json.loads(line[7:]) for line in stdout.splitlines() if line.startswith("RESULT ")])
+
+
+def died_at_records(records) -> float:
+    return next(r["at"] for r in records if "died" in r)
+
+
+def assert_noticed(records, death: float, dead: str | None, *, must_fail: bool = True) -> None:
+    """The rank's first failure after ``death`` came within DETECT seconds and named ``dead``
+    (with ``must_fail=False``, if it failed at all: one-sided writers need not wait for readers)."""
+    failure = next((r for r in records if not r["ok"] and r["at"] > death), None)
+    if failure is None and not must_fail:
+        return
+    assert failure is not None, records
+    assert failure["at"] - death < DETECT and (dead is None or dead in failure["error"]), (failure["at"] - death,
+                                                                                          failure)
+
+
+def wait_for_lease(server, role: str, rank: int, pid: int) -> None:
+    """Until process ``pid`` holds the lease of ``role`` ``rank`` (it joined the job)."""
+    deadline = Deadline.after(TIMEOUT * 4)
+    with MetaClient(server.address, token=server.token) as meta:
+        while not any(row.role == role and row.rank == rank and row.pid == pid and row.alive
+                      for row in meta.leases()):
+            assert not deadline.expired, f"{role} {rank} (pid {pid}) did not join in time"
+            time.sleep(0.2)
+
+
 def assert_reader_ends_exact(out, rank, version):
     code, records, stderr = out[("reader", rank)]
     assert code == 0, stderr[-3000:]
@@ -110,9 +144,10 @@ def test_writer_sigkilled_mid_transfer_restarts_and_writes_the_version_again(opt
                  ("writer", 1): launch(server, "writer", 1, versions=[0, 1], die_at=1, die_how="SIGKILL", **common)}
         procs |= {("reader", r): launch(server, "reader", r, until=1, **common) for r in range(2)}
         first = {rank: procs.pop(("writer", rank)) for rank in range(2)}
-        for p in first.values():
-            p.communicate(timeout=TIMEOUT * 4)
-        assert first[1].returncode == -signal.SIGKILL
+        died = finish({1: first[1]}, TIMEOUT * 4)[1]
+        survived = finish({0: first[0]}, TIMEOUT * 4)[0]
+        assert died[0] == -signal.SIGKILL
+        assert_noticed(survived[1], died_at_records(died[1]), "writer 1")
         for rank in range(2):
             procs[("writer", rank)] = launch(server, "writer", rank, versions=[1], **common)
         out = finish(procs, TIMEOUT * 8)
@@ -124,26 +159,36 @@ def test_writer_sigkilled_mid_transfer_restarts_and_writes_the_version_again(opt
 
 @pytest.mark.parametrize("options", TRANSPORTS)
 def test_reader_sigkilled_mid_transfer_the_other_carries_on_and_the_restarted_one_catches_up(options, no_leaks,
-                                                                                              tally):
+                                                                                              tally, tmp_path):
     skip_unavailable(options)
     tally("reader SIGKILL as it receives V; restarted", options)
     common = {**COMMON, **options}
+    flags = tmp_path / "flags"
+    flags.mkdir()
     with EmbeddedMetaServer() as server:
         # retries: version 1 fails when the dead reader's lease expires; the retry fails too if
         # the restarted reader joins while it is in flight (the writers' connections do not include
-        # it), which a loaded machine makes likely; the trainer writes it again, as after any failure
-        procs = {("writer", r): launch(server, "writer", r, versions=[0, 1, 2], retries=2, **common)
+        # it), which a loaded machine makes likely; the trainer writes it again, as after any failure.
+        # The writers fail version 1 within seconds of the death, so they hold version 2 until
+        # the restarted reader joined (a trainer's next step takes longer than a restart).
+        procs = {("writer", r): launch(server, "writer", r, versions=[0, 1, 2], retries=2, pause_before=2,
+                                       flag_dir=str(flags), **common)
                  for r in range(2)}
         procs[("reader", 0)] = launch(server, "reader", 0, until=2, **common)
         dying = launch(server, "reader", 1, until=2, die_at=1, die_how="SIGKILL", **common)
-        dying.communicate(timeout=TIMEOUT * 4)
+        stdout, _ = dying.communicate(timeout=TIMEOUT * 4)
         assert dying.returncode == -signal.SIGKILL
         procs[("reader", 1)] = launch(server, "reader", 1, until=2, **common)
+        wait_for_lease(server, "reader", 1, procs[("reader", 1)].pid)
+        (flags / "go").touch()
         out = finish(procs, TIMEOUT * 8)
     for rank in range(2):
         assert_reader_ends_exact(out, rank, 2)
         code, records, stderr = out[("writer", rank)]
         assert code == 0 and records[-1]["version"] == 2 and records[-1]["ok"], (records, stderr[-3000:])
+        # in time; named only when its lease is seen expired before the restarted reader takes it
+        # over (gloo: the pair that broke is often another's, see GlooTransport._blame)
+        assert_noticed(records, died_at(stdout), None, must_fail=False)
 
 
 @pytest.mark.parametrize("options", TRANSPORTS)
@@ -160,7 +205,8 @@ def test_writer_sigstopped_others_fail_in_time_then_a_restart_completes_the_vers
             assert code == 0 and not records[-1]["ok"] and records[-1]["seconds"] < TIMEOUT + 10, records
         finally:
             stopped.kill()  # frozen: the operator (or torchrun) kills it
-            stopped.communicate(timeout=TIMEOUT)
+            stdout, _ = stopped.communicate(timeout=TIMEOUT)
+        assert_noticed(records, died_at(stdout), "writer 1")
         for rank in range(2):
             procs[("writer", rank)] = launch(server, "writer", rank, versions=[1], **common)
         out = finish(procs, TIMEOUT * 8)

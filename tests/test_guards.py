@@ -199,6 +199,17 @@ def test_settings_that_differ_between_ranks_are_an_error_before_planning(server,
             writer.write(0)
 
 
+def test_a_second_writer_of_one_rank_in_one_process_is_refused_until_the_first_closes(server):
+    config = SyncConfig(num_writers=1, num_readers=1, transport="shm", timeout=10)
+    with WeightWriter(good_source(), rank=0, config=config, meta=client(server)):
+        with pytest.raises(ValueError, match=r"a WeightWriter for writer rank 0 of job 'default' \(meta server "
+                                             r"http://127\.0\.0\.1:\d+\) is already open in this process: close it"):
+            WeightWriter(good_source(), rank=0, config=config, meta=client(server))
+        WeightWriter(good_source(), rank=0, config=SyncConfig(num_writers=1, num_readers=1, job="other"),
+                     meta=client(server, "other")).close()  # another job's rank 0 is another rank
+    WeightWriter(good_source(), rank=0, config=config, meta=client(server)).close()
+
+
 def test_a_meta_client_of_another_job_is_refused():
     with EmbeddedMetaServer() as server, client(server, "other-job") as meta:
         with pytest.raises(ValueError, match=r"SyncConfig\(job='default'\) but the MetaClient passed in speaks for "

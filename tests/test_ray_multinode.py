@@ -105,6 +105,18 @@ def cluster():
         sweep_stale_segments()
 
 
+def test_a_state_dir_the_running_meta_server_does_not_use_is_refused(tmp_path):
+    from weightsync.integrations.ray.meta import check_state_dir
+
+    check_state_dir(str(tmp_path), str(tmp_path / "."), "weightsync/meta")  # the same directory
+    check_state_dir(str(tmp_path), None, "weightsync/meta")  # found by name, whatever it keeps
+    with pytest.raises(ValueError, match=r"the meta server weightsync/meta already runs with no state_dir \(its "
+                                         r"state is lost when it stops\), not state_dir='/x': stop it first"):
+        check_state_dir("", "/x", "weightsync/meta")
+    with pytest.raises(ValueError, match=r"already runs with state_dir='/a', not state_dir='/b'"):
+        check_state_dir("/a", "/b", "weightsync/meta")
+
+
 def spawn(cls, node, rank):
     return ray.remote(cls).options(num_cpus=0, resources={node: 1}, max_restarts=0).remote(rank)
 
@@ -113,6 +125,8 @@ def test_two_nodes_route_per_pair_and_survive_a_lost_node(cluster):
     c, node_b = cluster
     conn = meta_server()
     assert meta_server() == conn  # found by name: one server, one token
+    with pytest.raises(ValueError, match=r"already runs with no state_dir .*, not state_dir='/never'"):
+        meta_server(state_dir="/never")  # it would keep the job's state nowhere, silently
     config = SyncConfig(num_writers=2, num_readers=2, timeout=WAIT,
                         transport_options=TransportOptions(max_bucket_bytes=1 << 16, direct_min_bytes=1024))
     trainers = [spawn(Trainer, "node_a", r) for r in range(2)]

@@ -91,3 +91,25 @@ def test_a_segment_never_unlinked_removes_its_file_when_the_process_exits():
     assert done.returncode == 0, done.stderr
     path = done.stdout.strip()
     assert path.startswith(SHM_DIR) and not os.path.exists(path)
+
+
+def test_the_sweep_spares_files_a_live_process_holds_whatever_pid_their_name_carries():
+    """A weightsync process in another pid namespace that shares /dev/shm sees no process with
+    the pid in a live writer's file names: the sweep judged by pid and deleted live segments
+    and zero-copy parameter files (issue 28). It judges by the creator's lock now."""
+    import subprocess
+
+    from weightsync.transport.shm_files import create_shared, remove_shared, sweep_stale_segments
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          timeout=60)
+    name = f"weightsync-{int(gone.stdout)}-{os.getpid()}sweep-w0"  # a pid no process here has
+    path = os.path.join(SHM_DIR, name)
+    create_shared(path, 64)  # as the process of the other namespace would: held while it lives
+    try:
+        assert name not in sweep_stale_segments(min_age=0.0) and os.path.exists(path)
+    finally:
+        remove_shared(path)
+    with open(path, "wb") as f:  # the same file once its creator is gone: nobody holds it
+        f.write(b"x" * 64)
+    assert name in sweep_stale_segments(min_age=0.0) and not os.path.exists(path)

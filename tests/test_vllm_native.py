@@ -124,10 +124,14 @@ def test_llm_with_a_child_engine_core_is_updated_through_the_same_api(tmp_path):
     write_checkpoint(tmp_path / "B", config, seed=2)
     results = _run(["mp-engine", "--checkpoint", str(tmp_path / "B"), "--seeds", "1,2"],
                    env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
-    start, one, two = results
+    start, one, two, closed = results
     assert one["tokens"] != start["tokens"]  # version 1 (other weights) took effect
-    assert two["tokens"] == start["tokens"]  # version 2 (the checkpoint's weights) restored them exactly
+    # version 2 (the checkpoint's weights), sent by a second trainer, restored them exactly
+    assert two["tokens"] == start["tokens"]
     assert (one["weight_version"], two["weight_version"]) == ("1", "2")
+    # the trainer's shutdown released the workers before its meta server stopped (they stalled
+    # 30 s retrying it), and the second trainer needed no shutdown_weight_transfer_engine call
+    assert closed["shutdown_seconds"] < 10, closed
 
 
 def test_deltas_through_the_weightsync_backend_restore_the_engine_exactly(tmp_path):
@@ -167,3 +171,26 @@ def test_the_prefix_cache_reset_is_decided_at_init_and_a_client_without_one_is_r
     assert callable(prefix_cache_resetter(Wrapped(), 5))
     with pytest.raises(ValueError, match="Opaque cannot reset vLLM's prefix cache"):
         prefix_cache_resetter(type("Opaque", (), {})(), 5)
+
+
+def test_workers_that_never_answer_update_weights_fail_send_weights_naming_the_meta_server():
+    """It was a bare ``TimeoutError()`` (issue 28): say which version, how long, and where the
+    workers receive from."""
+    import threading
+    from types import SimpleNamespace
+
+    from weightsync.integrations.vllm_trainer import WeightSyncTrainerEngine, WeightSyncTrainerInitInfo
+    from weightsync.session import SyncError
+
+    stuck = threading.Event()
+    client = SimpleNamespace(start_weight_update=lambda: None, update_weights=lambda info: stuck.wait(30),
+                             finish_weight_update=lambda weight_version=None: None)
+    writer = SimpleNamespace(write=lambda v: "sent", meta=SimpleNamespace(address="http://10.9.9.9:7000"))
+    engine = WeightSyncTrainerEngine(client=client, source=None, is_sender=True, writer=writer,
+                                     info=WeightSyncTrainerInitInfo(rank=0, timeout=0.5), closers=[])
+    try:
+        with pytest.raises(SyncError, match=r"trainer rank 0: vLLM's workers did not finish update_weights of version "
+                                            r"1 within 0\.5 s .* through the meta server at http://10\.9\.9\.9:7000"):
+            engine.send_weights()
+    finally:
+        stuck.set()

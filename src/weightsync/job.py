@@ -58,10 +58,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STORE_FINGERPRINT", "JobChannel", "Member", "MetaPort", "PublishedVersion", "Role", "TransportBoard",
-           "model_digest"]
+__all__ = ["STORE_FINGERPRINT", "JobChannel", "Member", "MetaPort", "PeerDiedError", "PublishedVersion", "Role",
+           "TransportBoard", "model_digest"]
 
 E = TypeVar("E", bound=EndpointRecord)
+
+
+class PeerDiedError(RuntimeError):
+    """A peer this rank waited for died (its lease expired or it left): the message names it."""
 
 
 class TransportBoard(Protocol):
@@ -360,7 +364,7 @@ class JobChannel:
         self.meta.report_failed(self.rank, version, error[:2000], epoch=epoch)
 
     def wait_readers(self, *, min_version: int, readers: int, deadline: Deadline,
-                     epoch: int | None = None) -> dict[int, str]:
+                     epoch: int | None = None, writers: int = 0) -> dict[int, str]:
         """Until reader ranks ``0..readers-1`` are done with ``min_version`` (applied or failed it,
         or newer, or died: their lease expired). Returns the readers that failed it: rank -> the
         error each reported, or how it died.
@@ -372,11 +376,10 @@ class JobChannel:
 
         Raises:
             TimeoutError: naming the laggards (or the epoch in which no one completed the version).
+            PeerDiedError: one of the other ``writers`` died before it published its part.
         """
-        if epoch is not None and self.meta.wait_version(after=min_version, timeout=deadline.remaining(0.0),
-                                                        after_epoch=epoch - 1) is None:
-            raise TimeoutError(f"{self.who}: epoch {epoch} of version {min_version} was not published by "
-                               "every writer in time (another writer did not publish its part)")
+        if epoch is not None:
+            self._wait_published(min_version, epoch, writers, deadline)
         while True:
             # In slices of a lease, so that a reader that died is reported as such, not waited for.
             step = deadline.remaining() if self.lease_seconds <= 0 else min(deadline.remaining(), self.lease_seconds)
@@ -395,6 +398,24 @@ class JobChannel:
                 continue
             failed: dict[int, str] = report.failed(min_version, readers)
             return failed
+
+    def _wait_published(self, version: int, epoch: int, writers: int, deadline: Deadline) -> None:
+        """Until every writer published ``version`` in ``epoch`` (or later), in slices of a lease
+        so that a writer that died is named within seconds instead of waited for."""
+        others = [w for w in range(writers) if not (self.role == "writer" and w == self.rank)]
+        while True:
+            step = deadline.remaining(0.0) if self.lease_seconds <= 0 else min(deadline.remaining(0.0),
+                                                                                self.lease_seconds / 2)
+            if self.meta.wait_version(after=version, timeout=step, after_epoch=epoch - 1) is not None:
+                return
+            dead = self.dead_peers("writer", others, max_age=0.0)
+            if dead:
+                rank, why = min(dead.items())
+                raise PeerDiedError(f"{self.who}: writer {rank} died before it published its part of version "
+                                    f"{version} in epoch {epoch}: {why}")
+            if deadline.expired:
+                raise TimeoutError(f"{self.who}: epoch {epoch} of version {version} was not published by "
+                                   "every writer in time (another writer did not publish its part)")
 
     # -- liveness -----------------------------------------------------------------------------
     def start_heartbeat(self) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from weightsync.deadline import Deadline
-from weightsync.job import PublishedVersion
+from weightsync.job import PeerDiedError, PublishedVersion
 from weightsync.session import SyncConfig, SyncError, SyncResult, SyncSession, device_of, state_lost
 from weightsync.transport import TransportError
 
@@ -54,6 +54,10 @@ class ReadersFailedError(SyncError):
                          f"brings them up to date): {shown}")
 
 
+#: (meta server address, job, rank) of every open WeightWriter of this process
+_OPEN: dict[tuple[str, str, int], WeightWriter] = {}
+
+
 class WeightWriter:
     """A training rank's end of a sync job (see module docstring)."""
 
@@ -63,10 +67,18 @@ class WeightWriter:
 
         self._own_meta = meta is None
         self.meta = meta if meta is not None else MetaClient.from_env(job=config.job)
+        self._claim = (self.meta.address, config.job, rank)
+        if self._claim in _OPEN:
+            if self._own_meta:
+                self.meta.close()
+            raise ValueError(f"a WeightWriter for writer rank {rank} of job {config.job!r} (meta server "
+                             f"{self.meta.address}) is already open in this process: close it first (two writers of "
+                             "one rank would send over each other)")
         self.source = source
         self.config = config
         self.session = SyncSession("writer", rank, source, config, self.meta,
                                    device=lambda: device_of(source.tensors(), f"writer {rank}"))
+        _OPEN[self._claim] = self
         self.version: int | None = None
         self._history: list[int] = []  # versions this writer published, oldest first
 
@@ -176,17 +188,24 @@ class WeightWriter:
         t0 = time.perf_counter()
         try:
             failed = self.session.channel.wait_readers(min_version=min_version, readers=self.config.num_readers,
-                                                       deadline=deadline, epoch=epoch)
+                                                       deadline=deadline, epoch=epoch,
+                                                       writers=self.config.num_writers)
         except TimeoutError as exc:
             raise SyncError(f"writer {self.rank}: readers did not reach version {min_version} in time: {exc}") from exc
+        except PeerDiedError as exc:
+            raise SyncError(str(exc)) from exc
         result.phases[phase] = result.phases.get(phase, 0.0) + time.perf_counter() - t0
         if failed and phase == "wait_readers":
             raise ReadersFailedError(self.rank, min_version, failed)
 
     def close(self) -> None:
-        self.session.close()
-        if self._own_meta:
-            self.meta.close()
+        try:
+            self.session.close()
+            if self._own_meta:
+                self.meta.close()
+        finally:
+            if _OPEN.get(self._claim) is self:
+                del _OPEN[self._claim]
 
     def __enter__(self) -> WeightWriter:
         return self

@@ -31,11 +31,13 @@ buffers weightsync sends from).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -232,6 +234,9 @@ class LLMClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version=weight_version)
 
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
+
     def reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache (requests are running)")
@@ -344,17 +349,49 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                 self.last_result = self.writer.write(v)
                 return
             self.client.start_weight_update()
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-vllm-rpc") as pool:
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-vllm-rpc")
+            try:
                 # The workers receive inside update_weights while this rank (and every other) writes.
                 rpc = pool.submit(self.client.update_weights, {"version": v, "timeout": self.timeout})
                 try:
                     self.last_result = self.writer.write(v)
-                finally:
-                    rpc.result(timeout=self.timeout)  # surfaces a worker's error
+                except BaseException:
+                    with contextlib.suppress(Exception):  # the writer's error is the one to see
+                        rpc.result(timeout=self.timeout)
+                    raise
+                self._worker_result(rpc, v)
+            finally:
+                pool.shutdown(wait=False)  # an RPC that never answers must not hold this call past its timeout
             self.client.finish_weight_update(weight_version=str(v))
             self._reset_prefix_cache()
 
+    def _worker_result(self, rpc: Future[Any], version: int) -> None:
+        """The workers' ``update_weights`` of ``version``: their error, or one naming where they
+        receive from when they do not answer (``concurrent.futures`` times out with no message)."""
+        from weightsync.session import SyncError
+
+        try:
+            rpc.result(timeout=self.timeout)
+        except FutureTimeout:
+            raise SyncError(f"trainer rank {self.info.rank}: vLLM's workers did not finish update_weights of version "
+                            f"{version} within {self.timeout:g} s after this rank sent it; they receive through "
+                            f"the meta server at {self.writer.meta.address}: check that they reach it "
+                            "(WeightSyncTrainerInitInfo.meta_address, meta_host) and the workers' log") from None
+
     def shutdown(self) -> None:
+        """Release vLLM's workers (rank 0: ``shutdown_weight_transfer_engine``), then this rank's
+        writer, then the meta server it started, if any.
+
+        In that order: the workers' readers leave the job while its meta server still runs
+        (stopped first, every worker's later shutdown stalled 30 s retrying it), and the
+        ``LLM`` is free for another trainer without a call of the user's.
+        """
+        release = getattr(self.client, "shutdown_weight_transfer_engine", None)
+        if self.is_sender and release is not None:
+            try:
+                release()
+            except Exception as exc:  # best effort: the trainer's side still closes
+                logger.warning("releasing vLLM's workers from the weightsync trainer engine: %s", exc)
         self.writer.close()
         for close in self._closers:
             try:

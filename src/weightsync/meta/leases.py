@@ -15,6 +15,11 @@ expire) and then refused, naming the holder.
 Leases live in memory only: a restarted server (with or without its state directory) knows
 no lease until the next heartbeat, and counts a participant without one as alive.
 
+Time the server itself stood still (its event loop held up: a loaded machine, a paused
+process) does not count against anyone: the heartbeats of that time wait unread in its
+sockets, and without this the first request served afterwards would find every lease expired
+at once and fail live peers. :meth:`Leases.keep_time` (run by the server) notices such stalls.
+
     leases = Leases()
     await leases.acquire("job", "writer", 0, incarnation="3fa2", ttl=3.0, pid=41, host="n0", wait=3.0)
     leases.table("job")       # [LeaseRow(role="writer", rank=0, alive=True, age=0.01, ...)]
@@ -50,8 +55,19 @@ class Lease:
         return not self.released and self.age(now) <= self.ttl
 
     def describe(self, now: float) -> str:
-        state = "released it" if self.released else f"last heartbeat {self.age(now):.1f} s ago (ttl {self.ttl:g} s)"
+        """Who holds it and what the server knows of it, worded for a peer's error message."""
+        if self.released:
+            state = "released its lease: it left the job"
+        elif self.alive(now):
+            state = f"last heartbeat {self.age(now):.1f} s ago (ttl {self.ttl:g} s)"
+        else:
+            state = (f"last heartbeat {self.age(now):.1f} s ago: the meta server's lease of it (ttl {self.ttl:g} s) "
+                     "expired")
         return f"pid {self.pid} on {self.host or 'an unnamed host'}, {state}"
+
+
+#: How often :meth:`Leases.keep_time` looks at the clock; a longer gap is a stall of the server.
+TICK_S = 0.1
 
 
 class Leases:
@@ -59,6 +75,31 @@ class Leases:
 
     def __init__(self) -> None:
         self._jobs: dict[str, dict[tuple[str, int], Lease]] = {}
+        self._awake: float | None = None  # when the server last looked at the clock (keep_time runs)
+
+    async def keep_time(self) -> None:
+        """Look at the clock every ``TICK_S`` until cancelled, so that :meth:`_now` can tell a
+        stall of the server from a quiet spell (run as a task for as long as the server serves)."""
+        self._awake = time.monotonic()
+        try:
+            while True:
+                await asyncio.sleep(TICK_S)
+                self._now()
+        finally:
+            self._awake = None
+
+    def _now(self) -> float:
+        """``time.monotonic()``, after moving every lease's last heartbeat forward by the time the
+        server stood still since it last looked (see module docstring)."""
+        now = time.monotonic()
+        if self._awake is not None:
+            stalled = now - self._awake - TICK_S
+            if stalled > TICK_S:
+                for leases in self._jobs.values():
+                    for lease in leases.values():
+                        lease.renewed += stalled
+            self._awake = now
+        return now
 
     async def acquire(self, job: str, role: str, rank: int, *, incarnation: str, ttl: float, pid: int, host: str,
                       wait: float, release: bool = False) -> bool:
@@ -72,7 +113,7 @@ class Leases:
         leases = self._jobs.setdefault(job, {})
         deadline = Deadline.after(wait)
         while True:
-            now = time.monotonic()
+            now = self._now()
             held = leases.get((role, rank))
             if held is None or held.incarnation == incarnation or not held.alive(now):
                 break
@@ -88,12 +129,12 @@ class Leases:
             if held is not None and not took_over:
                 held.released = True
             return False
-        leases[(role, rank)] = Lease(incarnation, ttl, pid, host, time.monotonic())
+        leases[(role, rank)] = Lease(incarnation, ttl, pid, host, self._now())
         return took_over
 
     def table(self, job: str) -> list[LeaseRow]:
         """Every lease of ``job``: who holds it, whether it is alive, seconds since its heartbeat."""
-        now = time.monotonic()
+        now = self._now()
         return [LeaseRow(role, rank, lease.incarnation, lease.pid, lease.host, lease.ttl, round(lease.age(now), 3),
                          lease.alive(now), lease.released, lease.describe(now))
                 for (role, rank), lease in sorted(self._jobs.get(job, {}).items())]

@@ -26,6 +26,7 @@ The status view (:mod:`weightsync.meta.views`) reads the state; nothing here sle
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -79,6 +80,7 @@ class MetaState:
         self.store: Store = store if store is not None else MemoryStore()
         self._lock = asyncio.Lock()
         self._rosters: dict[tuple[str, bool], tuple[Job, int, bytes]] = {}  # encoded rosters, per revision
+        self._clock: asyncio.Task[None] | None = None
 
     @property
     def jobs(self) -> dict[str, Job]:
@@ -111,10 +113,17 @@ class MetaState:
             logger.warning("meta state: compaction failed: %s", exc)
 
     async def start(self) -> None:
-        pass
+        """Start what runs beside the requests: the clock that keeps a stalled server from
+        expiring live leases (:meth:`Leases.keep_time`)."""
+        self._clock = asyncio.create_task(self.leases.keep_time(), name="weightsync-lease-clock")
 
     async def close(self) -> None:
         """Wake every long-poll (they answer with what they have) and close the store."""
+        clock, self._clock = self._clock, None
+        if clock is not None:
+            clock.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await clock
         self.watch.close()
         async with self._lock:  # a change being committed finishes first
             self.store.close()

@@ -7,7 +7,6 @@ job channel. A reader decodes the index, maps the files and views each shard in 
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass, field
 
@@ -19,6 +18,7 @@ from weightsync.layout.box import contiguous_strides
 from weightsync.layout.wire import decode_layout, encode_explicit
 from weightsync.tensorstore.slices import TensorSlice
 from weightsync.torch_layout import TORCH_DTYPES, dtype_name
+from weightsync.transport.shm_files import create_shared, remove_shared
 
 ALIGN = 64
 
@@ -44,8 +44,7 @@ class Arena:
         if not self._maps or self._used + nbytes > self._maps[-1].numel():
             size = max(self.chunk_bytes, -(-nbytes // ALIGN) * ALIGN, ALIGN)
             name = f"{self.prefix}-{len(self.names)}"
-            self._maps.append(torch.from_file(os.path.join(self.directory, name), shared=True, size=size,
-                                              dtype=torch.uint8))
+            self._maps.append(create_shared(os.path.join(self.directory, name), size))
             self.names.append(name)
             self._used = 0
         at = self._used
@@ -57,8 +56,7 @@ class Arena:
     def unlink(self) -> None:
         self._maps.clear()
         for name in self.names:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(self.directory, name))
+            remove_shared(os.path.join(self.directory, name))
         self.names.clear()
 
 

@@ -32,8 +32,10 @@ transport can do without instantiating it.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
     from weightsync.plan import Plan
 
 E = TypeVar("E", bound=EndpointRecord)
+logger = logging.getLogger(__name__)
 
 
 class TransportError(RuntimeError):
@@ -294,9 +297,62 @@ class PeerWatch:
         self._next = now + self.every
         dead = self.dead()
         if dead:
-            rank, why = min(dead.items())
-            raise TransportError(f"{self.ctx.who}: {self.role} {rank} died while this rank waited for {what}: "
-                                 f"{why} (the meta server's lease of it expired)")
+            raise TransportError(self.died(dead, what))
+
+    def died(self, dead: Mapping[int, str], what: str) -> str:
+        """The message for peers found dead while this rank waited for ``what``."""
+        rank, why = min(dead.items())
+        others = f" (and {self.role}s {sorted(dead)[1:]})" if len(dead) > 1 else ""
+        return f"{self.ctx.who}: {self.role} {rank}{others} died while this rank waited for {what}: {why}"
+
+    def guard(self, abort: Callable[[], None]) -> PeerGuard:
+        """A :class:`PeerGuard` calling ``abort`` when a watched peer dies (for blocking waits)."""
+        return PeerGuard(self, abort)
+
+
+class PeerGuard:
+    """Watches peers' leases from a thread while a *blocking* call runs (a gloo wait, an NCCL
+    event), and calls ``abort`` once when one of them is dead, so that the call returns within
+    about a second of the lease expiring instead of at its timeout::
+
+        with PeerWatch(ctx, "writer", peers).guard(abort=break_the_connections) as guard:
+            work.wait(timeout)               # raises soon after abort()
+        if guard.dead: raise TransportError(guard.watch.died(guard.dead, "version 3"))
+
+    Polling loops call :meth:`PeerWatch.check` instead; this is for calls that cannot poll.
+    """
+
+    def __init__(self, watch: PeerWatch, abort: Callable[[], None]) -> None:
+        self.watch, self.abort = watch, abort
+        #: the dead peers that made it call ``abort`` (empty: it never did)
+        self.dead: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"weightsync-peer-guard-{watch.ctx.who}", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.watch.every):
+            try:
+                dead = self.watch.dead()
+            except Exception as exc:  # the meta server is away: the blocking call has its own timeout
+                logger.debug("%s: peer guard could not read leases: %s", self.watch.ctx.who, exc)
+                continue
+            if dead and not self._stop.is_set():
+                self.dead = dict(dead)
+                try:
+                    self.abort()
+                except Exception as exc:  # the call it interrupts reports the failure
+                    logger.debug("%s: peer guard abort failed: %s", self.watch.ctx.who, exc)
+                return
+
+    def __enter__(self) -> PeerGuard:
+        if self.watch.ranks:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10)
 
 
 def peer_endpoint(ctx: TransportContext, kind: type[E], epoch: int, role: Role, rank: int, *,

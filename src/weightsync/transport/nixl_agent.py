@@ -30,7 +30,7 @@ import importlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -193,8 +193,12 @@ class NixlAgent:
         return xfer
 
     # -- every version --------------------------------------------------------------------
-    def run(self, xfer: Xfer, deadline: Deadline, notif: bytes = b"") -> None:
+    def run(self, xfer: Xfer, deadline: Deadline, notif: bytes = b"", *,
+            alive: Callable[[str], None] | None = None) -> None:
         """Post a prepared transfer and wait until it is done (the notif goes out then).
+
+        ``alive(what)`` is called while it waits and raises if the peer is dead (a stopped
+        process never fails a transfer: it only stops progressing it).
 
         Raises:
             TransportError: the peer died or disconnected, or the deadline passed.
@@ -206,6 +210,8 @@ class NixlAgent:
                 if deadline.expired:
                     raise TransportError(f"{self.who}: {xfer.describe()} did not complete in time "
                                          f"(is {xfer.label} alive and progressing?)")
+                if alive is not None:
+                    alive(xfer.describe())
                 time.sleep(_XFER_POLL_S)
                 with self._cond:
                     state = self._agent.check_xfer_state(xfer.handle)

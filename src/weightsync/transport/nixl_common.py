@@ -68,6 +68,7 @@ from weightsync.devices import nixl_device_id
 from weightsync.layout.types import itemsize
 from weightsync.torch_layout import TORCH_DTYPES
 from weightsync.transport.base import (
+    PeerWatch,
     TransportContext,
     TransportError,
     check_tensors_device,
@@ -239,9 +240,15 @@ class NixlBase:
             raise TransportError(f"{self.who}: {label} uses nixl_mode {endpoint.mode!r}, this rank "
                                  f"{self.mode!r}; set the same TransportOptions.nixl_mode everywhere")
         t0 = time.perf_counter()
-        peer = Peer(rank, label, self._agent.connect(endpoint.agent, label=label), endpoint)
+        peer = Peer(rank, label, self._agent.connect(endpoint.agent, label=label), endpoint,
+                    PeerWatch(self.ctx, role, [rank]))
         self.setup["connect_seconds"] = self.setup.get("connect_seconds", 0.0) + time.perf_counter() - t0
         return peer
+
+    def _run(self, peer: Peer, xfer: Xfer, deadline: Deadline, notif: bytes = b"") -> None:
+        """Run a prepared transfer with ``peer``, failing soon after its lease expires."""
+        assert self._agent is not None
+        self._agent.run(xfer, deadline, notif, alive=peer.watch.check)
 
     def _prepared_agent(self, call: str) -> NixlAgent:
         """The NIXL agent, or the error that ``call`` before ``prepare()`` deserves."""
@@ -317,11 +324,13 @@ def send_live(op: TransferOp) -> bool:
 class Peer:
     """A connected peer: its rank, NIXL agent name, published endpoint and prepared transfers."""
 
-    def __init__(self, rank: int, label: str, agent: str, endpoint: NixlEndpoint) -> None:
+    def __init__(self, rank: int, label: str, agent: str, endpoint: NixlEndpoint, watch: PeerWatch) -> None:
         self.rank = rank
         self.label = label
         self.agent = agent
         self.endpoint = endpoint
+        #: its lease: a stopped peer never fails a transfer, it only stops progressing it
+        self.watch = watch
         #: READ of the peer's control words (sequence words, ready word, or liveness).
         self.ctl: Xfer | None = None
         #: Per phase, per version slot (push: one), the transfers to run, each with the staged

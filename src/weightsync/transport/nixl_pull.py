@@ -124,7 +124,7 @@ class NixlPullTransport(NixlBase):
         return out
 
     def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
-        agent = self._prepared_agent("receive")
+        self._prepared_agent("receive")
         check_phase(phase, self._phases, self.who)
         stats = TransferStats(version)
         timer = PhaseTimer(stats)
@@ -139,7 +139,7 @@ class NixlPullTransport(NixlBase):
         for peer in self._peers:
             for xfer, message in peer.phases[phase][slot]:
                 with timer("transfer"):
-                    agent.run(xfer, deadline)
+                    self._run(peer, xfer, deadline)
                 stats.nbytes += xfer.nbytes
                 stats.messages += 1
                 if message is None:
@@ -152,7 +152,7 @@ class NixlPullTransport(NixlBase):
         with timer("verify"):
             for i, peer in enumerate(self._peers):
                 assert peer.ctl is not None
-                agent.run(peer.ctl, deadline)
+                self._run(peer, peer.ctl, deadline)
                 held = int(self._ctl[i, slot])
                 if held != version:
                     raise TransportError(self._stale(peer, version, held) + " (overwritten while reading)")
@@ -164,12 +164,13 @@ class NixlPullTransport(NixlBase):
         notices a dead writer: the READ fails)."""
         assert self._agent is not None and peer.ctl is not None
         while True:
-            self._agent.run(peer.ctl, deadline)
+            self._run(peer, peer.ctl, deadline)
             held = int(self._ctl[i, version % self.slots])
             if held == version:
                 return
             if held > version or deadline.expired:
                 raise TransportError(self._stale(peer, version, held))
+            peer.watch.check(f"version {version} in {peer.label}'s NIXL slot")
             time.sleep(0.001)
 
     def _stale(self, peer: Peer, version: int, held: int) -> str:

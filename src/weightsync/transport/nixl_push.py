@@ -100,7 +100,7 @@ class NixlPushTransport(NixlBase):
                               local_starts=self._starts, remote_starts=[addr for addr, _ in shards.values()])
 
     def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
-        agent = self._prepared_agent("send")
+        self._prepared_agent("send")
         check_phase(phase, self._phases, self.who)
         stats = TransferStats(version)
         timer = PhaseTimer(stats)
@@ -116,7 +116,7 @@ class NixlPushTransport(NixlBase):
                 self._wait_ready(i, peer, token, deadline)
             for xfer, _ in xfers:
                 with timer("transfer"):
-                    agent.run(xfer, deadline, notif=b"v%d" % token)
+                    self._run(peer, xfer, deadline, notif=b"v%d" % token)
                 stats.nbytes += xfer.nbytes
                 stats.direct_bytes += xfer.nbytes
                 stats.messages += 1
@@ -130,7 +130,7 @@ class NixlPushTransport(NixlBase):
         assert self._agent is not None and peer.ctl is not None
         want = f"version {token >> 12} phase {token & (MAX_PHASES - 1)}"
         while True:
-            self._agent.run(peer.ctl, deadline)
+            self._run(peer, peer.ctl, deadline)
             ready = int(self._ctl[1 + i])
             if ready == token:
                 return
@@ -141,6 +141,7 @@ class NixlPushTransport(NixlBase):
             if deadline.expired:
                 raise TransportError(f"{self.who}: {peer.label} did not ask for {want} in time (its last request "
                                      f"was {asked})")
+            peer.watch.check(f"{peer.label} to ask for {want}")
             time.sleep(0.001)
 
     # -- reader -----------------------------------------------------------------------------
@@ -179,10 +180,11 @@ class NixlPushTransport(NixlBase):
                 if deadline.expired:
                     names = ", ".join(p.label for p in pending.values())
                     raise TransportError(f"{self.who}: version {version} did not arrive from {names} in time")
-                if now > next_probe:  # a dead writer never notifies; READing its word fails
+                if now > next_probe:  # a dead writer never notifies; READing its word fails (or hangs)
                     for peer in list(pending.values()):
                         assert peer.ctl is not None
-                        agent.run(peer.ctl, deadline)
+                        self._run(peer, peer.ctl, deadline)
+                        peer.watch.check(f"version {version} from {peer.label}")
                     next_probe = now + _PROBE_S
         return stats
 

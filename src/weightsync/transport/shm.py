@@ -80,6 +80,7 @@ from weightsync.transport.exposed import ExposedIndex, piece_key
 from weightsync.transport.shm_segment import (
     CONTROL_BYTES,
     EMPTY,
+    FileGoneError,
     OwnSegment,
     progress_word,
     read_segment,
@@ -500,18 +501,30 @@ class SnapshotPeer:
                 f"replaced by {held}; readers may fall at most {self.slots - 1} version(s) behind")
 
 
+def gone_why(ctx: TransportContext, writer: int) -> str:
+    """What a missing file of ``writer``'s says, by its lease: it exited, or someone else removed it."""
+    dead = PeerWatch(ctx, "writer", [writer]).dead()
+    if dead:
+        return f" (writer {writer} exited: {dead[writer]})"
+    return (f" while writer {writer} is alive (its lease is held): another process removed it (a cleanup of "
+            "/dev/shm, or a sweep that judges liveness by pid, from another pid namespace)")
+
+
 def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, streaming: bool, *,
            dev: DevicePort) -> PeerSegment:
     """Map writer ``writer``'s segment and return the peer of the mode it was written in."""
-    mem, words, header = read_segment(path, writer)
-    index = ExposedIndex.decode(header["index"])
-    if header.get("mode") == "zero_copy":
-        changes = None
-        if "changes" in header:
-            tables, areas = ChangeLayout.from_header(header["changes"], writer=writer).views(mem[CONTROL_BYTES:])
-            changes = (tables[0], areas[0])
-        return ZeroCopyPeer(words, index, header["files"], writer=writer, reader=ctx.rank,
-                            watch=PeerWatch(ctx, "writer", [writer]), changes=changes)
+    try:
+        mem, words, header = read_segment(path, writer)
+        index = ExposedIndex.decode(header["index"])
+        if header.get("mode") == "zero_copy":
+            changes = None
+            if "changes" in header:
+                tables, areas = ChangeLayout.from_header(header["changes"], writer=writer).views(mem[CONTROL_BYTES:])
+                changes = (tables[0], areas[0])
+            return ZeroCopyPeer(words, index, header["files"], writer=writer, reader=ctx.rank,
+                                watch=PeerWatch(ctx, "writer", [writer]), changes=changes)
+    except FileGoneError as exc:
+        raise TransportError(f"{ctx.who}: {exc}{gone_why(ctx, writer)}") from None
     slot_bytes, slots = int(header["slot_bytes"]), int(header["slots"])
     ipc = header.get("ipc")
     if ipc is not None:

@@ -10,7 +10,6 @@ without it is not initialised yet), ``1``/``2`` header length and position, then
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 import weakref
@@ -21,7 +20,13 @@ import msgpack
 import torch
 
 from weightsync.transport.base import TransportError
-from weightsync.transport.shm_files import SHM_DIR, segment_name, sweep_stale_segments
+from weightsync.transport.shm_files import (
+    SHM_DIR,
+    create_shared,
+    remove_shared,
+    segment_name,
+    sweep_stale_segments,
+)
 
 MAGIC = 0x5753_4D48_0001  # "WSMH" v1
 CONTROL_BYTES = 4096
@@ -49,6 +54,10 @@ def spin_wait(spins: int) -> int:
     return spins + 1
 
 
+class FileGoneError(TransportError):
+    """A writer's file in /dev/shm is gone: the caller says why, from the writer's lease."""
+
+
 class OwnSegment:
     """A writer's segment file: the control page, its header and (CPU) the slot area."""
 
@@ -58,7 +67,7 @@ class OwnSegment:
         size = CONTROL_BYTES + data_bytes
         size += -(-len(meta) // CONTROL_BYTES) * CONTROL_BYTES
         self.path: str | None = os.path.join(SHM_DIR, segment_name(f"w{rank}"))
-        self.mem = torch.from_file(self.path, shared=True, size=size, dtype=torch.uint8)
+        self.mem = create_shared(self.path, size)
         self.words = self.mem[:CONTROL_BYTES].view(torch.int64)
         self.words[1], self.words[2] = len(meta), size - len(meta)
         self.mem[size - len(meta):] = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
@@ -78,8 +87,7 @@ class OwnSegment:
 
 
 def _remove_file(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+    remove_shared(path)
 
 
 def read_segment(path: str, writer: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
@@ -87,7 +95,7 @@ def read_segment(path: str, writer: int) -> tuple[torch.Tensor, torch.Tensor, di
     try:
         size = os.path.getsize(path)
     except FileNotFoundError:
-        raise TransportError(f"shared memory segment {path} of writer {writer} is gone (its writer exited)") from None
+        raise FileGoneError(f"shared memory segment {path} of writer {writer} is gone") from None
     mem = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
     words = mem[:CONTROL_BYTES].view(torch.int64)
     if int(words[0]) != MAGIC:

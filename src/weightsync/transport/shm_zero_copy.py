@@ -31,7 +31,7 @@ from weightsync.torch_layout import DTYPE_NAMES, TORCH_DTYPES, strided_view
 from weightsync.transport.base import PeerWatch, PhaseTimer, TransferStats, TransportContext, TransportError
 from weightsync.transport.delta_published import ChangeLayout, ChangeWriter
 from weightsync.transport.shm_files import SHM_DIR
-from weightsync.transport.shm_segment import CONTROL_BYTES, EMPTY, OwnSegment, seq_word, spin_wait
+from weightsync.transport.shm_segment import CONTROL_BYTES, EMPTY, FileGoneError, OwnSegment, seq_word, spin_wait
 from weightsync.transport.tensors import op_src_view
 
 if TYPE_CHECKING:
@@ -203,7 +203,7 @@ def map_files(files: Mapping[str, list[Any]]) -> dict[str, torch.Tensor]:
             try:
                 mapped[path] = torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
             except (FileNotFoundError, RuntimeError) as exc:
-                raise TransportError(f"the trainer's shared parameter file {path} is gone: {exc}") from None
+                raise FileGoneError(f"the trainer's shared parameter file {path} is gone ({exc})") from None
         dtype = TORCH_DTYPES.get(dtype_name)
         if dtype is None:
             raise TransportError(f"shared parameter {shard} has unknown dtype {dtype_name!r}")

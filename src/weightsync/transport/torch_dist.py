@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -116,7 +118,8 @@ class TorchDistBase:
         return self._schedules[phase]
 
     def _store_for(self, epoch: int, deadline: Deadline) -> dist.Store:
-        """The epoch's TCPStore: writer 0 opens it, everyone else finds it through the job channel."""
+        """The epoch's TCPStore, once every rank of the group arrived at it: writer 0 opens it,
+        everyone else finds it through the job channel (see :meth:`_arrive`)."""
         ctx = self.ctx
         td = datetime.timedelta(seconds=deadline.remaining())
         if ctx.role == "writer" and ctx.rank == 0:
@@ -126,15 +129,47 @@ class TorchDistBase:
             rendezvous = peer_endpoint(ctx, TorchRendezvous, epoch, "writer", 0, deadline=deadline)
             if rendezvous is None:
                 raise TransportError(f"{ctx.who}: writer 0 did not publish the torch rendezvous address for "
-                                     f"epoch {epoch} in time")
+                                     f"epoch {epoch} in time{PeerWatch(ctx, 'writer', [0]).describe()}")
+            where = f"writer 0's rendezvous of epoch {epoch} at {rendezvous.host}:{rendezvous.port}"
+            _reach(ctx, rendezvous, where, deadline)
             try:
-                store = dist.TCPStore(rendezvous.host, rendezvous.port, ctx.world_size, False, timeout=td)
+                store = dist.TCPStore(rendezvous.host, rendezvous.port, ctx.world_size, False,
+                                      timeout=datetime.timedelta(seconds=deadline.remaining()))
             except RuntimeError as exc:  # DistNetworkError and friends: writer 0's store of this epoch is gone
                 dead = PeerWatch(ctx, "writer", [0]).describe()
-                raise TransportError(f"{ctx.who}: cannot join writer 0's rendezvous of epoch {epoch} at "
-                                     f"{rendezvous.host}:{rendezvous.port}{dead}: {exc}") from exc
+                raise TransportError(f"{ctx.who}: cannot join {where}{dead}: {exc}") from exc
         self._store = store
-        return dist.PrefixStore(f"weightsync/{epoch}", store)
+        prefix = dist.PrefixStore(f"weightsync/{epoch}", store)
+        self._arrive(prefix, epoch, deadline)
+        return prefix
+
+    def _arrive(self, store: dist.Store, epoch: int, deadline: Deadline) -> None:
+        """Wait until every rank of the group reached the epoch's store, failing as soon as one of
+        them is dead (its lease), naming it.
+
+        A process group's constructor blocks until every rank arrived, with no way to ask
+        why one does not: a dead rank costs the whole timeout there. Once everyone is here it
+        completes at once (a rank that dies in between is the only case left to its timeout).
+        """
+        ctx = self.ctx
+        watches = [PeerWatch(ctx, "writer", range(ctx.num_writers)), PeerWatch(ctx, "reader", range(ctx.num_readers))]
+        what = f"every rank to join the process group of epoch {epoch}"
+        try:
+            arrived = store.add("arrived", 1)
+            pause = 0.005
+            while arrived < ctx.world_size:
+                if deadline.expired:
+                    missing = "".join(w.describe() for w in watches)
+                    raise TransportError(f"{ctx.who}: only {arrived} of {ctx.world_size} ranks joined the process "
+                                         f"group of epoch {epoch} in time{missing}")
+                for watch in watches:
+                    watch.check(what)
+                time.sleep(pause)
+                pause = min(2 * pause, 0.1)
+                arrived = store.add("arrived", 0)
+        except RuntimeError as exc:  # the store's host (writer 0) is gone
+            raise TransportError(f"{ctx.who}: the rendezvous of epoch {epoch} failed while waiting for {what}"
+                                 f"{PeerWatch(ctx, 'writer', [0]).describe()}: {exc}") from exc
 
     def _form_group(self, epoch: int, deadline: Deadline) -> Any:
         raise NotImplementedError
@@ -170,6 +205,31 @@ class TorchDistBase:
         self._buffers.clear()
         self._flats = {}
         self._schedules = []
+
+
+def _reach(ctx: TransportContext, rendezvous: TorchRendezvous, where: str, deadline: Deadline) -> None:
+    """Until ``rendezvous`` accepts a connection: a refused one means its store is gone for good
+    (writer 0 opens it before publishing its address, and closes it when it leaves the epoch).
+
+    torch's TCPStore client instead retries a refused connection until its timeout and then,
+    after a random backoff, once more: up to twice its timeout and more.
+
+    Raises:
+        TransportError: refused (naming writer 0 and, if it is dead, why), writer 0 died, or the deadline.
+    """
+    watch = PeerWatch(ctx, "writer", [0])
+    while True:
+        try:
+            with socket.create_connection((rendezvous.host, rendezvous.port), timeout=min(1.0, deadline.remaining())):
+                return
+        except ConnectionRefusedError:
+            raise TransportError(f"{ctx.who}: {where} refuses connections: writer 0 left that epoch (it failed "
+                                 f"or finished it){watch.describe()}") from None
+        except OSError as exc:  # unreachable for now: a slow network, or a host that went away
+            watch.check(where)
+            if deadline.expired:
+                raise TransportError(f"{ctx.who}: cannot reach {where} in time: {exc}{watch.describe()}") from exc
+            time.sleep(0.05)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -65,8 +66,8 @@ class GlooTransport(TorchDistBase):
             return dist.ProcessGroupGloo(prefix, self.ctx.global_rank, self.ctx.world_size,
                                          datetime.timedelta(seconds=deadline.remaining()))
         except RuntimeError as exc:
-            dead = "".join(PeerWatch(self.ctx, role, range(n)).describe()  # type: ignore[arg-type]
-                           for role, n in (("writer", self.ctx.num_writers), ("reader", self.ctx.num_readers)))
+            dead = (PeerWatch(self.ctx, "writer", range(self.ctx.num_writers)).describe()
+                    + PeerWatch(self.ctx, "reader", range(self.ctx.num_readers)).describe())
             raise TransportError(f"{self.ctx.who}: process group of epoch {epoch} did not form{dead}: {exc}") from exc
 
     # -- data movement --------------------------------------------------------------------
@@ -99,11 +100,45 @@ class GlooTransport(TorchDistBase):
             self.delta.close()
 
     def _run_pairs(self, version: int, timeout: float, move: Any, schedule: list[Pair]) -> TransferStats:
-        """Run ``move`` for every peer, on up to ``MAX_LANES`` threads (see module docstring)."""
-        deadline = Deadline.after(timeout)
+        """Run ``move`` for every peer (see :meth:`_run_lanes`) while a :class:`PeerGuard` watches
+        them: gloo's waits cannot be interrupted, so when a peer's lease expires the guard breaks
+        the group (:func:`break_group`) and the waits fail at once; the error names the dead peer."""
         pg = self._pg
         if pg is None:
             raise TransportError(f"{self.ctx.who}: no process group; call prepare() first")
+        watch = PeerWatch(self.ctx, self._other, sorted({pair.peer for pair in schedule}))
+        with watch.guard(abort=lambda: break_group(pg, self._any_peer())) as guard:
+            try:
+                stats = self._run_lanes(version, Deadline.after(timeout), pg, move, schedule)
+            except TransportError as exc:
+                if not guard.dead:
+                    raise
+                error: TransportError | None = exc
+            else:
+                error = None
+        if guard.dead:  # even if every byte arrived meanwhile: the group is broken, the epoch must move on
+            self._teardown_group()
+            raise TransportError(watch.died(guard.dead, f"version {version}")) from error
+        return stats
+
+    @property
+    def _other(self) -> Literal["writer", "reader"]:
+        return "reader" if self.ctx.role == "writer" else "writer"
+
+    def _any_peer(self) -> int:
+        """Some other rank of the group (every group has a writer and a reader)."""
+        return 1 if self.ctx.global_rank == 0 else 0
+
+    def _teardown_group(self) -> None:
+        pg = self._pg
+        if pg is not None and float(getattr(self.ctx.channel, "lease_seconds", 0.0) or 0.0) > 0:
+            # peers blocked on this rank fail now instead of at their timeout; the leases then
+            # name the rank that died (:meth:`_blame`), which the pair that broke may not be
+            break_group(pg, self._any_peer())
+        super()._teardown_group()
+
+    def _run_lanes(self, version: int, deadline: Deadline, pg: Any, move: Any, schedule: list[Pair]) -> TransferStats:
+        """Run ``move`` for every peer, on up to ``MAX_LANES`` threads (see module docstring)."""
         lanes = max(1, min(len(schedule), MAX_LANES))
         runs = [_LaneRun(i, pg, deadline, TransferStats(version), schedule[i::lanes]) for i in range(lanes)]
         if len(runs) == 1:
@@ -218,25 +253,48 @@ class GlooTransport(TorchDistBase):
             return op([tensor], pair.peer_global, tag)
         except RuntimeError as exc:
             self._teardown_group()
-            other = "reader" if self.ctx.role == "writer" else "writer"
-            raise TransportError(f"{self.ctx.who}: transfer with {other} {peer} failed "
+            raise TransportError(f"{self.ctx.who}: transfer with {self._other} {peer} failed{self._blame(None)} "
                                  f"({message.describe()}): {exc}") from exc
 
     def _wait(self, item: tuple[Any, Message, int], deadline: Deadline, peer: int, timer: PhaseTimer) -> None:
         work, message, _ = item
         remaining = deadline.remaining(0.0)
-        other = "reader" if self.ctx.role == "writer" else "writer"
+        other = self._other
         try:
             with timer("transfer"):
                 if remaining <= 0 or not work.wait(datetime.timedelta(seconds=remaining)):
                     raise TimeoutError(f"no progress within the timeout ({remaining:.1f}s left)")
         except (RuntimeError, TimeoutError) as exc:
             self._teardown_group()  # a broken group cannot be reused; the next epoch rebuilds it
-            dead = PeerWatch(self.ctx, other, [peer]).describe()  # type: ignore[arg-type]
             raise TransportError(
-                f"{self.ctx.who}: transfer with {other} {peer} failed{dead} "
+                f"{self.ctx.who}: transfer with {other} {peer} failed{self._blame(deadline)} "
                 f"({message.describe()}): {exc}"
             ) from exc
+
+    def _blame(self, deadline: Deadline | None) -> str:
+        """Which ranks of the group are dead, for the error of a failed wait: `` (reader 1 is dead: ...)``.
+
+        A rank that dies breaks its pairs, and the rank that notices breaks the whole group
+        (:func:`break_group`), so the pair that failed here is rarely the dead rank's, and its
+        lease expires only up to a ttl later: wait twice that (within the call's deadline) for
+        a lease to say who it was. Empty if none did.
+        """
+        ctx = self.ctx
+        writers = [r for r in range(ctx.num_writers) if (ctx.role, r) != ("writer", ctx.rank)]
+        readers = [r for r in range(ctx.num_readers) if (ctx.role, r) != ("reader", ctx.rank)]
+        watches = [PeerWatch(ctx, "writer", writers), PeerWatch(ctx, "reader", readers)]
+        ttl = float(getattr(ctx.channel, "lease_seconds", 0.0) or 0.0)
+        grace = 2 * ttl + 1.0 if ttl > 0 else 0.0  # expiry comes up to a ttl after death, later if the server stalled
+        wait = Deadline.after(grace if deadline is None else min(grace, deadline.remaining(0.0)))
+        while True:
+            try:
+                dead = "".join(watch.describe() for watch in watches)
+            except Exception as exc:  # the meta server is away: the failure speaks for itself
+                logger.debug("%s: cannot read leases: %s", ctx.who, exc)
+                return ""
+            if dead or wait.expired:
+                return dead
+            time.sleep(0.25)
 
 
 @dataclass
@@ -281,6 +339,24 @@ class _GlooLink:
 
     def buffer(self, slot: int) -> torch.Tensor:
         return self.transport._buffer(self.run.lane, slot)
+
+
+#: The tag of :func:`break_group`'s receive, which no message ever uses (tags are message indices).
+_BREAK_TAG = (1 << 31) - 1
+
+
+def break_group(pg: Any, peer: int) -> None:
+    """Make every pending and future operation of a gloo group fail now.
+
+    Neither ``abort()`` nor ``shutdown()`` of a gloo group wakes a thread blocked in a send or
+    receive (torch 2.13), but a receive that times out makes gloo close every pair of the
+    group with "Application timeout caused pair closure" (``UnboundBuffer::waitRecv``), which
+    fails the blocked waits, here and at the peers, and keeps a late peer's bytes out.
+    """
+    try:
+        pg.recv([torch.empty(1)], peer, _BREAK_TAG).wait(datetime.timedelta(milliseconds=1))
+    except Exception as exc:  # the timeout that breaks it, or a group that is broken already
+        logger.debug("gloo group broken: %s", exc)
 
 
 def _buffers_in_use(in_flight: deque[tuple[Any, Message, int]]) -> int:

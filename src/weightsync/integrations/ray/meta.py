@@ -13,6 +13,7 @@ that created it) and, by default, pinned to the head node, which outlives worker
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,10 +50,11 @@ class MetaServerActor:
         from weightsync.meta.embedded import EmbeddedMetaServer
 
         host = ray.util.get_node_ip_address()
+        self.state_dir = state_dir
         self.server = EmbeddedMetaServer(host=host, state_dir=state_dir).start()
 
     def connection(self) -> dict[str, str]:
-        return {"address": self.server.address, "token": self.server.token}
+        return {"address": self.server.address, "token": self.server.token, "state_dir": self.state_dir or ""}
 
     def stop(self) -> None:
         self.server.stop()
@@ -72,6 +74,7 @@ def meta_server(*, name: str = DEFAULT_NAME, namespace: str = NAMESPACE, state_d
 
     Raises:
         ray.exceptions.GetTimeoutError: the server did not answer within ``timeout``.
+        ValueError: a server of that name runs already, with another ``state_dir`` (or none).
     """
     options: dict[str, Any] = {"name": name, "namespace": namespace, "lifetime": "detached",
                                "get_if_exists": True, "num_cpus": 0, **actor_options}
@@ -81,8 +84,23 @@ def meta_server(*, name: str = DEFAULT_NAME, namespace: str = NAMESPACE, state_d
     actor_class: Any = ray.remote(MetaServerActor)
     actor = actor_class.options(**options).remote(state_dir)
     info: dict[str, str] = ray.get(actor.connection.remote(), timeout=timeout)
+    check_state_dir(info.get("state_dir", ""), state_dir, f"{namespace}/{name}")
     logger.info("weightsync meta server %s/%s at %s", namespace, name, info["address"])
     return MetaConnection(info["address"], info["token"])
+
+
+def check_state_dir(running: str, asked: str | None, actor: str) -> None:
+    """Refuse a ``state_dir`` that the server found by name does not use: it was created
+    earlier (by this or another driver) and would keep the job's state elsewhere, or nowhere.
+
+    Raises:
+        ValueError: naming the actor, the directory asked for and the one it uses.
+    """
+    if asked is None or os.path.abspath(asked) == (os.path.abspath(running) if running else ""):
+        return
+    uses = f"state_dir={running!r}" if running else "no state_dir (its state is lost when it stops)"
+    raise ValueError(f"the meta server {actor} already runs with {uses}, not state_dir={asked!r}: stop it first "
+                     "(stop_meta_server()) or pass the same state_dir, or another name")
 
 
 def stop_meta_server(*, name: str = DEFAULT_NAME, namespace: str = NAMESPACE, timeout: float = 30.0) -> bool:

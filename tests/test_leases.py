@@ -1,0 +1,39 @@
+"""Leases on the meta server (:mod:`weightsync.meta.leases`): a stall of the server itself does
+not expire the leases of live peers, while a peer that stops renewing still dies on time."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from weightsync.meta.leases import Leases
+
+
+def test_a_stalled_server_does_not_expire_live_leases_but_a_silent_peer_still_dies():
+    async def run() -> tuple[bool, bool]:
+        leases = Leases()
+        clock = asyncio.create_task(leases.keep_time())
+        await asyncio.sleep(0.05)
+        await leases.acquire("j", "writer", 0, incarnation="a", ttl=0.5, pid=1, host="h", wait=0.0)
+        time.sleep(1.0)  # the event loop stands still: the heartbeats of that time wait unread
+        after_stall = leases.table("j")[0].alive
+        await asyncio.sleep(0.8)  # the loop runs and no heartbeat comes: the peer is dead
+        after_silence = leases.table("j")[0].alive
+        clock.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await clock
+        return after_stall, after_silence
+
+    assert asyncio.run(run()) == (True, False)
+
+
+def test_without_the_clock_an_unrenewed_lease_expires_after_its_ttl():
+    async def run() -> bool:
+        leases = Leases()
+        await leases.acquire("j", "reader", 1, incarnation="a", ttl=0.2, pid=1, host="h", wait=0.0)
+        time.sleep(0.3)
+        row = leases.table("j")[0]
+        return row.alive or "last heartbeat" not in row.detail
+
+    assert asyncio.run(run()) is False
