@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer on weightsync's one-line switch (``weightsync.integrations.trl``).
 
-Real GRPO runs of 3 optimizer steps: two data-parallel training processes (accelerate on CPU
+Real GRPO runs of 2 optimizer steps: two data-parallel training processes (accelerate on CPU
 runs DDP over gloo: its FSDP needs an accelerator) on a tiny Qwen3 built here, with a
 tokenizer, prompts and a reward built here too. Server mode syncs a real ``vllm serve
 --weight-transfer-config '{"backend": "weightsync"}'``; colocate mode the ``LLM`` TRL builds
@@ -28,7 +28,7 @@ pytestmark = [
     pytest.mark.xdist_group("trl"),
     pytest.mark.timeout(900),
 ]
-STEPS = 3
+STEPS = 2
 
 
 def _results(out: str) -> list[dict]:
