@@ -51,7 +51,7 @@ def test_vllm_serve_is_updated_by_two_fsdp2_trainers_over_http(tmp_path):
     out = tmp_path / "versions"
     with EmbeddedMetaServer() as meta, vllm_server(tmp_path / "A") as url:
         cmd = [sys.executable, str(HERE / "_vllm_native.py"), "trainer", "--world", "2", "--checkpoint",
-               str(tmp_path / "B"), "--url", url, "--out", str(out), "--meta", meta.address, "--token", meta.token,
+               str(tmp_path / "B"), "--url", url, "--out", str(out), "--meta", meta.address, f"--token={meta.token}",
                "--job", "serve", "--model", str(tmp_path / "A"), "--versions", "2"]
         outputs = _trainers(cmd, world=2)
     served = _results(outputs[0])
@@ -105,7 +105,7 @@ def test_vllm_serve_takes_lora_adapter_versions_from_two_tp_trainers_over_http(t
              "--lora-modules", *modules)
     with EmbeddedMetaServer() as meta, vllm_server(tmp_path / "base", extra=extra) as url:
         cmd = [sys.executable, str(HERE / "_vllm_native.py"), "lora-trainer", "--world", "2", "--url", url,
-               "--meta", meta.address, "--token", meta.token, "--job", "serve-lora", "--model",
+               "--meta", meta.address, f"--token={meta.token}", "--job", "serve-lora", "--model",
                str(tmp_path / "base"), "--served", "policy", "--compare", "disk2,disk3", "--seeds", "2,3"]
         outputs = _trainers(cmd, world=2)
     start, *served = _results(outputs[0])
