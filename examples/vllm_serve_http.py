@@ -146,7 +146,7 @@ def main() -> int:
             print(f"vllm serve is up at {url}; server at start: {completion(url, tmp)[0]}", flush=True)
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
             trainers = [subprocess.Popen([sys.executable, __file__, "--trainer-rank", str(rank), "--checkpoint", tmp,
-                                          "--url", url, "--meta", meta.address, "--token", meta.token,
+                                          "--url", url, "--meta", meta.address, f"--token={meta.token}",
                                           "--steps", str(args.steps), "--lr", str(args.lr)], env=env)
                         for rank in range(WORLD)]
             try:
