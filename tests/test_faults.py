@@ -134,6 +134,35 @@ def assert_reader_ends_exact(out, rank, version):
         assert r["ok"] or r["seconds"] < TIMEOUT + 10  # a failure ends within the timeout, never hangs
 
 
+class _ReaderChannel:
+    role, rank, who = "reader", 0, "reader 0"
+
+
+def test_a_restarted_rank_arriving_at_an_epoch_its_earlier_self_joined_fails_at_once():
+    """The restarted torch reader of the SIGKILL case below came to the epoch its killed
+    incarnation had joined: the arrival count was already full, and gloo's constructor then
+    retried its pairs for 94 s under a 20 s timeout. The second arrival of a rank now fails at
+    once, naming why, and the reader waits for the next epoch."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from weightsync.transport import TransportContext, TransportError, create_transport
+
+    ctx = TransportContext(channel=_ReaderChannel(), num_writers=1, num_readers=1, device="cpu")  # type: ignore[arg-type]
+    gloo = create_transport("torch", ctx)
+    host = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
+    store = dist.PrefixStore("weightsync/0", host)
+    store.add("arrived/0", 1)  # writer 0 and the killed reader 0 formed the group of epoch 0
+    store.add("arrived/1", 1)
+    store.add("arrived", 2)
+    started = time.monotonic()
+    with pytest.raises(TransportError, match=r"reader 0: the process group of epoch 0 already counts an earlier "
+                                             r"reader 0 .* takes part from the next epoch"):
+        gloo._arrive(store, 0, Deadline.after(TIMEOUT))
+    assert time.monotonic() - started < 1.0
+
+
 @pytest.mark.parametrize("options", TRANSPORTS)
 def test_writer_sigkilled_mid_transfer_restarts_and_writes_the_version_again(options, no_leaks, tally):
     skip_unavailable(options)

@@ -150,11 +150,21 @@ class TorchDistBase:
         A process group's constructor blocks until every rank arrived, with no way to ask
         why one does not: a dead rank costs the whole timeout there. Once everyone is here it
         completes at once (a rank that dies in between is the only case left to its timeout).
+
+        Each rank arrives once per epoch. A second arrival of the same rank is a restarted
+        process coming to an epoch whose group formed (or is forming) with its earlier
+        incarnation: the peers will never connect to it, and gloo's constructor would retry
+        every pair until several times its timeout. It fails here at once instead, and the
+        caller waits for the next epoch, which the peers open when they notice the death.
         """
         ctx = self.ctx
         watches = [PeerWatch(ctx, "writer", range(ctx.num_writers)), PeerWatch(ctx, "reader", range(ctx.num_readers))]
         what = f"every rank to join the process group of epoch {epoch}"
         try:
+            if store.add(f"arrived/{ctx.global_rank}", 1) > 1:
+                raise TransportError(f"{ctx.who}: the process group of epoch {epoch} already counts an earlier "
+                                     f"{ctx.role} {ctx.rank} (this process started after it joined): this rank "
+                                     "takes part from the next epoch")
             arrived = store.add("arrived", 1)
             pause = 0.005
             while arrived < ctx.world_size:
@@ -167,6 +177,8 @@ class TorchDistBase:
                 time.sleep(pause)
                 pause = min(2 * pause, 0.1)
                 arrived = store.add("arrived", 0)
+        except TransportError:
+            raise
         except RuntimeError as exc:  # the store's host (writer 0) is gone
             raise TransportError(f"{ctx.who}: the rendezvous of epoch {epoch} failed while waiting for {what}"
                                  f"{PeerWatch(ctx, 'writer', [0]).describe()}: {exc}") from exc
