@@ -203,7 +203,9 @@ def main() -> None:
                 if args.get("die_at") == version:
                     writer.session.plan(Deadline.after(sync.timeout))
                     die_mid_transfer(writer, args.get("die_how", "exit"))
-                for _ in range(1 + args.get("retries", 0)):  # a trainer may write a failed version again
+                retries = args.get("retries", 0)  # a number, or {version: number}
+                retries = retries.get(str(version), 0) if isinstance(retries, dict) else retries
+                for _ in range(1 + retries):  # a trainer may write a failed version again
                     t0 = time.monotonic()
                     try:
                         result = writer.write(version)

@@ -34,6 +34,7 @@ import os
 import secrets
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import msgpack
@@ -58,10 +59,19 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STORE_FINGERPRINT", "JobChannel", "Member", "MetaPort", "PeerDiedError", "PublishedVersion", "Role",
-           "TransportBoard", "model_digest"]
+__all__ = ["STORE_FINGERPRINT", "Holder", "JobChannel", "Member", "MetaPort", "PeerDiedError", "PublishedVersion",
+           "Role", "TransportBoard", "model_digest"]
 
 E = TypeVar("E", bound=EndpointRecord)
+
+
+@dataclass(frozen=True)
+class Holder:
+    """The process holding a rank's lease: its incarnation (one per process), pid and host."""
+
+    incarnation: str
+    pid: int
+    host: str
 
 
 class PeerDiedError(RuntimeError):
@@ -190,7 +200,7 @@ class JobChannel:
         self.lease_seconds = 0.0
         self.host = ""
         self._heartbeat: Heartbeat | None = None
-        self._dead_cache: tuple[float, dict[tuple[str, int], str]] = (-1.0, {})
+        self._lease_cache: tuple[float, dict[tuple[str, int], LeaseRow]] = (-1.0, {})
 
     @property
     def who(self) -> str:
@@ -445,16 +455,39 @@ class JobChannel:
         """Why this rank can no longer take part (another process took its rank over), or None."""
         return self._heartbeat.lost if self._heartbeat is not None else None
 
-    def dead_peers(self, role: Role, ranks: Iterable[int], *, max_age: float = 0.25) -> dict[int, str]:
+    def dead_peers(self, role: Role, ranks: Iterable[int], *, max_age: float = 0.25,
+                   known: Mapping[tuple[str, int], Holder] | None = None) -> dict[int, str]:
         """Peers of ``role`` among ``ranks`` whose lease expired or was released: rank -> what the
         meta server knows of them. Peers without a lease count as alive. Answers are cached for
-        ``max_age`` seconds, so transports may ask from their wait loops."""
-        at, table = self._dead_cache
+        ``max_age`` seconds, so transports may ask from their wait loops.
+
+        With ``known`` (:meth:`lease_holders` when this rank's connections were made), a peer
+        whose lease a *restarted* process holds now is dead too: the process this rank is
+        connected to is gone. A restart takes the lease over the moment it expires, so without
+        this a peer that restarts quickly is never seen dead.
+        """
+        at, rows = self._lease_cache
         now = time.monotonic()
         if now - at > max_age:
-            table = {(row.role, row.rank): row.detail for row in self.meta.leases() if not row.alive}
-            self._dead_cache = (now, table)
-        return {r: table[(role, r)] for r in ranks if (role, r) in table}
+            rows = {(row.role, row.rank): row for row in self.meta.leases()}
+            self._lease_cache = (now, rows)
+        dead = {}
+        for r in ranks:
+            row = rows.get((role, r))
+            if row is None:
+                continue
+            was = known.get((role, r)) if known is not None else None
+            if not row.alive:
+                dead[r] = row.detail
+            elif was is not None and was.incarnation != row.incarnation:
+                dead[r] = (f"its process (pid {was.pid} on {was.host or 'an unnamed host'}) is gone: a restarted one "
+                           f"holds the rank now ({row.detail})")
+        return dead
+
+    def lease_holders(self) -> dict[tuple[str, int], Holder]:
+        """Who holds each live lease now (to tell, later, a peer that restarted: :meth:`dead_peers`)."""
+        return {(row.role, row.rank): Holder(row.incarnation, row.pid, row.host) for row in self.meta.leases()
+                if row.alive}
 
     # -- transport endpoints ------------------------------------------------------------------
     def publish_endpoint(self, epoch: int, endpoint: EndpointRecord) -> None:

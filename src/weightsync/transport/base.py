@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     import torch
 
     from weightsync.deadline import Deadline
-    from weightsync.job import JobChannel, Role
+    from weightsync.job import Holder, JobChannel, Role
     from weightsync.plan import Plan
 
 E = TypeVar("E", bound=EndpointRecord)
@@ -277,12 +277,19 @@ class PeerWatch:
     its lease expiring, naming it, instead of at the timeout.
     """
 
-    def __init__(self, ctx: TransportContext, role: Role, ranks: Sequence[int], *, every: float = 0.5) -> None:
+    def __init__(self, ctx: TransportContext, role: Role, ranks: Sequence[int], *, every: float = 0.5,
+                 known: Mapping[tuple[str, int], Holder] | None = None) -> None:
         self.ctx, self.role, self.ranks, self.every = ctx, role, list(ranks), every
+        #: the processes this rank is connected to (a peer that restarted since is dead to it)
+        self.known = known
         self._next = time.monotonic() + every
 
     def dead(self) -> dict[int, str]:
-        return self.ctx.channel.dead_peers(self.role, self.ranks) if self.ranks else {}
+        if not self.ranks:
+            return {}
+        if self.known is None:
+            return self.ctx.channel.dead_peers(self.role, self.ranks)
+        return self.ctx.channel.dead_peers(self.role, self.ranks, known=self.known)
 
     def describe(self) -> str:
         """`` (writer 1 is dead: ...)`` for error messages, or empty."""

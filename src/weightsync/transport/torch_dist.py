@@ -54,6 +54,7 @@ from weightsync.transport.schedule import Message, build_messages, pair_order
 from weightsync.transport.tensors import flat_views
 
 if TYPE_CHECKING:
+    from weightsync.job import Holder
     from weightsync.plan import Plan
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class TorchDistBase:
         self.device = torch.device(ctx.device)
         self.epoch: int | None = None
         self._store: dist.TCPStore | None = None
+        #: who held each lease when the group formed (:meth:`_lease_holders`)
+        self._holders: dict[tuple[str, int], Holder] | None = None
         self._pg: Any = None
         self._schedules: list[list[Pair]] = []  # per phase: this rank's pairs and their messages
         self._flats: dict[str, torch.Tensor] = {}
@@ -141,7 +144,17 @@ class TorchDistBase:
         self._store = store
         prefix = dist.PrefixStore(f"weightsync/{epoch}", store)
         self._arrive(prefix, epoch, deadline)
+        self._holders = self._lease_holders()
         return prefix
+
+    def _lease_holders(self) -> dict[tuple[str, int], Holder] | None:
+        """The processes holding the group's leases as it forms: a peer that restarts later is
+        one this group is no longer connected to, dead to it even once its lease is renewed."""
+        try:
+            return self.ctx.channel.lease_holders()
+        except Exception as exc:  # the meta server is away: only expired leases will tell
+            logger.debug("%s: cannot read leases: %s", self.ctx.who, exc)
+            return None
 
     def _arrive(self, store: dist.Store, epoch: int, deadline: Deadline) -> None:
         """Wait until every rank of the group reached the epoch's store, failing as soon as one of

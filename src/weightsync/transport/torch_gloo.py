@@ -66,8 +66,8 @@ class GlooTransport(TorchDistBase):
             return dist.ProcessGroupGloo(prefix, self.ctx.global_rank, self.ctx.world_size,
                                          datetime.timedelta(seconds=deadline.remaining()))
         except RuntimeError as exc:
-            dead = (PeerWatch(self.ctx, "writer", range(self.ctx.num_writers)).describe()
-                    + PeerWatch(self.ctx, "reader", range(self.ctx.num_readers)).describe())
+            dead = (PeerWatch(self.ctx, "writer", range(self.ctx.num_writers), known=self._holders).describe()
+                    + PeerWatch(self.ctx, "reader", range(self.ctx.num_readers), known=self._holders).describe())
             raise TransportError(f"{self.ctx.who}: process group of epoch {epoch} did not form{dead}: {exc}") from exc
 
     # -- data movement --------------------------------------------------------------------
@@ -106,7 +106,7 @@ class GlooTransport(TorchDistBase):
         pg = self._pg
         if pg is None:
             raise TransportError(f"{self.ctx.who}: no process group; call prepare() first")
-        watch = PeerWatch(self.ctx, self._other, sorted({pair.peer for pair in schedule}))
+        watch = PeerWatch(self.ctx, self._other, sorted({pair.peer for pair in schedule}), known=self._holders)
         with watch.guard(abort=lambda: break_group(pg, self._any_peer())) as guard:
             try:
                 stats = self._run_lanes(version, Deadline.after(timeout), pg, move, schedule)
@@ -274,7 +274,8 @@ class GlooTransport(TorchDistBase):
     def _blame(self, deadline: Deadline | None) -> str:
         """Which ranks of the group are dead, for the error of a failed wait: `` (reader 1 is dead: ...)``.
 
-        A rank that dies breaks its pairs, and the rank that notices breaks the whole group
+        Dead includes restarted (its lease now held by a process that joined after the group
+        formed). A rank that dies breaks its pairs, and the rank that notices breaks the whole group
         (:func:`break_group`), so the pair that failed here is rarely the dead rank's, and its
         lease expires only up to a ttl later: wait twice that (within the call's deadline) for
         a lease to say who it was. Empty if none did.
@@ -282,7 +283,8 @@ class GlooTransport(TorchDistBase):
         ctx = self.ctx
         writers = [r for r in range(ctx.num_writers) if (ctx.role, r) != ("writer", ctx.rank)]
         readers = [r for r in range(ctx.num_readers) if (ctx.role, r) != ("reader", ctx.rank)]
-        watches = [PeerWatch(ctx, "writer", writers), PeerWatch(ctx, "reader", readers)]
+        watches = [PeerWatch(ctx, "writer", writers, known=self._holders),
+                   PeerWatch(ctx, "reader", readers, known=self._holders)]
         ttl = float(getattr(ctx.channel, "lease_seconds", 0.0) or 0.0)
         grace = 2 * ttl + 1.0 if ttl > 0 else 0.0  # expiry comes up to a ttl after death, later if the server stalled
         wait = Deadline.after(grace if deadline is None else min(grace, deadline.remaining(0.0)))
