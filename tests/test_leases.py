@@ -37,3 +37,27 @@ def test_without_the_clock_an_unrenewed_lease_expires_after_its_ttl():
         return row.alive or "last heartbeat" not in row.detail
 
     assert asyncio.run(run()) is False
+
+
+def test_a_rank_leaves_in_under_two_seconds_after_its_meta_server_stopped():
+    """Shutdown in any order (issue 28 §5): a reader or writer that closes after the meta server
+    stopped (vLLM's workers after the trainer engine's embedded server, an operator stopping
+    `weightsync meta-server` first) used to stall 30 s and more, its heartbeat and the release
+    of its lease retrying a server that is gone for good."""
+    from weightsync.job import JobChannel
+    from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+
+    server = EmbeddedMetaServer().start()
+    meta = MetaClient(server.address, token=server.token)
+    try:
+        channel = JobChannel(meta, role="reader", rank=0)
+        channel.register(host="h", group="default", layout=b"layout", lease=0.4)
+        channel.start_heartbeat()
+        server.stop()
+        time.sleep(0.3)  # the heartbeat is retrying the server by now
+        started = time.monotonic()
+        channel.stop_heartbeat(release=True)
+        assert time.monotonic() - started < 2.0
+    finally:
+        meta.close()
+        server.stop()

@@ -18,6 +18,9 @@ from typing import Protocol
 
 logger = logging.getLogger(__name__)
 
+#: Seconds leaving waits for a renewal in flight, and then for the release (see :meth:`Heartbeat.stop`)
+STOP_PATIENCE = 0.8
+
 
 class LeaseHolder(Protocol):
     """The rank a heartbeat renews the lease of (:class:`~weightsync.job.JobChannel` is one)."""
@@ -63,11 +66,26 @@ class Heartbeat:
             except Exception as exc:  # the server is away (or lost its state): the next call says so
                 logger.debug("%s: heartbeat failed: %s", self.channel.who, exc)
 
-    def stop(self, *, release: bool) -> None:
+    def stop(self, *, release: bool, patience: float = STOP_PATIENCE) -> None:
+        """Stop renewing and (``release``) give the lease up, within about ``2 * patience`` seconds.
+
+        A call to a meta server that is gone retries for the client's whole timeout (30 s):
+        a renewal in flight and the release are each waited for ``patience`` seconds at most,
+        so that leaving never stalls whatever stopped first (the lease then expires on its own).
+        """
         self._stop.set()
-        self._thread.join(10)
-        if release and self.lost is None:
-            try:
-                self.channel.renew_lease(release=True)
-            except Exception as exc:  # best effort: the lease expires anyway
-                logger.debug("%s: could not release its lease: %s", self.channel.who, exc)
+        self._thread.join(patience)
+        if not release or self.lost is not None:
+            return
+        releasing = threading.Thread(target=self._release, name=f"{self._thread.name}-release", daemon=True)
+        releasing.start()
+        releasing.join(patience)
+        if releasing.is_alive():
+            logger.info("%s: the meta server did not take the release of its lease within %.1f s; it expires on "
+                        "its own", self.channel.who, patience)
+
+    def _release(self) -> None:
+        try:
+            self.channel.renew_lease(release=True)
+        except Exception as exc:  # best effort: the lease expires anyway
+            logger.debug("%s: could not release its lease: %s", self.channel.who, exc)
