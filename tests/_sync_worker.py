@@ -172,12 +172,6 @@ def reported(reader: WeightReader, rank: int) -> int | str | None:
 
 def main() -> None:
     args = json.loads(sys.argv[1])
-    if os.environ.get("WS_DEBUG_LOG"):  # TEMP
-        import faulthandler
-        import logging
-        path = f"/tmp/reliab_{args['role']}{args['rank']}_{os.getpid()}.log"
-        logging.basicConfig(level=logging.DEBUG, filename=path, format="%(asctime)s %(threadName)s %(name)s %(message)s")
-        faulthandler.dump_traceback_later(30, repeat=True, file=open(path + ".stacks", "w"))
     torch.set_num_threads(1)
     spec = load_spec(args["config"])
     config = spec.to_hf_config()

@@ -215,16 +215,19 @@ def mp_engine(checkpoint: str, versions: list[str]) -> None:
     for version, seed in enumerate(map(int, versions), start=1):
         fill_from_canonical(source.layout(), source.tensors(), canonical_weights(config, seed))
         if version == len(versions) > 1:  # the last by a second trainer, once the first shut down
-            engine.shutdown()
+            t0 = time.monotonic()
+            engine.shutdown()  # the trainer first: its workers, then its writer, then its meta server
+            print("RESULT " + json.dumps({"trainer_first_seconds": time.monotonic() - t0}), flush=True)
             engine = WeightTransferTrainerFactory.trainer_init(
                 WeightSyncTrainerInitInfo(rank=0, model_config=config), client=LLMClient(llm), source=source)
         engine.send_weights(version)
         print("RESULT " + json.dumps({"version": version, "tokens": _greedy(llm),
                                       "weight_version": llm.get_weight_version()}), flush=True)
     t0 = time.monotonic()
-    engine.shutdown()  # its meta server stops first: the workers must not stall on it
-    llm.llm_engine.engine_core.shutdown()
-    print("RESULT " + json.dumps({"shutdown_seconds": time.monotonic() - t0}), flush=True)
+    llm.llm_engine.engine_core.shutdown()  # now the engine (its workers) first, then the trainer
+    t1 = time.monotonic()
+    engine.shutdown()
+    print("RESULT " + json.dumps({"engine_seconds": t1 - t0, "trainer_seconds": time.monotonic() - t1}), flush=True)
 
 
 def mp_engine_delta(checkpoint: str, seed: int) -> None:

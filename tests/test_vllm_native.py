@@ -124,14 +124,18 @@ def test_llm_with_a_child_engine_core_is_updated_through_the_same_api(tmp_path):
     write_checkpoint(tmp_path / "B", config, seed=2)
     results = _run(["mp-engine", "--checkpoint", str(tmp_path / "B"), "--seeds", "1,2"],
                    env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
-    start, one, two, closed = results
+    start, one, first_closed, two, closed = results
     assert one["tokens"] != start["tokens"]  # version 1 (other weights) took effect
     # version 2 (the checkpoint's weights), sent by a second trainer, restored them exactly
     assert two["tokens"] == start["tokens"]
     assert (one["weight_version"], two["weight_version"]) == ("1", "2")
-    # the trainer's shutdown released the workers before its meta server stopped (they stalled
-    # 30 s retrying it), and the second trainer needed no shutdown_weight_transfer_engine call
-    assert closed["shutdown_seconds"] < 10, closed
+    # shutdown in either order, weightsync's part in under 2 s (issue 28 §5): the first trainer
+    # before the engine (it releases the workers before its meta server stops: they stalled 30 s
+    # retrying it, and the second trainer needed no shutdown_weight_transfer_engine call); the
+    # engine (its workers) before the second trainer. vLLM's CPU engine core itself takes its
+    # 5 s SIGTERM grace to stop, with or without weightsync (measured on this machine: 5.0 s)
+    assert first_closed["trainer_first_seconds"] < 2, first_closed
+    assert closed["trainer_seconds"] < 2 and closed["engine_seconds"] < 5 + 2, closed
 
 
 def test_deltas_through_the_weightsync_backend_restore_the_engine_exactly(tmp_path):
