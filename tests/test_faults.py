@@ -165,6 +165,50 @@ def test_a_restarted_rank_arriving_at_an_epoch_its_earlier_self_joined_fails_at_
     assert time.monotonic() - started < 1.0
 
 
+class _LeasedChannel(_ReaderChannel):
+    """Leases that name no one dead (the failure is a live peer's, or too recent to tell)."""
+
+    lease_seconds = 3.0
+
+    def dead_peers(self, role, ranks, **_):
+        return {}
+
+
+class _BrokenGroup:
+    def send(self, *_):
+        raise RuntimeError("Connection reset by peer")
+
+    recv = send
+
+
+class _Message:
+    def describe(self) -> str:
+        return "4096 bytes of w"
+
+
+def test_a_send_posted_on_a_broken_group_past_the_deadline_fails_at_once():
+    """A post that fails (the group broken by another lane) looked for a lease naming the dead
+    rank for twice the ttl plus 1 s, whatever the deadline: writer 0's write() took 27.1 s
+    under a 20 s timeout when only the killed writer restarted (the test below). The search now
+    stays within the call's deadline."""
+    import torch
+
+    from weightsync.transport import TransportContext, TransportError, create_transport
+    from weightsync.transport.base import TransferStats
+    from weightsync.transport.torch_dist import Pair
+    from weightsync.transport.torch_gloo import _GlooLink, _LaneRun
+
+    ctx = TransportContext(channel=_LeasedChannel(), num_writers=1, num_readers=1, device="cpu")  # type: ignore[arg-type]
+    gloo = create_transport("torch", ctx)
+    run = _LaneRun(0, _BrokenGroup(), Deadline.after(0.0), TransferStats(1), [])
+    link = _GlooLink(gloo, run, Pair(0, 0, []))  # type: ignore[arg-type]
+    started = time.monotonic()
+    with pytest.raises(TransportError, match=r"reader 0: transfer with writer 0 failed \(4096 bytes of w\): "
+                                             "Connection reset by peer"):
+        link.post("recv", torch.empty(1), _Message(), tag=0)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 1.0
+
+
 @pytest.mark.parametrize("options", TRANSPORTS)
 def test_writer_sigkilled_mid_transfer_restarts_and_writes_the_version_again(options, no_leaks, tally):
     skip_unavailable(options)

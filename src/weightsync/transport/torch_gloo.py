@@ -187,7 +187,7 @@ class GlooTransport(TorchDistBase):
                 with timer("checksum"):
                     sums.append(checksum(payload))
             with timer("transfer"):
-                work = self._post(run.pg, "send", payload, pair, message, tag=index)
+                work = self._post(run, "send", payload, pair, message, tag=index)
             in_flight.append((work, message, slot))
             stats.nbytes += message.nbytes
             stats.messages += 1
@@ -196,7 +196,7 @@ class GlooTransport(TorchDistBase):
             self._wait(in_flight.popleft(), deadline, peer, timer)
         if self.ctx.options.checksum and messages:
             tail = torch.tensor(sums, dtype=torch.int64, device=self.device)
-            work = self._post(run.pg, "send", tail, pair, messages[-1], tag=len(messages))
+            work = self._post(run, "send", tail, pair, messages[-1], tag=len(messages))
             self._wait((work, messages[-1], -1), deadline, peer, timer)
 
     def _receive_pair(self, pair: Pair, run: _LaneRun) -> None:
@@ -215,7 +215,7 @@ class GlooTransport(TorchDistBase):
                     slot = _free_slot(in_flight)
                     target = self._buffer(run.lane, slot)[: message.nbytes]
                 with timer("transfer"):
-                    work = self._post(run.pg, "recv", target, pair, message, tag=index)
+                    work = self._post(run, "recv", target, pair, message, tag=index)
                 in_flight.append((work, message, slot))
             work, message, slot = in_flight.popleft()
             self._wait((work, message, slot), deadline, peer, timer)
@@ -232,7 +232,7 @@ class GlooTransport(TorchDistBase):
             stats.direct_bytes += message.nbytes if message.direct else 0
         if self.ctx.options.checksum and messages:
             tail = torch.empty(len(messages), dtype=torch.int64, device=self.device)
-            work = self._post(run.pg, "recv", tail, pair, messages[-1], tag=len(messages))
+            work = self._post(run, "recv", tail, pair, messages[-1], tag=len(messages))
             self._wait((work, messages[-1], -1), deadline, peer, timer)
             for expected, got, message in zip(tail.tolist(), sums, messages, strict=True):
                 if expected != got:
@@ -241,7 +241,7 @@ class GlooTransport(TorchDistBase):
                         f"{peer}: {message.describe()}"
                     )
 
-    def _post(self, pg: Any, kind: str, tensor: torch.Tensor, pair: Pair, message: Message, *, tag: int) -> Any:
+    def _post(self, run: _LaneRun, kind: str, tensor: torch.Tensor, pair: Pair, message: Message, *, tag: int) -> Any:
         """Post a send or receive; a broken connection surfaces here as well as in wait.
 
         Each message of a pair has its own tag (its index): with several receives in flight
@@ -249,11 +249,12 @@ class GlooTransport(TorchDistBase):
         """
         peer = pair.peer
         try:
-            op = pg.send if kind == "send" else pg.recv
+            op = run.pg.send if kind == "send" else run.pg.recv
             return op([tensor], pair.peer_global, tag)
         except RuntimeError as exc:
             self._teardown_group()
-            raise TransportError(f"{self.ctx.who}: transfer with {self._other} {peer} failed{self._blame(None)} "
+            blame = self._blame(run.deadline)  # within the lane's deadline: a post fails after it too
+            raise TransportError(f"{self.ctx.who}: transfer with {self._other} {peer} failed{blame} "
                                  f"({message.describe()}): {exc}") from exc
 
     def _wait(self, item: tuple[Any, Message, int], deadline: Deadline, peer: int, timer: PhaseTimer) -> None:
@@ -271,7 +272,7 @@ class GlooTransport(TorchDistBase):
                 f"({message.describe()}): {exc}"
             ) from exc
 
-    def _blame(self, deadline: Deadline | None) -> str:
+    def _blame(self, deadline: Deadline) -> str:
         """Which ranks of the group are dead, for the error of a failed wait: `` (reader 1 is dead: ...)``.
 
         Dead includes restarted (its lease now held by a process that joined after the group
@@ -287,7 +288,7 @@ class GlooTransport(TorchDistBase):
                    PeerWatch(ctx, "reader", readers, known=self._holders)]
         ttl = float(getattr(ctx.channel, "lease_seconds", 0.0) or 0.0)
         grace = 2 * ttl + 1.0 if ttl > 0 else 0.0  # expiry comes up to a ttl after death, later if the server stalled
-        wait = Deadline.after(grace if deadline is None else min(grace, deadline.remaining(0.0)))
+        wait = Deadline.after(min(grace, deadline.remaining(0.0)))
         while True:
             try:
                 dead = "".join(watch.describe() for watch in watches)
@@ -333,7 +334,7 @@ class _GlooLink:
 
     def post(self, op: Literal["send", "recv"], tensor: torch.Tensor, message: Message, *,
              tag: int) -> tuple[Any, Message]:
-        return self.transport._post(self.run.pg, op, tensor, self.pair, message, tag=tag), message
+        return self.transport._post(self.run, op, tensor, self.pair, message, tag=tag), message
 
     def wait(self, posted: tuple[Any, Message]) -> None:
         work, message = posted
