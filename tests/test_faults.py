@@ -275,7 +275,12 @@ def assert_calls_end_in_time(out) -> None:
     assert late == [], late
 
 
-@pytest.mark.parametrize("options", TRANSPORTS)
+#: two-sided (torch) and both one-sided paths (shm's polls; file's directory): the recovery flows
+#: differ by those, not by shm's zero-copy mode (CI time)
+RESTART_TRANSPORTS = [p for p in TRANSPORTS if p.id != "shm-zero-copy"]
+
+
+@pytest.mark.parametrize("options", RESTART_TRANSPORTS)
 def test_only_the_killed_writer_restarts_and_rewrites_its_version_while_the_other_moved_on(options, no_leaks, tally,
                                                                                            tmp_path):
     """Writer 1 is SIGKILLed in version 1; writer 0 fails it and goes on to version 2 while the
