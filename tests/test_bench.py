@@ -178,15 +178,17 @@ def test_vllm_serve_prefetch_rows_from_token_arrivals_and_the_trainer_trace():
     from weightsync.bench.vllm_prefetch_serve import client_pause, summarize, window_rate
     from weightsync.commands.bench import _prefetch_cells
 
-    # one chunk of 4 tokens every 0.25 s, but none in (10, 13) (a blocking sync paused at 10.5)
-    # and none in (20, 21) (a prefetched update paused at 20.5)
+    # one chunk of 4 tokens every 0.25 s, but none in (10, 13) (a blocking sync from 10.2 to 12.8)
+    # and none in (20, 21) (a prefetched update paused from 20.2 to 20.8)
     arrivals = [(t / 4, 4) for t in range(160) if not (40 < t < 52 or 80 < t < 84)]
     times = [t for t, _ in arrivals]
-    assert client_pause(times, 10.5) == 3.0
-    assert client_pause(times, 20.5) == 1.0
+    assert client_pause(times, 10.2, 12.8) == 3.0
+    assert client_pause(times, 20.2, 20.8) == 1.0
+    # a token generated before the pause that reached its client after /pause returned
+    assert client_pause(sorted([*times, 10.3]), 10.2, 12.8) == pytest.approx(2.7)
     assert window_rate(times, [n for _, n in arrivals], [(14.0, 15.0), (30.0, 31.0)]) == 20.0  # 5 chunks a second
     with pytest.raises(ValueError, match="no token arrived on both sides"):
-        client_pause(times, 100.0)
+        client_pause(times, 100.0, 101.0)
     trace = {"blocking": [{"start": 10.2, "paused": 10.5, "updated": 12.5, "end": 12.8}],
              "prefetch": [{"start": 16.0, "received": 20.2, "paused": 20.5, "update": 20.5, "updated": 20.75,
                            "end": 20.8}],

@@ -16,11 +16,12 @@ chunk they receive. Side by side in one run:
   window of generation with no sync (idle, after :data:`SETTLE_S`).
 
 The pause as a client sees it is the gap between the last token before the engine paused and
-the first after it resumed (:func:`client_pause`); tokens/s count the token ids the clients
-received inside each window (:func:`window_rate`). The trainer writes with ``staleness=1``, so
-its ``write`` returns once its bytes are sent: on a two-sided transport (torch) that is when the
-worker has them; on a one-sided one (shm) the worker's copy may outlast it, and its remainder
-is then part of the pause.
+the first after it resumed (:func:`client_pause`; it adds to the driver's pause the step under
+way when ``/pause`` came and the prefill of the requests sent again after ``/resume``); tokens/s
+count the token ids the clients received inside each window (:func:`window_rate`). The trainer
+writes with ``staleness=1``, so its ``write`` returns once its bytes are sent: on a two-sided
+transport (torch) that is when the worker has them; on a one-sided one (shm, streaming) the
+worker's copy may outlast it, and its remainder is then part of the pause.
 """
 
 from __future__ import annotations
@@ -46,13 +47,15 @@ SETTLE_S = 2.0
 PROMPT_TOKENS = 32
 
 
-def client_pause(arrivals: Sequence[float], paused_at: float) -> float:
-    """The gap, in the clients' merged token arrivals (sorted), around ``paused_at`` (a moment the
-    engine was paused): from the last token before it to the first after it."""
-    i = bisect.bisect_right(arrivals, paused_at)
-    if i == 0 or i == len(arrivals):
-        raise ValueError(f"no token arrived on both sides of the pause at {paused_at:.3f}")
-    return arrivals[i] - arrivals[i - 1]
+def client_pause(arrivals: Sequence[float], start: float, end: float) -> float:
+    """The longest gap in the clients' merged token arrivals (sorted) that overlaps ``[start, end]``
+    (from the driver's ``/pause`` to its ``/resume``): from the last token before the engine
+    stopped to the first after it went on. Not simply the gap around one moment: a token generated
+    before the pause may reach its client after ``/pause`` returned."""
+    lo, hi = bisect.bisect_left(arrivals, start), bisect.bisect_right(arrivals, end)
+    if lo == 0 or hi == len(arrivals):
+        raise ValueError(f"no token arrived on both sides of the pause in [{start:.3f}, {end:.3f}]")
+    return max(arrivals[i] - arrivals[i - 1] for i in range(lo, hi + 1))
 
 
 def window_rate(arrivals: Sequence[float], counts: Sequence[int], windows: Sequence[tuple[float, float]]) -> float:
@@ -77,10 +80,10 @@ def summarize(arrivals: Sequence[tuple[float, int]], trace: dict[str, Any]) -> d
     during = [(u["start"], u["received"]) for u in prefetch]
     out: dict[str, Any] = {
         "updates": len(prefetch),
-        "blocking_pause_s": median([client_pause(times, u["paused"]) for u in blocking]),
+        "blocking_pause_s": median([client_pause(times, u["start"], u["end"]) for u in blocking]),
         "blocking_update_s": median([u["updated"] - u["paused"] for u in blocking]),
         "blocking_sync_s": median([u["end"] - u["start"] for u in blocking]),
-        "prefetch_pause_s": median([client_pause(times, u["paused"]) for u in prefetch]),
+        "prefetch_pause_s": median([client_pause(times, u["received"], u["end"]) for u in prefetch]),
         "prefetch_update_s": median([u["updated"] - u["update"] for u in prefetch]),
         # the driver's own pause: /pause called to /resume returned (the client's gap adds a step each side)
         "prefetch_driver_pause_s": median([u["end"] - u["received"] for u in prefetch]),
