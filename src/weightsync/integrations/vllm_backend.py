@@ -156,8 +156,7 @@ class _WorkerEngine(StagedWeights):
                  replicas: int, *, in_place: bool = True, draft: torch.nn.Module | None = None) -> None:
         check_supported(vllm_config)
         self.mtp = runs_mtp(vllm_config)
-        if self.mtp and draft is None:
-            raise ValueError("an engine drafting with MTP layers needs its drafter to reload them with the target")
+        assert draft is not None or not self.mtp, "init_transfer_engine refuses an MTP engine without its drafter"
         # with MTP drafting the MTP layers are staged too, for the drafter
         super().__init__(spec_of(vllm_config, mtp=self.mtp), dtype=vllm_config.model_config.dtype, device=device,
                          rank=rank, replicas=replicas, quant=staging_quant(vllm_config))
