@@ -152,7 +152,11 @@ class TorchDevices:
         import torch
 
         d = torch.device(device)
-        return int(torch.cuda.mem_get_info(d)[0]) if d.type == "cuda" else None
+        if d.type != "cuda":
+            return None
+        # what the driver has free, plus what torch's caching allocator holds unused (staging
+        # freed and laid out again reuses it without the driver seeing it free)
+        return int(torch.cuda.mem_get_info(d)[0]) + torch.cuda.memory_reserved(d) - torch.cuda.memory_allocated(d)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
