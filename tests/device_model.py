@@ -108,6 +108,7 @@ class DeviceModel:
         self._local = threading.local()
         self._exports: dict[int, tuple[torch.Tensor, str]] = {}
         self._tokens = 0
+        self._keys = 0  # allocations, by number
 
     # -- processes --------------------------------------------------------------------------
     def process(self) -> str:
@@ -168,9 +169,11 @@ class DeviceModel:
             t = torch.empty(nbytes, dtype=torch.uint8, device=device)
             self.used += nbytes
             self.peak = max(self.peak, self.used)
-            key = id(t)
+            self._keys += 1
+            key = self._keys
             self.allocations[key] = (nbytes, what)
-            weakref.finalize(t, self._free, key)
+            # device memory lives as long as its storage (views of other dtypes included)
+            weakref.finalize(t.untyped_storage(), self._free, key)
             return t
 
     def _free(self, key: int) -> None:

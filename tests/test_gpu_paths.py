@@ -267,3 +267,33 @@ def test_sglang_staging_that_does_not_fit_is_refused_when_the_adapter_is_built()
                                                     r"0\.0 MiB of it is free: .*mem_fraction_static\)$"):
             SGLangEngine(object(), tiny_config(), dtype=torch.float32, device="cpu")
     assert model.peak == 0
+
+
+def test_the_verl_actor_copy_that_does_not_fit_is_refused_with_its_figure_after_the_walk():
+    """Defect 7 (verl: a full copy of the model on the trainer GPU): the actor copied each
+    tensor verl yielded with ``.to(device)``, outside any budget, and ran out of memory partway.
+    The copy is now taken within the device's free memory; when it does not fit, what was copied
+    is freed, the generator is still walked to its end (each tensor is produced collectively by
+    every actor rank), and the error gives the model's size and the setting to change."""
+    import asyncio
+
+    import torch
+
+    from weightsync.device_port import DeviceMemoryError
+    from weightsync.integrations.actor_copy import copy_model
+
+    walked: list[str] = []
+
+    async def weights(n: int):
+        for i in range(n):
+            walked.append(f"w{i}")
+            yield f"w{i}", torch.full((1 << 16,), float(i))  # 256 KiB each
+
+    model = _engine_left_no_room(staging_fits=1 << 20)
+    with device_port.use(model):
+        with pytest.raises(DeviceMemoryError, match=r"the verl actor's copy of the model needs 2\.0 MiB on cpu, and "
+                                                    r"only 1\.0 MiB of it is free: .*weightsync\.device=cpu"):
+            asyncio.run(copy_model(weights(8), device="cpu"))
+        assert walked == [f"w{i}" for i in range(8)] and model.used == 0
+        copies = asyncio.run(copy_model(weights(3), device="cpu"))
+    assert [float(t[0]) for t in copies.values()] == [0.0, 1.0, 2.0] and model.used == 3 << 18

@@ -160,8 +160,9 @@ class StagedWeights:
         arena = device_port.allocate(
             self.dev, max(size, _ALIGN), self._device, what="the engine's staging arena",
             fix="leave the engine room for it (vLLM: a lower gpu_memory_utilization, or kv_cache_memory_bytes; "
-                "SGLang: a lower mem_fraction_static)" + (", or stage one phase of layers at a time (SyncConfig(layer_phases=True))"
-                                          if self.loads_in_phases and len(wanted) == 1 else ""),
+                "SGLang: a lower mem_fraction_static)"
+                + (", or stage one phase of layers at a time (SyncConfig(layer_phases=True))"
+                   if self.loads_in_phases and len(wanted) == 1 else ""),
         ).zero_()
         for shard in self._layout.shards:
             if shard.name in self._direct:
