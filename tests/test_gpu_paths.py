@@ -297,3 +297,20 @@ def test_the_verl_actor_copy_that_does_not_fit_is_refused_with_its_figure_after_
         assert walked == [f"w{i}" for i in range(8)] and model.used == 0
         copies = asyncio.run(copy_model(weights(3), device="cpu"))
     assert [float(t[0]) for t in copies.values()] == [0.0, 1.0, 2.0] and model.used == 3 << 18
+
+
+def test_an_ipc_reader_context_on_the_writer_gpu_is_refused_with_its_figure(tmp_path):
+    """Defect 7 (each CUDA IPC reader on another GPU makes a CUDA context on the writer's GPU,
+    where the writer's slots already are): the context was never accounted for, and the first
+    open failed for memory inside the first sync. It is checked before the open, refused with
+    the figure and the settings to change."""
+    context = 1 << 20
+    model = DeviceModel(budget=2602496 + context // 2, context=context)  # the writer's slots, half a context
+    result = run_pair("shm", tmp_path, model=model, timeout=5.0)
+    assert any("reader 0's CUDA context on writer 0's GPU (CUDA IPC maps its slots there) needs 1.0 MiB on cpu, and "
+               "only 0.5 MiB of it is free" in str(e) and "TransportOptions.slots" in str(e) for e in result.errors), \
+        result.errors
+    assert model.reserved == {}
+    roomy = DeviceModel(budget=2602496 + context, context=context)
+    result = run_pair("shm", tmp_path / "roomy", model=roomy, timeout=5.0)
+    assert result.errors == [] and result.bad == [] and roomy.reserved == {"engine0's context on cpu": context}
