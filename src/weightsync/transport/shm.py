@@ -536,7 +536,14 @@ def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, 
                                      "by this process and are already released (the writer closed)")
             data = own
         else:
-            data = dev.open(handle, ipc_home(handle))
+            home = ipc_home(handle)
+            # the first open on the writer's GPU creates this process's CUDA context there
+            device_port.check_fits(
+                dev, dev.context_bytes(home), home,
+                what=f"reader {ctx.rank}'s CUDA context on writer {writer}'s GPU (CUDA IPC maps its slots there)",
+                fix="leave it free on the trainer's GPU (fewer TransportOptions.slots, a smaller max_bucket_bytes), "
+                    "run the engine on the trainer's GPU, or use transport='torch' between GPUs")
+            data = dev.open(handle, home)
     else:
         data = mem[CONTROL_BYTES:CONTROL_BYTES + slots * slot_bytes]
     changes = None
