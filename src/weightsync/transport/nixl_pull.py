@@ -16,7 +16,6 @@ after either, so a version overwritten mid-read is still reported, never applied
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -40,7 +39,7 @@ from weightsync.transport.delta_published import (
     VERSION,
     ChangeLayout,
     ChangeReader,
-    ChangeWriter,
+    SlotChanges,
     check_delta,
     check_row,
 )
@@ -82,8 +81,7 @@ class NixlPullTransport(NixlBase):
         super().__init__(ctx)
         check_delta(f"{self.name} (pull)", ctx)
         delta = ctx.options.delta_anchor_every
-        self._book: ChangeWriter | None = None  # writer: this version's changes
-        self._book_views: tuple[torch.Tensor, torch.Tensor] | None = None  # writer: (tables, areas)
+        self._published: SlotChanges | None = None  # writer: each version's changes, after the slots
         self._changes = ChangeReader(ctx) if delta and ctx.role == "reader" else None
         self._peer_changes: list[PeerChanges] = []
         self._change_buf = torch.empty(0, dtype=torch.uint8)  # reader: a slot's used change area lands here
@@ -102,8 +100,8 @@ class NixlPullTransport(NixlBase):
             what=f"{self.who}'s NIXL version slots ({self.slots} x {device_port.gib(self._slot_bytes)})",
             fix="use fewer TransportOptions.slots, or nixl_mode='push' (which packs only what is not sent live)")
         if layout is not None:
-            self._book = ChangeWriter(self._index, anchor_every=self.ctx.options.delta_anchor_every)
-            self._book_views = layout.views(self._area)
+            self._published = SlotChanges(self._index, layout, self._area, slot_bytes=self._slot_bytes,
+                                          anchor_every=self.ctx.options.delta_anchor_every)
         self._ctl = torch.full((self.slots,), EMPTY, dtype=torch.int64)
         self._register([self._area], words=self._ctl)
         self._publish(epoch, slots=NixlSlots(self._area.data_ptr(), self.slots, self._slot_bytes, self._index.encode(),
@@ -115,40 +113,27 @@ class NixlPullTransport(NixlBase):
         check_phase(phase, self._phases, self.who)
         stats = TransferStats(version)
         slot = version % self.slots
-        book = self._book
+        changes = self._published
         if phase == 0:
             self._ctl[slot] = EMPTY  # a reader of the old version in this slot will notice
-            if book is not None and self._book_views is not None:
-                book.begin(version, self._book_views[0][slot], self._book_views[1][slot])
+            if changes is not None:
+                changes.begin(version)
         try:
             with PhaseTimer(stats)("pack"):
-                stats.nbytes = self._pack(slot * self._slot_bytes, phase,
-                                          then=None if book is None else self._change_of(version))
+                stats.nbytes = self._pack(slot * self._slot_bytes, phase, then=None if changes is None else (
+                    lambda key, op, at: changes.piece(version, key, op, at)))
         except BaseException:
-            if book is not None:
-                book.abandon()
+            if changes is not None:
+                changes.abandon()
             raise
         if phase == self._phases - 1:  # readers read every phase once the whole slot is packed
-            if book is not None:
-                book.end(version)
+            if changes is not None:
+                changes.end(version)
             area = self._area[slot * self._slot_bytes: (slot + 1) * self._slot_bytes]
             self.dev.signal(self._ctl, slot, version, covers=[area])
         stats.messages = len(self._copies[phase])
         stats.peak_extra_bytes = self._area.numel()
         return stats
-
-    def _change_of(self, version: int) -> Callable[[str, TransferOp, int], None]:
-        """What records a packed piece's change from ``version - 1`` (in the previous slot)."""
-        assert self._area is not None and self._book is not None and self._book_views is not None
-        area, book, (tables, areas) = self._area, self._book, self._book_views
-        slot, previous = version % self.slots, (version - 1) % self.slots
-
-        def change(key: str, op: TransferOp, at: int) -> None:
-            new = area[slot * self._slot_bytes + at: slot * self._slot_bytes + at + op.nbytes]
-            old = area[previous * self._slot_bytes + at: previous * self._slot_bytes + at + op.nbytes]
-            book.piece(key, op, new, old if book.base >= 0 else None, table=tables[slot], area=areas[slot],
-                       update_old=False)
-        return change
 
     # -- pull: reader -----------------------------------------------------------------------
     def _slots_of(self, peer: Peer) -> NixlSlots:
