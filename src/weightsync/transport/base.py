@@ -81,7 +81,7 @@ class TransportOptions:
             changed since the version it holds and can vouch for (two-sided transports:
             :mod:`weightsync.transport.delta`; one-sided: :mod:`weightsync.transport.delta_published`),
             with a full version at least every K versions (K=1: always full). The file
-            transport refuses it.
+            transport, NIXL push and NCCL refuse it.
     """
 
     max_bucket_bytes: int = 64 << 20

@@ -32,7 +32,9 @@ the rest. ``auto`` therefore picks push when there are at most as many readers a
 instead of twice, needs no version slots on the writer and leaves the reader's CPU idle)
 and pull when readers outnumber writers (fan-out: the writer's time stays one pack, the
 reads spread over the readers, and a reader may lag ``slots - 1`` versions without holding
-the writers up). Figures: docs/benchmarks.md, "NIXL".
+the writers up). With ``delta_anchor_every`` it picks pull, the mode that carries deltas
+(readers READ the changes writers publish: :mod:`weightsync.transport.nixl_pull`); push with
+deltas is refused at init. Figures: docs/benchmarks.md, "NIXL".
 
 Every wait has a deadline and keeps operating on the peers it waits for, so a dead peer
 is a :class:`TransportError` naming it, within the timeout.
