@@ -19,16 +19,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from weightsync.transport.base import NO_DELTA_WHY
+
 #: Transports that carry deltas: torch and routed run the delta exchange per pair
 #: (transport/delta.py), shm and NIXL pull writers publish each version's changes
 #: (transport/delta_published.py). On GPU memory (NCCL, CUDA IPC, NIXL VRAM) the transport
 #: refuses them when it is created.
 DELTA_TRANSPORTS = frozenset({"torch", "shm", "nixl", "routed"})
-#: Why a transport that does not carry deltas does not (the refusal says it).
-NO_DELTA_WHY = {
-    "file": "each version is written as whole files that any reader may read at any time; a change file next "
-            "to each version, as shm and NIXL pull publish changes in memory, is not written yet",
-}
 #: Transports that checksum every message with ``checksum=True``.
 CHECKSUM_TRANSPORTS = frozenset({"torch"})
 #: Transport options that only one kind of transport reads: (setting, its no-op value, the

@@ -23,9 +23,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from weightsync.combinations import NO_DELTA_WHY
 from weightsync.devices import torch_backend
 from weightsync.transport.base import (
+    NO_DELTA_WHY,
     TransferStats,
     Transport,
     TransportContext,
