@@ -385,3 +385,31 @@ def test_pull_deltas_move_exactly_the_published_changes(tmp_path, monkeypatch):
         step(5, change=3, receive=False)  # missed: version 6's base is 5, the reader holds 4
         assert step(6, change=3) == full
         assert step(7, change=3) == 24
+
+
+@needs_nixl
+def test_pull_delta_reader_refuses_a_writer_that_publishes_no_changes(tmp_path, monkeypatch):
+    import torch
+
+    from weightsync.configs import load_spec
+    from weightsync.job import JobChannel
+    from weightsync.layout import parse_layout
+    from weightsync.plan import build_plan
+    from weightsync.transport import TransportContext, TransportError, TransportOptions
+    from weightsync.transport.nixl_pull import NixlPullTransport
+
+    monkeypatch.setenv("NIXL_LOG_LEVEL", "WARN")
+    layouts = parse_layout("hf").all_rank_layouts(load_spec("tiny-qwen3"))
+    plan = build_plan(layouts, layouts)
+    meta = DirectoryMeta(tmp_path)
+
+    def ctx(role, anchor):
+        return TransportContext(channel=JobChannel(meta, role=role, rank=0), num_writers=1, num_readers=1,
+                                options=TransportOptions(nixl_mode="pull", delta_anchor_every=anchor))
+
+    tensors = {s.name: torch.zeros(s.numel) for s in layouts[0].shards}
+    with NixlPullTransport(ctx("writer", 0)) as w, NixlPullTransport(ctx("reader", 4)) as r:
+        w.prepare(plan, tensors, epoch=0, timeout=10)
+        with pytest.raises(TransportError, match=r"reader 0: writer 0 publishes no changes; set the same "
+                                                 r"TransportOptions\.delta_anchor_every on every rank"):
+            r.prepare(plan, {n: torch.zeros_like(t) for n, t in tensors.items()}, epoch=0, timeout=10)
