@@ -262,13 +262,18 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             engine = self._worker = _WorkerEngine(self._default_model, self.vllm_config, self.device, init_info.rank,
                                                   config.num_readers, in_place=not init_info.prefetch,
                                                   draft=self._drafter)
+            # Staging is allocated now, not at the first update: vLLM sized its KV cache when it
+            # started (before this call brings the job's phases), so what does not fit in what it
+            # left is refused here, with the figure, never inside a sync.
+            engine.lay_out(layer_phases=config.layer_phases,
+                           budget_bytes=config.transport_options.max_bucket_bytes)
         meta = (MetaClient(init_info.meta_address, job=config.job, token=init_info.meta_token)
                 if init_info.meta_address else MetaClient.from_env(job=config.job))
         self.reader = WeightReader(engine, rank=init_info.rank, config=config, meta=meta)
         self.prefetch = Prefetch(self.reader) if init_info.prefetch else None
         what = (f"LoRA adapter id {init_info.lora_id} (r={lora.r})" if lora is not None else
                 "phases of whole layers" if config.layer_phases else "the whole model at once")
-        logger.info("weightsync reader %d ready (%s%s); staging is laid out at the first update", init_info.rank,
+        logger.info("weightsync reader %d ready (%s%s); staging is laid out", init_info.rank,
                     what, ", prefetching" if init_info.prefetch else "")
 
     def start_weight_update(self) -> None:
