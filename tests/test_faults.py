@@ -354,6 +354,7 @@ DELTA_TRANSPORTS = [
     pytest.param({"transport": "shm"}, id="shm-snapshot"),
     pytest.param({"transport": "shm", "shared_source": True}, id="shm-zero-copy"),
     pytest.param({"transport": "routed", "hosts": {"writer": ["a", "a"], "reader": ["a", "b"]}}, id="routed"),
+    pytest.param({"transport": "nixl"}, id="nixl-pull"),  # nixl_mode 'auto' picks pull with deltas
 ]
 
 

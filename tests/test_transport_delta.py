@@ -20,12 +20,21 @@ HERE = os.path.dirname(__file__)
 pytestmark = pytest.mark.skipif(bool(unavailable_reason("torch")), reason=str(unavailable_reason("torch")))
 
 
-def run(tmp_path, *, readers: int, versions: int, anchor: int, timeout: float = 30.0, **extra):
+#: Transports (and their options) that carry deltas between these processes.
+CARRIERS = {"torch": ("torch", {}), "nixl-pull": ("nixl", {"nixl_mode": "pull"})}
+
+
+def run(tmp_path, *, readers: int, versions: int, anchor: int, timeout: float = 30.0, carrier: str = "torch",
+        **extra):
     target = "vllm:tp=1,replicas=2,dtype=bfloat16" if readers == 2 else "vllm:tp=1,dtype=bfloat16"
-    base = {"transport": "torch", "options": {"delta_anchor_every": anchor}, "config": "tiny-qwen3-moe",
-            "source": "megatron:tp=2,dtype=float32", "target": target, "source_dtype": "float32",
-            "target_dtype": "bfloat16", "versions": versions, "meta_dir": str(tmp_path / "meta"),
-            "timeout": timeout, "sparse_steps": True, "checksum": True, **extra}
+    transport, options = CARRIERS[carrier]
+    if unavailable_reason(transport):
+        pytest.skip(str(unavailable_reason(transport)))
+    base = {"transport": transport, "options": {"delta_anchor_every": anchor, **options},
+            "config": "tiny-qwen3-moe", "source": "megatron:tp=2,dtype=float32", "target": target,
+            "source_dtype": "float32", "target_dtype": "bfloat16", "versions": versions,
+            "meta_dir": str(tmp_path / "meta"), "timeout": timeout, "sparse_steps": True,
+            "checksum": transport == "torch", **extra}
     procs = []
     for role, count in (("writer", 2), ("reader", readers)):
         for rank in range(count):
@@ -56,9 +65,11 @@ def _full(results: list[dict]) -> list[bool]:
     return [r["bytes"] == r["needed"] for r in results]
 
 
-@pytest.mark.parametrize("readers", [1, 2])
-def test_deltas_arrive_bitwise_and_small_with_anchors(tmp_path, readers):
-    out = run(tmp_path, readers=readers, versions=5, anchor=3)
+@pytest.mark.parametrize(("carrier", "readers"), [pytest.param("torch", 1, id="torch-1"),
+                                                   pytest.param("torch", 2, id="torch-2"),
+                                                   pytest.param("nixl-pull", 2, id="nixl-pull")])
+def test_deltas_arrive_bitwise_and_small_with_anchors(tmp_path, carrier, readers):
+    out = run(tmp_path, readers=readers, versions=5, anchor=3, carrier=carrier)
     for rank in range(readers):
         results = out[("reader", rank)]
         # full at 0 and at the anchor 3; the deltas carry a fraction of the bytes
@@ -66,22 +77,23 @@ def test_deltas_arrive_bitwise_and_small_with_anchors(tmp_path, readers):
         assert all(r["bytes"] < r["needed"] // 4 for r in results if r["version"] in (1, 2, 4))
 
 
-def test_reader_with_new_memory_gets_full_versions(tmp_path):
+@pytest.mark.parametrize("carrier", list(CARRIERS))
+def test_reader_with_new_memory_gets_full_versions(tmp_path, carrier):
     """A reader whose destination no longer holds the last version (restart, staging) gets it in full."""
-    out = run(tmp_path, readers=2, versions=4, anchor=100, new_memory_at={"1": [2]})
+    out = run(tmp_path, readers=2, versions=4, anchor=100, new_memory_at={"1": [2]}, carrier=carrier)
     assert _full(out[("reader", 0)]) == [True, False, False, False]
     assert _full(out[("reader", 1)]) == [True, False, True, False]
 
 
 @pytest.mark.parametrize(("name", "device", "options", "words"), [
     ("file", "cpu", {}, "the file transport (FileTransport, on cpu)"),
-    ("nixl", "cpu", {"nixl_mode": "pull"}, "the nixl transport (NixlPullTransport, on cpu)"),
     ("nixl", "cpu", {"nixl_mode": "push"}, "the nixl transport (NixlPushTransport, on cpu)"),
     ("torch", "cuda:0", {}, "the torch transport (NcclTransport, on cuda:0)"),
     ("routed", "cuda:0", {}, "the routed transport's torch route (NcclTransport, on cuda:0)"),
 ])
 def test_delta_is_refused_where_it_would_be_ignored(name, device, options, words):
     """On 3ee4748 these transports took ``delta_anchor_every`` and sent every version in full."""
+    from weightsync.combinations import NO_DELTA_WHY
     from weightsync.job import JobChannel
     from weightsync.transport import TransportContext, TransportOptions, check_delta_carried
 
@@ -94,9 +106,10 @@ def test_delta_is_refused_where_it_would_be_ignored(name, device, options, words
             continue
         with pytest.raises(ValueError) as info:
             check_delta_carried(name, ctx)
+        why = f" ({NO_DELTA_WHY[name]})" if name in NO_DELTA_WHY else ""
         assert str(info.value) == (f"writer 1: delta_anchor_every=4 is not supported by {words}: it would send every "
-                                   "version in full. Deltas run over torch (gloo), shm and routed between CPU ranks; "
-                                   "use one of those, or delta_anchor_every=0")
+                                   f"version in full{why}. Deltas run over torch (gloo), shm, nixl (nixl_mode "
+                                   "'pull') and routed between CPU ranks; use one of those, or delta_anchor_every=0")
 
 
 def test_shm_delta_between_gpus_is_refused():
@@ -112,3 +125,16 @@ def test_shm_delta_between_gpus_is_refused():
     with pytest.raises(ValueError, match="needs slots >= 2"):
         check_delta("shm", TransportContext(channel=ctx.channel, num_writers=1, num_readers=1,
                                             options=TransportOptions(delta_anchor_every=4, slots=1)))
+
+
+def test_nixl_auto_mode_with_deltas_is_pull():
+    """``nixl_mode='auto'`` picks push for as many readers as writers, which carries no deltas:
+    with deltas it picks pull (the mode that does) instead of refusing."""
+    from weightsync.job import JobChannel
+    from weightsync.transport import TransportContext, TransportOptions, check_delta_carried, transport_class_path
+
+    for anchor, cls in ((0, "NixlPushTransport"), (4, "NixlPullTransport")):
+        ctx = TransportContext(channel=JobChannel(None, role="reader", rank=0), num_writers=2,  # type: ignore[arg-type]
+                               num_readers=2, options=TransportOptions(delta_anchor_every=anchor))
+        check_delta_carried("nixl", ctx)
+        assert transport_class_path("nixl", ctx).endswith(f":{cls}")

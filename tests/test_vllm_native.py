@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from _vllm_native import free_port, run_to_end
 from weightsync.tiny import tiny_config, write_checkpoint
 
 HERE = Path(__file__).resolve().parent
@@ -66,20 +67,11 @@ def test_vllm_serve_is_updated_by_two_fsdp2_trainers_over_http(tmp_path):
 def _trainers(cmd: list[str], *, world: int) -> list[str]:
     """Run trainer ranks ``0..world-1`` of ``cmd`` (one process each, ``--rank R`` appended) to
     the end; their stdouts."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1"}
     procs = [subprocess.Popen([*cmd, "--rank", str(r)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for r in range(world)]
-    try:
-        outputs = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    for p, (_, err) in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, err[-4000:]
-    return [out for out, _ in outputs]
+    return run_to_end(procs, timeout=300)
 
 
 def test_vllm_serve_takes_lora_adapter_versions_from_two_tp_trainers_over_http(tmp_path):
@@ -149,14 +141,6 @@ def test_deltas_through_the_weightsync_backend_restore_the_engine_exactly(tmp_pa
     assert restored["tokens"] == start["tokens"]  # the delta put exactly those elements back
     assert restored["nbytes"] < 0.1 * moved["nbytes"]  # and only they crossed the wire
     assert (moved["weight_version"], restored["weight_version"]) == ("1", "2")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_the_prefix_cache_reset_is_decided_at_init_and_a_client_without_one_is_refused():

@@ -25,6 +25,7 @@ from typing import Any
 
 from weightsync.devices import torch_backend
 from weightsync.transport.base import (
+    NO_DELTA_WHY,
     TransferStats,
     Transport,
     TransportContext,
@@ -56,7 +57,8 @@ def transport_class_path(name: str, ctx: TransportContext) -> str:
     else:
         from weightsync.transport.nixl_common import resolve_mode
 
-        mode = resolve_mode(ctx.options.nixl_mode, num_writers=ctx.num_writers, num_readers=ctx.num_readers)
+        mode = resolve_mode(ctx.options.nixl_mode, num_writers=ctx.num_writers, num_readers=ctx.num_readers,
+                            delta=bool(ctx.options.delta_anchor_every))
     logger.debug("transport %s -> mode %s", name, mode)
     return entry[mode]
 
@@ -106,10 +108,11 @@ def check_delta_carried(name: str, ctx: TransportContext) -> None:
         cls = _class_of(route, ctx)
         if not getattr(cls, "carries_deltas", False):
             where = f"the {name} transport" if route == name else f"the {name} transport's {route} route"
+            why = f" ({NO_DELTA_WHY[name]})" if name in NO_DELTA_WHY else ""
             raise ValueError(f"{ctx.who}: delta_anchor_every={anchor} is not supported by {where} "
-                             f"({cls.__name__}, on {ctx.device}): it would send every version in full. Deltas "
-                             "run over torch (gloo), shm and routed between CPU ranks; use one of those, or "
-                             "delta_anchor_every=0")
+                             f"({cls.__name__}, on {ctx.device}): it would send every version in full{why}. Deltas "
+                             "run over torch (gloo), shm, nixl (nixl_mode 'pull') and routed between CPU ranks; use "
+                             "one of those, or delta_anchor_every=0")
 
 
 def _class_of(name: str, ctx: TransportContext) -> Any:
