@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 
 from weightsync.meta.leases import Leases
@@ -61,3 +62,24 @@ def test_a_rank_leaves_in_under_two_seconds_after_its_meta_server_stopped():
     finally:
         meta.close()
         server.stop()
+
+
+def test_a_peer_whose_lease_a_restarted_process_took_over_is_dead_to_those_that_knew_the_old_one():
+    """A restart takes the lease over the moment the dead process's expires, often before any
+    peer looked: the torch transport's errors then named no one (the reader-kill fault test
+    checked torch for timing only). A peer compared with who held the lease when its group
+    formed is dead once another process holds it."""
+    from weightsync.job import JobChannel
+    from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+
+    with EmbeddedMetaServer() as server, MetaClient(server.address, token=server.token) as meta:
+        first, watcher = JobChannel(meta, role="reader", rank=1), JobChannel(meta, role="writer", rank=0)
+        first.register(host="h", group="default", layout=b"layout", lease=3.0)
+        first.renew_lease()
+        known = watcher.lease_holders()
+        first.renew_lease(release=True)  # as if it died and its lease expired
+        second = JobChannel(meta, role="reader", rank=1)
+        second.register(host="h", group="default", layout=b"layout", lease=3.0)
+        assert watcher.dead_peers("reader", [1], max_age=0.0) == {}  # alive, to whoever did not know the old one
+        dead = watcher.dead_peers("reader", [1], max_age=0.0, known=known)
+        assert list(dead) == [1] and f"pid {os.getpid()} on h) is gone: a restarted one holds the rank now" in dead[1]
