@@ -413,12 +413,15 @@ class JobChannel:
         """Until every writer published ``version`` in ``epoch`` (or later), in slices of a lease
         so that a writer that died is named within seconds instead of waited for."""
         others = [w for w in range(writers) if not (self.role == "writer" and w == self.rank)]
+        # the writers of this try: one that restarts meanwhile takes its lease over the moment it
+        # expires, and is seen dead only by comparison (it never publishes in this epoch)
+        known = self.lease_holders(max_age=0.0) if self.lease_seconds > 0 else None
         while True:
             step = deadline.remaining(0.0) if self.lease_seconds <= 0 else min(deadline.remaining(0.0),
                                                                                 self.lease_seconds / 2)
             if self.meta.wait_version(after=version, timeout=step, after_epoch=epoch - 1) is not None:
                 return
-            dead = self.dead_peers("writer", others, max_age=0.0)
+            dead = self.dead_peers("writer", others, max_age=0.0, known=known)
             if dead:
                 rank, why = min(dead.items())
                 raise PeerDiedError(f"{self.who}: writer {rank} died before it published its part of version "
@@ -484,10 +487,15 @@ class JobChannel:
                            f"holds the rank now ({row.detail})")
         return dead
 
-    def lease_holders(self) -> dict[tuple[str, int], Holder]:
-        """Who holds each live lease now (to tell, later, a peer that restarted: :meth:`dead_peers`)."""
-        return {(row.role, row.rank): Holder(row.incarnation, row.pid, row.host) for row in self.meta.leases()
-                if row.alive}
+    def lease_holders(self, *, max_age: float = 0.25) -> dict[tuple[str, int], Holder]:
+        """Who holds each live lease now (to tell, later, a peer that restarted: :meth:`dead_peers`),
+        cached as :meth:`dead_peers` is."""
+        at, rows = self._lease_cache
+        now = time.monotonic()
+        if now - at > max_age:
+            rows = {(row.role, row.rank): row for row in self.meta.leases()}
+            self._lease_cache = (now, rows)
+        return {key: Holder(row.incarnation, row.pid, row.host) for key, row in rows.items() if row.alive}
 
     # -- transport endpoints ------------------------------------------------------------------
     def publish_endpoint(self, epoch: int, endpoint: EndpointRecord) -> None:

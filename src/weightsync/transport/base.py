@@ -287,16 +287,21 @@ class PeerWatch:
     def __init__(self, ctx: TransportContext, role: Role, ranks: Sequence[int], *, every: float = 0.5,
                  known: Mapping[tuple[str, int], Holder] | None = None) -> None:
         self.ctx, self.role, self.ranks, self.every = ctx, role, list(ranks), every
-        #: the processes this rank is connected to (a peer that restarted since is dead to it)
+        #: the processes this rank waits on (a peer that restarted since is dead to it): those
+        #: connected to (``known``), else those holding the leases when the watch first looked
         self.known = known
         self._next = time.monotonic() + every
 
     def dead(self) -> dict[int, str]:
         if not self.ranks:
             return {}
+        channel = self.ctx.channel
         if self.known is None:
-            return self.ctx.channel.dead_peers(self.role, self.ranks)
-        return self.ctx.channel.dead_peers(self.role, self.ranks, known=self.known)
+            holders = getattr(channel, "lease_holders", None)  # a transport-only channel may have none
+            self.known = holders() if holders is not None else {}
+        if not self.known:
+            return channel.dead_peers(self.role, self.ranks)
+        return channel.dead_peers(self.role, self.ranks, known=self.known)
 
     def describe(self) -> str:
         """`` (writer 1 is dead: ...)`` for error messages, or empty."""

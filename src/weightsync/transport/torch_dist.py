@@ -151,7 +151,7 @@ class TorchDistBase:
         """The processes holding the group's leases as it forms: a peer that restarts later is
         one this group is no longer connected to, dead to it even once its lease is renewed."""
         try:
-            return self.ctx.channel.lease_holders()
+            return self.ctx.channel.lease_holders(max_age=0.0)
         except Exception as exc:  # the meta server is away: only expired leases will tell
             logger.debug("%s: cannot read leases: %s", self.ctx.who, exc)
             return None
