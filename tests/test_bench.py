@@ -213,3 +213,39 @@ def test_link_rates_are_parsed_or_refused_by_name():
         _link_rates("lo,ten")
     with pytest.raises(argparse.ArgumentTypeError, match="positive, got 0"):
         _link_rates("0")
+
+
+def test_delta_bench_runs_the_transports_that_carry_deltas_and_says_why_not_the_others(monkeypatch):
+    """The bench's transports come from the refusals' own rules: a transport appears the day
+    combinations.py and its class both let deltas through, and is left out with their message
+    until then."""
+    from weightsync import combinations
+    from weightsync.bench.delta_sync import VARIANTS, delta_variants
+    from weightsync.transport import unavailable_reason
+
+    carried, left_out = delta_variants()
+    runs_here = {t for t in combinations.DELTA_TRANSPORTS if unavailable_reason(t) is None}
+    assert {v.transport for v in carried} == runs_here
+    assert {"torch", "shm", "shm-zero-copy", "routed"} <= {v.name for v in carried}
+    assert "deltas run on the" in left_out["file"]
+    assert set(left_out) | {v.name for v in carried} == {v.name for vs in VARIANTS.values() for v in vs}
+    # combinations.py letting 'file' through is not enough: its transport class still refuses
+    monkeypatch.setattr(combinations, "DELTA_TRANSPORTS", combinations.DELTA_TRANSPORTS | {"file"})
+    carried, left_out = delta_variants()
+    assert "file" not in {v.name for v in carried}
+    assert "is not supported by the file transport" in left_out["file"]
+
+
+@pytest.mark.xdist_group("bench")
+def test_delta_bench_routed_row_sends_fewer_bytes_bitwise():
+    """routed splits the two writers between its shm and gloo routes; every version lands bitwise
+    in both modes and the delta moves fewer bytes than the full sync."""
+    from weightsync.bench.delta_sync import TEST_MODEL, run_delta
+
+    rows, changed = run_delta(models=[TEST_MODEL], steps=3, timeout=120, transports=["routed"])
+    assert [(r["transport"], r["mode"]) for r in rows] == [("routed", "full"), ("routed", "delta")], rows
+    assert all(r.get("verified") for r in rows), rows
+    full, delta = rows
+    assert full["nbytes_per_version"][0] == delta["nbytes_per_version"][0] == full["nbytes"]  # version 1 is full
+    assert delta["nbytes"] < full["nbytes"] and delta["bytes_vs_full"] < 1.0
+    assert len(changed[TEST_MODEL]) == 2

@@ -50,8 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default qwen3-30m,qwen3-0.2b)")
     p.add_argument("--delta-steps", type=int, default=8, help="training steps (one sync each) of --delta")
     p.add_argument("--delta-lr", type=float, default=1e-6, help="AdamW lr of --delta (fp32 master weights)")
-    p.add_argument("--delta-transports", type=_csv, default=["torch", "shm", "shm-zero-copy"],
-                   help="transports of --delta, full and delta side by side on each (torch, shm, shm-zero-copy)")
+    p.add_argument("--delta-transports", type=_csv, default=None,
+                   help="transports of --delta, full and delta side by side on each (default: every transport "
+                        "that carries deltas here: torch, shm, shm-zero-copy, routed, and nixl-pull, nixl-push "
+                        "where NIXL does)")
     p.add_argument("--link-gbit", type=_link_rates, default=[None],
                    help="--delta also over loopback shaped to these rates (Gbit/s, e.g. 10,25; needs root and "
                         "tc; 'lo' = plain loopback), full and delta side by side on each")
@@ -237,12 +239,21 @@ def _delta(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from weightsync.bench import machine
-    from weightsync.bench.delta_sync import run_delta
+    from weightsync.bench.delta_sync import delta_variants, run_delta
 
     models = args.models or ["qwen3-30m", "qwen3-0.2b"]
-    rows, changed = run_delta(models=models, steps=max(3, args.delta_steps), lr=args.delta_lr, timeout=args.timeout,
-                              links=args.link_gbit, transports=args.delta_transports)
+    carried, left_out = delta_variants()
+    transports = args.delta_transports or [v.name for v in carried]
     console = Console(stderr=args.json, width=200)
+    refused = [t for t in transports if t not in {v.name for v in carried}]
+    if refused:
+        console.print(f"[red]--delta-transports {', '.join(refused)}: "
+                      f"{'; '.join(left_out.get(t, 'unknown transport') for t in refused)}[/red]")
+        return 2
+    for name, reason in left_out.items():
+        console.print(f"left out: {name}: {reason}")
+    rows, changed = run_delta(models=models, steps=max(3, args.delta_steps), lr=args.delta_lr, timeout=args.timeout,
+                              links=args.link_gbit, transports=transports)
     for model, fractions in changed.items():
         listed = ", ".join(f"{c:.2%}" for c in fractions)
         console.print(f"{model}: bf16 elements changed per step (steps 2..): {listed}")
@@ -265,7 +276,7 @@ def _delta(args: argparse.Namespace) -> int:
     console.print(table)
     if args.json:
         sys.stdout.flush()
-        print(json.dumps({"rows": rows, "changed": changed, "machine": machine()}), flush=True)
+        print(json.dumps({"rows": rows, "changed": changed, "left_out": left_out, "machine": machine()}), flush=True)
     return 0 if all(r.get("verified") for r in rows) else 1
 
 
