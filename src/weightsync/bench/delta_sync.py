@@ -41,7 +41,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 
@@ -69,7 +69,7 @@ class Variant:
     transport: str
     #: the writers' parameters live in /dev/shm, so shm goes zero-copy
     zero_copy: bool = False
-    nixl_mode: str = "auto"
+    nixl_mode: Literal["auto", "pull", "push"] = "auto"
     #: ``SyncConfig.host`` of writers 0 and 1 and of the reader ("": the host name)
     writer_hosts: tuple[str, str] = ("", "")
     reader_host: str = ""
