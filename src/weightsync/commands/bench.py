@@ -56,7 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "where NIXL does)")
     p.add_argument("--link-gbit", type=_link_rates, default=[None],
                    help="--delta also over loopback shaped to these rates (Gbit/s, e.g. 10,25; needs root and "
-                        "tc; 'lo' = plain loopback), full and delta side by side on each")
+                        "tc; 'lo' = plain loopback), full and delta side by side on each; on a shared machine "
+                        "run it in its own network namespace: unshare -n sh -c 'ip link set lo up && weightsync "
+                        "bench --delta --link-gbit lo,10'")
     p.add_argument("--load-readers", type=int, default=16, help="readers of the load suite")
     p.add_argument("--load-versions", type=int, default=200, help="versions of the load suite")
     p.add_argument("--models", type=_csv, default=[], help="comma-separated model names (see bench.cases.MODELS)")
