@@ -170,7 +170,7 @@ def test_a_prefix_cache_reset_that_vllm_answers_success_false_fails_naming_the_r
     paths = []
 
     class Route(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 (http.server's name)
+        def do_POST(self):
             paths.append(self.path)
             body = answers.pop(0)
             self.send_response(200)

@@ -58,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-paths", type=_csv, default=["engine", "backend", "serve"],
                    help="paths of --suite vllm-prefetch: engine (in-process VLLMEngine), backend (the worker "
                         "backend of an in-process LLM), serve (a vllm serve process, HTTP clients)")
+    p.add_argument("--serve-pause-modes", type=_csv, default=["abort"],
+                   help="how --vllm-paths serve's driver pauses a prefetched update, each mode in turn in one "
+                        "run: abort (vLLM's default), keep (frozen requests, recomputed on the new weights), "
+                        "keep-stale (frozen requests go on with KV of the old weights, no prefix-cache reset)")
     p.add_argument("--load-readers", type=int, default=16, help="readers of the load suite")
     p.add_argument("--load-versions", type=int, default=200, help="versions of the load suite")
     p.add_argument("--models", type=_csv, default=[], help="comma-separated model names (see bench.cases.MODELS)")
@@ -183,7 +187,8 @@ def _vllm_prefetch(args: argparse.Namespace) -> int:
 
     transport = args.transports[0] if args.transports else "auto"
     rows = run_vllm_prefetch(model=args.models[0] if args.models else "qwen3-30m", updates=args.reps or 3,
-                             transport=transport, paths=tuple(args.vllm_paths), timeout=args.timeout)
+                             transport=transport, paths=tuple(args.vllm_paths), timeout=args.timeout,
+                             pause_modes=tuple(args.serve_pause_modes))
     console = Console(stderr=args.json, width=200)
     table = Table(title="vLLM: the engine's pause per update (medians), and tokens/s during a sync")
     for col in ("path", "model", "no prefetch: pause = sync s", "prefetch: sync s", "pause s",
@@ -192,6 +197,11 @@ def _vllm_prefetch(args: argparse.Namespace) -> int:
     for r in rows:
         table.add_row(r["path"], r["model"], *_prefetch_cells(r))
     console.print(table)
+    for r in rows:  # serve, each pause mode of the driver (--serve-pause-modes), side by side
+        for mode, m in r.get("pause_modes", {}).items():
+            console.print(f"serve, /pause?mode={mode}: clients' pause {m['pause_s']:.3f} s, /update_weights "
+                          f"{m['update_s']:.3f} s (pause / it {m['pause_over_update']:.2f}), driver's pause "
+                          f"{m['driver_pause_s']:.3f} s, {m['updates']} updates")
     if args.json:
         sys.stdout.flush()
         print(json.dumps({"rows": rows, "machine": machine()}), flush=True)
