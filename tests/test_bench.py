@@ -203,7 +203,8 @@ def test_vllm_serve_prefetch_rows_from_token_arrivals_and_the_trainer_trace():
     cells = _prefetch_cells({"path": "serve", **row})
     assert cells[2:5] == ["1.000", "0.250", "4.00"]  # pause, /update_weights, pause over it
     assert row["pause_modes"] == {"abort": {"updates": 1, "pause_s": 1.0, "update_s": 0.25,
-                                            "driver_pause_s": pytest.approx(0.6), "pause_over_update": 4.0}}
+                                            "driver_pause_s": pytest.approx(0.6), "pause_over_update": 4.0,
+                                            "pauses_s": [1.0]}}
     # the driver's pause modes take turns; the row's own prefetch figures are the first mode's
     keep = {"start": 28.0, "received": 30.0, "paused": 30.1, "update": 30.1, "updated": 30.3, "end": 30.4,
             "mode": "keep"}
@@ -211,7 +212,8 @@ def test_vllm_serve_prefetch_rows_from_token_arrivals_and_the_trainer_trace():
     row = summarize(arrivals, {**trace, "prefetch": [*trace["prefetch"], keep], "pause_modes": ["abort", "keep"]})
     assert row["prefetch_pause_s"] == 1.0 and row["updates"] == 1
     assert row["pause_modes"]["keep"] == {"updates": 1, "pause_s": 0.5, "update_s": pytest.approx(0.2),
-                                          "driver_pause_s": pytest.approx(0.4), "pause_over_update": pytest.approx(2.5)}
+                                          "driver_pause_s": pytest.approx(0.4), "pause_over_update": pytest.approx(2.5),
+                                          "pauses_s": [0.5]}
     with pytest.raises(ValueError, match=r"serve pause mode\(s\) \['wait'\] are unknown; choose from abort, keep, "
                                          "keep-stale"):
         run_vllm_prefetch(paths=("serve",), pause_modes=("abort", "wait"))

@@ -120,10 +120,11 @@ def summarize(arrivals: Sequence[tuple[float, int]], trace: dict[str, Any]) -> d
 
 def _mode_figures(times: Sequence[float], updates: list[dict[str, float]], median: Any) -> dict[str, float]:
     """One pause mode's prefetched updates: the clients' pause, ``/update_weights``, the driver's pause."""
-    pause = median([client_pause(times, u["received"], u["end"]) for u in updates])
-    update = median([u["updated"] - u["update"] for u in updates])
+    pauses = [client_pause(times, u["received"], u["end"]) for u in updates]
+    pause, update = median(pauses), median([u["updated"] - u["update"] for u in updates])
     return {"updates": len(updates), "pause_s": pause, "update_s": update,
-            "driver_pause_s": median([u["end"] - u["received"] for u in updates]), "pause_over_update": pause / update}
+            "driver_pause_s": median([u["end"] - u["received"] for u in updates]), "pause_over_update": pause / update,
+            "pauses_s": [round(p, 3) for p in pauses]}
 
 
 # -- the trainer process ------------------------------------------------------------------------
