@@ -13,7 +13,9 @@ chunk they receive. Side by side in one run:
 * with prefetch (``updates`` versions): ``/start_weight_update`` (the worker starts receiving),
   the trainer writes while the clients generate, then ``/pause``, ``/update_weights`` (only the
   apply, and whatever of the receive had not ended), finish, reset, ``/resume``; then as long a
-  window of generation with no sync (idle, after :data:`SETTLE_S`).
+  window of generation with no sync (idle, after :data:`SETTLE_S`). ``pause_modes``
+  (:data:`PAUSE_MODES`) says how ``/pause`` treats running requests; several take turns, update
+  by update, and the row reports each apart (``pause_modes``), its first as the row's own.
 
 The pause as a client sees it is the gap between the last token before the engine paused and
 the first after it resumed (:func:`client_pause`; it adds to the driver's pause the step under
