@@ -1,4 +1,4 @@
-"""Delta sync on the torch (gloo) transport: bitwise versions, full on a new base, anchors; and
+"""Delta sync on the torch (gloo), NIXL pull and file transports: bitwise versions, full on a new base, anchors; and
 ``delta_anchor_every`` refused, naming the transport, where it would be ignored (issue 23, defect 9).
 
 Each scenario runs 2 writers (megatron tp=2, fp32) and 1 or 2 readers (vLLM tp=1, bf16) as
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(bool(unavailable_reason("torch")), reason=str(un
 
 
 #: Transports (and their options) that carry deltas between these processes.
-CARRIERS = {"torch": ("torch", {}), "nixl-pull": ("nixl", {"nixl_mode": "pull"})}
+CARRIERS = {"torch": ("torch", {}), "nixl-pull": ("nixl", {"nixl_mode": "pull"}), "file": ("file", {})}
 
 
 def run(tmp_path, *, readers: int, versions: int, anchor: int, timeout: float = 30.0, carrier: str = "torch",
@@ -67,7 +67,8 @@ def _full(results: list[dict]) -> list[bool]:
 
 @pytest.mark.parametrize(("carrier", "readers"), [pytest.param("torch", 1, id="torch-1"),
                                                    pytest.param("torch", 2, id="torch-2"),
-                                                   pytest.param("nixl-pull", 2, id="nixl-pull")])
+                                                   pytest.param("nixl-pull", 2, id="nixl-pull"),
+                                                   pytest.param("file", 2, id="file")])
 def test_deltas_arrive_bitwise_and_small_with_anchors(tmp_path, carrier, readers):
     out = run(tmp_path, readers=readers, versions=5, anchor=3, carrier=carrier)
     for rank in range(readers):
@@ -86,14 +87,12 @@ def test_reader_with_new_memory_gets_full_versions(tmp_path, carrier):
 
 
 @pytest.mark.parametrize(("name", "device", "options", "words"), [
-    ("file", "cpu", {}, "the file transport (FileTransport, on cpu)"),
     ("nixl", "cpu", {"nixl_mode": "push"}, "the nixl transport (NixlPushTransport, on cpu)"),
     ("torch", "cuda:0", {}, "the torch transport (NcclTransport, on cuda:0)"),
     ("routed", "cuda:0", {}, "the routed transport's torch route (NcclTransport, on cuda:0)"),
 ])
 def test_delta_is_refused_where_it_would_be_ignored(name, device, options, words):
     """On 3ee4748 these transports took ``delta_anchor_every`` and sent every version in full."""
-    from weightsync.combinations import NO_DELTA_WHY
     from weightsync.job import JobChannel
     from weightsync.transport import TransportContext, TransportOptions, check_delta_carried
 
@@ -106,10 +105,9 @@ def test_delta_is_refused_where_it_would_be_ignored(name, device, options, words
             continue
         with pytest.raises(ValueError) as info:
             check_delta_carried(name, ctx)
-        why = f" ({NO_DELTA_WHY[name]})" if name in NO_DELTA_WHY else ""
         assert str(info.value) == (f"writer 1: delta_anchor_every=4 is not supported by {words}: it would send every "
-                                   f"version in full{why}. Deltas run over torch (gloo), shm, nixl (nixl_mode "
-                                   "'pull') and routed between CPU ranks; use one of those, or delta_anchor_every=0")
+                                   "version in full. Deltas run over torch (gloo), shm, nixl (nixl_mode 'pull'), file "
+                                   "and routed between CPU ranks; use one of those, or delta_anchor_every=0")
 
 
 def test_shm_delta_between_gpus_is_refused():

@@ -57,13 +57,6 @@ class TransportError(RuntimeError):
     """A transfer failed: a peer died, a timeout expired, or a checksum did not match."""
 
 
-#: Why a transport that does not carry deltas does not (the refusal says it).
-NO_DELTA_WHY = {
-    "file": "each version is written as whole files that any reader may read at any time; a change file next "
-            "to each version, as shm and NIXL pull publish changes in memory, is not written yet",
-}
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TransportOptions:
     """Knobs shared by every transport; all ranks of a job must use the same values.
