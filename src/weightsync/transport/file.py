@@ -12,6 +12,15 @@ destination views; into GPU tensors, it reads each slice slab by slab into one b
 page-locked host buffer and copies from there (as the writer packs through one). Writers keep
 the last ``slots`` versions and delete older ones.
 
+**Deltas** (``TransportOptions(delta_anchor_every=K)``, host memory): next to each full
+version file the writer writes a change file, the changes of that version from the previous
+one (compared with its own previous file; :mod:`weightsync.transport.file_changes`). Never a
+chain: a reader that holds the previous version, and vouches for it, reads the change file's
+table and only its own pieces' encodings; any other reader (the first version, an anchor, a
+reader that missed a version, restarted or whose memory changed) reads the full file.
+Change files are written before their full file appears and deleted with it.
+``TransferStats.nbytes`` counts the encodings and whole pieces a reader read (tables aside).
+
 The directory is ``TransportOptions.file_dir`` (a shared filesystem for multi-node jobs);
 when unset, writer 0 creates a temporary directory and publishes it as its endpoint of the
 epoch (``{"directory": path}``) through the job channel.
