@@ -170,6 +170,42 @@ def test_suites_and_bad_input():
     assert main(["bench", "--suite", "test", "--transports", "warp-drive"]) == 2
 
 
+def test_vllm_serve_prefetch_rows_from_token_arrivals_and_the_trainer_trace():
+    """The serve row's figures from token arrivals and the trainer's trace (no server needed):
+    the pause is the clients' gap around the moment the engine was paused, tokens/s count
+    the tokens inside each window."""
+    from weightsync.bench.vllm_prefetch import run_vllm_prefetch
+    from weightsync.bench.vllm_prefetch_serve import client_pause, summarize, window_rate
+    from weightsync.commands.bench import _prefetch_cells
+
+    # one chunk of 4 tokens every 0.25 s, but none in (10, 13) (a blocking sync from 10.2 to 12.8)
+    # and none in (20, 21) (a prefetched update paused from 20.2 to 20.8)
+    arrivals = [(t / 4, 4) for t in range(160) if not (40 < t < 52 or 80 < t < 84)]
+    times = [t for t, _ in arrivals]
+    assert client_pause(times, 10.2, 12.8) == 3.0
+    assert client_pause(times, 20.2, 20.8) == 1.0
+    # a token generated before the pause that reached its client after /pause returned
+    assert client_pause(sorted([*times, 10.3]), 10.2, 12.8) == pytest.approx(2.7)
+    assert window_rate(times, [n for _, n in arrivals], [(14.0, 15.0), (30.0, 31.0)]) == 20.0  # 5 chunks a second
+    with pytest.raises(ValueError, match="no token arrived on both sides"):
+        client_pause(times, 100.0, 101.0)
+    trace = {"blocking": [{"start": 10.2, "paused": 10.5, "updated": 12.5, "end": 12.8}],
+             "prefetch": [{"start": 16.0, "received": 20.2, "paused": 20.5, "update": 20.5, "updated": 20.75,
+                           "end": 20.8}],
+             "idle": [[23.0, 27.2]]}
+    row = summarize(arrivals, trace)
+    assert row["blocking_pause_s"] == 3.0 and row["prefetch_pause_s"] == 1.0
+    assert row["prefetch_update_s"] == 0.25 and row["pause_over_update"] == 4.0
+    assert row["blocking_sync_s"] == pytest.approx(2.6) and row["prefetch_sync_s"] == pytest.approx(4.8)
+    assert row["prefetch_driver_pause_s"] == pytest.approx(0.6)
+    # 17 chunks in [16, 20.2] and 17 in [23, 27.2]: 68 tokens over 4.2 s each
+    assert row["during_tokens_per_s"] == pytest.approx(68 / 4.2) and row["during_over_idle"] == pytest.approx(1.0)
+    cells = _prefetch_cells({"path": "serve", **row})
+    assert cells[2:5] == ["1.000", "0.250", "4.00"]  # pause, /update_weights, pause over it
+    with pytest.raises(ValueError, match=r"vLLM path\(s\) \['gpu'\] are unknown; choose from engine, backend, serve"):
+        run_vllm_prefetch(paths=("serve", "gpu"))
+
+
 def test_gpu_script_fails_clearly_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
