@@ -197,3 +197,34 @@ def test_file_deltas_read_exactly_the_changes_and_old_change_files_go(tmp_path):
         w.close()
         r.close()
     assert not list(files.rglob("*.safetensors"))
+
+
+def test_file_delta_reader_refuses_a_writer_that_writes_no_change_files(tmp_path):
+    import torch
+
+    from fake_meta import DirectoryMeta
+    from weightsync.configs import load_spec
+    from weightsync.job import JobChannel
+    from weightsync.layout import parse_layout
+    from weightsync.plan import build_plan
+    from weightsync.transport import TransportContext, TransportError, TransportOptions
+    from weightsync.transport.file import FileTransport
+
+    layouts = parse_layout("hf").all_rank_layouts(load_spec("tiny-qwen3"))
+    plan = build_plan(layouts, layouts)
+    meta, files = DirectoryMeta(tmp_path / "meta"), str(tmp_path / "files")
+    w = FileTransport(TransportContext(channel=JobChannel(meta, role="writer", rank=0), num_writers=1, num_readers=1,
+                                       options=TransportOptions(file_dir=files)))
+    r = FileTransport(TransportContext(channel=JobChannel(meta, role="reader", rank=0), num_writers=1, num_readers=1,
+                                       options=TransportOptions(file_dir=files, delta_anchor_every=4)))
+    try:
+        w.prepare(plan, {s.name: torch.ones(s.numel) for s in layouts[0].shards}, epoch=0, timeout=10)
+        r.prepare(plan, {s.name: torch.zeros(s.numel) for s in layouts[0].shards}, epoch=0, timeout=10)
+        w.send(1, timeout=5)
+        with pytest.raises(TransportError, match=r"^reader 0: writer 0 publishes no changes next to .*v1/writer-0\.p0"
+                                                 r"\.safetensors; set the same TransportOptions\.delta_anchor_every "
+                                                 "on every rank"):
+            r.receive(1, timeout=5)
+    finally:
+        w.close()
+        r.close()

@@ -268,6 +268,8 @@ class FileTransport:
                         self._read_whole(path, ops)
                         stats.nbytes += sum(op.nbytes for op in ops)
                 stats.messages += len(ops)
+            except TransportError:
+                raise
             except (OSError, KeyError, RuntimeError, ValueError) as exc:
                 raise TransportError(f"reader {self.ctx.rank}: reading version {version} from writer {writer} "
                                      f"({path}) failed: {exc}") from exc
