@@ -40,6 +40,7 @@ from weightsync.transport.delta_published import (
     KIND,
     NBYTES,
     OFFSET,
+    USED,
     VERSION,
     ChangeReader,
     ChangeWriter,
@@ -139,7 +140,7 @@ class FileChangeWriter:
 
     def write(self, path: str, version: int) -> None:
         """Write this version's change file at ``path`` (atomically: a temporary, then a rename)."""
-        used = int(self.table[0, 2])
+        used = int(self.table[0, USED])
         tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "wb") as f:
             write_header(f, {"table": ("I64", list(self.table.shape), int(self.table.numel()) * 8),
