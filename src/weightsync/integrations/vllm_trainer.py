@@ -81,7 +81,7 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
             whole model.
         delta_anchor_every: 0 sends every version in full; K >= 1 sends each worker only what
             changed since the version it holds, with a full version at least every K
-            (``TransportOptions.delta_anchor_every``: torch (gloo), shm, NIXL pull and routed between CPU ranks,
+            (``TransportOptions.delta_anchor_every``: torch (gloo), shm, NIXL pull, file and routed between CPU ranks,
             refused elsewhere; with ``layer_phases`` a worker keeps a host copy of its share).
     """
 
