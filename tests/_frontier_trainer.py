@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,47 +38,65 @@ def add_mtp_layers(model: torch.nn.Module, config: dict[str, Any]) -> None:
         layers.append(layer)
 
 
-def main() -> int:
+def run_rank(build: Callable[[dict[str, Any], argparse.Namespace], tuple[Any, Callable[[int], None]]],
+             *extra: str, close: Callable[[], None] | None = None) -> int:
+    """What every trainer rank of these tests does around its model: parse the common arguments
+    (and ``extra`` ones, as JSON), join the ranks' gloo group, and write one version per seed.
+
+    ``build(config, args)`` makes the rank's model and returns its training source and its
+    "training step": ``step(seed)`` puts ``canonical_weights(config, seed)`` into the model.
+    ``close()`` runs before the group is destroyed.
+    """
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from weightsync.session import SyncConfig
-    from weightsync.sources import DTensorSource
-    from weightsync.tiny import canonical_weights
-    from weightsync.torch_layout import fill_from_canonical
     from weightsync.writer import WeightWriter
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True)
+    for name in ("config", *extra):
+        parser.add_argument(f"--{name}", required=True, type=json.loads)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--seeds", required=True)
     parser.add_argument("--job", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    config = json.loads(args.config)
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
     try:
-        hf = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
-        model = AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
-        add_mtp_layers(model, config)
-        mesh = init_device_mesh("cpu", (args.world,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        source = DTensorSource(model, config, rank=args.rank)
+        source, step = build(args.config, args)
         sync = SyncConfig(num_writers=args.world, num_readers=1, job=args.job, timeout=240.0)
         with WeightWriter(source, rank=args.rank, config=sync) as writer:
             for version, seed in enumerate((int(s) for s in args.seeds.split(",")), start=1):
-                with torch.no_grad():  # a "training step": the next checkpoint's values, in the local shards
-                    fill_from_canonical(source.layout(), source.tensors(), canonical_weights(config, seed))
+                with torch.no_grad():
+                    step(seed)
                 writer.write(version)
     finally:
+        if close is not None:
+            close()
         dist.destroy_process_group()
     return 0
 
 
+def fsdp2_rank(config: dict[str, Any], args: argparse.Namespace) -> tuple[Any, Callable[[int], None]]:
+    """The transformers model of ``config``, MTP layers appended, sharded with FSDP2 over the ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from weightsync.sources import DTensorSource
+    from weightsync.tiny import canonical_weights
+    from weightsync.torch_layout import fill_from_canonical
+
+    hf = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    model = AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
+    add_mtp_layers(model, config)
+    mesh = init_device_mesh("cpu", (args.world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    source = DTensorSource(model, config, rank=args.rank)
+    return source, lambda seed: fill_from_canonical(source.layout(), source.tensors(), canonical_weights(config, seed))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_rank(fsdp2_rank))

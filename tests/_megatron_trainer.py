@@ -13,15 +13,14 @@ put into the model as mbridge's ``load_weights`` does (:func:`load_like_mbridge`
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import sys
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from _frontier_trainer import run_rank
 from weightsync.layout import ModelSpec
 
 
@@ -113,40 +112,23 @@ def load_like_mbridge(model: torch.nn.Module, spec: ModelSpec, canonical: dict[s
             tensor.copy_(bridge._weight_split_across_tp(found.te_name, whole, tensor, size)[rank])
 
 
-def main() -> int:
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from weightsync.session import SyncConfig
+def megatron_rank(config: dict[str, Any], args: Any) -> tuple[Any, Any]:
+    """This rank's stage of the megatron-core model of ``config`` at ``args.parallel``; its step
+    loads the weights as mbridge does."""
     from weightsync.sources.megatron import MegatronSource
     from weightsync.tiny import canonical_weights
-    from weightsync.writer import WeightWriter
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--parallel", required=True)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--seeds", required=True)
-    parser.add_argument("--job", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    config = json.loads(args.config)
-    dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
-    try:
-        cpu_shims()
-        model = build(config, json.loads(args.parallel))
-        spec = ModelSpec.from_hf_config(config)
-        source = MegatronSource(model, config, rank=args.rank)
-        sync = SyncConfig(num_writers=args.world, num_readers=1, job=args.job, timeout=240.0)
-        with WeightWriter(source, rank=args.rank, config=sync) as writer:
-            for version, seed in enumerate((int(s) for s in args.seeds.split(",")), start=1):
-                load_like_mbridge(model, spec, canonical_weights(config, seed))  # a "training step"
-                writer.write(version)
-        ps.destroy_model_parallel()
-    finally:
-        dist.destroy_process_group()
-    return 0
+    cpu_shims()
+    model = build(config, args.parallel)
+    spec = ModelSpec.from_hf_config(config)
+    return (MegatronSource(model, config, rank=args.rank),
+            lambda seed: load_like_mbridge(model, spec, canonical_weights(config, seed)))
+
+
+def main() -> int:
+    from megatron.core import parallel_state as ps
+
+    return run_rank(megatron_rank, "parallel", close=ps.destroy_model_parallel)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,21 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def run_to_end(procs: list[subprocess.Popen[str]], *, timeout: float, tail: int = 4000) -> list[str]:
+    """Wait for every rank process (a rank still running at the end is killed) and check that each
+    exited 0, showing the end of its stderr if not; their stdouts."""
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for p, (_, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err[-tail:]
+    return [out for out, _ in outputs]
+
+
 @contextlib.contextmanager
 def vllm_server(model: Path, *, timeout: float = 240.0, extra: tuple[str, ...] = (),
                 port: int | None = None) -> Iterator[str]:

@@ -86,14 +86,19 @@ class DeviceModel:
     Args:
         gpu_types: device types treated as GPU memory (default: ``cpu``, i.e. every tensor).
         budget: bytes of "device memory" (None: unlimited).
+        context: bytes a process's first use of the device takes from the budget (a CUDA
+            context): made by its first allocation there, or by opening an IPC handle there.
         seed: of the random completion points.
         chance: probability that a port call first completes a random prefix of a stream.
     """
 
     def __init__(self, *, gpu_types: Sequence[str] = ("cpu",), budget: int | None = None, seed: int = 0,
-                 chance: float = 0.3) -> None:
+                 chance: float = 0.3, context: int = 0) -> None:
         self.gpu_types = frozenset(gpu_types)
         self.budget = budget
+        self.context = context
+        #: (process, device) pairs with a "CUDA context": made by an allocation or an IPC open there
+        self.contexts: set[tuple[str, str]] = set()
         self.violations: list[str] = []
         self.reserved: dict[str, int] = {}
         self.used = 0
@@ -108,6 +113,7 @@ class DeviceModel:
         self._local = threading.local()
         self._exports: dict[int, tuple[torch.Tensor, str]] = {}
         self._tokens = 0
+        self._keys = 0  # allocations, by number
 
     # -- processes --------------------------------------------------------------------------
     def process(self) -> str:
@@ -166,11 +172,14 @@ class DeviceModel:
                 raise torch.OutOfMemoryError(f"device model: {what} needs {nbytes} bytes, {free} free "
                                              f"(reserved: {self.reserved})")
             t = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self.contexts.add((self.process(), str(torch.device(device))))
             self.used += nbytes
             self.peak = max(self.peak, self.used)
-            key = id(t)
+            self._keys += 1
+            key = self._keys
             self.allocations[key] = (nbytes, what)
-            weakref.finalize(t, self._free, key)
+            # device memory lives as long as its storage (views of other dtypes included)
+            weakref.finalize(t.untyped_storage(), self._free, key)
             return t
 
     def _free(self, key: int) -> None:
@@ -262,7 +271,21 @@ class DeviceModel:
                 self.violations.append(f"{self.process()} opened an IPC handle it exported itself")
                 raise RuntimeError("CUDA error: invalid device context (device model: cudaIpcOpenMemHandle of a "
                                    f"handle exported by this process, {self.process()})")
+            need = self.context_bytes(device)
+            if need:  # the open creates this process's context on the device, out of its budget
+                free = self.free_bytes(device)
+                if free is not None and need > free:
+                    raise torch.OutOfMemoryError(f"CUDA error: out of memory (device model: {self.process()}'s "
+                                                 f"context on {device} needs {need} bytes, {free} free)")
+                owner = f"{self.process()}'s context on {device}"
+                self.reserved[owner] = self.reserved.get(owner, 0) + need
+                self.contexts.add((self.process(), str(torch.device(device))))
             return tensor
+
+    def context_bytes(self, device: str | torch.device) -> int:
+        if not self.is_gpu(device) or (self.process(), str(torch.device(device))) in self.contexts:
+            return 0
+        return self.context
 
     def scope(self, device: str | torch.device) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()

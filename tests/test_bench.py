@@ -170,6 +170,57 @@ def test_suites_and_bad_input():
     assert main(["bench", "--suite", "test", "--transports", "warp-drive"]) == 2
 
 
+def test_vllm_serve_prefetch_rows_from_token_arrivals_and_the_trainer_trace():
+    """The serve row's figures from token arrivals and the trainer's trace (no server needed):
+    the pause is the clients' gap around the moment the engine was paused, tokens/s count
+    the tokens inside each window."""
+    from weightsync.bench.vllm_prefetch import run_vllm_prefetch
+    from weightsync.bench.vllm_prefetch_serve import client_pause, summarize, window_rate
+    from weightsync.commands.bench import _prefetch_cells
+
+    # one chunk of 4 tokens every 0.25 s, but none in (10, 13) (a blocking sync from 10.2 to 12.8)
+    # and none in (20, 21) (a prefetched update paused from 20.2 to 20.8)
+    arrivals = [(t / 4, 4) for t in range(160) if not (40 < t < 52 or 80 < t < 84)]
+    times = [t for t, _ in arrivals]
+    assert client_pause(times, 10.2, 12.8) == 3.0
+    assert client_pause(times, 20.2, 20.8) == 1.0
+    # a token generated before the pause that reached its client after /pause returned
+    assert client_pause(sorted([*times, 10.3]), 10.2, 12.8) == pytest.approx(2.7)
+    assert window_rate(times, [n for _, n in arrivals], [(14.0, 15.0), (30.0, 31.0)]) == 20.0  # 5 chunks a second
+    with pytest.raises(ValueError, match="no token arrived on both sides"):
+        client_pause(times, 100.0, 101.0)
+    trace = {"blocking": [{"start": 10.2, "paused": 10.5, "updated": 12.5, "end": 12.8}],
+             "prefetch": [{"start": 16.0, "received": 20.2, "paused": 20.5, "update": 20.5, "updated": 20.75,
+                           "end": 20.8}],
+             "idle": [[23.0, 27.2]]}
+    row = summarize(arrivals, trace)
+    assert row["blocking_pause_s"] == 3.0 and row["prefetch_pause_s"] == 1.0
+    assert row["prefetch_update_s"] == 0.25 and row["pause_over_update"] == 4.0
+    assert row["blocking_sync_s"] == pytest.approx(2.6) and row["prefetch_sync_s"] == pytest.approx(4.8)
+    assert row["prefetch_driver_pause_s"] == pytest.approx(0.6)
+    # 17 chunks in [16, 20.2] and 17 in [23, 27.2]: 68 tokens over 4.2 s each
+    assert row["during_tokens_per_s"] == pytest.approx(68 / 4.2) and row["during_over_idle"] == pytest.approx(1.0)
+    cells = _prefetch_cells({"path": "serve", **row})
+    assert cells[2:5] == ["1.000", "0.250", "4.00"]  # pause, /update_weights, pause over it
+    assert row["pause_modes"] == {"abort": {"updates": 1, "pause_s": 1.0, "update_s": 0.25,
+                                            "driver_pause_s": pytest.approx(0.6), "pause_over_update": 4.0,
+                                            "pauses_s": [1.0]}}
+    # the driver's pause modes take turns; the row's own prefetch figures are the first mode's
+    keep = {"start": 28.0, "received": 30.0, "paused": 30.1, "update": 30.1, "updated": 30.3, "end": 30.4,
+            "mode": "keep"}
+    arrivals = [(t, n) for t, n in arrivals if not 30.0 < t < 30.5]  # the keep pause: a 0.5 s gap
+    row = summarize(arrivals, {**trace, "prefetch": [*trace["prefetch"], keep], "pause_modes": ["abort", "keep"]})
+    assert row["prefetch_pause_s"] == 1.0 and row["updates"] == 1
+    assert row["pause_modes"]["keep"] == {"updates": 1, "pause_s": 0.5, "update_s": pytest.approx(0.2),
+                                          "driver_pause_s": pytest.approx(0.4), "pause_over_update": pytest.approx(2.5),
+                                          "pauses_s": [0.5]}
+    with pytest.raises(ValueError, match=r"serve pause mode\(s\) \['wait'\] are unknown; choose from abort, keep, "
+                                         "keep-stale"):
+        run_vllm_prefetch(paths=("serve",), pause_modes=("abort", "wait"))
+    with pytest.raises(ValueError, match=r"vLLM path\(s\) \['gpu'\] are unknown; choose from engine, backend, serve"):
+        run_vllm_prefetch(paths=("serve", "gpu"))
+
+
 def test_gpu_script_fails_clearly_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
@@ -216,36 +267,38 @@ def test_link_rates_are_parsed_or_refused_by_name():
 
 
 def test_delta_bench_runs_the_transports_that_carry_deltas_and_says_why_not_the_others(monkeypatch):
-    """The bench's transports come from the refusals' own rules: a transport appears the day
-    combinations.py and its class both let deltas through, and is left out with their message
-    until then."""
-    from weightsync import combinations
+    """The bench's transports come from the refusals' own rules (SyncConfig's combination check
+    and the transport class's ``check_delta_carried``): a transport or mode appears the day it
+    carries deltas, and is left out with the refusal's message until then."""
+    import importlib.util
+
     from weightsync.bench.delta_sync import VARIANTS, delta_variants
-    from weightsync.transport import unavailable_reason
+    from weightsync.transport.file import FileTransport
 
     carried, left_out = delta_variants()
-    runs_here = {t for t in combinations.DELTA_TRANSPORTS if unavailable_reason(t) is None}
-    assert {v.transport for v in carried} == runs_here
-    assert {"torch", "shm", "shm-zero-copy", "routed"} <= {v.name for v in carried}
-    assert "deltas run on the" in left_out["file"]
-    assert set(left_out) | {v.name for v in carried} == {v.name for vs in VARIANTS.values() for v in vs}
-    # combinations.py letting 'file' through is not enough: its transport class still refuses
-    monkeypatch.setattr(combinations, "DELTA_TRANSPORTS", combinations.DELTA_TRANSPORTS | {"file"})
+    names = {v.name for v in carried}
+    assert {"torch", "shm", "shm-zero-copy", "routed", "file"} <= names
+    assert ("nixl-pull" in names) == bool(importlib.util.find_spec("nixl_cu12") or importlib.util.find_spec("nixl"))
+    assert "pull mode only" in left_out["nixl-push"]  # SyncConfig refuses push with deltas
+    assert set(left_out) | names == {v.name for vs in VARIANTS.values() for v in vs}
+    # a transport class that stops carrying deltas leaves the bench with check_delta_carried's message
+    monkeypatch.setattr(FileTransport, "carries_deltas", False)
     carried, left_out = delta_variants()
     assert "file" not in {v.name for v in carried}
     assert "is not supported by the file transport" in left_out["file"]
 
 
 @pytest.mark.xdist_group("bench")
-def test_delta_bench_routed_row_sends_fewer_bytes_bitwise():
-    """routed splits the two writers between its shm and gloo routes; every version lands bitwise
-    in both modes and the delta moves fewer bytes than the full sync."""
+def test_delta_bench_routed_and_file_rows_send_fewer_bytes_bitwise():
+    """routed splits the two writers between its shm and gloo routes, file writes change files;
+    every version lands bitwise in both modes and the delta moves fewer bytes than the full sync."""
     from weightsync.bench.delta_sync import TEST_MODEL, run_delta
 
-    rows, changed = run_delta(models=[TEST_MODEL], steps=3, timeout=120, transports=["routed"])
-    assert [(r["transport"], r["mode"]) for r in rows] == [("routed", "full"), ("routed", "delta")], rows
+    rows, changed = run_delta(models=[TEST_MODEL], steps=3, timeout=120, transports=["routed", "file"])
+    assert [(r["transport"], r["mode"]) for r in rows] == [("routed", "full"), ("routed", "delta"),
+                                                          ("file", "full"), ("file", "delta")], rows
     assert all(r.get("verified") for r in rows), rows
-    full, delta = rows
-    assert full["nbytes_per_version"][0] == delta["nbytes_per_version"][0] == full["nbytes"]  # version 1 is full
-    assert delta["nbytes"] < full["nbytes"] and delta["bytes_vs_full"] < 1.0
+    for full, delta in (rows[:2], rows[2:]):
+        assert full["nbytes_per_version"][0] == delta["nbytes_per_version"][0] == full["nbytes"]  # version 1: full
+        assert delta["nbytes"] < full["nbytes"] and delta["bytes_vs_full"] < 1.0
     assert len(changed[TEST_MODEL]) == 2

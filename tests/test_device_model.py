@@ -139,6 +139,26 @@ def test_an_allocation_past_what_the_engine_left_raises_out_of_memory():
     assert model.free_bytes("cpu") == 300 and model.peak == 300
 
 
+def test_a_process_first_use_of_a_device_takes_a_context_out_of_its_budget():
+    """Opening an IPC handle on a device where this process has no CUDA context yet makes one
+    there (CUDA IPC readers map the writer's memory on the writer's GPU): past the budget, an
+    out-of-memory error; a process that allocated on the device already has its context."""
+    model = DeviceModel(budget=1000, context=400)
+    with model.as_process("trainer"):
+        slots = model.empty(700, "cpu", what="slots")
+        handle = model.share(slots)
+        assert model.context_bytes("cpu") == 0  # its allocation made its context
+    with model.as_process("engine0"):
+        assert model.context_bytes("cpu") == 400
+        with pytest.raises(torch.OutOfMemoryError, match="engine0's context on cpu needs 400 bytes, 300 free"):
+            model.open(handle, "cpu")
+    model.budget = 1100  # room for one context
+    with model.as_process("engine1"):
+        assert model.open(handle, "cpu") is not None and model.context_bytes("cpu") == 0
+        model.open(handle, "cpu")  # once per process
+    assert model.reserved == {"engine1's context on cpu": 400}
+
+
 def test_host_memory_has_no_budget():
     model = DeviceModel(budget=10, gpu_types=("cuda",))
     assert model.free_bytes("cpu") is None and model.empty(100, "cpu", what="host").numel() == 100

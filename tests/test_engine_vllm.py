@@ -501,17 +501,44 @@ def test_unsupported_engine_configurations_are_rejected():
 
 @pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed (pip install -e '.[vllm]')")
 def test_a_draft_update_takes_only_the_version_the_target_holds():
-    """The MTP drafter's layers arrive with the target's version: a draft session asking for another
-    version is refused with what to do, before anything is loaded."""
+    """The MTP drafter's layers arrive, and are loaded, with the target's version: a draft session
+    asking for another version is refused with what to do, before anything is loaded."""
     from weightsync.integrations.vllm_backend import _WorkerEngine
 
     worker = _WorkerEngine.__new__(_WorkerEngine)
-    worker.draft, worker._held = torch.nn.Module(), []
-    worker.draft_pending, worker._version = 1, 1  # the drafter has yet to load version 1
-    with pytest.raises(ValueError, match="draft update to version 2: update the target model to it first"):
-        worker.load_draft(2)
-    worker.draft_pending, worker._version = None, 2  # both hold version 2
+    worker.draft, worker._version = torch.nn.Module(), 2  # both hold version 2
     worker.load_draft(2)  # nothing left to do
+    worker.load_draft(None)
     with pytest.raises(ValueError, match="holds version 2, and the drafter is updated with the target, not alone"):
         worker.load_draft(3)
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed (pip install -e '.[vllm]')")
+def test_an_mtp_engine_whose_drafter_the_backend_cannot_find_is_refused_at_init():
+    """The backend takes the MTP drafter from the worker creating it (vLLM hands it over only in a
+    draft session, which the trainer-side client cannot open): created anywhere else, it refuses at
+    init, naming why, rather than leave the drafter's weights stale."""
+    from types import SimpleNamespace
+
+    from weightsync.integrations.vllm_backend import WeightSyncInitInfo, WeightSyncTransferEngine, _creator_drafter
+
+    target, drafter = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+
+    class Worker:  # vLLM 0.32's Worker.load_model creates the engine with its model runner's model
+        def get_model(self):
+            return target
+
+        def get_draft_model(self):
+            return drafter
+
+        def load_model(self):
+            return _creator_drafter(target)
+
+    assert Worker().load_model() is drafter
+    assert _creator_drafter(target) is None  # not created by a worker of that model
+    engine = WeightSyncTransferEngine.__new__(WeightSyncTransferEngine)
+    engine.reader, engine._drafter, engine._default_model = None, None, target
+    engine.vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(method="mtp"))
+    with pytest.raises(RuntimeError, match=r"drafts with the model's MTP layers .* did not find its drafter.*stale"):
+        engine.init_transfer_engine(WeightSyncInitInfo.from_wire({"num_writers": 1, "num_readers": 1}))
 

@@ -84,8 +84,17 @@ def test_fsdp2_trainers_sync_a_live_vllm_engine(family, tmp_path, monkeypatch):
     _sync_a_live_engine(family, tmp_path, monkeypatch, _trainers, writers=2)
 
 
-@pytest.mark.parametrize(("family", "parallel"), [("deepseek_v3", {"tp": 2, "pp": 1, "ep": 2, "etp": 1}),
-                                                  ("glm4_moe", {"tp": 2, "pp": 2, "ep": 2, "etp": 1})])
+#: Why there is no Megatron trainer of gpt-oss (tests/test_megatron_frontier.py checks the refusal and the build).
+GPT_OSS_MEGATRON = ("gpt-oss from Megatron: megatron-core 0.16.1 builds it on CPU (local spec: "
+                    "DotProductAttention.softmax_offset, window_attn_skip_freq, SequentialMLP and TopKRouter biases), "
+                    "but mbridge 0.15.1 has no gpt_oss bridge to name its parameters, megatron-bridge's is not "
+                    "installable with transformers 5 without Transformer Engine, and its experts' de-interleaved "
+                    "linear_fc1 is a step-2 slice weightsync's regions cannot express but column by column")
+
+
+@pytest.mark.parametrize(("family", "parallel"), [
+    ("deepseek_v3", {"tp": 2, "pp": 1, "ep": 2, "etp": 1}), ("glm4_moe", {"tp": 2, "pp": 2, "ep": 2, "etp": 1}),
+    pytest.param("gpt_oss", {"tp": 2, "pp": 1, "ep": 2, "etp": 1}, marks=pytest.mark.skip(reason=GPT_OSS_MEGATRON))])
 def test_megatron_trainers_sync_a_live_vllm_engine(family, parallel, tmp_path, monkeypatch):
     """The same for four megatron-core ranks (``tests/_megatron_trainer.py``; DeepSeek-V3 at TP 2 x DP 2,
     GLM-4.5 at TP 2 x PP 2 with the MTP layer and its embedding on the last stage; EP 2), named by mbridge."""
@@ -97,16 +106,41 @@ def test_megatron_trainers_sync_a_live_vllm_engine(family, parallel, tmp_path, m
 
 
 def test_the_weightsync_backend_syncs_the_mtp_drafter(tmp_path, monkeypatch):
-    """The same through the ``"weightsync"`` weight-transfer backend (``update_llm``: the target's
-    session, then vLLM's draft session, which hands the backend the drafter) for DeepSeek-V3."""
-    _sync_a_live_engine("deepseek_v3", tmp_path, monkeypatch, _trainers, writers=2, backend=True)
+    """The same through the ``"weightsync"`` weight-transfer backend (``update_llm``: one session, no
+    draft session; the backend reloads the drafter with the target) for DeepSeek-V3."""
+    _sync_a_live_engine("deepseek_v3", tmp_path, monkeypatch, _trainers, writers=2, backend="update_llm")
+
+
+def test_the_trainer_side_engine_syncs_the_mtp_drafter(tmp_path, monkeypatch):
+    """The same driven from the trainer side of vLLM's weight-transfer API (``WeightSyncTrainerEngine``
+    over ``LLMClient``: vLLM's four-call client protocol, which cannot open a draft session): each
+    ``send_weights`` brings the MTP drafter to the version too, bitwise (DeepSeek-V3, one trainer rank)."""
+    _sync_a_live_engine("deepseek_v3", tmp_path, monkeypatch, lambda *_: [], writers=1, backend="trainer")
+
+
+def _module_trainer(config: dict, server, job: str, llm):
+    """A trainer rank holding the transformers model (with its MTP layer) on vLLM's trainer-side API."""
+    import transformers
+
+    from _frontier_trainer import add_mtp_layers
+    from weightsync.integrations.vllm_trainer import LLMClient, WeightSyncTrainerEngine, WeightSyncTrainerInitInfo
+    from weightsync.sources.module import ModuleSource
+
+    hf = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    model = transformers.AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
+    add_mtp_layers(model, config)
+    source = ModuleSource(model, config)
+    info = WeightSyncTrainerInitInfo(rank=0, num_writers=1, num_readers=1, meta_address=server.address,
+                                     meta_token=server.token, job=job, timeout=240)
+    return source, WeightSyncTrainerEngine.trainer_init(info, client=LLMClient(llm), source=source)
 
 
 def _sync_a_live_engine(family, tmp_path, monkeypatch, start_trainers, *, writers: int,
-                        backend: bool = False) -> None:
+                        backend: str | None = None) -> None:
     """Versions 1 (checkpoint A) and 2 (B) from ``start_trainers(server, config, job, seeds)`` into an
-    engine started on B (``backend``: through the weightsync backend in its worker, else a
-    ``VLLMEngine`` reader): see the module docstring for what is checked."""
+    engine started on B (``backend``: through the weightsync backend in its worker, driven by
+    ``update_llm`` or by a trainer rank of this process; else a ``VLLMEngine`` reader): see the module
+    docstring for what is checked."""
     from vllm import LLM
 
     from weightsync.engines.vllm import VLLMEngine, update_llm
@@ -134,7 +168,20 @@ def _sync_a_live_engine(family, tmp_path, monkeypatch, start_trainers, *, writer
                 procs = start_trainers(server, config, job, [1, 2])
                 client = meta.MetaClient(server.address, job=job, token=server.token)
                 try:
-                    if backend:
+                    if backend == "trainer":
+                        from weightsync.torch_layout import fill_from_canonical
+
+                        source, trainer = _module_trainer(config, server, job, llm)
+                        try:
+                            for version, seed in ((1, 1), (2, 2)):
+                                with torch.no_grad():  # a "training step": the checkpoint's values
+                                    fill_from_canonical(source.layout(), source.tensors(),
+                                                        canonical_weights(config, seed))
+                                trainer.send_weights(version)
+                                steps.append((_greedy(llm), _drafter_params(llm), canonical_weights(config, seed)))
+                        finally:
+                            trainer.shutdown()
+                    elif backend:
                         llm.init_weight_transfer_engine({"init_info": {
                             "meta_address": server.address, "meta_token": server.token, "job": job, "rank": 0,
                             "num_writers": writers, "num_readers": 1, "timeout": 240}})

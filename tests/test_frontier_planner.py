@@ -99,3 +99,24 @@ def test_kinds_that_do_not_model_a_family_refuse_it():
     with pytest.raises(ValueError, match="mtp=1 needs a model with MTP layers"):
         parse_layout("vllm:mtp=1").validate(ModelSpec.from_hf_config(tiny_config(family="gpt_oss")))
 
+
+
+#: The published configs, from FSDP2 ranks into vLLM engines with expert parallelism and the MTP
+#: drafter where the model has MTP layers (docs/benchmarks.md plans them at full scale).
+PUBLISHED = [("deepseek-v3", "vllm:tp=2,dp=2,ep=4,mtp=1"), ("kimi-k2", "vllm:tp=2,dp=2,ep=4"),
+             ("kimi-k2", "vllm:tp=2,dp=2,ep=4,quant=fp8_block"), ("glm-4.5", "vllm:tp=2,ep=2,mtp=1"),
+             ("gpt-oss-120b", "vllm:tp=2")]
+
+
+@pytest.mark.parametrize(("name", "target"), PUBLISHED)
+def test_published_configs_plan_with_zero_redundancy(name, target):
+    """Every byte of the real shapes is sent once: the plan's bytes equal what the readers need."""
+    from weightsync.configs import load_spec
+    from weightsync.layout.quant_offers import quantized_sources
+    from weightsync.plan import plan_statistics
+
+    spec = load_spec(name)
+    readers = parse_layout(target).roster(spec)
+    writers, _ = quantized_sources(parse_layout("fsdp:dp=2").roster(spec), readers)
+    stats = plan_statistics(writers, readers, PlanOptions())
+    assert stats.sent_bytes == stats.needed_bytes > 0

@@ -169,3 +169,148 @@ def test_cuda_ipc_readers_take_each_phase_as_it_completes(tmp_path):
     model = DeviceModel(seed=8)
     result = run_pair("shm", tmp_path, model=model, phase_bytes=1 << 17, lockstep=True, timeout=8.0)
     assert result.errors == [] and result.bad == [] and len(result.received) == 2 and model.violations == []
+
+
+def _engine_left_no_room(staging_fits: int = 0) -> DeviceModel:
+    """A GPU as a running engine leaves it: weights, then the KV cache sized out of the rest,
+    then ``staging_fits`` bytes (what the user's setting left free)."""
+    model = DeviceModel(budget=64 << 20)
+    model.reserve(40 << 20, "the engine's weights")
+    model.reserve((24 << 20) - staging_fits, "the KV cache")
+    return model
+
+
+def _vllm_backend(monkeypatch, staged: list) -> object:
+    """vLLM's worker backend with the model stubbed by tiny-qwen3's staging (fp32, 'device' cpu)."""
+    import torch
+
+    from weightsync.configs import load_spec
+    from weightsync.engines.staging import StagedWeights
+    from weightsync.integrations import vllm_backend
+
+    def worker(*args: object, **kwargs: object) -> StagedWeights:
+        staged.append(StagedWeights(load_spec("tiny-qwen3"), dtype=torch.float32, device="cpu", rank=0))
+        return staged[-1]
+
+    monkeypatch.setattr(vllm_backend, "_WorkerEngine", worker)
+    from types import SimpleNamespace
+
+    return vllm_backend.WeightSyncTransferEngine(SimpleNamespace(backend="weightsync"),
+                                                 SimpleNamespace(parallel_config=None, model_config=None),
+                                                 torch.device("cpu"), None)
+
+
+def _init_info(**extra: object) -> dict:
+    return {"num_writers": 1, "num_readers": 1, "meta_address": "http://127.0.0.1:9", "meta_token": "token-12345678",
+            **extra}
+
+
+def test_vllm_staging_that_does_not_fit_is_refused_at_init_with_its_figure(monkeypatch):
+    """Defect 7 (vLLM staging): the arena was laid out at the first update, after vLLM had sized
+    its KV cache out of the free memory: the first sync failed for memory. It is laid out in
+    ``init_weight_transfer_engine``, so a shortfall is refused there, naming the figure and the
+    settings to change, with nothing allocated."""
+    pytest.importorskip("vllm")
+    from weightsync.device_port import DeviceMemoryError
+
+    model = _engine_left_no_room(staging_fits=1 << 20)
+    staged: list = []
+    with device_port.use(model):
+        backend = _vllm_backend(monkeypatch, staged)
+        try:
+            with pytest.raises(DeviceMemoryError, match=r"the engine's staging arena needs [0-9.]+ MiB on cpu, and only "
+                                                        r"1\.0 MiB of it is free: .*gpu_memory_utilization, or "
+                                                        r"kv_cache_memory_bytes.*layer_phases=True"):
+                backend.init_transfer_engine(backend.parse_init_info(_init_info()))  # type: ignore[attr-defined]
+        finally:
+            backend.shutdown()  # type: ignore[attr-defined]
+    assert model.peak == 0
+
+
+def test_vllm_staging_with_layer_phases_is_one_phase_laid_out_at_init(monkeypatch):
+    """Defect 7: with layer phases the arena laid out at init is the largest phase the job will use
+    (the phases every rank computes), and the first update finds it laid out."""
+    pytest.importorskip("vllm")
+    from weightsync.plan.phases import layer_phases
+
+    model = _engine_left_no_room(staging_fits=4 << 20)
+    staged: list = []
+    budget = 1 << 18
+    with device_port.use(model):
+        backend = _vllm_backend(monkeypatch, staged)
+        try:
+            backend.init_transfer_engine(backend.parse_init_info(  # type: ignore[attr-defined]
+                _init_info(layer_phases=True, max_bucket_bytes=budget)))
+            (engine,) = staged
+            phases = layer_phases(engine.layout().canonical, budget_bytes=budget)
+            laid_out = model.peak
+            assert 0 < laid_out <= 4 << 20 and engine.staging_bytes == laid_out
+            engine.use_phases(phases)  # what the reader does at the first update
+            assert model.peak == laid_out and engine.staging_bytes == laid_out
+        finally:
+            backend.shutdown()  # type: ignore[attr-defined]
+
+
+def test_sglang_staging_that_does_not_fit_is_refused_when_the_adapter_is_built():
+    """Defect 7 (SGLang stages the whole model: its update call takes a version at once and
+    flushes its cache): the staging was allocated at the first update; now when the adapter is
+    built, refused there with the figure and ``mem_fraction_static``."""
+    import torch
+
+    from weightsync.device_port import DeviceMemoryError
+    from weightsync.engines.sglang import SGLangEngine
+    from weightsync.tiny import tiny_config
+
+    model = _engine_left_no_room(staging_fits=0)
+    with device_port.use(model):
+        with pytest.raises(DeviceMemoryError, match=r"the engine's staging arena needs [0-9.]+ MiB on cpu, and only "
+                                                    r"0\.0 MiB of it is free: .*mem_fraction_static\)$"):
+            SGLangEngine(object(), tiny_config(), dtype=torch.float32, device="cpu")
+    assert model.peak == 0
+
+
+def test_the_verl_actor_copy_that_does_not_fit_is_refused_with_its_figure_after_the_walk():
+    """Defect 7 (verl: a full copy of the model on the trainer GPU): the actor copied each
+    tensor verl yielded with ``.to(device)``, outside any budget, and ran out of memory partway.
+    The copy is now taken within the device's free memory; when it does not fit, what was copied
+    is freed, the generator is still walked to its end (each tensor is produced collectively by
+    every actor rank), and the error gives the model's size and the setting to change."""
+    import asyncio
+
+    import torch
+
+    from weightsync.device_port import DeviceMemoryError
+    from weightsync.integrations.actor_copy import copy_model
+
+    walked: list[str] = []
+
+    async def weights(n: int):
+        for i in range(n):
+            walked.append(f"w{i}")
+            yield f"w{i}", torch.full((1 << 16,), float(i))  # 256 KiB each
+
+    model = _engine_left_no_room(staging_fits=1 << 20)
+    with device_port.use(model):
+        with pytest.raises(DeviceMemoryError, match=r"the verl actor's copy of the model needs 2\.0 MiB on cpu, and "
+                                                    r"only 1\.0 MiB of it is free: .*weightsync\.device=cpu"):
+            asyncio.run(copy_model(weights(8), device="cpu"))
+        assert walked == [f"w{i}" for i in range(8)] and model.used == 0
+        copies = asyncio.run(copy_model(weights(3), device="cpu"))
+    assert [float(t[0]) for t in copies.values()] == [0.0, 1.0, 2.0] and model.used == 3 << 18
+
+
+def test_an_ipc_reader_context_on_the_writer_gpu_is_refused_with_its_figure(tmp_path):
+    """Defect 7 (each CUDA IPC reader on another GPU makes a CUDA context on the writer's GPU,
+    where the writer's slots already are): the context was never accounted for, and the first
+    open failed for memory inside the first sync. It is checked before the open, refused with
+    the figure and the settings to change."""
+    context = 1 << 20
+    model = DeviceModel(budget=2602496 + context // 2, context=context)  # the writer's slots, half a context
+    result = run_pair("shm", tmp_path, model=model, timeout=5.0)
+    assert any("reader 0's CUDA context on writer 0's GPU (CUDA IPC maps its slots there) needs 1.0 MiB on cpu, and "
+               "only 0.5 MiB of it is free" in str(e) and "TransportOptions.slots" in str(e) for e in result.errors), \
+        result.errors
+    assert model.reserved == {}
+    roomy = DeviceModel(budget=2602496 + context, context=context)
+    result = run_pair("shm", tmp_path / "roomy", model=roomy, timeout=5.0)
+    assert result.errors == [] and result.bad == [] and roomy.reserved == {"engine0's context on cpu": context}

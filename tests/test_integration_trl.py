@@ -11,6 +11,7 @@ model, the parts making exactly one model: no rank sends (or gathers) the whole 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -38,7 +39,7 @@ def _results(out: str) -> list[dict]:
 def _trainers(tmp_path: Path, mode: str, url: str | None, server=None) -> list[dict]:
     """Two training ranks (the ``server`` context, if any, is entered while they start up)."""
     sys.path.insert(0, str(HERE))
-    from _vllm_native import free_port
+    from _vllm_native import free_port, run_to_end
 
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
            "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -47,20 +48,9 @@ def _trainers(tmp_path: Path, mode: str, url: str | None, server=None) -> list[d
            str(tmp_path / "out"), "--mode", mode, "--steps", str(STEPS), *(["--url", url] if url else [])]
     procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
-    try:
-        if server is not None:
-            with server:
-                outputs = [p.communicate(timeout=600) for p in procs]
-        else:
-            outputs = [p.communicate(timeout=600) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    for p, (_, err) in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, err[-5000:]
-    return [r for out, _ in outputs for r in _results(out)]
+    with server if server is not None else contextlib.nullcontext():
+        outputs = run_to_end(procs, timeout=600, tail=5000)
+    return [r for out in outputs for r in _results(out)]
 
 
 def _references(tmp_path: Path, script: str, command: str) -> dict[int, list[int]]:

@@ -212,7 +212,7 @@ def test_a_bad_worker_init_info_is_refused_naming_the_field(bad, message, monkey
     from weightsync.integrations import vllm_backend
     from weightsync.tiny import tiny_config
 
-    monkeypatch.setattr(vllm_backend, "_WorkerEngine", lambda *args: ShardedEngine("hf", tiny_config(), 0))
+    monkeypatch.setattr(vllm_backend, "_WorkerEngine", lambda *args, **kwargs: ShardedEngine("hf", tiny_config(), 0))
     engine = vllm_backend.WeightSyncTransferEngine(
         SimpleNamespace(backend="weightsync"), SimpleNamespace(parallel_config=None, model_config=None),
         torch.device("cpu"), None)

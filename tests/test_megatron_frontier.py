@@ -216,3 +216,65 @@ def test_megatron_plans_of_the_derived_families_have_zero_redundancy(family, cha
     assert plan.stats.sent_bytes == plan.stats.needed_bytes == needed_bytes(dests)
     mtp = [s for layout in sources for s in layout.shards if s.name.startswith("mtp.layers.0.")]
     assert any(s.name.endswith("eh_proj.weight") for s in mtp), [s.name for s in mtp]
+
+
+def _gpt_oss_rank(rank: int, world: int) -> list[str]:
+    """One TP 2 rank of a megatron-core gpt-oss (local spec, the test-only device shim): its parameters."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer import TransformerConfig
+
+    cpu_shims()
+    hf = tiny_config(family="gpt_oss")
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                                 expert_tensor_parallel_size=1)
+    # megatron-bridge's gpt-oss provider settings that shape the weights (routing and fusions change none)
+    config = TransformerConfig(
+        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=hf["num_attention_heads"],
+        num_query_groups=hf["num_key_value_heads"], kv_channels=hf["head_dim"], ffn_hidden_size=hf["intermediate_size"],
+        moe_ffn_hidden_size=hf["intermediate_size"], num_moe_experts=hf["num_local_experts"],
+        moe_router_topk=hf["num_experts_per_tok"], gated_linear_unit=True, activation_func=quick_gelu,
+        glu_linear_offset=1.0, activation_func_clamp_value=hf["swiglu_limit"], normalization="RMSNorm",
+        add_bias_linear=True, softmax_type="learnable", window_size=(hf["sliding_window"] - 1, 0),
+        window_attn_skip_freq=2, use_cpu_initialization=True, params_dtype=torch.float32,
+        pipeline_dtype=torch.float32, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False, tensor_model_parallel_size=2, expert_model_parallel_size=2,
+        expert_tensor_parallel_size=1, moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    model = GPTModel(config=config, transformer_layer_spec=block, vocab_size=hf["vocab_size"], max_sequence_length=64,
+                     position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    windows = [layer.self_attention.core_attention.scale_mask_softmax.window_size for layer in model.decoder.layers]
+    assert windows == [(hf["sliding_window"] - 1, 0), None], windows  # sliding, then full, as the checkpoint
+    names = [n for n, _ in model.named_parameters()]
+    ps.destroy_model_parallel()
+    return names
+
+
+def test_megatron_trainers_of_gpt_oss_are_refused_naming_what_is_missing():
+    """megatron-core 0.16.1 builds gpt-oss on CPU (sinks, sliding windows, biased experts and router,
+    TP 2 x EP 2): the refusal says so, and names what is missing instead (a mapping of its names;
+    the de-interleaved expert layout), for the source and the ``megatron`` layout kind alike."""
+    import_libraries()
+    from weightsync.layout.kinds.megatron import use_params
+    from weightsync.sources.megatron_names import MegatronNames, install
+
+    names = run_ranks(_gpt_oss_rank, 2, timeout=180)[0]
+    for held in ("self_attention.core_attention.softmax_offset", "self_attention.linear_proj.bias",
+                 "mlp.router.bias", "mlp.experts.local_experts.1.linear_fc1.bias",
+                 "mlp.experts.local_experts.1.linear_fc2.bias"):
+        assert f"decoder.layers.1.{held}" in names, held
+    spec = ModelSpec.from_hf_config(tiny_config(family="gpt_oss"))
+    message = (r"mbridge has no bridge for the gpt_oss family .* megatron-core 0\.16\.1 itself builds gpt-oss on CPU"
+               r".*DotProductAttention\.softmax_offset.*What is missing is the mapping.*de-interleaved")
+    with pytest.raises(ValueError, match=message):
+        MegatronNames(spec)
+    install()
+    try:
+        with pytest.raises(ValueError, match=message):
+            parse_layout("megatron:tp=2,dp=2,ep=2,etp=1").rank_layout(spec, 0)
+    finally:
+        use_params(None)

@@ -173,3 +173,113 @@ def test_the_eager_connect_is_aborted_at_the_deadline():
 
 def readers_layout() -> Any:
     return parse_layout("vllm:tp=1").all_rank_layouts(load_spec("tiny-qwen3"))[0]
+
+
+class _Options:
+    is_high_priority_stream = True
+    _timeout: Any = None
+
+
+class _ConstructedGroup:
+    """``dist.ProcessGroup`` / ``ProcessGroupNCCL`` where ``nccl_group`` touches them, on CPU torch."""
+
+    class BackendType:
+        NCCL = "nccl"
+
+    Options = _Options
+    seen: list[tuple[str | None, str | None]] = []
+    both_inside = threading.Event()
+
+    def __init__(self, store: Any, rank: int, size: int, options: Any = None) -> None:
+        if options is not None:  # the backend: what torch's constructor would read, then a pause
+            import os
+
+            type(self).seen.append((os.environ.get("TORCH_NCCL_BLOCKING_WAIT"),
+                                    os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")))
+            if len(type(self).seen) == 2:  # the second one in leaves last
+                type(self).both_inside.set()
+                time.sleep(0.2)
+            # long enough for another thread's construction to start here if nothing prevents it
+            type(self).both_inside.wait(0.5)
+
+    def _set_sequence_number_for_group(self) -> None: ...
+    def _set_default_backend(self, kind: Any) -> None: ...
+    def _register_backend(self, device: Any, kind: Any, backend: Any) -> None: ...
+    def _set_group_name(self, name: str) -> None: ...
+    def eager_connect_single_device(self, device: Any) -> None: ...
+    def abort(self) -> None: ...
+
+
+def test_two_groups_built_at_once_leave_the_environment_as_it_was(monkeypatch):
+    """Defect 10: ``scoped_env`` around each construction, two at once (two transports in one
+    process: an in-process trainer and engine, routed): the second saved the first's values and
+    restored them last, leaving ``TORCH_NCCL_BLOCKING_WAIT=1`` in the process for good. Every
+    construction still sees the settings torch 2.13 only takes from the environment."""
+    import os
+
+    import torch.distributed as dist
+
+    from weightsync.transport import torch_nccl
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", _ConstructedGroup, raising=False)
+    monkeypatch.setattr(dist, "ProcessGroup", _ConstructedGroup)
+    monkeypatch.setattr(dist, "PrefixStore", lambda prefix, store: store)
+    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    _ConstructedGroup.seen = []
+    _ConstructedGroup.both_inside = threading.Event()
+    errors: list[BaseException] = []
+
+    def build(i: int) -> None:
+        try:
+            torch_nccl.nccl_group(None, i, 2, torch.device("cuda:0"), name=f"g{i}",  # type: ignore[arg-type]
+                                  deadline=Deadline.after(5))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=build, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not errors and _ConstructedGroup.seen == [("1", "0"), ("1", "0")]
+    assert "TORCH_NCCL_BLOCKING_WAIT" not in os.environ and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+
+
+def test_nothing_is_written_when_the_environment_already_holds_the_settings(monkeypatch):
+    """Defect 10: a process launched with the settings (``TORCH_NCCL_BLOCKING_WAIT=1``,
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``) has its environment read, never written."""
+    import os
+
+    import torch.distributed as dist
+
+    from weightsync.transport import torch_nccl
+
+    writes: list[str] = []
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", _ConstructedGroup, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+    monkeypatch.setattr(os, "environ", _Watched(os.environ, writes))
+    _ConstructedGroup.seen = []
+    torch_nccl.construct_backend(None, 0, 2, _Options())  # type: ignore[arg-type]
+    assert _ConstructedGroup.seen == [("1", "0")] and writes == []
+
+
+class _Watched(dict):  # type: ignore[type-arg]
+    """``os.environ`` that records every write."""
+
+    def __init__(self, env: Any, writes: list[str]) -> None:
+        super().__init__(env)
+        self.writes = writes
+
+    def __setitem__(self, key: str, value: str) -> None:
+        self.writes.append(key)
+        super().__setitem__(key, value)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        self.writes.extend(dict(*args, **kwargs))
+        super().update(*args, **kwargs)
+
+    def pop(self, key: str, *default: Any) -> Any:  # type: ignore[override]
+        self.writes.append(key)
+        return super().pop(key, *default)

@@ -105,13 +105,15 @@ def test_lora_adapter_versions_arrive_bitwise_over_every_transport(tmp_path, tra
                 assert r["bytes"] == r["needed"] > 0
 
 
-def test_lora_adapter_deltas_arrive_bitwise_over_torch(tmp_path):
+@pytest.mark.parametrize("carrier", ["torch", "nixl-pull", "file"])
+def test_lora_adapter_deltas_arrive_bitwise(tmp_path, carrier):
     """Adapter-only versions with deltas: ~2% of the adapter's elements move per version, and
     each reader gets version 0 in full, then only what changed, bitwise."""
-    if unavailable_reason("torch"):
-        pytest.skip(unavailable_reason("torch"))
+    transport, options, _ = VARIANTS.get(carrier, (carrier, {}, {}))
+    if unavailable_reason(transport):
+        pytest.skip(unavailable_reason(transport))
     lora = {"r": 8, "alpha": 16, "tp": 2, "readers": 2}
-    out = run_scenario(tmp_path, "torch", versions=3, lora=lora, options={"delta_anchor_every": 4},
+    out = run_scenario(tmp_path, carrier, versions=3, lora=lora, options={**options, "delta_anchor_every": 4},
                        sparse_steps=True)
     assert not own_segments(out.pop("pids"))
     for (role, rank), (code, payload, stderr) in out.items():

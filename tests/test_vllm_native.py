@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from _vllm_native import free_port, run_to_end
 from weightsync.tiny import tiny_config, write_checkpoint
 
 HERE = Path(__file__).resolve().parent
@@ -66,20 +67,11 @@ def test_vllm_serve_is_updated_by_two_fsdp2_trainers_over_http(tmp_path):
 def _trainers(cmd: list[str], *, world: int) -> list[str]:
     """Run trainer ranks ``0..world-1`` of ``cmd`` (one process each, ``--rank R`` appended) to
     the end; their stdouts."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1"}
     procs = [subprocess.Popen([*cmd, "--rank", str(r)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for r in range(world)]
-    try:
-        outputs = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    for p, (_, err) in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, err[-4000:]
-    return [out for out, _ in outputs]
+    return run_to_end(procs, timeout=300)
 
 
 def test_vllm_serve_takes_lora_adapter_versions_from_two_tp_trainers_over_http(tmp_path):
@@ -147,14 +139,6 @@ def test_deltas_through_the_weightsync_backend_restore_the_engine_exactly(tmp_pa
     assert (moved["weight_version"], restored["weight_version"]) == ("1", "2")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_the_prefix_cache_reset_is_decided_at_init_and_a_client_without_one_is_refused():
     from types import SimpleNamespace
 
@@ -171,6 +155,49 @@ def test_the_prefix_cache_reset_is_decided_at_init_and_a_client_without_one_is_r
     assert callable(prefix_cache_resetter(Wrapped(), 5))
     with pytest.raises(ValueError, match="Opaque cannot reset vLLM's prefix cache"):
         prefix_cache_resetter(type("Opaque", (), {})(), 5)
+
+
+def test_a_prefix_cache_reset_that_vllm_answers_success_false_fails_naming_the_route():
+    """vLLM 0.32's ``/reset_prefix_cache`` answers 200 with ``{"success": false}`` while requests
+    run; checking the status alone let the update end with old-weight KV blocks cached (issue 29)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    from weightsync.integrations.vllm_trainer import prefix_cache_resetter
+
+    answers = [b'{"success": false}', b'{"success": true}', b""]
+    paths = []
+
+    class Route(BaseHTTPRequestHandler):
+        def do_POST(self):
+            paths.append(self.path)
+            body = answers.pop(0)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Route)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        reset = prefix_cache_resetter(SimpleNamespace(base_url=url + "/"), 5)
+        with pytest.raises(RuntimeError, match=rf'POST {url}/reset_prefix_cache answered {{"success": false}}: '
+                                               r"vLLM did not reset its prefix cache .* pause generation \(POST /pause\) "
+                                               r"before send_weights"):
+            reset()
+        reset()  # {"success": true}
+        reset()  # an empty 200, as vLLM before 0.32 answered
+        assert paths == ["/reset_prefix_cache"] * 3
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
 
 
 def test_workers_that_never_answer_update_weights_fail_send_weights_naming_the_meta_server():

@@ -44,6 +44,12 @@ __all__ = ["DeviceMemoryError", "DevicePort", "IpcHandle", "TorchDevices", "allo
            "use"]
 
 
+#: What a process's CUDA context takes on a device, as weightsync accounts for it before making
+#: one: an upper estimate for CUDA 12 with lazy module loading on data-center GPUs (not measured
+#: on this project's machines, which have no GPU; ``weightsync doctor`` on a GPU reports it).
+CUDA_CONTEXT_BYTES = 512 << 20
+
+
 class DeviceMemoryError(ValueError):
     """What a rank needs does not fit in a device's free memory: refused before anything is allocated,
     with the figure and the setting to change (never an out-of-memory error in the middle of a sync)."""
@@ -89,6 +95,11 @@ class DevicePort(Protocol):
 
     def free_bytes(self, device: str | torch.device) -> int | None:
         """Bytes still free on ``device`` (None: no budget is known, as for host memory)."""
+        ...
+
+    def context_bytes(self, device: str | torch.device) -> int:
+        """Device memory this process's first use of ``device`` takes there (a CUDA context, as a
+        CUDA IPC reader creates on the writer's GPU); 0 once it has one, or for host memory."""
         ...
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -152,7 +163,23 @@ class TorchDevices:
         import torch
 
         d = torch.device(device)
-        return int(torch.cuda.mem_get_info(d)[0]) if d.type == "cuda" else None
+        if d.type != "cuda":
+            return None
+        # what the driver has free, plus what torch's caching allocator holds unused (staging
+        # freed and laid out again reuses it without the driver seeing it free)
+        return int(torch.cuda.mem_get_info(d)[0]) + torch.cuda.memory_reserved(d) - torch.cuda.memory_allocated(d)
+
+    def context_bytes(self, device: str | torch.device) -> int:
+        import torch
+
+        d = torch.device(device)
+        if d.type != "cuda":
+            return 0
+        index = d.index if d.index is not None else torch.cuda.current_device()
+        # torch's binding of at::cuda::detail::hasPrimaryContext (torch/csrc/cuda/Module.cpp); absent
+        # from CPU builds' stubs, hence the ignore
+        has_context = torch._C._cuda_hasPrimaryContext(index)  # type: ignore[attr-defined]
+        return 0 if has_context else CUDA_CONTEXT_BYTES
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)

@@ -4,8 +4,8 @@ The parent process trains a small Qwen3 per model (``qwen3-30m``, ``qwen3-0.2b``
 steps the way RL trainers do: fp32 master weights, AdamW at lr 1e-6, the synced copy cast to
 bf16. Each step's bf16 weights go to a safetensors file. Then the same syncs run twice over
 each transport that carries deltas (:func:`delta_variants`, from the same rules that refuse
-``delta_anchor_every`` elsewhere: torch/gloo, shm snapshot and zero-copy, routed, and NIXL pull
-and push once NIXL carries them), 2 FSDP writers -> 1 reader: version v sends step v's weights,
+``delta_anchor_every`` elsewhere: torch/gloo, shm snapshot and zero-copy, routed, NIXL pull,
+file), 2 FSDP writers -> 1 reader: version v sends step v's weights,
 once with
 ``delta_anchor_every=0`` (full) and once with deltas (``delta_anchor_every=1000``: only the
 first version is full). Every version the reader receives is checked bitwise against the
@@ -97,15 +97,14 @@ def _sync_config(variant: Variant, *, job: str, timeout: float, anchor: int, hos
 def delta_variants() -> tuple[list[Variant], dict[str, str]]:
     """The variants of every transport that carries deltas here, decided by the rules that refuse
     ``delta_anchor_every`` (``SyncConfig``'s combination check and the transport's own
-    ``check_delta_carried``), so a transport appears here the day it carries deltas; and, for every
-    variant left out, the refusal or the reason it cannot run on this machine."""
-    from weightsync.combinations import DELTA_TRANSPORTS
+    ``check_delta_carried``), so a transport or mode appears here the day it carries deltas;
+    and, for every variant left out, the refusal or the reason it cannot run on this machine."""
     from weightsync.job import JobChannel
-    from weightsync.transport import TransportContext, check_delta_carried, unavailable_reason
+    from weightsync.transport import TransportContext, available_transports, check_delta_carried, unavailable_reason
 
     carried: list[Variant] = []
     left_out: dict[str, str] = {}
-    for transport in [*VARIANTS, *sorted(DELTA_TRANSPORTS - set(VARIANTS))]:
+    for transport in [*VARIANTS, *sorted(set(available_transports()) - set(VARIANTS))]:
         for variant in VARIANTS.get(transport, (Variant(transport, transport),)):
             reason = unavailable_reason(transport)
             if reason is None:

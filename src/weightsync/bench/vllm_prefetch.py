@@ -1,11 +1,13 @@
 """``weightsync bench --suite vllm-prefetch``: a vLLM engine's pause per update, with and without
 prefetch, and its generation throughput during a sync against idle (issue 29).
 
-For each path (the in-process ``VLLMEngine``, and the ``"weightsync"`` worker backend of an
-in-process ``LLM``, the code a ``vllm serve`` worker runs) a writer process writes versions as
-fast as the engine process (:mod:`weightsync.integrations.vllm_prefetch`) applies them; the
-engine process measures every figure side by side. Targets: the pause with prefetch within
-the engine's apply time + 10%, and throughput during a sync >= 80% of idle.
+For each in-process path (the in-process ``VLLMEngine``, and the ``"weightsync"`` worker backend
+of an in-process ``LLM``, the code a ``vllm serve`` worker runs) a writer process writes versions
+as fast as the engine process (:mod:`weightsync.integrations.vllm_prefetch`) applies them; the
+engine process measures every figure side by side. The ``serve`` path runs a real ``vllm serve``
+process, a trainer process and HTTP clients (:mod:`weightsync.bench.vllm_prefetch_serve`).
+Targets: the pause with prefetch within the engine's apply time + 10%, and throughput during a
+sync >= 80% of idle.
 
     rows = run_vllm_prefetch(model="qwen3-30m", updates=3)
 """
@@ -24,7 +26,7 @@ from typing import Any
 
 from weightsync.bench.vllm_memory import MODELS, model_config
 
-PATHS = ("engine", "backend")
+PATHS = ("engine", "backend", "serve")
 
 
 def _writer(config: dict[str, Any], job: str, versions: int, transport: str, timeout: float) -> None:
@@ -43,7 +45,7 @@ def _writer(config: dict[str, Any], job: str, versions: int, transport: str, tim
 
 
 def _case(name: str, path: str, *, updates: int, transport: str, timeout: float, tmp: Path,
-          env: dict[str, str]) -> dict[str, Any]:
+          env: dict[str, str], pause_modes: tuple[str, ...] = ("abort",)) -> dict[str, Any]:
     from weightsync.tiny import write_checkpoint
 
     config = model_config(name)
@@ -51,6 +53,13 @@ def _case(name: str, path: str, *, updates: int, transport: str, timeout: float,
     if not checkpoint.exists():
         write_checkpoint(checkpoint, config, seed=2)
     job = f"vllm-prefetch-{uuid.uuid4().hex[:8]}"
+    row: dict[str, Any] = {"model": name, "path": path, "transport": transport,
+                           "model_bytes": sum(t.nbytes for t in _canonical(config))}
+    if path == "serve":
+        from weightsync.bench.vllm_prefetch_serve import serve_case
+
+        return row | serve_case(name, checkpoint, job=job, updates=updates, transport=transport, timeout=timeout,
+                                env=env, pause_modes=pause_modes)
     versions = 1 + 2 * updates
     common = ["--job", job, "--transport", transport, "--timeout", str(timeout)]
     engine = subprocess.Popen([sys.executable, "-m", "weightsync.integrations.vllm_prefetch", "--checkpoint",
@@ -59,8 +68,6 @@ def _case(name: str, path: str, *, updates: int, transport: str, timeout: float,
     writer = subprocess.Popen([sys.executable, "-m", "weightsync.bench.vllm_prefetch", "writer", "--model", name,
                                "--versions", str(versions), *common], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
-    row: dict[str, Any] = {"model": name, "path": path, "transport": transport,
-                           "model_bytes": sum(t.nbytes for t in _canonical(config))}
     try:
         out, err = engine.communicate(timeout=timeout * 3)
         _, werr = writer.communicate(timeout=timeout)
@@ -84,17 +91,24 @@ def _canonical(config: dict[str, Any]) -> list[Any]:
 
 
 def run_vllm_prefetch(*, model: str = "qwen3-30m", updates: int = 3, transport: str = "auto",
-                      paths: tuple[str, ...] = PATHS, timeout: float = 600.0) -> list[dict[str, Any]]:
-    """One row per path (see module docstring)."""
+                      paths: tuple[str, ...] = PATHS, timeout: float = 600.0,
+                      pause_modes: tuple[str, ...] = ("abort",)) -> list[dict[str, Any]]:
+    """One row per path (see module docstring); ``pause_modes``: how the ``serve`` path's driver
+    pauses a prefetched update, each in turn (:data:`weightsync.bench.vllm_prefetch_serve.PAUSE_MODES`)."""
+    from weightsync.bench.vllm_prefetch_serve import check_pause_modes
     from weightsync.meta.client import EmbeddedMetaServer
 
+    unknown = sorted(set(paths) - set(PATHS))
+    if unknown:
+        raise ValueError(f"vLLM path(s) {unknown} are unknown; choose from {', '.join(PATHS)}")
+    pause_modes = check_pause_modes(pause_modes)
     rows = []
     with tempfile.TemporaryDirectory(prefix="weightsync-vllm-prefetch-") as tmp, EmbeddedMetaServer() as server:
         env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1"}
         for path in paths:
             rows.append(_case(model, path, updates=updates, transport=transport, timeout=timeout, tmp=Path(tmp),
-                              env=env))
+                              env=env, pause_modes=pause_modes))
     return rows
 
 

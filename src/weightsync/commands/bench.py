@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="quick | full (every model, dtype and layout that fits in memory) | test (tiny) | "
                         "vllm-memory (a vLLM reader's extra memory: whole-model staging vs phases) | "
                         "vllm-prefetch (a vLLM engine's pause per update with and without prefetch; "
-                        "tokens/s during a sync vs idle; --models, --reps updates) | "
+                        "tokens/s during a sync vs idle; --models, --reps updates, --vllm-paths) | "
                         "fewer-bytes (FP8 quantize-on-send vs full bf16 syncs, same layout, one run) | "
                         "load (--load-readers readers x --load-versions back-to-back versions: flat memory?)")
     p.add_argument("--delta", action="store_true",
@@ -52,13 +52,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--delta-lr", type=float, default=1e-6, help="AdamW lr of --delta (fp32 master weights)")
     p.add_argument("--delta-transports", type=_csv, default=None,
                    help="transports of --delta, full and delta side by side on each (default: every transport "
-                        "that carries deltas here: torch, shm, shm-zero-copy, routed, and nixl-pull, nixl-push "
-                        "where NIXL does)")
+                        "that carries deltas here: torch, shm, shm-zero-copy, routed, nixl-pull where NIXL is "
+                        "installed, file; the others are listed with their refusal)")
     p.add_argument("--link-gbit", type=_link_rates, default=[None],
                    help="--delta also over loopback shaped to these rates (Gbit/s, e.g. 10,25; needs root and "
                         "tc; 'lo' = plain loopback), full and delta side by side on each; on a shared machine "
                         "run it in its own network namespace: unshare -n sh -c 'ip link set lo up && weightsync "
                         "bench --delta --link-gbit lo,10'")
+    p.add_argument("--vllm-paths", type=_csv, default=["engine", "backend", "serve"],
+                   help="paths of --suite vllm-prefetch: engine (in-process VLLMEngine), backend (the worker "
+                        "backend of an in-process LLM), serve (a vllm serve process, HTTP clients)")
+    p.add_argument("--serve-pause-modes", type=_csv, default=["abort"],
+                   help="how --vllm-paths serve's driver pauses a prefetched update, each mode in turn in one "
+                        "run: abort (vLLM's default), keep (frozen requests, recomputed on the new weights), "
+                        "keep-stale (frozen requests go on with KV of the old weights, no prefix-cache reset)")
     p.add_argument("--load-readers", type=int, default=16, help="readers of the load suite")
     p.add_argument("--load-versions", type=int, default=200, help="versions of the load suite")
     p.add_argument("--models", type=_csv, default=[], help="comma-separated model names (see bench.cases.MODELS)")
@@ -184,25 +191,38 @@ def _vllm_prefetch(args: argparse.Namespace) -> int:
 
     transport = args.transports[0] if args.transports else "auto"
     rows = run_vllm_prefetch(model=args.models[0] if args.models else "qwen3-30m", updates=args.reps or 3,
-                             transport=transport, timeout=args.timeout)
+                             transport=transport, paths=tuple(args.vllm_paths), timeout=args.timeout,
+                             pause_modes=tuple(args.serve_pause_modes))
     console = Console(stderr=args.json, width=200)
     table = Table(title="vLLM: the engine's pause per update (medians), and tokens/s during a sync")
-    for col in ("path", "model", "no prefetch: pause = sync s", "prefetch: sync s", "pause s", "apply s",
-                "pause / apply", "tokens/s idle", "during sync", "during / idle"):
+    for col in ("path", "model", "no prefetch: pause = sync s", "prefetch: sync s", "pause s",
+                "apply s (serve: /update_weights)", "pause / apply", "tokens/s idle", "during sync", "during / idle"):
         table.add_column(col, justify="right")
     for r in rows:
-        if "error" in r:
-            table.add_row(r["path"], r["model"], f"[red]{r['error'][:100]}[/red]", *[""] * 7)
-            continue
-        table.add_row(r["path"], r["model"], f"{r['blocking_pause_s']:.3f}", f"{r['prefetch_sync_s']:.3f}",
-                      f"{r['prefetch_pause_s']:.3f}", f"{r['prefetch_apply_s']:.3f}", f"{r['pause_over_apply']:.2f}",
-                      f"{r['idle_tokens_per_s']:.0f}", f"{r['during_tokens_per_s']:.0f}",
-                      f"{r['during_over_idle']:.2f}")
+        table.add_row(r["path"], r["model"], *_prefetch_cells(r))
     console.print(table)
+    for r in rows:  # serve, each pause mode of the driver (--serve-pause-modes), side by side
+        for mode, m in r.get("pause_modes", {}).items():
+            console.print(f"serve, /pause?mode={mode}: clients' pause {m['pause_s']:.3f} s, /update_weights "
+                          f"{m['update_s']:.3f} s (pause / it {m['pause_over_update']:.2f}), driver's pause "
+                          f"{m['driver_pause_s']:.3f} s, {m['updates']} updates")
     if args.json:
         sys.stdout.flush()
         print(json.dumps({"rows": rows, "machine": machine()}), flush=True)
     return 1 if any("error" in r for r in rows) else 0
+
+
+def _prefetch_cells(r: dict[str, Any]) -> list[str]:
+    """A vllm-prefetch row's cells after path and model; a ``serve`` row's pause is the HTTP clients'
+    gap in tokens, against the ``/update_weights`` route's time (what the engine spent applying)."""
+    if "error" in r:
+        return [f"[red]{r['error'][:100]}[/red]", *[""] * 7]
+    serve = r["path"] == "serve"
+    apply, ratio = (r["prefetch_update_s"], r["pause_over_update"]) if serve else (r["prefetch_apply_s"],
+                                                                                   r["pause_over_apply"])
+    return [f"{r['blocking_pause_s']:.3f}", f"{r['prefetch_sync_s']:.3f}", f"{r['prefetch_pause_s']:.3f}",
+            f"{apply:.3f}", f"{ratio:.2f}", f"{r['idle_tokens_per_s']:.1f}", f"{r['during_tokens_per_s']:.1f}",
+            f"{r['during_over_idle']:.2f}"]
 
 
 def _fewer_bytes(args: argparse.Namespace) -> int:

@@ -89,6 +89,8 @@ class SGLangEngine(StagedWeights):
         self.bucket_bytes = bucket_bytes
         self.timeout = timeout
         self._group: Any = None
+        # staged now: a model that does not fit next to SGLang is refused here, with its figure
+        self.lay_out()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weightsync-sglang")
 
     #: SGLang takes a version in one update call (its cache is flushed with it): whole-model staging.

@@ -119,6 +119,19 @@ class StagedWeights:
         return tuple(self._direct)
 
     # -- phases -------------------------------------------------------------------------------
+    def lay_out(self, *, layer_phases: bool = False, budget_bytes: int = 0) -> None:
+        """Allocate staging now, for the job's settings, rather than at the first update.
+
+        Called at init (vLLM's ``init_weight_transfer_engine``, SGLang's adapter), so that
+        staging that does not fit is refused there, with its figure and the setting to change,
+        never inside a sync. The phases are those every rank computes from the canonical
+        tensors (:func:`weightsync.plan.phases.layer_phases` with ``max_bucket_bytes``); the
+        reader lays out again at the first update only if the job's phases differ.
+        """
+        from weightsync.plan.phases import layer_phases as phases_of
+
+        self.use_phases(phases_of(self._layout.canonical, budget_bytes=budget_bytes) if layer_phases else None)
+
     def use_phases(self, phases: tuple[tuple[str, ...], ...] | None) -> None:
         """Lay the buffers out for ``phases`` of canonical tensors (None: the whole model at once)."""
         everything = (tuple(self._layout.canonical),)
@@ -146,9 +159,10 @@ class StagedWeights:
         self._buffers = {}
         arena = device_port.allocate(
             self.dev, max(size, _ALIGN), self._device, what="the engine's staging arena",
-            fix="leave the engine room for it (vLLM: a lower gpu_memory_utilization; SGLang: a lower "
-                "mem_fraction_static)" + (", or stage one phase of layers at a time (SyncConfig(layer_phases=True))"
-                                          if self.loads_in_phases and len(wanted) == 1 else ""),
+            fix="leave the engine room for it (vLLM: a lower gpu_memory_utilization, or kv_cache_memory_bytes; "
+                "SGLang: a lower mem_fraction_static)"
+                + (", or stage one phase of layers at a time (SyncConfig(layer_phases=True))"
+                   if self.loads_in_phases and len(wanted) == 1 else ""),
         ).zero_()
         for shard in self._layout.shards:
             if shard.name in self._direct:

@@ -113,8 +113,8 @@ def update_llm(llm: LLM, version: int, *, timeout: float | None = None) -> None:
     """Driver side of the ``"weightsync"`` backend: bring every worker of ``llm`` to ``version``.
 
     Each worker's reader receives ``version`` from the trainers and reloads (an engine drafting
-    with MTP then runs vLLM's draft session, which hands the backend its drafter); then the
-    prefix cache is reset and the engine's weight version set to ``str(version)``.
+    with MTP reloads its drafter's MTP layers in the same session); then the prefix cache is
+    reset and the engine's weight version set to ``str(version)``.
 
     Raises:
         Whatever a worker raised (``SyncError``, ``TimeoutError``); the weight version is
@@ -123,12 +123,6 @@ def update_llm(llm: LLM, version: int, *, timeout: float | None = None) -> None:
     llm.start_weight_update()
     llm.update_weights({"update_info": {"version": version, "timeout": timeout}})
     llm.finish_weight_update(weight_version=str(version))
-    if runs_mtp(llm.llm_engine.vllm_config):
-        # vLLM hands the backend its MTP drafter in a draft session only; the drafter's layers came with
-        # the version, so the first such session loads them, and every later version loads both at once
-        llm.start_draft_weight_update()
-        llm.update_weights({"update_info": {"version": version, "timeout": timeout}})
-        llm.finish_weight_update()
     if not llm.reset_prefix_cache():
         raise RuntimeError("vLLM could not reset its prefix cache (requests are running)")
 

@@ -8,8 +8,8 @@ one (``tests/test_architecture.py``):
   API, worker side and trainer side (vLLM imports them by the module paths that
   :func:`weightsync.engines.vllm.register` names);
 * ``vllm_selfcheck`` / ``sglang_selfcheck``: ``weightsync doctor --engines``'s end-to-end
-  update of a live engine; ``vllm_memory``: the reader process of ``weightsync bench --suite
-  vllm-memory``;
+  update of a live engine (the proof they share is ``selfcheck``); ``vllm_memory``: the reader
+  process of ``weightsync bench --suite vllm-memory``;
 * ``ray``: Ray actors as ranks, the meta server as a named actor (docs/distributed.md);
 * ``verl``: verl's checkpoint-engine backend (imports verl);
 * ``trl`` / ``trl_sync``: TRL's GRPOTrainer through weightsync (imports trl; docs/distributed.md).

@@ -22,7 +22,9 @@ How verl drives it, every training step (``CheckpointEngineManager.update_weight
     engine.finalize()                             # nothing to free: connections stay up
 
 verl hands the actor a generator of full (gathered) tensors, so actor rank 0 copies them
-into one persistent staging buffer per tensor (the model's size, once) and writes from it;
+into one persistent staging buffer per tensor (the model's size, once, on the trainer's GPU
+unless ``device=cpu``; refused with its figure when it does not fit,
+:mod:`weightsync.integrations.actor_copy`) and writes from it;
 the other actor ranks walk the generator (producing a tensor is collective over the actor
 group) and send nothing. Rollout workers receive into persistent buffers of the same
 layout, which they learn from the writer through the job channel on the first step, and
@@ -188,11 +190,13 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         return {"weightsync/bytes": result.nbytes, "weightsync/seconds": result.seconds}
 
     async def _start_writer(self, weights: Any) -> None:
+        from weightsync.integrations.actor_copy import copy_model
         from weightsync.writer import WeightWriter
 
         device = self.settings.staging_device
-        # one tensor at a time: verl may gather each on the fly and free it after the yield
-        buffers = {name: t.detach().to(device, copy=True).contiguous() async for name, t in _aiter(weights)}
+        # one tensor at a time: verl may gather each on the fly and free it after the yield;
+        # a copy that does not fit is refused with its figure before anything is sent
+        buffers = await copy_model(_aiter(weights), device=device)
         table = tensor_table(buffers)
         self._staged = WholeTensorBuffers(table_layout(table, 0), buffers)
         self._writer = WeightWriter(self._staged, rank=0, config=self._config(), meta=self._meta())

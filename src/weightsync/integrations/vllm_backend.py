@@ -30,17 +30,22 @@ closed, so a failed update never leaves the model half-materialised; the next ve
 recovers it.
 
 An engine that drafts with the model's MTP layers (``speculative_config`` method ``mtp``) stages
-them too. vLLM hands a backend the drafter only in a draft session (``start_draft_weight_update``,
-``update_weights`` with the same version, ``finish_weight_update``; ``update_llm`` runs one after
-the target's): the first loads the MTP layers the target's update brought, and once the drafter
-is known every version reloads target and drafter in one session.
+them too, and every version reloads target and drafter in one session: the drafter holds the
+version the target does after each ``update_weights``, whoever drives it (``update_llm``, the
+trainer-side ``WeightSyncTrainerEngine.send_weights``, vLLM's HTTP routes or Ray client). vLLM
+hands a backend its drafter only in a draft session (``start_draft_weight_update``), which
+vLLM's trainer-side client protocol cannot open, so the backend takes it from the worker that
+creates it (:func:`_creator_drafter`), and refuses at init an MTP engine whose drafter it cannot
+find. A draft session is still accepted, for the version the target holds (nothing is left to load).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
@@ -55,7 +60,6 @@ from weightsync.engines.vllm import (
     ReloadSession,
     check_supported,
     in_place_targets,
-    layer_of,
     runs_mtp,
     spec_of,
     staging_quant,
@@ -145,73 +149,69 @@ class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
 
 
 class _WorkerEngine(StagedWeights):
-    """The model inside this worker, loaded through one reload session per version (fed a
-    phase of whole layers at a time with ``layer_phases``)."""
+    """The model inside this worker, and its MTP drafter if it drafts with one, loaded through one
+    reload session per version (fed a phase of whole layers at a time with ``layer_phases``)."""
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device, rank: int,
-                 replicas: int, *, in_place: bool = True) -> None:
+                 replicas: int, *, in_place: bool = True, draft: torch.nn.Module | None = None) -> None:
         check_supported(vllm_config)
         self.mtp = runs_mtp(vllm_config)
+        assert draft is not None or not self.mtp, "init_transfer_engine refuses an MTP engine without its drafter"
         # with MTP drafting the MTP layers are staged too, for the drafter
         super().__init__(spec_of(vllm_config, mtp=self.mtp), dtype=vllm_config.model_config.dtype, device=device,
                          rank=rank, replicas=replicas, quant=staging_quant(vllm_config))
         self.model = model
         self.vllm_config = vllm_config
         self._session: ReloadSession | None = None
-        #: the MTP drafter, known once vLLM has retargeted a session at it (start_draft_weight_update)
-        self.draft: torch.nn.Module | None = None
-        #: (version, its MTP layers) that the drafter, not yet known, still has to load
-        self._held: list[tuple[str, torch.Tensor]] = []
-        self.draft_pending: int | None = None
-        self._first_mtp = int(vllm_config.model_config.hf_config.num_hidden_layers)
+        #: the MTP drafter, reloaded with the target in every session
+        self.draft = draft if self.mtp else None
         if in_place:  # parameters that need no processing are received straight into the model
             self.receive_in_place(in_place_targets(model, self, quantized=staging_quant(vllm_config) is not None))
 
     def _begin(self, version: int) -> None:
-        self._held = []
         self._session = ReloadSession(self.model, self.vllm_config, draft=self.draft)
         self._session.begin()
 
     def _load_items(self, items: list[tuple[str, torch.Tensor]]) -> None:
         assert self._session is not None, "a load outside a reload session"
-        if self.mtp and self.draft is None:
-            # copied: staging may be reused (phases) before the draft session loads them
-            self._held += [(n, t.clone()) for n, t in items if layer_of(n) >= self._first_mtp]
-            items = [(n, t) for n, t in items if layer_of(n) < self._first_mtp]
         self._session.load(items)
 
     def _end(self, version: int, *, failed: bool = False) -> None:
         session, self._session = self._session, None
         if session is not None:
             session.end()
-        if self.mtp and not failed:
-            self.draft_pending = version if self.draft is None else None
-            if self.draft is None:
-                logger.warning("weightsync: the MTP drafter has not loaded version %d yet: vLLM hands it to this "
-                               "backend in a draft session (start_draft_weight_update, update_weights with the "
-                               "same version, finish_weight_update; weightsync.engines.vllm.update_llm does it)",
-                               version)
 
     def load_draft(self, version: int | None) -> None:
-        """A draft session: the drafter loads the MTP layers of ``version``, the version the target
-        holds (received with it); from now on every version loads both in one reload session."""
-        if self.draft is None:
-            raise RuntimeError("a draft weight update outside a draft session")
-        if self.draft_pending is None:
-            if version is not None and version != self._version:
-                raise ValueError(f"a draft update to version {version}: the target model holds version "
-                                 f"{self._version}, and the drafter is updated with the target, not alone")
-            return  # the drafter loaded it with the target
-        if version is not None and version != self.draft_pending:
-            raise ValueError(f"a draft update to version {version}: update the target model to it first (it "
-                             f"holds version {self.draft_pending}; the drafter's layers arrive with the target's)")
-        session = ReloadSession(None, self.vllm_config, draft=self.draft)
-        session.begin()
-        try:
-            session.load(self._held)
-        finally:
-            session.end()
-        self._held, self.draft_pending = [], None
+        """A draft session (vLLM's ``start_draft_weight_update``): the drafter loaded the MTP layers
+        of the target's version with it, so only that version is accepted, and nothing is loaded."""
+        if version is not None and version != self._version:
+            raise ValueError(f"a draft update to version {version}: the target model holds version "
+                             f"{self._version}, and the drafter is updated with the target, not alone")
+
+
+def _creator_drafter(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The MTP drafter of the vLLM worker creating this backend for ``model``; None if not found.
+
+    vLLM gives a weight-transfer engine its drafter only inside a draft session, which its
+    trainer-side client protocol (``VLLMWeightSyncClient``: four calls) cannot open. The worker
+    builds the engine in ``Worker.load_model`` (vLLM 0.32, ``WeightTransferEngineFactory.create_engine``)
+    once its model runner holds the drafter: the caller whose ``get_model()`` is ``model`` is that
+    worker, and its ``get_draft_model()`` the drafter vLLM's draft session would hand over.
+    """
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        get_model, get_draft = getattr(owner, "get_model", None), getattr(owner, "get_draft_model", None)
+        if callable(get_model) and callable(get_draft):
+            try:
+                if get_model() is model:
+                    return get_draft()  # type: ignore[no-any-return]
+            except Exception:  # another object with these names: keep looking
+                pass
+        frame = frame.f_back
+    return None
 
 
 class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):
@@ -219,8 +219,8 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
 
     init_info_cls = WeightSyncInitInfo
     update_info_cls = WeightSyncUpdateInfo
-    #: With MTP drafting the drafter's layers arrive with every version; vLLM hands this backend the
-    #: drafter in its first draft session, which loads them (see :meth:`_WorkerEngine.load_draft`).
+    #: With MTP drafting the drafter's layers arrive, and are loaded, with every version of the target;
+    #: a draft session of that version is accepted (see :meth:`_WorkerEngine.load_draft`).
     supports_draft_weight_update = True
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
@@ -232,6 +232,8 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         #: the full-model engine (None with LoRA): the one that holds the MTP drafter's layers
         self._worker: _WorkerEngine | None = None
         self._draft_session = False
+        #: the MTP drafter, taken now: only the worker creating this engine can say which it is
+        self._drafter = _creator_drafter(model) if runs_mtp(vllm_config) else None
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> WeightSyncInitInfo:
         """Every field checked, an error naming it (vLLM's default passes the dict on unchecked)."""
@@ -249,15 +251,29 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             engine = WorkerLoraEngine(self._default_model, self.vllm_config, lora, lora_id=init_info.lora_id,
                                       rank=init_info.rank)
         else:  # prefetched bytes must not reach the model early: stage everything
+            if runs_mtp(self.vllm_config) and self._drafter is None:
+                raise RuntimeError(
+                    "this engine drafts with the model's MTP layers (speculative_config method 'mtp'), and the "
+                    "weightsync backend did not find its drafter: vLLM hands a weight-transfer engine the drafter "
+                    "only in a draft session, which its trainer-side client cannot open, so the backend takes it "
+                    "from the worker that creates it (vLLM 0.32's Worker.load_model, get_draft_model()), and this "
+                    "vLLM created it elsewhere. Its MTP weights would go stale: run without speculative decoding, "
+                    "or with vLLM 0.32")
             engine = self._worker = _WorkerEngine(self._default_model, self.vllm_config, self.device, init_info.rank,
-                                                  config.num_readers, in_place=not init_info.prefetch)
+                                                  config.num_readers, in_place=not init_info.prefetch,
+                                                  draft=self._drafter)
+            # Staging is allocated now, not at the first update: vLLM sized its KV cache when it
+            # started (before this call brings the job's phases), so what does not fit in what it
+            # left is refused here, with the figure, never inside a sync.
+            engine.lay_out(layer_phases=config.layer_phases,
+                           budget_bytes=config.transport_options.max_bucket_bytes)
         meta = (MetaClient(init_info.meta_address, job=config.job, token=init_info.meta_token)
                 if init_info.meta_address else MetaClient.from_env(job=config.job))
         self.reader = WeightReader(engine, rank=init_info.rank, config=config, meta=meta)
         self.prefetch = Prefetch(self.reader) if init_info.prefetch else None
         what = (f"LoRA adapter id {init_info.lora_id} (r={lora.r})" if lora is not None else
                 "phases of whole layers" if config.layer_phases else "the whole model at once")
-        logger.info("weightsync reader %d ready (%s%s); staging is laid out at the first update", init_info.rank,
+        logger.info("weightsync reader %d ready (%s%s); staging is laid out", init_info.rank,
                     what, ", prefetching" if init_info.prefetch else "")
 
     def start_weight_update(self) -> None:
@@ -268,11 +284,10 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         # vLLM's start_draft_weight_update retargets this engine at the drafter before calling this
         self._draft_session = self.model is not self._default_model
         if self._draft_session:
-            if self._worker is None or not self._worker.mtp:
+            if self._worker is None or not self._worker.mtp or self.model is not self._worker.draft:
                 raise RuntimeError("a draft weight update: weightsync syncs MTP drafters (speculative_config "
                                    "method 'mtp') of full-model versions, and this engine drafts with another "
                                    "model or takes LoRA adapters")
-            self._worker.draft = self.model
             return
         if self.prefetch is not None:
             self.prefetch.start()

@@ -81,7 +81,8 @@ class MegatronNames:
     """mbridge's view of one model: Megatron parameter name -> canonical parts.
 
     Raises:
-        ValueError: mbridge has no bridge for the family (gpt-oss in mbridge 0.15.1).
+        ValueError: mbridge has no bridge for the family (gpt-oss in mbridge 0.15.1: the message says
+            what megatron-core builds and what is missing).
     """
 
     def __init__(self, spec: ModelSpec) -> None:
@@ -206,6 +207,23 @@ def _decode(fused: torch.Tensor, offsets: list[int], shapes: tuple[tuple[int, ..
     return tuple((int(index[a]), int(row[a]), int(row[a]) + b - a) for a, b in zip(starts, ends, strict=True))
 
 
+#: Why a family megatron-core builds has no Megatron names here, beyond mbridge's missing bridge.
+_NO_BRIDGE = {
+    "gpt_oss": (
+        ". megatron-core 0.16.1 itself builds gpt-oss on CPU with its local spec: the sinks are "
+        "DotProductAttention.softmax_offset (transformer/dot_product_attention.py, softmax_type='learnable'), "
+        "the sliding windows window_size with window_attn_skip_freq (transformer/utils.py, "
+        "is_layer_window_attention), the biased experts SequentialMLP with add_bias_linear "
+        "(transformer/moe/experts.py) and the router's bias TopKRouter.bias (transformer/moe/router.py). "
+        "What is missing is the mapping: megatron-bridge's gpt-oss bridge (models/gpt_oss/gpt_oss_bridge.py) "
+        "is not installable beside transformers 5 without Transformer Engine, and its expert layout, "
+        "linear_fc1 = [gate; up] de-interleaved from the checkpoint's interleaved gate_up_proj columns and "
+        "transposed, is a step-2 slice that weightsync's regions (a box plus strides) express only one column "
+        "at a time (2 x intermediate_size regions per expert). Train gpt-oss with FSDP2 or ZeRO-3 (HF names), "
+        "or see docs/models.md"),
+}
+
+
 def _bridge(spec: ModelSpec) -> Any:
     """The mbridge bridge of ``spec``'s family, holding what its mapping and conversion methods read
     (see the module docstring for why its constructor is not run)."""
@@ -217,8 +235,9 @@ def _bridge(spec: ModelSpec) -> Any:
                          "pip install 'weightsync[megatron]'") from exc
     cls = _MODEL_REGISTRY.get(spec.family)
     if cls is None:
+        why = _NO_BRIDGE.get(spec.family, "")
         raise ValueError(f"mbridge has no bridge for the {spec.family} family (it has: {sorted(_MODEL_REGISTRY)}), "
-                         "so weightsync cannot name its Megatron-core parameters")
+                         f"so weightsync cannot name its Megatron-core parameters{why}")
     bridge = cls.__new__(cls)
     # hidden_size 1: the qkv fusion reshapes to [-1, hidden_size], and the probes are one column wide
     bridge.hf_config = SimpleNamespace(num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,

@@ -56,7 +56,8 @@ def transport_class_path(name: str, ctx: TransportContext) -> str:
     else:
         from weightsync.transport.nixl_common import resolve_mode
 
-        mode = resolve_mode(ctx.options.nixl_mode, num_writers=ctx.num_writers, num_readers=ctx.num_readers)
+        mode = resolve_mode(ctx.options.nixl_mode, num_writers=ctx.num_writers, num_readers=ctx.num_readers,
+                            delta=bool(ctx.options.delta_anchor_every))
     logger.debug("transport %s -> mode %s", name, mode)
     return entry[mode]
 
@@ -108,8 +109,8 @@ def check_delta_carried(name: str, ctx: TransportContext) -> None:
             where = f"the {name} transport" if route == name else f"the {name} transport's {route} route"
             raise ValueError(f"{ctx.who}: delta_anchor_every={anchor} is not supported by {where} "
                              f"({cls.__name__}, on {ctx.device}): it would send every version in full. Deltas "
-                             "run over torch (gloo), shm and routed between CPU ranks; use one of those, or "
-                             "delta_anchor_every=0")
+                             "run over torch (gloo), shm, nixl (nixl_mode 'pull'), file and routed between CPU ranks; "
+                             "use one of those, or delta_anchor_every=0")
 
 
 def _class_of(name: str, ctx: TransportContext) -> Any:

@@ -79,9 +79,9 @@ class TransportOptions:
             transport/shm.py); False makes them wait for whole slots (for A/B measurements).
         delta_anchor_every: 0 sends every version in full; K >= 1 sends each reader only what
             changed since the version it holds and can vouch for (two-sided transports:
-            :mod:`weightsync.transport.delta`; one-sided: :mod:`weightsync.transport.delta_published`),
-            with a full version at least every K versions (K=1: always full). The file
-            transport refuses it.
+            :mod:`weightsync.transport.delta`; one-sided: :mod:`weightsync.transport.delta_published`; file:
+            :mod:`weightsync.transport.file_changes`), with a full version at least every K versions
+            (K=1: always full). NIXL push and NCCL refuse it.
     """
 
     max_bucket_bytes: int = 64 << 20

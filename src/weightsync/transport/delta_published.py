@@ -38,8 +38,8 @@ copy of each op (the *shadow*) and writes each op in full from it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -92,8 +92,13 @@ class ChangeLayout:
     at: int
 
     @classmethod
-    def for_index(cls, index: ExposedIndex, slots: int, *, after: int) -> ChangeLayout:
-        return cls(table_rows(index), area_capacity(index.total_bytes), slots, -(-after // ALIGN) * ALIGN)
+    def for_index(cls, index: ExposedIndex, slots: int, *, after: int,
+                  header: dict[str, object] | None = None) -> ChangeLayout:
+        """The layout after byte ``after``; also written into a segment's ``header`` when given."""
+        layout = cls(table_rows(index), area_capacity(index.total_bytes), slots, -(-after // ALIGN) * ALIGN)
+        if header is not None:
+            header["changes"] = layout.to_header()
+        return layout
 
     @property
     def tables_bytes(self) -> int:
@@ -187,6 +192,40 @@ class ChangeWriter:
         self._last = None
 
 
+class SlotChanges:
+    """A snapshot writer's changes (shm snapshot, NIXL pull): its memory ``data`` holds ``slots``
+    version slots of ``slot_bytes``, then ``layout``'s tables and areas; each piece of version
+    ``V`` is compared with its bytes of ``V - 1`` in the previous slot (no copy of its own)::
+
+        changes.begin(version)                    # phase 0, before readers may look at the slot
+        changes.piece(version, key, op, at)       # once the piece is packed at ``at`` in its slot
+        changes.end(version)                      # the version is sealed (or .abandon() on failure)
+    """
+
+    def __init__(self, index: ExposedIndex, layout: ChangeLayout, data: torch.Tensor, *, slot_bytes: int,
+                 anchor_every: int) -> None:
+        self.book = ChangeWriter(index, anchor_every=anchor_every)
+        self.tables, self.areas = layout.views(data)
+        self.data, self.slots, self.slot_bytes = data, layout.slots, slot_bytes
+
+    def begin(self, version: int) -> None:
+        slot = version % self.slots
+        self.book.begin(version, self.tables[slot], self.areas[slot])
+
+    def piece(self, version: int, key: str, op: TransferOp, at: int) -> None:
+        slot, previous = version % self.slots * self.slot_bytes, (version - 1) % self.slots * self.slot_bytes
+        new = self.data[slot + at: slot + at + op.nbytes]
+        old = self.data[previous + at: previous + at + op.nbytes] if self.book.base >= 0 else None
+        self.book.piece(key, op, new, old, table=self.tables[version % self.slots],
+                        area=self.areas[version % self.slots], update_old=False)
+
+    def end(self, version: int) -> None:
+        self.book.end(version)
+
+    def abandon(self) -> None:
+        self.book.abandon()
+
+
 @dataclass
 class HeldOps:
     """What a reader received from one writer (per phase): the version and, per op, the
@@ -194,6 +233,17 @@ class HeldOps:
 
     version: int
     digests: list[int]
+
+
+@dataclass
+class Taking:
+    """A reader's receive of one writer's ops in one version: the base it vouches for (-1:
+    none), its own copy of each op (None: the destination keeps what arrived), and the
+    writer's digest of each op's new bytes, collected as the ops land."""
+
+    base: int
+    shadow: list[torch.Tensor] | None
+    digests: list[int] = field(default_factory=list)
 
 
 class ChangeReader:
@@ -273,6 +323,41 @@ class ChangeReader:
         kept.copy_(source)
         dst.copy_(kept)
 
+    def begin(self, key: tuple[int, int], ops: Sequence[TransferOp], flats: Mapping[str, torch.Tensor], *,
+              publishes: bool) -> Taking:
+        """Start receiving ``ops`` of writer ``key[1]`` in phase ``key[0]`` (vouch for the base);
+        ``publishes``: whether that writer publishes changes at all."""
+        if not publishes:
+            raise TransportError(f"reader {self.rank}: writer {key[1]} publishes no changes; set the same "
+                                 "TransportOptions.delta_anchor_every on every rank")
+        return Taking(self.vouch(key, ops, flats), self.shadow_of(key, ops))
+
+    def begin_writers(self, phase: int, ops_of: Mapping[int, list[TransferOp]], flats: Mapping[str, torch.Tensor],
+                      *, publishes: Callable[[int], bool]) -> dict[int, Taking]:
+        """:meth:`begin` for each writer of ``ops_of`` (writer -> its ops this phase, in order)."""
+        return {w: self.begin((phase, w), ops, flats, publishes=publishes(w)) for w, ops in ops_of.items()}
+
+    def take(self, op: TransferOp, published: tuple[torch.Tensor, torch.Tensor] | None, *, version: int, row: int,
+             source: torch.Tensor, flats: Mapping[str, torch.Tensor], taking: Taking, writer: int) -> int:
+        """Bring the next op of ``taking`` to ``version``: its change from the ``published`` table
+        and area when this reader holds the version's base, else in full from ``source`` (the
+        op's view in the version). Returns the bytes taken from the writer's memory."""
+        assert published is not None, "begin() checked that the writer publishes changes"
+        table, area = published
+        if int(table[0, VERSION]) != version:
+            raise TransportError(f"reader {self.rank}: writer {writer}'s change table holds version "
+                                 f"{int(table[0, VERSION])}, not {version}")
+        values = table[row].tolist()
+        kept = None if taking.shadow is None else taking.shadow[len(taking.digests)]
+        taking.digests.append(values[DIGEST])
+        if taking.base < 0 or int(table[0, BASE]) != taking.base or values[KIND] == Kind.DENSE:
+            self.copy(op, source, flats, shadow=kept)
+            return op.nbytes
+        check_row(values, op, area.numel(), reader=self.rank, writer=writer)
+        self.apply(op, values, area[values[OFFSET]: values[OFFSET] + values[NBYTES]], flats, writer=writer,
+                   shadow=kept)
+        return int(values[NBYTES])
+
     def received(self, key: tuple[int, int], version: int, digests: list[int]) -> None:
         """Every op of writer ``key[1]`` landed at ``version`` (``digests``: the table's, per op)."""
         self.held[key] = HeldOps(version, digests)
@@ -296,6 +381,15 @@ def check_delta(transport: str, ctx: TransportContext) -> None:
         raise ValueError(f"{ctx.who}: delta_anchor_every over the {transport} transport needs slots >= 2 (a "
                          f"version is compared with the previous one in its own slot); got slots="
                          f"{ctx.options.slots}")
+
+
+def published_views(header: Mapping[str, object], data: torch.Tensor, *,
+                    writer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A writer's ``(tables, areas)`` per slot in ``data`` (its shared memory after the control
+    page), as its segment ``header`` lays them out; None when it publishes no changes."""
+    if "changes" not in header:
+        return None
+    return ChangeLayout.from_header(header["changes"], writer=writer).views(data)
 
 
 def check_row(row: Sequence[int], op: TransferOp, capacity: int, *, reader: int, writer: int) -> None:

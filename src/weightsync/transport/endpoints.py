@@ -74,20 +74,27 @@ class FileEndpoint:
 @dataclass(frozen=True, slots=True)
 class NixlSlots:
     """A NIXL pull writer's registered version slots: ``slots`` areas of ``slot_bytes`` from
-    address ``area``, laid out by ``index`` (an encoded :class:`~weightsync.transport.exposed.ExposedIndex`)."""
+    address ``area``, laid out by ``index`` (an encoded :class:`~weightsync.transport.exposed.ExposedIndex`),
+    and with deltas where the area's change tables follow (``changes``: a
+    :class:`~weightsync.transport.delta_published.ChangeLayout` header)."""
 
     area: int
     slots: int
     slot_bytes: int
     index: bytes
+    changes: Mapping[str, int] | None = field(default=None, hash=False)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"area": self.area, "slots": self.slots, "slot_bytes": self.slot_bytes, "index": self.index}
+        doc = {"area": self.area, "slots": self.slots, "slot_bytes": self.slot_bytes, "index": self.index}
+        if self.changes is not None:
+            doc["changes"] = dict(self.changes)
+        return doc
 
     @classmethod
     def from_wire(cls, doc: Mapping[str, Any]) -> NixlSlots:
+        changes = take(doc, "changes", dict, "a map") if "changes" in doc else None
         return cls(take(doc, "area", int, "an int"), take(doc, "slots", int, "an int"),
-                   take(doc, "slot_bytes", int, "an int"), take(doc, "index", bytes, "bytes"))
+                   take(doc, "slot_bytes", int, "an int"), take(doc, "index", bytes, "bytes"), changes)
 
 
 @dataclass(frozen=True, slots=True)

@@ -221,6 +221,21 @@ class NixlAgent:
         if state != "DONE":
             raise TransportError(f"{self.who}: {xfer.describe()} ended in state {state}")
 
+    def run_once(self, op: str, peer: str, descs: Descriptors, mem: str, deadline: Deadline, *, what: str,
+                 alive: Callable[[str], None] | None = None) -> int:
+        """Prepare, run and release a transfer whose ranges differ every time (a version's
+        changes); returns its bytes. Raises as :meth:`run`."""
+        xfer = self.prepare(op, peer, descs, mem, what=what)
+        try:
+            self.run(xfer, deadline, alive=alive)
+        finally:
+            with self._cond:
+                self._xfers.remove(xfer)
+                for h in (xfer.handle, *xfer.dlists):
+                    with contextlib.suppress(*self._errors):
+                        h.release()
+        return xfer.nbytes
+
     def take_notifs(self, timeout: float) -> dict[str, list[bytes]]:
         """Notifications received since the last call (waits up to ``timeout`` for one)."""
         with self._cond:

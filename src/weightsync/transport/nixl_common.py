@@ -32,7 +32,9 @@ the rest. ``auto`` therefore picks push when there are at most as many readers a
 instead of twice, needs no version slots on the writer and leaves the reader's CPU idle)
 and pull when readers outnumber writers (fan-out: the writer's time stays one pack, the
 reads spread over the readers, and a reader may lag ``slots - 1`` versions without holding
-the writers up). Figures: docs/benchmarks.md, "NIXL".
+the writers up). With ``delta_anchor_every`` it picks pull, the mode that carries deltas
+(readers READ the changes writers publish: :mod:`weightsync.transport.nixl_pull`); push with
+deltas is refused at init. Figures: docs/benchmarks.md, "NIXL".
 
 Every wait has a deadline and keeps operating on the peers it waits for, so a dead peer
 is a :class:`TransportError` naming it, within the timeout.
@@ -56,7 +58,7 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -98,11 +100,12 @@ def phase_token(version: int, phase: int) -> int:
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def resolve_mode(mode: str, *, num_writers: int, num_readers: int) -> str:
-    """The mode ``auto`` stands for in a deployment (see module docstring, "Choosing")."""
+def resolve_mode(mode: str, *, num_writers: int, num_readers: int, delta: bool = False) -> str:
+    """The mode ``auto`` stands for in a deployment (see module docstring, "Choosing"); with
+    deltas always pull, the mode that carries them."""
     if mode != "auto":
         return mode
-    return "push" if num_readers <= num_writers else "pull"
+    return "push" if num_readers <= num_writers and not delta else "pull"
 
 
 class NixlBase:
@@ -114,7 +117,8 @@ class NixlBase:
     publishes_before_send: ClassVar[bool]
     serves_cpu: ClassVar[bool] = True
     serves_cuda: ClassVar[bool] = True  # GPUDirect RDMA where UCX has it
-    carries_deltas: ClassVar[bool] = False  # not yet (issue 25): refused at creation
+    #: Pull publishes each version's changes (delta_published); push is refused at creation.
+    carries_deltas: ClassVar[bool] = False
     mode: ClassVar[str]
 
     def __init__(self, ctx: TransportContext) -> None:
@@ -273,14 +277,17 @@ class NixlBase:
         descs = Descriptors.of([local.data_ptr()], [peer.endpoint.ctl], [local.numel() * local.element_size()])
         return self._prepare_xfer(peer, "READ", descs, what, data=False)
 
-    def _pack(self, base: int, phase: int) -> int:
-        """Copy (and convert) the phase's distinct pieces into the area at ``base``; returns bytes."""
+    def _pack(self, base: int, phase: int, then: Callable[[str, TransferOp, int], None] | None = None) -> int:
+        """Copy (and convert) the phase's distinct pieces into the area at ``base``; returns bytes.
+        ``then(key, op, at)`` runs after each piece is copied (host memory: the copy is done)."""
         assert self._area is not None and self._index is not None
         nbytes = 0
         for key, op in self._copies[phase]:
             at, n = self._index.entries[key]
             out = self._area[base + at: base + at + n].view(TORCH_DTYPES[op.dst_dtype])
             self.dev.copy(out.view(op.box.sizes), op_src_view(self._flats, op))
+            if then is not None:
+                then(key, op, at)
             nbytes += n
         self.dev.synchronize(self.device)  # also orders the training stream before peers read
         return nbytes

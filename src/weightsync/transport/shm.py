@@ -46,7 +46,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 
 from weightsync import device_port
-from weightsync.codecs.delta import Kind
 from weightsync.deadline import Deadline
 from weightsync.device_port import DevicePort, IpcHandle
 from weightsync.devices import ipc_attach_device, visible_gpus
@@ -63,17 +62,11 @@ from weightsync.transport.base import (
     phase_plans,
 )
 from weightsync.transport.delta_published import (
-    BASE,
-    DIGEST,
-    KIND,
-    NBYTES,
-    OFFSET,
-    VERSION,
     ChangeLayout,
     ChangeReader,
-    ChangeWriter,
+    SlotChanges,
     check_delta,
-    check_row,
+    published_views,
 )
 from weightsync.transport.endpoints import ShmEndpoint
 from weightsync.transport.exposed import ExposedIndex, piece_key
@@ -245,7 +238,10 @@ class SharedMemoryTransport:
         deadline = Deadline.after(timeout)
         reads = self._reads[phase]
         involved = {w: self._peers[w] for w in dict.fromkeys(w for w, _, _, _ in reads)}
-        taking = self._vouch(phase, reads, timer)
+        with timer("vouch"):  # per writer: the base this reader vouches for (deltas on)
+            taking = {} if self._changes is None else self._changes.begin_writers(
+                phase, {w: [op for v, op, _, _ in reads if v == w] for w in involved}, self._flats,
+                publishes=lambda w: self._peers[w].changes(0) is not None)
         done = False
         try:
             for peer in involved.values():
@@ -254,7 +250,10 @@ class SharedMemoryTransport:
                 for w, op, at, row in reads:
                     source = self._peers[w].source(op, at, version, deadline)
                     if w in taking:
-                        stats.nbytes += self._take(version, w, op, row=row, source=source, taking=taking[w])
+                        assert self._changes is not None
+                        stats.nbytes += self._changes.take(op, self._peers[w].changes(version), version=version,
+                                                           row=row, source=source, flats=self._flats,
+                                                           taking=taking[w], writer=w)
                     else:
                         self.dev.copy(op_dst_view(self._flats, op), source)
                         stats.nbytes += op.nbytes
@@ -269,51 +268,10 @@ class SharedMemoryTransport:
                 for peer in self._peers.values():
                     peer.release(version)
         if self._changes is not None:
-            for w, (_, _, digests) in taking.items():
-                self._changes.received((phase, w), version, digests)
+            for w, took in taking.items():
+                self._changes.received((phase, w), version, took.digests)
             stats.peak_extra_bytes = self._changes.extra_bytes()
         return stats
-
-    def _vouch(self, phase: int, reads: list[tuple[int, TransferOp, int, int]],
-               timer: PhaseTimer) -> dict[int, tuple[int, list[torch.Tensor] | None, list[int]]]:
-        """Per writer whose segment publishes changes: (the base this reader vouches for, its
-        shadow of the writer's ops, the digests collected as the ops land)."""
-        changes = self._changes
-        if changes is None:
-            return {}
-        out: dict[int, tuple[int, list[torch.Tensor] | None, list[int]]] = {}
-        with timer("vouch"):
-            for w in dict.fromkeys(w for w, _, _, _ in reads):
-                if self._peers[w].changes(0) is None:
-                    raise TransportError(f"reader {self.ctx.rank}: writer {w} publishes no changes; set the same "
-                                         "TransportOptions.delta_anchor_every on every rank")
-                ops = [op for v, op, _, _ in reads if v == w]
-                key = (phase, w)
-                out[w] = (changes.vouch(key, ops, self._flats), changes.shadow_of(key, ops), [])
-        return out
-
-    def _take(self, version: int, w: int, op: TransferOp, *, row: int, source: torch.Tensor,
-              taking: tuple[int, list[torch.Tensor] | None, list[int]]) -> int:
-        """Copy one op: its change when this reader holds the version's base, else in full. Returns
-        the bytes copied out of the writer's segment."""
-        assert self._changes is not None
-        base, shadow, digests = taking
-        published = self._peers[w].changes(version)
-        assert published is not None
-        table, area = published
-        if int(table[0, VERSION]) != version:
-            raise TransportError(f"reader {self.ctx.rank}: writer {w}'s change table holds version "
-                                 f"{int(table[0, VERSION])}, not {version}")
-        values = table[row].tolist()
-        kept = None if shadow is None else shadow[len(digests)]
-        digests.append(values[DIGEST])
-        if base < 0 or int(table[0, BASE]) != base or values[KIND] == Kind.DENSE:
-            self._changes.copy(op, source, self._flats, shadow=kept)
-            return op.nbytes
-        check_row(values, op, area.numel(), reader=self.ctx.rank, writer=w)
-        encoded = area[values[OFFSET]: values[OFFSET] + values[NBYTES]]
-        self._changes.apply(op, values, encoded, self._flats, writer=w, shadow=kept)
-        return int(values[NBYTES])
 
     def forget_received(self) -> None:
         if self._changes is not None:
@@ -354,12 +312,10 @@ class SnapshotWriter:
             header["ipc"] = dev.share(data).to_wire()
         # the change area lives in host shared memory after the slots (deltas between GPUs are
         # refused when the transport is created)
-        changes = ChangeLayout.for_index(index, slots, after=slots * slot_bytes) \
+        changes = ChangeLayout.for_index(index, slots, after=slots * slot_bytes, header=header) \
             if ctx.options.delta_anchor_every and data is None else None
-        if changes is not None:
-            header["changes"] = changes.to_header()
-        self.segment = OwnSegment(ctx.rank, header, 0 if data is not None else slots * slot_bytes + (
-            changes.nbytes if changes is not None else 0))
+        self.segment = OwnSegment(ctx.rank, header, 0 if data is not None else (
+            changes.end if changes is not None else slots * slot_bytes))
         self.segment.words[3: 3 + 3 * slots].fill_(EMPTY)
         self.segment.seal()
         if data is not None:
@@ -373,8 +329,8 @@ class SnapshotWriter:
         # other route blocks per phase: waiting for the whole slot would hang the job). The
         # words are plain stores, read in order only where the CPU keeps store order.
         self.phased = data is not None and _ORDERED_STORES
-        self.changes = None if changes is None else (
-            ChangeWriter(index, anchor_every=ctx.options.delta_anchor_every), changes.views(self.segment.data))
+        self.changes = None if changes is None else SlotChanges(
+            index, changes, self.segment.data, slot_bytes=slot_bytes, anchor_every=ctx.options.delta_anchor_every)
         logger.info("%s exposes %d bytes x %d slots in %s", ctx.who, index.total_bytes, slots, self.segment.path)
 
     def send(self, version: int, flats: Mapping[str, torch.Tensor], timeout: float, *, phase: int,
@@ -389,20 +345,16 @@ class SnapshotWriter:
             control[seq_word(slot)] = EMPTY  # readers of the old version in this slot will notice
             control[progress_at] = 0
             if self.changes is not None:  # before readers may look at the slot
-                book, (tables, areas) = self.changes
-                book.begin(version, tables[slot], areas[slot])
+                self.changes.begin(version)
             control[writing_word(self.slots, slot)] = version if self.streaming or self.phased else EMPTY
         published = int(control[progress_at])
-        previous = (version - 1) % self.slots * self.slot_bytes
         with PhaseTimer(stats)("pack"):
             for key, op in self.copies[phase]:
                 at, nbytes = self.index.entries[key]
                 out = self.data[base + at: base + at + nbytes]
                 self.dev.copy(out.view(TORCH_DTYPES[op.dst_dtype]).view(op.box.sizes), op_src_view(flats, op))
                 if self.changes is not None:  # against the previous version, in the previous slot
-                    book, (tables, areas) = self.changes
-                    old = self.data[previous + at: previous + at + nbytes] if book.base >= 0 else None
-                    book.piece(key, op, out, old, table=tables[slot], area=areas[slot], update_old=False)
+                    self.changes.piece(version, key, op, at)
                 stats.nbytes += nbytes
                 stats.messages += 1
                 if self.streaming and at + nbytes - published >= _PROGRESS_BYTES:
@@ -414,7 +366,7 @@ class SnapshotWriter:
         if last:
             self.dev.synchronize(self.device)  # the copies above are asynchronous on a GPU
             if self.changes is not None:
-                self.changes[0].end(version)
+                self.changes.end(version)
             self.dev.signal(control, seq_word(slot), version, covers=[self.data[base: base + self.slot_bytes]])
         elif self.phased and self.copies[phase]:
             key, _ = self.copies[phase][-1]
@@ -517,10 +469,8 @@ def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, 
         mem, words, header = read_segment(path, writer)
         index = ExposedIndex.decode(header["index"])
         if header.get("mode") == "zero_copy":
-            changes = None
-            if "changes" in header:
-                tables, areas = ChangeLayout.from_header(header["changes"], writer=writer).views(mem[CONTROL_BYTES:])
-                changes = (tables[0], areas[0])
+            views = published_views(header, mem[CONTROL_BYTES:], writer=writer)
+            changes = None if views is None else (views[0][0], views[1][0])
             return ZeroCopyPeer(words, index, header["files"], writer=writer, reader=ctx.rank,
                                 watch=PeerWatch(ctx, "writer", [writer]), changes=changes)
     except FileGoneError as exc:
@@ -536,12 +486,17 @@ def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, 
                                      "by this process and are already released (the writer closed)")
             data = own
         else:
-            data = dev.open(handle, ipc_home(handle))
+            home = ipc_home(handle)
+            # the first open on the writer's GPU creates this process's CUDA context there
+            device_port.check_fits(
+                dev, dev.context_bytes(home), home,
+                what=f"reader {ctx.rank}'s CUDA context on writer {writer}'s GPU (CUDA IPC maps its slots there)",
+                fix="leave it free on the trainer's GPU (fewer TransportOptions.slots, a smaller max_bucket_bytes), "
+                    "run the engine on the trainer's GPU, or use transport='torch' between GPUs")
+            data = dev.open(handle, home)
     else:
         data = mem[CONTROL_BYTES:CONTROL_BYTES + slots * slot_bytes]
-    changes = None
-    if "changes" in header:
-        changes = ChangeLayout.from_header(header["changes"], writer=writer).views(mem[CONTROL_BYTES:])
+    changes = published_views(header, mem[CONTROL_BYTES:], writer=writer)
     return SnapshotPeer(words, data, index, slot_bytes=slot_bytes, slots=slots, writer=writer, reader=ctx.rank,
                         streaming=streaming and ipc is None, phased=ipc is not None and _ORDERED_STORES,
                         watch=PeerWatch(ctx, "writer", [writer]), changes=changes)

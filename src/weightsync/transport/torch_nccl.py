@@ -24,14 +24,19 @@ on (torch 2.13, ``torch/distributed/distributed_c10d.py``):
   has not completed by the deadline, or as soon as the job channel reports a peer dead (NCCL
   has no peer watch of its own); aborted NCCL kernels end, the event completes, and the sync
   raises :class:`TransportError` naming the peers and why. The eager connect of ``prepare``
-  runs under one too. The group is
-  created with the settings of :func:`nccl_group_env` (read by ``ProcessGroupNCCL``'s
-  constructor only, so the user's own groups keep theirs): ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``,
-  because torch's default (3) tears the whole process down when a work times out or fails,
-  and ``TORCH_NCCL_BLOCKING_WAIT=1``, which starts no torch watchdog (nor heartbeat monitor)
-  for this group, so an error in it never raises torch's process-wide dump signal that the
-  default group's monitor answers by terminating the process. A dead rollout worker must
-  never kill the trainer. The next version runs in a new epoch with a new communicator.
+  runs under one too. The next version runs in a new epoch with a new communicator.
+* **A dead peer never kills this process** (a dead rollout worker must not kill the trainer).
+  torch starts a watchdog thread for every ``ProcessGroupNCCL`` unless ``TORCH_NCCL_BLOCKING_WAIT``
+  is set when it is constructed; on any NCCL error of any group that watchdog raises the
+  process-wide dump signal, which the heartbeat monitor of the process's first NCCL group
+  answers by terminating the process, whatever ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` says.
+  torch 2.13 reads both settings in the constructor only, from the environment only:
+  ``ProcessGroupNCCL.Options`` has no field for them and the backend no setter (docs/gpu.md,
+  "NCCL: what weightsync does", cites the lines). So :func:`construct_backend` builds the
+  group with :func:`nccl_group_env` in the environment (weightsync never waits on a work from
+  the CPU, so blocking wait costs nothing here), and only then: one construction at a time
+  in a process, nothing written when the environment already holds those values, and the
+  previous values restored before any other weightsync group is built.
 
 Staging: one buffer of ``max_bucket_bytes / 16`` per pair (a window holds at most one staged
 message), so peak extra memory is within ``max_bucket_bytes`` up to 16 peers per rank.
@@ -169,9 +174,17 @@ def nccl_group_env() -> dict[str, str]:
     return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_BLOCKING_WAIT": "1"}
 
 
+#: Held while a weightsync NCCL group is constructed. Two constructions that overlapped, each
+#: saving and restoring the environment around its own, restored in the wrong order and left
+#: ``TORCH_NCCL_BLOCKING_WAIT=1`` in the process for good (every later group of the user's
+#: built without a torch watchdog).
+_CONSTRUCTING = threading.Lock()
+
+
 @contextlib.contextmanager
 def scoped_env(values: dict[str, str]) -> Iterator[None]:
-    """``values`` in ``os.environ`` for the duration, then exactly what was there before."""
+    """``values`` in ``os.environ`` for the duration, then exactly what was there before.
+    Not reentrant across threads by itself: :func:`construct_backend` serialises its users."""
     before = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
     try:
@@ -184,14 +197,28 @@ def scoped_env(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+def construct_backend(store: dist.Store, rank: int, size: int, options: Any) -> Any:
+    """``ProcessGroupNCCL(store, rank, size, options)`` constructed under :func:`nccl_group_env`
+    (module docstring: torch 2.13 takes these settings from the environment only).
+
+    One weightsync construction at a time in this process; the environment is written only
+    where it does not already hold the value, and restored before the lock is released.
+    """
+    with _CONSTRUCTING:
+        missing = {key: value for key, value in nccl_group_env().items() if os.environ.get(key) != value}
+        if not missing:
+            return dist.ProcessGroupNCCL(store, rank, size, options)
+        with scoped_env(missing):
+            return dist.ProcessGroupNCCL(store, rank, size, options)
+
+
 def nccl_group(store: dist.Store, rank: int, size: int, device: torch.device, *, name: str,
                deadline: Deadline) -> Any:
     """A NCCL process group of our own, with its communicator created now (module docstring)."""
     options = dist.ProcessGroupNCCL.Options()
     options.is_high_priority_stream = False
     options._timeout = _GROUP_TIMEOUT
-    with scoped_env(nccl_group_env()):
-        backend = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", store), rank, size, options)
+    backend = construct_backend(dist.PrefixStore("cuda/", store), rank, size, options)
     backend._set_sequence_number_for_group()
     pg = dist.ProcessGroup(store, rank, size)
     pg._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
@@ -347,4 +374,5 @@ class NcclTransport(TorchDistBase):
                                          f"{pair.messages[tag].describe()}")
 
 
-__all__ = ["WINDOW", "NcclTransport", "Pair", "Watchdog", "Window", "nccl_group", "rounds_of", "windows_of"]
+__all__ = ["WINDOW", "NcclTransport", "Pair", "Watchdog", "Window", "construct_backend", "nccl_group", "rounds_of",
+           "windows_of"]
