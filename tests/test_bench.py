@@ -202,6 +202,21 @@ def test_vllm_serve_prefetch_rows_from_token_arrivals_and_the_trainer_trace():
     assert row["during_tokens_per_s"] == pytest.approx(68 / 4.2) and row["during_over_idle"] == pytest.approx(1.0)
     cells = _prefetch_cells({"path": "serve", **row})
     assert cells[2:5] == ["1.000", "0.250", "4.00"]  # pause, /update_weights, pause over it
+    assert row["pause_modes"] == {"abort": {"updates": 1, "pause_s": 1.0, "update_s": 0.25,
+                                            "driver_pause_s": pytest.approx(0.6), "pause_over_update": 4.0,
+                                            "pauses_s": [1.0]}}
+    # the driver's pause modes take turns; the row's own prefetch figures are the first mode's
+    keep = {"start": 28.0, "received": 30.0, "paused": 30.1, "update": 30.1, "updated": 30.3, "end": 30.4,
+            "mode": "keep"}
+    arrivals = [(t, n) for t, n in arrivals if not 30.0 < t < 30.5]  # the keep pause: a 0.5 s gap
+    row = summarize(arrivals, {**trace, "prefetch": [*trace["prefetch"], keep], "pause_modes": ["abort", "keep"]})
+    assert row["prefetch_pause_s"] == 1.0 and row["updates"] == 1
+    assert row["pause_modes"]["keep"] == {"updates": 1, "pause_s": 0.5, "update_s": pytest.approx(0.2),
+                                          "driver_pause_s": pytest.approx(0.4), "pause_over_update": pytest.approx(2.5),
+                                          "pauses_s": [0.5]}
+    with pytest.raises(ValueError, match=r"serve pause mode\(s\) \['wait'\] are unknown; choose from abort, keep, "
+                                         "keep-stale"):
+        run_vllm_prefetch(paths=("serve",), pause_modes=("abort", "wait"))
     with pytest.raises(ValueError, match=r"vLLM path\(s\) \['gpu'\] are unknown; choose from engine, backend, serve"):
         run_vllm_prefetch(paths=("serve", "gpu"))
 
@@ -249,3 +264,41 @@ def test_link_rates_are_parsed_or_refused_by_name():
         _link_rates("lo,ten")
     with pytest.raises(argparse.ArgumentTypeError, match="positive, got 0"):
         _link_rates("0")
+
+
+def test_delta_bench_runs_the_transports_that_carry_deltas_and_says_why_not_the_others(monkeypatch):
+    """The bench's transports come from the refusals' own rules (SyncConfig's combination check
+    and the transport class's ``check_delta_carried``): a transport or mode appears the day it
+    carries deltas, and is left out with the refusal's message until then."""
+    import importlib.util
+
+    from weightsync.bench.delta_sync import VARIANTS, delta_variants
+    from weightsync.transport.file import FileTransport
+
+    carried, left_out = delta_variants()
+    names = {v.name for v in carried}
+    assert {"torch", "shm", "shm-zero-copy", "routed", "file"} <= names
+    assert ("nixl-pull" in names) == bool(importlib.util.find_spec("nixl_cu12") or importlib.util.find_spec("nixl"))
+    assert "pull mode only" in left_out["nixl-push"]  # SyncConfig refuses push with deltas
+    assert set(left_out) | names == {v.name for vs in VARIANTS.values() for v in vs}
+    # a transport class that stops carrying deltas leaves the bench with check_delta_carried's message
+    monkeypatch.setattr(FileTransport, "carries_deltas", False)
+    carried, left_out = delta_variants()
+    assert "file" not in {v.name for v in carried}
+    assert "is not supported by the file transport" in left_out["file"]
+
+
+@pytest.mark.xdist_group("bench")
+def test_delta_bench_routed_and_file_rows_send_fewer_bytes_bitwise():
+    """routed splits the two writers between its shm and gloo routes, file writes change files;
+    every version lands bitwise in both modes and the delta moves fewer bytes than the full sync."""
+    from weightsync.bench.delta_sync import TEST_MODEL, run_delta
+
+    rows, changed = run_delta(models=[TEST_MODEL], steps=3, timeout=120, transports=["routed", "file"])
+    assert [(r["transport"], r["mode"]) for r in rows] == [("routed", "full"), ("routed", "delta"),
+                                                          ("file", "full"), ("file", "delta")], rows
+    assert all(r.get("verified") for r in rows), rows
+    for full, delta in (rows[:2], rows[2:]):
+        assert full["nbytes_per_version"][0] == delta["nbytes_per_version"][0] == full["nbytes"]  # version 1: full
+        assert delta["nbytes"] < full["nbytes"] and delta["bytes_vs_full"] < 1.0
+    assert len(changed[TEST_MODEL]) == 2

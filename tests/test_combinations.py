@@ -136,8 +136,8 @@ def _keywords(settings: dict) -> dict:
 
 
 def test_refused_entries_exist_for_every_rule():
-    # delta x file; nixl_mode, file_dir x 5; shm_streaming x 3; checksum x 4
-    assert len(_refusals(when_planned=False)) == 1 + 5 + 5 + 3 + 4
+    # nixl_mode, file_dir x 5; shm_streaming x 3; checksum x 4 (every transport carries deltas)
+    assert len(_refusals(when_planned=False)) == 5 + 5 + 3 + 4
 
 
 def test_deltas_over_nixl_push_are_refused_naming_the_mode():

@@ -125,7 +125,7 @@ def test_versions_arrive_phase_by_phase_into_one_arena(transport):
     assert engine.staging_bytes <= largest + 64 * len(names) < spec.num_parameters * 4  # a phase, not the model
 
 
-@pytest.mark.parametrize("transport", ["torch", "shm", "nixl"])
+@pytest.mark.parametrize("transport", ["torch", "shm", "nixl", "file"])
 def test_deltas_arrive_phase_by_phase_into_one_arena(transport):
     """Delta with layer phases: the staging arena holds one phase, so the reader applies each
     delta to its own host copy and stages whole phases from it. Version 3 equals version 2:

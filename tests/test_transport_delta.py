@@ -1,4 +1,4 @@
-"""Delta sync on the torch (gloo) transport: bitwise versions, full on a new base, anchors; and
+"""Delta sync on the torch (gloo), NIXL pull and file transports: bitwise versions, full on a new base, anchors; and
 ``delta_anchor_every`` refused, naming the transport, where it would be ignored (issue 23, defect 9).
 
 Each scenario runs 2 writers (megatron tp=2, fp32) and 1 or 2 readers (vLLM tp=1, bf16) as
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(bool(unavailable_reason("torch")), reason=str(un
 
 
 #: Transports (and their options) that carry deltas between these processes.
-CARRIERS = {"torch": ("torch", {}), "nixl-pull": ("nixl", {"nixl_mode": "pull"})}
+CARRIERS = {"torch": ("torch", {}), "nixl-pull": ("nixl", {"nixl_mode": "pull"}), "file": ("file", {})}
 
 
 def run(tmp_path, *, readers: int, versions: int, anchor: int, timeout: float = 30.0, carrier: str = "torch",
@@ -67,7 +67,8 @@ def _full(results: list[dict]) -> list[bool]:
 
 @pytest.mark.parametrize(("carrier", "readers"), [pytest.param("torch", 1, id="torch-1"),
                                                    pytest.param("torch", 2, id="torch-2"),
-                                                   pytest.param("nixl-pull", 2, id="nixl-pull")])
+                                                   pytest.param("nixl-pull", 2, id="nixl-pull"),
+                                                   pytest.param("file", 2, id="file")])
 def test_deltas_arrive_bitwise_and_small_with_anchors(tmp_path, carrier, readers):
     out = run(tmp_path, readers=readers, versions=5, anchor=3, carrier=carrier)
     for rank in range(readers):
@@ -86,14 +87,12 @@ def test_reader_with_new_memory_gets_full_versions(tmp_path, carrier):
 
 
 @pytest.mark.parametrize(("name", "device", "options", "words"), [
-    ("file", "cpu", {}, "the file transport (FileTransport, on cpu)"),
     ("nixl", "cpu", {"nixl_mode": "push"}, "the nixl transport (NixlPushTransport, on cpu)"),
     ("torch", "cuda:0", {}, "the torch transport (NcclTransport, on cuda:0)"),
     ("routed", "cuda:0", {}, "the routed transport's torch route (NcclTransport, on cuda:0)"),
 ])
 def test_delta_is_refused_where_it_would_be_ignored(name, device, options, words):
     """On 3ee4748 these transports took ``delta_anchor_every`` and sent every version in full."""
-    from weightsync.combinations import NO_DELTA_WHY
     from weightsync.job import JobChannel
     from weightsync.transport import TransportContext, TransportOptions, check_delta_carried
 
@@ -106,10 +105,9 @@ def test_delta_is_refused_where_it_would_be_ignored(name, device, options, words
             continue
         with pytest.raises(ValueError) as info:
             check_delta_carried(name, ctx)
-        why = f" ({NO_DELTA_WHY[name]})" if name in NO_DELTA_WHY else ""
         assert str(info.value) == (f"writer 1: delta_anchor_every=4 is not supported by {words}: it would send every "
-                                   f"version in full{why}. Deltas run over torch (gloo), shm, nixl (nixl_mode "
-                                   "'pull') and routed between CPU ranks; use one of those, or delta_anchor_every=0")
+                                   "version in full. Deltas run over torch (gloo), shm, nixl (nixl_mode 'pull'), file "
+                                   "and routed between CPU ranks; use one of those, or delta_anchor_every=0")
 
 
 def test_shm_delta_between_gpus_is_refused():
@@ -138,3 +136,95 @@ def test_nixl_auto_mode_with_deltas_is_pull():
                                num_readers=2, options=TransportOptions(delta_anchor_every=anchor))
         check_delta_carried("nixl", ctx)
         assert transport_class_path("nixl", ctx).endswith(f":{cls}")
+
+
+def test_file_deltas_read_exactly_the_changes_and_old_change_files_go(tmp_path):
+    """Deltas over the file transport, in one process: the first version in full; 3 changed fp32
+    elements read as one sparse encoding from the change file (3 int32 indices + 3 values = 24
+    bytes); an unchanged version 0 bytes; a reader that forgot its base, or missed a version,
+    reads the full file. Every version bitwise; the directory keeps ``slots`` versions, change
+    files included (on main the file transport refused deltas at init)."""
+    import torch
+
+    from fake_meta import DirectoryMeta
+    from weightsync.configs import load_spec
+    from weightsync.job import JobChannel
+    from weightsync.layout import parse_layout
+    from weightsync.plan import build_plan
+    from weightsync.transport import TransportContext, TransportOptions
+    from weightsync.transport.file import FileTransport
+
+    spec = load_spec("tiny-qwen3")
+    layouts = parse_layout("hf").all_rank_layouts(spec)
+    plan = build_plan(layouts, layouts)
+    meta, files = DirectoryMeta(tmp_path / "meta"), tmp_path / "files"
+
+    def ctx(role):
+        return TransportContext(channel=JobChannel(meta, role=role, rank=0), num_writers=1, num_readers=1,
+                                options=TransportOptions(slots=2, delta_anchor_every=4, file_dir=str(files)))
+
+    src = {s.name: torch.randn(s.numel, generator=torch.Generator().manual_seed(i))
+           for i, s in enumerate(layouts[0].shards)}
+    dst = {s.name: torch.zeros(s.numel) for s in layouts[0].shards}
+    first = next(iter(src.values()))
+    full = plan.total_bytes
+    w, r = FileTransport(ctx("writer")), FileTransport(ctx("reader"))
+    try:
+        w.prepare(plan, src, epoch=0, timeout=10)
+        r.prepare(plan, dst, epoch=0, timeout=10)
+
+        def step(version, change=0, *, receive=True):
+            first[:change] += 1.0
+            w.send(version, timeout=5)
+            if not receive:
+                return None
+            moved = r.receive(version, timeout=5).nbytes
+            assert all(torch.equal(dst[n], src[n]) for n in src), version
+            return moved
+
+        assert step(1) == full
+        assert step(2, change=3) == 24  # anchors: full at 1 and 5
+        assert step(3) == 0
+        r.forget_received()  # the engine's version changed outside the reader
+        assert step(4, change=3) == full
+        step(5, change=3, receive=False)  # missed: version 6's base is 5, the reader holds 4
+        assert step(6, change=3) == full
+        assert step(7, change=3) == 24
+        assert sorted(p.relative_to(files).as_posix() for p in files.rglob("*.safetensors")) == [
+            "v6/writer-0.p0.changes.safetensors", "v6/writer-0.p0.safetensors",
+            "v7/writer-0.p0.changes.safetensors", "v7/writer-0.p0.safetensors"]
+    finally:
+        w.close()
+        r.close()
+    assert not list(files.rglob("*.safetensors"))
+
+
+def test_file_delta_reader_refuses_a_writer_that_writes_no_change_files(tmp_path):
+    import torch
+
+    from fake_meta import DirectoryMeta
+    from weightsync.configs import load_spec
+    from weightsync.job import JobChannel
+    from weightsync.layout import parse_layout
+    from weightsync.plan import build_plan
+    from weightsync.transport import TransportContext, TransportError, TransportOptions
+    from weightsync.transport.file import FileTransport
+
+    layouts = parse_layout("hf").all_rank_layouts(load_spec("tiny-qwen3"))
+    plan = build_plan(layouts, layouts)
+    meta, files = DirectoryMeta(tmp_path / "meta"), str(tmp_path / "files")
+    w = FileTransport(TransportContext(channel=JobChannel(meta, role="writer", rank=0), num_writers=1, num_readers=1,
+                                       options=TransportOptions(file_dir=files)))
+    r = FileTransport(TransportContext(channel=JobChannel(meta, role="reader", rank=0), num_writers=1, num_readers=1,
+                                       options=TransportOptions(file_dir=files, delta_anchor_every=4)))
+    try:
+        w.prepare(plan, {s.name: torch.ones(s.numel) for s in layouts[0].shards}, epoch=0, timeout=10)
+        r.prepare(plan, {s.name: torch.zeros(s.numel) for s in layouts[0].shards}, epoch=0, timeout=10)
+        w.send(1, timeout=5)
+        with pytest.raises(TransportError, match=r"^reader 0: writer 0 publishes no changes next to .*v1/writer-0\.p0"
+                                                 r"\.safetensors; set the same TransportOptions\.delta_anchor_every "
+                                                 "on every rank"):
+            r.receive(1, timeout=5)
+    finally:
+        w.close()
+        r.close()

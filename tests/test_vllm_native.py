@@ -161,6 +161,49 @@ def test_the_prefix_cache_reset_is_decided_at_init_and_a_client_without_one_is_r
         prefix_cache_resetter(type("Opaque", (), {})(), 5)
 
 
+def test_a_prefix_cache_reset_that_vllm_answers_success_false_fails_naming_the_route():
+    """vLLM 0.32's ``/reset_prefix_cache`` answers 200 with ``{"success": false}`` while requests
+    run; checking the status alone let the update end with old-weight KV blocks cached (issue 29)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    from weightsync.integrations.vllm_trainer import prefix_cache_resetter
+
+    answers = [b'{"success": false}', b'{"success": true}', b""]
+    paths = []
+
+    class Route(BaseHTTPRequestHandler):
+        def do_POST(self):
+            paths.append(self.path)
+            body = answers.pop(0)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Route)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        reset = prefix_cache_resetter(SimpleNamespace(base_url=url + "/"), 5)
+        with pytest.raises(RuntimeError, match=rf'POST {url}/reset_prefix_cache answered {{"success": false}}: '
+                                               r"vLLM did not reset its prefix cache .* pause generation \(POST /pause\) "
+                                               r"before send_weights"):
+            reset()
+        reset()  # {"success": true}
+        reset()  # an empty 200, as vLLM before 0.32 answered
+        assert paths == ["/reset_prefix_cache"] * 3
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
 def test_workers_that_never_answer_update_weights_fail_send_weights_naming_the_meta_server():
     """It was a bare ``TimeoutError()`` (issue 28): say which version, how long, and where the
     workers receive from."""

@@ -19,13 +19,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from weightsync.transport.base import NO_DELTA_WHY
-
-#: Transports that carry deltas: torch and routed run the delta exchange per pair
+#: Every transport carries deltas: torch and routed run the delta exchange per pair
 #: (transport/delta.py), shm and NIXL pull writers publish each version's changes
-#: (transport/delta_published.py). On GPU memory (NCCL, CUDA IPC, NIXL VRAM) the transport
-#: refuses them when it is created.
-DELTA_TRANSPORTS = frozenset({"torch", "shm", "nixl", "routed"})
+#: (transport/delta_published.py), file writers a change file next to each version
+#: (transport/file_changes.py). NIXL push is refused below; on GPU memory (NCCL, CUDA IPC,
+#: NIXL VRAM) the transport refuses them when it is created.
 #: Transports that checksum every message with ``checksum=True``.
 CHECKSUM_TRANSPORTS = frozenset({"torch"})
 #: Transport options that only one kind of transport reads: (setting, its no-op value, the
@@ -46,11 +44,6 @@ def refusal(settings: Mapping[str, Any], *, transport: str, why: str = "") -> st
     picked = f"transport='auto' chose {transport!r} ({why})" if why else f"transport={transport!r}"
     chosen = transport != "auto"
     delta = settings["delta_anchor_every"]
-    if delta and chosen and transport not in DELTA_TRANSPORTS:
-        why = f" ({NO_DELTA_WHY[transport]})" if transport in NO_DELTA_WHY else ""
-        return (f"delta_anchor_every={delta} with {picked}: deltas run on the {_names(DELTA_TRANSPORTS)} transports "
-                f"only, and {transport!r} would send every version in full{why}. Set transport='torch' (or 'shm' on "
-                "one node), or delta_anchor_every=0")
     if delta and transport == "nixl" and settings["nixl_mode"] == "push":
         return (f"delta_anchor_every={delta} with nixl_mode='push': NIXL carries deltas in pull mode only (readers "
                 "READ the changes each writer publishes), and push would write every version in full. Set "
@@ -79,5 +72,5 @@ def refuse_combinations(settings: Mapping[str, Any], *, transport: str, why: str
         raise CombinationError(message)
 
 
-__all__ = ["CHECKSUM_TRANSPORTS", "DELTA_TRANSPORTS", "NO_DELTA_WHY", "ONLY_FOR", "CombinationError", "refusal",
+__all__ = ["CHECKSUM_TRANSPORTS", "ONLY_FOR", "CombinationError", "refusal",
            "refuse_combinations"]

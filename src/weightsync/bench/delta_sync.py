@@ -3,8 +3,10 @@
 The parent process trains a small Qwen3 per model (``qwen3-30m``, ``qwen3-0.2b``) for a few
 steps the way RL trainers do: fp32 master weights, AdamW at lr 1e-6, the synced copy cast to
 bf16. Each step's bf16 weights go to a safetensors file. Then the same syncs run twice over
-each transport (:data:`TRANSPORTS`: torch/gloo, shm snapshot, shm zero-copy), 2 FSDP writers
--> 1 reader: version v sends step v's weights, once with
+each transport that carries deltas (:func:`delta_variants`, from the same rules that refuse
+``delta_anchor_every`` elsewhere: torch/gloo, shm snapshot and zero-copy, routed, NIXL pull,
+file), 2 FSDP writers -> 1 reader: version v sends step v's weights,
+once with
 ``delta_anchor_every=0`` (full) and once with deltas (``delta_anchor_every=1000``: only the
 first version is full). Every version the reader receives is checked bitwise against the
 step's weights, and the writers start each ``write()`` only once the reader is idle and
@@ -22,6 +24,7 @@ step changed.
     rows, changed = run_delta(models=["qwen3-30m", "qwen3-0.2b"], steps=8)
     rows, changed = run_delta(models=["qwen3-0.2b"], links=[None, 10.0])  # and over a 10 Gbit/s link (root)
     rows, changed = run_delta(transports=["shm"])                          # one transport
+    variants, left_out = delta_variants()                                   # what runs, and why not the rest
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 
@@ -45,33 +49,109 @@ from weightsync.bench.vllm_memory import MODELS, model_config
 from weightsync.sources.trained import train_snapshots
 
 MODES = {"full": 0, "delta": 1000}
-#: bench name -> (weightsync transport, writers' parameters in /dev/shm: shm goes zero-copy)
-TRANSPORTS = {"torch": ("torch", False), "shm": ("shm", False), "shm-zero-copy": ("shm", True)}
+#: a Qwen3 of 0.6M parameters for the bench's own tests (seconds, not figures)
+TEST_MODEL = "qwen3-tiny"
+
+
+def delta_model_config(name: str) -> dict[str, Any]:
+    """The fp32 config of a model of the bench (:data:`MODELS`, or :data:`TEST_MODEL`)."""
+    if name == TEST_MODEL:
+        return {**model_config("qwen3-30m"), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
+    return model_config(name)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way the bench runs a transport: its row name, the transport, and what differs."""
+
+    name: str
+    transport: str
+    #: the writers' parameters live in /dev/shm, so shm goes zero-copy
+    zero_copy: bool = False
+    nixl_mode: Literal["auto", "pull", "push"] = "auto"
+    #: ``SyncConfig.host`` of writers 0 and 1 and of the reader ("": the host name)
+    writer_hosts: tuple[str, str] = ("", "")
+    reader_host: str = ""
+
+
+#: transport -> the variants the bench runs of it, if it carries deltas; routed puts writer 0 on the
+#: reader's node (its pair goes over shm) and writer 1 on another (gloo), so both routes carry half
+VARIANTS: dict[str, tuple[Variant, ...]] = {
+    "torch": (Variant("torch", "torch"),),
+    "shm": (Variant("shm", "shm"), Variant("shm-zero-copy", "shm", zero_copy=True)),
+    "routed": (Variant("routed", "routed", writer_hosts=("node-a", "node-b"), reader_host="node-a"),),
+    "nixl": (Variant("nixl-pull", "nixl", nixl_mode="pull"), Variant("nixl-push", "nixl", nixl_mode="push")),
+    "file": (Variant("file", "file"),),
+}
+
+
+def _sync_config(variant: Variant, *, job: str, timeout: float, anchor: int, host: str, file_dir: str) -> Any:
+    from weightsync.session import SyncConfig, TransportOptions
+
+    return SyncConfig(num_writers=2, num_readers=1, job=job, timeout=timeout, transport=variant.transport, host=host,
+                      transport_options=TransportOptions(delta_anchor_every=anchor, nixl_mode=variant.nixl_mode,
+                                                         file_dir=file_dir if variant.transport == "file" else ""))
+
+
+def delta_variants() -> tuple[list[Variant], dict[str, str]]:
+    """The variants of every transport that carries deltas here, decided by the rules that refuse
+    ``delta_anchor_every`` (``SyncConfig``'s combination check and the transport's own
+    ``check_delta_carried``), so a transport or mode appears here the day it carries deltas;
+    and, for every variant left out, the refusal or the reason it cannot run on this machine."""
+    from weightsync.job import JobChannel
+    from weightsync.transport import TransportContext, available_transports, check_delta_carried, unavailable_reason
+
+    carried: list[Variant] = []
+    left_out: dict[str, str] = {}
+    for transport in [*VARIANTS, *sorted(set(available_transports()) - set(VARIANTS))]:
+        for variant in VARIANTS.get(transport, (Variant(transport, transport),)):
+            reason = unavailable_reason(transport)
+            if reason is None:
+                try:
+                    sync = _sync_config(variant, job="probe", timeout=1.0, anchor=1, host="", file_dir="/tmp")
+                    ctx = TransportContext(channel=JobChannel(cast(Any, None), role="writer", rank=0), num_writers=2,
+                                           num_readers=1, options=sync.transport_options)
+                    check_delta_carried(transport, ctx)
+                except ValueError as exc:  # CombinationError is one
+                    reason = str(exc)
+            if reason is None:
+                carried.append(variant)
+            else:
+                left_out[variant.name] = reason
+    return carried, left_out
+
+
+def variant_named(name: str) -> Variant:
+    for variants in VARIANTS.values():
+        for variant in variants:
+            if variant.name == name:
+                return variant
+    return Variant(name, name)
 
 
 def _config(model: str) -> dict[str, Any]:
-    return {**model_config(model), "torch_dtype": "bfloat16"}
+    return {**delta_model_config(model), "torch_dtype": "bfloat16"}
 
 
 def _writer(model: str, job: str, rank: int, *, snapshots: str, versions: int, anchor: int, timeout: float,
-            transport: str) -> None:
+            transport: str, file_dir: str) -> None:
     import contextlib
 
     from safetensors.torch import load_file
 
-    from weightsync.session import SyncConfig, TransportOptions
     from weightsync.sources.module import ShardedSource
     from weightsync.torch_layout import fill_from_canonical
     from weightsync.transport.shm_files import share_tensors
     from weightsync.writer import WeightWriter
 
     torch.set_num_threads(1)
-    name, shared = TRANSPORTS[transport]
+    variant = variant_named(transport)
     source = ShardedSource("fsdp:dp=2", _config(model), rank)
-    sync = SyncConfig(num_writers=2, num_readers=1, job=job, timeout=timeout, transport=name,
-                      transport_options=TransportOptions(delta_anchor_every=anchor))
+    sync = _sync_config(variant, job=job, timeout=timeout, anchor=anchor, host=variant.writer_hosts[rank],
+                        file_dir=file_dir)
     with contextlib.ExitStack() as stack:
-        if shared:
+        if variant.zero_copy:
             files = share_tensors(source.tensors())
             stack.callback(files.close)
             source = ShardedSource("fsdp:dp=2", _config(model), rank, tensors=files.tensors)
@@ -99,19 +179,19 @@ def _case(model: str, mode: str, *, transport: str, snapshots: Path, versions: i
     from weightsync.engines.buffers import ShardedEngine
     from weightsync.meta.client import MetaClient
     from weightsync.reader import WeightReader
-    from weightsync.session import SyncConfig, TransportOptions
 
     job = f"delta-{uuid.uuid4().hex[:8]}"
     anchor = MODES[mode]
+    variant = variant_named(transport)
+    file_dir = str(snapshots / f"files-{job}")
     writers = [subprocess.Popen([sys.executable, "-m", "weightsync.bench.delta_sync", "writer", "--model", model,
                                  "--job", job, "--rank", str(rank), "--versions", str(versions), "--snapshots",
                                  str(snapshots), "--anchor", str(anchor), "--timeout", str(timeout),
-                                 "--transport", transport], env=env,
+                                 "--transport", transport, "--file-dir", file_dir], env=env,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for rank in (0, 1)]
     engine = ShardedEngine("hf", _config(model), 0)
-    sync = SyncConfig(num_writers=2, num_readers=1, job=job, timeout=timeout, transport=TRANSPORTS[transport][0],
-                      transport_options=TransportOptions(delta_anchor_every=anchor))
+    sync = _sync_config(variant, job=job, timeout=timeout, anchor=anchor, host=variant.reader_host, file_dir=file_dir)
     row: dict[str, Any] = {"model": model, "transport": transport, "mode": mode, "versions": versions}
     wrong: list[str] = []
     received: dict[int, dict[str, float]] = {}
@@ -171,7 +251,8 @@ def run_delta(*, models: list[str] | None = None, steps: int = 8, lr: float = 1e
               links: list[float | None] | None = None, transports: list[str] | None = None,
               ) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
     """Per model: train, then sync every step's weights full and as deltas over each transport
-    (:data:`TRANSPORTS`; one-sided shm ignores the link, its bytes never touch it), over plain loopback
+    (``transports``: variant names, default every one :func:`delta_variants` finds; one-sided shm
+    ignores the link, its bytes never touch it, and routed's shm half too), over plain loopback
     (``None``) and over loopback shaped to each rate in ``links`` (Gbit/s, see
     :mod:`weightsync.bench.link`); rows with ratios to the full sync on the same link."""
     from weightsync.bench.link import shaped_loopback
@@ -181,12 +262,12 @@ def run_delta(*, models: list[str] | None = None, steps: int = 8, lr: float = 1e
     changed: dict[str, list[float]] = {}
     for model in models or ["qwen3-30m"]:
         with tempfile.TemporaryDirectory(prefix="weightsync-delta-") as tmp, EmbeddedMetaServer() as server:
-            changed[model] = train_snapshots(model_config(model), steps, lr, Path(tmp))
+            changed[model] = train_snapshots(delta_model_config(model), steps, lr, Path(tmp))
             env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
                    "OMP_NUM_THREADS": "1"}
             for gbit in links or [None]:
                 with shaped_loopback(gbit) as link:
-                    for transport in transports or list(TRANSPORTS):
+                    for transport in transports or [v.name for v in delta_variants()[0]]:
                         for mode in MODES:  # full, then delta, on the same link and transport
                             started = time.perf_counter()
                             row = _case(model, mode, transport=transport, snapshots=Path(tmp), versions=steps,
@@ -207,17 +288,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m weightsync.bench.delta_sync")
     sub = parser.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("writer")
-    w.add_argument("--model", required=True, choices=sorted(MODELS))
+    w.add_argument("--model", required=True, choices=[*sorted(MODELS), TEST_MODEL])
     w.add_argument("--job", required=True)
     w.add_argument("--rank", type=int, required=True)
     w.add_argument("--versions", type=int, required=True)
     w.add_argument("--snapshots", required=True)
     w.add_argument("--anchor", type=int, required=True)
     w.add_argument("--timeout", type=float, default=600.0)
-    w.add_argument("--transport", choices=sorted(TRANSPORTS), default="torch")
+    w.add_argument("--transport", choices=sorted(v.name for vs in VARIANTS.values() for v in vs), default="torch")
+    w.add_argument("--file-dir", default="")
     args = parser.parse_args(argv)
     _writer(args.model, args.job, args.rank, snapshots=args.snapshots, versions=args.versions, anchor=args.anchor,
-            timeout=args.timeout, transport=args.transport)
+            timeout=args.timeout, transport=args.transport, file_dir=args.file_dir)
     return 0
 
 

@@ -9,6 +9,12 @@ the regime where the wire, not the memory bus, is the bottleneck, ``weightsync b
 removes it afterwards. It needs root (CAP_NET_ADMIN) and ``tc``; it refuses to replace a root
 qdisc someone else set, and it never leaves its own behind.
 
+On a shared machine, run the bench in a network namespace of its own, so that the shaping
+slows its loopback only and not every other process's (the bench's ranks and meta server all
+live in it; ``/dev/shm`` is not part of a network namespace)::
+
+    unshare -n sh -c 'ip link set lo up && weightsync bench --delta --link-gbit lo,10'
+
 The commands are built by pure functions (tested without root); only :func:`shaped_loopback`
 runs them.
 """

@@ -45,7 +45,7 @@ def _writer(config: dict[str, Any], job: str, versions: int, transport: str, tim
 
 
 def _case(name: str, path: str, *, updates: int, transport: str, timeout: float, tmp: Path,
-          env: dict[str, str]) -> dict[str, Any]:
+          env: dict[str, str], pause_modes: tuple[str, ...] = ("abort",)) -> dict[str, Any]:
     from weightsync.tiny import write_checkpoint
 
     config = model_config(name)
@@ -59,7 +59,7 @@ def _case(name: str, path: str, *, updates: int, transport: str, timeout: float,
         from weightsync.bench.vllm_prefetch_serve import serve_case
 
         return row | serve_case(name, checkpoint, job=job, updates=updates, transport=transport, timeout=timeout,
-                                env=env)
+                                env=env, pause_modes=pause_modes)
     versions = 1 + 2 * updates
     common = ["--job", job, "--transport", transport, "--timeout", str(timeout)]
     engine = subprocess.Popen([sys.executable, "-m", "weightsync.integrations.vllm_prefetch", "--checkpoint",
@@ -91,20 +91,24 @@ def _canonical(config: dict[str, Any]) -> list[Any]:
 
 
 def run_vllm_prefetch(*, model: str = "qwen3-30m", updates: int = 3, transport: str = "auto",
-                      paths: tuple[str, ...] = PATHS, timeout: float = 600.0) -> list[dict[str, Any]]:
-    """One row per path (see module docstring)."""
+                      paths: tuple[str, ...] = PATHS, timeout: float = 600.0,
+                      pause_modes: tuple[str, ...] = ("abort",)) -> list[dict[str, Any]]:
+    """One row per path (see module docstring); ``pause_modes``: how the ``serve`` path's driver
+    pauses a prefetched update, each in turn (:data:`weightsync.bench.vllm_prefetch_serve.PAUSE_MODES`)."""
+    from weightsync.bench.vllm_prefetch_serve import check_pause_modes
     from weightsync.meta.client import EmbeddedMetaServer
 
     unknown = sorted(set(paths) - set(PATHS))
     if unknown:
         raise ValueError(f"vLLM path(s) {unknown} are unknown; choose from {', '.join(PATHS)}")
+    pause_modes = check_pause_modes(pause_modes)
     rows = []
     with tempfile.TemporaryDirectory(prefix="weightsync-vllm-prefetch-") as tmp, EmbeddedMetaServer() as server:
         env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1"}
         for path in paths:
             rows.append(_case(model, path, updates=updates, transport=transport, timeout=timeout, tmp=Path(tmp),
-                              env=env))
+                              env=env, pause_modes=pause_modes))
     return rows
 
 

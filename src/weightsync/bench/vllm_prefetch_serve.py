@@ -13,7 +13,9 @@ chunk they receive. Side by side in one run:
 * with prefetch (``updates`` versions): ``/start_weight_update`` (the worker starts receiving),
   the trainer writes while the clients generate, then ``/pause``, ``/update_weights`` (only the
   apply, and whatever of the receive had not ended), finish, reset, ``/resume``; then as long a
-  window of generation with no sync (idle, after :data:`SETTLE_S`).
+  window of generation with no sync (idle, after :data:`SETTLE_S`). ``pause_modes``
+  (:data:`PAUSE_MODES`) says how ``/pause`` treats running requests; several take turns, update
+  by update, and the row reports each apart (``pause_modes``), its first as the row's own.
 
 The pause as a client sees it is the gap between the last token before the engine paused and
 the first after it resumed (:func:`client_pause`; it adds to the driver's pause the step under
@@ -45,6 +47,22 @@ PREFIX = "WSSERVE "
 #: seconds after a resume counted in no window (the first steps after a reload rebuild oneDNN's kernels)
 SETTLE_S = 2.0
 PROMPT_TOKENS = 32
+#: how the driver pauses a prefetched update (``--serve-pause-modes``; docs/engines.md):
+#: ``abort``: ``/pause?mode=abort`` (the running requests end; their clients send them again), then
+#: the prefix-cache reset; ``keep``: ``/pause?mode=keep`` (they stay frozen in the queue), then
+#: ``/reset_prefix_cache?reset_running_requests=true``, which preempts them: they are computed again
+#: on the new weights at ``/resume``, with no abort seen by their clients; ``keep-stale``: keep, and
+#: no reset (a plain one cannot run while frozen requests hold blocks): resumed requests go on with
+#: KV computed by the old weights, and cached prefixes of the old weights stay reusable.
+PAUSE_MODES = ("abort", "keep", "keep-stale")
+
+
+def check_pause_modes(modes: Sequence[str]) -> tuple[str, ...]:
+    """``modes`` if each is one of :data:`PAUSE_MODES` (and there is one); else a ValueError naming them."""
+    unknown = sorted(set(modes) - set(PAUSE_MODES))
+    if unknown or not modes:
+        raise ValueError(f"serve pause mode(s) {unknown} are unknown; choose from {', '.join(PAUSE_MODES)}")
+    return tuple(dict.fromkeys(modes))
 
 
 def client_pause(arrivals: Sequence[float], start: float, end: float) -> float:
@@ -77,17 +95,20 @@ def summarize(arrivals: Sequence[tuple[float, int]], trace: dict[str, Any]) -> d
         return sorted(values)[len(values) // 2]
 
     blocking, prefetch = trace["blocking"], trace["prefetch"]
+    modes = trace.get("pause_modes", ["abort"])
     during = [(u["start"], u["received"]) for u in prefetch]
+    by_mode = {mode: [u for u in prefetch if u.get("mode", "abort") == mode] for mode in modes}
+    first = by_mode[modes[0]]  # the row's prefetch figures: the first pause mode's
     out: dict[str, Any] = {
-        "updates": len(prefetch),
+        "updates": len(first),
         "blocking_pause_s": median([client_pause(times, u["start"], u["end"]) for u in blocking]),
         "blocking_update_s": median([u["updated"] - u["paused"] for u in blocking]),
         "blocking_sync_s": median([u["end"] - u["start"] for u in blocking]),
-        "prefetch_pause_s": median([client_pause(times, u["received"], u["end"]) for u in prefetch]),
-        "prefetch_update_s": median([u["updated"] - u["update"] for u in prefetch]),
+        "prefetch_pause_s": median([client_pause(times, u["received"], u["end"]) for u in first]),
+        "prefetch_update_s": median([u["updated"] - u["update"] for u in first]),
         # the driver's own pause: /pause called to /resume returned (the client's gap adds a step each side)
-        "prefetch_driver_pause_s": median([u["end"] - u["received"] for u in prefetch]),
-        "prefetch_sync_s": median([u["end"] - u["start"] for u in prefetch]),
+        "prefetch_driver_pause_s": median([u["end"] - u["received"] for u in first]),
+        "prefetch_sync_s": median([u["end"] - u["start"] for u in first]),
         "during_tokens_per_s": window_rate(times, counts, during),
         "idle_tokens_per_s": window_rate(times, counts, [tuple(w) for w in trace["idle"]]),
         "during_windows_s": [round(end - start, 3) for start, end in during],
@@ -95,7 +116,17 @@ def summarize(arrivals: Sequence[tuple[float, int]], trace: dict[str, Any]) -> d
     out["pause_over_update"] = out["prefetch_pause_s"] / out["prefetch_update_s"]
     out["pause_over_blocking_pause"] = out["prefetch_pause_s"] / out["blocking_pause_s"]
     out["during_over_idle"] = out["during_tokens_per_s"] / out["idle_tokens_per_s"]
+    out["pause_modes"] = {mode: _mode_figures(times, ups, median) for mode, ups in by_mode.items()}
     return out
+
+
+def _mode_figures(times: Sequence[float], updates: list[dict[str, float]], median: Any) -> dict[str, float]:
+    """One pause mode's prefetched updates: the clients' pause, ``/update_weights``, the driver's pause."""
+    pauses = [client_pause(times, u["received"], u["end"]) for u in updates]
+    pause, update = median(pauses), median([u["updated"] - u["update"] for u in updates])
+    return {"updates": len(updates), "pause_s": pause, "update_s": update,
+            "driver_pause_s": median([u["end"] - u["received"] for u in updates]), "pause_over_update": pause / update,
+            "pauses_s": [round(p, 3) for p in pauses]}
 
 
 # -- the trainer process ------------------------------------------------------------------------
@@ -114,14 +145,18 @@ class _Routes:
         response.raise_for_status()
         return response.json() if response.content else None
 
-    def finish(self, version: int) -> None:
+    def finish(self, version: int, mode: str = "abort") -> None:
+        """Finish ``version`` and reset the prefix cache as pause ``mode`` allows (:data:`PAUSE_MODES`)."""
         self.post("/finish_weight_update", {"weight_version": str(version)})
-        if not self.post("/reset_prefix_cache")["success"]:
-            raise RuntimeError("vLLM could not reset its prefix cache (requests still running while paused?)")
+        if mode == "keep-stale":
+            return
+        # a plain reset fails while frozen requests hold blocks: "keep" preempts them (recomputed at /resume)
+        if not self.post("/reset_prefix_cache", reset_running_requests=mode == "keep")["success"]:
+            raise RuntimeError(f"vLLM could not reset its prefix cache after a {mode!r} pause")
 
 
 def _trainer(config: dict[str, Any], url: str, *, job: str, updates: int, transport: str,
-             timeout: float) -> dict[str, Any]:
+             timeout: float, pause_modes: Sequence[str] = ("abort",)) -> dict[str, Any]:
     from weightsync.sync_config import SCOPES, SyncConfig
     from weightsync.tiny import CanonicalSource, canonical_weights
     from weightsync.torch_layout import fill_from_canonical
@@ -136,7 +171,7 @@ def _trainer(config: dict[str, Any], url: str, *, job: str, updates: int, transp
     routes.post("/init_weight_transfer_engine", {"init_info": {
         **info, "rank": 0, "prefetch": True, "meta_address": os.environ["WEIGHTSYNC_META_ADDR"],
         "meta_token": os.environ["WEIGHTSYNC_META_TOKEN"]}})
-    trace: dict[str, Any] = {"blocking": [], "prefetch": [], "idle": []}
+    trace: dict[str, Any] = {"blocking": [], "prefetch": [], "idle": [], "pause_modes": list(pause_modes)}
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="update-route")
     try:
         with WeightWriter(source, rank=0, config=sync) as writer:
@@ -161,16 +196,18 @@ def _trainer(config: dict[str, Any], url: str, *, job: str, updates: int, transp
             blocking(1)  # forms the transport and lays staging out
             for version in range(2, 2 + updates):
                 trace["blocking"].append(blocking(version))
-            for version in range(2 + updates, 2 + 2 * updates):
-                t = {"start": time.monotonic()}
+            # the pause modes take turns, so that each sees the same load
+            modes = [mode for _ in range(updates) for mode in pause_modes]
+            for version, mode in enumerate(modes, start=2 + updates):
+                t: dict[str, Any] = {"start": time.monotonic(), "mode": mode}
                 routes.post("/start_weight_update")  # the worker starts receiving; the engine generates
                 write(version)
                 t["received"] = time.monotonic()
-                routes.post("/pause", mode="abort")
+                routes.post("/pause", mode=mode.removesuffix("-stale"))
                 t["paused"] = t["update"] = time.monotonic()
                 routes.post("/update_weights", {"update_info": {"version": version}})
                 t["updated"] = time.monotonic()
-                routes.finish(version)
+                routes.finish(version, mode)
                 routes.post("/resume")
                 t["end"] = time.monotonic()
                 trace["prefetch"].append(t)
@@ -269,7 +306,7 @@ def _server(checkpoint: Path, batch: int, env: dict[str, str], log: Path, timeou
 
 
 def serve_case(name: str, checkpoint: Path, *, job: str, updates: int, transport: str, timeout: float,
-               env: dict[str, str], batch: int = 4) -> dict[str, Any]:
+               env: dict[str, str], batch: int = 4, pause_modes: Sequence[str] = ("abort",)) -> dict[str, Any]:
     """The ``serve`` row's figures, or ``{"error": ...}`` naming what failed."""
     env = {k: v for k, v in env.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"} | {"VLLM_SERVER_DEV_MODE": "1"}
     log = checkpoint.parent / f"serve-{job}.log"
@@ -280,8 +317,8 @@ def serve_case(name: str, checkpoint: Path, *, job: str, updates: int, transport
         time.sleep(SETTLE_S)
         trainer = subprocess.Popen([sys.executable, "-m", "weightsync.bench.vllm_prefetch_serve", "--model", name,
                                     "--url", url, "--job", job, "--updates", str(updates), "--transport", transport,
-                                    "--timeout", str(timeout)], env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True)
+                                    "--timeout", str(timeout), "--pause-modes", ",".join(pause_modes)],
+                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             out, err = trainer.communicate(timeout=timeout * 3)
         except subprocess.TimeoutExpired:
@@ -305,9 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--updates", type=int, required=True)
     parser.add_argument("--transport", default="auto")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--pause-modes", default="abort")
     args = parser.parse_args(argv)
     trace = _trainer(model_config(args.model), args.url, job=args.job, updates=args.updates, transport=args.transport,
-                     timeout=args.timeout)
+                     timeout=args.timeout, pause_modes=check_pause_modes(args.pause_modes.split(",")))
     print(PREFIX + json.dumps(trace), flush=True)
     return 0
 

@@ -50,14 +50,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default qwen3-30m,qwen3-0.2b)")
     p.add_argument("--delta-steps", type=int, default=8, help="training steps (one sync each) of --delta")
     p.add_argument("--delta-lr", type=float, default=1e-6, help="AdamW lr of --delta (fp32 master weights)")
-    p.add_argument("--delta-transports", type=_csv, default=["torch", "shm", "shm-zero-copy"],
-                   help="transports of --delta, full and delta side by side on each (torch, shm, shm-zero-copy)")
+    p.add_argument("--delta-transports", type=_csv, default=None,
+                   help="transports of --delta, full and delta side by side on each (default: every transport "
+                        "that carries deltas here: torch, shm, shm-zero-copy, routed, nixl-pull where NIXL is "
+                        "installed, file; the others are listed with their refusal)")
     p.add_argument("--link-gbit", type=_link_rates, default=[None],
                    help="--delta also over loopback shaped to these rates (Gbit/s, e.g. 10,25; needs root and "
-                        "tc; 'lo' = plain loopback), full and delta side by side on each")
+                        "tc; 'lo' = plain loopback), full and delta side by side on each; on a shared machine "
+                        "run it in its own network namespace: unshare -n sh -c 'ip link set lo up && weightsync "
+                        "bench --delta --link-gbit lo,10'")
     p.add_argument("--vllm-paths", type=_csv, default=["engine", "backend", "serve"],
                    help="paths of --suite vllm-prefetch: engine (in-process VLLMEngine), backend (the worker "
                         "backend of an in-process LLM), serve (a vllm serve process, HTTP clients)")
+    p.add_argument("--serve-pause-modes", type=_csv, default=["abort"],
+                   help="how --vllm-paths serve's driver pauses a prefetched update, each mode in turn in one "
+                        "run: abort (vLLM's default), keep (frozen requests, recomputed on the new weights), "
+                        "keep-stale (frozen requests go on with KV of the old weights, no prefix-cache reset)")
     p.add_argument("--load-readers", type=int, default=16, help="readers of the load suite")
     p.add_argument("--load-versions", type=int, default=200, help="versions of the load suite")
     p.add_argument("--models", type=_csv, default=[], help="comma-separated model names (see bench.cases.MODELS)")
@@ -183,7 +191,8 @@ def _vllm_prefetch(args: argparse.Namespace) -> int:
 
     transport = args.transports[0] if args.transports else "auto"
     rows = run_vllm_prefetch(model=args.models[0] if args.models else "qwen3-30m", updates=args.reps or 3,
-                             transport=transport, paths=tuple(args.vllm_paths), timeout=args.timeout)
+                             transport=transport, paths=tuple(args.vllm_paths), timeout=args.timeout,
+                             pause_modes=tuple(args.serve_pause_modes))
     console = Console(stderr=args.json, width=200)
     table = Table(title="vLLM: the engine's pause per update (medians), and tokens/s during a sync")
     for col in ("path", "model", "no prefetch: pause = sync s", "prefetch: sync s", "pause s",
@@ -192,6 +201,11 @@ def _vllm_prefetch(args: argparse.Namespace) -> int:
     for r in rows:
         table.add_row(r["path"], r["model"], *_prefetch_cells(r))
     console.print(table)
+    for r in rows:  # serve, each pause mode of the driver (--serve-pause-modes), side by side
+        for mode, m in r.get("pause_modes", {}).items():
+            console.print(f"serve, /pause?mode={mode}: clients' pause {m['pause_s']:.3f} s, /update_weights "
+                          f"{m['update_s']:.3f} s (pause / it {m['pause_over_update']:.2f}), driver's pause "
+                          f"{m['driver_pause_s']:.3f} s, {m['updates']} updates")
     if args.json:
         sys.stdout.flush()
         print(json.dumps({"rows": rows, "machine": machine()}), flush=True)
@@ -247,12 +261,21 @@ def _delta(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from weightsync.bench import machine
-    from weightsync.bench.delta_sync import run_delta
+    from weightsync.bench.delta_sync import delta_variants, run_delta
 
     models = args.models or ["qwen3-30m", "qwen3-0.2b"]
-    rows, changed = run_delta(models=models, steps=max(3, args.delta_steps), lr=args.delta_lr, timeout=args.timeout,
-                              links=args.link_gbit, transports=args.delta_transports)
+    carried, left_out = delta_variants()
+    transports = args.delta_transports or [v.name for v in carried]
     console = Console(stderr=args.json, width=200)
+    refused = [t for t in transports if t not in {v.name for v in carried}]
+    if refused:
+        console.print(f"[red]--delta-transports {', '.join(refused)}: "
+                      f"{'; '.join(left_out.get(t, 'unknown transport') for t in refused)}[/red]")
+        return 2
+    for name, reason in left_out.items():
+        console.print(f"left out: {name}: {reason}")
+    rows, changed = run_delta(models=models, steps=max(3, args.delta_steps), lr=args.delta_lr, timeout=args.timeout,
+                              links=args.link_gbit, transports=transports)
     for model, fractions in changed.items():
         listed = ", ".join(f"{c:.2%}" for c in fractions)
         console.print(f"{model}: bf16 elements changed per step (steps 2..): {listed}")
@@ -275,7 +298,7 @@ def _delta(args: argparse.Namespace) -> int:
     console.print(table)
     if args.json:
         sys.stdout.flush()
-        print(json.dumps({"rows": rows, "changed": changed, "machine": machine()}), flush=True)
+        print(json.dumps({"rows": rows, "changed": changed, "left_out": left_out, "machine": machine()}), flush=True)
     return 0 if all(r.get("verified") for r in rows) else 1
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -80,7 +81,7 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
             whole model.
         delta_anchor_every: 0 sends every version in full; K >= 1 sends each worker only what
             changed since the version it holds, with a full version at least every K
-            (``TransportOptions.delta_anchor_every``: torch (gloo), shm, NIXL pull and routed between CPU ranks,
+            (``TransportOptions.delta_anchor_every``: torch (gloo), shm, NIXL pull, file and routed between CPU ranks,
             refused elsewhere; with ``layer_phases`` a worker keeps a host copy of its share).
     """
 
@@ -242,6 +243,28 @@ class LLMClient:
             raise RuntimeError("vLLM could not reset its prefix cache (requests are running)")
 
 
+def check_reset_answer(url: str, body: bytes) -> None:
+    """Refuse a prefix-cache reset that vLLM answered 200 but did not do: since 0.32 the route says
+    ``{"success": false}`` while running requests hold KV blocks, and the update would otherwise
+    end with blocks of the old weights cached for reuse. An empty body (older vLLM answered with
+    the status alone) is taken as done.
+
+    Raises:
+        RuntimeError: naming the route and what to do.
+    """
+    if not body.strip():
+        return
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        raise RuntimeError(f"POST {url} answered 200 with a body that is not JSON: {body[:200]!r}") from None
+    if isinstance(answer, dict) and answer.get("success") is False:
+        raise RuntimeError(f"POST {url} answered {{\"success\": false}}: vLLM did not reset its prefix cache "
+                           "because requests are running and hold KV blocks computed with the old weights; "
+                           "pause generation (POST /pause) before send_weights and resume (POST /resume) after it; "
+                           "with /pause?mode=keep the frozen requests hold their blocks too: pause with mode=abort")
+
+
 def prefix_cache_resetter(client: Any, timeout: float) -> Callable[[], None]:
     """How to drop KV blocks cached with the old weights, through whichever control plane
     ``client`` is; decided once, at ``trainer_init``, so that a client that cannot do it is an
@@ -262,7 +285,10 @@ def prefix_cache_resetter(client: Any, timeout: float) -> Callable[[], None]:
         def over_http() -> None:
             import httpx
 
-            httpx.post(f"{base_url.rstrip('/')}/reset_prefix_cache", timeout=timeout).raise_for_status()
+            url = f"{base_url.rstrip('/')}/reset_prefix_cache"
+            response = httpx.post(url, timeout=timeout)
+            response.raise_for_status()
+            check_reset_answer(url, response.content)
         return over_http
     handles = getattr(client, "handles", None)
     if handles is not None:

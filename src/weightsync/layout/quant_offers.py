@@ -255,9 +255,11 @@ def _planned(w: Roster, req: _Request, held: tuple[np.ndarray, np.ndarray], cuts
     # Scale shards: one per writer and FP8 tensor it holds, after the writer's own shards.
     touched, scale_of_cut = np.unique(np.column_stack([c_rank, c_fp8]), axis=0, return_inverse=True)
     shards, what, source, position = _planned_shards(w, req, used // slots, used % slots, touched.reshape(-1, 2))
-    strides = [contiguous_strides(g) for g in req.grids]
-    c_stride = _widen(np.array([strides[j] + (0,) * (width - len(strides[j])) for j in c_fp8.tolist()],
-                               dtype=np.int64).reshape(-1, width), width, 0)
+    # per FP8 tensor once, then gathered per cut (tens of thousands of cuts, hundreds of tensors)
+    strides = np.array([s + (0,) * (width - len(s)) for s in map(contiguous_strides, req.grids)],
+                       dtype=np.int64).reshape(-1, width)
+    c_stride = strides[c_fp8]
+    grid_ndim = np.array([len(g) for g in req.grids], dtype=np.int64)
     fp8_code, f32_code = DTYPE_CODES.index(FP8_DTYPE), DTYPE_CODES.index("float32")
     src_rows = np.concatenate([kept, rows])
     shard = position[np.concatenate([cand_of, len(used) + scale_of_cut.reshape(-1)])]
@@ -272,7 +274,7 @@ def _planned(w: Roster, req: _Request, held: tuple[np.ndarray, np.ndarray], cuts
         size=np.concatenate([_widen(w.size[src_rows], width, 1), c_size])[order],
         loff=np.concatenate([w.loff[src_rows], (c_off * c_stride).sum(1)])[order],
         stride=np.concatenate([_widen(w.stride[src_rows], width, 0), c_stride])[order],
-        ndim=np.concatenate([w.ndim[src_rows], [len(req.grids[j]) for j in c_fp8.tolist()]]).astype(np.int64)[order],
+        ndim=np.concatenate([w.ndim[src_rows], grid_ndim[c_fp8]]).astype(np.int64)[order],
         dtype=np.concatenate([w.dtype[kept], np.full(len(rows), fp8_code), np.full(len(c_fp8), f32_code)])[order],
         shards=shards,
     )
@@ -292,16 +294,19 @@ def _planned_shards(w: Roster, req: _Request, src: np.ndarray, slot: np.ndarray,
     schemes, t_fp8 = req.schemes, touched[:, 1].tolist()
     names = [w.shards.names[i] if k == 0 else f"{w.shards.names[i]}#{schemes[k - 1]}"
              for i, k in zip(src.tolist(), slot.tolist(), strict=True)]
-    names += [f"#{req.wanted[req.fp8s[j]].scheme.name}/{req.scale_name(j)}" for j in t_fp8]
+    # per FP8 tensor once, then gathered per scale shard (one per writer and FP8 tensor it holds)
+    labels = [f"#{req.wanted[f].scheme.name}/{req.scale_name(j)}" for j, f in enumerate(req.fp8s)]
+    names += [labels[j] for j in t_fp8]
     width = max([w.shards.shape.shape[1], *(len(g) for g in req.grids)])
-    grid_shapes = np.array([g + (1,) * (width - len(g)) for g in (req.grids[j] for j in t_fp8)],
-                           dtype=np.int64).reshape(-1, width)
+    grids = np.array([g + (1,) * (width - len(g)) for g in req.grids], dtype=np.int64).reshape(-1, width)
+    grid_ndim = np.array([len(g) for g in req.grids], dtype=np.int64)
+    grid_shapes = grids[touched[:, 1]]
     fp8_code, f32_code = DTYPE_CODES.index(FP8_DTYPE), DTYPE_CODES.index("float32")
     shards = ShardColumns(
         np.concatenate([w.shards.rank[src], touched[:, 0]]), names,
         np.concatenate([np.where(slot == 0, w.shards.dtype[src], fp8_code), np.full(len(touched), f32_code)]),
         np.concatenate([_widen(w.shards.shape[src], width, 1), grid_shapes]),
-        np.concatenate([w.shards.ndim[src], [len(req.grids[j]) for j in t_fp8]]).astype(np.int64),
+        np.concatenate([w.shards.ndim[src], grid_ndim[touched[:, 1]]]).astype(np.int64),
     ).take(order)
     what = np.concatenate([np.where(slot == 0, KEPT, TWIN), np.full(len(touched), SCALE)])[order]
     source = [w.shards.names[i] if k else "" for i, k in zip(src.tolist(), slot.tolist(), strict=True)]

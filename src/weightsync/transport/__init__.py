@@ -25,7 +25,6 @@ from typing import Any
 
 from weightsync.devices import torch_backend
 from weightsync.transport.base import (
-    NO_DELTA_WHY,
     TransferStats,
     Transport,
     TransportContext,
@@ -108,11 +107,10 @@ def check_delta_carried(name: str, ctx: TransportContext) -> None:
         cls = _class_of(route, ctx)
         if not getattr(cls, "carries_deltas", False):
             where = f"the {name} transport" if route == name else f"the {name} transport's {route} route"
-            why = f" ({NO_DELTA_WHY[name]})" if name in NO_DELTA_WHY else ""
             raise ValueError(f"{ctx.who}: delta_anchor_every={anchor} is not supported by {where} "
-                             f"({cls.__name__}, on {ctx.device}): it would send every version in full{why}. Deltas "
-                             "run over torch (gloo), shm, nixl (nixl_mode 'pull') and routed between CPU ranks; use "
-                             "one of those, or delta_anchor_every=0")
+                             f"({cls.__name__}, on {ctx.device}): it would send every version in full. Deltas "
+                             "run over torch (gloo), shm, nixl (nixl_mode 'pull'), file and routed between CPU ranks; "
+                             "use one of those, or delta_anchor_every=0")
 
 
 def _class_of(name: str, ctx: TransportContext) -> Any:

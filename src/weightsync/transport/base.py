@@ -57,13 +57,6 @@ class TransportError(RuntimeError):
     """A transfer failed: a peer died, a timeout expired, or a checksum did not match."""
 
 
-#: Why a transport that does not carry deltas does not (the refusal says it).
-NO_DELTA_WHY = {
-    "file": "each version is written as whole files that any reader may read at any time; a change file next "
-            "to each version, as shm and NIXL pull publish changes in memory, is not written yet",
-}
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TransportOptions:
     """Knobs shared by every transport; all ranks of a job must use the same values.
@@ -86,9 +79,9 @@ class TransportOptions:
             transport/shm.py); False makes them wait for whole slots (for A/B measurements).
         delta_anchor_every: 0 sends every version in full; K >= 1 sends each reader only what
             changed since the version it holds and can vouch for (two-sided transports:
-            :mod:`weightsync.transport.delta`; one-sided: :mod:`weightsync.transport.delta_published`),
-            with a full version at least every K versions (K=1: always full). The file
-            transport, NIXL push and NCCL refuse it.
+            :mod:`weightsync.transport.delta`; one-sided: :mod:`weightsync.transport.delta_published`; file:
+            :mod:`weightsync.transport.file_changes`), with a full version at least every K versions
+            (K=1: always full). NIXL push and NCCL refuse it.
     """
 
     max_bucket_bytes: int = 64 << 20
