@@ -209,6 +209,32 @@ def test_a_send_posted_on_a_broken_group_past_the_deadline_fails_at_once():
     assert time.monotonic() - started < 1.0
 
 
+def test_breaking_a_gloo_group_goes_past_the_pairs_of_dead_ranks():
+    """gloo closes every pair of a group when a receive *times out*; on the pair of a rank that
+    died the receive fails at once instead, and the other pairs stayed open (a writer's send to a
+    live reader then waited its whole timeout, 1 run in 4 of the SIGKILL case below)."""
+    from weightsync.transport.torch_gloo import break_group
+
+    tried = []
+
+    class _Work:
+        def __init__(self, rank):
+            self.rank = rank
+
+        def wait(self, timeout):
+            raise RuntimeError("Timed out waiting 1ms for recv operation to complete")
+
+    class _Group:
+        def recv(self, tensors, rank, tag):
+            tried.append(rank)
+            if rank == 1:  # the dead writer's pair
+                raise RuntimeError("Connection reset by peer")
+            return _Work(rank)
+
+    break_group(_Group(), [1, 2, 3])
+    assert tried[:2] == [1, 2]  # past the dead rank's pair, to one whose receive times out
+
+
 @pytest.mark.parametrize("options", TRANSPORTS)
 def test_writer_sigkilled_mid_transfer_restarts_and_writes_the_version_again(options, no_leaks, tally):
     skip_unavailable(options)

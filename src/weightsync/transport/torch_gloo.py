@@ -100,41 +100,53 @@ class GlooTransport(TorchDistBase):
             self.delta.close()
 
     def _run_pairs(self, version: int, timeout: float, move: Any, schedule: list[Pair]) -> TransferStats:
-        """Run ``move`` for every peer (see :meth:`_run_lanes`) while a :class:`PeerGuard` watches
-        them: gloo's waits cannot be interrupted, so when a peer's lease expires the guard breaks
-        the group (:func:`break_group`) and the waits fail at once; the error names the dead peer."""
+        """Run ``move`` for every peer (see :meth:`_run_lanes`) while two peer guards watch the
+        group: gloo's waits cannot be interrupted, so when a rank's lease expires the guard
+        breaks the group (:func:`break_group`) and the waits fail at once; the error names the
+        dead rank.
+
+        The guards watch every other rank of the group, not only this rank's peers. A peer that
+        breaks its group because a third rank died does not reliably fail this rank's pending
+        sends to it (seen: a writer's send to a reader that had broken its group waited its whole
+        timeout), so each rank breaks its own group when any rank of it dies.
+        """
         pg = self._pg
         if pg is None:
             raise TransportError(f"{self.ctx.who}: no process group; call prepare() first")
-        watch = PeerWatch(self.ctx, self._other, sorted({pair.peer for pair in schedule}), known=self._holders)
-        with watch.guard(abort=lambda: break_group(pg, self._any_peer())) as guard:
+        ctx = self.ctx
+        same = range(ctx.num_writers if ctx.role == "writer" else ctx.num_readers)
+        watches = (PeerWatch(ctx, self._other, sorted({pair.peer for pair in schedule}), known=self._holders),
+                   PeerWatch(ctx, ctx.role, [r for r in same if r != ctx.rank], known=self._holders))
+        abort = lambda: break_group(pg, self._other_ranks())  # noqa: E731 (one abort for both guards)
+        with watches[0].guard(abort=abort) as on_peers, watches[1].guard(abort=abort) as on_mates:
             try:
                 stats = self._run_lanes(version, Deadline.after(timeout), pg, move, schedule)
             except TransportError as exc:
-                if not guard.dead:
+                if not (on_peers.dead or on_mates.dead):
                     raise
                 error: TransportError | None = exc
             else:
                 error = None
-        if guard.dead:  # even if every byte arrived meanwhile: the group is broken, the epoch must move on
-            self._teardown_group()
-            raise TransportError(watch.died(guard.dead, f"version {version}")) from error
+        for guard in (on_peers, on_mates):
+            if guard.dead:  # even if every byte arrived meanwhile: the group is broken, the epoch must move on
+                self._teardown_group()
+                raise TransportError(guard.watch.died(guard.dead, f"version {version}")) from error
         return stats
 
     @property
     def _other(self) -> Literal["writer", "reader"]:
         return "reader" if self.ctx.role == "writer" else "writer"
 
-    def _any_peer(self) -> int:
-        """Some other rank of the group (every group has a writer and a reader)."""
-        return 1 if self.ctx.global_rank == 0 else 0
+    def _other_ranks(self) -> list[int]:
+        """Every other rank of the group, by its rank in the group."""
+        return [r for r in range(self.ctx.world_size) if r != self.ctx.global_rank]
 
     def _teardown_group(self) -> None:
         pg = self._pg
         if pg is not None and float(getattr(self.ctx.channel, "lease_seconds", 0.0) or 0.0) > 0:
             # peers blocked on this rank fail now instead of at their timeout; the leases then
             # name the rank that died (:meth:`_blame`), which the pair that broke may not be
-            break_group(pg, self._any_peer())
+            break_group(pg, self._other_ranks())
         super()._teardown_group()
 
     def _run_lanes(self, version: int, deadline: Deadline, pg: Any, move: Any, schedule: list[Pair]) -> TransferStats:
@@ -348,18 +360,24 @@ class _GlooLink:
 _BREAK_TAG = (1 << 31) - 1
 
 
-def break_group(pg: Any, peer: int) -> None:
+def break_group(pg: Any, ranks: Sequence[int]) -> None:
     """Make every pending and future operation of a gloo group fail now.
 
     Neither ``abort()`` nor ``shutdown()`` of a gloo group wakes a thread blocked in a send or
     receive (torch 2.13), but a receive that times out makes gloo close every pair of the
     group with "Application timeout caused pair closure" (``UnboundBuffer::waitRecv``), which
     fails the blocked waits, here and at the peers, and keeps a late peer's bytes out.
+
+    The receive must be posted on a pair that is still open: on the pair of a rank that died
+    it fails at once, without the timeout that closes the others (seen: a writer that broke
+    its group through the dead writer's pair kept waiting on a send to a live reader). So it
+    is tried with each of ``ranks`` in turn; once one times out, the rest fail at once.
     """
-    try:
-        pg.recv([torch.empty(1)], peer, _BREAK_TAG).wait(datetime.timedelta(milliseconds=1))
-    except Exception as exc:  # the timeout that breaks it, or a group that is broken already
-        logger.debug("gloo group broken: %s", exc)
+    for rank in ranks:
+        try:
+            pg.recv([torch.empty(1)], rank, _BREAK_TAG).wait(datetime.timedelta(milliseconds=1))
+        except Exception as exc:  # the timeout that breaks it, or a pair that is broken already
+            logger.debug("gloo group broken through rank %d: %s", rank, exc)
 
 
 def _buffers_in_use(in_flight: deque[tuple[Any, Message, int]]) -> int:
