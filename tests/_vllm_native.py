@@ -10,27 +10,20 @@ and the reference engines (one per checkpoint) the outputs are compared with.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from weightsync.bench.vllm_prefetch_serve import free_port, vllm_serve
 
 PROMPT = [5 + (7 * i) % 480 for i in range(40)]  # longer than one KV block (16 tokens on CPU)
 NEW_TOKENS = 12
 VLLM_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "2",
              "--skip-tokenizer-init", "--kv-cache-memory-bytes", str(32 << 20), "--seed", "0"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def run_to_end(procs: list[subprocess.Popen[str]], *, timeout: float, tail: int = 4000) -> list[str]:
@@ -48,39 +41,14 @@ def run_to_end(procs: list[subprocess.Popen[str]], *, timeout: float, tail: int 
     return [out for out, _ in outputs]
 
 
-@contextlib.contextmanager
 def vllm_server(model: Path, *, timeout: float = 240.0, extra: tuple[str, ...] = (),
-                port: int | None = None) -> Iterator[str]:
+                port: int | None = None) -> Any:
     """``vllm serve`` as a user starts it (the RL routes need VLLM_SERVER_DEV_MODE=1), with ``extra``
     arguments, on ``port`` (default: a free one)."""
-    import httpx
-
     port = port or free_port()
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port), *VLLM_ARGS, *extra, "--weight-transfer-config", json.dumps({"backend": "weightsync"})]
-    log = open(model.parent / f"server-{port}.log", "wb")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve did not come up: {(model.parent / f'server-{port}.log').read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, 15)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait(30)
-        log.close()
+    return vllm_serve(model, [*VLLM_ARGS, *extra], env=env, log=model.parent / f"server-{port}.log", timeout=timeout,
+                      port=port)
 
 
 def completion(url: str, model: str) -> tuple[list[int], str]:

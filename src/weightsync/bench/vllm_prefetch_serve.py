@@ -33,7 +33,6 @@ import bisect
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -42,6 +41,8 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from weightsync.bench.runner import free_port
 
 PREFIX = "WSSERVE "
 #: seconds after a resume counted in no window (the first steps after a reload rebuild oneDNN's kernels)
@@ -266,22 +267,17 @@ class _Clients:
                     time.sleep(0.1)  # a request the pause aborted: the next one waits for the resume
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
-def _server(checkpoint: Path, batch: int, env: dict[str, str], log: Path, timeout: float) -> Iterator[str]:
-    """``vllm serve`` on CPU as the LoRA serve test starts it, with the weightsync backend."""
+def vllm_serve(model: Path, args: Sequence[str], *, env: dict[str, str], log: Path, timeout: float,
+               port: int | None = None) -> Iterator[str]:
+    """``vllm serve`` of ``model`` with the weightsync backend and ``args``, on ``port`` (default:
+    a free one) of 127.0.0.1, its output in ``log``; its URL once ``/health`` answers. The
+    server and its engine core are stopped on exit (SIGTERM to its process group, then SIGKILL)."""
     import httpx
 
-    port = _free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--host",
-           "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
-           "--max-num-seqs", str(batch), "--skip-tokenizer-init", "--kv-cache-memory-bytes", str(64 << 20),
-           "--seed", "0", "--weight-transfer-config", json.dumps({"backend": "weightsync"})]
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+           "--port", str(port), *args, "--weight-transfer-config", json.dumps({"backend": "weightsync"})]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -292,7 +288,7 @@ def _server(checkpoint: Path, batch: int, env: dict[str, str], log: Path, timeou
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve did not come up: {log.read_text()[-2000:]}")
+                raise RuntimeError(f"vllm serve did not come up: {log.read_text()[-3000:]}")
             time.sleep(0.5)
         yield url
     finally:
@@ -303,6 +299,14 @@ def _server(checkpoint: Path, batch: int, env: dict[str, str], log: Path, timeou
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait(30)
+
+
+def _server(checkpoint: Path, batch: int, env: dict[str, str], log: Path, timeout: float) -> Any:
+    """``vllm serve`` on CPU as the serve tests start it (:func:`vllm_serve`), ``batch`` sequences at once."""
+    return vllm_serve(checkpoint, ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
+                                   "--max-num-seqs", str(batch), "--skip-tokenizer-init",
+                                   "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0"],
+                      env=env, log=log, timeout=timeout)
 
 
 def serve_case(name: str, checkpoint: Path, *, job: str, updates: int, transport: str, timeout: float,
