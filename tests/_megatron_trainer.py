@@ -1,4 +1,4 @@
-"""A Megatron-core training rank of a frontier family (DeepSeek-V3, GLM-4.5), MTP layers included,
+"""A Megatron-core training rank of a frontier family (DeepSeek-V3, GLM-4.5, gpt-oss), MTP layers included,
 writing versions through ``MegatronSource``; and the helpers ``tests/test_megatron_frontier.py``
 builds its forked ranks with.
 
@@ -34,10 +34,34 @@ def cpu_shims() -> None:
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
 
 
+def gpt_oss_config(hf: dict[str, Any], par: dict[str, int]) -> Any:
+    """megatron-bridge's gpt-oss provider settings that shape the weights (routing and fusions change none):
+    sinks (``softmax_type="learnable"``), biases everywhere, every other layer a sliding window."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=hf["num_attention_heads"],
+        num_query_groups=hf["num_key_value_heads"], kv_channels=hf["head_dim"], ffn_hidden_size=hf["intermediate_size"],
+        moe_ffn_hidden_size=hf["intermediate_size"], num_moe_experts=hf["num_local_experts"],
+        moe_router_topk=hf["num_experts_per_tok"], gated_linear_unit=True, activation_func=quick_gelu,
+        glu_linear_offset=1.0, activation_func_clamp_value=hf["swiglu_limit"], normalization="RMSNorm",
+        add_bias_linear=True, softmax_type="learnable", window_size=(hf["sliding_window"] - 1, 0),
+        window_attn_skip_freq=2, use_cpu_initialization=True, params_dtype=torch.float32,
+        pipeline_dtype=torch.float32, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False, tensor_model_parallel_size=par["tp"],
+        pipeline_model_parallel_size=par["pp"], expert_model_parallel_size=par["ep"],
+        expert_tensor_parallel_size=par["etp"], moe_token_dispatcher_type="allgather",
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+
+
 def transformer_config(hf: dict[str, Any], par: dict[str, int]) -> Any:
     """The megatron-core config a trainer of ``hf`` writes (routing settings change no weight)."""
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
+    if hf["model_type"] == "gpt_oss":
+        return gpt_oss_config(hf, par)
     layers, dense = hf["num_hidden_layers"], hf["first_k_dense_replace"]
     common: dict[str, Any] = {
         "num_layers": layers, "hidden_size": hf["hidden_size"], "num_attention_heads": hf["num_attention_heads"],
@@ -80,7 +104,7 @@ def build(hf: dict[str, Any], par: dict[str, int]) -> torch.nn.Module:
     if config.multi_latent_attention:  # shim 3 (see cpu_shims)
         for spec in [*block.layer_specs, layer]:
             spec.submodules.self_attention.submodules.core_attention = IdentityOp
-    mtp = get_gpt_mtp_block_spec(config, layer, use_transformer_engine=False)
+    mtp = get_gpt_mtp_block_spec(config, layer, use_transformer_engine=False) if config.mtp_num_layers else None
     return GPTModel(config=config, transformer_layer_spec=block, vocab_size=hf["vocab_size"], max_sequence_length=64,
                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                     position_embedding_type="rope", mtp_block_spec=mtp)
@@ -91,7 +115,7 @@ def load_like_mbridge(model: torch.nn.Module, spec: ModelSpec, canonical: dict[s
     (what its ``load_weights`` does, without the scatter from TP rank 0)."""
     from megatron.core import parallel_state as ps
 
-    from weightsync.sources.megatron import _global_name, _tensors
+    from weightsync.sources.megatron import _WHOLE_EXPERT, _global_name, _tensors
     from weightsync.sources.megatron_names import MegatronNames
 
     names = MegatronNames.of(spec)
@@ -100,6 +124,9 @@ def load_like_mbridge(model: torch.nn.Module, spec: ModelSpec, canonical: dict[s
     bridge.hf_config.hidden_size = spec.hidden_size
     with torch.no_grad():
         for name, tensor in _tensors(model).items():
+            if (whole := _WHOLE_EXPERT.fullmatch(_global_name(model, name))) is not None:
+                tensor.copy_(_gpt_oss_expert(canonical, spec, whole))
+                continue
             found = names.resolve(_global_name(model, name))
             assert found is not None, name
             hf = [canonical[t.name] if e is None else canonical[t.name][e]
@@ -110,6 +137,24 @@ def load_like_mbridge(model: torch.nn.Module, spec: ModelSpec, canonical: dict[s
             else:
                 size, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
             tensor.copy_(bridge._weight_split_across_tp(found.te_name, whole, tensor, size)[rank])
+
+
+def _gpt_oss_expert(canonical: dict[str, torch.Tensor], spec: ModelSpec, match: Any) -> torch.Tensor:
+    """This rank's slice of a gpt-oss expert's parameter, as megatron-bridge's gpt-oss bridge loads it: fc1
+    ``[gate; up]`` de-interleaved from ``gate_up_proj``'s columns and transposed, fc2 ``down_proj`` transposed;
+    fc1 split ``[gate_r; up_r]`` and fc2 by columns over expert TP (its bias whole)."""
+    from megatron.core import parallel_state as ps
+
+    layer, fc, attr, expert = int(match[1]), match[2], match[3], int(match[4])
+    size, rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+    if fc == "linear_fc1":
+        packed = canonical[spec.tensor("experts_gate_up" + ("_bias" if attr == "bias" else ""), layer).name][expert]
+        gate, up = packed[..., 0::2], packed[..., 1::2]
+        gate, up = (gate.t(), up.t()) if attr == "weight" else (gate, up)
+        return torch.cat([gate.chunk(size)[rank], up.chunk(size)[rank]])
+    if attr == "bias":
+        return canonical[spec.tensor("experts_down_bias", layer).name][expert]
+    return canonical[spec.tensor("experts_down", layer).name][expert].t().chunk(size, dim=1)[rank]
 
 
 def megatron_rank(config: dict[str, Any], args: Any) -> tuple[Any, Any]:

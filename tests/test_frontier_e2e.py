@@ -12,7 +12,7 @@ generates differently (the sync took), and its MTP drafter holds A's MTP weights
 after version 2 its tokens equal the fresh engine's on B, token for token, and the drafter
 holds B's MTP weights bitwise. One engine per family: the start-up is most of the cost.
 
-The same holds for four megatron-core ranks of DeepSeek-V3 and GLM-4.5
+The same holds for four megatron-core ranks of DeepSeek-V3, GLM-4.5 and gpt-oss
 (``tests/_megatron_trainer.py``, named by mbridge) writing through ``MegatronSource``.
 """
 
@@ -84,20 +84,13 @@ def test_fsdp2_trainers_sync_a_live_vllm_engine(family, tmp_path, monkeypatch):
     _sync_a_live_engine(family, tmp_path, monkeypatch, _trainers, writers=2)
 
 
-#: Why there is no Megatron trainer of gpt-oss (tests/test_megatron_frontier.py checks the refusal and the build).
-GPT_OSS_MEGATRON = ("gpt-oss from Megatron: megatron-core 0.16.1 builds it on CPU (local spec: "
-                    "DotProductAttention.softmax_offset, window_attn_skip_freq, SequentialMLP and TopKRouter biases), "
-                    "but mbridge 0.15.1 has no gpt_oss bridge to name its parameters, megatron-bridge's is not "
-                    "installable with transformers 5 without Transformer Engine, and its experts' de-interleaved "
-                    "linear_fc1 is a step-2 slice weightsync's regions cannot express but column by column")
-
-
 @pytest.mark.parametrize(("family", "parallel"), [
     ("deepseek_v3", {"tp": 2, "pp": 1, "ep": 2, "etp": 1}), ("glm4_moe", {"tp": 2, "pp": 2, "ep": 2, "etp": 1}),
-    pytest.param("gpt_oss", {"tp": 2, "pp": 1, "ep": 2, "etp": 1}, marks=pytest.mark.skip(reason=GPT_OSS_MEGATRON))])
+    ("gpt_oss", {"tp": 2, "pp": 1, "ep": 2, "etp": 1})])
 def test_megatron_trainers_sync_a_live_vllm_engine(family, parallel, tmp_path, monkeypatch):
-    """The same for four megatron-core ranks (``tests/_megatron_trainer.py``; DeepSeek-V3 at TP 2 x DP 2,
-    GLM-4.5 at TP 2 x PP 2 with the MTP layer and its embedding on the last stage; EP 2), named by mbridge."""
+    """The same for four megatron-core ranks (``tests/_megatron_trainer.py``; DeepSeek-V3 and gpt-oss at
+    TP 2 x DP 2, GLM-4.5 at TP 2 x PP 2 with the MTP layer and its embedding on the last stage; EP 2), named
+    by mbridge (gpt-oss: its Qwen2-MoE bridge plus gpt-oss's own names, the experts' fc1 staged)."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install weightsync[megatron])")
     pytest.importorskip("mbridge", reason="mbridge is not installed (pip install weightsync[megatron])")
     extra = ("--parallel", json.dumps(parallel))

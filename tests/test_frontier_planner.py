@@ -2,12 +2,17 @@
 a query LoRA, shared experts, the correction bias, MTP layers), GLM-4.5 and gpt-oss.
 
 Random small models of each family, random pairs of the layout kinds that describe them
-(``hf``, ``fsdp``, ``deepspeed``, ``vllm`` with TP/DP/EP and the MTP drafter): the plan
+(``hf``, ``fsdp``, ``deepspeed``, ``vllm`` with TP/DP/EP and the MTP drafter; ``megatron``
+with TP/PP/DP/EP/expert TP for gpt-oss, laid out from mbridge and megatron-core): the plan
 sends exactly the bytes the readers need (zero redundancy), and running it in numpy writes
 every destination element exactly once, bitwise.
 """
 
 from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import assume, given
@@ -17,6 +22,10 @@ from test_planner import SETTINGS, execute_and_check, needed_bytes
 from weightsync.layout import ModelSpec, parse_layout
 from weightsync.plan import PlanOptions, build_plan
 from weightsync.tiny import tiny_config
+
+
+#: Whether the ``megatron`` kind can lay gpt-oss out here (mbridge's names, megatron-core's layer specs).
+MEGATRON = all(importlib.util.find_spec(m) is not None for m in ("mbridge", "megatron"))
 
 
 @st.composite
@@ -49,10 +58,30 @@ def frontier_kinds(spec, *, readers: bool):
     kinds = [st.builds(lambda r: f"hf:replicas={r}", st.integers(1, 2)),
              st.builds(lambda d: f"fsdp:dp={d}", st.integers(1, 3)),
              st.builds(lambda d: f"deepspeed:dp={d}", st.integers(1, 3))]
+    if not readers and spec.family == "gpt_oss" and MEGATRON:  # laid out from mbridge and megatron-core
+        kinds.append(st.builds(lambda t, p, d, e, x, g: f"megatron:tp={t},pp={p},dp={d},ep={e},etp={x},grouped={g}",
+                               st.sampled_from([1, 2]), st.integers(1, 2), st.integers(1, 2), ep,
+                               st.sampled_from([1, 2]), st.integers(0, 1)))
     if readers:
         kinds.append(st.builds(lambda t, d, e, m: f"vllm:tp={t},dp={d},ep={t * d if e > 1 else 1},mtp={m}",
                                st.sampled_from([1, 2]), st.integers(1, 2), ep, st.integers(0, spec.mtp_layers)))
     return st.one_of(*kinds)
+
+
+@contextlib.contextmanager
+def derived_megatron_rules(on: bool) -> Iterator[None]:
+    """The ``megatron`` kind's rules derived from mbridge and megatron-core, installed for one layout."""
+    if not on:
+        yield
+        return
+    from weightsync.layout.kinds.megatron import use_params
+    from weightsync.sources.megatron_names import install
+
+    install()
+    try:
+        yield
+    finally:
+        use_params(None)
 
 
 @st.composite
@@ -61,11 +90,12 @@ def frontier_pairs(draw):
     layouts = []
     for readers in (False, True):
         kind = parse_layout(draw(frontier_kinds(spec, readers=readers)))
-        try:
-            kind.validate(spec)
-        except ValueError:
-            assume(False)
-        layouts.append(kind.all_rank_layouts(spec))
+        with derived_megatron_rules(kind.kind == "megatron"):
+            try:
+                kind.validate(spec)
+            except ValueError:
+                assume(False)
+            layouts.append(kind.all_rank_layouts(spec))
     return spec, layouts[0], layouts[1]
 
 

@@ -35,12 +35,13 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from _frontier_trainer import add_mtp_layers
 from _megatron_trainer import build, cpu_shims, load_like_mbridge
-from _sources import check_source, run_ranks
+from _sources import assert_covered, check_source, run_ranks
 from meta_proc import MetaServerProcess
 from weightsync.layout import ModelSpec, parse_layout
 from weightsync.sources.param_mapping import same_layout
@@ -53,6 +54,7 @@ SEED = 3
 CASES = {
     "deepseek_v3": ({"tp": 2, "pp": 1, "ep": 2, "etp": 1}, "megatron:tp=2,dp=2,ep=2,etp=1"),
     "glm4_moe": ({"tp": 2, "pp": 2, "ep": 2, "etp": 1}, "megatron:tp=2,pp=2,ep=2,etp=1"),
+    "gpt_oss": ({"tp": 2, "pp": 1, "ep": 2, "etp": 1}, "megatron:tp=2,dp=2,ep=2,etp=1"),
 }
 
 
@@ -82,7 +84,7 @@ def _rank(rank: int, world: int, family: str, job: str) -> list:
     canonical = canonical_weights(hf, SEED)
     load_like_mbridge(model, spec, canonical)
     source = MegatronSource(model, hf)
-    held = check_source(source, canonical, _tensors(model))
+    held = check_source(source, canonical, _tensors(model), staged=source._staged)
     install()
     assert same_layout(source.layout(), parse_layout(kind).rank_layout(spec, rank)), rank
     with WeightWriter(source, rank=rank, config=SyncConfig(num_writers=world, num_readers=1, job=job,
@@ -135,8 +137,9 @@ def test_megatron_trainer_syncs_a_transformers_model_bitwise(family, tmp_path, m
     want = dict(expected.state_dict())
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, want[name]), name
-    mtp = [n for n in want if n.startswith(f"model.layers.{hf['num_hidden_layers']}.")]
-    assert any(n.endswith("eh_proj.weight") for n in mtp) and any("experts" in n for n in mtp)
+    if hf.get("num_nextn_predict_layers"):
+        mtp = [n for n in want if n.startswith(f"model.layers.{hf['num_hidden_layers']}.")]
+        assert any(n.endswith("eh_proj.weight") for n in mtp) and any("experts" in n for n in mtp)
 
 
 #: Tiny configs of the families the ``megatron`` kind's own rules name.
@@ -190,6 +193,8 @@ PLANS = [
     ("deepseek_v3", {"q_lora_rank": None}, "megatron:tp=2,dp=2,ep=4,etp=1,grouped=1", "vllm:tp=2,dp=2,ep=4,mtp=1"),
     ("glm4_moe", {}, "megatron:tp=2,pp=2,dp=2,ep=2,etp=2", "vllm:tp=2,mtp=1"),
     ("glm4_moe", {}, "megatron:tp=1,pp=2,dp=2,ep=2", "hf:replicas=2"),
+    ("gpt_oss", {}, "megatron:tp=2,dp=2,ep=2,etp=1", "vllm:tp=2"),
+    ("gpt_oss", {}, "megatron:tp=2,dp=2,ep=2,etp=2", "vllm:tp=2,ep=2"),
 ]
 
 
@@ -215,66 +220,46 @@ def test_megatron_plans_of_the_derived_families_have_zero_redundancy(family, cha
     execute_and_check(spec.canonical_tensors(), sources, dests, plan)
     assert plan.stats.sent_bytes == plan.stats.needed_bytes == needed_bytes(dests)
     mtp = [s for layout in sources for s in layout.shards if s.name.startswith("mtp.layers.0.")]
-    assert any(s.name.endswith("eh_proj.weight") for s in mtp), [s.name for s in mtp]
+    assert any(s.name.endswith("eh_proj.weight") for s in mtp) == bool(spec.mtp_layers), [s.name for s in mtp]
 
 
-def _gpt_oss_rank(rank: int, world: int) -> list[str]:
-    """One TP 2 rank of a megatron-core gpt-oss (local spec, the test-only device shim): its parameters."""
+def _gpt_oss_rank(rank: int, world: int) -> tuple[list[str], list[str], list]:
+    """One TP 2 x EP 2 rank of a megatron-core gpt-oss (local spec, the test-only device shim): its
+    parameters, the shards ``MegatronSource`` names them as, and the canonical boxes each holds."""
     from megatron.core import parallel_state as ps
-    from megatron.core.fusions.fused_bias_geglu import quick_gelu
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer import TransformerConfig
+
+    from weightsync.sources.megatron import MegatronSource
 
     cpu_shims()
     hf = tiny_config(family="gpt_oss")
-    ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2,
-                                 expert_tensor_parallel_size=1)
-    # megatron-bridge's gpt-oss provider settings that shape the weights (routing and fusions change none)
-    config = TransformerConfig(
-        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=hf["num_attention_heads"],
-        num_query_groups=hf["num_key_value_heads"], kv_channels=hf["head_dim"], ffn_hidden_size=hf["intermediate_size"],
-        moe_ffn_hidden_size=hf["intermediate_size"], num_moe_experts=hf["num_local_experts"],
-        moe_router_topk=hf["num_experts_per_tok"], gated_linear_unit=True, activation_func=quick_gelu,
-        glu_linear_offset=1.0, activation_func_clamp_value=hf["swiglu_limit"], normalization="RMSNorm",
-        add_bias_linear=True, softmax_type="learnable", window_size=(hf["sliding_window"] - 1, 0),
-        window_attn_skip_freq=2, use_cpu_initialization=True, params_dtype=torch.float32,
-        pipeline_dtype=torch.float32, bias_activation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, tensor_model_parallel_size=2, expert_model_parallel_size=2,
-        expert_tensor_parallel_size=1, moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0)
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    model = GPTModel(config=config, transformer_layer_spec=block, vocab_size=hf["vocab_size"], max_sequence_length=64,
-                     position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    model = build(hf, {"tp": 2, "pp": 1, "ep": 2, "etp": 1})
     windows = [layer.self_attention.core_attention.scale_mask_softmax.window_size for layer in model.decoder.layers]
     assert windows == [(hf["sliding_window"] - 1, 0), None], windows  # sliding, then full, as the checkpoint
-    names = [n for n, _ in model.named_parameters()]
+    params = [n for n, _ in model.named_parameters()]
+    layout = MegatronSource(model, hf).layout()
     ps.destroy_model_parallel()
-    return names
+    return params, [s.name for s in layout.shards], [[(r.canonical, r.box) for r in s.regions] for s in layout.shards]
 
 
-def test_megatron_trainers_of_gpt_oss_are_refused_naming_what_is_missing():
+def test_megatron_names_of_gpt_oss_cover_every_parameter_once():
     """megatron-core 0.16.1 builds gpt-oss on CPU (sinks, sliding windows, biased experts and router,
-    TP 2 x EP 2): the refusal says so, and names what is missing instead (a mapping of its names;
-    the de-interleaved expert layout), for the source and the ``megatron`` layout kind alike."""
+    TP 2 x EP 2). The names derived from megatron-core's modules and mbridge's Qwen2-MoE bridge (plus
+    gpt-oss's own few) give every parameter exactly one shard, no two parameters of a rank hold the same
+    canonical element, and the ranks together hold every element of every canonical tensor."""
     import_libraries()
-    from weightsync.layout.kinds.megatron import use_params
-    from weightsync.sources.megatron_names import MegatronNames, install
-
-    names = run_ranks(_gpt_oss_rank, 2, timeout=180)[0]
-    for held in ("self_attention.core_attention.softmax_offset", "self_attention.linear_proj.bias",
-                 "mlp.router.bias", "mlp.experts.local_experts.1.linear_fc1.bias",
-                 "mlp.experts.local_experts.1.linear_fc2.bias"):
-        assert f"decoder.layers.1.{held}" in names, held
     spec = ModelSpec.from_hf_config(tiny_config(family="gpt_oss"))
-    message = (r"mbridge has no bridge for the gpt_oss family .* megatron-core 0\.16\.1 itself builds gpt-oss on CPU"
-               r".*DotProductAttention\.softmax_offset.*What is missing is the mapping.*de-interleaved")
-    with pytest.raises(ValueError, match=message):
-        MegatronNames(spec)
-    install()
-    try:
-        with pytest.raises(ValueError, match=message):
-            parse_layout("megatron:tp=2,dp=2,ep=2,etp=1").rank_layout(spec, 0)
-    finally:
-        use_params(None)
+    ranks = run_ranks(_gpt_oss_rank, 2, timeout=180)
+    for params, shards, _ in ranks:
+        for held in ("self_attention.core_attention.softmax_offset", "self_attention.linear_proj.bias",
+                     "mlp.router.bias", "mlp.experts.local_experts.1.linear_fc1.bias",
+                     "mlp.experts.local_experts.1.linear_fc2.bias"):
+            assert f"decoder.layers.1.{held}" in params, held
+        assert sorted(params) == sorted(shards)  # one shard per parameter (shard names are unique)
+    for _, _, regions in ranks:
+        count = {name: np.zeros(t.shape, dtype=np.int32) for name, t in spec.canonical_tensors().items()}
+        for shard in regions:
+            for name, box in shard:
+                count[name][box.slices()] += 1
+        assert all(c.max() <= 1 for c in count.values()), [n for n, c in count.items() if c.max() > 1]
+    assert_covered([[pair for shard in regions for pair in shard] for _, _, regions in ranks],
+                   {name: t.shape for name, t in spec.canonical_tensors().items()})

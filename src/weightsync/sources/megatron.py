@@ -20,7 +20,15 @@ itself says which slice of it this rank holds:
 * ``local_experts.{k}`` (TE's ``linear_fc1.weight{k}``) is global expert
   ``local_expert_indices[k]`` of its MoE layer;
 * with tied embeddings and PP > 1 the last stage's ``output_layer.weight`` is a second copy
-  of the embedding, and with MTP layers and PP > 1 the last stage embeds too: more holders.
+  of the embedding, and with MTP layers and PP > 1 the last stage embeds too: more holders;
+* a parameter megatron-core splits over TP without marking it (gpt-oss's sinks,
+  ``DotProductAttention.softmax_offset``, ``heads / tp`` per rank) is cut where its local shape
+  differs from the whole, as mbridge's own TP split does;
+* gpt-oss's experts: the checkpoint holds them whole with gate and up columns interleaved,
+  Megatron's ``linear_fc1`` as ``[gate_r; up_r]`` rows. ``tensors()`` stages each local expert's
+  ``linear_fc1`` weight and bias in the checkpoint's interleaved order (:func:`stage_fc1`), a copy
+  of every local expert's fc1 per version (about 2/3 of the rank's expert bytes); ``linear_fc2``
+  is sent from the parameter itself (``whole_expert_shard``).
 
 A parameter mbridge maps to no canonical tensor raises a ValueError listing the names.
 Megatron and mbridge are imported inside the constructor only.
@@ -38,12 +46,15 @@ import torch
 
 from weightsync.layout import ModelSpec, RankLayout, Shard
 from weightsync.layout.builders import padded_size
+from weightsync.layout.kinds.megatron import whole_expert_shard
 from weightsync.layout.params import ParamParts, Runs, run_boxes, runs_length
 from weightsync.sources.param_mapping import check_known, matching_descriptor, read_config, uniform_dtype
 from weightsync.torch_layout import dtype_name
 
 _TE_EXPERT = re.compile(r"\.linear_fc[12]\.weight\d+$")
 _LAYER = re.compile(r"(decoder|mtp)\.layers\.(\d+)\.(.+)")
+#: A gpt-oss expert's parameter, by global name: (layer, linear_fc1|2, weight|bias, expert).
+_WHOLE_EXPERT = re.compile(r"decoder\.layers\.(\d+)\.mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)")
 _EXPERT = re.compile(r"(.*)experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)"
                      r"|(linear_fc[12])\.(weight|bias)(\d+))")
 #: The families the ``megatron`` layout kind lays out without mbridge (a descriptor other ranks expand).
@@ -73,6 +84,15 @@ class Groups:
             ep=ps.get_expert_model_parallel_world_size(),
             cp=ps.get_context_parallel_world_size(),
         )
+
+
+def stage_fc1(fc1: torch.Tensor) -> torch.Tensor:
+    """A gpt-oss expert's ``linear_fc1`` weight ``[gate; up]`` (``[2w, H]``) as the checkpoint orders it,
+    ``[H, 2w]`` with gate and up columns interleaved (its bias ``[2w]`` likewise): a new tensor."""
+    w = fc1.shape[0] // 2
+    if fc1.dim() == 1:
+        return fc1.reshape(2, w).t().reshape(2 * w).contiguous()
+    return fc1.reshape(2, w, fc1.shape[1]).permute(2, 1, 0).reshape(fc1.shape[1], 2 * w).contiguous()
 
 
 def _unwrap(chunk: Any) -> Any:
@@ -114,13 +134,18 @@ def _global_name(model: Any, name: str) -> str:
     return f"{prefix}{head}experts.{fc}.{attr}{int(moe.local_expert_indices[local])}"
 
 
-def _split(name: str, param: Any, is_expert: bool, groups: Groups) -> tuple[int, int, int, int] | None:
-    """(dim, stride, size, rank) of the TP split of ``param``; None when it is whole here."""
+def _split(name: str, param: Any, is_expert: bool, groups: Groups,
+           whole: tuple[int, ...]) -> tuple[int, int, int, int] | None:
+    """(dim, stride, size, rank) of the TP split of ``param`` (of unsharded shape ``whole``); None when it
+    is whole here."""
     size, rank = groups.etp if is_expert else groups.tp
     if getattr(param, "tensor_model_parallel", False):
         dim, stride = int(param.partition_dim), int(getattr(param, "partition_stride", 1))
     elif is_expert:  # TE grouped experts carry no attributes: fc1 splits rows [gate; up], fc2 columns
         dim, stride = (0, 2) if ".linear_fc1." in name else (1, 1)
+    elif len(whole) == param.dim() and tuple(param.shape) != whole:
+        # unmarked yet cut (softmax_offset): where the shapes differ, as mbridge's _weight_split_across_tp
+        dim, stride = next(d for d, (a, b) in enumerate(zip(param.shape, whole, strict=True)) if a != b), 1
     else:
         return None
     return (dim, stride, size, rank) if size > 1 else None
@@ -174,28 +199,54 @@ class MegatronSource:
         if rank is None:
             rank = torch.distributed.get_rank()
         names = MegatronNames.of(self.spec)
+        self.whole_experts = self.spec.family_info.experts == "whole"
         self._names: dict[str, tuple[int, str]] = {}
+        self._staged: set[str] = set()  # gpt-oss experts' linear_fc1, sent in the checkpoint's order
         unknown: list[str] = []
         shards = []
         for i, model in enumerate(self.models):
             prefix = f"chunk{i}." if len(self.models) > 1 else ""
             for name, tensor in _tensors(model).items():
+                whole = _WHOLE_EXPERT.fullmatch(_global_name(model, name)) if self.whole_experts else None
+                if whole is not None:
+                    shards.append(self._whole_expert(prefix + name, tensor, whole))
+                    self._names[prefix + name] = (i, name)
+                    continue
                 parts = names.parts(_global_name(model, name))
                 if parts is None:
                     unknown.append(prefix + name)
                     continue
-                split = _split(name, tensor, ".experts." in name, self.groups)
+                split = _split(name, tensor, ".experts." in name, self.groups, parts.shape)
                 shards.append(_shard(prefix + name, tensor, parts, split))
                 self._names[prefix + name] = (i, name)
         check_known(unknown, self.spec, "Megatron")
         self._layout = RankLayout(rank, tuple(shards), self.spec.canonical_tensors())
 
+    def _whole_expert(self, name: str, tensor: torch.Tensor, match: re.Match[str]) -> Shard:
+        """A gpt-oss expert's parameter (``match``: its global name) as ``whole_expert_shard`` lays it out."""
+        layer, suffix, expert = int(match[1]), f"{match[2]}.{match[3]}", int(match[4])
+        size, rank = self.groups.etp
+        w = tensor.shape[0] // 2 if suffix.startswith("linear_fc1") else (
+            tensor.shape[1] if suffix == "linear_fc2.weight" else self.spec.moe_intermediate_size // size)
+        shard = whole_expert_shard(self.spec, layer, suffix, expert, rank * w, (rank + 1) * w, name,
+                                   dtype_name(tensor.dtype))
+        if shard.numel != tensor.numel() or (suffix == "linear_fc2.bias" and tuple(tensor.shape) != shard.shape):
+            raise ValueError(f"{name}: local shape {tuple(tensor.shape)} does not fit the gpt-oss expert "
+                             f"parameter of {shard.shape} the model config gives (expert TP {size})")
+        if suffix.startswith("linear_fc1"):
+            self._staged.add(name)
+        return shard
+
     def layout(self) -> RankLayout:
         return self._layout
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
+        """The local tensors by shard name; gpt-oss experts' ``linear_fc1`` as fresh staged copies."""
         held = [_tensors(m) for m in self.models]
-        return {local: held[i][name].detach() for local, (i, name) in self._names.items()}
+        out = {local: held[i][name].detach() for local, (i, name) in self._names.items()}
+        for local in self._staged:
+            out[local] = stage_fc1(out[local])
+        return out
 
     def descriptor(self) -> tuple[str, Mapping[str, object]] | None:
         """``megatron:tp=..,pp=..`` when this rank's shards are exactly that kind's."""

@@ -56,8 +56,11 @@ from weightsync.layout.params import ParamParts
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _MTP = re.compile(r"mtp\.layers\.(\d+)\.(.+)")
 _HF_EXPERT = re.compile(r"(.+\.experts\.)(\d+)(\..+)")
-#: Parameter names a megatron-core module may hold (the router's load-balancing bias is a buffer).
-_ATTRS = ("weight", "bias", "expert_bias")
+#: Parameter names a megatron-core module may hold (the router's load-balancing bias is a buffer;
+#: ``softmax_offset``: gpt-oss's attention sinks, ``DotProductAttention`` with ``softmax_type="learnable"``).
+_ATTRS = ("weight", "bias", "expert_bias", "softmax_offset")
+#: The roles of gpt-oss's whole experts, which ``layout.kinds.megatron.whole_expert_shard`` lays out.
+_WHOLE_EXPERT_ROLES = ("experts_gate_up", "experts_gate_up_bias", "experts_down", "experts_down_bias")
 #: megatron-core modules whose attribute differs from their spec field: the MTP layer builds its
 #: ``layer_norm`` spec as ``final_layernorm`` (``MultiTokenPredictionLayer.__init__``).
 _ATTR_OF_FIELD = {"layer_norm": "final_layernorm"}
@@ -81,8 +84,8 @@ class MegatronNames:
     """mbridge's view of one model: Megatron parameter name -> canonical parts.
 
     Raises:
-        ValueError: mbridge has no bridge for the family (gpt-oss in mbridge 0.15.1: the message says
-            what megatron-core builds and what is missing).
+        ValueError: mbridge has no bridge for the family. gpt-oss, which mbridge 0.15.1 lacks, is
+            mbridge's Qwen2-MoE bridge plus its few own names (:func:`_gpt_oss_bridge`).
     """
 
     def __init__(self, spec: ModelSpec) -> None:
@@ -207,21 +210,34 @@ def _decode(fused: torch.Tensor, offsets: list[int], shapes: tuple[tuple[int, ..
     return tuple((int(index[a]), int(row[a]), int(row[a]) + b - a) for a, b in zip(starts, ends, strict=True))
 
 
-#: Why a family megatron-core builds has no Megatron names here, beyond mbridge's missing bridge.
-_NO_BRIDGE = {
-    "gpt_oss": (
-        ". megatron-core 0.16.1 itself builds gpt-oss on CPU with its local spec: the sinks are "
-        "DotProductAttention.softmax_offset (transformer/dot_product_attention.py, softmax_type='learnable'), "
-        "the sliding windows window_size with window_attn_skip_freq (transformer/utils.py, "
-        "is_layer_window_attention), the biased experts SequentialMLP with add_bias_linear "
-        "(transformer/moe/experts.py) and the router's bias TopKRouter.bias (transformer/moe/router.py). "
-        "What is missing is the mapping: megatron-bridge's gpt-oss bridge (models/gpt_oss/gpt_oss_bridge.py) "
-        "is not installable beside transformers 5 without Transformer Engine, and its expert layout, "
-        "linear_fc1 = [gate; up] de-interleaved from the checkpoint's interleaved gate_up_proj columns and "
-        "transposed, is a step-2 slice that weightsync's regions (a box plus strides) express only one column "
-        "at a time (2 x intermediate_size regions per expert). Train gpt-oss with FSDP2 or ZeRO-3 (HF names), "
-        "or see docs/models.md"),
+#: What gpt-oss adds to mbridge's Qwen2-MoE bridge (q/k/v biases, a router, experts), by the names of
+#: megatron-core's own modules (``DotProductAttention.softmax_offset``, ``TopKRouter.bias``,
+#: ``RowParallelLinear.bias``): the only gpt-oss names written here. Its experts are not in the table:
+#: the checkpoint holds them whole, interleaved (``weightsync.layout.kinds.megatron.whole_expert_shard``).
+_GPT_OSS_ATTENTION = {
+    "self_attention.linear_proj.bias": ["model.layers.{layer_number}.self_attn.o_proj.bias"],
+    "self_attention.core_attention.softmax_offset": ["model.layers.{layer_number}.self_attn.sinks"],
 }
+_GPT_OSS_MLP = {
+    "mlp.router.weight": ["model.layers.{layer_number}.mlp.router.weight"],
+    "mlp.router.bias": ["model.layers.{layer_number}.mlp.router.bias"],
+}
+
+
+def _gpt_oss_bridge() -> type:
+    """mbridge's Qwen2-MoE bridge (its q/k/v fusion with biases, norms, embedding and head) with the
+    gpt-oss names of :data:`_GPT_OSS_ATTENTION` and :data:`_GPT_OSS_MLP` in place of its MLP table.
+
+    mbridge 0.15.1 has no gpt-oss bridge, and megatron-bridge's is not installable beside
+    transformers 5 without Transformer Engine; the attention, norms and router of gpt-oss are
+    Qwen2-MoE's, so only what differs is named."""
+    from mbridge.models.qwen2moe import Qwen2MoEBridge
+
+    mlp = {k: v for k, v in Qwen2MoEBridge._MLP_MAPPING.items() if k == "pre_mlp_layernorm"}
+    return type("GptOssBridge", (Qwen2MoEBridge,), {
+        "_ATTENTION_MAPPING": {**Qwen2MoEBridge._ATTENTION_MAPPING, **_GPT_OSS_ATTENTION},
+        "_MLP_MAPPING": {**mlp, **_GPT_OSS_MLP},
+    })
 
 
 def _bridge(spec: ModelSpec) -> Any:
@@ -233,11 +249,10 @@ def _bridge(spec: ModelSpec) -> Any:
     except ImportError as exc:
         raise ValueError(f"Megatron parameter names come from mbridge, which is not installed ({exc}): "
                          "pip install 'weightsync[megatron]'") from exc
-    cls = _MODEL_REGISTRY.get(spec.family)
+    cls = _gpt_oss_bridge() if spec.family == "gpt_oss" else _MODEL_REGISTRY.get(spec.family)
     if cls is None:
-        why = _NO_BRIDGE.get(spec.family, "")
         raise ValueError(f"mbridge has no bridge for the {spec.family} family (it has: {sorted(_MODEL_REGISTRY)}), "
-                         f"so weightsync cannot name its Megatron-core parameters{why}")
+                         "so weightsync cannot name its Megatron-core parameters")
     bridge = cls.__new__(cls)
     # hidden_size 1: the qkv fusion reshapes to [-1, hidden_size], and the probes are one column wide
     bridge.hf_config = SimpleNamespace(num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
@@ -304,13 +319,16 @@ def _layer_spec(spec: ModelSpec, layer: int) -> Any:
     return decoder
 
 
-def _split_dim(cls: type) -> int | None:
-    """The dimension tensor parallelism cuts a megatron-core module's weight along (None: whole)."""
+def _split_dim(cls: type, attr: str) -> int | None:
+    """The dimension tensor parallelism cuts a megatron-core module's parameter ``attr`` along (None: whole).
+
+    A ``RowParallelLinear``'s bias is added after the all-reduce, whole on every rank; the attention
+    sinks (``softmax_offset``) are ``num_attention_heads_per_partition`` long (``DotProductAttention``)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    if issubclass(cls, ColumnParallelLinear):
+    if issubclass(cls, ColumnParallelLinear) or attr == "softmax_offset":
         return 0
-    if issubclass(cls, RowParallelLinear):
+    if issubclass(cls, RowParallelLinear) and attr != "bias":
         return 1
     return None
 
@@ -327,8 +345,11 @@ def layer_params(spec: ModelSpec, layer: int) -> tuple[MegatronParam, ...]:
     prefix = (f"mtp.layers.{layer - spec.num_layers}." if spec.is_mtp_layer(layer) else f"decoder.layers.{layer}.")
     out: list[MegatronParam] = []
     covered: set[str] = set()
+    whole = spec.family_info.experts == "whole"
     for path, cls in _leaves(_layer_spec(spec, layer)):
         expert = ".experts." in f".{path}." and ".shared_experts." not in f".{path}."
+        if expert and whole:
+            continue  # the kind lays gpt-oss's experts out itself (whole_expert_shard)
         held: set[str] = set()
         for attr in _ATTRS:
             found = names.resolve(f"{prefix}{path}.{attr}" + ("0" if expert else ""))
@@ -339,13 +360,14 @@ def layer_params(spec: ModelSpec, layer: int) -> tuple[MegatronParam, ...]:
             if covered & set(found.roles):
                 raise ValueError(f"megatron: {prefix}{path}.{attr} and another parameter both hold "
                                  f"{sorted(covered & set(found.roles))} (mbridge maps both)")
-            dim = _split_dim(cls)
+            dim = _split_dim(cls, attr)
             stride = _stride(names, found) if dim == 0 else 1
             runs = tuple((found.roles[i], lo, hi) for i, lo, hi in names.fused_rows(found))
             out.append(MegatronParam(f"{path}.{attr}", runs, dim, stride, expert))
             held.update(found.roles)
             covered.update(found.roles)
-    missing = [role for role in spec.layer_roles(layer) if role not in covered]
+    missing = [role for role in spec.layer_roles(layer) if role not in covered
+               and not (whole and role in _WHOLE_EXPERT_ROLES)]
     if missing:
         raise ValueError(f"megatron: no parameter of megatron-core's layer spec maps to {missing} of layer {layer} "
                          f"of the {spec.family} model (mbridge and megatron-core disagree with the config)")

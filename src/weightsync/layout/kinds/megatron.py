@@ -50,7 +50,7 @@ from weightsync.layout.families import FLOAT32_ROLES
 from weightsync.layout.kinds.base import LayoutKind, memo, register_kind
 from weightsync.layout.kinds.pieces import Piece
 from weightsync.layout.model import ModelSpec
-from weightsync.layout.types import CanonicalTensor, Shard
+from weightsync.layout.types import CanonicalTensor, Region, Shard
 
 #: Megatron local name of each role that is a plain (unfused) parameter.
 _PLAIN_NAMES = {
@@ -350,6 +350,14 @@ class MegatronLayout(LayoutKind):
         out = []
         for local in range(local_experts):
             expert = ep_rank * local_experts + local
+            if spec.family_info.experts == "whole":
+                lo, hi = even_bounds(spec.moe_intermediate_size, self.expert_tp, what="moe_intermediate_size")[e_rank]
+                for suffix in WHOLE_EXPERT_PARAMS:
+                    name = (f"{prefix}mlp.experts.{suffix}{local}" if self.grouped
+                            else f"{prefix}mlp.experts.local_experts.{local}.{suffix}")
+                    out.append(whole_expert_shard(spec, layer, suffix, expert, lo, hi, name, self.local_dtype(
+                        spec.tensor("experts_gate_up", layer))))
+                continue
             for param in self._params(spec, layer):
                 if param.expert:
                     head, _, tail = param.suffix.rpartition("experts.")
@@ -358,6 +366,36 @@ class MegatronLayout(LayoutKind):
                     out.append(self._param_shard(spec, layer, param, name, parts=self.expert_tp, index=e_rank,
                                                  expert=expert))
         return out
+
+
+#: A gpt-oss expert's parameters in megatron-core (``SequentialMLP`` with ``add_bias_linear``).
+WHOLE_EXPERT_PARAMS = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
+
+
+def whole_expert_shard(spec: ModelSpec, layer: int, suffix: str, expert: int, lo: int, hi: int, name: str,
+                       dtype: str) -> Shard:
+    """What a megatron-core rank holding intermediate rows ``[lo, hi)`` of gpt-oss expert ``expert`` sends for
+    its parameter ``suffix`` (one of :data:`WHOLE_EXPERT_PARAMS`).
+
+    ``linear_fc2`` (``[H, w]`` and its ``[H]`` bias) is the checkpoint's ``down_proj[e]`` (``[I, H]``)
+    transposed, a plain strided region. ``linear_fc1`` is ``[gate_r; up_r]`` rows (``[2w, H]``), while the
+    checkpoint's ``gate_up_proj[e]`` (``[H, 2I]``) interleaves gate and up columns: a step-2 selection no
+    region expresses. So the source sends a *staged* copy of it, ``[H, 2w]`` (its bias ``[2w]``) with the
+    columns interleaved as in the checkpoint (:func:`weightsync.sources.megatron.stage_fc1`), which is
+    columns ``[2 lo, 2 hi)`` of the expert's slice, one contiguous region.
+    """
+    w, h = hi - lo, spec.hidden_size
+    if suffix == "linear_fc1.weight":
+        tensor, box, shape, strides = "experts_gate_up", Box((expert, 0, 2 * lo), (1, h, 2 * w)), (h, 2 * w), (2 * w, 1)
+    elif suffix == "linear_fc1.bias":
+        tensor, box, shape, strides = "experts_gate_up_bias", Box((expert, 2 * lo), (1, 2 * w)), (2 * w,), (1,)
+    elif suffix == "linear_fc2.weight":
+        tensor, box, shape, strides = "experts_down", Box((expert, lo, 0), (1, w, h)), (h, w), (1, w)
+    elif suffix == "linear_fc2.bias":
+        tensor, box, shape, strides = "experts_down_bias", Box((expert, 0), (1, h)), (h,), (1,)
+    else:
+        raise ValueError(f"megatron: {name} is no parameter of a gpt-oss expert (expected {WHOLE_EXPERT_PARAMS})")
+    return Shard(name, shape, dtype, (Region(spec.tensor(tensor, layer).name, box, 0, (0, *strides)),))
 
 
 def _cols(box: Box, lead: int, lo: int, hi: int) -> Box:
