@@ -228,8 +228,8 @@ class MegatronSource:
         size, rank = self.groups.etp
         w = tensor.shape[0] // 2 if suffix.startswith("linear_fc1") else (
             tensor.shape[1] if suffix == "linear_fc2.weight" else self.spec.moe_intermediate_size // size)
-        shard = whole_expert_shard(self.spec, layer, suffix, expert, rank * w, (rank + 1) * w, name,
-                                   dtype_name(tensor.dtype))
+        shard = whole_expert_shard(self.spec, layer, suffix, expert, (rank * w, (rank + 1) * w), name=name,
+                                   dtype=dtype_name(tensor.dtype))
         if shard.numel != tensor.numel() or (suffix == "linear_fc2.bias" and tuple(tensor.shape) != shard.shape):
             raise ValueError(f"{name}: local shape {tuple(tensor.shape)} does not fit the gpt-oss expert "
                              f"parameter of {shard.shape} the model config gives (expert TP {size})")

@@ -224,7 +224,7 @@ _GPT_OSS_MLP = {
 }
 
 
-def _gpt_oss_bridge() -> type:
+def _gpt_oss_bridge() -> Any:
     """mbridge's Qwen2-MoE bridge (its q/k/v fusion with biases, norms, embedding and head) with the
     gpt-oss names of :data:`_GPT_OSS_ATTENTION` and :data:`_GPT_OSS_MLP` in place of its MLP table.
 

@@ -355,8 +355,8 @@ class MegatronLayout(LayoutKind):
                 for suffix in WHOLE_EXPERT_PARAMS:
                     name = (f"{prefix}mlp.experts.{suffix}{local}" if self.grouped
                             else f"{prefix}mlp.experts.local_experts.{local}.{suffix}")
-                    out.append(whole_expert_shard(spec, layer, suffix, expert, lo, hi, name, self.local_dtype(
-                        spec.tensor("experts_gate_up", layer))))
+                    out.append(whole_expert_shard(spec, layer, suffix, expert, (lo, hi), name=name,
+                                                  dtype=self.local_dtype(spec.tensor("experts_gate_up", layer))))
                 continue
             for param in self._params(spec, layer):
                 if param.expert:
@@ -372,9 +372,9 @@ class MegatronLayout(LayoutKind):
 WHOLE_EXPERT_PARAMS = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
 
 
-def whole_expert_shard(spec: ModelSpec, layer: int, suffix: str, expert: int, lo: int, hi: int, name: str,
+def whole_expert_shard(spec: ModelSpec, layer: int, suffix: str, expert: int, rows: tuple[int, int], *, name: str,
                        dtype: str) -> Shard:
-    """What a megatron-core rank holding intermediate rows ``[lo, hi)`` of gpt-oss expert ``expert`` sends for
+    """What a megatron-core rank holding intermediate rows ``rows = [lo, hi)`` of gpt-oss expert ``expert`` sends for
     its parameter ``suffix`` (one of :data:`WHOLE_EXPERT_PARAMS`).
 
     ``linear_fc2`` (``[H, w]`` and its ``[H]`` bias) is the checkpoint's ``down_proj[e]`` (``[I, H]``)
@@ -384,7 +384,11 @@ def whole_expert_shard(spec: ModelSpec, layer: int, suffix: str, expert: int, lo
     columns interleaved as in the checkpoint (:func:`weightsync.sources.megatron.stage_fc1`), which is
     columns ``[2 lo, 2 hi)`` of the expert's slice, one contiguous region.
     """
+    lo, hi = rows
     w, h = hi - lo, spec.hidden_size
+    box: Box
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
     if suffix == "linear_fc1.weight":
         tensor, box, shape, strides = "experts_gate_up", Box((expert, 0, 2 * lo), (1, h, 2 * w)), (h, 2 * w), (2 * w, 1)
     elif suffix == "linear_fc1.bias":
