@@ -1,12 +1,14 @@
-"""Megatron-core trainers of DeepSeek-V3 and GLM-4.5 on CPU, synced into a transformers model bitwise.
+"""Megatron-core trainers of DeepSeek-V3, GLM-4.5 and gpt-oss on CPU, synced into a transformers model bitwise.
 
 Four forked gloo ranks each build their stage of a real megatron-core ``GPTModel`` (the local
 spec: no Transformer Engine on CPU) of a tiny DeepSeek-V3 (latent attention, a dense first layer,
 shared experts, the router's expert bias, an MTP layer; TP 2 x DP 2, EP 2) or GLM-4.5 (q/k/v
 biases, QK norm, shared experts, expert bias, an MTP layer; TP 2 x PP 2, EP 2, so the last
-stage holds the MTP layer and an embedding of its own). Each rank loads checkpoint values the
+stage holds the MTP layer and an embedding of its own) or gpt-oss (sinks, biases everywhere, whole
+experts with interleaved gate/up; TP 2 x DP 2, EP 2). Each rank loads checkpoint values the
 way mbridge's ``load_weights`` does (its ``_weight_to_mcore_format`` and
-``_weight_split_across_tp``, run on the real tensors). Then, on every rank:
+``_weight_split_across_tp``, run on the real tensors; gpt-oss's experts as megatron-bridge's gpt-oss bridge
+does, de-interleaving ``gate_up_proj``'s columns). Then, on every rank:
 
 * ``MegatronSource`` finds every canonical value where its layout says, in the live tensors;
 * its layout equals the ``megatron`` kind's, laid out from mbridge and megatron-core's specs;

@@ -26,9 +26,9 @@ itself says which slice of it this rank holds:
   differs from the whole, as mbridge's own TP split does;
 * gpt-oss's experts: the checkpoint holds them whole with gate and up columns interleaved,
   Megatron's ``linear_fc1`` as ``[gate_r; up_r]`` rows. ``tensors()`` stages each local expert's
-  ``linear_fc1`` weight and bias in the checkpoint's interleaved order (:func:`stage_fc1`), a copy
-  of every local expert's fc1 per version (about 2/3 of the rank's expert bytes); ``linear_fc2``
-  is sent from the parameter itself (``whole_expert_shard``).
+  ``linear_fc1`` weight and bias in the checkpoint's interleaved order (:func:`stage_fc1`) into
+  buffers the source keeps: a standing copy of every local expert's fc1 (about 2/3 of the rank's
+  expert bytes); ``linear_fc2`` is sent from the parameter itself (``whole_expert_shard``).
 
 A parameter mbridge maps to no canonical tensor raises a ValueError listing the names.
 Megatron and mbridge are imported inside the constructor only.
@@ -86,13 +86,19 @@ class Groups:
         )
 
 
-def stage_fc1(fc1: torch.Tensor) -> torch.Tensor:
+def stage_fc1(fc1: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """A gpt-oss expert's ``linear_fc1`` weight ``[gate; up]`` (``[2w, H]``) as the checkpoint orders it,
-    ``[H, 2w]`` with gate and up columns interleaved (its bias ``[2w]`` likewise): a new tensor."""
+    ``[H, 2w]`` with gate and up columns interleaved (its bias ``[2w]`` likewise), written into ``out``
+    (a new tensor when None)."""
     w = fc1.shape[0] // 2
     if fc1.dim() == 1:
-        return fc1.reshape(2, w).t().reshape(2 * w).contiguous()
-    return fc1.reshape(2, w, fc1.shape[1]).permute(2, 1, 0).reshape(fc1.shape[1], 2 * w).contiguous()
+        out = torch.empty_like(fc1) if out is None else out
+        out.view(w, 2).copy_(fc1.view(2, w).t())
+        return out
+    h = fc1.shape[1]
+    out = fc1.new_empty((h, 2 * w)) if out is None else out
+    out.view(h, w, 2).copy_(fc1.view(2, w, h).permute(2, 1, 0))
+    return out
 
 
 def _unwrap(chunk: Any) -> Any:
@@ -201,7 +207,9 @@ class MegatronSource:
         names = MegatronNames.of(self.spec)
         self.whole_experts = self.spec.family_info.experts == "whole"
         self._names: dict[str, tuple[int, str]] = {}
-        self._staged: set[str] = set()  # gpt-oss experts' linear_fc1, sent in the checkpoint's order
+        #: gpt-oss experts' linear_fc1 in the checkpoint's order, refilled before every version; kept, so that
+        #: transports prepared on their storage (registrations, shared-memory endpoints) stay valid
+        self._staged: dict[str, torch.Tensor] = {}
         unknown: list[str] = []
         shards = []
         for i, model in enumerate(self.models):
@@ -234,18 +242,18 @@ class MegatronSource:
             raise ValueError(f"{name}: local shape {tuple(tensor.shape)} does not fit the gpt-oss expert "
                              f"parameter of {shard.shape} the model config gives (expert TP {size})")
         if suffix.startswith("linear_fc1"):
-            self._staged.add(name)
+            self._staged[name] = torch.empty(shard.shape, dtype=tensor.dtype, device=tensor.device)
         return shard
 
     def layout(self) -> RankLayout:
         return self._layout
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
-        """The local tensors by shard name; gpt-oss experts' ``linear_fc1`` as fresh staged copies."""
+        """The local tensors by shard name; gpt-oss experts' ``linear_fc1`` as their staged copies, refilled."""
         held = [_tensors(m) for m in self.models]
         out = {local: held[i][name].detach() for local, (i, name) in self._names.items()}
-        for local in self._staged:
-            out[local] = stage_fc1(out[local])
+        for local, staged in self._staged.items():
+            out[local] = stage_fc1(out[local], staged)
         return out
 
     def descriptor(self) -> tuple[str, Mapping[str, object]] | None:

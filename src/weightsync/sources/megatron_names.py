@@ -31,6 +31,10 @@ convention: its GLM-4.5 bridge maps ``enorm``/``hnorm``/``eh_proj``/``final_laye
     names.parts("decoder.layers.3.self_attention.linear_kv_up_proj.weight")  # ParamParts of kv_b_proj
     install()  # the ``megatron`` layout kind lays out the families its tables do not know from these
 
+gpt-oss, which mbridge lacks, is its Qwen2-MoE bridge with four names of its own
+(:func:`_gpt_oss_bridge`); its whole experts are laid out by
+:func:`~weightsync.layout.kinds.megatron.whole_expert_shard` (see docs/models.md, "Megatron").
+
 Version notes (mbridge 0.15.1, the release on the package index): its bridges build a
 megatron-core ``TransformerConfig`` in their constructor, which fails with megatron-core 0.16
 (DeepSeek-V3's passes ``max_position_embeddings``) and transformers 5 (``rope_theta`` moved into
@@ -385,7 +389,7 @@ def _stride(names: MegatronNames, found: Resolved) -> int:
 
 def install() -> None:
     """Make the ``megatron`` layout kind lay out the families its own rules do not name
-    (DeepSeek-V3/Kimi-K2, GLM-4.5) from :func:`layer_params`."""
+    (DeepSeek-V3/Kimi-K2, GLM-4.5, gpt-oss) from :func:`layer_params`."""
     from weightsync.layout.kinds import megatron as kind
 
     kind.use_params(layer_params)
