@@ -26,8 +26,8 @@ The rules above name Llama-style attention and MLPs (Llama, Qwen2, Qwen3, Qwen3-
 The other families (DeepSeek-V3/Kimi-K2's latent attention, shared experts, router expert bias
 and MTP layers; GLM-4.5; gpt-oss, whose whole experts :func:`whole_expert_shard` lays out) are
 laid out from :class:`MegatronParam` rules that ``weightsync.sources.megatron_names.install()``
-derives from mbridge's mappings and megatron-core's layer specs (:func:`use_params`); without them this kind refuses those
-families by name. MTP layers (``mtp.layers.{i}.``) live on the last stage, which then holds
+derives from mbridge's mappings and megatron-core's layer specs (:func:`use_params`); without
+them this kind refuses those families by name. MTP layers (``mtp.layers.{i}.``) live on the last stage, which then holds
 an embedding of its own when ``pp > 1`` (megatron-core's ``GPTModel``).
 """
 
