@@ -28,8 +28,8 @@ MEGATRON = all(importlib.util.find_spec(m) is not None for m in ("mbridge", "meg
 
 
 @st.composite
-def frontier_specs(draw):
-    family = draw(st.sampled_from(["deepseek_v3", "glm4_moe", "gpt_oss"]))
+def frontier_specs(draw, family: str | None = None):
+    family = family or draw(st.sampled_from(["deepseek_v3", "glm4_moe", "gpt_oss"]))
     layers = draw(st.integers(1, 3))
     heads = draw(st.sampled_from([2, 4]))
     inter = draw(st.sampled_from([2, 4]))
@@ -57,14 +57,18 @@ def frontier_kinds(spec, *, readers: bool):
     kinds = [st.builds(lambda r: f"hf:replicas={r}", st.integers(1, 2)),
              st.builds(lambda d: f"fsdp:dp={d}", st.integers(1, 3)),
              st.builds(lambda d: f"deepspeed:dp={d}", st.integers(1, 3))]
-    if not readers and spec.family == "gpt_oss" and MEGATRON:  # laid out from mbridge and megatron-core
-        kinds.append(st.builds(lambda t, p, d, e, x, g: f"megatron:tp={t},pp={p},dp={d},ep={e},etp={x},grouped={g}",
-                               st.sampled_from([1, 2]), st.integers(1, 2), st.integers(1, 2), ep,
-                               st.sampled_from([1, 2]), st.integers(0, 1)))
     if readers:
         kinds.append(st.builds(lambda t, d, e, m: f"vllm:tp={t},dp={d},ep={t * d if e > 1 else 1},mtp={m}",
                                st.sampled_from([1, 2]), st.integers(1, 2), ep, st.integers(0, spec.mtp_layers)))
     return st.one_of(*kinds)
+
+
+def megatron_kinds(spec):
+    """Megatron-core trainers: TP, PP, DP, EP, expert TP, ``SequentialMLP`` or ``TEGroupedMLP`` names."""
+    ep = st.sampled_from([1, 2]) if spec.is_moe else st.just(1)
+    return st.builds(lambda t, p, d, e, x, g: f"megatron:tp={t},pp={p},dp={d},ep={e},etp={x},grouped={g}",
+                     st.sampled_from([1, 2]), st.integers(1, 2), st.integers(1, 2), ep, st.sampled_from([1, 2]),
+                     st.integers(0, 1))
 
 
 @contextlib.contextmanager
@@ -84,11 +88,13 @@ def derived_megatron_rules(on: bool) -> Iterator[None]:
 
 
 @st.composite
-def frontier_pairs(draw):
-    spec = draw(frontier_specs())
+def frontier_pairs(draw, family: str | None = None, megatron: bool = False):
+    """A spec (of ``family``), a training layout (a Megatron one with ``megatron``) and an engine's."""
+    spec = draw(frontier_specs(family))
     layouts = []
     for readers in (False, True):
-        kind = parse_layout(draw(frontier_kinds(spec, readers=readers)))
+        kinds = megatron_kinds(spec) if megatron and not readers else frontier_kinds(spec, readers=readers)
+        kind = parse_layout(draw(kinds))
         with derived_megatron_rules(kind.kind == "megatron"):
             try:
                 kind.validate(spec)
@@ -101,7 +107,19 @@ def frontier_pairs(draw):
 @SETTINGS
 @given(frontier_pairs())
 def test_frontier_plans_have_zero_redundancy_and_cover_every_element_once(case):
-    spec, sources, dests = case
+    _check_plan(*case)
+
+
+@pytest.mark.skipif(not MEGATRON, reason="mbridge or megatron-core is not installed (pip install weightsync[megatron])")
+@SETTINGS
+@given(frontier_pairs(family="gpt_oss", megatron=True))
+def test_gpt_oss_from_megatron_plans_have_zero_redundancy_and_cover_every_element_once(case):
+    """The same for Megatron-core trainers of gpt-oss (names from mbridge's Qwen2-MoE bridge and megatron-core,
+    the experts' fc1 staged in the checkpoint's order) into every engine kind."""
+    _check_plan(*case)
+
+
+def _check_plan(spec, sources, dests) -> None:
     # a trainer of the MTP layers may sync an engine that does not draft with them (vllm mtp=0)
     plan = build_plan(sources, dests, PlanOptions(min_split_bytes=0, allow_unneeded_sources=True))
     execute_and_check(spec.canonical_tensors(), sources, dests, plan)
