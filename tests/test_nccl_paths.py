@@ -283,3 +283,43 @@ class _Watched(dict):  # type: ignore[type-arg]
     def pop(self, key: str, *default: Any) -> Any:  # type: ignore[override]
         self.writes.append(key)
         return super().pop(key, *default)
+
+
+def _options_fields(header: str) -> set[str]:
+    """Data members of ``ProcessGroupNCCL::Options`` in torch's header: declarations that end in
+    ``;`` and call nothing (constructors, ``create`` and its body all have parentheses)."""
+    import re
+
+    body = header.split("struct Options : Backend::Options {", 1)[1].split("\n  };", 1)[0]
+    body = re.sub(r"//[^\n]*", "", body)
+    return {re.split(r"[\s{=;]+", decl.strip().split("{")[0].split("=")[0].strip())[-1]
+            for decl in body.split(";") if decl.strip() and "(" not in decl and ")" not in decl}
+
+
+def test_torch_still_takes_blocking_wait_from_the_environment_only():
+    """Defect 10 (open): weightsync writes ``TORCH_NCCL_BLOCKING_WAIT`` to the environment around
+    its group's construction because torch offers no other way (docs/gpu.md, "Why through the
+    environment"). This reads the installed torch's header, the evidence for that: the day a
+    torch upgrade gives ``ProcessGroupNCCL::Options`` a field of its own (or the setting another
+    source), this fails, and weightsync should pass it there and stop writing ``os.environ``."""
+    from pathlib import Path
+
+    header = (Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp").read_text()
+    assert _options_fields(header) == {"is_high_priority_stream", "config", "split_from", "split_color"}
+    assert ('static std::vector<std::string> TORCH_NCCL_BLOCKING_WAIT = {\n    "TORCH_NCCL_BLOCKING_WAIT",\n'
+            '    "NCCL_BLOCKING_WAIT"};') in header
+    assert "  bool blockingWait_ = false;" in header  # a private member, with no setter:
+    assert not any(f"{verb}BlockingWait" in header for verb in ("set", "enable", "disable"))
+
+
+def test_only_the_settings_the_environment_lacks_are_written():
+    """Defect 10: what a construction writes is decided by one function of the environment; a
+    process launched with both settings is never written to, and a user's own value is replaced
+    for the constructor only (restored: the tests above)."""
+    from weightsync.transport.torch_nccl import settings_to_write
+
+    both = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+    assert settings_to_write({}) == both
+    assert settings_to_write({**both, "NCCL_DEBUG": "INFO"}) == {}
+    assert settings_to_write({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_BLOCKING_WAIT": "1"}) == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
