@@ -265,6 +265,32 @@ def test_nothing_is_written_when_the_environment_already_holds_the_settings(monk
     assert _ConstructedGroup.seen == [("1", "0")] and writes == []
 
 
+def test_a_construction_writes_blocking_wait_and_nothing_else(monkeypatch):
+    """Defect 10: the construction wrote ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` too, which torch
+    never reads for a group without a watchdog (blocking wait starts none), and which a
+    ``ProcessGroupNCCL`` built meanwhile on another thread (one of the user's) inherited: a
+    group whose watchdog then never tears down on an NCCL error. The user's own value is now
+    never written; torch's constructor still sees blocking wait."""
+    import os
+
+    import torch.distributed as dist
+
+    from weightsync.transport import torch_nccl
+
+    writes: list[str] = []
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", _ConstructedGroup, raising=False)
+    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    monkeypatch.setattr(os, "environ", _Watched(os.environ, writes))
+    _ConstructedGroup.seen = []
+    _ConstructedGroup.both_inside = threading.Event()
+    _ConstructedGroup.both_inside.set()  # one construction: no pause
+    torch_nccl.construct_backend(None, 0, 2, _Options())  # type: ignore[arg-type]
+    assert _ConstructedGroup.seen == [("1", "3")]
+    assert set(writes) == {"TORCH_NCCL_BLOCKING_WAIT"}
+    assert "TORCH_NCCL_BLOCKING_WAIT" not in os.environ and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+
+
 class _Watched(dict):  # type: ignore[type-arg]
     """``os.environ`` that records every write."""
 
