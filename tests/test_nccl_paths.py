@@ -242,13 +242,13 @@ def test_two_groups_built_at_once_leave_the_environment_as_it_was(monkeypatch):
         t.start()
     for t in threads:
         t.join(10)
-    assert not errors and _ConstructedGroup.seen == [("1", "0"), ("1", "0")]
+    assert not errors and _ConstructedGroup.seen == [("1", "3"), ("1", "3")]
     assert "TORCH_NCCL_BLOCKING_WAIT" not in os.environ and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
 
 
 def test_nothing_is_written_when_the_environment_already_holds_the_settings(monkeypatch):
-    """Defect 10: a process launched with the settings (``TORCH_NCCL_BLOCKING_WAIT=1``,
-    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``) has its environment read, never written."""
+    """Defect 10: a process launched with ``TORCH_NCCL_BLOCKING_WAIT=1`` has its environment
+    read, never written."""
     import os
 
     import torch.distributed as dist
@@ -258,18 +258,17 @@ def test_nothing_is_written_when_the_environment_already_holds_the_settings(monk
     writes: list[str] = []
     monkeypatch.setattr(dist, "ProcessGroupNCCL", _ConstructedGroup, raising=False)
     monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
-    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
     monkeypatch.setattr(os, "environ", _Watched(os.environ, writes))
     _ConstructedGroup.seen = []
     torch_nccl.construct_backend(None, 0, 2, _Options())  # type: ignore[arg-type]
-    assert _ConstructedGroup.seen == [("1", "0")] and writes == []
+    assert _ConstructedGroup.seen == [("1", None)] and writes == []
 
 
 def test_a_construction_writes_blocking_wait_and_nothing_else(monkeypatch):
     """Defect 10: the construction wrote ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` too, which torch
-    never reads for a group without a watchdog (blocking wait starts none), and which a
-    ``ProcessGroupNCCL`` built meanwhile on another thread (one of the user's) inherited: a
-    group whose watchdog then never tears down on an NCCL error. The user's own value is now
+    never acts on for a group without a watchdog (blocking wait starts none): one more altered
+    variable for whatever read the process environment meanwhile. The user's own value is now
     never written; torch's constructor still sees blocking wait."""
     import os
 
@@ -340,12 +339,11 @@ def test_torch_still_takes_blocking_wait_from_the_environment_only():
 
 def test_only_the_settings_the_environment_lacks_are_written():
     """Defect 10: what a construction writes is decided by one function of the environment; a
-    process launched with both settings is never written to, and a user's own value is replaced
-    for the constructor only (restored: the tests above)."""
+    process launched with blocking wait is never written to, a user's other value of it is
+    replaced for the constructor only (restored: the tests above), and nothing else is touched."""
     from weightsync.transport.torch_nccl import settings_to_write
 
-    both = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_BLOCKING_WAIT": "1"}
-    assert settings_to_write({}) == both
-    assert settings_to_write({**both, "NCCL_DEBUG": "INFO"}) == {}
-    assert settings_to_write({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_BLOCKING_WAIT": "1"}) == {
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+    blocking = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
+    assert settings_to_write({}) == blocking
+    assert settings_to_write({**blocking, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "NCCL_DEBUG": "INFO"}) == {}
+    assert settings_to_write({"TORCH_NCCL_BLOCKING_WAIT": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}) == blocking

@@ -26,16 +26,17 @@ on (torch 2.13, ``torch/distributed/distributed_c10d.py``):
   raises :class:`TransportError` naming the peers and why. The eager connect of ``prepare``
   runs under one too. The next version runs in a new epoch with a new communicator.
 * **A dead peer never kills this process** (a dead rollout worker must not kill the trainer),
-  so the group is built with ``TORCH_NCCL_BLOCKING_WAIT=1`` (and
-  ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``), which makes torch start no watchdog thread for it.
+  so the group is built with ``TORCH_NCCL_BLOCKING_WAIT=1``, which makes torch start no
+  watchdog thread for it (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, which only that watchdog acts
+  on, is left alone).
   torch's watchdog would otherwise see the NCCL error a dead peer across the network causes
   (possibly before our peer watch does), raise the process-wide dump signal that the heartbeat
   monitor of the process's first NCCL group answers with ``terminateProcess``, and rethrow the
   error on its own thread (``std::terminate``) under the default error handling; even our own
-  ``abort()`` can race its error check. torch 2.13 reads both settings in the constructor, from
-  the environment only: ``ProcessGroupNCCL.Options`` has no field for them (docs/gpu.md, "NCCL:
-  what weightsync does", cites the source). So :func:`construct_backend` writes
-  :func:`settings_to_write` (nothing when the process was launched with them) for the
+  ``abort()`` can race its error check. torch 2.13 reads the setting in the constructor, from
+  the environment only: ``ProcessGroupNCCL.Options`` has no field for blocking wait (docs/gpu.md,
+  "NCCL: what weightsync does", cites the source). So :func:`construct_backend` writes
+  :func:`settings_to_write` (nothing when the process was launched with it) for the
   constructor only, one construction at a time, and restores what was there. This still writes
   the process environment (issue 23, defect 10, open): no per-group alternative exists in torch
   2.13; weightsync never waits on a work from the CPU, so blocking wait costs nothing here.
@@ -172,13 +173,16 @@ class Watchdog:
 
 
 def nccl_group_env() -> dict[str, str]:
-    """The torch settings weightsync's own NCCL group is constructed with (module docstring)."""
-    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+    """The torch setting weightsync's own NCCL group is constructed with (module docstring).
+    Blocking wait alone: with it torch starts no watchdog, the only part of torch that acts on
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, so writing that one too changed nothing for our group
+    and only showed one more altered variable to whatever read the environment meanwhile."""
+    return {"TORCH_NCCL_BLOCKING_WAIT": "1"}
 
 
 def settings_to_write(environ: Mapping[str, str]) -> dict[str, str]:
     """The settings of :func:`nccl_group_env` that ``environ`` does not hold already: what a
-    construction must write (nothing in a process launched with them)."""
+    construction must write (nothing in a process launched with it)."""
     return {key: value for key, value in nccl_group_env().items() if environ.get(key) != value}
 
 
