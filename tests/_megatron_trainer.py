@@ -124,7 +124,8 @@ def load_like_mbridge(model: torch.nn.Module, spec: ModelSpec, canonical: dict[s
     bridge.hf_config.hidden_size = spec.hidden_size
     with torch.no_grad():
         for name, tensor in _tensors(model).items():
-            if (whole := _WHOLE_EXPERT.fullmatch(_global_name(model, name))) is not None:
+            whole = _WHOLE_EXPERT.fullmatch(_global_name(model, name)) if spec.family_info.experts == "whole" else None
+            if whole is not None:
                 tensor.copy_(_gpt_oss_expert(canonical, spec, whole))
                 continue
             found = names.resolve(_global_name(model, name))

@@ -141,15 +141,15 @@ def _global_name(model: Any, name: str) -> str:
 
 
 def _split(name: str, param: Any, is_expert: bool, groups: Groups,
-           whole: tuple[int, ...]) -> tuple[int, int, int, int] | None:
-    """(dim, stride, size, rank) of the TP split of ``param`` (of unsharded shape ``whole``); None when it
-    is whole here."""
+           whole: tuple[int, ...] | None = None) -> tuple[int, int, int, int] | None:
+    """(dim, stride, size, rank) of the TP split of ``param`` (of unsharded shape ``whole``, when known);
+    None when it is whole here."""
     size, rank = groups.etp if is_expert else groups.tp
     if getattr(param, "tensor_model_parallel", False):
         dim, stride = int(param.partition_dim), int(getattr(param, "partition_stride", 1))
     elif is_expert:  # TE grouped experts carry no attributes: fc1 splits rows [gate; up], fc2 columns
         dim, stride = (0, 2) if ".linear_fc1." in name else (1, 1)
-    elif len(whole) == param.dim() and tuple(param.shape) != whole:
+    elif whole is not None and len(whole) == param.dim() and tuple(param.shape) != whole:
         # unmarked yet cut (softmax_offset): where the shapes differ, as mbridge's _weight_split_across_tp
         dim, stride = next(d for d, (a, b) in enumerate(zip(param.shape, whole, strict=True)) if a != b), 1
     else:
