@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     if any(isinstance(kind, MegatronLayout) and derives(spec) for kind in (source, target)):
         from weightsync.sources.megatron_names import install as install_megatron_names
 
-        install_megatron_names()  # DeepSeek-V3/GLM-4.5's Megatron names come from mbridge (needs it installed)
+        install_megatron_names()  # DeepSeek-V3/GLM-4.5/gpt-oss Megatron names come from mbridge (needs it installed)
     if args.vllm_loaders:
         from weightsync.engines.vllm_layout import install
 
