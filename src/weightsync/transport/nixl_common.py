@@ -225,12 +225,14 @@ class NixlBase:
             n for regions in by_kind.values() for n in regions.values())
 
     def _publish(self, epoch: int, *, slots: NixlSlots | None = None,
-                 shards: Mapping[str, tuple[int, int]] | None = None) -> None:
+                 shards: Mapping[str, tuple[int, int]] | None = None, deltas: bool = False,
+                 inboxes: Mapping[int, tuple[int, int]] | None = None) -> None:
         """This rank's endpoint of the epoch: mode, agent metadata, control words, and what its
-        mode exposes (a pull writer's ``slots``, a push reader's ``shards``)."""
+        mode exposes (a pull writer's ``slots``; a push reader's ``shards`` and, with deltas,
+        ``inboxes``; a push writer whether it sends ``deltas``)."""
         assert self._agent is not None
         self.ctx.channel.publish_endpoint(epoch, NixlEndpoint(self.mode, self._agent.metadata(), self._ctl.data_ptr(),
-                                                              self.ctx.device, slots, shards))
+                                                              self.ctx.device, slots, shards, deltas, inboxes))
 
     def _connect(self, epoch: int, role: Role, rank: int, deadline: Deadline) -> Peer:
         """Wait for a peer's endpoint, check that it agrees with us, connect to its agent."""
