@@ -1,4 +1,4 @@
-"""Delta sync on the torch (gloo), NIXL pull and file transports: bitwise versions, full on a new base, anchors; and
+"""Delta sync on the torch (gloo), NIXL pull and push and file transports: bitwise versions, full on a new base, anchors; and
 ``delta_anchor_every`` refused, naming the transport, where it would be ignored (issue 23, defect 9).
 
 Each scenario runs 2 writers (megatron tp=2, fp32) and 1 or 2 readers (vLLM tp=1, bf16) as
@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(bool(unavailable_reason("torch")), reason=str(un
 
 
 #: Transports (and their options) that carry deltas between these processes.
-CARRIERS = {"torch": ("torch", {}), "nixl-pull": ("nixl", {"nixl_mode": "pull"}), "file": ("file", {})}
+CARRIERS = {"torch": ("torch", {}), "nixl-pull": ("nixl", {"nixl_mode": "pull"}),
+            "nixl-push": ("nixl", {"nixl_mode": "push"}), "file": ("file", {})}
 
 
 def run(tmp_path, *, readers: int, versions: int, anchor: int, timeout: float = 30.0, carrier: str = "torch",
@@ -68,6 +69,7 @@ def _full(results: list[dict]) -> list[bool]:
 @pytest.mark.parametrize(("carrier", "readers"), [pytest.param("torch", 1, id="torch-1"),
                                                    pytest.param("torch", 2, id="torch-2"),
                                                    pytest.param("nixl-pull", 2, id="nixl-pull"),
+                                                   pytest.param("nixl-push", 2, id="nixl-push"),
                                                    pytest.param("file", 2, id="file")])
 def test_deltas_arrive_bitwise_and_small_with_anchors(tmp_path, carrier, readers):
     out = run(tmp_path, readers=readers, versions=5, anchor=3, carrier=carrier)
@@ -87,12 +89,12 @@ def test_reader_with_new_memory_gets_full_versions(tmp_path, carrier):
 
 
 @pytest.mark.parametrize(("name", "device", "options", "words"), [
-    ("nixl", "cpu", {"nixl_mode": "push"}, "the nixl transport (NixlPushTransport, on cpu)"),
     ("torch", "cuda:0", {}, "the torch transport (NcclTransport, on cuda:0)"),
     ("routed", "cuda:0", {}, "the routed transport's torch route (NcclTransport, on cuda:0)"),
 ])
 def test_delta_is_refused_where_it_would_be_ignored(name, device, options, words):
-    """On 3ee4748 these transports took ``delta_anchor_every`` and sent every version in full."""
+    """On 3ee4748 these transports took ``delta_anchor_every`` and sent every version in full (NIXL
+    push too, then refused it until it carried deltas)."""
     from weightsync.job import JobChannel
     from weightsync.transport import TransportContext, TransportOptions, check_delta_carried
 
@@ -106,8 +108,8 @@ def test_delta_is_refused_where_it_would_be_ignored(name, device, options, words
         with pytest.raises(ValueError) as info:
             check_delta_carried(name, ctx)
         assert str(info.value) == (f"writer 1: delta_anchor_every=4 is not supported by {words}: it would send every "
-                                   "version in full. Deltas run over torch (gloo), shm, nixl (nixl_mode 'pull'), file "
-                                   "and routed between CPU ranks; use one of those, or delta_anchor_every=0")
+                                   "version in full. Deltas run over torch (gloo), shm, nixl, file and routed between "
+                                   "CPU ranks; use one of those, or delta_anchor_every=0")
 
 
 def test_shm_delta_between_gpus_is_refused():
@@ -123,6 +125,20 @@ def test_shm_delta_between_gpus_is_refused():
     with pytest.raises(ValueError, match="needs slots >= 2"):
         check_delta("shm", TransportContext(channel=ctx.channel, num_writers=1, num_readers=1,
                                             options=TransportOptions(delta_anchor_every=4, slots=1)))
+
+
+def test_nixl_delta_on_gpu_memory_is_refused_in_both_modes():
+    from weightsync.job import JobChannel
+    from weightsync.transport import TransportContext, TransportOptions
+    from weightsync.transport.nixl_pull import NixlPullTransport
+    from weightsync.transport.nixl_push import NixlPushTransport
+
+    ctx = TransportContext(channel=JobChannel(None, role="writer", rank=0), num_writers=1,  # type: ignore[arg-type]
+                           num_readers=1, device="cuda:0", options=TransportOptions(delta_anchor_every=4))
+    for cls, mode in ((NixlPullTransport, "pull"), (NixlPushTransport, "push")):
+        with pytest.raises(ValueError, match=rf"writer 0: delta_anchor_every=4 over the nixl \({mode}\) transport "
+                                             r"needs host memory, but the tensors live on cuda:0"):
+            cls(ctx)
 
 
 def test_nixl_auto_mode_with_deltas_is_pull():

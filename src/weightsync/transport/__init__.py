@@ -109,7 +109,7 @@ def check_delta_carried(name: str, ctx: TransportContext) -> None:
             where = f"the {name} transport" if route == name else f"the {name} transport's {route} route"
             raise ValueError(f"{ctx.who}: delta_anchor_every={anchor} is not supported by {where} "
                              f"({cls.__name__}, on {ctx.device}): it would send every version in full. Deltas "
-                             "run over torch (gloo), shm, nixl (nixl_mode 'pull'), file and routed between CPU ranks; "
+                             "run over torch (gloo), shm, nixl, file and routed between CPU ranks; "
                              "use one of those, or delta_anchor_every=0")
 
 

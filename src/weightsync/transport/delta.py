@@ -7,9 +7,10 @@ the exchange below, in the encodings of :mod:`weightsync.codecs.delta`. A transp
 each pair a :class:`PairLink` for one send or receive (post a tagged send or receive of a
 tensor, wait for it, and three staging buffers), and runs :meth:`DeltaSync.send_pair` /
 :meth:`DeltaSync.receive_pair` in place of moving the pair's messages itself. The torch
-gloo transport does (NCCL and NIXL push do not yet: they refuse deltas at creation);
-one-sided transports (shared memory, NIXL pull) publish each version's changes instead
-(:mod:`weightsync.transport.delta_published`)::
+gloo transport does (NCCL does not yet: it refuses deltas at creation); one-sided
+transports (shared memory, NIXL pull) publish each version's changes instead
+(:mod:`weightsync.transport.delta_published`), and NIXL push WRITEs them into inboxes its
+readers register (:mod:`weightsync.transport.nixl_push_changes`)::
 
     delta = DeltaSync(ctx)                                   # ctx.options.delta_anchor_every = K
     delta.prepared(tensors, phases=len(schedules))           # at the end of every prepare()

@@ -32,9 +32,11 @@ the rest. ``auto`` therefore picks push when there are at most as many readers a
 instead of twice, needs no version slots on the writer and leaves the reader's CPU idle)
 and pull when readers outnumber writers (fan-out: the writer's time stays one pack, the
 reads spread over the readers, and a reader may lag ``slots - 1`` versions without holding
-the writers up). With ``delta_anchor_every`` it picks pull, the mode that carries deltas
-(readers READ the changes writers publish: :mod:`weightsync.transport.nixl_pull`); push with
-deltas is refused at init. Figures: docs/benchmarks.md, "NIXL".
+the writers up). Both modes carry deltas (:mod:`weightsync.transport.nixl_pull`,
+:mod:`weightsync.transport.nixl_push_changes`); with ``delta_anchor_every`` ``auto`` picks pull:
+a push writer with deltas packs every op into two slots (it no longer sends from the live
+shards) and still waits for every reader, while a pull writer publishes each version's changes
+once and never waits. Figures: docs/benchmarks.md, "NIXL" and "Delta sync".
 
 Every wait has a deadline and keeps operating on the peers it waits for, so a dead peer
 is a :class:`TransportError` naming it, within the timeout.
@@ -102,7 +104,7 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def resolve_mode(mode: str, *, num_writers: int, num_readers: int, delta: bool = False) -> str:
     """The mode ``auto`` stands for in a deployment (see module docstring, "Choosing"); with
-    deltas always pull, the mode that carries them."""
+    deltas always pull (both carry them; a pull writer never waits for readers)."""
     if mode != "auto":
         return mode
     return "push" if num_readers <= num_writers and not delta else "pull"
@@ -117,7 +119,7 @@ class NixlBase:
     publishes_before_send: ClassVar[bool]
     serves_cpu: ClassVar[bool] = True
     serves_cuda: ClassVar[bool] = True  # GPUDirect RDMA where UCX has it
-    #: Pull publishes each version's changes (delta_published); push is refused at creation.
+    #: Both modes carry deltas in host memory (each mode's class says so).
     carries_deltas: ClassVar[bool] = False
     mode: ClassVar[str]
 
