@@ -147,8 +147,9 @@ def test_nixl_delta_on_gpu_memory_is_refused_in_both_modes():
 
 
 def test_nixl_auto_mode_with_deltas_is_pull():
-    """``nixl_mode='auto'`` picks push for as many readers as writers, which carries no deltas:
-    with deltas it picks pull (the mode that does) instead of refusing."""
+    """``nixl_mode='auto'`` picks push for as many readers as writers; with deltas it picks pull
+    (both modes carry them, but a pull writer publishes its changes once and never waits for
+    readers, while a push writer with deltas packs every op and waits for each reader)."""
     from weightsync.job import JobChannel
     from weightsync.transport import TransportContext, TransportOptions, check_delta_carried, transport_class_path
 

@@ -49,7 +49,8 @@ is a :class:`TransportError` naming it, within the timeout.
 Endpoints (msgpack, through the job channel), one per rank and epoch: each writer's (NIXL
 agent metadata, address of its control words; in pull also the slot area and the exposed
 index) and, in push, each reader's (agent metadata, ready word, destination tensor
-addresses). Addresses travel as plain integers; NIXL's own descriptor serialisation is
+addresses; with deltas its inboxes, and each push writer says it sends deltas). Addresses
+travel as plain integers; NIXL's own descriptor serialisation is
 pickle, which we never load from the network.
 """
 
