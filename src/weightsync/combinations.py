@@ -22,7 +22,8 @@ from typing import Any
 #: Every transport carries deltas: torch and routed run the delta exchange per pair
 #: (transport/delta.py), shm and NIXL pull writers publish each version's changes
 #: (transport/delta_published.py), file writers a change file next to each version
-#: (transport/file_changes.py). NIXL push is refused below; on GPU memory (NCCL, CUDA IPC,
+#: (transport/file_changes.py), and NCCL runs the per-pair exchange on GPU memory
+#: (transport/nccl_delta.py). NIXL push is refused below; on other GPU memory (CUDA IPC,
 #: NIXL VRAM) the transport refuses them when it is created.
 #: Transports that checksum every message with ``checksum=True``.
 CHECKSUM_TRANSPORTS = frozenset({"torch"})

@@ -7,7 +7,8 @@ the exchange below, in the encodings of :mod:`weightsync.codecs.delta`. A transp
 each pair a :class:`PairLink` for one send or receive (post a tagged send or receive of a
 tensor, wait for it, and three staging buffers), and runs :meth:`DeltaSync.send_pair` /
 :meth:`DeltaSync.receive_pair` in place of moving the pair's messages itself. The torch
-gloo transport does (NCCL and NIXL push do not yet: they refuse deltas at creation);
+torch transport does, over gloo and over NCCL (:mod:`weightsync.transport.nccl_delta`: the
+copies on the GPU, torch-op encodings, sum64 digests; NIXL push does not yet and refuses deltas);
 one-sided transports (shared memory, NIXL pull) publish each version's changes instead
 (:mod:`weightsync.transport.delta_published`)::
 
