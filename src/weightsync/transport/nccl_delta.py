@@ -31,8 +31,9 @@ which every rank follows, so no rank waits on a pair its peer has not reached.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
@@ -42,17 +43,26 @@ from weightsync.transport.delta import LINK_BUFFERS, DeltaSync
 if TYPE_CHECKING:
     from weightsync.transport.base import PhaseTimer, TransferStats
     from weightsync.transport.schedule import Message
-    from weightsync.transport.torch_dist import Pair
-    from weightsync.transport.torch_nccl import NcclTransport, Watchdog
+    from weightsync.transport.torch_dist import Pair, TorchDistBase
 
 
-def delta_sync(transport: NcclTransport) -> DeltaSync:
+class Watchdog(Protocol):
+    """What the link asks of :class:`weightsync.transport.torch_nccl.Watchdog` (this module is
+    imported by torch_nccl, so it names the transport and its watchdog by what it uses)."""
+
+    @property
+    def fired(self) -> bool:
+        """Whether it aborted the communicator."""
+        ...
+
+
+def delta_sync(transport: TorchDistBase) -> DeltaSync:
     """The transport's delta state, its copies and shadows allocated on its device."""
     dev, device = transport.dev, transport.device
     return DeltaSync(transport.ctx, allocate=lambda nbytes, what: dev.empty(nbytes, device, what=what))
 
 
-def check_delta_memory(transport: NcclTransport, delta: DeltaSync) -> None:
+def check_delta_memory(transport: TorchDistBase, delta: DeltaSync) -> None:
     """Refuse at ``prepare`` what the delta state will keep on the device if it does not fit.
 
     The writer keeps a copy of the bytes it sends to each reader; a reader whose destination
@@ -77,11 +87,13 @@ def check_delta_memory(transport: NcclTransport, delta: DeltaSync) -> None:
                fix="set delta_anchor_every=0 (full versions need none of it), or free device memory")
 
 
-def move_pairs(transport: NcclTransport, delta: DeltaSync, pg: Any, schedule: list[Pair], dog: Watchdog, *,
-               sending: bool, phase: int, stats: TransferStats, timer: PhaseTimer) -> None:
-    """Run every pair's delta exchange, in schedule order (module docstring)."""
+def move_pairs(transport: TorchDistBase, delta: DeltaSync, pg: Any, schedule: list[Pair], dog: Watchdog, *,
+               sending: bool, phase: int, stats: TransferStats, timer: PhaseTimer,
+               block_on: Callable[[Any], None]) -> None:
+    """Run every pair's delta exchange, in schedule order (module docstring). ``block_on(work)``
+    makes the current stream wait for a posted group's work (torch_nccl's)."""
     for pair in schedule:
-        link = NcclLink(transport, pg, pair, dog, timer)
+        link = NcclLink(transport, pg, pair, dog, timer, block_on)
         exchange = delta.send_pair if sending else delta.receive_pair
         exchange(link, pair.messages, transport._flats, phase=phase, stats=stats, timer=timer)
 
@@ -99,11 +111,12 @@ class _Posted:
 class NcclLink:
     """One pair as :class:`weightsync.transport.delta.PairLink` on the transport's communicator."""
 
-    transport: NcclTransport
+    transport: TorchDistBase
     pg: Any
     pair: Pair
     dog: Watchdog
     timer: PhaseTimer
+    block_on: Callable[[Any], None]
 
     @property
     def peer(self) -> int:
@@ -129,10 +142,8 @@ class NcclLink:
 
     def wait(self, posted: _Posted) -> None:
         """The operation completed and, for a received control word, its bytes are in host memory."""
-        from weightsync.transport.torch_nccl import block_on
-
         t = self.transport
-        block_on(posted.work)  # the current stream waits for NCCL's
+        self.block_on(posted.work)  # the current stream waits for NCCL's
         control = posted.staged is not posted.tensor
         if control and posted.op == "recv":
             t.dev.copy(posted.tensor.reshape(-1), posted.staged)

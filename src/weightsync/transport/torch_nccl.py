@@ -61,6 +61,7 @@ import torch.distributed as dist
 
 from weightsync.deadline import Deadline
 from weightsync.transport.base import PeerWatch, PhaseTimer, TransferStats, TransportError
+from weightsync.transport.nccl_delta import check_delta_memory, delta_sync, move_pairs
 from weightsync.transport.schedule import Message
 from weightsync.transport.tensors import as_bytes, checksum, direct_source, dst_view, pack, scatter
 from weightsync.transport.torch_dist import Pair, TorchDistBase
@@ -275,16 +276,12 @@ class NcclTransport(TorchDistBase):
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
-        from weightsync.transport.nccl_delta import delta_sync
-
         self.delta = delta_sync(self) if ctx.options.delta_anchor_every else None
 
     def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
                 phases: Sequence[Plan] | None = None) -> None:
         super().prepare(plan, tensors, epoch=epoch, timeout=timeout, phases=phases)
         if self.delta is not None:
-            from weightsync.transport.nccl_delta import check_delta_memory
-
             self.delta.prepared(tensors, phases=len(self._schedules))
             check_delta_memory(self, self.delta)
 
@@ -334,10 +331,8 @@ class NcclTransport(TorchDistBase):
         try:
             with self.dev.scope(self.device), dog:
                 if self.delta is not None:  # pair by pair, only what changed (transport/nccl_delta.py)
-                    from weightsync.transport.nccl_delta import move_pairs
-
                     move_pairs(self, self.delta, pg, schedule, dog, sending=sending, phase=phase, stats=stats,
-                               timer=timer)
+                               timer=timer, block_on=block_on)
                 else:
                     with timer("post"):
                         for windows in rounds:
