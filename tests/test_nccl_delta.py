@@ -213,9 +213,10 @@ def values_at(version: int) -> dict[str, np.ndarray]:
     return values
 
 
-def make(role: str, tmp_path: Any, wire: Wire, **options: Any) -> ModelNccl:
-    ctx = TransportContext(channel=JobChannel(DirectoryMeta(str(tmp_path)), role=role, rank=0),  # type: ignore[arg-type]
-                           num_writers=1, num_readers=1,
+def make(role: str, tmp_path: Any, wire: Wire, *, rank: int = 0, writers: int = 1, readers: int = 1,
+         **options: Any) -> ModelNccl:
+    ctx = TransportContext(channel=JobChannel(DirectoryMeta(str(tmp_path)), role=role, rank=rank),  # type: ignore[arg-type]
+                           num_writers=writers, num_readers=readers,
                            options=TransportOptions(max_bucket_bytes=1 << 16, direct_min_bytes=1024, **options))
     t = ModelNccl(ctx)
     t.wire = wire
@@ -223,22 +224,25 @@ def make(role: str, tmp_path: Any, wire: Wire, **options: Any) -> ModelNccl:
 
 
 def run_versions(tmp_path: Any, model: DeviceModel, versions: list[int], *, anchor: int = 3,
-                 reader_event: Any = None, patience: float = 10.0) -> list[tuple[int, int, bool]]:
-    """Writer and reader threads (as processes "trainer" and "engine") sync ``versions``; returns
-    per version (bytes on the wire, full bytes, reader bitwise equal to the writer's values).
-    ``reader_event(version, transport, tensors)`` runs on the reader before each receive and may
-    return a new transport (a restart)."""
+                 reader_event: Any = None, patience: float = 10.0, source: str = "megatron:tp=1",
+                 target: str = "vllm:tp=1") -> dict[int, list[tuple[int, int, bool]]]:
+    """Writer and reader threads (as processes "trainer<r>" and "engine<r>") sync ``versions``;
+    returns per reader and version (bytes on the wire, full bytes, reader bitwise equal to the
+    writers' values). ``reader_event(version, transport, tensors)`` runs on each reader before
+    each receive and may return a new transport (a restart)."""
+    writers, readers = parse_layout(source).all_rank_layouts(SPEC), parse_layout(target).all_rank_layouts(SPEC)
+    sizes = {"writers": len(writers), "readers": len(readers)}
     wire = Wire(model, patience=patience)
-    out: list[tuple[int, int, bool]] = []
+    out: dict[int, list[tuple[int, int, bool]]] = {r: [] for r in range(len(readers))}
     errors: list[BaseException] = []
-    barrier = threading.Barrier(2)
+    barrier = threading.Barrier(len(writers) + len(readers))
 
-    def writer() -> None:
-        layout = WRITERS[0]
+    def writer(rank: int) -> None:
+        layout = writers[rank]
         tensors = as_tensors(cut_shards(layout, values_at(1)), layout)
-        t = make("writer", tmp_path, wire, delta_anchor_every=anchor)
+        t = make("writer", tmp_path, wire, rank=rank, **sizes, delta_anchor_every=anchor)
         try:
-            t.prepare(build_local_plan(WRITERS, READERS, role="writer", rank=0), tensors, epoch=0, timeout=20)
+            t.prepare(build_local_plan(writers, readers, role="writer", rank=rank), tensors, epoch=0, timeout=20)
             for v in versions:
                 for name, src in as_tensors(cut_shards(layout, values_at(v)), layout).items():
                     tensors[name].copy_(src)
@@ -251,11 +255,11 @@ def run_versions(tmp_path: Any, model: DeviceModel, versions: list[int], *, anch
         finally:
             t.close()
 
-    def reader() -> None:
-        layout = READERS[0]
-        plan = build_local_plan(WRITERS, READERS, role="reader", rank=0)
+    def reader(rank: int) -> None:
+        layout = readers[rank]
+        plan = build_local_plan(writers, readers, role="reader", rank=rank)
         tensors = as_tensors(empty_shards(layout), layout)
-        t = make("reader", tmp_path, wire, delta_anchor_every=anchor)
+        t = make("reader", tmp_path, wire, rank=rank, **sizes, delta_anchor_every=anchor)
         try:
             t.prepare(plan, tensors, epoch=0, timeout=20)
             for v in versions:
@@ -272,7 +276,7 @@ def run_versions(tmp_path: Any, model: DeviceModel, versions: list[int], *, anch
                 equal = all(torch.equal(x.view(torch.uint8), want[n].to(x.dtype).view(torch.uint8))
                             for n, x in tensors.items())
                 full = sum(m.nbytes for pair in t._schedules[0] for m in pair.messages)
-                out.append((stats.nbytes, full, equal))
+                out[rank].append((stats.nbytes, full, equal))
                 barrier.wait(20)
         except BaseException as exc:
             errors.append(exc)
@@ -280,15 +284,15 @@ def run_versions(tmp_path: Any, model: DeviceModel, versions: list[int], *, anch
         finally:
             t.close()
 
-    def as_process(name: str, main: Any) -> Any:
+    def as_process(name: str, main: Any, rank: int) -> Any:
         def run() -> None:
             with model.as_process(name):
-                main()
+                main(rank)
         return run
 
     with device_port.use(model):
-        threads = [threading.Thread(target=as_process("trainer", writer)),
-                   threading.Thread(target=as_process("engine", reader))]
+        threads = [threading.Thread(target=as_process(f"trainer{r}", writer, r)) for r in range(len(writers))]
+        threads += [threading.Thread(target=as_process(f"engine{r}", reader, r)) for r in range(len(readers))]
         for th in threads:
             th.start()
         for th in threads:
@@ -299,7 +303,8 @@ def run_versions(tmp_path: Any, model: DeviceModel, versions: list[int], *, anch
     return out
 
 
-def test_nccl_delta_is_bitwise_a_full_sync_every_version_and_full_when_the_reader_cannot_vouch(tmp_path):
+def test_nccl_delta_is_bitwise_a_full_sync_every_version_and_full_when_the_reader_cannot_vouch(tmp_path,
+                                                                                             monkeypatch):
     """Seven versions over the NCCL transport under the device model (random completion points),
     anchor every 3: v1 full (first), v2 delta, v3 full (the reader restarted: a new transport
     holds no base), v4 and v5 deltas, v6 full (the anchor), v7 full (a byte of the reader's
@@ -312,8 +317,13 @@ def test_nccl_delta_is_bitwise_a_full_sync_every_version_and_full_when_the_reade
             first.view(torch.uint8)[0] ^= 1
         return None
 
+    def host_codec(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the host codec ran on device memory")
+
+    monkeypatch.setattr(HostCodec, "encode", host_codec)  # device memory: the torch-op codec only
+    monkeypatch.setattr(HostCodec, "apply", host_codec)
     model = DeviceModel(seed=3, chance=0.3)
-    result = run_versions(tmp_path, model, list(range(1, 8)), reader_event=reader_event)
+    result = run_versions(tmp_path, model, list(range(1, 8)), reader_event=reader_event)[0]
     assert all(equal for _, _, equal in result)
     kinds = ["full" if nbytes == full else "delta" for nbytes, full, _ in result]
     assert kinds == ["full", "delta", "full", "delta", "delta", "full", "full"]
@@ -330,8 +340,8 @@ def test_a_header_read_on_the_cpu_before_its_event_completed_is_caught(tmp_path,
     monkeypatch.setattr(model, "wait", lambda event: None)
     with pytest.raises(TransportError) as failed:
         run_versions(tmp_path, model, [1], patience=1.0)
-    assert any("the CPU (engine) reads memory that pending work still writes" in v
-               or "the CPU (trainer) reads memory that pending work still writes" in v for v in model.violations)
+    assert any(v.startswith(("the CPU (engine0) reads memory that pending work still writes",
+                             "the CPU (trainer0) reads memory that pending work still writes")) for v in model.violations)
     assert "reads memory that pending work still writes" in str(failed.value)
 
 
@@ -344,7 +354,7 @@ def test_a_staging_buffer_refilled_while_nccl_still_reads_it_is_caught(tmp_path,
                         lambda work: None if work.kind == "send" else work.block_current_stream())
     with pytest.raises(TransportError, match="writes into memory with pending reads or writes"):
         run_versions(tmp_path, model, [1], patience=1.0)
-    assert model.violations == ["the CPU (trainer) writes into memory with pending reads or writes (a NCCL send by 0)"]
+    assert model.violations == ["the CPU (trainer0) writes into memory with pending reads or writes (a NCCL send by 0)"]
 
 
 def test_copies_that_do_not_fit_the_device_are_refused_at_prepare(tmp_path):
@@ -359,3 +369,17 @@ def test_copies_that_do_not_fit_the_device_are_refused_at_prepare(tmp_path):
         t = make("writer", tmp_path, Wire(model), delta_anchor_every=2)
         t.prepare(build_local_plan(WRITERS, READERS, role="writer", rank=0), tensors, epoch=0, timeout=5)
     t.close()
+
+
+def test_two_writers_and_two_replicas_take_their_pairs_in_one_global_order(tmp_path):
+    """Several peers per rank: writers of tp=2 each send to both replicas of a tp=1 engine, pair
+    by pair in the schedule's global order (writer 0: reader 0 then 1; writer 1: reader 1 then
+    0), which cannot deadlock. Every version bitwise on both readers, deltas small."""
+    model = DeviceModel(seed=5, chance=0.3)
+    result = run_versions(tmp_path, model, [1, 2, 3], anchor=8, source="megatron:tp=2",
+                          target="vllm:tp=1,replicas=2")
+    for rank in (0, 1):
+        assert [equal for _, _, equal in result[rank]] == [True, True, True]
+        assert [nbytes == full for nbytes, full, _ in result[rank]] == [True, False, False]
+        assert all(nbytes <= full // 10 for nbytes, full, _ in result[rank][1:])
+    assert model.violations == []
