@@ -93,16 +93,16 @@ def test_reader_with_new_memory_gets_full_versions(tmp_path, carrier):
     assert _full(out[("reader", 1)]) == [True, False, True, False]
 
 
-@pytest.mark.parametrize(("name", "device", "options", "words"), [
-    ("torch", "cuda:0", {}, "the torch transport (NcclTransport, on cuda:0)"),
-    ("routed", "cuda:0", {}, "the routed transport's torch route (NcclTransport, on cuda:0)"),
-])
-def test_delta_is_refused_where_it_would_be_ignored(name, device, options, words):
-    """On 3ee4748 these transports took ``delta_anchor_every`` and sent every version in full (NIXL
-    push too, then refused it until it carried deltas)."""
+def test_delta_is_refused_where_it_would_be_ignored(monkeypatch):
+    """On 3ee4748 transports took ``delta_anchor_every`` and sent every version in full; each
+    then refused it until it carried deltas (NIXL push last). Every transport carries them now,
+    so the refusal is checked on a transport class that says it does not."""
     from weightsync.job import JobChannel
     from weightsync.transport import TransportContext, TransportOptions, check_delta_carried
+    from weightsync.transport.nixl_push import NixlPushTransport
 
+    monkeypatch.setattr(NixlPushTransport, "carries_deltas", False)
+    name, device, options, words = "nixl", "cpu", {"nixl_mode": "push"}, "the nixl transport (NixlPushTransport, on cpu)"
     for anchor, refused in ((0, False), (4, True)):
         ctx = TransportContext(channel=JobChannel(None, role="writer", rank=1), num_writers=2,  # type: ignore[arg-type]
                                num_readers=2, device=device,
@@ -113,8 +113,25 @@ def test_delta_is_refused_where_it_would_be_ignored(name, device, options, words
         with pytest.raises(ValueError) as info:
             check_delta_carried(name, ctx)
         assert str(info.value) == (f"writer 1: delta_anchor_every=4 is not supported by {words}: it would send every "
-                                   "version in full. Deltas run over torch (gloo), shm, nixl, file and routed between "
-                                   "CPU ranks; use one of those, or delta_anchor_every=0")
+                                   "version in full. Deltas run over torch (gloo between CPU ranks, NCCL between GPUs), "
+                                   "and over shm, nixl, file and routed between CPU ranks; use one of those, or "
+                                   "delta_anchor_every=0")
+
+
+def test_delta_over_nccl_is_taken_and_routed_between_gpus_refused_naming_its_shm_route():
+    """NCCL carries deltas (tests/test_nccl_delta.py); the routed transport between GPUs is
+    still refused at creation, for its CUDA IPC route (shm deltas need host memory)."""
+    from weightsync.job import JobChannel
+    from weightsync.transport import TransportContext, TransportOptions, check_delta_carried
+
+    ctx = TransportContext(channel=JobChannel(None, role="writer", rank=1), num_writers=2,  # type: ignore[arg-type]
+                           num_readers=2, device="cuda:0", options=TransportOptions(delta_anchor_every=4))
+    check_delta_carried("torch", ctx)
+    with pytest.raises(ValueError) as info:
+        check_delta_carried("routed", ctx)
+    assert str(info.value) == ("writer 1: delta_anchor_every=4 over the routed transport needs host memory, but the "
+                               "tensors live on cuda:0 (deltas between GPUs run over the torch transport, NCCL); use "
+                               "transport='torch', or delta_anchor_every=0")
 
 
 def test_shm_delta_between_gpus_is_refused():

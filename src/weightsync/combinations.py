@@ -23,8 +23,9 @@ from typing import Any
 #: (transport/delta.py), shm and NIXL pull writers publish each version's changes
 #: (transport/delta_published.py), NIXL push writers WRITE them into each reader's inbox
 #: (transport/nixl_push_changes.py), file writers a change file next to each version
-#: (transport/file_changes.py). On GPU memory (NCCL, CUDA IPC, NIXL VRAM) the transport
-#: refuses them when it is created.
+#: (transport/file_changes.py), and NCCL runs the per-pair exchange on GPU memory
+#: (transport/nccl_delta.py). On other GPU memory (CUDA IPC, NIXL VRAM) the transport refuses
+#: them when it is created.
 #: Transports that checksum every message with ``checksum=True``.
 CHECKSUM_TRANSPORTS = frozenset({"torch"})
 #: Transport options that only one kind of transport reads: (setting, its no-op value, the

@@ -377,7 +377,7 @@ def check_delta(transport: str, ctx: TransportContext, *, slots: bool = True) ->
     if ctx.device != "cpu":
         raise ValueError(f"{ctx.who}: delta_anchor_every={ctx.options.delta_anchor_every} over the {transport} "
                          f"transport needs host memory, but the tensors live on {ctx.device} (deltas between GPUs "
-                         "are not supported yet); use delta_anchor_every=0")
+                         "run over the torch transport, NCCL); use transport='torch', or delta_anchor_every=0")
     if slots and ctx.options.slots < 2:
         raise ValueError(f"{ctx.who}: delta_anchor_every over the {transport} transport needs slots >= 2 (a "
                          f"version is compared with the previous one in its own slot); got slots="
