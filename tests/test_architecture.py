@@ -51,7 +51,7 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "ports": (("weightsync.ports",), ("core",)),
     "adapters": (("weightsync.sources", "weightsync.engines"), ("ports", "tools")),
     "meta": (("weightsync.meta",), ("core",)),
-    "job channel": (("weightsync.job", "weightsync.job_wire", "weightsync.heartbeat"), ("meta",)),
+    "job channel": (("weightsync.job", "weightsync.job_port", "weightsync.job_wire", "weightsync.heartbeat"), ("meta",)),
     "transports": (("weightsync.transport",), ("job channel", "tools")),
     "session": (("weightsync.session", "weightsync.sync_config", "weightsync.combinations"), ("transports",)),
     "roles": (("weightsync.writer", "weightsync.reader", "weightsync.inflight", "weightsync.tensorstore"),
@@ -249,12 +249,12 @@ def integrations_imported_below(edges: Iterable[Import], layers: Layers = LAYERS
 #: The job protocol: every method of what the job channel asks of the meta server (its
 #: ``MetaPort``, ``TransportBoard`` included). Only the job channel (and the meta package itself)
 #: may call them on a meta client, so that every key and message of the protocol lives in one module.
-PROTOCOL_PORT = "weightsync.job.MetaPort"
+PROTOCOL_PORT = "weightsync.job_port.MetaPort"
 #: What speaks the protocol: the meta clients (all share ClientBase) and the ports they fill.
-PROTOCOL_SPEAKERS = ("weightsync.meta.client_base.ClientBase", "weightsync.job.MetaPort",
-                     "weightsync.job.TransportBoard")
+PROTOCOL_SPEAKERS = ("weightsync.meta.client_base.ClientBase", "weightsync.job_port.MetaPort",
+                     "weightsync.job_port.TransportBoard")
 #: Where the protocol may be spoken.
-PROTOCOL_HOMES = ("weightsync.job", "weightsync.meta")
+PROTOCOL_HOMES = ("weightsync.job", "weightsync.job_port", "weightsync.meta")
 
 
 def type_checked(extra: Mapping[str, str] | None = None) -> tuple[Any, dict[str, Any]]:
@@ -347,7 +347,7 @@ PROTOCOL_PROBES = {
             await board.put_document("key", b"")
     """,
     "weightsync.probe_through_the_port": """
-        from weightsync.job import MetaPort
+        from weightsync.job_port import MetaPort
 
         def sneak(port: MetaPort) -> None:
             port.report_applied(0, 1)
@@ -564,7 +564,7 @@ def test_a_protocol_call_outside_the_channel_is_caught_by_what_its_receiver_is(t
     assert found == [
         "weightsync.probe_async_and_aliased:6 .put_document on speaker weightsync.meta.async_client.AsyncMetaClient",
         "weightsync.probe_named_like_a_channel:5 .publish_version on speaker weightsync.meta.client.MetaClient",
-        "weightsync.probe_through_the_port:5 .report_applied on speaker weightsync.job.MetaPort",
+        "weightsync.probe_through_the_port:5 .report_applied on speaker weightsync.job_port.MetaPort",
         "weightsync.probe_untyped:3 .wait_version on unknown Any",
     ]
 

@@ -144,13 +144,13 @@ def test_ranks_compare_gpus_by_identity_and_nccl_refuses_any_two_ranks_on_one():
 def test_nccl_group_is_built_without_torch_watchdog_and_leaves_the_environment_as_it_was(monkeypatch):
     from weightsync.transport.torch_nccl import nccl_group_env, scoped_env
 
-    assert nccl_group_env() == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+    assert nccl_group_env() == {"TORCH_NCCL_BLOCKING_WAIT": "1"}
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
     import os
 
     with scoped_env(nccl_group_env()):
-        assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1"
+        assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1"
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and "TORCH_NCCL_BLOCKING_WAIT" not in os.environ
 
 

@@ -242,13 +242,13 @@ def test_two_groups_built_at_once_leave_the_environment_as_it_was(monkeypatch):
         t.start()
     for t in threads:
         t.join(10)
-    assert not errors and _ConstructedGroup.seen == [("1", "0"), ("1", "0")]
+    assert not errors and _ConstructedGroup.seen == [("1", "3"), ("1", "3")]
     assert "TORCH_NCCL_BLOCKING_WAIT" not in os.environ and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
 
 
 def test_nothing_is_written_when_the_environment_already_holds_the_settings(monkeypatch):
-    """Defect 10: a process launched with the settings (``TORCH_NCCL_BLOCKING_WAIT=1``,
-    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``) has its environment read, never written."""
+    """Defect 10: a process launched with ``TORCH_NCCL_BLOCKING_WAIT=1`` has its environment
+    read, never written."""
     import os
 
     import torch.distributed as dist
@@ -258,11 +258,36 @@ def test_nothing_is_written_when_the_environment_already_holds_the_settings(monk
     writes: list[str] = []
     monkeypatch.setattr(dist, "ProcessGroupNCCL", _ConstructedGroup, raising=False)
     monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
-    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
     monkeypatch.setattr(os, "environ", _Watched(os.environ, writes))
     _ConstructedGroup.seen = []
     torch_nccl.construct_backend(None, 0, 2, _Options())  # type: ignore[arg-type]
-    assert _ConstructedGroup.seen == [("1", "0")] and writes == []
+    assert _ConstructedGroup.seen == [("1", None)] and writes == []
+
+
+def test_a_construction_writes_blocking_wait_and_nothing_else(monkeypatch):
+    """Defect 10: the construction wrote ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` too, which torch
+    never acts on for a group without a watchdog (blocking wait starts none): one more altered
+    variable for whatever read the process environment meanwhile. The user's own value is now
+    never written; torch's constructor still sees blocking wait."""
+    import os
+
+    import torch.distributed as dist
+
+    from weightsync.transport import torch_nccl
+
+    writes: list[str] = []
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", _ConstructedGroup, raising=False)
+    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    monkeypatch.setattr(os, "environ", _Watched(os.environ, writes))
+    _ConstructedGroup.seen = []
+    _ConstructedGroup.both_inside = threading.Event()
+    _ConstructedGroup.both_inside.set()  # one construction: no pause
+    torch_nccl.construct_backend(None, 0, 2, _Options())  # type: ignore[arg-type]
+    assert _ConstructedGroup.seen == [("1", "3")]
+    assert set(writes) == {"TORCH_NCCL_BLOCKING_WAIT"}
+    assert "TORCH_NCCL_BLOCKING_WAIT" not in os.environ and os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
 
 
 class _Watched(dict):  # type: ignore[type-arg]
@@ -283,3 +308,42 @@ class _Watched(dict):  # type: ignore[type-arg]
     def pop(self, key: str, *default: Any) -> Any:  # type: ignore[override]
         self.writes.append(key)
         return super().pop(key, *default)
+
+
+def _options_fields(header: str) -> set[str]:
+    """Data members of ``ProcessGroupNCCL::Options`` in torch's header: declarations that end in
+    ``;`` and call nothing (constructors, ``create`` and its body all have parentheses)."""
+    import re
+
+    body = header.split("struct Options : Backend::Options {", 1)[1].split("\n  };", 1)[0]
+    body = re.sub(r"//[^\n]*", "", body)
+    return {re.split(r"[\s{=;]+", decl.strip().split("{")[0].split("=")[0].strip())[-1]
+            for decl in body.split(";") if decl.strip() and "(" not in decl and ")" not in decl}
+
+
+def test_torch_still_takes_blocking_wait_from_the_environment_only():
+    """Defect 10 (open): weightsync writes ``TORCH_NCCL_BLOCKING_WAIT`` to the environment around
+    its group's construction because torch offers no other way (docs/gpu.md, "Why through the
+    environment"). This reads the installed torch's header, the evidence for that: the day a
+    torch upgrade gives ``ProcessGroupNCCL::Options`` a field of its own (or the setting another
+    source), this fails, and weightsync should pass it there and stop writing ``os.environ``."""
+    from pathlib import Path
+
+    header = (Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp").read_text()
+    assert _options_fields(header) == {"is_high_priority_stream", "config", "split_from", "split_color"}
+    assert ('static std::vector<std::string> TORCH_NCCL_BLOCKING_WAIT = {\n    "TORCH_NCCL_BLOCKING_WAIT",\n'
+            '    "NCCL_BLOCKING_WAIT"};') in header
+    assert "  bool blockingWait_ = false;" in header  # a private member, with no setter:
+    assert not any(f"{verb}BlockingWait" in header for verb in ("set", "enable", "disable"))
+
+
+def test_only_the_settings_the_environment_lacks_are_written():
+    """Defect 10: what a construction writes is decided by one function of the environment; a
+    process launched with blocking wait is never written to, a user's other value of it is
+    replaced for the constructor only (restored: the tests above), and nothing else is touched."""
+    from weightsync.transport.torch_nccl import settings_to_write
+
+    blocking = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
+    assert settings_to_write({}) == blocking
+    assert settings_to_write({**blocking, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "NCCL_DEBUG": "INFO"}) == {}
+    assert settings_to_write({"TORCH_NCCL_BLOCKING_WAIT": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}) == blocking

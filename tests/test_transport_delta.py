@@ -139,63 +139,26 @@ def test_nixl_auto_mode_with_deltas_is_pull():
 
 
 def test_file_deltas_read_exactly_the_changes_and_old_change_files_go(tmp_path):
-    """Deltas over the file transport, in one process: the first version in full; 3 changed fp32
-    elements read as one sparse encoding from the change file (3 int32 indices + 3 values = 24
-    bytes); an unchanged version 0 bytes; a reader that forgot its base, or missed a version,
-    reads the full file. Every version bitwise; the directory keeps ``slots`` versions, change
-    files included (on main the file transport refused deltas at init)."""
-    import torch
-
+    """Deltas over the file transport read exactly the changes (tests/_delta_exact.py), and the
+    directory keeps ``slots`` versions, change files included (on main the file transport refused
+    deltas at init)."""
+    from _delta_exact import delta_pair, run_exact_sequence
     from fake_meta import DirectoryMeta
-    from weightsync.configs import load_spec
     from weightsync.job import JobChannel
-    from weightsync.layout import parse_layout
-    from weightsync.plan import build_plan
     from weightsync.transport import TransportContext, TransportOptions
     from weightsync.transport.file import FileTransport
 
-    spec = load_spec("tiny-qwen3")
-    layouts = parse_layout("hf").all_rank_layouts(spec)
-    plan = build_plan(layouts, layouts)
     meta, files = DirectoryMeta(tmp_path / "meta"), tmp_path / "files"
 
-    def ctx(role):
-        return TransportContext(channel=JobChannel(meta, role=role, rank=0), num_writers=1, num_readers=1,
-                                options=TransportOptions(slots=2, delta_anchor_every=4, file_dir=str(files)))
+    def make(role, options):
+        return FileTransport(TransportContext(channel=JobChannel(meta, role=role, rank=0), num_writers=1,
+                                              num_readers=1, options=TransportOptions(file_dir=str(files), **options)))
 
-    src = {s.name: torch.randn(s.numel, generator=torch.Generator().manual_seed(i))
-           for i, s in enumerate(layouts[0].shards)}
-    dst = {s.name: torch.zeros(s.numel) for s in layouts[0].shards}
-    first = next(iter(src.values()))
-    full = plan.total_bytes
-    w, r = FileTransport(ctx("writer")), FileTransport(ctx("reader"))
-    try:
-        w.prepare(plan, src, epoch=0, timeout=10)
-        r.prepare(plan, dst, epoch=0, timeout=10)
-
-        def step(version, change=0, *, receive=True):
-            first[:change] += 1.0
-            w.send(version, timeout=5)
-            if not receive:
-                return None
-            moved = r.receive(version, timeout=5).nbytes
-            assert all(torch.equal(dst[n], src[n]) for n in src), version
-            return moved
-
-        assert step(1) == full
-        assert step(2, change=3) == 24  # anchors: full at 1 and 5
-        assert step(3) == 0
-        r.forget_received()  # the engine's version changed outside the reader
-        assert step(4, change=3) == full
-        step(5, change=3, receive=False)  # missed: version 6's base is 5, the reader holds 4
-        assert step(6, change=3) == full
-        assert step(7, change=3) == 24
+    with delta_pair(make) as pair:
+        run_exact_sequence(pair)
         assert sorted(p.relative_to(files).as_posix() for p in files.rglob("*.safetensors")) == [
             "v6/writer-0.p0.changes.safetensors", "v6/writer-0.p0.safetensors",
             "v7/writer-0.p0.changes.safetensors", "v7/writer-0.p0.safetensors"]
-    finally:
-        w.close()
-        r.close()
     assert not list(files.rglob("*.safetensors"))
 
 

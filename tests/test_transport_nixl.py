@@ -336,55 +336,21 @@ def test_descriptor_geometry():
 
 @needs_nixl
 def test_pull_deltas_move_exactly_the_published_changes(tmp_path, monkeypatch):
-    """Deltas over NIXL pull, in one process: the first version in full; 3 changed fp32 elements
-    READ as one sparse encoding (3 int32 indices + 3 values = 24 bytes); an unchanged version
-    0 bytes; a reader that forgot its base, or missed a version, READs the version in full.
-    Every version bitwise."""
-    import torch
-
-    from weightsync.configs import load_spec
+    """Deltas over NIXL pull READ exactly the published changes (tests/_delta_exact.py)."""
+    from _delta_exact import delta_pair, run_exact_sequence
     from weightsync.job import JobChannel
-    from weightsync.layout import parse_layout
-    from weightsync.plan import build_plan
     from weightsync.transport import TransportContext, TransportOptions
     from weightsync.transport.nixl_pull import NixlPullTransport
 
     monkeypatch.setenv("NIXL_LOG_LEVEL", "WARN")
-    spec = load_spec("tiny-qwen3")
-    layouts = parse_layout("hf").all_rank_layouts(spec)
-    plan = build_plan(layouts, layouts)
     meta = DirectoryMeta(tmp_path)
 
-    def ctx(role):
-        return TransportContext(channel=JobChannel(meta, role=role, rank=0), num_writers=1, num_readers=1,
-                                options=TransportOptions(nixl_mode="pull", slots=2, delta_anchor_every=4))
+    def make(role, options):
+        return NixlPullTransport(TransportContext(channel=JobChannel(meta, role=role, rank=0), num_writers=1,
+                                                  num_readers=1, options=TransportOptions(nixl_mode="pull", **options)))
 
-    src = {s.name: torch.randn(s.numel, generator=torch.Generator().manual_seed(i))
-           for i, s in enumerate(layouts[0].shards)}
-    dst = {s.name: torch.zeros(s.numel) for s in layouts[0].shards}
-    first = next(iter(src.values()))
-    full = plan.total_bytes
-    with NixlPullTransport(ctx("writer")) as w, NixlPullTransport(ctx("reader")) as r:
-        w.prepare(plan, src, epoch=0, timeout=10)
-        r.prepare(plan, dst, epoch=0, timeout=10)
-
-        def step(version, change=0, *, receive=True):
-            first[:change] += 1.0
-            w.send(version, timeout=5)
-            if not receive:
-                return None
-            moved = r.receive(version, timeout=5).nbytes
-            assert all(torch.equal(dst[n], src[n]) for n in src), version
-            return moved
-
-        assert step(1) == full
-        assert step(2, change=3) == 24  # anchors: full at 1 and 5
-        assert step(3) == 0
-        r.forget_received()  # the engine's version changed outside the reader
-        assert step(4, change=3) == full
-        step(5, change=3, receive=False)  # missed: version 6's base is 5, the reader holds 4
-        assert step(6, change=3) == full
-        assert step(7, change=3) == 24
+    with delta_pair(make) as pair:
+        run_exact_sequence(pair)
 
 
 @needs_nixl

@@ -25,18 +25,21 @@ on (torch 2.13, ``torch/distributed/distributed_c10d.py``):
   has no peer watch of its own); aborted NCCL kernels end, the event completes, and the sync
   raises :class:`TransportError` naming the peers and why. The eager connect of ``prepare``
   runs under one too. The next version runs in a new epoch with a new communicator.
-* **A dead peer never kills this process** (a dead rollout worker must not kill the trainer).
-  torch starts a watchdog thread for every ``ProcessGroupNCCL`` unless ``TORCH_NCCL_BLOCKING_WAIT``
-  is set when it is constructed; on any NCCL error of any group that watchdog raises the
-  process-wide dump signal, which the heartbeat monitor of the process's first NCCL group
-  answers by terminating the process, whatever ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` says.
-  torch 2.13 reads both settings in the constructor only, from the environment only:
-  ``ProcessGroupNCCL.Options`` has no field for them and the backend no setter (docs/gpu.md,
-  "NCCL: what weightsync does", cites the lines). So :func:`construct_backend` builds the
-  group with :func:`nccl_group_env` in the environment (weightsync never waits on a work from
-  the CPU, so blocking wait costs nothing here), and only then: one construction at a time
-  in a process, nothing written when the environment already holds those values, and the
-  previous values restored before any other weightsync group is built.
+* **A dead peer never kills this process** (a dead rollout worker must not kill the trainer),
+  so the group is built with ``TORCH_NCCL_BLOCKING_WAIT=1``, which makes torch start no
+  watchdog thread for it (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, which only that watchdog acts
+  on, is left alone).
+  torch's watchdog would otherwise see the NCCL error a dead peer across the network causes
+  (possibly before our peer watch does), raise the process-wide dump signal that the heartbeat
+  monitor of the process's first NCCL group answers with ``terminateProcess``, and rethrow the
+  error on its own thread (``std::terminate``) under the default error handling; even our own
+  ``abort()`` can race its error check. torch 2.13 reads the setting in the constructor, from
+  the environment only: ``ProcessGroupNCCL.Options`` has no field for blocking wait (docs/gpu.md,
+  "NCCL: what weightsync does", cites the source). So :func:`construct_backend` writes
+  :func:`settings_to_write` (nothing when the process was launched with it) for the
+  constructor only, one construction at a time, and restores what was there. This still writes
+  the process environment (issue 23, defect 10, open): no per-group alternative exists in torch
+  2.13; weightsync never waits on a work from the CPU, so blocking wait costs nothing here.
 
 Staging: one buffer of ``max_bucket_bytes / 16`` per pair (a window holds at most one staged
 message), so peak extra memory is within ``max_bucket_bytes`` up to 16 peers per rank.
@@ -49,7 +52,7 @@ import datetime
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -170,8 +173,17 @@ class Watchdog:
 
 
 def nccl_group_env() -> dict[str, str]:
-    """The torch settings weightsync's own NCCL group is constructed with (module docstring)."""
-    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+    """The torch setting weightsync's own NCCL group is constructed with (module docstring).
+    Blocking wait alone: with it torch starts no watchdog, the only part of torch that acts on
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, so writing that one too changed nothing for our group
+    and only showed one more altered variable to whatever read the environment meanwhile."""
+    return {"TORCH_NCCL_BLOCKING_WAIT": "1"}
+
+
+def settings_to_write(environ: Mapping[str, str]) -> dict[str, str]:
+    """The settings of :func:`nccl_group_env` that ``environ`` does not hold already: what a
+    construction must write (nothing in a process launched with it)."""
+    return {key: value for key, value in nccl_group_env().items() if environ.get(key) != value}
 
 
 #: Held while a weightsync NCCL group is constructed. Two constructions that overlapped, each
@@ -205,7 +217,7 @@ def construct_backend(store: dist.Store, rank: int, size: int, options: Any) -> 
     where it does not already hold the value, and restored before the lock is released.
     """
     with _CONSTRUCTING:
-        missing = {key: value for key, value in nccl_group_env().items() if os.environ.get(key) != value}
+        missing = settings_to_write(os.environ)
         if not missing:
             return dist.ProcessGroupNCCL(store, rank, size, options)
         with scoped_env(missing):
@@ -375,4 +387,4 @@ class NcclTransport(TorchDistBase):
 
 
 __all__ = ["WINDOW", "NcclTransport", "Pair", "Watchdog", "Window", "construct_backend", "nccl_group", "rounds_of",
-           "windows_of"]
+           "settings_to_write", "windows_of"]
