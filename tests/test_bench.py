@@ -249,7 +249,7 @@ def test_vllm_serve_engine_figures_from_the_workers_step_trace(tmp_path):
     assert abort["after_apply_s"] == pytest.approx(0.1) and abort["step_after_s"] == pytest.approx(0.3)
     assert abort["gap_before_s"] == pytest.approx(-0.01) and abort["gap_after_s"] == pytest.approx(0.02)
     assert abort["engine_pause_over_apply"] == pytest.approx(0.375 / 0.2)
-    assert row["decode_step_s"] == pytest.approx(0.1)
+    assert row["decode_step_s"] == pytest.approx(0.1) and row["longest_idle_step_s"] == pytest.approx(0.1)
 
 
 def test_gpu_script_fails_clearly_without_cuda():

@@ -11,15 +11,18 @@ chunk they receive. Side by side in one run:
   ``/start_weight_update``, ``/update_weights`` while the trainer writes, ``/finish_weight_update``,
   ``/reset_prefix_cache``, ``/resume``: the engine does not generate for the whole sync;
 * with prefetch (``updates`` versions): ``/start_weight_update`` (the worker starts receiving),
-  the trainer writes while the clients generate, then ``/pause``, ``/update_weights`` (only the
-  apply, and whatever of the receive had not ended), finish, reset, ``/resume``; then as long a
+  the trainer writes while the clients generate, then :func:`apply_prefetched`: ``/pause``,
+  ``/update_weights`` (only the apply, and whatever of the receive had not ended), finish (and
+  the mode's own reset, if any), ``/resume``; then as long a
   window of generation with no sync (idle, after :data:`SETTLE_S`). ``pause_modes``
   (:data:`PAUSE_MODES`) says how ``/pause`` treats running requests; several take turns, update
   by update, and the row reports each apart (``pause_modes``), its first as the row's own.
 
 The pause as a client sees it is the gap between the last token before the engine paused and
-the first after it resumed (:func:`client_pause`; it adds to the driver's pause the step under
-way when ``/pause`` came and the prefill of the requests sent again after ``/resume``); tokens/s
+the first after it resumed (:func:`client_pause`); where it went inside the engine comes from the
+worker's step trace (:mod:`weightsync.integrations.vllm_step_trace`, :func:`_engine_figures`): the
+engine's pause (no step ran) around the apply, and the first step after ``/resume``, which
+prefills again what the pause aborted or preempted; tokens/s
 count the token ids the clients received inside each window (:func:`window_rate`). The trainer
 writes with ``staleness=1``, so its ``write`` returns once its bytes are sent: on a two-sided
 transport (torch) that is when the worker has them; on a one-sided one (shm, streaming) the
@@ -140,8 +143,8 @@ def summarize(arrivals: Sequence[tuple[float, int]], trace: dict[str, Any],
 
         pauses = engine_pauses(engine)
         steady = step_seconds(engine, [tuple(w) for w in trace["idle"]])
-        if steady:
-            out["decode_step_s"] = median(steady)
+        if steady:  # a decode step; the longest: the prefill of a batch the clients sent afresh, no update near
+            out["decode_step_s"], out["longest_idle_step_s"] = median(steady), max(steady)
         for mode, ups in by_mode.items():
             out["pause_modes"][mode] |= _engine_figures(times, ups, pauses, median)
     return out
