@@ -290,6 +290,29 @@ class DeviceModel:
     def scope(self, device: str | torch.device) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
+    # -- other engines' streams (a fake NCCL) ---------------------------------------------------
+    def queue(self, reads: Sequence[Range], writes: Sequence[Range], run: Callable[[], None], what: str, *,
+              stream: str) -> Op:
+        """Queue work on ``stream`` (an engine of its own, as NCCL's stream): pending until the
+        stream completes it, or until the stream of a process that took it over (:meth:`join`) does."""
+        with self._lock:
+            self._seq += 1
+            op = Op(self._seq, list(reads), list(writes), run, what)
+            self._streams.setdefault(stream, Stream()).ops.append(op)
+            return op
+
+    def join(self, op: Op) -> None:
+        """The calling process's stream waits for ``op`` (``work.block_current_stream()``): it
+        completes with that stream's work from here on, and no sooner than the CPU waits for it."""
+        with self._lock:
+            for stream in self._streams.values():
+                if any(o is op for o in stream.ops):
+                    stream.ops[:] = [o for o in stream.ops if o is not op]
+                    self._seq += 1
+                    op.seq = self._seq
+                    self._streams.setdefault(self.process(), Stream()).ops.append(op)
+                    return
+
     # -- completion -------------------------------------------------------------------------
     def pending(self) -> int:
         return sum(len(s.ops) for s in self._streams.values())

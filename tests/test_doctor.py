@@ -40,7 +40,8 @@ def test_doctor_lists_every_gpu_path_of_a_real_job_and_writes_a_report(tmp_path,
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     checks = {c["name"]: c for c in report["checks"]}
     assert code == 0
-    for name in ("gpu/nccl-2gpu", "gpu/nccl-4ranks", "gpu/same-gpu", "gpu/cuda-ipc-2gpu", "gpu/nixl-vram", *PLANNED):
+    for name in ("gpu/nccl-2gpu", "gpu/nccl-4ranks", "gpu/same-gpu", "gpu/cuda-ipc-2gpu", "gpu/nixl-vram", "gpu/delta",
+                 *PLANNED):
         assert name in checks and checks[name]["detail"], name
         if report["environment"]["gpus"] == 0:
             assert checks[name]["status"] == "skipped" and "GPU" in checks[name]["detail"], checks[name]

@@ -67,6 +67,8 @@ class DemoSpec:
     timeout: float
     #: per role, the device of each rank's tensors ("cpu", "cuda:N"); empty: every rank on cpu
     devices: dict[str, list[str]] = field(default_factory=dict)
+    #: ``TransportOptions.delta_anchor_every`` (0: every version in full)
+    delta_anchor_every: int = 0
 
     def device(self, role: str, rank: int) -> str:
         return self.devices[role][rank] if self.devices else "cpu"
@@ -183,7 +185,8 @@ def run_reader(spec: DemoSpec, rank: int) -> None:
 
 def _sync_config(spec: DemoSpec, sync_cls: Any, opts_cls: Any) -> Any:
     return sync_cls(num_writers=spec.num_writers, num_readers=spec.num_readers, transport=spec.transport,
-                    transport_options=opts_cls(max_bucket_bytes=spec.max_bucket_bytes), timeout=spec.timeout)
+                    transport_options=opts_cls(max_bucket_bytes=spec.max_bucket_bytes,
+                                               delta_anchor_every=spec.delta_anchor_every), timeout=spec.timeout)
 
 
 def _emit(step: WriterStep | ReaderStep) -> None:
@@ -200,11 +203,11 @@ def _parse(line: str) -> WriterStep | ReaderStep:
 
 def run_demo(*, size: str = "small", source: str = "megatron:tp=2", target: str = "vllm:tp=1,replicas=2",
              steps: int = 3, transport: str = "auto", max_bucket_bytes: int = 32 << 20, timeout: float = 120.0,
-             devices: dict[str, list[str]] | None = None) -> DemoResult:
+             devices: dict[str, list[str]] | None = None, delta_anchor_every: int = 0) -> DemoResult:
     """Run the demo (see module docstring); a failure is in the result, never raised.
 
     ``devices`` places each rank's tensors (``{"writer": ["cuda:0"], "reader": ["cuda:1"]}``);
-    ``weightsync doctor`` uses it to check GPU placements.
+    ``weightsync doctor`` uses it to check GPU placements, and ``delta_anchor_every`` to check deltas there.
 
     Raises:
         ValueError: an unknown size, or layouts the model does not fit.
@@ -220,7 +223,8 @@ def run_demo(*, size: str = "small", source: str = "megatron:tp=2", target: str 
     with tempfile.TemporaryDirectory(prefix="weightsync-demo-") as tmp, EmbeddedMetaServer() as server:
         spec = DemoSpec(config=config, source=src.describe(), target=dst.describe(), num_writers=src.world_size,
                         num_readers=dst.world_size, steps=steps, transport=transport, checkpoints=tmp,
-                        max_bucket_bytes=max_bucket_bytes, timeout=timeout, devices=devices or {})
+                        max_bucket_bytes=max_bucket_bytes, timeout=timeout, devices=devices or {},
+                        delta_anchor_every=delta_anchor_every)
         env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         procs = []

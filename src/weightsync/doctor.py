@@ -22,6 +22,7 @@ Checks (skipped with the reason when the hardware or a package is missing):
 * ``gpu/nixl-vram``: NIXL between GPU memories;
 * ``gpu/bench``: one bench-sized case on the GPU(s), with its GB/s;
 * ``gpu/nccl-4ranks``: NCCL between two writers and two readers, several peers per round;
+* ``gpu/delta``: delta versions over NCCL between two GPUs;
 * the other GPU paths a real job uses (issue 23; :data:`PLANNED`): listed with the reason
   they did not run, until the doctor runs them (``docs/gpu.md`` names the CPU test that
   covers each one's rules under the device model);
@@ -128,12 +129,13 @@ class DoctorReport:
 
 
 def _sync(transport: str, devices: dict[str, list[str]] | None, timeout: float, *,
-          source: str = "megatron:tp=1", target: str = "vllm:tp=1", size: str = "tiny") -> Check:
+          source: str = "megatron:tp=1", target: str = "vllm:tp=1", size: str = "tiny",
+          delta_anchor_every: int = 0) -> Check:
     """Two versions of a model between real processes, every byte checked."""
     from weightsync.demo import run_demo
 
-    result = run_demo(size=size, source=source, target=target, steps=2, transport=transport, timeout=timeout,
-                      devices=devices)
+    result = run_demo(size=size, source=source, target=target, steps=3 if delta_anchor_every else 2,
+                      transport=transport, timeout=timeout, devices=devices, delta_anchor_every=delta_anchor_every)
     if not result.ok:
         bad = [f"version {r.version}: {r.mismatches}" for r in result.readers if not r.verified]
         return Check("", "failed", "; ".join(result.failures + bad)[:500] or "weights differ")
@@ -228,6 +230,17 @@ def _nccl_four_ranks(env: Environment, options: DoctorOptions) -> Check:
     return check
 
 
+def _gpu_delta(env: Environment, options: DoctorOptions) -> Check:
+    """Delta versions over NCCL (transport/nccl_delta.py: the torch-op codec, the header
+    exchange, the copies on the writer's GPU): three versions, a full one then deltas."""
+    if reason := _needs_gpus(2, env):
+        return Check("", "skipped", f"delta versions over NCCL (the torch transport between GPUs): {reason}; its "
+                                    "rules are covered on CPU by tests/test_nccl_delta.py under the device model")
+    check = _sync("torch", {"writer": ["cuda:0"], "reader": ["cuda:1"]}, options.timeout, delta_anchor_every=4)
+    check.detail = f"NCCL delta, cuda:0 -> cuda:1: {check.detail}"
+    return check
+
+
 #: GPU paths a real job uses that the doctor lists but does not run yet: name -> (GPUs it
 #: needs, what it would check).
 PLANNED: dict[str, tuple[int, str]] = {
@@ -239,7 +252,6 @@ PLANNED: dict[str, tuple[int, str]] = {
     "gpu/phases-shm": (1, "layer phases over CUDA IPC"),
     "gpu/phases-routed": (2, "layer phases over the routed transport"),
     "gpu/fp8": (1, "FP8 quantisation on GPU, bitwise against the CPU reference"),
-    "gpu/delta": (1, "delta versions on GPU (or their clear refusal)"),
     "engine/vllm-memory": (1, "the vLLM worker backend with a real gpu_memory_utilization, peak memory "
                               "against the reserve"),
 }
@@ -285,6 +297,7 @@ CHECKS: dict[str, Callable[[Environment, DoctorOptions], Check]] = {
     "gpu/nixl-vram": _nixl_vram,
     "gpu/bench": _gpu_bench,
     "gpu/nccl-4ranks": _nccl_four_ranks,
+    "gpu/delta": _gpu_delta,
     **{name: _planned(name) for name in PLANNED},
     "engine/vllm": _engine("vllm"),
     "engine/sglang": _engine("sglang"),

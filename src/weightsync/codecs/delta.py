@@ -81,11 +81,7 @@ class Changes:
     @property
     def kind(self) -> Kind:
         """The smallest encoding (ties go to the lower kind)."""
-        n = self.new.numel() // self.unit
-        sizes = encoded_sizes(n, self.changed, self.unit)
-        if n >= 2**31:  # int32 indices cannot address it
-            return Kind.DENSE
-        return min(sizes, key=lambda k: (sizes[k], k))
+        return smallest_kind(self.new.numel() // self.unit, self.changed, self.unit)
 
     def encode(self) -> Encoded:
         """The payload in its smallest encoding."""
@@ -112,6 +108,31 @@ def element_unit(sizes: list[int]) -> int:
 def encoded_sizes(n: int, changed: int, unit: int) -> dict[Kind, int]:
     """Bytes each encoding needs for ``n`` elements of which ``changed`` differ."""
     return {Kind.DENSE: n * unit, Kind.SPARSE: changed * (4 + unit), Kind.BITMAP: (n + 7) // 8 + changed * unit}
+
+
+def smallest_kind(n: int, changed: int, unit: int) -> Kind:
+    """The encoding of ``n`` elements with ``changed`` differing that takes the fewest bytes
+    (ties go to the lower kind); every codec picks with it, so they put the same bytes on the wire."""
+    if n >= 2**31:  # int32 indices cannot address it
+        return Kind.DENSE
+    sizes = encoded_sizes(n, changed, unit)
+    return min(sizes, key=lambda k: (sizes[k], k))
+
+
+def check_payload(kind: Kind, payload: torch.Tensor, dest: torch.Tensor, *, unit: int, changed: int) -> int:
+    """The number of elements of ``dest``, once ``payload`` is known to fit its header.
+
+    Raises:
+        ValueError: ``dest`` is not whole elements, or the payload's size is not its encoding's.
+    """
+    n = dest.numel() // unit
+    if dest.numel() % unit:
+        raise ValueError(f"destination of {dest.numel()} bytes is not a whole number of {unit}-byte elements")
+    expected = encoded_sizes(n, changed, unit)[Kind(kind)]
+    if payload.numel() != expected:
+        raise ValueError(f"{Kind(kind).name} payload of {payload.numel()} bytes for {n} elements with "
+                         f"{changed} changed; expected {expected} bytes")
+    return n
 
 
 def encode(new: torch.Tensor, old: torch.Tensor, *, unit: int, compiled: bool = True) -> Encoded:
@@ -186,13 +207,7 @@ def apply(kind: Kind, payload: torch.Tensor, dest: torch.Tensor, *, unit: int, c
         ValueError: the payload does not fit its header (size, index range, bitmap count);
             ``dest`` is untouched then.
     """
-    n = dest.numel() // unit
-    if dest.numel() % unit:
-        raise ValueError(f"destination of {dest.numel()} bytes is not a whole number of {unit}-byte elements")
-    expected = encoded_sizes(n, changed, unit)[Kind(kind)]
-    if payload.numel() != expected:
-        raise ValueError(f"{Kind(kind).name} payload of {payload.numel()} bytes for {n} elements with "
-                         f"{changed} changed; expected {expected} bytes")
+    n = check_payload(kind, payload, dest, unit=unit, changed=changed)
     if kind == Kind.DENSE:
         dest.copy_(payload)
         return

@@ -99,7 +99,9 @@ def create_transport(name: str, ctx: TransportContext) -> Transport:
 
 def check_delta_carried(name: str, ctx: TransportContext) -> None:
     """Refuse ``delta_anchor_every`` where transport ``name`` (in this job's mode, and for
-    ``routed`` both its routes) would send full versions anyway: a setting is never ignored."""
+    ``routed`` both its routes) would send full versions anyway: a setting is never ignored.
+    (routed's shm route carries deltas in host memory only: refused here on GPU memory, at
+    creation, rather than when its shm part is set up in ``prepare``.)"""
     anchor = ctx.options.delta_anchor_every
     if not anchor:
         return
@@ -109,8 +111,12 @@ def check_delta_carried(name: str, ctx: TransportContext) -> None:
             where = f"the {name} transport" if route == name else f"the {name} transport's {route} route"
             raise ValueError(f"{ctx.who}: delta_anchor_every={anchor} is not supported by {where} "
                              f"({cls.__name__}, on {ctx.device}): it would send every version in full. Deltas "
-                             "run over torch (gloo), shm, nixl (nixl_mode 'pull'), file and routed between CPU ranks; "
-                             "use one of those, or delta_anchor_every=0")
+                             "run over torch (gloo between CPU ranks, NCCL between GPUs), and over shm, nixl, "
+                             "file and routed between CPU ranks; use one of those, or delta_anchor_every=0")
+        if name == "routed" and route == "shm":
+            from weightsync.transport.delta_published import check_delta
+
+            check_delta("routed", ctx)  # its same-node pairs go through CUDA IPC
 
 
 def _class_of(name: str, ctx: TransportContext) -> Any:

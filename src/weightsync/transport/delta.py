@@ -7,9 +7,11 @@ the exchange below, in the encodings of :mod:`weightsync.codecs.delta`. A transp
 each pair a :class:`PairLink` for one send or receive (post a tagged send or receive of a
 tensor, wait for it, and three staging buffers), and runs :meth:`DeltaSync.send_pair` /
 :meth:`DeltaSync.receive_pair` in place of moving the pair's messages itself. The torch
-gloo transport does (NCCL and NIXL push do not yet: they refuse deltas at creation);
-one-sided transports (shared memory, NIXL pull) publish each version's changes instead
-(:mod:`weightsync.transport.delta_published`)::
+torch transport does, over gloo and over NCCL (:mod:`weightsync.transport.nccl_delta`: the
+copies on the GPU, torch-op encodings, sum64 digests); one-sided transports (shared memory,
+NIXL pull) publish each version's changes instead (:mod:`weightsync.transport.delta_published`),
+and NIXL push WRITEs them into inboxes its readers register
+(:mod:`weightsync.transport.nixl_push_changes`)::
 
     delta = DeltaSync(ctx)                                   # ctx.options.delta_anchor_every = K
     delta.prepared(tensors, phases=len(schedules))           # at the end of every prepare()
@@ -60,8 +62,10 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import torch
 
-from weightsync.codecs.delta import Encoded, Kind, apply, diff, element_unit, warm_up
-from weightsync.codecs.digest import as_signed, tensor_digest
+from weightsync import device_port
+from weightsync.codecs.delta import Encoded, Kind, element_unit, warm_up
+from weightsync.codecs.delta_device import codec_for
+from weightsync.codecs.digest import DigestKind, as_signed, tensor_digest
 from weightsync.torch_layout import TORCH_DTYPES
 from weightsync.transport.base import TransportError
 from weightsync.transport.tensors import as_bytes, checksum, direct_source, dst_view, pack, scatter
@@ -135,7 +139,10 @@ class HeldState:
 class DeltaSync:
     """One transport's delta state for every pair it serves, and the exchange (module docstring)."""
 
-    def __init__(self, ctx: TransportContext) -> None:
+    def __init__(self, ctx: TransportContext, *, allocate: Callable[[int, str], torch.Tensor] | None = None) -> None:
+        #: where the writer's copies and the reader's shadows live (host memory unless a
+        #: transport on device memory passes its own: ``allocate(nbytes, what)``)
+        self.allocate = allocate or (lambda nbytes, what: torch.empty(nbytes, dtype=torch.uint8))
         self.anchor_every = ctx.options.delta_anchor_every
         self.checksum = ctx.options.checksum
         self.rank = ctx.rank
@@ -195,7 +202,8 @@ class DeltaSync:
             base_posted = link.post("recv", base, messages[0], tag=0)
         key = (phase, link.peer)
         sent = self.sent.pop(key, None)  # dropped until this send completes: a failure means full next time
-        previous = sent.previous if sent else [torch.empty(m.nbytes, dtype=torch.uint8) for m in messages]
+        previous = sent.previous if sent else [self.allocate(m.nbytes, f"the delta copy of {m.describe()}")
+                                                for m in messages]
         base_known = False
 
         def reader_holds(version: int) -> bool:
@@ -242,7 +250,7 @@ class DeltaSync:
                     enc = Encoded(Kind.DENSE, 0, (new,))
                     old.copy_(new)
                 else:
-                    enc = diff(new, old, unit=message_unit(message), update_old=True).encode()
+                    enc = codec_for(new.device).encode(new, old, unit=message_unit(message))
             with timer("digest"):
                 new_digest = base_digest(new)
             crc = 0
@@ -301,7 +309,8 @@ class DeltaSync:
     def _shadow(self, key: tuple[int, int], messages: list[Message]) -> list[torch.Tensor]:
         shadow = self.shadow.get(key)
         if shadow is None or [int(s.numel()) for s in shadow] != [m.nbytes for m in messages]:
-            shadow = self.shadow[key] = [torch.empty(m.nbytes, dtype=torch.uint8) for m in messages]
+            shadow = self.shadow[key] = [self.allocate(m.nbytes, f"the delta shadow of {m.describe()}")
+                                         for m in messages]
         return shadow
 
     def _vouch(self, link: PairLink[Any], messages: list[Message], flats: Mapping[str, torch.Tensor],
@@ -347,7 +356,7 @@ class DeltaSync:
     def _apply_bytes(self, link: PairLink[Any], message: Message, kind: Kind, payload: torch.Tensor, *,
                      dest: torch.Tensor, changed: int) -> None:
         try:
-            apply(kind, payload, dest, unit=message_unit(message), changed=changed)
+            codec_for(dest.device).apply(kind, payload, dest, unit=message_unit(message), changed=changed)
         except ValueError as exc:
             raise TransportError(f"reader {self.rank}: malformed delta from writer {link.peer} "
                                  f"({message.describe()}): {exc}") from exc
@@ -364,9 +373,12 @@ class DeltaSync:
 
 
 def base_digest(data: torch.Tensor) -> int:
-    """What a reader vouches for its base with: the XXH3-64 digest (:mod:`weightsync.codecs.digest`)
-    of a payload's bytes (1-d uint8, host memory), as the int64 a header or table row holds."""
-    return as_signed(tensor_digest(data, "xxh3").value)
+    """What a reader vouches for its base with: a digest (:mod:`weightsync.codecs.digest`) of a
+    payload's bytes (1-d uint8), as the int64 a header or table row holds. XXH3-64 in host
+    memory; sum64 (torch kernels and one reduction, no host copy) in device memory. Both ends of
+    a pair hold their bytes on the same kind of memory, so they compute the same kind."""
+    kind: DigestKind = "sum64" if device_port.current().is_gpu(data.device) else "xxh3"
+    return as_signed(tensor_digest(data, kind).value)
 
 
 def message_unit(message: Message) -> int:

@@ -73,7 +73,7 @@ class TorchDistBase:
     publishes_before_send: ClassVar[bool] = True  # receivers must post their receives
     serves_cpu: ClassVar[bool]
     serves_cuda: ClassVar[bool]
-    carries_deltas: ClassVar[bool] = False  # gloo does (transport/delta.py); NCCL not yet (issue 25)
+    carries_deltas: ClassVar[bool] = False  # both backends do: gloo (transport/delta.py), NCCL (nccl_delta.py)
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx

@@ -54,16 +54,21 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from weightsync.deadline import Deadline
 from weightsync.transport.base import PeerWatch, PhaseTimer, TransferStats, TransportError
+from weightsync.transport.nccl_delta import check_delta_memory, delta_sync, move_pairs
 from weightsync.transport.schedule import Message
 from weightsync.transport.tensors import as_bytes, checksum, direct_source, dst_view, pack, scatter
 from weightsync.transport.torch_dist import Pair, TorchDistBase
+
+if TYPE_CHECKING:
+    from weightsync.plan import Plan
+    from weightsync.transport.base import TransportContext
 
 logger = logging.getLogger(__name__)
 
@@ -267,6 +272,30 @@ class NcclTransport(TorchDistBase):
 
     serves_cpu: ClassVar[bool] = False
     serves_cuda: ClassVar[bool] = True
+    carries_deltas: ClassVar[bool] = True  # transport/nccl_delta.py
+
+    def __init__(self, ctx: TransportContext) -> None:
+        super().__init__(ctx)
+        self.delta = delta_sync(self) if ctx.options.delta_anchor_every else None
+
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
+                phases: Sequence[Plan] | None = None) -> None:
+        super().prepare(plan, tensors, epoch=epoch, timeout=timeout, phases=phases)
+        if self.delta is not None:
+            self.delta.prepared(tensors, phases=len(self._schedules))
+            check_delta_memory(self, self.delta)
+
+    def forget_received(self) -> None:
+        if self.delta is not None:
+            self.delta.forget_received()
+
+    def _extra_bytes(self) -> int:
+        return super()._extra_bytes() + (self.delta.extra_bytes() if self.delta is not None else 0)
+
+    def close(self) -> None:
+        super().close()
+        if self.delta is not None:
+            self.delta.close()
 
     def _form_group(self, epoch: int, deadline: Deadline) -> Any:
         prefix = self._store_for(epoch, deadline)
@@ -281,12 +310,13 @@ class NcclTransport(TorchDistBase):
                                  f"{exc}") from exc
 
     def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
-        return self._move(version, Deadline.after(timeout), self._phase_schedule(phase), sending=True)
+        return self._move(version, Deadline.after(timeout), self._phase_schedule(phase), sending=True, phase=phase)
 
     def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
-        return self._move(version, Deadline.after(timeout), self._phase_schedule(phase), sending=False)
+        return self._move(version, Deadline.after(timeout), self._phase_schedule(phase), sending=False, phase=phase)
 
-    def _move(self, version: int, deadline: Deadline, schedule: list[Pair], *, sending: bool) -> TransferStats:
+    def _move(self, version: int, deadline: Deadline, schedule: list[Pair], *, sending: bool,
+              phase: int = 0) -> TransferStats:
         pg = self._pg
         if pg is None:
             raise TransportError(f"{self.ctx.who}: no process group; call prepare() first")
@@ -300,14 +330,18 @@ class NcclTransport(TorchDistBase):
         dog = Watchdog(deadline, pg.abort, watch)
         try:
             with self.dev.scope(self.device), dog:
-                with timer("post"):
-                    for windows in rounds:
-                        self._round(pg, schedule, windows, sending=sending, stats=stats, sums=sums)
-                    if self.ctx.options.checksum:
-                        self._checksums(pg, schedule, sending, sums)
-                    done = self.dev.record(self.device)
-                with timer("transfer"):
-                    self.dev.wait(done)
+                if self.delta is not None:  # pair by pair, only what changed (transport/nccl_delta.py)
+                    move_pairs(self, self.delta, pg, schedule, dog, sending=sending, phase=phase, stats=stats,
+                               timer=timer, block_on=block_on)
+                else:
+                    with timer("post"):
+                        for windows in rounds:
+                            self._round(pg, schedule, windows, sending=sending, stats=stats, sums=sums)
+                        if self.ctx.options.checksum:
+                            self._checksums(pg, schedule, sending, sums)
+                        done = self.dev.record(self.device)
+                    with timer("transfer"):
+                        self.dev.wait(done)
         except Exception as exc:  # whatever failed, the group may be mid-operation: never reuse it
             self._teardown_group()
             if isinstance(exc, TransportError) and exc.__cause__ is None:
