@@ -154,6 +154,46 @@ def lora_trainer(args: argparse.Namespace) -> None:
     engine.shutdown()
 
 
+def pause_driver(args: argparse.Namespace) -> None:
+    """An RL driver over HTTP (``vllm serve`` with the backend prefetching): the server's greedy
+    tokens first, then per ``seed:mode`` of ``--plan`` one version (the canonical weights of that
+    seed) prefetched since ``/start_weight_update`` and applied under the bench's driver sequence
+    for that pause mode (``apply_prefetched``), then the server's greedy tokens, how many prompt
+    tokens it took from its prefix cache, and its weight version."""
+    from weightsync.bench.vllm_prefetch_serve import _Routes, apply_prefetched
+    from weightsync.meta.client import MetaClient
+    from weightsync.sync_config import SCOPES, SyncConfig
+    from weightsync.tiny import CanonicalSource, canonical_weights
+    from weightsync.torch_layout import fill_from_canonical
+    from weightsync.writer import WeightWriter
+
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    source = CanonicalSource(config)
+    sync = SyncConfig(num_writers=1, num_readers=1, job=args.job, timeout=120.0, staleness=1)
+    routes = _Routes(args.url, 120.0)
+    info = {k: v for k, v in sync.to_wire().items() if SCOPES[k] != "rank"}
+    routes.post("/init_weight_transfer_engine", {"init_info": {**info, "rank": 0, "prefetch": True,
+                                                               "meta_address": args.meta, "meta_token": args.token}})
+    print("RESULT " + json.dumps({"version": 0, "tokens": completion(args.url, args.model)[0]}), flush=True)
+    meta = MetaClient(args.meta, job=args.job, token=args.token)
+    with WeightWriter(source, rank=0, config=sync, meta=meta) as writer:
+        for version, step in enumerate(args.plan.split(","), start=1):
+            seed, mode = step.split(":")
+            routes.post("/start_weight_update")
+            fill_from_canonical(source.layout(), source.tensors(), canonical_weights(config, int(seed)))
+            writer.write(version)
+            apply_prefetched(routes, version, mode)
+            body = {"model": args.model, "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0,
+                    "return_token_ids": True, "ignore_eos": True}
+            out = routes.post("/v1/completions", body)  # the server runs with --enable-prompt-tokens-details
+            print("RESULT " + json.dumps({
+                "version": version, "mode": mode, "tokens": out["choices"][0]["token_ids"],
+                "cached_tokens": out["usage"]["prompt_tokens_details"]["cached_tokens"],
+                "weight_version": routes.http.get("/weight_info").json()["weight_version"]}), flush=True)
+    routes.post("/shutdown_weight_transfer_engine")
+    meta.close()
+
+
 # -- reference engines --------------------------------------------------------------------------
 
 def _engine(path: str, **kwargs: Any) -> Any:
@@ -268,6 +308,9 @@ def main() -> int:
     lt.add_argument("--rank", type=int, required=True)
     lt.add_argument("--world", type=int, default=2)
     lt.add_argument("--lora-id", type=int, default=1)
+    pd = sub.add_parser("pause-driver")
+    for name in ("url", "meta", "token", "job", "model", "plan"):
+        pd.add_argument(f"--{name}", required=True)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -275,6 +318,8 @@ def main() -> int:
         trainer(args)
     elif args.cmd == "lora-trainer":
         lora_trainer(args)
+    elif args.cmd == "pause-driver":
+        pause_driver(args)
     elif args.cmd == "reference":
         reference(args.paths)
     elif args.cmd == "mp-engine-delta":

@@ -215,10 +215,41 @@ def test_vllm_serve_prefetch_rows_from_token_arrivals_and_the_trainer_trace():
                                           "driver_pause_s": pytest.approx(0.4), "pause_over_update": pytest.approx(2.5),
                                           "pauses_s": [0.5]}
     with pytest.raises(ValueError, match=r"serve pause mode\(s\) \['wait'\] are unknown; choose from abort, keep, "
-                                         "keep-stale"):
+                                         "keep-stale, abort-reset, keep-reset"):
         run_vllm_prefetch(paths=("serve",), pause_modes=("abort", "wait"))
     with pytest.raises(ValueError, match=r"vLLM path\(s\) \['gpu'\] are unknown; choose from engine, backend, serve"):
         run_vllm_prefetch(paths=("serve", "gpu"))
+
+
+def test_vllm_serve_engine_figures_from_the_workers_step_trace(tmp_path):
+    """Where the clients' gap went, from the worker's trace (forwards and update_weights): the
+    engine's pause is the last forward's end before the apply to the next forward's start."""
+    from weightsync.bench.vllm_prefetch_serve import summarize
+    from weightsync.integrations.vllm_step_trace import StepTrace, read
+
+    trace_file = tmp_path / "steps.trace"
+    steps = StepTrace(str(trace_file))
+    steps.file.close()
+    # decode steps of 0.1 s every 0.125 s; the apply in [20.3, 20.5]; a 0.3 s prefill at 20.6
+    events = [(t / 8 + d, e) for t in range(240) if not 161 < t < 168 for d, e in ((0.0, "forward+"),
+                                                                                  (0.1, "forward-"))]
+    events += [(20.3, "update_weights+"), (20.5, "update_weights-"), (20.6, "forward+"), (20.9, "forward-")]
+    trace_file.write_text("".join(f"{t:.6f} {e}\n" for t, e in events))
+    arrivals = [(t / 8 + 0.11, 4) for t in range(240) if not 161 < t < 168] + [(20.92, 4)]
+    trace = {"blocking": [{"start": 10.2, "paused": 10.5, "updated": 12.5, "end": 12.8}],
+             "prefetch": [{"start": 16.0, "received": 20.2, "paused": 20.25, "update": 20.25, "updated": 20.52,
+                           "end": 20.58}],
+             "idle": [[23.0, 27.2]]}
+    arrivals = [(t, n) for t, n in arrivals if not 10.2 < t < 12.8]
+    row = summarize(arrivals, trace, read(str(trace_file)))
+    abort = row["pause_modes"]["abort"]
+    assert abort["pause_s"] == pytest.approx(20.92 - (20.125 + 0.11))  # the clients' gap
+    assert abort["engine_pause_s"] == pytest.approx(20.6 - 20.225) and abort["apply_s"] == pytest.approx(0.2)
+    assert abort["before_apply_s"] == pytest.approx(20.3 - 20.225)
+    assert abort["after_apply_s"] == pytest.approx(0.1) and abort["step_after_s"] == pytest.approx(0.3)
+    assert abort["gap_before_s"] == pytest.approx(-0.01) and abort["gap_after_s"] == pytest.approx(0.02)
+    assert abort["engine_pause_over_apply"] == pytest.approx(0.375 / 0.2)
+    assert row["decode_step_s"] == pytest.approx(0.1) and row["longest_idle_step_s"] == pytest.approx(0.1)
 
 
 def test_gpu_script_fails_clearly_without_cuda():

@@ -225,3 +225,38 @@ def test_workers_that_never_answer_update_weights_fail_send_weights_naming_the_m
             engine.send_weights()
     finally:
         stuck.set()
+
+
+def test_vllm_serve_applies_a_prefetched_version_inside_vllms_pause_alone(tmp_path):
+    """The driver's lean sequence (issue 29): /pause, /update_weights, /finish_weight_update,
+    /resume, and no /reset_prefix_cache of its own: vLLM's /pause resets the prefix cache once the
+    engine stopped (mode abort, and keep, whose frozen requests it preempts), so after the update
+    the prompt, cached under the old weights, is computed again (no cached token) and the greedy
+    tokens equal a fresh engine's on the new weights, the version stamp the version sent.
+    ``keep-stale`` (/pause?mode=keep&clear_cache=false) really keeps the old weights' cache: the
+    same prompt then takes its cached blocks (what the mode documents, and the proof that the
+    prompt's blocks were cached, so that the other modes' zero is the reset's doing)."""
+    sys.path.insert(0, str(HERE))
+    from _vllm_native import vllm_server
+    from weightsync.meta.client import EmbeddedMetaServer
+
+    config = tiny_config(tie=True)
+    write_checkpoint(tmp_path / "A", config, seed=1)  # the server starts here
+    write_checkpoint(tmp_path / "B", config, seed=2)
+    refs = {Path(r["path"]).name: r["tokens"] for r in _run(["reference", str(tmp_path / "A"), str(tmp_path / "B")])}
+    assert refs["A"] != refs["B"]
+    with (EmbeddedMetaServer() as meta,
+          vllm_server(tmp_path / "A", extra=("--enable-prompt-tokens-details", "--block-size", "32")) as url):
+        out = run_to_end([subprocess.Popen(
+            [sys.executable, str(HERE / "_vllm_native.py"), "pause-driver", "--url", url, "--meta", meta.address,
+             f"--token={meta.token}", "--job", "pause", "--model", str(tmp_path / "A"),
+             "--plan", "2:abort,1:keep-stale,2:keep,1:abort-reset"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)], timeout=300)
+    served = _results(out[0])
+    assert [(r["version"], r.get("mode")) for r in served] == [
+        (0, None), (1, "abort"), (2, "keep-stale"), (3, "keep"), (4, "abort-reset")]
+    assert served[0]["tokens"] == refs["A"]
+    for r, ref in ((served[1], "B"), (served[3], "B"), (served[4], "A")):
+        assert (r["tokens"], r["cached_tokens"], r["weight_version"]) == (refs[ref], 0, str(r["version"])), r
+    stale = served[2]
+    assert stale["weight_version"] == "2" and stale["cached_tokens"] > 0, stale  # version 1's blocks, reused

@@ -11,15 +11,18 @@ chunk they receive. Side by side in one run:
   ``/start_weight_update``, ``/update_weights`` while the trainer writes, ``/finish_weight_update``,
   ``/reset_prefix_cache``, ``/resume``: the engine does not generate for the whole sync;
 * with prefetch (``updates`` versions): ``/start_weight_update`` (the worker starts receiving),
-  the trainer writes while the clients generate, then ``/pause``, ``/update_weights`` (only the
-  apply, and whatever of the receive had not ended), finish, reset, ``/resume``; then as long a
+  the trainer writes while the clients generate, then :func:`apply_prefetched`: ``/pause``,
+  ``/update_weights`` (only the apply, and whatever of the receive had not ended), finish (and
+  the mode's own reset, if any), ``/resume``; then as long a
   window of generation with no sync (idle, after :data:`SETTLE_S`). ``pause_modes``
   (:data:`PAUSE_MODES`) says how ``/pause`` treats running requests; several take turns, update
   by update, and the row reports each apart (``pause_modes``), its first as the row's own.
 
 The pause as a client sees it is the gap between the last token before the engine paused and
-the first after it resumed (:func:`client_pause`; it adds to the driver's pause the step under
-way when ``/pause`` came and the prefill of the requests sent again after ``/resume``); tokens/s
+the first after it resumed (:func:`client_pause`); where it went inside the engine comes from the
+worker's step trace (:mod:`weightsync.integrations.vllm_step_trace`, :func:`_engine_figures`): the
+engine's pause (no step ran) around the apply, and the first step after ``/resume``, which
+prefills again what the pause aborted or preempted; tokens/s
 count the token ids the clients received inside each window (:func:`window_rate`). The trainer
 writes with ``staleness=1``, so its ``write`` returns once its bytes are sent: on a two-sided
 transport (torch) that is when the worker has them; on a one-sided one (shm, streaming) the
@@ -48,14 +51,22 @@ PREFIX = "WSSERVE "
 #: seconds after a resume counted in no window (the first steps after a reload rebuild oneDNN's kernels)
 SETTLE_S = 2.0
 PROMPT_TOKENS = 32
-#: how the driver pauses a prefetched update (``--serve-pause-modes``; docs/engines.md):
-#: ``abort``: ``/pause?mode=abort`` (the running requests end; their clients send them again), then
-#: the prefix-cache reset; ``keep``: ``/pause?mode=keep`` (they stay frozen in the queue), then
-#: ``/reset_prefix_cache?reset_running_requests=true``, which preempts them: they are computed again
-#: on the new weights at ``/resume``, with no abort seen by their clients; ``keep-stale``: keep, and
-#: no reset (a plain one cannot run while frozen requests hold blocks): resumed requests go on with
-#: KV computed by the old weights, and cached prefixes of the old weights stay reusable.
-PAUSE_MODES = ("abort", "keep", "keep-stale")
+#: how the driver pauses a prefetched update (``--serve-pause-modes``; docs/engines.md): the
+#: ``/pause`` query, and the ``/reset_prefix_cache`` after ``/finish_weight_update`` (None: none;
+#: else its ``reset_running_requests``). vLLM 0.32's ``/pause`` (``clear_cache`` true by default)
+#: resets the prefix cache itself once the engine stopped, preempting what it keeps (frozen
+#: requests are computed again at ``/resume``), and nothing steps until ``/resume``: ``abort`` and
+#: ``keep`` need no reset of their own. ``keep-stale`` (``clear_cache=false``) keeps the frozen
+#: requests' KV of the old weights and the cached prefixes of the old weights (in-flight updates
+#: à la PipelineRL accept the first). ``abort-reset`` and ``keep-reset`` are the earlier driver's
+#: sequence, with a reset of its own: measured side by side with the lean one.
+PAUSE_MODES: dict[str, tuple[dict[str, Any], bool | None]] = {
+    "abort": ({"mode": "abort"}, None),
+    "keep": ({"mode": "keep"}, None),
+    "keep-stale": ({"mode": "keep", "clear_cache": False}, None),
+    "abort-reset": ({"mode": "abort"}, False),
+    "keep-reset": ({"mode": "keep"}, True),
+}
 
 
 def check_pause_modes(modes: Sequence[str]) -> tuple[str, ...]:
@@ -71,10 +82,17 @@ def client_pause(arrivals: Sequence[float], start: float, end: float) -> float:
     (from the driver's ``/pause`` to its ``/resume``): from the last token before the engine
     stopped to the first after it went on. Not simply the gap around one moment: a token generated
     before the pause may reach its client after ``/pause`` returned."""
+    before, after = client_gap(arrivals, start, end)
+    return after - before
+
+
+def client_gap(arrivals: Sequence[float], start: float, end: float) -> tuple[float, float]:
+    """The (last token before, first token after) of :func:`client_pause`'s gap."""
     lo, hi = bisect.bisect_left(arrivals, start), bisect.bisect_right(arrivals, end)
     if lo == 0 or hi == len(arrivals):
         raise ValueError(f"no token arrived on both sides of the pause in [{start:.3f}, {end:.3f}]")
-    return max(arrivals[i] - arrivals[i - 1] for i in range(lo, hi + 1))
+    i = max(range(lo, hi + 1), key=lambda i: arrivals[i] - arrivals[i - 1])
+    return arrivals[i - 1], arrivals[i]
 
 
 def window_rate(arrivals: Sequence[float], counts: Sequence[int], windows: Sequence[tuple[float, float]]) -> float:
@@ -86,9 +104,11 @@ def window_rate(arrivals: Sequence[float], counts: Sequence[int], windows: Seque
     return tokens / sum(end - start for start, end in windows)
 
 
-def summarize(arrivals: Sequence[tuple[float, int]], trace: dict[str, Any]) -> dict[str, Any]:
+def summarize(arrivals: Sequence[tuple[float, int]], trace: dict[str, Any],
+              engine: Sequence[tuple[float, str]] = ()) -> dict[str, Any]:
     """The row's figures (medians over updates) from the clients' token arrivals ((time, tokens)
-    pairs) and the trainer's trace (:func:`_trainer`'s record: monotonic times of each step)."""
+    pairs), the trainer's trace (:func:`_trainer`'s record: monotonic times of each step) and the
+    engine's (``engine``: :mod:`weightsync.integrations.vllm_step_trace` events; none: no engine figures)."""
     ordered = sorted(arrivals)
     times, counts = [t for t, _ in ordered], [n for _, n in ordered]
 
@@ -118,7 +138,44 @@ def summarize(arrivals: Sequence[tuple[float, int]], trace: dict[str, Any]) -> d
     out["pause_over_blocking_pause"] = out["prefetch_pause_s"] / out["blocking_pause_s"]
     out["during_over_idle"] = out["during_tokens_per_s"] / out["idle_tokens_per_s"]
     out["pause_modes"] = {mode: _mode_figures(times, ups, median) for mode, ups in by_mode.items()}
+    if engine:
+        from weightsync.integrations.vllm_step_trace import engine_pauses, step_seconds
+
+        pauses = engine_pauses(engine)
+        steady = step_seconds(engine, [tuple(w) for w in trace["idle"]])
+        if steady:  # a decode step; the longest: the prefill of a batch the clients sent afresh, no update near
+            out["decode_step_s"], out["longest_idle_step_s"] = median(steady), max(steady)
+        for mode, ups in by_mode.items():
+            out["pause_modes"][mode] |= _engine_figures(times, ups, pauses, median)
     return out
+
+
+def _engine_figures(times: Sequence[float], updates: list[dict[str, float]], pauses: list[dict[str, float]],
+                    median: Any) -> dict[str, float]:
+    """Where the clients' gap went, inside the engine (medians over ``updates``): ``engine_pause_s``
+    (no forward ran: the last step's end to the next one's start), of it ``apply_s`` (the backend's
+    ``update_weights``), ``before_apply_s`` (/pause and /update_weights reaching the engine) and
+    ``after_apply_s`` (finish, any reset, /resume); ``step_after_s`` (the first step after, which
+    prefills what the pause aborted or preempted); ``gap_before_s`` (the clients' last token
+    before to the engine's stop) and ``gap_after_s`` (the first step's end to the clients' first
+    token after)."""
+    rows = []
+    for u in updates:
+        inside = [p for p in pauses if u["paused"] <= p["apply_start"] <= u["updated"]]
+        if not inside:
+            continue
+        p = inside[0]
+        before, after = client_gap(times, u["received"], u["end"])
+        rows.append({"engine_pause_s": p["restarted"] - p["stopped"],
+                     "apply_s": p["apply_end"] - p["apply_start"], "before_apply_s": p["apply_start"] - p["stopped"],
+                     "after_apply_s": p["restarted"] - p["apply_end"],
+                     "step_after_s": p["step_after_s"], "gap_before_s": p["stopped"] - before,
+                     "gap_after_s": after - p["step_after_end"]})
+    if not rows:
+        return {}
+    figures = {k: median([r[k] for r in rows]) for k in rows[0]}
+    figures["engine_pause_over_apply"] = figures["engine_pause_s"] / figures["apply_s"]
+    return figures
 
 
 def _mode_figures(times: Sequence[float], updates: list[dict[str, float]], median: Any) -> dict[str, float]:
@@ -146,14 +203,30 @@ class _Routes:
         response.raise_for_status()
         return response.json() if response.content else None
 
-    def finish(self, version: int, mode: str = "abort") -> None:
-        """Finish ``version`` and reset the prefix cache as pause ``mode`` allows (:data:`PAUSE_MODES`)."""
+    def finish(self, version: int, mode: str = "abort-reset") -> None:
+        """Finish ``version``, then reset the prefix cache if pause ``mode`` does (:data:`PAUSE_MODES`)."""
         self.post("/finish_weight_update", {"weight_version": str(version)})
-        if mode == "keep-stale":
+        reset_running = PAUSE_MODES[mode][1]
+        if reset_running is None:
             return
-        # a plain reset fails while frozen requests hold blocks: "keep" preempts them (recomputed at /resume)
-        if not self.post("/reset_prefix_cache", reset_running_requests=mode == "keep")["success"]:
+        if not self.post("/reset_prefix_cache", reset_running_requests=reset_running)["success"]:
             raise RuntimeError(f"vLLM could not reset its prefix cache after a {mode!r} pause")
+
+
+def apply_prefetched(routes: _Routes, version: int, mode: str) -> dict[str, float]:
+    """The driver's pause around ``version``, prefetched since ``/start_weight_update``: ``/pause``
+    as pause ``mode`` says (:data:`PAUSE_MODES`), ``/update_weights`` (the apply), ``/finish_weight_update``
+    (the version stamp) and the mode's reset if any, ``/resume``; the monotonic time each returned."""
+    routes.post("/pause", **PAUSE_MODES[mode][0])
+    t = {"paused": time.monotonic()}
+    t["update"] = t["paused"]
+    routes.post("/update_weights", {"update_info": {"version": version}})
+    t["updated"] = time.monotonic()
+    routes.finish(version, mode)
+    t["finished"] = time.monotonic()
+    routes.post("/resume")
+    t["end"] = time.monotonic()
+    return t
 
 
 def _trainer(config: dict[str, Any], url: str, *, job: str, updates: int, transport: str,
@@ -189,7 +262,7 @@ def _trainer(config: dict[str, Any], url: str, *, job: str, updates: int, transp
                 write(version)
                 update.result(timeout=timeout)
                 t["updated"] = time.monotonic()
-                routes.finish(version)
+                routes.finish(version)  # the blocking sync keeps the earlier sequence: it is the baseline
                 routes.post("/resume")
                 t["end"] = time.monotonic()
                 return t
@@ -204,13 +277,7 @@ def _trainer(config: dict[str, Any], url: str, *, job: str, updates: int, transp
                 routes.post("/start_weight_update")  # the worker starts receiving; the engine generates
                 write(version)
                 t["received"] = time.monotonic()
-                routes.post("/pause", mode=mode.removesuffix("-stale"))
-                t["paused"] = t["update"] = time.monotonic()
-                routes.post("/update_weights", {"update_info": {"version": version}})
-                t["updated"] = time.monotonic()
-                routes.finish(version, mode)
-                routes.post("/resume")
-                t["end"] = time.monotonic()
+                t |= apply_prefetched(routes, version, mode)
                 trace["prefetch"].append(t)
                 time.sleep(SETTLE_S)
                 idle = (time.monotonic(), time.monotonic() + t["received"] - t["start"])
@@ -312,7 +379,11 @@ def _server(checkpoint: Path, batch: int, env: dict[str, str], log: Path, timeou
 def serve_case(name: str, checkpoint: Path, *, job: str, updates: int, transport: str, timeout: float,
                env: dict[str, str], batch: int = 4, pause_modes: Sequence[str] = ("abort",)) -> dict[str, Any]:
     """The ``serve`` row's figures, or ``{"error": ...}`` naming what failed."""
-    env = {k: v for k, v in env.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"} | {"VLLM_SERVER_DEV_MODE": "1"}
+    from weightsync.integrations.vllm_step_trace import ENV, read
+
+    steps = checkpoint.parent / f"steps-{job}.trace"
+    env = {k: v for k, v in env.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"} | {
+        "VLLM_SERVER_DEV_MODE": "1", ENV: str(steps)}
     log = checkpoint.parent / f"serve-{job}.log"
     with _server(checkpoint, batch, env, log, timeout) as url, _Clients(url, str(checkpoint), batch) as clients:
         deadline = time.monotonic() + timeout
@@ -333,7 +404,7 @@ def serve_case(name: str, checkpoint: Path, *, job: str, updates: int, transport
     if trainer.returncode or not lines:
         tail = " | ".join(err.strip().splitlines()[-3:])
         return {"error": f"trainer exit {trainer.returncode}: {tail}"}
-    return summarize(clients.arrivals, json.loads(lines[-1]))
+    return summarize(clients.arrivals, json.loads(lines[-1]), read(str(steps)) if steps.exists() else ())
 
 
 def main(argv: list[str] | None = None) -> int:

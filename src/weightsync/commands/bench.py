@@ -64,8 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "backend of an in-process LLM), serve (a vllm serve process, HTTP clients)")
     p.add_argument("--serve-pause-modes", type=_csv, default=["abort"],
                    help="how --vllm-paths serve's driver pauses a prefetched update, each mode in turn in one "
-                        "run: abort (vLLM's default), keep (frozen requests, recomputed on the new weights), "
-                        "keep-stale (frozen requests go on with KV of the old weights, no prefix-cache reset)")
+                        "run: abort (vLLM's default), keep (frozen requests, recomputed on the new weights), both "
+                        "reset by vLLM's /pause; keep-stale (clear_cache=false: frozen requests go on with KV of "
+                        "the old weights, the old prefixes stay cached); abort-reset, keep-reset (the earlier "
+                        "driver: its own /reset_prefix_cache after the finish)")
     p.add_argument("--load-readers", type=int, default=16, help="readers of the load suite")
     p.add_argument("--load-versions", type=int, default=200, help="versions of the load suite")
     p.add_argument("--models", type=_csv, default=[], help="comma-separated model names (see bench.cases.MODELS)")
@@ -206,6 +208,10 @@ def _vllm_prefetch(args: argparse.Namespace) -> int:
             console.print(f"serve, /pause?mode={mode}: clients' pause {m['pause_s']:.3f} s, /update_weights "
                           f"{m['update_s']:.3f} s (pause / it {m['pause_over_update']:.2f}), driver's pause "
                           f"{m['driver_pause_s']:.3f} s, {m['updates']} updates")
+            if "engine_pause_s" in m:  # inside the engine (the worker's step trace)
+                console.print(f"  engine: no step for {m['engine_pause_s']:.3f} s, apply {m['apply_s']:.3f} s "
+                              f"(x{m['engine_pause_over_apply']:.2f}; before it {m['before_apply_s']:.3f} s, after "
+                              f"{m['after_apply_s']:.3f} s), first step after {m['step_after_s']:.3f} s")
     if args.json:
         sys.stdout.flush()
         print(json.dumps({"rows": rows, "machine": machine()}), flush=True)

@@ -41,6 +41,7 @@ find. A draft session is still accepted, for the version the target holds (nothi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from collections.abc import Mapping
@@ -65,6 +66,7 @@ from weightsync.engines.vllm import (
     staging_quant,
 )
 from weightsync.engines.vllm_lora import WorkerLoraEngine
+from weightsync.integrations import vllm_step_trace
 from weightsync.layout.lora import LoraSpec
 from weightsync.reader import Prefetch, UpdateResult, WeightReader
 from weightsync.sync_config import SyncConfig, check_value, from_fields, job_config, with_job_settings
@@ -234,6 +236,11 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self._draft_session = False
         #: the MTP drafter, taken now: only the worker creating this engine can say which it is
         self._drafter = _creator_drafter(model) if runs_mtp(vllm_config) else None
+        #: the bench's timestamps of forwards and of these calls (None unless it asks: vllm_step_trace)
+        self._trace = vllm_step_trace.install(model)
+
+    def _span(self, call: str) -> Any:
+        return self._trace.span(call) if self._trace is not None else contextlib.nullcontext()
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> WeightSyncInitInfo:
         """Every field checked, an error naming it (vLLM's default passes the dict on unchecked)."""
@@ -290,13 +297,15 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
                                    "model or takes LoRA adapters")
             return
         if self.prefetch is not None:
-            self.prefetch.start()
+            with self._span("start_weight_update"):
+                self.prefetch.start()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on CPU-only torch.
-        self.receive_weights(self.parse_update_info(update_info))
-        if torch.accelerator.is_available():
-            torch.accelerator.synchronize()
+        with self._span("update_weights"):
+            self.receive_weights(self.parse_update_info(update_info))
+            if torch.accelerator.is_available():
+                torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
         if self.reader is None:

@@ -262,7 +262,8 @@ def check_reset_answer(url: str, body: bytes) -> None:
         raise RuntimeError(f"POST {url} answered {{\"success\": false}}: vLLM did not reset its prefix cache "
                            "because requests are running and hold KV blocks computed with the old weights; "
                            "pause generation (POST /pause) before send_weights and resume (POST /resume) after it; "
-                           "with /pause?mode=keep the frozen requests hold their blocks too: pause with mode=abort")
+                           "with /pause?mode=keep&clear_cache=false the frozen requests hold their blocks too: pause "
+                           "with clear_cache (vLLM's default), which preempts them")
 
 
 def prefix_cache_resetter(client: Any, timeout: float) -> Callable[[], None]:
