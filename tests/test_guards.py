@@ -10,12 +10,15 @@ applied anything it should not have.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 from weightsync import SyncConfig, WeightReader, WeightWriter
+from weightsync.deadline import Deadline
 from weightsync.engines.buffers import ShardedEngine
 from weightsync.layout import ModelSpec
 from weightsync.meta import EmbeddedMetaServer, MetaClient
@@ -197,6 +200,39 @@ def test_settings_that_differ_between_ranks_are_an_error_before_planning(server,
             reader.update(timeout=5)
         with pytest.raises(ValueError, match=message):  # and the writer sees it as well
             writer.write(0)
+
+
+def test_two_threads_planning_one_reader_get_one_plan(server, monkeypatch):
+    """An InflightReader's thread plans on its first version while its owner may be planning
+    too (tests/test_integrity.py does): both must get one PlannedSync. Two would each make a
+    transport and digests, the later replacing the one a version is being received with (its
+    check then finds digests never attached)."""
+    import weightsync.session as session_module
+
+    made: list[str] = []
+    create = session_module.create_transport
+
+    def slow_create(name: str, ctx: Any) -> Any:
+        made.append(ctx.role)
+        if ctx.role == "reader":
+            time.sleep(0.5)  # the second thread asks meanwhile
+        return create(name, ctx)
+
+    monkeypatch.setattr(session_module, "create_transport", slow_create)
+    config = SyncConfig(num_writers=1, num_readers=1, transport="shm", timeout=10, integrity=True)
+    with WeightWriter(good_source(), rank=0, config=config, meta=client(server)) as writer, \
+            WeightReader(ShardedEngine("hf", CONFIG, 0), rank=0, config=config, meta=client(server)) as reader:
+        writer.session.register()
+        got: list[Any] = []
+        threads = [threading.Thread(target=lambda: got.append(reader.session.plan(Deadline.after(10))))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join(30)
+        assert len(got) == 2 and got[0] is got[1] is reader.session.planned
+        assert made == ["reader"]
 
 
 def test_a_second_writer_of_one_rank_in_one_process_is_refused_until_the_first_closes(server):

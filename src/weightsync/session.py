@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -173,6 +174,9 @@ class SyncSession:
         self.channel = JobChannel(meta, role=role, rank=rank)
         self.host = config.host or socket.gethostname()
         self.planned: PlannedSync | None = None
+        #: one plan() at a time: a second caller (an InflightReader's thread and its owner) waits and
+        #: gets the first one's PlannedSync, not a second transport and digests replacing it mid-version
+        self._planning = threading.Lock()
         self.timings: dict[str, float] = {}
         self._armed: tuple[int, tuple[int, ...]] | None = None  # (epoch, buffer pointers) prepared for
         self._registered = False
@@ -224,9 +228,18 @@ class SyncSession:
 
     # -- planning -------------------------------------------------------------------------
     def plan(self, deadline: Deadline) -> PlannedSync:
-        """This rank's share of the job, planned once (the first call waits for everyone)."""
-        if self.planned is not None:
+        """This rank's share of the job, planned once (the first call waits for everyone; a call
+        from another thread meanwhile waits for it and returns the same plan)."""
+        if not self._planning.acquire(timeout=deadline.remaining()):
+            raise TimeoutError(f"{self.channel.who}: another thread was still planning this rank's share")
+        try:
+            if self.planned is None:
+                self.planned = self._plan(deadline)
             return self.planned
+        finally:
+            self._planning.release()
+
+    def _plan(self, deadline: Deadline) -> PlannedSync:
         started = time.perf_counter()
         self.register()
         people = self.channel.wait_roster(writers=self.config.num_writers, readers=self.config.num_readers,
@@ -264,12 +277,11 @@ class SyncSession:
                                placements=tuple(placements), keeps_received_bytes=self._keeps_received_bytes)
         transport = create_transport(choice.name, ctx)
         self.timings["setup"] = time.perf_counter() - started
-        self.planned = PlannedSync(plan, transport, choice.name, f"{plan.fingerprint}-{digest}",
-                                   self.timings["setup"], device, choice.reason, phase_names, phases, quantizer,
-                                   digests)
+        planned = PlannedSync(plan, transport, choice.name, f"{plan.fingerprint}-{digest}", self.timings["setup"],
+                              device, choice.reason, phase_names, phases, quantizer, digests)
         logger.info("%s planned %d ops (%d bytes) over %s on %s (%s) in %.3fs", self.channel.who, len(plan),
                     plan.total_bytes, choice.name, device, choice.reason, self.timings["plan"])
-        return self.planned
+        return planned
 
     # -- transport ------------------------------------------------------------------------
     def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
