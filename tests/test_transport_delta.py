@@ -49,7 +49,9 @@ def run(tmp_path, *, readers: int, versions: int, anchor: int, timeout: float = 
             stdout, stderr = p.communicate(timeout=timeout * (versions + 3))
             lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
             assert p.returncode == 0, f"{role} {rank} failed:\n{stderr[-3000:]}"
-            out[(role, rank)] = json.loads(lines[-1])["results"]
+            last = json.loads(lines[-1]) if lines else {}
+            assert "results" in last, f"{role} {rank} reported {last or 'nothing'}:\n{stderr[-3000:]}"
+            out[(role, rank)] = last["results"]
     finally:
         for _, _, p in procs:
             if p.poll() is None:
