@@ -56,6 +56,7 @@ from weightsync.transport.tensors import flat_views
 if TYPE_CHECKING:
     from weightsync.job import Holder
     from weightsync.plan import Plan
+    from weightsync.transport.delta import DeltaSync
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class TorchDistBase:
     serves_cpu: ClassVar[bool]
     serves_cuda: ClassVar[bool]
     carries_deltas: ClassVar[bool] = False  # both backends do: gloo (transport/delta.py), NCCL (nccl_delta.py)
+    #: The pairs' delta state, set by a backend when ``delta_anchor_every`` is on.
+    delta: DeltaSync | None = None
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
@@ -206,13 +209,16 @@ class TorchDistBase:
         return self._buffers[key]
 
     def _extra_bytes(self) -> int:
-        return len(self._buffers) * self._message_bytes
+        extra = self.delta.extra_bytes() if self.delta is not None else 0
+        return len(self._buffers) * self._message_bytes + extra
 
     def _peer_label(self, peer: int) -> str:
         return f"{'reader' if self.ctx.role == 'writer' else 'writer'} {peer}"
 
     def forget_received(self) -> None:
-        """Nothing is kept between receives (a backend with deltas overrides this)."""
+        """Something else wrote this reader's memory: with deltas, the next version comes in full."""
+        if self.delta is not None:
+            self.delta.forget_received()
 
     # -- teardown -------------------------------------------------------------------------
     def _teardown_group(self) -> None:
@@ -230,6 +236,8 @@ class TorchDistBase:
         self._buffers.clear()
         self._flats = {}
         self._schedules = []
+        if self.delta is not None:
+            self.delta.close()
 
 
 def _reach(ctx: TransportContext, rendezvous: TorchRendezvous, where: str, deadline: Deadline) -> None:

@@ -87,18 +87,6 @@ class GlooTransport(TorchDistBase):
                                    stats=run.stats, timer=run.timer)
         return self._run_pairs(version, timeout, move, self._phase_schedule(phase))
 
-    def forget_received(self) -> None:
-        if self.delta is not None:
-            self.delta.forget_received()
-
-    def _extra_bytes(self) -> int:
-        return super()._extra_bytes() + (self.delta.extra_bytes() if self.delta is not None else 0)
-
-    def close(self) -> None:
-        super().close()
-        if self.delta is not None:
-            self.delta.close()
-
     def _run_pairs(self, version: int, timeout: float, move: Any, schedule: list[Pair]) -> TransferStats:
         """Run ``move`` for every peer (see :meth:`_run_lanes`) while two peer guards watch the
         group: gloo's waits cannot be interrupted, so when a rank's lease expires the guard

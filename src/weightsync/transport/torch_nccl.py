@@ -285,18 +285,6 @@ class NcclTransport(TorchDistBase):
             self.delta.prepared(tensors, phases=len(self._schedules))
             check_delta_memory(self, self.delta)
 
-    def forget_received(self) -> None:
-        if self.delta is not None:
-            self.delta.forget_received()
-
-    def _extra_bytes(self) -> int:
-        return super()._extra_bytes() + (self.delta.extra_bytes() if self.delta is not None else 0)
-
-    def close(self) -> None:
-        super().close()
-        if self.delta is not None:
-            self.delta.close()
-
     def _form_group(self, epoch: int, deadline: Deadline) -> Any:
         prefix = self._store_for(epoch, deadline)
         try:
