@@ -309,8 +309,8 @@ def test_delta_bench_runs_the_transports_that_carry_deltas_and_says_why_not_the_
     carried, left_out = delta_variants()
     names = {v.name for v in carried}
     assert {"torch", "shm", "shm-zero-copy", "routed", "file"} <= names
-    assert ("nixl-pull" in names) == bool(importlib.util.find_spec("nixl_cu12") or importlib.util.find_spec("nixl"))
-    assert "pull mode only" in left_out["nixl-push"]  # SyncConfig refuses push with deltas
+    nixl = bool(importlib.util.find_spec("nixl_cu12") or importlib.util.find_spec("nixl"))
+    assert ("nixl-pull" in names) == ("nixl-push" in names) == nixl  # push joined once it carried deltas
     assert set(left_out) | names == {v.name for vs in VARIANTS.values() for v in vs}
     # a transport class that stops carrying deltas leaves the bench with check_delta_carried's message
     monkeypatch.setattr(FileTransport, "carries_deltas", False)

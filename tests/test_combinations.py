@@ -140,15 +140,10 @@ def test_refused_entries_exist_for_every_rule():
     assert len(_refusals(when_planned=False)) == 5 + 5 + 3 + 4
 
 
-def test_deltas_over_nixl_push_are_refused_naming_the_mode():
-    """NIXL carries deltas in pull mode; push would write every version in full."""
-    message = ("delta_anchor_every=4 with nixl_mode='push': NIXL carries deltas in pull mode only (readers READ the "
-               "changes each writer publishes), and push would write every version in full. Set nixl_mode='pull' "
-               "(or 'auto', which picks pull with deltas), or delta_anchor_every=0")
-    with pytest.raises(CombinationError, match=re.escape(message)):
-        SyncConfig(num_writers=1, num_readers=1, transport="nixl",
-                   transport_options=TransportOptions(delta_anchor_every=4, nixl_mode="push"))
-    for mode in ("pull", "auto"):
+def test_deltas_over_every_nixl_mode_are_accepted():
+    """Push refused deltas at init until it carried them (tests/test_transport_nixl.py::
+    test_push_deltas_write_exactly_the_changes); now every mode takes them."""
+    for mode in ("pull", "push", "auto"):
         SyncConfig(num_writers=1, num_readers=1, transport="nixl",
                    transport_options=TransportOptions(delta_anchor_every=4, nixl_mode=mode))
     assert len(_refusals(when_planned=True)) == 1  # checksum with auto (every transport auto picks carries deltas)

@@ -372,7 +372,7 @@ POKES = {"rollback": "engine version rolled back (a manual update to an older ve
          "reset": "destination reset in place (load_state_dict of version 0), version unchanged",
          "flip": "one bit flipped in the destination, version unchanged",
          "scratch": "a destination tensor reused as scratch, version unchanged"}
-#: delta on every transport it reaches (full versions at 0 and every 100th); NIXL push and NCCL refuse it
+#: delta on every transport it reaches (full versions at 0 and every 100th); NCCL refuses it
 #: (tests/test_transport_delta.py)
 DELTA = {"delta_anchor_every": 100}
 DELTA_TRANSPORTS = [
@@ -381,6 +381,7 @@ DELTA_TRANSPORTS = [
     pytest.param({"transport": "shm", "shared_source": True}, id="shm-zero-copy"),
     pytest.param({"transport": "routed", "hosts": {"writer": ["a", "a"], "reader": ["a", "b"]}}, id="routed"),
     pytest.param({"transport": "nixl"}, id="nixl-pull"),  # nixl_mode 'auto' picks pull with deltas
+    pytest.param({"transport": "nixl", "transport_options": {"nixl_mode": "push"}}, id="nixl-push"),
     pytest.param({"transport": "file"}, id="file"),
 ]
 

@@ -323,13 +323,18 @@ def test_fp8_reader_refuses_a_corrupted_byte():
     assert_refused_and_kept(run_job("shm", case=case))
 
 
-@pytest.mark.parametrize("transport", ["torch", "nixl", "file"])
-def test_delta_reader_refuses_a_corrupted_byte(transport):
+@pytest.mark.parametrize(("transport", "options"), [
+    pytest.param("torch", {}, id="torch"),
+    pytest.param("nixl", {}, id="nixl"),  # nixl_mode 'auto' picks pull with deltas
+    pytest.param("nixl", {"nixl_mode": "push"}, id="nixl-push"),
+    pytest.param("file", {}, id="file"),
+])
+def test_delta_reader_refuses_a_corrupted_byte(transport, options):
     """Delta sync: writers send what changed since the reader's version (nixl, file: readers read
     what writers published); the reader checks the full new bytes (its whole destination), not the
     delta, and the next version heals it."""
     skip_unavailable(transport)
-    assert_refused_and_kept(run_job(transport, {"delta_anchor_every": 4}))
+    assert_refused_and_kept(run_job(transport, {"delta_anchor_every": 4, **options}))
 
 
 def test_lora_adapter_refuses_a_corrupted_byte():

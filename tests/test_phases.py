@@ -125,7 +125,7 @@ def test_versions_arrive_phase_by_phase_into_one_arena(transport):
     assert engine.staging_bytes <= largest + 64 * len(names) < spec.num_parameters * 4  # a phase, not the model
 
 
-@pytest.mark.parametrize("transport", ["torch", "shm", "nixl", "file"])
+@pytest.mark.parametrize("transport", ["torch", "shm", "nixl", "nixl-push", "file"])
 def test_deltas_arrive_phase_by_phase_into_one_arena(transport):
     """Delta with layer phases: the staging arena holds one phase, so the reader applies each
     delta to its own host copy and stages whole phases from it. Version 3 equals version 2:
@@ -141,11 +141,14 @@ def test_deltas_arrive_phase_by_phase_into_one_arena(transport):
     bucket = 256 << 10
     engine = _PhaseChecker(config, {1: 2, 2: 1, 3: 1})
     job = f"phases-delta-{uuid.uuid4().hex[:8]}"
-    extra = ("--transport", transport, "--bucket", str(bucket), "--layer-phases", "--delta", "100")
+    transport, _, mode = transport.partition("-")  # nixl: auto picks pull with deltas
+    extra = ("--transport", transport, "--bucket", str(bucket), "--layer-phases", "--delta", "100",
+             "--nixl-mode", mode or "auto")
     with EmbeddedMetaServer() as server, writer_processes(server, config, "megatron:tp=2", job=job, seeds=[2, 1, 1],
                                                           extra=extra):
         sync = SyncConfig(num_writers=2, num_readers=1, job=job, transport=transport, timeout=120, layer_phases=True,
-                          transport_options=TransportOptions(max_bucket_bytes=bucket, delta_anchor_every=100))
+                          transport_options=TransportOptions(max_bucket_bytes=bucket, delta_anchor_every=100,
+                                                             nixl_mode=mode or "auto"))
         meta = MetaClient(server.address, job=job, token=server.token)
         with WeightReader(engine, rank=0, config=sync, meta=meta) as reader:
             moved = {}

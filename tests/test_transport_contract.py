@@ -105,7 +105,7 @@ def test_lora_adapter_versions_arrive_bitwise_over_every_transport(tmp_path, tra
                 assert r["bytes"] == r["needed"] > 0
 
 
-@pytest.mark.parametrize("carrier", ["torch", "nixl-pull", "file"])
+@pytest.mark.parametrize("carrier", ["torch", "nixl-pull", "nixl-push", "file"])
 def test_lora_adapter_deltas_arrive_bitwise(tmp_path, carrier):
     """Adapter-only versions with deltas: ~2% of the adapter's elements move per version, and
     each reader gets version 0 in full, then only what changed, bitwise."""

@@ -1,4 +1,4 @@
-"""Delta sync on the torch (gloo), NIXL pull and file transports: bitwise versions, full on a new base, anchors; and
+"""Delta sync on the torch (gloo), NIXL pull and push and file transports: bitwise versions, full on a new base, anchors; and
 ``delta_anchor_every`` refused, naming the transport, where it would be ignored (issue 23, defect 9).
 
 Each scenario runs 2 writers (megatron tp=2, fp32) and 1 or 2 readers (vLLM tp=1, bf16) as
@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(bool(unavailable_reason("torch")), reason=str(un
 
 
 #: Transports (and their options) that carry deltas between these processes.
-CARRIERS = {"torch": ("torch", {}), "nixl-pull": ("nixl", {"nixl_mode": "pull"}), "file": ("file", {})}
+CARRIERS = {"torch": ("torch", {}), "nixl-pull": ("nixl", {"nixl_mode": "pull"}),
+            "nixl-push": ("nixl", {"nixl_mode": "push"}), "file": ("file", {})}
 
 
 def run(tmp_path, *, readers: int, versions: int, anchor: int, timeout: float = 30.0, carrier: str = "torch",
@@ -70,6 +71,7 @@ def _full(results: list[dict]) -> list[bool]:
 @pytest.mark.parametrize(("carrier", "readers"), [pytest.param("torch", 1, id="torch-1"),
                                                    pytest.param("torch", 2, id="torch-2"),
                                                    pytest.param("nixl-pull", 2, id="nixl-pull"),
+                                                   pytest.param("nixl-push", 2, id="nixl-push"),
                                                    pytest.param("file", 2, id="file")])
 def test_deltas_arrive_bitwise_and_small_with_anchors(tmp_path, carrier, readers):
     out = run(tmp_path, readers=readers, versions=5, anchor=3, carrier=carrier)
@@ -80,22 +82,29 @@ def test_deltas_arrive_bitwise_and_small_with_anchors(tmp_path, carrier, readers
         assert all(r["bytes"] < r["needed"] // 4 for r in results if r["version"] in (1, 2, 4))
 
 
-@pytest.mark.parametrize("carrier", list(CARRIERS))
+@pytest.mark.parametrize("carrier", [c for c in CARRIERS if c != "nixl-push"])
 def test_reader_with_new_memory_gets_full_versions(tmp_path, carrier):
-    """A reader whose destination no longer holds the last version (restart, staging) gets it in full."""
+    """A reader whose destination no longer holds the last version (restart, staging) gets it in full.
+
+    Not NIXL push: its writers WRITE into the memory a reader registered, so a reader never
+    prepares new memory alone (every rank prepares a new epoch); a push reader whose memory
+    changed in place is covered by tests/test_faults.py's pokes, one that failed a version by
+    tests/test_transport_nixl.py::test_push_deltas_write_exactly_the_changes."""
     out = run(tmp_path, readers=2, versions=4, anchor=100, new_memory_at={"1": [2]}, carrier=carrier)
     assert _full(out[("reader", 0)]) == [True, False, False, False]
     assert _full(out[("reader", 1)]) == [True, False, True, False]
 
 
-@pytest.mark.parametrize(("name", "device", "options", "words"), [
-    ("nixl", "cpu", {"nixl_mode": "push"}, "the nixl transport (NixlPushTransport, on cpu)"),
-])
-def test_delta_is_refused_where_it_would_be_ignored(name, device, options, words):
-    """On 3ee4748 these transports took ``delta_anchor_every`` and sent every version in full."""
+def test_delta_is_refused_where_it_would_be_ignored(monkeypatch):
+    """On 3ee4748 transports took ``delta_anchor_every`` and sent every version in full; each
+    then refused it until it carried deltas (NIXL push last). Every transport carries them now,
+    so the refusal is checked on a transport class that says it does not."""
     from weightsync.job import JobChannel
     from weightsync.transport import TransportContext, TransportOptions, check_delta_carried
+    from weightsync.transport.nixl_push import NixlPushTransport
 
+    monkeypatch.setattr(NixlPushTransport, "carries_deltas", False)
+    name, device, options, words = "nixl", "cpu", {"nixl_mode": "push"}, "the nixl transport (NixlPushTransport, on cpu)"
     for anchor, refused in ((0, False), (4, True)):
         ctx = TransportContext(channel=JobChannel(None, role="writer", rank=1), num_writers=2,  # type: ignore[arg-type]
                                num_readers=2, device=device,
@@ -107,8 +116,8 @@ def test_delta_is_refused_where_it_would_be_ignored(name, device, options, words
             check_delta_carried(name, ctx)
         assert str(info.value) == (f"writer 1: delta_anchor_every=4 is not supported by {words}: it would send every "
                                    "version in full. Deltas run over torch (gloo between CPU ranks, NCCL between GPUs), "
-                                   "and over shm, nixl (nixl_mode 'pull'), file and routed between CPU ranks; use one of "
-                                   "those, or delta_anchor_every=0")
+                                   "and over shm, nixl, file and routed between CPU ranks; use one of those, or "
+                                   "delta_anchor_every=0")
 
 
 def test_delta_over_nccl_is_taken_and_routed_between_gpus_refused_naming_its_shm_route():
@@ -142,9 +151,24 @@ def test_shm_delta_between_gpus_is_refused():
                                             options=TransportOptions(delta_anchor_every=4, slots=1)))
 
 
+def test_nixl_delta_on_gpu_memory_is_refused_in_both_modes():
+    from weightsync.job import JobChannel
+    from weightsync.transport import TransportContext, TransportOptions
+    from weightsync.transport.nixl_pull import NixlPullTransport
+    from weightsync.transport.nixl_push import NixlPushTransport
+
+    ctx = TransportContext(channel=JobChannel(None, role="writer", rank=0), num_writers=1,  # type: ignore[arg-type]
+                           num_readers=1, device="cuda:0", options=TransportOptions(delta_anchor_every=4))
+    for cls, mode in ((NixlPullTransport, "pull"), (NixlPushTransport, "push")):
+        with pytest.raises(ValueError, match=rf"writer 0: delta_anchor_every=4 over the nixl \({mode}\) transport "
+                                             r"needs host memory, but the tensors live on cuda:0"):
+            cls(ctx)
+
+
 def test_nixl_auto_mode_with_deltas_is_pull():
-    """``nixl_mode='auto'`` picks push for as many readers as writers, which carries no deltas:
-    with deltas it picks pull (the mode that does) instead of refusing."""
+    """``nixl_mode='auto'`` picks push for as many readers as writers; with deltas it picks pull
+    (both modes carry them, but a pull writer publishes its changes once and never waits for
+    readers, while a push writer with deltas packs every op and waits for each reader)."""
     from weightsync.job import JobChannel
     from weightsync.transport import TransportContext, TransportOptions, check_delta_carried, transport_class_path
 

@@ -354,6 +354,114 @@ def test_pull_deltas_move_exactly_the_published_changes(tmp_path, monkeypatch):
 
 
 @needs_nixl
+def test_push_deltas_write_exactly_the_changes(tmp_path, monkeypatch):
+    """Deltas over NIXL push, in one process (the writer in a thread): the first version in
+    full; 3 changed fp32 elements WRITTEN as one sparse encoding (3 int32 indices + 3 values =
+    24 bytes) into the reader's inbox; an unchanged version 0 bytes; a reader that forgot its
+    base, or failed a version (it gave up before the writer wrote), gets the next one in full.
+    Every version bitwise; on main push refused deltas at init."""
+    import threading
+
+    import torch
+
+    from weightsync.configs import load_spec
+    from weightsync.job import JobChannel
+    from weightsync.layout import parse_layout
+    from weightsync.plan import build_plan
+    from weightsync.transport import TransportContext, TransportError, TransportOptions
+    from weightsync.transport.nixl_push import NixlPushTransport
+
+    monkeypatch.setenv("NIXL_LOG_LEVEL", "WARN")
+    spec = load_spec("tiny-qwen3")
+    layouts = parse_layout("hf").all_rank_layouts(spec)
+    plan = build_plan(layouts, layouts)
+    meta = DirectoryMeta(tmp_path)
+
+    def ctx(role):
+        return TransportContext(channel=JobChannel(meta, role=role, rank=0), num_writers=1, num_readers=1,
+                                options=TransportOptions(nixl_mode="push", delta_anchor_every=4))
+
+    src = {s.name: torch.randn(s.numel, generator=torch.Generator().manual_seed(i))
+           for i, s in enumerate(layouts[0].shards)}
+    dst = {s.name: torch.zeros(s.numel) for s in layouts[0].shards}
+    first = next(iter(src.values()))
+    full = plan.total_bytes
+    with NixlPushTransport(ctx("writer")) as w, NixlPushTransport(ctx("reader")) as r:
+        prepared = threading.Thread(target=w.prepare, args=(plan, src), kwargs={"epoch": 0, "timeout": 10})
+        prepared.start()
+        r.prepare(plan, dst, epoch=0, timeout=10)
+        prepared.join(10)
+
+        def step(version, change=0, *, fail=False):
+            first[:change] += 1.0
+            sent = {}
+            writer = threading.Thread(target=lambda: sent.update(stats=w.send(version, timeout=10)))
+            if fail:  # the reader asks for the version, gives up, then the writer writes it
+                with pytest.raises(TransportError, match="did not arrive"):
+                    r.receive(version, timeout=0.2)
+                writer.start()
+                writer.join(10)
+                return None
+            writer.start()
+            moved = r.receive(version, timeout=10).nbytes
+            writer.join(10)
+            assert sent["stats"].nbytes == moved, version
+            assert all(torch.equal(dst[n], src[n]) for n in src), version
+            return moved
+
+        assert step(1) == full
+        assert step(2, change=3) == 24  # anchors: full at 1 and 5
+        assert step(3) == 0
+        r.forget_received()  # the engine's version changed outside the reader
+        assert step(4, change=3) == full
+        step(5, change=3, fail=True)
+        assert step(6, change=3) == full
+        assert step(7, change=3) == 24
+
+
+@needs_nixl
+def test_push_delta_ranks_refuse_a_peer_without_deltas(tmp_path, monkeypatch):
+    import threading
+
+    import torch
+
+    from weightsync.configs import load_spec
+    from weightsync.job import JobChannel
+    from weightsync.layout import parse_layout
+    from weightsync.plan import build_plan
+    from weightsync.transport import TransportContext, TransportError, TransportOptions
+    from weightsync.transport.nixl_push import NixlPushTransport
+
+    monkeypatch.setenv("NIXL_LOG_LEVEL", "WARN")
+    layouts = parse_layout("hf").all_rank_layouts(load_spec("tiny-qwen3"))
+    plan = build_plan(layouts, layouts)
+    tensors = {s.name: torch.zeros(s.numel) for s in layouts[0].shards}
+    for epoch, (writer_anchor, reader_anchor, who) in enumerate(((0, 4, "reader 0: writer 0 sends no changes"),
+                                                                 (4, 0, "writer 0: reader 0 takes no changes"))):
+        meta = DirectoryMeta(tmp_path / str(epoch))
+
+        def ctx(role, anchor):
+            return TransportContext(channel=JobChannel(meta, role=role, rank=0), num_writers=1, num_readers=1,
+                                    options=TransportOptions(nixl_mode="push", delta_anchor_every=anchor))
+
+        errors = []
+
+        def prepare(t, tensors):
+            try:
+                t.prepare(plan, tensors, epoch=0, timeout=5)
+            except TransportError as exc:
+                errors.append(str(exc))
+
+        with NixlPushTransport(ctx("writer", writer_anchor)) as w, NixlPushTransport(ctx("reader", reader_anchor)) as r:
+            writer = threading.Thread(target=prepare, args=(w, tensors))
+            writer.start()
+            prepare(r, {n: torch.zeros_like(t) for n, t in tensors.items()})
+            writer.join(10)
+        assert any(e.startswith(who) and e.endswith("set the same TransportOptions.delta_anchor_every on every "
+                                                    "rank") for e in errors), errors
+
+
+@needs_nixl
 def test_pull_delta_reader_refuses_a_writer_that_publishes_no_changes(tmp_path, monkeypatch):
     import torch
 

@@ -35,7 +35,8 @@ def writer_processes(server: Any, config: dict[str, Any], layout: str, *, job: s
                      extra: tuple[str, ...] = ()) -> Iterator[list[subprocess.Popen[str]]]:
     """Training ranks in subprocesses, writing versions 1.. with ``seeds``' weights.
 
-    ``extra``: more flags (``--transport shm``, ``--bucket 65536``, ``--layer-phases``, ``--hosts a,b``, ``--delta 4``)."""
+    ``extra``: more flags (``--transport shm``, ``--bucket 65536``, ``--layer-phases``, ``--hosts a,b``, ``--delta 4``,
+    ``--nixl-mode push``)."""
     env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
            "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, str(HERE / "writer_process.py"), "--config", json.dumps(config),
@@ -71,6 +72,7 @@ def main() -> int:
     parser.add_argument("--layer-phases", action="store_true")
     parser.add_argument("--hosts", default="", help="each rank's node name, comma-separated (routed)")
     parser.add_argument("--delta", type=int, default=0, help="delta_anchor_every")
+    parser.add_argument("--nixl-mode", default="auto", help="TransportOptions.nixl_mode")
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = json.loads(args.config)
@@ -78,7 +80,8 @@ def main() -> int:
     sync = SyncConfig(num_writers=parse_layout(args.layout).world_size, num_readers=args.readers, job=args.job,
                       timeout=args.timeout, transport=args.transport, layer_phases=args.layer_phases,
                       host=args.hosts.split(",")[args.rank] if args.hosts else "",
-                      transport_options=TransportOptions(max_bucket_bytes=args.bucket, delta_anchor_every=args.delta))
+                      transport_options=TransportOptions(max_bucket_bytes=args.bucket, delta_anchor_every=args.delta,
+                                                                         nixl_mode=args.nixl_mode))
     with WeightWriter(source, rank=args.rank, config=sync) as writer:
         for version, seed in enumerate((int(s) for s in args.seeds.split(",")), start=1):
             fill_from_canonical(source.layout(), source.tensors(), canonical_weights(config, seed))

@@ -21,10 +21,11 @@ from typing import Any
 
 #: Every transport carries deltas: torch and routed run the delta exchange per pair
 #: (transport/delta.py), shm and NIXL pull writers publish each version's changes
-#: (transport/delta_published.py), file writers a change file next to each version
+#: (transport/delta_published.py), NIXL push writers WRITE them into each reader's inbox
+#: (transport/nixl_push_changes.py), file writers a change file next to each version
 #: (transport/file_changes.py), and NCCL runs the per-pair exchange on GPU memory
-#: (transport/nccl_delta.py). NIXL push is refused below; on other GPU memory (CUDA IPC,
-#: NIXL VRAM) the transport refuses them when it is created.
+#: (transport/nccl_delta.py). On other GPU memory (CUDA IPC, NIXL VRAM) the transport refuses
+#: them when it is created.
 #: Transports that checksum every message with ``checksum=True``.
 CHECKSUM_TRANSPORTS = frozenset({"torch"})
 #: Transport options that only one kind of transport reads: (setting, its no-op value, the
@@ -44,11 +45,6 @@ def refusal(settings: Mapping[str, Any], *, transport: str, why: str = "") -> st
     """
     picked = f"transport='auto' chose {transport!r} ({why})" if why else f"transport={transport!r}"
     chosen = transport != "auto"
-    delta = settings["delta_anchor_every"]
-    if delta and transport == "nixl" and settings["nixl_mode"] == "push":
-        return (f"delta_anchor_every={delta} with nixl_mode='push': NIXL carries deltas in pull mode only (readers "
-                "READ the changes each writer publishes), and push would write every version in full. Set "
-                "nixl_mode='pull' (or 'auto', which picks pull with deltas), or delta_anchor_every=0")
     if settings["checksum"] and chosen and transport not in CHECKSUM_TRANSPORTS:
         return (f"checksum=True with {picked}: only the {_names(CHECKSUM_TRANSPORTS)} transport checksums its "
                 f"messages, so nothing would be checked. Set transport='torch', or checksum=False")

@@ -111,9 +111,8 @@ def check_delta_carried(name: str, ctx: TransportContext) -> None:
             where = f"the {name} transport" if route == name else f"the {name} transport's {route} route"
             raise ValueError(f"{ctx.who}: delta_anchor_every={anchor} is not supported by {where} "
                              f"({cls.__name__}, on {ctx.device}): it would send every version in full. Deltas "
-                             "run over torch (gloo between CPU ranks, NCCL between GPUs), and over shm, nixl "
-                             "(nixl_mode 'pull'), file and routed between CPU ranks; use one of those, or "
-                             "delta_anchor_every=0")
+                             "run over torch (gloo between CPU ranks, NCCL between GPUs), and over shm, nixl, "
+                             "file and routed between CPU ranks; use one of those, or delta_anchor_every=0")
         if name == "routed" and route == "shm":
             from weightsync.transport.delta_published import check_delta
 

@@ -81,7 +81,7 @@ class TransportOptions:
             changed since the version it holds and can vouch for (two-sided transports:
             :mod:`weightsync.transport.delta`; one-sided: :mod:`weightsync.transport.delta_published`; file:
             :mod:`weightsync.transport.file_changes`), with a full version at least every K versions
-            (K=1: always full). NIXL push and NCCL refuse it.
+            (K=1: always full); NIXL push: :mod:`weightsync.transport.nixl_push_changes`. NCCL refuses it.
     """
 
     max_bucket_bytes: int = 64 << 20

@@ -8,9 +8,10 @@ each pair a :class:`PairLink` for one send or receive (post a tagged send or rec
 tensor, wait for it, and three staging buffers), and runs :meth:`DeltaSync.send_pair` /
 :meth:`DeltaSync.receive_pair` in place of moving the pair's messages itself. The torch
 torch transport does, over gloo and over NCCL (:mod:`weightsync.transport.nccl_delta`: the
-copies on the GPU, torch-op encodings, sum64 digests; NIXL push does not yet and refuses deltas);
-one-sided transports (shared memory, NIXL pull) publish each version's changes instead
-(:mod:`weightsync.transport.delta_published`)::
+copies on the GPU, torch-op encodings, sum64 digests); one-sided transports (shared memory,
+NIXL pull) publish each version's changes instead (:mod:`weightsync.transport.delta_published`),
+and NIXL push WRITEs them into inboxes its readers register
+(:mod:`weightsync.transport.nixl_push_changes`)::
 
     delta = DeltaSync(ctx)                                   # ctx.options.delta_anchor_every = K
     delta.prepared(tensors, phases=len(schedules))           # at the end of every prepare()

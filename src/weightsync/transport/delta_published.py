@@ -367,17 +367,18 @@ class ChangeReader:
         self.shadow.clear()
 
 
-def check_delta(transport: str, ctx: TransportContext) -> None:
-    """Refuse, when a one-sided transport is created, delta settings it cannot honour (a
-    setting is never ignored): its changes are found and applied in host memory, and a
-    snapshot writer compares each version with the previous one in its other slot."""
+def check_delta(transport: str, ctx: TransportContext, *, slots: bool = True) -> None:
+    """Refuse, when a transport that publishes changes is created, delta settings it cannot
+    honour (a setting is never ignored): its changes are found and applied in host memory, and
+    a snapshot writer (``slots``: one that keeps versions in ``TransportOptions.slots``)
+    compares each version with the previous one in its other slot."""
     if not ctx.options.delta_anchor_every:
         return
     if ctx.device != "cpu":
         raise ValueError(f"{ctx.who}: delta_anchor_every={ctx.options.delta_anchor_every} over the {transport} "
                          f"transport needs host memory, but the tensors live on {ctx.device} (deltas between GPUs "
                          "run over the torch transport, NCCL); use transport='torch', or delta_anchor_every=0")
-    if ctx.options.slots < 2:
+    if slots and ctx.options.slots < 2:
         raise ValueError(f"{ctx.who}: delta_anchor_every over the {transport} transport needs slots >= 2 (a "
                          f"version is compared with the previous one in its own slot); got slots="
                          f"{ctx.options.slots}")

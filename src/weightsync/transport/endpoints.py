@@ -101,7 +101,9 @@ class NixlSlots:
 class NixlEndpoint:
     """A NIXL rank of the epoch: its mode, agent metadata, control words and device, plus what
     its mode exposes (a pull writer its version ``slots``; a push reader its ``shards``:
-    tensor name -> (address, bytes) of the destination memory writers WRITE into)."""
+    tensor name -> (address, bytes) of the destination memory writers WRITE into). With deltas
+    in push (:mod:`weightsync.transport.nixl_push_changes`), a writer says so (``deltas``) and
+    a reader publishes its ``inboxes``: writer rank -> (address, bytes) of what it WRITEs changes into."""
 
     transport: ClassVar[str] = "nixl"
     mode: str
@@ -110,10 +112,14 @@ class NixlEndpoint:
     device: str
     slots: NixlSlots | None = None
     shards: Mapping[str, tuple[int, int]] | None = field(default=None, hash=False)
+    deltas: bool = False
+    inboxes: Mapping[int, tuple[int, int]] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if self.shards is not None:
             object.__setattr__(self, "shards", MappingProxyType(dict(self.shards)))
+        if self.inboxes is not None:
+            object.__setattr__(self, "inboxes", MappingProxyType(dict(self.inboxes)))
 
     def to_wire(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"mode": self.mode, "agent": self.agent, "ctl": self.ctl, "device": self.device}
@@ -121,6 +127,10 @@ class NixlEndpoint:
             doc["slots"] = self.slots.to_wire()
         if self.shards is not None:
             doc["shards"] = {name: list(where) for name, where in self.shards.items()}
+        if self.deltas:
+            doc["deltas"] = True
+        if self.inboxes is not None:
+            doc["inboxes"] = [[rank, *where] for rank, where in self.inboxes.items()]
         return doc
 
     @classmethod
@@ -134,8 +144,17 @@ class NixlEndpoint:
                         and all(isinstance(x, int) and not isinstance(x, bool) for x in where)):
                     raise WireError(f"field 'shards': {name!r} must map to [address, bytes], not {where!r:.40}")
                 shards[name] = (where[0], where[1])
+        inboxes = None
+        if "inboxes" in doc:
+            inboxes = {}
+            for where in take(doc, "inboxes", list, "a list"):
+                if not (isinstance(where, list) and len(where) == 3
+                        and all(isinstance(x, int) and not isinstance(x, bool) for x in where)):
+                    raise WireError(f"field 'inboxes': each entry must be [writer, address, bytes], not {where!r:.40}")
+                inboxes[where[0]] = (where[1], where[2])
         return cls(take(doc, "mode", str, "a str"), take(doc, "agent", bytes, "bytes"), take(doc, "ctl", int, "an int"),
-                   take(doc, "device", str, "a str"), slots, shards)
+                   take(doc, "device", str, "a str"), slots, shards, take(doc, "deltas", bool, "a bool")
+                   if "deltas" in doc else False, inboxes)
 
     def exposed_slots(self, label: str) -> NixlSlots:
         """A pull writer's slots (``label`` names the peer in the error)."""

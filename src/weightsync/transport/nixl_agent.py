@@ -222,12 +222,12 @@ class NixlAgent:
             raise TransportError(f"{self.who}: {xfer.describe()} ended in state {state}")
 
     def run_once(self, op: str, peer: str, descs: Descriptors, mem: str, deadline: Deadline, *, what: str,
-                 alive: Callable[[str], None] | None = None) -> int:
+                 alive: Callable[[str], None] | None = None, notif: bytes = b"") -> int:
         """Prepare, run and release a transfer whose ranges differ every time (a version's
         changes); returns its bytes. Raises as :meth:`run`."""
         xfer = self.prepare(op, peer, descs, mem, what=what)
         try:
-            self.run(xfer, deadline, alive=alive)
+            self.run(xfer, deadline, notif, alive=alive)
         finally:
             with self._cond:
                 self._xfers.remove(xfer)

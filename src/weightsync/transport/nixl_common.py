@@ -32,9 +32,11 @@ the rest. ``auto`` therefore picks push when there are at most as many readers a
 instead of twice, needs no version slots on the writer and leaves the reader's CPU idle)
 and pull when readers outnumber writers (fan-out: the writer's time stays one pack, the
 reads spread over the readers, and a reader may lag ``slots - 1`` versions without holding
-the writers up). With ``delta_anchor_every`` it picks pull, the mode that carries deltas
-(readers READ the changes writers publish: :mod:`weightsync.transport.nixl_pull`); push with
-deltas is refused at init. Figures: docs/benchmarks.md, "NIXL".
+the writers up). Both modes carry deltas (:mod:`weightsync.transport.nixl_pull`,
+:mod:`weightsync.transport.nixl_push_changes`); with ``delta_anchor_every`` ``auto`` picks pull:
+a push writer with deltas packs every op into two slots (it no longer sends from the live
+shards) and still waits for every reader, while a pull writer publishes each version's changes
+once and never waits. Figures: docs/benchmarks.md, "NIXL" and "Delta sync".
 
 Every wait has a deadline and keeps operating on the peers it waits for, so a dead peer
 is a :class:`TransportError` naming it, within the timeout.
@@ -47,7 +49,8 @@ is a :class:`TransportError` naming it, within the timeout.
 Endpoints (msgpack, through the job channel), one per rank and epoch: each writer's (NIXL
 agent metadata, address of its control words; in pull also the slot area and the exposed
 index) and, in push, each reader's (agent metadata, ready word, destination tensor
-addresses). Addresses travel as plain integers; NIXL's own descriptor serialisation is
+addresses; with deltas its inboxes, and each push writer says it sends deltas). Addresses
+travel as plain integers; NIXL's own descriptor serialisation is
 pickle, which we never load from the network.
 """
 
@@ -102,7 +105,7 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def resolve_mode(mode: str, *, num_writers: int, num_readers: int, delta: bool = False) -> str:
     """The mode ``auto`` stands for in a deployment (see module docstring, "Choosing"); with
-    deltas always pull, the mode that carries them."""
+    deltas always pull (both carry them; a pull writer never waits for readers)."""
     if mode != "auto":
         return mode
     return "push" if num_readers <= num_writers and not delta else "pull"
@@ -117,7 +120,7 @@ class NixlBase:
     publishes_before_send: ClassVar[bool]
     serves_cpu: ClassVar[bool] = True
     serves_cuda: ClassVar[bool] = True  # GPUDirect RDMA where UCX has it
-    #: Pull publishes each version's changes (delta_published); push is refused at creation.
+    #: Both modes carry deltas in host memory (each mode's class says so).
     carries_deltas: ClassVar[bool] = False
     mode: ClassVar[str]
 
@@ -225,12 +228,14 @@ class NixlBase:
             n for regions in by_kind.values() for n in regions.values())
 
     def _publish(self, epoch: int, *, slots: NixlSlots | None = None,
-                 shards: Mapping[str, tuple[int, int]] | None = None) -> None:
+                 shards: Mapping[str, tuple[int, int]] | None = None, deltas: bool = False,
+                 inboxes: Mapping[int, tuple[int, int]] | None = None) -> None:
         """This rank's endpoint of the epoch: mode, agent metadata, control words, and what its
-        mode exposes (a pull writer's ``slots``, a push reader's ``shards``)."""
+        mode exposes (a pull writer's ``slots``; a push reader's ``shards`` and, with deltas,
+        ``inboxes``; a push writer whether it sends ``deltas``)."""
         assert self._agent is not None
         self.ctx.channel.publish_endpoint(epoch, NixlEndpoint(self.mode, self._agent.metadata(), self._ctl.data_ptr(),
-                                                              self.ctx.device, slots, shards))
+                                                              self.ctx.device, slots, shards, deltas, inboxes))
 
     def _connect(self, epoch: int, role: Role, rank: int, deadline: Deadline) -> Peer:
         """Wait for a peer's endpoint, check that it agrees with us, connect to its agent."""
