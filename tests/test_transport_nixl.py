@@ -487,3 +487,76 @@ def test_pull_delta_reader_refuses_a_writer_that_publishes_no_changes(tmp_path, 
         with pytest.raises(TransportError, match=r"reader 0: writer 0 publishes no changes; set the same "
                                                  r"TransportOptions\.delta_anchor_every on every rank"):
             r.prepare(plan, {n: torch.zeros_like(t) for n, t in tensors.items()}, epoch=0, timeout=10)
+
+
+@needs_nixl
+def test_push_reader_takes_the_version_of_a_writer_that_closed_after_sending_it(tmp_path, monkeypatch):
+    """A push writer that sent its last version closes and leaves (tests/_transport_worker.py's
+    writers do). Its notification arrived before it disconnected, but the reader may take it
+    late: here it arrives while the reader applies the other writer's changes, as on a loaded
+    host. READing the gone writer's liveness word then fails (NIXL_ERR_REMOTE_DISCONNECT); the
+    reader must take the version, not report "writer 1 died or disconnected" (which CI saw once
+    in test_transport_delta's nixl-push case)."""
+    import threading
+
+    import torch
+
+    from weightsync.configs import load_spec
+    from weightsync.job import JobChannel
+    from weightsync.layout import parse_layout
+    from weightsync.plan import build_plan
+    from weightsync.torch_layout import allocate, fill_from_canonical
+    from weightsync.transport import TransportContext, TransportOptions
+    from weightsync.transport.nixl_push import NixlPushTransport
+
+    monkeypatch.setenv("NIXL_LOG_LEVEL", "ERROR")
+    spec = load_spec("tiny-qwen3")
+    writers, readers = parse_layout("megatron:tp=2").all_rank_layouts(spec), parse_layout("hf").all_rank_layouts(spec)
+    plan = build_plan(writers, readers)
+    meta = DirectoryMeta(tmp_path)
+
+    def make(role, rank):
+        return NixlPushTransport(TransportContext(
+            channel=JobChannel(meta, role=role, rank=rank), num_writers=2, num_readers=1,
+            options=TransportOptions(nixl_mode="push", delta_anchor_every=4)))
+
+    generator = torch.Generator().manual_seed(0)
+    values = {name: torch.randn(t.shape, generator=generator) for name, t in writers[0].canonical.items()}
+    srcs = [allocate(layout) for layout in writers]
+    for layout, src in zip(writers, srcs, strict=True):
+        fill_from_canonical(layout, src, values)
+    dst, want = allocate(readers[0]), allocate(readers[0])
+    fill_from_canonical(readers[0], want, values)
+    w0, w1, r = make("writer", 0), make("writer", 1), make("reader", 0)
+    threads = [threading.Thread(target=w.prepare, args=(plan, src), kwargs={"epoch": 0, "timeout": 10})
+               for w, src in ((w0, srcs[0]), (w1, srcs[1]))]
+    try:
+        for t in threads:
+            t.start()
+        r.prepare(plan, dst, epoch=0, timeout=10)
+        for t in threads:
+            t.join(10)
+        take, sent = NixlPushTransport._take, {}
+
+        def last_writer_sends_and_leaves():
+            sent[1] = w1.send(1, timeout=10).nbytes
+            w1.close()
+
+        def slow_take(self, peer, *args, **kwargs):
+            if peer.rank == 0:  # writer 1 sends and leaves while the reader applies writer 0's version
+                leaver = threading.Thread(target=last_writer_sends_and_leaves)
+                leaver.start()
+                leaver.join(10)
+                time.sleep(0.1)  # past the reader's next liveness probe
+            return take(self, peer, *args, **kwargs)
+
+        monkeypatch.setattr(NixlPushTransport, "_take", slow_take)
+        first = threading.Thread(target=lambda: sent.update({0: w0.send(1, timeout=10).nbytes}))
+        first.start()
+        received = r.receive(1, timeout=10)
+        first.join(10)
+        assert received.nbytes == sent[0] + sent[1] == plan.total_bytes
+        assert all(torch.equal(dst[n], want[n]) for n in want)
+    finally:
+        for t in (w0, w1, r):
+            t.close()

@@ -236,9 +236,15 @@ class NixlAgent:
                         h.release()
         return xfer.nbytes
 
-    def take_notifs(self, timeout: float) -> dict[str, list[bytes]]:
-        """Notifications received since the last call (waits up to ``timeout`` for one)."""
+    def take_notifs(self, timeout: float, *, progress: bool = False) -> dict[str, list[bytes]]:
+        """Notifications received since the last call (waits up to ``timeout`` for one).
+
+        ``progress``: first collect what the UCX worker holds now, without waiting for the
+        poller (which a loaded host may not have scheduled since): a peer that notified and
+        then closed is disconnected, but its notification was delivered before that."""
         with self._cond:
+            if progress:
+                self._collect()
             if not self._notifs:
                 self._cond.wait(timeout)
             out, self._notifs = self._notifs, {}
@@ -247,15 +253,19 @@ class NixlAgent:
     def _poll(self) -> None:
         while not self._stop.wait(self._poll_interval):
             with self._cond:
-                try:
-                    new = self._agent.get_new_notifs()
-                except self._errors as exc:  # a dead peer's error is reported by the next transfer
-                    logger.debug("%s: polling notifications failed: %s", self.who, exc)
-                    continue
-                if new:
-                    for peer, messages in new.items():
-                        self._notifs.setdefault(peer, []).extend(messages)
-                    self._cond.notify_all()
+                self._collect()
+
+    def _collect(self) -> None:
+        """Move NIXL's new notifications into ours (holding the lock)."""
+        try:
+            new = self._agent.get_new_notifs()
+        except self._errors as exc:  # a dead peer's error is reported by the next transfer
+            logger.debug("%s: polling notifications failed: %s", self.who, exc)
+            return
+        if new:
+            for peer, messages in new.items():
+                self._notifs.setdefault(peer, []).extend(messages)
+            self._cond.notify_all()
 
     # -- teardown -------------------------------------------------------------------------
     def close(self) -> None:

@@ -10,6 +10,7 @@ the encodings and the ops WRITTEN whole.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -318,33 +319,57 @@ class NixlPushTransport(NixlBase):
         self.dev.signal(self._ctl, 0, token, covers=list(self._flats.values()))
         next_probe = time.monotonic() + _PROBE_S
         digests: dict[int, list[int]] = {}
+
+        def take(notifs: dict[str, list[bytes]]) -> None:
+            for name, messages in notifs.items():
+                if name in pending and any(_notif_token(m) >= token for m in messages):
+                    peer = pending.pop(name)
+                    if self._changes is None:
+                        nbytes = peer.nbytes[phase]
+                    else:
+                        nbytes, digests[peer.rank] = self._take(peer, version, phase, vouched[peer.rank])
+                    stats.nbytes += nbytes
+                    stats.direct_bytes += nbytes
+                    stats.messages += 1
+
         with PhaseTimer(stats)("transfer"):
             while pending:
-                for name, messages in agent.take_notifs(timeout=0.005).items():
-                    if name in pending and any(_notif_token(m) >= token for m in messages):
-                        peer = pending.pop(name)
-                        if self._changes is None:
-                            nbytes = peer.nbytes[phase]
-                        else:
-                            nbytes, digests[peer.rank] = self._take(peer, version, phase, vouched[peer.rank])
-                        stats.nbytes += nbytes
-                        stats.direct_bytes += nbytes
-                        stats.messages += 1
+                take(agent.take_notifs(timeout=0.005))
                 now = time.monotonic()
-                if deadline.expired:
-                    names = ", ".join(p.label for p in pending.values())
-                    raise TransportError(f"{self.who}: version {version} did not arrive from {names} in time")
-                if now > next_probe:  # a dead writer never notifies; READing its word fails (or hangs)
-                    for peer in list(pending.values()):
-                        assert peer.ctl is not None
-                        self._run(peer, peer.ctl, deadline)
-                        peer.watch.check(f"version {version} from {peer.label}")
+                if pending and (deadline.expired or now > next_probe):
+                    self._probe(pending, version, deadline, take)
                     next_probe = now + _PROBE_S
         if self._changes is not None:
             for writer, received in digests.items():
                 self._changes.received((phase, writer), version, received)
             stats.peak_extra_bytes = self._changes.extra_bytes() + self._inbox_mem.numel()
         return stats
+
+    def _probe(self, pending: dict[str, Peer], version: int, deadline: Deadline,
+               take: Callable[[dict[str, list[bytes]]], None]) -> None:
+        """Fail for a pending writer that is dead (a dead writer never notifies; READing its word
+        fails, or hangs until its lease expires) or late, unless its notification came meanwhile.
+
+        A writer that sent its last version closes and leaves: its notification is delivered
+        before its disconnection, but this rank may not have taken it yet (it was applying
+        another writer's changes, or the poller was not scheduled). So each failure first takes
+        what arrived, progressing NIXL now, and counts only for a writer still pending."""
+        drain = self._prepared_agent("receive").take_notifs
+        for peer in list(pending.values()):
+            if peer.agent in pending and not deadline.expired:
+                try:
+                    assert peer.ctl is not None
+                    self._run(peer, peer.ctl, deadline)
+                    peer.watch.check(f"version {version} from {peer.label}")
+                except TransportError:
+                    take(drain(timeout=0, progress=True))
+                    if peer.agent in pending:
+                        raise
+        if deadline.expired:
+            take(drain(timeout=0, progress=True))
+            if pending:
+                names = ", ".join(p.label for p in pending.values())
+                raise TransportError(f"{self.who}: version {version} did not arrive from {names} in time")
 
     def _vouch(self, version: int, phase: int, stats: TransferStats) -> dict[int, bool]:
         """With deltas, set each writer's vouch word: this token when the memory holds ``version - 1``
