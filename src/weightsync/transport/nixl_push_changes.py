@@ -12,10 +12,11 @@ per reader:
 - vouch word equal to this ``(V, phase)`` and the version has a base (no anchor, no failure
   since ``V - 1``): one WRITE of the reader's *staged table* (a row per op of the pair, with
   the offset of its encoding in the reader's inbox), the encodings of its changed ops into the
-  *inbox* and, straight into the destination, the ops that changed too much (``DENSE``), with a
-  notification ``d<token>``;
+  *inbox* and, straight into the destination, the ops that changed too much (``DENSE``), with the
+  notification ``v<token>``;
 - otherwise the staged table (the digests the reader vouches with next time), then the version
-  in full, as without deltas, with ``v<token>``.
+  in full, as without deltas, with ``v<token>``. The staged table's row 0 (its base) tells the
+  reader which of the two came.
 
 A stale vouch word (an earlier version's token) only ever gives a full version. The reader
 applies the inbox's encodings (:meth:`ChangeReader.apply`) when the notification arrives.
