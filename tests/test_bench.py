@@ -353,3 +353,11 @@ def test_the_vllm_prefetch_suite_runs_every_model_named_and_refuses_two_transpor
     assert main(["bench", "--suite", "vllm-prefetch", "--transports", "shm,torch"]) == 2
     assert ("--suite vllm-prefetch runs one transport per run; got --transports ['shm', 'torch']"
             in capsys.readouterr().err)
+
+
+def test_the_vllm_suites_name_an_unknown_model_and_the_known_ones():
+    from weightsync.bench.vllm_memory import model_config
+
+    with pytest.raises(ValueError, match=r"unknown model 'qwen3-0.6b' for the vLLM suites; known: qwen3-30m, "
+                                         r"qwen3-0.2b, qwen3-0.4b"):
+        model_config("qwen3-0.6b")
