@@ -539,8 +539,10 @@ def test_push_reader_takes_the_version_of_a_writer_that_closed_after_sending_it(
         take, sent = NixlPushTransport._take, {}
 
         def last_writer_sends_and_leaves():
-            sent[1] = w1.send(1, timeout=10).nbytes
-            w1.close()
+            try:
+                sent[1] = w1.send(1, timeout=10).nbytes
+            finally:
+                w1.close()
 
         def slow_take(self, peer, *args, **kwargs):
             if peer.rank == 0:  # writer 1 sends and leaves while the reader applies writer 0's version
@@ -555,6 +557,7 @@ def test_push_reader_takes_the_version_of_a_writer_that_closed_after_sending_it(
         first.start()
         received = r.receive(1, timeout=10)
         first.join(10)
+        assert sorted(sent) == [0, 1], "a writer failed to send (its error is printed above)"
         assert received.nbytes == sent[0] + sent[1] == plan.total_bytes
         assert all(torch.equal(dst[n], want[n]) for n in want)
     finally:
