@@ -81,7 +81,7 @@ def nccl4py() -> ModuleType:
     """
     try:
         return importlib.import_module("nccl.core")
-    except ImportError as exc:
+    except (ImportError, OSError, RuntimeError) as exc:  # absent, or its CUDA libraries are
         raise ValueError(f"{MISSING}: {exc}") from exc
 
 
