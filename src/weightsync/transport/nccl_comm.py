@@ -251,6 +251,7 @@ class Watchdog:
         self.fired = False
         self.dead: dict[int, str] = {}
         self.failure: str | None = None
+        self._next_watch = 0.0
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="weightsync-nccl-watchdog", daemon=True)
 
@@ -275,10 +276,13 @@ class Watchdog:
             logger.warning("aborting the NCCL communicator failed: %s", exc)
 
     def _unwell(self) -> bool:
-        try:
-            self.dead = self.watch.dead() if self.watch is not None else {}
-        except Exception as exc:  # the meta server is away: the deadline still holds
-            logger.debug("peer liveness unavailable: %s", exc)
+        now = time.monotonic()
+        if self.watch is not None and now >= self._next_watch:  # leases at their own pace, not NCCL's
+            self._next_watch = now + self.watch.every
+            try:
+                self.dead = self.watch.dead()
+            except Exception as exc:  # the meta server is away: the deadline still holds
+                logger.debug("peer liveness unavailable: %s", exc)
         if self.health is not None:
             try:
                 self.failure = self.health()
