@@ -41,7 +41,8 @@ def test_doctor_lists_every_gpu_path_of_a_real_job_and_writes_a_report(tmp_path,
     checks = {c["name"]: c for c in report["checks"]}
     assert code == 0
     for name in ("gpu/nccl-2gpu", "gpu/nccl-4ranks", "gpu/same-gpu", "gpu/cuda-ipc-2gpu", "gpu/nixl-vram", "gpu/delta",
-                 *PLANNED):
+                 "gpu/nccl-abort", "gpu/cuda-ipc-visible-devices", "gpu/nixl-push", "gpu/nixl-pull", "gpu/phases-shm",
+                 "gpu/phases-routed", "gpu/fp8", *PLANNED):
         assert name in checks and checks[name]["detail"], name
         if report["environment"]["gpus"] == 0:
             assert checks[name]["status"] == "skipped" and "GPU" in checks[name]["detail"], checks[name]

@@ -25,9 +25,17 @@ Checks (skipped with the reason when the hardware or a package is missing):
 * ``gpu/bench``: one bench-sized case on the GPU(s), with its GB/s;
 * ``gpu/nccl-4ranks``: NCCL between two writers and two readers, several peers per round;
 * ``gpu/delta``: delta versions over NCCL between two GPUs;
-* the other GPU paths a real job uses (issue 23; :data:`PLANNED`): listed with the reason
-  they did not run, until the doctor runs them (``docs/gpu.md`` names the CPU test that
-  covers each one's rules under the device model);
+* ``gpu/nccl-abort``: a reader SIGKILLed mid-transfer over NCCL; the writer fails within
+  10 s naming it, and its process lives on (``run_demo(kill_reader=...)``);
+* ``gpu/cuda-ipc-visible-devices``: CUDA IPC between a writer that sees two GPUs (on its
+  ``cuda:1``) and a reader that sees only that one (its ``cuda:0``);
+* ``gpu/nixl-push``, ``gpu/nixl-pull``: NIXL on GPU memory in each ``nixl_mode``;
+* ``gpu/phases-shm``, ``gpu/phases-routed``: ``layer_phases`` over CUDA IPC, and over
+  ``routed`` with both its routes (CUDA IPC within a node name, NCCL across);
+* ``gpu/fp8``: FP8 quantisation on the GPU in writer pieces, bitwise against the CPU reference;
+* the GPU paths a real job uses that the doctor does not run yet (issue 23; :data:`PLANNED`):
+  listed with the reason (``docs/gpu.md`` names the CPU test that covers each one's rules
+  under the device model);
 * ``engine/vllm``, ``engine/sglang``: an update of a live engine through weightsync
   (``--engines``; they start an engine, which takes a minute on its own).
 """
