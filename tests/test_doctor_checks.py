@@ -43,6 +43,7 @@ def calls(monkeypatch):
     ("gpu/phases-routed", ("routed", {"writer": ["cuda:0", "cuda:1"], "reader": ["cuda:0"]},
                            {"source": "megatron:tp=2", "layer_phases": True, "max_bucket_bytes": doctor.PHASE_BYTES,
                             "hosts": {"writer": ["node-a", "node-b"], "reader": ["node-a"]}})),
+    ("gpu/cuda-ipc-same-process", ("shm", {"writer": ["cuda:0"], "reader": ["cuda:0"]}, {"same_process": True})),
     ("gpu/nccl-abort", ("torch", {"writer": ["cuda:0"], "reader": ["cuda:1"]}, {"kill_reader": 0})),
     ("gpu/cuda-ipc-visible-devices", ("auto", {"writer": ["cuda:1"], "reader": ["cuda:0"]},
                                       {"env": {"writer": {"CUDA_VISIBLE_DEVICES": "0,1"},
@@ -70,7 +71,7 @@ def test_the_fp8_check_quantises_on_the_first_gpu(monkeypatch):
 
 
 def test_what_is_still_planned_says_why():
-    assert set(PLANNED) == {"gpu/cuda-ipc-same-process", "engine/vllm-memory"}
+    assert set(PLANNED) == {"engine/vllm-memory"}
     for name in PLANNED:
         check = CHECKS[name](GPUS, DoctorOptions())
         assert check.status == "skipped" and "not run by this version of the doctor (" in check.detail, check
@@ -127,6 +128,17 @@ def test_run_demo_kills_a_reader_mid_transfer_and_the_writer_fails_in_time_namin
     assert [w.version for w in result.writers] == [0]
 
 
+@pytest.mark.timeout(120)
+def test_run_demo_runs_every_rank_in_threads_of_one_process():
+    """same_process: two writers and two readers in one process, over shared memory."""
+    result = run_demo(**{**TINY, "source": "megatron:tp=2", "target": "vllm:tp=1,replicas=2"}, transport="shm",
+                      same_process=True)
+    assert result.ok, result.failures
+    assert sorted((r.rank, r.version, r.verified, r.in_place) for r in result.readers) == [
+        (0, 0, True, True), (0, 1, True, True), (1, 0, True, True), (1, 1, True, True)]
+    assert sorted((w.rank, w.version) for w in result.writers) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
 @pytest.mark.parametrize(("options", "message"), [
     ({"transport": "shm", "nixl_mode": "push"}, "nixl_mode='push' with transport='shm'"),
     ({"target": "vllm:tp=1,replicas=2", "kill_reader": 0}, "the fault needs one reader"),
@@ -136,6 +148,8 @@ def test_run_demo_kills_a_reader_mid_transfer_and_the_writer_fails_in_time_namin
     ({"hosts": {"writer": ["a"], "reader": ["a", "b"]}}, "hosts=.*one entry per rank of each role"),
     ({"env": {"trainer": {"X": "1"}}}, "env=.*'writer' or 'reader'"),
     ({"env": {"reader": {"X": 1}}}, "env=.*of strings"),
+    ({"same_process": True, "kill_reader": 0}, "same_process=True with .*kill_reader=0: ranks in one process"),
+    ({"same_process": True, "env": {"reader": {"X": "1"}}}, "same_process=True with env="),
 ])
 def test_run_demo_refuses_options_it_would_ignore(options, message):
     with pytest.raises(ValueError, match=message):

@@ -25,7 +25,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -82,6 +84,8 @@ class DemoSpec:
     #: the reader rank that SIGKILLs itself as it starts receiving the last version (-1: none);
     #: its writers must fail that version within FAULT_SECONDS naming it, and exit cleanly
     kill_reader: int = -1
+    #: every rank in one process, a thread each: a trainer and an engine sharing a process
+    same_process: bool = False
 
     def device(self, role: str, rank: int) -> str:
         return self.devices[role][rank] if self.devices else "cpu"
@@ -264,9 +268,50 @@ _RECORDS: dict[str, type] = {"writer": WriterStep, "reader": ReaderStep, "writer
 Record = WriterStep | ReaderStep | WriterFailed | ReaderKilled
 
 
+_EMIT = threading.Lock()  # ranks in threads of one process (same_process) share stdout
+
+
 def _emit(step: Record) -> None:
     role = next(name for name, cls in _RECORDS.items() if isinstance(step, cls))
-    print(PREFIX + json.dumps({"role": role, **asdict(step)}), flush=True)
+    with _EMIT:
+        sys.stdout.write(PREFIX + json.dumps({"role": role, **asdict(step)}) + "\n")
+        sys.stdout.flush()
+
+
+def _use_device(spec: DemoSpec, role: str, rank: int) -> None:
+    """Make a rank's GPU current (for its thread: CUDA's current device is per thread)."""
+    device = spec.device(role, rank)
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(torch.device(device))
+
+
+def run_all(spec: DemoSpec) -> int:
+    """Every rank of the job in this process, a thread each (``same_process``); 0 when every
+    rank finished, 1 when one raised (its traceback on stderr) or did not end in time."""
+    failed: list[str] = []
+
+    def run(role: str, rank: int) -> None:
+        try:
+            _use_device(spec, role, rank)
+            (run_writer if role == "writer" else run_reader)(spec, rank)
+        except BaseException:
+            failed.append(f"{role} {rank}")
+            traceback.print_exc()
+
+    threads = [threading.Thread(target=run, args=(role, rank), name=f"{role}-{rank}", daemon=True)
+               for role, n in (("writer", spec.num_writers), ("reader", spec.num_readers)) for rank in range(n)]
+    for thread in threads:
+        thread.start()
+    deadline = Deadline.after(spec.timeout * (spec.steps + 1))
+    for thread in threads:
+        thread.join(timeout=deadline.remaining(0.0))
+    stuck = [t.name for t in threads if t.is_alive()]
+    if failed or stuck:
+        print(f"ranks failed: {failed}; did not end in time: {stuck}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _parse(line: str) -> Record:
@@ -280,7 +325,8 @@ def run_demo(*, size: str = "small", source: str = "megatron:tp=2", target: str 
              steps: int = 3, transport: str = "auto", max_bucket_bytes: int = 32 << 20, timeout: float = 120.0,
              devices: dict[str, list[str]] | None = None, delta_anchor_every: int = 0, nixl_mode: str = "auto",
              layer_phases: bool = False, hosts: dict[str, list[str]] | None = None,
-             env: dict[str, dict[str, str]] | None = None, kill_reader: int = -1) -> DemoResult:
+             env: dict[str, dict[str, str]] | None = None, kill_reader: int = -1,
+             same_process: bool = False) -> DemoResult:
     """Run the demo (see module docstring); a failure is in the result, never raised.
 
     ``weightsync doctor`` runs its GPU checks through these options (each a :class:`DemoSpec`
@@ -291,6 +337,7 @@ def run_demo(*, size: str = "small", source: str = "megatron:tp=2", target: str 
     kills a reader mid-transfer of the last version: then the result is ok when every writer's
     ``write`` of it raised within :data:`FAULT_SECONDS` naming that reader and the writer
     exited cleanly (``writer_errors``), and every earlier version arrived bitwise.
+    ``same_process`` runs every rank in one process, a thread each (CUDA IPC's in-process path).
 
     Raises:
         ValueError: an unknown size, layouts the model does not fit, settings the job refuses
@@ -307,17 +354,20 @@ def run_demo(*, size: str = "small", source: str = "megatron:tp=2", target: str 
     dst.validate(spec_model)
     counts = {"writer": src.world_size, "reader": dst.world_size}
     _check_options(counts, steps=steps, devices=devices, hosts=hosts, env=env, kill_reader=kill_reader)
+    if same_process and (env or kill_reader != -1):
+        raise ValueError(f"run_demo same_process=True with env={env!r}, kill_reader={kill_reader}: ranks in one "
+                         "process share its environment and its death; use separate processes for those")
     with tempfile.TemporaryDirectory(prefix="weightsync-demo-") as tmp, EmbeddedMetaServer() as server:
         spec = DemoSpec(config=config, source=src.describe(), target=dst.describe(), num_writers=src.world_size,
                         num_readers=dst.world_size, steps=steps, transport=transport, checkpoints=tmp,
                         max_bucket_bytes=max_bucket_bytes, timeout=timeout, devices=devices or {},
                         delta_anchor_every=delta_anchor_every, nixl_mode=nixl_mode, layer_phases=layer_phases,
-                        hosts=hosts or {}, env=env or {}, kill_reader=kill_reader)
+                        hosts=hosts or {}, env=env or {}, kill_reader=kill_reader, same_process=same_process)
         _job_config(spec)  # the job's own refusals (e.g. nixl_mode without NIXL), here rather than in each worker
         base = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
                 "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         procs = []
-        for role, n in counts.items():
+        for role, n in {"all": 1}.items() if same_process else counts.items():
             for rank in range(n):
                 cmd = [sys.executable, "-m", "weightsync.demo", "worker", "--role", role, "--rank", str(rank),
                        "--spec", spec.to_json()]
@@ -409,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m weightsync.demo")
     sub = parser.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("worker")
-    w.add_argument("--role", choices=["writer", "reader"], required=True)
+    w.add_argument("--role", choices=["writer", "reader", "all"], required=True)  # all: same_process
     w.add_argument("--rank", type=int, required=True)
     w.add_argument("--spec", required=True)
     args = parser.parse_args(argv)
@@ -417,9 +467,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     spec = DemoSpec(**json.loads(args.spec))
-    device = spec.device(args.role, args.rank)
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))  # this process's GPU, for every library in it
+    if args.role == "all":
+        return run_all(spec)
+    _use_device(spec, args.role, args.rank)  # this process's GPU, for every library in it
     (run_writer if args.role == "writer" else run_reader)(spec, args.rank)
     return 0
 

@@ -29,6 +29,7 @@ Checks (skipped with the reason when the hardware or a package is missing):
   10 s naming it, and its process lives on (``run_demo(kill_reader=...)``);
 * ``gpu/cuda-ipc-visible-devices``: CUDA IPC between a writer that sees two GPUs (on its
   ``cuda:1``) and a reader that sees only that one (its ``cuda:0``);
+* ``gpu/cuda-ipc-same-process``: CUDA IPC between a writer and a reader in threads of one process;
 * ``gpu/nixl-push``, ``gpu/nixl-pull``: NIXL on GPU memory in each ``nixl_mode``;
 * ``gpu/phases-shm``, ``gpu/phases-routed``: ``layer_phases`` over CUDA IPC, and over
   ``routed`` with both its routes (CUDA IPC within a node name, NCCL across);
@@ -343,6 +344,17 @@ def _ipc_visible_devices(env: Environment, options: DoctorOptions) -> Check:
     return check
 
 
+def _ipc_same_process(env: Environment, options: DoctorOptions) -> Check:
+    """CUDA IPC between a trainer and an engine in one process (threads of it): CUDA refuses to
+    open a handle in the process that exported it, so the reader must take the writer's slots
+    as they are (tests/test_gpu_paths.py, defect 2)."""
+    if reason := _needs_gpus(1, env):
+        return Check("", "skipped", f"CUDA IPC within one process: {reason}")
+    check = _sync("shm", {"writer": ["cuda:0"], "reader": ["cuda:0"]}, options.timeout, same_process=True)
+    check.detail = f"writer and reader threads of one process on cuda:0: {check.detail}"
+    return check
+
+
 def _fp8(env: Environment, options: DoctorOptions) -> Check:
     if reason := _needs_gpus(1, env):
         return Check("", "skipped", f"FP8 quantisation on GPU: {reason}")
@@ -398,8 +410,6 @@ def fp8_mismatches(device: str) -> list[str]:
 #: GPU paths a real job uses that the doctor lists but does not run yet: name -> (GPUs it
 #: needs, what it would check, why it does not run yet).
 PLANNED: dict[str, tuple[int, str, str]] = {
-    "gpu/cuda-ipc-same-process": (1, "CUDA IPC between a trainer and an engine in one process",
-                                  "the demo's writers and readers are separate processes"),
     "engine/vllm-memory": (1, "the vLLM worker backend with a real gpu_memory_utilization, peak memory "
                               "against the reserve", "it needs vLLM's GPU build and a model-sized reserve"),
 }
@@ -448,6 +458,7 @@ CHECKS: dict[str, Callable[[Environment, DoctorOptions], Check]] = {
     "gpu/delta": _gpu_delta,
     "gpu/nccl-abort": _nccl_abort,
     "gpu/cuda-ipc-visible-devices": _ipc_visible_devices,
+    "gpu/cuda-ipc-same-process": _ipc_same_process,
     "gpu/nixl-push": _nixl_mode("push"),
     "gpu/nixl-pull": _nixl_mode("pull"),
     "gpu/phases-shm": _phases_shm,
