@@ -113,3 +113,36 @@ def test_the_sweep_spares_files_a_live_process_holds_whatever_pid_their_name_car
     with open(path, "wb") as f:  # the same file once its creator is gone: nobody holds it
         f.write(b"x" * 64)
     assert name in sweep_stale_segments(min_age=0.0) and not os.path.exists(path)
+
+
+MOVES = {  # writer 0's weights move before version 1, writer 1's before version 2
+    "snapshot": {},  # private memory to private memory: the writer keeps its slots
+    "snapshot-delta": {"options": {"delta_anchor_every": 4}, "sparse_steps": True},
+    "zero-copy-to-private": {"shared_sources": True},  # readers move to the writer's new snapshot slots
+    "zero-copy-to-shared": {"shared_sources": True, "moved_shared": True},  # readers map the new files
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("move", MOVES)
+def test_a_writer_whose_weights_move_to_new_storage_still_reaches_its_readers(tmp_path, move):
+    """A trainer may replace its weights' storage between two versions (``param.data = t``, an
+    optimizer that swaps buffers): SyncSession.arm then re-prepares the writer in the same epoch,
+    while its readers stay attached to what it exposed before. Every version must still arrive
+    bitwise, in place, in every mode."""
+    from test_transport_contract import own_segments, run_scenario
+
+    out = run_scenario(tmp_path, "shm", moved_at={"0": [1], "1": [2]}, **MOVES[move])
+    assert not own_segments(out.pop("pids"))
+    for (role, rank), (code, payload, stderr) in sorted(out.items(), reverse=True):  # readers' errors first
+        assert code == 0, f"{role} {rank} failed:\n{stderr[-3000:]}"
+        if role == "writer" and move.startswith("zero-copy"):  # snapshot slots only after a move to private memory
+            moved = [r["peak_extra_bytes"] > 0 for r in payload["results"]]
+            assert moved == ([False, True, True] if rank == 0 else [False, False, True]) \
+                if move == "zero-copy-to-private" else [False] * 3, moved
+        if role == "reader":
+            assert "error" not in payload, f"reader {rank}: {payload}"
+            assert [r["version"] for r in payload["results"]] == [0, 1, 2]
+            for r in payload["results"]:
+                assert r["exact"] and r["in_place"], (rank, r)
+                assert 0 < r["bytes"] <= r["needed"] if move == "snapshot-delta" else r["bytes"] == r["needed"]
