@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -75,6 +76,8 @@ from weightsync.transport.shm_segment import (
     EMPTY,
     FileGoneError,
     OwnSegment,
+    SegmentRetiredError,
+    check_live,
     progress_word,
     read_segment,
     seq_word,
@@ -114,6 +117,12 @@ class WriterSide(Protocol):
 
     def send(self, version: int, flats: Mapping[str, torch.Tensor], timeout: float, *, phase: int,
              last: bool) -> TransferStats: ...
+
+    def serves(self, index: ExposedIndex, copies: list[list[tuple[str, TransferOp]]], plan: Plan,
+               flats: Mapping[str, torch.Tensor]) -> bool:
+        """Whether this side may go on exposing ``index`` for weights now in ``flats`` (readers
+        attached to its segment need not move)."""
+        ...
 
 
 class PeerSegment(Protocol):
@@ -162,6 +171,8 @@ class SharedMemoryTransport:
         self._flats: dict[str, torch.Tensor] = {}
         self._writer: WriterSide | None = None
         self._peers: dict[int, PeerSegment] = {}
+        self._paths: dict[int, str] = {}  # each writer's segment the reader maps
+        self._parts: list[Plan] = []
         self._reads: list[list[tuple[int, TransferOp, int, int]]] = []  # per phase: (writer, op, offset, row)
         self._phases = 1
         self.epoch: int | None = None
@@ -187,12 +198,19 @@ class SharedMemoryTransport:
         return self._writer
 
     def _prepare_writer(self, plan: Plan, parts: list[Plan], epoch: int) -> None:
-        self._release_own()
         # Pieces laid out phase by phase, so "packed up to byte X" also means "phases so far".
         me = self.ctx.rank
         index, first_ops = ExposedIndex.for_ops(op for part in parts for op in part.ops if op.src_rank == me)
         phase_of = {t: i for i, part in enumerate(parts) for t in {op.canonical for op in part.ops}}
         copies = [[(key, op) for key, op in first_ops if phase_of[op.canonical] == i] for i in range(len(parts))]
+        # The weights moved to new storage within the epoch (SyncSession.arm): readers stay attached
+        # to this segment until the next epoch, so keep it while it serves (snapshot slots are
+        # packed from wherever the weights are); else readers of the epoch must move with it.
+        if epoch == self.epoch and self._writer is not None:
+            if self._writer.serves(index, copies, plan, self._flats):
+                return
+            self._writer.segment.retire()  # attached readers look up the endpoint published below
+        self._release_own()
         writer = ZeroCopyWriter.create(self.ctx, plan, self._flats, index, copies, device=self.device)
         self._writer = writer if writer is not None else SnapshotWriter(self.ctx, index, copies, slots=self.slots,
                                                                          device=self.device,
@@ -216,10 +234,45 @@ class SharedMemoryTransport:
             if endpoint is None:
                 raise TransportError(f"reader {self.ctx.rank}: writer {w} did not expose its shared memory "
                                      f"for epoch {epoch} in time")
-            self._peers[w] = attach(endpoint.path, w, self.ctx, self.device, self.streaming, dev=self.dev)
+            self._attach(w, endpoint.path)
+        self._parts = parts
+        self._locate_reads()
+        if self._changes is not None:
+            self._changes.prepared(len(parts))
+
+    def _attach(self, w: int, path: str) -> None:
+        self._peers[w] = attach(path, w, self.ctx, self.device, self.streaming, dev=self.dev)
+        self._paths[w] = path
+
+    def _reattach(self, w: int, epoch: int, deadline: Deadline) -> None:
+        """Writer ``w`` retired the segment this reader maps (its weights moved within the epoch):
+        map the one it exposes now."""
+        old = self._paths[w]
+        while (endpoint := peer_endpoint(self.ctx, ShmEndpoint, epoch, "writer", w, deadline=deadline)) is None \
+                or endpoint.path == old:
+            if deadline.expired:
+                raise TransportError(f"reader {self.ctx.rank}: writer {w} replaced its shared memory {old} (its "
+                                     f"weights moved to new storage) but exposed no other for epoch {epoch} in time")
+            time.sleep(0.005)
+        logger.info("reader %d: writer %d's weights moved within epoch %d; now mapping %s", self.ctx.rank, w, epoch,
+                    endpoint.path)
+        self._attach(w, endpoint.path)
+        self._locate_reads()
+
+    def _begin(self, w: int, version: int, deadline: Deadline) -> None:
+        """Writer ``w``'s segment is ready for ``version`` (following the writer to a new segment)."""
+        while True:
+            try:
+                return self._peers[w].begin(version, deadline)
+            except SegmentRetiredError:
+                assert self.epoch is not None, "a reader receives once prepared"
+                self._reattach(w, self.epoch, deadline)
+
+    def _locate_reads(self) -> None:
+        """Each phase's reads: (writer, op, offset in its segment, its row in the writer's table)."""
         self._reads = []
         rows = {w: {key: 1 + i for i, key in enumerate(peer.index.entries)} for w, peer in self._peers.items()}
-        for part in parts:
+        for part in self._parts:
             reads = []
             for op in part.ops:
                 at, nbytes = self._peers[op.src_rank].index.locate(op, op.src_rank)
@@ -228,26 +281,23 @@ class SharedMemoryTransport:
                                          f"{op.canonical} {op.box}, expected {op.nbytes}")
                 reads.append((op.src_rank, op, at, rows[op.src_rank][piece_key(op)]))
             self._reads.append(reads)
-        if self._changes is not None:
-            self._changes.prepared(len(parts))
 
     def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
         check_phase(phase, self._phases, self.ctx.who)
         stats = TransferStats(version)
         timer = PhaseTimer(stats)
         deadline = Deadline.after(timeout)
-        reads = self._reads[phase]
-        involved = {w: self._peers[w] for w in dict.fromkeys(w for w, _, _, _ in reads)}
+        involved = list(dict.fromkeys(w for w, _, _, _ in self._reads[phase]))
         with timer("vouch"):  # per writer: the base this reader vouches for (deltas on)
             taking = {} if self._changes is None else self._changes.begin_writers(
-                phase, {w: [op for v, op, _, _ in reads if v == w] for w in involved}, self._flats,
+                phase, {w: [op for v, op, _, _ in self._reads[phase] if v == w] for w in involved}, self._flats,
                 publishes=lambda w: self._peers[w].changes(0) is not None)
         done = False
         try:
-            for peer in involved.values():
-                peer.begin(version, deadline)
+            for w in involved:
+                self._begin(w, version, deadline)
             with timer("transfer"):
-                for w, op, at, row in reads:
+                for w, op, at, row in self._reads[phase]:  # (located again if a writer moved)
                     source = self._peers[w].source(op, at, version, deadline)
                     if w in taking:
                         assert self._changes is not None
@@ -260,8 +310,8 @@ class SharedMemoryTransport:
                     stats.messages += 1
                 # the sequence words are checked after the copies: they must have read the slot by then
                 self.dev.synchronize(self.device)
-            for peer in involved.values():
-                peer.finish(version, deadline, last=phase == self._phases - 1)
+            for w in involved:
+                self._peers[w].finish(version, deadline, last=phase == self._phases - 1)
             done = True
         finally:  # zero-copy writers hold their weights until every reader is done (or gave up)
             if phase == self._phases - 1 or not done:
@@ -285,6 +335,7 @@ class SharedMemoryTransport:
 
     def _close_peers(self) -> None:
         self._peers.clear()
+        self._paths.clear()
         self._reads = []
 
     def close(self) -> None:
@@ -332,6 +383,11 @@ class SnapshotWriter:
         self.changes = None if changes is None else SlotChanges(
             index, changes, self.segment.data, slot_bytes=slot_bytes, anchor_every=ctx.options.delta_anchor_every)
         logger.info("%s exposes %d bytes x %d slots in %s", ctx.who, index.total_bytes, slots, self.segment.path)
+
+    def serves(self, index: ExposedIndex, copies: list[list[tuple[str, TransferOp]]], plan: Plan,
+               flats: Mapping[str, torch.Tensor]) -> bool:
+        """The same pieces: they are packed from wherever the weights are at each send."""
+        return (index, copies) == (self.index, self.copies)
 
     def send(self, version: int, flats: Mapping[str, torch.Tensor], timeout: float, *, phase: int,
              last: bool) -> TransferStats:
@@ -391,9 +447,8 @@ class SnapshotPeer:
         self._ready = -1  # bytes of the current slot known to be packed
 
     def begin(self, version: int, deadline: Deadline) -> None:
-        self._ready = -1
-        if not self.streaming and not self.phased:
-            self._ready = self._wait_packed(version, None, deadline)
+        # streaming: only until the writer begins the version here (it may have moved: SegmentRetiredError)
+        self._ready = self._wait_packed(version, 0 if self.streaming or self.phased else None, deadline)
 
     def source(self, op: TransferOp, at: int, version: int, deadline: Deadline) -> torch.Tensor:
         if at + op.nbytes > self._ready:
@@ -440,6 +495,7 @@ class SnapshotPeer:
                 packed = self.word(progress_word(self.slots, slot))
                 if packed >= need:
                     return packed
+            check_live(self.control, self.writer, self.reader)  # the writer's weights moved: see SegmentRetiredError
             if deadline.expired:
                 raise TransportError(self._stale_message(version, held) + self.watch.describe())
             self.watch.check(f"version {version} in writer {self.writer}'s shared memory")
