@@ -17,8 +17,8 @@ from weightsync.layout import parse_layout
 from weightsync.plan import PlanOptions, build_local_plan
 from weightsync.torch_layout import allocate
 from weightsync.transport import TransportContext, TransportError, TransportOptions, create_transport
-from weightsync.transport.shm import SnapshotWriter
 from weightsync.transport.shm_files import SHM_DIR, share_tensors
+from weightsync.transport.shm_snapshot import SnapshotWriter
 from weightsync.transport.shm_zero_copy import EXPOSED_WORD, ZeroCopyWriter
 
 pytestmark = pytest.mark.timeout(60)
