@@ -39,6 +39,7 @@ import torch
 
 from weightsync.device_port import check_fits
 from weightsync.transport.delta import LINK_BUFFERS, DeltaSync
+from weightsync.transport.torch_dist import TorchPairLink
 
 if TYPE_CHECKING:
     from weightsync.transport.base import PhaseTimer, TransferStats
@@ -108,7 +109,7 @@ class _Posted:
 
 
 @dataclass(frozen=True)
-class NcclLink:
+class NcclLink(TorchPairLink):
     """One pair as :class:`weightsync.transport.delta.PairLink` on the transport's communicator."""
 
     transport: TorchDistBase
@@ -117,14 +118,6 @@ class NcclLink:
     dog: Watchdog
     timer: PhaseTimer
     block_on: Callable[[Any], None]
-
-    @property
-    def peer(self) -> int:
-        return self.pair.peer
-
-    @property
-    def capacity(self) -> int:
-        return self.transport._message_bytes
 
     def post(self, op: Literal["send", "recv"], tensor: torch.Tensor, message: Message, *, tag: int) -> _Posted:
         t = self.transport
