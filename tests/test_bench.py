@@ -333,3 +333,31 @@ def test_delta_bench_routed_and_file_rows_send_fewer_bytes_bitwise():
         assert full["nbytes_per_version"][0] == delta["nbytes_per_version"][0] == full["nbytes"]  # version 1: full
         assert delta["nbytes"] < full["nbytes"] and delta["bytes_vs_full"] < 1.0
     assert len(changed[TEST_MODEL]) == 2
+
+
+def test_the_vllm_prefetch_suite_runs_every_model_named_and_refuses_two_transports(monkeypatch, capsys):
+    """``--models a,b`` ran only ``a`` (the rest silently dropped), and ``--transports`` took its
+    first entry: each model now gets its rows, and a second transport is refused by name."""
+    import weightsync.bench.vllm_prefetch as vllm_prefetch
+    from weightsync.cli import main
+
+    ran = []
+
+    def fake_run(*, model, updates, transport, paths, timeout, pause_modes):
+        ran.append((model, transport))
+        return []
+
+    monkeypatch.setattr(vllm_prefetch, "run_vllm_prefetch", fake_run)
+    assert main(["bench", "--suite", "vllm-prefetch", "--models", "qwen3-30m,qwen3-0.2b"]) == 0
+    assert ran == [("qwen3-30m", "auto"), ("qwen3-0.2b", "auto")]
+    assert main(["bench", "--suite", "vllm-prefetch", "--transports", "shm,torch"]) == 2
+    assert ("--suite vllm-prefetch runs one transport per run; got --transports ['shm', 'torch']"
+            in capsys.readouterr().err)
+
+
+def test_the_vllm_suites_name_an_unknown_model_and_the_known_ones():
+    from weightsync.bench.vllm_memory import model_config
+
+    with pytest.raises(ValueError, match=r"unknown model 'qwen3-0.6b' for the vLLM suites; known: qwen3-30m, "
+                                         r"qwen3-0.2b, qwen3-0.4b"):
+        model_config("qwen3-0.6b")

@@ -35,6 +35,8 @@ MODELS: dict[str, dict[str, Any]] = {
 
 
 def model_config(name: str) -> dict[str, Any]:
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r} for the vLLM suites; known: {', '.join(MODELS)}")
     return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 4096,
             "max_position_embeddings": 512, "tie_word_embeddings": False, "torch_dtype": "float32",
             "bos_token_id": 1, "eos_token_id": 2, **MODELS[name]}

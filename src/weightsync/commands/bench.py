@@ -191,10 +191,13 @@ def _vllm_prefetch(args: argparse.Namespace) -> int:
     from weightsync.bench import machine
     from weightsync.bench.vllm_prefetch import run_vllm_prefetch
 
+    if args.transports and len(args.transports) > 1:
+        raise ValueError(f"--suite vllm-prefetch runs one transport per run; got --transports {args.transports}")
     transport = args.transports[0] if args.transports else "auto"
-    rows = run_vllm_prefetch(model=args.models[0] if args.models else "qwen3-30m", updates=args.reps or 3,
-                             transport=transport, paths=tuple(args.vllm_paths), timeout=args.timeout,
-                             pause_modes=tuple(args.serve_pause_modes))
+    rows = [row for model in (args.models or ["qwen3-30m"])  # each model in turn, its rows side by side
+            for row in run_vllm_prefetch(model=model, updates=args.reps or 3, transport=transport,
+                                         paths=tuple(args.vllm_paths), timeout=args.timeout,
+                                         pause_modes=tuple(args.serve_pause_modes))]
     console = Console(stderr=args.json, width=200)
     table = Table(title="vLLM: the engine's pause per update (medians), and tokens/s during a sync")
     for col in ("path", "model", "no prefetch: pause = sync s", "prefetch: sync s", "pause s",
