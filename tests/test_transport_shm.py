@@ -18,13 +18,16 @@ from weightsync.plan import PlanOptions, build_local_plan
 from weightsync.torch_layout import allocate
 from weightsync.transport import TransportContext, TransportError, TransportOptions, create_transport
 from weightsync.transport.shm_files import SHM_DIR, share_tensors
+from weightsync.transport.shm_segment import RETIRED, SegmentRetiredError, check_live
 from weightsync.transport.shm_snapshot import SnapshotWriter
 from weightsync.transport.shm_zero_copy import EXPOSED_WORD, ZeroCopyWriter
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _writer(tmp_path, tensors):
+def _writer(tmp_path, tensors, *, moves=None):
+    """A prepared shm writer of tiny-qwen3 for two readers; ``moves(layout)`` (optional): prepare it
+    again in the same epoch on those tensors, as SyncSession.arm does when the weights moved."""
     spec = load_spec("tiny-qwen3")
     writers = parse_layout("megatron:tp=1").all_rank_layouts(spec)
     readers = parse_layout("vllm:tp=1,replicas=2").all_rank_layouts(spec)
@@ -33,6 +36,10 @@ def _writer(tmp_path, tensors):
                            num_readers=2, options=TransportOptions())
     transport = create_transport("shm", ctx)
     transport.prepare(plan, tensors(writers[0]), epoch=0, timeout=5)
+    if moves is not None:
+        first = transport.writer_side
+        transport.prepare(plan, moves(writers[0]), epoch=0, timeout=5)
+        return transport, first
     return transport
 
 
@@ -81,6 +88,37 @@ def test_private_sources_keep_snapshot_slots(tmp_path):
         transport.close()
 
 
+def test_weights_moved_within_an_epoch_keep_snapshot_slots_and_retire_a_zero_copy_segment(tmp_path):
+    """Readers attach once per epoch: a snapshot writer keeps its segment for new storage (it packs
+    from wherever the weights are); a zero-copy one whose files changed marks its old segment
+    retired (readers waiting on it look for the new one) and exposes a new one."""
+    transport, first = _writer(tmp_path, allocate, moves=allocate)
+    try:
+        assert transport.writer_side is first and first.segment.path is not None
+    finally:
+        transport.close()
+    shares = []
+
+    def in_shm(layout):
+        shares.append(share_tensors(allocate(layout)))
+        return shares[-1].tensors
+
+    for moves in (in_shm, allocate):  # to new shared files (zero-copy again), to private memory (snapshot)
+        transport, first = _writer(tmp_path, in_shm, moves=moves)
+        try:
+            assert isinstance(first, ZeroCopyWriter) and first.segment.path is None  # unlinked
+            assert int(first.segment.words[0]) == RETIRED
+            assert isinstance(transport.writer_side, ZeroCopyWriter if moves is in_shm else SnapshotWriter)
+            with pytest.raises(SegmentRetiredError, match="reader 1: writer 0 replaced its shared memory segment "
+                                                          r"\(its weights moved to new storage\)"):
+                check_live(first.segment.words, 0, 1)
+        finally:
+            transport.close()
+            for shared in shares:
+                shared.close()
+            shares.clear()
+
+
 def test_a_segment_never_unlinked_removes_its_file_when_the_process_exits():
     """A writer not closed must not leave a model-sized file in /dev/shm."""
     import subprocess
@@ -117,7 +155,8 @@ def test_the_sweep_spares_files_a_live_process_holds_whatever_pid_their_name_car
 
 MOVES = {  # writer 0's weights move before version 1, writer 1's before version 2
     "snapshot": {},  # private memory to private memory: the writer keeps its slots
-    "snapshot-delta": {"options": {"delta_anchor_every": 4}, "sparse_steps": True},
+    # (and readers that wait for whole slots)
+    "snapshot-delta": {"options": {"delta_anchor_every": 4, "shm_streaming": False}, "sparse_steps": True},
     "zero-copy-to-private": {"shared_sources": True},  # readers move to the writer's new snapshot slots
     "zero-copy-to-shared": {"shared_sources": True, "moved_shared": True},  # readers map the new files
 }
