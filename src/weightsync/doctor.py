@@ -15,7 +15,9 @@ Checks (skipped with the reason when the hardware or a package is missing):
 * ``meta-server``: an embedded meta server answers;
 * ``cpu/<transport>``: gloo, shared memory (snapshot slots), file and NIXL (DRAM)
   syncs between processes on this host;
-* ``gpu/nccl-2gpu``: NCCL between a writer on ``cuda:0`` and a reader on ``cuda:1``;
+* ``gpu/nccl-2gpu``: NCCL between a writer on ``cuda:0`` and a reader on ``cuda:1`` (every
+  NCCL check needs nccl4py, ``pip install weightsync[gpu]``: weightsync drives NCCL through it,
+  transport/nccl_comm.py, and says so instead of running without it);
 * ``gpu/same-gpu``: a writer and a reader on one GPU: ``auto`` must pick CUDA IPC (NCCL
   refuses two ranks on one GPU) and ``torch`` must be refused with the reason;
 * ``gpu/cuda-ipc-2gpu``: CUDA IPC from ``cuda:0`` into ``cuda:1`` (the storage's own device);
@@ -76,6 +78,7 @@ class Environment:
     gpus: int
     gpu_names: list[str] = field(default_factory=list)
     nixl: bool = False
+    nccl4py: bool = False  # the NCCL transport's binding (transport/nccl_comm.py)
     vllm: bool = False
     sglang: bool = False
     versions: dict[str, str] = field(default_factory=dict)
@@ -85,10 +88,13 @@ class Environment:
     def probe(cls) -> Environment:
         import torch
 
+        from weightsync.transport.nccl_comm import nccl4py_missing
+
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return cls(torch=torch.__version__, cuda_build=torch.version.cuda, gpus=gpus,
                    gpu_names=[torch.cuda.get_device_name(i) for i in range(gpus)],
                    nixl=bool(importlib.util.find_spec("nixl_cu12") or importlib.util.find_spec("nixl")),
+                   nccl4py=nccl4py_missing() is None,
                    vllm=importlib.util.find_spec("vllm") is not None,
                    sglang=importlib.util.find_spec("sglang") is not None,
                    versions=_versions(), topology=_topology())
@@ -97,7 +103,8 @@ class Environment:
 def _versions() -> dict[str, str]:
     """Installed versions of what a GPU path depends on (for a bug report)."""
     out = {}
-    for name in ("weightsync", "torch", "vllm", "sglang", "nixl", "nixl-cu12", "nvidia-nccl-cu12", "numpy"):
+    for name in ("weightsync", "torch", "vllm", "sglang", "nixl", "nixl-cu12", "nccl4py", "nvidia-nccl-cu12",
+                 "nvidia-nccl-cu13", "numpy"):
         try:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -170,8 +177,16 @@ def _needs_gpus(n: int, env: Environment) -> str | None:
     return f"needs {n} GPU(s); this machine has {env.gpus}" + ("" if env.cuda_build else " (CPU build of torch)")
 
 
+def _needs_nccl(gpus: int, env: Environment) -> str | None:
+    """Why an NCCL check cannot run here: too few GPUs, nccl4py missing, or both."""
+    from weightsync.transport.nccl_comm import MISSING
+
+    reasons = [r for r in (_needs_gpus(gpus, env), None if env.nccl4py else MISSING) if r]
+    return "; ".join(reasons) or None
+
+
 def _nccl_two_gpus(env: Environment, options: DoctorOptions) -> Check:
-    if reason := _needs_gpus(2, env):
+    if reason := _needs_nccl(2, env):
         return Check("", "skipped", reason)
     return _sync("torch", {"writer": ["cuda:0"], "reader": ["cuda:1"]}, options.timeout)
 
@@ -222,7 +237,7 @@ def _gpu_bench(env: Environment, options: DoctorOptions) -> Check:
 
 
 def _nccl_four_ranks(env: Environment, options: DoctorOptions) -> Check:
-    if reason := _needs_gpus(4, env):
+    if reason := _needs_nccl(4, env):
         return Check("", "skipped", reason)
     check = _sync("torch", {"writer": ["cuda:0", "cuda:1"], "reader": ["cuda:2", "cuda:3"]}, options.timeout,
                   source="megatron:tp=2", target="vllm:tp=1,replicas=2")
@@ -233,7 +248,7 @@ def _nccl_four_ranks(env: Environment, options: DoctorOptions) -> Check:
 def _gpu_delta(env: Environment, options: DoctorOptions) -> Check:
     """Delta versions over NCCL (transport/nccl_delta.py: the torch-op codec, the header
     exchange, the copies on the writer's GPU): three versions, a full one then deltas."""
-    if reason := _needs_gpus(2, env):
+    if reason := _needs_nccl(2, env):
         return Check("", "skipped", f"delta versions over NCCL (the torch transport between GPUs): {reason}; its "
                                     "rules are covered on CPU by tests/test_nccl_delta.py under the device model")
     check = _sync("torch", {"writer": ["cuda:0"], "reader": ["cuda:1"]}, options.timeout, delta_anchor_every=4)
@@ -261,7 +276,7 @@ def _planned(name: str) -> Callable[[Environment, DoctorOptions], Check]:
     gpus, what = PLANNED[name]
 
     def check(env: Environment, options: DoctorOptions) -> Check:
-        if reason := _needs_gpus(gpus, env):
+        if reason := (_needs_nccl if name.startswith("gpu/nccl") else _needs_gpus)(gpus, env):
             return Check("", "skipped", f"{what}: {reason}")
         return Check("", "skipped", f"{what}: not run by this version of the doctor (its rules are covered on "
                                     "CPU by the device model: docs/gpu.md)")
