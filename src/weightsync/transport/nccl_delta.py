@@ -39,6 +39,7 @@ import torch
 from weightsync.device_port import check_fits
 from weightsync.transport.delta import LINK_BUFFERS, DeltaSync
 from weightsync.transport.nccl_comm import P2P, Communicator
+from weightsync.transport.torch_dist import TorchPairLink
 
 if TYPE_CHECKING:
     from weightsync.transport.base import PhaseTimer, TransferStats
@@ -104,7 +105,7 @@ class _Posted:
 
 
 @dataclass(frozen=True)
-class NcclLink:
+class NcclLink(TorchPairLink):
     """One pair as :class:`weightsync.transport.delta.PairLink` on the transport's communicator."""
 
     transport: TorchDistBase
@@ -112,14 +113,6 @@ class NcclLink:
     pair: Pair
     dog: Watchdog
     timer: PhaseTimer
-
-    @property
-    def peer(self) -> int:
-        return self.pair.peer
-
-    @property
-    def capacity(self) -> int:
-        return self.transport._message_bytes
 
     def post(self, op: Literal["send", "recv"], tensor: torch.Tensor, message: Message, *, tag: int) -> _Posted:
         t = self.transport

@@ -274,3 +274,20 @@ class Pair:
     peer: int  # the peer's writer or reader rank
     peer_global: int  # its rank in the transport's process group
     messages: list[Message]
+
+
+class TorchPairLink:
+    """What both backends' :class:`~weightsync.transport.delta.PairLink` share: the peer is the
+    pair's, and staging buffers hold one message of the transport's. Each backend's link (a
+    dataclass) declares ``transport`` and ``pair`` and adds how it posts and waits."""
+
+    transport: TorchDistBase
+    pair: Pair
+
+    @property
+    def peer(self) -> int:
+        return self.pair.peer
+
+    @property
+    def capacity(self) -> int:
+        return self.transport._message_bytes
