@@ -68,10 +68,10 @@ def main() -> None:
     if device == "cuda-per-rank":
         device = f"cuda:{rank if role == 'writer' else len(writers) + rank}"
     tensors = allocate(mine, device=device)
-    shared = None
+    shares = []
     if role == "writer" and args.get("shared_sources"):  # the trainer's weights live in /dev/shm
-        shared = share_tensors(tensors)
-        tensors = shared.tensors
+        shares.append(share_tensors(tensors))
+        tensors = shares[0].tensors
     pointers = {n: t.data_ptr() for n, t in tensors.items()}
     meta = DirectoryMeta(args["meta_dir"])
     opts = TransportOptions(max_bucket_bytes=args.get("bucket", 1 << 16), direct_min_bytes=1024,
@@ -99,6 +99,12 @@ def main() -> None:
             if role == "writer":
                 if args.get("die_at") == version and rank == args.get("die_rank", 0):
                     os._exit(3)  # a peer dying mid-sync
+                if version in args.get("moved_at", {}).get(str(rank), []):  # the trainer's weights move
+                    tensors = allocate(mine, device=device)  # new storage, same shapes (param.data = ...)
+                    if args.get("moved_shared"):  # to new /dev/shm files (zero-copy stays possible)
+                        shares.append(share_tensors(tensors))
+                        tensors = shares[-1].tensors
+                    transport.prepare(plan, tensors, epoch=0, timeout=timeout)  # what SyncSession.arm does
                 fill_from_canonical(mine, tensors, values(canonical, version, args["source_dtype"]))
                 # (routed: its shm part keeps version slots too; WeightWriter's staleness wait guards them)
                 if (transport.one_sided or transport.name == "routed") and version >= 1:
@@ -144,7 +150,7 @@ def main() -> None:
         print(json.dumps({"results": results}), flush=True)
     finally:
         transport.close()
-        if shared is not None:
+        for shared in shares:
             shared.close()
 
 

@@ -290,27 +290,25 @@ class DeviceModel:
     def scope(self, device: str | torch.device) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
-    # -- other engines' streams (a fake NCCL) ---------------------------------------------------
+    # -- work another engine queues on a stream (a fake NCCL) -------------------------------------
     def queue(self, reads: Sequence[Range], writes: Sequence[Range], run: Callable[[], None], what: str, *,
               stream: str) -> Op:
-        """Queue work on ``stream`` (an engine of its own, as NCCL's stream): pending until the
-        stream completes it, or until the stream of a process that took it over (:meth:`join`) does."""
+        """Queue work on ``stream`` (a process's own stream, as NCCL's kernels on the current
+        stream): pending until that stream completes it."""
         with self._lock:
             self._seq += 1
             op = Op(self._seq, list(reads), list(writes), run, what)
             self._streams.setdefault(stream, Stream()).ops.append(op)
             return op
 
-    def join(self, op: Op) -> None:
-        """The calling process's stream waits for ``op`` (``work.block_current_stream()``): it
-        completes with that stream's work from here on, and no sooner than the CPU waits for it."""
+    def complete_before(self, op: Op) -> None:
+        """Complete what is queued ahead of ``op`` on its stream, leaving ``op`` pending (a NCCL
+        receive completing with its send: the sender's stream got that far, and the send itself
+        is done for its sender only once that sender's stream or CPU waited for it)."""
         with self._lock:
-            for stream in self._streams.values():
+            for name, stream in self._streams.items():
                 if any(o is op for o in stream.ops):
-                    stream.ops[:] = [o for o in stream.ops if o is not op]
-                    self._seq += 1
-                    op.seq = self._seq
-                    self._streams.setdefault(self.process(), Stream()).ops.append(op)
+                    self._complete(name, op.seq - 1)
                     return
 
     # -- completion -------------------------------------------------------------------------

@@ -28,14 +28,14 @@ PKG = SRC / "weightsync"
 CORE_FORBIDDEN = (
     "torch", "weightsync.transport", "weightsync.engines", "weightsync.sources", "weightsync.meta",
     "weightsync.writer", "weightsync.reader", "vllm", "sglang", "megatron", "deepspeed", "nixl",
-    "nixl_cu12", "transformers", "fastapi", "uvicorn", "httpx",
+    "nixl_cu12", "nccl", "transformers", "fastapi", "uvicorn", "httpx",
 )
 #: Engine / framework packages only their own adapter (or integration) modules may import.
 ADAPTER_ONLY = {
     "vllm": ("engines/vllm", "integrations/vllm", "integrations/trl"), "sglang": ("engines/sglang", "integrations/sglang"),
     "transformers": ("engines/hf", "sources/"), "trl": "integrations/trl",
     "megatron": "sources/megatron", "mbridge": "sources/megatron", "deepspeed": "sources/deepspeed",
-    "nixl": "transport/nixl", "nixl_cu12": "transport/nixl",
+    "nixl": "transport/nixl", "nixl_cu12": "transport/nixl", "nccl": "transport/nccl_comm",
     # weightsync's Ray actors, and the vLLM trainer engine driving vLLM's Ray workers
     "ray": ("integrations/ray/", "integrations/vllm_trainer"), "verl": "integrations/verl",
 }

@@ -141,19 +141,6 @@ def test_ranks_compare_gpus_by_identity_and_nccl_refuses_any_two_ranks_on_one():
         choose_transport("auto", readers)  # several nodes: auto means NCCL, refused before NCCL would be
 
 
-def test_nccl_group_is_built_without_torch_watchdog_and_leaves_the_environment_as_it_was(monkeypatch):
-    from weightsync.transport.torch_nccl import nccl_group_env, scoped_env
-
-    assert nccl_group_env() == {"TORCH_NCCL_BLOCKING_WAIT": "1"}
-    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
-    import os
-
-    with scoped_env(nccl_group_env()):
-        assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "1"
-    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and "TORCH_NCCL_BLOCKING_WAIT" not in os.environ
-
-
 def test_nixl_descriptors_carry_each_sides_own_device_id():
     # 2: the remote list must name the peer's GPU, not ours
     assert nixl_device_id("cuda:3") == 3 and nixl_device_id("cpu") == 0
@@ -200,7 +187,7 @@ def test_watchdog_aborts_at_the_deadline_and_only_then():
     import time
 
     from weightsync.deadline import Deadline
-    from weightsync.transport.torch_nccl import Watchdog
+    from weightsync.transport.nccl_comm import Watchdog
 
     aborted = threading.Event()
     with Watchdog(Deadline.after(0.05), aborted.set) as dog:

@@ -41,10 +41,28 @@ def test_doctor_lists_every_gpu_path_of_a_real_job_and_writes_a_report(tmp_path,
     checks = {c["name"]: c for c in report["checks"]}
     assert code == 0
     for name in ("gpu/nccl-2gpu", "gpu/nccl-4ranks", "gpu/same-gpu", "gpu/cuda-ipc-2gpu", "gpu/nixl-vram", "gpu/delta",
-                 *PLANNED):
+                 "gpu/nccl-abort", "gpu/cuda-ipc-visible-devices", "gpu/nixl-push", "gpu/nixl-pull", "gpu/phases-shm",
+                 "gpu/phases-routed", "gpu/fp8", *PLANNED):
         assert name in checks and checks[name]["detail"], name
         if report["environment"]["gpus"] == 0:
             assert checks[name]["status"] == "skipped" and "GPU" in checks[name]["detail"], checks[name]
     saved = json.loads(path.read_text())
     assert saved["checks"] == report["checks"] and "torch" in saved["environment"]["versions"]
     assert "topology" in saved["environment"]
+
+
+def test_the_nccl_checks_say_they_need_nccl4py():
+    """weightsync drives NCCL through nccl4py (transport/nccl_comm.py): on a GPU machine without
+    it every NCCL check is refused with the package to install, and on one without GPUs the
+    reason names both."""
+    from weightsync.doctor import DoctorOptions, Environment
+    from weightsync.transport.nccl_comm import MISSING
+
+    assert MISSING == "the NCCL transport needs nccl4py (pip install weightsync[gpu])"
+    gpus = Environment(torch="2.13.0", cuda_build="12.8", gpus=8, nccl4py=False)
+    cpu = Environment(torch="2.13.0", cuda_build=None, gpus=0, nccl4py=False)
+    for name in ("gpu/nccl-2gpu", "gpu/nccl-4ranks", "gpu/delta", "gpu/nccl-abort"):
+        check = CHECKS[name](gpus, DoctorOptions())
+        assert check.status == "skipped" and MISSING in check.detail and "needs" not in check.detail.replace(MISSING, ""), (name, check)
+        check = CHECKS[name](cpu, DoctorOptions())
+        assert check.status == "skipped" and "GPU" in check.detail and MISSING in check.detail, (name, check)

@@ -3,16 +3,17 @@ delta path run end to end in threads under the CPU device model, over a fake NCC
 
 What is real here: :class:`NcclTransport` (prepare, send, receive, the watchdog), its
 ``NcclLink``, ``DeltaSync`` and the torch-op codec. What is faked: the communicator. Its
-operations match by (sender, receiver) in posting order, as NCCL's do (tags are ignored), sizes
-must agree, and each operation is work on NCCL's own stream of the device model: a receive's bytes
-land when that stream completes it, after ``block_current_stream`` only with the stream of the
-process that waited, so the CPU reading a header it did not wait for is a hazard the model reports.
+operations match by (sender, receiver) in posting order, as NCCL's do, sizes must agree, and each
+operation is work on the posting process's stream of the device model (NCCL's kernels go on the
+current stream): a receive's bytes land when that stream completes it, so the CPU reading a header
+it did not wait for is a hazard the model reports, and a send stays pending until its sender waits.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from weightsync.layout import parse_layout
 from weightsync.plan import build_local_plan
 from weightsync.plan.reference import cut_shards, empty_shards, random_canonical
 from weightsync.transport import TransportContext, TransportError, TransportOptions
+from weightsync.transport.nccl_comm import P2P
 from weightsync.transport.torch_nccl import NcclTransport
 
 # -- the codec -------------------------------------------------------------------------------------
@@ -111,86 +113,107 @@ def test_the_codec_is_chosen_by_whether_the_memory_follows_gpu_rules():
 
 # -- a fake NCCL communicator on the device model ----------------------------------------------------
 
-class FakeWork:
-    def __init__(self, wire: Wire, kind: str) -> None:
-        self.wire, self.kind = wire, kind
-        self.matched = threading.Event()
-        self.op: Any = None
+class Transfer:
+    """One send matched with one receive: the bytes the send read, once its stream got to it."""
 
-    def block_current_stream(self) -> None:
-        if not self.matched.wait(self.wire.patience):
-            raise RuntimeError("fake NCCL: the peer never posted the matching operation")
-        self.wire.model.join(self.op)
+    def __init__(self) -> None:
+        self.matched = threading.Event()
+        self.send_op: Any = None
+        self.data: torch.Tensor | None = None
 
 
 class Wire:
-    """Every fake group of one job: posted operations matched per (sender, receiver) in order."""
+    """Every fake communicator of one job: posted operations matched per (sender, receiver) in
+    posting order, as NCCL matches them (it has no tags)."""
 
     def __init__(self, model: DeviceModel, *, patience: float = 10.0) -> None:
         self.model = model
         self.patience = patience  # how long a posted operation waits for its match
         self.lock = threading.Lock()
-        self.sends: dict[tuple[int, int], deque[tuple[torch.Tensor, FakeWork]]] = {}
-        self.recvs: dict[tuple[int, int], deque[tuple[torch.Tensor, FakeWork, str]]] = {}
+        self.sends: dict[tuple[int, int], deque[Transfer]] = {}
+        self.recvs: dict[tuple[int, int], deque[tuple[torch.Tensor, Transfer, str]]] = {}
 
-    def send(self, tensor: torch.Tensor, src: int, dst: int) -> FakeWork:
-        self.model.synchronize("cpu")  # NCCL's stream waits for the current one: what was queued is in
-        work = FakeWork(self, "send")
-        work.op = self.model.queue([span(tensor)], [], lambda: None, f"a NCCL send by {src}",
-                                   stream=f"nccl:{self.model.process()}")
-        with self.lock:
-            self.sends.setdefault((src, dst), deque()).append((tensor.clone(), work))
-            self._match(src, dst)
-        return work
+    def send(self, tensor: torch.Tensor, src: int, dst: int, *, stream: str | None = None) -> Transfer:
+        """On the sender's stream (or ``stream``): it reads ``tensor`` when the stream gets there."""
+        transfer = Transfer()
+        if stream is not None:  # a side stream (torch's NCCL stream) first waits for the current one,
+            self.model.synchronize("cpu")  # so the bytes it sends are those there now
+            transfer.data = tensor.clone()
 
-    def recv(self, tensor: torch.Tensor, src: int, dst: int) -> FakeWork:
-        work = FakeWork(self, "recv")
+        def read() -> None:
+            if transfer.data is None:
+                transfer.data = tensor.clone()
+        transfer.send_op = self.model.queue([span(tensor)], [], read, f"a NCCL send by {src}",
+                                            stream=stream or self.model.process())
         with self.lock:
-            self.recvs.setdefault((src, dst), deque()).append((tensor, work, self.model.process()))
+            self.sends.setdefault((src, dst), deque()).append(transfer)
             self._match(src, dst)
-        return work
+        return transfer
+
+    def recv(self, tensor: torch.Tensor, src: int, dst: int) -> Transfer:
+        transfer = Transfer()
+        with self.lock:
+            self.recvs.setdefault((src, dst), deque()).append((tensor, transfer, self.model.process()))
+            self._match(src, dst)
+        return transfer
 
     def _match(self, src: int, dst: int) -> None:
         sends, recvs = self.sends.get((src, dst)), self.recvs.get((src, dst))
         while sends and recvs:
-            (data, sent), (target, received, process) = sends.popleft(), recvs.popleft()
-            assert data.shape == target.shape and data.dtype == target.dtype, "NCCL send and receive disagree"
-            received.op = self.model.queue([], [span(target)], lambda t=target, d=data: t.copy_(d),
-                                           f"a NCCL receive by {dst}", stream=f"nccl:{process}")
+            sent, (target, received, process) = sends.popleft(), recvs.popleft()
+            sent_op = sent.send_op
+            assert sent_op.reads[0][1] - sent_op.reads[0][0] == target.numel() * target.element_size(), \
+                "NCCL send and receive disagree on the size"
+
+            def land(target: torch.Tensor = target, sent: Transfer = sent) -> None:
+                if sent.data is None:
+                    self.model.complete_before(sent.send_op)  # the sender's stream reached its send
+                    sent.send_op.run()  # the bytes leave; the send stays pending for its sender
+                assert sent.data is not None
+                target.view(torch.uint8).reshape(-1).copy_(sent.data.view(torch.uint8).reshape(-1))
+            self.model.queue([], [span(target)], land, f"a NCCL receive by {dst}", stream=process)
             sent.matched.set()
             received.matched.set()
 
 
-class FakeNcclGroup:
+class FakeComm:
+    """:class:`weightsync.transport.nccl_comm.Communicator` on the wire: each post enqueues its
+    operations on the poster's stream (a receive once its send was posted, so it lands in
+    stream order); it returns once every operation is matched, or fails after the wire's patience."""
+
+    #: Where sends go: None, the poster's current stream; else a stream of that name and process.
+    send_stream: str | None = None
+
     def __init__(self, wire: Wire, rank: int) -> None:
         self.wire, self.rank = wire, rank
-        self.posted: list[FakeWork] = []
 
-    def _start_coalescing(self, device: Any) -> None:
-        self.posted = []
+    def post(self, ops: Sequence[P2P]) -> None:
+        assert len(ops) <= 1, "the delta path posts one operation per group"
+        side = None if self.send_stream is None else f"{self.send_stream}:{self.wire.model.process()}"
+        transfers = [self.wire.send(p.tensor, self.rank, p.peer, stream=side) if p.op == "send"
+                     else self.wire.recv(p.tensor, p.peer, self.rank) for p in ops]
+        for transfer in transfers:
+            if not transfer.matched.wait(self.wire.patience):
+                raise RuntimeError("fake NCCL: the peer never posted the matching operation")
 
-    def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> None:
-        self.posted.append(self.wire.send(tensors[0], self.rank, peer))
-
-    def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> None:
-        self.posted.append(self.wire.recv(tensors[0], peer, self.rank))
-
-    def _end_coalescing(self, device: Any) -> Any:
-        assert len(self.posted) <= 1, "the delta path posts one operation per group"
-        return self.posted[0] if self.posted else None
+    def error(self) -> str | None:
+        return None
 
     def abort(self) -> None:
         pass  # a communicator's own affair: its peers are not told (they wait, or their watchdog fires)
 
 
 class ModelNccl(NcclTransport):
-    """The NCCL transport on CPU tensors (device memory under the model), over the fake group."""
+    """The NCCL transport on CPU tensors (device memory under the model), over the fake communicator."""
 
     serves_cpu = True
     wire: Wire
+    send_stream: str | None = None
 
     def _form_group(self, epoch: int, deadline: Any) -> Any:
-        return FakeNcclGroup(self.wire, self.ctx.global_rank)
+        comm = FakeComm(self.wire, self.ctx.global_rank)
+        comm.send_stream = self.send_stream
+        return comm
 
 
 # -- the NCCL delta path ------------------------------------------------------------------------------
@@ -346,12 +369,13 @@ def test_a_header_read_on_the_cpu_before_its_event_completed_is_caught(tmp_path,
 
 
 def test_a_staging_buffer_refilled_while_nccl_still_reads_it_is_caught(tmp_path, monkeypatch):
-    """The other rule: a buffer is handed out for writing only once NCCL is done with it. A link
-    whose wait does not make the stream wait for a send leaves the send pending; the writer's
+    """The other rule: a buffer is handed out for writing only once NCCL is done with it. Our
+    communicator posts on the current stream, which the link's wait (an event on that stream)
+    covers. One that sent on a stream of its own that the current stream never waits for (torch's
+    ``ProcessGroupNCCL`` without ``block_current_stream``) leaves the send pending; the writer's
     next use of that staging buffer is caught."""
     model = DeviceModel(seed=0, chance=0.0)
-    monkeypatch.setattr("weightsync.transport.torch_nccl.block_on",
-                        lambda work: None if work.kind == "send" else work.block_current_stream())
+    monkeypatch.setattr(ModelNccl, "send_stream", "nccl")
     with pytest.raises(TransportError, match="writes into memory with pending reads or writes"):
         run_versions(tmp_path, model, [1], patience=1.0)
     assert model.violations == ["the CPU (trainer0) writes into memory with pending reads or writes (a NCCL send by 0)"]

@@ -17,14 +17,17 @@ from weightsync.layout import parse_layout
 from weightsync.plan import PlanOptions, build_local_plan
 from weightsync.torch_layout import allocate
 from weightsync.transport import TransportContext, TransportError, TransportOptions, create_transport
-from weightsync.transport.shm import SnapshotWriter
 from weightsync.transport.shm_files import SHM_DIR, share_tensors
+from weightsync.transport.shm_segment import RETIRED, SegmentRetiredError, check_live
+from weightsync.transport.shm_snapshot import SnapshotWriter
 from weightsync.transport.shm_zero_copy import EXPOSED_WORD, ZeroCopyWriter
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _writer(tmp_path, tensors):
+def _writer(tmp_path, tensors, *, moves=None):
+    """A prepared shm writer of tiny-qwen3 for two readers; ``moves(layout)`` (optional): prepare it
+    again in the same epoch on those tensors, as SyncSession.arm does when the weights moved."""
     spec = load_spec("tiny-qwen3")
     writers = parse_layout("megatron:tp=1").all_rank_layouts(spec)
     readers = parse_layout("vllm:tp=1,replicas=2").all_rank_layouts(spec)
@@ -33,6 +36,10 @@ def _writer(tmp_path, tensors):
                            num_readers=2, options=TransportOptions())
     transport = create_transport("shm", ctx)
     transport.prepare(plan, tensors(writers[0]), epoch=0, timeout=5)
+    if moves is not None:
+        first = transport.writer_side
+        transport.prepare(plan, moves(writers[0]), epoch=0, timeout=5)
+        return transport, first
     return transport
 
 
@@ -81,6 +88,37 @@ def test_private_sources_keep_snapshot_slots(tmp_path):
         transport.close()
 
 
+def test_weights_moved_within_an_epoch_keep_snapshot_slots_and_retire_a_zero_copy_segment(tmp_path):
+    """Readers attach once per epoch: a snapshot writer keeps its segment for new storage (it packs
+    from wherever the weights are); a zero-copy one whose files changed marks its old segment
+    retired (readers waiting on it look for the new one) and exposes a new one."""
+    transport, first = _writer(tmp_path, allocate, moves=allocate)
+    try:
+        assert transport.writer_side is first and first.segment.path is not None
+    finally:
+        transport.close()
+    shares = []
+
+    def in_shm(layout):
+        shares.append(share_tensors(allocate(layout)))
+        return shares[-1].tensors
+
+    for moves in (in_shm, allocate):  # to new shared files (zero-copy again), to private memory (snapshot)
+        transport, first = _writer(tmp_path, in_shm, moves=moves)
+        try:
+            assert isinstance(first, ZeroCopyWriter) and first.segment.path is None  # unlinked
+            assert int(first.segment.words[0]) == RETIRED
+            assert isinstance(transport.writer_side, ZeroCopyWriter if moves is in_shm else SnapshotWriter)
+            with pytest.raises(SegmentRetiredError, match="reader 1: writer 0 replaced its shared memory segment "
+                                                          r"\(its weights moved to new storage\)"):
+                check_live(first.segment.words, 0, 1)
+        finally:
+            transport.close()
+            for shared in shares:
+                shared.close()
+            shares.clear()
+
+
 def test_a_segment_never_unlinked_removes_its_file_when_the_process_exits():
     """A writer not closed must not leave a model-sized file in /dev/shm."""
     import subprocess
@@ -113,3 +151,37 @@ def test_the_sweep_spares_files_a_live_process_holds_whatever_pid_their_name_car
     with open(path, "wb") as f:  # the same file once its creator is gone: nobody holds it
         f.write(b"x" * 64)
     assert name in sweep_stale_segments(min_age=0.0) and not os.path.exists(path)
+
+
+MOVES = {  # writer 0's weights move before version 1, writer 1's before version 2
+    "snapshot": {},  # private memory to private memory: the writer keeps its slots
+    # (and readers that wait for whole slots)
+    "snapshot-delta": {"options": {"delta_anchor_every": 4, "shm_streaming": False}, "sparse_steps": True},
+    "zero-copy-to-private": {"shared_sources": True},  # readers move to the writer's new snapshot slots
+    "zero-copy-to-shared": {"shared_sources": True, "moved_shared": True},  # readers map the new files
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("move", MOVES)
+def test_a_writer_whose_weights_move_to_new_storage_still_reaches_its_readers(tmp_path, move):
+    """A trainer may replace its weights' storage between two versions (``param.data = t``, an
+    optimizer that swaps buffers): SyncSession.arm then re-prepares the writer in the same epoch,
+    while its readers stay attached to what it exposed before. Every version must still arrive
+    bitwise, in place, in every mode."""
+    from test_transport_contract import own_segments, run_scenario
+
+    out = run_scenario(tmp_path, "shm", moved_at={"0": [1], "1": [2]}, **MOVES[move])
+    assert not own_segments(out.pop("pids"))
+    for (role, rank), (code, payload, stderr) in sorted(out.items()):  # readers first: their errors say most
+        assert code == 0, f"{role} {rank} failed:\n{stderr[-3000:]}"
+        if role == "writer" and move.startswith("zero-copy"):  # snapshot slots only after a move to private memory
+            moved = [r["peak_extra_bytes"] > 0 for r in payload["results"]]
+            assert moved == ([False, True, True] if rank == 0 else [False, False, True]) \
+                if move == "zero-copy-to-private" else [False] * 3, moved
+        if role == "reader":
+            assert "error" not in payload, f"reader {rank}: {payload}"
+            assert [r["version"] for r in payload["results"]] == [0, 1, 2]
+            for r in payload["results"]:
+                assert r["exact"] and r["in_place"], (rank, r)
+                assert 0 < r["bytes"] <= r["needed"] if move == "snapshot-delta" else r["bytes"] == r["needed"]

@@ -25,7 +25,7 @@ the handle is opened on, under a ``CUDAGuard``; the caching allocator opens it w
 ``cudaIpcOpenMemHandle(..., cudaIpcMemLazyEnablePeerAccess)``, which maps the memory into the
 *current* device's context, reaching another GPU by peer access). CUDA refuses to open a handle
 in the process that exported it: torch's own reductions hand such a tensor over from their
-cache instead, and so must weightsync (:mod:`weightsync.transport.shm`).
+cache instead, and so must weightsync (:mod:`weightsync.transport.shm_snapshot`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ Checks (skipped with the reason when the hardware or a package is missing):
 * ``meta-server``: an embedded meta server answers;
 * ``cpu/<transport>``: gloo, shared memory (snapshot slots), file and NIXL (DRAM)
   syncs between processes on this host;
-* ``gpu/nccl-2gpu``: NCCL between a writer on ``cuda:0`` and a reader on ``cuda:1``;
+* ``gpu/nccl-2gpu``: NCCL between a writer on ``cuda:0`` and a reader on ``cuda:1`` (every
+  NCCL check needs nccl4py, ``pip install weightsync[gpu]``: weightsync drives NCCL through it,
+  transport/nccl_comm.py, and says so instead of running without it);
 * ``gpu/same-gpu``: a writer and a reader on one GPU: ``auto`` must pick CUDA IPC (NCCL
   refuses two ranks on one GPU) and ``torch`` must be refused with the reason;
 * ``gpu/cuda-ipc-2gpu``: CUDA IPC from ``cuda:0`` into ``cuda:1`` (the storage's own device);
@@ -23,9 +25,18 @@ Checks (skipped with the reason when the hardware or a package is missing):
 * ``gpu/bench``: one bench-sized case on the GPU(s), with its GB/s;
 * ``gpu/nccl-4ranks``: NCCL between two writers and two readers, several peers per round;
 * ``gpu/delta``: delta versions over NCCL between two GPUs;
-* the other GPU paths a real job uses (issue 23; :data:`PLANNED`): listed with the reason
-  they did not run, until the doctor runs them (``docs/gpu.md`` names the CPU test that
-  covers each one's rules under the device model);
+* ``gpu/nccl-abort``: a reader SIGKILLed mid-transfer over NCCL; the writer fails within
+  10 s naming it, and its process lives on (``run_demo(kill_reader=...)``);
+* ``gpu/cuda-ipc-visible-devices``: CUDA IPC between a writer that sees two GPUs (on its
+  ``cuda:1``) and a reader that sees only that one (its ``cuda:0``);
+* ``gpu/cuda-ipc-same-process``: CUDA IPC between a writer and a reader in threads of one process;
+* ``gpu/nixl-push``, ``gpu/nixl-pull``: NIXL on GPU memory in each ``nixl_mode``;
+* ``gpu/phases-shm``, ``gpu/phases-routed``: ``layer_phases`` over CUDA IPC, and over
+  ``routed`` with both its routes (CUDA IPC within a node name, NCCL across);
+* ``gpu/fp8``: FP8 quantisation on the GPU in writer pieces, bitwise against the CPU reference;
+* the GPU paths a real job uses that the doctor does not run yet (issue 23; :data:`PLANNED`):
+  listed with the reason (``docs/gpu.md`` names the CPU test that covers each one's rules
+  under the device model);
 * ``engine/vllm``, ``engine/sglang``: an update of a live engine through weightsync
   (``--engines``; they start an engine, which takes a minute on its own).
 """
@@ -76,6 +87,7 @@ class Environment:
     gpus: int
     gpu_names: list[str] = field(default_factory=list)
     nixl: bool = False
+    nccl4py: bool = False  # the NCCL transport's binding (transport/nccl_comm.py)
     vllm: bool = False
     sglang: bool = False
     versions: dict[str, str] = field(default_factory=dict)
@@ -85,10 +97,13 @@ class Environment:
     def probe(cls) -> Environment:
         import torch
 
+        from weightsync.transport.nccl_comm import nccl4py_missing
+
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return cls(torch=torch.__version__, cuda_build=torch.version.cuda, gpus=gpus,
                    gpu_names=[torch.cuda.get_device_name(i) for i in range(gpus)],
                    nixl=bool(importlib.util.find_spec("nixl_cu12") or importlib.util.find_spec("nixl")),
+                   nccl4py=nccl4py_missing() is None,
                    vllm=importlib.util.find_spec("vllm") is not None,
                    sglang=importlib.util.find_spec("sglang") is not None,
                    versions=_versions(), topology=_topology())
@@ -97,7 +112,8 @@ class Environment:
 def _versions() -> dict[str, str]:
     """Installed versions of what a GPU path depends on (for a bug report)."""
     out = {}
-    for name in ("weightsync", "torch", "vllm", "sglang", "nixl", "nixl-cu12", "nvidia-nccl-cu12", "numpy"):
+    for name in ("weightsync", "torch", "vllm", "sglang", "nixl", "nixl-cu12", "nccl4py", "nvidia-nccl-cu12",
+                 "nvidia-nccl-cu13", "numpy"):
         try:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -130,17 +146,29 @@ class DoctorReport:
 
 def _sync(transport: str, devices: dict[str, list[str]] | None, timeout: float, *,
           source: str = "megatron:tp=1", target: str = "vllm:tp=1", size: str = "tiny",
-          delta_anchor_every: int = 0) -> Check:
-    """Two versions of a model between real processes, every byte checked."""
+          delta_anchor_every: int = 0, **options: Any) -> Check:
+    """Two versions of a model between real processes, every byte checked (``options``: more
+    of :func:`weightsync.demo.run_demo`'s, e.g. ``nixl_mode``, ``layer_phases``, ``kill_reader``)."""
     from weightsync.demo import run_demo
 
     result = run_demo(size=size, source=source, target=target, steps=3 if delta_anchor_every else 2,
-                      transport=transport, timeout=timeout, devices=devices, delta_anchor_every=delta_anchor_every)
+                      transport=transport, timeout=timeout, devices=devices, delta_anchor_every=delta_anchor_every,
+                      **options)
     if not result.ok:
         bad = [f"version {r.version}: {r.mismatches}" for r in result.readers if not r.verified]
         return Check("", "failed", "; ".join(result.failures + bad)[:500] or "weights differ")
     gbps = max((r.gbps for r in result.readers), default=0.0)
-    return Check("", "passed", f"{len(result.readers)} version(s) arrived bitwise, in place", gbps=gbps)
+    if result.killed:
+        death = result.killed[0]
+        late = max(e.at - death.at for e in result.writer_errors)
+        return Check("", "passed", f"reader {death.rank} SIGKILLed receiving version {death.version}; every writer "
+                                   f"failed within {late:.1f} s naming it and exited cleanly "
+                                   f"({result.writer_errors[0].error[:200]})", gbps=gbps)
+    phases = min((r.num_phases for r in result.readers), default=1)
+    if options.get("layer_phases") and phases < 2:
+        return Check("", "failed", f"layer_phases=True, yet each version moved in {phases} phase")
+    return Check("", "passed", f"{len(result.readers)} version(s) arrived bitwise, in place"
+                 + (f", in {phases} phases" if phases > 1 else ""), gbps=gbps)
 
 
 def _meta_server(env: Environment, options: DoctorOptions) -> Check:
@@ -170,8 +198,16 @@ def _needs_gpus(n: int, env: Environment) -> str | None:
     return f"needs {n} GPU(s); this machine has {env.gpus}" + ("" if env.cuda_build else " (CPU build of torch)")
 
 
+def _needs_nccl(gpus: int, env: Environment) -> str | None:
+    """Why an NCCL check cannot run here: too few GPUs, nccl4py missing, or both."""
+    from weightsync.transport.nccl_comm import MISSING
+
+    reasons = [r for r in (_needs_gpus(gpus, env), None if env.nccl4py else MISSING) if r]
+    return "; ".join(reasons) or None
+
+
 def _nccl_two_gpus(env: Environment, options: DoctorOptions) -> Check:
-    if reason := _needs_gpus(2, env):
+    if reason := _needs_nccl(2, env):
         return Check("", "skipped", reason)
     return _sync("torch", {"writer": ["cuda:0"], "reader": ["cuda:1"]}, options.timeout)
 
@@ -222,7 +258,7 @@ def _gpu_bench(env: Environment, options: DoctorOptions) -> Check:
 
 
 def _nccl_four_ranks(env: Environment, options: DoctorOptions) -> Check:
-    if reason := _needs_gpus(4, env):
+    if reason := _needs_nccl(4, env):
         return Check("", "skipped", reason)
     check = _sync("torch", {"writer": ["cuda:0", "cuda:1"], "reader": ["cuda:2", "cuda:3"]}, options.timeout,
                   source="megatron:tp=2", target="vllm:tp=1,replicas=2")
@@ -233,7 +269,7 @@ def _nccl_four_ranks(env: Environment, options: DoctorOptions) -> Check:
 def _gpu_delta(env: Environment, options: DoctorOptions) -> Check:
     """Delta versions over NCCL (transport/nccl_delta.py: the torch-op codec, the header
     exchange, the copies on the writer's GPU): three versions, a full one then deltas."""
-    if reason := _needs_gpus(2, env):
+    if reason := _needs_nccl(2, env):
         return Check("", "skipped", f"delta versions over NCCL (the torch transport between GPUs): {reason}; its "
                                     "rules are covered on CPU by tests/test_nccl_delta.py under the device model")
     check = _sync("torch", {"writer": ["cuda:0"], "reader": ["cuda:1"]}, options.timeout, delta_anchor_every=4)
@@ -241,30 +277,153 @@ def _gpu_delta(env: Environment, options: DoctorOptions) -> Check:
     return check
 
 
+def _nixl_mode(mode: str) -> Callable[[Environment, DoctorOptions], Check]:
+    """NIXL in one mode on GPU memory: push (writers WRITE into the readers' registered
+    tensors) or pull (readers READ the writers' published slots)."""
+    def check(env: Environment, options: DoctorOptions) -> Check:
+        if reason := _needs_gpus(1, env):
+            return Check("", "skipped", f"NIXL {mode} on GPU memory: {reason}")
+        if not env.nixl:
+            return Check("", "skipped", "NIXL is not installed (pip install 'weightsync[nixl]')")
+        reader = "cuda:1" if env.gpus > 1 else "cuda:0"
+        check = _sync("nixl", {"writer": ["cuda:0"], "reader": [reader]}, options.timeout, nixl_mode=mode)
+        check.detail = f"nixl_mode={mode!r}, cuda:0 -> {reader}: {check.detail}"
+        return check
+    return check
+
+
+#: the staging budget that cuts the tiny model into several phases of whole layers
+PHASE_BYTES = 64 << 10
+
+
+def _phases_shm(env: Environment, options: DoctorOptions) -> Check:
+    """Layer phases over CUDA IPC: a writer and a reader on one GPU, each version in phases."""
+    if reason := _needs_gpus(1, env):
+        return Check("", "skipped", f"layer phases over CUDA IPC: {reason}")
+    check = _sync("shm", {"writer": ["cuda:0"], "reader": ["cuda:0"]}, options.timeout, layer_phases=True,
+                  max_bucket_bytes=PHASE_BYTES)
+    check.detail = f"layer phases, CUDA IPC on cuda:0: {check.detail}"
+    return check
+
+
+def _phases_routed(env: Environment, options: DoctorOptions) -> Check:
+    """Layer phases over the routed transport, both routes: writer 0 shares node "node-a" (and
+    cuda:0) with the reader (CUDA IPC), writer 1 is on "node-b" (NCCL from cuda:1)."""
+    if reason := _needs_nccl(2, env):
+        return Check("", "skipped", f"layer phases over the routed transport: {reason}")
+    check = _sync("routed", {"writer": ["cuda:0", "cuda:1"], "reader": ["cuda:0"]}, options.timeout,
+                  source="megatron:tp=2", layer_phases=True, max_bucket_bytes=PHASE_BYTES,
+                  hosts={"writer": ["node-a", "node-b"], "reader": ["node-a"]})
+    check.detail = f"layer phases, routed (CUDA IPC from cuda:0, NCCL from cuda:1): {check.detail}"
+    return check
+
+
+def _nccl_abort(env: Environment, options: DoctorOptions) -> Check:
+    """A reader killed mid-transfer over NCCL: the writer's ``write`` fails within
+    ``weightsync.demo.FAULT_SECONDS`` naming it (the watchdog aborts the communicator), and its
+    process lives on to exit cleanly."""
+    if reason := _needs_nccl(2, env):
+        return Check("", "skipped", f"a killed peer over NCCL: {reason}")
+    return _sync("torch", {"writer": ["cuda:0"], "reader": ["cuda:1"]}, options.timeout, kill_reader=0)
+
+
+def _ipc_visible_devices(env: Environment, options: DoctorOptions) -> Check:
+    """CUDA IPC between processes that number GPUs differently: the writer sees two GPUs and
+    uses its ``cuda:1``, the reader sees only that GPU, as its ``cuda:0``. ``auto`` must find
+    them on one GPU (by UUID, devices.gpu_identity) and the reader open the writer's memory there."""
+    import os
+
+    if reason := _needs_gpus(2, env):
+        return Check("", "skipped", f"CUDA IPC under different CUDA_VISIBLE_DEVICES: {reason}")
+    ids = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    ids = ids or [str(i) for i in range(env.gpus)]
+    visible = {"writer": {"CUDA_VISIBLE_DEVICES": f"{ids[0]},{ids[1]}"}, "reader": {"CUDA_VISIBLE_DEVICES": ids[1]}}
+    check = _sync("auto", {"writer": ["cuda:1"], "reader": ["cuda:0"]}, options.timeout, env=visible)
+    check.detail = (f"writer CUDA_VISIBLE_DEVICES={ids[0]},{ids[1]} on cuda:1, reader CUDA_VISIBLE_DEVICES={ids[1]} "
+                    f"on cuda:0: {check.detail}")
+    return check
+
+
+def _ipc_same_process(env: Environment, options: DoctorOptions) -> Check:
+    """CUDA IPC between a trainer and an engine in one process (threads of it): CUDA refuses to
+    open a handle in the process that exported it, so the reader must take the writer's slots
+    as they are (tests/test_gpu_paths.py, defect 2)."""
+    if reason := _needs_gpus(1, env):
+        return Check("", "skipped", f"CUDA IPC within one process: {reason}")
+    check = _sync("shm", {"writer": ["cuda:0"], "reader": ["cuda:0"]}, options.timeout, same_process=True)
+    check.detail = f"writer and reader threads of one process on cuda:0: {check.detail}"
+    return check
+
+
+def _fp8(env: Environment, options: DoctorOptions) -> Check:
+    if reason := _needs_gpus(1, env):
+        return Check("", "skipped", f"FP8 quantisation on GPU: {reason}")
+    bad = fp8_mismatches("cuda:0")
+    return Check("", "failed" if bad else "passed",
+                 "; ".join(bad)[:500] or "FP8 values and scales quantised on cuda:0 in writer pieces are bitwise "
+                                         "the CPU reference's (fp8_block, fp8_channel; bf16, fp32)")
+
+
+def fp8_mismatches(device: str) -> list[str]:
+    """Where weightsync's FP8 quantiser on ``device`` differs from the CPU reference.
+
+    Each weight is quantised as writers holding row pieces of it do (codecs/fp8.py: tile maxima
+    per piece, the maxima of shared tiles combined, then each piece quantised with the whole
+    grid of scales), on ``device``; the reference quantises the whole tensor at once on CPU.
+    The pieces are cut off tile boundaries (one of them a single row), and the weights hold an
+    all-zero row (the amax floor) and a tile whose maximum dwarfs its other values (FP8
+    subnormals and zeros), where a device's division or rounding would show.
+    """
+    import torch
+
+    from weightsync.codecs.fp8 import quantize_box, reference_quantize, scales_of, tile_maxima
+    from weightsync.layout.box import Box
+    from weightsync.layout.quant import SCHEMES, tile_box
+
+    bad = []
+    gen = torch.Generator().manual_seed(8)
+    for dtype in (torch.bfloat16, torch.float32):
+        weight = (torch.randn(300, 200, generator=gen) * 3).to(dtype)
+        weight[7] = 0.0  # an all-zero row: the amax floor
+        weight[11, :4] = torch.tensor([1e4, -1e4, 448.0, 0.5])  # a tile with a huge amax
+        for scheme in SCHEMES.values():
+            ref_q, ref_scales = reference_quantize(weight, scheme)
+            tile = scheme.tile(weight.shape)
+            on_device = weight.to(device)
+            pieces = [Box((lo, 0), (hi - lo, 200)) for lo, hi in ((0, 130), (130, 131), (131, 300))]
+            grid = torch.zeros(scheme.grid(weight.shape), dtype=torch.float32, device=device)
+            for box in pieces:
+                at = tile_box(box, tile, ()).slices()
+                grid[at] = torch.maximum(grid[at], tile_maxima(on_device[box.slices()], box, tile))
+            scales = scales_of(grid)
+            q = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=device)
+            for box in pieces:
+                quantize_box(on_device[box.slices()], box, tile, scales, q[box.slices()])
+            what = f"{scheme.name} {str(dtype).removeprefix('torch.')}"
+            if not torch.equal(scales.cpu().view(torch.int32), ref_scales.view(torch.int32)):
+                bad.append(f"{what}: scales differ from the CPU reference")
+            if not torch.equal(q.cpu().view(torch.uint8), ref_q.view(torch.uint8)):
+                diff = int((q.cpu().view(torch.uint8) != ref_q.view(torch.uint8)).sum())
+                bad.append(f"{what}: {diff} FP8 values differ from the CPU reference")
+    return bad
+
+
 #: GPU paths a real job uses that the doctor lists but does not run yet: name -> (GPUs it
-#: needs, what it would check).
-PLANNED: dict[str, tuple[int, str]] = {
-    "gpu/nccl-abort": (2, "a killed peer: the trainer survives with a clear error within 10 s"),
-    "gpu/cuda-ipc-same-process": (1, "CUDA IPC between a trainer and an engine in one process"),
-    "gpu/cuda-ipc-visible-devices": (2, "CUDA IPC across processes with different CUDA_VISIBLE_DEVICES"),
-    "gpu/nixl-push": (1, "NIXL in push mode on GPU memory"),
-    "gpu/nixl-pull": (1, "NIXL in pull mode on GPU memory"),
-    "gpu/phases-shm": (1, "layer phases over CUDA IPC"),
-    "gpu/phases-routed": (2, "layer phases over the routed transport"),
-    "gpu/fp8": (1, "FP8 quantisation on GPU, bitwise against the CPU reference"),
+#: needs, what it would check, why it does not run yet).
+PLANNED: dict[str, tuple[int, str, str]] = {
     "engine/vllm-memory": (1, "the vLLM worker backend with a real gpu_memory_utilization, peak memory "
-                              "against the reserve"),
+                              "against the reserve", "it needs vLLM's GPU build and a model-sized reserve"),
 }
 
 
 def _planned(name: str) -> Callable[[Environment, DoctorOptions], Check]:
-    gpus, what = PLANNED[name]
+    gpus, what, why = PLANNED[name]
 
     def check(env: Environment, options: DoctorOptions) -> Check:
         if reason := _needs_gpus(gpus, env):
             return Check("", "skipped", f"{what}: {reason}")
-        return Check("", "skipped", f"{what}: not run by this version of the doctor (its rules are covered on "
-                                    "CPU by the device model: docs/gpu.md)")
+        return Check("", "skipped", f"{what}: not run by this version of the doctor ({why}; its rules are "
+                                    "covered on CPU by the device model: docs/gpu.md)")
     return check
 
 
@@ -298,6 +457,14 @@ CHECKS: dict[str, Callable[[Environment, DoctorOptions], Check]] = {
     "gpu/bench": _gpu_bench,
     "gpu/nccl-4ranks": _nccl_four_ranks,
     "gpu/delta": _gpu_delta,
+    "gpu/nccl-abort": _nccl_abort,
+    "gpu/cuda-ipc-visible-devices": _ipc_visible_devices,
+    "gpu/cuda-ipc-same-process": _ipc_same_process,
+    "gpu/nixl-push": _nixl_mode("push"),
+    "gpu/nixl-pull": _nixl_mode("pull"),
+    "gpu/phases-shm": _phases_shm,
+    "gpu/phases-routed": _phases_routed,
+    "gpu/fp8": _fp8,
     **{name: _planned(name) for name in PLANNED},
     "engine/vllm": _engine("vllm"),
     "engine/sglang": _engine("sglang"),

@@ -2,7 +2,7 @@
 
 | name    | modules                              | moves bytes by                                   | one-sided |
 |---------|--------------------------------------|--------------------------------------------------|-----------|
-| torch   | torch_gloo.py, torch_nccl.py         | torch.distributed p2p (gloo on CPU, NCCL on GPU) | no        |
+| torch   | torch_gloo.py, torch_nccl.py         | p2p: torch's gloo on CPU, NCCL (nccl4py) on GPU  | no        |
 | shm     | shm.py, shm_zero_copy.py             | POSIX shared memory / CUDA IPC, co-located ranks | yes       |
 | file    | file.py                              | safetensors files on (shared) storage            | yes       |
 | nixl    | nixl_pull.py, nixl_push.py           | NIXL/UCX RDMA reads (pull) or writes (push)      | pull only |
@@ -90,11 +90,21 @@ def available_transports() -> list[str]:
 
 
 def create_transport(name: str, ctx: TransportContext) -> Transport:
-    reason = unavailable_reason(name)
+    reason = unavailable_reason(name) or _nccl_missing(name, ctx)
     if reason:
         raise ValueError(f"transport {name!r} cannot be used: {reason}")
     check_delta_carried(name, ctx)
     return _class_of(name, ctx)(ctx)  # type: ignore[no-any-return]
+
+
+def _nccl_missing(name: str, ctx: TransportContext) -> str | None:
+    """Why ``name`` cannot move this job's GPU memory here: its NCCL mode (torch between GPUs,
+    and routed's torch route) drives NCCL through nccl4py (transport/nccl_comm.py)."""
+    if name not in ("torch", "routed") or torch_backend(ctx.device) != "nccl":
+        return None
+    from weightsync.transport.nccl_comm import nccl4py_missing
+
+    return nccl4py_missing()
 
 
 def check_delta_carried(name: str, ctx: TransportContext) -> None:

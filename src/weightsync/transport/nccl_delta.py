@@ -18,11 +18,11 @@ bytes are and when they may be touched:
   pending writes when the CPU reads it). The int64 tensors of the exchange (the base version,
   header rows) are these control words; uint8 tensors are payloads and stay on the device.
 * **One operation per NCCL group, waited for before its memory is reused.** Each post is a
-  coalesced group of one operation on the transport's own communicator (as every round of the
-  full path); ``wait`` makes the current stream wait for it and then blocks the CPU on an
-  event, so a staging buffer is refilled only once NCCL is done with it (the device model
-  checks each buffer handed out has no pending reads or writes). Every CPU wait is under the
-  transport's :class:`~weightsync.transport.torch_nccl.Watchdog`: a dead peer or the deadline
+  group of one operation on the transport's own communicator, on the current stream (as every
+  round of the full path); ``wait`` blocks the CPU on an event recorded after it, so a staging
+  buffer is refilled only once NCCL is done with it (the device model checks each buffer
+  handed out has no pending reads or writes). Every CPU wait is under the transport's
+  :class:`~weightsync.transport.nccl_comm.Watchdog`: a dead peer, NCCL's error or the deadline
   aborts the communicator, the wait returns, and the sync fails naming why.
 
 Pairs run one after another in the schedule's global order (:func:`weightsync.transport.schedule.pair_order`),
@@ -31,14 +31,15 @@ which every rank follows, so no rank waits on a pair its peer has not reached.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
 from weightsync.device_port import check_fits
 from weightsync.transport.delta import LINK_BUFFERS, DeltaSync
+from weightsync.transport.nccl_comm import P2P, Communicator
+from weightsync.transport.torch_dist import TorchPairLink
 
 if TYPE_CHECKING:
     from weightsync.transport.base import PhaseTimer, TransferStats
@@ -47,8 +48,7 @@ if TYPE_CHECKING:
 
 
 class Watchdog(Protocol):
-    """What the link asks of :class:`weightsync.transport.torch_nccl.Watchdog` (this module is
-    imported by torch_nccl, so it names the transport and its watchdog by what it uses)."""
+    """What the link asks of :class:`weightsync.transport.nccl_comm.Watchdog`."""
 
     @property
     def fired(self) -> bool:
@@ -87,13 +87,11 @@ def check_delta_memory(transport: TorchDistBase, delta: DeltaSync) -> None:
                fix="set delta_anchor_every=0 (full versions need none of it), or free device memory")
 
 
-def move_pairs(transport: TorchDistBase, delta: DeltaSync, pg: Any, schedule: list[Pair], dog: Watchdog, *,
-               sending: bool, phase: int, stats: TransferStats, timer: PhaseTimer,
-               block_on: Callable[[Any], None]) -> None:
-    """Run every pair's delta exchange, in schedule order (module docstring). ``block_on(work)``
-    makes the current stream wait for a posted group's work (torch_nccl's)."""
+def move_pairs(transport: TorchDistBase, delta: DeltaSync, comm: Communicator, schedule: list[Pair], dog: Watchdog,
+               *, sending: bool, phase: int, stats: TransferStats, timer: PhaseTimer) -> None:
+    """Run every pair's delta exchange, in schedule order (module docstring)."""
     for pair in schedule:
-        link = NcclLink(transport, pg, pair, dog, timer, block_on)
+        link = NcclLink(transport, comm, pair, dog, timer)
         exchange = delta.send_pair if sending else delta.receive_pair
         exchange(link, pair.messages, transport._flats, phase=phase, stats=stats, timer=timer)
 
@@ -101,30 +99,20 @@ def move_pairs(transport: TorchDistBase, delta: DeltaSync, pg: Any, schedule: li
 @dataclass
 class _Posted:
     op: Literal["send", "recv"]
-    work: Any
     tensor: torch.Tensor  # what the exchange posted (a host control word, or device payload)
     staged: torch.Tensor  # what NCCL moves (the device copy of a control word, else ``tensor``)
     message: Message
 
 
 @dataclass(frozen=True)
-class NcclLink:
+class NcclLink(TorchPairLink):
     """One pair as :class:`weightsync.transport.delta.PairLink` on the transport's communicator."""
 
     transport: TorchDistBase
-    pg: Any
+    comm: Communicator
     pair: Pair
     dog: Watchdog
     timer: PhaseTimer
-    block_on: Callable[[Any], None]
-
-    @property
-    def peer(self) -> int:
-        return self.pair.peer
-
-    @property
-    def capacity(self) -> int:
-        return self.transport._message_bytes
 
     def post(self, op: Literal["send", "recv"], tensor: torch.Tensor, message: Message, *, tag: int) -> _Posted:
         t = self.transport
@@ -132,18 +120,15 @@ class NcclLink:
         if tensor.dtype == torch.int64:  # a control word: the CPU writes or reads it (module docstring)
             staged = t.dev.empty(tensor.numel() * 8, t.device, what="a delta header").view(torch.int64)
             if op == "send":
-                t.dev.copy(staged, tensor.reshape(-1))  # NCCL's stream waits for the current one
+                t.dev.copy(staged, tensor.reshape(-1))  # on the stream the send goes on, before it
         else:
             t.dev.touch(staged, write=op == "recv")  # no other stream's work may still use it
-        pg = self.pg
-        pg._start_coalescing(t.device)
-        (pg.send if op == "send" else pg.recv)([staged], self.pair.peer_global, tag)
-        return _Posted(op, pg._end_coalescing(t.device), tensor, staged, message)
+        self.comm.post([P2P(op, staged, self.pair.peer_global)])  # NCCL has no tags: posting order matches
+        return _Posted(op, tensor, staged, message)
 
     def wait(self, posted: _Posted) -> None:
         """The operation completed and, for a received control word, its bytes are in host memory."""
         t = self.transport
-        self.block_on(posted.work)  # the current stream waits for NCCL's
         control = posted.staged is not posted.tensor
         if control and posted.op == "recv":
             t.dev.copy(posted.tensor.reshape(-1), posted.staged)

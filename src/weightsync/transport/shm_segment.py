@@ -3,7 +3,8 @@
 A writer's segment is one ``/dev/shm`` file: a 4 KiB page of int64 control words, then (in
 snapshot mode, on CPU) the version slots, then a msgpack header that says which mode the
 writer chose and what readers need to map it. Words: ``0`` magic (written last: a segment
-without it is not initialised yet), ``1``/``2`` header length and position, then per mode
+without it is not initialised yet; :data:`RETIRED` once the writer replaced it), ``1``/``2``
+header length and position, then per mode
 (:mod:`weightsync.transport.shm`: sequence, writing and progress words per slot;
 :mod:`weightsync.transport.shm_zero_copy`: the exposed word and one done word per reader).
 """
@@ -29,6 +30,8 @@ from weightsync.transport.shm_files import (
 )
 
 MAGIC = 0x5753_4D48_0001  # "WSMH" v1
+#: Word 0 of a segment its writer replaced within an epoch (its weights moved to new storage).
+RETIRED = 0x5753_4D48_DEAD
 CONTROL_BYTES = 4096
 EMPTY = -1
 
@@ -58,6 +61,21 @@ class FileGoneError(TransportError):
     """A writer's file in /dev/shm is gone: the caller says why, from the writer's lease."""
 
 
+class SegmentRetiredError(TransportError):
+    """The writer replaced this segment within the epoch: its successor is the writer's endpoint now."""
+
+    def __init__(self, writer: int, reader: int) -> None:
+        super().__init__(f"reader {reader}: writer {writer} replaced its shared memory segment (its weights moved "
+                         "to new storage)")
+        self.writer = writer
+
+
+def check_live(words: torch.Tensor, writer: int, reader: int) -> None:
+    """Raise :class:`SegmentRetiredError` if writer ``writer`` retired the segment whose control ``words`` these are."""
+    if int(words[0]) == RETIRED:
+        raise SegmentRetiredError(writer, reader)
+
+
 class OwnSegment:
     """A writer's segment file: the control page, its header and (CPU) the slot area."""
 
@@ -79,6 +97,11 @@ class OwnSegment:
     def seal(self) -> None:
         """Mark the segment initialised: readers attaching from now on trust it."""
         self.words[0] = MAGIC
+
+    def retire(self) -> None:
+        """Tell readers still attached that this segment is replaced (see :class:`SegmentRetiredError`);
+        their mappings stay valid, so a version they are copying from it completes."""
+        self.words[0] = RETIRED
 
     def unlink(self) -> None:
         if self.path is not None:

@@ -31,7 +31,15 @@ from weightsync.torch_layout import DTYPE_NAMES, TORCH_DTYPES, strided_view
 from weightsync.transport.base import PeerWatch, PhaseTimer, TransferStats, TransportContext, TransportError
 from weightsync.transport.delta_published import ChangeLayout, ChangeWriter
 from weightsync.transport.shm_files import SHM_DIR
-from weightsync.transport.shm_segment import CONTROL_BYTES, EMPTY, FileGoneError, OwnSegment, seq_word, spin_wait
+from weightsync.transport.shm_segment import (
+    CONTROL_BYTES,
+    EMPTY,
+    FileGoneError,
+    OwnSegment,
+    check_live,
+    seq_word,
+    spin_wait,
+)
 from weightsync.transport.tensors import op_src_view
 
 if TYPE_CHECKING:
@@ -79,7 +87,7 @@ class ZeroCopyWriter:
         words[3: DONE_BASE].fill_(EMPTY)
         words[DONE_BASE: DONE_BASE + ctx.num_readers].fill_(EMPTY)
         self.segment.seal()
-        self.who, self.index, self.readers, self.copies = ctx.who, index, readers, copies
+        self.who, self.index, self.readers, self.copies, self.files = ctx.who, index, readers, copies, files
         self.pieces = sum(len(phase) for phase in copies)
         self.ctx = ctx
         #: with deltas: the book, the table and area readers see, this writer's copy of the last
@@ -103,6 +111,12 @@ class ZeroCopyWriter:
             return None
         readers = sorted({op.dst_rank for op in plan.ops if op.src_rank == ctx.rank})
         return cls(ctx, index, files, readers, copies)
+
+    def serves(self, index: ExposedIndex, copies: list[list[tuple[str, TransferOp]]], plan: Plan,
+               flats: Mapping[str, torch.Tensor]) -> bool:
+        """Whether readers may go on mapping this segment's files for ``flats`` (the weights did not
+        move, or moved within the same files at the same offsets)."""
+        return (index, copies) == (self.index, self.copies) and shared_sources(plan, self.ctx.rank, flats) == self.files
 
     def send(self, version: int, flats: Mapping[str, torch.Tensor], timeout: float, *, phase: int,
              last: bool) -> TransferStats:
@@ -176,6 +190,7 @@ class ZeroCopyPeer:
             if held > version:
                 raise TransportError(f"reader {self.reader}: writer {self.writer} already exposes version {held}, "
                                      f"not {version}")
+            check_live(self.control, self.writer, self.reader)  # the writer's weights moved: see SegmentRetiredError
             if deadline.expired:
                 raise TransportError(f"reader {self.reader}: writer {self.writer} did not expose version {version} "
                                      f"of its shared parameters in time{self.watch.describe()}")

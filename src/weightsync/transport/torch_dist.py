@@ -1,10 +1,12 @@
-"""torch.distributed point-to-point transport: what its two backends (gloo, NCCL) share.
+"""The torch transport's point-to-point setup: what its two backends (gloo, NCCL) share.
 
-One process group spans all writers and readers (writers ranks 0..W-1, readers W..W+R-1).
-It is created with the process-group classes directly, so it never touches the training
-job's default group. Rendezvous goes through the job channel: writer 0 opens a TCPStore on
-a free port and publishes its address as its endpoint of the epoch (:class:`TorchRendezvous`);
-everyone else reads it from there. A new *epoch* (after a peer died) means a new store and
+One group spans all writers and readers (writers ranks 0..W-1, readers W..W+R-1): on host
+memory a gloo process group created with the process-group classes directly, on GPU memory a
+NCCL communicator of our own driven through nccl4py (no torch process group: see
+:mod:`weightsync.transport.torch_nccl`), so it never touches the training job's groups.
+Rendezvous goes through the job channel: writer 0 opens a TCPStore on a free port and
+publishes its address as its endpoint of the epoch (:class:`TorchRendezvous`); everyone else
+reads it from there. A new *epoch* (after a peer died) means a new store and
 a new group, so a failed sync never poisons the next one.
 
 Per pair, the messages of :mod:`weightsync.transport.schedule` flow in the same order on
@@ -16,7 +18,7 @@ within ``TransportOptions.max_bucket_bytes``. The backend is a property of the d
 * :class:`~weightsync.transport.torch_gloo.GlooTransport` (host memory): up to eight pairs at
   once, one thread each, a few messages in flight per pair;
 * :class:`~weightsync.transport.torch_nccl.NcclTransport` (CUDA memory): every pair's
-  messages of a round in one NCCL group call, rounds double-buffered on the GPU, the CPU
+  messages of a round in one NCCL group, on the current stream, the CPU
   waiting on one CUDA event per version under a watchdog that aborts the communicator at
   the deadline (a dead peer never hangs or kills the process).
 
@@ -272,3 +274,20 @@ class Pair:
     peer: int  # the peer's writer or reader rank
     peer_global: int  # its rank in the transport's process group
     messages: list[Message]
+
+
+class TorchPairLink:
+    """What both backends' :class:`~weightsync.transport.delta.PairLink` share: the peer is the
+    pair's, and staging buffers hold one message of the transport's. Each backend's link (a
+    dataclass) declares ``transport`` and ``pair`` and adds how it posts and waits."""
+
+    transport: TorchDistBase
+    pair: Pair
+
+    @property
+    def peer(self) -> int:
+        return self.pair.peer
+
+    @property
+    def capacity(self) -> int:
+        return self.transport._message_bytes

@@ -32,7 +32,7 @@ from weightsync.transport.base import PeerWatch, PhaseTimer, TransferStats, Tran
 from weightsync.transport.delta import DeltaSync
 from weightsync.transport.schedule import Message
 from weightsync.transport.tensors import as_bytes, checksum, direct_source, dst_view, pack, scatter
-from weightsync.transport.torch_dist import MAX_LANES, Pair, TorchDistBase
+from weightsync.transport.torch_dist import MAX_LANES, Pair, TorchDistBase, TorchPairLink
 
 if TYPE_CHECKING:
     from weightsync.plan import Plan
@@ -316,21 +316,13 @@ class _LaneRun:
 
 
 @dataclass(frozen=True)
-class _GlooLink:
+class _GlooLink(TorchPairLink):
     """One pair of a lane as :class:`weightsync.transport.delta.PairLink`: its tagged sends and
     receives on the lane's group, under the lane's deadline, and the lane's three buffers."""
 
     transport: GlooTransport
     run: _LaneRun
     pair: Pair
-
-    @property
-    def peer(self) -> int:
-        return self.pair.peer
-
-    @property
-    def capacity(self) -> int:
-        return self.transport._message_bytes
 
     def post(self, op: Literal["send", "recv"], tensor: torch.Tensor, message: Message, *,
              tag: int) -> tuple[Any, Message]:
