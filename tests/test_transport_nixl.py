@@ -563,3 +563,33 @@ def test_push_reader_takes_the_version_of_a_writer_that_closed_after_sending_it(
     finally:
         for t in (w0, w1, r):
             t.close()
+
+
+MOVES = {"pull": {"nixl_mode": "pull"}, "push": {"nixl_mode": "push"},
+         "pull-delta": {"nixl_mode": "pull", "delta_anchor_every": 4},
+         "push-delta": {"nixl_mode": "push", "delta_anchor_every": 4}}
+
+
+@needs_nixl
+@pytest.mark.parametrize("mode", list(MOVES))
+def test_ranks_whose_memory_moves_within_an_epoch_still_exchange_every_version(tmp_path, mode):
+    """A trainer may replace its weights' storage between two versions (``param.data = t``, an
+    optimizer that swaps buffers), an engine its parameters': SyncSession.arm then re-prepares
+    that rank in the same epoch, while its peers stay connected to the agent and memory it
+    registered before (a pull reader reads a writer's slots, a push writer WRITEs into readers'
+    tensors). Both writers move (at versions 1 and 2) and reader 1 gets new memory (at 2):
+    every version must still arrive bitwise, in place."""
+    from test_transport_contract import run_scenario
+
+    delta = "delta" in mode
+    out = run_scenario(tmp_path, "nixl", options=MOVES[mode], moved_at={"0": [1], "1": [2]},
+                       new_memory_at={"1": [2]}, sparse_steps=delta, timeout=15.0)
+    out.pop("pids")
+    for (role, rank), (code, payload, stderr) in sorted(out.items()):  # readers first: their errors say most
+        assert code == 0, f"{role} {rank} failed:\n{stderr[-3000:]}"
+        if role == "reader":
+            assert "error" not in payload, f"reader {rank}: {payload}"
+            assert [r["version"] for r in payload["results"]] == [0, 1, 2]
+            for r in payload["results"]:
+                assert r["exact"] and r["in_place"], (rank, r)
+                assert 0 < r["bytes"] <= r["needed"] if delta else r["bytes"] == r["needed"], (rank, r)
