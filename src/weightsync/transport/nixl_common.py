@@ -46,6 +46,16 @@ is a :class:`TransportError` naming it, within the timeout.
     t.send(v, timeout=60)    # or t.receive(v, timeout=60): repost the prepared handles
     t.close()
 
+**Memory that moves** within an epoch (a trainer's ``param.data = t``, an optimizer that swaps
+buffers; :meth:`weightsync.session.SyncSession.arm` then re-prepares this rank in the same
+epoch): peers connect to a rank's agent and learn its addresses once per epoch, so such a
+prepare keeps the agent, its registrations and its peers (:meth:`NixlBase._follow`). Memory no
+peer or handle addresses (what a writer packs from) is simply taken from the new tensors;
+registered memory that moved (a push writer's live shards, a push reader's destinations) stays
+registered, and each version is copied through it (new -> registered before, registered -> new
+after a push reader's receive) until the next epoch registers the new memory. A pull reader
+re-prepares in full: its writers never address it.
+
 Endpoints (msgpack, through the job channel), one per rank and epoch: each writer's (NIXL
 agent metadata, address of its control words; in pull also the slot area and the exposed
 index) and, in push, each reader's (agent metadata, ready word, destination tensor
@@ -144,12 +154,17 @@ class NixlBase:
         self._slot_bytes = 0
         self._landing: torch.Tensor | None = None  # pull reader: staged messages land here
         self._peers: list[Peer] = []
+        self._prepared_for: tuple[Plan, Sequence[Plan] | None] | None = None
+        self._pinned: set[str] = set()  # tensors whose registered storage peers or handles address
+        self._moved: dict[str, torch.Tensor] = {}  # pinned tensor -> where the caller's now lives
 
     # -- lifecycle --------------------------------------------------------------------------
     def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
                 phases: Sequence[Plan] | None = None) -> None:
         """Start over for a plan: new agent, registrations, metadata exchange, handles."""
         check_tensors_device(self, self.ctx, tensors)
+        if self._follow(plan, tensors, epoch=epoch, phases=phases):
+            return
         self.close()
         deadline = Deadline.after(timeout)
         self._flats = flat_views(tensors)
@@ -170,6 +185,7 @@ class NixlBase:
             self.close()
             raise
         self.epoch = epoch
+        self._prepared_for = (plan, phases)
         self.setup["prepare_seconds"] = time.perf_counter() - started
         logger.info("%s: nixl %s prepared for epoch %d: %s", self.who, self.mode, epoch, self.setup)
 
@@ -184,6 +200,58 @@ class NixlBase:
         self._copies = []
         self._flats = {}
         self.epoch = None
+        self._prepared_for = None
+        self._pinned, self._moved = set(), {}
+
+    def _follows_moves(self) -> bool:
+        """Whether a move of this rank's memory within an epoch keeps its agent and peers (a pull
+        reader, whose writers never address it, re-prepares in full instead)."""
+        return True
+
+    def _follow(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int,
+                phases: Sequence[Plan] | None) -> bool:
+        """Take tensors that moved within the prepared epoch and plan without a new agent (see
+        "Memory that moves"); False when this is not such a move (the caller starts over)."""
+        prepared = self._prepared_for
+        if (self._agent is None or self.epoch != epoch or prepared is None or prepared[0] is not plan
+                or prepared[1] is not phases or not self._follows_moves()):
+            return False
+        flats = flat_views(tensors)
+        current = {name: self._moved.get(name, t) for name, t in self._flats.items()}
+        if flats.keys() != current.keys() or any(
+                (t.dtype, t.numel(), t.device) != (current[n].dtype, current[n].numel(), current[n].device)
+                for n, t in flats.items()):
+            return False
+        moved = [n for n, t in flats.items() if t.data_ptr() != current[n].data_ptr()]
+        if not moved:
+            return False  # re-armed after a failure: start over
+        for name in moved:
+            if name not in self._pinned:
+                self._flats[name] = flats[name]
+            elif flats[name].data_ptr() == self._flats[name].data_ptr():
+                self._moved.pop(name, None)  # back in the registered storage
+            else:
+                self._moved[name] = flats[name]
+        logger.warning("%s: %d tensor(s) moved to new storage within epoch %d; NIXL peers address what was "
+                       "registered, so %d of them are copied through it each version until the next epoch",
+                       self.who, len(moved), epoch, len(self._moved))
+        return True
+
+    def _copy_in(self) -> None:
+        """Moved tensors -> the registered storage peers and handles address."""
+        for name, t in self._moved.items():
+            self.dev.copy(self._flats[name], t)
+
+    def _copy_out(self) -> None:
+        """The registered storage -> where the caller's tensors now live (a push reader's receive)."""
+        if self._moved:
+            for name, t in self._moved.items():
+                self.dev.copy(t, self._flats[name])
+            self.dev.synchronize(self.device)
+
+    def _moved_bytes(self) -> int:
+        """Registered storage kept alive for tensors that moved (extra memory until the next epoch)."""
+        return sum(t.numel() * t.element_size() for t in self._moved.values())
 
     def forget_received(self) -> None:
         """Nothing is kept between receives (a mode with deltas overrides this)."""

@@ -135,6 +135,9 @@ class NixlPullTransport(NixlBase):
         stats.peak_extra_bytes = self._area.numel()
         return stats
 
+    def _follows_moves(self) -> bool:
+        return self.ctx.role == "writer"  # it registers only its slots; readers re-prepare in full
+
     # -- pull: reader -----------------------------------------------------------------------
     def _slots_of(self, peer: Peer) -> NixlSlots:
         try:

@@ -112,6 +112,7 @@ class NixlPushTransport(NixlBase):
         # own word, readers' ready words, their vouch words for this writer (deltas)
         self._ctl = torch.full((1 + 2 * len(readers),), EMPTY, dtype=torch.int64)
         live = sorted({op.src_shard for op in ops if self._live(op)})
+        self._pinned = set(live)
         self._register([self._area, *([self._staged] if delta else []), *(self._flats[name] for name in live)],
                        words=self._ctl)
         self._publish(epoch, deltas=delta)
@@ -192,6 +193,7 @@ class NixlPushTransport(NixlBase):
         slot = 0 if changes is None else version % 2
         if changes is not None and phase == 0:
             changes.begin(version)
+        self._copy_in()  # _pack synchronizes before the first WRITE
         try:
             with timer("pack"):
                 self._pack(slot * self._slot_bytes, phase, then=None if changes is None else (
@@ -213,7 +215,7 @@ class NixlPushTransport(NixlBase):
             if changes is not None:
                 changes.end(version)
             self._ctl[0] = version
-        stats.peak_extra_bytes = 0 if self._area is None else self._area.numel()
+        stats.peak_extra_bytes = (0 if self._area is None else self._area.numel()) + self._moved_bytes()
         return stats
 
     def _write_whole(self, peer: Peer, xfers: list[tuple[Xfer, Message | None]], *, token: int, deadline: Deadline,
@@ -278,6 +280,7 @@ class NixlPushTransport(NixlBase):
         self._ctl = torch.full((1 + vouch + len(writers),), EMPTY, dtype=torch.int64)
         inboxes = self._make_inboxes(parts, writers)
         self._register([*self._flats.values(), *([self._inbox_mem] if inboxes else [])], words=self._ctl)
+        self._pinned = set(self._flats)
         self._publish(epoch, shards={name: (t.data_ptr(), t.numel() * t.element_size())
                                      for name, t in self._flats.items()}, inboxes=inboxes)
         self._peers = [self._connect(epoch, "writer", w, deadline) for w in writers]
@@ -312,6 +315,7 @@ class NixlPushTransport(NixlBase):
         deadline = Deadline.after(timeout)
         token = phase_token(version, phase)
         pending = {peer.agent: peer for peer in self._peers if peer.nbytes[phase]}
+        self._copy_in()  # what this rank's tensors hold now: the base of deltas, the bytes no op writes
         vouched = self._vouch(version, phase, stats)
         # writers poll this word before they WRITE into our tensors, outside stream order: what
         # is queued on them (the engine's last forward, the previous phase's loads) completes first
@@ -343,6 +347,8 @@ class NixlPushTransport(NixlBase):
             for writer, received in digests.items():
                 self._changes.received((phase, writer), version, received)
             stats.peak_extra_bytes = self._changes.extra_bytes() + self._inbox_mem.numel()
+        self._copy_out()
+        stats.peak_extra_bytes += self._moved_bytes()
         return stats
 
     def _probe(self, pending: dict[str, Peer], version: int, deadline: Deadline,
