@@ -82,13 +82,13 @@ def test_deltas_arrive_bitwise_and_small_with_anchors(tmp_path, carrier, readers
         assert all(r["bytes"] < r["needed"] // 4 for r in results if r["version"] in (1, 2, 4))
 
 
-@pytest.mark.parametrize("carrier", [c for c in CARRIERS if c != "nixl-push"])
+@pytest.mark.parametrize("carrier", list(CARRIERS))
 def test_reader_with_new_memory_gets_full_versions(tmp_path, carrier):
     """A reader whose destination no longer holds the last version (restart, staging) gets it in full.
 
-    Not NIXL push: its writers WRITE into the memory a reader registered, so a reader never
-    prepares new memory alone (every rank prepares a new epoch); a push reader whose memory
-    changed in place is covered by tests/test_faults.py's pokes, one that failed a version by
+    A NIXL push reader keeps the memory its writers WRITE into for the epoch and copies through
+    it (nixl_common, "Memory that moves"); one whose memory changed in place is covered by
+    tests/test_faults.py's pokes, one that failed a version by
     tests/test_transport_nixl.py::test_push_deltas_write_exactly_the_changes."""
     out = run(tmp_path, readers=2, versions=4, anchor=100, new_memory_at={"1": [2]}, carrier=carrier)
     assert _full(out[("reader", 0)]) == [True, False, False, False]
