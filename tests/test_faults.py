@@ -235,6 +235,81 @@ def test_breaking_a_gloo_group_goes_past_the_pairs_of_dead_ranks():
     assert tried[:2] == [1, 2]  # past the dead rank's pair, to one whose receive times out
 
 
+class _WriterChannel:
+    """Writer 0's leases: reader 0 dies when the test says so."""
+
+    role, rank, who = "writer", 0, "writer 0"
+    lease_seconds = 3.0
+
+    def __init__(self) -> None:
+        self.dead: dict[int, str] = {}
+
+    def dead_peers(self, role, ranks, **_):
+        return {r: why for r, why in self.dead.items() if role == "reader" and r in ranks}
+
+
+def test_a_gloo_send_cut_off_mid_write_fails_the_write_within_seconds_of_the_death():
+    """gloo fails the pending operations of a pair it closes, except a send whose bytes are
+    partly written: that wait ran to its timeout (writer 0's write() took its whole 20 s, 1 run
+    in 6 of the SIGKILL case below) however the group was broken. Here reader 0 takes part of a
+    64 MiB message and gives up (it breaks its group); writer 0's guard then sees it dead and the
+    write fails within seconds, naming it. The reader's memory stays as it was when it gave up."""
+    import datetime
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from weightsync.transport import TransportContext, TransportError, create_transport
+    from weightsync.transport.torch_dist import Pair
+    from weightsync.transport.torch_gloo import _GlooLink, break_group
+
+    store, groups = dist.HashStore(), {}
+
+    def form(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("cut", store), rank, 2, datetime.timedelta(seconds=10))
+
+    formers = [threading.Thread(target=form, args=(rank,)) for rank in range(2)]
+    for thread in formers:
+        thread.start()
+    for thread in formers:
+        thread.join(timeout=TIMEOUT)
+    channel = _WriterChannel()
+    gloo = create_transport("torch", TransportContext(channel=channel, num_writers=1, num_readers=1))  # type: ignore[arg-type]
+    gloo._pg = groups[0]
+    source, dest = torch.ones(64 << 20, dtype=torch.uint8), torch.zeros(64 << 20, dtype=torch.uint8)
+    posted, gave_up = threading.Event(), {}
+
+    def move(pair, run):
+        link = _GlooLink(gloo, run, pair)
+        sent = link.post("send", source, _Message(), tag=0)  # type: ignore[arg-type]
+        posted.set()
+        link.wait(sent)
+
+    def reader_gives_up() -> None:
+        posted.wait(TIMEOUT)
+        groups[1].recv([dest], 0, 0)  # the writer starts writing...
+        break_group(groups[1], [0])  # ...and the reader gives up (its pair closes) mid-message
+        gave_up["dest"] = dest.clone()
+        channel.dead[0] = "its lease expired"
+
+    reader = threading.Thread(target=reader_gives_up)
+    reader.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(TransportError, match=r"writer 0: reader 0 died while this rank waited for version 1: "
+                                                 "its lease expired"):
+            gloo._run_pairs(1, 8.0, move, [Pair(0, 1, [])])
+        elapsed = time.monotonic() - started
+    finally:
+        reader.join(timeout=TIMEOUT)
+        for thread in threading.enumerate():  # a lane left behind ends at its deadline
+            if thread.name.startswith("weightsync-torch"):
+                thread.join(timeout=TIMEOUT)
+    assert elapsed < 4.0, f"the write failed {elapsed:.1f} s after it started, 8 s its timeout"
+    assert torch.equal(dest, gave_up["dest"])
+
+
 @pytest.mark.parametrize("options", TRANSPORTS)
 def test_writer_sigkilled_mid_transfer_restarts_and_writes_the_version_again(options, no_leaks, tally):
     skip_unavailable(options)
@@ -304,21 +379,9 @@ def assert_calls_end_in_time(out) -> None:
 #: two-sided (torch) and both one-sided paths (shm's polls; file's directory): the recovery flows
 #: differ by those, not by shm's zero-copy mode (CI time)
 RESTART_TRANSPORTS = [p for p in TRANSPORTS if p.id != "shm-zero-copy"]
-#: Known defect, found 2026-11-26 and not fixed yet (it fails on 4b05941 too, about 1 run in 6 here):
-#: over gloo, writer 0's write() of the version writer 1 died in sometimes runs to its whole
-#: timeout (20 s) instead of failing within seconds. Its peer guard does see writer 1 dead (the
-#: error names it, "restarted one holds the rank now"), but break_group does not unblock the
-#: lane still waiting on a send, presumably because the readers had already closed their pairs
-#: to it, so none of its 1 ms receives times out and closes the group. Quarantined so that the
-#: other cases keep guarding CI; the fix must make the lanes give up once the guard fired.
-_GLOO_LATE_NOTICE = pytest.mark.xfail(
-    reason="known defect: over gloo a surviving writer can wait its whole timeout after a peer writer died "
-           "(break_group does not always unblock a pending send)", strict=False)
-RESTART_CASES = [pytest.param(*p.values, id=p.id, marks=_GLOO_LATE_NOTICE) if p.id == "torch" else p
-                 for p in RESTART_TRANSPORTS]
 
 
-@pytest.mark.parametrize("options", RESTART_CASES)
+@pytest.mark.parametrize("options", RESTART_TRANSPORTS)
 def test_only_the_killed_writer_restarts_and_rewrites_its_version_while_the_other_moved_on(options, no_leaks, tally,
                                                                                            tmp_path):
     """Writer 1 is SIGKILLed in version 1; writer 0 fails it and goes on to version 2 while the

@@ -15,12 +15,13 @@ reader's version instead: each pair's lane lends its connection and staging buff
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -41,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 #: Messages in flight per pair; at most two of them use staging buffers, the rest are direct.
 _MAX_IN_FLIGHT = 8
+#: How long a lane may stay in a send's wait after its group broke before the call leaves it
+#: behind (:meth:`GlooTransport._join_lanes`); every other wait fails within milliseconds of the break.
+_STUCK_AFTER_BREAK = 1.0
 
 
 class GlooTransport(TorchDistBase):
@@ -53,6 +57,7 @@ class GlooTransport(TorchDistBase):
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
         self.delta = DeltaSync(ctx) if ctx.options.delta_anchor_every else None
+        self._broken: Future[float] | None = None  # the running call's: when its group was broken
 
     def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
                 phases: Sequence[Plan] | None = None) -> None:
@@ -93,10 +98,10 @@ class GlooTransport(TorchDistBase):
         breaks the group (:func:`break_group`) and the waits fail at once; the error names the
         dead rank.
 
-        The guards watch every other rank of the group, not only this rank's peers. A peer that
-        breaks its group because a third rank died does not reliably fail this rank's pending
-        sends to it (seen: a writer's send to a reader that had broken its group waited its whole
-        timeout), so each rank breaks its own group when any rank of it dies.
+        The guards watch every other rank of the group, not only this rank's peers: each rank
+        breaks its own group when any rank of it dies, and its error names that rank. A send
+        that was on the wire when its pair closed never fails (gloo, see :meth:`_join_lanes`):
+        the call leaves its lane behind and fails within about a second of the break.
         """
         pg = self._pg
         if pg is None:
@@ -105,16 +110,21 @@ class GlooTransport(TorchDistBase):
         same = range(ctx.num_writers if ctx.role == "writer" else ctx.num_readers)
         watches = (PeerWatch(ctx, self._other, sorted({pair.peer for pair in schedule}), known=self._holders),
                    PeerWatch(ctx, ctx.role, [r for r in same if r != ctx.rank], known=self._holders))
-        abort = lambda: break_group(pg, self._other_ranks())  # noqa: E731 (one abort for both guards)
-        with watches[0].guard(abort=abort) as on_peers, watches[1].guard(abort=abort) as on_mates:
-            try:
-                stats = self._run_lanes(version, Deadline.after(timeout), pg, move, schedule)
-            except TransportError as exc:
-                if not (on_peers.dead or on_mates.dead):
-                    raise
-                error: TransportError | None = exc
-            else:
-                error = None
+        self._broken = broken = Future[float]()
+        abort = lambda: self._break_group(pg)  # noqa: E731 (one abort for both guards)
+        try:
+            with watches[0].guard(abort=abort) as on_peers, watches[1].guard(abort=abort) as on_mates:
+                try:
+                    stats = self._run_lanes(version, Deadline.after(timeout), pg, move, schedule,
+                                                   broken=broken)
+                except TransportError as exc:
+                    if not (on_peers.dead or on_mates.dead):
+                        raise
+                    error: TransportError | None = exc
+                else:
+                    error = None
+        finally:
+            self._broken = None
         for guard in (on_peers, on_mates):
             if guard.dead:  # even if every byte arrived meanwhile: the group is broken, the epoch must move on
                 self._teardown_group()
@@ -134,25 +144,53 @@ class GlooTransport(TorchDistBase):
         if pg is not None and float(getattr(self.ctx.channel, "lease_seconds", 0.0) or 0.0) > 0:
             # peers blocked on this rank fail now instead of at their timeout; the leases then
             # name the rank that died (:meth:`_blame`), which the pair that broke may not be
-            break_group(pg, self._other_ranks())
+            self._break_group(pg)
         super()._teardown_group()
 
-    def _run_lanes(self, version: int, deadline: Deadline, pg: Any, move: Any, schedule: list[Pair]) -> TransferStats:
-        """Run ``move`` for every peer, on up to ``MAX_LANES`` threads (see module docstring)."""
+    def _break_group(self, pg: Any) -> None:
+        """Break ``pg`` (:func:`break_group`) and tell the running call when, so that it leaves
+        behind the lanes whose sends gloo never fails (:meth:`_join_lanes`)."""
+        break_group(pg, self._other_ranks())
+        if (broken := self._broken) is not None:
+            with contextlib.suppress(InvalidStateError):  # broken twice (a guard and a lane): the first counts
+                broken.set_result(time.monotonic())
+
+    def _fail_group(self, run: _LaneRun) -> None:
+        """A lane's wait or post failed: tear its group down, unless the lane was left behind
+        (its group is gone, and the transport may have formed the next epoch's since)."""
+        if not run.left_behind and run.pg is self._pg:
+            self._teardown_group()
+
+    def _run_lanes(self, version: int, deadline: Deadline, pg: Any, move: Any, schedule: list[Pair], *,
+                   broken: Future[float]) -> TransferStats:
+        """Run ``move`` for every peer, on up to ``MAX_LANES`` threads (see module docstring).
+
+        Even one lane runs on a thread of its own, so that the call can leave it behind
+        (:meth:`_join_lanes`) once ``broken`` is set (the group was broken).
+        """
         lanes = max(1, min(len(schedule), MAX_LANES))
         runs = [_LaneRun(i, pg, deadline, TransferStats(version), schedule[i::lanes]) for i in range(lanes)]
-        if len(runs) == 1:
-            return self._run_lane(runs[0], move)
-        with ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="weightsync-torch") as pool:
-            futures = [pool.submit(self._run_lane, run, move) for run in runs]
-            results, errors = [], []
-            for future in futures:
-                try:
-                    results.append(future.result())
-                except TransportError as exc:  # the first lane to fail aborted the group
-                    errors.append(exc)
+        pool = ThreadPoolExecutor(max_workers=len(runs), thread_name_prefix="weightsync-torch")
+        futures = [pool.submit(self._run_lane, run, move) for run in runs]
+        left = False
+        try:
+            left = self._join_lanes(runs, futures, broken)
+        finally:
+            pool.shutdown(wait=not left)  # a lane left behind ends at its deadline
+        results, errors = [], []
+        for future in futures:
+            if not future.done():
+                continue
+            try:
+                results.append(future.result())
+            except TransportError as exc:  # the first lane to fail aborted the group
+                errors.append(exc)
         if errors:
             raise min(errors, key=lambda e: "abort" in str(e).lower())
+        if left:
+            peers = sorted(pair.peer for run in runs if run.left_behind for pair in run.pairs)
+            raise TransportError(f"{self.ctx.who}: transfer with {self._other} {', '.join(map(str, peers))} failed: "
+                                 "the process group broke while a send was on the wire")
         total = TransferStats(version)
         for stats in results:
             total.nbytes += stats.nbytes
@@ -163,6 +201,36 @@ class GlooTransport(TorchDistBase):
         total.peak_extra_bytes = self._extra_bytes()
         return total
 
+    @staticmethod
+    def _join_lanes(runs: list[_LaneRun], futures: list[Future[TransferStats]], broken: Future[float]) -> bool:
+        """Wait for every lane, or leave behind those stuck in a send that the broken group will
+        never complete; True if some were left behind.
+
+        gloo fails every pending operation of a pair it closes, except a send whose bytes are
+        partly written (``tcp::Pair::signalException`` signals the bound buffers of its
+        write queue, never the unbound ones that ``send`` posts): its wait runs to its timeout.
+        Nothing else can wake it (torch 2.13 exposes no abort of a send), but its pair is
+        closed and can never read its memory again, so once the group broke a lane that
+        stayed ``_STUCK_AFTER_BREAK`` seconds in a send's wait is left to end at its deadline.
+        Lanes in a receive's wait are never left behind (each fails within milliseconds of the
+        break, and the closed pair keeps a late peer's bytes out of the reader's memory).
+        """
+        pending: set[Future[Any]] = set(futures)
+        while pending and not broken.done():
+            _, pending = wait(pending | {broken}, return_when=FIRST_COMPLETED)
+            pending.discard(broken)
+        while pending:
+            _, pending = wait(pending, timeout=0.1)
+            now, since = time.monotonic(), broken.result()
+            stuck = [run for run, future in zip(runs, futures, strict=True) if future in pending]
+            if stuck and all(run.sending_since is not None and now - max(run.sending_since, since) >= _STUCK_AFTER_BREAK
+                             for run in stuck):
+                for run in stuck:
+                    run.left_behind = True
+                logger.debug("left %d lane(s) behind in a send the broken group never fails", len(stuck))
+                return True
+        return False
+
     def _run_lane(self, run: _LaneRun, move: Any) -> TransferStats:
         for pair in run.pairs:
             move(pair, run)
@@ -170,13 +238,13 @@ class GlooTransport(TorchDistBase):
         return run.stats
 
     def _send_pair(self, pair: Pair, run: _LaneRun) -> None:
-        peer, messages, stats, timer, deadline = pair.peer, pair.messages, run.stats, run.timer, run.deadline
+        peer, messages, stats, timer = pair.peer, pair.messages, run.stats, run.timer
         in_flight: deque[tuple[Any, Message, int]] = deque()
         sums = []
         for index, message in enumerate(messages):
             payload = direct_source(message, self._flats) if message.direct else None
             while len(in_flight) >= _MAX_IN_FLIGHT or (payload is None and _buffers_in_use(in_flight) == 2):
-                self._wait(in_flight.popleft(), deadline, peer, timer)
+                self._wait(in_flight.popleft(), run, peer, sending=True)
             if payload is None:
                 slot = _free_slot(in_flight)
                 with timer("pack"):
@@ -193,14 +261,14 @@ class GlooTransport(TorchDistBase):
             stats.messages += 1
             stats.direct_bytes += message.nbytes if message.direct else 0
         while in_flight:
-            self._wait(in_flight.popleft(), deadline, peer, timer)
+            self._wait(in_flight.popleft(), run, peer, sending=True)
         if self.ctx.options.checksum and messages:
             tail = torch.tensor(sums, dtype=torch.int64, device=self.device)
             work = self._post(run, "send", tail, pair, messages[-1], tag=len(messages))
-            self._wait((work, messages[-1], -1), deadline, peer, timer)
+            self._wait((work, messages[-1], -1), run, peer, sending=True)
 
     def _receive_pair(self, pair: Pair, run: _LaneRun) -> None:
-        peer, messages, stats, timer, deadline = pair.peer, pair.messages, run.stats, run.timer, run.deadline
+        peer, messages, stats, timer = pair.peer, pair.messages, run.stats, run.timer
         version = stats.version
         in_flight: deque[tuple[Any, Message, int]] = deque()
         sums: list[int] = []
@@ -218,7 +286,7 @@ class GlooTransport(TorchDistBase):
                     work = self._post(run, "recv", target, pair, message, tag=index)
                 in_flight.append((work, message, slot))
             work, message, slot = in_flight.popleft()
-            self._wait((work, message, slot), deadline, peer, timer)
+            self._wait((work, message, slot), run, peer, sending=False)
             payload = (as_bytes(dst_view(self._flats, message.pieces[0])) if message.direct
                        else self._buffer(run.lane, slot)[: message.nbytes])
             if self.ctx.options.checksum:
@@ -233,7 +301,7 @@ class GlooTransport(TorchDistBase):
         if self.ctx.options.checksum and messages:
             tail = torch.empty(len(messages), dtype=torch.int64, device=self.device)
             work = self._post(run, "recv", tail, pair, messages[-1], tag=len(messages))
-            self._wait((work, messages[-1], -1), deadline, peer, timer)
+            self._wait((work, messages[-1], -1), run, peer, sending=False)
             for expected, got, message in zip(tail.tolist(), sums, messages, strict=True):
                 if expected != got:
                     raise TransportError(
@@ -252,24 +320,31 @@ class GlooTransport(TorchDistBase):
             op = run.pg.send if kind == "send" else run.pg.recv
             return op([tensor], pair.peer_global, tag)
         except RuntimeError as exc:
-            self._teardown_group()
-            blame = self._blame(run.deadline)  # within the lane's deadline: a post fails after it too
+            self._fail_group(run)
+            # within the lane's deadline: a post fails after it too
+            blame = "" if run.left_behind else self._blame(run.deadline)
             raise TransportError(f"{self.ctx.who}: transfer with {self._other} {peer} failed{blame} "
                                  f"({message.describe()}): {exc}") from exc
 
-    def _wait(self, item: tuple[Any, Message, int], deadline: Deadline, peer: int, timer: PhaseTimer) -> None:
+    def _wait(self, item: tuple[Any, Message, int], run: _LaneRun, peer: int, *, sending: bool) -> None:
+        """Wait for a posted send or receive within the lane's deadline; while a send's wait
+        lasts, ``run.sending_since`` says since when (:meth:`_join_lanes`)."""
         work, message, _ = item
-        remaining = deadline.remaining(0.0)
+        remaining = run.deadline.remaining(0.0)
         other = self._other
         try:
-            with timer("transfer"):
-                if remaining <= 0 or not work.wait(datetime.timedelta(seconds=remaining)):
-                    raise TimeoutError(f"no progress within the timeout ({remaining:.1f}s left)")
+            with run.timer("transfer"):
+                run.sending_since = time.monotonic() if sending else None
+                try:
+                    if remaining <= 0 or not work.wait(datetime.timedelta(seconds=remaining)):
+                        raise TimeoutError(f"no progress within the timeout ({remaining:.1f}s left)")
+                finally:
+                    run.sending_since = None
         except (RuntimeError, TimeoutError) as exc:
-            self._teardown_group()  # a broken group cannot be reused; the next epoch rebuilds it
+            self._fail_group(run)  # a broken group cannot be reused; the next epoch rebuilds it
+            blame = "" if run.left_behind else self._blame(run.deadline)
             raise TransportError(
-                f"{self.ctx.who}: transfer with {other} {peer} failed{self._blame(deadline)} "
-                f"({message.describe()}): {exc}"
+                f"{self.ctx.who}: transfer with {other} {peer} failed{blame} ({message.describe()}): {exc}"
             ) from exc
 
     def _blame(self, deadline: Deadline) -> str:
@@ -310,6 +385,10 @@ class _LaneRun:
     stats: TransferStats
     pairs: list[Pair]
     timer: PhaseTimer = field(init=False)
+    #: since when the lane waits for a send to complete (None: it does not)
+    sending_since: float | None = field(default=None, init=False)
+    #: the call gave up on this lane (stuck in a send of a broken group, see ``_join_lanes``)
+    left_behind: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self.timer = PhaseTimer(self.stats)
@@ -325,12 +404,12 @@ class _GlooLink(TorchPairLink):
     pair: Pair
 
     def post(self, op: Literal["send", "recv"], tensor: torch.Tensor, message: Message, *,
-             tag: int) -> tuple[Any, Message]:
-        return self.transport._post(self.run, op, tensor, self.pair, message, tag=tag), message
+             tag: int) -> tuple[Any, Message, bool]:
+        return self.transport._post(self.run, op, tensor, self.pair, message, tag=tag), message, op == "send"
 
-    def wait(self, posted: tuple[Any, Message]) -> None:
-        work, message = posted
-        self.transport._wait((work, message, -1), self.run.deadline, self.pair.peer, self.run.timer)
+    def wait(self, posted: tuple[Any, Message, bool]) -> None:
+        work, message, sending = posted
+        self.transport._wait((work, message, -1), self.run, self.pair.peer, sending=sending)
 
     def buffer(self, slot: int) -> torch.Tensor:
         return self.transport._buffer(self.run.lane, slot)
@@ -352,6 +431,8 @@ def break_group(pg: Any, ranks: Sequence[int]) -> None:
     it fails at once, without the timeout that closes the others (seen: a writer that broke
     its group through the dead writer's pair kept waiting on a send to a live reader). So it
     is tried with each of ``ranks`` in turn; once one times out, the rest fail at once.
+    One wait no break fails: a send whose bytes were partly written when its pair closed
+    (see :meth:`GlooTransport._join_lanes`).
     """
     for rank in ranks:
         try:
