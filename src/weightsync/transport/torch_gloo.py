@@ -201,8 +201,7 @@ class GlooTransport(TorchDistBase):
         total.peak_extra_bytes = self._extra_bytes()
         return total
 
-    @staticmethod
-    def _join_lanes(runs: list[_LaneRun], futures: list[Future[TransferStats]], broken: Future[float]) -> bool:
+    def _join_lanes(self, runs: list[_LaneRun], futures: list[Future[TransferStats]], broken: Future[float]) -> bool:
         """Wait for every lane, or leave behind those stuck in a send that the broken group will
         never complete; True if some were left behind.
 
@@ -227,7 +226,9 @@ class GlooTransport(TorchDistBase):
                              for run in stuck):
                 for run in stuck:
                     run.left_behind = True
-                logger.debug("left %d lane(s) behind in a send the broken group never fails", len(stuck))
+                logger.warning("%s: left %d lane(s) behind, in sends to %ss %s that the broken process group never "
+                               "fails; they end at the call's deadline", self.ctx.who, len(stuck), self._other,
+                               sorted(pair.peer for run in stuck for pair in run.pairs))
                 return True
         return False
 
