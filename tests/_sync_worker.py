@@ -185,6 +185,7 @@ def main() -> None:
     role, rank = args["role"], args["rank"]
     values = (lambda v: sparse_values(config, v)) if args.get("sparse") else (lambda v: canonical_values(config, v))
     if role == "writer":
+        time.sleep(args.get("start_delay", 0.0))  # a restart that comes up slowly
         source = ShardedSource(args["source"], config, rank)
         shared = None
         if args.get("shared_source"):  # parameters in /dev/shm: the shm transport goes zero-copy

@@ -8,6 +8,8 @@ import contextlib
 import os
 import time
 
+import pytest
+
 from weightsync.meta.leases import Leases
 
 
@@ -83,3 +85,115 @@ def test_a_peer_whose_lease_a_restarted_process_took_over_is_dead_to_those_that_
         assert watcher.dead_peers("reader", [1], max_age=0.0) == {}  # alive, to whoever did not know the old one
         dead = watcher.dead_peers("reader", [1], max_age=0.0, known=known)
         assert list(dead) == [1] and f"pid {os.getpid()} on h) is gone: a restarted one holds the rank now" in dead[1]
+
+
+def _writers(meta, n: int = 2):
+    """JobChannels of ``n`` writers, registered with leases (no heartbeat thread: renewed by hand)."""
+    from weightsync.job import JobChannel
+
+    out = [JobChannel(meta, role="writer", rank=r) for r in range(n)]
+    for channel in out:
+        channel.register(host="h", group="default", layout=b"layout", lease=3.0)
+        channel.renew_lease()
+    return out
+
+
+def _restart(meta, rank: int):
+    """A process that takes a dead writer's rank over, as ``SyncSession.register`` does."""
+    from weightsync.job import JobChannel
+
+    channel = JobChannel(meta, role="writer", rank=rank)
+    assert channel.register(host="h", group="default", layout=b"layout", lease=3.0)  # a restart
+    channel.renew_lease()
+    channel.rejoin()
+    return channel
+
+
+def test_a_writer_that_died_before_it_joined_a_version_is_waited_for_and_its_restart_completes_it():
+    """Writer 1 died between versions. Writer 0 published its part of version 2 and waits: a
+    dead writer that never joined the version is not a reason to give it up, since its restart
+    may still join it. Before, writer 0 raised at once, gave version 2 up and closed its memory;
+    the slow restart then completed version 2 with writer 0's part, and readers failed reading
+    memory that was gone (CI, nixl pull, "remote agent ... was disconnected")."""
+    import threading
+
+    from weightsync.deadline import Deadline
+    from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+
+    with EmbeddedMetaServer() as server, MetaClient(server.address, token=server.token) as meta:
+        writer0, writer1 = _writers(meta)
+        writer1.renew_lease(release=True)  # it died between versions
+        epoch = writer0.decide_epoch(2, Deadline.after(5))
+        meta.publish_version(2, "fp", writer_rank=0, num_writers=2, epoch=epoch)
+
+        def restart() -> None:
+            time.sleep(1.0)  # longer than writer 0's first look at the leases
+            again = _restart(meta, 1)
+            assert again.decide_epoch(2, Deadline.after(5)) == epoch  # its predecessor never joined version 2
+            meta.publish_version(2, "fp", writer_rank=1, num_writers=2, epoch=epoch)
+
+        thread = threading.Thread(target=restart)
+        thread.start()
+        try:
+            writer0.lease_seconds = 0.5  # look at the leases every 0.25 s
+            assert writer0.wait_readers(min_version=2, readers=0, deadline=Deadline.after(10), epoch=epoch,
+                                        writers=2) == {}
+        finally:
+            thread.join(10)
+
+
+def test_a_writer_gives_a_version_up_at_once_when_a_peer_that_joined_it_died():
+    from weightsync.deadline import Deadline
+    from weightsync.job_port import PeerDiedError
+    from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+
+    with EmbeddedMetaServer() as server, MetaClient(server.address, token=server.token) as meta:
+        writer0, writer1 = _writers(meta)
+        writer0.lease_seconds = 0.5
+        epoch = writer0.decide_epoch(1, Deadline.after(5))
+        assert writer1.decide_epoch(1, Deadline.after(5)) == epoch  # it joined version 1
+        writer1.renew_lease(release=True)  # and died in it
+        started = time.monotonic()
+        with pytest.raises(PeerDiedError, match=rf"writer 1 cannot publish its part of version 1 in epoch {epoch}: "
+                                                r"the process that joined it died \(pid"):
+            writer0.wait_readers(min_version=1, readers=0, deadline=Deadline.after(10), epoch=epoch, writers=2)
+        assert time.monotonic() - started < 2.0
+        _restart(meta, 1)  # a restart holds the rank now, and never joins the try its predecessor joined
+        with pytest.raises(PeerDiedError, match="the process that joined it is gone: a restarted one holds the rank"):
+            writer0.wait_readers(min_version=1, readers=0, deadline=Deadline.after(10), epoch=epoch, writers=2)
+
+
+def test_a_writer_gives_a_version_up_at_once_when_the_restart_of_a_peer_takes_part_only_in_later_epochs():
+    """Writer 1 died between versions; writer 0 decided version 2's epoch, then a reader saw that
+    epoch fail before writer 1's restart registered: the restart takes part from the next epoch
+    on (``decide_epoch`` waits for a newer decision), so waiting for it in this one is useless."""
+    from weightsync.deadline import Deadline
+    from weightsync.job import JobChannel
+    from weightsync.job_port import PeerDiedError
+    from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+
+    with EmbeddedMetaServer() as server, MetaClient(server.address, token=server.token) as meta:
+        writer0, writer1 = _writers(meta)
+        writer0.lease_seconds = 0.5
+        writer1.renew_lease(release=True)
+        epoch = writer0.decide_epoch(2, Deadline.after(5))
+        JobChannel(meta, role="reader", rank=0).advance_epoch(epoch)
+        assert _restart(meta, 1).min_epoch == epoch + 1
+        started = time.monotonic()
+        with pytest.raises(PeerDiedError, match=rf"\(pid {os.getpid()} on h.*\) takes part only in epoch {epoch + 1} "
+                                                "or later"):
+            writer0.wait_readers(min_version=2, readers=0, deadline=Deadline.after(10), epoch=epoch, writers=2)
+        assert time.monotonic() - started < 2.0
+
+
+def test_a_writer_that_waited_its_whole_timeout_names_a_peer_with_no_live_process():
+    from weightsync.deadline import Deadline
+    from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+
+    with EmbeddedMetaServer() as server, MetaClient(server.address, token=server.token) as meta:
+        writer0, writer1 = _writers(meta)
+        writer0.lease_seconds = 0.5
+        writer1.renew_lease(release=True)
+        epoch = writer0.decide_epoch(3, Deadline.after(5))
+        with pytest.raises(TimeoutError, match=r"writer 1 has no live process and no restart of it joined: pid"):
+            writer0.wait_readers(min_version=3, readers=0, deadline=Deadline.after(1.0), epoch=epoch, writers=2)

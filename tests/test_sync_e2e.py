@@ -104,6 +104,10 @@ def test_other_transports_end_to_end(transport, options):
     pytest.param("torch", {}, id="torch"),
     pytest.param("shm", {}, id="shm"),
     pytest.param("nixl", {"nixl_mode": "pull"}, id="nixl-pull"),
+    # pull, writer 1's restart coming up only after writer 0 started version 2: writer 0 waits for
+    # it (it had given version 2 up at once and closed its memory, which the restart's part then
+    # completed, and readers failed: "remote agent ... was disconnected", seen in CI)
+    pytest.param("nixl", {"nixl_mode": "pull", "start_delay": 6.0}, id="nixl-pull-slow-restart"),
     # push: writer 0's WRITEs of version 1 land, and its wait for readers ends when they report
     # failing version 1 (a failed reader is done with that version)
     pytest.param("nixl", {"nixl_mode": "push"}, id="nixl-push"),
@@ -112,6 +116,8 @@ def test_writer_killed_mid_transfer_then_next_version_succeeds(transport, option
     if unavailable_reason(transport):
         pytest.skip(unavailable_reason(transport))
     timeout = 20.0  # generous: the restarted writer must import torch on a loaded 2-core machine
+    options = dict(options)
+    start_delay = options.pop("start_delay", 0.0)
     common = {"source": "megatron:tp=2", "target": "vllm:tp=1,replicas=2", "num_writers": 2, "num_readers": 2,
               "transport": transport, "config": "tiny-qwen3-moe", "timeout": timeout,
               "transport_options": options}
@@ -122,7 +128,7 @@ def test_writer_killed_mid_transfer_then_next_version_succeeds(transport, option
         first = procs.pop(("writer", 1))
         first.wait(timeout * 4)
         assert first.returncode == 3  # died part-way through version 1
-        procs[("writer", 1)] = launch(server, "writer", 1, versions=[2], **common)  # restarted
+        procs[("writer", 1)] = launch(server, "writer", 1, versions=[2], start_delay=start_delay, **common)  # restarted
         out = finish(procs, timeout * 6)
     for rank in range(2):
         code, records, stderr = out[("reader", rank)]

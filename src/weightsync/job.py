@@ -78,6 +78,10 @@ def _joined_key(version: int, epoch: int, rank: int) -> str:
     return f"versions/{version}/joined/{epoch}/writer{rank}"  # a writer took part in the version in this epoch
 
 
+def _floor_key(role: Role, rank: int) -> str:
+    return f"floors/{role}{rank}"  # "<incarnation> <min_epoch>": the oldest epoch that process takes part in
+
+
 def _model_key(digest: str) -> str:
     return f"models/{digest}"
 
@@ -238,9 +242,31 @@ class JobChannel:
         """Move the job past epoch ``seen``: one compare-and-set on the server, so of ranks that
         saw the same epoch fail only one moves it, and a rank that saw an older epoch never
         moves it back. Returns the job's epoch now."""
+        epoch = self._advance(seen)
+        if epoch > self.min_epoch:
+            self.min_epoch = epoch
+            self._put_floor()
+        return epoch
+
+    def _advance(self, seen: int) -> int:
         _, epoch = self.meta.compare_and_set(_epoch_key(), expected=seen, value=seen + 1)
-        self.min_epoch = max(self.min_epoch, int(epoch))
         return int(epoch)
+
+    def rejoin(self) -> None:
+        """This process replaced a dead one of its rank: move the job past the epoch it finds
+        (the others' connections do not include it), and take part in versions of that epoch
+        or later that its predecessor did not join (see :meth:`decide_epoch`): an epoch writer 0
+        decided just before this advance is fine, the one the predecessor died in is not."""
+        seen = self.current_epoch()
+        self._advance(seen)
+        self.restarted, self.min_epoch = True, seen
+        self._put_floor()
+
+    def _put_floor(self) -> None:
+        """Say which epochs this process still takes part in, so that a writer waiting for it to
+        publish in an older one stops waiting (:meth:`wait_readers`)."""
+        if self.role == "writer":
+            self.meta.put_document(_floor_key(self.role, self.rank), f"{self.incarnation} {self.min_epoch}".encode())
 
     def decide_epoch(self, version: int, deadline: Deadline) -> int:
         """Writer 0 fixes the epoch each try of ``version`` is written in; the other writers wait
@@ -263,9 +289,12 @@ class JobChannel:
         if self.role == "writer" and self.rank == 0:
             epoch = max(self.current_epoch(), self.min_epoch)
             held = int(self.meta.counter(key))
+            decided = max(epoch, held - 1)
+            # marked before the decision is visible, so a peer never sees it without the mark
+            self.meta.put_document(_joined_key(version, decided, self.rank), self.incarnation.encode())
             if held < epoch + 1:  # only writer 0 sets it
                 self.meta.compare_and_set(key, expected=held, value=epoch + 1)
-            return max(epoch, held - 1)
+            return decided
         floor = self.min_epoch
         while True:
             held = int(self.meta.counter(key, at_least=floor + 1, wait=deadline.remaining()))
@@ -320,7 +349,8 @@ class JobChannel:
 
         Raises:
             TimeoutError: naming the laggards (or the epoch in which no one completed the version).
-            PeerDiedError: one of the other ``writers`` died before it published its part.
+            PeerDiedError: another of the ``writers`` can no longer publish its part in ``epoch``
+                (:meth:`_gone_from_try`).
         """
         if epoch is not None:
             self._wait_published(min_version, epoch, writers, deadline)
@@ -345,24 +375,58 @@ class JobChannel:
 
     def _wait_published(self, version: int, epoch: int, writers: int, deadline: Deadline) -> None:
         """Until every writer published ``version`` in ``epoch`` (or later), in slices of a lease
-        so that a writer that died is named within seconds instead of waited for."""
+        so that a writer that can no longer publish in it is named within seconds instead of
+        waited for (:meth:`_gone_from_try`)."""
         others = [w for w in range(writers) if not (self.role == "writer" and w == self.rank)]
-        # the writers of this try: one that restarts meanwhile takes its lease over the moment it
-        # expires, and is seen dead only by comparison (it never publishes in this epoch)
-        known = self.lease_holders(max_age=0.0) if self.lease_seconds > 0 else None
         while True:
             step = deadline.remaining(0.0) if self.lease_seconds <= 0 else min(deadline.remaining(0.0),
                                                                                 self.lease_seconds / 2)
             if self.meta.wait_version(after=version, timeout=step, after_epoch=epoch - 1) is not None:
                 return
-            dead = self.dead_peers("writer", others, max_age=0.0, known=known)
-            if dead:
-                rank, why = min(dead.items())
-                raise PeerDiedError(f"{self.who}: writer {rank} died before it published its part of version "
-                                    f"{version} in epoch {epoch}: {why}")
+            gone = self._gone_from_try(version, epoch, others)
+            if gone:
+                rank, why = min(gone.items())
+                raise PeerDiedError(f"{self.who}: writer {rank} cannot publish its part of version {version} in "
+                                    f"epoch {epoch}: {why}")
             if deadline.expired:
+                absent = self.dead_peers("writer", others, max_age=0.0)
                 raise TimeoutError(f"{self.who}: epoch {epoch} of version {version} was not published by "
-                                   "every writer in time (another writer did not publish its part)")
+                                   "every writer in time (another writer did not publish its part" + "".join(
+                                       f"; writer {r} has no live process and no restart of it joined: {why}"
+                                       for r, why in sorted(absent.items())) + ")")
+
+    def _gone_from_try(self, version: int, epoch: int, writers: Sequence[int]) -> dict[int, str]:
+        """Writers of ``writers`` that will never publish ``version`` in ``epoch``: rank -> why.
+
+        The process that joined the try (:meth:`decide_epoch` leaves its mark) died, or a
+        restarted one holds the rank now (which never joins the epoch its predecessor joined);
+        or the process holding the rank takes part only in later epochs (it restarted, or saw
+        an epoch fail, after writer 0 decided this one). A writer that died *before* it joined
+        is not gone: its restart may still join this try, and a wait for it ends at the deadline
+        (seen: a writer 1 restarting slowly after dying in the previous version made writer 0
+        give up the next version, which the restart then completed with writer 0's part while
+        writer 0 had closed its memory).
+        """
+        rows = self._leases(0.0)
+        gone = {}
+        for r in writers:
+            row = rows.get(("writer", r))
+            if row is None:
+                continue  # no leases in this job: liveness is the transports' business
+            mark = self.meta.get_document(_joined_key(version, epoch, r))
+            if mark is not None:
+                if not row.alive or row.incarnation != mark.decode():
+                    gone[r] = (f"the process that joined it died ({row.detail})" if row.incarnation == mark.decode()
+                               else f"the process that joined it is gone: a restarted one holds the rank now "
+                                    f"({row.detail})")
+                continue
+            floor = self.meta.get_document(_floor_key("writer", r))
+            if row.alive and floor is not None:
+                incarnation, _, oldest = floor.decode().partition(" ")
+                if incarnation == row.incarnation and int(oldest) > epoch:
+                    gone[r] = (f"its process ({row.detail}) takes part only in epoch {oldest} or later (it restarted, "
+                               "or saw an epoch fail, after writer 0 decided this one)")
+        return gone
 
     # -- liveness -----------------------------------------------------------------------------
     def start_heartbeat(self) -> None:
@@ -403,11 +467,7 @@ class JobChannel:
         connected to is gone. A restart takes the lease over the moment it expires, so without
         this a peer that restarts quickly is never seen dead.
         """
-        at, rows = self._lease_cache
-        now = time.monotonic()
-        if now - at > max_age:
-            rows = {(row.role, row.rank): row for row in self.meta.leases()}
-            self._lease_cache = (now, rows)
+        rows = self._leases(max_age)
         dead = {}
         for r in ranks:
             row = rows.get((role, r))
@@ -424,12 +484,17 @@ class JobChannel:
     def lease_holders(self, *, max_age: float = 0.25) -> dict[tuple[str, int], Holder]:
         """Who holds each live lease now (to tell, later, a peer that restarted: :meth:`dead_peers`),
         cached as :meth:`dead_peers` is."""
+        return {key: Holder(row.incarnation, row.pid, row.host) for key, row in self._leases(max_age).items()
+                if row.alive}
+
+    def _leases(self, max_age: float) -> dict[tuple[str, int], LeaseRow]:
+        """Every lease, by (role, rank), asked of the server at most every ``max_age`` seconds."""
         at, rows = self._lease_cache
         now = time.monotonic()
         if now - at > max_age:
             rows = {(row.role, row.rank): row for row in self.meta.leases()}
             self._lease_cache = (now, rows)
-        return {key: Holder(row.incarnation, row.pid, row.host) for key, row in rows.items() if row.alive}
+        return rows
 
     # -- transport endpoints ------------------------------------------------------------------
     def publish_endpoint(self, epoch: int, endpoint: EndpointRecord) -> None:

@@ -215,14 +215,8 @@ class SyncSession:
                                           lease=self.config.lease_seconds)
         self.channel.start_heartbeat()
         self.channel.check_settings(settings)
-        if restarted:
-            # The others' connections do not include this new process: move everyone on.
-            # This rank joins versions in that epoch or later that its dead predecessor did not
-            # join (see JobChannel.decide_epoch): an epoch writer 0 decided just before this
-            # advance is fine, the one the predecessor died in is not.
-            seen = self.channel.current_epoch()
-            self.channel.advance_epoch(seen)
-            self.channel.min_epoch, self.channel.restarted = seen, True
+        if restarted:  # the others' connections do not include this new process: move everyone on
+            self.channel.rejoin()
             logger.info("%s rejoined the job; epoch advanced", self.channel.who)
         self._registered = True
 

@@ -193,6 +193,8 @@ class WeightWriter:
         except TimeoutError as exc:
             raise SyncError(f"writer {self.rank}: readers did not reach version {min_version} in time: {exc}") from exc
         except PeerDiedError as exc:
+            if epoch is not None:  # never write in that epoch again: its connections include the dead process
+                self.session.channel.advance_epoch(epoch)
             raise SyncError(str(exc)) from exc
         result.phases[phase] = result.phases.get(phase, 0.0) + time.perf_counter() - t0
         if failed and phase == "wait_readers":
