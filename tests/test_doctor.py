@@ -44,6 +44,9 @@ def test_doctor_lists_every_gpu_path_of_a_real_job_and_writes_a_report(tmp_path,
         assert name in checks and checks[name]["detail"], name
         if report["environment"]["gpus"] == 0:
             assert checks[name]["status"] == "skipped" and "GPU" in checks[name]["detail"], checks[name]
+    if report["environment"]["gpus"] == 0:
+        assert "peak device memory during an update against the reserve: needs 1 GPU(s); this machine has 0" in \
+            checks["engine/vllm-memory"]["detail"], checks["engine/vllm-memory"]
     saved = json.loads(path.read_text())
     assert saved["checks"] == report["checks"] and "torch" in saved["environment"]["versions"]
     assert "topology" in saved["environment"]
