@@ -33,8 +33,6 @@ def test_doctor_runs_the_cpu_checks_and_names_every_gpu_check_it_skipped(capsys)
 def test_doctor_lists_every_gpu_path_of_a_real_job_and_writes_a_report(tmp_path, capsys):
     """Issue 23 section 3: every GPU path is listed, with a result or the reason it did not run,
     and ``--report FILE`` holds versions, topology and each check (fast: GPU checks only)."""
-    from weightsync.doctor import PLANNED
-
     path = tmp_path / "doctor.json"
     code = main(["doctor", "--json", "--only", "gpu,engine", "--report", str(path)])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -42,10 +40,13 @@ def test_doctor_lists_every_gpu_path_of_a_real_job_and_writes_a_report(tmp_path,
     assert code == 0
     for name in ("gpu/nccl-2gpu", "gpu/nccl-4ranks", "gpu/same-gpu", "gpu/cuda-ipc-2gpu", "gpu/nixl-vram", "gpu/delta",
                  "gpu/nccl-abort", "gpu/cuda-ipc-visible-devices", "gpu/nixl-push", "gpu/nixl-pull", "gpu/phases-shm",
-                 "gpu/phases-routed", "gpu/fp8", *PLANNED):
+                 "gpu/phases-routed", "gpu/fp8", "engine/vllm-memory"):
         assert name in checks and checks[name]["detail"], name
         if report["environment"]["gpus"] == 0:
             assert checks[name]["status"] == "skipped" and "GPU" in checks[name]["detail"], checks[name]
+    if report["environment"]["gpus"] == 0:
+        assert "peak device memory during an update against the reserve: needs 1 GPU(s); this machine has 0" in \
+            checks["engine/vllm-memory"]["detail"], checks["engine/vllm-memory"]
     saved = json.loads(path.read_text())
     assert saved["checks"] == report["checks"] and "torch" in saved["environment"]["versions"]
     assert "topology" in saved["environment"]

