@@ -18,10 +18,12 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -37,6 +39,7 @@ from weightsync.transport.torch_dist import MAX_LANES, Pair, TorchDistBase, Torc
 
 if TYPE_CHECKING:
     from weightsync.plan import Plan
+    from weightsync.plan.ops import Role
 
 logger = logging.getLogger(__name__)
 
@@ -66,14 +69,46 @@ class GlooTransport(TorchDistBase):
             self.delta.prepared(tensors, phases=len(self._schedules))
 
     def _form_group(self, epoch: int, deadline: Deadline) -> Any:
+        """The epoch's gloo group, formed within ``deadline``, failing within about a second of
+        a peer's death, naming it.
+
+        gloo's constructor (``connectFullMesh``) cannot be interrupted, and a rank that went
+        away between arriving at the store and connecting makes it retry well past its
+        timeout (seen: 100 s under a 20 s timeout, "Connect timeout"). So it runs on a daemon
+        thread (it releases the GIL) while this one watches the leases and the deadline; a
+        construction given up is left to end by itself, and the group it may still form is
+        never used.
+        """
         prefix = self._store_for(epoch, deadline)
-        try:
-            return dist.ProcessGroupGloo(prefix, self.ctx.global_rank, self.ctx.world_size,
-                                         datetime.timedelta(seconds=deadline.remaining()))
-        except RuntimeError as exc:
-            dead = (PeerWatch(self.ctx, "writer", range(self.ctx.num_writers), known=self._holders).describe()
-                    + PeerWatch(self.ctx, "reader", range(self.ctx.num_readers), known=self._holders).describe())
-            raise TransportError(f"{self.ctx.who}: process group of epoch {epoch} did not form{dead}: {exc}") from exc
+        ctx = self.ctx
+        formed: Future[Any] = Future()
+
+        def construct() -> None:
+            try:
+                formed.set_result(dist.ProcessGroupGloo(prefix, ctx.global_rank, ctx.world_size,
+                                                        datetime.timedelta(seconds=max(deadline.remaining(), 0.001))))
+            except BaseException as exc:  # handed to the waiting thread
+                formed.set_exception(exc)
+
+        threading.Thread(target=construct, name=f"weightsync-gloo-form-{epoch}", daemon=True).start()
+        roles: list[tuple[Role, int]] = [("writer", ctx.num_writers), ("reader", ctx.num_readers)]
+        watches = [PeerWatch(ctx, role, [r for r in range(n) if (role, r) != (ctx.role, ctx.rank)], known=self._holders)
+                   for role, n in roles]
+        what = f"the process group of epoch {epoch} to form"
+        while True:
+            try:
+                return formed.result(timeout=min(0.1, max(deadline.remaining(), 0.0)))
+            except FutureTimeout:
+                pass
+            except RuntimeError as exc:
+                dead = "".join(w.describe() for w in watches)
+                raise TransportError(f"{ctx.who}: process group of epoch {epoch} did not form{dead}: {exc}") from exc
+            for watch in watches:
+                watch.check(what)
+            if deadline.expired:
+                dead = "".join(w.describe() for w in watches)
+                raise TransportError(f"{ctx.who}: process group of epoch {epoch} did not form within the "
+                                     f"timeout{dead} (gloo was still connecting its pairs)")
 
     # -- data movement --------------------------------------------------------------------
     def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
