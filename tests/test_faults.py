@@ -310,6 +310,88 @@ def test_a_gloo_send_cut_off_mid_write_fails_the_write_within_seconds_of_the_dea
     assert torch.equal(dest, gave_up["dest"])
 
 
+def test_a_gloo_group_whose_peer_died_before_connecting_fails_to_form_within_seconds_of_the_death():
+    """gloo's constructor cannot be interrupted: a rank that arrived at the epoch's store and then
+    died before connecting cost its peers the whole timeout there, and under load far more (a
+    group took 100 s to form under a 20 s timeout, "Connect timeout"). Reader 0 arrives (the
+    store counts it) and never connects; its lease expires 0.5 s in: writer 0's formation fails
+    within about a second of that, naming it, and the constructor it left behind ends alone."""
+    import threading
+
+    import torch.distributed as dist
+
+    from weightsync.deadline import Deadline
+    from weightsync.transport import TransportContext, TransportError, create_transport
+
+    store = dist.PrefixStore("formation", dist.HashStore())
+    channel = _WriterChannel()
+    gloo = create_transport("torch", TransportContext(channel=channel, num_writers=1, num_readers=1))  # type: ignore[arg-type]
+    gloo._store_for = lambda epoch, deadline: store  # both ranks arrived (the store's count is not what is tested)
+    gloo._holders = {}
+
+    def reader_dies() -> None:
+        time.sleep(0.5)
+        channel.dead[0] = "its lease expired"
+
+    dying = threading.Thread(target=reader_dies)
+    dying.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(TransportError, match=r"writer 0: reader 0 died while this rank waited for the process "
+                                                 "group of epoch 3 to form: its lease expired"):
+            gloo._form_group(3, Deadline.after(5.0))
+        elapsed = time.monotonic() - started
+    finally:
+        dying.join(timeout=TIMEOUT)
+        for thread in threading.enumerate():  # the constructor left behind ends at its own timeout
+            if thread.name.startswith("weightsync-gloo-form"):
+                thread.join(timeout=TIMEOUT)
+    assert elapsed < 3.0, f"the group failed to form {elapsed:.1f} s after it started, 5 s its timeout"
+
+
+def test_a_rank_dead_before_it_arrived_at_an_epoch_is_waited_for_but_one_that_arrived_and_died_is_named():
+    """Writer 1 died in version 1; writer 0 started version 2 and waited at the epoch's store for
+    every rank. It failed at once because writer 1's lease had expired, so version 2 was lost
+    although writer 1's restart came a second later (test_sync_e2e's killed-writer case, 1 run in
+    4 under load). A rank that never arrived is now waited for (its restart may come); one that
+    arrived and then died is still named within about a second."""
+    import threading
+
+    import torch.distributed as dist
+
+    from weightsync.deadline import Deadline
+    from weightsync.transport import TransportContext, TransportError, create_transport
+
+    channel = _WriterChannel()
+    gloo = create_transport("torch", TransportContext(channel=channel, num_writers=1, num_readers=1))  # type: ignore[arg-type]
+    store = dist.PrefixStore("arrivals", dist.HashStore())
+    channel.dead[0] = "its lease expired"  # reader 0 is dead and has not arrived
+
+    def restart_arrives() -> None:
+        time.sleep(1.5)
+        channel.dead.clear()  # its restart holds the rank
+        store.add("arrived/1", 1)
+        store.add("arrived", 1)
+
+    restart = threading.Thread(target=restart_arrives)
+    restart.start()
+    try:
+        gloo._arrive(store, 2, Deadline.after(10.0))  # waits for the restart instead of failing
+    finally:
+        restart.join(timeout=TIMEOUT)
+
+    gloo = create_transport("torch", TransportContext(channel=channel, num_writers=1, num_readers=2))  # type: ignore[arg-type]
+    store = dist.PrefixStore("arrivals-again", dist.HashStore())
+    store.add("arrived/1", 1)  # reader 0 arrives, then dies (reader 1 is on its way)
+    store.add("arrived", 1)
+    channel.dead[0] = "its lease expired"
+    started = time.monotonic()
+    with pytest.raises(TransportError, match="writer 0: reader 0 died while this rank waited for every rank to join "
+                                             "the process group of epoch 3: its lease expired"):
+        gloo._arrive(store, 3, Deadline.after(10.0))
+    assert time.monotonic() - started < 2.0
+
+
 @pytest.mark.parametrize("options", TRANSPORTS)
 def test_writer_sigkilled_mid_transfer_restarts_and_writes_the_version_again(options, no_leaks, tally):
     skip_unavailable(options)

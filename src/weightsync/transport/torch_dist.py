@@ -169,6 +169,11 @@ class TorchDistBase:
         why one does not: a dead rank costs the whole timeout there. Once everyone is here it
         completes at once (a rank that dies in between is the only case left to its timeout).
 
+        A rank that is dead but never arrived is waited for until the deadline, which then names
+        it: its restart may still come to this epoch (seen: writer 1 died in version 1, writer 0
+        gave version 2 up at once because writer 1's lease had expired, and the restart that
+        came a second later then waited for a version 2 no one would write).
+
         Each rank arrives once per epoch. A second arrival of the same rank is a restarted
         process coming to an epoch whose group formed (or is forming) with its earlier
         incarnation: the peers will never connect to it, and gloo's constructor would retry
@@ -184,14 +189,19 @@ class TorchDistBase:
                                      f"{ctx.role} {ctx.rank} (this process started after it joined): this rank "
                                      "takes part from the next epoch")
             arrived = store.add("arrived", 1)
-            pause = 0.005
+            pause, look = 0.005, time.monotonic()
             while arrived < ctx.world_size:
                 if deadline.expired:
                     missing = "".join(w.describe() for w in watches)
                     raise TransportError(f"{ctx.who}: only {arrived} of {ctx.world_size} ranks joined the process "
                                          f"group of epoch {epoch} in time{missing}")
-                for watch in watches:
-                    watch.check(what)
+                if time.monotonic() >= look:  # as PeerWatch.check, every half second
+                    look = time.monotonic() + 0.5
+                    for watch, first in zip(watches, (0, ctx.num_writers), strict=True):
+                        # only ranks that arrived: a dead one that did not may still be replaced
+                        dead = {r: why for r, why in watch.dead().items() if store.add(f"arrived/{first + r}", 0)}
+                        if dead:
+                            raise TransportError(watch.died(dead, what))
                 time.sleep(pause)
                 pause = min(2 * pause, 0.1)
                 arrived = store.add("arrived", 0)
