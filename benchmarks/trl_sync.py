@@ -43,7 +43,7 @@ PROMPT = [5 + (7 * i) % 480 for i in range(40)]
 
 
 def model_config(args: argparse.Namespace) -> dict[str, Any]:
-    from weightsync.tiny import tiny_config
+    from weightsync.tools.tiny import tiny_config
 
     config = tiny_config()
     config.update(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
@@ -85,7 +85,7 @@ def rank_main(args: argparse.Namespace) -> None:
     from trl import GRPOConfig
     from trl.generation.vllm_generation import VLLMGeneration
 
-    from weightsync.bench.worker import _status_kb, reset_peak_rss
+    from weightsync.apps.bench.worker import _status_kb, reset_peak_rss
     from weightsync.integrations.trl import GRPOTrainer
 
     torch.set_num_threads(1)
@@ -140,7 +140,7 @@ def free_port() -> int:
 
 
 def launch(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from weightsync.tiny import write_checkpoint, write_tokenizer
+    from weightsync.tools.tiny import write_checkpoint, write_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="trl-sync-") as tmp:
         config = model_config(args)

@@ -48,9 +48,9 @@ def train(rank: int, checkpoint: str, steps: int, job: str, lr: float) -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers import Qwen3ForCausalLM
 
-    from weightsync.session import SyncConfig
+    from weightsync.roles.writer import WeightWriter
+    from weightsync.session.sync_session import SyncConfig
     from weightsync.sources.dtensor import DTensorSource
-    from weightsync.writer import WeightWriter
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -88,8 +88,8 @@ def serve(checkpoint: str, steps: int, job: str, server: Any) -> None:
 
     from weightsync.engines.vllm import VLLMEngine
     from weightsync.meta.client import MetaClient
-    from weightsync.reader import WeightReader
-    from weightsync.session import SyncConfig
+    from weightsync.roles.reader import WeightReader
+    from weightsync.session.sync_session import SyncConfig
 
     llm = LLM(model=checkpoint, dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=1,
               kv_cache_memory_bytes=32 << 20, skip_tokenizer_init=True)

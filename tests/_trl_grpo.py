@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 
 def write_model(path: Path) -> dict[str, Any]:
     """The tiny Qwen3 checkpoint (seed 1) with a word-level tokenizer: ``w3 w4 ...`` are ids 3, 4, ..."""
-    from weightsync.tiny import tiny_config, write_checkpoint, write_tokenizer
+    from weightsync.tools.tiny import tiny_config, write_checkpoint, write_tokenizer
 
     config = tiny_config()
     write_checkpoint(path, config, seed=1)

@@ -82,7 +82,7 @@ def local_ray():
     finally:
         stop_meta_server()
         ray.shutdown()
-        from weightsync.transport.shm_files import sweep_stale_segments
+        from weightsync.transport.shm.files import sweep_stale_segments
 
         sweep_stale_segments()  # verl has no close hook: the writer's segment goes with its process
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightsync.tiny import tiny_config
+from weightsync.tools.tiny import tiny_config
 
 needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None or importlib.util.find_spec("vllm") is None,
                                reason="needs trl and vllm (weightsync[trl,vllm])")

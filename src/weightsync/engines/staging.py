@@ -25,10 +25,10 @@ from typing import ClassVar
 
 import torch
 
-from weightsync import device_port
 from weightsync.layout import ModelSpec, RankLayout, Shard
 from weightsync.layout.kinds.hf import HFLayout
-from weightsync.torch_layout import TORCH_DTYPES, dtype_name
+from weightsync.ports import device as device_port
+from weightsync.tools.torch_layout import TORCH_DTYPES, dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class StagedWeights:
     push staged tensors through the engine's loader: :meth:`_begin` opens a load,
     :meth:`_load_items` loads some tensors, :meth:`_end` completes the version.
 
-    **Phases** (``SyncConfig(layer_phases=True)``; a :class:`~weightsync.ports.PhasedEngine`):
+    **Phases** (``SyncConfig(layer_phases=True)``; a :class:`~weightsync.ports.engine.PhasedEngine`):
     the reader calls :meth:`use_phases` with the job's phases of whole layers; an engine that
     ``loads_in_phases`` then lays its buffers out in one *arena* the size of the largest
     phase, every phase's tensors on the same memory, and loads each phase as it arrives
@@ -50,7 +50,7 @@ class StagedWeights:
 
     stages_in_phases: ClassVar[bool] = True
     #: Staging is allocated once and only the transport writes it (phases that share the
-    #: arena excepted, see :class:`~weightsync.ports.InferenceEngine`).
+    #: arena excepted, see :class:`~weightsync.ports.engine.InferenceEngine`).
     keeps_received_bytes: ClassVar[bool] = True
     #: Whether the engine's loader takes a version in several calls (vLLM's layerwise reload
     #: does); an engine that does not stages the whole model whatever the phases.

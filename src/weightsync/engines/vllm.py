@@ -45,7 +45,7 @@ import torch
 
 from weightsync.engines.staging import StagedWeights
 from weightsync.layout import ModelSpec
-from weightsync.torch_layout import dtype_name
+from weightsync.tools.torch_layout import dtype_name
 
 if TYPE_CHECKING:
     from vllm import LLM

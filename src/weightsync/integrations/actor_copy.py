@@ -4,7 +4,7 @@ verl hands the actor a generator of full (gathered) tensors that it may free aft
 yield, and weightsync's writer sends a version after all of them are staged, so actor
 rank 0 keeps one copy of the model (on the trainer's GPU by default). That copy is taken
 here, tensor by tensor, each allocation checked against the device's free memory
-(:mod:`weightsync.device_port`): a model that does not fit is refused with the figure and
+(:mod:`weightsync.ports.device`): a model that does not fit is refused with the figure and
 the setting to change, never an out-of-memory error, and before the writer sends a byte.
 
 The generator is walked to its end even then, since producing a tensor is collective over
@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from weightsync import device_port
+from weightsync.ports import device as device_port
 
 #: What to change when the copy does not fit (``engine_kwargs.weightsync`` of verl's config).
 FIX = ("stage on the host instead: actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.weightsync.device=cpu "

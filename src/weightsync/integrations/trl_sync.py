@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weightsync.sync_config import SyncConfig, check_value, job_config, job_wire, with_job_settings
+from weightsync.session.config import SyncConfig, check_value, job_config, job_wire, with_job_settings
 
 if TYPE_CHECKING:
-    from weightsync.writer import WriteResult
+    from weightsync.roles.writer import WriteResult
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class TRLSyncSettings:
     """weightsync's settings for a TRL trainer (the same on every rank).
 
     Besides the fields below, every job setting of ``SyncConfig``'s wire form
-    (:mod:`weightsync.sync_config`) but the job's size (TRL's world) and the rank's own node and
+    (:mod:`weightsync.session.config`) but the job's size (TRL's world) and the rank's own node and
     address; defaults as ``SyncConfig``'s, except ``job="trl"`` and ``layer_phases=True``
     (a vLLM worker stages one phase of whole layers rather than a copy of the whole model).
 
@@ -202,7 +202,7 @@ class ColocateSync(_Sync):
     def __init__(self, generation: Any, settings: TRLSyncSettings) -> None:
         from weightsync.engines.vllm import VLLMEngine
         from weightsync.meta.client import MetaClient
-        from weightsync.reader import WeightReader
+        from weightsync.roles.reader import WeightReader
 
         super().__init__(generation, settings)
         self.writer: Any = None
@@ -217,7 +217,7 @@ class ColocateSync(_Sync):
         return self.settings.sync_config(num_writers=self.world, num_readers=self.world)
 
     def _send(self, version: int) -> WriteResult:
-        from weightsync.writer import WeightWriter
+        from weightsync.roles.writer import WeightWriter
 
         if self.writer is None:
             self.writer = WeightWriter(self._source(), rank=self.rank, config=self._config(), meta=self.meta)

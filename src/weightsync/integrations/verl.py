@@ -44,13 +44,13 @@ from typing import Any, ClassVar
 import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
-from weightsync.deadline import Deadline
+from weightsync.clock.deadline import Deadline
 from weightsync.integrations.verl_settings import VerlSyncSettings
-from weightsync.job_wire import TensorTable
+from weightsync.job.wire import TensorTable
 from weightsync.layout import RankLayout
 from weightsync.layout.builders import replicated
 from weightsync.layout.types import CanonicalTensor
-from weightsync.torch_layout import allocate, dtype_name
+from weightsync.tools.torch_layout import allocate, dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
 
     async def _start_writer(self, weights: Any) -> None:
         from weightsync.integrations.actor_copy import copy_model
-        from weightsync.writer import WeightWriter
+        from weightsync.roles.writer import WeightWriter
 
         device = self.settings.staging_device
         # one tensor at a time: verl may gather each on the fly and free it after the yield;
@@ -228,8 +228,8 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             yield name, t
 
     def _start_reader(self) -> None:
-        from weightsync.job import JobChannel
-        from weightsync.reader import WeightReader
+        from weightsync.job.channel import JobChannel
+        from weightsync.roles.reader import WeightReader
 
         meta = self._meta()
         channel = JobChannel(meta, role="reader", rank=self.rank)

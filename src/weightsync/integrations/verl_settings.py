@@ -1,7 +1,7 @@
 """``engine_kwargs.weightsync`` of verl's checkpoint-engine config, without importing verl.
 
 Its own fields (``device``, ``meta_name``) and every job setting of ``SyncConfig``'s wire form
-(:mod:`weightsync.sync_config`) but those the backend fills itself: the job's size comes from
+(:mod:`weightsync.session.config`) but those the backend fills itself: the job's size comes from
 verl's topology (one writer, one reader per rollout worker) and each worker's node and address
 from its Ray node. Defaults as ``SyncConfig``'s, except ``job="verl"`` and ``timeout=600``::
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from weightsync.sync_config import SyncConfig, check_value, from_fields, job_config, with_job_settings
+from weightsync.session.config import SyncConfig, check_value, from_fields, job_config, with_job_settings
 
 #: What ``engine_kwargs.weightsync`` errors are named after.
 WHERE = "engine_kwargs.weightsync"

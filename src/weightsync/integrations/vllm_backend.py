@@ -68,8 +68,8 @@ from weightsync.engines.vllm import (
 from weightsync.engines.vllm_lora import WorkerLoraEngine
 from weightsync.integrations import vllm_step_trace
 from weightsync.layout.lora import LoraSpec
-from weightsync.reader import Prefetch, UpdateResult, WeightReader
-from weightsync.sync_config import SyncConfig, check_value, from_fields, job_config, with_job_settings
+from weightsync.roles.reader import Prefetch, UpdateResult, WeightReader
+from weightsync.session.config import SyncConfig, check_value, from_fields, job_config, with_job_settings
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     """Where the job's meta server is, who this worker is in the job, and the job's settings.
 
     Besides the fields below it has one field per job setting (``SyncConfig``'s wire form,
-    :mod:`weightsync.sync_config`): ``num_writers`` and ``num_readers`` are required, the rest
+    :mod:`weightsync.session.config`): ``num_writers`` and ``num_readers`` are required, the rest
     take ``SyncConfig``'s defaults. Every field is checked when vLLM parses the dict
     (:meth:`from_wire`), and an error names it.
     """

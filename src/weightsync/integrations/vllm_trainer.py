@@ -46,11 +46,11 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 
 from weightsync.layout import ModelSpec, RankLayout
 from weightsync.layout.lora import LoraSpec
-from weightsync.sync_config import SCOPES, SyncConfig, check_value, job_config, job_wire, with_job_settings
-from weightsync.torch_layout import module_layout
+from weightsync.session.config import SCOPES, SyncConfig, check_value, job_config, job_wire, with_job_settings
+from weightsync.tools.torch_layout import module_layout
 
 if TYPE_CHECKING:
-    from weightsync.writer import WriteResult
+    from weightsync.roles.writer import WriteResult
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
     """What every trainer rank passes to ``trainer_init`` (``rank`` is this rank's).
 
     Besides the fields below it has one field per job setting (``SyncConfig``'s wire form,
-    :mod:`weightsync.sync_config`, docs/engines.md lists them), with ``SyncConfig``'s
+    :mod:`weightsync.session.config`, docs/engines.md lists them), with ``SyncConfig``'s
     defaults except ``num_writers=1``, ``num_readers=1`` and ``layer_phases=True``. The
     workers receive every setting but the rank's own (``host``, ``transport_host``).
 
@@ -176,7 +176,7 @@ class WeightSourceAdapter:
                 if tensor is None or name not in shapes:
                     continue
                 if self._buffers is None:  # on the source's device, allocated once
-                    from weightsync.torch_layout import allocate
+                    from weightsync.tools.torch_layout import allocate
 
                     self._buffers = allocate(self._layout, device=tensor.device)
                 self._buffers[name].copy_(tensor.detach())
@@ -327,7 +327,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                      source: Any = None) -> WeightSyncTrainerEngine:
         from weightsync.meta.client import MetaClient
         from weightsync.meta.config import MetaEnv
-        from weightsync.writer import WeightWriter
+        from weightsync.roles.writer import WeightWriter
 
         if source is None:
             raise ValueError("the weightsync trainer backend needs a source (a weightsync TrainingSource or a vLLM "
@@ -395,7 +395,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
     def _worker_result(self, rpc: Future[Any], version: int) -> None:
         """The workers' ``update_weights`` of ``version``: their error, or one naming where they
         receive from when they do not answer (``concurrent.futures`` times out with no message)."""
-        from weightsync.session import SyncError
+        from weightsync.session.sync_session import SyncError
 
         try:
             rpc.result(timeout=self.timeout)

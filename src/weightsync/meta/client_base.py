@@ -31,7 +31,7 @@ from typing import Any, TypeAlias, TypeVar
 import httpx
 
 import weightsync
-from weightsync.deadline import Deadline
+from weightsync.clock.deadline import Deadline
 from weightsync.meta import calls, wire
 from weightsync.meta.calls import Call, ReaderReport
 from weightsync.meta.config import MetaEnv, check_token, normalize_address

@@ -31,7 +31,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from weightsync.deadline import Deadline
+from weightsync.clock.deadline import Deadline
 from weightsync.meta.records import LeaseRow
 
 
