@@ -54,7 +54,7 @@ from weightsync.ports.coordinator import Holder, MetaPort, PeerDiedError, Transp
 if TYPE_CHECKING:
     from weightsync.clock.deadline import Deadline
     from weightsync.job.heartbeat import Heartbeat
-    from weightsync.meta.records import LeaseRow
+    from weightsync.ports.records import LeaseRow
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class JobChannel:
         Raises:
             ValueError: another live process holds this rank (two processes claim it).
         """
-        from weightsync.meta.records import Participant
+        from weightsync.ports.records import Participant
 
         self.pin_server()
         took_over = False

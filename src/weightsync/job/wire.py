@@ -24,8 +24,8 @@ import msgpack
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-    from weightsync.meta.records import Participant, VersionInfo
     from weightsync.plan.ops import Role
+    from weightsync.ports.records import Participant, VersionInfo
 
 #: What the tensor store publishes as the sync fingerprint of its versions (it has no plan).
 STORE_FINGERPRINT = "tensorstore/1"

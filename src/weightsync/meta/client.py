@@ -30,10 +30,11 @@ import httpx
 
 from weightsync.meta import calls
 from weightsync.meta.async_client import AsyncMetaClient
-from weightsync.meta.calls import Call, ReaderReport
+from weightsync.meta.calls import Call
 from weightsync.meta.client_base import Answer, ClientBase, Outcome, Sleep, Steps, T, ssl_context
 from weightsync.meta.config import MetaEnv
-from weightsync.meta.records import LeaseRow, Participant, ParticipantTable, VersionInfo
+from weightsync.meta.records import ParticipantTable
+from weightsync.ports.records import LeaseRow, Participant, ReaderReport, VersionInfo
 
 if TYPE_CHECKING:
     from weightsync.meta.embedded import EmbeddedMetaServer

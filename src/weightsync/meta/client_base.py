@@ -33,9 +33,10 @@ import httpx
 import weightsync
 from weightsync.clock.deadline import Deadline
 from weightsync.meta import calls, wire
-from weightsync.meta.calls import Call, ReaderReport
+from weightsync.meta.calls import Call
 from weightsync.meta.config import MetaEnv, check_token, normalize_address
-from weightsync.meta.records import LeaseRow, Participant, ParticipantTable, VersionInfo, check_job
+from weightsync.meta.records import ParticipantTable, check_job
+from weightsync.ports.records import LeaseRow, Participant, ReaderReport, VersionInfo
 
 logger = logging.getLogger("weightsync.meta.client")
 T = TypeVar("T")

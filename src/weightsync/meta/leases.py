@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 
 from weightsync.clock.deadline import Deadline
-from weightsync.meta.records import LeaseRow
+from weightsync.ports.records import LeaseRow
 
 
 class LeaseHeldError(Exception):

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from weightsync.meta.calls import ReaderReport
-    from weightsync.meta.records import LeaseRow, Participant, VersionInfo
+    from weightsync.ports.records import LeaseRow, Participant, ReaderReport, VersionInfo
 
 __all__ = ["Holder", "MetaPort", "PeerDiedError", "TransportBoard"]
 

@@ -41,7 +41,26 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["DeviceMemoryError", "DevicePort", "IpcHandle", "TorchDevices", "allocate", "check_fits", "current", "gib",
-           "use"]
+           "gpu_identity", "parse_device", "use"]
+
+
+def parse_device(device: str) -> tuple[str, int | None]:
+    """``"cuda:3"`` -> ``("cuda", 3)``; ``"cpu"`` -> ``("cpu", None)``; ValueError otherwise."""
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return kind, int(index) if index else None
+
+
+def gpu_identity(device: str) -> str:
+    """The physical identity of a CUDA device (its UUID), comparable across processes; "" for
+    host memory. vLLM's and SGLang's own CUDA IPC paths identify GPUs the same way."""
+    kind, index = parse_device(device)
+    if kind != "cuda":
+        return ""
+    import torch
+
+    return str(torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).uuid)
 
 
 #: What a process's CUDA context takes on a device, as weightsync accounts for it before making
@@ -212,8 +231,6 @@ class TorchDevices:
         words[index] = value
 
     def share(self, tensor: torch.Tensor) -> IpcHandle:
-        from weightsync.tools.devices import gpu_identity
-
         device = str(tensor.device)
         return IpcHandle(tuple(tensor.untyped_storage()._share_cuda_()), device, gpu_identity(device), self.process())
 

@@ -2,7 +2,7 @@
 
 A writer sends what a :class:`TrainingSource` holds; a reader receives into an
 :class:`InferenceEngine`. Adapters (``sources/``, ``engines/``, the integrations) implement
-these Protocols, and the roles (``writer.py``, ``reader.py``, ``inflight.py``) import only
+these Protocols, and the roles (``roles/writer.py``, ``reader.py``, ``inflight.py``) import only
 this module, never an adapter. What an engine can do it declares in class attributes, as
 transports do, and the roles read them instead of testing the engine's class.
 

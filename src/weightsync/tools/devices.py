@@ -17,14 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from weightsync.plan.ops import Role
-
-
-def parse_device(device: str) -> tuple[str, int | None]:
-    """``"cuda:3"`` -> ``("cuda", 3)``; ``"cpu"`` -> ``("cpu", None)``; ValueError otherwise."""
-    kind, _, index = device.partition(":")
-    if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    return kind, int(index) if index else None
+from weightsync.ports.device import gpu_identity, parse_device
 
 
 def resolve_device(device: str, *, current_cuda_index: int | None) -> str:
@@ -186,17 +179,6 @@ def same_node(placements: Sequence[RankPlacement]) -> dict[tuple[int, int], bool
 def torch_backend(device: str) -> str:
     """The torch.distributed backend for a device: NCCL moves CUDA memory, gloo host memory."""
     return "nccl" if parse_device(device)[0] == "cuda" else "gloo"
-
-
-def gpu_identity(device: str) -> str:
-    """The physical identity of a CUDA device (its UUID), comparable across processes; "" for
-    host memory. vLLM's and SGLang's own CUDA IPC paths identify GPUs the same way."""
-    kind, index = parse_device(device)
-    if kind != "cuda":
-        return ""
-    import torch
-
-    return str(torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).uuid)
 
 
 def visible_gpus() -> list[str]:
