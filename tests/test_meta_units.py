@@ -359,7 +359,7 @@ def test_a_server_reachable_from_other_hosts_needs_a_shared_token(monkeypatch, c
 
 
 def test_the_meta_server_process_imports_no_torch(tmp_path):
-    """cli.py promises lazy imports: a meta server used to hold torch (250 MB) it never uses."""
+    """cli/__init__.py promises lazy imports: a meta server used to hold torch (250 MB) it never uses."""
     import sys as _sys
 
     _sys.path.insert(0, os.path.dirname(__file__))

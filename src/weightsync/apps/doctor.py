@@ -344,7 +344,7 @@ def _nccl_abort(env: Environment, options: DoctorOptions) -> Check:
 def _ipc_visible_devices(env: Environment, options: DoctorOptions) -> Check:
     """CUDA IPC between processes that number GPUs differently: the writer sees two GPUs and
     uses its ``cuda:1``, the reader sees only that GPU, as its ``cuda:0``. ``auto`` must find
-    them on one GPU (by UUID, devices.gpu_identity) and the reader open the writer's memory there."""
+    them on one GPU (by UUID, ports.device.gpu_identity) and the reader open the writer's memory there."""
     import os
 
     if reason := _needs_gpus(2, env):

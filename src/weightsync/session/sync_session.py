@@ -6,7 +6,7 @@ included), waits until every writer and reader has registered, rebuilds everyone
 computes *this rank's* share of the plan (rank-local planning: no rank ever builds the
 global plan), and creates the transport; the result is a frozen :class:`PlannedSync`.
 Before each version, :meth:`SyncSession.arm` (re)prepares the transport when the version's
-epoch or the buffers' storage changed. Writers and readers (``writer.py``, ``reader.py``)
+epoch or the buffers' storage changed. Writers and readers (``roles/writer.py``, ``reader.py``)
 drive versions on top; epochs are explained in :mod:`weightsync.job.channel`.
 """
 

@@ -1,14 +1,14 @@
-"""Transports: one module each, behind the :class:`Transport` Protocol, chosen in one place.
+"""Transports: one package each, behind the :class:`Transport` Protocol, chosen in one place.
 
 | name    | modules                              | moves bytes by                                   | one-sided |
 |---------|--------------------------------------|--------------------------------------------------|-----------|
-| torch   | torch_gloo.py, torch_nccl.py         | p2p: torch's gloo on CPU, NCCL (nccl4py) on GPU  | no        |
-| shm     | shm.py, shm_zero_copy.py             | POSIX shared memory / CUDA IPC, co-located ranks | yes       |
-| file    | file.py                              | safetensors files on (shared) storage            | yes       |
-| nixl    | nixl_pull.py, nixl_push.py           | NIXL/UCX RDMA reads (pull) or writes (push)      | pull only |
-| routed  | routed.py                            | shm within a node, torch across nodes, per pair  | no        |
+| torch   | torch/gloo.py, torch/nccl.py         | p2p: torch's gloo on CPU, NCCL (nccl4py) on GPU  | no        |
+| shm     | shm/transport.py, shm/zero_copy.py   | POSIX shared memory / CUDA IPC, co-located ranks | yes       |
+| file    | file/transport.py                    | safetensors files on (shared) storage            | yes       |
+| nixl    | nixl/pull.py, nixl/push.py           | NIXL/UCX RDMA reads (pull) or writes (push)      | pull only |
+| routed  | routed/transport.py                  | shm within a node, torch across nodes, per pair  | no        |
 
-Adding a transport is one module, one entry in ``_FACTORIES`` and one availability probe.
+Adding a transport is one package, one entry in ``_FACTORIES`` and one availability probe.
 A transport with several modes (torch: gloo or NCCL by device; nixl: pull or push) has one
 class per mode; :func:`transport_class_path` picks the class, here and nowhere else. Which
 transport a job uses is decided from every rank's placement by
