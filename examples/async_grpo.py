@@ -34,8 +34,7 @@ from importlib import resources
 
 import torch
 
-from weightsync import SyncConfig, WeightWriter
-from weightsync.roles.tensorstore import StoreConfig, TensorSlice, TensorStore
+from weightsync import StoreConfig, SyncConfig, TensorSlice, TensorStore, WeightWriter
 
 PROMPTS, GROUP, PROMPT_LEN, NEW_TOKENS = 4, 4, 8, 12
 TRAINERS = 2
@@ -122,8 +121,8 @@ def generate(model: torch.nn.Module, step: int, vocab: int) -> torch.Tensor:
 
 
 def run_mode(mode: str, staleness: int, steps: int, config: dict) -> dict:
+    from weightsync import InflightReader
     from weightsync.engines import ModuleEngine
-    from weightsync.roles.inflight import InflightReader
 
     model = make_model(config).eval()
     vocab = config["vocab_size"]
