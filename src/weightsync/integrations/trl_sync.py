@@ -207,7 +207,7 @@ class ColocateSync(_Sync):
         super().__init__(generation, settings)
         self.writer: Any = None
         self.address, self.token = self._meta()
-        self.meta = MetaClient(self.address, job=self._config().job, token=self.token or None)
+        self.meta = MetaClient(self.address, job=self._config().job, token=self.token or None, timeout=self.timeout)
         self._closers.insert(0, self.meta.close)
         engine = VLLMEngine(generation.llm, rank=self.rank, replicas=self.world)
         self.reader = WeightReader(engine, rank=self.rank, config=self._config(), meta=self.meta)

@@ -274,8 +274,9 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             # left is refused here, with the figure, never inside a sync.
             engine.lay_out(layer_phases=config.layer_phases,
                            budget_bytes=config.transport_options.max_bucket_bytes)
-        meta = (MetaClient(init_info.meta_address, job=config.job, token=init_info.meta_token)
-                if init_info.meta_address else MetaClient.from_env(job=config.job))
+        # unreachable for the job's timeout is an error, as any other wait of the job
+        meta = (MetaClient(init_info.meta_address, job=config.job, token=init_info.meta_token, timeout=config.timeout)
+                if init_info.meta_address else MetaClient.from_env(job=config.job, timeout=config.timeout))
         self.reader = WeightReader(engine, rank=init_info.rank, config=config, meta=meta)
         self.prefetch = Prefetch(self.reader) if init_info.prefetch else None
         what = (f"LoRA adapter id {init_info.lora_id} (r={lora.r})" if lora is not None else
