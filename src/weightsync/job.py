@@ -49,6 +49,7 @@ from weightsync.job_wire import (
     model_digest,
     unpack_map,
 )
+from weightsync.meta import client_base
 from weightsync.plan.ops import Role
 
 if TYPE_CHECKING:
@@ -354,12 +355,17 @@ class JobChannel:
         """
         if epoch is not None:
             self._wait_published(min_version, epoch, writers, deadline)
+        said = time.monotonic()
         while True:
             # In slices of a lease, so that a reader that died is reported as such, not waited for.
             step = deadline.remaining() if self.lease_seconds <= 0 else min(deadline.remaining(), self.lease_seconds)
             try:
                 report = self.meta.wait_reader_report(min_version=min_version, readers=readers, timeout=step)
-            except TimeoutError:
+            except TimeoutError as exc:
+                if time.monotonic() - said >= client_base.PROGRESS_SECONDS and not deadline.expired:
+                    said = time.monotonic()
+                    logger.info("%s: still waiting for the readers of version %d; %.0f s left (%s)", self.who,
+                                min_version, deadline.remaining(0.0), str(exc).split("; ", 1)[-1])
                 dead = self.dead_peers("reader", range(readers), max_age=0.0)
                 if dead:
                     versions = {r: -1 if v is None else v for r, v in self.meta.reader_versions().items()}
