@@ -303,6 +303,27 @@ def prefix_cache_resetter(client: Any, timeout: float) -> Callable[[], None]:
                      "HTTPVLLMWeightSyncClient / RayVLLMWeightSyncClient or weightsync's LLMClient")
 
 
+def embedded_meta_server(init_info: WeightSyncTrainerInitInfo, config: SyncConfig) -> tuple[str, str, Any]:
+    """(address, token, server or None) of the meta server trainer ranks start when none is given:
+    one trainer rank starts its own on ``meta_host``; several, launched by torchrun or accelerate,
+    share the one rank 0 starts (:mod:`weightsync.meta.launch`).
+
+    Raises:
+        ValueError: several trainer ranks without a launcher's store (naming WEIGHTSYNC_META_ADDR).
+    """
+    from weightsync.meta.embedded import EmbeddedMetaServer
+    from weightsync.meta.launch import LaunchEnv, no_store_error, shared_meta_server
+
+    if config.num_writers == 1:
+        server = EmbeddedMetaServer(host=init_info.meta_host).start()
+        return server.address, server.token, server
+    launch = LaunchEnv.from_env()
+    if not launch.launched:
+        raise no_store_error(dataclasses.replace(launch, rank=init_info.rank, world_size=config.num_writers))
+    host = None if init_info.meta_host == "127.0.0.1" else init_info.meta_host  # default: from MASTER_ADDR
+    return shared_meta_server(config.job, launch, timeout=config.timeout, host=host)
+
+
 class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitInfo]):
     """vLLM ``TrainerWeightTransferEngine`` hosting a weightsync writer per trainer rank."""
 
@@ -342,15 +363,9 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             env = MetaEnv.from_env()
             address, token = env.address or "", token or env.token or ""
         if not address:
-            if config.num_writers != 1:
-                raise ValueError("several trainer ranks need one meta server they all reach: set "
-                                 "WeightSyncTrainerInitInfo.meta_address (and meta_token), or WEIGHTSYNC_META_ADDR, "
-                                 "e.g. to a `weightsync meta-server`")
-            from weightsync.meta.embedded import EmbeddedMetaServer
-
-            server = EmbeddedMetaServer(host=init_info.meta_host).start()
-            closers.append(server.stop)
-            address, token = server.address, server.token
+            address, token, server = embedded_meta_server(init_info, config)
+            if server is not None:
+                closers.append(server.stop)
         meta = MetaClient(address, job=config.job, token=token or None, timeout=config.timeout)
         closers.insert(0, meta.close)
         training_source = as_training_source(source, init_info.model_config, init_info.rank)
