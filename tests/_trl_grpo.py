@@ -103,6 +103,8 @@ def train(args: argparse.Namespace) -> None:
         trainer.train()
     finally:
         generation.close()
+    logged = [{k: v for k, v in row.items() if k.startswith("weightsync/")} for row in trainer.state.log_history]
+    print("LOGGED " + json.dumps({"rank": rank, "rows": [row for row in logged if row]}), flush=True)
 
 
 def colocate_reference(paths: list[str]) -> None:

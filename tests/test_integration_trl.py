@@ -33,7 +33,9 @@ STEPS = 2
 
 
 def _results(out: str) -> list[dict]:
-    return [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
+    rows = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
+    return rows + [{**json.loads(line[len("LOGGED "):]), "logged": True} for line in out.splitlines()
+                   if line.startswith("LOGGED ")]
 
 
 def _trainers(tmp_path: Path, mode: str, url: str | None, server=None) -> list[dict]:
@@ -64,6 +66,17 @@ def _references(tmp_path: Path, script: str, command: str) -> dict[int, list[int
     return {int(Path(r["path"]).name[1:]): r["tokens"] for r in _results(proc.stdout)}
 
 
+def _check_logged(results: list[dict]) -> None:
+    """Every step's sync is among TRL's logged metrics, on every rank: its seconds, this rank's
+    bytes (its share, as sent) and the version lag (0: TRL syncs before it generates)."""
+    for rank in (0, 1):
+        rows = next(r["rows"] for r in results if r.get("logged") and r["rank"] == rank)
+        sent = [r["nbytes"] for r in results if r.get("rank") == rank and "version" in r]
+        assert len(rows) == STEPS, rows
+        assert [row["weightsync/bytes"] for row in rows] == sent
+        assert all(row["weightsync/sync_seconds"] > 0 and row["weightsync/version_lag"] == 0 for row in rows), rows
+
+
 def _check_shares(results: list[dict], dtype: str, *, exactly_one_model: bool = True) -> None:
     """Each rank sent a part of the model, and the parts make exactly one model (in the engine's
     dtype): no rank sends the whole model, no byte goes twice."""
@@ -71,7 +84,7 @@ def _check_shares(results: list[dict], dtype: str, *, exactly_one_model: bool = 
 
     itemsize = getattr(torch, dtype).itemsize
     for version in range(1, STEPS + 1):
-        ranks = {r["rank"]: r for r in results if r["version"] == version}
+        ranks = {r["rank"]: r for r in results if r.get("version") == version}
         assert sorted(ranks) == [0, 1], results
         total = ranks[0]["model_numel"] * itemsize
         for r in ranks.values():
@@ -93,6 +106,7 @@ def test_grpo_trainer_syncs_a_vllm_server_through_weightsync_without_a_gather(tm
                          extra=("--logprobs-mode", "processed_logprobs"))
     results = _trainers(tmp_path, "server", url, server)
     _check_shares(results, "float32")
+    _check_logged(results)
     refs = _references(tmp_path, "_vllm_native.py", "reference")  # the server's engine arguments
     served = sorted((r for r in results if "tokens" in r), key=lambda r: r["version"])
     assert [r["version"] for r in served] == list(range(1, STEPS + 1))
@@ -108,13 +122,14 @@ def test_grpo_trainer_colocated_engines_are_synced_through_shared_memory(tmp_pat
 
     write_model(tmp_path / "model")
     results = _trainers(tmp_path, "colocate", None)
-    dtypes = {r["dtype"] for r in results}
+    dtypes = {r["dtype"] for r in results if "dtype" in r}
     assert len(dtypes) == 1, dtypes
     dtype = dtypes.pop()
     # Each writer packs its pieces of every reader's copy into its shared-memory slot once; the planner
     # balances each reader's load on its own, so together the two writers pack more than one model.
     _check_shares(results, dtype, exactly_one_model=False)
+    _check_logged(results)
     refs = _references(tmp_path, "_trl_grpo.py", "colocate-reference")  # the arguments TRL builds its LLM with
-    for r in results:  # both ranks' engines, after every step
+    for r in (r for r in results if "tokens" in r):  # both ranks' engines, after every step
         assert r["tokens"] == refs[r["version"]], r
         assert r["weight_version"] == str(r["version"])

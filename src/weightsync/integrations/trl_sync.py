@@ -128,11 +128,12 @@ class _Sync:
         """This rank's training source over the trainer's model (merged-weight names for PEFT)."""
         return training_source(self.generation.model, self.rank)
 
-    def sync(self, version: int) -> None:
+    def sync(self, version: int) -> WriteResult | None:
+        """Send ``version`` (every rank); this rank's result, or None when vLLM holds it already."""
         with self._lock:
             if self.version is not None and version <= self.version:
                 if version == self.version:
-                    return  # vLLM holds this step's weights already
+                    return None  # vLLM holds this step's weights already
                 raise ValueError(f"weightsync: version {version} (the trainer's global step) is older than "
                                  f"{self.version}, which vLLM holds; a resumed run must not go back in steps")
             with merged_adapter(self.generation.model):
@@ -140,6 +141,7 @@ class _Sync:
             self.version = version
             logger.info("weightsync: rank %d sent version %d (%d bytes, %.3f s)", self.rank, version,
                         self.last_result.nbytes, self.last_result.seconds)
+            return self.last_result
 
     def _send(self, version: int) -> WriteResult:
         raise NotImplementedError
