@@ -332,6 +332,12 @@ class JobChannel:
         """This reader now serves ``version``."""
         self.meta.report_applied(self.rank, version, nbytes=nbytes, seconds=seconds)
 
+    def reader_lag(self, version: int, readers: int) -> int:
+        """How many versions the slowest of reader ranks ``0..readers-1`` is behind ``version``
+        (a reader at no valid version counts as ``version`` behind)."""
+        held = self.meta.reader_versions()
+        return max((version - (held.get(r) or 0) for r in range(readers)), default=0)
+
     def report_failed(self, version: int, error: str, *, epoch: int | None = None) -> None:
         """This reader failed ``version`` (published in ``epoch``): its weights are at no valid
         version until the next (or this one, written again in a later epoch)."""
