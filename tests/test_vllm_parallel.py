@@ -84,3 +84,27 @@ def test_two_tp_workers_read_each_sharded_element_once_and_every_replicated_one_
         full_bytes += tensor.nbytes
         total += sum(_covered(lay, name).sum() for lay in layouts) * tensor.nbytes // both.size
     assert full_bytes < total < 2 * full_bytes  # the norms twice, everything else once
+
+
+@needs_vllm
+def test_every_worker_of_a_tp_dp_engine_is_its_own_reader_rank():
+    """Worker ``t`` of DP replica ``d`` is reader ``first + d * TP + t``: DP replicas used to share
+    the engine's first rank (issue 39, item 3), and TP workers had none of their own."""
+    from unittest import mock
+
+    from weightsync.engines import vllm_parallel
+    from weightsync.integrations.vllm_backend import reader_rank
+
+    def engine(d):
+        return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2, data_parallel_size=2,
+                                                               data_parallel_rank=d, pipeline_parallel_size=1))
+
+    ranks = []
+    for d in (0, 1):
+        for t in (0, 1):
+            with mock.patch.object(vllm_parallel, "tensor_rank", return_value=(2, t)):
+                ranks.append(reader_rank(4, 8, engine(d)))
+    assert ranks == [4, 5, 6, 7]
+    with pytest.raises(ValueError, match=r"this engine has 4 workers \(TP x DP\), each a weightsync reader, from "
+                                         r"reader rank 5: num_readers=8 must be at least 9"):
+        reader_rank(5, 8, engine(0))
