@@ -85,8 +85,8 @@ def rank_main(args: argparse.Namespace) -> None:
     from trl import GRPOConfig
     from trl.generation.vllm_generation import VLLMGeneration
 
-    from weightsync.apps.bench.worker import _status_kb, reset_peak_rss
     from weightsync.integrations.trl import GRPOTrainer
+    from weightsync.tools.rss import reset_peak_rss, status_bytes
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -117,14 +117,14 @@ def rank_main(args: argparse.Namespace) -> None:
         for method in order:
             dist.barrier()
             reset_peak_rss()
-            rss, start = _status_kb("VmRSS"), time.perf_counter()
+            rss, start = status_bytes("VmRSS"), time.perf_counter()
             if method == "trl":
                 with reload_session(generation.llm):
                     VLLMGeneration.sync_weights(generation)  # TRL 1.16's own colocate path
             else:
                 version += 1
                 generation.sync.sync(version)
-            seconds, peak = time.perf_counter() - start, _status_kb("VmHWM") - rss
+            seconds, peak = time.perf_counter() - start, status_bytes("VmHWM") - rss
             tokens[method] = greedy(generation.llm)
             print("RESULT " + json.dumps({"rank": rank, "round": round_, "method": method, "seconds": seconds,
                                           "peak_bytes": peak, "tokens": tokens[method]}), flush=True)

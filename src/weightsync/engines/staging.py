@@ -26,7 +26,9 @@ from typing import ClassVar
 import torch
 
 from weightsync.layout import ModelSpec, RankLayout, Shard
+from weightsync.layout.box import Box
 from weightsync.layout.kinds.hf import HFLayout
+from weightsync.layout.restrict import restrict
 from weightsync.ports import device as device_port
 from weightsync.tools.torch_layout import TORCH_DTYPES, dtype_name
 
@@ -57,7 +59,8 @@ class StagedWeights:
     loads_in_phases: bool = True
 
     def __init__(self, spec: ModelSpec, *, dtype: torch.dtype, device: str | torch.device, rank: int,
-                 replicas: int | None = None, quant: str | None = None) -> None:
+                 replicas: int | None = None, quant: str | None = None,
+                 reads: Mapping[str, Iterable[Box]] | None = None) -> None:
         self.spec = spec
         # The hf kind's world must include this rank; pass the number of engines so that all
         # readers publish one descriptor (and share one layout template when planning).
@@ -65,6 +68,11 @@ class StagedWeights:
         kind.validate(spec)
         self.layout_text = kind.describe()
         self._layout = kind.rank_layout(spec, rank)
+        #: ``reads``: the boxes of each canonical tensor the engine's loader reads (a TP worker's
+        #: slices): only they arrive, into whole checkpoint-shaped buffers (an explicit layout)
+        self._restricted = reads is not None
+        if reads is not None:
+            self._layout = restrict(self._layout, reads)
         self._device = torch.device(device)
         self.dev = device_port.current()
         self._phases: tuple[tuple[str, ...], ...] | None = None  # laid out for these; None: not yet
@@ -91,6 +99,8 @@ class StagedWeights:
         return MappingProxyType(self._buffers)
 
     def descriptor(self) -> tuple[str, Mapping[str, object]] | None:
+        if self._restricted:
+            return None  # not the hf kind's whole model: the shards themselves are published
         return self.layout_text, self.spec.to_hf_config()
 
     @property

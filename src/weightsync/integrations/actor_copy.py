@@ -15,7 +15,7 @@ the actor group (the other actor ranks are walking it too)::
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import torch
 
@@ -26,8 +26,10 @@ FIX = ("stage on the host instead: actor_rollout_ref.rollout.checkpoint_engine.e
        "(every worker of the job, actor and rollout, stages on one kind of device)")
 
 
-async def copy_model(weights: AsyncIterator[tuple[str, torch.Tensor]], *, device: str) -> dict[str, torch.Tensor]:
-    """A contiguous copy of every tensor ``weights`` yields, on ``device``.
+async def copy_model(weights: AsyncIterator[tuple[str, torch.Tensor]], *, device: str,
+                     keep: Callable[[str, torch.Tensor], bool] = lambda name, t: True) -> dict[str, torch.Tensor]:
+    """A contiguous copy of every tensor ``weights`` yields that ``keep`` accepts, on ``device``
+    (``keep`` sees every tensor, in order).
 
     Raises:
         DeviceMemoryError: the copy does not fit; the message gives the model's size (every
@@ -39,7 +41,7 @@ async def copy_model(weights: AsyncIterator[tuple[str, torch.Tensor]], *, device
     failed: device_port.DeviceMemoryError | None = None
     async for name, t in weights:
         total += t.numel() * t.element_size()
-        if failed is not None:
+        if failed is not None or not keep(name, t):
             continue  # keep walking: the other actor ranks produce these tensors with us
         try:
             buffers[name] = _copy(port, name, t, device)

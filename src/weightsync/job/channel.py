@@ -48,6 +48,7 @@ from weightsync.job.wire import (
     model_digest,
     unpack_map,
 )
+from weightsync.meta import client_base
 from weightsync.plan.ops import Role
 from weightsync.ports.coordinator import Holder, MetaPort, PeerDiedError, TransportBoard
 
@@ -331,6 +332,12 @@ class JobChannel:
         """This reader now serves ``version``."""
         self.meta.report_applied(self.rank, version, nbytes=nbytes, seconds=seconds)
 
+    def reader_lag(self, version: int, readers: int) -> int:
+        """How many versions the slowest of reader ranks ``0..readers-1`` is behind ``version``
+        (a reader at no valid version counts as ``version`` behind)."""
+        held = self.meta.reader_versions()
+        return max((version - (held.get(r) or 0) for r in range(readers)), default=0)
+
     def report_failed(self, version: int, error: str, *, epoch: int | None = None) -> None:
         """This reader failed ``version`` (published in ``epoch``): its weights are at no valid
         version until the next (or this one, written again in a later epoch)."""
@@ -354,12 +361,17 @@ class JobChannel:
         """
         if epoch is not None:
             self._wait_published(min_version, epoch, writers, deadline)
+        said = time.monotonic()
         while True:
             # In slices of a lease, so that a reader that died is reported as such, not waited for.
             step = deadline.remaining() if self.lease_seconds <= 0 else min(deadline.remaining(), self.lease_seconds)
             try:
                 report = self.meta.wait_reader_report(min_version=min_version, readers=readers, timeout=step)
-            except TimeoutError:
+            except TimeoutError as exc:
+                if time.monotonic() - said >= client_base.PROGRESS_SECONDS and not deadline.expired:
+                    said = time.monotonic()
+                    logger.info("%s: still waiting for the readers of version %d; %.0f s left (%s)", self.who,
+                                min_version, deadline.remaining(0.0), str(exc).split("; ", 1)[-1])
                 dead = self.dead_peers("reader", range(readers), max_age=0.0)
                 if dead:
                     versions = {r: -1 if v is None else v for r, v in self.meta.reader_versions().items()}

@@ -234,16 +234,25 @@ class MetaClient(ClientBase):
 
 def connect(address: str | None = None, *, job: str = "default", token: str | None = None,
             timeout: float = 30.0) -> tuple[MetaClient, EmbeddedMetaServer | None]:
-    """A client for ``address`` / ``WEIGHTSYNC_META_ADDR``, or else for a new embedded server.
+    """A client for ``address`` / ``WEIGHTSYNC_META_ADDR``, or else for an embedded server.
 
-    Single-machine runs need not start anything: without an address an
-    :class:`~weightsync.meta.embedded.EmbeddedMetaServer` is started on 127.0.0.1 (a daemon
-    thread of this process). The caller closes the client and stops the server (if not None).
+    Runs need not start anything: without an address a single process starts an
+    :class:`~weightsync.meta.embedded.EmbeddedMetaServer` on 127.0.0.1 (a daemon thread of this
+    process); under torchrun or accelerate (``WORLD_SIZE`` > 1) rank 0 starts it and the others
+    find it through torch's store (:mod:`weightsync.meta.launch`), and a multi-process job that
+    has no store fails at once naming ``WEIGHTSYNC_META_ADDR``. The caller closes the client and
+    stops the server (if not None).
     """
+    from weightsync.meta.launch import LaunchEnv, shared_meta_server
+
     env = MetaEnv.from_env()
     address = address or env.address
     if address is not None:
         return MetaClient(address, job=job, token=token or env.token, timeout=timeout), None
+    launch = LaunchEnv.from_env()
+    if launch.launched:
+        address, shared_token, server = shared_meta_server(job, launch, timeout=timeout)
+        return MetaClient(address, job=job, token=shared_token, timeout=timeout), server
     from weightsync.meta.embedded import EmbeddedMetaServer
 
     server = EmbeddedMetaServer(token=token).start()
