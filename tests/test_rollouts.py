@@ -8,21 +8,19 @@ tests/test_rollouts_vllm.py.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgpack
 import pytest
 import torch
 
+from rollout_fakes import FakeEngine, model, run, tool_turn
 from weightsync.rollouts import (
-    EngineGoneError,
     KVMissError,
     KVStore,
     KVStoreConfig,
@@ -44,57 +42,6 @@ from weightsync.rollouts.files import locked
 
 HERE = Path(__file__).resolve().parent
 SAMPLING = Sampling(temperature=0.0, max_tokens=6, seed=11)
-
-
-# -- a fake fleet ----------------------------------------------------------------------------------
-
-def model(context: tuple[int, ...], version: int, seed: int, n: int) -> tuple[int, ...]:
-    digest = hashlib.sha256(repr((context, version, seed)).encode()).digest()
-    return tuple(b % 500 for b in digest[:n])
-
-
-@dataclass
-class FakeEngine:
-    """Generates ``model(...)``; dies at the turns in ``die_at``; an update aborts the turns in ``abort_at``."""
-
-    name: str
-    version: int
-    die_at: set[int] = field(default_factory=set)
-    abort_at: dict[int, int] = field(default_factory=dict)  # turn -> the version the update brings
-    dead: bool = False
-    requests: list[TurnRequest] = field(default_factory=list)
-
-    @property
-    def weight_version(self) -> int:
-        return self.version
-
-    def generate(self, request: TurnRequest, *, timeout: float) -> TurnResult:
-        if self.dead or request.turn in self.die_at:
-            self.dead = True
-            raise EngineGoneError(f"{self.name} was killed")
-        self.requests.append(request)
-        if request.turn in self.abort_at:
-            self.version = self.abort_at.pop(request.turn)
-            return TurnResult(token_ids=(), finish_reason="abort", version_spans=(), engine=self.name)
-        tokens = model(request.token_ids, self.version, request.seed, request.sampling.max_tokens)
-        return TurnResult(token_ids=tokens, finish_reason="length", version_spans=((self.version, 0, len(tokens)),),
-                          engine=self.name, prompt_tokens=len(request.token_ids))
-
-
-def tool_turn(turn: Turn) -> Turn:
-    """A deterministic tool: answers a generated turn with a function of its tokens."""
-    call = ToolCall(name="lookup", arguments=f'{{"key": {sum(turn.token_ids)}}}', call_id=f"c{sum(turn.token_ids)}")
-    return Turn(kind="tool", token_ids=tuple((t * 7 + 3) % 500 for t in turn.token_ids[:3]), tool_call=call,
-                tool_result=str(sum(turn.token_ids)))
-
-
-def run(rollouts: Rollouts, rollout_id: str, fleet: list[FakeEngine], turns: int = 3) -> RolloutRecord:
-    """The 3-turn tool loop: generate, call the tool, feed its result back; the last turn answers."""
-    for i in range(turns):
-        turn = rollouts.generate(rollout_id, fleet, timeout=10)
-        if i < turns - 1:
-            rollouts.append_turn(rollout_id, tool_turn(turn))
-    return rollouts.record(rollout_id)
 
 
 @pytest.fixture
@@ -219,6 +166,19 @@ def test_kv_is_found_only_for_the_same_tokens_rollout_and_version(tmp_path):
         kv.load(keys[4])
     m = kv.metrics()
     assert (m.blocks, m.saved_blocks, m.loaded_blocks, m.missed_blocks) == (3, 3, 1, 1)
+
+
+def test_a_block_of_a_sharded_engine_counts_once_every_shard_saved_it(tmp_path):
+    kv = KVStore(KVStoreConfig(directory=str(tmp_path)))
+    (key,) = kv.keys("L", "r", version=1, token_ids=list(range(8)), block_size=8)
+    kv.save(key.of_shard(1), blocks(1))
+    assert kv.lookup([key], shards=2) == 0
+    kv.save(key.of_shard(0), blocks(0))
+    assert kv.lookup([key], shards=2) == 1
+    assert torch.equal(kv.load(key.of_shard(1))["layer0"], blocks(1)["layer0"])
+    with pytest.raises(KVMissError, match="holds"):  # one shard's file is never read as another's
+        os.replace(kv.path(key.of_shard(0)), kv.path(key.of_shard(1)))
+        kv.load(key.of_shard(1))
 
 
 def test_a_torn_or_foreign_block_file_is_a_miss_never_data(tmp_path):

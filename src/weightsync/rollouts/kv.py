@@ -81,17 +81,24 @@ class KVStoreConfig:
 
 @dataclass(frozen=True, slots=True)
 class BlockKey:
-    """One block: the engine layout, rollout, weight version, index in the context and chained digest."""
+    """One block: the engine layout, rollout, weight version, index in the context and chained
+    digest, and the engine shard that holds it (an engine of N workers, tensor or pipeline
+    parallel, keeps N files per block: each worker its own heads or layers)."""
 
     layout: str
     rollout: str
     version: int
     index: int
     digest: str
+    shard: int = 0
 
     @property
     def relpath(self) -> str:
-        return os.path.join(self.layout, self.rollout, f"v{self.version}", f"{self.index:06d}-{self.digest}{SUFFIX}")
+        name = f"{self.index:06d}-{self.digest}-s{self.shard}{SUFFIX}"
+        return os.path.join(self.layout, self.rollout, f"v{self.version}", name)
+
+    def of_shard(self, shard: int) -> BlockKey:
+        return dataclasses.replace(self, shard=shard)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,10 +155,10 @@ class KVStore:
     def path(self, key: BlockKey) -> str:
         return os.path.join(self.root, key.relpath)
 
-    def lookup(self, keys: Sequence[BlockKey]) -> int:
-        """How many of ``keys``, from the first, are in the store."""
+    def lookup(self, keys: Sequence[BlockKey], *, shards: int = 1) -> int:
+        """How many of ``keys``, from the first, are in the store (every one of their ``shards``)."""
         for i, key in enumerate(keys):
-            if not os.path.exists(self.path(key)):
+            if not all(os.path.exists(self.path(key.of_shard(s))) for s in range(shards)):
                 return i
         return len(keys)
 
@@ -316,7 +323,7 @@ class KVStore:
 
 def _meta(key: BlockKey) -> dict[str, str]:
     return {"format": "1", "layout": key.layout, "rollout": key.rollout, "version": str(key.version),
-            "index": str(key.index), "digest": key.digest}
+            "index": str(key.index), "digest": key.digest, "shard": str(key.shard)}
 
 
 def _file_meta(blob: bytes) -> dict[str, str]:
