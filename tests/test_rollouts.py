@@ -39,6 +39,7 @@ from weightsync.rollouts import (
     VersionChange,
 )
 from weightsync.rollouts.files import locked
+from weightsync.rollouts.kv import block_digests
 
 HERE = Path(__file__).resolve().parent
 SAMPLING = Sampling(temperature=0.0, max_tokens=6, seed=11)
@@ -166,6 +167,15 @@ def test_kv_is_found_only_for_the_same_tokens_rollout_and_version(tmp_path):
         kv.load(keys[4])
     m = kv.metrics()
     assert (m.blocks, m.saved_blocks, m.loaded_blocks, m.missed_blocks) == (3, 3, 1, 1)
+
+
+def test_block_digests_chain_every_token_before_and_extend_without_rehashing():
+    tokens = list(range(50))
+    full = block_digests(tokens, 8)
+    assert len(full) == 6 and block_digests(tokens, 8, 3) == full[:3]
+    assert block_digests(tokens, 8, after=full[:2]) == full
+    assert block_digests(tokens, 8, after=["00" * 12] * 2)[2] != full[2]  # the chain, not the block alone
+    assert block_digests([99] + tokens[1:], 8)[5] != full[5]
 
 
 def test_a_block_of_a_sharded_engine_counts_once_every_shard_saved_it(tmp_path):

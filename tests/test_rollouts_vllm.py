@@ -228,3 +228,56 @@ def test_an_update_with_abort_resumes_the_rollout_on_the_new_version_without_old
     assert record.token_ids()[:-16] == update_scenario.reference.token_ids()[:-16]
     # after the turn the store dropped the KV of version 1, which no engine of the turn's fleet serves
     assert 1 in extra["kv_versions_before"] and 1 not in extra["kv_versions_after"] and extra["dropped"] > 0
+
+
+class _FakeLLM:
+    """What VLLMTurnEngine calls on ``vllm.LLM``, recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.llm_engine = self
+
+    def set_weight_version(self, version: str) -> None:
+        self.calls.append(("set_weight_version", version))
+
+    def add_request(self, rid: str, prompt: Any, params: Any) -> str:
+        self.calls.append(("add_request", rid))
+        return rid
+
+    def abort_request(self, rids: list[str]) -> None:
+        self.calls.append(("abort_request", rids))
+
+    def step(self) -> list[Any]:
+        return []
+
+    def reset_prefix_cache(self) -> bool:
+        self.calls.append(("reset_prefix_cache", None))
+        return True
+
+    def collective_rpc(self, method: str, kwargs: dict[str, Any]) -> list[Any]:
+        self.calls.append((method, kwargs))
+        return []
+
+
+def test_an_update_aborts_its_turns_then_loads_then_stamps_the_version_then_resets_the_cache():
+    from weightsync.integrations import vllm_kv
+    from weightsync.integrations.vllm_rollouts import VLLMTurnEngine
+
+    llm = _FakeLLM()
+    engine = VLLMTurnEngine(llm, name="e", version=1)
+    request = TurnRequest(rollout_id="r", turn=1, token_ids=(1, 2), sampling=SAMPLING, seed=1, kv_version=1)
+    rid = engine.submit(request)
+    try:
+        assert engine.update(2, apply=lambda: llm.calls.append(("apply", None))) == [rid]
+        assert llm.calls[-4:] == [("abort_request", [rid]), ("apply", None), ("set_weight_version", "2"),
+                                  ("reset_prefix_cache", None)]
+        assert vllm_kv.engine_version() == 2 and engine.weight_version == 2
+        assert engine.step()[rid].aborted
+        engine.update(3, weights_path="/ckpt", mode="keep-stale")
+        assert llm.calls[-2:] == [("reload_weights", {"weights_path": "/ckpt"}), ("set_weight_version", "3")]
+        with pytest.raises(ValueError, match="exactly one of weights_path"):
+            engine.update(4, mode="abort")
+        with pytest.raises(ValueError, match="update mode 'wait' is not one of"):
+            engine.update(4, weights_path="/ckpt", mode="wait")
+    finally:
+        vllm_kv.set_engine_version(None)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +54,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from weightsync.rollouts.engine import KV_PARAMS_KEY
-from weightsync.rollouts.kv import BlockKey, KVMissError, KVStore, KVStoreConfig
+from weightsync.rollouts.kv import BlockKey, KVMissError, KVStore, KVStoreConfig, block_digests
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -109,6 +110,7 @@ class _Tracked:
     rollout: str
     version: int
     blocks: list[int] = field(default_factory=list)
+    digests: list[str] = field(default_factory=list)  # of its full blocks so far (hashed once each)
     stored: int = 0  # leading blocks the store holds (found, or saved since)
     local: int = 0  # tokens the engine's prefix cache had when it was admitted
     restored: int = 0  # tokens loaded from the store
@@ -200,9 +202,12 @@ class WeightsyncKVConnector(KVConnectorBase_V1):
         return False, {KV_PARAMS_KEY: {"rollout": tracked.rollout, "version": tracked.version,
                                        "restored_tokens": tracked.restored}}
 
-    def _keys(self, tracked: _Tracked, tokens: list[int], count: int) -> list[BlockKey]:
-        return self._store.keys(self._layout, tracked.rollout, version=tracked.version, token_ids=tokens,
-                                block_size=self._block_size, count=count)
+    def _keys(self, tracked: _Tracked, tokens: Sequence[int], count: int) -> list[BlockKey]:
+        """The keys of the first ``count`` blocks of ``tokens`` (the request's own: its digests are kept)."""
+        if count > len(tracked.digests):
+            tracked.digests = block_digests(tokens, self._block_size, count, after=tracked.digests)
+        return [BlockKey(self._layout, tracked.rollout, tracked.version, i, d)
+                for i, d in enumerate(tracked.digests[:count])]
 
     def _saves(self, tracked: _Tracked, computed_after: int) -> list[_Move]:
         """The blocks complete after this step that the store lacks (tokens known to the scheduler only)."""
@@ -210,7 +215,7 @@ class WeightsyncKVConnector(KVConnectorBase_V1):
         full = min(computed_after, len(tokens)) // self._block_size
         if full <= tracked.stored:
             return []
-        keys = self._keys(tracked, list(tokens[: full * self._block_size]), full)
+        keys = self._keys(tracked, tokens, full)
         moves = [_Move(keys[i], tracked.blocks[i]) for i in range(tracked.stored, full)]
         tracked.stored = full
         return moves

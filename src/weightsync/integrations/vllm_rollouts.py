@@ -4,14 +4,16 @@
     engine = VLLMTurnEngine(llm, name="e0", version=7)
     result = engine.generate(request, timeout=60)            # request: a weightsync.rollouts.TurnRequest
     engine.update(8, weights_path=new_checkpoint, mode="abort")   # between two steps
+    engine.update(9, apply=lambda: update_llm(llm, 9), mode="abort")   # weights from a weightsync writer
 
 The engine runs in this process (``vllm.LLM``); the adapter drives it step by step, so that a
 weight update lands between two steps as vLLM's own ``pause_generation`` would place it:
 ``abort`` aborts the requests in flight (their turns come back with ``finish_reason="abort"``)
 and resets the prefix cache; ``keep-stale`` lets them go on with the KV of the old weights. The
-new weights come from vLLM's in-place reload (``reload_weights``) of a checkpoint directory; the
-engine's version label (vLLM's ``set_weight_version``, which vLLM stamps on every token it
-returns) becomes ``version``, and the KV connector of this process learns it
+new weights come from vLLM's in-place reload (``reload_weights``) of a checkpoint directory, or
+from whatever the caller applies (a weightsync reader through ``update_llm``); the engine's
+version label (vLLM's ``set_weight_version``, which vLLM stamps on every token it returns)
+becomes ``version``, and the KV connector of this process learns it
 (:func:`weightsync.integrations.vllm_kv.set_engine_version`).
 
 Each result carries what vLLM reports of the prefill: the prompt tokens it did not compute
@@ -149,14 +151,25 @@ class VLLMTurnEngine:
         return TurnResult(token_ids=(), finish_reason="abort", version_spans=(), engine=self.name)
 
     # -- updates -----------------------------------------------------------------------------------
-    def update(self, version: int, *, weights_path: str, mode: str = "abort") -> list[str]:
-        """Load the checkpoint at ``weights_path`` in place as ``version``, between two steps.
+    def update(self, version: int, *, mode: str = "abort", weights_path: str | None = None,
+               apply: Callable[[], None] | None = None) -> list[str]:
+        """Move the engine to ``version`` between two steps.
+
+        Args:
+            mode: ``abort`` aborts the turns in flight and resets the prefix cache (no KV of the
+                old weights is used after it); ``keep-stale`` keeps both.
+            weights_path: a checkpoint directory, loaded in place by vLLM's ``reload_weights``; or
+            apply: what loads the new weights into ``self.llm`` (``weightsync.engines.vllm.update_llm``
+                with a weightsync reader, vLLM's own weight-transfer calls, ...).
 
         Returns:
             the request ids that ``abort`` aborted (:meth:`step` reports them as aborted turns).
         """
         if mode not in UPDATE_MODES:
             raise ValueError(f"update mode {mode!r} is not one of {UPDATE_MODES}")
+        if (weights_path is None) == (apply is None):
+            raise ValueError("pass exactly one of weights_path (a checkpoint vLLM reloads in place) and apply "
+                             "(a function that loads the new weights into the engine)")
         aborted: list[str] = []
         engine = self.llm.llm_engine
         if mode == "abort":
@@ -164,7 +177,10 @@ class VLLMTurnEngine:
             engine.abort_request(aborted)
             self._aborted.update(aborted)
         start = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
+        if apply is not None:
+            apply()
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
         self._set_version(version)
         if mode == "abort":
             self.llm.reset_prefix_cache()

@@ -163,7 +163,7 @@ class Rollouts:
             try:
                 result = point.engine.generate(point.request, timeout=deadline.remaining())
             except EngineGoneError as exc:
-                logger.warning("rollout %s: engine %s is gone (%s)", rollout_id, point.engine.name, exc)
+                logger.warning("rollout %s: %s", rollout_id, exc)
                 fleet = [e for e in fleet if e is not point.engine]
                 reason, origin = "engine-died", point.engine.name
                 continue

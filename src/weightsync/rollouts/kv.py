@@ -119,14 +119,19 @@ class KVMetrics:
     rejected_blocks: int = 0
 
 
-def block_digests(token_ids: Sequence[int], block_size: int, count: int | None = None) -> list[str]:
-    """The chained digest of each full block of ``token_ids`` (the first ``count`` of them)."""
+def block_digests(token_ids: Sequence[int], block_size: int, count: int | None = None, *,
+                  after: Sequence[str] = ()) -> list[str]:
+    """The chained digest of each full block of ``token_ids`` (the first ``count`` of them).
+
+    ``after``: the digests of the first blocks, known already (only the blocks past them are hashed).
+    """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     full = len(token_ids) // block_size if count is None else min(count, len(token_ids) // block_size)
-    tokens = np.asarray(token_ids[: full * block_size], dtype="<i8")
-    out, prev = [], f"b{block_size}".encode()
-    for i in range(full):
+    out = list(after[:full])
+    prev = bytes.fromhex(out[-1]) if out else f"b{block_size}".encode()
+    tokens = np.asarray(token_ids[len(out) * block_size: full * block_size], dtype="<i8")
+    for i in range(full - len(out)):
         prev = hashlib.blake2b(prev + tokens[i * block_size:(i + 1) * block_size].tobytes(), digest_size=12).digest()
         out.append(prev.hex())
     return out
@@ -241,12 +246,16 @@ class KVStore:
         return out
 
     def _drop(self, doomed: Any, counter: str) -> int:
+        """Delete the (layout, rollout, version) directories ``doomed(rollout, version)`` names."""
+        if not any(doomed(rollout, version) for _, rollout, version in self._version_dirs()):
+            return 0  # the common case (after every turn): no lock, no count
         dropped = 0
         with locked(self.root):
             for layout, rollout, version in self._version_dirs():
                 if doomed(rollout, version):
                     path = os.path.join(self.root, layout, rollout, version)
-                    dropped += sum(1 for n in os.listdir(path) if n.endswith(SUFFIX))
+                    with contextlib.suppress(FileNotFoundError):
+                        dropped += sum(1 for n in os.listdir(path) if n.endswith(SUFFIX))
                     shutil.rmtree(path, ignore_errors=True)
                     with contextlib.suppress(OSError):
                         os.rmdir(os.path.dirname(path))  # the rollout's, once empty
