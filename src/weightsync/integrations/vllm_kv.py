@@ -52,6 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from weightsync.rollouts.engine import KV_PARAMS_KEY
 from weightsync.rollouts.kv import BlockKey, KVMissError, KVStore, KVStoreConfig, block_digests
@@ -131,6 +132,9 @@ class WeightsyncKVConnector(KVConnectorBase_V1):
                              f"has {len(kv_cache_config.kv_cache_groups)} (sliding-window or hybrid layers)")
         self._store = KVStore(KVStoreConfig(directory=str(extra["directory"]),
                                             budget_bytes=int(extra.get("budget_bytes", 1 << 30))))
+        # vLLM counts restored tokens by tier (vllm:prompt_tokens_cached_by_source): host memory or a file system
+        self._cache_hit_source = (CacheHitSource.HOST if self._store.root.startswith("/dev/shm/")
+                                  else CacheHitSource.DISK)
         self._block_size = vllm_config.cache_config.block_size
         self._num_blocks = kv_cache_config.num_blocks
         self._layout = layout_fingerprint(vllm_config, kv_cache_config, str(extra.get("namespace", "")))
