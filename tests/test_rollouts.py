@@ -21,6 +21,7 @@ import torch
 
 from rollout_fakes import FakeEngine, model, run, tool_turn
 from weightsync.rollouts import (
+    EngineGoneError,
     KVMissError,
     KVStore,
     KVStoreConfig,
@@ -367,3 +368,41 @@ def test_turns_cut_short_too_often_give_up_naming_the_setting(tmp_path):
     with pytest.raises(RuntimeError, match=r"2 attempts at turn 1 were all cut short .* raise max_attempts"):
         rollouts.generate("r", [engine], timeout=10)
     assert rollouts.record("r").turns == RolloutRecord.start("r", [1], sampling=SAMPLING).turns
+
+
+# -- an engine in another process: the driver's handle --------------------------------------------
+
+def test_a_hosted_engine_handle_answers_in_order_and_reports_its_engine_gone(tmp_path):
+    """The engine's side is played here over the socket pair; the engine says it is ready before
+    anyone waits for it (the handle must not lose that answer)."""
+    import socket
+
+    from weightsync.integrations.vllm_rollout_host import HostedTurnEngine, _recv, _send
+
+    ours, theirs = socket.socketpair()
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    engine = HostedTurnEngine(process, ours, name="e")
+    try:
+        _send(theirs, {"id": 0, "version": 4})
+        time.sleep(0.05)  # the handle's reader takes the answer before wait_ready asks for it
+        engine.wait_ready(timeout=10)
+        assert engine.weight_version == 4
+        request = TurnRequest(rollout_id="r", turn=1, token_ids=(1, 2), sampling=SAMPLING, seed=12, kv_version=4)
+        turn, update = engine.submit(request, engine.update_command(5, weights_path="/ckpt"))
+        sent = [_recv(theirs), _recv(theirs)]
+        assert [m["op"] for m in sent] == ["generate", "update"]  # together, in order
+        assert TurnRequest.from_wire(sent[0]["request"]) == request
+        _send(theirs, {"id": sent[1]["id"], "aborted": 1},
+              {"id": sent[0]["id"], "result": TurnResult(token_ids=(), finish_reason="abort", version_spans=(),
+                                                         engine="e").to_wire()})
+        assert engine.result(turn, timeout=10).aborted and update.result(timeout=10)["aborted"] == 1
+        pending = engine.submit(request)[0]
+        assert _recv(theirs) is not None
+        theirs.close()  # the engine's process is gone
+        with pytest.raises(EngineGoneError, match="engine e is gone: its process exited"):
+            engine.result(pending, timeout=10)
+        with pytest.raises(EngineGoneError, match="engine e is gone"):
+            engine.generate(request, timeout=10)
+    finally:
+        process.kill()
+        engine.close()
