@@ -52,6 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from weightsync.rollouts.engine import KV_PARAMS_KEY
@@ -241,8 +242,9 @@ class WeightsyncKVConnector(KVConnectorBase_V1):
                 if (served := engine_version()) is not None and move.key.version != served:
                     raise KVMissError(f"block of version {move.key.version}; the engine serves {served}")
                 tensors = self._store.load(move.key.of_shard(self._shard))
-                for name, kv in self._kv.items():
-                    kv[move.block_id].copy_(_block_like(tensors, name, kv[move.block_id]))
+                with gpu_sync_allowed():  # a deliberate host-to-device copy, before the forward that reads it
+                    for name, kv in self._kv.items():
+                        kv[move.block_id].copy_(_block_like(tensors, name, kv[move.block_id]))
             except KVMissError as exc:
                 logger.info("KV block %s not loaded (%s): the engine computes it", move.key.relpath, exc)
                 self._load_errors.add(move.block_id)
@@ -260,8 +262,9 @@ class WeightsyncKVConnector(KVConnectorBase_V1):
         for move in meta.saves:
             if (served := engine_version()) is not None and move.key.version != served:
                 continue
-            self._store.save(move.key.of_shard(self._shard),
-                             {name: kv[move.block_id].clone() for name, kv in self._kv.items()})
+            with gpu_sync_allowed():  # a host copy; on a GPU a synchronous device-to-host copy after the forward
+                block = {name: kv[move.block_id].to("cpu", copy=True) for name, kv in self._kv.items()}
+            self._store.save(move.key.of_shard(self._shard), block)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
