@@ -80,3 +80,14 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     terminalreporter.write_line("|---|---|---|---|---|")
     for (fault, transport), (injected, survived, hangs) in sorted(FAULT_TABLE.items()):
         terminalreporter.write_line(f"| {fault} | {transport} | {injected} | {survived} | {hangs} |")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with its file's tier (tests/tiers.py), and ``fast`` for `make test-fast`."""
+    from tiers import is_fast, tier_of
+
+    for item in items:
+        name = item.path.name
+        item.add_marker(tier_of(name))
+        if is_fast(name, item.name):
+            item.add_marker("fast")

@@ -136,6 +136,7 @@ def test_grpo_trainer_colocated_engines_are_synced_through_shared_memory(tmp_pat
         assert r["weight_version"] == str(r["version"])
 
 
+@pytest.mark.heavy  # two TRL ranks hosting one TP 2 engine, for minutes: `make test-heavy`
 @pytest.mark.timeout(1800)
 def test_grpo_trainer_colocated_tp2_engine_takes_each_workers_slices_from_both_ranks(tmp_path):
     """``vllm_tensor_parallel_size=2``: TRL's two ranks host the two TP workers of one engine

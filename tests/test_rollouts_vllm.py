@@ -203,6 +203,7 @@ def kill_scenario(fleet: Fleet, update_scenario: Scenario) -> Scenario:
                     rollouts.kv.metrics().loaded_blocks - kv_before.loaded_blocks, {})
 
 
+@pytest.mark.heavy  # two engines, one killed mid-rollout: `make test-heavy`
 def test_a_rollout_whose_engine_is_killed_after_turn_2_resumes_on_another_with_its_kv(kill_scenario):
     record, reference = kill_scenario.record, kill_scenario.reference
     assert record.token_ids() == reference.token_ids()

@@ -53,6 +53,7 @@ def test_overlapping_boxes_keep_the_whole_region():
 
 
 @needs_vllm
+@pytest.mark.heavy  # a TP 2 engine of two worker processes: `make test-heavy`
 def test_two_tp_workers_read_each_sharded_element_once_and_every_replicated_one_both():
     from weightsync.engines import vllm_parallel
 

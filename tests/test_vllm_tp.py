@@ -25,6 +25,7 @@ HERE = Path(__file__).resolve().parent
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
     pytest.mark.slow,
+    pytest.mark.heavy,  # two engine workers and two trainers for minutes: `make test-heavy`
     pytest.mark.xdist_group("vllm-tp"),
     pytest.mark.timeout(900),
 ]
