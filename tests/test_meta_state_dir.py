@@ -130,29 +130,33 @@ def _no_root_override(cmd: list[str]) -> list[str]:
 _TRY_OPEN = """
 import sys
 from weightsync.meta.sqlite_store import SqliteStore
-try:
-    SqliteStore(sys.argv[1]).open("x").instance
-except ValueError as exc:
-    print(type(exc).__name__, exc)
+for directory in sys.argv[1:]:
+    try:
+        SqliteStore(directory).open("x").instance
+        print("opened", directory)
+    except ValueError as exc:
+        print(type(exc).__name__, exc)
 """
 
 
 def test_a_read_only_state_directory_is_a_permission_problem_not_damage(tmp_path):
-    state_dir = tmp_path / "state"
-    asyncio.run(_register(state_dir))
-    os.chmod(tmp_path, 0o755)  # the unprivileged run must reach the state directory
-    for path, mode in ((state_dir / DATABASE, 0o400), (state_dir, 0o500)):
+    asyncio.run(_register(tmp_path / "directory"))
+    shutil.copytree(tmp_path / "directory", tmp_path / "file")
+    cases = ((tmp_path / "directory", 0o500), (tmp_path / "file" / DATABASE, 0o400))
+    os.chmod(tmp_path, 0o755)  # the unprivileged run must reach the state directories
+    for path, mode in cases:
         os.chmod(path, mode)
-        proc = subprocess.run(_no_root_override([sys.executable, "-c", _TRY_OPEN, str(state_dir)]),
-                              capture_output=True, text=True, timeout=30)
-        assert proc.returncode == 0, proc.stderr
-        out = proc.stdout.strip()
+    proc = subprocess.run(_no_root_override([sys.executable, "-c", _TRY_OPEN, str(tmp_path / "directory"),
+                                             str(tmp_path / "file")]),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for (path, mode), out in zip(cases, proc.stdout.strip().splitlines(), strict=True):
         assert out.startswith(f"StoreAccessError the meta server cannot use its state directory: {path} "
                               f"(mode {mode:04o}, owner "), out
         assert "cannot be written by user" in out and "Its data is intact" in out and "chmod u+rwx" in out
         assert "damaged" not in out and "move" not in out, out
-        os.chmod(path, 0o700 if path == state_dir else 0o600)
-    assert _open(state_dir)[1] == 1  # nothing was moved or lost
+        os.chmod(path, 0o700 if path.is_dir() else 0o600)
+        assert _open(path if path.is_dir() else path.parent)[1] == 1  # nothing was moved or lost
 
 
 async def _register(directory) -> None:
