@@ -119,10 +119,10 @@ class SqliteStore:
     def open(self, instance: str) -> Opened:
         state_dir.ensure_private_directory(self.directory)
         state_dir.check_writable(self.directory, FILES)
-        found = state_dir.stamp(self.path)  # before anything here touches it
-        state_dir.tighten_files(self.directory, FILES)
         self._lock_directory()
         try:
+            found = state_dir.stamp(self.path)  # before anything here touches it
+            state_dir.tighten_files(self.directory, FILES)
             if self._never_written():
                 self.path.unlink()
             events = self._open_existing(instance, found) if self.path.exists() else self._create(instance)
