@@ -59,7 +59,7 @@ class Call(Generic[T]):
         return {"Content-Type": self.content_type} if self.body is not None else None
 
 
-def _detail(content: bytes) -> str:
+def detail(content: bytes) -> str:
     """The server's error message (errors are JSON ``{"detail": ...}``)."""
     try:
         obj = json.loads(content)
@@ -74,15 +74,15 @@ def finish(call: Call[T], status: int, content: bytes, address: str) -> T:
         return call.parse(content if call.raw else wire.unpack(content))
     if status == 404 and call.missing_ok:
         return call.parse(None)
-    detail = _detail(content)
+    reason = detail(content)
     where = f"{call.method} {address}{call.path}"
     if status == 401:
-        raise PermissionError(f"the meta server at {address} rejected the token (401): {detail}")
+        raise PermissionError(f"the meta server at {address} rejected the token (401): {reason}")
     if status == 412:
-        raise ServerStateLostError(f"meta server {address}: {detail}")
+        raise ServerStateLostError(f"meta server {address}: {reason}")
     if status in (400, 404, 409, 413, 415, 422):
-        raise ValueError(detail if status == 409 else f"meta server refused {where} ({status}): {detail}")
-    raise RuntimeError(f"meta server error on {where} ({status}): {detail}")
+        raise ValueError(reason if status == 409 else f"meta server refused {where} ({status}): {reason}")
+    raise RuntimeError(f"meta server error on {where} ({status}): {reason}")
 
 
 def _job(job: str) -> str:

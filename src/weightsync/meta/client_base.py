@@ -155,7 +155,8 @@ def exchange(client: ClientBase, call: Call[T]) -> Steps[T]:
         if isinstance(outcome, Answer):
             if outcome.status not in calls.RETRY_STATUSES:
                 return calls.finish(call, outcome.status, outcome.content, client.address)
-            error: BaseException | str = f"HTTP {outcome.status}"
+            reason = calls.detail(outcome.content).strip()
+            error: BaseException | str = f"HTTP {outcome.status}: {reason}" if reason else f"HTTP {outcome.status}"
         else:
             assert outcome is not None, "a client answers every call it is given"
             error = outcome
@@ -226,15 +227,21 @@ class ClientBase:
         return httpx.Timeout(self.timeout, connect=min(self.timeout, 10.0), read=call.wait + self.timeout)
 
     def _retry_delay(self, call: Call[Any], error: BaseException | str, tries: int, unreachable: Deadline) -> float:
-        """Seconds to back off before the next try; ConnectionError once the server has been
-        unreachable for longer than ``timeout`` (``unreachable``: since the first failure)."""
+        """Seconds to back off before the next try; ConnectionError once the call has failed for
+        longer than ``timeout`` (``unreachable``: since the first failure). ``error`` is the
+        transport's exception, or the server's answer (``"HTTP 503: <its reason>"``), which the
+        ConnectionError then quotes: a server that refuses (e.g. its disk is full) is not unreachable."""
         delay = backoff(tries)
         if unreachable.remaining(0.0) < delay:
             failing = self.timeout - (unreachable.at - time.monotonic())
+            if isinstance(error, str):
+                raise ConnectionError(
+                    f"meta server {self.address} kept refusing {call.method} {call.path} for {failing:.1f} s "
+                    f"(retried until the client's timeout of {self.timeout:g} s); its last answer: {error}")
             raise ConnectionError(
                 f"meta server {self.address} unreachable for {failing:.1f} s on "
                 f"{call.method} {call.path} ({error}); is `weightsync meta-server` running there and "
-                "WEIGHTSYNC_META_ADDR right?") from (error if isinstance(error, BaseException) else None)
+                "WEIGHTSYNC_META_ADDR right?") from error
         (logger.warning if tries == 0 else logger.debug)(
             "meta server %s: %s on %s %s; retrying", self.address, error, call.method, call.path)
         return delay

@@ -268,10 +268,16 @@ class Guard:
 
     def _other_state(self, expected: str) -> str:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.state.started_at))
-        how = "with a state directory that is not the one" if self.state.durable else "without --state-dir"
+        if self.state.durable:
+            how = "with a state directory that is not the one, or was restored or rolled back to an earlier state"
+            then = ("the job's registrations, versions and reader progress may be gone or older than what this "
+                    "client saw: register again")
+        else:
+            how = "without --state-dir"
+            then = ("it lost the job's registrations, versions and reader progress. Run it with --state-dir to "
+                    "ride out restarts")
         return (f"this meta server (instance {self.state.instance}, started {started}, {how}) is not the server "
-                f"instance {expected} this client registered with: it restarted and lost the job's registrations, "
-                "versions and reader progress. Run it with --state-dir to ride out restarts")
+                f"instance {expected} this client registered with: {then}")
 
     def _capped(self, receive: Receive) -> Receive:
         seen = 0

@@ -17,6 +17,17 @@ What SQLite does not check, this store does, so that damage is refused rather th
   missing frame, so a deleted, truncated or garbled ``-wal`` would otherwise lose acknowledged
   changes without a word. A store that holds fewer changes than ``committed`` names is refused.
 
+The server instance stored in the database names one unbroken history of acknowledged changes;
+clients pin it. The store keeps it only when ``committed`` shows that the database is the very file
+the server last wrote (its inode and change time, :func:`weightsync.meta.state_dir.stamp`,
+recorded after every write) and holds every change the server acknowledged. A database restored
+from a backup, copied or rolled back (whatever ``committed`` was restored with it), or one whose
+``committed`` is gone, starts as a **new instance**: clients that pinned the old one get
+``ServerStateLostError`` and register again, so counters never go backwards unseen.
+
+The directory is 0700 and every file in it 0600 (:mod:`weightsync.meta.state_dir`); one the
+server cannot write is refused as a permission problem (StoreAccessError), never as damage.
+
 A lock file keeps a second server out. State directories of earlier releases (``snapshot.msgpack``,
 ``journal-<n>.msgpack``) are migrated on the first start (:mod:`weightsync.meta.legacy`).
 
@@ -29,15 +40,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import secrets
 import sqlite3
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import msgpack
 
-from weightsync.meta import legacy
+from weightsync.meta import legacy, state_dir
 from weightsync.meta.events import Event, EventError, encode_events, event_from_wire
 from weightsync.meta.store import Opened, StoreDamagedError, StoreError, StoreFullError, StoreStats
 
@@ -45,6 +57,10 @@ logger = logging.getLogger(__name__)
 
 DATABASE = "meta.sqlite3"
 COMMITTED = "committed"
+#: the store's files, each private to the server's user (0600)
+FILES = (DATABASE, f"{DATABASE}-wal", f"{DATABASE}-shm", COMMITTED, "lock")
+#: SQLite's answers that mean "not allowed to write", not damage
+_ACCESS_CODES = frozenset({sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM})
 FORMAT = 2
 #: snapshot rows hold at most this many bytes of events each
 SNAPSHOT_ROW_BYTES = 1 << 20
@@ -71,6 +87,15 @@ def _info_digest(fmt: int, instance: str, base: int, migrated: str) -> bytes:
     return _digest(f"{fmt}|{instance}|{base}|{migrated}".encode())
 
 
+class Mark(NamedTuple):
+    """What ``committed`` says: the instance, its last acknowledged change, and the database file's
+    stamp after the server's last write to it (None in the marks of earlier releases)."""
+
+    instance: str
+    seq: int  # -1: unreadable
+    stamp: str | None
+
+
 class SqliteStore:
     """The state directory's SQLite store (see module docstring)."""
 
@@ -92,11 +117,17 @@ class SqliteStore:
 
     # --- opening -----------------------------------------------------------------------------
     def open(self, instance: str) -> Opened:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        state_dir.ensure_private_directory(self.directory)
+        state_dir.check_writable(self.directory, FILES)
         self._lock_directory()
         try:
-            events = self._open_existing(instance) if self.path.exists() else self._create(instance)
+            found = state_dir.stamp(self.path)  # before anything here touches it
+            state_dir.tighten_files(self.directory, FILES)
+            if self._never_written():
+                self.path.unlink()
+            events = self._open_existing(instance, found) if self.path.exists() else self._create(instance)
             self._checkpoint()
+            self._write_mark(sync=True)  # the stamp after the checkpoint's write
         except BaseException:
             self.close()
             raise
@@ -115,12 +146,17 @@ class SqliteStore:
                                     "stop it first or pass a different --state-dir") from None
         self._lock_fd = fd
 
+    def _never_written(self) -> bool:
+        """An empty database file and nothing else: a first start stopped before it wrote anything."""
+        return (self.path.exists() and self.path.stat().st_size == 0 and self._read_mark() is None
+                and not (self.directory / f"{DATABASE}-wal").exists())
+
     def _damaged(self, what: str) -> StoreDamagedError:
         return StoreDamagedError(
             f"the meta server's store in {self.directory} is damaged: {what}. It refuses to start rather than "
-            f"lose changes it acknowledged. Restore {DATABASE} (with its {DATABASE}-wal, if any) and {COMMITTED} "
-            f"from a backup, or move {self.directory} away to start empty (clients then see a new server "
-            "instance and register again)")
+            f"lose changes it acknowledged. Restore {DATABASE} from a backup and delete {DATABASE}-wal, "
+            f"{DATABASE}-shm and {COMMITTED} (it then starts as a new server instance), or move {self.directory} "
+            "away to start empty; either way clients see a new server instance and register again")
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
@@ -140,7 +176,7 @@ class SqliteStore:
     def _create(self, instance: str) -> list[Event]:
         mark = self._read_mark()
         if mark is not None or (self.directory / f"{DATABASE}-wal").exists():
-            seq = f" (it names change #{mark[1]} of instance {mark[0]})" if mark else ""
+            seq = f" (it names change #{mark.seq} of instance {mark.instance})" if mark else ""
             raise self._damaged(f"{DATABASE} is missing, but {COMMITTED if mark else DATABASE + '-wal'} "
                                 f"shows that this directory held a store{seq}")
         found = legacy.read_legacy(self.directory)
@@ -151,6 +187,7 @@ class SqliteStore:
             instance = old_instance or instance
             migrated = f"{len(events)} events from {', '.join(p.name for p in legacy.legacy_files(self.directory))}"
         self.instance = instance
+        state_dir.create_private(self.path)  # SQLite gives -wal and -shm the database file's mode
         self._db = self._connect()
         try:
             self._db.execute("BEGIN IMMEDIATE")
@@ -170,10 +207,10 @@ class SqliteStore:
             logger.warning("meta store %s: migrated the state directory of an earlier release (%s); its files "
                            "are kept in %s", self.path, migrated, moved)
         self._open_mark()
-        self._write_mark(sync=True)
         return events
 
-    def _open_existing(self, instance: str) -> list[Event]:
+    def _open_existing(self, instance: str, found: str) -> list[Event]:
+        """Read and check the store; ``found``: the database file's stamp before this start touched it."""
         wal = self.directory / f"{DATABASE}-wal"
         if not wal.exists() or wal.stat().st_size == 0:
             self._check_size()
@@ -188,18 +225,20 @@ class SqliteStore:
             info = self._db.execute("SELECT format, instance, base, migrated, digest FROM info").fetchall()
             rows = self._db.execute("SELECT seq, events, digest FROM log ORDER BY seq").fetchall()
         except (sqlite3.DatabaseError, StoreError) as exc:
+            if getattr(exc, "sqlite_errorcode", 0) & 0xFF in _ACCESS_CODES:
+                raise state_dir.access_error(self.path, self.directory) from exc
             raise self._damaged(f"SQLite cannot read {DATABASE} ({exc})") from exc
         if len(info) != 1:
             raise self._damaged(f"{DATABASE} has {len(info)} info rows, not 1")
-        fmt, instance, base, migrated, digest = info[0]
-        if digest != _info_digest(fmt, instance, base, migrated):
+        fmt, stored, base, migrated, digest = info[0]
+        if digest != _info_digest(fmt, stored, base, migrated):
             raise self._damaged(f"the info row of {DATABASE} does not match its digest")
         if fmt != FORMAT:
             raise self._damaged(f"{DATABASE} is of format {fmt}, this release reads format {FORMAT}")
-        self.instance = instance
+        self.instance = stored
         events = list(self._decode(rows, base))
         self._seq = rows[-1][0] if rows else base - 1
-        self._check_mark()
+        self._check_mark(instance, found)
         if legacy.legacy_files(self.directory):
             if not migrated:
                 raise self._damaged(f"the directory holds both {DATABASE} and files of the earlier journal format "
@@ -250,43 +289,66 @@ class SqliteStore:
                 raise self._damaged(f"change #{seq} in {DATABASE} cannot be read ({exc})") from exc
 
     # --- the committed mark ------------------------------------------------------------------
-    def _read_mark(self) -> tuple[str, int] | None:
+    def _read_mark(self) -> Mark | None:
         path = self.directory / COMMITTED
         if not path.exists():
             return None
         text = path.read_text(errors="replace").split()
-        if len(text) != 2 or not text[1].isdigit():
-            return (text[0] if text else "?", -1)
-        return text[0], int(text[1])
+        if len(text) not in (2, 3) or not text[1].isdigit():
+            return Mark(text[0] if text else "?", -1, None)
+        return Mark(text[0], int(text[1]), text[2] if len(text) == 3 else None)
 
-    def _check_mark(self) -> None:
+    def _check_mark(self, instance: str, found: str) -> None:
+        """Keep the stored instance only if ``committed`` shows that this is the file the server last
+        wrote and that it holds every change the server acknowledged; refuse a store that lost
+        acknowledged changes; start anything else as a new instance (``instance``)."""
         mark = self._read_mark()
-        if mark is not None and mark[1] < 0:
-            logger.warning("meta store %s: %s is unreadable; rewriting it (changes lost before this start would "
-                           "not be noticed)", self.path, COMMITTED)
-            mark = None
-        if mark is not None:
-            instance, seq = mark
-            if instance != self.instance:
-                raise self._damaged(f"{DATABASE} holds the state of server instance {self.instance}, but {COMMITTED} "
-                                    f"was written by instance {instance}: the database was replaced by another one")
-            if seq > self._seq:
-                raise self._damaged(f"the server acknowledged changes up to #{seq} ({COMMITTED}), but the store "
-                                    f"holds changes up to #{self._seq} only: {seq - self._seq} acknowledged "
-                                    f"change(s) are lost ({DATABASE}-wal deleted or truncated, or {DATABASE} "
-                                    "replaced by an older copy)")
+        if mark is None or mark.seq < 0:
+            self._renew(instance, f"{COMMITTED} is {'missing' if mark is None else 'unreadable'}, so nothing shows "
+                                  "that the store holds every change the server acknowledged")
+        elif mark.instance != self.instance:
+            raise self._damaged(f"{DATABASE} holds the state of server instance {self.instance}, but {COMMITTED} "
+                                f"was written by instance {mark.instance}: the database was replaced by another one")
+        elif mark.seq > self._seq:
+            raise self._damaged(f"the server acknowledged changes up to #{mark.seq} ({COMMITTED}), but the store "
+                                f"holds changes up to #{self._seq} only: {mark.seq - self._seq} acknowledged "
+                                f"change(s) are lost ({DATABASE}-wal deleted or truncated, or {DATABASE} "
+                                "replaced by an older copy)")
+        elif mark.stamp is not None and mark.stamp != found:
+            self._renew(instance, f"{DATABASE} is not the file the server last wrote (inode and change time "
+                                  f"{found}, {COMMITTED} recorded {mark.stamp}): it was restored from a backup, "
+                                  "copied or rolled back, and may be older than what the server acknowledged")
         self._open_mark()
-        self._write_mark(sync=True)
+
+    def _renew(self, instance: str, why: str) -> None:
+        """Start this store as a new server instance: clients that pinned the old one are told
+        (ServerStateLostError) and register again, so counters never go backwards unseen."""
+        if instance == self.instance:
+            instance = secrets.token_hex(8)
+        db = self._connection()
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            fmt, base, migrated = db.execute("SELECT format, base, migrated FROM info").fetchone()
+            db.execute("UPDATE info SET instance = ?, digest = ? WHERE id = 1",
+                       (instance, _info_digest(fmt, instance, base, migrated)))
+            db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            self._rollback()
+            raise self._failure(exc) from exc
+        logger.warning("meta store %s: %s. It starts as a new server instance %s (was %s): clients that knew the "
+                       "old one see ServerStateLostError and register again", self.path, why, instance, self.instance)
+        self.instance = instance
 
     def _open_mark(self) -> None:
-        self._mark_fd = os.open(self.directory / COMMITTED, os.O_RDWR | os.O_CREAT, 0o644)
+        self._mark_fd = os.open(self.directory / COMMITTED, os.O_RDWR | os.O_CREAT, state_dir.PRIVATE_FILE)
 
     def _write_mark(self, *, sync: bool = False) -> None:
-        """Record the last committed seq. Not fsynced per commit: it only has to survive the
-        process (the page cache does); a power loss leaves it at or below the truth."""
+        """Record the last committed seq and the database file's stamp after this write. Not
+        fsynced per commit: it only has to survive the process (the page cache does); a power loss
+        leaves it at or below the truth (an older stamp: the next start is a new instance)."""
         if self._mark_fd is None:
             return
-        data = f"{self.instance} {self._seq:020d}\n".encode()
+        data = f"{self.instance} {self._seq:020d} {state_dir.stamp(self.path)}\n".encode()
         os.pwrite(self._mark_fd, data, 0)  # same length every time: overwrites, never allocates
         if sync:
             os.ftruncate(self._mark_fd, len(data))

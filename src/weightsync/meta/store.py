@@ -36,6 +36,11 @@ class StoreDamagedError(ValueError):
     recover; the server refuses to start rather than drop acknowledged changes on its own."""
 
 
+class StoreAccessError(ValueError):
+    """At start: the state directory or a file in it cannot be written (permissions, a read-only
+    file system). Nothing is damaged; the message names the path and how to give the server access."""
+
+
 @dataclass(frozen=True, slots=True)
 class Opened:
     """What a store holds: the identity of its state and the events that rebuild it, in order."""
@@ -67,6 +72,7 @@ class Store(Protocol):
 
         Raises:
             StoreDamagedError: it fails its integrity check or is in use by another server.
+            StoreAccessError: it cannot be written (permissions, a read-only file system).
         """
         ...
 

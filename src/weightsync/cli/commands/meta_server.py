@@ -48,8 +48,10 @@ def _token(args: argparse.Namespace) -> tuple[str, str]:
     if env:
         return check_token(env, ENV_TOKEN), ENV_TOKEN
     if args.state_dir:  # a restarted server must keep its token, or its clients cannot carry on
+        from weightsync.meta.state_dir import ensure_private_directory
+
         path = Path(args.state_dir) / "token"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        ensure_private_directory(path.parent)  # 0700; one it cannot write is refused, naming the fix
         return ensure_token_file(path), f"token file {path}"
     if not is_loopback(getattr(args, "host", "127.0.0.1")):
         # A token printed to a terminal is not a shared secret other hosts can be given safely.
