@@ -49,6 +49,24 @@ Route = Literal["shm", "torch"]
 ROUTES: tuple[Route, ...] = ("shm", "torch")  # the order both sides run them in
 
 
+def check_host_phases(device: str, phases: int) -> None:
+    """Refuse layer phases over host memory where readers cannot take a phase as it is packed.
+
+    Each route blocks per phase, so a shm reader must take phase ``p`` before the writer moves
+    on; host-memory readers may do so only where the CPU keeps store order (x86-64:
+    :mod:`weightsync.transport.shm_snapshot`), and would otherwise wait for a slot the writer
+    seals only after the torch route's phases, which wait for them.
+    """
+    from weightsync import device_port
+    from weightsync.transport import shm_snapshot
+
+    if phases > 1 and not device_port.current().is_gpu(device) and not shm_snapshot.host_streams():
+        raise ValueError("layer_phases with the routed transport on host memory needs a CPU that keeps store order "
+                         f"(x86-64), and this one is {shm_snapshot.platform.machine()}: its shared-memory readers "
+                         "wait for whole slots, which the other route's phases would never let the writer finish. "
+                         "Use layer_phases=False, or transport 'torch'")
+
+
 class RoutedTransport:
     """``shm`` for same-node pairs and ``torch`` for the others (see module docstring)."""
 
@@ -92,6 +110,7 @@ class RoutedTransport:
     def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
                 phases: Sequence[Plan] | None = None) -> None:
         check_tensors_device(self, self.ctx, tensors)
+        check_host_phases(self.ctx.device, len(phases) if phases else 1)
         deadline = Deadline.after(timeout)
         self._phases = len(phases) if phases else 1
         active: list[Route] = []
