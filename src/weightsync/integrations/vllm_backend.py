@@ -56,6 +56,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from weightsync import device_port
 from weightsync.engines.staging import StagedWeights
 from weightsync.engines.vllm import (
     ReloadSession,
@@ -85,6 +86,8 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     (:meth:`from_wire`), and an error names it.
     """
 
+    #: This engine's reader rank; data-parallel replica d of the engine is reader ``rank + d``
+    #: (:func:`reader_rank`), so ``num_readers`` counts every replica.
     rank: int = 0
     #: Empty: read WEIGHTSYNC_META_ADDR / WEIGHTSYNC_META_TOKEN from the worker's environment.
     meta_address: str = ""
@@ -191,6 +194,82 @@ class _WorkerEngine(StagedWeights):
                              f"{self._version}, and the drafter is updated with the target, not alone")
 
 
+def staging_settings(vllm_config: Any) -> tuple[bool, int]:
+    """``(layer_phases, max_bucket_bytes)`` of the job, as the engine declares them before it starts:
+    vLLM's ``additional_config={"weightsync": {"layer_phases": ..., "max_bucket_bytes": ...}}``
+    (``--additional-config`` for ``vllm serve``); undeclared: the whole model at once.
+
+    Raises:
+        ValueError: a malformed declaration, naming it.
+    """
+    extra = getattr(vllm_config, "additional_config", None)
+    declared = extra.get("weightsync", {}) if isinstance(extra, dict) else {}
+    if not isinstance(declared, dict) or set(declared) - {"layer_phases", "max_bucket_bytes"}:
+        raise ValueError("vLLM's additional_config['weightsync'] takes layer_phases and max_bucket_bytes (the job's "
+                         f"settings, to reserve staging for before the KV cache is sized), got {declared!r}")
+    default = SyncConfig(num_writers=1, num_readers=1).transport_options.max_bucket_bytes
+    phases, budget = declared.get("layer_phases", False), declared.get("max_bucket_bytes", default)
+    check_value(phases, bool, "additional_config['weightsync']['layer_phases']")
+    check_value(budget, int, "additional_config['weightsync']['max_bucket_bytes']")
+    return phases, budget
+
+
+def _staging_template(vllm_config: Any, device: torch.device) -> StagedWeights | None:
+    """The staging this engine's worker will lay out, unallocated (None: it takes LoRA adapters)."""
+    if vllm_config.lora_config is not None:
+        return None
+    mtp = runs_mtp(vllm_config)
+    return StagedWeights(spec_of(vllm_config, mtp=mtp), dtype=vllm_config.model_config.dtype, device=device, rank=0,
+                         quant=staging_quant(vllm_config))
+
+
+def reserve_staging(vllm_config: Any, device: torch.device) -> torch.Tensor | None:
+    """Device memory for the staging arena, taken while vLLM's worker builds this backend
+    (``Worker.load_model``), before ``determine_available_memory`` sizes the KV cache: vLLM
+    counts everything the worker holds by then against ``gpu_memory_utilization``, so staging
+    comes out of the KV cache instead of the memory vLLM leaves outside it (a tenth of the GPU
+    at the default 0.9, less than many models' staging). Its size follows the job's phases as
+    the engine declares them (:func:`staging_settings`); the whole model when undeclared. None
+    for host memory (vLLM's CPU build sizes its KV cache by setting, not by measuring)."""
+    dev = device_port.current()
+    template = _staging_template(vllm_config, device) if dev.is_gpu(device) else None
+    if template is None:
+        return None
+    from weightsync.plan.phases import layer_phases
+
+    phased, budget = staging_settings(vllm_config)
+    phases = layer_phases(template.layout().canonical, budget_bytes=budget) if phased else None
+    nbytes = template.arena_bytes(phases)
+    return device_port.allocate(dev, nbytes, device, what="weightsync's staging reserve",
+                                fix="lower gpu_memory_utilization so that the model and its staging fit, or "
+                                    "declare layer_phases in additional_config={'weightsync': {...}}")
+
+
+def reader_rank(rank: int, parallel_config: Any, num_readers: int) -> int:
+    """This worker's reader rank: ``rank`` (``WeightSyncInitInfo.rank``) is the engine's first
+    replica's, and data-parallel replica ``d`` takes ``rank + d``.
+
+    vLLM's DP client sends ``init_weight_transfer_engine`` to every replica with one init info,
+    so the rank cannot come from it alone. The replica is ``data_parallel_index``, as vLLM's own
+    NCCL backend counts it (``weight_transfer/nccl_common.worker_init_process_group``): vLLM
+    resets ``data_parallel_rank`` to 0 in each replica of a dense model
+    (``ParallelConfig.reconfigure_for_independent_dp_rank``), and keeps the index.
+
+    Raises:
+        ValueError: the replica's rank is not below ``num_readers``, naming both.
+    """
+    if parallel_config is None:
+        return rank
+    replica = int(getattr(parallel_config, "data_parallel_index", parallel_config.data_parallel_rank))
+    mine = rank + replica
+    if mine >= num_readers:
+        raise ValueError(f"data-parallel replica {replica} of this engine would be reader {mine} "
+                         f"(WeightSyncInitInfo.rank={rank} + its replica index), and the job has num_readers="
+                         f"{num_readers}: count every replica of every engine in num_readers, and give each engine "
+                         "the rank of its first replica")
+    return mine
+
+
 def _creator_drafter(model: torch.nn.Module) -> torch.nn.Module | None:
     """The MTP drafter of the vLLM worker creating this backend for ``model``; None if not found.
 
@@ -238,6 +317,8 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self._drafter = _creator_drafter(model) if runs_mtp(vllm_config) else None
         #: the bench's timestamps of forwards and of these calls (None unless it asks: vllm_step_trace)
         self._trace = vllm_step_trace.install(model)
+        #: staging memory taken now, before vLLM sizes its KV cache (laid out at init)
+        self._reserve = reserve_staging(vllm_config, device)
 
     def _span(self, call: str) -> Any:
         return self._trace.span(call) if self._trace is not None else contextlib.nullcontext()
@@ -253,10 +334,11 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             raise RuntimeError("the weightsync transfer engine is already initialised; shut it down first")
         config = init_info.sync_config()
         lora = init_info.lora_spec()
+        rank = reader_rank(init_info.rank, getattr(self.vllm_config, "parallel_config", None), config.num_readers)
         engine: Any
         if lora is not None:  # adapter-only versions, into vLLM's LoRA manager
             engine = WorkerLoraEngine(self._default_model, self.vllm_config, lora, lora_id=init_info.lora_id,
-                                      rank=init_info.rank)
+                                      rank=rank)
         else:  # prefetched bytes must not reach the model early: stage everything
             if runs_mtp(self.vllm_config) and self._drafter is None:
                 raise RuntimeError(
@@ -266,21 +348,23 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
                     "from the worker that creates it (vLLM 0.32's Worker.load_model, get_draft_model()), and this "
                     "vLLM created it elsewhere. Its MTP weights would go stale: run without speculative decoding, "
                     "or with vLLM 0.32")
-            engine = self._worker = _WorkerEngine(self._default_model, self.vllm_config, self.device, init_info.rank,
+            engine = self._worker = _WorkerEngine(self._default_model, self.vllm_config, self.device, rank,
                                                   config.num_readers, in_place=not init_info.prefetch,
                                                   draft=self._drafter)
-            # Staging is allocated now, not at the first update: vLLM sized its KV cache when it
-            # started (before this call brings the job's phases), so what does not fit in what it
-            # left is refused here, with the figure, never inside a sync.
+            # Staging is laid out now, not at the first update, in the memory reserved before vLLM
+            # sized its KV cache (reserve_staging); what does not fit in it is allocated from what
+            # vLLM left, or refused here with the figure, never inside a sync.
+            engine.adopt_reserve(self._reserve)
+            self._reserve = None
             engine.lay_out(layer_phases=config.layer_phases,
                            budget_bytes=config.transport_options.max_bucket_bytes)
         meta = (MetaClient(init_info.meta_address, job=config.job, token=init_info.meta_token)
                 if init_info.meta_address else MetaClient.from_env(job=config.job))
-        self.reader = WeightReader(engine, rank=init_info.rank, config=config, meta=meta)
+        self.reader = WeightReader(engine, rank=rank, config=config, meta=meta)
         self.prefetch = Prefetch(self.reader) if init_info.prefetch else None
         what = (f"LoRA adapter id {init_info.lora_id} (r={lora.r})" if lora is not None else
                 "phases of whole layers" if config.layer_phases else "the whole model at once")
-        logger.info("weightsync reader %d ready (%s%s); staging is laid out", init_info.rank,
+        logger.info("weightsync reader %d ready (%s%s); staging is laid out", rank,
                     what, ", prefetching" if init_info.prefetch else "")
 
     def start_weight_update(self) -> None:
@@ -327,6 +411,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         pass
 
     def shutdown(self) -> None:
+        self._reserve = None
         if self.prefetch is not None:
             self.prefetch.close()
             self.prefetch = None
