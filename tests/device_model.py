@@ -173,6 +173,8 @@ class DeviceModel:
         self._keys = 0
         self._mappings = 0
         self._side = 0
+        #: called first by every synchronize (a test's hook into a transfer under way)
+        self.before_synchronize: Callable[[], None] | None = None
 
     # -- processes and streams ------------------------------------------------------------------
     def process(self) -> str:
@@ -305,6 +307,8 @@ class DeviceModel:
             self._complete(event.stream, event.seq)
 
     def synchronize(self, device: str | torch.device) -> None:
+        if self.before_synchronize is not None:  # a test's hook: what runs while this thread's work is pending
+            self.before_synchronize()
         with self._lock:
             me = self.process()
             for key, stream in list(self._streams.items()):

@@ -299,3 +299,53 @@ def test_the_model_is_safe_to_share_between_threads():
     for t in threads:
         t.join(30)
     assert all(torch.equal(b, torch.ones(1024)) for b in bufs) and not model.violations
+
+
+def test_streams_of_one_process_are_ordered_only_by_events():
+    """A process has several streams: work on another one is a hazard unless the current stream
+    was ordered after it (``order_after``, cudaStreamWaitEvent), which also completes it first."""
+    model = DeviceModel(chance=0.0)
+    staging, live = torch.zeros(16), torch.zeros(16)
+    side = model.new_stream("cpu")
+    with model.on_stream(side):
+        model.copy(staging, torch.ones(16))  # a background receive
+        received = model.record("cpu")
+    with pytest.raises(HazardError, match="reads memory that pending work still writes"):
+        model.copy(live, staging)  # the engine's stream, not ordered after it
+    model.order_after(received, "cpu")
+    model.copy(live, staging)
+    model.wait(model.record("cpu"))  # completes the side stream's copy first
+    assert torch.equal(live, torch.ones(16)) and model.pending() == 0
+
+
+def test_a_synchronize_completes_every_stream_of_the_process():
+    model = DeviceModel(chance=0.0)
+    a, b = torch.zeros(4), torch.zeros(4)
+    with model.on_stream(model.new_stream("cpu")):
+        model.copy(a, torch.ones(4))
+    model.copy(b, torch.ones(4))
+    with model.as_process("engine"):
+        other = torch.zeros(4)
+        model.copy(other, torch.ones(4))
+    model.synchronize("cpu")
+    assert torch.equal(a, torch.ones(4)) and torch.equal(b, torch.ones(4)) and model.pending() == 1
+
+
+def test_a_forward_pass_queued_behind_another_threads_work_is_a_hazard():
+    """A background thread's transfer on the default stream stalls the engine's decode steps."""
+    model = DeviceModel(chance=0.0)
+    weights, staging = torch.zeros(16), torch.zeros(16)
+    thread = threading.Thread(target=lambda: model.copy(staging, torch.ones(16)))
+    thread.start()
+    thread.join(10)
+    with pytest.raises(HazardError, match=r"a decode step on .* queues behind 1 operation"):
+        model.forward([weights], "a decode step")
+    model.synchronize("cpu")
+    def receive_on_a_stream_of_its_own() -> None:
+        with model.on_stream(model.new_stream("cpu")):
+            model.copy(staging, torch.ones(16))
+
+    side = threading.Thread(target=receive_on_a_stream_of_its_own)
+    side.start()
+    side.join(10)
+    model.forward([weights], "a decode step")  # the background copy is on a stream of its own
