@@ -1,10 +1,11 @@
-"""Per-pair routing: shared memory between a writer and a reader on one node, torch between nodes.
+"""Per-pair routing: shared memory between a writer and a reader it reaches, torch between the others.
 
 One job spanning several nodes often has trainers and engines side by side on some of them
 (Ray places actors where resources are free). ``shm`` only reaches ranks on its own node,
 and ``torch`` alone would push same-node bytes through the network stack. The routed
-transport splits this rank's share of the plan by pair, using the node every rank published
-(:func:`weightsync.devices.same_node`), and drives a :class:`SharedMemoryTransport` over the
+transport splits this rank's share of the plan by pair, using the node (and, on GPU, the GPUs)
+every rank published (:func:`weightsync.devices.shm_pairs`: a reader that does not see its
+writer's GPU cannot map it by CUDA IPC), and drives a :class:`SharedMemoryTransport` over the
 same-node ops and a torch transport (gloo on CPU, NCCL on GPU) over the rest, each exactly
 as it runs alone::
 
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import numpy as np
 
 from weightsync.deadline import Deadline
-from weightsync.devices import same_node
+from weightsync.devices import shm_pairs
 from weightsync.transport.base import TransferStats, Transport, TransportContext, check_tensors_device
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ class RoutedTransport:
     publishes_before_send: ClassVar[bool] = True  # both parts: torch posts receives, shm streams
 
     def __init__(self, ctx: TransportContext) -> None:
-        local = same_node(ctx.placements)
+        local = shm_pairs(ctx.placements)
         want = {(w, r) for w in range(ctx.num_writers) for r in range(ctx.num_readers)}
         if missing := sorted(want - set(local)):
             raise ValueError(f"{ctx.who}: the routed transport needs every rank's node (TransportContext."
