@@ -57,7 +57,8 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "roles": (("weightsync.writer", "weightsync.reader", "weightsync.inflight", "weightsync.tensorstore"),
               ("session", "ports")),
     "integrations": (("weightsync.integrations",), ("roles", "adapters")),
-    "applications": (("weightsync.demo", "weightsync.doctor", "weightsync.bench"), ("integrations",)),
+    "applications": (("weightsync.demo", "weightsync.doctor", "weightsync.doctor_workloads", "weightsync.bench"),
+                     ("integrations",)),
     "command line": (("weightsync.commands", "weightsync.cli"), ("applications",)),
 }
 
