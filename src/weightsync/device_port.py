@@ -14,7 +14,10 @@ once and make their device decisions through it::
     dev.copy(dst, src)                                       # queued on the current stream
     dev.synchronize(device)                                  # everything queued so far is done
     dev.signal(words, 3, version, covers=[buf])              # a ready word, after what it announces
-    handle = dev.share(buf)                                  # a CUDA IPC handle (msgpack-able)
+    handle = dev.share(buf)                                  # a CUDA IPC share (msgpack-able): one per consumer
+    with dev.on_stream(dev.new_stream(device)):              # background work, off the engine's stream
+        ...; done = dev.record(device)
+    dev.order_after(done, device)                            # the current stream waits for it (not the CPU)
 
 What the real port relies on (torch 2.13): ``Tensor.copy_(non_blocking=True)`` is ordered on the
 current stream and asynchronous for device memory and pinned host memory;
@@ -25,7 +28,11 @@ the handle is opened on, under a ``CUDAGuard``; the caching allocator opens it w
 ``cudaIpcOpenMemHandle(..., cudaIpcMemLazyEnablePeerAccess)``, which maps the memory into the
 *current* device's context, reaching another GPU by peer access). CUDA refuses to open a handle
 in the process that exported it: torch's own reductions hand such a tensor over from their
-cache instead, and so must weightsync (:mod:`weightsync.transport.shm_snapshot`).
+cache instead, and so must weightsync (:mod:`weightsync.transport.shm_snapshot`). Each
+``_share_cuda_`` starts a reference counter at 1 that the consumer's free of what it opened
+decrements (``torch/csrc/StorageSharing.cpp``; ``_release_ipc_counter_cuda`` decrements it
+without an open), and the exporter's block is freed only once every counter is 0: so a share
+is consumed exactly once, by one reader.
 """
 
 from __future__ import annotations
