@@ -37,7 +37,7 @@ class FakeCuda:
         allocated = sum(s["allocated_size"] for s in segments)
         monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: self.contexts[i], raising=False)
         monkeypatch.setattr(torch.cuda, "mem_get_info", self.mem_get_info)
-        monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+        monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda include_traces=True: segments)
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
         monkeypatch.setattr(torch.cuda, "device_memory_used", lambda device=None: nvml_used)

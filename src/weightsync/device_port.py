@@ -215,7 +215,7 @@ class TorchDevices:
             # cudaMemGetInfo would create the very context a caller checks room for: ask NVML
             return _free_without_context(index)
         free = int(torch.cuda.mem_get_info(index)[0])
-        return allocatable_bytes(free, cached_blocks(torch.cuda.memory_snapshot(), index))
+        return allocatable_bytes(free, cached_blocks(torch.cuda.memory_snapshot(include_traces=False), index))
 
     def context_bytes(self, device: str | torch.device) -> int:
         import torch
@@ -370,7 +370,7 @@ def _free_without_context(index: int) -> int | None:
 
     try:
         used = torch.cuda.device_memory_used(index)
-    except (ImportError, RuntimeError, OSError) as exc:
+    except Exception as exc:  # nvidia-ml-py missing, or any NVMLError: the figure is unknown, not wrong
         logger.warning("cannot tell the free memory of cuda:%d without creating a CUDA context there (%s); "
                        "its check is skipped", index, exc)
         return None
