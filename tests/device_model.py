@@ -1,8 +1,8 @@
 """A CPU model of the device port that *enforces* GPU rules (tests only).
 
-Installed with ``weightsync.device_port.use(DeviceModel())``, it makes CPU tensors behave like
+Installed with ``weightsync.ports.device.use(DeviceModel())``, it makes CPU tensors behave like
 tensors on a GPU as far as these rules go, against the same transport and engine code that runs
-on a GPU (:mod:`weightsync.device_port` is the port; each rule has a negative test in
+on a GPU (:mod:`weightsync.ports.device` is the port; each rule has a negative test in
 ``tests/test_device_model.py``):
 
 * **Streams and asynchronous completion.** ``copy`` only queues the copy on the calling thread's

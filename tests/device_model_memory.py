@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from weightsync.device_port import IpcHandle, allocatable_bytes
+from weightsync.ports.device import IpcHandle, allocatable_bytes
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""A CPU model of the slice of the ``nixl`` Python API :mod:`weightsync.transport.nixl_agent` uses
+"""A CPU model of the slice of the ``nixl`` Python API :mod:`weightsync.transport.nixl.agent` uses
 (tests only), with the rules of the real one the device model (``tests/device_model.py``) enforces:
 
 * **Registration bounds**: a descriptor must lie inside one memory registration of its agent,

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from device_model import DeviceModel
-from weightsync import device_port
-from weightsync.device_port import DeviceMemoryError, TorchDevices, allocatable_bytes, cached_blocks
+from weightsync.ports import device as device_port
+from weightsync.ports.device import DeviceMemoryError, TorchDevices, allocatable_bytes, cached_blocks
 
 MiB = 1 << 20
 
@@ -105,13 +105,13 @@ def test_shareable_memory_is_allocated_outside_expandable_segments(settings, bac
     maps large blocks into expandable segments, which CUDA IPC shares only through file
     descriptors the reader must take with ``pidfd_getfd`` (ptrace rights), or not at all where
     their IPC handles are off. The IPC slots are allocated with expandable segments off."""
-    from weightsync.device_port import ipc_allocator_settings
+    from weightsync.ports.device import ipc_allocator_settings
 
     assert ipc_allocator_settings(settings, backend) == switch
 
 
 def test_the_cuda_malloc_async_backend_is_refused_for_cuda_ipc():
-    from weightsync.device_port import ipc_allocator_settings
+    from weightsync.ports.device import ipc_allocator_settings
 
     with pytest.raises(ValueError, match=r"backend:cudaMallocAsync, which cannot share IPC handles: .*transport='torch'"):
         ipc_allocator_settings("backend:cudaMallocAsync", "cudaMallocAsync")

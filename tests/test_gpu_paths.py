@@ -12,9 +12,9 @@ from device_model import DeviceModel
 from gpu_harness import run_pair
 from nixl_model import NixlModel
 from weak_memory import WeakMemory
-from weightsync import device_port
 from weightsync.layout.types import itemsize
-from weightsync.transport import nixl_agent
+from weightsync.ports import device as device_port
+from weightsync.transport.nixl import agent as nixl_agent
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,7 +42,7 @@ def back_to_back(layout):
     allocator places them: each its own storage (its own NIXL registration), one after another."""
     import torch
 
-    from weightsync.torch_layout import TORCH_DTYPES
+    from weightsync.tools.torch_layout import TORCH_DTYPES
 
     sizes = [(s, math.prod(s.shape) * itemsize(s.dtype)) for s in layout.shards]
     memory = bytearray(sum(n for _, n in sizes))
@@ -108,7 +108,7 @@ def test_the_self_checks_trainer_holds_its_weights_where_the_engine_stages():
     a device that is not the CPU, on any machine)."""
     import types
 
-    from weightsync.tiny import CanonicalSource, tiny_config
+    from weightsync.tools.tiny import CanonicalSource, tiny_config
 
     source = CanonicalSource.beside(types.SimpleNamespace(device="meta"), tiny_config())
     assert {str(t.device) for t in source.tensors().values()} == {"meta"}
@@ -135,8 +135,8 @@ def test_the_staging_arena_is_refused_with_its_figure_when_the_engine_left_no_ro
     import torch
 
     from weightsync.configs import load_spec
-    from weightsync.device_port import DeviceMemoryError
     from weightsync.engines.staging import StagedWeights
+    from weightsync.ports.device import DeviceMemoryError
 
     model = DeviceModel(budget=64 << 20)
     model.reserve(48 << 20, "the engine's weights")
@@ -166,7 +166,8 @@ def test_version_slots_on_the_trainer_gpu_are_refused_with_their_figure(tmp_path
 def weakly_ordered(monkeypatch, *, seed: int, gate: bool, stale: float = 0.5) -> WeakMemory:
     """Shared-memory control words as an aarch64 CPU may show them (tests/weak_memory.py);
     ``gate``: what ``_ORDERED_STORES`` says (False: what aarch64 gets)."""
-    from weightsync.transport import shm, shm_snapshot
+    from weightsync.transport import shm
+    from weightsync.transport.shm import snapshot as shm_snapshot
 
     weak = WeakMemory(seed=seed, stale=stale)
     monkeypatch.setattr(shm_snapshot, "_ORDERED_STORES", gate)
@@ -219,9 +220,9 @@ def test_sglang_staging_that_does_not_fit_is_refused_when_the_adapter_is_built()
     built, refused there with the figure and ``mem_fraction_static``."""
     import torch
 
-    from weightsync.device_port import DeviceMemoryError
     from weightsync.engines.sglang import SGLangEngine
-    from weightsync.tiny import tiny_config
+    from weightsync.ports.device import DeviceMemoryError
+    from weightsync.tools.tiny import tiny_config
 
     model = _engine_left_no_room(staging_fits=0)
     with device_port.use(model):
@@ -241,8 +242,8 @@ def test_the_verl_actor_copy_that_does_not_fit_is_refused_with_its_figure_after_
 
     import torch
 
-    from weightsync.device_port import DeviceMemoryError
     from weightsync.integrations.actor_copy import copy_model
+    from weightsync.ports.device import DeviceMemoryError
 
     walked: list[str] = []
 
@@ -301,8 +302,8 @@ def test_routed_layer_phases_over_host_memory_are_refused_where_readers_cannot_s
     whole slots, which the routed transport's per-phase torch route would never let the writer
     seal: refused, naming the CPU and the settings, instead of a hang. Device memory (published
     per phase after a synchronise) and single-phase jobs are fine."""
-    from weightsync.transport import shm_snapshot
     from weightsync.transport.routed import check_host_phases
+    from weightsync.transport.shm import snapshot as shm_snapshot
 
     monkeypatch.setattr(shm_snapshot, "_ORDERED_STORES", False)
     with pytest.raises(ValueError, match=r"layer_phases with the routed transport on host memory needs a CPU that "

@@ -13,16 +13,16 @@ import pytest
 import torch
 
 from device_model import DeviceModel
-from weightsync import device_port
 from weightsync.engines.staging import StagedWeights
-from weightsync.inflight import InflightReader
 from weightsync.layout import ModelSpec
 from weightsync.meta import EmbeddedMetaServer, MetaClient
-from weightsync.reader import Prefetch, WeightReader
-from weightsync.session import SyncConfig
-from weightsync.tiny import CanonicalSource, canonical_weights, checkpoint_tensors, tiny_config
-from weightsync.torch_layout import fill_from_canonical
-from weightsync.writer import WeightWriter
+from weightsync.ports import device as device_port
+from weightsync.roles.inflight import InflightReader
+from weightsync.roles.reader import Prefetch, WeightReader
+from weightsync.roles.writer import WeightWriter
+from weightsync.session.sync_session import SyncConfig
+from weightsync.tools.tiny import CanonicalSource, canonical_weights, checkpoint_tensors, tiny_config
+from weightsync.tools.torch_layout import fill_from_canonical
 
 pytestmark = pytest.mark.timeout(120)
 CONFIG = {**tiny_config(), "torch_dtype": "float32"}

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from device_model import DeviceModel
-from weightsync import device_port
 from weightsync.configs import load_spec
-from weightsync.device_port import DeviceMemoryError
 from weightsync.engines.staging import StagedWeights
 from weightsync.plan.phases import layer_phases
+from weightsync.ports import device as device_port
+from weightsync.ports.device import DeviceMemoryError
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(60)

@@ -56,7 +56,6 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from weightsync import device_port
 from weightsync.engines.staging import StagedWeights
 from weightsync.engines.vllm import (
     ReloadSession,
@@ -67,10 +66,12 @@ from weightsync.engines.vllm import (
     staging_quant,
 )
 from weightsync.engines.vllm_lora import WorkerLoraEngine
+from weightsync.engines.vllm_parallel import replica_index, worker_index, worker_reads, workers_per_engine
 from weightsync.integrations import vllm_step_trace
 from weightsync.layout.lora import LoraSpec
-from weightsync.reader import Prefetch, UpdateResult, WeightReader
-from weightsync.sync_config import SyncConfig, check_value, from_fields, job_config, with_job_settings
+from weightsync.ports import device as device_port
+from weightsync.roles.reader import Prefetch, UpdateResult, WeightReader
+from weightsync.session.config import SyncConfig, check_value, from_fields, job_config, with_job_settings
 
 logger = logging.getLogger(__name__)
 
@@ -81,13 +82,13 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     """Where the job's meta server is, who this worker is in the job, and the job's settings.
 
     Besides the fields below it has one field per job setting (``SyncConfig``'s wire form,
-    :mod:`weightsync.sync_config`): ``num_writers`` and ``num_readers`` are required, the rest
+    :mod:`weightsync.session.config`): ``num_writers`` and ``num_readers`` are required, the rest
     take ``SyncConfig``'s defaults. Every field is checked when vLLM parses the dict
     (:meth:`from_wire`), and an error names it.
     """
 
-    #: This engine's reader rank; data-parallel replica d of the engine is reader ``rank + d``
-    #: (:func:`reader_rank`), so ``num_readers`` counts every replica.
+    #: This engine's first reader rank; TP rank t of data-parallel replica d is reader
+    #: ``rank + d * TP + t`` (:func:`reader_rank`), so ``num_readers`` counts every worker.
     rank: int = 0
     #: Empty: read WEIGHTSYNC_META_ADDR / WEIGHTSYNC_META_TOKEN from the worker's environment.
     meta_address: str = ""
@@ -162,9 +163,11 @@ class _WorkerEngine(StagedWeights):
         check_supported(vllm_config)
         self.mtp = runs_mtp(vllm_config)
         assert draft is not None or not self.mtp, "init_transfer_engine refuses an MTP engine without its drafter"
-        # with MTP drafting the MTP layers are staged too, for the drafter
+        # with MTP drafting the MTP layers are staged too, for the drafter; a TP worker receives
+        # only the slices its loaders read
         super().__init__(spec_of(vllm_config, mtp=self.mtp), dtype=vllm_config.model_config.dtype, device=device,
-                         rank=rank, replicas=replicas, quant=staging_quant(vllm_config))
+                         rank=rank, replicas=replicas, quant=staging_quant(vllm_config),
+                         reads=worker_reads(vllm_config, mtp=self.mtp))
         self.model = model
         self.vllm_config = vllm_config
         self._session: ReloadSession | None = None
@@ -245,28 +248,30 @@ def reserve_staging(vllm_config: Any, device: torch.device) -> torch.Tensor | No
                                     "declare layer_phases in additional_config={'weightsync': {...}}")
 
 
-def reader_rank(rank: int, parallel_config: Any, num_readers: int) -> int:
-    """This worker's reader rank: ``rank`` (``WeightSyncInitInfo.rank``) is the engine's first
-    replica's, and data-parallel replica ``d`` takes ``rank + d``.
+def reader_rank(first: int, num_readers: int, vllm_config: Any) -> int:
+    """This worker's weightsync reader rank: the engine's first (``WeightSyncInitInfo.rank``) plus
+    the worker's place in the engine, ``d * TP + t`` (:func:`~weightsync.engines.vllm_parallel.worker_index`).
 
-    vLLM's DP client sends ``init_weight_transfer_engine`` to every replica with one init info,
-    so the rank cannot come from it alone. The replica is ``data_parallel_index``, as vLLM's own
-    NCCL backend counts it (``weight_transfer/nccl_common.worker_init_process_group``): vLLM
-    resets ``data_parallel_rank`` to 0 in each replica of a dense model
-    (``ParallelConfig.reconfigure_for_independent_dp_rank``), and keeps the index.
+    vLLM sends every worker of every DP replica ``init_weight_transfer_engine`` with one init
+    info, so the rank cannot come from it alone; ``d`` is the replica's ``data_parallel_index``
+    (:func:`~weightsync.engines.vllm_parallel.replica_index`), which a dense replica keeps when
+    vLLM resets its ``data_parallel_rank`` to 0.
 
     Raises:
-        ValueError: the replica's rank is not below ``num_readers``, naming both.
+        ValueError: the engine's workers, or this worker, do not fit below ``num_readers``.
     """
-    if parallel_config is None:
-        return rank
-    replica = int(getattr(parallel_config, "data_parallel_index", parallel_config.data_parallel_rank))
-    mine = rank + replica
-    if mine >= num_readers:
+    workers = workers_per_engine(vllm_config)
+    if first + workers > num_readers:
+        raise ValueError(f"this engine has {workers} workers (TP x DP), each a weightsync reader, from reader rank "
+                         f"{first}: num_readers={num_readers} must be at least {first + workers} (the trainer side: "
+                         "WeightSyncTrainerInitInfo.num_readers)")
+    mine = first + worker_index(vllm_config)
+    if mine >= num_readers:  # a dense DP replica sees DP=1: only its own rank tells
+        replica = replica_index(vllm_config.parallel_config)
         raise ValueError(f"data-parallel replica {replica} of this engine would be reader {mine} "
-                         f"(WeightSyncInitInfo.rank={rank} + its replica index), and the job has num_readers="
-                         f"{num_readers}: count every replica of every engine in num_readers, and give each engine "
-                         "the rank of its first replica")
+                         f"(WeightSyncInitInfo.rank={first} + replica x TP + TP rank), and the job has num_readers="
+                         f"{num_readers}: count every worker of every replica of every engine in num_readers, and "
+                         "give each engine the rank of its first worker")
     return mine
 
 
@@ -334,7 +339,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             raise RuntimeError("the weightsync transfer engine is already initialised; shut it down first")
         config = init_info.sync_config()
         lora = init_info.lora_spec()
-        rank = reader_rank(init_info.rank, getattr(self.vllm_config, "parallel_config", None), config.num_readers)
+        rank = reader_rank(init_info.rank, config.num_readers, self.vllm_config)
         engine: Any
         if lora is not None:  # adapter-only versions, into vLLM's LoRA manager
             engine = WorkerLoraEngine(self._default_model, self.vllm_config, lora, lora_id=init_info.lora_id,
@@ -358,8 +363,9 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             self._reserve = None
             engine.lay_out(layer_phases=config.layer_phases,
                            budget_bytes=config.transport_options.max_bucket_bytes)
-        meta = (MetaClient(init_info.meta_address, job=config.job, token=init_info.meta_token)
-                if init_info.meta_address else MetaClient.from_env(job=config.job))
+        # unreachable for the job's timeout is an error, as any other wait of the job
+        meta = (MetaClient(init_info.meta_address, job=config.job, token=init_info.meta_token, timeout=config.timeout)
+                if init_info.meta_address else MetaClient.from_env(job=config.job, timeout=config.timeout))
         self.reader = WeightReader(engine, rank=rank, config=config, meta=meta)
         self.prefetch = Prefetch(self.reader) if init_info.prefetch else None
         what = (f"LoRA adapter id {init_info.lora_id} (r={lora.r})" if lora is not None else

@@ -107,10 +107,10 @@ def _trainer(config: dict[str, Any], server: Any, versions: list[tuple[int, Any]
     def train() -> None:
         try:
             from weightsync.meta.client import MetaClient
-            from weightsync.session import SyncConfig
-            from weightsync.tiny import CanonicalSource
-            from weightsync.torch_layout import fill_from_canonical
-            from weightsync.writer import WeightWriter
+            from weightsync.roles.writer import WeightWriter
+            from weightsync.session.sync_session import SyncConfig
+            from weightsync.tools.tiny import CanonicalSource
+            from weightsync.tools.torch_layout import fill_from_canonical
 
             sync = SyncConfig(num_writers=1, num_readers=readers, job="workload", timeout=300.0)
             source = CanonicalSource(config, device=device)
@@ -134,7 +134,7 @@ def run_case(case: str) -> dict[str, Any]:
     from weightsync.engines.vllm import update_llm
     from weightsync.integrations.selfcheck import verdict
     from weightsync.meta import EmbeddedMetaServer
-    from weightsync.tiny import canonical_weights, tiny_config, write_checkpoint
+    from weightsync.tools.tiny import canonical_weights, tiny_config, write_checkpoint
 
     readers = 2 if case == "dp2" else 1
     trainer_device = f"cuda:{torch.cuda.device_count() - 1}"
@@ -210,10 +210,10 @@ def _trainer_main(tmp: str, address: str, token: str, versions: list[str]) -> in
     import torch
 
     from weightsync.meta.client import MetaClient
-    from weightsync.session import SyncConfig, TransportOptions
-    from weightsync.tiny import CanonicalSource, canonical_weights
-    from weightsync.torch_layout import fill_from_canonical
-    from weightsync.writer import WeightWriter
+    from weightsync.roles.writer import WeightWriter
+    from weightsync.session.sync_session import SyncConfig, TransportOptions
+    from weightsync.tools.tiny import CanonicalSource, canonical_weights
+    from weightsync.tools.torch_layout import fill_from_canonical
 
     config = json.loads((Path(tmp) / "B" / "config.json").read_text())
     sync = SyncConfig(num_writers=1, num_readers=1, job="workload", timeout=300.0, layer_phases=True,
