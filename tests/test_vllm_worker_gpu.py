@@ -17,7 +17,7 @@ from weightsync.plan.phases import layer_phases
 from weightsync.ports import device as device_port
 from weightsync.ports.device import DeviceMemoryError
 
-pytest.importorskip("vllm")
+ParallelConfig = pytest.importorskip("vllm.config").ParallelConfig
 pytestmark = pytest.mark.timeout(60)
 
 MiB = 1 << 20
@@ -48,7 +48,8 @@ def backend(monkeypatch: pytest.MonkeyPatch, staged: list[StagedWeights], *, par
 
     monkeypatch.setattr(vllm_backend, "_WorkerEngine", worker)
     monkeypatch.setattr(vllm_backend, "_staging_template", lambda vllm_config, device: staging(), raising=False)
-    vllm_config = SimpleNamespace(parallel_config=parallel_config, model_config=None, additional_config=additional or {})
+    vllm_config = SimpleNamespace(parallel_config=parallel_config or ParallelConfig(), model_config=None,
+                                  additional_config=additional or {})
     return vllm_backend.WeightSyncTransferEngine(SimpleNamespace(backend="weightsync"), vllm_config,
                                                  torch.device("cpu"), None)
 
@@ -72,8 +73,6 @@ def test_every_data_parallel_replica_is_a_reader_of_its_own():
     the job waited for it forever. The replica's index comes from vLLM's own ParallelConfig, as
     vLLM sets it up in each replica's engine core (a dense model resets data_parallel_rank to 0
     and keeps data_parallel_index)."""
-    from vllm.config import ParallelConfig
-
     monkeypatch = pytest.MonkeyPatch()
     readers = []
     try:
@@ -95,14 +94,21 @@ def test_every_data_parallel_replica_is_a_reader_of_its_own():
 
 
 def test_a_replica_past_num_readers_is_refused_naming_both():
+    """A replica of a dense DP engine sees DP = 1 (vLLM reset it), so only its own rank can tell it
+    that num_readers did not count every replica."""
     from weightsync.integrations.vllm_backend import reader_rank
 
-    config = SimpleNamespace(data_parallel_index=1, data_parallel_rank=0)
-    assert reader_rank(2, config, 4) == 3 and reader_rank(2, None, 4) == 2
+    def replica(d: int) -> SimpleNamespace:
+        config = ParallelConfig(data_parallel_size=2, data_parallel_rank=d)
+        config.data_parallel_index = d
+        config.reconfigure_for_independent_dp_rank()
+        return SimpleNamespace(parallel_config=config)
+
+    assert reader_rank(2, 4, replica(1)) == 3 and reader_rank(2, 4, replica(0)) == 2
     with pytest.raises(ValueError, match=r"data-parallel replica 1 of this engine would be reader 4 "
-                                         r"\(WeightSyncInitInfo.rank=3 \+ its replica index\), and the job has "
-                                         r"num_readers=4: count every replica"):
-        reader_rank(3, config, 4)
+                                         r"\(WeightSyncInitInfo.rank=3 \+ replica x TP \+ TP rank\), and the job has "
+                                         r"num_readers=4: count every worker of every replica"):
+        reader_rank(3, 4, replica(1))
 
 
 def test_staging_is_reserved_before_vllm_sizes_its_kv_cache(monkeypatch):
