@@ -8,12 +8,11 @@ import types
 from typing import Any
 
 import pytest
-from weightsync.doctor_workloads import EPOCH_VERSIONS, WORKLOADS, epochs_verdict
 
-from weightsync import doctor_workloads
-from weightsync.apps import demo
+from weightsync.apps import demo, doctor_workloads
 from weightsync.apps.demo import FAULT_SECONDS, WriterStep, run_demo
 from weightsync.apps.doctor import CHECKS, DoctorOptions, Environment
+from weightsync.apps.doctor_workloads import EPOCH_VERSIONS, WORKLOADS, epochs_verdict
 from weightsync.integrations import vllm_workloads
 
 CPU = Environment(torch="2.13.0", cuda_build=None, gpus=0)

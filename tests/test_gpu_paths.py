@@ -166,8 +166,8 @@ def test_version_slots_on_the_trainer_gpu_are_refused_with_their_figure(tmp_path
 def weakly_ordered(monkeypatch, *, seed: int, gate: bool, stale: float = 0.5) -> WeakMemory:
     """Shared-memory control words as an aarch64 CPU may show them (tests/weak_memory.py);
     ``gate``: what ``_ORDERED_STORES`` says (False: what aarch64 gets)."""
-    from weightsync.transport import shm
     from weightsync.transport.shm import snapshot as shm_snapshot
+    from weightsync.transport.shm import transport as shm
 
     weak = WeakMemory(seed=seed, stale=stale)
     monkeypatch.setattr(shm_snapshot, "_ORDERED_STORES", gate)
@@ -302,7 +302,7 @@ def test_routed_layer_phases_over_host_memory_are_refused_where_readers_cannot_s
     whole slots, which the routed transport's per-phase torch route would never let the writer
     seal: refused, naming the CPU and the settings, instead of a hang. Device memory (published
     per phase after a synchronise) and single-phase jobs are fine."""
-    from weightsync.transport.routed import check_host_phases
+    from weightsync.transport.routed.transport import check_host_phases
     from weightsync.transport.shm import snapshot as shm_snapshot
 
     monkeypatch.setattr(shm_snapshot, "_ORDERED_STORES", False)

@@ -38,7 +38,7 @@ Checks (skipped with the reason when the hardware or a package is missing):
   peak device memory against the reserve weightsync laid out (``--engines``, vLLM's GPU build);
 * ``engine/vllm``, ``engine/sglang``: an update of a live engine through weightsync
   (``--engines``; they start an engine, which takes a minute on its own);
-* what users run (:mod:`weightsync.doctor_workloads`): CUDA IPC readers across an epoch change,
+* what users run (:mod:`weightsync.apps.doctor_workloads`): CUDA IPC readers across an epoch change,
   a SIGSTOPped peer, and the vLLM worker backend with CUDA graphs and bf16, at
   ``gpu_memory_utilization=0.9``, with data parallel 2, prefetching, and a trainer killed
   mid-update. Each check's measurements are in ``Check.figures`` (``--report``).
@@ -498,9 +498,9 @@ CHECKS: dict[str, Callable[[Environment, DoctorOptions], Check]] = {
 
 
 def _workload(name: str) -> Callable[[Environment, DoctorOptions], Check]:
-    """A check of what users run (:mod:`weightsync.doctor_workloads`), as a line of the table."""
+    """A check of what users run (:mod:`weightsync.apps.doctor_workloads`), as a line of the table."""
     def check(env: Environment, options: DoctorOptions) -> Check:
-        from weightsync.doctor_workloads import WORKLOADS
+        from weightsync.apps.doctor_workloads import WORKLOADS
 
         status, detail, figures = WORKLOADS[name](env, options)
         return Check("", status, detail, figures=figures)
