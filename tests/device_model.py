@@ -5,41 +5,51 @@ tensors on a GPU as far as these rules go, against the same transport and engine
 on a GPU (:mod:`weightsync.ports.device` is the port; each rule has a negative test in
 ``tests/test_device_model.py``):
 
-* **Asynchronous completion.** ``copy`` only queues the copy on the calling process's stream; it
-  runs at a ``synchronize``, at a ``wait`` on an event recorded after it, or at a point chosen at
-  random (seeded). Reading the destination before then reads old bytes, as on a GPU.
+* **Streams and asynchronous completion.** ``copy`` only queues the copy on the calling thread's
+  current stream (its process's default stream, or a stream of its own: ``new_stream`` /
+  ``on_stream``); it runs at a ``synchronize`` (every stream of the process), at a ``wait`` on an
+  event recorded after it, or at a point chosen at random (seeded). ``order_after`` makes a
+  stream wait for another's event, as ``cudaStreamWaitEvent``.
 * **Hazards.** Memory with pending work is touched by something not ordered after that work: a
-  copy on another process's stream, the CPU or a NIC (``touch``, NIXL transfers), or a ready
-  signal announcing it (``signal``). Each is a :class:`HazardError`, raised and recorded.
-* **IPC handles.** A handle cannot be opened by the process that exported it (CUDA refuses;
-  torch's own reductions hand such tensors over from a cache instead).
-* **A device memory budget.** ``reserve`` takes an engine's share (as vLLM takes its KV cache out
-  of ``gpu_memory_utilization`` once it has measured what it uses); an allocation past what is
-  left raises ``torch.OutOfMemoryError``, and ``free_bytes`` reports the rest.
-* **Registration bounds** (NIXL): :class:`NixlModel` refuses a descriptor that is not inside one
-  memory registration, as ``nixlSecDescList::getCoveringIndex`` does in NIXL's
-  ``src/infra/nixl_descriptors.cpp``.
+  copy on another stream (of this process or another), the CPU or a NIC (``touch``, NIXL
+  transfers, which may complete later than they are posted: ``tests/nixl_model.py``), or a
+  ready signal announcing it (``signal``). An engine's forward pass (``forward``) queued behind
+  work another thread put on its stream (a background transfer stalling decode) is one too.
+  Each is a :class:`HazardError`, raised and recorded.
+* **CUDA IPC, as torch counts it** (``torch/csrc/StorageSharing.cpp``, ``CudaIPCTypes.cpp``):
+  ``share`` starts a counter at 1, each consumer's free of what it ``open``-ed (or a
+  ``release``) decrements it; the exporter's block is freed once the exporter freed it and
+  every counter is 0. A counter below 0 is a leak (torch reads it as unsigned: the block stays
+  in limbo forever), a block freed while a consumer still maps it an early free, both
+  violations; :meth:`DeviceModel.leaks` lists blocks still held. A handle cannot be opened by
+  the process that exported it (CUDA refuses), and memory of an expandable segment cannot be
+  shared unless it was allocated ``shareable``.
+* **A memory budget per GPU, as torch's caching allocator splits it.** ``reserve`` takes an
+  engine's share (as vLLM takes its KV cache out of ``gpu_memory_utilization``); ``cache``
+  and ``graph_pool`` make a process's allocator hold memory reserved but unallocated (free
+  blocks, in fragments or whole segments; CUDA graph pools); an allocation past what one block
+  can get raises ``torch.OutOfMemoryError``, and ``free_bytes`` reports what one can get.
+  A process's first use of a device (an allocation, or an IPC open: its CUDA context) takes
+  ``context`` bytes there.
 
 Processes are simulated per thread (``with model.as_process("engine"): ...``): a thread outside
-any ``as_process`` belongs to the real process.
+any ``as_process`` belongs to the real process. GPUs are device strings: ``"cpu"`` (every tensor
+of a test, by default) or ``"cuda:N"`` (allocated on the CPU, accounted on GPU N).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import random
 import threading
-import types
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from weightsync.ports.device import IpcHandle
+from device_model_memory import Block, Gpu, MemoryRules
 
 Range = tuple[int, int]  # [start, end) in bytes
 
@@ -67,67 +77,108 @@ class Op:
     writes: list[Range]
     run: Callable[[], None]
     what: str
+    thread: int = 0
+    after: dict[str, int] = field(default_factory=dict)  # streams' work it waits for: {stream: seq}
 
 
 @dataclass
 class Event:
-    process: str
+    stream: str
     seq: int
+    after: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
 class Stream:
+    owner: str  # the process whose synchronize completes it
     ops: list[Op] = field(default_factory=list)
+    waits: dict[str, int] = field(default_factory=dict)  # order_after: {stream: seq}
 
 
-class DeviceModel:
+class DeviceModel(MemoryRules):
     """The device port on CPU tensors, with GPU rules enforced (module docstring).
 
     Args:
         gpu_types: device types treated as GPU memory (default: ``cpu``, i.e. every tensor).
-        budget: bytes of "device memory" (None: unlimited).
-        context: bytes a process's first use of the device takes from the budget (a CUDA
-            context): made by its first allocation there, or by opening an IPC handle there.
+        budget: bytes of each GPU's memory (or ``{device: bytes}``; None: unlimited).
+        context: bytes a process's first use of a device takes from its budget (a CUDA context).
+        expandable_segments: the allocator maps memory into expandable segments, which
+            ``share`` refuses unless the memory was allocated ``shareable``.
         seed: of the random completion points.
         chance: probability that a port call first completes a random prefix of a stream.
     """
 
-    def __init__(self, *, gpu_types: Sequence[str] = ("cpu",), budget: int | None = None, seed: int = 0,
-                 chance: float = 0.3, context: int = 0) -> None:
+    def __init__(self, *, gpu_types: Sequence[str] = ("cpu",), budget: int | dict[str, int] | None = None,
+                 seed: int = 0, chance: float = 0.3, context: int = 0, expandable_segments: bool = False) -> None:
         self.gpu_types = frozenset(gpu_types)
         self.budget = budget
         self.context = context
+        self.expandable_segments = expandable_segments
         #: (process, device) pairs with a "CUDA context": made by an allocation or an IPC open there
         self.contexts: set[tuple[str, str]] = set()
         self.violations: list[str] = []
-        self.reserved: dict[str, int] = {}
-        self.used = 0
         self.peak = 0
         self.allocations: dict[int, tuple[int, str]] = {}  # id -> (bytes, what)
         self.pinned: list[tuple[int, str]] = []  # page-locked host buffers asked for: (bytes, what)
+        self._gpus: dict[str, Gpu] = {}
         self._streams: dict[str, Stream] = {}
+        self._nic: list[Op] = []  # NIXL transfers posted and not complete
         self._seq = 0
         self._rng = random.Random(seed)
         self._chance = chance
         self._lock = threading.RLock()
         self._local = threading.local()
-        self._exports: dict[int, tuple[torch.Tensor, str]] = {}
+        self._blocks: dict[int, Block] = {}
+        self._by_ptr: dict[int, int] = {}  # a block's base address -> its key
+        self._exports: dict[int, tuple[int, str]] = {}  # token -> (block key, exporter)
+        self._graveyard: list[torch.Tensor] = []  # freed early: kept so that CPU tests do not crash
         self._tokens = 0
-        self._keys = 0  # allocations, by number
+        self._keys = 0
+        self._mappings = 0
+        self._side = 0
+        #: called first by every synchronize (a test's hook into a transfer under way)
+        self.before_synchronize: Callable[[], None] | None = None
 
-    # -- processes --------------------------------------------------------------------------
+    # -- processes and streams ------------------------------------------------------------------
     def process(self) -> str:
         return getattr(self._local, "process", None) or f"pid{os.getpid()}"
 
     @contextlib.contextmanager
     def as_process(self, name: str) -> Iterator[None]:
-        """Run the block as process ``name`` (its own stream, its own IPC identity)."""
-        before = getattr(self._local, "process", None)
-        self._local.process = name
+        """Run the block as process ``name`` (its own default stream, its own IPC identity)."""
+        before = getattr(self._local, "process", None), getattr(self._local, "stream", None)
+        self._local.process, self._local.stream = name, None
         try:
             yield
         finally:
-            self._local.process = before
+            self._local.process, self._local.stream = before
+
+    def current_stream(self) -> str:
+        return getattr(self._local, "stream", None) or self.process()
+
+    def _stream(self, key: str) -> Stream:
+        if key not in self._streams:
+            self._streams[key] = Stream(owner=key)
+        return self._streams[key]
+
+    def new_stream(self, device: str | torch.device) -> str | None:
+        if not self.is_gpu(device):
+            return None
+        with self._lock:
+            self._side += 1
+            key = f"{self.process()}/stream{self._side}"
+            self._streams[key] = Stream(owner=self.process())
+            return key
+
+    @contextlib.contextmanager
+    def on_stream(self, stream: str | None) -> Iterator[None]:
+        before = getattr(self._local, "stream", None)
+        if stream is not None:
+            self._local.stream = stream
+        try:
+            yield
+        finally:
+            self._local.stream = before
 
     # -- rules ------------------------------------------------------------------------------
     def _hazard(self, message: str) -> HazardError:
@@ -135,15 +186,22 @@ class DeviceModel:
         return HazardError(message)
 
     def _pending(self, ranges: Sequence[Range], *, writes_only: bool, skip: str | None = None) -> Op | None:
-        """A pending op (of any stream but ``skip``'s) writing (or, unless ``writes_only``, also
-        reading) one of ``ranges``."""
-        for process, stream in self._streams.items():
-            if process == skip:
+        """A pending op writing (or, unless ``writes_only``, also reading) one of ``ranges`` that
+        stream ``skip`` (None: the CPU) is not ordered after: on another stream, or the NIC's."""
+        waits = self._streams[skip].waits if skip in self._streams else {}
+        for key, stream in self._streams.items():
+            if key == skip:
                 continue
             for op in stream.ops:
+                if op.seq <= waits.get(key, 0):
+                    continue
                 touched = op.writes if writes_only else op.writes + op.reads
                 if any(overlaps(r, t) for r in ranges for t in touched):
                     return op
+        for op in self._nic:
+            touched = op.writes if writes_only else op.writes + op.reads
+            if any(overlaps(r, t) for r in ranges for t in touched):
+                return op
         return None
 
     def _check_access(self, reads: Sequence[Range], writes: Sequence[Range], who: str, *,
@@ -155,87 +213,76 @@ class DeviceModel:
         if op is not None:
             raise self._hazard(f"{who} writes into memory with pending reads or writes ({op.what})")
 
-    # -- the port -----------------------------------------------------------------------------
+    def _enqueue(self, key: str, reads: list[Range], writes: list[Range], run: Callable[[], None], what: str) -> Op:
+        self._seq += 1
+        stream = self._stream(key)
+        op = Op(self._seq, reads, writes, run, what, threading.get_ident(), dict(stream.waits))
+        stream.ops.append(op)
+        return op
+
+    # -- the port: streams and copies ---------------------------------------------------------
     def is_gpu(self, device: str | torch.device) -> bool:
         return torch.device(device).type in self.gpu_types
-
-    def empty(self, nbytes: int, device: str | torch.device, *, what: str, pinned: bool = False) -> torch.Tensor:
-        if pinned:  # page-locked host memory: outside the device budget, and recorded
-            self.pinned.append((nbytes, what))
-            return torch.empty(nbytes, dtype=torch.uint8)
-        if not self.is_gpu(device):
-            return torch.empty(nbytes, dtype=torch.uint8, device=device)
-        with self._lock:
-            self._progress()
-            free = self.free_bytes(device)
-            if free is not None and nbytes > free:
-                raise torch.OutOfMemoryError(f"device model: {what} needs {nbytes} bytes, {free} free "
-                                             f"(reserved: {self.reserved})")
-            t = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            self.contexts.add((self.process(), str(torch.device(device))))
-            self.used += nbytes
-            self.peak = max(self.peak, self.used)
-            self._keys += 1
-            key = self._keys
-            self.allocations[key] = (nbytes, what)
-            # device memory lives as long as its storage (views of other dtypes included)
-            weakref.finalize(t.untyped_storage(), self._free, key)
-            return t
-
-    def _free(self, key: int) -> None:
-        with self._lock:
-            nbytes, _ = self.allocations.pop(key, (0, ""))
-            self.used -= nbytes
-
-    def reserve(self, nbytes: int, owner: str) -> None:
-        """``owner`` (an engine) takes ``nbytes`` of the budget for itself."""
-        with self._lock:
-            free = self.free_bytes("cpu")
-            if free is not None and nbytes > free:
-                raise torch.OutOfMemoryError(f"device model: {owner} cannot reserve {nbytes} bytes, {free} free")
-            self.reserved[owner] = self.reserved.get(owner, 0) + nbytes
-
-    def reserve_rest(self, owner: str) -> int:
-        """``owner`` takes everything still free (vLLM sizing its KV cache); returns how much."""
-        with self._lock:
-            rest = self.free_bytes("cpu") or 0
-            self.reserved[owner] = self.reserved.get(owner, 0) + rest
-            return rest
-
-    def free_bytes(self, device: str | torch.device) -> int | None:
-        if self.budget is None or not self.is_gpu(device):
-            return None
-        return self.budget - self.used - sum(self.reserved.values())
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with self._lock:
             self._progress()
-            process = self.process()
+            stream = self.current_stream()
             reads, writes = [span(src)], [span(dst)]
-            self._check_access(reads, writes, f"a copy on {process}'s stream", skip=process)
-            self._seq += 1
-            self._streams.setdefault(process, Stream()).ops.append(
-                Op(self._seq, reads, writes, lambda: dst.copy_(src), f"a copy queued by {process}"))
+            self._check_access(reads, writes, f"a copy on {stream}'s stream", skip=stream)
+            self._enqueue(stream, reads, writes, lambda: dst.copy_(src), f"a copy queued by {self.process()} on "
+                                                                          f"{stream}")
+
+    def forward(self, tensors: Sequence[torch.Tensor], what: str = "a forward pass") -> None:
+        """The engine's kernels reading ``tensors``, queued on the current stream: a hazard when
+        the stream still holds work another thread queued (it would wait behind it)."""
+        with self._lock:
+            stream = self.current_stream()
+            me = threading.get_ident()
+            behind = [op for op in self._stream(stream).ops if op.thread != me]
+            if behind:
+                raise self._hazard(f"{what} on {stream}'s stream queues behind {len(behind)} operation(s) another "
+                                   f"thread queued there ({behind[0].what}): background work belongs on a stream "
+                                   "of its own")
+            reads = [span(t) for t in tensors]
+            self._check_access(reads, [], what, skip=stream)
+            self._enqueue(stream, reads, [], lambda: None, what)
 
     def record(self, device: str | torch.device) -> Event:
         with self._lock:
             self._progress()
-            stream = self._streams.get(self.process())
-            return Event(self.process(), stream.ops[-1].seq if stream and stream.ops else 0)
+            key = self.current_stream()
+            stream = self._stream(key)
+            return Event(key, stream.ops[-1].seq if stream.ops else 0, dict(stream.waits))
+
+    def order_after(self, event: Any, device: str | torch.device) -> None:
+        if event is None:
+            return
+        with self._lock:
+            waits = self._stream(self.current_stream()).waits
+            for key, seq in {**event.after, event.stream: event.seq}.items():
+                waits[key] = max(waits.get(key, 0), seq)
 
     def wait(self, event: Any) -> None:
         with self._lock:
-            self._complete(event.process, event.seq)
+            for key, seq in event.after.items():
+                self._complete(key, seq)
+            self._complete(event.stream, event.seq)
 
     def synchronize(self, device: str | torch.device) -> None:
+        if self.before_synchronize is not None:  # a test's hook: what runs while this thread's work is pending
+            self.before_synchronize()
         with self._lock:
-            self._complete(self.process(), self._seq)
+            me = self.process()
+            for key, stream in list(self._streams.items()):
+                if stream.owner == me:
+                    self._complete(key, self._seq)
 
     def synchronize_all(self) -> None:
         """Complete every stream (what a test does before it looks at the bytes)."""
         with self._lock:
-            for process in list(self._streams):
-                self._complete(process, self._seq)
+            for key in list(self._streams):
+                self._complete(key, self._seq)
 
     def touch(self, tensor: torch.Tensor, *, write: bool) -> None:
         with self._lock:
@@ -249,43 +296,31 @@ class DeviceModel:
             self._progress()
             self._check_access(reads, writes, who)
 
+    def post_nic(self, reads: Sequence[Range], writes: Sequence[Range], who: str) -> Op:
+        """A NIC transfer posted and not complete: its ranges are busy until :meth:`end_nic`."""
+        with self._lock:
+            self._seq += 1
+            op = Op(self._seq, list(reads), list(writes), lambda: None, who)
+            self._nic.append(op)
+            return op
+
+    def end_nic(self, op: Op) -> None:
+        with self._lock:
+            self._nic.remove(op)
+
     def signal(self, words: torch.Tensor, index: int, value: int, *, covers: Sequence[torch.Tensor]) -> None:
         with self._lock:
             self._progress()
-            op = self._pending([span(t) for t in covers], writes_only=False)
+            ranges = [span(t) for t in covers]
+            # the work it announces: anyone's pending writes there, and this process's reads (a
+            # peer acting on the signal writes into memory its queued kernels may still read)
+            op = self._pending(ranges, writes_only=True) or next(
+                (o for s in self._streams.values() if s.owner == self.process() for o in s.ops
+                 if any(overlaps(r, t) for r in ranges for t in o.reads)), None)
             if op is not None:
                 raise self._hazard(f"{self.process()} raised a ready signal ({value}) before the work it announces "
                                    f"completed ({op.what})")
             words[index] = value
-
-    def share(self, tensor: torch.Tensor) -> IpcHandle:
-        with self._lock:
-            self._tokens += 1
-            self._exports[self._tokens] = (tensor, self.process())
-            return IpcHandle((self._tokens,), str(tensor.device), "model-gpu", self.process())
-
-    def open(self, handle: IpcHandle, device: str) -> torch.Tensor:
-        with self._lock:
-            tensor, exporter = self._exports[int(handle.fields[0])]
-            if exporter == self.process() or handle.process == self.process():
-                self.violations.append(f"{self.process()} opened an IPC handle it exported itself")
-                raise RuntimeError("CUDA error: invalid device context (device model: cudaIpcOpenMemHandle of a "
-                                   f"handle exported by this process, {self.process()})")
-            need = self.context_bytes(device)
-            if need:  # the open creates this process's context on the device, out of its budget
-                free = self.free_bytes(device)
-                if free is not None and need > free:
-                    raise torch.OutOfMemoryError(f"CUDA error: out of memory (device model: {self.process()}'s "
-                                                 f"context on {device} needs {need} bytes, {free} free)")
-                owner = f"{self.process()}'s context on {device}"
-                self.reserved[owner] = self.reserved.get(owner, 0) + need
-                self.contexts.add((self.process(), str(torch.device(device))))
-            return tensor
-
-    def context_bytes(self, device: str | torch.device) -> int:
-        if not self.is_gpu(device) or (self.process(), str(torch.device(device))) in self.contexts:
-            return 0
-        return self.context
 
     def scope(self, device: str | torch.device) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
@@ -293,13 +328,10 @@ class DeviceModel:
     # -- work another engine queues on a stream (a fake NCCL) -------------------------------------
     def queue(self, reads: Sequence[Range], writes: Sequence[Range], run: Callable[[], None], what: str, *,
               stream: str) -> Op:
-        """Queue work on ``stream`` (a process's own stream, as NCCL's kernels on the current
-        stream): pending until that stream completes it."""
+        """Queue work on ``stream`` (a process's name: its default stream, as NCCL's kernels on the
+        current stream): pending until that stream completes it."""
         with self._lock:
-            self._seq += 1
-            op = Op(self._seq, list(reads), list(writes), run, what)
-            self._streams.setdefault(stream, Stream()).ops.append(op)
-            return op
+            return self._enqueue(stream, list(reads), list(writes), run, what)
 
     def complete_before(self, op: Op) -> None:
         """Complete what is queued ahead of ``op`` on its stream, leaving ``op`` pending (a NCCL
@@ -315,129 +347,20 @@ class DeviceModel:
     def pending(self) -> int:
         return sum(len(s.ops) for s in self._streams.values())
 
-    def _complete(self, process: str, upto: int) -> None:
-        stream = self._streams.get(process)
+    def _complete(self, key: str, upto: int) -> None:
+        stream = self._streams.get(key)
         while stream and stream.ops and stream.ops[0].seq <= upto:
-            stream.ops.pop(0).run()
+            op = stream.ops.pop(0)
+            for other, seq in op.after.items():
+                self._complete(other, seq)
+            op.run()
 
     def _progress(self) -> None:
         """At random, complete a prefix of a random stream (GPUs finish work when they like)."""
         if self._rng.random() >= self._chance:
             return
-        busy = [p for p, s in self._streams.items() if s.ops]
+        busy = [k for k, s in self._streams.items() if s.ops]
         if busy:
-            process = self._rng.choice(busy)
-            ops = self._streams[process].ops
-            self._complete(process, ops[self._rng.randrange(len(ops))].seq)
-
-
-# -- NIXL --------------------------------------------------------------------------------------
-
-class NixlModel:
-    """The slice of the ``nixl`` Python API :mod:`weightsync.transport.nixl.agent` uses, in one
-    process: agents find each other by name, transfers are memory copies reported to the device
-    model as NIC accesses, and every descriptor must lie inside one registration of its agent.
-
-        monkeypatch.setattr(nixl_agent, "load_nixl", NixlModel(model).module)
-    """
-
-    def __init__(self, model: DeviceModel | None = None) -> None:
-        self.model = model
-        self.agents: dict[str, _Agent] = {}
-        self.lock = threading.RLock()
-        bindings = types.ModuleType("nixl_model._bindings")
-        bindings.nixlNotFoundError = type("nixlNotFoundError", (Exception,), {})  # type: ignore[attr-defined]
-        bindings.nixlInvalidParamError = type("nixlInvalidParamError", (Exception,), {})  # type: ignore[attr-defined]
-        self.bindings = bindings
-        mod = types.ModuleType("nixl_model")
-        mod._bindings = bindings  # type: ignore[attr-defined]
-        mod.nixl_agent_config = lambda **kw: kw  # type: ignore[attr-defined]
-        mod.nixl_thread_sync_t = types.SimpleNamespace(NIXL_THREAD_SYNC_STRICT=1)  # type: ignore[attr-defined]
-        mod.nixl_agent = lambda name, config: _Agent(self, name)  # type: ignore[attr-defined]
-        self._module = mod
-
-    def module(self) -> types.ModuleType:
-        return self._module
-
-    def refuse(self, message: str) -> Exception:
-        if self.model is not None:
-            self.model.violations.append(message)
-        return self.bindings.nixlNotFoundError(message)  # type: ignore[no-any-return]
-
-
-class _Handle:
-    def __init__(self, **kw: Any) -> None:
-        self.__dict__.update(kw)
-
-    def release(self) -> None:
-        pass
-
-
-class _Agent:
-    def __init__(self, nixl: NixlModel, name: str) -> None:
-        self.nixl, self.name = nixl, name
-        self.regs: list[tuple[str, int, int, int]] = []  # (mem, device, start, end)
-        self.notifs: dict[str, list[bytes]] = {}
-        with nixl.lock:
-            nixl.agents[name] = self
-
-    def create_backend(self, kind: str, params: Any) -> None:
-        pass
-
-    def register_memory(self, regions: list[tuple[int, int, int, str]], mem: str) -> _Handle:
-        new = [(mem, int(dev), int(a), int(a) + int(n)) for a, n, dev, _ in regions]
-        self.regs += new
-        return _Handle(regs=new)
-
-    def deregister_memory(self, handle: _Handle) -> None:
-        for reg in handle.regs:
-            self.regs.remove(reg)
-
-    def get_agent_metadata(self) -> bytes:
-        return self.name.encode()
-
-    def add_remote_agent(self, metadata: bytes) -> bytes:
-        return bytes(metadata)
-
-    def make_connection(self, peer: Any) -> None:
-        pass
-
-    def remove_remote_agent(self, peer: Any) -> None:
-        pass
-
-    def prep_xfer_dlist(self, agent: str, descs: Any, mem: str) -> _Handle:
-        owner = self if agent == "NIXL_INIT_AGENT" else self.nixl.agents[agent if isinstance(agent, str)
-                                                                          else agent.decode()]
-        rows = [(int(a), int(n), int(d)) for a, n, d in descs]
-        for a, n, d in rows:
-            if not any(m == mem and dev == d and s <= a and a + n <= e for m, dev, s, e in owner.regs):
-                raise self.nixl.refuse(f"NIXL: descriptor ({a:#x}, {n} bytes, dev {d}) of {owner.name} is not "
-                                       "inside one memory registration (nixlSecDescList::getCoveringIndex)")
-        return _Handle(owner=owner, rows=rows)
-
-    def make_prepped_xfer(self, op: str, local: _Handle, li: Any, remote: _Handle, ri: Any) -> _Handle:
-        return _Handle(op=op, local=local, remote=remote, pairs=list(zip(li, ri, strict=True)))
-
-    def transfer(self, handle: _Handle, notif: bytes = b"") -> str:
-        pairs = [(handle.local.rows[int(i)], handle.remote.rows[int(j)]) for i, j in handle.pairs]
-        local = [(a, a + n) for (a, n, _), _ in pairs]
-        remote = [(a, a + n) for _, (a, n, _) in pairs]
-        reads, writes = (remote, local) if handle.op == "READ" else (local, remote)
-        if self.nixl.model is not None:
-            self.nixl.model.dma(reads, writes, f"a NIXL {handle.op} of {self.name}")
-        for (la, n, _), (ra, _, _) in pairs:
-            src, dst = (ra, la) if handle.op == "READ" else (la, ra)
-            ctypes.memmove(dst, src, n)
-        if notif:
-            peer = handle.remote.owner
-            with self.nixl.lock:
-                peer.notifs.setdefault(self.name, []).append(bytes(notif))
-        return "DONE"
-
-    def check_xfer_state(self, handle: _Handle) -> str:
-        return "DONE"
-
-    def get_new_notifs(self) -> dict[str, list[bytes]]:
-        with self.nixl.lock:
-            out, self.notifs = self.notifs, {}
-        return out
+            key = self._rng.choice(busy)
+            ops = self._streams[key].ops
+            self._complete(key, ops[self._rng.randrange(len(ops))].seq)

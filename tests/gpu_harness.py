@@ -37,6 +37,7 @@ class PairResult:
     errors: list[BaseException] = field(default_factory=list)
     bad: list[tuple[int, int, str]] = field(default_factory=list)  # (reader, version, tensor)
     received: list[tuple[int, int]] = field(default_factory=list)  # (reader, version)
+    used: list[int] = field(default_factory=list)  # the model's device memory in use after each version
 
 
 def run_pair(transport: str, tmp_path: Any, *, model: Any, processes: tuple[str, str] | None = ("trainer", "engine"),
@@ -45,14 +46,17 @@ def run_pair(transport: str, tmp_path: Any, *, model: Any, processes: tuple[str,
              options: TransportOptions | None = None, timeout: float = 20.0,
              reader_tensors: Callable[[Any], dict[str, torch.Tensor]] | None = None,
              before_receive: Callable[[int, int, dict[str, torch.Tensor]], None] | None = None,
-             lockstep: bool = False) -> PairResult:
+             lockstep: bool = False, epoch_of: Callable[[int], int] = lambda version: 0,
+             reattach: bool = False) -> PairResult:
     """One writer and the readers of ``target``, in threads; ``processes``: the simulated process of
     the writer and of every reader (None: all in this process, like an in-process trainer and engine).
 
     ``before_receive(version, phase, tensors)`` runs on the reader before each receive (to queue
     the engine's work on its tensors, say). ``lockstep``: every rank finishes phase ``p`` before
     any sends phase ``p + 1``, as when a rank's other route (the routed transport's NCCL) blocks
-    per phase.
+    per phase. ``epoch_of(version)``: the transport epoch each version runs in (every rank
+    prepares again when it changes); ``reattach``: readers prepare again before every version
+    within its epoch too (as when an engine's buffers moved).
     """
     spec = load_spec(config)
     writers = parse_layout(source).all_rank_layouts(spec)
@@ -76,9 +80,13 @@ def run_pair(transport: str, tmp_path: Any, *, model: Any, processes: tuple[str,
         else:
             tensors = reader_tensors(layout) if reader_tensors else as_tensors(empty_shards(layout), layout)
         t = create_transport(transport, ctx(role, rank))
+        epoch = epoch_of(versions[0])
         try:
-            t.prepare(plan, tensors, epoch=0, timeout=timeout, phases=phases)
+            t.prepare(plan, tensors, epoch=epoch, timeout=timeout, phases=phases)
             for v in versions:
+                if epoch_of(v) != epoch or (reattach and role == "reader" and v != versions[0]):
+                    epoch = epoch_of(v)
+                    t.prepare(plan, tensors, epoch=epoch, timeout=timeout, phases=phases)
                 values = random_canonical(canonical, seed=v)
                 if role == "writer":
                     for name, src in as_tensors(cut_shards(layout, values), layout).items():
@@ -100,6 +108,8 @@ def run_pair(transport: str, tmp_path: Any, *, model: Any, processes: tuple[str,
                     result.bad += [(rank, v, n) for n, x in tensors.items()
                                    if not torch.equal(x.view(torch.uint8), want[n].to(x.dtype).view(torch.uint8))]
                 barrier.wait(timeout)
+                if role == "writer" and rank == 0:
+                    result.used.append(model.used)
         except BaseException as exc:
             result.errors.append(exc)
             barrier.abort()

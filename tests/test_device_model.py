@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from device_model import DeviceModel, HazardError, NixlModel
+from device_model import DeviceModel, HazardError
+from nixl_model import NixlModel
 from weightsync.ports import device as device_port
 from weightsync.ports.device import DeviceMemoryError, TorchDevices, check_fits
 
@@ -118,7 +119,7 @@ def test_an_ipc_handle_cannot_be_opened_by_the_process_that_exported_it():
     with model.as_process("trainer"), pytest.raises(RuntimeError, match="exported by this process"):
         model.open(handle, "cpu")
     with model.as_process("engine"):
-        assert model.open(handle, "cpu") is data
+        assert model.open(handle, "cpu") is data  # a test's own tensor: shared as it is
     unnamed = model.share(data)  # threads outside as_process are the real process
     with pytest.raises(RuntimeError, match="exported by this process"):
         model.open(unnamed, "cpu")
@@ -191,8 +192,95 @@ def test_nixl_transfers_are_nic_accesses_the_model_checks():
     with pytest.raises(HazardError, match="NIXL READ"):
         a.transfer(xfer, b"v1")
     model.synchronize("cpu")
-    assert a.transfer(xfer, b"v1") == "DONE" and torch.equal(dst, src)
-    assert b.get_new_notifs() == {"a": [b"v1"]}
+    state = a.transfer(xfer, b"v1")
+    while state == "PROC":
+        state = a.check_xfer_state(xfer)
+    assert state == "DONE" and torch.equal(dst, src)
+    assert a.get_new_notifs() == {} and b.get_new_notifs() == {"a": [b"v1"]}
+
+
+def test_a_nixl_transfer_completes_later_than_it_is_posted():
+    """The bytes move, and the peer's notification arrives, only once a poll sees the transfer
+    done; until then the NIC still writes the destination, so the CPU reading it is a hazard."""
+    model = DeviceModel(chance=0.0)
+    nixl = NixlModel(model, lag=1).module()
+    a, b = nixl.nixl_agent("a", None), nixl.nixl_agent("b", None)
+    src, dst = torch.arange(16, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)
+    a.register_memory([(dst.data_ptr(), 16, 0, "")], "DRAM")
+    b.register_memory([(src.data_ptr(), 16, 0, "")], "DRAM")
+    lh = a.prep_xfer_dlist("NIXL_INIT_AGENT", [(dst.data_ptr(), 16, 0)], "DRAM")
+    rh = a.prep_xfer_dlist("b", [(src.data_ptr(), 16, 0)], "DRAM")
+    xfer = a.make_prepped_xfer("READ", lh, [0], rh, [0])
+    assert a.transfer(xfer, b"v1") == "PROC"
+    assert torch.equal(dst, torch.zeros(16, dtype=torch.uint8)) and b.get_new_notifs() == {}
+    with pytest.raises(HazardError, match=r"the CPU .* reads memory that pending work still writes \(a NIXL READ"):
+        model.touch(dst, write=False)
+    assert a.check_xfer_state(xfer) == "DONE" and torch.equal(dst, src) and b.get_new_notifs() == {"a": [b"v1"]}
+    model.touch(dst, write=False)
+
+
+def test_a_shared_block_is_freed_once_its_exporter_and_every_share_let_go():
+    """torch's counting: each share starts at 1, each consumer's free decrements it, and the
+    exporter's block is freed (here: back in the budget) once the exporter freed it and every
+    counter is 0."""
+    model = DeviceModel(budget=1000)
+    with model.as_process("trainer"):
+        slots = model.empty(100, "cpu", what="slots")
+        first, second = model.share(slots), model.share(slots)
+    with model.as_process("engine0"):
+        mapped0 = model.open(first, "cpu")
+    with model.as_process("engine1"):
+        mapped1 = model.open(second, "cpu")
+    slots[:4] = 7
+    assert mapped0[:4].tolist() == mapped1[:4].tolist() == [7] * 4  # one memory
+    del slots
+    assert model.used == 100 and model.leaks() == ["slots (100 bytes, counters [1, 1])"]  # in limbo
+    del mapped0, mapped1
+    assert model.used == 0 and model.leaks() == [] and model.violations == []
+    with model.as_process("trainer"):
+        again = model.empty(100, "cpu", what="again")
+        handle = model.share(again)
+        model.release(handle)  # consumed without an open (a reader in the exporter's process)
+    del again
+    assert model.used == 0 and model.leaks() == [] and model.violations == []
+
+
+def test_a_share_consumed_twice_leaks_and_one_never_consumed_is_held():
+    model = DeviceModel()
+    with model.as_process("trainer"):
+        slots = model.empty(100, "cpu", what="slots")
+        held = model.empty(50, "cpu", what="held")
+        handle = model.share(slots)
+        model.share(held)  # nobody consumes it
+    for reader in ("engine0", "engine1"):
+        with model.as_process(reader):
+            model.open(handle, "cpu")  # mapped, then freed at once
+    assert model.violations == ["slots leaks: a share of it was consumed 2 times (its counter went below 0, which "
+                                "torch reads as unsigned: never freed)"]
+    del slots, held
+    assert model.leaks() == ["slots (100 bytes, counters [-1])", "held (50 bytes, counters [1])"]
+    assert model.used == 150
+
+
+def test_a_block_freed_while_a_reader_still_maps_it_is_an_early_free():
+    model = DeviceModel()
+    with model.as_process("trainer"):
+        slots = model.empty(100, "cpu", what="slots")
+        handle = model.share(slots)  # one share, two readers: the first free takes it to 0
+    with model.as_process("engine0"):
+        model.open(handle, "cpu")
+    with model.as_process("engine1"):
+        still = model.open(handle, "cpu")
+    del slots
+    assert "slots was freed while ['engine1'] still mapped it (a share's counter reached 0 early)" in model.violations
+    assert still.numel() == 100  # the model keeps the bytes, so that the test itself does not crash
+
+
+def test_memory_of_an_expandable_segment_is_shared_only_when_allocated_shareable():
+    model = DeviceModel(expandable_segments=True)
+    with pytest.raises(RuntimeError, match="expandable segment"):
+        model.share(model.empty(64, "cpu", what="slots"))
+    model.share(model.empty(64, "cpu", what="slots", shareable=True))
 
 
 def test_the_model_is_safe_to_share_between_threads():
@@ -211,3 +299,53 @@ def test_the_model_is_safe_to_share_between_threads():
     for t in threads:
         t.join(30)
     assert all(torch.equal(b, torch.ones(1024)) for b in bufs) and not model.violations
+
+
+def test_streams_of_one_process_are_ordered_only_by_events():
+    """A process has several streams: work on another one is a hazard unless the current stream
+    was ordered after it (``order_after``, cudaStreamWaitEvent), which also completes it first."""
+    model = DeviceModel(chance=0.0)
+    staging, live = torch.zeros(16), torch.zeros(16)
+    side = model.new_stream("cpu")
+    with model.on_stream(side):
+        model.copy(staging, torch.ones(16))  # a background receive
+        received = model.record("cpu")
+    with pytest.raises(HazardError, match="reads memory that pending work still writes"):
+        model.copy(live, staging)  # the engine's stream, not ordered after it
+    model.order_after(received, "cpu")
+    model.copy(live, staging)
+    model.wait(model.record("cpu"))  # completes the side stream's copy first
+    assert torch.equal(live, torch.ones(16)) and model.pending() == 0
+
+
+def test_a_synchronize_completes_every_stream_of_the_process():
+    model = DeviceModel(chance=0.0)
+    a, b = torch.zeros(4), torch.zeros(4)
+    with model.on_stream(model.new_stream("cpu")):
+        model.copy(a, torch.ones(4))
+    model.copy(b, torch.ones(4))
+    with model.as_process("engine"):
+        other = torch.zeros(4)
+        model.copy(other, torch.ones(4))
+    model.synchronize("cpu")
+    assert torch.equal(a, torch.ones(4)) and torch.equal(b, torch.ones(4)) and model.pending() == 1
+
+
+def test_a_forward_pass_queued_behind_another_threads_work_is_a_hazard():
+    """A background thread's transfer on the default stream stalls the engine's decode steps."""
+    model = DeviceModel(chance=0.0)
+    weights, staging = torch.zeros(16), torch.zeros(16)
+    thread = threading.Thread(target=lambda: model.copy(staging, torch.ones(16)))
+    thread.start()
+    thread.join(10)
+    with pytest.raises(HazardError, match=r"a decode step on .* queues behind 1 operation"):
+        model.forward([weights], "a decode step")
+    model.synchronize("cpu")
+    def receive_on_a_stream_of_its_own() -> None:
+        with model.on_stream(model.new_stream("cpu")):
+            model.copy(staging, torch.ones(16))
+
+    side = threading.Thread(target=receive_on_a_stream_of_its_own)
+    side.start()
+    side.join(10)
+    model.forward([weights], "a decode step")  # the background copy is on a stream of its own

@@ -6,17 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from weightsync.ports.device import parse_device
 from weightsync.tools.devices import (
     RankPlacement,
+    TransportChoice,
     check_serves,
     choose_transport,
     gpu_duplicates,
     ipc_attach_device,
     nixl_device_id,
-    parse_device,
     resolve_device,
     sglang_staging_device,
     shared_gpus,
+    shm_pairs,
     tensors_device,
     torch_backend,
 )
@@ -108,6 +110,31 @@ def test_auto_on_one_node_and_across_nodes():
         choose_transport("auto", [place("writer", 0), place("reader", 0, device="cuda:0")])
     with pytest.raises(ValueError, match="cannot be used: not installed"):
         choose_transport("nixl", two, unavailable={"nixl": "not installed"})
+
+
+def test_auto_picks_cuda_ipc_only_for_pairs_whose_reader_sees_the_writers_gpu():
+    """Issue 39, defect 6: ``auto`` picked CUDA IPC for every job on one node, and a reader that does
+    not see the writer's GPU (Ray actors with one GPU each) then failed to map it, where NCCL works.
+    Pairs are judged by the GPUs each rank's process sees."""
+    def gpu(role, rank, uuid, sees):
+        return RankPlacement(role, rank, "h0", "cuda:0", uuid, sees)
+
+    ray = [gpu("writer", 0, "GPU-a", ("GPU-a",)), gpu("reader", 0, "GPU-b", ("GPU-b",))]
+    assert choose_transport("auto", ray) == TransportChoice(
+        "torch", "readers that do not see their writer's GPU")
+    seeing = [gpu("writer", 0, "GPU-a", ("GPU-a", "GPU-b")), gpu("reader", 0, "GPU-b", ("GPU-a", "GPU-b"))]
+    assert choose_transport("auto", seeing).name == "shm"
+    mixed = [gpu("writer", 0, "GPU-a", ("GPU-a",)), gpu("reader", 0, "GPU-b", ("GPU-a", "GPU-b")),
+             gpu("reader", 1, "GPU-c", ("GPU-c",))]
+    assert shm_pairs(mixed) == {(0, 0): True, (0, 1): False}
+    assert choose_transport("auto", mixed) == TransportChoice(
+        "routed", "readers that do not see their writer's GPU: shm between the pairs that do, torch between the "
+                  "others")
+    with pytest.raises(ValueError, match=r"transport 'shm' \(CUDA IPC\) maps writer 0's memory on its GPU GPU-a, which "
+                                         r"reader 0 does not see \(its process sees 1 GPU\(s\).*use 'auto' or 'torch'"):
+        choose_transport("shm", ray)
+    unknown = [gpu("writer", 0, "GPU-a", ()), gpu("reader", 0, "GPU-b", ())]  # registered by hand
+    assert choose_transport("auto", unknown).name == "shm"
 
 
 def test_cuda_ipc_attaches_on_the_writers_device():

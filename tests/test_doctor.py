@@ -40,8 +40,11 @@ def test_doctor_lists_every_gpu_path_of_a_real_job_and_writes_a_report(tmp_path,
     assert code == 0
     for name in ("gpu/nccl-2gpu", "gpu/nccl-4ranks", "gpu/same-gpu", "gpu/cuda-ipc-2gpu", "gpu/nixl-vram", "gpu/delta",
                  "gpu/nccl-abort", "gpu/cuda-ipc-visible-devices", "gpu/nixl-push", "gpu/nixl-pull", "gpu/phases-shm",
-                 "gpu/phases-routed", "gpu/fp8", "engine/vllm-memory"):
-        assert name in checks and checks[name]["detail"], name
+                 "gpu/phases-routed", "gpu/fp8", "engine/vllm-memory",
+                 # issue 39: what users run
+                 "gpu/cuda-ipc-readers-epochs", "gpu/stopped-peer", "engine/vllm-graphs", "engine/vllm-utilization",
+                 "engine/vllm-dp2", "engine/vllm-prefetch", "engine/vllm-failure"):
+        assert name in checks and checks[name]["detail"] and "figures" in checks[name], name
         if report["environment"]["gpus"] == 0:
             assert checks[name]["status"] == "skipped" and "GPU" in checks[name]["detail"], checks[name]
     if report["environment"]["gpus"] == 0:

@@ -476,16 +476,18 @@ def test_in_place_parameters_follow_vllms_direct_load_rules():
 
 
 def test_unsupported_engine_configurations_are_rejected():
-    def config(world_size=1, quantization=None, lora=None, qc=None):
-        return SimpleNamespace(parallel_config=SimpleNamespace(world_size=world_size, tensor_parallel_size=world_size,
-                                                               pipeline_parallel_size=1),
+    def config(tp=1, pp=1, quantization=None, lora=None, qc=None):
+        return SimpleNamespace(parallel_config=SimpleNamespace(world_size=tp * pp, tensor_parallel_size=tp,
+                                                               pipeline_parallel_size=pp),
                                model_config=SimpleNamespace(quantization=quantization,
                                                             hf_config=SimpleNamespace(quantization_config=qc)),
                                lora_config=lora)
 
     check_supported(config())
-    with pytest.raises(ValueError, match="one worker per engine"):
-        check_supported(config(world_size=2))
+    check_supported(config(tp=2))  # each TP worker is a reader of the slices it loads (engines/vllm_parallel.py)
+    with pytest.raises(ValueError, match=r"serves tensor and data parallel engines, not pipeline parallel ones "
+                                         r"\(PP=2\): a stage would receive layers it never loads"):
+        check_supported(config(tp=2, pp=2))
     with pytest.raises(ValueError, match=r"quantized models \(awq\) are not supported"):
         check_supported(config(quantization="awq", qc={"quant_method": "awq"}))
     with pytest.raises(ValueError, match="weight_block_size=\\[64, 64\\]"):
@@ -538,7 +540,10 @@ def test_an_mtp_engine_whose_drafter_the_backend_cannot_find_is_refused_at_init(
     assert _creator_drafter(target) is None  # not created by a worker of that model
     engine = WeightSyncTransferEngine.__new__(WeightSyncTransferEngine)
     engine.reader, engine._drafter, engine._default_model = None, None, target
-    engine.vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(method="mtp"))
+    from vllm.config import ParallelConfig
+
+    engine.vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(method="mtp"),
+                                         parallel_config=ParallelConfig())  # vLLM's own: one worker
     with pytest.raises(RuntimeError, match=r"drafts with the model's MTP layers .* did not find its drafter.*stale"):
         engine.init_transfer_engine(WeightSyncInitInfo.from_wire({"num_writers": 1, "num_readers": 1}))
 

@@ -8,8 +8,10 @@ import math
 
 import pytest
 
-from device_model import DeviceModel, NixlModel
+from device_model import DeviceModel
 from gpu_harness import run_pair
+from nixl_model import NixlModel
+from weak_memory import WeakMemory
 from weightsync.layout.types import itemsize
 from weightsync.ports import device as device_port
 from weightsync.transport.nixl import agent as nixl_agent
@@ -161,14 +163,46 @@ def test_version_slots_on_the_trainer_gpu_are_refused_with_their_figure(tmp_path
                and "TransportOptions.slots" in str(e) for e in result.errors), result.errors
 
 
-def test_cuda_ipc_readers_take_each_phase_as_it_completes(tmp_path):
-    """Defect 4: with layer phases, a CUDA IPC reader waited for the whole slot at phase 0 while
-    the writer sealed it at its last phase; the routed transport's torch route blocks each rank
-    at every phase, so two nodes of a trainer and an engine each waited on each other forever.
-    Here every rank finishes a phase before any sends the next (the same interlock, in one pair)."""
+def weakly_ordered(monkeypatch, *, seed: int, gate: bool, stale: float = 0.5) -> WeakMemory:
+    """Shared-memory control words as an aarch64 CPU may show them (tests/weak_memory.py);
+    ``gate``: what ``_ORDERED_STORES`` says (False: what aarch64 gets)."""
+    from weightsync.transport.shm import snapshot as shm_snapshot
+    from weightsync.transport.shm import transport as shm
+
+    weak = WeakMemory(seed=seed, stale=stale)
+    monkeypatch.setattr(shm_snapshot, "_ORDERED_STORES", gate)
+    monkeypatch.setattr(shm, "read_segment", weak.wrap_reader(shm.read_segment))
+    monkeypatch.setattr(shm_snapshot, "OwnSegment", weak.wrap_segment(shm_snapshot.OwnSegment))
+    return weak
+
+
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+def test_cuda_ipc_readers_take_each_phase_as_it_completes(tmp_path, monkeypatch, machine):
+    """Issue 23 defect 4, and issue 39 defect 2: with layer phases, a CUDA IPC reader waited for
+    the whole slot at phase 0 while the writer sealed it at its last phase; the routed transport's
+    torch route blocks each rank at every phase, so a trainer and an engine each waited on the
+    other forever. Every rank here finishes a phase before any sends the next (the same
+    interlock, in one pair). Per-phase publishing was gated on x86-64's store order, so on
+    aarch64 (the gate off, and the control words weakly ordered) the hang came back."""
+    weak = weakly_ordered(monkeypatch, seed=8, gate=False) if machine == "aarch64" else None
     model = DeviceModel(seed=8)
-    result = run_pair("shm", tmp_path, model=model, phase_bytes=1 << 17, lockstep=True, timeout=8.0)
-    assert result.errors == [] and result.bad == [] and len(result.received) == 2 and model.violations == []
+    result = run_pair("shm", tmp_path, model=model, phase_bytes=1 << 17, lockstep=True, timeout=8.0,
+                      versions=(1, 2, 3))
+    assert result.errors == [] and result.bad == [] and len(result.received) == 3 and model.violations == []
+    assert weak is None or weak.stale_loads > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cuda_ipc_readers_never_take_a_phase_announced_by_a_stale_word(tmp_path, monkeypatch, seed):
+    """Issue 39, defect 2: the writer stored "progress = 0" and then "writing = V" in two words, and
+    a reader loaded them without fences: on a weakly ordered CPU it could see V with the old
+    version's progress, and copy that version's bytes as V's. Version and progress are one word
+    now. Versions 1, 3 and 5 share a slot, so a stale progress word is there to be seen."""
+    weak = weakly_ordered(monkeypatch, seed=seed, gate=True, stale=0.8)
+    model = DeviceModel(seed=seed)
+    result = run_pair("shm", tmp_path, model=model, phase_bytes=1 << 17, timeout=8.0, versions=(1, 2, 3, 4, 5))
+    assert result.errors == [] and result.bad == [] and len(result.received) == 5 and model.violations == []
+    assert weak.stale_loads > 0
 
 
 def _engine_left_no_room(staging_fits: int = 0) -> DeviceModel:
@@ -178,77 +212,6 @@ def _engine_left_no_room(staging_fits: int = 0) -> DeviceModel:
     model.reserve(40 << 20, "the engine's weights")
     model.reserve((24 << 20) - staging_fits, "the KV cache")
     return model
-
-
-def _vllm_backend(monkeypatch, staged: list) -> object:
-    """vLLM's worker backend with the model stubbed by tiny-qwen3's staging (fp32, 'device' cpu)."""
-    import torch
-
-    from weightsync.configs import load_spec
-    from weightsync.engines.staging import StagedWeights
-    from weightsync.integrations import vllm_backend
-
-    def worker(*args: object, **kwargs: object) -> StagedWeights:
-        staged.append(StagedWeights(load_spec("tiny-qwen3"), dtype=torch.float32, device="cpu", rank=0))
-        return staged[-1]
-
-    monkeypatch.setattr(vllm_backend, "_WorkerEngine", worker)
-    from types import SimpleNamespace
-
-    return vllm_backend.WeightSyncTransferEngine(SimpleNamespace(backend="weightsync"),
-                                                 SimpleNamespace(parallel_config=None, model_config=None),
-                                                 torch.device("cpu"), None)
-
-
-def _init_info(**extra: object) -> dict:
-    return {"num_writers": 1, "num_readers": 1, "meta_address": "http://127.0.0.1:9", "meta_token": "token-12345678",
-            **extra}
-
-
-def test_vllm_staging_that_does_not_fit_is_refused_at_init_with_its_figure(monkeypatch):
-    """Defect 7 (vLLM staging): the arena was laid out at the first update, after vLLM had sized
-    its KV cache out of the free memory: the first sync failed for memory. It is laid out in
-    ``init_weight_transfer_engine``, so a shortfall is refused there, naming the figure and the
-    settings to change, with nothing allocated."""
-    pytest.importorskip("vllm")
-    from weightsync.ports.device import DeviceMemoryError
-
-    model = _engine_left_no_room(staging_fits=1 << 20)
-    staged: list = []
-    with device_port.use(model):
-        backend = _vllm_backend(monkeypatch, staged)
-        try:
-            with pytest.raises(DeviceMemoryError, match=r"the engine's staging arena needs [0-9.]+ MiB on cpu, and only "
-                                                        r"1\.0 MiB of it is free: .*gpu_memory_utilization, or "
-                                                        r"kv_cache_memory_bytes.*layer_phases=True"):
-                backend.init_transfer_engine(backend.parse_init_info(_init_info()))  # type: ignore[attr-defined]
-        finally:
-            backend.shutdown()  # type: ignore[attr-defined]
-    assert model.peak == 0
-
-
-def test_vllm_staging_with_layer_phases_is_one_phase_laid_out_at_init(monkeypatch):
-    """Defect 7: with layer phases the arena laid out at init is the largest phase the job will use
-    (the phases every rank computes), and the first update finds it laid out."""
-    pytest.importorskip("vllm")
-    from weightsync.plan.phases import layer_phases
-
-    model = _engine_left_no_room(staging_fits=4 << 20)
-    staged: list = []
-    budget = 1 << 18
-    with device_port.use(model):
-        backend = _vllm_backend(monkeypatch, staged)
-        try:
-            backend.init_transfer_engine(backend.parse_init_info(  # type: ignore[attr-defined]
-                _init_info(layer_phases=True, max_bucket_bytes=budget)))
-            (engine,) = staged
-            phases = layer_phases(engine.layout().canonical, budget_bytes=budget)
-            laid_out = model.peak
-            assert 0 < laid_out <= 4 << 20 and engine.staging_bytes == laid_out
-            engine.use_phases(phases)  # what the reader does at the first update
-            assert model.peak == laid_out and engine.staging_bytes == laid_out
-        finally:
-            backend.shutdown()  # type: ignore[attr-defined]
 
 
 def test_sglang_staging_that_does_not_fit_is_refused_when_the_adapter_is_built():
@@ -314,3 +277,38 @@ def test_an_ipc_reader_context_on_the_writer_gpu_is_refused_with_its_figure(tmp_
     roomy = DeviceModel(budget=2602496 + context, context=context)
     result = run_pair("shm", tmp_path / "roomy", model=roomy, timeout=5.0)
     assert result.errors == [] and result.bad == [] and roomy.reserved == {"engine0's context on cpu": context}
+
+
+@pytest.mark.parametrize(("processes", "reattach"), [(("trainer", "engine"), False), (("trainer", "engine"), True),
+                                                     (None, False)],
+                         ids=["two-readers", "re-attached-in-an-epoch", "in-the-writers-process"])
+def test_cuda_ipc_slots_are_freed_once_every_reader_let_go(tmp_path, processes, reattach):
+    """Issue 39, defect 1: torch counts each share's consumers (a counter that starts at 1 and each
+    consumer's free decrements; the exporter's block stays allocated while it is above 0, read as
+    unsigned). The writer shared its slots once and both readers opened that share (-1: never
+    freed), a reader in the writer's process never opened it (1: never freed), and a reader that
+    attached again in its epoch opened it twice. Across an epoch change the trainer's memory now
+    returns to one set of slots, and nothing leaks once everyone closed."""
+    model = DeviceModel(seed=9)
+    result = run_pair("shm", tmp_path, model=model, processes=processes, target="vllm:tp=1,replicas=2",
+                      versions=(1, 2, 3, 4, 5, 6), epoch_of=lambda v: 0 if v <= 3 else 1, reattach=reattach)
+    assert result.errors == [] and result.bad == [] and len(result.received) == 12
+    assert model.violations == [] and model.leaks() == []
+    assert result.used[-1] == result.used[0] and model.used == 0
+
+
+def test_routed_layer_phases_over_host_memory_are_refused_where_readers_cannot_stream(monkeypatch):
+    """Issue 39, defect 2: on a CPU that does not keep store order, host-memory shm readers wait for
+    whole slots, which the routed transport's per-phase torch route would never let the writer
+    seal: refused, naming the CPU and the settings, instead of a hang. Device memory (published
+    per phase after a synchronise) and single-phase jobs are fine."""
+    from weightsync.transport.routed.transport import check_host_phases
+    from weightsync.transport.shm import snapshot as shm_snapshot
+
+    monkeypatch.setattr(shm_snapshot, "_ORDERED_STORES", False)
+    with pytest.raises(ValueError, match=r"layer_phases with the routed transport on host memory needs a CPU that "
+                                         r"keeps store order \(x86-64\).*layer_phases=False, or transport 'torch'"):
+        check_host_phases("cpu", 3)
+    check_host_phases("cpu", 1)
+    with device_port.use(DeviceModel()):  # "cpu" is device memory under the model
+        check_host_phases("cpu", 3)

@@ -33,7 +33,7 @@ from weightsync.ports.device import DeviceMemoryError, TorchDevices
 from weightsync.tools.codecs.delta import Kind
 from weightsync.tools.codecs.delta_device import DEVICE_CODEC, HOST_CODEC, DeviceCodec, HostCodec, codec_for
 from weightsync.transport import TransportContext, TransportError, TransportOptions
-from weightsync.transport.torch.nccl import NcclTransport
+from weightsync.transport.torch.nccl import NcclTransport, nccl_device_bytes
 from weightsync.transport.torch.nccl_comm import P2P
 
 # -- the codec -------------------------------------------------------------------------------------
@@ -211,6 +211,9 @@ class ModelNccl(NcclTransport):
     send_stream: str | None = None
 
     def _form_group(self, epoch: int, deadline: Any) -> Any:
+        # NCCL allocates its connection buffers outside torch as the communicator connects
+        peers = self.ctx.num_readers if self.ctx.role == "writer" else self.ctx.num_writers
+        self.wire.model.reserve(nccl_device_bytes(peers), f"{self.ctx.who}'s NCCL buffers")
         comm = FakeComm(self.wire, self.ctx.global_rank)
         comm.send_stream = self.send_stream
         return comm
@@ -384,13 +387,34 @@ def test_a_staging_buffer_refilled_while_nccl_still_reads_it_is_caught(tmp_path,
 def test_copies_that_do_not_fit_the_device_are_refused_at_prepare(tmp_path):
     """The writer's copy of what it sent lives on its GPU: with a budget too small for it,
     ``prepare`` refuses with the figure and the setting, before anything is sent."""
-    model = DeviceModel(budget=64 << 10)
+    model = DeviceModel(budget=nccl_device_bytes(1) + (64 << 10))
     layout = WRITERS[0]
     tensors = as_tensors(cut_shards(layout, values_at(1)), layout)
     with device_port.use(model), pytest.raises(DeviceMemoryError, match=(
             r"writer 0's delta copies of the bytes it sends \(one per reader it sends to\) and staging needs "
             r".* on cpu, and only .* of it is free: set delta_anchor_every=0")):
         t = make("writer", tmp_path, Wire(model), delta_anchor_every=2)
+        t.prepare(build_local_plan(WRITERS, READERS, role="writer", rank=0), tensors, epoch=0, timeout=5)
+    t.close()
+
+
+@pytest.mark.parametrize("short", ["communicator", "staging"])
+def test_nccls_buffers_and_the_staging_that_do_not_fit_are_refused_at_prepare(tmp_path, short):
+    """Issue 39, defect 5: NCCL allocates its connection buffers outside torch when the
+    communicator connects, and the transport's staging buffers came lazily, in the middle of a
+    version: neither was accounted. Both are checked at prepare, with the figure."""
+    from weightsync.transport.torch.nccl import NCCL_COMM_BYTES
+
+    lanes = 1  # one reader: one lane of staged messages
+    budget = NCCL_COMM_BYTES if short == "communicator" else nccl_device_bytes(1) + 1024
+    model = DeviceModel(budget=budget)
+    layout = WRITERS[0]
+    tensors = as_tensors(cut_shards(layout, values_at(1)), layout)
+    what = (r"writer 0's NCCL communicator \(connection buffers for 1 peer\(s\), allocated by NCCL outside torch\) "
+            r"needs .* of it is free: leave it free on this GPU" if short == "communicator" else
+            rf"writer 0's NCCL staging \({lanes} x .* MiB\) needs .* of it is free: a smaller max_bucket_bytes")
+    with device_port.use(model), pytest.raises(DeviceMemoryError, match=what):
+        t = make("writer", tmp_path, Wire(model))
         t.prepare(build_local_plan(WRITERS, READERS, role="writer", rank=0), tensors, epoch=0, timeout=5)
     t.close()
 

@@ -84,6 +84,12 @@ class DemoSpec:
     #: the reader rank that SIGKILLs itself as it starts receiving the last version (-1: none);
     #: its writers must fail that version within FAULT_SECONDS naming it, and exit cleanly
     kill_reader: int = -1
+    #: how ``kill_reader`` fails: "kill" (SIGKILL: it dies) or "stop" (SIGSTOP: it hangs, alive,
+    #: until the demo kills it at the end)
+    fault: str = "kill"
+    #: reader 0 moves the job to a new epoch after this version (-1: never), as a failure would:
+    #: every transport connection is formed again for the next version
+    new_epoch_at: int = -1
     #: every rank in one process, a thread each: a trainer and an engine sharing a process
     same_process: bool = False
 
@@ -106,6 +112,8 @@ class WriterStep:
     nbytes: int
     phases: dict[str, float]
     train_seconds: float
+    #: device memory torch's allocator holds for this process after the write (GPU writers)
+    device_bytes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,7 +221,7 @@ def run_writer(spec: DemoSpec, rank: int) -> None:
                 _emit(WriterFailed(rank=rank, version=step, error=f"{type(exc).__name__}: {exc}", at=time.time()))
                 break
             _emit(WriterStep(rank=rank, version=step, nbytes=result.nbytes, phases=result.phases,
-                             train_seconds=train_seconds))
+                             train_seconds=train_seconds, device_bytes=_device_bytes(spec.device("writer", rank))))
 
 
 def run_reader(spec: DemoSpec, rank: int) -> None:
@@ -229,8 +237,10 @@ def run_reader(spec: DemoSpec, rank: int) -> None:
     with WeightReader(engine, rank=rank, config=config) as reader:
         for step in range(spec.steps):
             if rank == spec.kill_reader and step == spec.steps - 1:
-                _die_receiving(reader, rank, step)
+                _die_receiving(reader, rank, step, signal.SIGSTOP if spec.fault == "stop" else signal.SIGKILL)
             result = reader.update(timeout=spec.timeout)
+            if rank == 0 and step == spec.new_epoch_at:
+                reader.session.channel.advance_epoch(reader.session.channel.current_epoch())
             report = verify_rank(engine.layout(), engine.tensors,
                                  os.path.join(spec.checkpoints, f"step{result.version}"))
             in_place = all(t.data_ptr() == pointers[n] for n, t in engine.tensors.items())
@@ -240,16 +250,27 @@ def run_reader(spec: DemoSpec, rank: int) -> None:
                              num_phases=planned.num_phases if (planned := reader.session.planned) else 1))
 
 
-def _die_receiving(reader: Any, rank: int, version: int) -> None:
-    """SIGKILL this process as its transport starts receiving ``version`` (its writers are
-    sending): a peer dying mid-transfer, as a crashed engine does."""
+def _device_bytes(device: str) -> int:
+    """What torch's allocator holds on a CUDA ``device`` once the CUDA IPC blocks readers let go
+    of are collected (``torch.cuda.ipc_collect``); 0 for host memory."""
+    if not device.startswith("cuda"):
+        return 0
+    import torch
+
+    torch.cuda.ipc_collect()
+    return int(torch.cuda.memory_allocated(torch.device(device)))
+
+
+def _die_receiving(reader: Any, rank: int, version: int, how: int = signal.SIGKILL) -> None:
+    """SIGKILL (or SIGSTOP: ``how``) this process as its transport starts receiving ``version``
+    (its writers are sending): a peer dying, or hanging, mid-transfer, as a crashed engine does."""
     transport = reader.session.planned.transport
     receive = transport.receive
 
     def dying(v: int, *args: Any, **kwargs: Any) -> Any:
         if v >= version:
             _emit(ReaderKilled(rank=rank, version=v, at=time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), how)
         return receive(v, *args, **kwargs)
 
     transport.receive = dying
@@ -326,7 +347,7 @@ def run_demo(*, size: str = "small", source: str = "megatron:tp=2", target: str 
              devices: dict[str, list[str]] | None = None, delta_anchor_every: int = 0, nixl_mode: str = "auto",
              layer_phases: bool = False, hosts: dict[str, list[str]] | None = None,
              env: dict[str, dict[str, str]] | None = None, kill_reader: int = -1,
-             same_process: bool = False) -> DemoResult:
+             same_process: bool = False, fault: str = "kill", new_epoch_at: int = -1) -> DemoResult:
     """Run the demo (see module docstring); a failure is in the result, never raised.
 
     ``weightsync doctor`` runs its GPU checks through these options (each a :class:`DemoSpec`
@@ -338,6 +359,10 @@ def run_demo(*, size: str = "small", source: str = "megatron:tp=2", target: str 
     ``write`` of it raised within :data:`FAULT_SECONDS` naming that reader and the writer
     exited cleanly (``writer_errors``), and every earlier version arrived bitwise.
     ``same_process`` runs every rank in one process, a thread each (CUDA IPC's in-process path).
+    ``fault="stop"`` SIGSTOPs ``kill_reader`` instead (a hung peer: its writers must fail in time
+    the same way; the demo kills it at the end). ``new_epoch_at``: reader 0 moves the job to a
+    new epoch after that version (``WriterStep.device_bytes`` then shows the trainer's GPU
+    memory coming back to one set of CUDA IPC slots).
 
     Raises:
         ValueError: an unknown size, layouts the model does not fit, settings the job refuses
@@ -354,6 +379,8 @@ def run_demo(*, size: str = "small", source: str = "megatron:tp=2", target: str 
     dst.validate(spec_model)
     counts = {"writer": src.world_size, "reader": dst.world_size}
     _check_options(counts, steps=steps, devices=devices, hosts=hosts, env=env, kill_reader=kill_reader)
+    if fault not in ("kill", "stop"):
+        raise ValueError(f"run_demo fault={fault!r}: 'kill' or 'stop'")
     if same_process and (env or kill_reader != -1):
         raise ValueError(f"run_demo same_process=True with env={env!r}, kill_reader={kill_reader}: ranks in one "
                          "process share its environment and its death; use separate processes for those")
@@ -362,7 +389,8 @@ def run_demo(*, size: str = "small", source: str = "megatron:tp=2", target: str 
                         num_readers=dst.world_size, steps=steps, transport=transport, checkpoints=tmp,
                         max_bucket_bytes=max_bucket_bytes, timeout=timeout, devices=devices or {},
                         delta_anchor_every=delta_anchor_every, nixl_mode=nixl_mode, layer_phases=layer_phases,
-                        hosts=hosts or {}, env=env or {}, kill_reader=kill_reader, same_process=same_process)
+                        hosts=hosts or {}, env=env or {}, kill_reader=kill_reader, same_process=same_process,
+                        fault=fault, new_epoch_at=new_epoch_at)
         _job_config(spec)  # the job's own refusals (e.g. nixl_mode without NIXL), here rather than in each worker
         base = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
                 "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -374,7 +402,8 @@ def run_demo(*, size: str = "small", source: str = "megatron:tp=2", target: str 
                 procs.append((role, rank, subprocess.Popen(cmd, env={**base, **spec.env.get(role, {})},
                                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                            text=True)))
-        records, failures = _collect(procs, deadline=Deadline.after(timeout * (steps + 2)), killed=kill_reader)
+        records, failures = _collect(procs, deadline=Deadline.after(timeout * (steps + 2)), killed=kill_reader,
+                                     stopped=fault == "stop")
     writers = [s for s in records if isinstance(s, WriterStep)]
     readers = [s for s in records if isinstance(s, ReaderStep)]
     killed = [s for s in records if isinstance(s, ReaderKilled)]
@@ -431,11 +460,13 @@ def _fault_failures(spec: DemoSpec, killed: list[ReaderKilled], errors: list[Wri
     return out
 
 
-def _collect(procs: list[tuple[str, int, subprocess.Popen[str]]], deadline: Deadline, killed: int = -1
-             ) -> tuple[list[Record], list[str]]:
+def _collect(procs: list[tuple[str, int, subprocess.Popen[str]]], deadline: Deadline, killed: int = -1,
+             stopped: bool = False) -> tuple[list[Record], list[str]]:
     steps: list[Record] = []
     failures: list[str] = []
-    for role, rank, proc in procs:
+    for role, rank, proc in procs:  # writers first: a stopped reader is killed once they ended
+        if stopped and (role, rank) == ("reader", killed):
+            proc.kill()
         try:
             out, err = proc.communicate(timeout=deadline.remaining(1.0))
         except subprocess.TimeoutExpired:

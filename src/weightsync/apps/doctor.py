@@ -37,7 +37,11 @@ Checks (skipped with the reason when the hardware or a package is missing):
 * ``engine/vllm-memory``: vLLM on a GPU at a real ``gpu_memory_utilization``; an update's
   peak device memory against the reserve weightsync laid out (``--engines``, vLLM's GPU build);
 * ``engine/vllm``, ``engine/sglang``: an update of a live engine through weightsync
-  (``--engines``; they start an engine, which takes a minute on its own).
+  (``--engines``; they start an engine, which takes a minute on its own);
+* what users run (:mod:`weightsync.apps.doctor_workloads`): CUDA IPC readers across an epoch change,
+  a SIGSTOPped peer, and the vLLM worker backend with CUDA graphs and bf16, at
+  ``gpu_memory_utilization=0.9``, with data parallel 2, prefetching, and a trainer killed
+  mid-update. Each check's measurements are in ``Check.figures`` (``--report``).
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ class Check:
     detail: str = ""
     seconds: float = 0.0
     gbps: float | None = None
+    #: the check's measurements (bytes, seconds, ratios), recorded by ``--report``
+    figures: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -489,6 +495,21 @@ CHECKS: dict[str, Callable[[Environment, DoctorOptions], Check]] = {
     "engine/vllm": _engine("vllm"),
     "engine/sglang": _engine("sglang"),
 }
+
+
+def _workload(name: str) -> Callable[[Environment, DoctorOptions], Check]:
+    """A check of what users run (:mod:`weightsync.apps.doctor_workloads`), as a line of the table."""
+    def check(env: Environment, options: DoctorOptions) -> Check:
+        from weightsync.apps.doctor_workloads import WORKLOADS
+
+        status, detail, figures = WORKLOADS[name](env, options)
+        return Check("", status, detail, figures=figures)
+    return check
+
+
+CHECKS.update({name: _workload(name) for name in (
+    "gpu/cuda-ipc-readers-epochs", "gpu/stopped-peer", "engine/vllm-graphs", "engine/vllm-utilization",
+    "engine/vllm-dp2", "engine/vllm-prefetch", "engine/vllm-failure")})
 
 
 def run_checks(options: DoctorOptions, *, on_check: Callable[[Check], None] | None = None) -> DoctorReport:

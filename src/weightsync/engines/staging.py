@@ -84,6 +84,8 @@ class StagedWeights:
         self._loading: int | None = None  # the version whose load is open (between phases)
         #: checkpoint tensors received straight into the engine's own parameters (no staging)
         self._direct: dict[str, torch.Tensor] = {}
+        #: device memory reserved for the arena before the engine sized its cache (adopt_reserve)
+        self._reserve: torch.Tensor | None = None
 
     # -- InferenceEngine ----------------------------------------------------------------------
     def layout(self) -> RankLayout:
@@ -142,12 +144,20 @@ class StagedWeights:
 
         self.use_phases(phases_of(self._layout.canonical, budget_bytes=budget_bytes) if layer_phases else None)
 
-    def use_phases(self, phases: tuple[tuple[str, ...], ...] | None) -> None:
-        """Lay the buffers out for ``phases`` of canonical tensors (None: the whole model at once)."""
+    def arena_bytes(self, phases: tuple[tuple[str, ...], ...] | None) -> int:
+        """The staging arena :meth:`use_phases` lays out for ``phases``, in bytes (nothing allocated)."""
+        return self._arrange(phases)[3]
+
+    def adopt_reserve(self, reserve: torch.Tensor | None) -> None:
+        """Lay the arena out in ``reserve`` (device memory taken before the engine sized its KV
+        cache), if it is large enough; else it is freed and the arena allocated anew."""
+        self._reserve = reserve
+
+    def _arrange(self, phases: tuple[tuple[str, ...], ...] | None) -> tuple[
+            tuple[tuple[str, ...], ...], list[list[Shard]], dict[str, int], int]:
+        """(the phases laid out, each phase's staged shards, each shard's offset, the arena's bytes)."""
         everything = (tuple(self._layout.canonical),)
         wanted = phases if phases and self.loads_in_phases else everything
-        if wanted == self._phases:
-            return
         phase_of = {name: i for i, names in enumerate(wanted) for name in names}
         by_phase: list[list[Shard]] = [[] for _ in wanted]
         for shard in self._layout.shards:
@@ -165,15 +175,28 @@ class StagedWeights:
                 offsets[shard.name] = at
                 at += -(-shard.nbytes // _ALIGN) * _ALIGN
             size = max(size, at)
+        return wanted, by_phase, offsets, max(size, _ALIGN)
+
+    def use_phases(self, phases: tuple[tuple[str, ...], ...] | None) -> None:
+        """Lay the buffers out for ``phases`` of canonical tensors (None: the whole model at once)."""
+        wanted, by_phase, offsets, size = self._arrange(phases)
+        if wanted == self._phases:
+            return
         self._arena = None
         self._buffers = {}
-        arena = device_port.allocate(
-            self.dev, max(size, _ALIGN), self._device, what="the engine's staging arena",
-            fix="leave the engine room for it (vLLM: a lower gpu_memory_utilization, or kv_cache_memory_bytes; "
-                "SGLang: a lower mem_fraction_static)"
-                + (", or stage one phase of layers at a time (SyncConfig(layer_phases=True))"
-                   if self.loads_in_phases and len(wanted) == 1 else ""),
-        ).zero_()
+        reserve, self._reserve = self._reserve, None
+        if reserve is not None and reserve.numel() >= size:
+            arena = reserve[:size].zero_()
+        else:
+            del reserve  # freed first: its memory serves the allocation below
+            arena = device_port.allocate(
+                self.dev, size, self._device, what="the engine's staging arena",
+                fix="leave the engine room for it (vLLM: a lower gpu_memory_utilization, or kv_cache_memory_bytes, or "
+                    "the job's layer_phases and max_bucket_bytes in additional_config={'weightsync': {...}}, which "
+                    "reserves staging before the KV cache is sized; SGLang: a lower mem_fraction_static)"
+                    + (", or stage one phase of layers at a time (SyncConfig(layer_phases=True))"
+                       if self.loads_in_phases and len(wanted) == 1 else ""),
+            ).zero_()
         for shard in self._layout.shards:
             if shard.name in self._direct:
                 self._buffers[shard.name] = self._direct[shard.name]

@@ -42,15 +42,25 @@ def tensor_rank(vllm_config: Any) -> tuple[int, int]:
     return tp, int(get_tensor_model_parallel_rank())
 
 
+def replica_index(parallel_config: Any) -> int:
+    """This worker's data-parallel replica ``d``: ``data_parallel_index``, as vLLM's own NCCL
+    weight-transfer backend counts replicas. Not ``data_parallel_rank``: vLLM resets it to 0 (and
+    ``data_parallel_size`` to 1) in each replica of a dense model
+    (``ParallelConfig.reconfigure_for_independent_dp_rank``) and keeps the index; elsewhere the
+    two are equal (``ParallelConfig.__post_init__``)."""
+    return int(getattr(parallel_config, "data_parallel_index", parallel_config.data_parallel_rank))
+
+
 def worker_index(vllm_config: Any) -> int:
     """This worker's place among its engine's readers: ``d * T + t`` for TP rank ``t`` of DP
-    replica ``d`` (each DP replica's workers follow the previous replica's)."""
+    replica ``d`` (:func:`replica_index`; each DP replica's workers follow the previous replica's)."""
     tp, t = tensor_rank(vllm_config)
-    return int(vllm_config.parallel_config.data_parallel_rank) * tp + t
+    return replica_index(vllm_config.parallel_config) * tp + t
 
 
 def workers_per_engine(vllm_config: Any) -> int:
-    """How many weightsync readers an engine of this configuration is: one per worker."""
+    """How many weightsync readers an engine of this configuration is: one per worker (as this
+    worker sees it: a replica of a dense DP engine counts its own TP workers only)."""
     parallel = vllm_config.parallel_config
     return int(parallel.tensor_parallel_size) * int(parallel.data_parallel_size)
 

@@ -66,9 +66,10 @@ from weightsync.engines.vllm import (
     staging_quant,
 )
 from weightsync.engines.vllm_lora import WorkerLoraEngine
-from weightsync.engines.vllm_parallel import worker_index, worker_reads, workers_per_engine
+from weightsync.engines.vllm_parallel import replica_index, worker_index, worker_reads, workers_per_engine
 from weightsync.integrations import vllm_step_trace
 from weightsync.layout.lora import LoraSpec
+from weightsync.ports import device as device_port
 from weightsync.roles.reader import Prefetch, UpdateResult, WeightReader
 from weightsync.session.config import SyncConfig, check_value, from_fields, job_config, with_job_settings
 
@@ -86,6 +87,8 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     (:meth:`from_wire`), and an error names it.
     """
 
+    #: This engine's first reader rank; TP rank t of data-parallel replica d is reader
+    #: ``rank + d * TP + t`` (:func:`reader_rank`), so ``num_readers`` counts every worker.
     rank: int = 0
     #: Empty: read WEIGHTSYNC_META_ADDR / WEIGHTSYNC_META_TOKEN from the worker's environment.
     meta_address: str = ""
@@ -194,19 +197,82 @@ class _WorkerEngine(StagedWeights):
                              f"{self._version}, and the drafter is updated with the target, not alone")
 
 
+def staging_settings(vllm_config: Any) -> tuple[bool, int]:
+    """``(layer_phases, max_bucket_bytes)`` of the job, as the engine declares them before it starts:
+    vLLM's ``additional_config={"weightsync": {"layer_phases": ..., "max_bucket_bytes": ...}}``
+    (``--additional-config`` for ``vllm serve``); undeclared: the whole model at once.
+
+    Raises:
+        ValueError: a malformed declaration, naming it.
+    """
+    extra = getattr(vllm_config, "additional_config", None)
+    declared = extra.get("weightsync", {}) if isinstance(extra, dict) else {}
+    if not isinstance(declared, dict) or set(declared) - {"layer_phases", "max_bucket_bytes"}:
+        raise ValueError("vLLM's additional_config['weightsync'] takes layer_phases and max_bucket_bytes (the job's "
+                         f"settings, to reserve staging for before the KV cache is sized), got {declared!r}")
+    default = SyncConfig(num_writers=1, num_readers=1).transport_options.max_bucket_bytes
+    phases, budget = declared.get("layer_phases", False), declared.get("max_bucket_bytes", default)
+    check_value(phases, bool, "additional_config['weightsync']['layer_phases']")
+    check_value(budget, int, "additional_config['weightsync']['max_bucket_bytes']")
+    return phases, budget
+
+
+def _staging_template(vllm_config: Any, device: torch.device) -> StagedWeights | None:
+    """The staging this engine's worker will lay out, unallocated (None: it takes LoRA adapters)."""
+    if vllm_config.lora_config is not None:
+        return None
+    mtp = runs_mtp(vllm_config)
+    return StagedWeights(spec_of(vllm_config, mtp=mtp), dtype=vllm_config.model_config.dtype, device=device, rank=0,
+                         quant=staging_quant(vllm_config))
+
+
+def reserve_staging(vllm_config: Any, device: torch.device) -> torch.Tensor | None:
+    """Device memory for the staging arena, taken while vLLM's worker builds this backend
+    (``Worker.load_model``), before ``determine_available_memory`` sizes the KV cache: vLLM
+    counts everything the worker holds by then against ``gpu_memory_utilization``, so staging
+    comes out of the KV cache instead of the memory vLLM leaves outside it (a tenth of the GPU
+    at the default 0.9, less than many models' staging). Its size follows the job's phases as
+    the engine declares them (:func:`staging_settings`); the whole model when undeclared. None
+    for host memory (vLLM's CPU build sizes its KV cache by setting, not by measuring)."""
+    dev = device_port.current()
+    template = _staging_template(vllm_config, device) if dev.is_gpu(device) else None
+    if template is None:
+        return None
+    from weightsync.plan.phases import layer_phases
+
+    phased, budget = staging_settings(vllm_config)
+    phases = layer_phases(template.layout().canonical, budget_bytes=budget) if phased else None
+    nbytes = template.arena_bytes(phases)
+    return device_port.allocate(dev, nbytes, device, what="weightsync's staging reserve",
+                                fix="lower gpu_memory_utilization so that the model and its staging fit, or "
+                                    "declare layer_phases in additional_config={'weightsync': {...}}")
+
+
 def reader_rank(first: int, num_readers: int, vllm_config: Any) -> int:
     """This worker's weightsync reader rank: the engine's first (``WeightSyncInitInfo.rank``) plus
     the worker's place in the engine, ``d * TP + t`` (:func:`~weightsync.engines.vllm_parallel.worker_index`).
 
+    vLLM sends every worker of every DP replica ``init_weight_transfer_engine`` with one init
+    info, so the rank cannot come from it alone; ``d`` is the replica's ``data_parallel_index``
+    (:func:`~weightsync.engines.vllm_parallel.replica_index`), which a dense replica keeps when
+    vLLM resets its ``data_parallel_rank`` to 0.
+
     Raises:
-        ValueError: the engine's workers do not fit below ``num_readers``.
+        ValueError: the engine's workers, or this worker, do not fit below ``num_readers``.
     """
     workers = workers_per_engine(vllm_config)
     if first + workers > num_readers:
         raise ValueError(f"this engine has {workers} workers (TP x DP), each a weightsync reader, from reader rank "
                          f"{first}: num_readers={num_readers} must be at least {first + workers} (the trainer side: "
                          "WeightSyncTrainerInitInfo.num_readers)")
-    return first + worker_index(vllm_config)
+    mine = first + worker_index(vllm_config)
+    if mine >= num_readers:  # a dense DP replica sees DP=1: only its own rank tells
+        replica = replica_index(vllm_config.parallel_config)
+        raise ValueError(f"data-parallel replica {replica} of this engine would be reader {mine} "
+                         f"(WeightSyncInitInfo.rank={first} + replica x TP + TP rank), and the job has num_readers="
+                         f"{num_readers}: count every worker of every replica of every engine in num_readers, and "
+                         "give each engine the rank of its first worker")
+    return mine
 
 
 def _creator_drafter(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -256,6 +322,8 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self._drafter = _creator_drafter(model) if runs_mtp(vllm_config) else None
         #: the bench's timestamps of forwards and of these calls (None unless it asks: vllm_step_trace)
         self._trace = vllm_step_trace.install(model)
+        #: staging memory taken now, before vLLM sizes its KV cache (laid out at init)
+        self._reserve = reserve_staging(vllm_config, device)
 
     def _span(self, call: str) -> Any:
         return self._trace.span(call) if self._trace is not None else contextlib.nullcontext()
@@ -288,9 +356,11 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             engine = self._worker = _WorkerEngine(self._default_model, self.vllm_config, self.device, rank,
                                                   config.num_readers, in_place=not init_info.prefetch,
                                                   draft=self._drafter)
-            # Staging is allocated now, not at the first update: vLLM sized its KV cache when it
-            # started (before this call brings the job's phases), so what does not fit in what it
-            # left is refused here, with the figure, never inside a sync.
+            # Staging is laid out now, not at the first update, in the memory reserved before vLLM
+            # sized its KV cache (reserve_staging); what does not fit in it is allocated from what
+            # vLLM left, or refused here with the figure, never inside a sync.
+            engine.adopt_reserve(self._reserve)
+            self._reserve = None
             engine.lay_out(layer_phases=config.layer_phases,
                            budget_bytes=config.transport_options.max_bucket_bytes)
         # unreachable for the job's timeout is an error, as any other wait of the job
@@ -347,6 +417,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         pass
 
     def shutdown(self) -> None:
+        self._reserve = None
         if self.prefetch is not None:
             self.prefetch.close()
             self.prefetch = None

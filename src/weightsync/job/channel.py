@@ -147,7 +147,7 @@ class JobChannel:
 
     # -- membership ---------------------------------------------------------------------------
     def register(self, *, host: str, group: str, layout: bytes, device: str = "cpu", gpu: str = "",
-                 settings: str = "", lease: float = 0.0) -> bool:
+                 settings: str = "", lease: float = 0.0, sees: tuple[str, ...] = ()) -> bool:
         """Register this rank: its node, the device of its tensors (and that GPU's UUID, the identity
         other processes can compare), its layout blob and the job
         settings it runs with (compared across ranks, see :meth:`check_settings`).
@@ -169,7 +169,7 @@ class JobChannel:
             took_over = self.meta.acquire_lease(self.role, self.rank, incarnation=self.incarnation, ttl=lease,
                                                 pid=os.getpid(), host=host, wait=lease + 1.0)
         restarted = took_over or any(p.rank == self.rank for p in self.meta.participants(self.role))
-        me = Member(self.role, self.rank, host, layout, device, gpu, settings or None)
+        me = Member(self.role, self.rank, host, layout, device, gpu, settings or None, sees)
         self.meta.register(Participant(role=self.role, rank=self.rank, group=group, host=host,
                                        endpoints=me.endpoints(), layout=layout))
         return restarted

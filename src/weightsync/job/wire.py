@@ -115,6 +115,8 @@ class Member:
         gpu: that GPU's UUID (empty on CPU): the identity other processes can compare.
         settings: the job settings it runs with (``SyncConfig.settings()``), compared across
             ranks; None when it declared none (a rank registered by hand).
+        sees: the UUIDs of every GPU its process sees (CUDA IPC opens a writer's memory on the
+            writer's GPU, which the reader must see); empty when unknown.
     """
 
     role: Role
@@ -124,6 +126,7 @@ class Member:
     device: str = "cpu"
     gpu: str = ""
     settings: str | None = None
+    sees: tuple[str, ...] = ()
 
     def endpoints(self) -> dict[str, str]:
         """The registration's endpoints map, where the meta server keeps these (only what is set)."""
@@ -132,12 +135,15 @@ class Member:
             out["gpu"] = self.gpu
         if self.settings is not None:
             out["settings"] = self.settings
+        if self.sees:
+            out["sees"] = ",".join(self.sees)
         return out
 
     @classmethod
     def from_participant(cls, p: Participant) -> Member:
+        sees = p.endpoints.get("sees", "")
         return cls(p.role, p.rank, p.host, p.layout, p.endpoints.get("device", "cpu"),  # type: ignore[arg-type]
-                   p.endpoints.get("gpu", ""), p.endpoints.get("settings"))
+                   p.endpoints.get("gpu", ""), p.endpoints.get("settings"), tuple(sees.split(",")) if sees else ())
 
     @property
     def who(self) -> str:

@@ -18,6 +18,11 @@ Only after the live apply does the reader report the version applied to the meta
 so a writer's staleness bound (``SyncConfig.staleness``) counts versions the engine really
 serves. A transfer that fails leaves the live weights untouched at their (valid) version.
 
+**Streams.** The background thread receives on a stream of its own: on the default stream,
+which it would share with the engine's forward, every step would queue behind the transfer.
+The copy into the live buffers, on the serving thread's stream, is ordered after the receive
+by an event, and the next receive into staging after that copy by another.
+
 **Memory.** One staging copy of this reader's receive buffers: exactly the bytes of its
 shards (:attr:`InflightReader.extra_bytes`), whatever the number of versions in flight,
 because the background thread receives the next version only after the previous one was
@@ -35,6 +40,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from weightsync.clock.deadline import Deadline
+from weightsync.ports import device as device_port
 from weightsync.roles.reader import UpdateResult, WeightReader
 from weightsync.session.sync_session import SyncConfig, SyncError
 
@@ -67,6 +73,10 @@ class _StagingEngine:
         self.ready: int | None = None  # staged, waiting for a step boundary
         self.closed = False
         self._version: int | None = None
+        self.dev = device_port.current()
+        self.device = str(next(iter(self.buffers.values())).device) if self.buffers else "cpu"
+        self.received_at: Any = None  # an event after the staged version's receive, on its stream
+        self.copied_at: Any = None  # an event after the live copy out of staging, on the serving stream
 
     # -- InferenceEngine ------------------------------------------------------------------
     def layout(self) -> RankLayout:
@@ -82,6 +92,7 @@ class _StagingEngine:
         """Hand ``version`` to the serving thread and wait until it is live."""
         deadline = Deadline.after(self.timeout)
         with self.cond:
+            self.received_at = self.dev.record(self.device)  # on the receiving thread's stream
             self.ready = version
             self.cond.notify_all()
             while self.ready is not None and not self.closed:
@@ -151,13 +162,19 @@ class InflightReader:
         return self
 
     def _pull(self) -> None:
-        reader = self.reader
+        staging = self._staging
+        with staging.dev.on_stream(staging.dev.new_stream(staging.device)):
+            self._pull_versions()
+
+    def _pull_versions(self) -> None:
+        reader, staging = self.reader, self._staging
         try:
             reader.session.register()  # writers plan (and publish) only once every reader registered
         except BaseException as exc:
             self.error = exc
             return
         while not self._stop.is_set():
+            staging.dev.order_after(staging.copied_at, staging.device)  # the last live copy read staging
             # Wait in short polls (so close() is prompt), then transfer under the full timeout.
             floor = max(x for x in (self._staging.weight_version, reader.last_failed, -1) if x is not None)
             try:
@@ -196,9 +213,11 @@ class InflightReader:
             if version is None:
                 return None
             t0 = time.perf_counter()
+            staging.dev.order_after(staging.received_at, staging.device)
             with torch.no_grad():
                 for name, live in self._live.items():
-                    live.copy_(staging.buffers[name])
+                    staging.dev.copy(live, staging.buffers[name])
+            staging.copied_at = staging.dev.record(staging.device)
             self.engine.apply(version)
             self.last_pause = time.perf_counter() - t0
             staging.ready = None

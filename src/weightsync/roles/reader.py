@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from weightsync.clock.deadline import Deadline
 from weightsync.job.channel import PublishedVersion
+from weightsync.ports import device as device_port
 from weightsync.session.sync_session import SyncConfig, SyncError, SyncResult, SyncSession, device_of, state_lost
 from weightsync.transport import TransportError
 
@@ -292,6 +293,12 @@ class Prefetch:
     loads each phase into the model as it arrives, so its transfer cannot overlap generation:
     only the wait for the version could). An engine that receives into its live weights
     overlaps through :class:`~weightsync.roles.inflight.InflightReader` instead, with one more copy.
+
+    **Streams.** The receive runs on a stream of its own (``DevicePort.new_stream``): on torch's
+    current stream, which a background thread shares with the engine's forward (the device's
+    default stream), every decode step would queue behind the whole transfer, and the overlap
+    would be lost on a GPU. The apply, on the caller's stream, is ordered after the receive by
+    an event, and the next receive (into the same staging) after the apply by another.
     """
 
     def __init__(self, reader: WeightReader) -> None:
@@ -310,6 +317,10 @@ class Prefetch:
         self._received: Received | None = None
         self._error: BaseException | None = None
         self._timeout = reader.config.timeout
+        self._dev = device_port.current()
+        self._stream: Any = None  # the receives' own stream (made at the first start)
+        self._received_at: Any = None  # an event after the last receive, on its stream
+        self._applied_at: Any = None  # an event after the last apply, on the caller's stream
 
     @property
     def pending(self) -> bool:
@@ -329,10 +340,18 @@ class Prefetch:
             return
         self._received, self._error = None, None
         self._timeout = timeout if timeout is not None else self.reader.config.timeout
+        device = self.reader.session.device()
+        if self._stream is None:
+            self._stream = self._dev.new_stream(device)
+        applied = self._applied_at
 
         def receive() -> None:
             try:
-                self._received = self.reader.receive(version, timeout=self._timeout)
+                with self._dev.on_stream(self._stream):
+                    self._dev.order_after(applied, device)  # the last apply read the staging we write
+                    received = self.reader.receive(version, timeout=self._timeout)
+                    self._received_at = self._dev.record(device)
+                self._received = received
             except BaseException as exc:  # handed to apply(), in the caller's thread
                 self._error = exc
 
@@ -347,9 +366,14 @@ class Prefetch:
             As :meth:`WeightReader.update`; a failed prefetch raises its own error here.
         """
         received = self._join()
+        device = self.reader.session.device()
         if received is None or (version is not None and received.version < version):
-            return self.reader.update(version, timeout=timeout)
-        return self.reader.apply(received)
+            result = self.reader.update(version, timeout=timeout)
+        else:
+            self._dev.order_after(self._received_at, device)  # the engine's loads come after the receive
+            result = self.reader.apply(received)
+        self._applied_at = self._dev.record(device)
+        return result
 
     def _join(self) -> Received | None:
         thread, self._thread = self._thread, None

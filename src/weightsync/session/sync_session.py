@@ -27,9 +27,10 @@ from weightsync.layout.quant_offers import quantized_sources
 from weightsync.layout.roster import Roster
 from weightsync.layout.wire import LayoutDecoder, encode_descriptor, encode_explicit
 from weightsync.plan import PlanOptions, build_local_plan, layer_phases, split_plan
+from weightsync.ports.device import gpu_identity
 from weightsync.session.combinations import refuse_combinations
 from weightsync.session.config import SyncConfig
-from weightsync.tools.devices import RankPlacement, choose_transport, gpu_identity, tensors_device
+from weightsync.tools.devices import RankPlacement, choose_transport, tensors_device, visible_gpus
 from weightsync.tools.torch_layout import check_tensors
 from weightsync.transport import TransportContext, TransportOptions, create_transport, unavailable_reason
 
@@ -212,7 +213,8 @@ class SyncSession:
         device = self.device()
         restarted = self.channel.register(host=self.host, group=self.config.job, layout=self._layout_blob(),
                                           device=device, gpu=gpu_identity(device), settings=settings,
-                                          lease=self.config.lease_seconds)
+                                          lease=self.config.lease_seconds,
+                                          sees=tuple(visible_gpus()) if device.startswith("cuda") else ())
         self.channel.start_heartbeat()
         self.channel.check_settings(settings)
         if restarted:  # the others' connections do not include this new process: move everyone on
@@ -245,7 +247,7 @@ class SyncSession:
         plan, writers, quantizer = plan_share(writers, readers, role=self.role, rank=self.rank,
                                               options=self.config.plan_options, timings=self.timings)
         self.timings["plan"] = time.perf_counter() - t0  # all of the rank-local work above
-        placements = [RankPlacement(m.role, m.rank, m.host, m.device, m.gpu) for m in people]
+        placements = [RankPlacement(m.role, m.rank, m.host, m.device, m.gpu, m.sees) for m in people]
         unavailable = {n: r for n in ("shm", "nixl", "file") if (r := unavailable_reason(n)) is not None}
         choice = choose_transport(self.config.transport, placements, unavailable=unavailable)
         refuse_combinations(self.config.to_wire(), transport=choice.name, why=choice.reason)

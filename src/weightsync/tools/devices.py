@@ -82,6 +82,8 @@ class RankPlacement:
     node: str
     device: str = "cpu"
     gpu: str = ""
+    #: the GPUs its process sees, by UUID (empty: unknown, as for ranks registered by hand)
+    sees: tuple[str, ...] = ()
 
     @property
     def who(self) -> str:
@@ -121,16 +123,17 @@ def choose_transport(requested: str, placements: Sequence[RankPlacement], *,
                      unavailable: dict[str, str] | None = None) -> TransportChoice:
     """Resolve ``auto`` and refuse a transport that cannot work for these placements.
 
-    * all ranks on one node: ``shm`` (POSIX shared memory on CPU, CUDA IPC on GPU), which is
-      also the only transport for a trainer and an engine sharing one GPU;
-    * ranks on several nodes with some writer and reader on one node: ``routed``
-      (:mod:`weightsync.transport.routed.transport`), i.e. ``shm`` between each writer and reader on one
-      node and ``torch`` between the others, decided per pair by :func:`same_node`;
+    * every writer/reader pair can use shared memory (:func:`shm_pairs`: one node, and on GPU
+      the reader sees the writer's GPU): ``shm`` (POSIX shared memory on CPU, CUDA IPC on GPU),
+      which is also the only transport for a trainer and an engine sharing one GPU;
+    * some pairs can and others cannot (ranks on several nodes, or readers that do not see
+      their writer's GPU, as Ray actors with one GPU each): ``routed``
+      (:mod:`weightsync.transport.routed.transport`), ``shm`` for the pairs that can, ``torch`` for the others;
     * otherwise ``torch`` (gloo on CPU, NCCL on GPU), unless two ranks share a GPU.
 
     Raises:
         ValueError: naming the ranks, when CPU and GPU ranks are mixed, when ``torch`` is
-            asked for ranks sharing one GPU, or ``shm`` for ranks on several nodes.
+            asked for ranks sharing one GPU, or ``shm`` for a pair it cannot reach.
     """
     unavailable = unavailable or {}
     kinds = {parse_device(p.device)[0] for p in placements}
@@ -141,14 +144,19 @@ def choose_transport(requested: str, placements: Sequence[RankPlacement], *,
                          "job must use the same kind of device")
     nodes = {p.node for p in placements}
     same_gpu = gpu_duplicates(placements)
+    reach = shm_pairs(placements)
     if requested == "auto":
-        if len(nodes) == 1 and "shm" not in unavailable:
+        if all(reach.values()) and "shm" not in unavailable:
             why = ("ranks share GPUs (NCCL refuses two ranks on one GPU): CUDA IPC" if same_gpu
                    else "all ranks on one node")
             return TransportChoice("shm", why)
-        requested, reason = "torch", "ranks on several nodes"
-        if "shm" not in unavailable and any(same_node(placements).values()):
-            requested, reason = "routed", "ranks on several nodes: shm between same-node pairs, torch between nodes"
+        several = len(nodes) > 1
+        apart = "ranks on several nodes" if several else "readers that do not see their writer's GPU"
+        requested, reason = "torch", apart
+        if "shm" not in unavailable and any(reach.values()):
+            requested, reason = "routed", (
+                "ranks on several nodes: shm between same-node pairs, torch between nodes" if several else
+                "readers that do not see their writer's GPU: shm between the pairs that do, torch between the others")
     else:
         reason = "requested"
     if requested in unavailable:
@@ -162,7 +170,28 @@ def choose_transport(requested: str, placements: Sequence[RankPlacement], *,
     if requested == "shm" and len(nodes) > 1:
         raise ValueError(f"transport 'shm' needs every rank on one node, but they run on {sorted(nodes)[:4]}: "
                          "use 'torch', 'nixl' or 'auto'")
+    if requested == "shm" and not all(reach.values()):
+        w, r = next(pair for pair, ok in reach.items() if not ok)
+        writer = next(p for p in placements if p.role == "writer" and p.rank == w)
+        reader = next(p for p in placements if p.role == "reader" and p.rank == r)
+        raise ValueError(f"transport 'shm' (CUDA IPC) maps writer {w}'s memory on its GPU {writer.gpu}, which reader "
+                         f"{r} does not see (its process sees {len(reader.sees)} GPU(s): CUDA_VISIBLE_DEVICES, or "
+                         "one GPU per Ray actor): use 'auto' or 'torch', or let the reader see the writer's GPU")
     return TransportChoice(requested, reason)
+
+
+def shm_pairs(placements: Sequence[RankPlacement]) -> dict[tuple[int, int], bool]:
+    """For every (writer rank, reader rank): whether shared memory can move their bytes.
+
+    On one node, host memory always; GPU memory by CUDA IPC, which maps the writer's memory on
+    the *writer's* GPU in the reader's process (:func:`ipc_attach_device`), so the reader must
+    see that GPU: a Ray actor given one GPU sees only its own. Unknown visibility (``sees``
+    empty) is taken as seeing it.
+    """
+    writers = {p.rank: p for p in placements if p.role == "writer"}
+    readers = {p.rank: p for p in placements if p.role == "reader"}
+    return {(w, r): wp.node == rp.node and (not wp.gpu or not rp.sees or wp.gpu in rp.sees)
+            for w, wp in writers.items() for r, rp in readers.items()}
 
 
 def same_node(placements: Sequence[RankPlacement]) -> dict[tuple[int, int], bool]:

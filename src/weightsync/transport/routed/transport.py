@@ -1,10 +1,11 @@
-"""Per-pair routing: shared memory between a writer and a reader on one node, torch between nodes.
+"""Per-pair routing: shared memory between a writer and a reader it reaches, torch between the others.
 
 One job spanning several nodes often has trainers and engines side by side on some of them
 (Ray places actors where resources are free). ``shm`` only reaches ranks on its own node,
 and ``torch`` alone would push same-node bytes through the network stack. The routed
-transport splits this rank's share of the plan by pair, using the node every rank published
-(:func:`weightsync.tools.devices.same_node`), and drives a :class:`SharedMemoryTransport` over the
+transport splits this rank's share of the plan by pair, using the node (and, on GPU, the GPUs)
+every rank published (:func:`weightsync.tools.devices.shm_pairs`: a reader that does not see its
+writer's GPU cannot map it by CUDA IPC), and drives a :class:`SharedMemoryTransport` over the
 same-node ops and a torch transport (gloo on CPU, NCCL on GPU) over the rest, each exactly
 as it runs alone::
 
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import numpy as np
 
 from weightsync.clock.deadline import Deadline
-from weightsync.tools.devices import same_node
+from weightsync.tools.devices import shm_pairs
 from weightsync.transport.base import TransferStats, Transport, TransportContext, check_tensors_device
 
 if TYPE_CHECKING:
@@ -47,6 +48,24 @@ logger = logging.getLogger(__name__)
 
 Route = Literal["shm", "torch"]
 ROUTES: tuple[Route, ...] = ("shm", "torch")  # the order both sides run them in
+
+
+def check_host_phases(device: str, phases: int) -> None:
+    """Refuse layer phases over host memory where readers cannot take a phase as it is packed.
+
+    Each route blocks per phase, so a shm reader must take phase ``p`` before the writer moves
+    on; host-memory readers may do so only where the CPU keeps store order (x86-64:
+    :mod:`weightsync.transport.shm.snapshot`), and would otherwise wait for a slot the writer
+    seals only after the torch route's phases, which wait for them.
+    """
+    from weightsync.ports import device as device_port
+    from weightsync.transport.shm import snapshot as shm_snapshot
+
+    if phases > 1 and not device_port.current().is_gpu(device) and not shm_snapshot.host_streams():
+        raise ValueError("layer_phases with the routed transport on host memory needs a CPU that keeps store order "
+                         f"(x86-64), and this one is {shm_snapshot.platform.machine()}: its shared-memory readers "
+                         "wait for whole slots, which the other route's phases would never let the writer finish. "
+                         "Use layer_phases=False, or transport 'torch'")
 
 
 class RoutedTransport:
@@ -61,7 +80,7 @@ class RoutedTransport:
     publishes_before_send: ClassVar[bool] = True  # both parts: torch posts receives, shm streams
 
     def __init__(self, ctx: TransportContext) -> None:
-        local = same_node(ctx.placements)
+        local = shm_pairs(ctx.placements)
         want = {(w, r) for w in range(ctx.num_writers) for r in range(ctx.num_readers)}
         if missing := sorted(want - set(local)):
             raise ValueError(f"{ctx.who}: the routed transport needs every rank's node (TransportContext."
@@ -92,6 +111,7 @@ class RoutedTransport:
     def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
                 phases: Sequence[Plan] | None = None) -> None:
         check_tensors_device(self, self.ctx, tensors)
+        check_host_phases(self.ctx.device, len(phases) if phases else 1)
         deadline = Deadline.after(timeout)
         self._phases = len(phases) if phases else 1
         active: list[Route] = []

@@ -5,8 +5,15 @@ snapshot mode, on CPU) the version slots, then a msgpack header that says which 
 writer chose and what readers need to map it. Words: ``0`` magic (written last: a segment
 without it is not initialised yet; :data:`RETIRED` once the writer replaced it), ``1``/``2``
 header length and position, then per mode
-(:mod:`weightsync.transport.shm.transport`: sequence, writing and progress words per slot;
+(:mod:`weightsync.transport.shm.snapshot`: a sequence word and a progress word per slot;
 :mod:`weightsync.transport.shm.zero_copy`: the exposed word and one done word per reader).
+
+**Memory order.** Readers and the writer share these words without fences (Python has
+none), and weakly ordered CPUs (aarch64: GH200, GB200) may make two stores visible in
+either order. So whatever a reader must see *together* lives in *one* aligned 64-bit word,
+which every CPU stores and loads whole: a slot's progress word holds the version being
+written and how many of its bytes are packed (:func:`pack_progress`), never two words that
+could be seen half old and half new.
 """
 
 from __future__ import annotations
@@ -41,14 +48,33 @@ def seq_word(slot: int) -> int:
     return 3 + slot
 
 
-def writing_word(slots: int, slot: int) -> int:
-    """Control word: the version being written into ``slot`` (or -1)."""
+def progress_word(slots: int, slot: int) -> int:
+    """Control word: the version being written into ``slot`` and its bytes packed so far, in one
+    word (:func:`pack_progress`; -1 before any)."""
     return 3 + slots + slot
 
 
-def progress_word(slots: int, slot: int) -> int:
-    """Control word: bytes of ``slot`` packed so far for the version being written."""
-    return 3 + 2 * slots + slot
+#: Low bits of a progress word: bytes packed (a slot holds at most 1 TiB); high bits: the version.
+PROGRESS_BITS = 40
+_VERSION_MASK = (1 << (63 - PROGRESS_BITS)) - 1  # 23 bits: the word stays a non-negative int64
+MAX_SLOT_BYTES = (1 << PROGRESS_BITS) - 1
+
+
+def pack_progress(version: int, nbytes: int) -> int:
+    """One word saying "``nbytes`` of ``version`` are packed": the version modulo 2**23 (readers
+    compare it with the version they wait for, never more than ``slots - 1`` behind), the bytes
+    below. Written and read whole, so no reader sees one half of it new and the other old."""
+    if not 0 <= nbytes <= MAX_SLOT_BYTES:
+        raise ValueError(f"a shared-memory slot holds at most {MAX_SLOT_BYTES} bytes, got {nbytes}")
+    return ((version & _VERSION_MASK) << PROGRESS_BITS) | nbytes
+
+
+def packed_bytes(word: int, version: int) -> int | None:
+    """Bytes of ``version`` a progress word says are packed; None if it is about another version
+    (or none: -1)."""
+    if word < 0 or word >> PROGRESS_BITS != version & _VERSION_MASK:
+        return None
+    return word & MAX_SLOT_BYTES
 
 
 def spin_wait(spins: int) -> int:

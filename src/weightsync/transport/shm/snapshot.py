@@ -14,22 +14,36 @@ Each slot carries a sequence word (the version it holds, -1 while being written)
 reader checks it before and after copying, so a version overwritten mid-read is detected
 and reported, never silently applied.
 
-**Streaming (CPU, x86-64; ``TransportOptions.shm_streaming``).** A reader does not wait for
-a writer to finish the whole slot: the writer also records which version it is writing
-into the slot and how many bytes of it are packed (pieces are packed in offset order), and
-a reader copies each of its ops as soon as the writer's progress has passed that op's
-bytes. Packing and reading overlap, so a sync costs about one copy instead of two back to
-back. x86-64 keeps stores in program order, so a reader that sees the progress word also
-sees the bytes before it; on other CPUs, and for CUDA slots (whose copies are
-asynchronous), readers wait for the finished slot. The final sequence-word check still
-guards every version.
+Each slot also has a progress word: the version being written into it and how many of its
+bytes are packed, in one 64-bit word (:func:`~weightsync.transport.shm.segment.pack_progress`:
+two words could be seen half old, half new on a weakly ordered CPU).
 
-On GPU the slots are one CUDA allocation shared by IPC handle (published, msgpack-encoded),
-and only the small control page stays in ``/dev/shm``::
+**Streaming (host memory on x86-64; ``TransportOptions.shm_streaming``).** A reader does not
+wait for a writer to finish the whole slot: pieces are packed in offset order, and a reader
+copies each of its ops as soon as the progress word has passed that op's bytes. Packing and
+reading overlap, so a sync costs about one copy instead of two back to back. It needs the
+writer's byte stores to be visible before its progress store: x86-64 keeps stores in
+program order; other CPUs may not, and Python has no fence, so there readers of host slots
+wait for the finished slot.
 
-    side = SnapshotWriter(ctx, index, copies, slots=2, device=device, streaming=True, dev=dev)
+**Phases on GPU (every CPU).** Device memory is written by asynchronous copies; the writer
+publishes each completed phase in the progress word after a device synchronise (a CUDA call,
+which orders the copies before the store), so readers take a phase while the writer is
+busy elsewhere (the routed transport's other route blocks per phase: waiting for the whole
+slot would hang the job).
+
+On GPU the slots are one CUDA allocation shared by IPC handle, **one share per reader**:
+torch counts a share's consumers in a counter that starts at 1 and that each consumer's free
+decrements, and the exporter's block stays allocated while the counter is above 0 (read as
+unsigned: below 0 it never frees). So each reader opens its own share once per epoch (a
+re-attach in the epoch keeps its mapping), and a reader in the writer's own process, which
+cannot open it, releases its share instead. The handles are published msgpack-encoded in the
+segment header; only the small control page stays in ``/dev/shm``::
+
+    side = SnapshotWriter(ctx, index, copies, slots=2, device=device, streaming=True, dev=dev, readers=[0, 1])
     side.send(version, flats, timeout, phase=0, last=True)          # writer: pack, seal the slot
-    peer = attach_snapshot(path, mem, words, header, index, writer=w, ctx=ctx, streaming=True, dev=dev)
+    peer = attach_snapshot(path, mem, words, header, index, writer=w, ctx=ctx, streaming=True, dev=dev,
+                           mapped={})                               # mapped: kept for the epoch
     peer.begin(version, deadline); peer.source(op, at, version, deadline); peer.finish(version, deadline)
 """
 
@@ -38,7 +52,7 @@ from __future__ import annotations
 import logging
 import platform
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,12 +67,14 @@ from weightsync.transport.delta.published import ChangeLayout, SlotChanges, publ
 from weightsync.transport.shm.segment import (
     CONTROL_BYTES,
     EMPTY,
+    MAX_SLOT_BYTES,
     OwnSegment,
     check_live,
+    pack_progress,
+    packed_bytes,
     progress_word,
     seq_word,
     spin_wait,
-    writing_word,
 )
 from weightsync.transport.tensors import op_src_view
 
@@ -70,7 +86,8 @@ logger = logging.getLogger(__name__)
 
 #: Pack progress is published every this many bytes (and at the end of the slot).
 _PROGRESS_BYTES = 4 << 20
-#: Store order is program order (x86-64 TSO), so progress words may be read without fences.
+#: The CPU makes stores visible in program order (x86-64 TSO): host-memory readers may copy bytes
+#: a progress word announces without fences (streaming). Device phases do not depend on it.
 _ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
 
 #: This process's CUDA IPC version slots, by segment path. CUDA refuses to open a handle in the
@@ -80,18 +97,26 @@ _ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
 _OWN_SLOTS: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 
 
+def host_streams() -> bool:
+    """Readers of host-memory slots may copy bytes as the writer announces them (module docstring)."""
+    return _ORDERED_STORES
+
+
 def streams(device: torch.device, enabled: bool, dev: DevicePort) -> bool:
     """Readers may copy while the writer packs: host-memory slots on a CPU that keeps store order
-    (device memory is written by asynchronous copies: see :class:`SnapshotWriter`)."""
-    return enabled and not dev.is_gpu(device) and _ORDERED_STORES
+    (device memory is written by asynchronous copies, and published per phase instead)."""
+    return enabled and not dev.is_gpu(device) and host_streams()
 
 
 class SnapshotWriter:
     """Snapshot mode, writer side: pack every exposed piece into version slot ``V % slots``."""
 
     def __init__(self, ctx: TransportContext, index: ExposedIndex, copies: list[list[tuple[str, TransferOp]]], *,
-                 slots: int, device: torch.device, streaming: bool, dev: DevicePort) -> None:
+                 slots: int, device: torch.device, streaming: bool, dev: DevicePort, readers: Sequence[int]) -> None:
         slot_bytes = max(index.total_bytes, 64)
+        if slot_bytes > MAX_SLOT_BYTES:
+            raise ValueError(f"{ctx.who} exposes {slot_bytes} bytes in one shared-memory slot, more than its "
+                             f"progress word counts ({MAX_SLOT_BYTES}): use more writers")
         header: dict[str, Any] = {"mode": "snapshot", "index": index.encode(), "slots": slots,
                                   "slot_bytes": slot_bytes, "device": str(device)}
         data: torch.Tensor | None = None
@@ -99,15 +124,16 @@ class SnapshotWriter:
             data = device_port.allocate(dev, slots * slot_bytes, device, what=f"{ctx.who}'s CUDA IPC version slots "
                                         f"({slots} x {device_port.gib(slot_bytes)})",
                                         fix="use fewer TransportOptions.slots, or SyncConfig(layer_phases=True) with "
-                                            "transport 'torch' (NCCL stages one bucket, not the model)")
-            header["ipc"] = dev.share(data).to_wire()
+                                            "transport 'torch' (NCCL stages one bucket, not the model)",
+                                        shareable=True)
+            header["ipc"] = {str(r): dev.share(data).to_wire() for r in readers}  # one share per reader
         # the change area lives in host shared memory after the slots (deltas between GPUs are
         # refused when the transport is created)
         changes = ChangeLayout.for_index(index, slots, after=slots * slot_bytes, header=header) \
             if ctx.options.delta_anchor_every and data is None else None
         self.segment = OwnSegment(ctx.rank, header, 0 if data is not None else (
             changes.end if changes is not None else slots * slot_bytes))
-        self.segment.words[3: 3 + 3 * slots].fill_(EMPTY)
+        self.segment.words[3: 3 + 2 * slots].fill_(EMPTY)
         self.segment.seal()
         if data is not None:
             assert self.segment.path is not None, "a segment has its path until it is closed"
@@ -115,11 +141,8 @@ class SnapshotWriter:
         self.data = data if data is not None else self.segment.data
         self.index, self.copies, self.slots, self.slot_bytes = index, copies, slots, slot_bytes
         self.device, self.streaming, self.dev = device, streaming, dev
-        # device memory: each phase is published once complete (after a synchronise), so that
-        # readers take a phase while the writer is busy elsewhere (the routed transport's
-        # other route blocks per phase: waiting for the whole slot would hang the job). The
-        # words are plain stores, read in order only where the CPU keeps store order.
-        self.phased = data is not None and _ORDERED_STORES
+        # device memory: each phase is published once complete (module docstring)
+        self.phased = data is not None
         self.changes = None if changes is None else SlotChanges(
             index, changes, self.segment.data, slot_bytes=slot_bytes, anchor_every=ctx.options.delta_anchor_every)
         logger.info("%s exposes %d bytes x %d slots in %s", ctx.who, index.total_bytes, slots, self.segment.path)
@@ -139,11 +162,10 @@ class SnapshotWriter:
         progress_at = progress_word(self.slots, slot)
         if phase == 0:
             control[seq_word(slot)] = EMPTY  # readers of the old version in this slot will notice
-            control[progress_at] = 0
             if self.changes is not None:  # before readers may look at the slot
                 self.changes.begin(version)
-            control[writing_word(self.slots, slot)] = version if self.streaming or self.phased else EMPTY
-        published = int(control[progress_at])
+            control[progress_at] = pack_progress(version, 0)
+        published = packed_bytes(int(control[progress_at]), version) or 0
         with PhaseTimer(stats)("pack"):
             for key, op in self.copies[phase]:
                 at, nbytes = self.index.entries[key]
@@ -155,10 +177,10 @@ class SnapshotWriter:
                 stats.messages += 1
                 if self.streaming and at + nbytes - published >= _PROGRESS_BYTES:
                     published = at + nbytes
-                    control[progress_at] = published
+                    control[progress_at] = pack_progress(version, published)
             if self.streaming and self.copies[phase]:  # the whole phase is readable now
                 key, _ = self.copies[phase][-1]
-                control[progress_at] = max(published, sum(self.index.entries[key]))
+                control[progress_at] = pack_progress(version, max(published, sum(self.index.entries[key])))
         if last:
             self.dev.synchronize(self.device)  # the copies above are asynchronous on a GPU
             if self.changes is not None:
@@ -168,7 +190,7 @@ class SnapshotWriter:
             key, _ = self.copies[phase][-1]
             end = sum(self.index.entries[key])  # a slot is laid out phase after phase
             self.dev.synchronize(self.device)
-            self.dev.signal(control, progress_at, end, covers=[self.data[base: base + end]])
+            self.dev.signal(control, progress_at, pack_progress(version, end), covers=[self.data[base: base + end]])
         stats.peak_extra_bytes = self.slots * self.slot_bytes
         return stats
 
@@ -204,7 +226,7 @@ class SnapshotPeer:
 
     def finish(self, version: int, deadline: Deadline, *, last: bool = True) -> None:
         slot = version % self.slots
-        if not last and self.word(writing_word(self.slots, slot)) == version:
+        if not last and packed_bytes(self.word(progress_word(self.slots, slot)), version) is not None:
             return  # copied, and the writer has not begun another version in this slot
         if self.streaming or self.phased:  # the writer may still be packing pieces other readers need
             self._wait_packed(version, None, deadline)
@@ -231,9 +253,9 @@ class SnapshotPeer:
                 return self.slot_bytes
             if held > version:
                 raise TransportError(self._stale_message(version, held))
-            if need is not None and self.word(writing_word(self.slots, slot)) == version:
-                packed = self.word(progress_word(self.slots, slot))
-                if packed >= need:
+            if need is not None:
+                packed = packed_bytes(self.word(progress_word(self.slots, slot)), version)
+                if packed is not None and packed >= need:
                     return packed
             check_live(self.control, self.writer, self.reader)  # the writer's weights moved: see SegmentRetiredError
             if deadline.expired:
@@ -251,34 +273,54 @@ class SnapshotPeer:
 
 def attach_snapshot(path: str, mem: torch.Tensor, words: torch.Tensor, header: Mapping[str, Any],
                     index: ExposedIndex, *, writer: int, ctx: TransportContext, streaming: bool,
-                    dev: DevicePort) -> SnapshotPeer:
+                    dev: DevicePort, mapped: dict[str, torch.Tensor]) -> SnapshotPeer:
     """Writer ``writer``'s snapshot segment (``mem``, read by :func:`~weightsync.transport.shm.segment.read_segment`)
-    as a reader's peer: its slots in the file, or its CUDA IPC allocation."""
+    as a reader's peer: its slots in the file, or its CUDA IPC allocation.
+
+    ``mapped`` holds this reader's CUDA IPC mappings by segment path for the epoch: a share is
+    taken (opened, or released in the writer's own process) once, and a re-attach to the same
+    segment reuses the mapping (another open would count this reader twice: module docstring).
+    """
     slot_bytes, slots = int(header["slot_bytes"]), int(header["slots"])
-    ipc = header.get("ipc")
-    if ipc is not None:
-        handle = IpcHandle.from_wire(ipc)
-        if handle.process == dev.process():  # our own export: never opened here (see _OWN_SLOTS)
-            own = _OWN_SLOTS.get(path)
-            if own is None:
-                raise TransportError(f"reader {ctx.rank}: writer {writer}'s CUDA IPC slots in {path} were exported "
-                                     "by this process and are already released (the writer closed)")
-            data = own
-        else:
-            home = ipc_home(handle)
-            # the first open on the writer's GPU creates this process's CUDA context there
-            device_port.check_fits(
-                dev, dev.context_bytes(home), home,
-                what=f"reader {ctx.rank}'s CUDA context on writer {writer}'s GPU (CUDA IPC maps its slots there)",
-                fix="leave it free on the trainer's GPU (fewer TransportOptions.slots, a smaller max_bucket_bytes), "
-                    "run the engine on the trainer's GPU, or use transport='torch' between GPUs")
-            data = dev.open(handle, home)
+    shares = header.get("ipc")
+    if shares is not None:
+        data = mapped.get(path)
+        if data is None:
+            data = mapped[path] = take_share(path, shares, writer=writer, ctx=ctx, dev=dev)
     else:
         data = mem[CONTROL_BYTES:CONTROL_BYTES + slots * slot_bytes]
     changes = published_views(header, mem[CONTROL_BYTES:], writer=writer)
     return SnapshotPeer(words, data, index, slot_bytes=slot_bytes, slots=slots, writer=writer, reader=ctx.rank,
-                        streaming=streaming and ipc is None, phased=ipc is not None and _ORDERED_STORES,
+                        streaming=streaming and shares is None, phased=shares is not None,
                         watch=PeerWatch(ctx, "writer", [writer]), changes=changes)
+
+
+def take_share(path: str, shares: Mapping[str, Any], *, writer: int, ctx: TransportContext,
+               dev: DevicePort) -> torch.Tensor:
+    """This reader's share of writer ``writer``'s CUDA IPC slots: opened on the writer's GPU, or,
+    in the writer's own process (which CUDA refuses to open it in), taken from :data:`_OWN_SLOTS`
+    and released, so that torch's counter of the share still reaches 0."""
+    wire = shares.get(str(ctx.rank))
+    if wire is None:
+        raise TransportError(f"reader {ctx.rank}: writer {writer}'s CUDA IPC slots in {path} carry no share for "
+                             f"this reader (the writer shares them with readers {sorted(shares, key=int)}): the "
+                             "two disagree on the plan")
+    handle = IpcHandle.from_wire(wire)
+    if handle.process == dev.process():  # our own export: never opened here (see _OWN_SLOTS)
+        own = _OWN_SLOTS.get(path)
+        if own is None:
+            raise TransportError(f"reader {ctx.rank}: writer {writer}'s CUDA IPC slots in {path} were exported "
+                                 "by this process and are already released (the writer closed)")
+        dev.release(handle)
+        return own
+    home = ipc_home(handle)
+    # the first open on the writer's GPU creates this process's CUDA context there
+    device_port.check_fits(
+        dev, dev.context_bytes(home), home,
+        what=f"reader {ctx.rank}'s CUDA context on writer {writer}'s GPU (CUDA IPC maps its slots there)",
+        fix="leave it free on the trainer's GPU (fewer TransportOptions.slots, a smaller max_bucket_bytes), "
+            "run the engine on the trainer's GPU, or use transport='torch' between GPUs")
+    return dev.open(handle, home)
 
 
 def ipc_home(handle: IpcHandle) -> str:

@@ -123,6 +123,9 @@ class SharedMemoryTransport:
         self._writer: WriterSide | None = None
         self._peers: dict[int, PeerSegment] = {}
         self._paths: dict[int, str] = {}  # each writer's segment the reader maps
+        #: CUDA IPC mappings by segment path, kept for the epoch (shm_snapshot.attach_snapshot)
+        self._mapped: dict[str, torch.Tensor] = {}
+        self._mapped_epoch: int | None = None
         self._parts: list[Plan] = []
         self._reads: list[list[tuple[int, TransferOp, int, int]]] = []  # per phase: (writer, op, offset, row)
         self._phases = 1
@@ -163,9 +166,11 @@ class SharedMemoryTransport:
             self._writer.segment.retire()  # attached readers look up the endpoint published below
         self._release_own()
         writer = ZeroCopyWriter.create(self.ctx, plan, self._flats, index, copies, device=self.device)
+        readers = sorted({op.dst_rank for part in parts for op in part.ops if op.src_rank == me})
         self._writer = writer if writer is not None else SnapshotWriter(self.ctx, index, copies, slots=self.slots,
                                                                          device=self.device,
-                                                                         streaming=self.streaming, dev=self.dev)
+                                                                         streaming=self.streaming, dev=self.dev,
+                                                                         readers=readers)
         path = self._writer.segment.path
         assert path is not None, "a segment has its path until it is closed"
         self.ctx.channel.publish_endpoint(epoch, ShmEndpoint(path))
@@ -179,6 +184,9 @@ class SharedMemoryTransport:
     # -- reader ---------------------------------------------------------------------------
     def _prepare_reader(self, parts: list[Plan], epoch: int, deadline: Deadline) -> None:
         self._close_peers()
+        if epoch != self._mapped_epoch:  # a new epoch's writers expose new segments: unmap the old ones
+            self._mapped.clear()
+            self._mapped_epoch = epoch
         writers = sorted({op.src_rank for part in parts for op in part.ops})
         for w in writers:
             endpoint = peer_endpoint(self.ctx, ShmEndpoint, epoch, "writer", w, deadline=deadline)
@@ -192,7 +200,7 @@ class SharedMemoryTransport:
             self._changes.prepared(len(parts))
 
     def _attach(self, w: int, path: str) -> None:
-        self._peers[w] = attach(path, w, self.ctx, self.device, self.streaming, dev=self.dev)
+        self._peers[w] = attach(path, w, self.ctx, self.device, self.streaming, dev=self.dev, mapped=self._mapped)
         self._paths[w] = path
 
     def _reattach(self, w: int, epoch: int, deadline: Deadline) -> None:
@@ -292,6 +300,8 @@ class SharedMemoryTransport:
     def close(self) -> None:
         self._release_own()
         self._close_peers()
+        self._mapped.clear()
+        self._mapped_epoch = None
         self._flats = {}
         if self._changes is not None:
             self._changes.close()
@@ -307,7 +317,7 @@ def gone_why(ctx: TransportContext, writer: int) -> str:
 
 
 def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, streaming: bool, *,
-           dev: DevicePort) -> PeerSegment:
+           dev: DevicePort, mapped: dict[str, torch.Tensor]) -> PeerSegment:
     """Map writer ``writer``'s segment and return the peer of the mode it was written in."""
     try:
         mem, words, header = read_segment(path, writer)
@@ -319,4 +329,5 @@ def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, 
                                 watch=PeerWatch(ctx, "writer", [writer]), changes=changes)
     except FileGoneError as exc:
         raise TransportError(f"{ctx.who}: {exc}{gone_why(ctx, writer)}") from None
-    return attach_snapshot(path, mem, words, header, index, writer=writer, ctx=ctx, streaming=streaming, dev=dev)
+    return attach_snapshot(path, mem, words, header, index, writer=writer, ctx=ctx, streaming=streaming, dev=dev,
+                           mapped=mapped)

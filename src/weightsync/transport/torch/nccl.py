@@ -38,7 +38,10 @@ checks it on the first machine that has one. What it does, and the facts it rest
   runs under one too. The next version runs in a new epoch with a new communicator.
 
 Staging: one buffer of ``max_bucket_bytes / 16`` per pair (a window holds at most one staged
-message), so peak extra memory is within ``max_bucket_bytes`` up to 16 peers per rank.
+message), so peak extra memory is within ``max_bucket_bytes`` up to 16 peers per rank. It is
+laid out at ``prepare``, and NCCL's own connection buffers (:func:`nccl_device_bytes`) are
+checked against the device's free memory before the communicator forms: a shortfall is
+refused there with its figure, never an out-of-memory error inside a version.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync.clock.deadline import Deadline
+from weightsync.ports import device as device_port
 from weightsync.transport.base import PeerWatch, PhaseTimer, TransferStats, TransportError
 from weightsync.transport.schedule import Message
 from weightsync.transport.tensors import as_bytes, checksum, direct_source, dst_view, pack, scatter
@@ -67,6 +71,22 @@ logger = logging.getLogger(__name__)
 
 #: Messages of one pair in one round (at most one of them staged).
 WINDOW = 8
+
+#: NCCL's device memory for one p2p connection (one channel, one direction) at its defaults
+#: (NCCL ``src/init.cc``): the Simple protocol's ``DEFAULT_BUFFSIZE`` (4 MiB), LL's
+#: 8 lines x 512 threads x 8 steps x 16 bytes, LL128's 120 x 640 threads x 8 steps x 8 bytes.
+NCCL_CONNECTION_BYTES = (4 << 20) + 8 * 512 * 8 * 16 + 120 * 640 * 8 * 8
+#: Channels NCCL opens per p2p peer (its ``NCHANNELS_PER_NET_PEER`` default).
+NCCL_CHANNELS_PER_PEER = 2
+#: A communicator's device memory besides its connections (channel structures, work queues): an
+#: upper estimate, not measured on this project's machines (``weightsync doctor`` reports it).
+NCCL_COMM_BYTES = 64 << 20
+
+
+def nccl_device_bytes(peers: int) -> int:
+    """Device memory NCCL allocates, outside torch's allocator, for a communicator of ours with
+    ``peers`` p2p peers once it connects them: accounted before it forms (:meth:`NcclTransport.prepare`)."""
+    return NCCL_COMM_BYTES + peers * NCCL_CHANNELS_PER_PEER * NCCL_CONNECTION_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,10 +147,33 @@ class NcclTransport(TorchDistBase):
 
     def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
                 phases: Sequence[Plan] | None = None) -> None:
+        if self.epoch != epoch or self._pg is None:  # a new communicator: NCCL's buffers must fit first
+            me, mine = self.ctx.rank, 0 if self.ctx.role == "writer" else 1
+            peers = len({p for p in plan.pairs() if p[mine] == me})
+            device_port.check_fits(
+                self.dev, nccl_device_bytes(peers), self.device,
+                what=f"{self.ctx.who}'s NCCL communicator (connection buffers for {peers} peer(s), allocated by "
+                     "NCCL outside torch)",
+                fix="leave it free on this GPU (an engine's: a lower gpu_memory_utilization), or give this rank "
+                    "fewer peers")
         super().prepare(plan, tensors, epoch=epoch, timeout=timeout, phases=phases)
         if self.delta is not None:
             self.delta.prepared(tensors, phases=len(self._schedules))
             check_delta_memory(self, self.delta)
+        else:
+            self._lay_out_staging()
+
+    def _lay_out_staging(self) -> None:
+        """Allocate now, within the device's free memory, the staging buffer of every lane whose
+        messages need one, rather than lazily in the middle of a version."""
+        lanes = sorted({i for schedule in self._schedules for i, pair in enumerate(schedule)
+                        if any(needs_buffer(m) for m in pair.messages)} - {lane for lane, _ in self._buffers})
+        device_port.check_fits(
+            self.dev, len(lanes) * self._message_bytes, self.device,
+            what=f"{self.ctx.who}'s NCCL staging ({len(lanes)} x {device_port.gib(self._message_bytes)})",
+            fix="a smaller max_bucket_bytes, or free device memory")
+        for lane in lanes:
+            self._buffer(lane, 0)
 
     def _form_group(self, epoch: int, deadline: Deadline) -> Communicator:
         store = self._store_for(epoch, deadline)
