@@ -21,7 +21,8 @@ TIERS: dict[str, frozenset[str]] = {
         "test_job_spec.py", "test_layouts.py", "test_leases.py", "test_meta_reducer.py", "test_meta_units.py",
         "test_nccl_comm.py", "test_nccl_delta.py", "test_nccl_paths.py", "test_planner.py", "test_quant.py",
         "test_quant_offers.py", "test_roster.py", "test_rollouts.py", "test_rollouts_trl.py",
-        "test_trl_switch.py", "test_validate.py", "test_wait_logs.py", "test_wire.py",
+        "test_trl_switch.py", "test_validate.py", "test_wait_logs.py", "test_wire.py", "test_device_memory.py",
+        "test_side_streams.py", "test_meta_state_dir.py",
     }),
     "contract": frozenset({
         "test_transport_contract.py", "test_transport_delta.py", "test_transport_nixl.py",
@@ -36,6 +37,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_readme.py", "test_rollouts_vllm.py", "test_scripts.py", "test_sources_deepspeed.py",
         "test_sources_dtensor.py", "test_sources_megatron.py", "test_sync_e2e.py", "test_vllm_layout.py",
         "test_vllm_native.py", "test_vllm_parallel.py", "test_vllm_tp.py", "test_vllm_trainer_errors.py",
+        "test_doctor_workloads.py", "test_vllm_worker_gpu.py",
     }),
     "faults": frozenset({"test_faults.py"}),
 }
