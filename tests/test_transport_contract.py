@@ -61,7 +61,10 @@ def run_scenario(tmp_path, transport, *, versions=3, timeout=30.0, **extra):
 
 
 def own_segments(pids):
-    return [n for n in os.listdir("/dev/shm") if n.startswith("weightsync-") and int(n.split("-")[1]) in pids]
+    """Segments named by one of ``pids`` (``weightsync-<pid>-...``); other weightsync files, such as a
+    rollout KV store's directory, name no process."""
+    pids = {str(p) for p in pids}
+    return [n for n in os.listdir("/dev/shm") if n.startswith("weightsync-") and n.split("-")[1] in pids]
 
 
 @pytest.fixture(params=TRANSPORTS)
