@@ -306,3 +306,29 @@ def test_malformed_commands_and_records_are_refused_naming_the_field():
         Policy.parse("quorum=x", deadline=1)
     with pytest.raises(ValueError, match="is not one of 'all', 'quorum=K'"):
         Policy.parse("most", deadline=1)
+
+
+def test_a_dead_reader_never_completes_a_version_even_one_it_missed():
+    fleet = Fleet(readers=None, policy="quorum=1", deadline=5)
+    fleet.join("writer", 0)
+    fleet.join("reader")
+    fleet.join("reader")
+    number = fleet.publish(1)
+    fleet.report(number, 0)
+    fleet.now += 6
+    fleet.do(Tick())
+    assert fleet.record.tries[number].outcomes[1].state == "missed"
+    fleet.expire("reader", 1)
+    reply = fleet.report(number, 1)  # the dead process's late report (it was declared dead first)
+    assert reply.kind == "ignored" and "not a live member" in reply.why
+    assert fleet.record.tries[number].outcomes[1].state == "missed" and 1 not in fleet.record.holdings
+
+
+def test_a_try_whose_readers_all_left_is_not_complete():
+    fleet = Fleet(readers=None)
+    fleet.join("writer", 0)
+    fleet.join("reader")
+    number = fleet.publish(1)
+    fleet.do(Leave("reader", 0, fleet.incs[("reader", 0)]))
+    t = fleet.record.tries[number]
+    assert t.state == "failed" and "needs 1 of 0 reader(s)" in t.why and fleet.record.latest is None

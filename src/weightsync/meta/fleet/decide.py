@@ -273,6 +273,10 @@ class _Step:
         self._set(self._failed(t, f"writer {c.id}: {c.error}"))
 
     def report(self, c: Report) -> None:
+        me = self.members.get(("reader", c.reader))
+        if me is None or not me.live or me.incarnation != c.incarnation:  # a dead process completes nothing
+            self.reply = Reply("ignored", why=f"reader {c.reader} ({c.incarnation}) is not a live member")
+            return
         t = self.tries.get(c.try_number)
         if t is None or not t.member("reader", c.reader, c.incarnation) or t.state in ("failed", "superseded"):
             self.reply = Reply("ignored", why=f"try {c.try_number} does not take reports from reader {c.reader} now")
@@ -317,7 +321,7 @@ class _Step:
         applied = [r for r in counted if t.outcomes[r].state == "applied"]
         failed = [r for r in counted if t.outcomes[r].state == "failed"]
         waiting = [r for r in counted if not t.outcomes[r].final]
-        needed = t.policy.needed(len(counted))
+        needed = max(1, t.policy.needed(len(counted)))  # a version no reader holds is not complete
         if t.policy.kind == "all" and failed:
             shown = "; ".join(f"reader {r}: {t.outcomes[r].detail}" for r in failed[:8])
             return self._failed(t, f"{len(failed)} reader(s) failed it under policy all ({shown})")
