@@ -3,9 +3,12 @@ clock the test moves: members and generations, tries and their outcomes under ea
 
 from __future__ import annotations
 
+import json
+
 import msgpack
 import pytest
 
+from weightsync.clock.clock import ManualClock
 from weightsync.meta.fleet.commands import (
     Expire,
     Fail,
@@ -332,3 +335,66 @@ def test_a_try_whose_readers_all_left_is_not_complete():
     fleet.do(Leave("reader", 0, fleet.incs[("reader", 0)]))
     t = fleet.record.tries[number]
     assert t.state == "failed" and "needs 1 of 0 reader(s)" in t.why and fleet.record.latest is None
+
+
+def test_a_replacement_joins_as_a_new_incarnation_and_the_old_process_cannot_come_back():
+    fleet = Fleet(readers=2, policy="quorum=1")
+    fleet.join("writer", 0)
+    fleet.join("reader", 0)
+    fleet.join("reader", 1)
+    old = fleet.incs[("reader", 1)]
+    fleet.expire("reader", 1)
+    with pytest.raises(FleetConflictError, match=r"declared dead .*joins again as a new incarnation"):
+        fleet.do(Join("reader", 1, old, "h", 1, fleet.shape))
+    reply = fleet.join("reader", 1)
+    assert reply.restarted and fleet.record.generation.cause == "reader 1 restarted"
+    assert fleet.record.generation.readers[1] == (1, fleet.incs[("reader", 1)]) != (1, old)
+
+
+@pytest.mark.parametrize(("text", "readers", "needed"), [
+    ("all", 4, 4), ("quorum=3", 8, 3), ("fraction=0.75", 4, 3), ("fraction=0.5", 3, 2), ("fraction=0.1", 3, 1),
+    ("fraction=1", 5, 5)])
+def test_the_readers_each_policy_needs(text, readers, needed):
+    assert Policy.parse(text, deadline=1).needed(readers) == needed
+
+
+def test_decide_reads_no_clock(monkeypatch):
+    import time
+
+    def no_clock() -> float:
+        raise AssertionError("decide read the system clock")
+
+    for name in ("time", "monotonic", "perf_counter"):
+        monkeypatch.setattr(time, name, no_clock)
+    fleet = Fleet(readers=1, deadline=5)
+    fleet.join("writer", 0)
+    fleet.join("reader", 0)
+    number = fleet.publish(1)
+    fleet.now += 6
+    fleet.do(Tick())
+    assert fleet.state(number) == "failed"
+
+
+def test_the_manual_clock_moves_only_forward_when_told():
+    clock = ManualClock(start=5.0)
+    assert (clock.monotonic(), clock.now()) == (5.0, 5.0)
+    clock.advance(2.5)
+    assert clock.monotonic() == 7.5
+    with pytest.raises(ValueError, match=r"a clock never goes back: advance\(-1\)"):
+        clock.advance(-1)
+
+
+def test_a_record_survives_json_as_well_as_msgpack():
+    fleet = Fleet(writers=2, readers=None, policy="fraction=0.5")
+    for w in range(2):
+        fleet.join("writer", w)
+    fleet.join("reader", holds=3)
+    fleet.join("reader")
+    number = fleet.publish(4, writers=2)
+    fleet.report(number, 0)
+    fleet.expire("reader", 1)
+    doc = json.loads(json.dumps(fleet.record.to_wire()))
+    assert FleetRecord.from_wire(doc) == fleet.record
+    assert FleetRecord.from_bytes(fleet.record.to_bytes()) == fleet.record
+    for command in (Join("reader", None, "a", "h", 1, fleet.shape, 2), Tick(), Report(1, 0, "a", "staged")):
+        assert command_from_wire(json.loads(json.dumps(command_to_wire(command)))) == command
