@@ -5,7 +5,7 @@ No clock is read (``now`` is given: seconds since the Unix epoch, the coordinato
 record and command give the same decision on any host, which is what lets the embedded server
 replay its store and an etcd backend decide inside a compare-and-put transaction.
 
-The rules (docs/faults.md states them as a table):
+The rules:
 
 * **Members.** A join takes a seat ``(role, id)`` (a reader without an id gets the lowest free
   one); a join, a clean leave, a death (lease expired) or a failed try makes the next
@@ -18,9 +18,13 @@ The rules (docs/faults.md states them as a table):
   writer said its part is out, with one fingerprint.
 * **Outcomes.** Under ``all`` a try is complete when every reader (but those that left)
   applied it and failed as soon as one failed or died; under ``quorum``/``fraction`` it is
-  complete once enough applied and failed once that became impossible. At its deadline,
-  readers without an outcome are ``missed`` and an undecided try is decided by what it has.
-  A reader keeps reporting after completion (late appliers; ``missed`` becomes ``applied``).
+  complete once enough applied and failed once that became impossible; a try no reader holds
+  is never complete. At its deadline, readers without an outcome are ``missed`` and an
+  undecided try is decided by what it has. A live reader keeps reporting after completion
+  (late appliers: ``missed`` becomes ``applied``); a process that ended reports nothing, so a
+  dead member never completes a version.
+
+docs/fleet.md numbers these rules and says what is not wired yet.
 """
 
 from __future__ import annotations
