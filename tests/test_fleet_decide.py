@@ -22,7 +22,7 @@ from weightsync.meta.fleet.commands import (
     command_to_wire,
 )
 from weightsync.meta.fleet.decide import FleetConflictError, decide
-from weightsync.ports.fleet import FleetRecord, FleetWireError, JobShape, Policy
+from weightsync.ports.fleet import FleetRecord, FleetWireError, JobShape, Policy, Try
 
 T0 = 1_000.0
 
@@ -301,6 +301,12 @@ def test_old_tries_are_pruned_but_the_newest_complete_one_stays():
 def test_malformed_commands_and_records_are_refused_naming_the_field():
     with pytest.raises(FleetWireError, match="field 'version' must be int"):
         command_from_wire({"op": "open", "version": "1", "writer": 0, "incarnation": "a", "deadline": 1.0})
+    with pytest.raises(FleetWireError, match="fleet command 'open': a try's deadline must be a positive number"):
+        command_from_wire({"op": "open", "version": 1, "writer": 0, "incarnation": "a", "deadline": float("nan")})
+    with pytest.raises(FleetWireError, match="field 'opened_at' must be a number, not nan"):
+        Try.from_wire({**_a_try().to_wire(), "opened_at": float("nan")})
+    with pytest.raises(FleetWireError, match="field 'number' must be an int, not True"):
+        Try.from_wire({**_a_try().to_wire(), "number": True})
     with pytest.raises(FleetWireError, match="unknown fleet command 'nope'"):
         command_from_wire({"op": "nope"})
     with pytest.raises(FleetWireError, match="field 'generation' is missing"):
@@ -398,3 +404,11 @@ def test_a_record_survives_json_as_well_as_msgpack():
     assert FleetRecord.from_bytes(fleet.record.to_bytes()) == fleet.record
     for command in (Join("reader", None, "a", "h", 1, fleet.shape, 2), Tick(), Report(1, 0, "a", "staged")):
         assert command_from_wire(json.loads(json.dumps(command_to_wire(command)))) == command
+
+
+def _a_try() -> Try:
+    fleet = Fleet(readers=1)
+    fleet.join("writer", 0)
+    fleet.join("reader", 0)
+    number = fleet.publish(1)
+    return fleet.record.tries[number]

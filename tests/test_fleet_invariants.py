@@ -31,7 +31,7 @@ from weightsync.meta.fleet.commands import (
     command_to_wire,
 )
 from weightsync.meta.fleet.decide import FleetConflictError, Reply, decide
-from weightsync.ports.fleet import FleetRecord, JobShape, Policy, Try
+from weightsync.ports.fleet import FleetRecord, FleetWireError, JobShape, Policy, Try
 
 STATE_RANK = {"open": 0, "published": 1, "complete": 2, "failed": 2, "superseded": 2}
 #: weighted so that random schedules reach published and complete tries, not only failures
@@ -174,3 +174,67 @@ def test_random_schedules_keep_the_invariants_and_replay_alike(data, writers, re
         replayed, again = _apply(replayed, wire, at)
         assert again == reply
     assert replayed == record and FleetRecord.from_bytes(record.to_bytes()) == record
+
+
+def _leaves(doc, path=()):
+    """Every path to a value inside a wire document (maps and lists)."""
+    yield path
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from _leaves(v, (*path, k))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _leaves(v, (*path, i))
+
+
+def _replaced(doc, path, value):
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if isinstance(doc, dict):
+        return {**doc, head: _replaced(doc[head], rest, value)}
+    return [_replaced(v, rest, value) if i == head else v for i, v in enumerate(doc)]
+
+
+def _busy_record() -> FleetRecord:
+    shape = JobShape(2, None, Policy.parse("fraction=0.5", deadline=5.0))
+    record, now = FleetRecord.empty("job"), 1_000.0
+    for command in (Join("writer", 0, "w0", "h", 1, shape), Join("writer", 1, "w1", "h", 2, shape),
+                    Join("reader", None, "r0", "h", 3, shape, 2), Join("reader", None, "r1", "h", 4, shape),
+                    OpenTry(3, 0, "w0", 5.0), Ready(1, 0, "w0", "fp"), Ready(1, 1, "w1", "fp"),
+                    Report(1, 0, "r0", "applied"), Expire("reader", 1, "r1", "x")):
+        record, _ = _apply(record, command, now)
+    return record
+
+
+BUSY = _busy_record().to_wire()
+JUNK = st.none() | st.booleans() | st.integers(-2, 2) | st.floats(allow_nan=True) | st.text(max_size=3) \
+    | st.lists(st.integers(0, 2), max_size=2) | st.dictionaries(st.text(max_size=2), st.integers(), max_size=1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(path=st.sampled_from(list(_leaves(BUSY))), junk=JUNK)
+def test_a_malformed_record_is_refused_with_fleet_wire_error_and_nothing_else(path, junk):
+    doc = _replaced(BUSY, path, junk)
+    try:
+        record = FleetRecord.from_wire(doc)
+    except FleetWireError:
+        return
+    assert FleetRecord.from_wire(record.to_wire()) == record  # what was accepted is a well-formed record
+
+
+COMMANDS = [command_to_wire(c) for c in (
+    Join("reader", None, "a", "h", 1, JobShape(1, None, Policy.parse("quorum=2", deadline=5.0)), 3),
+    Leave("writer", 0, "a"), Expire("reader", 2, "a", "x"), OpenTry(3, 0, "a", 5.0), Ready(1, 0, "a", "fp"),
+    Fail(1, "reader", 0, "a", "boom"), Report(1, 0, "a", "applied", "", 10, 0.5), Tick())]
+
+
+@settings(max_examples=200, deadline=None)
+@given(doc=st.sampled_from(COMMANDS), data=st.data(), junk=JUNK)
+def test_a_malformed_command_is_refused_with_fleet_wire_error_and_nothing_else(doc, data, junk):
+    doc = _replaced(doc, data.draw(st.sampled_from(list(_leaves(doc)))), junk)
+    try:
+        command = command_from_wire(doc)
+    except FleetWireError:
+        return
+    assert command_from_wire(command_to_wire(command)) == command

@@ -12,6 +12,7 @@ lease that expired (:class:`Expire`) and time passing (:class:`Tick`, for deadli
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, TypeAlias
@@ -65,6 +66,10 @@ class OpenTry:
     writer: int
     incarnation: str
     deadline: float
+
+    def __post_init__(self) -> None:
+        if not (self.deadline > 0 and math.isfinite(self.deadline)):  # a NaN deadline would never come
+            raise ValueError(f"a try's deadline must be a positive number of seconds, got {self.deadline}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +161,10 @@ def command_from_wire(doc: Any) -> Command:
         values[f.name] = value
     if "role" in values and values["role"] not in ("writer", "reader"):
         raise FleetWireError(f"fleet command {kind.op!r}: role must be 'writer' or 'reader', not {values['role']!r}")
-    command: Command = kind(**values)
+    try:
+        command: Command = kind(**values)
+    except ValueError as exc:
+        raise FleetWireError(f"fleet command {kind.op!r}: {exc}") from None
     return command
 
 

@@ -31,18 +31,30 @@ class FleetWireError(ValueError):
     """A fleet record from the coordinator (or its store) that is not what this release writes."""
 
 
+def is_int(value: Any) -> bool:
+    """An int on the wire (a bool is not one, though Python says it is)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A finite int or float: a NaN time would make a record unequal to itself."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def wire_field(doc: Mapping[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
+    """``doc[name]``, checked to be of ``kind`` (``int``: not a bool; ``(int, float)``: finite)."""
     if not isinstance(doc, Mapping) or name not in doc:
         raise FleetWireError(f"field {name!r} is missing")
     value = doc[name]
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind in (int, (int, float))):
+    if not isinstance(value, kind) or (kind is int and not is_int(value)) \
+            or (kind == (int, float) and not is_number(value)):
         raise FleetWireError(f"field {name!r} must be {what}, not {value!r:.60}")
     return value
 
 
 def wire_seats(value: Any, name: str) -> tuple[Seat, ...]:
     if not isinstance(value, (list, tuple)) or not all(
-            isinstance(s, (list, tuple)) and len(s) == 2 and isinstance(s[0], int) and isinstance(s[1], str)
+            isinstance(s, (list, tuple)) and len(s) == 2 and is_int(s[0]) and isinstance(s[1], str)
             for s in value):
         raise FleetWireError(f"field {name!r} must be a list of [id, incarnation], not {value!r:.60}")
     return tuple((int(i), str(inc)) for i, inc in value)
@@ -175,4 +187,4 @@ class JobShape:
 
 
 __all__ = ["KEEP_TRIES", "OUTCOMES", "POLICIES", "ROLES", "TRY_STATES", "FleetWireError", "JobShape", "Policy",
-           "Seat", "wire_field", "wire_seats"]
+           "Seat", "is_int", "is_number", "wire_field", "wire_seats"]

@@ -26,6 +26,8 @@ from weightsync.ports.fleet.policy import (
     JobShape,
     Policy,
     Seat,
+    is_int,
+    is_number,
     wire_field,
     wire_seats,
 )
@@ -66,9 +68,9 @@ class Member:
         if not isinstance(row, (list, tuple)) or len(row) != 8:
             raise FleetWireError(f"a member must be a list of 8 fields, not {row!r:.60}")
         role, id_, inc, host, pid, state, since, detail = row
-        if role not in ROLES or state not in ("live", "left", "dead") or not isinstance(id_, int) \
-                or not isinstance(inc, str) or not isinstance(host, str) or not isinstance(pid, int) \
-                or not isinstance(since, (int, float)) or not isinstance(detail, str):
+        if role not in ROLES or state not in ("live", "left", "dead") or not is_int(id_) \
+                or not isinstance(inc, str) or not isinstance(host, str) or not is_int(pid) \
+                or not is_number(since) or not isinstance(detail, str):
             raise FleetWireError(f"malformed member {row!r:.80}")
         return cls(role, id_, inc, host, pid, state, float(since), detail)
 
@@ -123,8 +125,8 @@ class ReaderOutcome:
     @classmethod
     def from_wire(cls, row: Any) -> ReaderOutcome:
         if not isinstance(row, (list, tuple)) or len(row) != 5 or row[0] not in OUTCOMES \
-                or not isinstance(row[1], (int, float)) or not isinstance(row[2], str) \
-                or not isinstance(row[3], int) or not isinstance(row[4], (int, float)):
+                or not is_number(row[1]) or not isinstance(row[2], str) \
+                or not is_int(row[3]) or not is_number(row[4]):
             raise FleetWireError(f"malformed reader outcome {row!r:.80}")
         return cls(row[0], float(row[1]), row[2], row[3], float(row[4]))
 
@@ -193,12 +195,14 @@ class Try:
             raise FleetWireError(f"field 'state' must be one of {TRY_STATES}, not {state!r}")
         outcomes = {}
         for row in wire_field(doc, "outcomes", list, "a list"):
-            if not isinstance(row, (list, tuple)) or not row or not isinstance(row[0], int):
+            if not isinstance(row, (list, tuple)) or not row or not is_int(row[0]):
                 raise FleetWireError(f"malformed outcome row {row!r:.60}")
             outcomes[row[0]] = ReaderOutcome.from_wire(row[1:])
         ready = wire_field(doc, "ready", list, "a list")
+        if not all(is_int(w) for w in ready):
+            raise FleetWireError(f"field 'ready' must be a list of writer ids, not {ready!r:.60}")
         decided = doc.get("decided_at")
-        if decided is not None and not isinstance(decided, (int, float)):
+        if decided is not None and not is_number(decided):
             raise FleetWireError(f"field 'decided_at' must be a number or None, not {decided!r:.40}")
         return cls(wire_field(doc, "number", int, "an int"), wire_field(doc, "version", int, "an int"),
                    wire_field(doc, "generation", int, "an int"),
@@ -225,9 +229,9 @@ class Holding:
 
     @classmethod
     def from_wire(cls, row: Any) -> Holding:
-        if not isinstance(row, (list, tuple)) or len(row) != 4 or not isinstance(row[0], int) \
-                or not (row[1] is None or isinstance(row[1], int)) or not isinstance(row[2], str) \
-                or not isinstance(row[3], (int, float)):
+        if not isinstance(row, (list, tuple)) or len(row) != 4 or not is_int(row[0]) \
+                or not (row[1] is None or is_int(row[1])) or not isinstance(row[2], str) \
+                or not is_number(row[3]):
             raise FleetWireError(f"malformed holding {row!r:.60}")
         return cls(row[0], row[1], row[2], float(row[3]))
 
@@ -332,11 +336,11 @@ class FleetRecord:
         tries = [Try.from_wire(t) for t in wire_field(doc, "tries", list, "a list")]
         holdings = {}
         for row in wire_field(doc, "holdings", list, "a list"):
-            if not isinstance(row, (list, tuple)) or not row or not isinstance(row[0], int):
+            if not isinstance(row, (list, tuple)) or not row or not is_int(row[0]):
                 raise FleetWireError(f"malformed holding row {row!r:.60}")
             holdings[row[0]] = Holding.from_wire(row[1:])
         latest = doc.get("latest")
-        if latest is not None and not isinstance(latest, int):
+        if latest is not None and not is_int(latest):
             raise FleetWireError(f"field 'latest' must be an int or None, not {latest!r:.40}")
         return cls(wire_field(doc, "job", str, "a str"), None if shape is None else JobShape.from_wire(shape),
                    {(m.role, m.id): m for m in members},
