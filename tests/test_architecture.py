@@ -47,7 +47,7 @@ ADAPTER_ONLY = {
 LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "core": (("weightsync", "weightsync.layout", "weightsync.plan", "weightsync.deadline", "weightsync.configs"), ()),
     "tools": (("weightsync.torch_layout", "weightsync.devices", "weightsync.codecs", "weightsync.tiny",
-               "weightsync.verify", "weightsync.rss", "weightsync.device_port"), ("core",)),
+               "weightsync.verify", "weightsync.rss", "weightsync.device_port", "weightsync.engine_state"), ("core",)),
     "ports": (("weightsync.ports",), ("core",)),
     "adapters": (("weightsync.sources", "weightsync.engines"), ("ports", "tools")),
     "meta": (("weightsync.meta",), ("core",)),

@@ -239,6 +239,14 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         #: the bench's timestamps of forwards and of these calls (None unless it asks: vllm_step_trace)
         self._trace = vllm_step_trace.install(model)
 
+    def __call__(self, query: str) -> dict[str, Any]:
+        """Answer a weightsync query about this worker's engine, JSON-able: what the oracle reads
+        through ``collective_rpc("weight_transfer_engine", args=("engine_state",))`` (an ``LLM`` of
+        any process, or ``vllm serve``'s ``/collective_rpc``; :mod:`weightsync.engines.vllm_state`)."""
+        from weightsync.engines.vllm_state import backend_query
+
+        return backend_query(self._default_model, self._drafter, self.vllm_config, query)
+
     def _span(self, call: str) -> Any:
         return self._trace.span(call) if self._trace is not None else contextlib.nullcontext()
 
