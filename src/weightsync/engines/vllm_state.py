@@ -79,11 +79,16 @@ class EngineSettings:
 
 # -- worker side ---------------------------------------------------------------------------------------
 
-def model_state(model: torch.nn.Module, drafter: torch.nn.Module | None = None, *,
-                probes: bool = True) -> dict[str, torch.Tensor]:
-    """The state of a vLLM model (and its MTP drafter, under ``drafter.``), by reference."""
+def model_state(model: torch.nn.Module, drafter: torch.nn.Module | None = None, *, probes: bool = True,
+                runtime: list[torch.Tensor] | tuple[torch.Tensor, ...] = ()) -> dict[str, torch.Tensor]:
+    """The state of a vLLM model (and its MTP drafter, under ``drafter.``), by reference.
+
+    ``runtime``: tensors the engine computes while it serves, not weights (the model runner's KV
+    caches, which vLLM binds to every attention layer): tensors on their memory are left out.
+    """
     roots = {"": model} if drafter is None else {"": model, "drafter": drafter}
-    state = tensor_state(roots)
+    skip = {_storage(t) for t in runtime if isinstance(t, torch.Tensor)} - {None}
+    state = {n: t for n, t in tensor_state(roots).items() if _storage(t) not in skip}
     if probes:
         for prefix, root in roots.items():
             state.update(linear_probes(root, prefix))
@@ -117,21 +122,32 @@ def linear_probes(model: torch.nn.Module, prefix: str = "") -> dict[str, torch.T
     return out
 
 
+def _storage(t: torch.Tensor) -> int | None:
+    return None if t.is_meta else int(t.untyped_storage().data_ptr())
+
+
+def kv_caches(worker_or_runner: Any) -> list[torch.Tensor]:
+    """A vLLM worker's KV caches (vLLM 0.32: ``model_runner.kv_caches``): runtime state, not weights."""
+    runner = getattr(worker_or_runner, "model_runner", worker_or_runner)
+    return [t for t in getattr(runner, "kv_caches", None) or () if isinstance(t, torch.Tensor)]
+
+
 def worker_model_state(worker: Any, *, probes: bool = True) -> dict[str, torch.Tensor]:
     """The state of a vLLM worker's model and drafter, by reference (run it in the worker)."""
     runner = worker.model_runner
-    return model_state(runner.get_model(), draft_model(runner), probes=probes)
+    return model_state(runner.get_model(), draft_model(runner), probes=probes, runtime=kv_caches(runner))
 
 
-def backend_query(model: torch.nn.Module, drafter: torch.nn.Module | None, vllm_config: Any,
-                  query: str) -> dict[str, Any]:
+def backend_query(model: torch.nn.Module, drafter: torch.nn.Module | None, vllm_config: Any, query: str, *,
+                  runtime: list[torch.Tensor] | tuple[torch.Tensor, ...] = ()) -> dict[str, Any]:
     """What the ``"weightsync"`` backend answers to ``query`` (a name) on its worker: JSON-able.
 
-    ``engine_state``: ``{"settings": EngineSettings, "tensors": {name: [shape, dtype, digest]}}``.
+    ``engine_state``: ``{"settings": EngineSettings, "tensors": {name: [shape, dtype, digest]}}``;
+    ``runtime``: the worker's KV caches (see :func:`model_state`).
     """
     if query != STATE_QUERY:
         raise ValueError(f"the weightsync backend answers the query {STATE_QUERY!r}, not {query!r}")
-    state = digest_state(model_state(model, drafter))
+    state = digest_state(model_state(model, drafter, runtime=runtime))
     return {"settings": asdict(EngineSettings.of(vllm_config)), "tensors": state_to_wire(state)}
 
 
