@@ -510,6 +510,10 @@ def via_serve(live: Live, versions: int = 2) -> None:
                 if proc.poll() is None:
                     proc.kill()
                 proc.communicate()
+        # the public tool on the same server: a fresh engine (a process of its own) on what it holds
+        from weightsync.cli import main
+
+        assert main(["verify", "--engine", url, "--checkpoint", str(live.tmp / held), "--timeout", "600"]) == 0
 
 
 def _stderr(procs: list[subprocess.Popen[str]]) -> str:

@@ -67,7 +67,8 @@ def _cells(*extra: Cell) -> list[Cell]:
     return [Cell("engine", "hf", "full"), Cell("backend", "hf", "full"), Cell("trainer", "hf", "phases"), *extra]
 
 
-MEGATRON_TP2_EP2 = {"tp": 2, "pp": 1, "ep": 2, "etp": 1}
+MEGATRON_TP2_EP2 = {"tp": 2, "pp": 1, "ep": 2, "etp": 1}  # TP 2 x DP 2, EP 2 (four ranks)
+MEGATRON_TP2_PP2 = {"tp": 2, "pp": 2, "ep": 2, "etp": 1}  # the MTP layer and its embedding on the last stage
 
 #: family -> its cells (see docs/models.md for the covering design)
 CELLS: dict[str, list[Cell]] = {
@@ -77,9 +78,9 @@ CELLS: dict[str, list[Cell]] = {
     "qwen3_moe": _cells(Cell("backend", "fsdp2", "full")),
     "mixtral": _cells(Cell("backend", "hf", "delta")),
     "deepseek_v3": _cells(Cell("engine", "fsdp2", "full"), Cell("engine", "hf", "prefetch"),
-                          Cell("serve", "fsdp2", "phases")),
+                          Cell("backend", "megatron", "full", MEGATRON_TP2_EP2), Cell("serve", "fsdp2", "phases")),
     "deepseek_v3-no-mtp": _cells(),
-    "glm4_moe": _cells(Cell("backend", "fsdp2", "phases")),
+    "glm4_moe": _cells(Cell("backend", "fsdp2", "phases"), Cell("engine", "megatron", "full", MEGATRON_TP2_PP2)),
     "glm4_moe-no-attention-bias": _cells(),
     "gpt_oss": _cells(Cell("engine", "megatron", "full", MEGATRON_TP2_EP2), Cell("backend", "fsdp2", "delta"),
                       Cell("trainer-child", "hf", "phases")),

@@ -63,15 +63,20 @@ class EngineSettings:
 
     dtype: str
     mtp_tokens: int = 0  # MTP speculative tokens (0: the engine does not draft with MTP)
+    #: what sizes the buffers some layers allocate for a batch
+    max_model_len: int = 256
+    max_num_seqs: int = 1
 
     @classmethod
     def of(cls, vllm_config: Any) -> EngineSettings:
         spec = vllm_config.speculative_config
         tokens = int(getattr(spec, "num_speculative_tokens", 0) or 0) if runs_mtp(vllm_config) else 0
-        return cls(str(vllm_config.model_config.dtype).removeprefix("torch."), tokens)
+        return cls(str(vllm_config.model_config.dtype).removeprefix("torch."), tokens,
+                   int(vllm_config.model_config.max_model_len), int(vllm_config.scheduler_config.max_num_seqs))
 
     def llm_kwargs(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"dtype": self.dtype}
+        out: dict[str, Any] = {"dtype": self.dtype, "max_model_len": self.max_model_len,
+                               "max_num_seqs": self.max_num_seqs}
         if self.mtp_tokens:
             out["speculative_config"] = {"method": "mtp", "num_speculative_tokens": self.mtp_tokens}
         return out
@@ -231,8 +236,8 @@ def _fresh_here(checkpoint: str, settings: EngineSettings) -> tuple[EngineSettin
 
     with preserved_process_state():
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        llm = LLM(model=checkpoint, enforce_eager=True, max_model_len=256, max_num_seqs=1, seed=0,
-                  kv_cache_memory_bytes=32 << 20, skip_tokenizer_init=True, **settings.llm_kwargs())
+        llm = LLM(model=checkpoint, enforce_eager=True, seed=0, kv_cache_memory_bytes=32 << 20,
+                  skip_tokenizer_init=True, **settings.llm_kwargs())
         try:
             got, state = engine_state(llm)
         finally:
