@@ -459,13 +459,19 @@ def via_trainer_child(live: Live, versions: int = 2) -> None:
 
 
 def via_serve(live: Live, versions: int = 2) -> None:
-    """``vllm serve`` (started on X, the weightsync backend) updated over HTTP by two FSDP2 trainer
-    processes on vLLM's trainer-side API (``HTTPVLLMWeightSyncClient``); its state is read through
-    the dev route ``/collective_rpc``, its tokens through ``/v1/completions``."""
+    """``vllm serve`` (its own process, started on X, the weightsync backend) updated over HTTP by the
+    trainer's model in this process on vLLM's trainer-side API (``HTTPVLLMWeightSyncClient``); its
+    state is read through the dev route ``/collective_rpc``, its tokens through ``/v1/completions``;
+    at the end ``weightsync verify --engine`` compares it with a fresh engine of its own."""
     import httpx
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     from weightsync.bench.vllm_prefetch_serve import vllm_serve
+    from weightsync.cli import main
     from weightsync.engines.vllm_state import engine_state
+    from weightsync.integrations.vllm_trainer import WeightSyncTrainerEngine, WeightSyncTrainerInitInfo
+    from weightsync.sources.module import ModuleSource
+    from weightsync.torch_layout import fill_from_canonical
 
     args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "2",
             "--skip-tokenizer-init", "--kv-cache-memory-bytes", str(32 << 20), "--seed", "0"]
@@ -473,7 +479,6 @@ def via_serve(live: Live, versions: int = 2) -> None:
     if spec:
         args += ["--speculative-config", json.dumps(spec)]
     env = {**_child_env(live), "VLLM_SERVER_DEV_MODE": "1"}
-    targets = ["Y", "X", "Y", "X"][:versions]
 
     def served(url: str) -> tuple[list[int], Any]:
         body = {"model": str(live.tmp / "X"), "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0,
@@ -483,36 +488,22 @@ def via_serve(live: Live, versions: int = 2) -> None:
 
     with vllm_serve(live.tmp / "X", args, env=env, log=live.tmp / "server.log", timeout=600) as url:
         verify(live, "X", "X", f"{live.name}, vllm serve as started", *served(url))
-        job = new_job(live, "serve")
-        trainer_env = {**env, "WEIGHTSYNC_META_ADDR": live.server.address, "WEIGHTSYNC_META_TOKEN": live.server.token,
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-        procs = [subprocess.Popen([sys.executable, str(HERE / "_frontier_trainer.py"), "--config",
-                                   json.dumps(live.config), "--rank", str(rank), "--world", "2", "--seeds",
-                                   ",".join(str(SEEDS[t]) for t in targets), "--job", job, "--url", url],
-                                  env=trainer_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
-                 for rank in range(2)]
+        source = ModuleSource(live.hf_model(), live.config)
+        info = WeightSyncTrainerInitInfo(rank=0, num_writers=1, num_readers=1, meta_address=live.server.address,
+                                         meta_token=live.server.token, job=new_job(live, "serve"), timeout=240.0)
+        trainer = WeightSyncTrainerEngine.trainer_init(info, client=HTTPVLLMWeightSyncClient(url), source=source)
+        held = "X"
         try:
-            held = "X"
-            for version, target in enumerate(targets, start=1):
-                line = procs[0].stdout.readline() if procs[0].stdout else ""
-                assert line.strip() == f"SENT {version}", f"trainer 0 said {line!r}: {_stderr(procs)}"
-                what = f"{live.name}, vllm serve, trainer side in 2 FSDP2 processes over HTTP, layer phases"
+            for version, target in enumerate(["Y", "X", "Y", "X"][:versions], start=1):
+                with torch.no_grad():
+                    fill_from_canonical(source.layout(), source.tensors(), live.canonical[target])
+                trainer.send_weights(version)
+                what = f"{live.name}, vllm serve, trainer side over HTTP, hf, layer phases"
                 verify(live, held, target, what, *served(url))
                 held = target
-                procs[0].stdin.write("\n")  # type: ignore[union-attr]
-                procs[0].stdin.flush()  # type: ignore[union-attr]
-            for proc in procs:
-                proc.wait(timeout=240)
-                assert proc.returncode == 0, _stderr(procs)
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                proc.communicate()
+            trainer.shutdown()
         # the public tool on the same server: a fresh engine (a process of its own) on what it holds
-        from weightsync.cli import main
-
         assert main(["verify", "--engine", url, "--checkpoint", str(live.tmp / held), "--timeout", "600"]) == 0
 
 

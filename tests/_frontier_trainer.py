@@ -62,17 +62,12 @@ def run_rank(build: Callable[[dict[str, Any], argparse.Namespace], tuple[Any, Ca
     parser.add_argument("--job", required=True)
     parser.add_argument("--sync", default="{}", type=json.loads, help="more SyncConfig settings (its wire form)")
     parser.add_argument("--first-version", type=int, default=1, help="the version the first seed is written as")
-    parser.add_argument("--url", default="", help="send through vLLM's trainer-side API to this vllm serve; rank 0 "
-                                                  "prints 'SENT <version>' and waits for a line on stdin after each")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
     try:
         source, step = build(args.config, args)
         seeds = [int(s) for s in args.seeds.split(",")]
-        if args.url:
-            _send_to_server(source, step, seeds, args)
-            return 0
         sync = SyncConfig.from_wire({"num_writers": args.world, "num_readers": 1, "job": args.job, "timeout": 240.0,
                                      **args.sync})
         with WeightWriter(source, rank=args.rank, config=sync) as writer:
@@ -85,34 +80,6 @@ def run_rank(build: Callable[[dict[str, Any], argparse.Namespace], tuple[Any, Ca
             close()
         dist.destroy_process_group()
     return 0
-
-
-def _send_to_server(source: Any, step: Callable[[int], None], seeds: list[int], args: argparse.Namespace) -> None:
-    """The trainer side of vLLM's weight-transfer API over HTTP (``WeightSyncTrainerEngine``): each
-    version goes to the server at ``args.url``; rank 0 drives it, reports, and waits to be told to go on."""
-    import os
-
-    import torch.distributed as dist
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-
-    from weightsync.integrations.vllm_trainer import WeightSyncTrainerEngine, WeightSyncTrainerInitInfo
-
-    info = WeightSyncTrainerInitInfo(rank=args.rank, num_writers=args.world, num_readers=1,
-                                     meta_address=os.environ["WEIGHTSYNC_META_ADDR"],
-                                     meta_token=os.environ["WEIGHTSYNC_META_TOKEN"], job=args.job, timeout=240.0,
-                                     **args.sync)
-    engine = WeightSyncTrainerEngine.trainer_init(info, client=HTTPVLLMWeightSyncClient(args.url), source=source)
-    try:
-        for version, seed in enumerate(seeds, start=args.first_version):
-            with torch.no_grad():
-                step(seed)
-            engine.send_weights(version)
-            if args.rank == 0:
-                print(f"SENT {version}", flush=True)
-                sys.stdin.readline()
-            dist.barrier()
-    finally:
-        engine.shutdown()
 
 
 def fsdp2_rank(config: dict[str, Any], args: argparse.Namespace) -> tuple[Any, Callable[[int], None]]:

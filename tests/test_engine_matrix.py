@@ -68,19 +68,18 @@ def _cells(*extra: Cell) -> list[Cell]:
 
 
 MEGATRON_TP2_EP2 = {"tp": 2, "pp": 1, "ep": 2, "etp": 1}  # TP 2 x DP 2, EP 2 (four ranks)
-MEGATRON_TP2_PP2 = {"tp": 2, "pp": 2, "ep": 2, "etp": 1}  # the MTP layer and its embedding on the last stage
 
 #: family -> its cells (see docs/models.md for the covering design)
 CELLS: dict[str, list[Cell]] = {
-    "llama": _cells(Cell("engine", "fsdp2", "phases")),
+    "llama": _cells(Cell("engine", "hf", "phases")),
     "qwen2": _cells(Cell("backend", "hf", "prefetch")),
     "qwen3": _cells(Cell("engine", "hf", "delta")),
-    "qwen3_moe": _cells(Cell("backend", "fsdp2", "full")),
+    "qwen3_moe": _cells(Cell("backend", "hf", "phases")),
     "mixtral": _cells(Cell("backend", "hf", "delta")),
     "deepseek_v3": _cells(Cell("engine", "fsdp2", "full"), Cell("engine", "hf", "prefetch"),
-                          Cell("backend", "megatron", "full", MEGATRON_TP2_EP2), Cell("serve", "fsdp2", "phases")),
+                          Cell("serve", "hf", "phases")),
     "deepseek_v3-no-mtp": _cells(),
-    "glm4_moe": _cells(Cell("backend", "fsdp2", "phases"), Cell("engine", "megatron", "full", MEGATRON_TP2_PP2)),
+    "glm4_moe": _cells(Cell("backend", "fsdp2", "phases")),
     "glm4_moe-no-attention-bias": _cells(),
     "gpt_oss": _cells(Cell("engine", "megatron", "full", MEGATRON_TP2_EP2), Cell("backend", "fsdp2", "delta"),
                       Cell("trainer-child", "hf", "phases")),
