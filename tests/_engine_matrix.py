@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from weightsync.engine_state import compare_states
 from weightsync.layout import ModelSpec
-from weightsync.tiny import canonical_weights, checkpoint_tensors, tiny_config
+from weightsync.tools.engine_state import compare_states
+from weightsync.tools.tiny import canonical_weights, checkpoint_tensors, tiny_config
 
 HERE = Path(__file__).resolve().parent
 PROMPT = [5 + (7 * i) % 480 for i in range(40)]  # longer than one KV block (16 tokens with MLA on CPU)
@@ -100,8 +100,8 @@ def write_fp8_checkpoint(path: Path, config: dict[str, Any], seed: int) -> None:
     """An FP8 checkpoint of ``canonical_weights(config, seed)`` in bf16, quantized by the reference."""
     from safetensors.torch import save_file
 
-    from weightsync.codecs.fp8 import reference_quantize
     from weightsync.layout.quant import SCHEMES, quantized_tensors
+    from weightsync.tools.codecs.fp8 import reference_quantize
 
     spec = ModelSpec.from_hf_config(config)
     quantized = set(quantized_tensors(spec))
@@ -263,10 +263,10 @@ def hf_writer(live: Live, job: str, targets: list[tuple[int, str]], sync: dict[s
     """The trainer's transformers model in this process (``ModuleSource``), writing one version per
     target (its canonical values) from a thread; raises what the thread raised."""
     from weightsync.meta.client import MetaClient
+    from weightsync.roles.writer import WeightWriter
+    from weightsync.session.config import SyncConfig
     from weightsync.sources.module import ModuleSource
-    from weightsync.sync_config import SyncConfig
-    from weightsync.torch_layout import fill_from_canonical
-    from weightsync.writer import WeightWriter
+    from weightsync.tools.torch_layout import fill_from_canonical
 
     source = ModuleSource(live.hf_model(), live.config)
     config = SyncConfig.from_wire({"num_writers": 1, "num_readers": 1, "job": job, "timeout": 240.0, **sync})
@@ -344,8 +344,8 @@ def via_engine(live: Live, source: str, sync: dict[str, Any], versions: int = 1,
     on an engine that stages everything), ``versions`` versions of one job."""
     from weightsync.engines.vllm import VLLMEngine
     from weightsync.meta.client import MetaClient
-    from weightsync.reader import Prefetch, WeightReader
-    from weightsync.sync_config import SyncConfig
+    from weightsync.roles.reader import Prefetch, WeightReader
+    from weightsync.session.config import SyncConfig
 
     targets = _targets(live, versions)
     job = new_job(live, "engine")
@@ -375,7 +375,7 @@ def via_backend(live: Live, source: str, sync: dict[str, Any], versions: int = 1
                 parallel: dict[str, int] | None = None) -> None:
     """The ``"weightsync"`` worker backend, driven by ``update_llm``."""
     from weightsync.engines.vllm import update_llm
-    from weightsync.sync_config import SCOPES
+    from weightsync.session.config import SCOPES
 
     targets = _targets(live, versions)
     job = new_job(live, "backend")
@@ -400,7 +400,7 @@ def via_trainer(live: Live, sync: dict[str, Any], versions: int = 1) -> None:
     over ``LLMClient``), the transformers model as its source (layer phases unless ``sync`` says)."""
     from weightsync.integrations.vllm_trainer import LLMClient, WeightSyncTrainerEngine, WeightSyncTrainerInitInfo
     from weightsync.sources.module import ModuleSource
-    from weightsync.torch_layout import fill_from_canonical
+    from weightsync.tools.torch_layout import fill_from_canonical
 
     targets = _targets(live, versions)
     job = new_job(live, "trainer")
@@ -447,7 +447,7 @@ def via_trainer_child(live: Live, versions: int = 2) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert [r["version"] for r in results] == list(range(versions + 1)), proc.stdout[-2000:]
-    from weightsync.engine_state import state_from_wire
+    from weightsync.tools.engine_state import state_from_wire
 
     held = "X"
     for result, target in zip(results, ["X", *targets], strict=True):
@@ -466,12 +466,12 @@ def via_serve(live: Live, versions: int = 2) -> None:
     import httpx
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-    from weightsync.bench.vllm_prefetch_serve import vllm_serve
+    from weightsync.apps.bench.vllm_prefetch_serve import vllm_serve
     from weightsync.cli import main
     from weightsync.engines.vllm_state import engine_state
     from weightsync.integrations.vllm_trainer import WeightSyncTrainerEngine, WeightSyncTrainerInitInfo
     from weightsync.sources.module import ModuleSource
-    from weightsync.torch_layout import fill_from_canonical
+    from weightsync.tools.torch_layout import fill_from_canonical
 
     args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "2",
             "--skip-tokenizer-init", "--kv-cache-memory-bytes", str(32 << 20), "--seed", "0"]

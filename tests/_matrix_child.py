@@ -22,12 +22,12 @@ def main() -> int:
 
     from _engine_matrix import greedy, start_llm
     from _frontier_trainer import add_mtp_layers
-    from weightsync.engine_state import state_to_wire
     from weightsync.engines.vllm_state import engine_state
     from weightsync.integrations.vllm_trainer import LLMClient, WeightSyncTrainerInitInfo
     from weightsync.sources.module import ModuleSource
-    from weightsync.tiny import canonical_weights
-    from weightsync.torch_layout import fill_from_canonical
+    from weightsync.tools.engine_state import state_to_wire
+    from weightsync.tools.tiny import canonical_weights
+    from weightsync.tools.torch_layout import fill_from_canonical
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--checkpoint", required=True)

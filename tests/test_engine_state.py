@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from weightsync.engine_state import (
+from weightsync.tools.engine_state import (
     TensorDigest,
     compare_states,
     digest_state,

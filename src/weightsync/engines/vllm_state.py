@@ -4,7 +4,7 @@ A weight update is right when the engine holds exactly what a fresh engine start
 same weights holds. This module reads both and names every tensor that differs:
 
 * the *state* of an engine is every tensor its worker's model and MTP drafter reach
-  (:func:`weightsync.engine_state.tensor_state`: parameters, buffers, module attributes,
+  (:func:`weightsync.tools.engine_state.tensor_state`: parameters, buffers, module attributes,
   tensors inside quant configs and closures), plus one *probe* per linear layer: what the
   layer's quant method computes on a fixed input (``<module>.<probe>``). vLLM's CPU build
   keeps linear weights inside oneDNN handles that no walk can read (the parameter itself is
@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from weightsync.engine_state import (
+from weightsync.engines.vllm import draft_model, runs_mtp
+from weightsync.tools.engine_state import (
     StateReport,
     TensorDigest,
     compare_states,
@@ -48,7 +49,6 @@ from weightsync.engine_state import (
     state_to_wire,
     tensor_state,
 )
-from weightsync.engines.vllm import draft_model, runs_mtp
 
 #: The query the ``"weightsync"`` backend answers on its workers (see :func:`backend_query`).
 STATE_QUERY = "engine_state"
@@ -249,7 +249,7 @@ def verify_engine(live: Any, checkpoint: str | os.PathLike[str], *, timeout: flo
     """Compare a live engine (an ``LLM`` or a ``vllm serve`` URL) with a fresh engine on ``checkpoint``.
 
     Returns:
-        A :class:`~weightsync.engine_state.StateReport` naming every tensor that differs.
+        A :class:`~weightsync.tools.engine_state.StateReport` naming every tensor that differs.
     """
     settings, state = engine_state(live, timeout=timeout)
     return compare_states(state, fresh_state(checkpoint, settings, timeout=timeout))

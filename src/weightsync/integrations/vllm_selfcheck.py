@@ -45,11 +45,11 @@ def main() -> int:
     import torch
     from vllm import LLM
 
-    from weightsync.engine_state import compare_states, digest_state
     from weightsync.engines.vllm import VLLMEngine
     from weightsync.engines.vllm_state import engine_state, fresh_state
     from weightsync.meta import EmbeddedMetaServer
-    from weightsync.tiny import tiny_config, write_checkpoint
+    from weightsync.tools.engine_state import compare_states, digest_state
+    from weightsync.tools.tiny import tiny_config, write_checkpoint
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = tiny_config()
