@@ -18,7 +18,7 @@ TEST_SEED ?= 2701297310
 VERL_VENV ?= .venv-verl
 VERL_PY := $(VERL_VENV)/bin/python
 
-.PHONY: demo test test-verl lint typecheck clean
+.PHONY: demo test test-heavy test-verl lint typecheck clean
 
 # One stamp per set of extras, so `make demo` then `make test` installs only what is missing.
 $(VENV)/.installed-%: pyproject.toml
@@ -42,6 +42,9 @@ typecheck: $(VENV)/.installed-$(TEST_EXTRAS)
 test: lint typecheck
 	$(VENV)/bin/pytest -n 2 -p randomly --randomly-seed=$(TEST_SEED)
 	@echo "verl's backend is tested in a venv of its own (verl pins transformers<5.11): make test-verl"
+
+test-heavy: $(VENV)/.installed-$(TEST_EXTRAS)
+	$(VENV)/bin/pytest -n 2 -p randomly --randomly-seed=$(TEST_SEED) -m heavy
 
 $(VERL_VENV)/.installed: pyproject.toml
 	test -x $(VERL_PY) || python3 -m venv $(VERL_VENV)
