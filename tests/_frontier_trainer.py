@@ -7,8 +7,9 @@ gpt-oss), MTP layers included, writing versions through ``DTensorSource``.
 transformers builds no MTP layer (it ignores ``num_nextn_predict_layers``); a trainer of
 DeepSeek-V3's MTP head appends one, as RL frameworks that train it do: a decoder layer plus
 ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm`` at ``model.layers.{N}``, the names of the
-checkpoint (transformers runs only the first ``num_hidden_layers`` layers). Version ``i`` holds
-``weightsync.tools.tiny.canonical_weights(config, seeds[i - 1])``, written into each rank's local shards.
+checkpoint (transformers runs only the first ``num_hidden_layers`` layers). Version ``first + i``
+holds ``weightsync.tools.tiny.canonical_weights(config, seeds[i])`` (``--first-version``, default 1), written
+into each rank's local shards.
 """
 
 from __future__ import annotations
@@ -59,14 +60,18 @@ def run_rank(build: Callable[[dict[str, Any], argparse.Namespace], tuple[Any, Ca
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--seeds", required=True)
     parser.add_argument("--job", required=True)
+    parser.add_argument("--sync", default="{}", type=json.loads, help="more SyncConfig settings (its wire form)")
+    parser.add_argument("--first-version", type=int, default=1, help="the version the first seed is written as")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
     try:
         source, step = build(args.config, args)
-        sync = SyncConfig(num_writers=args.world, num_readers=1, job=args.job, timeout=240.0)
+        seeds = [int(s) for s in args.seeds.split(",")]
+        sync = SyncConfig.from_wire({"num_writers": args.world, "num_readers": 1, "job": args.job, "timeout": 240.0,
+                                     **args.sync})
         with WeightWriter(source, rank=args.rank, config=sync) as writer:
-            for version, seed in enumerate((int(s) for s in args.seeds.split(",")), start=1):
+            for version, seed in enumerate(seeds, start=args.first_version):
                 with torch.no_grad():
                     step(seed)
                 writer.write(version)

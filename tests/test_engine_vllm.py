@@ -499,6 +499,13 @@ def test_unsupported_engine_configurations_are_rejected():
         "quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]})) == "fp8_block"
     with pytest.raises(ValueError, match="LoRA"):
         check_supported(config(lora=object()))
+    if not HAVE_VLLM:  # which platform runs the engine is vLLM's to say
+        return
+    gpt_oss = config()
+    gpt_oss.model_config.dtype = torch.float16
+    gpt_oss.model_config.hf_config.to_dict = lambda: tiny_config(family="gpt_oss")
+    with pytest.raises(ValueError, match=r"gpt_oss in float16 on vLLM's CPU build: .* no reload refreshes"):
+        check_supported(gpt_oss)
 
 
 @pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed (pip install -e '.[vllm]')")
@@ -522,7 +529,7 @@ def test_an_mtp_engine_whose_drafter_the_backend_cannot_find_is_refused_at_init(
     init, naming why, rather than leave the drafter's weights stale."""
     from types import SimpleNamespace
 
-    from weightsync.integrations.vllm_backend import WeightSyncInitInfo, WeightSyncTransferEngine, _creator_drafter
+    from weightsync.integrations.vllm_backend import WeightSyncInitInfo, WeightSyncTransferEngine, _creator
 
     target, drafter = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
 
@@ -534,10 +541,11 @@ def test_an_mtp_engine_whose_drafter_the_backend_cannot_find_is_refused_at_init(
             return drafter
 
         def load_model(self):
-            return _creator_drafter(target)
+            return _creator(target)
 
-    assert Worker().load_model() is drafter
-    assert _creator_drafter(target) is None  # not created by a worker of that model
+    worker = Worker()
+    assert worker.load_model() is worker and worker.get_draft_model() is drafter
+    assert _creator(target) is None  # not created by a worker of that model
     engine = WeightSyncTransferEngine.__new__(WeightSyncTransferEngine)
     engine.reader, engine._drafter, engine._default_model = None, None, target
     from vllm.config import ParallelConfig

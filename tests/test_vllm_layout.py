@@ -44,16 +44,38 @@ def vllm_env():
         yield
 
 
+#: Config switches that change which tensors a family has: the canonical model follows each the way
+#: vLLM's model does (GLM-4.5 without q/k/v biases, Llama with them and o_proj's, Qwen3 with q/k/v
+#: biases, DeepSeek-V3 without its MTP layer, a tied Llama).
+SWITCHES = {"glm4_moe-no-attention-bias": {**tiny_config(family="glm4_moe"), "attention_bias": False},
+            "llama-attention-bias": {**tiny_config(family="llama"), "attention_bias": True},
+            "qwen3-attention-bias": {**tiny_config(), "attention_bias": True},
+            "deepseek_v3-no-mtp": {**tiny_config(family="deepseek_v3"), "num_nextn_predict_layers": 0},
+            "llama-tied": tiny_config(family="llama", tie=True)}
+
+
 @pytest.mark.parametrize("family", list(MODELS))
 def test_tables_equal_vllms_loaders(vllm_env, family):
+    _tables_equal_recording(family, MODELS[family], PARALLEL)
+
+
+@pytest.mark.parametrize("variant", list(SWITCHES))
+def test_config_switches_follow_vllms_model(vllm_env, variant):
+    from weightsync.engines.vllm_layout import unfed_parameters
+
+    config = SWITCHES[variant]
+    assert unfed_parameters(config, mtp=True) == [], "vLLM's model has tensors the canonical model does not"
+    _tables_equal_recording(variant, config, PARALLEL[:2])
+
+
+def _tables_equal_recording(family, config, parallel):
     from weightsync.engines.vllm_layout import record_rank
 
-    config = MODELS[family]
     spec = ModelSpec.from_hf_config(config)
     values = random_canonical(spec.canonical_tensors(), seed=1)
     ones = {name: np.ones_like(v) for name, v in values.items()}  # which elements hold anything
     checked = 0
-    for tp, dp, ep in PARALLEL:
+    for tp, dp, ep in parallel:
         if (ep and not spec.is_moe) or spec.num_heads % tp or (spec.is_mla and tp > 2):
             continue
         mtp = bool(spec.mtp_layers)

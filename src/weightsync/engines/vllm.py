@@ -266,6 +266,12 @@ def check_supported(vllm_config: Any) -> None:
     staging_quant(vllm_config)
     if vllm_config.lora_config is not None:
         raise ValueError("engines with LoRA enabled are not supported")
+    if getattr(vllm_config.model_config, "dtype", None) == torch.float16 and spec_of(vllm_config).family_info.sinks \
+            and _on_cpu():
+        raise ValueError(f"{spec_of(vllm_config).family} in float16 on vLLM's CPU build: its attention backend keeps "
+                         "a float32 copy "
+                         "of the attention sinks, cast once at the first forward, which no reload refreshes; run the "
+                         "engine in bfloat16 or float32")
 
 
 class ReloadSession:
@@ -287,6 +293,9 @@ class ReloadSession:
         self.draft = draft
         self._first_mtp = int(vllm_config.model_config.hf_config.num_hidden_layers)
         self._stashed: list[tuple[Any, Any]] = []
+        spec = spec_of(vllm_config)
+        #: checkpoint tensors holding every expert of a layer (gpt-oss): fed one expert at a time
+        self._whole_experts = frozenset(n for n, (role, _) in spec.roles().items() if role.startswith("experts_"))
 
     def _models(self) -> list[Any]:
         return [m for m in (self.model, self.draft) if m is not None]  # model None: the drafter alone
@@ -302,6 +311,7 @@ class ReloadSession:
             # to reload: initialised here first, the drafter's initialisation skips them
             for model in self._models():
                 initialize_layerwise_reload(model)
+                _release_unprocessed(model)
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         from vllm.config import set_current_vllm_config
@@ -313,6 +323,8 @@ class ReloadSession:
             if target:
                 if self.model is None:
                     raise ValueError(f"{target[0][0]} is the target model's, and this session reloads the drafter")
+                if self._whole_experts:
+                    target = _one_expert_at_a_time(self.model, target, self._whole_experts)
                 self.model.load_weights(iter(target))
             if draft:
                 if self.draft is None:
@@ -332,6 +344,60 @@ class ReloadSession:
             self._stashed = []
         if self.model is not None:
             _cpu_retie_lm_head(self.model)
+
+
+def _release_unprocessed(model: torch.nn.Module) -> None:
+    """Take the modules vLLM never post-processes out of the reload session just opened on ``model``.
+
+    A layerwise reload puts every module on the meta device and rebuilds it once its loader
+    calls are all in. A module without a quant method (a norm, gpt-oss's attention holding the
+    ``sinks``) is never processed: what the loader writes is what it computes with. Some
+    loaders write such modules by a direct copy, not through the parameter's weight loader
+    (vLLM 0.32's gpt-oss: ``param.data.copy_`` into the sinks), which a session never sees:
+    the copy lands in a meta tensor, the session puts the old tensors back, and the engine
+    keeps the old values (and so does every holder of the same tensor: the attention
+    backend's ``impl.sinks``). Outside the session the loader writes the live tensors, as at
+    start-up, by either route. Attention layers stay: the session processes them last.
+    """
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors, get_layerwise_info
+
+    for layer in model.modules():
+        info = get_layerwise_info(layer)
+        if (not info.can_load() or info.kernel_tensors is None or is_deferred_attention_layer(layer)
+                or isinstance(getattr(layer, "quant_method", None), QuantizeMethodBase)):
+            continue
+        _place_kernel_tensors(layer, info)  # the live tensors, with their own weight loaders
+        info.reset()
+
+
+def _one_expert_at_a_time(model: Any, items: list[tuple[str, torch.Tensor]],
+                          whole: frozenset[str]) -> list[tuple[str, torch.Tensor]]:
+    """``items`` with each whole-experts checkpoint tensor cut into vLLM's one-expert-at-a-time form.
+
+    vLLM 0.32's gpt-oss loader copies a checkpoint's whole-expert tensors (``experts.gate_up_proj``
+    ``[E, H, 2I]``, its bias, ``down_proj``, its bias) straight into the fused expert parameters,
+    which a reload session (parameters on the meta device, loads counted through their weight
+    loaders) never sees: the experts kept their old values. The same loader also takes one expert
+    at a time (``layers.L.mlp.experts.<e>.w13_weight``, its streamed-expert format) through the
+    experts' weight loader, which the session counts, then processes the layer as at start-up
+    (the CPU prepack, the quant config holding the biases). The parameter names are the model's
+    own mapping of the checkpoint's (``hf_to_vllm_mapper``); each expert is a view, not a copy.
+    """
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    inner = getattr(model, "model", None)
+    if mapper is None or not hasattr(inner, "_get_streamed_expert_info"):
+        raise NotImplementedError(f"{type(model).__name__} holds whole-expert checkpoint tensors, and this vLLM has no "
+                                  "one-expert-at-a-time loader for them: a reload would leave its experts stale")
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in items:
+        if name not in whole:
+            out.append((name, tensor))
+            continue
+        (mapped, _), = mapper.apply([(name, tensor)])
+        out += [(mapped.replace(".experts.", f".experts.{e}.", 1), tensor[e]) for e in range(tensor.shape[0])]
+    return out
 
 
 def layer_of(name: str) -> int:

@@ -286,8 +286,10 @@ def _build(vllm_config: Any, model_config: Any, ep: bool) -> torch.nn.Module:
         return initialize_model(vllm_config=vllm_config, model_config=model_config)
 
 
-def _record(model: torch.nn.Module, checkpoint: list[Shard], skip: tuple[str, ...] = ()) -> list[Shard]:
-    """Run ``model.load_weights`` on recording tensors of ``checkpoint``; the parameters as shards."""
+def _record(model: torch.nn.Module, checkpoint: list[Shard], skip: tuple[str, ...] = (),
+            unfed: list[str] | None = None) -> list[Shard]:
+    """Run ``model.load_weights`` on recording tensors of ``checkpoint``; the parameters as shards
+    (``unfed`` collects the parameters no checkpoint tensor reached)."""
     params = {n: p for n, p in model.named_parameters() if not n.startswith(skip)}
     recorder = _Recorder(params)
     weights = [(s.name, RecordingTensor(s.name, torch.empty(s.shape, dtype=_torch_dtype(s.dtype), device="meta"),
@@ -302,6 +304,8 @@ def _record(model: torch.nn.Module, checkpoint: list[Shard], skip: tuple[str, ..
         if regions:
             out.append(Shard(name, tuple(param.shape), dtype_name(param.dtype),
                              tuple(sorted(regions, key=lambda r: (r.offset, r.canonical)))))
+        elif unfed is not None and name not in recorder.zeroed:
+            unfed.append(name)
     return out
 
 
@@ -346,20 +350,36 @@ def record_rank(config: Mapping[str, Any], *, tp: int = 1, dp: int = 1, ep: bool
 
 
 def _record_model(config: Mapping[str, Any], *, tp: int, dp: int, ep: bool, rank: int, mtp: bool,
-                  dtype: str) -> list[Shard]:
+                  dtype: str, unfed: list[str] | None = None) -> list[Shard]:
     spec = ModelSpec.from_hf_config(config)
     vllm_config = _engine_config(json.dumps(dict(config), sort_keys=True), dtype, mtp)
     checkpoint = list(HFLayout(dtype=None).rank_layout(spec, 0).shards)
     main = [s for s in checkpoint if _layer(s.name) < spec.num_layers]
     with _parallel_groups(tp, dp, rank % tp, rank // tp):
-        shards = _record(_build(vllm_config, vllm_config.model_config, ep), main)
+        shards = _record(_build(vllm_config, vllm_config.model_config, ep), main, unfed=unfed)
         if mtp and spec.mtp_layers:
             draft = _build(vllm_config, vllm_config.speculative_config.draft_model_config, ep)
             # vLLM's proposer gives the drafter the target's embedding and output head
+            drafted: list[str] = []
             shards += _record(draft, [s for s in checkpoint if _layer(s.name) >= spec.num_layers],
-                              skip=("model.embed_tokens.", "lm_head."))
+                              skip=("model.embed_tokens.", "lm_head."), unfed=drafted)
             shards = [s for s in shards if ".shared_head.head." not in s.name]
+            if unfed is not None:
+                unfed += [f"drafter.{n}" for n in drafted if ".shared_head.head." not in n]
     return shards
+
+
+def unfed_parameters(config: Mapping[str, Any], *, mtp: bool = False, dtype: str | None = None) -> list[str]:
+    """The parameters of vLLM's model of ``config`` (TP 1) that no canonical tensor reaches.
+
+    Empty when the canonical model follows every switch of the config the way vLLM's model
+    does; a name here is a tensor vLLM would keep uninitialised after loading the checkpoint.
+    """
+    spec = ModelSpec.from_hf_config(config)
+    unfed: list[str] = []
+    _record_model(config, tp=1, dp=1, ep=False, rank=0, mtp=mtp and bool(spec.mtp_layers),
+                  dtype=dtype or spec.dtype, unfed=unfed)
+    return unfed
 
 
 def _layer_kinds(spec: ModelSpec) -> list[int]:

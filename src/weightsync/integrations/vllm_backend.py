@@ -35,7 +35,7 @@ version the target does after each ``update_weights``, whoever drives it (``upda
 trainer-side ``WeightSyncTrainerEngine.send_weights``, vLLM's HTTP routes or Ray client). vLLM
 hands a backend its drafter only in a draft session (``start_draft_weight_update``), which
 vLLM's trainer-side client protocol cannot open, so the backend takes it from the worker that
-creates it (:func:`_creator_drafter`), and refuses at init an MTP engine whose drafter it cannot
+creates it (:func:`_creator`), and refuses at init an MTP engine whose drafter it cannot
 find. A draft session is still accepted, for the version the target holds (nothing is left to load).
 """
 
@@ -275,14 +275,15 @@ def reader_rank(first: int, num_readers: int, vllm_config: Any) -> int:
     return mine
 
 
-def _creator_drafter(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The MTP drafter of the vLLM worker creating this backend for ``model``; None if not found.
+def _creator(model: torch.nn.Module) -> Any:
+    """The vLLM worker creating this backend for ``model``; None if not found.
 
     vLLM gives a weight-transfer engine its drafter only inside a draft session, which its
     trainer-side client protocol (``VLLMWeightSyncClient``: four calls) cannot open. The worker
     builds the engine in ``Worker.load_model`` (vLLM 0.32, ``WeightTransferEngineFactory.create_engine``)
     once its model runner holds the drafter: the caller whose ``get_model()`` is ``model`` is that
-    worker, and its ``get_draft_model()`` the drafter vLLM's draft session would hand over.
+    worker, its ``get_draft_model()`` the drafter vLLM's draft session would hand over, and its
+    model runner the holder of the KV caches (which the engine-state oracle leaves out).
     """
     frame: FrameType | None = sys._getframe(1)
     for _ in range(12):
@@ -293,7 +294,7 @@ def _creator_drafter(model: torch.nn.Module) -> torch.nn.Module | None:
         if callable(get_model) and callable(get_draft):
             try:
                 if get_model() is model:
-                    return get_draft()  # type: ignore[no-any-return]
+                    return owner
             except Exception:  # another object with these names: keep looking
                 pass
         frame = frame.f_back
@@ -318,12 +319,24 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         #: the full-model engine (None with LoRA): the one that holds the MTP drafter's layers
         self._worker: _WorkerEngine | None = None
         self._draft_session = False
+        worker = _creator(model)
         #: the MTP drafter, taken now: only the worker creating this engine can say which it is
-        self._drafter = _creator_drafter(model) if runs_mtp(vllm_config) else None
+        self._drafter = worker.get_draft_model() if worker is not None and runs_mtp(vllm_config) else None
+        #: its model runner (for the KV caches the engine-state oracle leaves out), None if not found
+        self._runner = getattr(worker, "model_runner", None)
         #: the bench's timestamps of forwards and of these calls (None unless it asks: vllm_step_trace)
         self._trace = vllm_step_trace.install(model)
         #: staging memory taken now, before vLLM sizes its KV cache (laid out at init)
         self._reserve = reserve_staging(vllm_config, device)
+
+    def __call__(self, query: str) -> dict[str, Any]:
+        """Answer a weightsync query about this worker's engine, JSON-able: what the oracle reads
+        through ``collective_rpc("weight_transfer_engine", args=("engine_state",))`` (an ``LLM`` of
+        any process, or ``vllm serve``'s ``/collective_rpc``; :mod:`weightsync.engines.vllm_state`)."""
+        from weightsync.engines.vllm_state import backend_query, kv_caches
+
+        return backend_query(self._default_model, self._drafter, self.vllm_config, query,
+                             runtime=kv_caches(self._runner) if self._runner is not None else ())
 
     def _span(self, call: str) -> Any:
         return self._trace.span(call) if self._trace is not None else contextlib.nullcontext()

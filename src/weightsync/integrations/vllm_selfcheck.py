@@ -1,8 +1,11 @@
 """``weightsync doctor --engines``: update a live vLLM engine through weightsync, and prove it.
 
 The proof is :mod:`weightsync.integrations.selfcheck`'s (version 1 changes the greedy output,
-version 2 restores it token for token), on a vLLM ``LLM``. It runs in a child process (an
-in-process vLLM binds threads and sets global parallel state), on the GPU when there is one.
+version 2 restores it token for token), on a vLLM ``LLM``, and the engine-state oracle's
+(:mod:`weightsync.engines.vllm_state`): after each version every tensor the engine holds equals
+a fresh engine's started on that version's checkpoint (A, then B), bitwise. It runs in a child
+process (an in-process vLLM binds threads and sets global parallel state), on the GPU when
+there is one; the fresh engines run in processes of their own.
 
     ok, detail = self_check(timeout=300)
     python -m weightsync.integrations.vllm_selfcheck        # what self_check runs; prints one JSON line
@@ -43,24 +46,40 @@ def main() -> int:
     from vllm import LLM
 
     from weightsync.engines.vllm import VLLMEngine
+    from weightsync.engines.vllm_state import engine_state, fresh_state
     from weightsync.meta import EmbeddedMetaServer
-    from weightsync.tools.tiny import canonical_weights, tiny_config, write_checkpoint
+    from weightsync.tools.engine_state import compare_states, digest_state
+    from weightsync.tools.tiny import tiny_config, write_checkpoint
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = tiny_config()
     with tempfile.TemporaryDirectory(prefix="weightsync-selfcheck-") as tmp, EmbeddedMetaServer() as server:
+        a = write_checkpoint(Path(tmp) / "A", config, seed=1)
         b = write_checkpoint(Path(tmp) / "B", config, seed=2)
         llm = LLM(model=str(Path(tmp) / "B"), dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=1,
                   seed=0, kv_cache_memory_bytes=32 << 20, skip_tokenizer_init=True)
         ref_b = _greedy(llm)
-        out_a, out_b, results = round_trip(VLLMEngine(llm), lambda: _greedy(llm), config, server,
-                                           (canonical_weights(config, seed=1), b))
+        states = []  # the engine's state (digests) after each version
+
+        def observe() -> list[int]:
+            settings, state = engine_state(llm)
+            states.append((settings, digest_state(state)))  # type: ignore[arg-type]
+            return _greedy(llm)
+
+        out_a, out_b, results = round_trip(VLLMEngine(llm), observe, config, server, (a, b))
+        llm.llm_engine.engine_core.shutdown()
         ok, detail = verdict(out_a, out_b, ref_b, where=f"on {device}: ")
         if ok:
             detail += (f" ({sum(r.nbytes for r in results)} bytes, "
                        f"{sum(r.seconds for r in results):.2f}s)")
+        for (settings, state), name in zip(states, "AB", strict=True):  # the oracle: a fresh engine on each
+            report = compare_states(state, fresh_state(Path(tmp) / name, settings))
+            if not report.ok:
+                ok, detail = False, f"on {device}: after version {name}: {report.describe(limit=8)}"
+                break
+        else:
+            detail += f"; every tensor equals a fresh engine's after each version ({report.compared} tensors)"
         print(PREFIX + json.dumps({"ok": ok, "detail": detail}), flush=True)
-        llm.llm_engine.engine_core.shutdown()
     return 0
 
 

@@ -106,12 +106,19 @@ class Family:
     ``attention`` is ``"gqa"`` (q/k/v/o) or ``"mla"`` (latent attention); ``experts`` is
     ``"stacked"`` (one checkpoint tensor per expert matrix, canonical stacks ``experts.*``)
     or ``"whole"`` (gpt-oss: the checkpoint holds every expert in one tensor, with biases).
+
+    ``qkv_bias`` and ``o_bias`` say whether the q/k/v and the output projections carry biases
+    the way vLLM's model of the family decides it: ``True`` always, ``False`` never, or the
+    name of the config switch that decides it (absent from a config: no bias, its default in
+    transformers and vLLM).
     """
 
     name: str
     names: Mapping[str, str]
     architecture: str
-    qkv_bias: bool = False
+    qkv_bias: bool | str = False
+    o_bias: bool | str = False
+    sinks: bool = False  # per-head attention sinks
     qk_norm: bool = False
     moe: bool = False
     attention: str = "gqa"
@@ -121,18 +128,25 @@ class Family:
 
 
 FAMILIES: Mapping[str, Family] = {
-    "llama": Family("llama", _LLAMA_NAMES, "LlamaForCausalLM"),
+    # vLLM's Llama: attention_bias (or bias) puts biases on q/k/v and o_proj alike
+    "llama": Family("llama", {**_LLAMA_NAMES, "o_bias": _L + "self_attn.o_proj.bias"}, "LlamaForCausalLM",
+                    qkv_bias="attention_bias", o_bias="attention_bias"),
     "qwen2": Family("qwen2", _LLAMA_NAMES, "Qwen2ForCausalLM", qkv_bias=True),
-    "qwen3": Family("qwen3", _LLAMA_NAMES, "Qwen3ForCausalLM", qk_norm=True),
-    "qwen3_moe": Family("qwen3_moe", _LLAMA_NAMES, "Qwen3MoeForCausalLM", qk_norm=True, moe=True),
+    "qwen3": Family("qwen3", _LLAMA_NAMES, "Qwen3ForCausalLM", qkv_bias="attention_bias", qk_norm=True),
+    "qwen3_moe": Family("qwen3_moe", _LLAMA_NAMES, "Qwen3MoeForCausalLM", qkv_bias="attention_bias", qk_norm=True,
+                        moe=True),
     "mixtral": Family("mixtral", _MIXTRAL_NAMES, "MixtralForCausalLM", moe=True, experts_key="num_local_experts"),
     "deepseek_v3": Family("deepseek_v3", _DEEPSEEK_NAMES, "DeepseekV3ForCausalLM", moe=True, attention="mla",
                           experts_key="n_routed_experts"),
-    "glm4_moe": Family("glm4_moe", {**_LLAMA_NAMES, **_DEEPSEEK_MOE_NAMES}, "Glm4MoeForCausalLM", qkv_bias=True,
-                       moe=True, experts_key="n_routed_experts"),
-    "gpt_oss": Family("gpt_oss", _GPT_OSS_NAMES, "GptOssForCausalLM", qkv_bias=True, moe=True, experts="whole",
-                      experts_key="num_local_experts"),
+    "glm4_moe": Family("glm4_moe", {**_LLAMA_NAMES, **_DEEPSEEK_MOE_NAMES}, "Glm4MoeForCausalLM",
+                       qkv_bias="attention_bias", moe=True, experts_key="n_routed_experts"),
+    "gpt_oss": Family("gpt_oss", _GPT_OSS_NAMES, "GptOssForCausalLM", qkv_bias=True, o_bias=True, sinks=True, moe=True,
+                      experts="whole", experts_key="num_local_experts"),
 }
+
+#: Config switches a family's config may hold that change its tensors in ways no role expresses:
+#: refused by name rather than ignored (vLLM's Llama reads ``mlp_bias``).
+UNSUPPORTED_SWITCHES: Mapping[str, tuple[str, ...]] = {"llama": ("mlp_bias",)}
 
 #: Hugging Face ``architectures[0]`` (or ``model_type``) -> family. Kimi-K2 checkpoints name
 #: ``DeepseekV3ForCausalLM`` (model type ``kimi_k2``).

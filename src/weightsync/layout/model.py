@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from weightsync.layout.families import ARCHITECTURES, FAMILIES, FLOAT32_ROLES, MTP_ROLES, Family
+from weightsync.layout.families import (
+    ARCHITECTURES,
+    FAMILIES,
+    FLOAT32_ROLES,
+    MTP_ROLES,
+    UNSUPPORTED_SWITCHES,
+    Family,
+)
 from weightsync.layout.types import CanonicalTensor, itemsize
 
 __all__ = ["ARCHITECTURES", "FAMILIES", "Family", "ModelSpec"]
@@ -47,7 +54,8 @@ class ModelSpec:
     head_dim: int
     vocab_size: int
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool | None = None  # q/k/v biases (None: the family's rule, or none)
+    o_bias: bool | None = None  # the output projection's bias (likewise)
     qk_norm: bool | None = None  # None: the family's default
     num_experts: int = 0
     moe_intermediate_size: int = 0
@@ -66,8 +74,16 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"unknown model family {self.family!r}; known: {sorted(FAMILIES)}")
+        fam = FAMILIES[self.family]
         if self.qk_norm is None:
-            object.__setattr__(self, "qk_norm", FAMILIES[self.family].qk_norm)
+            object.__setattr__(self, "qk_norm", fam.qk_norm)
+        for attr, rule in (("attention_bias", fam.qkv_bias), ("o_bias", fam.o_bias)):
+            if getattr(self, attr) is None:
+                object.__setattr__(self, attr, rule is True)
+            elif isinstance(rule, bool) and getattr(self, attr) != rule:
+                raise ValueError(f"model config: a {self.family} model {'always' if rule else 'never'} has "
+                                 f"{'q/k/v' if attr == 'attention_bias' else 'output projection'} biases in vLLM, "
+                                 f"got {attr}={getattr(self, attr)}")
         itemsize(self.dtype)
         for attr in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size"):
             if getattr(self, attr) <= 0:
@@ -96,6 +112,10 @@ class ModelSpec:
                 f"known: {sorted(a for a in ARCHITECTURES if a[0].isupper())}"
             )
         fam = FAMILIES[family]
+        for switch in UNSUPPORTED_SWITCHES.get(family, ()):
+            if config.get(switch):
+                raise ValueError(f"model config: {switch}={config[switch]!r} is not supported for {family} models "
+                                 "(weightsync has no role for the tensors it adds)")
         try:
             hidden = int(config["hidden_size"])
             heads = int(config["num_attention_heads"])
@@ -114,7 +134,8 @@ class ModelSpec:
             head_dim=int(config.get("head_dim") or hidden // heads),
             vocab_size=vocab,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=fam.qkv_bias or bool(config.get("attention_bias", False)),
+            attention_bias=_switch(fam.qkv_bias, config),
+            o_bias=_switch(fam.o_bias, config),
             qk_norm=bool(config["use_qk_norm"]) if "use_qk_norm" in config else fam.qk_norm,
             dtype=dtype,
             **_moe_fields(fam, config, layers),
@@ -214,8 +235,10 @@ class ModelSpec:
             if self.qk_norm:
                 roles += ["q_norm", "k_norm"]
         roles.append("o")
-        if fam.experts == "whole":  # gpt-oss: biased output projection and attention sinks
-            roles += ["o_bias", "sinks"]
+        if self.o_bias:
+            roles.append("o_bias")
+        if fam.sinks:
+            roles.append("sinks")
         roles.append("post_attn_norm")
         if not self.is_moe_layer(layer):
             roles += ["gate", "up", "down"]
@@ -287,8 +310,9 @@ class ModelSpec:
             "tie_word_embeddings": self.tie_word_embeddings,
             "torch_dtype": self.dtype,
         }
-        if self.attention_bias and not fam.qkv_bias:
-            cfg["attention_bias"] = True
+        for switch, value in ((fam.qkv_bias, self.attention_bias), (fam.o_bias, self.o_bias)):
+            if isinstance(switch, str):
+                cfg[switch] = bool(value)
         if self.qk_norm != fam.qk_norm:
             cfg["use_qk_norm"] = self.qk_norm
         if self.is_moe:
@@ -311,6 +335,11 @@ class ModelSpec:
         if self.mtp_layers:
             cfg["num_nextn_predict_layers"] = self.mtp_layers
         return cfg
+
+
+def _switch(rule: bool | str, config: Mapping[str, Any]) -> bool:
+    """A family's rule for an optional tensor (:class:`Family`): fixed, or read from a config switch."""
+    return bool(config.get(rule, False)) if isinstance(rule, str) else rule
 
 
 def _moe_fields(fam: Family, config: Mapping[str, Any], layers: int) -> dict[str, Any]:

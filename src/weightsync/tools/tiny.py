@@ -23,11 +23,27 @@ from weightsync.layout import ModelSpec, expert_name, is_expert_stack
 VOCAB = 512
 
 
-#: Tiny configs of the frontier families, sized for vLLM's CPU build: its MLA backend takes only
-#: DeepSeek's latent sizes (kv_lora_rank 512, qk_rope_head_dim 64), its attention head sizes of 32
-#: and up. Each has 2 decoder layers (one dense where the family has dense layers), 4 experts and,
-#: where the family has it, one MTP layer.
+#: Tiny configs of every family, sized for vLLM's CPU build: its MLA backend takes only DeepSeek's
+#: latent sizes (kv_lora_rank 512, qk_rope_head_dim 64), its attention head sizes of 32 and up, its
+#: MoE kernel expert sizes divisible by 32. Each has 2 decoder layers (one dense where the family has
+#: dense layers), 4 experts where it has experts and, where the family has it, one MTP layer.
+#: (Qwen3 and Qwen3-MoE: ``tiny_config(moe=...)``.)
 FRONTIER: dict[str, dict[str, Any]] = {
+    "llama": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu", "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5,
+    },
+    "qwen2": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 128, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu", "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+    },
+    "mixtral": {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 128, "intermediate_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "hidden_act": "silu", "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+    },
     "deepseek_v3": {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
         "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2,
@@ -58,7 +74,10 @@ FRONTIER: dict[str, dict[str, Any]] = {
 
 
 def tiny_config(*, moe: bool = False, tie: bool = False, family: str | None = None) -> dict[str, Any]:
-    """A tiny Qwen3 (Qwen3-MoE with ``moe``) config, or one of :data:`FRONTIER` by family name."""
+    """A tiny Qwen3 (Qwen3-MoE with ``moe``) config, or one of :data:`FRONTIER` by family name
+    (``qwen3`` and ``qwen3_moe`` name the first two too)."""
+    if family in ("qwen3", "qwen3_moe"):
+        moe, family = family == "qwen3_moe", None
     if family is not None:
         return {**FRONTIER[family], "vocab_size": VOCAB, "num_hidden_layers": 2, "max_position_embeddings": 1024,
                 "tie_word_embeddings": tie, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}

@@ -1,5 +1,7 @@
 """``weightsync verify``: compare weights with a checkpoint, tensor by tensor, read-only.
 
+    # a live engine against a fresh engine started on a checkpoint: every tensor it holds
+    weightsync verify --engine http://rollout:8000 --checkpoint ckpt/
     # an engine's per-rank dumps (rank-0.safetensors, ...) in a layout, against a checkpoint
     weightsync verify --checkpoint ckpt/ --weights dumps/ --layout vllm:tp=2 --config ckpt/
     # two checkpoints with canonical names
@@ -21,8 +23,13 @@ from weightsync.tools.verify import checkpoint_index, merge_reports, verify_rank
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="reference checkpoint directory (*.safetensors)")
-    p.add_argument("--weights", required=True,
-                   help="weights to check: per-rank dumps (rank-<r>.safetensors, with --layout) or a checkpoint")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--weights",
+                      help="weights to check: per-rank dumps (rank-<r>.safetensors, with --layout) or a checkpoint")
+    what.add_argument("--engine", metavar="URL",
+                      help="a live vLLM server (vllm serve with VLLM_SERVER_DEV_MODE=1 and the weightsync backend): "
+                           "every tensor it holds against a fresh engine started on --checkpoint")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for each engine to answer (--engine)")
     p.add_argument("--layout", help="layout of the per-rank dumps, e.g. vllm:tp=2 (omit for a checkpoint)")
     p.add_argument("--config", help="HF config.json (file, directory or bundled name); default: --checkpoint")
     p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bitwise)")
@@ -30,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine:
+        return _engine(args)
     spec = load_spec(args.config or args.checkpoint)
     index = checkpoint_index(args.checkpoint)
     reports = []
@@ -57,4 +66,21 @@ def run(args: argparse.Namespace) -> int:
               f"statuses {summary['statuses']}, {summary['missing']} missing, max |diff| {summary['max_abs_diff']:g}")
         for t in [t for t in report.tensors.values() if t.status != "ok"][:20]:
             print(f"  {t.status}: {t.name} {t.detail or f'{t.differing_elements} elements differ'}", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+def _engine(args: argparse.Namespace) -> int:
+    """The live engine's state against a fresh engine's on the checkpoint (weightsync.engines.vllm_state)."""
+    import json
+
+    from weightsync.engines.vllm_state import verify_engine
+
+    report = verify_engine(args.engine, args.checkpoint, timeout=args.timeout)
+    if args.json:
+        print(json.dumps(report.to_wire(), indent=2))
+    elif report.ok:
+        print(f"OK: {report.compared} tensors of {args.engine} equal a fresh engine's on {args.checkpoint}")
+    else:
+        print(f"MISMATCH: {args.engine} against a fresh engine on {args.checkpoint}: {report.describe()}",
+              file=sys.stderr)
     return 0 if report.ok else 1

@@ -291,6 +291,8 @@ class MegatronLayout(LayoutKind):
                                     self._qkv_parts(spec, layer, t, "_bias")))
         out.append(split(tensor("o"), prefix + "self_attention.linear_proj.weight",
                          dim=1, parts=self.tp, index=t, dtype=dtype))
+        if "o_bias" in roles:  # a RowParallelLinear's bias is whole on every rank
+            out.append(replicated(tensor("o_bias"), prefix + "self_attention.linear_proj.bias", dtype))
         if not spec.is_moe_layer(layer):
             gate, up = tensor("gate"), tensor("up")
             lo, hi = even_bounds(gate.shape[0], self.tp, what="intermediate_size")[t]
