@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from weightsync.deadline import Deadline
 from weightsync.job import PublishedVersion
 from weightsync.session import SyncConfig, SyncError, SyncResult, SyncSession, device_of, state_lost
+from weightsync.torch_layout import apply_copies
 from weightsync.transport import TransportError
 
 if TYPE_CHECKING:
@@ -184,6 +185,11 @@ class WeightReader:
                     t0 = time.perf_counter()
                     planned.digests.check(phase, buffers, version=v)
                     phases["check"] = phases.get("check", 0.0) + time.perf_counter() - t0
+                copies = planned.phases[phase] if planned.phases else planned.plan
+                if copies.num_copies:  # boxes this reader holds twice (EPLB's redundant experts)
+                    t0 = time.perf_counter()
+                    apply_copies(copies, buffers)
+                    phases["copy"] = phases.get("copy", 0.0) + time.perf_counter() - t0
                 if planned.phases:  # an engine staging phase by phase loads this one now
                     t0 = time.perf_counter()
                     self._phase_arrived(v, phase, planned.phase_names[phase])

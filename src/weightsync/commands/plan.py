@@ -130,9 +130,11 @@ def _print_table(out: dict[str, Any]) -> None:
         ("total bytes (one model copy)", _fmt_bytes(out["total_bytes"])),
         ("needed bytes (all readers)", _fmt_bytes(out["needed_bytes"])),
         ("sent bytes", f"{_fmt_bytes(out['sent_bytes'])} (redundant: {out['sent_bytes'] - out['needed_bytes']})"),
+        ("copied within readers", f"{_fmt_bytes(out['copied_bytes'])} (a box one reader holds twice: EPLB's "
+                                  "redundant experts, received once)"),
         ("ops", f"{out['num_ops']:,}"),
-        ("max send per writer", _fmt_bytes(out["max_send_bytes"])),
-        ("max receive per reader", _fmt_bytes(out["max_recv_bytes"])),
+        ("max send per writer (its link)", _fmt_bytes(out["max_send_bytes"])),
+        ("max receive per reader (its link)", _fmt_bytes(out["max_recv_bytes"])),
         ("imbalance (max/mean send)", f"{out['imbalance']:.4f}"),
         ("max send / lower bound", f"{out['balance_ratio']:.4f}"),
         ("simulated time", f"{out['simulated_seconds']:.3f} s at {out['link_gbps']:g} Gbit/s per rank"),

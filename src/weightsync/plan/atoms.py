@@ -89,6 +89,7 @@ class Atoms:
         self.num_dests = dst.num_ranks
         self.big = max((max(s) if s else 1) for s in self.shapes) + 1 if self.shapes else 2
         self.name_hash = np.array([zlib.crc32(n.encode()) for n in self.tensors], dtype=np.int64)
+        self.copy_of = _copies(self.dst)
         self._check_names()
         self._check_source_dtypes()
         self._build_atoms()
@@ -220,7 +221,12 @@ class Atoms:
 
     # -- balancing ------------------------------------------------------------------------
     def _balance(self) -> None:
-        """Holder classes, their estimated demand, and each rank's share of each class."""
+        """Holder classes, their estimated demand, and each rank's share of each class.
+
+        The demand counts every destination region, a reader's local copies too: a reader that
+        moves an expert between its slots (EPLB) then changes no class's demand, so no other
+        rank's ops change with it.
+        """
         n_atoms = len(self.atom_tensor)
         ranks = self.src.rank[self.holder_row]
         class_index: dict[tuple[int, ...], int] = {}
@@ -255,6 +261,30 @@ class Atoms:
         h.update(b"|readers|")
         self.dst.digest_update(h)
         return h.hexdigest()
+
+
+def _copies(dst: RegionTable) -> np.ndarray:
+    """Per destination row, the earlier row of the same rank holding the same box of the same
+    tensor in the same dtype (-1: none). Such a row is filled by a local copy of that one."""
+    n = len(dst)
+    out = np.full(n, -1, dtype=np.int64)
+    if n < 2:
+        return out
+    keys = [np.arange(n)]
+    keys += [dst.size[:, d] for d in range(dst.size.shape[1] - 1, -1, -1)]
+    keys += [dst.off[:, d] for d in range(dst.off.shape[1] - 1, -1, -1)]
+    keys += [dst.dtype, dst.tensor, dst.rank]
+    order = np.lexsort(keys)
+    same = np.zeros(n, dtype=bool)
+    same[1:] = ((dst.rank[order][1:] == dst.rank[order][:-1]) & (dst.tensor[order][1:] == dst.tensor[order][:-1])
+                & (dst.dtype[order][1:] == dst.dtype[order][:-1])
+                & (dst.off[order][1:] == dst.off[order][:-1]).all(1)
+                & (dst.size[order][1:] == dst.size[order][:-1]).all(1))
+    if not same.any():
+        return out
+    head = np.maximum.accumulate(np.where(same, 0, np.arange(n)))
+    out[order[same]] = order[head[same]]
+    return out
 
 
 def ranges(counts: np.ndarray) -> np.ndarray:

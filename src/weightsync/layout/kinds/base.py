@@ -118,6 +118,11 @@ class LayoutKind:
             templates[key] = template
         return template if template.rank == rank else template.with_rank(rank)
 
+    def attachments(self) -> tuple[str, ...]:
+        """Names of the data a descriptor of this layout carries beside its text (the expert
+        placements of ``weightsync.layout.eplb``)."""
+        return ()
+
     def all_rank_layouts(self, spec: ModelSpec) -> list[RankLayout]:
         self.validate(spec)
         return [self.rank_layout(spec, r) for r in range(self.world_size)]
@@ -193,7 +198,7 @@ def parse_layout(text: str) -> LayoutKind:
             raise ValueError(
                 f"layout kind {kind!r} has no option {key!r}; options: {sorted(fields)}"
             )
-        if key in ("dtype", "quant"):
+        if not isinstance(fields[key].default, int):  # dtype, quant, a placement: text
             kwargs[key] = value
             continue
         try:
