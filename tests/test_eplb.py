@@ -269,3 +269,21 @@ def test_the_adapter_reads_a_workers_eplb_state(vllm_eplb):
                                                                  "model": model})}
     placement = placement_of(state, types.SimpleNamespace(model_config=target, speculative_config=None))
     assert placement.num_experts == 8 and placement.maps.tolist() == [current.tolist()]
+
+
+def test_a_replan_after_a_placement_change_equals_a_fresh_plan():
+    source = parse_layout("fsdp:dp=3").roster(SPEC)  # one roster object, as a session keeps it
+    maps = np.array([[initial_map(8, 4)] * 2] * 2)
+    targets = []
+    for change in (None, [7, 7, 6, 5, 4, 3]):
+        if change is not None:
+            maps[0, 1, 6:12] = change
+        targets.append(parse_layout(f"vllm:tp=2,ep=2,replicas=2,eplb={register(Placement(8, maps))}").roster(SPEC))
+    for role, rank in (("reader", 1), ("reader", 2), ("writer", 0), ("writer", 2)):
+        before = build_local_plan(source, targets[0], role=role, rank=rank)
+        replanned = build_local_plan(source, targets[1], role=role, rank=rank, previous=before)
+        fresh = build_local_plan(source, targets[1], role=role, rank=rank)
+        assert replanned.fingerprint == fresh.fingerprint != before.fingerprint
+        for field in ("src_rank", "dst_rank", "tensor", "off", "size", "src_off", "dst_off", "nbytes"):
+            assert np.array_equal(getattr(replanned.columns, field), getattr(fresh.columns, field)), (role, field)
+        assert replanned.num_copies == fresh.num_copies

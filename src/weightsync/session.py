@@ -133,18 +133,21 @@ def decode_roster(people: Sequence[Member], load_model: Callable[[str], Mapping[
 
 
 def plan_share(writers: Roster, readers: Roster, *, role: Role, rank: int, options: PlanOptions,
-               timings: dict[str, float] | None = None) -> tuple[Plan, Roster, WriterQuantizer | None]:
+               timings: dict[str, float] | None = None, previous: Plan | None = None
+               ) -> tuple[Plan, Roster, WriterQuantizer | None]:
     """One rank's share of the job from everyone's layouts, as :meth:`SyncSession.plan` computes it.
 
     Returns this rank's plan, the writers as planned (with FP8 twins and scale shards when
     readers ask for FP8) and, for a writer that sends FP8, its quantizer. ``timings``
     receives the seconds of each step: ``fp8_offers``, ``local_plan``, ``quantizer``.
+    ``previous``: this rank's plan before readers' layouts changed, with the same ``writers``
+    roster (see :func:`~weightsync.plan.build_local_plan`).
     """
     times = timings if timings is not None else {}
     t0 = time.perf_counter()
     planned, quant = quantized_sources(writers, readers)  # FP8 readers: writers quantize on send
     t1 = time.perf_counter()
-    plan = build_local_plan(planned, readers, role=role, rank=rank, options=options)
+    plan = build_local_plan(planned, readers, role=role, rank=rank, options=options, previous=previous)
     t2 = time.perf_counter()
     quantizer = None
     if quant and role == "writer":

@@ -64,7 +64,7 @@ class Placement:
     maps: np.ndarray = field(repr=False)
 
     def __post_init__(self) -> None:
-        maps = np.asarray(self.maps, dtype=np.int64)
+        maps = np.array(self.maps, dtype=np.int64)  # a copy: the caller's array stays writable
         if maps.ndim == 2:
             maps = maps[None]
         if maps.ndim != 3 or maps.shape[1] == 0 or maps.shape[2] == 0:

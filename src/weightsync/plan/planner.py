@@ -262,12 +262,21 @@ def build_plan(sources: Side, dests: Side,
 
 def build_local_plan(sources: Side, dests: Side, *,
                      role: Role, rank: int,
-                     options: PlanOptions | None = None) -> Plan:
+                     options: PlanOptions | None = None, previous: Plan | None = None) -> Plan:
     """One rank's ops only (those it sends, or those it receives), without the global plan.
 
-    The result equals the global plan filtered to that rank, op for op.
+    The result equals the global plan filtered to that rank, op for op. ``previous``: this
+    rank's plan of the same writers (the same roster object) before readers changed (an EPLB
+    placement): the writers' side of planning is reused, not recomputed.
     """
-    ctx = Atoms(sources, dests, options or PlanOptions())
+    before = previous._cache.get("atoms") if previous is not None else None
+    ctx = Atoms(sources, dests, options or PlanOptions(), previous=before)
+    plan = _local(ctx, role, rank)
+    plan._cache["atoms"] = ctx
+    return plan
+
+
+def _local(ctx: Atoms, role: Role, rank: int) -> Plan:
     if role == "reader":
         rows = np.flatnonzero(ctx.dst.rank == rank)
         return _finish(ctx, [c for parts, _, _ in iter_ops(ctx, rows) for c in parts], f"reader:{rank}", None,

@@ -135,13 +135,15 @@ class LayoutKind:
         parts = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value != f.default:
+            if value != f.default and f.init:
                 parts.append(f"{f.name}={value}")
         return f"{self.kind}:{','.join(sorted(parts))}" if parts else self.kind
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if not f.init:
+                continue
             if f.name == "dtype":
                 if value is not None and value not in DTYPE_ITEMSIZE:
                     raise ValueError(f"{self.kind}: dtype={value} is not one of {sorted(DTYPE_ITEMSIZE)}")
@@ -188,7 +190,7 @@ def parse_layout(text: str) -> LayoutKind:
     cls = _REGISTRY.get(kind)
     if cls is None:
         raise ValueError(f"unknown layout kind {kind!r} in {text!r}; known: {sorted(_REGISTRY)}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs: dict[str, Any] = {}
     for item in filter(None, (p.strip() for p in rest.split(","))):
         key, sep, value = item.partition("=")

@@ -107,6 +107,8 @@ class VLLMLayout(LayoutKind):
     redundant: int = 0
     #: the engine's expert placement: a JSON file, or the digest of one registered here
     eplb: str | None = None
+    #: every rank's experts as slots [0, L) not placed yet (what _placed_roster places)
+    unplaced_slots: bool = dataclasses.field(default=False, init=False, repr=False)
     supports_quant = True
 
     def __post_init__(self) -> None:
@@ -117,7 +119,7 @@ class VLLMLayout(LayoutKind):
     @property
     def placed(self) -> bool:
         """Whether experts sit in EPLB slots (a placement, or redundant slots)."""
-        return self.eplb is not None or self.redundant > 0
+        return self.eplb is not None or self.redundant > 0 or self.unplaced_slots
 
     def placement(self, spec: ModelSpec) -> Placement:
         """The expert placement (vLLM's initial one for ``redundant=R`` alone)."""
@@ -215,17 +217,23 @@ class VLLMLayout(LayoutKind):
         if not self.placed:
             return super().roster(spec, ranks)
         self.validate(spec)
-        whole = self._placed_roster(spec, quantized=bool(self.quant))
-        return whole if ranks is None else whole.select(ranks)
+        return self._placed_roster(spec, quantized=bool(self.quant), ranks=ranks)
 
-    def _placed_roster(self, spec: ModelSpec, *, quantized: bool) -> Roster:
-        """Every rank with its expert slots placed (:func:`weightsync.layout.eplb.place_experts`)."""
+    def _placed_roster(self, spec: ModelSpec, *, quantized: bool, ranks: Any = None) -> Roster:
+        """Ranks ``ranks`` (default: all) with their expert slots placed
+        (:func:`weightsync.layout.eplb.place_experts`). The slots before placing are the same
+        for every placement with as many slots: each engine replica's readers publish their own
+        placement, and only their experts are placed anew when it changes."""
+        placement = self.placement(spec)
+        key = (quantized, None if ranks is None else tuple(int(r) for r in ranks))
         cache = memo(self, spec, "placed")
-        found = cache.get(quantized)
+        found = cache.get(key)
         if found is None:
-            slots = dataclasses.replace(self, quant=self.quant if quantized else None)
-            found = cache[quantized] = place_experts(LayoutKind.roster(slots, spec), spec, self.placement(spec),
-                                                     group=self.tp * self.dp)
+            slots = dataclasses.replace(self, quant=self.quant if quantized else None, eplb=None,
+                                        redundant=placement.num_redundant)
+            object.__setattr__(slots, "unplaced_slots", True)
+            unplaced = LayoutKind.roster(slots, spec, ranks)
+            found = cache[key] = place_experts(unplaced, spec, placement, group=self.tp * self.dp)
         return found  # type: ignore[no-any-return]
 
     def pieces(self, spec: ModelSpec, rank: int) -> list[Piece] | None:
