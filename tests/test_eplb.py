@@ -287,3 +287,97 @@ def test_a_replan_after_a_placement_change_equals_a_fresh_plan():
         for field in ("src_rank", "dst_rank", "tensor", "off", "size", "src_off", "dst_off", "nbytes"):
             assert np.array_equal(getattr(replanned.columns, field), getattr(fresh.columns, field)), (role, field)
         assert replanned.num_copies == fresh.num_copies
+
+
+# -- a live job: readers whose placement moves between versions --------------------------------
+
+def engine_holds(engine, values) -> bool:
+    """Every region of the engine's layout holds its box of ``values``, bitwise."""
+    import torch
+
+    from weightsync.torch_layout import strided_view
+
+    for shard in engine.layout().shards:
+        flat = engine.tensors[shard.name].view(-1)
+        for r in shard.regions:
+            got = strided_view(flat, r.box.sizes, r.strides, r.offset)
+            if not torch.equal(got, values[r.canonical][r.box.slices()]):
+                return False
+    return True
+
+
+def test_readers_follow_a_rebalance_between_versions_bitwise(vllm_eplb):
+    """Two engine replicas (EP 2 each) with slots placed by vLLM's rebalance; replica 0 rebalances
+    again after version 1: version 2 lands in its new slots, bitwise, the other replica's too."""
+    import threading
+
+    import torch
+
+    from weightsync.engines.buffers import ShardedEngine
+    from weightsync.meta import EmbeddedMetaServer, MetaClient
+    from weightsync.reader import WeightReader
+    from weightsync.session import SyncConfig
+    from weightsync.tiny import CanonicalSource, canonical_weights
+    from weightsync.torch_layout import fill_from_canonical
+    from weightsync.writer import WeightWriter
+
+    _, policy = vllm_eplb
+    rng = np.random.default_rng(1)
+
+    def rebalanced() -> np.ndarray:
+        load = torch.from_numpy(rng.pareto(1.2, size=(2, 8)) * 100)
+        return policy.rebalance_experts(load, num_replicas=12, num_groups=1, num_nodes=1, num_ranks=2).numpy()
+
+    first = Placement(8, np.stack([rebalanced(), rebalanced()]))
+    moved = Placement(8, np.stack([rebalanced(), first.maps[1]]))
+    target = "vllm:dp=2,ep=2,replicas=2,eplb={}"
+    config = SyncConfig(num_writers=1, num_readers=4, transport="torch", timeout=60)
+    engines = [ShardedEngine(target.format(register(first)), CONFIG, rank) for rank in range(4)]
+    assert any(op.dst_rank in (0, 1) for op in build_plan(  # the rebalance put an expert twice on one reader
+        parse_layout("hf").all_rank_layouts(SPEC), [e.layout() for e in engines]).copy_ops)
+    errors: list[BaseException] = []
+    results: dict[int, list] = {}
+    step = threading.Barrier(5, timeout=60)
+
+    def write(server) -> None:
+        try:
+            source = CanonicalSource(CONFIG)
+            with WeightWriter(source, rank=0, config=config, meta=MetaClient(server.address, token=server.token)) as w:
+                for version in (1, 2):
+                    fill_from_canonical(source.layout(), source.tensors(), canonical_weights(CONFIG, version))
+                    results.setdefault(-1, []).append(w.write(version))
+                    step.wait()  # readers applied it; replica 0 rebalances before the next
+                    step.wait()
+        except BaseException as exc:
+            errors.append(exc)
+            step.abort()
+
+    def read(server, rank: int) -> None:
+        try:
+            with WeightReader(engines[rank], rank=rank, config=config,
+                              meta=MetaClient(server.address, token=server.token)) as reader:
+                for version in (1, 2):
+                    results.setdefault(rank, []).append(reader.update(version, timeout=60))
+                    step.wait()
+                    if rank < 2 and version == 1:  # vLLM's EPLB moved replica 0's experts
+                        engines[rank].relayout(target.format(register(moved)))
+                        assert reader.follow_layout(timeout=60)  # the engine's rebalance step tells it
+                    step.wait()
+        except BaseException as exc:
+            errors.append(exc)
+            step.abort()
+
+    with EmbeddedMetaServer() as server:
+        threads = [threading.Thread(target=write, args=(server,))]
+        threads += [threading.Thread(target=read, args=(server, r)) for r in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads)
+    assert not errors, errors
+    values = canonical_weights(CONFIG, 2)
+    assert all(engine_holds(e, values) for e in engines)
+    assert [slots_of(e.layout(), 1) for e in engines[:2]] != [slots_of(e.layout(), 1) for e in engines[2:]]
+    assert "replan" in results[-1][1].phases  # the writer re-planned version 2 at the new generation
+    assert all(r[1].version == 2 for rank, r in results.items() if rank >= 0)

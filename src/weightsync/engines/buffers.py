@@ -50,6 +50,7 @@ class ShardedEngine(_InPlace):
         self.config = dict(config)
         spec = ModelSpec.from_hf_config(config)
         kind.validate(spec)
+        self.rank = rank
         self._layout = kind.rank_layout(spec, rank)
         self.tensors = dict(tensors) if tensors is not None else allocate(self._layout, device=device)
 
@@ -61,6 +62,24 @@ class ShardedEngine(_InPlace):
 
     def descriptor(self) -> tuple[str, Mapping[str, object]] | None:
         return self.layout_text, self.config
+
+    def relayout(self, layout: str) -> None:
+        """The same tensors now hold ``layout``'s boxes: an engine whose expert placement moved
+        (vLLM's EPLB moves each expert's weights with it). Its reader re-plans before the next
+        version (:meth:`weightsync.session.SyncSession.relayout`).
+
+        Raises:
+            ValueError: ``layout`` has other shards (names, shapes or dtypes) than these tensors.
+        """
+        kind = parse_layout(layout)
+        spec = ModelSpec.from_hf_config(self.config)
+        kind.validate(spec)
+        new = kind.rank_layout(spec, self.rank)
+        shards = {s.name: (s.shape, s.dtype) for s in self._layout.shards}
+        if {s.name: (s.shape, s.dtype) for s in new.shards} != shards:
+            raise ValueError(f"ShardedEngine.relayout: {kind.describe()} has other shards than {self.layout_text} "
+                             "(a placement moves experts between slots, it keeps every tensor)")
+        self.layout_text, self._layout = kind.describe(), new
 
 
 class ModuleEngine(_InPlace):
