@@ -20,12 +20,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from weightsync.combinations import refuse_combinations
 from weightsync.deadline import Deadline
 from weightsync.devices import RankPlacement, choose_transport, gpu_identity, tensors_device
 from weightsync.job import JobChannel, Member, Role
+from weightsync.layout.quant_block_offers import block_sources
 from weightsync.layout.quant_offers import quantized_sources
 from weightsync.layout.roster import Roster
 from weightsync.layout.wire import LayoutDecoder, encode_descriptor, encode_explicit
@@ -37,7 +38,7 @@ from weightsync.transport import TransportContext, TransportOptions, create_tran
 if TYPE_CHECKING:
     import torch
 
-    from weightsync.codecs.fp8 import WriterQuantizer
+    from weightsync.codecs.fp8 import Exchange
     from weightsync.layout import LayoutProvider
     from weightsync.meta.client import MetaClient
     from weightsync.plan import Plan
@@ -45,6 +46,13 @@ if TYPE_CHECKING:
     from weightsync.transport.digests import VersionDigests
 
 logger = logging.getLogger(__name__)
+
+
+class Quantizer(Protocol):
+    """A writer's quantize-on-send (FP8: ``codecs.fp8.WriterQuantizer``; MXFP8/MXFP4/NVFP4:
+    ``codecs.mx.BlockQuantizer``): this version's derived tensors from the source's."""
+
+    def derive(self, tensors: Mapping[str, torch.Tensor], exchange: Exchange) -> dict[str, torch.Tensor]: ...
 
 
 def device_of(tensors: Mapping[str, torch.Tensor], who: str) -> str:
@@ -101,8 +109,9 @@ class PlannedSync:
     phase_names: tuple[tuple[str, ...], ...] = ()
     #: this rank's plan cut by phase (empty without ``layer_phases``)
     phases: tuple[Plan, ...] = ()
-    #: a writer's FP8 quantizer, when readers ask for FP8 weights it sends (``layout.quant_offers``)
-    quantizer: WriterQuantizer | None = None
+    #: a writer's quantizer, when readers ask for FP8 or a block format it sends (``layout.quant_offers``,
+    #: ``layout.quant_block_offers``)
+    quantizer: Quantizer | None = None
     #: with ``SyncConfig.integrity``: the plan with its digest ops, and this rank's digests
     digests: VersionDigests | None = None
 
@@ -135,7 +144,7 @@ def decode_roster(people: Sequence[Member], load_model: Callable[[str], Mapping[
 
 def plan_share(writers: Roster, readers: Roster, *, role: Role, rank: int, options: PlanOptions,
                timings: dict[str, float] | None = None, previous: Plan | None = None
-               ) -> tuple[Plan, Roster, WriterQuantizer | None]:
+               ) -> tuple[Plan, Roster, Quantizer | None]:
     """One rank's share of the job from everyone's layouts, as :meth:`SyncSession.plan` computes it.
 
     Returns this rank's plan, the writers as planned (with FP8 twins and scale shards when
@@ -147,15 +156,25 @@ def plan_share(writers: Roster, readers: Roster, *, role: Role, rank: int, optio
     times = timings if timings is not None else {}
     t0 = time.perf_counter()
     planned, quant = quantized_sources(writers, readers)  # FP8 readers: writers quantize on send
+    planned, blocks = block_sources(planned, readers)  # MXFP8, MXFP4, NVFP4 readers likewise
+    if quant and blocks:
+        raise ValueError(f"readers ask for FP8 ({', '.join(sorted({t.scheme.name for t in quant.tensors.values()}))}) "
+                         f"and {', '.join(sorted({o.tensor.scheme.name for o in blocks.offers.values()}))} in one "
+                         "job: one quantized format per job (run a job per format)")
     t1 = time.perf_counter()
     plan = build_local_plan(planned, readers, role=role, rank=rank, options=options, previous=previous)
     t2 = time.perf_counter()
-    quantizer = None
+    quantizer: Quantizer | None = None
     if quant and role == "writer":
         from weightsync.codecs.fp8 import WriterQuantizer
 
-        quantizer = WriterQuantizer(quant, planned.layout(rank), plan)  # objects for this rank only
-        quantizer = quantizer if quantizer.active else None
+        fp8 = WriterQuantizer(quant, planned.layout(rank), plan)  # objects for this rank only
+        quantizer = fp8 if fp8.active else None
+    elif blocks and role == "writer":
+        from weightsync.codecs.mx import BlockQuantizer
+
+        block = BlockQuantizer(blocks, rank=rank)
+        quantizer = block if block.active else None
     times.update(fp8_offers=t1 - t0, local_plan=t2 - t1, quantizer=time.perf_counter() - t2)
     return plan, planned, quantizer
 

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from weightsync.layout.model import ModelSpec
-from weightsync.layout.quant import derived_names
+from weightsync.layout.quant_block import derived_bases
 from weightsync.layout.roster import Roster
 
 #: Roles of the tensors that hold experts along dimension 0 (stacked and whole experts).
@@ -204,17 +204,17 @@ class PlacedRows:
     count: np.ndarray  # consecutive slots merged (holding consecutive experts)
 
 
-def expert_name_info(names: Sequence[str], roles: Mapping[str, tuple[str, int | None]]
-                     ) -> tuple[np.ndarray, np.ndarray]:
-    """Per canonical name: whether it holds experts along dim 0 (an FP8 reader's values and
+def expert_name_info(names: Sequence[str], spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Per canonical name: whether it holds experts along dim 0 (a quantized reader's values and
     scales of one too), and its layer (-1: none)."""
-    derived = derived_names(dict.fromkeys(names))  # type: ignore[arg-type]
+    roles = spec.roles()
+    derived = derived_bases(names, spec)
     is_expert = np.zeros(len(names), dtype=bool)
     layer = np.full(len(names), -1, dtype=np.int64)
     for i, name in enumerate(names):
         found = roles.get(name)
         if found is None and name in derived:
-            found = roles.get(derived[name].base)
+            found = roles.get(derived[name][0])
         if found is not None and found[0] in EXPERT_ROLES and found[1] is not None:
             is_expert[i], layer[i] = True, found[1]
     return is_expert, layer
@@ -282,7 +282,7 @@ def place_experts(roster: Roster, spec: ModelSpec, placement: Placement, *, grou
     Columnar: the expert rows of every rank are cut at once (:func:`place_rows`).
     """
     slots = placement.num_physical // group
-    is_expert, layer_of = expert_name_info(roster.names, spec.roles())
+    is_expert, layer_of = expert_name_info(roster.names, spec)
     rows = np.flatnonzero(is_expert[roster.name_idx])
     if not len(rows):
         return roster
