@@ -261,3 +261,167 @@ def test_a_byte_cut_between_writers_is_refused_naming_it():
     readers = parse_layout("hf:quant=mxfp4").all_rank_layouts(spec)
     with pytest.raises(ValueError, match="cuts the input dimension at an odd position"):
         block_sources(writers, readers)
+
+
+@pytest.mark.parametrize("scheme", sorted(BLOCK_SCHEMES))
+def test_a_weights_values_and_scales_are_in_one_phase(scheme):
+    """Layer phases keep every weight's values, block scales and global scales together (the
+    engine loads a phase whole, so it never holds values of one version with scales of another)."""
+    from weightsync.layout.quant_block import reader_canonical
+    from weightsync.plan import layer_phases
+
+    for cfg in (config(), config("gpt_oss")):
+        spec = ModelSpec.from_hf_config(cfg)
+        canonical = reader_canonical(spec, scheme)
+        phases = layer_phases(canonical, budget_bytes=1)  # as small as it goes: a module a phase
+        phase = {name: i for i, names in enumerate(phases) for name in names}
+        for t in block_tensors(spec, BLOCK_SCHEMES[scheme]):
+            assert len({phase[n] for n in t.derived()}) == 1, t.base
+
+
+def test_a_version_whose_scale_piece_does_not_arrive_fails_and_is_never_loaded():
+    """Version 2's block scales are held back (the transport delivers the values, then its deadline
+    passes before the scale piece): the reader fails version 2, its engine never loads the phase,
+    nothing is reported applied; version 3 then loads whole, bitwise the reference."""
+    from weightsync.engines.staging import StagedWeights
+    from weightsync.meta import EmbeddedMetaServer, MetaClient
+    from weightsync.reader import WeightReader
+    from weightsync.session import SyncConfig, SyncError
+    from weightsync.tiny import CanonicalSource
+    from weightsync.transport import TransportError, TransportOptions
+    from weightsync.writer import ReadersFailedError, WeightWriter
+
+    cfg = config()
+    spec = ModelSpec.from_hf_config(cfg)
+
+    class Loading(StagedWeights):
+        def __init__(self) -> None:
+            super().__init__(spec, dtype=torch.float32, device="cpu", rank=0, quant="mxfp4")
+            self.loaded: dict[int, dict[str, torch.Tensor]] = {}
+
+        def _load_items(self, items):
+            self.loaded.setdefault(self._loading, {}).update({n: t.clone() for n, t in items})
+
+    engine = Loading()
+    sync = SyncConfig(num_writers=1, num_readers=1, transport="shm", timeout=60, layer_phases=True,
+                      transport_options=TransportOptions(max_bucket_bytes=64 << 10))
+    held_back = "model.layers.1.mlp.experts.*.down_proj.weight_scale"
+    errors: list[BaseException] = []
+
+    def write(server) -> None:
+        try:
+            source = CanonicalSource(cfg)
+            with WeightWriter(source, rank=0, config=sync, meta=MetaClient(server.address, token=server.token)) as w:
+                for version in (1, 2, 3):
+                    fill_from_canonical(source.layout(), source.tensors(), canonical_weights(cfg, version))
+                    try:
+                        w.write(version)
+                    except ReadersFailedError:
+                        assert version == 2
+        except BaseException as exc:
+            errors.append(exc)
+
+    with EmbeddedMetaServer() as server:
+        writer = threading.Thread(target=write, args=(server,))
+        writer.start()
+        try:
+            with WeightReader(engine, rank=0, config=sync, meta=MetaClient(server.address, token=server.token)) as r:
+                assert r.update(1).version == 1
+                planned = r.session.planned
+                phase = next(i for i, names in enumerate(planned.phase_names) if held_back in names)
+                original = planned.transport.receive
+
+                def receive(v: int, *, timeout: float, phase_: int = 0, **kw):
+                    p = kw.get("phase", phase_)
+                    if v == 2 and p == phase:  # the values land; the scale piece is not there by the deadline
+                        original(v, timeout=timeout, phase=p)
+                        raise TransportError(f"version 2 phase {p}: {held_back} did not arrive before the deadline")
+                    return original(v, timeout=timeout, phase=p)
+
+                planned.transport.receive = receive
+                with pytest.raises(SyncError, match="did not arrive"):
+                    r.update(2)
+                assert engine.weight_version is None and r.last_failed == 2
+                in_phase = {shard.name for shard in engine._phase_shards[phase]}
+                assert any(held_back.split("*", maxsplit=1)[0] in n and "weight_scale" in n for n in in_phase)
+                assert engine.loaded.get(2) and not set(engine.loaded[2]) & in_phase  # earlier phases loaded, not it
+                assert r.update(3).version == 3 and engine.weight_version == 3
+        finally:
+            writer.join(60)
+    assert not errors, errors
+    want: dict[str, np.ndarray] = {}
+    weights = canonical_weights(cfg, 3)
+    for t in block_tensors(spec, BLOCK_SCHEMES["mxfp4"]):
+        want.update(reference(weights[t.base], t))
+    for shard in engine.layout().shards:
+        got = engine.loaded[3][shard.name].view(-1)
+        for reg in shard.regions:
+            if reg.canonical in want:
+                assert np.array_equal(bits(strided_view(got, reg.box.sizes, reg.strides, reg.offset)),
+                                      want[reg.canonical][reg.box.slices()]), reg.canonical
+
+
+@pytest.mark.parametrize("scheme, variant", [("nvfp4", "shm"), ("mxfp4", "torch-delta")])
+def test_block_and_bf16_readers_from_three_training_processes(scheme, variant):
+    """Three FSDP processes (NVFP4: no writer holds a weight whole, so global maxima go through the
+    meta server) write two versions; a reader of the block format and a bf16 reader of the same
+    job each get their own, bitwise; with deltas too."""
+    import sys
+    import uuid
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from weightsync.engines.buffers import ShardedEngine
+    from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+    from weightsync.reader import WeightReader
+    from weightsync.session import SyncConfig
+    from weightsync.transport import TransportOptions
+    from writer_process import writer_processes
+
+    transport, flags, settings = {"shm": ("shm", (), {}), "torch-delta": (
+        "torch", ("--delta", "4"), {"transport_options": TransportOptions(delta_anchor_every=4)})}[variant]
+    cfg = config()
+    job = f"{scheme}-{uuid.uuid4().hex[:8]}"
+    engines = [ShardedEngine(f"hf:quant={scheme}", cfg, 0), ShardedEngine("hf:replicas=2", cfg, 1)]
+    errors: list[BaseException] = []
+    snapshot: dict[int, dict] = {}
+    with EmbeddedMetaServer() as server, writer_processes(server, cfg, "fsdp:dp=3", job=job, seeds=[2, 1],
+                                                          extra=("--transport", transport, "--readers", "2", *flags)):
+        sync = SyncConfig(num_writers=3, num_readers=2, job=job, transport=transport, timeout=120, **settings)
+
+        def read(rank: int) -> None:
+            try:
+                with MetaClient(server.address, job=job, token=server.token) as meta, \
+                        WeightReader(engines[rank], rank=rank, config=sync, meta=meta) as reader:
+                    for version in (1, 2):
+                        assert reader.update(version).version == version
+                        if version == 1:
+                            snapshot[rank] = {n: t.clone() for n, t in engines[rank].tensors.items()}
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=read, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+    assert not errors, errors
+    spec = ModelSpec.from_hf_config(cfg)
+    for seed, tensors, plain in ((2, snapshot[0], snapshot[1]), (1, engines[0].tensors, engines[1].tensors)):
+        weights = canonical_weights(cfg, seed)  # the writers' float32 weights
+        layouts = [engines[0].layout()]
+        assert check_readers(spec, weights, layouts, {0: tensors}, scheme) > 0
+        check_readers(spec, weights, [engines[1].layout()], {1: plain}, scheme)  # the bf16 reader's, bitwise
+
+
+def test_vllm_splits_gpt_oss_mx_experts_by_whole_blocks():
+    """vLLM's gpt-oss MXFP4 loader gives each expert-TP rank ``cdiv(I / 32, tp)`` whole blocks (the
+    last rank fewer, its tensors padded), not ``I / tp`` columns; the layout follows, bitwise."""
+    cfg = {**config("gpt_oss"), "intermediate_size": 96}  # 3 blocks over 2 ranks: 2 and 1
+    spec = ModelSpec.from_hf_config(cfg)
+    kind = parse_layout("vllm:dp=2,quant=mxfp4")
+    down = [kind.rank_layout(spec, r).shard("model.layers.0.mlp.experts.routed_experts.w2_weight") for r in (0, 1)]
+    assert [d.shape for d in down] == [(4, 64, 32), (4, 64, 32)]  # 64 columns each, packed two a byte
+    assert [(r.box.offsets[2], r.box.sizes[2]) for d in down for r in d.regions] == [(0, 2), (2, 1)]
+    spec_, weights, readers, dst, _ = run_sync(cfg, "fsdp:dp=3", "vllm:dp=2", "mxfp4", edges=True)
+    assert check_readers(spec_, weights, readers, dst, "mxfp4") > 0

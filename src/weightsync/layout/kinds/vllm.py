@@ -61,6 +61,7 @@ from weightsync.layout.eplb import Placement, check_fits, lookup, place_experts,
 from weightsync.layout.kinds.base import LayoutKind, memo, register_kind
 from weightsync.layout.kinds.pieces import Piece
 from weightsync.layout.model import ModelSpec
+from weightsync.layout.quant_block import BLOCK_SCHEMES
 from weightsync.layout.roster import Roster
 from weightsync.layout.types import RankLayout, Shard, box_region
 
@@ -375,14 +376,22 @@ class VLLMLayout(LayoutKind):
         interleaved gate/up columns."""
         e0, e1, lo, hi, e_rank = self._expert_slice(spec, i)
         n, w, h = e1 - e0, hi - lo, spec.hidden_size
+        scheme = BLOCK_SCHEMES.get(self.quant or "")
+        if scheme is not None and self.expert_tp > 1:  # vLLM splits MX experts by whole blocks
+            block = scheme.block
+            per = -(-spec.moe_intermediate_size // block // self.expert_tp) * block
+            lo, hi = min(e_rank * per, spec.moe_intermediate_size), min((e_rank + 1) * per, spec.moe_intermediate_size)
+            n, w = e1 - e0, per  # the last rank's tensors are padded to the others' width
+        held = hi - lo
         gate_up, down = spec.tensor("experts_gate_up", layer), spec.tensor("experts_down", layer)
         gu_bias, d_bias = spec.tensor("experts_gate_up_bias", layer), spec.tensor("experts_down_bias", layer)
         out = [
             Shard(prefix + "w13_weight", (n, 2 * w, h), dtype,
-                  (_region(gate_up.name, Box((e0, 0, 2 * lo), (n, h, 2 * w)), (2 * w * h, 1, h)),)),
-            concat_shard(prefix + "w13_bias", dtype, [(gu_bias, Box((e0, 2 * lo), (n, 2 * w)))], dim=1),
+                  (_region(gate_up.name, Box((e0, 0, 2 * lo), (n, h, 2 * held)), (2 * w * h, 1, h)),)),
+            Shard(prefix + "w13_bias", (n, 2 * w), dtype,
+                  (_region(gu_bias.name, Box((e0, 2 * lo), (n, 2 * held)), (2 * w, 1)),)),
             Shard(prefix + "w2_weight", (n, h, w), dtype,
-                  (_region(down.name, Box((e0, lo, 0), (n, w, h)), (h * w, 1, w)),)),
+                  (_region(down.name, Box((e0, lo, 0), (n, held, h)), (h * w, 1, w)),)),
         ]
         if e_rank == 0:  # vLLM zeroes the down bias on the other expert-TP ranks
             out.append(concat_shard(prefix + "w2_bias", dtype, [(d_bias, Box((e0, 0), (n, h)))]))
