@@ -101,7 +101,6 @@ def held_mtp_bitwise(layout, tensors, version: int, quant: str | None = None) ->
                 want.update(block_reference(w[t.base], t))
     elif quant is not None:
         from test_quant import reference as fp8_reference
-
         from weightsync.layout.quant import SCHEMES, quantized_tensors
 
         for name in quantized_tensors(SPEC):
