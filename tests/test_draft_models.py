@@ -17,10 +17,10 @@ import torch
 from weightsync.engines.buffers import ModelsEngine, ModuleEngine, NamedEngine
 from weightsync.layout.models import merge, named_layout, prefixed
 from weightsync.meta import EmbeddedMetaServer, MetaClient
-from weightsync.reader import WeightReader
-from weightsync.session import SyncConfig
+from weightsync.roles.reader import WeightReader
+from weightsync.roles.writer import WeightWriter
+from weightsync.session.sync_session import SyncConfig
 from weightsync.sources.module import ModelsSource, ModuleSource, NamedSource
-from weightsync.writer import WeightWriter
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 64,
           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,

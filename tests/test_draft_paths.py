@@ -22,12 +22,12 @@ from weightsync.engines.buffers import ShardedEngine
 from weightsync.engines.staging import StagedWeights
 from weightsync.layout import ModelSpec
 from weightsync.meta import EmbeddedMetaServer, MetaClient
-from weightsync.reader import Prefetch, WeightReader
-from weightsync.session import SyncConfig
-from weightsync.tiny import CanonicalSource, canonical_weights, checkpoint_tensors, tiny_config
-from weightsync.torch_layout import fill_from_canonical, strided_view
+from weightsync.roles.reader import Prefetch, WeightReader
+from weightsync.roles.writer import WeightWriter
+from weightsync.session.sync_session import SyncConfig
+from weightsync.tools.tiny import CanonicalSource, canonical_weights, checkpoint_tensors, tiny_config
+from weightsync.tools.torch_layout import fill_from_canonical, strided_view
 from weightsync.transport import TransportOptions
-from weightsync.writer import WeightWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

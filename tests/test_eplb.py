@@ -27,7 +27,7 @@ from weightsync.layout.eplb import Placement, initial_map, register
 from weightsync.layout.wire import LayoutDecoder, encode_descriptor
 from weightsync.plan import PlanOptions, build_local_plan, build_plan
 from weightsync.plan.reference import check_destinations, cut_shards, empty_shards, random_canonical, run_plan
-from weightsync.tiny import tiny_config
+from weightsync.tools.tiny import tiny_config
 
 #: 2 MoE layers of 8 experts, small enough to run every plan in numpy
 CONFIG = {**tiny_config(moe=True), "num_experts": 8, "moe_intermediate_size": 32, "intermediate_size": 32,
@@ -295,7 +295,7 @@ def engine_holds(engine, values) -> bool:
     """Every region of the engine's layout holds its box of ``values``, bitwise."""
     import torch
 
-    from weightsync.torch_layout import strided_view
+    from weightsync.tools.torch_layout import strided_view
 
     for shard in engine.layout().shards:
         flat = engine.tensors[shard.name].view(-1)
@@ -315,11 +315,11 @@ def test_readers_follow_a_rebalance_between_versions_bitwise(vllm_eplb):
 
     from weightsync.engines.buffers import ShardedEngine
     from weightsync.meta import EmbeddedMetaServer, MetaClient
-    from weightsync.reader import WeightReader
-    from weightsync.session import SyncConfig
-    from weightsync.tiny import CanonicalSource, canonical_weights
-    from weightsync.torch_layout import fill_from_canonical
-    from weightsync.writer import WeightWriter
+    from weightsync.roles.reader import WeightReader
+    from weightsync.roles.writer import WeightWriter
+    from weightsync.session.sync_session import SyncConfig
+    from weightsync.tools.tiny import CanonicalSource, canonical_weights
+    from weightsync.tools.torch_layout import fill_from_canonical
 
     _, policy = vllm_eplb
     rng = np.random.default_rng(1)

@@ -1,6 +1,6 @@
 """MXFP8, MXFP4 and NVFP4 quantize-on-send (issue 40): bitwise against references written here.
 
-The references are numpy, independent of ``weightsync.codecs.mx_math``: the OCP Microscaling
+The references are numpy, independent of ``weightsync.tools.codecs.mx_math``: the OCP Microscaling
 v1.0 conversion (section 6.3) for MXFP8 and MXFP4, compressed-tensors' NVFP4 rules for NVFP4,
 each on the whole weight, with FP4 and FP8 rounding done by exhaustive nearest-value search
 (ties to the even code). Every case plans from real layout kinds, lets each writer's quantizer
@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 import torch
 
-from weightsync.codecs.mx import BlockQuantizer
 from weightsync.layout import ModelSpec, parse_layout
 from weightsync.layout.quant_block import BLOCK_SCHEMES, BlockTensor, block_tensors
 from weightsync.layout.quant_block_offers import block_sources
 from weightsync.plan import PlanOptions, build_plan
-from weightsync.tiny import canonical_weights, tiny_config
-from weightsync.torch_layout import TORCH_DTYPES, allocate, fill_from_canonical, strided_view
+from weightsync.tools.codecs.mx import BlockQuantizer
+from weightsync.tools.tiny import canonical_weights, tiny_config
+from weightsync.tools.torch_layout import TORCH_DTYPES, allocate, fill_from_canonical, strided_view
 
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -285,11 +285,11 @@ def test_a_version_whose_scale_piece_does_not_arrive_fails_and_is_never_loaded()
     nothing is reported applied; version 3 then loads whole, bitwise the reference."""
     from weightsync.engines.staging import StagedWeights
     from weightsync.meta import EmbeddedMetaServer, MetaClient
-    from weightsync.reader import WeightReader
-    from weightsync.session import SyncConfig, SyncError
-    from weightsync.tiny import CanonicalSource
+    from weightsync.roles.reader import WeightReader
+    from weightsync.roles.writer import ReadersFailedError, WeightWriter
+    from weightsync.session.sync_session import SyncConfig, SyncError
+    from weightsync.tools.tiny import CanonicalSource
     from weightsync.transport import TransportError, TransportOptions
-    from weightsync.writer import ReadersFailedError, WeightWriter
 
     cfg = config()
     spec = ModelSpec.from_hf_config(cfg)
@@ -373,8 +373,8 @@ def test_block_and_bf16_readers_from_three_training_processes(scheme, variant):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from weightsync.engines.buffers import ShardedEngine
     from weightsync.meta.client import EmbeddedMetaServer, MetaClient
-    from weightsync.reader import WeightReader
-    from weightsync.session import SyncConfig
+    from weightsync.roles.reader import WeightReader
+    from weightsync.session.sync_session import SyncConfig
     from weightsync.transport import TransportOptions
     from writer_process import writer_processes
 

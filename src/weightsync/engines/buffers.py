@@ -18,7 +18,7 @@ import torch
 
 from weightsync.layout import ModelSpec, RankLayout, parse_layout
 from weightsync.layout.models import merge, named_layout, prefixed
-from weightsync.torch_layout import allocate, dtype_name, module_layout, named_tensors
+from weightsync.tools.torch_layout import allocate, dtype_name, module_layout, named_tensors
 
 
 class _InPlace:
@@ -68,7 +68,7 @@ class ShardedEngine(_InPlace):
     def relayout(self, layout: str) -> None:
         """The same tensors now hold ``layout``'s boxes: an engine whose expert placement moved
         (vLLM's EPLB moves each expert's weights with it). Its reader re-plans before the next
-        version (:meth:`weightsync.session.SyncSession.relayout`).
+        version (:meth:`weightsync.session.sync_session.SyncSession.relayout`).
 
         Raises:
             ValueError: ``layout`` has other shards (names, shapes or dtypes) than these tensors.

@@ -12,7 +12,7 @@ state objects are the worker's own.
     digest = register(placement)      # the reader's layout: f"vllm:tp=..,ep=..,eplb={digest}"
 
 A placement, and a reader's layout with it, changes whenever vLLM rebalances: a reader reads it
-before each version (:meth:`weightsync.reader.WeightReader.update` re-registers a layout that
+before each version (:meth:`weightsync.roles.reader.WeightReader.update` re-registers a layout that
 changed, and the job re-plans it).
 """
 

@@ -19,7 +19,7 @@ names and layout: ``gate_up_proj_blocks [E, 2I, H/32, 16]`` and ``gate_up_proj_s
 H/32]`` (``down_proj_*`` likewise); which weights are quantized follows each family's
 checkpoints (gpt-oss: its experts only; others: every linear weight but ``lm_head``).
 
-The arithmetic is :mod:`weightsync.codecs.mx_math`; what writers offer is
+The arithmetic is :mod:`weightsync.tools.codecs.mx_math`; what writers offer is
 :mod:`weightsync.layout.quant_block_offers`; readers' shards come from :func:`block_shards`.
 
     layout = parse_layout("vllm:tp=2,quant=mxfp4")        # gpt-oss: vLLM's w13_weight [E, 2I, H/2] uint8

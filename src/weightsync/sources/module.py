@@ -19,7 +19,7 @@ import torch
 
 from weightsync.layout import ModelSpec, RankLayout, parse_layout
 from weightsync.layout.models import merge, named_layout, prefixed
-from weightsync.torch_layout import allocate, dtype_name, module_layout, named_tensors
+from weightsync.tools.torch_layout import allocate, dtype_name, module_layout, named_tensors
 
 
 def _spec(config: Mapping[str, Any] | ModelSpec) -> ModelSpec:
