@@ -225,6 +225,8 @@ def vllm_eplb():
     return eplb_state, DefaultEplbPolicy
 
 
+# with tests/test_vllm_layout.py: one xdist worker imports vLLM for both
+@pytest.mark.xdist_group("vllm-layout")
 def test_the_initial_placement_is_vllms(vllm_eplb):
     eplb_state, _ = vllm_eplb
     for experts, redundant in ((8, 0), (8, 4), (8, 12), (384, 32)):
@@ -232,6 +234,7 @@ def test_the_initial_placement_is_vllms(vllm_eplb):
             eplb_state.EplbState.build_initial_global_physical_to_logical_map(experts, redundant))
 
 
+@pytest.mark.xdist_group("vllm-layout")
 def test_vllms_rebalance_results_plan_and_land_bitwise(vllm_eplb, tmp_path):
     import torch
 
@@ -252,6 +255,7 @@ def test_vllms_rebalance_results_plan_and_land_bitwise(vllm_eplb, tmp_path):
         assert maps[replica].tolist() != [initial_map(8, 4)] * 2  # the loads moved experts
 
 
+@pytest.mark.xdist_group("vllm-layout")
 def test_the_adapter_reads_a_workers_eplb_state(vllm_eplb):
     import types
 
@@ -306,6 +310,7 @@ def engine_holds(engine, values) -> bool:
     return True
 
 
+@pytest.mark.xdist_group("vllm-layout")
 def test_readers_follow_a_rebalance_between_versions_bitwise(vllm_eplb):
     """Two engine replicas (EP 2 each) with slots placed by vLLM's rebalance; replica 0 rebalances
     again after version 1: version 2 lands in its new slots, bitwise, the other replica's too."""
