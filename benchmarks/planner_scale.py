@@ -25,6 +25,8 @@ each job-start case reports a digest of its ops (columns, tensor names and the s
 address), which must be equal before and after.
 
     taskset -c 0 python benchmarks/planner_scale.py [--quant fp8_block] [--repeat 3] [--json]
+    taskset -c 0 python benchmarks/planner_scale.py --eplb 32 --config kimi-k2 --source fsdp:dp=256 \\
+        --target vllm:tp=8,dp=2,ep=16,replicas=8    # EPLB readers: job start, then a re-plan
     git archive <base> src | tar -x -C /tmp/base && python benchmarks/planner_scale.py --baseline /tmp/base/src
 """
 
@@ -114,6 +116,72 @@ def job_start_case(config: str, source: str, target: str, role: str, rank: int) 
     }
 
 
+def _rebalanced(experts: int, redundant: int, layers: int, seed: int) -> Any:
+    """A placement like a rebalance result: every expert once, the hottest (Pareto loads) again,
+    shuffled over the slots (so some ranks hold an expert twice)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(layers):
+        load = rng.pareto(1.5, experts)
+        hot = rng.choice(experts, size=redundant, p=load / load.sum())
+        rows.append(rng.permutation(np.concatenate([np.arange(experts), hot])))
+    return np.array(rows, dtype=np.int64)
+
+
+def eplb_case(config: str, source: str, target: str, redundant: int, role: str, rank: int) -> dict[str, Any]:
+    """One rank's job start with EPLB readers (each engine replica publishes its own placement),
+    then its re-plan after replica 0 rebalanced (its 16 readers publish a new placement)."""
+    import numpy as np
+
+    from weightsync.job.channel import Member
+    from weightsync.layout.eplb import Placement, moe_layers, register
+    from weightsync.layout.wire import LayoutDecoder, encode_descriptor
+    from weightsync.plan import PlanOptions
+    from weightsync.session.sync_session import plan_share
+
+    spec = load_spec(config)
+    src, dst = parse_layout(source), parse_layout(target)
+    hf_config = spec.to_hf_config()
+    layers = len([layer for layer in moe_layers(spec) if layer < spec.num_layers])
+    experts = spec.num_experts
+    group = dst.world_size // dst.replicas  # type: ignore[attr-defined]
+
+    def people(seeds: list[int]) -> list[Member]:
+        out = [Member("writer", r, "host", encode_descriptor(src.describe(), "model")) for r in range(src.world_size)]
+        for replica, seed in enumerate(seeds):
+            placement = Placement(experts, _rebalanced(experts, redundant, layers, seed))
+            blob = encode_descriptor(f"{target},eplb={register(placement)}", "model")
+            out += [Member("reader", r, "host", blob) for r in range(replica * group, (replica + 1) * group)]
+        return out
+
+    seeds = list(range(dst.replicas))  # type: ignore[attr-defined]
+    before, after = people(seeds), people([100, *seeds[1:]])
+    del spec
+    decode = LayoutDecoder(lambda digest: hf_config)
+    out: dict[str, Any] = {}
+    writers, plan = None, None
+    for name, members in (("job_start", before), ("replan", after)):
+        started, cpu = time.perf_counter(), _cpu()
+        if writers is None:  # the session keeps its writers' roster: only readers are decoded again
+            writers = decode.roster([(m.rank, m.layout) for m in members if m.role == "writer"])
+        readers = decode.roster([(m.rank, m.layout) for m in members if m.role == "reader"])
+        decoded = time.perf_counter()
+        timings: dict[str, float] = {}
+        plan, _, _ = plan_share(writers, readers, role=role, rank=rank,  # type: ignore[arg-type]
+                                options=PlanOptions(), timings=timings, previous=plan)
+        out[name] = {"seconds": time.perf_counter() - started, "cpu_seconds": _cpu() - cpu,
+                     "decode_seconds": decoded - started, **{f"{k}_seconds": v for k, v in timings.items()},
+                     "ops": len(plan), "copies": plan.num_copies,
+                     "copied_bytes": int(plan.copies.nbytes.sum()) if plan.copies is not None else 0}
+        out[name]["ops_digest"] = _ops_digest(plan)
+    out["peak_rss_mib"] = _peak_mib()
+    out["dst_rows"] = len(readers)
+    del np
+    return out
+
+
 def _ops_digest(plan: Any) -> str:
     """A digest of a plan's ops that does not depend on how the planner numbers things
     internally: the op columns, the tensor names, and each addressed shard's rank, name, dtype."""
@@ -161,12 +229,21 @@ def main() -> None:
                         help="also run the job-start cases on the weightsync package under SRC (before/after)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--eplb", type=int, metavar="R",
+                        help="instead: EPLB readers with R redundant experts per layer, a placement per engine "
+                             "replica; one rank's job start and its re-plan after one replica rebalanced")
     args = parser.parse_args()
     if args.child:
         kind, config, source, target, *rest = args.child
-        result = (global_case(config, source, target, int(rest[0])) if kind == "global"
-                  else job_start_case(config, source, target, rest[0], int(rest[1])))
+        if kind == "eplb":
+            result = eplb_case(config, source, target, int(rest[0]), rest[1], int(rest[2]))
+        else:
+            result = (global_case(config, source, target, int(rest[0])) if kind == "global"
+                      else job_start_case(config, source, target, rest[0], int(rest[1])))
         print(json.dumps(result))
+        return
+    if args.eplb is not None:
+        _eplb_main(args)
         return
 
     spec = load_spec(args.config)
@@ -203,6 +280,36 @@ def main() -> None:
         print(json.dumps(out))
         return
     _print(out)
+
+
+def _eplb_main(args: argparse.Namespace) -> None:
+    """``--eplb R``: job start and re-plan of reader 0 (its replica rebalanced), reader
+    ``group`` (another replica) and writer 0, each in a fresh process, best of ``--repeat``."""
+    target = parse_layout(args.target)
+    group = target.world_size // target.replicas  # type: ignore[attr-defined]
+    out: dict[str, Any] = {"config": args.config, "source": args.source, "target": args.target,
+                           "redundant": args.eplb, "cpu_affinity": sorted(os.sched_getaffinity(0)),
+                           "load_average_before": os.getloadavg(), "ranks": {}}
+    for _ in range(args.repeat):
+        for role, rank in (("reader", 0), ("reader", group), ("writer", 0)):
+            result = _child(["eplb", args.config, args.source, args.target, str(args.eplb), role, str(rank)])
+            best = out["ranks"].get(f"{role}{rank}")
+            if best is None or result["replan"]["cpu_seconds"] < best["replan"]["cpu_seconds"]:
+                out["ranks"][f"{role}{rank}"] = result
+    out["load_average_after"] = os.getloadavg()
+    if args.json:
+        print(json.dumps(out))
+        return
+    print(f"{args.config}: {args.source} -> {args.target}, {args.eplb} redundant experts per layer, a placement per "
+          f"replica; load {out['load_average_before']} -> {out['load_average_after']}")
+    print("rank        case        total s  cpu s  decode s  plan s      ops  copies  copied MiB  same ops")
+    for name, r in out["ranks"].items():
+        for case in ("job_start", "replan"):
+            c = r[case]
+            same = "" if case == "job_start" else str(c["ops_digest"] == r["job_start"]["ops_digest"])
+            print(f"{name:10s}  {case:10s} {c['seconds']:8.2f} {c['cpu_seconds']:6.2f} {c['decode_seconds']:9.2f} "
+                  f"{c['local_plan_seconds']:7.2f} {c['ops']:8,d} {c['copies']:7,d} {c['copied_bytes'] / 2**20:11.1f}"
+                  f"  {same}")
 
 
 def _print(out: dict[str, Any]) -> None:

@@ -32,7 +32,8 @@ TIERS: dict[str, frozenset[str]] = {
     }),
     "e2e": frozenset({
         "test_bench.py", "test_doctor.py", "test_engine_hf.py", "test_engine_vllm.py",
-        "test_example_fsdp_to_vllm.py", "test_examples.py", "test_engine_matrix.py", "test_engine_state.py", "test_integration_trl.py",
+        "test_example_fsdp_to_vllm.py", "test_examples.py", "test_engine_matrix.py", "test_engine_state.py",
+        "test_draft_models.py", "test_draft_paths.py", "test_quant_block.py", "test_eplb.py", "test_integration_trl.py",
         "test_integration_verl.py", "test_launch.py", "test_megatron_frontier.py", "test_ray_multinode.py",
         "test_readme.py", "test_rollouts_vllm.py", "test_scripts.py", "test_sources_deepspeed.py",
         "test_sources_dtensor.py", "test_sources_megatron.py", "test_sync_e2e.py", "test_vllm_layout.py",

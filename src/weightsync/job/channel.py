@@ -28,6 +28,7 @@ server too (``epoch``, ``after_epoch``): it numbers connections, and a try is on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -77,6 +78,18 @@ def _version_epoch_key(version: int) -> str:
 
 def _joined_key(version: int, epoch: int, rank: int) -> str:
     return f"versions/{version}/joined/{epoch}/writer{rank}"  # a writer took part in the version in this epoch
+
+
+def _layouts_key() -> str:
+    return "layouts"  # a counter: the job's layout generation, one step per layout a rank changed while running
+
+
+def _layout_key(generation: int) -> str:
+    return f"layouts/{generation}"  # msgpack [role, rank, layout blob]: whose layout generation N changed, to what
+
+
+def _version_layouts_key(version: int, epoch: int) -> str:
+    return f"versions/{version}/layouts/{epoch}"  # the layout generation writer 0 planned the try with (absent: 0)
 
 
 def _floor_key(role: Role, rank: int) -> str:
@@ -140,6 +153,10 @@ class JobChannel:
         self.host = ""
         self._heartbeat: Heartbeat | None = None
         self._lease_cache: tuple[float, dict[tuple[str, int], LeaseRow]] = (-1.0, {})
+        #: the layout changes read so far, by generation: (role, rank, blob)
+        self._changes: dict[int, tuple[str, int, bytes]] = {}
+        #: the layout generation writer 0 last decided a version with
+        self._decided_generation = 0
 
     @property
     def who(self) -> str:
@@ -197,6 +214,63 @@ class JobChannel:
         """Everyone, once ``writers`` writers and ``readers`` readers registered."""
         people = self.meta.wait_registered(writers=writers, readers=readers, timeout=deadline.remaining())
         return [Member.from_participant(p) for p in people]
+
+    # -- layouts that change while a job runs (an engine's EPLB placement) ---------------------
+    def layout_generation(self) -> int:
+        """How many times a rank changed its layout since the job started."""
+        generation: int = self.meta.counter(_layouts_key())
+        return generation
+
+    def publish_layout(self, layout: bytes, *, deadline: Deadline) -> int:
+        """This rank's layout changed (an engine's expert placement moved): the job's layout
+        generation moves on by one and names it. Returns the new generation.
+
+        Writers plan each version at the generation writer 0 recorded for it
+        (:meth:`version_generation`); versions planned before it are not for this rank."""
+        while True:
+            generation = self.layout_generation()
+            done, _ = self.meta.compare_and_set(_layouts_key(), expected=generation, value=generation + 1)
+            if done:
+                break
+            if deadline.expired:
+                raise TimeoutError(f"{self.who}: could not record its new layout in time")
+        self.meta.put_document(_layout_key(generation + 1), msgpack.packb([self.role, self.rank, layout]))
+        return generation + 1
+
+    def roster_at(self, people: Sequence[Member], generation: int, *, deadline: Deadline) -> list[Member]:
+        """The roster as of layout generation ``generation``: each rank with the layout its last
+        change up to that generation published (the one it registered when it changed none).
+
+        Raises:
+            TimeoutError: a change's document did not appear in time.
+            WireError: a change's document is malformed.
+        """
+        for g in range(1, generation + 1):
+            if g in self._changes:
+                continue
+            doc = self.meta.get_document(_layout_key(g), wait=deadline.remaining(0.0))
+            if doc is None:
+                raise TimeoutError(f"{self.who}: layout change {g} of job {self.meta.job!r} was not published in time")
+            try:
+                role, rank, blob = msgpack.unpackb(doc)
+                self._changes[g] = (str(role), int(rank), bytes(blob))
+            except (ValueError, TypeError, msgpack.ExtraData) as exc:
+                raise WireError(f"layout change {g} of job {self.meta.job!r} is malformed: {exc}") from None
+        now: dict[tuple[str, int], bytes] = {}
+        for g in range(1, generation + 1):
+            role, rank, blob = self._changes[g]
+            now[role, rank] = blob
+        return [dataclasses.replace(m, layout=now.get((m.role, m.rank), m.layout)) for m in people]
+
+    def forget_layouts(self) -> None:
+        """The meta server lost its state: its layout generations start over."""
+        self._changes.clear()
+        self._decided_generation = 0
+
+    def version_generation(self, version: int, epoch: int) -> int:
+        """The layout generation writer 0 planned ``version`` with in ``epoch`` (0: no layout changed)."""
+        doc = self.meta.get_document(_version_layouts_key(version, epoch))
+        return int(doc.decode()) if doc is not None else 0
 
     def pin_server(self) -> None:
         """Pin the meta server's current instance: the first step of (re)joining, before anything
@@ -288,13 +362,19 @@ class JobChannel:
         """
         key = _version_epoch_key(version)  # a counter holding the decided epoch + 1 (0: undecided)
         if self.role == "writer" and self.rank == 0:
+            generation = self.layout_generation()
             epoch = max(self.current_epoch(), self.min_epoch)
+            if generation != self._decided_generation:  # a rank's layout changed: every rank re-plans,
+                epoch = max(self.advance_epoch(epoch), epoch)  # and its transport connects anew
             held = int(self.meta.counter(key))
             decided = max(epoch, held - 1)
             # marked before the decision is visible, so a peer never sees it without the mark
             self.meta.put_document(_joined_key(version, decided, self.rank), self.incarnation.encode())
             if held < epoch + 1:  # only writer 0 sets it
+                if generation:
+                    self.meta.put_document(_version_layouts_key(version, epoch), str(generation).encode())
                 self.meta.compare_and_set(key, expected=held, value=epoch + 1)
+            self._decided_generation = generation
             return decided
         floor = self.min_epoch
         while True:

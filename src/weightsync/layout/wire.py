@@ -25,6 +25,7 @@ from typing import Any
 import msgpack
 
 from weightsync.layout.box import Box
+from weightsync.layout.eplb import attachments, receive_attachments
 from weightsync.layout.kinds import LayoutKind, parse_layout
 from weightsync.layout.model import ModelSpec
 from weightsync.layout.roster import Roster
@@ -34,9 +35,14 @@ WIRE_VERSION = 1
 
 
 def encode_descriptor(layout: str, model: str) -> bytes:
-    """A rank-free descriptor blob; validated by parsing the layout string."""
-    parse_layout(layout)
-    return msgpack.packb({"v": WIRE_VERSION, "form": "descriptor", "layout": layout, "model": model})
+    """A rank-free descriptor blob; validated by parsing the layout string. The data the layout
+    names beside its text (an expert placement's digest) travels in the blob."""
+    kind = parse_layout(layout)
+    blob: dict[str, Any] = {"v": WIRE_VERSION, "form": "descriptor", "layout": kind.describe(), "model": model}
+    names = kind.attachments()
+    if names:
+        blob["eplb"] = attachments(names)
+    return msgpack.packb(blob)
 
 
 def encode_explicit(layout: RankLayout) -> bytes:
@@ -128,6 +134,10 @@ class LayoutDecoder:
 
     def _descriptor(self, blob: bytes, obj: Mapping[str, Any]) -> tuple[LayoutKind, ModelSpec]:
         spec = self._spec(str(obj["model"]))
+        attached = obj.get("eplb") or {}
+        if not isinstance(attached, dict):
+            raise TypeError("the expert placements attached to a descriptor are not a map")
+        receive_attachments({str(k): bytes(v) for k, v in attached.items()})
         kind = parse_layout(str(obj["layout"]))
         kind.validate(spec)
         self._kinds[blob] = (kind, spec)

@@ -24,6 +24,7 @@ import hashlib
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -64,9 +65,22 @@ class PlanOptions:
             raise ValueError(f"min_split_bytes must be >= 0, got {self.min_split_bytes}")
 
 class Atoms:
-    """Everything derived from the full metadata (steps 1-3); shared by global and local planning."""
+    """Everything derived from the full metadata (steps 1-3); shared by global and local planning.
 
-    def __init__(self, sources: Side, dests: Side, options: PlanOptions) -> None:
+    ``previous``: the atoms of an earlier plan of the same writers (the same roster object) and
+    options. Its source side (tables, atoms, holder classes, the writers' part of the
+    fingerprint) is reused when the tensors are the same, so a re-plan after readers changed
+    (an EPLB placement) costs the readers' side only; the result equals a fresh computation.
+    """
+
+    src: RegionTable
+    class_alloc: list[tuple[int, ...]]
+    class_cum: list[np.ndarray]
+    class_nnz: np.ndarray
+    _class_demand: np.ndarray
+    _src_hasher: Any
+
+    def __init__(self, sources: Side, dests: Side, options: PlanOptions, *, previous: Atoms | None = None) -> None:
         # Input order must not matter: every rank may list the layouts differently (rosters
         # are in rank order).
         src, dst = Roster.of(sources), Roster.of(dests)
@@ -83,17 +97,33 @@ class Atoms:
         self.tensor_ndim = tuple(len(s) for s in self.shapes)
         self.ndim = max(max(self.tensor_ndim, default=1), 1)
         ids = {n: i for i, n in enumerate(self.tensors)}
-        self.src = _nonempty(RegionTable.build(src, ids, self.ndim))
+        reuse = (previous is not None and previous.src.roster is src and previous.options == options
+                 and previous.tensors == self.tensors and previous.shapes == self.shapes)
         self.dst = _nonempty(RegionTable.build(dst, ids, self.ndim))
         self.num_sources = src.num_ranks
         self.num_dests = dst.num_ranks
-        self.big = max((max(s) if s else 1) for s in self.shapes) + 1 if self.shapes else 2
-        self.name_hash = np.array([zlib.crc32(n.encode()) for n in self.tensors], dtype=np.int64)
-        self._check_names()
-        self._check_source_dtypes()
-        self._build_atoms()
-        self._balance()
-        self.fingerprint = self._fingerprint()
+        self.copy_of = _copies(self.dst)
+        if reuse:
+            assert previous is not None
+            for name in ("src", "big", "name_hash", "atom_tensor", "atom_off", "atom_size", "holder_ptr", "holder_row",
+                         "atom_class", "classes", "_src_hasher"):
+                setattr(self, name, getattr(previous, name))
+            self._check_names()
+            self._allocate(previous)
+        else:
+            self.src = _nonempty(RegionTable.build(src, ids, self.ndim))
+            self.big = max((max(s) if s else 1) for s in self.shapes) + 1 if self.shapes else 2
+            self.name_hash = np.array([zlib.crc32(n.encode()) for n in self.tensors], dtype=np.int64)
+            self._check_names()
+            self._check_source_dtypes()
+            self._build_atoms()
+            self._classes()
+            self._allocate(None)
+            self._src_hasher = self._hash_sources()
+        h = self._src_hasher.copy()
+        h.update(b"|readers|")
+        self.dst.digest_update(h)
+        self.fingerprint = h.hexdigest()
 
     # -- validation -----------------------------------------------------------------------
     def _check_names(self) -> None:
@@ -219,42 +249,120 @@ class Atoms:
         self.holder_row = np.array([r for x in new for r in x[2]], dtype=np.int64)
 
     # -- balancing ------------------------------------------------------------------------
-    def _balance(self) -> None:
-        """Holder classes, their estimated demand, and each rank's share of each class."""
+    def _classes(self) -> None:
+        """Holder classes: the distinct sets of ranks holding an atom, numbered by first appearance."""
         n_atoms = len(self.atom_tensor)
         ranks = self.src.rank[self.holder_row]
-        class_index: dict[tuple[int, ...], int] = {}
-        atom_class = np.empty(n_atoms, dtype=np.int64)
+        counts = np.diff(self.holder_ptr)
+        # a class per distinct holder set, numbered by first appearance; single holders in numpy
+        span = int(ranks.max(initial=0)) + 1
+        key = np.zeros(n_atoms, dtype=np.int64)
+        single = counts == 1
+        key[single] = ranks[self.holder_ptr[:-1][single]]
+        shared: dict[tuple[int, ...], int] = {}
         ptr = self.holder_ptr.tolist()
         rank_list = ranks.tolist()
-        for a in range(n_atoms):
-            cls = tuple(rank_list[ptr[a]:ptr[a + 1]])
-            atom_class[a] = class_index.setdefault(cls, len(class_index))
+        for a in np.flatnonzero(~single).tolist():
+            key[a] = span + shared.setdefault(tuple(rank_list[ptr[a]:ptr[a + 1]]), len(shared))
+        unique, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        by_first = np.argsort(first, kind="stable")
+        number = np.empty(len(unique), dtype=np.int64)
+        number[by_first] = np.arange(len(unique))
+        atom_class = number[inverse.reshape(-1)]
+        tuples = list(shared)
+        class_index = {((int(k),) if k < span else tuples[int(k) - span]): i
+                       for i, k in enumerate(unique[by_first].tolist())}
         self.atom_class = atom_class
         self.classes = list(class_index)
+
+    def _allocate(self, previous: Atoms | None) -> None:
+        """Each class's estimated demand, and each rank's share of it (``previous``'s when the demand
+        is the same).
+
+        The demand counts every destination region, a reader's local copies too: a reader that
+        moves an expert between its slots (EPLB) then changes no class's demand, so no other
+        rank's ops change with it.
+        """
+        atom_class = self.atom_class
         # Demand estimate: each atom is needed as often as its tensor is, on average.
-        need = np.zeros(len(self.tensors), dtype=np.int64)
-        np.add.at(need, self.dst.tensor, self.dst.volume * self.dst.itemsize)
+        need = _sums(self.dst.tensor, self.dst.volume * self.dst.itemsize, len(self.tensors))
         numel = np.array([max(int(np.prod(s)), 1) for s in self.shapes], dtype=np.float64)
         atom_vol = np.prod(self.atom_size, axis=1).astype(np.float64)
         per_elem = need.astype(np.float64) / numel
         atom_demand = np.floor(atom_vol * per_elem[self.atom_tensor]).astype(np.int64)
-        class_demand = np.zeros(len(self.classes), dtype=np.int64)
-        np.add.at(class_demand, atom_class, atom_demand)
+        class_demand = _sums(atom_class, atom_demand, len(self.classes))
+        self._class_demand = class_demand
+        if previous is not None and np.array_equal(previous._class_demand, class_demand):
+            self.class_alloc, self.class_cum, self.class_nnz = (previous.class_alloc, previous.class_cum,
+                                                                previous.class_nnz)
+            return
         alloc = water_fill({cls: int(class_demand[i]) for i, cls in enumerate(self.classes)})
         self.class_alloc = [alloc[cls] for cls in self.classes]
         self.class_cum = [np.cumsum(np.array(a, dtype=np.int64)) for a in self.class_alloc]
         self.class_nnz = np.array([sum(1 for x in a if x > 0) for a in self.class_alloc], dtype=np.int64)
 
-    def _fingerprint(self) -> str:
+    def _hash_sources(self) -> Any:
+        """The fingerprint's hasher fed with the options, tensors and writers (readers follow)."""
         h = hashlib.blake2b(digest_size=16)
         h.update(f"weightsync-plan-v{PLANNER_VERSION}|{self.options}\n".encode())
         for name, shape in zip(self.tensors, self.shapes, strict=True):
             h.update(f"{name}{shape}\n".encode())
         self.src.digest_update(h)
-        h.update(b"|readers|")
-        self.dst.digest_update(h)
-        return h.hexdigest()
+        return h
+
+
+def _copies(dst: RegionTable) -> np.ndarray:
+    """Per destination row, the earlier row of the same rank holding the same box of the same
+    tensor in the same dtype (-1: none). Such a row is filled by a local copy of that one.
+
+    Rows are hashed to one key each first (a 700k-row reader side sorts one column, not eleven);
+    only rows whose keys collide are compared column by column.
+    """
+    n = len(dst)
+    out = np.full(n, -1, dtype=np.int64)
+    if n < 2:
+        return out
+    with np.errstate(over="ignore"):  # a polynomial hash, wrapping
+        key = dst.rank.astype(np.uint64)
+        for column in (dst.tensor, dst.dtype, *dst.off.T, *dst.size.T):
+            key = key * np.uint64(0x9E3779B97F4A7C15) + column.astype(np.uint64)
+    order = np.argsort(_mix(key))
+    collide = np.zeros(n, dtype=bool)
+    hit = key[order][1:] == key[order][:-1]
+    if not hit.any():
+        return out
+    collide[order[1:][hit]] = True
+    collide[order[:-1][hit]] = True
+    rows = np.flatnonzero(collide)  # ascending: the first of equal rows is the earliest
+    keys = [rows, *dst.size[rows].T[::-1], *dst.off[rows].T[::-1], dst.dtype[rows], dst.tensor[rows], dst.rank[rows]]
+    order = rows[np.lexsort(keys)]
+    same = np.zeros(len(order), dtype=bool)
+    same[1:] = ((dst.rank[order][1:] == dst.rank[order][:-1]) & (dst.tensor[order][1:] == dst.tensor[order][:-1])
+                & (dst.dtype[order][1:] == dst.dtype[order][:-1])
+                & (dst.off[order][1:] == dst.off[order][:-1]).all(1)
+                & (dst.size[order][1:] == dst.size[order][:-1]).all(1))
+    head = np.maximum.accumulate(np.where(same, 0, np.arange(len(order))))
+    out[order[same]] = order[head[same]]
+    return out
+
+
+def _sums(index: np.ndarray, weights: np.ndarray, length: int) -> np.ndarray:
+    """Exact integer sums per index (float64 bincount is exact below 2**53 per bin)."""
+    out = np.bincount(index, weights=weights, minlength=length)
+    if out.size and out.max() >= 2.0**53:
+        exact = np.zeros(length, dtype=np.int64)
+        np.add.at(exact, index, weights)
+        return exact
+    return out.astype(np.int64)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser on uint64 arrays (wrapping integer arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
 
 
 def ranges(counts: np.ndarray) -> np.ndarray:

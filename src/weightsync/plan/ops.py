@@ -81,6 +81,8 @@ class PlanStats:
     max_recv_bytes: int
     lower_bound_send_bytes: float
     plan_seconds: float
+    #: bytes readers copy within their own memory (a box one reader holds twice: EPLB's redundant experts)
+    copied_bytes: int = 0
 
     @property
     def imbalance(self) -> float:
@@ -112,6 +114,7 @@ class PlanStats:
             "imbalance": self.imbalance,
             "balance_ratio": self.balance_ratio,
             "plan_seconds": self.plan_seconds,
+            "copied_bytes": self.copied_bytes,
         }
         if link_gbps is not None:
             out["link_gbps"] = link_gbps
@@ -170,6 +173,11 @@ class Plan:
     ``fingerprint`` hashes the planner's inputs and options: two ranks holding the same
     fingerprint computed the same plan, which is what writers and readers compare before
     any byte moves.
+
+    ``copies`` are a reader's *local* copies: a box a reader holds in several places (an
+    expert on several EPLB slots of one rank) arrives once, into the first, and the reader
+    copies it into the others after the ops of its phase arrived (``src_*`` and ``dst_*``
+    both address the reader's own shards; ``src_rank == dst_rank``). Transports never see them.
     """
 
     fingerprint: str
@@ -180,26 +188,40 @@ class Plan:
     columns: OpColumns
     stats: PlanStats | None = None
     scope: str = "global"
+    copies: OpColumns | None = None
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __len__(self) -> int:
         return len(self.columns)
 
-    def subset(self, index: np.ndarray, *, tag: str) -> Plan:
-        """The plan of the ops at ``index`` (kept in order): same shards, fingerprint ``<fp>/<tag>``."""
+    def subset(self, index: np.ndarray, *, tag: str, copies: np.ndarray | None = None) -> Plan:
+        """The plan of the ops at ``index`` (kept in order): same shards, fingerprint ``<fp>/<tag>``;
+        with the local copies at ``copies`` (none otherwise)."""
+        kept = self.copies.take(copies) if self.copies is not None and copies is not None else None
         return Plan(fingerprint=f"{self.fingerprint}/{tag}", tensors=self.tensors, tensor_ndim=self.tensor_ndim,
                     src_shards=self.src_shards, dst_shards=self.dst_shards, columns=self.columns.take(index),
-                    stats=None, scope=self.scope)
+                    stats=None, scope=self.scope, copies=kept)
+
+    @property
+    def num_copies(self) -> int:
+        return len(self.copies) if self.copies is not None else 0
 
     @cached_property
     def ops(self) -> tuple[TransferOp, ...]:
         """Every op as a frozen dataclass, in wire order."""
-        c = self.columns
+        return self._expand(self.columns, self.src_shards)
+
+    @cached_property
+    def copy_ops(self) -> tuple[TransferOp, ...]:
+        """The local copies (see class docstring) as ops whose source is the reader's own shard."""
+        return self._expand(self.copies, self.dst_shards) if self.copies is not None else ()
+
+    def _expand(self, c: OpColumns, src_shards: Sequence[ShardRef]) -> tuple[TransferOp, ...]:
         out = []
         for i in range(len(c)):
             t = int(c.tensor[i])
             n = self.tensor_ndim[t]
-            src = self.src_shards[int(c.src_shard[i])]
+            src = src_shards[int(c.src_shard[i])]
             dst = self.dst_shards[int(c.dst_shard[i])]
             sizes = tuple(int(x) for x in c.size[i, :n])
             out.append(TransferOp(

@@ -90,7 +90,11 @@ def split_plan(plan: Plan, phases: Sequence[Sequence[str]]) -> list[Plan]:
             where[name] = i
     tensor_phase = np.array([where.get(t, -1) for t in plan.tensors], dtype=np.int64)
     op_phase = tensor_phase[plan.columns.tensor] if len(plan) else np.zeros(0, dtype=np.int64)
-    if (op_phase < 0).any():
-        missing = sorted({plan.tensors[t] for t in plan.columns.tensor[op_phase < 0]})
+    copy_tensor = plan.copies.tensor if plan.copies is not None else np.zeros(0, dtype=np.int64)
+    copy_phase = tensor_phase[copy_tensor]
+    if (op_phase < 0).any() or (copy_phase < 0).any():
+        missing = sorted({plan.tensors[t] for t in plan.columns.tensor[op_phase < 0]}
+                         | {plan.tensors[t] for t in copy_tensor[copy_phase < 0]})
         raise ValueError(f"plan tensors in no phase: {missing[:5]}")
-    return [plan.subset(np.flatnonzero(op_phase == i), tag=f"phase{i}") for i in range(len(phases))]
+    return [plan.subset(np.flatnonzero(op_phase == i), tag=f"phase{i}", copies=np.flatnonzero(copy_phase == i))
+            for i in range(len(phases))]

@@ -51,6 +51,7 @@ def iter_ops(ctx: Atoms, dst_rows: np.ndarray, atoms: np.ndarray | None = None
     """
     if atoms is None:
         atoms = np.arange(len(ctx.atom_tensor))
+    dst_rows = dst_rows[ctx.copy_of[dst_rows] < 0]  # a box a reader holds twice arrives once
     a_tensor = ctx.atom_tensor[atoms]
     a_off0 = ctx.atom_off[atoms, 0]
     start_key = a_tensor * ctx.big + a_off0
@@ -164,6 +165,18 @@ def _split_multi(ctx: Atoms, d: np.ndarray, a: np.ndarray, p_lo: np.ndarray, p_s
                                    np.array(out_size, dtype=np.int64).reshape(-1, ctx.ndim)))
     return OpColumns.concat(parts, ctx.ndim)
 
+def local_copies(ctx: Atoms, dst_rows: np.ndarray) -> OpColumns:
+    """The local copies that fill destination rows ``dst_rows`` a reader holds twice (see :class:`Plan`)."""
+    d = dst_rows[ctx.copy_of[dst_rows] >= 0]
+    s = ctx.copy_of[d]
+    dst = ctx.dst
+    return OpColumns(
+        src_rank=dst.rank[s], src_shard=dst.shard[s], dst_rank=dst.rank[d], dst_shard=dst.shard[d],
+        tensor=dst.tensor[d], off=dst.off[d], size=dst.size[d], src_off=dst.loff[s], src_stride=dst.lstride[s],
+        dst_off=dst.loff[d], dst_stride=dst.lstride[d], nbytes=np.prod(dst.size[d], axis=1) * dst.itemsize[d],
+    ).sorted()
+
+
 def _stable_keys(ctx: Atoms, d: np.ndarray, lo: np.ndarray) -> np.ndarray:
     """Hash of (tensor name, reader rank, piece corner) per piece, equal on every machine."""
     h = _mix(ctx.name_hash[ctx.dst.tensor[d]].astype(np.uint64))
@@ -220,11 +233,12 @@ def _int_bincount(index: np.ndarray, weights: np.ndarray, length: int) -> np.nda
 
 # -- public entry points ----------------------------------------------------------------------
 
-def _finish(ctx: Atoms, batches: list[OpColumns], scope: str, stats: PlanStats | None) -> Plan:
+def _finish(ctx: Atoms, batches: list[OpColumns], scope: str, stats: PlanStats | None,
+            copies: OpColumns | None = None) -> Plan:
     cols = OpColumns.concat(batches, ctx.ndim).sorted()
     return Plan(fingerprint=ctx.fingerprint, tensors=ctx.tensors, tensor_ndim=ctx.tensor_ndim,
                 src_shards=ctx.src.shards, dst_shards=ctx.dst.shards, columns=cols, stats=stats,
-                scope=scope)
+                scope=scope, copies=copies if copies is not None and len(copies) else None)
 
 
 def build_plan(sources: Side, dests: Side,
@@ -242,20 +256,31 @@ def build_plan(sources: Side, dests: Side,
     for parts, classes, piece_bytes in iter_ops(ctx, np.arange(len(ctx.dst))):
         batches.extend(parts)
         acc.add(parts, classes, piece_bytes)
-    return _finish(ctx, batches, "global", acc.finish(time.perf_counter() - started))
+    return _finish(ctx, batches, "global", acc.finish(time.perf_counter() - started),
+                   local_copies(ctx, np.arange(len(ctx.dst))))
 
 
 def build_local_plan(sources: Side, dests: Side, *,
                      role: Role, rank: int,
-                     options: PlanOptions | None = None) -> Plan:
+                     options: PlanOptions | None = None, previous: Plan | None = None) -> Plan:
     """One rank's ops only (those it sends, or those it receives), without the global plan.
 
-    The result equals the global plan filtered to that rank, op for op.
+    The result equals the global plan filtered to that rank, op for op. ``previous``: this
+    rank's plan of the same writers (the same roster object) before readers changed (an EPLB
+    placement): the writers' side of planning is reused, not recomputed.
     """
-    ctx = Atoms(sources, dests, options or PlanOptions())
+    before = previous._cache.get("atoms") if previous is not None else None
+    ctx = Atoms(sources, dests, options or PlanOptions(), previous=before)
+    plan = _local(ctx, role, rank)
+    plan._cache["atoms"] = ctx
+    return plan
+
+
+def _local(ctx: Atoms, role: Role, rank: int) -> Plan:
     if role == "reader":
         rows = np.flatnonzero(ctx.dst.rank == rank)
-        return _finish(ctx, [c for parts, _, _ in iter_ops(ctx, rows) for c in parts], f"reader:{rank}", None)
+        return _finish(ctx, [c for parts, _, _ in iter_ops(ctx, rows) for c in parts], f"reader:{rank}", None,
+                       local_copies(ctx, rows))
     if role != "writer":
         raise ValueError(f"role must be 'writer' or 'reader', got {role!r}")
     mine = np.unique(ctx.src.tensor[ctx.src.rank == rank])
@@ -299,7 +324,9 @@ class _StatsAccumulator:
 
     def finish(self, seconds: float) -> PlanStats:
         ctx = self.ctx
-        needed = int((ctx.dst.volume * ctx.dst.itemsize).sum())
+        row_bytes = ctx.dst.volume * ctx.dst.itemsize
+        copied = ctx.copy_of >= 0
+        needed = int(row_bytes[~copied].sum())
         sent = int(self.send.sum())
         dst_itemsize = np.zeros(len(ctx.tensors), dtype=np.int64)
         dst_itemsize[ctx.dst.tensor] = ctx.dst.itemsize
@@ -319,6 +346,7 @@ class _StatsAccumulator:
             max_recv_bytes=int(self.recv.max()) if self.recv.size else 0,
             lower_bound_send_bytes=lb,
             plan_seconds=seconds,
+            copied_bytes=int(row_bytes[copied].sum()),
         )
 
 

@@ -69,13 +69,21 @@ def empty_shards(layout: RankLayout, fill: int = 0) -> dict[str, np.ndarray]:
 
 
 def run_plan(plan: Plan, src: Buffers, dst: Buffers) -> dict[int, dict[str, np.ndarray]]:
-    """Execute every op; returns per destination shard how often each element was written."""
+    """Execute every op, then the readers' local copies; returns per destination shard how often
+    each element was written."""
     writes = {r: {n: np.zeros(a.size, dtype=np.int32) for n, a in shards.items()} for r, shards in dst.items()}
     for op in plan.ops:
         sizes = op.box.sizes
         s = view(src[op.src_rank][op.src_shard], op.src_offset, sizes, op.src_strides)
         d_flat = dst[op.dst_rank][op.dst_shard]
         view(d_flat, op.dst_offset, sizes, op.dst_strides)[...] = s.astype(d_flat.dtype)
+        w = writes[op.dst_rank][op.dst_shard]
+        view(w, op.dst_offset, sizes, op.dst_strides)[...] += 1
+    for op in plan.copy_ops:
+        sizes = op.box.sizes
+        shards = dst[op.dst_rank]
+        s = view(shards[op.src_shard], op.src_offset, sizes, op.src_strides).copy()
+        view(shards[op.dst_shard], op.dst_offset, sizes, op.dst_strides)[...] = s
         w = writes[op.dst_rank][op.dst_shard]
         view(w, op.dst_offset, sizes, op.dst_strides)[...] += 1
     return writes

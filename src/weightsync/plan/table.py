@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -68,7 +69,7 @@ class RegionTable:
     def __len__(self) -> int:
         return int(self.rank.shape[0])
 
-    @property
+    @cached_property
     def volume(self) -> np.ndarray:
         return np.prod(self.size, axis=1)
 

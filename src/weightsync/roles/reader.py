@@ -27,6 +27,7 @@ from weightsync.clock.deadline import Deadline
 from weightsync.job.channel import PublishedVersion
 from weightsync.ports import device as device_port
 from weightsync.session.sync_session import SyncConfig, SyncError, SyncResult, SyncSession, device_of, state_lost
+from weightsync.tools.torch_layout import apply_copies
 from weightsync.transport import TransportError
 
 if TYPE_CHECKING:
@@ -116,6 +117,20 @@ class WeightReader:
         """
         return self.apply(self.receive(version, timeout=timeout))
 
+    def follow_layout(self, *, timeout: float | None = None) -> bool:
+        """Call when the engine's layout changed (vLLM's EPLB moved experts): the job re-plans
+        this reader's share before the writers' next version. True if the layout had changed.
+
+        :meth:`update` checks too, before it waits for a version; a version the writers had
+        already planned by then is not taken (it is reported failed, the engine keeps its
+        weights) and the next one is. Telling the reader when the placement moves, from the
+        engine's rebalance step, keeps that from happening.
+        """
+        self.session.check_alive()
+        if self.session.planned is None:
+            return False  # the first plan reads the layout as it is then
+        return self.session.relayout(Deadline.after(timeout if timeout is not None else self.config.timeout))
+
     def receive(self, version: int | None = None, *, timeout: float | None = None) -> Received:
         """The first half of :meth:`update`: receive (and check) the newest version, or at least
         ``version``, into the engine's receive buffers, without applying it.
@@ -156,19 +171,16 @@ class WeightReader:
             if session.rejoined and self.version is not None:  # tell the new server what this engine serves
                 session.channel.report_applied(self.version, nbytes=0, seconds=0.0)
                 session.rejoined = False
+        elif session.relayout(deadline):  # the engine's layout moved (EPLB): the job re-plans it
+            phases["plan"] = session.timings["setup"]
+        t0 = time.perf_counter()
+        published = self._wait_for_version(version, deadline)
+        published = self._planned_alike(published, version, deadline, phases)
+        phases["wait"] = time.perf_counter() - t0 - phases.get("replan", 0.0)
         planned = session.planned
         assert planned is not None
         self._lay_out(planned.phase_names)
         self._notice_outside_change()
-        t0 = time.perf_counter()
-        published = self._wait_for_version(version, deadline)
-        phases["wait"] = time.perf_counter() - t0
-        if published.sync_fingerprint != planned.fingerprint:
-            raise ValueError(
-                f"reader {self.rank}: writers published version {published.version} with sync fingerprint "
-                f"{published.sync_fingerprint}, this reader computed {planned.fingerprint}: writers and readers "
-                "disagree on the plan, transport or its settings"
-            )
         v = published.version
         try:
             buffers = self.engine.receive_buffers()
@@ -185,6 +197,11 @@ class WeightReader:
                     t0 = time.perf_counter()
                     planned.digests.check(phase, buffers, version=v)
                     phases["check"] = phases.get("check", 0.0) + time.perf_counter() - t0
+                copies = planned.phases[phase] if planned.phases else planned.plan
+                if copies.num_copies:  # boxes this reader holds twice (EPLB's redundant experts)
+                    t0 = time.perf_counter()
+                    apply_copies(copies, buffers)
+                    phases["copy"] = phases.get("copy", 0.0) + time.perf_counter() - t0
                 if planned.phases:  # an engine staging phase by phase loads this one now
                     t0 = time.perf_counter()
                     self._phase_arrived(v, phase, planned.phase_names[phase])
@@ -196,6 +213,37 @@ class WeightReader:
             self._fail(published, exc)
             raise SyncError(f"reader {self.rank}: engine could not load version {v}: {exc}") from exc
         return Received(published, nbytes, phases, self.session.planned)
+
+    def _planned_alike(self, published: PublishedVersion, version: int | None, deadline: Deadline,
+                       phases: dict[str, float]) -> PublishedVersion:
+        """``published``, or a later version, planned as this reader planned: a version planned at a
+        later layout generation (another reader's layout changed) makes this reader re-plan; one
+        planned before this reader's own layout changed is not for it (it reports the version
+        failed, keeping its engine as it is, and waits for the next)."""
+        session = self.session
+        while True:
+            planned = session.planned
+            assert planned is not None
+            if published.sync_fingerprint == planned.fingerprint:
+                return published
+            generation = session.channel.version_generation(published.version, published.epoch)
+            if generation < session.own_generation:
+                why = (f"version {published.version} (epoch {published.epoch}) was planned at layout generation "
+                       f"{generation}, before this reader's layout changed (generation {session.own_generation}); "
+                       "it takes the next version")
+                logger.info("reader %d: %s", self.rank, why)
+                self._failed, self._failed_epoch = published.version, published.epoch
+                session.channel.report_failed(published.version, why, epoch=published.epoch)
+                published = self._wait_for_version(version, deadline)
+                continue
+            t0 = time.perf_counter()
+            if generation != session.generation and session.follow_generation(generation, deadline):
+                phases["replan"] = phases.get("replan", 0.0) + time.perf_counter() - t0
+                continue
+            raise ValueError(
+                f"reader {self.rank}: writers published version {published.version} with sync fingerprint "
+                f"{published.sync_fingerprint}, this reader computed {planned.fingerprint}: writers and readers "
+                "disagree on the plan, transport or its settings")
 
     def _apply(self, received: Received) -> UpdateResult:
         published, nbytes, phases = received.published, received.nbytes, dict(received.phases)

@@ -130,6 +130,13 @@ class WeightWriter:
             self._wait_readers(self._history[-slots], deadline, result, "wait_slot")
         try:
             epoch = channel.decide_epoch(version, deadline)
+            # a reader's layout changed (its engine's EPLB placement): plan the version at the
+            # layout generation writer 0 recorded for it, as every writer does
+            if session.follow_generation(channel.version_generation(version, epoch), deadline):
+                planned = session.planned
+                assert planned is not None
+                transport = planned.transport
+                result.phases["replan"] = session.timings["setup"]
         except TimeoutError as exc:
             raise SyncError(str(exc)) from exc
         published = PublishedVersion(version, planned.fingerprint, epoch)

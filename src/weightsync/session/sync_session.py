@@ -13,16 +13,18 @@ drive versions on top; epochs are explained in :mod:`weightsync.job.channel`.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from weightsync.clock.deadline import Deadline
 from weightsync.job.channel import JobChannel, Member, Role
+from weightsync.layout.quant_block_offers import block_sources
 from weightsync.layout.quant_offers import quantized_sources
 from weightsync.layout.roster import Roster
 from weightsync.layout.wire import LayoutDecoder, encode_descriptor, encode_explicit
@@ -40,11 +42,18 @@ if TYPE_CHECKING:
     from weightsync.layout import LayoutProvider
     from weightsync.meta.client import MetaClient
     from weightsync.plan import Plan
-    from weightsync.tools.codecs.fp8 import WriterQuantizer
+    from weightsync.tools.codecs.fp8 import Exchange
     from weightsync.transport import Transport
     from weightsync.transport.digests import VersionDigests
 
 logger = logging.getLogger(__name__)
+
+
+class Quantizer(Protocol):
+    """A writer's quantize-on-send (FP8: ``codecs.fp8.WriterQuantizer``; MXFP8/MXFP4/NVFP4:
+    ``codecs.mx.BlockQuantizer``): this version's derived tensors from the source's."""
+
+    def derive(self, tensors: Mapping[str, torch.Tensor], exchange: Exchange) -> dict[str, torch.Tensor]: ...
 
 
 def device_of(tensors: Mapping[str, torch.Tensor], who: str) -> str:
@@ -101,8 +110,9 @@ class PlannedSync:
     phase_names: tuple[tuple[str, ...], ...] = ()
     #: this rank's plan cut by phase (empty without ``layer_phases``)
     phases: tuple[Plan, ...] = ()
-    #: a writer's FP8 quantizer, when readers ask for FP8 weights it sends (``layout.quant_offers``)
-    quantizer: WriterQuantizer | None = None
+    #: a writer's quantizer, when readers ask for FP8 or a block format it sends (``layout.quant_offers``,
+    #: ``layout.quant_block_offers``)
+    quantizer: Quantizer | None = None
     #: with ``SyncConfig.integrity``: the plan with its digest ops, and this rank's digests
     digests: VersionDigests | None = None
 
@@ -134,25 +144,38 @@ def decode_roster(people: Sequence[Member], load_model: Callable[[str], Mapping[
 
 
 def plan_share(writers: Roster, readers: Roster, *, role: Role, rank: int, options: PlanOptions,
-               timings: dict[str, float] | None = None) -> tuple[Plan, Roster, WriterQuantizer | None]:
+               timings: dict[str, float] | None = None, previous: Plan | None = None
+               ) -> tuple[Plan, Roster, Quantizer | None]:
     """One rank's share of the job from everyone's layouts, as :meth:`SyncSession.plan` computes it.
 
     Returns this rank's plan, the writers as planned (with FP8 twins and scale shards when
     readers ask for FP8) and, for a writer that sends FP8, its quantizer. ``timings``
     receives the seconds of each step: ``fp8_offers``, ``local_plan``, ``quantizer``.
+    ``previous``: this rank's plan before readers' layouts changed, with the same ``writers``
+    roster (see :func:`~weightsync.plan.build_local_plan`).
     """
     times = timings if timings is not None else {}
     t0 = time.perf_counter()
     planned, quant = quantized_sources(writers, readers)  # FP8 readers: writers quantize on send
+    planned, blocks = block_sources(planned, readers)  # MXFP8, MXFP4, NVFP4 readers likewise
+    if quant and blocks:
+        raise ValueError(f"readers ask for FP8 ({', '.join(sorted({t.scheme.name for t in quant.tensors.values()}))}) "
+                         f"and {', '.join(sorted({o.tensor.scheme.name for o in blocks.offers.values()}))} in one "
+                         "job: one quantized format per job (run a job per format)")
     t1 = time.perf_counter()
-    plan = build_local_plan(planned, readers, role=role, rank=rank, options=options)
+    plan = build_local_plan(planned, readers, role=role, rank=rank, options=options, previous=previous)
     t2 = time.perf_counter()
-    quantizer = None
+    quantizer: Quantizer | None = None
     if quant and role == "writer":
         from weightsync.tools.codecs.fp8 import WriterQuantizer
 
-        quantizer = WriterQuantizer(quant, planned.layout(rank), plan)  # objects for this rank only
-        quantizer = quantizer if quantizer.active else None
+        fp8 = WriterQuantizer(quant, planned.layout(rank), plan)  # objects for this rank only
+        quantizer = fp8 if fp8.active else None
+    elif blocks and role == "writer":
+        from weightsync.tools.codecs.mx import BlockQuantizer
+
+        block = BlockQuantizer(blocks, rank=rank)
+        quantizer = block if block.active else None
     times.update(fp8_offers=t1 - t0, local_plan=t2 - t1, quantizer=time.perf_counter() - t2)
     return plan, planned, quantizer
 
@@ -183,6 +206,14 @@ class SyncSession:
         self._registered = False
         #: this session registered again after the meta server lost its state (see forget())
         self.rejoined = False
+        #: the job's layout generation this rank's plan was made at (see JobChannel.publish_layout)
+        self.generation = 0
+        #: the generation of this rank's own last layout change (0: none)
+        self.own_generation = 0
+        self._published: tuple[Any, ...] = ()  # what this rank's layout was when it last published it
+        self._previous: Plan | None = None  # the plan before the last re-plan: its writers' side is reused
+        self._decoder: LayoutDecoder | None = None
+        self._writers: tuple[tuple[bytes, ...], Roster] | None = None
 
     @property
     def role(self) -> Role:
@@ -195,10 +226,18 @@ class SyncSession:
     # -- membership -----------------------------------------------------------------------
     def _layout_blob(self) -> bytes:
         descriptor = self.provider.descriptor()
+        self._published = self._layout_now(descriptor)
         if descriptor is not None:
             layout_text, config = descriptor
             return encode_descriptor(layout_text, self.channel.publish_model_config(config))
         return encode_explicit(self.provider.layout())
+
+    def _layout_now(self, descriptor: tuple[str, Mapping[str, Any]] | None) -> tuple[Any, ...]:
+        """What this rank's layout is now, cheaply: its descriptor, or the layout object its
+        provider hands out (a provider whose layout changes hands out a new one)."""
+        if descriptor is not None:
+            return ("descriptor", descriptor[0], json.dumps(descriptor[1], sort_keys=True, default=str))
+        return ("layout", self.provider.layout())
 
     def device(self) -> str:
         """Where this rank's tensors live: published so that the job picks a transport that
@@ -235,17 +274,75 @@ class SyncSession:
         finally:
             self._planning.release()
 
-    def _plan(self, deadline: Deadline) -> PlannedSync:
+    def relayout(self, deadline: Deadline) -> bool:
+        """If this rank's layout changed since it was published (an engine's EPLB placement
+        moved), publish the new one and re-plan at the job's next layout generation; True if so.
+        Versions the writers planned before are not for this rank (the reader skips them)."""
+        now, before = self._layout_now(self.provider.descriptor()), self._published
+        if now[0] == before[0] and (now[1] is before[1] if now[0] == "layout" else now == before):
+            return False
+        blob = self._layout_blob()
+        self.own_generation = self.channel.publish_layout(blob, deadline=deadline)
+        logger.info("%s: its layout changed; the job's layout generation is now %d", self.channel.who,
+                    self.own_generation)
+        self.follow_generation(self.own_generation, deadline)
+        return True
+
+    def follow_generation(self, generation: int, deadline: Deadline) -> bool:
+        """Re-plan at layout generation ``generation`` unless the plan was made at it; True if it
+        re-planned. The writers' side of the old plan is reused (only the readers' changed), and
+        a fresh transport connects in the next epoch."""
+        if not self._planning.acquire(timeout=deadline.remaining()):
+            raise TimeoutError(f"{self.channel.who}: another thread was still planning this rank's share")
+        try:
+            if self.planned is not None and self.generation == generation:
+                return False
+            old, self.planned, self._armed = self.planned, None, None
+            if old is not None:
+                self._previous = old.plan
+                old.transport.close()
+                if old.digests is not None:
+                    old.digests.close()
+            self.planned = self._plan(deadline, generation)
+            return True
+        finally:
+            self._planning.release()
+
+    def _decode(self, people: Sequence[Member]) -> tuple[Roster, Roster]:
+        """Everyone's layout as columns; the writers' roster of the last plan when their blobs are
+        the same (a re-plan after a reader's layout changed decodes the readers only)."""
+        if self._decoder is None:
+            self._decoder = LayoutDecoder(self.channel.model_config)
+        sides = []
+        for role in ("writer", "reader"):
+            members = [(p.rank, p.layout) for p in people if p.role == role]
+            blobs = tuple(blob for _, blob in members)
+            if role == "writer" and self._writers is not None and self._writers[0] == blobs:
+                sides.append(self._writers[1])
+                continue
+            side = self._decoder.roster(members) if members else Roster.from_layouts([])
+            if role == "writer":
+                self._writers = (blobs, side)
+            sides.append(side)
+        return sides[0], sides[1]
+
+    def _plan(self, deadline: Deadline, generation: int | None = None) -> PlannedSync:
         started = time.perf_counter()
         self.register()
         people = self.channel.wait_roster(writers=self.config.num_writers, readers=self.config.num_readers,
                                           deadline=deadline)
         self.channel.check_settings(self.config.settings(), people)
+        if generation is None:
+            generation = self.channel.layout_generation()
+        if generation:
+            people = self.channel.roster_at(people, generation, deadline=deadline)
         t0 = time.perf_counter()
-        writers, readers = decode_roster(people, self.channel.model_config)
+        writers, readers = self._decode(people)
         self.timings["decode"] = time.perf_counter() - t0
         plan, writers, quantizer = plan_share(writers, readers, role=self.role, rank=self.rank,
-                                              options=self.config.plan_options, timings=self.timings)
+                                              options=self.config.plan_options, timings=self.timings,
+                                              previous=self._previous)
+        self.generation = generation
         self.timings["plan"] = time.perf_counter() - t0  # all of the rank-local work above
         placements = [RankPlacement(m.role, m.rank, m.host, m.device, m.gpu, m.sees) for m in people]
         unavailable = {n: r for n in ("shm", "nixl", "file") if (r := unavailable_reason(n)) is not None}
@@ -316,6 +413,8 @@ class SyncSession:
         self.close(release=False)
         self._registered = False
         self.rejoined = True
+        self.generation = self.own_generation = 0  # the new server starts at generation 0
+        self.channel.forget_layouts()
 
     def close(self, *, release: bool = True) -> None:
         self.channel.stop_heartbeat(release=release)

@@ -7,6 +7,7 @@ kind (``"megatron:tp=2"``, ...), and publishes the compact descriptor instead of
 
     source = ModuleSource(model, config)        # config: HF config dict
     source = ShardedSource("megatron:tp=2", config, rank, tensors)
+    source = ModelsSource({"": ModuleSource(model, config), "draft.": NamedSource(eagle_head)})
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 import torch
 
 from weightsync.layout import ModelSpec, RankLayout, parse_layout
-from weightsync.tools.torch_layout import allocate, module_layout, named_tensors
+from weightsync.layout.models import merge, named_layout, prefixed
+from weightsync.tools.torch_layout import allocate, dtype_name, module_layout, named_tensors
 
 
 def _spec(config: Mapping[str, Any] | ModelSpec) -> ModelSpec:
@@ -68,3 +70,40 @@ class ShardedSource:
 
     def descriptor(self) -> tuple[str, Mapping[str, object]] | None:
         return self.layout_text, self.config
+
+
+class NamedSource:
+    """Any module's parameters and buffers, each a whole tensor under its own name: a model no
+    family describes (an EAGLE draft head), trained in one process."""
+
+    def __init__(self, module: torch.nn.Module, *, rank: int = 0) -> None:
+        self.module = module
+        self._layout = named_layout({n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in self.tensors().items()},
+                                    rank)
+
+    def layout(self) -> RankLayout:
+        return self._layout
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        return {**{n: p.detach() for n, p in self.module.named_parameters()}, **dict(self.module.named_buffers())}
+
+    def descriptor(self) -> tuple[str, Mapping[str, object]] | None:
+        return None
+
+
+class ModelsSource:
+    """The sources of one training rank's models, each under a prefix (``{"": target, "draft.":
+    draft}``): a target and a separately trained draft model, written as one job."""
+
+    def __init__(self, sources: Mapping[str, Any], *, rank: int = 0) -> None:
+        self.sources = dict(sources)
+        self._layout = merge([prefixed(s.layout(), p) for p, s in self.sources.items()], rank)
+
+    def layout(self) -> RankLayout:
+        return self._layout
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        return {prefix + n: t for prefix, s in self.sources.items() for n, t in s.tensors().items()}
+
+    def descriptor(self) -> tuple[str, Mapping[str, object]] | None:
+        return None

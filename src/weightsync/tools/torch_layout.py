@@ -12,11 +12,15 @@ the tensor store, the bench) turns those into torch objects through this one mod
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from weightsync.layout import Box, ModelSpec, RankLayout, Shard
 from weightsync.layout.params import hf_param
+
+if TYPE_CHECKING:
+    from weightsync.plan import Plan
 
 TORCH_DTYPES: Mapping[str, torch.dtype] = {
     "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
@@ -74,6 +78,19 @@ def check_tensors(layout: RankLayout, tensors: Mapping[str, torch.Tensor], who: 
 def strided_view(flat: torch.Tensor, sizes: Sequence[int], strides: Sequence[int], offset: int) -> torch.Tensor:
     """The ``as_strided`` view of a flat tensor's storage that a plan op or region describes."""
     return flat.as_strided(tuple(sizes), tuple(strides), flat.storage_offset() + offset)
+
+
+def apply_copies(plan: Plan, tensors: Mapping[str, torch.Tensor]) -> int:
+    """A reader's local copies (``plan.copies``: a box it holds twice, received once) from the
+    first place into the others; returns the bytes copied. Run after the ops of the plan (or
+    phase) arrived, before the engine reads them."""
+    nbytes = 0
+    for op in plan.copy_ops:
+        src = strided_view(tensors[op.src_shard].detach().view(-1), op.box.sizes, op.src_strides, op.src_offset)
+        dst = strided_view(tensors[op.dst_shard].detach().view(-1), op.box.sizes, op.dst_strides, op.dst_offset)
+        dst.copy_(src)
+        nbytes += op.nbytes
+    return nbytes
 
 
 def allocate(layout: RankLayout, *, device: str | torch.device = "cpu", fill: float | None = None

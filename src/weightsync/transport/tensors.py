@@ -82,6 +82,8 @@ def pack(message: Message, src_flats: Mapping[str, torch.Tensor], buffer: torch.
 def scatter(message: Message, dst_flats: Mapping[str, torch.Tensor], payload: torch.Tensor, *,
             copy: Copy = _copy_now) -> None:
     """Copy each piece of a received payload into its destination view."""
+    if payload.storage_offset() % 16:  # cut out of a batch after an odd-sized delta: pieces cannot be viewed
+        payload = payload.clone()      # as their dtype at an odd byte offset, so realign (one copy)
     for piece in message.pieces:
         data = payload[piece.at: piece.at + piece.nbytes].view(TORCH_DTYPES[piece.op.dst_dtype])
         copy(dst_view(dst_flats, piece), data.view(piece.box.sizes))

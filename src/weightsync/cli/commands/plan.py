@@ -15,6 +15,8 @@ from weightsync.configs import load_spec
 from weightsync.layout import parse_layout
 from weightsync.layout.kinds.megatron import MegatronLayout, derives
 from weightsync.layout.quant import fp8_bytes_saved
+from weightsync.layout.quant_block import block_bytes_saved
+from weightsync.layout.quant_block_offers import block_sources
 from weightsync.layout.quant_offers import quantized_sources
 from weightsync.plan import PlanOptions, build_local_plan, build_plan, plan_statistics
 
@@ -56,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     writers = source.roster(spec)  # every rank's layout as columns (layout.roster)
     readers = target.roster(spec)
     writers, quant = quantized_sources(writers, readers)  # an FP8 target: writers quantize on send
+    writers, blocks = block_sources(writers, readers)  # MXFP8, MXFP4, NVFP4 likewise
     expand_seconds = time.perf_counter() - started
     stats = plan_statistics(writers, readers, options)
     t0 = time.perf_counter()
@@ -80,10 +83,17 @@ def run(args: argparse.Namespace) -> int:
         out["fp8"] = {"tensors": len(quant.tensors),
                       "shared_tiles": int(sum(int(t.exchanged.sum()) for t in quant.tensors.values())),
                       "bytes_saved": fp8_bytes_saved(readers.canonical_tensors())}
+    if blocks:
+        offers = blocks.offers.values()
+        out["block_format"] = {
+            "scheme": sorted({o.tensor.scheme.name for o in offers}), "tensors": len(blocks.offers),
+            "shared_blocks": int(sum(int(o.exchanged.sum()) for o in offers)),
+            "shared_global_scales": int(sum(int(o.global_exchanged.sum()) for o in offers)),
+            "bytes_saved": block_bytes_saved(readers.canonical_tensors())}
     if args.verify:
-        if quant:
-            raise ValueError("--verify moves random values, not quantized ones; FP8 plans are checked bitwise "
-                             "by tests/test_quant.py")
+        if quant or blocks:
+            raise ValueError("--verify moves random values, not quantized ones; quantized plans are checked bitwise "
+                             "by tests/test_quant.py and tests/test_quant_block.py")
         out["verified"] = _verify(writers.layouts(), readers.layouts(), options, stats.needed_bytes)
     if args.json:
         print(json.dumps(out))
@@ -130,9 +140,11 @@ def _print_table(out: dict[str, Any]) -> None:
         ("total bytes (one model copy)", _fmt_bytes(out["total_bytes"])),
         ("needed bytes (all readers)", _fmt_bytes(out["needed_bytes"])),
         ("sent bytes", f"{_fmt_bytes(out['sent_bytes'])} (redundant: {out['sent_bytes'] - out['needed_bytes']})"),
+        ("copied within readers", f"{_fmt_bytes(out['copied_bytes'])} (a box one reader holds twice: EPLB's "
+                                  "redundant experts, received once)"),
         ("ops", f"{out['num_ops']:,}"),
-        ("max send per writer", _fmt_bytes(out["max_send_bytes"])),
-        ("max receive per reader", _fmt_bytes(out["max_recv_bytes"])),
+        ("max send per writer (its link)", _fmt_bytes(out["max_send_bytes"])),
+        ("max receive per reader (its link)", _fmt_bytes(out["max_recv_bytes"])),
         ("imbalance (max/mean send)", f"{out['imbalance']:.4f}"),
         ("max send / lower bound", f"{out['balance_ratio']:.4f}"),
         ("simulated time", f"{out['simulated_seconds']:.3f} s at {out['link_gbps']:g} Gbit/s per rank"),
@@ -141,6 +153,11 @@ def _print_table(out: dict[str, Any]) -> None:
                                   f"writer 0: {out['local_plan_seconds']['writer0']:.3f} s"),
         ("metadata expansion", f"{out['expand_seconds']:.2f} s"),
     ]
+    if "block_format" in out:
+        b = out["block_format"]
+        rows.append(("block format", f"{', '.join(b['scheme'])}: {b['tensors']} weights, {b['shared_blocks']:,} blocks "
+                                     f"and {b['shared_global_scales']:,} global scales cut between writers, "
+                                     f"{_fmt_bytes(b['bytes_saved'])} fewer than the model dtype"))
     if "verified" in out:
         rows.append(("verified in numpy", "every destination element written once, bitwise equal"))
     for k, v in rows:

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 from weightsync.layout.columns import layout_columns
 from weightsync.layout.kinds.pieces import Piece, assemble
 from weightsync.layout.model import ModelSpec
-from weightsync.layout.quant import quantize_shards, quantized_canonical, scheme_named
+from weightsync.layout.quant_block import check_quant, reader_canonical, reader_shards
 from weightsync.layout.roster import Roster
 from weightsync.layout.types import DTYPE_ITEMSIZE, CanonicalTensor, RankLayout, Shard
 
@@ -88,9 +88,9 @@ class LayoutKind:
             if self.pieces(spec, 0) is None:
                 whole = Roster.from_layouts([self.rank_layout(spec, r) for r in everyone])
             elif self.quant:
-                scheme = scheme_named(self.quant)
-                whole = assemble(self, spec, everyone, quantized_canonical(spec, scheme),
-                                 lambda shards: quantize_shards(shards, spec, scheme))
+                quant = self.quant
+                whole = assemble(self, spec, everyone, reader_canonical(spec, quant),
+                                 lambda shards: reader_shards(shards, spec, quant))
             else:
                 whole = assemble(self, spec, everyone, spec.canonical_tensors())
             cache["all"] = whole
@@ -109,14 +109,18 @@ class LayoutKind:
         template = templates.get(key)
         if template is None:
             if self.quant:
-                scheme = scheme_named(self.quant)
-                template = RankLayout(rank, tuple(quantize_shards(self.shards(spec, rank), spec, scheme)),
-                                      quantized_canonical(spec, scheme))
+                template = RankLayout(rank, tuple(reader_shards(self.shards(spec, rank), spec, self.quant)),
+                                      reader_canonical(spec, self.quant))
             else:
                 template = RankLayout(rank, tuple(self.shards(spec, rank)), spec.canonical_tensors())
             layout_columns(template)  # validate once; ranks sharing the template share the result
             templates[key] = template
         return template if template.rank == rank else template.with_rank(rank)
+
+    def attachments(self) -> tuple[str, ...]:
+        """Names of the data a descriptor of this layout carries beside its text (the expert
+        placements of ``weightsync.layout.eplb``)."""
+        return ()
 
     def all_rank_layouts(self, spec: ModelSpec) -> list[RankLayout]:
         self.validate(spec)
@@ -130,21 +134,23 @@ class LayoutKind:
         parts = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value != f.default:
+            if value != f.default and f.init:
                 parts.append(f"{f.name}={value}")
         return f"{self.kind}:{','.join(sorted(parts))}" if parts else self.kind
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if not f.init:
+                continue
             if f.name == "dtype":
                 if value is not None and value not in DTYPE_ITEMSIZE:
                     raise ValueError(f"{self.kind}: dtype={value} is not one of {sorted(DTYPE_ITEMSIZE)}")
             elif f.name == "quant":
                 if value is not None:
-                    scheme_named(value)
+                    check_quant(value)
                     if not self.supports_quant:
-                        raise ValueError(f"{self.kind}: quant= is for FP8 readers (hf, vllm), "
+                        raise ValueError(f"{self.kind}: quant= is for quantized readers (hf, vllm), "
                                          "not a training layout")
             elif isinstance(value, int) and value < 1 and not (value == 0 and f.default == 0):
                 # A field defaulting to 0 means "derive it"; any other int must be >= 1.
@@ -183,7 +189,7 @@ def parse_layout(text: str) -> LayoutKind:
     cls = _REGISTRY.get(kind)
     if cls is None:
         raise ValueError(f"unknown layout kind {kind!r} in {text!r}; known: {sorted(_REGISTRY)}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs: dict[str, Any] = {}
     for item in filter(None, (p.strip() for p in rest.split(","))):
         key, sep, value = item.partition("=")
@@ -193,7 +199,7 @@ def parse_layout(text: str) -> LayoutKind:
             raise ValueError(
                 f"layout kind {kind!r} has no option {key!r}; options: {sorted(fields)}"
             )
-        if key in ("dtype", "quant"):
+        if not isinstance(fields[key].default, int):  # dtype, quant, a placement: text
             kwargs[key] = value
             continue
         try:

@@ -24,7 +24,7 @@ import numpy as np
 
 from weightsync.layout.columns import DTYPE_CODES, layout_columns
 from weightsync.layout.model import ModelSpec
-from weightsync.layout.quant import derived_names
+from weightsync.layout.quant_block import derived_bases
 from weightsync.layout.roster import Roster, ShardColumns, shape_array
 from weightsync.layout.types import CanonicalTensor, RankLayout, Shard
 
@@ -78,17 +78,16 @@ class _Renames:
 
     def __init__(self, spec: ModelSpec, names: Sequence[str]) -> None:
         roles = spec.roles()
-        derived = derived_names(dict.fromkeys(names))  # type: ignore[arg-type]
+        derived = derived_bases(names, spec)
         self.layer_of = np.full(len(names), -1, dtype=np.int64)
         self._by_layer: dict[int, list[tuple[int, str, str]]] = {}
         self._index: dict[tuple[str, str, int], int] = {}
         for i, name in enumerate(names):
             tag = ""
             found = roles.get(name)
-            if found is None and name in derived:  # an FP8 reader's values or scale
-                d = derived[name]
-                found = roles.get(d.base)
-                tag = f"{'scale' if d.is_scale else 'values'}:{d.scheme.name}"
+            if found is None and name in derived:  # a quantized reader's values or scales
+                base, tag = derived[name]
+                found = roles.get(base)
             if found is None or found[1] is None:
                 continue
             role, layer = found[0], found[1]

@@ -21,6 +21,12 @@ vLLM 0.32's model code:
   [E_local, 2*I_local, H]`` holding ``[gate; up]`` along dim 1, ``w2_weight [E_local, H,
   I_local]``; gpt-oss's keep its interleaved ``gate_up_proj`` columns, and its ``w2_bias`` is
   loaded on the first expert-TP rank only (zeros elsewhere, which map to nothing);
+* ``eplb=FILE`` or ``redundant=R``: vLLM's expert-parallel load balancer (EPLB) places logical
+  experts on ``E + R`` physical slots per layer, ``(E + R) / ep`` per EP rank, by a placement
+  read from the engine (``weightsync.layout.eplb``; ``redundant=R`` alone: vLLM's initial one).
+  Each rank's ``w13_weight``/``w2_weight`` then hold its slots, slot by slot the logical
+  expert the placement names (a hot expert on several slots of one rank is received once and
+  copied locally by the planner);
 * ``mtp=1``: the engine runs MTP speculative decoding, its drafter holds the MTP layers
   (``model.layers.{N}.enorm``, ``eh_proj``, ... and the decoder layer as ``mtp_block``); it
   shares the target's embedding and output head.
@@ -51,10 +57,13 @@ from weightsync.layout.builders import (
     split,
     vocab_parallel,
 )
-from weightsync.layout.kinds.base import LayoutKind, register_kind
+from weightsync.layout.eplb import Placement, check_fits, lookup, place_experts, register
+from weightsync.layout.kinds.base import LayoutKind, memo, register_kind
 from weightsync.layout.kinds.pieces import Piece
 from weightsync.layout.model import ModelSpec
-from weightsync.layout.types import Shard, box_region
+from weightsync.layout.quant_block import BLOCK_SCHEMES
+from weightsync.layout.roster import Roster
+from weightsync.layout.types import RankLayout, Shard, box_region
 
 VOCAB_PADDING = 64
 
@@ -87,7 +96,7 @@ def recorder_in_use() -> bool:
 @register_kind
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VLLMLayout(LayoutKind):
-    """``vllm:tp=N[,dp=D][,ep=1|N*D][,replicas=R][,mtp=1]``."""
+    """``vllm:tp=N[,dp=D][,ep=1|N*D][,replicas=R][,mtp=1][,redundant=R][,eplb=FILE]``."""
 
     kind = "vllm"
     tp: int = 1
@@ -95,7 +104,33 @@ class VLLMLayout(LayoutKind):
     ep: int = 1
     replicas: int = 1
     mtp: int = 0
+    #: redundant expert slots per MoE layer (vLLM's ``eplb_config.num_redundant_experts``)
+    redundant: int = 0
+    #: the engine's expert placement: a JSON file, or the digest of one registered here
+    eplb: str | None = None
+    #: every rank's experts as slots [0, L) not placed yet (what _placed_roster places)
+    unplaced_slots: bool = dataclasses.field(default=False, init=False, repr=False)
     supports_quant = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.eplb is not None:  # the wire and describe() name a placement by its content digest
+            object.__setattr__(self, "eplb", register(lookup(self.eplb)))
+
+    @property
+    def placed(self) -> bool:
+        """Whether experts sit in EPLB slots (a placement, or redundant slots)."""
+        return self.eplb is not None or self.redundant > 0 or self.unplaced_slots
+
+    def placement(self, spec: ModelSpec) -> Placement:
+        """The expert placement (vLLM's initial one for ``redundant=R`` alone)."""
+        if self.eplb is not None:
+            return lookup(self.eplb)
+        layers = sum(1 for layer in range(spec.num_layers) if spec.is_moe_layer(layer))
+        return Placement.initial(spec.num_experts, self.redundant, max(layers, 1))
+
+    def attachments(self) -> tuple[str, ...]:
+        return (self.eplb,) if self.eplb is not None else ()
 
     @property
     def world_size(self) -> int:
@@ -129,8 +164,10 @@ class VLLMLayout(LayoutKind):
         if self.mtp and not spec.mtp_layers:
             raise ValueError(f"vllm: mtp=1 needs a model with MTP layers (num_nextn_predict_layers > 0); this "
                              f"{spec.family} model has none")
+        if self.placed:
+            self._validate_placement(spec)
         if spec.is_moe:
-            if spec.num_experts % self.ep:
+            if spec.num_experts % self.ep and not self.placed:
                 raise ValueError(f"vllm: num_experts={spec.num_experts} is not divisible by ep={self.ep}")
             if spec.moe_intermediate_size % self.expert_tp:
                 raise ValueError(
@@ -143,20 +180,70 @@ class VLLMLayout(LayoutKind):
         elif self.ep > 1:
             raise ValueError(f"vllm: ep={self.ep} needs an MoE model, {spec.family} has no experts")
 
+    def _validate_placement(self, spec: ModelSpec) -> None:
+        if not spec.is_moe:
+            raise ValueError(f"vllm: an expert placement (eplb=, redundant=) needs an MoE model, {spec.family} has "
+                             "no experts")
+        if self.ep == 1:
+            raise ValueError(f"vllm: an expert placement (eplb=, redundant=) needs expert parallelism (vLLM's EPLB "
+                             f"requires it): set ep={self.tp * self.dp}")
+        placement = self.placement(spec)
+        if self.eplb is not None and self.redundant and self.redundant != placement.num_redundant:
+            raise ValueError(f"vllm: redundant={self.redundant} but the placement {self.eplb} has "
+                             f"{placement.num_redundant} redundant experts per layer (leave redundant= out)")
+        check_fits(placement, spec, replicas=self.replicas, ep=self.ep)
+
     def shard_key(self, rank: int) -> int:
         # Experts differ across DP ranks (whole with EP, cut without); all else repeats every tp ranks.
+        # (A placement differs per replica too: placed layouts never share templates, see rank_layout.)
         return rank % (self.tp * self.dp)
 
     def shards(self, spec: ModelSpec, rank: int) -> list[Shard]:
         self.validate(spec)
+        if self.placed:  # vLLM's loaders load its initial placement only: the slots come from the tables
+            return list(self._placed_roster(spec, quantized=False).layout(rank).shards)
         if "vllm" in _RECORDER:
             return _RECORDER["vllm"](spec, self, rank)
         return self.piece_shards(spec, rank)
 
+    def rank_layout(self, spec: ModelSpec, rank: int) -> RankLayout:
+        if not self.placed:
+            return super().rank_layout(spec, rank)
+        self.validate(spec)
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"{self.describe()}: rank {rank} is outside world size {self.world_size}")
+        return self.roster(spec).layout(rank)
+
+    def roster(self, spec: ModelSpec, ranks: Any = None) -> Roster:
+        if not self.placed:
+            return super().roster(spec, ranks)
+        self.validate(spec)
+        return self._placed_roster(spec, quantized=bool(self.quant), ranks=ranks)
+
+    def _placed_roster(self, spec: ModelSpec, *, quantized: bool, ranks: Any = None) -> Roster:
+        """Ranks ``ranks`` (default: all) with their expert slots placed
+        (:func:`weightsync.layout.eplb.place_experts`). The slots before placing are the same
+        for every placement with as many slots: each engine replica's readers publish their own
+        placement, and only their experts are placed anew when it changes."""
+        placement = self.placement(spec)
+        key = (quantized, None if ranks is None else tuple(int(r) for r in ranks))
+        cache = memo(self, spec, "placed")
+        found = cache.get(key)
+        if found is None:
+            slots = dataclasses.replace(self, quant=self.quant if quantized else None, eplb=None,
+                                        redundant=placement.num_redundant)
+            object.__setattr__(slots, "unplaced_slots", True)
+            unplaced = LayoutKind.roster(slots, spec, ranks)
+            found = cache[key] = place_experts(unplaced, spec, placement, group=self.tp * self.dp)
+        return found  # type: ignore[no-any-return]
+
     def pieces(self, spec: ModelSpec, rank: int) -> list[Piece] | None:
         """The embedding, each layer (MTP layers too), the norm and head; None with vLLM's recorder."""
-        if "vllm" in _RECORDER:
+        if "vllm" in _RECORDER and not self.placed:
             return None
+        return self._pieces(spec, rank)
+
+    def _pieces(self, spec: ModelSpec, rank: int) -> list[Piece]:
         t = rank % self.tp
         i = rank % (self.tp * self.dp)  # this rank's place in the MoE group (EP or flattened TP)
         out = [Piece("embed", (t,))]
@@ -264,7 +351,10 @@ class VLLMLayout(LayoutKind):
     def _expert_slice(self, spec: ModelSpec, i: int) -> tuple[int, int, int, int, int]:
         """(first expert, end, intermediate lo, hi, expert-TP rank) that MoE rank ``i`` holds."""
         group, e_rank = (i, 0) if self.ep > 1 else (0, i)
-        per = spec.num_experts // self.ep
+        if self.placed:  # every rank's slots [0, L); the placement fills them (place_experts)
+            group, per = 0, self.placement(spec).num_physical // self.ep
+        else:
+            per = spec.num_experts // self.ep
         lo, hi = even_bounds(spec.moe_intermediate_size, self.expert_tp, what="moe_intermediate_size")[e_rank]
         return group * per, (group + 1) * per, lo, hi, e_rank
 
@@ -286,14 +376,22 @@ class VLLMLayout(LayoutKind):
         interleaved gate/up columns."""
         e0, e1, lo, hi, e_rank = self._expert_slice(spec, i)
         n, w, h = e1 - e0, hi - lo, spec.hidden_size
+        scheme = BLOCK_SCHEMES.get(self.quant or "")
+        if scheme is not None and self.expert_tp > 1:  # vLLM splits MX experts by whole blocks
+            block = scheme.block
+            per = -(-spec.moe_intermediate_size // block // self.expert_tp) * block
+            lo, hi = min(e_rank * per, spec.moe_intermediate_size), min((e_rank + 1) * per, spec.moe_intermediate_size)
+            n, w = e1 - e0, per  # the last rank's tensors are padded to the others' width
+        held = hi - lo
         gate_up, down = spec.tensor("experts_gate_up", layer), spec.tensor("experts_down", layer)
         gu_bias, d_bias = spec.tensor("experts_gate_up_bias", layer), spec.tensor("experts_down_bias", layer)
         out = [
             Shard(prefix + "w13_weight", (n, 2 * w, h), dtype,
-                  (_region(gate_up.name, Box((e0, 0, 2 * lo), (n, h, 2 * w)), (2 * w * h, 1, h)),)),
-            concat_shard(prefix + "w13_bias", dtype, [(gu_bias, Box((e0, 2 * lo), (n, 2 * w)))], dim=1),
+                  (_region(gate_up.name, Box((e0, 0, 2 * lo), (n, h, 2 * held)), (2 * w * h, 1, h)),)),
+            Shard(prefix + "w13_bias", (n, 2 * w), dtype,
+                  (_region(gu_bias.name, Box((e0, 2 * lo), (n, 2 * held)), (2 * w, 1)),)),
             Shard(prefix + "w2_weight", (n, h, w), dtype,
-                  (_region(down.name, Box((e0, lo, 0), (n, w, h)), (h * w, 1, w)),)),
+                  (_region(down.name, Box((e0, lo, 0), (n, held, h)), (h * w, 1, w)),)),
         ]
         if e_rank == 0:  # vLLM zeroes the down bias on the other expert-TP ranks
             out.append(concat_shard(prefix + "w2_bias", dtype, [(d_bias, Box((e0, 0), (n, h)))]))
