@@ -176,6 +176,8 @@ class WeightReader:
             phases["prepare"] = time.perf_counter() - t0
             nbytes = 0
             for phase in range(planned.num_phases):
+                if planned.digests is not None:
+                    planned.digests.begin(phase)
                 stats = transport.receive(v, timeout=deadline.remaining(), phase=phase)
                 nbytes += stats.nbytes
                 for name, seconds in stats.phases.items():

@@ -270,6 +270,9 @@ class SyncSession:
                                num_readers=self.config.num_readers, device=device, options=opts,
                                placements=tuple(placements), keeps_received_bytes=self._keeps_received_bytes)
         transport = create_transport(choice.name, ctx)
+        if digests is not None and digests.fuses(getattr(transport, "fuses_digests", ())):
+            # the transports that fuse have it; they may decline (a setting that changes what they copy)
+            digests.fused = bool(transport.use_digests(digests))  # type: ignore[attr-defined]
         self.timings["setup"] = time.perf_counter() - started
         planned = PlannedSync(plan, transport, choice.name, f"{plan.fingerprint}-{digest}", self.timings["setup"],
                               device, choice.reason, phase_names, phases, quantizer, digests)

@@ -152,7 +152,7 @@ class WeightWriter:
             for phase in range(planned.num_phases):  # phases of whole layers, or the version at once
                 if planned.digests is not None:  # in band: the phase's digest ops carry them
                     t0 = time.perf_counter()
-                    planned.digests.fill(phase, tensors)
+                    planned.digests.before_send(phase, tensors)  # or the transport digests as it packs
                     result.phases["digest"] = result.phases.get("digest", 0.0) + time.perf_counter() - t0
                 stats = transport.send(version, timeout=deadline.remaining(), phase=phase)
                 result.nbytes += stats.nbytes
