@@ -168,8 +168,15 @@ class CopyHasher:
         self.kind, self.nbytes, self.fed = kind, nbytes, 0
         kernels = digest_jit.load() if kind == "xxh3" and nbytes > digest_jit.SHORT_MAX else None
         self._kernels = kernels
-        self._state = kernels.start(nbytes) if kernels is not None else None
+        self._started: tuple[np.ndarray, ...] | None = None  # the kernels' state, made on first use
         self._hasher = Hasher(kind) if kernels is None else None
+        self._value: int | None = None  # the whole piece digested at once (see update)
+
+    @property
+    def _state(self) -> tuple[np.ndarray, ...] | None:
+        if self._started is None and self._kernels is not None:
+            self._started = self._kernels.start(self.nbytes)
+        return self._started
 
     @property
     def done(self) -> bool:
@@ -177,7 +184,7 @@ class CopyHasher:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, *, copy: Any = None) -> None:
         """``dst.copy_(src)`` (or ``copy(dst, src)``), absorbing ``dst``'s bytes as stored."""
-        runs = (_runs(dst, src) if self._state is not None and dst.dtype == src.dtype
+        runs = (_runs(dst, src) if self._kernels is not None and dst.dtype == src.dtype
                 and dst.device.type == src.device.type == "cpu" else None)
         if runs is None:
             (copy or _copy_now)(dst, src)
@@ -187,9 +194,15 @@ class CopyHasher:
 
     def update(self, t: torch.Tensor) -> None:
         """Absorb ``t``'s bytes (row-major), the next part of the piece."""
+        size = t.numel() * t.element_size()
         if self._hasher is not None:
             self._hasher.update(t)
-            self.fed += t.numel() * t.element_size()
+            self.fed += size
+            return
+        if self.fed == 0 and size == self.nbytes and t.device.type == "cpu" and t.is_contiguous():
+            # the whole piece, dense, no copy to fuse with: xxhash's own loop reads it fastest
+            self._value = int(xxhash.xxh3_64_intdigest(t.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
+            self.fed = size
             return
         runs = _runs(t, t) if t.device.type == "cpu" else None
         if runs is None:  # a view the kernels cannot walk: its bytes, gathered
@@ -199,12 +212,13 @@ class CopyHasher:
         self._feed(runs, copy=False)
 
     def _feed(self, runs: Runs, *, copy: bool) -> None:
-        assert self._kernels is not None and self._state is not None
+        state = self._state
+        assert self._kernels is not None and state is not None
         dst, src, parts = runs
         for d_at, d_stride, s_at, s_stride, rows, row_bytes in parts:
             if self.fed + rows * row_bytes > self.nbytes:
                 raise ValueError(f"a piece of {self.nbytes} bytes was fed {self.fed + rows * row_bytes}")
-            self._kernels.feed(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, *self._state, copy=copy)
+            self._kernels.feed(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, *state, copy=copy)
             self.fed += rows * row_bytes
 
     def value(self) -> int:
@@ -213,20 +227,31 @@ class CopyHasher:
             raise ValueError(f"a piece of {self.nbytes} bytes was digested after {self.fed} of them")
         if self._hasher is not None:
             return self._hasher.value()
-        assert self._kernels is not None and self._state is not None
-        return self._kernels.finish(self.nbytes, *self._state)
+        if self._value is not None:
+            return self._value
+        state = self._state
+        assert self._kernels is not None and state is not None
+        return self._kernels.finish(self.nbytes, *state)
 
 
 def _copy_now(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
-def _storage_bytes(t: torch.Tensor) -> np.ndarray:
-    """The whole storage under ``t`` as a 1-d uint8 array (host memory, no copy)."""
-    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy()
+class _Span:
+    """``nbytes`` of host memory at ``address``, for numpy (no copy; the caller keeps the tensor alive)."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__array_interface__ = {"data": (address, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
 
 
-#: (storage of dst, of src, [(dst byte, dst row stride, src byte, src row stride, rows, bytes per row)])
+def _span(t: torch.Tensor) -> np.ndarray:
+    """The bytes ``t`` spans, from its first element to its last, as a 1-d uint8 array (no copy)."""
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) if t.numel() else -1
+    return np.asarray(_Span(t.data_ptr(), (last + 1) * t.element_size()))
+
+
+#: (dst's bytes, src's bytes, [(dst byte, dst row stride, src byte, src row stride, rows, bytes per row)])
 Runs = tuple[np.ndarray, np.ndarray, list[tuple[int, int, int, int, int, int]]]
 
 
@@ -238,7 +263,7 @@ def _runs(dst: torch.Tensor, src: torch.Tensor) -> Runs | None:
         raise ValueError(f"copy of {tuple(src.shape)} x {src.element_size()} bytes into "
                          f"{tuple(dst.shape)} x {item} bytes")
     if dst.numel() == 0:
-        return _storage_bytes(dst), _storage_bytes(src), []
+        return _span(dst), _span(src), []
     dims = [[int(n), int(d), int(s)] for n, d, s in zip(dst.shape, dst.stride(), src.stride(), strict=True)
             if n != 1]
     if dims and (dims[-1][1] != 1 or dims[-1][2] != 1):
@@ -248,13 +273,12 @@ def _runs(dst: torch.Tensor, src: torch.Tensor) -> Runs | None:
         dims[-1] = [dims[-1][0] * inner[0], 1, 1]
     row = dims.pop()[0] if dims else 1
     rows, d_step, s_step = (dims.pop() if dims else (1, 0, 0))
-    d0, s0 = int(dst.storage_offset()), int(src.storage_offset())
     parts: list[tuple[int, int, int, int, int, int]] = []
     for index in itertools.product(*(range(n) for n, _, _ in dims)):
-        d = d0 + sum(i * ds for i, (_, ds, _) in zip(index, dims, strict=True))
-        s = s0 + sum(i * ss for i, (_, _, ss) in zip(index, dims, strict=True))
+        d = sum(i * ds for i, (_, ds, _) in zip(index, dims, strict=True))
+        s = sum(i * ss for i, (_, _, ss) in zip(index, dims, strict=True))
         parts.append((d * item, d_step * item, s * item, s_step * item, rows, row * item))
-    return _storage_bytes(dst), _storage_bytes(src), parts
+    return _span(dst), _span(src), parts
 
 
 def tensor_digest(t: torch.Tensor, kind: DigestKind) -> Digest:

@@ -48,9 +48,11 @@ _P32_1, _P32_2, _P32_3 = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D
 _P64_1, _P64_2, _P64_3, _P64_4, _P64_5 = (0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
                                           0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5)
 INIT = (_P32_3, _P64_1, _P64_2, _P64_3, _P64_4, _P32_2, _P64_5, _P32_1)
+#: The last stripe's keys (secret from byte 121) and the merge's (from byte 11): unaligned words.
+LAST_KEYS = np.array([int.from_bytes(SECRET[121 + 8 * i: 129 + 8 * i], "little") for i in range(8)], dtype=np.uint64)
+MERGE_KEYS = np.array([int.from_bytes(SECRET[11 + 8 * i: 19 + 8 * i], "little") for i in range(8)], dtype=np.uint64)
 #: Longest input XXH3 digests with its short-input algorithms (not these kernels).
 SHORT_MAX = 240
-_MASK = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -58,9 +60,10 @@ class Kernels:
     """The compiled kernels and the Python ends of a stream (see module docstring)."""
 
     feed_kernel: Any
+    finish_kernel: Any
 
     @staticmethod
-    def start(nbytes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def start(nbytes: int) -> tuple[np.ndarray, ...]:
         """A fresh stream's state for ``nbytes`` (> :data:`SHORT_MAX`) bytes: accumulators, the
         partial-stripe buffer, the last absorbed stripe, and counters (stripes absorbed, stripes
         to absorb, bytes buffered, bytes fed)."""
@@ -79,29 +82,12 @@ class Kernels:
         self.feed_kernel(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, acc, buf, prev, st, KEYS, SCRAMBLE,
                          copy)
 
-    @staticmethod
-    def finish(nbytes: int, acc: np.ndarray, buf: np.ndarray, prev: np.ndarray, st: np.ndarray) -> int:
+    def finish(self, nbytes: int, acc: np.ndarray, buf: np.ndarray, prev: np.ndarray, st: np.ndarray) -> int:
         """The XXH3-64 value once all ``nbytes`` were fed: the last stripe (the input's last 64
         bytes, with the secret at byte 121), then the merge (secret at byte 11) and avalanche."""
         if int(st[3]) != nbytes:
             raise ValueError(f"a stream of {nbytes} bytes was fed {int(st[3])}")
-        held = int(st[2])
-        last = bytes(buf) if held == 64 else bytes(prev[held:]) + bytes(buf[:held])
-        lanes = [int(a) for a in acc]
-        for i in range(8):
-            value = int.from_bytes(last[8 * i: 8 * i + 8], "little")
-            key = value ^ int.from_bytes(SECRET[121 + 8 * i: 129 + 8 * i], "little")
-            lanes[i ^ 1] = (lanes[i ^ 1] + value) & _MASK
-            lanes[i] = (lanes[i] + (key & 0xFFFFFFFF) * (key >> 32)) & _MASK
-        result = (nbytes * _P64_1) & _MASK
-        for i in range(4):
-            lo = lanes[2 * i] ^ int.from_bytes(SECRET[11 + 16 * i: 19 + 16 * i], "little")
-            hi = lanes[2 * i + 1] ^ int.from_bytes(SECRET[19 + 16 * i: 27 + 16 * i], "little")
-            product = lo * hi
-            result = (result + ((product & _MASK) ^ (product >> 64))) & _MASK
-        h = result ^ (result >> 37)
-        h = (h * 0x165667919E3779F9) & _MASK
-        return h ^ (h >> 32)
+        return int(self.finish_kernel(nbytes, acc, buf, prev, int(st[2]), LAST_KEYS, MERGE_KEYS))
 
 
 @functools.cache
@@ -126,9 +112,11 @@ def load() -> Kernels | None:
         try:
             _stripes_jit = numba.njit(nogil=True, boundscheck=False, error_model="numpy", inline="always")(_stripes)
             feed = numba.njit(signature, cache=True, nogil=True, boundscheck=False, error_model="numpy")(_feed)
+            finish = numba.njit(numba.uint64(i64, u64, u8, u8, i64, u64, u64), cache=True, nogil=True,
+                                boundscheck=False, error_model="numpy")(_finish)
         finally:
             config.SLP_VECTORIZE = saved
-    return Kernels(feed_kernel=feed)
+    return Kernels(feed_kernel=feed, finish_kernel=finish)
 
 
 _stripes_jit: Any = None
@@ -172,6 +160,32 @@ def _feed(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, acc, buf, p
             left -= 64 * k
     st[0], st[2] = g, held
     st[3] += rows * row_bytes
+
+
+def _finish(nbytes, acc, buf, prev, held, last_keys, merge_keys):  # type: ignore[no-untyped-def]  # noqa: PLR0917
+    """XXH3's end of a long input: the last stripe, the merge of the lanes, the avalanche."""
+    last = np.empty(64, dtype=np.uint8)
+    last[: 64 - held] = prev[held:]
+    last[64 - held:] = buf[:held]
+    words = last.view(np.uint64)
+    lanes = acc.copy()
+    lo32, sh32 = np.uint64(0xFFFFFFFF), np.uint64(32)
+    for i in range(8):
+        key = words[i] ^ last_keys[i]
+        lanes[i ^ 1] += words[i]
+        lanes[i] += (key & lo32) * (key >> sh32)
+    result = np.uint64(nbytes) * np.uint64(_P64_1)
+    for i in range(4):
+        a, b = lanes[2 * i] ^ merge_keys[2 * i], lanes[2 * i + 1] ^ merge_keys[2 * i + 1]
+        lo_lo = (a & lo32) * (b & lo32)  # the 128-bit product, folded: low 64 bits XOR high 64 bits
+        hi_lo = (a >> sh32) * (b & lo32)
+        lo_hi = (a & lo32) * (b >> sh32)
+        cross = (lo_lo >> sh32) + (hi_lo & lo32) + lo_hi
+        upper = (hi_lo >> sh32) + (cross >> sh32) + (a >> sh32) * (b >> sh32)
+        result += ((cross << sh32) | (lo_lo & lo32)) ^ upper
+    h = result ^ (result >> np.uint64(37))
+    h *= np.uint64(0x165667919E3779F9)
+    return h ^ (h >> sh32)
 
 
 def _stripes(src, dst, count, acc, g, keys, scr, copy):  # type: ignore[no-untyped-def]  # noqa: PLR0917
