@@ -97,7 +97,7 @@ class GlooTransport(TorchDistBase):
         def construct() -> None:
             try:
                 formed.set_result(dist.ProcessGroupGloo(prefix, ctx.global_rank, ctx.world_size,
-                                                        datetime.timedelta(seconds=max(deadline.remaining(), 0.001))))
+                                                        gloo_options(ctx.options.host, deadline)))
             except BaseException as exc:  # handed to the waiting thread
                 formed.set_exception(exc)
 
@@ -492,6 +492,17 @@ def break_group(pg: Any, ranks: Sequence[int]) -> None:
             pg.recv([torch.empty(1)], rank, _BREAK_TAG).wait(datetime.timedelta(milliseconds=1))
         except Exception as exc:  # the timeout that breaks it, or a pair that is broken already
             logger.debug("gloo group broken through rank %d: %s", rank, exc)
+
+
+def gloo_options(host: str, deadline: Deadline) -> Any:
+    """gloo's options for a group: its device bound to ``host``, the address this rank publishes to
+    its peers (``TransportOptions.host``). gloo's default device takes the address the machine's
+    host name resolves to, which on a multi-homed host (a site behind its own link) may be one no
+    peer can reach."""
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch 2.13 keeps it private
+    options._timeout = datetime.timedelta(seconds=max(deadline.remaining(), 0.001))
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return options
 
 
 def _buffers_in_use(in_flight: deque[tuple[Any, Message, int]]) -> int:
