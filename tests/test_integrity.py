@@ -24,7 +24,7 @@ from weightsync.deadline import Deadline
 from weightsync.demo import canonical_values
 from weightsync.engines.buffers import ShardedEngine
 from weightsync.inflight import InflightReader
-from weightsync.layout import ModelSpec, RankLayout
+from weightsync.layout import ModelSpec, RankLayout, parse_layout
 from weightsync.layout.lora import LoraSpec
 from weightsync.meta import EmbeddedMetaServer, MetaClient
 from weightsync.reader import WeightReader
@@ -389,3 +389,26 @@ def test_delta_reader_refuses_a_corrupted_byte(transport, options):
 def test_lora_adapter_refuses_a_corrupted_byte():
     case = Case(config=tiny_config(), lora=LoraSpec(r=8, alpha=16))
     assert_refused_and_kept(run_job("torch", case=case))
+
+
+@pytest.mark.parametrize(("role", "device", "roles", "fused"), [
+    pytest.param("writer", "cpu", {"writer", "reader"}, True, id="cpu-writer"),
+    pytest.param("reader", "cpu", {"writer", "reader"}, True, id="cpu-reader"),
+    pytest.param("reader", "cpu", {"writer"}, False, id="transport-fuses-for-writers-only"),
+    pytest.param("reader", "cpu", (), False, id="transport-without-fusion"),
+    pytest.param("reader", "cuda:1", {"writer", "reader"}, False, id="gpu-digests-after-each-phase"),
+])
+def test_a_transport_digests_as_it_copies_for_its_roles_on_host_memory(role, device, roles, fused):
+    """The one device decision of fused digests (``VersionDigests.fuses``): host memory only; GPU
+    ranks digest (sum64) once a phase arrived, as with a transport that does not fuse."""
+    from weightsync.codecs.digest import kind_for
+    from weightsync.plan import build_local_plan
+    from weightsync.transport.digests import VersionDigests
+
+    spec = ModelSpec.from_hf_config(CONFIG)
+    writers = [parse_layout(SOURCE).rank_layout(spec, r) for r in range(2)]
+    readers = [parse_layout(TARGET).rank_layout(spec, r) for r in range(2)]
+    plan = build_local_plan(writers, readers, role=role, rank=0)
+    digests = VersionDigests(plan, None, role=role, rank=0, kind=kind_for([device]), device=device)
+    assert digests.fuses(roles) is fused
+    assert digests.kind == ("sum64" if device.startswith("cuda") else "xxh3")

@@ -168,5 +168,7 @@ def test_two_reader_sites_take_one_copy_each_across_and_every_reader_is_bitwise(
             assert r["across_bytes"] + r["inside_bytes"] == VERSIONS * model_bytes
         # the link's count: a flat plan would carry four copies (one per reader) per version
         crossed = after[site] - before[site]
+        print(f"site {site}: {crossed} bytes crossed its link for {VERSIONS} versions of {model_bytes} bytes "
+              f"({crossed / (VERSIONS * model_bytes):.3f} copies per version; a flat plan: 4)")
         assert VERSIONS * model_bytes <= crossed < 1.2 * VERSIONS * model_bytes, (site, crossed, model_bytes)
     assert len(writers) == 2 and len(readers) == 8

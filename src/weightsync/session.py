@@ -69,7 +69,8 @@ def state_lost(exc: BaseException) -> BaseException | None:
 
 @dataclass(slots=True)
 class SyncResult:
-    """What one sync did on this rank: the version, bytes moved and seconds per phase."""
+    """What one sync did on this rank: the version, bytes of weights moved (integrity digests,
+    8 bytes per piece, not counted) and seconds per phase."""
 
     version: int
     nbytes: int
@@ -210,6 +211,10 @@ class SyncSession:
         self.channel.pin_server()  # first: the layout blob below is already written to the server
         settings = self.config.settings()
         device = self.device()
+        if self.config.integrity and device == "cpu":  # the fused digests' kernels, before this rank holds
+            from weightsync.codecs import digest_jit  # a lease: numba's start takes seconds under load
+
+            digest_jit.load()
         restarted = self.channel.register(host=self.host, group=self.config.job, layout=self._layout_blob(),
                                           device=device, gpu=gpu_identity(device), settings=settings,
                                           lease=self.config.lease_seconds)

@@ -353,6 +353,11 @@ class VersionDigests:
             key = _landed_key(op)
             self._absorb(key, key, op, lambda h: h.update(view))
 
+    def weight_bytes(self, phase: int, moved: int) -> int:
+        """Of ``moved`` bytes a transport reports for ``phase``, those of weights: less the digest
+        ops' (8 bytes per piece; a delta may move fewer of them, never fewer than none)."""
+        return moved - min(moved, 8 * self.pieces(phase))
+
     def pieces(self, phase: int) -> int:
         """The ops this rank digests in ``phase``."""
         return sum(len(run.ops) for run in self.runs[phase])
