@@ -19,6 +19,7 @@ address. Nothing crosses but msgpack/JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import threading
@@ -148,6 +149,9 @@ def run_readers(args: argparse.Namespace) -> None:
     done: list[dict[str, Any]] = []
     want = {v: canonical_values(CONFIG, v) for v in range(args.versions)}
     client = lambda job: MetaClient(args.meta, token=args.token, job=job)  # noqa: E731
+    # a rank that leaves a job (its lease released) fails a writer still waiting in it: every reader
+    # stays until the test has every site's results (a line on stdin)
+    finished, leave = threading.Barrier(len(mine) + 1), threading.Event()
 
     def reader(rank: int) -> None:
         local = mine.index(rank)  # this reader's rank among its site's (job inside-<site>)
@@ -176,10 +180,13 @@ def run_readers(args: argparse.Namespace) -> None:
                     expected = allocate(readers[rank])
                     fill_from_canonical(readers[rank], expected, want[v])
                     exact.append(all(torch.equal(tensors[n], expected[n]) for n in expected))
-            done.append({"reader": rank, "across_bytes": took, "forwarded_bytes": forwarded, "inside_bytes": got,
-                         "exact": exact})
+                done.append({"reader": rank, "across_bytes": took, "forwarded_bytes": forwarded,
+                             "inside_bytes": got, "exact": exact})
+                finished.wait(TIMEOUT * (args.versions + 2))
+                leave.wait(TIMEOUT)
         except BaseException as exc:  # reported on stdout; the test fails on it
             errors.append(f"reader {rank}: {type(exc).__name__}: {exc}")
+            finished.abort()
         finally:
             for m in metas:
                 m.close()
@@ -187,10 +194,14 @@ def run_readers(args: argparse.Namespace) -> None:
     threads = [threading.Thread(target=reader, args=(r,)) for r in mine]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(TIMEOUT * (args.versions + 2))
+    with contextlib.suppress(threading.BrokenBarrierError):
+        finished.wait(TIMEOUT * (args.versions + 2))
     emit({"site": args.site, "readers": sorted(done, key=lambda d: d["reader"]), "errors": errors,
           "planned_across_bytes": sum(sum(r.numel * 2 for _, r in split.first[x].regions()) for x in mine)})
+    sys.stdin.readline()
+    leave.set()
+    for t in threads:
+        t.join(TIMEOUT)
 
 
 def main() -> None:

@@ -146,11 +146,15 @@ def test_two_reader_sites_take_one_copy_each_across_and_every_reader_is_bitwise(
             meta = _first_line(procs[0], timeout=120)
             procs += [_start(ns[s], "--site", s, "--host", hosts[s], "--meta", meta["meta"], "--token", meta["token"])
                       for s in "bc"]
-            outs = {s: _records(p, timeout=400)[-1] for s, p in zip("bc", procs[1:], strict=True)}
+            outs = {s: _first_line(p, timeout=400) for s, p in zip("bc", procs[1:], strict=True)}
             after = {s: _tx_bytes(ns["a"], dev) for s, dev in net["links"].items()}
-            assert procs[0].stdin is not None
-            procs[0].stdin.write("\n")
-            procs[0].stdin.flush()
+            for p in (*procs[1:], procs[0]):  # every site reported: the readers leave, then the writers
+                assert p.stdin is not None
+                p.stdin.write("\n")
+                p.stdin.flush()
+                if p is not procs[0]:
+                    _, err = p.communicate(timeout=120)
+                    assert p.returncode == 0, err[-3000:]
             written = _records(procs[0], timeout=120)[-1]
         finally:
             for p in procs:
