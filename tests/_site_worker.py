@@ -27,16 +27,16 @@ from typing import Any, ClassVar
 
 import torch
 
-from weightsync.demo import canonical_values
+from weightsync.apps.demo import canonical_values
 from weightsync.layout import ModelSpec, parse_layout
 from weightsync.layout.types import RankLayout
 from weightsync.meta import EmbeddedMetaServer, MetaClient
 from weightsync.plan.sites import Sites, plan_sites
-from weightsync.reader import WeightReader
+from weightsync.roles.reader import WeightReader
+from weightsync.roles.writer import WeightWriter
 from weightsync.session import SyncConfig
-from weightsync.torch_layout import allocate, fill_from_canonical
+from weightsync.tools.torch_layout import allocate, fill_from_canonical
 from weightsync.transport import TransportOptions
-from weightsync.writer import WeightWriter
 
 #: A Qwen3 of about 20M parameters (42 MB in bf16): big enough that the link counters are the
 #: bytes of the weights, not of the meta server's polls.

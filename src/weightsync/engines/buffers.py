@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from weightsync.layout import ModelSpec, RankLayout, parse_layout
-from weightsync.torch_layout import allocate, module_layout, named_tensors
+from weightsync.tools.torch_layout import allocate, module_layout, named_tensors
 
 
 class _InPlace:

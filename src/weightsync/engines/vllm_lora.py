@@ -36,7 +36,7 @@ import torch
 from weightsync.engines.vllm import spec_of
 from weightsync.layout import RankLayout
 from weightsync.layout.lora import PEFT_PREFIX, LoraSpec
-from weightsync.torch_layout import allocate, check_tensors, dtype_name
+from weightsync.tools.torch_layout import allocate, check_tensors, dtype_name
 
 if TYPE_CHECKING:
     from vllm import LLM
