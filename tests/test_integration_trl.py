@@ -46,7 +46,7 @@ def _trainers(tmp_path: Path, mode: str, url: str | None, server=None, extra: tu
 
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
            "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_HOST_IP": "127.0.0.1"}
+           "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     cmd = [sys.executable, str(HERE / "_trl_grpo.py"), "train", "--model", str(tmp_path / "model"), "--out",
            str(tmp_path / "out"), "--mode", mode, "--steps", str(STEPS), *(["--url", url] if url else []), *extra]
     procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
@@ -62,7 +62,7 @@ def _references(tmp_path: Path, script: str, command: str, extra: tuple[str, ...
     proc = subprocess.run([sys.executable, str(HERE / script), command, *paths, *extra],
                           capture_output=True, text=True, timeout=600, check=False,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # in-process: no engine processes to start
+                               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})  # in-process: no engine processes to start
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {int(Path(r["path"]).name[1:]): r["tokens"] for r in _results(proc.stdout)}
 

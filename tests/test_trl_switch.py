@@ -113,7 +113,7 @@ def test_a_peft_model_syncs_its_merged_weights_and_keeps_its_adapter(tmp_path):
 
 
 @needs_trl
-def test_trl_vllm_serve_starts_vllm_with_the_weightsync_backend_when_asked():
+def test_trl_vllm_serve_starts_vllm_with_the_weightsync_backend_when_asked(trl_switch):
     """``trl vllm-serve`` (TRL 1.16) only execs ``vllm serve`` with dev mode, its NCCL backend and the
     extra arguments after it: ``--weight-transfer-config '{"backend": "weightsync"}'`` wins (vLLM
     takes the last of a repeated option), so TRL's own server command serves weightsync."""
