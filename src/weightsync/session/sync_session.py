@@ -214,7 +214,7 @@ class SyncSession:
         if self.config.integrity and device == "cpu":  # the fused digests' kernels, before this rank holds
             from weightsync.tools.codecs import digest_jit  # a lease: numba's start takes seconds under load
 
-            digest_jit.load()
+            digest_jit.for_rank(self.provider.layout().nbytes)
         restarted = self.channel.register(host=self.host, group=self.config.job, layout=self._layout_blob(),
                                           device=device, gpu=gpu_identity(device), settings=settings,
                                           lease=self.config.lease_seconds)

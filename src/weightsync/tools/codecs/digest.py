@@ -157,7 +157,8 @@ class CopyHasher:
     bytes already where they belong. A piece may arrive in parts (rows, slabs), in order; the
     value equals :func:`tensor_digest` of all of it. ``xxh3`` on host memory runs the fused
     kernels (:mod:`weightsync.tools.codecs.digest_jit`: each byte read once, for the copy and the
-    hash); without numba, for a dtype conversion, a device tensor or ``sum64``, the copy comes
+    hash) once this process loaded them (``digest_jit.for_rank``: ranks holding at least
+    ``FUSE_MIN_BYTES``); otherwise, for a dtype conversion, a device tensor or ``sum64``, the copy comes
     first and the digest reads the destination after it (``copy`` does the copy: the device
     port's queued copy on a GPU).
     """
@@ -166,7 +167,7 @@ class CopyHasher:
         from weightsync.tools.codecs import digest_jit
 
         self.kind, self.nbytes, self.fed = kind, nbytes, 0
-        kernels = digest_jit.load() if kind == "xxh3" and nbytes > digest_jit.SHORT_MAX else None
+        kernels = digest_jit.loaded() if kind == "xxh3" and nbytes > digest_jit.SHORT_MAX else None
         self._kernels = kernels
         self._started: tuple[np.ndarray, ...] | None = None  # the kernels' state, made on first use
         self._hasher = Hasher(kind) if kernels is None else None

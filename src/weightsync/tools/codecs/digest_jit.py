@@ -16,7 +16,7 @@ which numba leaves off by default: :func:`load` compiles these kernels, and only
 on. Inputs up to 240 bytes use XXH3's short-input paths: the caller digests those with
 ``xxhash`` itself (:class:`weightsync.tools.codecs.digest.CopyHasher`)::
 
-    k = load()                                   # None without numba
+    k = load()                                   # None without numba; loaded() after it
     state = k.start(nbytes)
     k.feed(src_u8, s_at, s_stride, dst_u8, d_at, d_stride, rows, row_bytes, *state, copy=True)
     value = k.finish(nbytes, *state)
@@ -53,6 +53,23 @@ LAST_KEYS = np.array([int.from_bytes(SECRET[121 + 8 * i: 129 + 8 * i], "little")
 MERGE_KEYS = np.array([int.from_bytes(SECRET[11 + 8 * i: 19 + 8 * i], "little") for i in range(8)], dtype=np.uint64)
 #: Longest input XXH3 digests with its short-input algorithms (not these kernels).
 SHORT_MAX = 240
+#: A rank whose tensors hold fewer bytes digests in a second pass (``xxhash``, a few ms per 64 MiB)
+#: and never starts numba: importing it and loading the kernels from its cache takes 1.5-3 s per
+#: process here, compiling them 15-40 s, more than such a rank's second passes cost in a long job.
+FUSE_MIN_BYTES = 64 << 20
+
+
+def for_rank(nbytes: int) -> Kernels | None:
+    """The kernels for a rank whose tensors hold ``nbytes``: loaded (compiled, or read from numba's
+    cache) from :data:`FUSE_MIN_BYTES` up, else only if this process loaded them already (without
+    importing numba). A rank calls it once, before it holds a lease: loading takes seconds."""
+    return load() if nbytes >= FUSE_MIN_BYTES else loaded()
+
+
+def loaded() -> Kernels | None:
+    """The kernels if :func:`load` ran in this process, else None (never compiles, never imports numba).
+    :class:`weightsync.tools.codecs.digest.CopyHasher` fuses with these only."""
+    return _loaded
 
 
 @dataclass(frozen=True)
@@ -101,7 +118,7 @@ def load() -> Kernels | None:
 
     from weightsync.tools.codecs.delta_jit import _answer_dict_lookups_with_a_dict
 
-    global _stripes_jit  # noqa: PLW0603 (the compiled helper _feed calls, bound once here)
+    global _stripes_jit, _loaded  # noqa: PLW0603 (the compiled helper _feed calls, bound once here)
     _answer_dict_lookups_with_a_dict()
     u8, u64, i64 = numba.uint8[::1], numba.uint64[::1], numba.int64
     signature = numba.void(u8, i64, i64, u8, i64, i64, i64, i64, u64, u8, u8, numba.int64[::1], u64, u64,
@@ -116,10 +133,12 @@ def load() -> Kernels | None:
                                 boundscheck=False, error_model="numpy")(_finish)
         finally:
             config.SLP_VECTORIZE = saved
-    return Kernels(feed_kernel=feed, finish_kernel=finish)
+    _loaded = Kernels(feed_kernel=feed, finish_kernel=finish)
+    return _loaded
 
 
 _stripes_jit: Any = None
+_loaded: Kernels | None = None
 
 
 def _feed(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, acc, buf, prev, st, keys, scr, copy):  # type: ignore[no-untyped-def]  # noqa: PLR0917
