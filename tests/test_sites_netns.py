@@ -48,7 +48,14 @@ def _cannot() -> str | None:
     made = _ip("netns", "add", probe)
     if made.returncode != 0:
         return f"cannot create a network namespace: {made.stderr.strip()}"
-    _ip("netns", "del", probe)
+    try:  # the links' rate: tbf must exist in this kernel (tried on the probe's loopback)
+        shaped = subprocess.run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
+                                 "rate", RATE, "burst", "2mb", "latency", "100ms"],
+                                capture_output=True, text=True, timeout=30, check=False)
+        if shaped.returncode != 0:
+            return f"cannot shape a link with tc tbf: {shaped.stderr.strip()}"
+    finally:
+        _ip("netns", "del", probe)
     return None
 
 
@@ -107,7 +114,7 @@ def _records(proc: subprocess.Popen[str], timeout: float) -> list[dict[str, Any]
     return records
 
 
-def _first_line(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+def _first_line(proc: subprocess.Popen[str], timeout: float, what: str) -> dict[str, Any]:
     got: dict[str, Any] = {}
 
     def read() -> None:
@@ -123,7 +130,7 @@ def _first_line(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
     if not got:
         proc.kill()
         _, err = proc.communicate(timeout=30)
-        raise AssertionError(f"site a did not start its meta server: {err[-3000:]}")
+        raise AssertionError(f"{what} within {timeout} s: {err[-3000:]}")
     return got
 
 
@@ -143,10 +150,11 @@ def test_two_reader_sites_take_one_copy_each_across_and_every_reader_is_bitwise(
         before = {s: _tx_bytes(ns["a"], dev) for s, dev in net["links"].items()}
         procs = [_start(ns["a"], "--site", "a", "--host", hosts["a"])]
         try:
-            meta = _first_line(procs[0], timeout=120)
+            meta = _first_line(procs[0], timeout=120, what="site a did not start its meta server")
             procs += [_start(ns[s], "--site", s, "--host", hosts[s], "--meta", meta["meta"], "--token", meta["token"])
                       for s in "bc"]
-            outs = {s: _first_line(p, timeout=400) for s, p in zip("bc", procs[1:], strict=True)}
+            outs = {s: _first_line(p, timeout=400, what=f"site {s} did not report its readers")
+                    for s, p in zip("bc", procs[1:], strict=True)}
             after = {s: _tx_bytes(ns["a"], dev) for s, dev in net["links"].items()}
             for p in (*procs[1:], procs[0]):  # every site reported: the readers leave, then the writers
                 assert p.stdin is not None
