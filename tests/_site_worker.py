@@ -34,7 +34,7 @@ from weightsync.meta import EmbeddedMetaServer, MetaClient
 from weightsync.plan.sites import Sites, plan_sites
 from weightsync.roles.reader import WeightReader
 from weightsync.roles.writer import WeightWriter
-from weightsync.session import SyncConfig
+from weightsync.session.config import SyncConfig
 from weightsync.tools.torch_layout import allocate, fill_from_canonical
 from weightsync.transport import TransportOptions
 
