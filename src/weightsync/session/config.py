@@ -130,9 +130,7 @@ class SyncConfig:
             whole-model copy.
         integrity: writers digest every piece they send and readers check what landed in their
             memory before the engine applies it (:mod:`weightsync.transport.digests`); a
-            mismatch fails the version on that reader, naming the tensor, writer and bytes. On
-            by default: digests are taken in the same pass as the transports' copies, a few
-            percent of a sync (docs/integrity.md); ``False`` skips them.
+            mismatch fails the version on that reader, naming the tensor, writer and bytes.
     """
 
     num_writers: int
@@ -146,7 +144,7 @@ class SyncConfig:
     lease_seconds: float = 3.0
     host: str = ""
     layer_phases: bool = False
-    integrity: bool = True
+    integrity: bool = False
 
     def __post_init__(self) -> None:
         for setting in job_settings():
