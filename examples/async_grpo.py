@@ -16,8 +16,19 @@ Hugging Face model (``configs/tiny-qwen3``, random weights). Each step:
 Synchronous (K=0): batch ``i`` is generated with the weights trained on batches ``< i``, and
 ``write`` returns when the generator applied them, so generation and training alternate.
 Asynchronous (K=1): batch ``i`` may use weights one version older, so the generator samples
-batch ``i+1`` while the trainers learn from batch ``i``. The script prints samples/s of both
-and their ratio. Run: ``python examples/async_grpo.py [--steps 30]``.
+batch ``i+1`` while the trainers learn from batch ``i``.
+
+**Against its bound.** Each side times its own work per step: the generator its generation,
+reward, put and apply (``T_gen``), the trainers their step and the write (``T_train``, the slower
+rank), neither counting the time it waits for the other. Alternating, a step takes ``T_gen +
+T_train``; perfectly overlapped, ``max(T_gen, T_train)``: so async/sync can reach at most
+``(T_gen + T_train) / max(T_gen, T_train)``, from the synchronous run's times (each stage alone).
+The script prints samples/s of both modes, their ratio, that bound and the *overlap
+efficiency* (ratio / bound). Overlap needs the stages on their own cores: with ``--pin`` (the
+default where the OS allows it) the generator runs on core 0 and the trainers on the others
+(both trainers share core 1 on a 2-core machine), in both modes; ``--no-pin`` lets the OS
+schedule three busy processes on whatever cores it has.
+Run: ``python examples/async_grpo.py [--steps 30] [--no-pin]``.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import datetime
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -91,10 +103,12 @@ def trainer(rank: int, modes: list[tuple[str, int]], steps: int) -> None:
                 TensorStore(store_config(mode, staleness)) as rollouts:
             writer.write(0)  # the initial weights
             mine = TensorSlice.part((batch, PROMPT_LEN + NEW_TOKENS), index=rank, count=TRAINERS)
+            busy = []  # T_train per step: the step and the write, not the waits for the generator
             for step in range(steps):
                 got = rollouts.multi_get({"tokens": mine,
                                           "rewards": TensorSlice.part((batch,), index=rank, count=TRAINERS)},
                                          version=step)
+                t0 = time.perf_counter()
                 tokens, rewards = got["tokens"], got["rewards"].view(-1, GROUP)
                 advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4))
                 logits = model(input_ids=tokens).logits[:, PROMPT_LEN - 1:-1]
@@ -103,8 +117,11 @@ def trainer(rank: int, modes: list[tuple[str, int]], steps: int) -> None:
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad()
-                writer.write(step + 1)
+                result = writer.write(step + 1)
+                waited = sum(result.phases.get(k, 0.0) for k in ("wait_readers", "wait_slot"))
+                busy.append(time.perf_counter() - t0 - waited)
             writer.meta.wait_readers(min_version=steps, readers=1, timeout=120)  # then unlink the memory
+            print("TRAINER " + json.dumps({"rank": rank, "mode": mode, "busy_s": busy}), flush=True)
     dist.destroy_process_group()
 
 
@@ -131,11 +148,12 @@ def run_mode(mode: str, staleness: int, steps: int, config: dict) -> dict:
             TensorStore(store_config(mode, staleness), rank=0) as rollouts:
         inflight.wait_version(0)  # trainers are up: the clock starts now
         start = time.perf_counter()
-        rewards, lags, pauses, waits = [], [], [], 0.0
+        rewards, lags, pauses, waits, busy = [], [], [], 0.0, []
         for step in range(steps):
             t0 = time.perf_counter()
             inflight.wait_version(step - staleness)  # the staleness bound on the generator's side
-            waits += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            waits += t1 - t0
             if inflight.step_boundary() is not None:
                 pauses.append(inflight.last_pause)
             lags.append(step - (inflight.version or 0))
@@ -144,6 +162,7 @@ def run_mode(mode: str, staleness: int, steps: int, config: dict) -> dict:
             rollouts.multi_put({"tokens": tokens, "rewards": r})
             rollouts.complete(step)  # one-sided: returns at once
             rewards.append(r.mean().item())
+            busy.append(time.perf_counter() - t1)  # T_gen: apply, generate, reward, put
         inflight.wait_version(steps)  # the last batch was trained on and its weights are live
         seconds = time.perf_counter() - start
         pauses += [r.phases["apply"] for r in inflight.results[-1:]]
@@ -152,7 +171,27 @@ def run_mode(mode: str, staleness: int, steps: int, config: dict) -> dict:
             "max_version_lag": max(lags), "generator_wait_s": waits,
             "max_apply_pause_ms": 1e3 * max(pauses, default=0.0),
             "staging_bytes": inflight.extra_bytes, "reward_first": rewards[0],
-            "reward_last": sum(rewards[-3:]) / len(rewards[-3:])}
+            "reward_last": sum(rewards[-3:]) / len(rewards[-3:]), "gen_busy_s": busy}
+
+
+def overlap(results: list[dict], trainers: list[dict]) -> dict:
+    """The bound of async/sync from the synchronous run's stage times, and the efficiency."""
+    sync, later = results[0], results[1]
+    ranks = [t["busy_s"] for t in trainers if t["mode"] == sync["mode"]]
+    t_gen = statistics.median(sync["gen_busy_s"][1:] or sync["gen_busy_s"])  # step 0 pays warm-up
+    per_step = [max(per_rank) for per_rank in zip(*ranks, strict=True)]
+    t_train = statistics.median(per_step[1:] or per_step)
+    bound = (t_gen + t_train) / max(t_gen, t_train)
+    ratio = later["samples_per_s"] / sync["samples_per_s"]
+    return {"t_gen_s": t_gen, "t_train_s": t_train, "bound": bound, "ratio": ratio, "efficiency": ratio / bound}
+
+
+def pin(pid: int, cores: set[int]) -> bool:
+    """Run ``pid`` on ``cores`` (False where the OS has no affinity call)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return False
+    os.sched_setaffinity(pid, cores)
+    return True
 
 
 def free_port() -> int:
@@ -166,6 +205,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--trainer-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--modes", default="sync:0,async:1", help="name:staleness pairs")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="let the OS schedule the generator and the trainers (default: pinned to cores)")
     args = parser.parse_args()
     modes = [(m.split(":")[0], int(m.split(":")[1])) for m in args.modes.split(",")]
     if args.trainer_rank is not None:
@@ -180,12 +221,22 @@ def main() -> None:
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
         os.environ.update(WEIGHTSYNC_META_ADDR=server.address, WEIGHTSYNC_META_TOKEN=server.token)
         procs = [subprocess.Popen([sys.executable, __file__, "--trainer-rank", str(r), "--steps", str(args.steps),
-                                   "--modes", args.modes], env=env) for r in range(TRAINERS)]
+                                   "--modes", args.modes], env=env, stdout=subprocess.PIPE, text=True)
+                 for r in range(TRAINERS)]
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        pinned = ""
+        # the generator on one core, the trainers on the others (threads started from now on inherit it)
+        if args.pin and len(cores) >= 2 and pin(0, {cores[0]}) and all(pin(p.pid, set(cores[1:])) for p in procs):
+            pinned = f"generator on core {cores[0]}, trainers on cores {cores[1:]}"
         try:
             results = [run_mode(mode, k, args.steps, config) for mode, k in modes]
+            trainers = []
             for p in procs:
-                if p.wait(timeout=120) != 0:
+                out, _ = p.communicate(timeout=120)
+                if p.returncode != 0:
                     sys.exit(f"trainer exited with {p.returncode}")
+                trainers += [json.loads(line[len("TRAINER "):]) for line in out.splitlines()
+                             if line.startswith("TRAINER ")]
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -197,8 +248,13 @@ def main() -> None:
               f"generator waited {r['generator_wait_s']:.2f}s, apply pause <= {r['max_apply_pause_ms']:.2f} ms, "
               f"staging {r['staging_bytes'] / 2**20:.2f} MiB; reward {r['reward_first']:.3f} -> "
               f"{r['reward_last']:.3f}")
+    print(f"processes: {pinned or 'not pinned'}")
     if len(results) == 2:
-        print(f"async/sync samples/s ratio: {results[1]['samples_per_s'] / results[0]['samples_per_s']:.2f}")
+        o = overlap(results, trainers)
+        print(f"async/sync samples/s ratio: {o['ratio']:.2f}; per step T_gen {1e3 * o['t_gen_s']:.1f} ms, "
+              f"T_train {1e3 * o['t_train_s']:.1f} ms (synchronous run): bound (T_gen + T_train) / max = "
+              f"{o['bound']:.2f}; overlap efficiency {o['efficiency']:.2f}")
+        print("OVERLAP " + json.dumps({**o, "pinned": pinned}))
     print("RESULTS " + json.dumps(results))
 
 

@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weightsync.tools.codecs import digest as digest_mod
+from weightsync.tools.codecs import digest_jit
 from weightsync.tools.codecs.digest import (
+    CopyHasher,
     Digest,
     Hasher,
     as_signed,
@@ -49,6 +51,37 @@ def raw(t: torch.Tensor) -> bytes:
     return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
+@pytest.fixture(scope="module")
+def kernels():
+    """The fused kernels, loaded in this process (compiled once, then from numba's cache)."""
+    loaded = digest_jit.load()
+    assert loaded is not None, "numba is a dependency"
+    return loaded
+
+
+@pytest.fixture(params=["fused", "second pass"])
+def fused(request, monkeypatch):
+    """CopyHasher with the kernels loaded, and as in a process that never loaded them."""
+    if request.param == "fused":
+        request.getfixturevalue("kernels")
+    else:
+        monkeypatch.setattr(digest_jit, "_loaded", None)
+    return request.param == "fused"
+
+
+def test_a_small_rank_never_starts_numba_and_a_large_one_loads_the_kernels(monkeypatch):
+    """Integrity is on by default: a rank holding less than FUSE_MIN_BYTES (every test's tiny
+    model) must not pay numba's start (seconds per process) in each process of a job."""
+    monkeypatch.setattr(digest_jit, "_loaded", None)
+    calls: list[int] = []
+    monkeypatch.setattr(digest_jit, "load", lambda: calls.append(1) or "kernels")
+    assert digest_jit.for_rank(digest_jit.FUSE_MIN_BYTES - 1) is None
+    assert calls == []
+    assert digest_jit.for_rank(digest_jit.FUSE_MIN_BYTES) == "kernels"
+    assert calls == [1]
+    assert CopyHasher("xxh3", 4096)._kernels is None  # loaded() only: no compile behind a copy's back
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int64, torch.uint8])
 def test_values_match_references_for_every_dtype_and_view(dtype):
     g = torch.Generator().manual_seed(1)
@@ -71,6 +104,58 @@ def test_streaming_equals_one_shot_whatever_the_cuts(data, cuts, kind):
     for lo, hi in zip(bounds, bounds[1:]):
         h.update(t[lo:hi])
     assert h.digest() == tensor_digest(t, kind)
+
+
+@settings(max_examples=30, deadline=None)
+@given(size=st.integers(0, 3000) | st.integers(3000, 20000), seed=st.integers(0, 2**31),
+       rows=st.lists(st.tuples(st.integers(1, 8), st.integers(1, 3000)), min_size=1, max_size=4),
+       gap=st.integers(0, 9), skew=st.integers(0, 7))
+def test_fused_copy_digest_is_xxh3_whatever_the_cut(kernels, size, seed, rows, gap, skew):
+    """The fused kernels (copy + XXH3 in one pass) against the xxhash package: the bytes of one
+    piece cut into parts of strided rows at odd offsets (as slabs and strided views arrive),
+    copied into a strided destination; the copy is exact and the digest is XXH3's."""
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    hasher, again = CopyHasher("xxh3", size), CopyHasher("xxh3", size)
+    assert size <= digest_jit.SHORT_MAX or hasher._kernels is kernels
+    at, k = 0, 0
+    while at < size:  # part k: `count` rows of `width` bytes, `gap` apart, at offset `skew` of a buffer
+        count, width = rows[k % len(rows)]
+        if count * width > size - at:
+            count, width = 1, size - at
+        src = torch.zeros(skew + count * (width + gap), dtype=torch.uint8)
+        dst = torch.zeros(skew + 1 + count * (width + gap + 1), dtype=torch.uint8)
+        src_view = src[skew:].as_strided((count, width), (width + gap, 1))
+        dst_view = dst[skew + 1:].as_strided((count, width), (width + gap + 1, 1))
+        src_view.copy_(data[at: at + count * width].view(count, width))
+        hasher.copy(dst_view, src_view)
+        assert torch.equal(dst_view, src_view)
+        again.update(dst_view)
+        at, k = at + count * width, k + 1
+    expected = xxhash.xxh3_64_intdigest(raw(data))
+    assert hasher.value() == again.value() == expected
+
+
+@pytest.mark.parametrize("kind", ["xxh3", "sum64"])
+def test_copy_hasher_equals_the_digest_of_what_it_stored(kind, fused):
+    """Every view a transport copies: dense, strided rows, 3-d boxes, a transposed (inner stride
+    not 1) view, one element; and a copy that converts (digest of the converted bytes)."""
+    base = torch.randn(12, 40, 36, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    views = [base, base[:, 3:30, :], base[5, :, 8:], base.transpose(1, 2), base[:, :, 7], base[2:3, 4:5, 5:6],
+             base[:7, 1:2, :]]
+    for view in views:
+        dst = torch.zeros(14, 44, 44, dtype=torch.bfloat16)[: view.shape[0], : view.shape[1], : view.shape[2]] \
+            if view.dim() == 3 else torch.zeros_like(view)
+        hasher = CopyHasher(kind, view.numel() * view.element_size())
+        assert (hasher._kernels is not None) == (fused and kind == "xxh3" and view.numel() * 2 > digest_jit.SHORT_MAX)
+        hasher.copy(dst, view)
+        assert torch.equal(dst, view)
+        assert hasher.value() == tensor_digest(view, kind).value, tuple(view.shape)
+    wide = torch.zeros(12, 40, 36, dtype=torch.float32)
+    hasher = CopyHasher(kind, wide.numel() * 4)
+    hasher.copy(wide, base)
+    assert hasher.value() == tensor_digest(base.float(), kind).value
+    with pytest.raises(ValueError, match="was digested after 0 of them"):
+        CopyHasher(kind, 10).value()
 
 
 def test_sum64_chunks_compose(monkeypatch):

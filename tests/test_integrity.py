@@ -1,8 +1,8 @@
-"""In-band digests (SyncConfig(integrity=True)): one byte corrupted after it landed is caught.
+"""In-band digests (SyncConfig(integrity=True)): one byte corrupted on its way in is caught.
 
 Every transport: two writers (Megatron TP2) and two readers (vLLM TP1 replicas), each rank a
-thread of this process with a real meta server. A fault hook in the test flips one byte of
-reader 0's memory right after the transport delivered version 1, before the reader's check.
+thread of this process with a real meta server. A fault hook in the test flips one byte of the
+first piece reader 0 receives of version 1 (:func:`corrupt_in_transit`), before the reader digests it.
 The reader refuses version 1 with an error naming the tensor, the writer and the bytes; its
 engine (an InflightReader, which receives into staging) keeps serving version 0, bitwise;
 the writers hear that reader 0 failed version 1; reader 1 applies every version; version 2
@@ -23,7 +23,7 @@ from weightsync.apps.demo import canonical_values
 from weightsync.clock.deadline import Deadline
 from weightsync.configs import load_spec
 from weightsync.engines.buffers import ShardedEngine
-from weightsync.layout import ModelSpec, RankLayout
+from weightsync.layout import ModelSpec, RankLayout, parse_layout
 from weightsync.layout.lora import LoraSpec
 from weightsync.meta import EmbeddedMetaServer, MetaClient
 from weightsync.roles.inflight import InflightReader
@@ -112,25 +112,56 @@ class Outcome:
     kept: dict[int, tuple[int | None, bool]] = field(default_factory=dict)  # reader -> (version served, bitwise)
     checked: dict[int, float] = field(default_factory=dict)
     corrupted: Any = None  # the op whose byte the fault hook flipped
+    how: dict[str, Any] = field(default_factory=dict)  # the hook's state: where it flipped the byte
 
 
-def corrupt_after_landing(reader: WeightReader, buffers: dict[str, torch.Tensor], version: int) -> Any:
-    """The fault hook: after the transport delivered ``version``'s last phase, flip one byte of
-    the first piece that landed (in the reader's memory, before its integrity check)."""
+def corrupt_in_transit(reader: WeightReader, buffers: dict[str, torch.Tensor], version: int,
+                       state: dict[str, Any]) -> Any:
+    """The fault hook: one byte of the first piece of ``version`` that reader 0 receives arrives
+    flipped. Where the transport digests as it lands the bytes (``VersionDigests.land`` /
+    ``arrived``), the byte is flipped on its way in (in the copy's source, or where it arrived
+    before it is digested); elsewhere (unfused transports, deltas applied in place) in the
+    reader's memory after the transport delivered the phase, before the check."""
     planned = reader.session.planned
-    assert planned is not None
-    transport, last = planned.transport, planned.num_phases - 1
-    original = transport.receive
+    assert planned is not None and planned.digests is not None
+    transport, digests, last = planned.transport, planned.digests, planned.num_phases - 1
+    receive, land, arrived = transport.receive, digests.land, digests.arrived
     op = planned.plan.ops[0]
+    state.update(armed=False, done=False, where="")
 
-    def receive(v: int, *, timeout: float, phase: int = 0) -> Any:
-        stats = original(v, timeout=timeout, phase=phase)
-        if v == version and phase == last:
+    def target(o: Any) -> bool:
+        hit = state["armed"] and not state["done"] and (o.dst_shard, o.dst_offset) == (op.dst_shard, op.dst_offset)
+        if hit:
+            state.update(done=True, where="in transit")
+        return hit
+
+    def flip(t: torch.Tensor) -> None:  # the first byte of its first element, in place
+        row = t[(0,) * (t.dim() - 1)] if t.dim() > 1 else t
+        row[:1].view(torch.uint8)[0] ^= 0x10
+
+    def on_land(o: Any, dst: torch.Tensor, src: torch.Tensor, **kw: Any) -> None:
+        if target(o):
+            src = src.clone()
+            flip(src)
+        land(o, dst, src, **kw)
+
+    def on_arrived(o: Any, view: torch.Tensor) -> None:
+        if target(o):
+            flip(view)
+        arrived(o, view)
+
+    def on_receive(v: int, *, timeout: float, phase: int = 0) -> Any:
+        state["armed"] = v == version
+        stats = receive(v, timeout=timeout, phase=phase)
+        if v == version and phase == last and not state["done"]:  # nothing digested it on its way in
+            state.update(done=True, where="after landing")
             element = buffers[op.dst_shard].view(-1)[op.dst_offset: op.dst_offset + 1]
             element.view(torch.uint8)[0] ^= 0x10
         return stats
 
-    transport.receive = receive  # type: ignore[method-assign]
+    transport.receive = on_receive  # type: ignore[method-assign]
+    digests.land = on_land  # type: ignore[method-assign]
+    digests.arrived = on_arrived  # type: ignore[method-assign]
     return op
 
 
@@ -146,12 +177,23 @@ def run_job(transport: str, options: dict[str, Any] | None = None, *, shared: bo
         return SyncConfig(num_writers=2, num_readers=2, transport=transport, timeout=timeout, integrity=True,
                           host=(nodes or {}).get((role, rank), ""), transport_options=opts)
 
+    # Nobody leaves the job before everyone is done: a rank that leaves breaks the torch group of
+    # the others (its lease is released), which would fail a writer still sending to a slower reader.
+    done = threading.Barrier(4)
+
+    def leave_together() -> None:
+        try:
+            done.wait(timeout * len(VERSIONS))
+        except threading.BrokenBarrierError:
+            pass  # another rank failed: its error is the one reported
+
     def guard(fn: Callable[..., None]) -> Callable[..., None]:
         def run(*args: Any) -> None:
             try:
                 fn(*args)
             except BaseException as exc:
                 out.errors.append(exc)
+                done.abort()
         return run
 
     @guard
@@ -170,6 +212,7 @@ def run_job(transport: str, options: dict[str, Any] | None = None, *, shared: bo
                         log.append((v, "ok"))
                     except ReadersFailedError as exc:
                         log.append((v, str(exc)))
+                leave_together()
         finally:
             if shared_tensors is not None:
                 shared_tensors.close()
@@ -184,7 +227,7 @@ def run_job(transport: str, options: dict[str, Any] | None = None, *, shared: bo
         with WeightReader(engine, rank=rank, config=config("reader", rank), meta=meta) as r:
             r.session.plan(Deadline.after(timeout))
             if rank == 0:
-                out.corrupted = corrupt_after_landing(r, dict(engine.tensors), BAD_VERSION)
+                out.corrupted = corrupt_in_transit(r, dict(engine.tensors), BAD_VERSION, out.how)
             for v in VERSIONS:
                 try:
                     result = r.update(v, timeout=timeout)
@@ -193,6 +236,7 @@ def run_job(transport: str, options: dict[str, Any] | None = None, *, shared: bo
                 except SyncError as exc:
                     log.append((v, str(exc)))
                     out.kept[rank] = (engine.weight_version, False)
+            leave_together()
 
     def serve_inflight(meta: MetaClient, rank: int, engine: Any, cfg: SyncConfig,
                        log: list[tuple[int, str]]) -> None:
@@ -200,7 +244,7 @@ def run_job(transport: str, options: dict[str, Any] | None = None, *, shared: bo
             inner = updater.reader
             inner.session.plan(Deadline.after(timeout))
             if rank == 0:
-                out.corrupted = corrupt_after_landing(inner, updater._staging.buffers, BAD_VERSION)
+                out.corrupted = corrupt_in_transit(inner, updater._staging.buffers, BAD_VERSION, out.how)
             original = inner.update
 
             def update(*args: Any, **kwargs: Any) -> Any:
@@ -222,6 +266,7 @@ def run_job(transport: str, options: dict[str, Any] | None = None, *, shared: bo
                     log.append((applied, "exact" if exact(engine, applied) else "differs"))
                 else:
                     threading.Event().wait(0.005)
+            leave_together()
 
     with EmbeddedMetaServer() as server:
         metas = [MetaClient(server.address, token=server.token) for _ in range(4)]
@@ -279,13 +324,17 @@ def skip_unavailable(name: str) -> None:
 ])
 def test_one_corrupted_byte_is_refused_and_the_engine_keeps_its_version(transport, options, shared):
     skip_unavailable(transport)
-    assert_refused_and_kept(run_job(transport, options, shared=shared))
+    out = run_job(transport, options, shared=shared)
+    assert_refused_and_kept(out)
+    assert out.how["where"] == "in transit", "every CPU transport digests as the bytes land (one pass)"
 
 
 def test_routed_one_corrupted_byte_is_refused():
     """Reader 0 is on another node (its pairs go over torch), reader 1 beside the writers (shm)."""
     nodes = {("writer", 0): "a", ("writer", 1): "a", ("reader", 0): "b", ("reader", 1): "a"}
-    assert_refused_and_kept(run_job("routed", nodes=nodes))
+    out = run_job("routed", nodes=nodes)
+    assert_refused_and_kept(out)
+    assert out.how["where"] == "in transit"
 
 
 def test_in_place_engine_is_marked_invalid_and_recovers():
@@ -340,3 +389,26 @@ def test_delta_reader_refuses_a_corrupted_byte(transport, options):
 def test_lora_adapter_refuses_a_corrupted_byte():
     case = Case(config=tiny_config(), lora=LoraSpec(r=8, alpha=16))
     assert_refused_and_kept(run_job("torch", case=case))
+
+
+@pytest.mark.parametrize(("role", "device", "roles", "fused"), [
+    pytest.param("writer", "cpu", {"writer", "reader"}, True, id="cpu-writer"),
+    pytest.param("reader", "cpu", {"writer", "reader"}, True, id="cpu-reader"),
+    pytest.param("reader", "cpu", {"writer"}, False, id="transport-fuses-for-writers-only"),
+    pytest.param("reader", "cpu", (), False, id="transport-without-fusion"),
+    pytest.param("reader", "cuda:1", {"writer", "reader"}, False, id="gpu-digests-after-each-phase"),
+])
+def test_a_transport_digests_as_it_copies_for_its_roles_on_host_memory(role, device, roles, fused):
+    """The one device decision of fused digests (``VersionDigests.fuses``): host memory only; GPU
+    ranks digest (sum64) once a phase arrived, as with a transport that does not fuse."""
+    from weightsync.plan import build_local_plan
+    from weightsync.tools.codecs.digest import kind_for
+    from weightsync.transport.digests import VersionDigests
+
+    spec = ModelSpec.from_hf_config(CONFIG)
+    writers = [parse_layout(SOURCE).rank_layout(spec, r) for r in range(2)]
+    readers = [parse_layout(TARGET).rank_layout(spec, r) for r in range(2)]
+    plan = build_local_plan(writers, readers, role=role, rank=0)
+    digests = VersionDigests(plan, None, role=role, rank=0, kind=kind_for([device]), device=device)
+    assert digests.fuses(roles) is fused
+    assert digests.kind == ("sum64" if device.startswith("cuda") else "xxh3")

@@ -189,8 +189,10 @@ class WeightReader:
             phases["prepare"] = time.perf_counter() - t0
             nbytes = 0
             for phase in range(planned.num_phases):
+                if planned.digests is not None:
+                    planned.digests.begin(phase)
                 stats = transport.receive(v, timeout=deadline.remaining(), phase=phase)
-                nbytes += stats.nbytes
+                nbytes += stats.nbytes if planned.digests is None else planned.digests.weight_bytes(phase, stats.nbytes)
                 for name, seconds in stats.phases.items():
                     phases[f"receive.{name}"] = phases.get(f"receive.{name}", 0.0) + seconds
                 if planned.digests is not None:  # before the engine loads or applies a byte of it

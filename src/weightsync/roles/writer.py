@@ -159,10 +159,11 @@ class WeightWriter:
             for phase in range(planned.num_phases):  # phases of whole layers, or the version at once
                 if planned.digests is not None:  # in band: the phase's digest ops carry them
                     t0 = time.perf_counter()
-                    planned.digests.fill(phase, tensors)
+                    planned.digests.before_send(phase, tensors)  # or the transport digests as it packs
                     result.phases["digest"] = result.phases.get("digest", 0.0) + time.perf_counter() - t0
                 stats = transport.send(version, timeout=deadline.remaining(), phase=phase)
-                result.nbytes += stats.nbytes
+                digests = planned.digests
+                result.nbytes += stats.nbytes if digests is None else digests.weight_bytes(phase, stats.nbytes)
                 for name, seconds in stats.phases.items():
                     result.phases[f"send.{name}"] = result.phases.get(f"send.{name}", 0.0) + seconds
             if not transport.publishes_before_send:

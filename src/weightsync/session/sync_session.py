@@ -79,7 +79,8 @@ def state_lost(exc: BaseException) -> BaseException | None:
 
 @dataclass(slots=True)
 class SyncResult:
-    """What one sync did on this rank: the version, bytes moved and seconds per phase."""
+    """What one sync did on this rank: the version, bytes of weights moved (integrity digests,
+    8 bytes per piece, not counted) and seconds per phase."""
 
     version: int
     nbytes: int
@@ -250,6 +251,10 @@ class SyncSession:
         self.channel.pin_server()  # first: the layout blob below is already written to the server
         settings = self.config.settings()
         device = self.device()
+        if self.config.integrity and device == "cpu":  # the fused digests' kernels, before this rank holds
+            from weightsync.tools.codecs import digest_jit  # a lease: numba's start takes seconds under load
+
+            digest_jit.for_rank(self.provider.layout().nbytes)
         restarted = self.channel.register(host=self.host, group=self.config.job, layout=self._layout_blob(),
                                           device=device, gpu=gpu_identity(device), settings=settings,
                                           lease=self.config.lease_seconds,
@@ -369,6 +374,9 @@ class SyncSession:
                                num_readers=self.config.num_readers, device=device, options=opts,
                                placements=tuple(placements), keeps_received_bytes=self._keeps_received_bytes)
         transport = create_transport(choice.name, ctx)
+        if digests is not None and digests.fuses(getattr(transport, "fuses_digests", ())):
+            # the transports that fuse have it; they may decline (a setting that changes what they copy)
+            digests.fused = bool(transport.use_digests(digests))  # type: ignore[attr-defined]
         self.timings["setup"] = time.perf_counter() - started
         planned = PlannedSync(plan, transport, choice.name, f"{plan.fingerprint}-{digest}", self.timings["setup"],
                               device, choice.reason, phase_names, phases, quantizer, digests)

@@ -12,25 +12,37 @@ epoch, slot and file as the bytes they vouch for, and a reader never compares ag
 digests of another version. Both sides build the extra ops from their local plans alone:
 a pair's ops, in wire order, are the same on both (:func:`weightsync.plan.build_local_plan`).
 
+**One pass over the bytes, not two.** A transport that copies the bytes anyway digests them
+in the same pass (its class lists the roles in ``fuses_digests``; the session hands it these
+digests with ``use_digests``): a writer digests each piece while it packs it
+(:meth:`VersionDigests.pack`) and fills a pair's digests when it reaches the pair's digest op;
+a reader digests what it stores while it stores it (:meth:`VersionDigests.land`), or right
+after bytes it did not copy arrived (:meth:`VersionDigests.arrived`), and :meth:`check` only
+compares. What no transport digested (deltas applied in place, a transport that does not fuse)
+is digested by :meth:`fill` and :meth:`check` from memory, as before. A fused reader digests
+bytes as it stores them: it vouches for what arrived, not for what its memory holds later
+(``weightsync verify`` compares an engine with a checkpoint).
+
     digests = VersionDigests(plan, phases, role="reader", rank=r, kind="xxh3", device="cpu")
     tensors = digests.attach(engine_buffers)       # + this rank's digest shards
     transport.prepare(digests.plan, tensors, phases=digests.phases, ...)
-    # writer, before send(v, phase=p):   digests.fill(p, tensors)
+    # writer, before send(v, phase=p):   digests.before_send(p, tensors)   # fills, unless fused
+    # reader, before receive(v, phase=p): digests.begin(p)
     # reader, after receive(v, phase=p): digests.check(p, tensors, version=v)   # raises IntegrityError
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 import torch
 
 from weightsync.plan.ops import OpColumns, Plan, TransferOp
 from weightsync.plan.table import ShardRef
-from weightsync.tools.codecs.digest import DigestKind, Hasher, as_signed, as_unsigned
+from weightsync.tools.codecs.digest import CopyHasher, DigestKind, as_signed, as_unsigned
 from weightsync.tools.torch_layout import TORCH_DTYPES, strided_view
 from weightsync.transport.base import TransportError
 from weightsync.transport.exposed import piece_key
@@ -41,7 +53,7 @@ if TYPE_CHECKING:
     from weightsync.plan.ops import Role
 
 PREFIX = "__weightsync_digests__"
-#: Bytes of one slab digested at a time when an op must be converted or gathered first.
+#: Bytes of one slab digested at a time when an op must be converted first.
 SLAB_BYTES = 16 << 20
 
 
@@ -88,10 +100,10 @@ def op_digest(flats: Mapping[str, torch.Tensor], op: TransferOp, kind: DigestKin
     flat = flats[op.src_shard if src else op.dst_shard]
     strides = op.src_strides if src else op.dst_strides
     dst_dtype = TORCH_DTYPES[op.dst_dtype]
-    hasher = Hasher(kind)
-    if op.nbytes <= SLAB_BYTES:
+    hasher = CopyHasher(kind, op.nbytes)
+    if flat.dtype == dst_dtype or op.nbytes <= SLAB_BYTES:
         pieces: Iterator[tuple[tuple[int, ...], int]] = iter([(op.box.sizes, op.src_offset if src else op.dst_offset)])
-    else:  # bounded temporaries for conversions and gathers of large boxes
+    else:  # bounded temporaries for conversions of large boxes
         pieces = ((box.sizes, s if src else d) for box, s, d in slabs(op, SLAB_BYTES))
     for sizes, offset in pieces:
         view = strided_view(flat, sizes, strides, offset)
@@ -173,6 +185,19 @@ class VersionDigests:
         self.nbytes = 8 * sum(used.values())
         self._buffers: dict[str, torch.Tensor] | None = None
         self._shared: SharedTensors | None = None
+        #: the transport digests while it copies (see module docstring); set by the session
+        self.fused = False
+        self._flats: dict[str, torch.Tensor] = {}
+        self._runs_at = {(run.writer, run.reader, run.offset): run for runs in self.runs for run in runs}
+        self._records: dict[tuple[Any, ...], int] = {}  # piece (writer) or op (reader) -> digest
+        self._streams: dict[tuple[Any, ...], CopyHasher] = {}
+
+    def fuses(self, roles: Iterable[str]) -> bool:
+        """Whether a transport that fuses digests for ``roles`` (its ``fuses_digests``) may do it for
+        this rank: its role is one of them and its tensors are in host memory. On a GPU the digest
+        of a copy is queued after it on the stream, which the device port does not model yet: GPU
+        ranks digest each phase once it arrived, as transports without fusion do."""
+        return self.role in roles and self.device.split(":")[0] == "cpu"
 
     @staticmethod
     def shard_name(writer: int, reader: int, *, side: Role) -> str:
@@ -220,7 +245,9 @@ class VersionDigests:
         clash = set(tensors) & set(self._buffers)
         if clash:
             raise ValueError(f"tensor names {sorted(clash)[:3]} are reserved for weightsync's digests")
-        return {**tensors, **self._buffers}
+        attached = {**tensors, **self._buffers}
+        self._flats = {name: t.detach().view(-1) for name, t in attached.items()}
+        return attached
 
     def close(self) -> None:
         if self._shared is not None:
@@ -229,20 +256,61 @@ class VersionDigests:
         self._buffers = None
 
     # -- writer ---------------------------------------------------------------------------
+    def before_send(self, phase: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Before ``send(v, phase)``: digest the phase now, or (fused) let the transport do it."""
+        self.begin(phase)
+        if not self.fused:
+            self.fill(phase, tensors)
+
     def fill(self, phase: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Digest what this writer sends in ``phase`` into its digest shards (before ``send``)."""
+        """Digest what this writer sends in ``phase`` into its digest shards (before ``send``, or
+        by a transport that does not copy, once the version is exposed)."""
         assert self.role == "writer" and self._buffers is not None, "fill() is a writer's, after attach()"
         flats = {name: t.detach().view(-1) for name, t in tensors.items()}
-        seen: dict[str, int] = {}  # a piece sent to several readers is digested once
         for run in self.runs[phase]:
-            values = []
-            for op in run.ops:
-                key = piece_key(op)
-                if key not in seen:
-                    seen[key] = op_digest(flats, op, self.kind, side="writer")
-                values.append(as_signed(seen[key]))
-            out = self._buffers[self.shard_name(run.writer, run.reader, side="writer")]
-            out[run.offset: run.offset + len(values)] = torch.tensor(values, dtype=torch.int64)
+            self._fill_run(run, flats)
+
+    def _fill_run(self, run: _PairRun, flats: Mapping[str, torch.Tensor]) -> None:
+        assert self._buffers is not None
+        values = []
+        for op in run.ops:
+            key = (piece_key(op),)  # a piece sent to several readers is digested once
+            value = self._records.get(key)
+            if value is None:
+                value = self._records[key] = op_digest(flats, op, self.kind, side="writer")
+            values.append(as_signed(value))
+        out = self._buffers[self.shard_name(run.writer, run.reader, side="writer")]
+        out[run.offset: run.offset + len(values)] = torch.tensor(values, dtype=torch.int64)
+
+    def pack(self, op: TransferOp, dst: torch.Tensor, src: torch.Tensor, *, copy: Copy | None = None) -> None:
+        """Writer, fused: copy (the next part of) ``op``'s bytes from ``src`` into ``dst`` (a slot,
+        a staging buffer) and digest what was stored. A digest op first gets its pair's digests."""
+        if is_digest_name(op.canonical):
+            self._fill_run(self._runs_at[(op.src_rank, op.dst_rank, op.src_offset)], self._flats)
+            (copy or _copy_now)(dst, src)
+            return
+        self._absorb((op.dst_rank, piece_key(op)), (piece_key(op),), op, lambda h: h.copy(dst, src, copy=copy))
+
+    def sent(self, op: TransferOp, view: torch.Tensor) -> None:
+        """Writer, fused: (the next part of) ``op``'s bytes leave from ``view`` without a pack."""
+        if is_digest_name(op.canonical):
+            self._fill_run(self._runs_at[(op.src_rank, op.dst_rank, op.src_offset)], self._flats)
+            return
+        self._absorb((op.dst_rank, piece_key(op)), (piece_key(op),), op, lambda h: h.update(view))
+
+    def _absorb(self, stream_key: tuple[Any, ...], record_key: tuple[Any, ...], op: TransferOp, feed: Any) -> None:
+        hasher = self._streams.get(stream_key)
+        if hasher is None:
+            hasher = self._streams[stream_key] = CopyHasher(self.kind, op.nbytes)
+        feed(hasher)
+        if hasher.done:
+            self._records[record_key] = hasher.value()
+            del self._streams[stream_key]
+
+    def begin(self, phase: int) -> None:
+        """A phase's send or receive starts: what an earlier try digested no longer counts."""
+        self._records.clear()
+        self._streams.clear()
 
     # -- reader ---------------------------------------------------------------------------
     def check(self, phase: int, tensors: Mapping[str, torch.Tensor], *, version: int) -> int:
@@ -259,7 +327,9 @@ class VersionDigests:
             sent = self._buffers[self.shard_name(run.writer, run.reader, side="reader")]
             sent = sent[run.offset: run.offset + len(run.ops)]
             for op, expected in zip(run.ops, sent.tolist(), strict=True):
-                got = op_digest(flats, op, self.kind, side="reader")
+                got = self._records.get(_landed_key(op))
+                if got is None:  # not digested on its way in (a delta applied in place, an unfused transport)
+                    got = op_digest(flats, op, self.kind, side="reader")
                 checked += 1
                 if got != as_unsigned(expected):
                     bad.append(Mismatch(op, as_unsigned(expected), got, self.kind))
@@ -267,6 +337,40 @@ class VersionDigests:
             raise IntegrityError(self.rank, version, bad, checked)
         return checked
 
+    def land(self, op: TransferOp, dst: torch.Tensor, src: torch.Tensor, *, copy: Copy | None = None) -> None:
+        """Reader, fused: store (the next part of) ``op``'s bytes from ``src`` into ``dst``, its
+        destination, digesting them as they are stored. Digest ops are stored as they are."""
+        if is_digest_name(op.canonical):
+            (copy or _copy_now)(dst, src)
+            return
+        key = _landed_key(op)
+        self._absorb(key, key, op, lambda h: h.copy(dst, src, copy=copy))
+
+    def arrived(self, op: TransferOp, view: torch.Tensor) -> None:
+        """Reader, fused: (the next part of) ``op``'s bytes arrived in ``view`` without a copy of
+        this rank's (a direct receive, an RDMA READ): digest them now, while they may be in cache."""
+        if not is_digest_name(op.canonical):
+            key = _landed_key(op)
+            self._absorb(key, key, op, lambda h: h.update(view))
+
+    def weight_bytes(self, phase: int, moved: int) -> int:
+        """Of ``moved`` bytes a transport reports for ``phase``, those of weights: less the digest
+        ops' (8 bytes per piece; a delta may move fewer of them, never fewer than none)."""
+        return moved - min(moved, 8 * self.pieces(phase))
+
     def pieces(self, phase: int) -> int:
         """The ops this rank digests in ``phase``."""
         return sum(len(run.ops) for run in self.runs[phase])
+
+
+def _landed_key(op: TransferOp) -> tuple[Any, ...]:
+    """An op of a reader's plan, by where it lands (ops of one reader never overlap)."""
+    return (op.src_rank, op.dst_shard, op.dst_offset)
+
+
+#: How a transport copies (the device port's queued copy on a GPU).
+Copy = Callable[[torch.Tensor, torch.Tensor], object]
+
+
+def _copy_now(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)

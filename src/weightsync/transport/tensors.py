@@ -19,6 +19,7 @@ from weightsync.transport.schedule import Message, Piece
 
 if TYPE_CHECKING:
     from weightsync.plan import TransferOp
+    from weightsync.transport.digests import VersionDigests
 
 
 def flat_views(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -71,22 +72,30 @@ def _copy_now(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def pack(message: Message, src_flats: Mapping[str, torch.Tensor], buffer: torch.Tensor, *,
-         copy: Copy = _copy_now) -> torch.Tensor:
-    """Copy every piece (converted to the destination dtype) into ``buffer``; returns the payload."""
+         copy: Copy = _copy_now, digests: VersionDigests | None = None) -> torch.Tensor:
+    """Copy every piece (converted to the destination dtype) into ``buffer``; returns the payload.
+    With ``digests`` (integrity checks), each piece is digested in the same pass."""
     for piece in message.pieces:
-        out = buffer[piece.at: piece.at + piece.nbytes].view(TORCH_DTYPES[piece.op.dst_dtype])
-        copy(out.view(piece.box.sizes), src_view(src_flats, piece))
+        out = buffer[piece.at: piece.at + piece.nbytes].view(TORCH_DTYPES[piece.op.dst_dtype]).view(piece.box.sizes)
+        if digests is None:
+            copy(out, src_view(src_flats, piece))
+        else:
+            digests.pack(piece.op, out, src_view(src_flats, piece), copy=copy)
     return buffer[: message.nbytes]
 
 
 def scatter(message: Message, dst_flats: Mapping[str, torch.Tensor], payload: torch.Tensor, *,
-            copy: Copy = _copy_now) -> None:
-    """Copy each piece of a received payload into its destination view."""
+            copy: Copy = _copy_now, digests: VersionDigests | None = None) -> None:
+    """Copy each piece of a received payload into its destination view (digested as it lands,
+    with ``digests``)."""
     if payload.storage_offset() % 16:  # cut out of a batch after an odd-sized delta: pieces cannot be viewed
         payload = payload.clone()      # as their dtype at an odd byte offset, so realign (one copy)
     for piece in message.pieces:
-        data = payload[piece.at: piece.at + piece.nbytes].view(TORCH_DTYPES[piece.op.dst_dtype])
-        copy(dst_view(dst_flats, piece), data.view(piece.box.sizes))
+        data = payload[piece.at: piece.at + piece.nbytes].view(TORCH_DTYPES[piece.op.dst_dtype]).view(piece.box.sizes)
+        if digests is None:
+            copy(dst_view(dst_flats, piece), data)
+        else:
+            digests.land(piece.op, dst_view(dst_flats, piece), data, copy=copy)
 
 
 def direct_source(message: Message, src_flats: Mapping[str, torch.Tensor]) -> torch.Tensor | None:

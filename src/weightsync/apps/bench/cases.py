@@ -97,6 +97,8 @@ class Case:
     tag: str = ""
     peer: str = ""  # "awex": also run the awex peer on this case's shapes
     extra: dict[str, Any] = field(default_factory=dict)
+    #: methods two by two (``m``, ``m+integrity``) set up together, their syncs alternated
+    interleave: bool = False
 
     def __post_init__(self) -> None:
         model_config(self.model, self.dtype)
@@ -165,4 +167,23 @@ def suite(kind: str, transports: Sequence[str], *, models: Sequence[str] = (), d
                                                                     "weightsync-shm-zero-copy")),
                               reps=reps or 5, peer="awex"))
         return cases
-    raise ValueError(f"unknown suite {kind!r}; choose quick, full or test")
+    if kind == "integrity":
+        return integrity_suite(transports, models=models, layouts=layouts, reps=reps)
+    raise ValueError(f"unknown suite {kind!r}; choose quick, full, test or integrity")
+
+
+#: ``--suite integrity``: each model on its layout pair (two writers; one reader, then two).
+INTEGRITY_CASES = {"qwen3-0.6b": "tp2->tp1", "qwen3-1.7b": "fsdp2->tp2"}
+
+
+def integrity_suite(transports: Sequence[str], *, models: Sequence[str] = (), layouts: Sequence[str] = (),
+                    reps: int = 0) -> list[Case]:
+    """Every weightsync method without and with integrity checks, interleaved (A B, B A, ...), so
+    that their ratio is measured side by side under the same load (issue 42's figure)."""
+    cases = []
+    for model in models or tuple(INTEGRITY_CASES):
+        for layout in layouts or (INTEGRITY_CASES.get(model, "tp2->tp1"),):
+            cases.append(Case(model=model, dtype="bf16", layout=layout, tag=f"integrity/{model}/{layout}",
+                              methods=with_integrity(weightsync_methods(transports)), reps=reps or 5,
+                              interleave=True))
+    return cases

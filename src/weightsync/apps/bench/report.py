@@ -11,11 +11,14 @@ The summary's ``ratios`` are always two times measured in the same run, side by 
 * ``*_over_weightsync_torch``: the same against weightsync over gloo (the baselines' medium);
 * ``awex_over_weightsync_torch``: the awex peer / weightsync over gloo on the same shapes;
 * ``integrity_cost_<method>``: a weightsync method with in-band digests (``+integrity``) / the
-  same method without, minus one, on the same case (issue 4's case first, then the main case).
+  same method without, minus one, on the same case (issue 4's case first, then the main case);
+* ``integrity/<model>/<layout>/<method>``: the same two interleaved (``--suite integrity``): the
+  median over repetitions of (sync with) / (sync without) measured one right after the other.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,6 +69,7 @@ def summary_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
         key = f"integrity_cost_{method.removesuffix('+integrity').removeprefix('weightsync-').replace('-', '_')}"
         if plain and key not in out:
             out[key] = float(r["seconds"]) / plain - 1.0
+    out.update(paired_integrity(rows))
     peer = next((r for r in rows if r["method"] == "awex-p2p" and r.get("seconds")), None)
     if peer is not None:
         mine = _seconds(rows, peer["case"], "weightsync-torch")
@@ -82,6 +86,23 @@ def summary_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
 
 def _gb(n: float) -> str:
     return f"{n / 1e9:.2f}"
+
+
+def paired_integrity(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """``integrity/...`` ratios of interleaved cases (see module docstring): repetition i of a
+    method with checks against repetition i of the same method without, run next to it."""
+    out: dict[str, float] = {}
+    for r in rows:
+        if not r["case"].startswith("integrity/") or not r["method"].endswith("+integrity"):
+            continue
+        plain = next((p for p in rows if p["case"] == r["case"]
+                      and p["method"] == r["method"].removesuffix("+integrity")), None)
+        if plain is None or not r.get("seconds_reps") or not plain.get("seconds_reps"):
+            continue
+        pairs = [w / p for w, p in zip(r["seconds_reps"], plain["seconds_reps"], strict=False) if p > 0]
+        if pairs:
+            out[f"{r['case']}/{plain['method'].removeprefix('weightsync-')}"] = statistics.median(pairs)
+    return out
 
 
 def print_table(rows: Sequence[dict[str, Any]], *, console: Any = None, title: str = "weightsync bench") -> None:

@@ -85,7 +85,8 @@ def estimated_memory(case: Case) -> int:
     spec = ModelSpec.from_hf_config(case.config())
     model = spec.num_parameters * (2 if case.dtype == "bf16" else 4)
     copies = int(getattr(parse_layout(case.target), "replicas", 1))
-    return model * (3 + copies) + (400 << 20) * (2 + parse_layout(case.target).world_size)
+    paired = model * 2 if case.interleave else 0  # a second method's snapshot slots or shared copy
+    return model * (3 + copies) + paired + (400 << 20) * (2 + parse_layout(case.target).world_size)
 
 
 def run_case(case: Case, options: BenchOptions, *, meta_env: dict[str, str],
@@ -104,6 +105,7 @@ def run_case(case: Case, options: BenchOptions, *, meta_env: dict[str, str],
     scratch = tempfile.mkdtemp(prefix="weightsync-bench-")
     spec = {"config": case.config(), "source": case.source, "target": case.target, "methods": list(case.methods),
             "reps": case.reps, "warmup": case.warmup, "port": free_port(), "timeout": options.timeout,
+            "interleave": case.interleave,
             "scratch": scratch,
             "options": {"max_bucket_bytes": options.max_bucket_bytes, "slots": options.slots,
                         "baseline_bucket_bytes": options.baseline_bucket_bytes, "run_id": run_id,
@@ -243,7 +245,7 @@ def add_ratios(rows: list[dict[str, Any]], limits: dict[str, float]) -> None:
         if memcpy:
             row["memcpy_seconds"] = row["per_reader_bytes"] / memcpy
             row["over_memcpy"] = s / row["memcpy_seconds"]
-        use_loop = row["method"] in GLOO_METHODS and loop
+        use_loop = row["method"].removesuffix("+integrity") in GLOO_METHODS and loop
         row["limit"] = "gloo loopback" if use_loop else "memcpy"
         limit_bw = loop if use_loop else memcpy
         if limit_bw:

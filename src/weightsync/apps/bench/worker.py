@@ -12,7 +12,9 @@ Per case, in order:
 2. the physical limits, measured here and now: gloo loopback bandwidth (writer 0 ->
    reader 0, one large message) and one single-threaded memcpy (on reader 0) of the bytes
    one reader must receive;
-3. for each method: readers zero their buffers, every rank resets its peak-RSS counter,
+3. for each method (or, with ``interleave``, each pair of methods set up together and synced in
+   turn, A B then B A: a ratio between them measured side by side, under the same load, with
+   readers zeroing their buffers before every sync): readers zero their buffers, every rank resets its peak-RSS counter,
    ``warmup + reps`` syncs run, each of a *new* version: writers first fill the method's
    source tensors with that version's weights (``WeightPool.at``), untimed; the sync is
    started by a barrier and timed on every rank until that rank's part is done (the parent
@@ -120,6 +122,13 @@ def run_case(spec: dict[str, Any], global_rank: int) -> None:
     if global_rank == num_writers:
         emit({"event": "limits", **limits, "fill_seconds": fill_seconds})
     reps, warmup = int(spec["reps"]), int(spec["warmup"])
+    if spec.get("interleave"):
+        _run_pairs(ctx, list(spec["methods"]), reps=reps, warmup=warmup, make=make_method, pool=pool,
+                   check=lambda p: mismatches(layout, tensors, p),
+                   base={"role": role, "rank": rank, "bytes": reader_bytes(layout) if role == "reader" else 0})
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     for method_name in spec["methods"]:
         record: dict[str, Any] = {"event": "method", "method": method_name, "role": role, "rank": rank,
                                   "bytes": reader_bytes(layout) if role == "reader" else 0}
@@ -193,6 +202,76 @@ def _run_method(ctx: Any, name: str, *, reps: int, warmup: int, make: Any, pool:
         out |= {"received_bytes": received, "verified": all(verified) and len(verified) == warmup + reps,
                 "verified_versions": verified, "mismatches": sorted(bad)[:5]}
     return out
+
+
+def _run_pairs(ctx: Any, names: list[str], *, reps: int, warmup: int, make: Any, pool: Any, check: Any,
+               base: dict[str, Any]) -> None:
+    """Methods two by two, set up together, their syncs alternated (A B, B A, ...), one record each."""
+    for pair in (names[i: i + 2] for i in range(0, len(names), 2)):
+        records = [{"event": "method", "method": name, **base} for name in pair]
+        try:
+            for record, result in zip(records, _interleave(ctx, pair, reps=reps, warmup=warmup, make=make,
+                                                           pool=pool, check=check), strict=True):
+                record.update(result)
+        except Exception as exc:  # report and stop: the peers are now out of step
+            for record in records:
+                record["error"] = f"{type(exc).__name__}: {exc}"
+                emit(record)
+            raise
+        for record in records:
+            emit(record)
+
+
+def _interleave(ctx: Any, names: list[str], *, reps: int, warmup: int, make: Any, pool: Any,
+                check: Any) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+
+    from weightsync.apps.bench.weights import fill
+
+    methods = [make(name, ctx) for name in names]
+    outs: list[dict[str, Any]] = [{"seconds": [], "phases": [], "received_bytes": [], "verified_versions": [],
+                                   "mismatches": [], "peak_extra_bytes": -1, "shared_mapped_bytes": 0}
+                                  for _ in names]
+    try:
+        for method, out in zip(methods, outs, strict=True):
+            dist.barrier()
+            t0 = time.perf_counter()
+            method.setup()
+            out["first_sync_seconds"] = time.perf_counter() - t0
+        for i in range(warmup + reps):
+            version = pool.at(i)
+            order = range(len(methods)) if i % 2 == 0 else reversed(range(len(methods)))
+            for k in order:
+                method, out = methods[k], outs[k]
+                if ctx.role == "writer":
+                    fill(ctx.layout, method.source_tensors(), version)  # untimed: "training" made version i
+                else:  # untimed: a method must land every byte, whatever the other one left
+                    for t in ctx.tensors.values():
+                        t.zero_()
+                dist.barrier()
+                t0 = time.perf_counter()
+                report = method.sync(i)
+                dt = time.perf_counter() - t0
+                if ctx.role == "reader":
+                    wrong = check(version)
+                    out["verified_versions"].append(not wrong)
+                    out["mismatches"] = sorted(set(out["mismatches"]) | set(wrong))[:5]
+                if i >= warmup:
+                    out["seconds"].append(dt)
+                    out["phases"].append(report.phases)
+                    out["received_bytes"].append(report.received_bytes)
+                elif i == 0:
+                    out["first_sync_seconds"] += dt
+    finally:
+        dist.barrier()
+        for method in methods:
+            method.close()
+    for out in outs:
+        out["verified"] = all(out["verified_versions"]) and len(out["verified_versions"]) == warmup + reps
+        if ctx.role != "reader":
+            for key in ("received_bytes", "verified", "verified_versions", "mismatches"):
+                del out[key]
+    return outs
 
 
 def main(argv: list[str] | None = None) -> int:

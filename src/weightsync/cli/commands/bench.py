@@ -37,13 +37,15 @@ def _link_rates(text: str) -> list[float | None]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="the quick suite (one small model, every method)")
     p.add_argument("--suite", choices=["quick", "full", "test", "vllm-memory", "vllm-prefetch", "fewer-bytes", "load",
-                                        "delta"],
+                                        "delta", "integrity"],
                    default=None,
                    help="quick | full (every model, dtype and layout that fits in memory) | test (tiny) | "
                         "vllm-memory (a vLLM reader's extra memory: whole-model staging vs phases) | "
                         "vllm-prefetch (a vLLM engine's pause per update with and without prefetch; "
                         "tokens/s during a sync vs idle; --models, --reps updates, --vllm-paths) | "
                         "fewer-bytes (FP8 quantize-on-send vs full bf16 syncs, same layout, one run) | "
+                        "integrity (every transport without and with integrity checks, interleaved; --models, "
+                        "default qwen3-0.6b,qwen3-1.7b) | "
                         "load (--load-readers readers x --load-versions back-to-back versions: flat memory?)")
     p.add_argument("--delta", action="store_true",
                    help="delta vs full syncs of really trained models (same as --suite delta; --models, "

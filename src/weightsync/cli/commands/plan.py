@@ -2,6 +2,8 @@
 
     weightsync plan --config moe-1t --source megatron:tp=8,pp=16,dp=8,ep=64,etp=1 \\
         --target vllm:tp=16,replicas=16 --link-gbps 400 --json
+    weightsync plan --config qwen3-8b --source fsdp:dp=8 --target vllm:tp=2,replicas=8 \\
+        --writer-sites a --reader-sites 'b*8,c*8' --link-gbps 400 --across-gbps 10   # two levels
 """
 
 from __future__ import annotations
@@ -36,6 +38,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-loaders", action="store_true",
                    help="take vllm layouts from a dry run of vLLM's own weight loaders (needs vllm installed); "
                         "default: weightsync's tables, which a test keeps equal to them")
+    p.add_argument("--writer-sites", default="",
+                   help="the writers' sites: one for all (a) or one per rank in order (a*4,b*4); with "
+                        "--reader-sites, plan in two levels (plan/sites.py): each byte crosses once per site")
+    p.add_argument("--reader-sites", default="", help="the readers' sites, as --writer-sites (b*4,c*4)")
+    p.add_argument("--across-gbps", type=float, default=10.0,
+                   help="bandwidth of each reader site's link to the writers' site, Gbit/s (default 10); "
+                        "--link-gbps is every rank's link inside a site")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -90,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
             "shared_blocks": int(sum(int(o.exchanged.sum()) for o in offers)),
             "shared_global_scales": int(sum(int(o.global_exchanged.sum()) for o in offers)),
             "bytes_saved": block_bytes_saved(readers.canonical_tensors())}
+    if args.writer_sites or args.reader_sites:
+        out["sites"] = _sites(args, writers, readers, options)
     if args.verify:
         if quant or blocks:
             raise ValueError("--verify moves random values, not quantized ones; quantized plans are checked bitwise "
@@ -100,6 +111,22 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_table(out)
     return 0
+
+
+def _sites(args: argparse.Namespace, writers: Any, readers: Any, options: PlanOptions) -> dict[str, Any]:
+    """The two-level plan's bytes per link class and simulated time, against the flat plan's."""
+    from weightsync.plan.sites import Sites, plan_sites
+
+    if not (args.writer_sites and args.reader_sites):
+        raise ValueError("give both --writer-sites and --reader-sites (e.g. a and b*4,c*4)")
+    if args.across_gbps <= 0:
+        raise ValueError("--across-gbps must be positive")
+    w, r = writers.layouts(), readers.layouts()
+    sites = Sites.parse(args.writer_sites, args.reader_sites, num_writers=len(w), num_readers=len(r))
+    t0 = time.perf_counter()
+    report = plan_sites(w, r, sites, options).report(w, inside_gbps=args.link_gbps, across_gbps=args.across_gbps)
+    return {"writer_sites": args.writer_sites, "reader_sites": args.reader_sites, "inside_gbps": args.link_gbps,
+            "across_gbps": args.across_gbps, **report, "plan_seconds": time.perf_counter() - t0}
 
 
 def _verify(writers: list, readers: list, options: PlanOptions, needed: int) -> bool:
@@ -160,6 +187,18 @@ def _print_table(out: dict[str, Any]) -> None:
                                      f"{_fmt_bytes(b['bytes_saved'])} fewer than the model dtype"))
     if "verified" in out:
         rows.append(("verified in numpy", "every destination element written once, bitwise equal"))
+    if "sites" in out:
+        x = out["sites"]
+        rows += [
+            ("sites", f"writers {x['writer_sites']}, readers {x['reader_sites']}"),
+            ("across sites (two levels / flat)",
+             f"{_fmt_bytes(x['across_bytes'])} / {_fmt_bytes(x['flat_across_bytes'])}"),
+            ("inside sites (two levels / flat)",
+             f"{_fmt_bytes(x['inside_bytes'])} / {_fmt_bytes(x['flat_inside_bytes'])}"),
+            ("simulated time (two levels / flat)",
+             f"{x['seconds']:.3f} s / {x['flat_seconds']:.3f} s at {x['inside_gbps']:g} Gbit/s inside, "
+             f"{x['across_gbps']:g} Gbit/s across"),
+        ]
     for k, v in rows:
         table.add_row(k, v)
     Console().print(table)

@@ -28,6 +28,7 @@ to be digested. The same bytes give the same value of a kind on every device::
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -147,6 +148,138 @@ class Hasher:
 
     def digest(self) -> Digest:
         return Digest(self.kind, self.value(), self.nbytes)
+
+
+class CopyHasher:
+    """The digest of one piece of ``nbytes`` bytes, fed in row-major order while it is copied.
+
+    :meth:`copy` stores ``src`` into ``dst`` and absorbs the bytes stored; :meth:`update` absorbs
+    bytes already where they belong. A piece may arrive in parts (rows, slabs), in order; the
+    value equals :func:`tensor_digest` of all of it. ``xxh3`` on host memory runs the fused
+    kernels (:mod:`weightsync.tools.codecs.digest_jit`: each byte read once, for the copy and the
+    hash) once this process loaded them (``digest_jit.for_rank``: ranks holding at least
+    ``FUSE_MIN_BYTES``); otherwise, for a dtype conversion, a device tensor or ``sum64``, the copy comes
+    first and the digest reads the destination after it (``copy`` does the copy: the device
+    port's queued copy on a GPU).
+    """
+
+    def __init__(self, kind: DigestKind, nbytes: int) -> None:
+        from weightsync.tools.codecs import digest_jit
+
+        self.kind, self.nbytes, self.fed = kind, nbytes, 0
+        kernels = digest_jit.loaded() if kind == "xxh3" and nbytes > digest_jit.SHORT_MAX else None
+        self._kernels = kernels
+        self._started: tuple[np.ndarray, ...] | None = None  # the kernels' state, made on first use
+        self._hasher = Hasher(kind) if kernels is None else None
+        self._value: int | None = None  # the whole piece digested at once (see update)
+
+    @property
+    def _state(self) -> tuple[np.ndarray, ...] | None:
+        if self._started is None and self._kernels is not None:
+            self._started = self._kernels.start(self.nbytes)
+        return self._started
+
+    @property
+    def done(self) -> bool:
+        return self.fed == self.nbytes
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, copy: Any = None) -> None:
+        """``dst.copy_(src)`` (or ``copy(dst, src)``), absorbing ``dst``'s bytes as stored."""
+        runs = (_runs(dst, src) if self._kernels is not None and dst.dtype == src.dtype
+                and dst.device.type == src.device.type == "cpu" else None)
+        if runs is None:
+            (copy or _copy_now)(dst, src)
+            self.update(dst)
+            return
+        self._feed(runs, copy=True)
+
+    def update(self, t: torch.Tensor) -> None:
+        """Absorb ``t``'s bytes (row-major), the next part of the piece."""
+        size = t.numel() * t.element_size()
+        if self._hasher is not None:
+            self._hasher.update(t)
+            self.fed += size
+            return
+        if self.fed == 0 and size == self.nbytes and t.device.type == "cpu" and t.is_contiguous():
+            # the whole piece, dense, no copy to fuse with: xxhash's own loop reads it fastest
+            self._value = int(xxhash.xxh3_64_intdigest(t.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
+            self.fed = size
+            return
+        runs = _runs(t, t) if t.device.type == "cpu" else None
+        if runs is None:  # a view the kernels cannot walk: its bytes, gathered
+            data = row_major_bytes(t).cpu()
+            runs = _runs(data, data)
+            assert runs is not None, "a 1-d uint8 tensor is one run"
+        self._feed(runs, copy=False)
+
+    def _feed(self, runs: Runs, *, copy: bool) -> None:
+        state = self._state
+        assert self._kernels is not None and state is not None
+        dst, src, parts = runs
+        for d_at, d_stride, s_at, s_stride, rows, row_bytes in parts:
+            if self.fed + rows * row_bytes > self.nbytes:
+                raise ValueError(f"a piece of {self.nbytes} bytes was fed {self.fed + rows * row_bytes}")
+            self._kernels.feed(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, *state, copy=copy)
+            self.fed += rows * row_bytes
+
+    def value(self) -> int:
+        """The digest value, once all ``nbytes`` were fed."""
+        if self.fed != self.nbytes:
+            raise ValueError(f"a piece of {self.nbytes} bytes was digested after {self.fed} of them")
+        if self._hasher is not None:
+            return self._hasher.value()
+        if self._value is not None:
+            return self._value
+        state = self._state
+        assert self._kernels is not None and state is not None
+        return self._kernels.finish(self.nbytes, *state)
+
+
+def _copy_now(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
+class _Span:
+    """``nbytes`` of host memory at ``address``, for numpy (no copy; the caller keeps the tensor alive)."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__array_interface__ = {"data": (address, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
+
+
+def _span(t: torch.Tensor) -> np.ndarray:
+    """The bytes ``t`` spans, from its first element to its last, as a 1-d uint8 array (no copy)."""
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) if t.numel() else -1
+    return np.asarray(_Span(t.data_ptr(), (last + 1) * t.element_size()))
+
+
+#: (dst's bytes, src's bytes, [(dst byte, dst row stride, src byte, src row stride, rows, bytes per row)])
+Runs = tuple[np.ndarray, np.ndarray, list[tuple[int, int, int, int, int, int]]]
+
+
+def _runs(dst: torch.Tensor, src: torch.Tensor) -> Runs | None:
+    """``dst``'s and ``src``'s elements (same shape and element size), row-major, as runs of bytes
+    for the kernels; None when a last dimension is strided."""
+    item = dst.element_size()
+    if tuple(dst.shape) != tuple(src.shape) or src.element_size() != item:
+        raise ValueError(f"copy of {tuple(src.shape)} x {src.element_size()} bytes into "
+                         f"{tuple(dst.shape)} x {item} bytes")
+    if dst.numel() == 0:
+        return _span(dst), _span(src), []
+    dims = [[int(n), int(d), int(s)] for n, d, s in zip(dst.shape, dst.stride(), src.stride(), strict=True)
+            if n != 1]
+    if dims and (dims[-1][1] != 1 or dims[-1][2] != 1):
+        return None
+    while len(dims) >= 2 and all(dims[-2][k] == dims[-1][0] * dims[-1][k] for k in (1, 2)):
+        inner = dims.pop()
+        dims[-1] = [dims[-1][0] * inner[0], 1, 1]
+    row = dims.pop()[0] if dims else 1
+    rows, d_step, s_step = (dims.pop() if dims else (1, 0, 0))
+    parts: list[tuple[int, int, int, int, int, int]] = []
+    for index in itertools.product(*(range(n) for n, _, _ in dims)):
+        d = sum(i * ds for i, (_, ds, _) in zip(index, dims, strict=True))
+        s = sum(i * ss for i, (_, _, ss) in zip(index, dims, strict=True))
+        parts.append((d * item, d_step * item, s * item, s_step * item, rows, row * item))
+    return _span(dst), _span(src), parts
 
 
 def tensor_digest(t: torch.Tensor, kind: DigestKind) -> Digest:

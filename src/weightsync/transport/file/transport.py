@@ -82,6 +82,7 @@ def piece_offsets(pieces: Sequence[tuple[str, TransferOp]], data_at: int) -> dic
 
 if TYPE_CHECKING:
     from weightsync.plan import Plan, TransferOp
+    from weightsync.transport.digests import VersionDigests
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,9 @@ class FileTransport:
     serves_cpu: ClassVar[bool] = True
     serves_cuda: ClassVar[bool] = True  # through a host buffer
     carries_deltas: ClassVar[bool] = True  # a change file next to each version (host memory only)
+    #: Integrity digests in the same pass as the writer's pack into its buffer and the reader's copy
+    #: out of the file.
+    fuses_digests: ClassVar[frozenset[str]] = frozenset({"writer", "reader"})
 
     def __init__(self, ctx: TransportContext) -> None:
         check_delta(self.name, ctx)
@@ -116,6 +120,12 @@ class FileTransport:
         self._buffer: torch.Tensor | None = None
         self._change_writers: list[FileChangeWriter] = []  # writer, deltas on: per phase
         self._changes = ChangeReader(ctx) if ctx.options.delta_anchor_every and ctx.role == "reader" else None
+        self._digests: VersionDigests | None = None
+
+    def use_digests(self, digests: VersionDigests | None) -> bool:
+        """Digest while packing and reading (see :attr:`fuses_digests`)."""
+        self._digests = digests
+        return True
 
     def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
                 phases: Sequence[Plan] | None = None) -> None:
@@ -207,8 +217,12 @@ class FileTransport:
         """Write a piece whole (host memory: deltas are refused on a GPU) and publish its change
         from the previous version."""
         new = changes.new[: op.nbytes]
-        new.view(TORCH_DTYPES[op.dst_dtype]).view(op.box.sizes).copy_(
-            strided_view(self._flats[op.src_shard], op.box.sizes, op.src_strides, op.src_offset))
+        out = new.view(TORCH_DTYPES[op.dst_dtype]).view(op.box.sizes)
+        source = strided_view(self._flats[op.src_shard], op.box.sizes, op.src_strides, op.src_offset)
+        if self._digests is None:
+            out.copy_(source)
+        else:
+            self._digests.pack(op, out, source)
         f.write(new.numpy().data)  # type: ignore[attr-defined]
         changes.piece(key, op, new)
 
@@ -225,7 +239,10 @@ class FileTransport:
         for box, src_off, _ in slabs(op, self.ctx.options.message_bytes):
             n = box.numel * itemsize(op.dst_dtype)
             out = self._buffer[:n].view(TORCH_DTYPES[op.dst_dtype]).view(box.sizes)
-            self.dev.copy(out, strided_view(flat, box.sizes, op.src_strides, src_off))
+            if self._digests is None:
+                self.dev.copy(out, strided_view(flat, box.sizes, op.src_strides, src_off))
+            else:  # digested in the same pass (a digest op: its pair's digests first)
+                self._digests.pack(op, out, strided_view(flat, box.sizes, op.src_strides, src_off), copy=self.dev.copy)
             self.dev.synchronize(self.device)  # the CPU writes the buffer out next
             self.dev.touch(self._buffer[:n], write=False)
             f.write(self._buffer[:n].numpy().data)  # type: ignore[attr-defined]
@@ -283,7 +300,10 @@ class FileTransport:
         with safe_open(path, framework="pt") as f:
             for op in ops:
                 data = f.get_slice(piece_key(op))[tuple(slice(None) for _ in op.box.sizes)]
-                op_dst_view(self._flats, op).copy_(data.view(op.box.sizes))
+                if self._digests is None:
+                    op_dst_view(self._flats, op).copy_(data.view(op.box.sizes))
+                else:  # digested as it lands
+                    self._digests.land(op, op_dst_view(self._flats, op), data.view(op.box.sizes))
 
     def _receive_changes(self, path: str, writer: int, ops: list[TransferOp], version: int, phase: int) -> int:
         """Bring ``ops`` to ``version`` from the writer's change file when this reader holds the

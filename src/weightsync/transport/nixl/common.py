@@ -98,6 +98,7 @@ from weightsync.transport.tensors import flat_views, op_src_view
 if TYPE_CHECKING:
     from weightsync.job.channel import Role
     from weightsync.plan import Plan, TransferOp
+    from weightsync.transport.digests import VersionDigests
     from weightsync.transport.schedule import Message, Piece
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,16 @@ class NixlBase:
         self._prepared_for: tuple[Plan, Sequence[Plan] | None] | None = None
         self._pinned: set[str] = set()  # tensors whose registered storage peers or handles address
         self._moved: dict[str, torch.Tensor] = {}  # pinned tensor -> where the caller's now lives
+        self._digests: VersionDigests | None = None
+
+    #: Integrity digests in the same pass as the writer's pack; readers digest each READ's or
+    #: writer's bytes as soon as they arrived (no copy of theirs to fuse with).
+    fuses_digests: ClassVar[frozenset[str]] = frozenset({"writer", "reader"})
+
+    def use_digests(self, digests: VersionDigests | None) -> bool:
+        """Digest while packing, and what arrived as it arrives (see :attr:`fuses_digests`)."""
+        self._digests = digests
+        return True
 
     # -- lifecycle --------------------------------------------------------------------------
     def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
@@ -357,8 +368,11 @@ class NixlBase:
         nbytes = 0
         for key, op in self._copies[phase]:
             at, n = self._index.entries[key]
-            out = self._area[base + at: base + at + n].view(TORCH_DTYPES[op.dst_dtype])
-            self.dev.copy(out.view(op.box.sizes), op_src_view(self._flats, op))
+            out = self._area[base + at: base + at + n].view(TORCH_DTYPES[op.dst_dtype]).view(op.box.sizes)
+            if self._digests is None:
+                self.dev.copy(out, op_src_view(self._flats, op))
+            else:  # digested in the same pass (a digest op: its pair's digests first)
+                self._digests.pack(op, out, op_src_view(self._flats, op), copy=self.dev.copy)
             if then is not None:
                 then(key, op, at)
             nbytes += n

@@ -48,7 +48,7 @@ from weightsync.transport.exposed import ExposedIndex, piece_key
 from weightsync.transport.nixl.agent import Descriptors, Xfer
 from weightsync.transport.nixl.common import EMPTY, NixlBase, Peer, slab_offset
 from weightsync.transport.schedule import Message, Piece, build_messages
-from weightsync.transport.tensors import op_dst_view, scatter
+from weightsync.transport.tensors import dst_view, op_dst_view, scatter
 
 if TYPE_CHECKING:
     from weightsync.plan import Plan, TransferOp
@@ -220,7 +220,8 @@ class NixlPullTransport(NixlBase):
             local = [self._flats[p.op.dst_shard].data_ptr() + p.dst_offset * itemsize(p.op.dst_dtype) for p in direct]
             descs = Descriptors.of(local, [remote(p) for p in direct], [p.nbytes for p in direct],
                                    local_starts=self._starts)
-            out.append((self._prepare_xfer(peer, "READ", descs, f"slot {slot} into destination tensors"), None))
+            out.append((self._prepare_xfer(peer, "READ", descs, f"slot {slot} into destination tensors"),
+                        Message(tuple(direct), sum(p.nbytes for p in direct), direct=True)))
         for m in messages:
             if not m.direct:
                 assert self._landing is not None
@@ -272,12 +273,17 @@ class NixlPullTransport(NixlBase):
                 self._run(peer, xfer, deadline)
             stats.nbytes += xfer.nbytes
             stats.messages += 1
-            if message is None:
+            if message is None or message.direct:  # READ straight into the destination tensors
                 stats.direct_bytes += xfer.nbytes
+                if self._digests is not None and message is not None:
+                    with timer("digest"):  # while the bytes just arrived may still be in cache
+                        for piece in message.pieces:
+                            self._digests.arrived(piece.op, dst_view(self._flats, piece))
                 continue
             assert self._landing is not None
             with timer("unpack"):
-                scatter(message, self._flats, self._landing[: message.nbytes], copy=self.dev.copy)
+                scatter(message, self._flats, self._landing[: message.nbytes], copy=self.dev.copy,
+                        digests=self._digests)
                 self.dev.synchronize(self.device)  # the next READ reuses the landing buffer
 
     def _read_changes(self, peer: Peer, changes: PeerChanges, version: int, phase: int, *, deadline: Deadline,

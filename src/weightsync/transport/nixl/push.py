@@ -75,6 +75,7 @@ class NixlPushTransport(NixlBase):
         self._changes = ChangeReader(ctx) if delta and ctx.role == "reader" else None
         self._inboxes: list[Inbox] = []  # reader: per writer
         self._inbox_mem = torch.empty(0, dtype=torch.uint8)
+        self._ops_from: dict[int, list[list[TransferOp]]] = {}  # reader: writer -> its ops, per phase
 
     def close(self) -> None:
         super().close()
@@ -198,6 +199,9 @@ class NixlPushTransport(NixlBase):
             with timer("pack"):
                 self._pack(slot * self._slot_bytes, phase, then=None if changes is None else (
                     lambda key, op, at: changes.piece(version, key, op, at)))
+            if self._digests is not None:  # pieces WRITTEN from the live shards: digested before they go
+                with timer("digest"):
+                    self._digests.fill(phase, self._flats)
             for i, peer in enumerate(self._peers):
                 if not peer.phases[phase][slot]:
                     continue
@@ -290,6 +294,8 @@ class NixlPushTransport(NixlBase):
                                      "TransportOptions.delta_anchor_every on every rank")
             peer.ctl = self._word_xfer(peer, self._ctl[1 + vouch + i: 2 + vouch + i], "liveness word")
             peer.nbytes = [sum(op.nbytes for op in part.ops_between(peer.rank, self.ctx.rank)) for part in parts]
+        self._ops_from = {peer.rank: [part.ops_between(peer.rank, self.ctx.rank) for part in parts]
+                          for peer in self._peers}  # what each writer WRITEs, per phase
         if self._changes is not None:
             self._changes.prepared(len(parts))
 
@@ -330,6 +336,10 @@ class NixlPushTransport(NixlBase):
                     peer = pending.pop(name)
                     if self._changes is None:
                         nbytes = peer.nbytes[phase]
+                        if self._digests is not None:  # while the other writers still WRITE
+                            with PhaseTimer(stats)("digest"):
+                                for op in self._ops_from[peer.rank][phase]:
+                                    self._digests.arrived(op, op_dst_view(self._flats, op))
                     else:
                         nbytes, digests[peer.rank] = self._take(peer, version, phase, vouched[peer.rank])
                     stats.nbytes += nbytes

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     import torch
 
     from weightsync.plan import Plan
+    from weightsync.transport.digests import VersionDigests
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class RoutedTransport:
     serves_cuda: ClassVar[bool] = True
     carries_deltas: ClassVar[bool] = True  # both routes do
     publishes_before_send: ClassVar[bool] = True  # both parts: torch posts receives, shm streams
+    #: Integrity digests fused where both routes fuse them (each digests its own pairs' pieces).
+    fuses_digests: ClassVar[frozenset[str]] = frozenset({"writer", "reader"})
 
     def __init__(self, ctx: TransportContext) -> None:
         local = shm_pairs(ctx.placements)
@@ -95,12 +98,22 @@ class RoutedTransport:
         self.routes: dict[Route, list[tuple[int, int]]] = {"shm": [], "torch": []}
         #: bytes each route moved in the last send/receive (summed over its phases)
         self.last_bytes: dict[Route, int] = {"shm": 0, "torch": 0}
+        self._digests: VersionDigests | None = None
+
+    def use_digests(self, digests: VersionDigests | None) -> bool:
+        """Both routes digest as they copy, or neither (torch declines with deltas)."""
+        self._digests = digests if not self.ctx.options.delta_anchor_every else None
+        for sub in self._subs.values():
+            sub.use_digests(self._digests)  # type: ignore[attr-defined]  # both routes fuse
+        return self._digests is not None
 
     def _sub(self, route: Route) -> Transport:
         if route not in self._subs:
             from weightsync.transport import create_transport
 
-            self._subs[route] = create_transport(route, self.ctx)
+            sub = self._subs[route] = create_transport(route, self.ctx)
+            if self._digests is not None:
+                sub.use_digests(self._digests)  # type: ignore[attr-defined]  # both routes fuse
         return self._subs[route]
 
     def _part(self, plan: Plan, route: Route) -> Plan:

@@ -80,6 +80,7 @@ from weightsync.transport.tensors import op_src_view
 
 if TYPE_CHECKING:
     from weightsync.plan import Plan, TransferOp
+    from weightsync.transport.digests import VersionDigests
     from weightsync.transport.exposed import ExposedIndex
 
 logger = logging.getLogger(__name__)
@@ -141,6 +142,8 @@ class SnapshotWriter:
         self.data = data if data is not None else self.segment.data
         self.index, self.copies, self.slots, self.slot_bytes = index, copies, slots, slot_bytes
         self.device, self.streaming, self.dev = device, streaming, dev
+        #: with integrity checks fused into the pack (transport/digests.py); set by the transport
+        self.digests: VersionDigests | None = None
         # device memory: each phase is published once complete (module docstring)
         self.phased = data is not None
         self.changes = None if changes is None else SlotChanges(
@@ -169,8 +172,11 @@ class SnapshotWriter:
         with PhaseTimer(stats)("pack"):
             for key, op in self.copies[phase]:
                 at, nbytes = self.index.entries[key]
-                out = self.data[base + at: base + at + nbytes]
-                self.dev.copy(out.view(TORCH_DTYPES[op.dst_dtype]).view(op.box.sizes), op_src_view(flats, op))
+                out = self.data[base + at: base + at + nbytes].view(TORCH_DTYPES[op.dst_dtype]).view(op.box.sizes)
+                if self.digests is None:
+                    self.dev.copy(out, op_src_view(flats, op))
+                else:  # the piece's digest in the same pass (a digest op: its pair's digests first)
+                    self.digests.pack(op, out, op_src_view(flats, op), copy=self.dev.copy)
                 if self.changes is not None:  # against the previous version, in the previous slot
                     self.changes.piece(version, key, op, at)
                 stats.nbytes += nbytes
@@ -212,7 +218,7 @@ class SnapshotPeer:
         # streaming: only until the writer begins the version here (it may have moved: SegmentRetiredError)
         self._ready = self._wait_packed(version, 0 if self.streaming or self.phased else None, deadline)
 
-    def source(self, op: TransferOp, at: int, version: int, deadline: Deadline) -> torch.Tensor:
+    def source(self, op: TransferOp, at: int, version: int, deadline: Deadline, *, phase: int = 0) -> torch.Tensor:
         if at + op.nbytes > self._ready:
             self._ready = self._wait_packed(version, at + op.nbytes, deadline)
         base = (version % self.slots) * self.slot_bytes

@@ -57,6 +57,7 @@ from weightsync.transport.tensors import flat_views, op_dst_view
 
 if TYPE_CHECKING:
     from weightsync.plan import Plan, TransferOp
+    from weightsync.transport.digests import VersionDigests
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class WriterSide(Protocol):
     """How a writer exposes versions: snapshot slots (shm_snapshot), or its live weights (zero-copy)."""
 
     segment: OwnSegment
+    digests: VersionDigests | None  # integrity checks, fused (transport/digests.py)
 
     def send(self, version: int, flats: Mapping[str, torch.Tensor], timeout: float, *, phase: int,
              last: bool) -> TransferStats: ...
@@ -84,8 +86,8 @@ class PeerSegment(Protocol):
     def begin(self, version: int, deadline: Deadline) -> None:
         """Before copying ``version`` (wait until the writer exposes it, if it must)."""
 
-    def source(self, op: TransferOp, at: int, version: int, deadline: Deadline) -> torch.Tensor:
-        """The view to copy ``op`` from (once its bytes are there)."""
+    def source(self, op: TransferOp, at: int, version: int, deadline: Deadline, *, phase: int = 0) -> torch.Tensor:
+        """The view to copy ``op`` (of ``phase``) from, once its bytes are there."""
         ...
 
     def changes(self, version: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -112,6 +114,9 @@ class SharedMemoryTransport:
     serves_cpu: ClassVar[bool] = True
     serves_cuda: ClassVar[bool] = True  # CUDA IPC
     carries_deltas: ClassVar[bool] = True  # host memory only (delta_published.check_delta)
+    #: Integrity digests in the same pass as the copies (transport/digests.py): writers while they
+    #: pack (snapshot) or while readers copy (zero-copy), readers while they copy.
+    fuses_digests: ClassVar[frozenset[str]] = frozenset({"writer", "reader"})
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
@@ -132,6 +137,15 @@ class SharedMemoryTransport:
         self.epoch: int | None = None
         check_delta(self.name, ctx)
         self._changes = ChangeReader(ctx) if ctx.options.delta_anchor_every and ctx.role == "reader" else None
+        self._digests: VersionDigests | None = None
+
+    def use_digests(self, digests: VersionDigests | None) -> bool:
+        """Digest while copying (see :attr:`fuses_digests`); with deltas too (writers still pack or
+        expose every piece; readers' changes applied in place are digested by the check)."""
+        self._digests = digests
+        if self._writer is not None:
+            self._writer.digests = digests
+        return True
 
     def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
                 phases: Sequence[Plan] | None = None) -> None:
@@ -171,6 +185,7 @@ class SharedMemoryTransport:
                                                                          device=self.device,
                                                                          streaming=self.streaming, dev=self.dev,
                                                                          readers=readers)
+        self._writer.digests = self._digests
         path = self._writer.segment.path
         assert path is not None, "a segment has its path until it is closed"
         self.ctx.channel.publish_endpoint(epoch, ShmEndpoint(path))
@@ -257,12 +272,15 @@ class SharedMemoryTransport:
                 self._begin(w, version, deadline)
             with timer("transfer"):
                 for w, op, at, row in self._reads[phase]:  # (located again if a writer moved)
-                    source = self._peers[w].source(op, at, version, deadline)
+                    source = self._peers[w].source(op, at, version, deadline, phase=phase)
                     if w in taking:
                         assert self._changes is not None
                         stats.nbytes += self._changes.take(op, self._peers[w].changes(version), version=version,
                                                            row=row, source=source, flats=self._flats,
                                                            taking=taking[w], writer=w)
+                    elif self._digests is not None:  # digested as it lands, in the same pass
+                        self._digests.land(op, op_dst_view(self._flats, op), source, copy=self.dev.copy)
+                        stats.nbytes += op.nbytes
                     else:
                         self.dev.copy(op_dst_view(self._flats, op), source)
                         stats.nbytes += op.nbytes

@@ -30,6 +30,7 @@ from weightsync.clock.deadline import Deadline
 from weightsync.tools.torch_layout import DTYPE_NAMES, TORCH_DTYPES, strided_view
 from weightsync.transport.base import PeerWatch, PhaseTimer, TransferStats, TransportContext, TransportError
 from weightsync.transport.delta.published import ChangeLayout, ChangeWriter
+from weightsync.transport.digests import is_digest_name
 from weightsync.transport.shm.files import SHM_DIR
 from weightsync.transport.shm.segment import (
     CONTROL_BYTES,
@@ -44,15 +45,24 @@ from weightsync.transport.tensors import op_src_view
 
 if TYPE_CHECKING:
     from weightsync.plan import Plan, TransferOp
+    from weightsync.transport.digests import VersionDigests
     from weightsync.transport.exposed import ExposedIndex
 
 logger = logging.getLogger(__name__)
 
 #: The exposed word: the version the trainer's weights are held at (-1: none).
 EXPOSED_WORD = seq_word(0)
+#: The digests word (integrity checks): ``digested(V, p)`` once the writer digested phase p of
+#: version V from its exposed weights, while readers copy them.
+DIGESTED_WORD = seq_word(1)
 #: Reader r's done word (the last version it copied) sits at word DONE_BASE + r.
 DONE_BASE = 64
 MAX_READERS = CONTROL_BYTES // 8 - DONE_BASE
+
+
+def digested(version: int, phase: int) -> int:
+    """The digests word's value once phase ``phase`` of ``version`` is digested (it only grows)."""
+    return (version << 16) | (phase + 1)
 
 
 def shared_sources(plan: Plan, rank: int, flats: Mapping[str, torch.Tensor]) -> dict[str, list[Any]] | None:
@@ -90,6 +100,8 @@ class ZeroCopyWriter:
         self.who, self.index, self.readers, self.copies, self.files = ctx.who, index, readers, copies, files
         self.pieces = sum(len(phase) for phase in copies)
         self.ctx = ctx
+        #: with integrity checks: digested from the exposed weights while readers copy them
+        self.digests: VersionDigests | None = None
         #: with deltas: the book, the table and area readers see, this writer's copy of the last
         #: version (packed, the readers' dtype) and a buffer to pack the new one into
         self.changes: tuple[ChangeWriter, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -129,6 +141,10 @@ class ZeroCopyWriter:
                 with PhaseTimer(stats)("encode"):
                     self._publish_changes(version, flats)
             control[EXPOSED_WORD] = version
+        if self.digests is not None:  # off the readers' path: they copy while this writer digests
+            with PhaseTimer(stats)("digest"):
+                self.digests.fill(phase, flats)
+            control[DIGESTED_WORD] = digested(version, phase)
         if not last:
             return stats  # readers copy phase by phase from the exposed weights
         control[EXPOSED_WORD] = version
@@ -197,8 +213,22 @@ class ZeroCopyPeer:
             self.watch.check(f"writer {self.writer} to expose version {version}")
             spins = spin_wait(spins)
 
-    def source(self, op: TransferOp, at: int, version: int, deadline: Deadline) -> torch.Tensor:
+    def source(self, op: TransferOp, at: int, version: int, deadline: Deadline, *, phase: int = 0) -> torch.Tensor:
+        if is_digest_name(op.canonical):  # the writer digests its weights while this reader copies them
+            self._wait_digests(version, phase, deadline)
         return strided_view(self.files[op.src_shard], op.box.sizes, op.src_strides, op.src_offset)
+
+    def _wait_digests(self, version: int, phase: int, deadline: Deadline) -> None:
+        spins = 0
+        while int(self.control[DIGESTED_WORD]) < digested(version, phase):
+            if int(self.control[EXPOSED_WORD]) != version:
+                raise TransportError(f"reader {self.reader}: writer {self.writer} stopped exposing version {version} "
+                                     "before it digested it")
+            if deadline.expired:
+                raise TransportError(f"reader {self.reader}: writer {self.writer} did not digest version {version} "
+                                     f"in time{self.watch.describe()}")
+            self.watch.check(f"writer {self.writer} to digest version {version}")
+            spins = spin_wait(spins)
 
     def finish(self, version: int, deadline: Deadline, *, last: bool = True) -> None:
         if int(self.control[EXPOSED_WORD]) != version:

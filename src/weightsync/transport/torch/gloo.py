@@ -34,12 +34,13 @@ from weightsync.clock.deadline import Deadline
 from weightsync.transport.base import PeerWatch, PhaseTimer, TransferStats, TransportContext, TransportError
 from weightsync.transport.delta.pairs import DeltaSync
 from weightsync.transport.schedule import Message
-from weightsync.transport.tensors import as_bytes, checksum, direct_source, dst_view, pack, scatter
+from weightsync.transport.tensors import as_bytes, checksum, direct_source, dst_view, pack, scatter, src_view
 from weightsync.transport.torch.common import MAX_LANES, Pair, TorchDistBase, TorchPairLink
 
 if TYPE_CHECKING:
     from weightsync.plan import Plan
     from weightsync.plan.ops import Role
+    from weightsync.transport.digests import VersionDigests
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +57,21 @@ class GlooTransport(TorchDistBase):
     serves_cpu: ClassVar[bool] = True
     serves_cuda: ClassVar[bool] = False
     carries_deltas: ClassVar[bool] = True  # transport/delta/pairs.py over _GlooLink
+    #: Integrity digests in the same pass as the pack and the scatter; direct messages are digested
+    #: as they leave (writer) or right after they arrived (reader).
+    fuses_digests: ClassVar[frozenset[str]] = frozenset({"writer", "reader"})
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
         self.delta = DeltaSync(ctx) if ctx.options.delta_anchor_every else None
         self._broken: Future[float] | None = None  # the running call's: when its group was broken
+        self._digests: VersionDigests | None = None
+
+    def use_digests(self, digests: VersionDigests | None) -> bool:
+        """Digest while packing and scattering (see :attr:`fuses_digests`); not with deltas, whose
+        pairs move encodings instead (:mod:`weightsync.transport.delta`): False then."""
+        self._digests = digests if self.delta is None else None
+        return self._digests is not None
 
     def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
                 phases: Sequence[Plan] | None = None) -> None:
@@ -86,7 +97,7 @@ class GlooTransport(TorchDistBase):
         def construct() -> None:
             try:
                 formed.set_result(dist.ProcessGroupGloo(prefix, ctx.global_rank, ctx.world_size,
-                                                        datetime.timedelta(seconds=max(deadline.remaining(), 0.001))))
+                                                        gloo_options(ctx.options.host, deadline)))
             except BaseException as exc:  # handed to the waiting thread
                 formed.set_exception(exc)
 
@@ -284,9 +295,12 @@ class GlooTransport(TorchDistBase):
             if payload is None:
                 slot = _free_slot(in_flight)
                 with timer("pack"):
-                    payload = pack(message, self._flats, self._buffer(run.lane, slot))
+                    payload = pack(message, self._flats, self._buffer(run.lane, slot), digests=self._digests)
             else:
                 slot = -1
+                if self._digests is not None:
+                    with timer("digest"):
+                        self._digests.sent(message.pieces[0].op, src_view(self._flats, message.pieces[0]))
             if self.ctx.options.checksum:
                 with timer("checksum"):
                     sums.append(checksum(payload))
@@ -330,7 +344,10 @@ class GlooTransport(TorchDistBase):
                     sums.append(checksum(payload))
             if not message.direct:
                 with timer("unpack"):
-                    scatter(message, self._flats, payload)
+                    scatter(message, self._flats, payload, digests=self._digests)
+            elif self._digests is not None:
+                with timer("digest"):
+                    self._digests.arrived(message.pieces[0].op, dst_view(self._flats, message.pieces[0]))
             stats.nbytes += message.nbytes
             stats.messages += 1
             stats.direct_bytes += message.nbytes if message.direct else 0
@@ -475,6 +492,17 @@ def break_group(pg: Any, ranks: Sequence[int]) -> None:
             pg.recv([torch.empty(1)], rank, _BREAK_TAG).wait(datetime.timedelta(milliseconds=1))
         except Exception as exc:  # the timeout that breaks it, or a pair that is broken already
             logger.debug("gloo group broken through rank %d: %s", rank, exc)
+
+
+def gloo_options(host: str, deadline: Deadline) -> Any:
+    """gloo's options for a group: its device bound to ``host``, the address this rank publishes to
+    its peers (``TransportOptions.host``). gloo's default device takes the address the machine's
+    host name resolves to, which on a multi-homed host (a site behind its own link) may be one no
+    peer can reach."""
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch 2.13 keeps it private
+    options._timeout = datetime.timedelta(seconds=max(deadline.remaining(), 0.001))
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return options
 
 
 def _buffers_in_use(in_flight: deque[tuple[Any, Message, int]]) -> int:

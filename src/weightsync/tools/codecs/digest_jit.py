@@ -1,0 +1,272 @@
+"""XXH3-64 in numba, streaming, and fused into the copy that lands the bytes (one pass, not two).
+
+Integrity checks digest every byte a sync moves (:mod:`weightsync.transport.digests`). Digesting
+after the copy reads every byte a second time, out of memory again: on a 2-core VM that made
+checks cost 17-112% of a sync. These kernels compute XXH3-64 (seed 0, the default secret: the
+same value as the ``xxhash`` package, which the tests hold them to) *while* copying: each 8-byte
+word is loaded once, stored to the destination and mixed into the hash from the same register,
+so a copy that waits for memory hides the hash (measured: a fused copy + XXH3 runs at the speed
+of a plain ``torch`` copy). Without the copy (``copy=False``) the same kernel digests in place.
+
+XXH3 is sequential (its accumulators are scrambled every 1 KiB), so a stream takes the bytes of
+one piece in row-major order, cut any way (rows of a strided view, slabs across messages); the
+total length is fixed up front, because XXH3 treats the last 64 bytes apart. The stripe loop is
+written as eight isomorphic lanes for LLVM's SLP vectoriser (AVX2: two registers of four lanes),
+which numba leaves off by default: :func:`load` compiles these kernels, and only these, with it
+on. Inputs up to 240 bytes use XXH3's short-input paths: the caller digests those with
+``xxhash`` itself (:class:`weightsync.tools.codecs.digest.CopyHasher`)::
+
+    k = load()                                   # None without numba; loaded() after it
+    state = k.start(nbytes)
+    k.feed(src_u8, s_at, s_stride, dst_u8, d_at, d_stride, rows, row_bytes, *state, copy=True)
+    value = k.finish(nbytes, *state)
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+#: XXH3's default secret (``XXH3_kSecret``, 192 bytes).
+SECRET = bytes.fromhex(
+    "b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671f"
+    "cb79e64eccc0e578825ad07dccff7221b8084674f743248ee03590e6813a264c"
+    "3c2852bb91c300cb88d0658b1b532ea371644897a20df94e3819ef46a9deacd8"
+    "a8fa763fe39c343ff9dcbbc7c70b4f1d8a51e04bcdb45931c89f7ec9d9787364"
+    "eac5ac8334d3ebc3c581a0fffa1363eb170ddd51b7f0da49d316552629d4689e"
+    "2b16be587d47a1fc8ff8b8d17ad031ce45cb3a8f95160428afd7fbcabb4b407e")
+_WORDS = np.frombuffer(SECRET, dtype="<u8")
+#: The key of lane i of stripe s in a block: secret word s + i (stripes advance 8 bytes).
+KEYS = np.array(np.concatenate([_WORDS[s: s + 8] for s in range(16)]), dtype=np.uint64)
+#: The scramble key after every block of 16 stripes: the secret's last 64 bytes.
+SCRAMBLE = np.array(_WORDS[16:24], dtype=np.uint64)
+_P32_1, _P32_2, _P32_3 = 0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D
+_P64_1, _P64_2, _P64_3, _P64_4, _P64_5 = (0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
+                                          0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5)
+INIT = (_P32_3, _P64_1, _P64_2, _P64_3, _P64_4, _P32_2, _P64_5, _P32_1)
+#: The last stripe's keys (secret from byte 121) and the merge's (from byte 11): unaligned words.
+LAST_KEYS = np.array([int.from_bytes(SECRET[121 + 8 * i: 129 + 8 * i], "little") for i in range(8)], dtype=np.uint64)
+MERGE_KEYS = np.array([int.from_bytes(SECRET[11 + 8 * i: 19 + 8 * i], "little") for i in range(8)], dtype=np.uint64)
+#: Longest input XXH3 digests with its short-input algorithms (not these kernels).
+SHORT_MAX = 240
+#: A rank whose tensors hold fewer bytes digests in a second pass (``xxhash``, a few ms per 64 MiB)
+#: and never starts numba: importing it and loading the kernels from its cache takes 1.5-3 s per
+#: process here, compiling them 15-40 s, more than such a rank's second passes cost in a long job.
+FUSE_MIN_BYTES = 64 << 20
+
+
+def for_rank(nbytes: int) -> Kernels | None:
+    """The kernels for a rank whose tensors hold ``nbytes``: loaded (compiled, or read from numba's
+    cache) from :data:`FUSE_MIN_BYTES` up, else only if this process loaded them already (without
+    importing numba). A rank calls it once, before it holds a lease: loading takes seconds."""
+    return load() if nbytes >= FUSE_MIN_BYTES else loaded()
+
+
+def loaded() -> Kernels | None:
+    """The kernels if :func:`load` ran in this process, else None (never compiles, never imports numba).
+    :class:`weightsync.tools.codecs.digest.CopyHasher` fuses with these only."""
+    return _loaded
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The compiled kernels and the Python ends of a stream (see module docstring)."""
+
+    feed_kernel: Any
+    finish_kernel: Any
+
+    @staticmethod
+    def start(nbytes: int) -> tuple[np.ndarray, ...]:
+        """A fresh stream's state for ``nbytes`` (> :data:`SHORT_MAX`) bytes: accumulators, the
+        partial-stripe buffer, the last absorbed stripe, and counters (stripes absorbed, stripes
+        to absorb, bytes buffered, bytes fed)."""
+        if nbytes <= SHORT_MAX:
+            raise ValueError(f"the kernels digest inputs over {SHORT_MAX} bytes, got {nbytes}")
+        return (np.array(INIT, dtype=np.uint64), np.zeros(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8),
+                np.array([0, (nbytes - 1) // 64, 0, 0], dtype=np.int64))
+
+    def feed(self, src: np.ndarray, s_at: int, s_stride: int, dst: np.ndarray, d_at: int, d_stride: int,  # noqa: PLR0917
+             rows: int, row_bytes: int, acc: np.ndarray, buf: np.ndarray, prev: np.ndarray, st: np.ndarray, *,
+             copy: bool) -> None:
+        """Absorb ``rows`` runs of ``row_bytes`` bytes of ``src`` (uint8, run r at byte
+        ``s_at + r * s_stride``), copying each into ``dst`` first when ``copy``."""
+        if st[3] + rows * row_bytes > st[1] * 64 + 64:
+            raise ValueError(f"a stream was fed {int(st[3]) + rows * row_bytes} bytes, more than it was started for")
+        self.feed_kernel(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, acc, buf, prev, st, KEYS, SCRAMBLE,
+                         copy)
+
+    def finish(self, nbytes: int, acc: np.ndarray, buf: np.ndarray, prev: np.ndarray, st: np.ndarray) -> int:
+        """The XXH3-64 value once all ``nbytes`` were fed: the last stripe (the input's last 64
+        bytes, with the secret at byte 121), then the merge (secret at byte 11) and avalanche."""
+        if int(st[3]) != nbytes:
+            raise ValueError(f"a stream of {nbytes} bytes was fed {int(st[3])}")
+        return int(self.finish_kernel(nbytes, acc, buf, prev, int(st[2]), LAST_KEYS, MERGE_KEYS))
+
+
+@functools.cache
+def load() -> Kernels | None:
+    """Compile (or load from numba's cache) the kernels; None when numba is not installed."""
+    if importlib.util.find_spec("numba") is None:
+        return None
+    import numba
+    from numba.core import config
+    from numba.core.compiler_lock import global_compiler_lock
+
+    from weightsync.tools.codecs.delta_jit import _answer_dict_lookups_with_a_dict
+
+    global _stripes_jit, _loaded  # noqa: PLW0603 (the compiled helper _feed calls, bound once here)
+    _answer_dict_lookups_with_a_dict()
+    u8, u64, i64 = numba.uint8[::1], numba.uint64[::1], numba.int64
+    signature = numba.void(u8, i64, i64, u8, i64, i64, i64, i64, u64, u8, u8, numba.int64[::1], u64, u64,
+                           numba.boolean)
+    with global_compiler_lock:  # no other compilation sees the setting
+        saved = config.SLP_VECTORIZE
+        config.SLP_VECTORIZE = 1
+        try:
+            _stripes_jit = numba.njit(nogil=True, boundscheck=False, error_model="numpy", inline="always")(_stripes)
+            feed = numba.njit(signature, cache=True, nogil=True, boundscheck=False, error_model="numpy")(_feed)
+            finish = numba.njit(numba.uint64(i64, u64, u8, u8, i64, u64, u64), cache=True, nogil=True,
+                                boundscheck=False, error_model="numpy")(_finish)
+        finally:
+            config.SLP_VECTORIZE = saved
+    _loaded = Kernels(feed_kernel=feed, finish_kernel=finish)
+    return _loaded
+
+
+_stripes_jit: Any = None
+_loaded: Kernels | None = None
+
+
+def _feed(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, acc, buf, prev, st, keys, scr, copy):  # type: ignore[no-untyped-def]  # noqa: PLR0917
+    """Absorb ``rows`` runs (see :meth:`Kernels.feed`). Bytes go into the 64-byte partial stripe
+    ``buf`` until it is whole, whole stripes straight from the run; stripes past the limit are
+    the input's tail (at most 64 bytes), kept in ``buf`` for :meth:`Kernels.finish`."""
+    g, limit, held = st[0], st[1], st[2]
+    buf64 = buf.view(np.uint64)
+    for r in range(rows):
+        sp = s_at + r * s_stride
+        dp = d_at + r * d_stride
+        left = row_bytes
+        while left > 0:
+            k = 0 if held > 0 or g >= limit else min(left // 64, limit - g)
+            if k == 0:  # into the partial stripe
+                take = min(left, 64 - held)
+                for i in range(take):
+                    b = src[sp + i]
+                    if copy:
+                        dst[dp + i] = b
+                    buf[held + i] = b
+                held += take
+                sp += take
+                dp += take
+                left -= take
+                if held == 64 and g < limit:
+                    _stripes_jit(buf64, buf64, 1, acc, g, keys, scr, False)
+                    prev[:] = buf
+                    g += 1
+                    held = 0
+                continue
+            _stripes_jit(src[sp: sp + 64 * k].view(np.uint64), dst[dp: dp + 64 * k].view(np.uint64), k, acc, g,
+                         keys, scr, copy)  # whole stripes straight from the run
+            prev[:] = src[sp + 64 * (k - 1): sp + 64 * k]
+            g += k
+            sp += 64 * k
+            dp += 64 * k
+            left -= 64 * k
+    st[0], st[2] = g, held
+    st[3] += rows * row_bytes
+
+
+def _finish(nbytes, acc, buf, prev, held, last_keys, merge_keys):  # type: ignore[no-untyped-def]  # noqa: PLR0917
+    """XXH3's end of a long input: the last stripe, the merge of the lanes, the avalanche."""
+    last = np.empty(64, dtype=np.uint8)
+    last[: 64 - held] = prev[held:]
+    last[64 - held:] = buf[:held]
+    words = last.view(np.uint64)
+    lanes = acc.copy()
+    lo32, sh32 = np.uint64(0xFFFFFFFF), np.uint64(32)
+    for i in range(8):
+        key = words[i] ^ last_keys[i]
+        lanes[i ^ 1] += words[i]
+        lanes[i] += (key & lo32) * (key >> sh32)
+    result = np.uint64(nbytes) * np.uint64(_P64_1)
+    for i in range(4):
+        a, b = lanes[2 * i] ^ merge_keys[2 * i], lanes[2 * i + 1] ^ merge_keys[2 * i + 1]
+        lo_lo = (a & lo32) * (b & lo32)  # the 128-bit product, folded: low 64 bits XOR high 64 bits
+        hi_lo = (a >> sh32) * (b & lo32)
+        lo_hi = (a & lo32) * (b >> sh32)
+        cross = (lo_lo >> sh32) + (hi_lo & lo32) + lo_hi
+        upper = (hi_lo >> sh32) + (cross >> sh32) + (a >> sh32) * (b >> sh32)
+        result += ((cross << sh32) | (lo_lo & lo32)) ^ upper
+    h = result ^ (result >> np.uint64(37))
+    h *= np.uint64(0x165667919E3779F9)
+    return h ^ (h >> sh32)
+
+
+def _stripes(src, dst, count, acc, g, keys, scr, copy):  # type: ignore[no-untyped-def]  # noqa: PLR0917
+    """XXH3's accumulate over ``count`` stripes of ``src`` (8 words each), stored to ``dst`` too
+    when ``copy``; the first is stripe ``g`` of the stream, and a block ends after every 16th
+    (scramble). Lane i adds its word XOR key, low 32 times high 32 bits, and its neighbour's
+    (i ^ 1) word. Within a block the two sums are kept per lane (p, r), without the swap, so
+    the eight lanes are isomorphic; the swap is applied once per block (addition commutes:
+    the accumulators are XXH3's)."""
+    lo, sh32, sh47 = np.uint64(0xFFFFFFFF), np.uint64(32), np.uint64(47)
+    prime = np.uint64(_P32_1)
+    a0, a1, a2, a3, a4, a5, a6, a7 = acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]
+    t = 0
+    while t < count:
+        n = min(16 - (g & 15), count - t)
+        kb0 = (g & 15) * 8
+        zero = np.uint64(0)
+        p0 = p1 = p2 = p3 = p4 = p5 = p6 = p7 = zero
+        r0 = r1 = r2 = r3 = r4 = r5 = r6 = r7 = zero
+        for s in range(n):
+            b = (t + s) * 8
+            kb = kb0 + s * 8
+            w0, w1, w2, w3 = src[b], src[b + 1], src[b + 2], src[b + 3]
+            w4, w5, w6, w7 = src[b + 4], src[b + 5], src[b + 6], src[b + 7]
+            if copy:
+                dst[b], dst[b + 1], dst[b + 2], dst[b + 3] = w0, w1, w2, w3
+                dst[b + 4], dst[b + 5], dst[b + 6], dst[b + 7] = w4, w5, w6, w7
+            z0, z1, z2, z3 = w0 ^ keys[kb], w1 ^ keys[kb + 1], w2 ^ keys[kb + 2], w3 ^ keys[kb + 3]
+            z4, z5, z6, z7 = w4 ^ keys[kb + 4], w5 ^ keys[kb + 5], w6 ^ keys[kb + 6], w7 ^ keys[kb + 7]
+            p0 += (z0 & lo) * (z0 >> sh32)
+            p1 += (z1 & lo) * (z1 >> sh32)
+            p2 += (z2 & lo) * (z2 >> sh32)
+            p3 += (z3 & lo) * (z3 >> sh32)
+            p4 += (z4 & lo) * (z4 >> sh32)
+            p5 += (z5 & lo) * (z5 >> sh32)
+            p6 += (z6 & lo) * (z6 >> sh32)
+            p7 += (z7 & lo) * (z7 >> sh32)
+            r0 += w0
+            r1 += w1
+            r2 += w2
+            r3 += w3
+            r4 += w4
+            r5 += w5
+            r6 += w6
+            r7 += w7
+        a0 += p0 + r1
+        a1 += p1 + r0
+        a2 += p2 + r3
+        a3 += p3 + r2
+        a4 += p4 + r5
+        a5 += p5 + r4
+        a6 += p6 + r7
+        a7 += p7 + r6
+        g += n
+        t += n
+        if (g & 15) == 0:
+            a0 = ((a0 ^ (a0 >> sh47)) ^ scr[0]) * prime
+            a1 = ((a1 ^ (a1 >> sh47)) ^ scr[1]) * prime
+            a2 = ((a2 ^ (a2 >> sh47)) ^ scr[2]) * prime
+            a3 = ((a3 ^ (a3 >> sh47)) ^ scr[3]) * prime
+            a4 = ((a4 ^ (a4 >> sh47)) ^ scr[4]) * prime
+            a5 = ((a5 ^ (a5 >> sh47)) ^ scr[5]) * prime
+            a6 = ((a6 ^ (a6 >> sh47)) ^ scr[6]) * prime
+            a7 = ((a7 ^ (a7 >> sh47)) ^ scr[7]) * prime
+    acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7] = a0, a1, a2, a3, a4, a5, a6, a7
