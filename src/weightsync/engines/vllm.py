@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weightsync.engines.staging import StagedWeights
+from weightsync.engines.staging import StagedWeights, invalid_stamp
 from weightsync.layout import ModelSpec
 from weightsync.torch_layout import dtype_name
 
@@ -102,11 +102,9 @@ class VLLMEngine(StagedWeights):
                                "blocks computed with the old weights would be reused")
         self.llm.llm_engine.set_weight_version(str(version))
 
-    def abort(self, version: int, error: BaseException) -> None:
-        super().abort(version, error)
-        if self._touched:
-            # Outputs generated from now on are stamped, so rollouts from broken weights can be dropped.
-            self.llm.llm_engine.set_weight_version(f"invalid:{version}")
+    def _invalidate(self, version: int) -> None:
+        # Outputs generated from now on are stamped, so rollouts from broken weights can be dropped.
+        self.llm.llm_engine.set_weight_version(invalid_stamp(version))
 
 
 def update_llm(llm: LLM, version: int, *, timeout: float | None = None) -> None:
@@ -117,8 +115,9 @@ def update_llm(llm: LLM, version: int, *, timeout: float | None = None) -> None:
     reset and the engine's weight version set to ``str(version)``.
 
     Raises:
-        Whatever a worker raised (``SyncError``, ``TimeoutError``); the weight version is
-        then left unchanged and the next successful update recovers the engine.
+        Whatever a worker raised (``SyncError``, ``TimeoutError``). A worker whose weights the
+        failed version had touched stamped the engine ``invalid:<version>``; otherwise the
+        engine keeps its version. The next successful update recovers the engine.
     """
     llm.start_weight_update()
     llm.update_weights({"update_info": {"version": version, "timeout": timeout}})

@@ -27,7 +27,12 @@ otherwise received straight into the model) and refuses ``layer_phases``.
 
 Names, shapes and dtypes are checked before the session starts, and the session is always
 closed, so a failed update never leaves the model half-materialised; the next version
-recovers it.
+recovers it. An update that fails after a byte of it reached the model (a tensor received in
+place, a phase loaded, vLLM's loader started) leaves the engine invalid: the worker stamps
+vLLM's weight version ``invalid:<version>`` before ``update_weights`` raises, so no output
+generated from the mixed weights carries a version, whoever drives the update (``update_llm``,
+the trainer side, the HTTP routes of ``vllm serve``); a failure before that leaves the engine at
+its version (:func:`_calling_engine_core` says where the stamp goes).
 
 An engine that drafts with the model's MTP layers (``speculative_config`` method ``mtp``) stages
 them too, and every version reloads target and drafter in one session: the drafter holds the
@@ -56,7 +61,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from weightsync.engines.staging import StagedWeights
+from weightsync.engines.staging import StagedWeights, invalid_stamp
 from weightsync.engines.vllm import (
     ReloadSession,
     check_supported,
@@ -216,6 +221,27 @@ def _creator_drafter(model: torch.nn.Module) -> torch.nn.Module | None:
     return None
 
 
+def _calling_engine_core(start: FrameType | None) -> Any:
+    """vLLM's engine core whose call (a ``collective_rpc``) runs this worker code; None if none.
+
+    The core holds the weight version stamped on every output (vLLM 0.32: ``EngineCore``, with
+    ``set_weight_version``), and a worker has no reference to it. An engine of one worker runs
+    it in the core's own process (vLLM's ``uni`` executor: an ``LLM`` in or out of process, ``vllm
+    serve`` with TP=PP=DP=1), so the core is a caller on this thread's stack. Executors that run
+    workers in their own processes (``mp``, ``ray``) leave it unreachable.
+    """
+    frame = start
+    for _ in range(16):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if all(callable(getattr(owner, name, None)) for name in ("set_weight_version", "get_weight_version",
+                                                                 "collective_rpc")):
+            return owner
+        frame = frame.f_back
+    return None
+
+
 class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):
     """vLLM ``WeightTransferEngine`` hosting a weightsync ``WeightReader`` (see module docstring)."""
 
@@ -303,9 +329,31 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on CPU-only torch.
         with self._span("update_weights"):
-            self.receive_weights(self.parse_update_info(update_info))
+            try:
+                self.receive_weights(self.parse_update_info(update_info))
+            except BaseException:
+                self._stamp_invalid(sys._getframe(1))
+                raise
             if torch.accelerator.is_available():
                 torch.accelerator.synchronize()
+
+    def _stamp_invalid(self, caller: FrameType | None) -> None:
+        """The update failed: if it left this worker's engine invalid, stamp vLLM's weight version
+        ``invalid:<version>`` before the error reaches the driver (module docstring)."""
+        invalid = self.reader.invalid if self.reader is not None else None
+        if invalid is None:
+            return
+        core = _calling_engine_core(caller)
+        if core is None:
+            logger.warning("weightsync: version %d left this worker's weights invalid, and vLLM's engine core is "
+                           "not on the worker's stack (an executor with workers in their own processes), so its "
+                           "weight version cannot be stamped %r; the job's status page shows the reader invalid",
+                           invalid.version, invalid_stamp(invalid.version))
+            return
+        try:
+            core.set_weight_version(invalid_stamp(invalid.version))
+        except Exception as exc:  # the update's own error is what the driver must see
+            logger.warning("weightsync: stamping vLLM's weight version invalid: %s", exc)
 
     def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
         if self.reader is None:
