@@ -389,3 +389,59 @@ def test_a_prefetching_engine_keeps_its_version_until_its_loader_runs(server, fa
         prefetch.start()
         recover(reader, trainer, engine, meta, full=fault == "loader", update=prefetch.apply)
         assert engine.holds(3)
+
+
+# -- vLLM's control planes: how the trainer side stamps an engine invalid (no engine needed) --------
+
+class _Answer:
+    def __init__(self, body: Any) -> None:
+        self.body = body
+
+    def json(self) -> Any:
+        return self.body
+
+    def raise_for_status(self) -> None:
+        pass
+
+
+def test_the_trainer_side_stamps_through_each_control_plane(monkeypatch):
+    """After a failed version, ``send_weights`` asks the workers (``weightsync_invalid``) and, if one
+    is invalid, sets ``invalid:<version>``: over HTTP with vLLM's dev-mode routes, on Ray actors,
+    through ``LLMClient``; a client that can do neither gets None (and a warning when it matters)."""
+    import sys
+    from types import SimpleNamespace
+
+    import httpx
+
+    from weightsync.integrations.vllm_trainer_stamp import invalid_stamper
+
+    states: list[Any] = [None]
+    posts: list[tuple[str, Any]] = []
+
+    def post(url: str, *, json: Any = None, timeout: float = 0.0) -> _Answer:
+        posts.append((url, json))
+        return _Answer({"results": states} if url.endswith("/collective_rpc") else {"success": True})
+
+    monkeypatch.setattr(httpx, "post", post)
+    over_http = invalid_stamper(SimpleNamespace(base_url="http://rollout:8000/"), 5.0)
+    assert over_http is not None and over_http() is None
+    assert posts == [("http://rollout:8000/collective_rpc", {"method": "weightsync_invalid"})]
+    states[:] = [{"version": 7, "error": "injected", "since": 1.0}]
+    assert over_http() == "invalid:7"
+    assert posts[-1] == ("http://rollout:8000/update_weight_version", {"new_version": "invalid:7"})
+
+    class Actor:
+        def __init__(self, answer: Any) -> None:
+            self.answer, self.stamps = answer, []
+            self.collective_rpc = SimpleNamespace(remote=lambda method: [self.answer] if method else [])
+            self.update_weight_version = SimpleNamespace(remote=self.stamps.append)
+
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(get=lambda ref, timeout=None: ref))
+    valid, invalid = Actor(None), Actor({"version": 4, "error": "x", "since": 0.0})
+    over_ray = invalid_stamper(SimpleNamespace(handles=[valid, invalid]), 5.0)
+    assert over_ray is not None and over_ray() == "invalid:4"
+    assert (valid.stamps, invalid.stamps) == ([], ["invalid:4"])  # each actor is an engine of its own
+
+    ours = SimpleNamespace(stamp_if_invalid=lambda: "invalid:3")
+    assert invalid_stamper(ours, 5.0) is ours.stamp_if_invalid
+    assert invalid_stamper(object(), 5.0) is None

@@ -37,6 +37,7 @@ this module; ``vllm`` is imported lazily, inside functions.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -49,6 +50,8 @@ from weightsync.torch_layout import dtype_name
 
 if TYPE_CHECKING:
     from vllm import LLM
+
+logger = logging.getLogger(__name__)
 
 #: The vLLM release the version-specific code below was written and tested against.
 TESTED_VLLM = "0.32.0"
@@ -107,6 +110,34 @@ class VLLMEngine(StagedWeights):
         self.llm.llm_engine.set_weight_version(invalid_stamp(version))
 
 
+#: The method the ``"weightsync"`` backend gives each vLLM worker it runs in: None while the
+#: worker's weights are valid, else ``{"version", "error", "since"}`` of the failed update that left
+#: them mixed. Drivers ask it by name: ``llm.collective_rpc(WORKER_INVALID)``, and through ``vllm
+#: serve``'s dev-mode ``POST /collective_rpc {"method": "weightsync_invalid"}``.
+WORKER_INVALID = "weightsync_invalid"
+
+
+def invalid_stamp_of(states: Iterable[Mapping[str, Any] | None]) -> str | None:
+    """vLLM's weight version for an engine whose workers answered ``states`` (:data:`WORKER_INVALID`):
+    ``invalid:<version>`` if any worker is invalid, else None (every worker valid)."""
+    versions = [int(state["version"]) for state in states if state]
+    return invalid_stamp(max(versions)) if versions else None
+
+
+def stamp_if_invalid(llm: LLM) -> str | None:
+    """After a failed update of ``llm`` (``"weightsync"`` backend): if the failure left a worker's
+    weights mixed, set vLLM's weight version to ``invalid:<version>`` (every later output carries
+    it) and return it; None if every worker kept valid weights.
+
+    A worker that runs in the engine core's process stamps it itself; vLLM's CPU build runs
+    workers in processes of their own, where only the driver can.
+    """
+    stamp = invalid_stamp_of(llm.collective_rpc(WORKER_INVALID))
+    if stamp is not None:
+        llm.update_weight_version(stamp)
+    return stamp
+
+
 def update_llm(llm: LLM, version: int, *, timeout: float | None = None) -> None:
     """Driver side of the ``"weightsync"`` backend: bring every worker of ``llm`` to ``version``.
 
@@ -115,12 +146,21 @@ def update_llm(llm: LLM, version: int, *, timeout: float | None = None) -> None:
     reset and the engine's weight version set to ``str(version)``.
 
     Raises:
-        Whatever a worker raised (``SyncError``, ``TimeoutError``). A worker whose weights the
-        failed version had touched stamped the engine ``invalid:<version>``; otherwise the
-        engine keeps its version. The next successful update recovers the engine.
+        Whatever a worker raised (``SyncError``, ``TimeoutError``). If the failed version had
+        touched a worker's weights, the engine is stamped ``invalid:<version>``
+        (:func:`stamp_if_invalid`) before this raises; otherwise it keeps its version. The next
+        successful update recovers the engine.
     """
     llm.start_weight_update()
-    llm.update_weights({"update_info": {"version": version, "timeout": timeout}})
+    try:
+        llm.update_weights({"update_info": {"version": version, "timeout": timeout}})
+    except Exception:
+        try:
+            stamp_if_invalid(llm)
+        except Exception as exc:  # the update's own error is what the caller must see
+            logger.warning("after version %d failed, asking vLLM's workers whether their weights are valid: %s",
+                           version, exc)
+        raise
     llm.finish_weight_update(weight_version=str(version))
     if not llm.reset_prefix_cache():
         raise RuntimeError("vLLM could not reset its prefix cache (requests are running)")

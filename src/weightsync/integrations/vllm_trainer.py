@@ -242,6 +242,12 @@ class LLMClient:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache (requests are running)")
 
+    def stamp_if_invalid(self) -> str | None:
+        """After a failed version: stamp the engine ``invalid:<version>`` if a worker's weights are."""
+        from weightsync.engines.vllm import stamp_if_invalid
+
+        return stamp_if_invalid(self.llm)
+
 
 def check_reset_answer(url: str, body: bytes) -> None:
     """Refuse a prefix-cache reset that vLLM answered 200 but did not do: since 0.32 the route says
@@ -319,12 +325,15 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         self._closers = closers
         self._lock = threading.Lock()
         self._reset_prefix_cache: Callable[[], None] = lambda: None  # the sender's is set at trainer_init
+        #: the sender's way to stamp vLLM invalid after a failed version (vllm_trainer_stamp.py); None: none
+        self._stamp_invalid: Callable[[], str | None] | None = None
         #: seconds any one wait may take (the job's ``timeout``)
         self.timeout: float = info.sync_config().timeout
 
     @classmethod
     def trainer_init(cls, init_info: WeightSyncTrainerInitInfo, *, client: Any,
                      source: Any = None) -> WeightSyncTrainerEngine:
+        from weightsync.integrations.vllm_trainer_stamp import invalid_stamper
         from weightsync.meta.client import MetaClient
         from weightsync.meta.config import MetaEnv
         from weightsync.writer import WeightWriter
@@ -359,6 +368,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         if engine.is_sender:
             assert resetter is not None
             engine._reset_prefix_cache = resetter
+            engine._stamp_invalid = invalid_stamper(client, config.timeout)
             adapter = lora.peft_config() if isinstance(lora, LoraSpec) else None  # adapter-only versions
             client.init_weight_transfer_engine(init_info.worker_init_info(address, token, adapter))
         return engine
@@ -367,7 +377,9 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         """Send the next version (or ``version``) on every rank; rank 0 drives vLLM (module docstring).
 
         Raises:
-            SyncError: a rank or a worker failed; the workers stay on their last complete version.
+            SyncError: a rank or a worker failed. Workers whose weights the failed version touched
+                are invalid, and rank 0 has stamped vLLM's weight version ``invalid:<version>``;
+                the others keep their version. The next version recovers them.
         """
         with self._lock:
             self.version = version if version is not None else self.version + 1
@@ -387,10 +399,25 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                         rpc.result(timeout=self.timeout)
                     raise
                 self._worker_result(rpc, v)
+            except BaseException:
+                self._stamp_if_invalid(v)
+                raise
             finally:
                 pool.shutdown(wait=False)  # an RPC that never answers must not hold this call past its timeout
             self.client.finish_weight_update(weight_version=str(v))
             self._reset_prefix_cache()
+
+    def _stamp_if_invalid(self, version: int) -> None:
+        """Version ``version`` failed: if it left a worker's weights mixed, stamp vLLM invalid."""
+        if self._stamp_invalid is None:
+            logger.warning("version %d failed, and %s cannot stamp vLLM's weight version invalid if a worker's "
+                           "weights are (the meta server's status page shows its reader)", version,
+                           type(self.client).__name__)
+            return
+        try:
+            self._stamp_invalid()
+        except Exception as exc:  # the update's own error is what the caller must see
+            logger.warning("version %d failed; stamping vLLM's weight version invalid failed too: %s", version, exc)
 
     def _worker_result(self, rpc: Future[Any], version: int) -> None:
         """The workers' ``update_weights`` of ``version``: their error, or one naming where they
