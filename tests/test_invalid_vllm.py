@@ -180,10 +180,12 @@ def loader_breaks(engine: Engine) -> Iterator[None]:
         del model.load_weights  # the class's method again
 
 
-def inject(engine: Engine, fault: str, reader: Any, version: int, port: Any, buffers: Any) -> contextlib.AbstractContextManager[Any]:
-    """Arm ``fault`` for ``version``; returns the context the failing update runs in."""
+def inject(engine: Engine, fault: str, reader: Any, version: int, port: Any = None,
+           target: torch.Tensor | None = None) -> contextlib.AbstractContextManager[Any]:
+    """Arm ``fault`` for ``version`` (partial write: into ``target``); returns the context the
+    failing update runs in."""
     if fault == "partial-write":
-        port.arm(buffers[NORM])
+        port.arm(target)
     elif fault == "phase":
         fail_in_phase(reader, version, 3)
     else:
@@ -212,7 +214,7 @@ def test_an_in_process_vllm_engine_ends_invalid_and_a_full_version_recovers_it(e
         done = t.write(v, SEEDS[engine.holds])  # the reader plans and arms on a version of what it holds
         reader.update(v)
         done.result(60)
-        with inject(engine, fault, reader, v + 1, port, adapter.receive_buffers()):
+        with inject(engine, fault, reader, v + 1, port, adapter.receive_buffers()[NORM]):
             done = t.write(v + 1, SEEDS[y])
             with pytest.raises(SyncError, match=MESSAGES[fault]):
                 reader.update(v + 1)
@@ -249,7 +251,7 @@ def backend(engine: Engine, sync: SyncConfig, **extra: Any) -> Iterator[Any]:
 def test_the_worker_backend_stamps_vllm_invalid_when_a_failed_version_touched_the_model(engine, fault):
     """Before the fix the worker's reader knew, but vLLM's weight version stayed the old one: outputs
     of mixed weights were stamped with a valid version."""
-    from weightsync.engines.vllm import update_llm
+    from weightsync.engines.vllm import stamp_if_invalid, update_llm
 
     y, z = engine.next_steps()
     sync = sync_config(engine, fault)
@@ -259,7 +261,7 @@ def test_the_worker_backend_stamps_vllm_invalid_when_a_failed_version_touched_th
         update_llm(engine.llm, v)
         done.result(60)
         reader = worker.reader
-        with inject(engine, fault, reader, v + 1, port, reader.engine.receive_buffers()):
+        with inject(engine, fault, reader, v + 1, port, reader.engine.receive_buffers()[NORM]):
             done = t.write(v + 1, SEEDS[y])
             with pytest.raises(Exception, match=MESSAGES[fault]):
                 update_llm(engine.llm, v + 1)
@@ -267,6 +269,9 @@ def test_the_worker_backend_stamps_vllm_invalid_when_a_failed_version_touched_th
             done.result(60)
         assert reader.version is None and reader.invalid is not None and row(engine, sync)["state"] == "invalid"
         engine.check_invalid(v + 1)
+        # the driver's stamp, for a worker in a process of its own (vLLM's CPU build): it asks the worker
+        engine.llm.update_weight_version(str(v))
+        assert stamp_if_invalid(engine.llm) == f"invalid:{v + 1}" == engine.llm.get_weight_version()
 
         done = t.write(v + 2, SEEDS[z])
         update_llm(engine.llm, v + 2)
@@ -276,10 +281,45 @@ def test_the_worker_backend_stamps_vllm_invalid_when_a_failed_version_touched_th
     engine.holds, engine.version = z, v + 2
 
 
+@pytest.mark.parametrize("fault", ["partial-write", "loader"])
+def test_a_prefetching_worker_keeps_its_version_until_vllms_loader_runs(engine, fault):
+    """With ``prefetch`` the worker receives into staging while vLLM serves: a transfer cut short
+    there leaves vLLM on version v (tokens and stamp); ``load_weights`` raising in the apply leaves
+    it ``invalid:<v+1>``. ((b) does not arise: prefetch refuses ``layer_phases``.)"""
+    from weightsync.engines.vllm import update_llm
+
+    y, z = engine.next_steps()
+    sync = sync_config(engine, fault)
+    with partial_writes() as port, trainer(engine, sync) as t, backend(engine, sync, prefetch=True) as worker:
+        v = engine.version + 1
+        done = t.write(v, SEEDS[engine.holds])
+        update_llm(engine.llm, v)
+        done.result(60)
+        reader = worker.reader
+        staged = reader.engine.receive_buffers()["model.layers.1.self_attn.q_proj.weight"]
+        with inject(engine, fault, reader, v + 1, port, staged):
+            done = t.write(v + 1, SEEDS[y])
+            with pytest.raises(Exception, match=MESSAGES[fault]):
+                update_llm(engine.llm, v + 1)
+        with contextlib.suppress(Exception):
+            done.result(60)
+        if fault == "loader":
+            assert reader.invalid is not None and row(engine, sync)["state"] == "invalid"
+            engine.check_invalid(v + 1)
+        else:
+            assert reader.version == v and row(engine, sync)["state"] == "valid"
+            engine.check(engine.holds, str(v))
+        done = t.write(v + 2, SEEDS[z])
+        update_llm(engine.llm, v + 2)
+        done.result(60)
+    engine.check(z, str(v + 2))
+    engine.holds, engine.version = z, v + 2
+
+
 def test_a_failure_before_any_byte_reached_the_model_keeps_the_backends_version(engine):
     """The writer is gone before the worker's transport connects: the norms received in place were
     not written, nothing was loaded, so vLLM keeps serving version v under its own stamp."""
-    from weightsync.engines.vllm import update_llm
+    from weightsync.engines.vllm import stamp_if_invalid, update_llm
 
     y, _ = engine.next_steps()
     sync = sync_config(engine, "loader")
@@ -303,6 +343,7 @@ def test_a_failure_before_any_byte_reached_the_model_keeps_the_backends_version(
             done.result(60)
         assert worker.reader.version == v and worker.reader.invalid is None
         assert (row(engine, sync)["state"], row(engine, sync)["version"]) == ("valid", v)
+        assert stamp_if_invalid(engine.llm) is None  # nothing to stamp
     engine.check(engine.holds, str(v))
     engine.version = v
 
@@ -333,7 +374,7 @@ def test_the_trainer_side_leaves_vllm_stamped_invalid_and_its_next_version_recov
         v = engine.version + 1
         send(v, engine.holds)
         reader = engine.worker_engine().reader
-        with inject(engine, fault, reader, v + 1, None, None):
+        with inject(engine, fault, reader, v + 1):
             with pytest.raises(Exception, match=MESSAGES[fault]):
                 send(v + 1, y)
         assert reader.invalid is not None
