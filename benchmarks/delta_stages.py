@@ -85,9 +85,9 @@ def _first_method(new: list[torch.Tensor], old: list[torch.Tensor]) -> None:
 def measure(model: str, steps: int, reps: int) -> dict[str, Any]:
     from safetensors.torch import load_file
 
-    from weightsync.bench.vllm_memory import model_config
-    from weightsync.codecs.delta import apply, diff
+    from weightsync.apps.bench.vllm_memory import model_config
     from weightsync.sources.trained import train_snapshots
+    from weightsync.tools.codecs.delta import apply, diff
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="weightsync-stages-") as tmp:

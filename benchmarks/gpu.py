@@ -83,17 +83,17 @@ def device_copy_gbps(nbytes: int, reps: int = 5) -> float:
 def worker(role: str, spec: dict[str, Any]) -> None:
     import torch
 
-    from weightsync.bench.baselines import reader_bytes
-    from weightsync.bench.weights import WeightPool, fill, mismatches
+    from weightsync.apps.bench.baselines import reader_bytes
+    from weightsync.apps.bench.weights import WeightPool, fill, mismatches
     from weightsync.engines.buffers import ShardedEngine
     from weightsync.layout import ModelSpec, parse_layout
     from weightsync.meta.client import MetaClient
-    from weightsync.reader import WeightReader
-    from weightsync.session import SyncConfig
+    from weightsync.roles.reader import WeightReader
+    from weightsync.roles.writer import WeightWriter
+    from weightsync.session.sync_session import SyncConfig
     from weightsync.sources.module import ShardedSource
-    from weightsync.torch_layout import allocate
+    from weightsync.tools.torch_layout import allocate
     from weightsync.transport import TransportOptions
-    from weightsync.writer import WeightWriter
 
     torch.cuda.set_device(0)
     config = spec["config"]

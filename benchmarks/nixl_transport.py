@@ -83,7 +83,7 @@ def _tensors(layout: Any, values: dict[str, Any] | None) -> dict[str, Any]:
     import torch
 
     from weightsync.plan.reference import cut_shards, empty_shards
-    from weightsync.torch_layout import TORCH_DTYPES
+    from weightsync.tools.torch_layout import TORCH_DTYPES
 
     arrays = cut_shards(layout, values) if values is not None else empty_shards(layout)
     dtypes = {s.name: TORCH_DTYPES[s.dtype] for s in layout.shards}
@@ -95,7 +95,7 @@ def _rank_main(bench: str, role: str, rank: int, layers: int, layouts: tuple[str
     """One rank: prepare inside version 0, then send or receive every version, timed."""
     import torch
 
-    from weightsync.job import JobChannel
+    from weightsync.job.channel import JobChannel
     from weightsync.plan import build_local_plan
     from weightsync.plan.reference import random_canonical
     from weightsync.transport import TransportContext, TransportOptions, create_transport

@@ -10,10 +10,11 @@ carries over), one after the other, on one core when started under ``taskset -c 
   descriptors, the FP8 offers (:func:`~weightsync.layout.quant_offers.quantized_sources`),
   the whole plan's statistics (every op of every rank, streamed), and the local plans of a
   sample of ranks;
-* **job start**: what :meth:`weightsync.session.SyncSession.plan` computes on one rank
+* **job start**: what :meth:`weightsync.session.sync_session.SyncSession.plan` computes on one rank
   (writer 0, reader 0): decode the roster's layout descriptors, derive the FP8 offers, plan
   this rank's share and, on a writer, build its FP8 quantizer. The same functions the
-  session calls (:func:`~weightsync.session.decode_roster`, :func:`~weightsync.session.plan_share`).
+  session calls (:func:`~weightsync.session.sync_session.decode_roster`,
+  :func:`~weightsync.session.sync_session.plan_share`).
 
 On a shared machine, ``--repeat N`` runs every case N times (bf16 and FP8 alternating) and
 keeps each case's least wall time and least CPU time.
@@ -87,10 +88,10 @@ def global_case(config: str, source: str, target: str, sample: int) -> dict[str,
 
 def job_start_case(config: str, source: str, target: str, role: str, rank: int) -> dict[str, Any]:
     """One rank's job-start work from the roster's descriptors, as the session runs it."""
-    from weightsync.job import Member
+    from weightsync.job.channel import Member
     from weightsync.layout.wire import encode_descriptor
     from weightsync.plan import PlanOptions
-    from weightsync.session import decode_roster, plan_share
+    from weightsync.session.sync_session import decode_roster, plan_share
 
     spec = load_spec(config)
     src, dst = parse_layout(source), parse_layout(target)

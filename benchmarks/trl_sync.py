@@ -43,7 +43,7 @@ PROMPT = [5 + (7 * i) % 480 for i in range(40)]
 
 
 def model_config(args: argparse.Namespace) -> dict[str, Any]:
-    from weightsync.tiny import tiny_config
+    from weightsync.tools.tiny import tiny_config
 
     config = tiny_config()
     config.update(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
@@ -85,8 +85,8 @@ def rank_main(args: argparse.Namespace) -> None:
     from trl import GRPOConfig
     from trl.generation.vllm_generation import VLLMGeneration
 
-    from weightsync.bench.worker import _status_kb, reset_peak_rss
     from weightsync.integrations.trl import GRPOTrainer
+    from weightsync.tools.rss import reset_peak_rss, status_bytes
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -117,14 +117,14 @@ def rank_main(args: argparse.Namespace) -> None:
         for method in order:
             dist.barrier()
             reset_peak_rss()
-            rss, start = _status_kb("VmRSS"), time.perf_counter()
+            rss, start = status_bytes("VmRSS"), time.perf_counter()
             if method == "trl":
                 with reload_session(generation.llm):
                     VLLMGeneration.sync_weights(generation)  # TRL 1.16's own colocate path
             else:
                 version += 1
                 generation.sync.sync(version)
-            seconds, peak = time.perf_counter() - start, _status_kb("VmHWM") - rss
+            seconds, peak = time.perf_counter() - start, status_bytes("VmHWM") - rss
             tokens[method] = greedy(generation.llm)
             print("RESULT " + json.dumps({"rank": rank, "round": round_, "method": method, "seconds": seconds,
                                           "peak_bytes": peak, "tokens": tokens[method]}), flush=True)
@@ -140,7 +140,7 @@ def free_port() -> int:
 
 
 def launch(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from weightsync.tiny import write_checkpoint, write_tokenizer
+    from weightsync.tools.tiny import write_checkpoint, write_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="trl-sync-") as tmp:
         config = model_config(args)

@@ -5,12 +5,12 @@ Hugging Face model (``configs/tiny-qwen3``, random weights). Each step:
 
 1. the generator samples ``GROUP`` completions for each of ``PROMPTS`` prompts and scores
    them with a programmatic reward (the share of completion tokens in the lower half of
-   the vocabulary), then *puts* tokens and rewards into a :class:`~weightsync.tensorstore.TensorStore`
+   the vocabulary), then *puts* tokens and rewards into a :class:`~weightsync.roles.tensorstore.TensorStore`
    (one-sided: it never waits for the trainers);
 2. each trainer *gets* its half of the batch (the store reshards: whole groups per rank),
    takes one GRPO step (group-normalised advantages, policy gradient) and writes the new
    weights (``WeightWriter`` over ``DTensorSource``, shared memory);
-3. the generator's :class:`~weightsync.inflight.InflightReader` receives the weights in the
+3. the generator's :class:`~weightsync.roles.inflight.InflightReader` receives the weights in the
    background and applies them between two generations.
 
 Synchronous (K=0): batch ``i`` is generated with the weights trained on batches ``< i``, and
@@ -34,8 +34,7 @@ from importlib import resources
 
 import torch
 
-from weightsync import SyncConfig, WeightWriter
-from weightsync.tensorstore import StoreConfig, TensorSlice, TensorStore
+from weightsync import StoreConfig, SyncConfig, TensorSlice, TensorStore, WeightWriter
 
 PROMPTS, GROUP, PROMPT_LEN, NEW_TOKENS = 4, 4, 8, 12
 TRAINERS = 2
@@ -122,8 +121,8 @@ def generate(model: torch.nn.Module, step: int, vocab: int) -> torch.Tensor:
 
 
 def run_mode(mode: str, staleness: int, steps: int, config: dict) -> dict:
+    from weightsync import InflightReader
     from weightsync.engines import ModuleEngine
-    from weightsync.inflight import InflightReader
 
     model = make_model(config).eval()
     vocab = config["vocab_size"]

@@ -48,9 +48,8 @@ def train(rank: int, checkpoint: str, steps: int, job: str, lr: float) -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers import Qwen3ForCausalLM
 
-    from weightsync.session import SyncConfig
+    from weightsync import SyncConfig, WeightWriter
     from weightsync.sources.dtensor import DTensorSource
-    from weightsync.writer import WeightWriter
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -86,10 +85,9 @@ def serve(checkpoint: str, steps: int, job: str, server: Any) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from weightsync import SyncConfig, WeightReader
     from weightsync.engines.vllm import VLLMEngine
     from weightsync.meta.client import MetaClient
-    from weightsync.reader import WeightReader
-    from weightsync.session import SyncConfig
 
     llm = LLM(model=checkpoint, dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=1,
               kv_cache_memory_bytes=32 << 20, skip_tokenizer_init=True)

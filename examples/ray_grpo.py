@@ -22,7 +22,7 @@ cluster, ``--address auto``. This loop has rollout workers receive when they ask
 (``update`` before generating): on one node that is shared memory, which never waits for the
 reader; across nodes the two-sided torch transport makes a writer's ``write`` wait until
 every reader receives, so give such readers ``staleness=0`` or receive in the background
-(:class:`weightsync.inflight.InflightReader`).
+(:class:`weightsync.roles.inflight.InflightReader`).
 """
 
 from __future__ import annotations

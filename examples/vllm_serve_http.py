@@ -63,7 +63,7 @@ def train(rank: int, args: argparse.Namespace) -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from weightsync.integrations.vllm_trainer import WeightSyncTrainerInitInfo
-    from weightsync.session import SyncError
+    from weightsync.session.sync_session import SyncError
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)

@@ -3,7 +3,7 @@ that sends the same weights every time or checks only at the end."""
 
 from __future__ import annotations
 
-from weightsync.bench.baselines import BucketedBroadcast, RankContext, SyncReport
+from weightsync.apps.bench.baselines import BucketedBroadcast, RankContext, SyncReport
 
 
 class SkipsCopyAfterFirst(BucketedBroadcast):

@@ -8,7 +8,7 @@ transformers builds no MTP layer (it ignores ``num_nextn_predict_layers``); a tr
 DeepSeek-V3's MTP head appends one, as RL frameworks that train it do: a decoder layer plus
 ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm`` at ``model.layers.{N}``, the names of the
 checkpoint (transformers runs only the first ``num_hidden_layers`` layers). Version ``i`` holds
-``weightsync.tiny.canonical_weights(config, seeds[i - 1])``, written into each rank's local shards.
+``weightsync.tools.tiny.canonical_weights(config, seeds[i - 1])``, written into each rank's local shards.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def run_rank(build: Callable[[dict[str, Any], argparse.Namespace], tuple[Any, Ca
     """
     import torch.distributed as dist
 
-    from weightsync.session import SyncConfig
-    from weightsync.writer import WeightWriter
+    from weightsync.roles.writer import WeightWriter
+    from weightsync.session.sync_session import SyncConfig
 
     parser = argparse.ArgumentParser()
     for name in ("config", *extra):
@@ -84,8 +84,8 @@ def fsdp2_rank(config: dict[str, Any], args: argparse.Namespace) -> tuple[Any, C
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from weightsync.sources import DTensorSource
-    from weightsync.tiny import canonical_weights
-    from weightsync.torch_layout import fill_from_canonical
+    from weightsync.tools.tiny import canonical_weights
+    from weightsync.tools.torch_layout import fill_from_canonical
 
     hf = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
     model = AutoModelForCausalLM.from_config(hf, dtype=torch.float32)

@@ -46,8 +46,8 @@ def main() -> None:
 
     from engine_faults import Trainer
     from weightsync.engines.vllm import update_llm
-    from weightsync.session import SyncConfig
-    from weightsync.tiny import tiny_config
+    from weightsync.session.sync_session import SyncConfig
+    from weightsync.tools.tiny import tiny_config
     from weightsync.transport import TransportError, TransportOptions
 
     sync = SyncConfig(num_writers=1, num_readers=1, job=f"child-{uuid.uuid4().hex[:8]}", timeout=60,

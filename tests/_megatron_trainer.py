@@ -7,7 +7,7 @@ builds its forked ranks with.
         --rank R --world 4 --seeds 1,2 --job j
 
 The rank builds its stage of a real megatron-core ``GPTModel`` (the local spec, with the CPU shims
-of :func:`cpu_shims`). Version ``i`` holds ``weightsync.tiny.canonical_weights(config, seeds[i - 1])``,
+of :func:`cpu_shims`). Version ``i`` holds ``weightsync.tools.tiny.canonical_weights(config, seeds[i - 1])``,
 put into the model as mbridge's ``load_weights`` does (:func:`load_like_mbridge`).
 """
 
@@ -162,7 +162,7 @@ def megatron_rank(config: dict[str, Any], args: Any) -> tuple[Any, Any]:
     """This rank's stage of the megatron-core model of ``config`` at ``args.parallel``; its step
     loads the weights as mbridge does."""
     from weightsync.sources.megatron import MegatronSource
-    from weightsync.tiny import canonical_weights
+    from weightsync.tools.tiny import canonical_weights
 
     cpu_shims()
     model = build(config, args.parallel)

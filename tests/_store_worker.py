@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from weightsync.tensorstore import StoreConfig, TensorSlice, TensorStore, slice_of
+from weightsync.roles.tensorstore import StoreConfig, TensorSlice, TensorStore, slice_of
 
 
 def store_values(version: int) -> dict[str, torch.Tensor]:

@@ -16,18 +16,18 @@ import time
 
 import torch
 
+from weightsync.apps.demo import canonical_values
+from weightsync.clock.deadline import Deadline
 from weightsync.configs import load_spec
-from weightsync.deadline import Deadline
-from weightsync.demo import canonical_values
 from weightsync.engines.buffers import ShardedEngine
 from weightsync.plan import PlanOptions
-from weightsync.reader import WeightReader
-from weightsync.session import SyncConfig, SyncError
+from weightsync.roles.reader import WeightReader
+from weightsync.roles.writer import WeightWriter
+from weightsync.session.sync_session import SyncConfig, SyncError
 from weightsync.sources.module import ShardedSource
-from weightsync.torch_layout import TORCH_DTYPES, allocate, fill_from_canonical, strided_view
+from weightsync.tools.torch_layout import TORCH_DTYPES, allocate, fill_from_canonical, strided_view
 from weightsync.transport import TransportOptions
-from weightsync.transport.shm_files import share_tensors
-from weightsync.writer import WeightWriter
+from weightsync.transport.shm.files import share_tensors
 
 
 def emit(**record):

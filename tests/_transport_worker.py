@@ -16,14 +16,14 @@ import torch
 
 from fake_meta import DirectoryMeta
 from weightsync.configs import load_spec
-from weightsync.devices import RankPlacement
-from weightsync.job import JobChannel
+from weightsync.job.channel import JobChannel
 from weightsync.layout import parse_layout
 from weightsync.layout.lora import LoraSpec
 from weightsync.plan import PlanOptions, build_local_plan
-from weightsync.torch_layout import TORCH_DTYPES, allocate, fill_from_canonical
+from weightsync.tools.devices import RankPlacement
+from weightsync.tools.torch_layout import TORCH_DTYPES, allocate, fill_from_canonical
 from weightsync.transport import TransportContext, TransportOptions, create_transport
-from weightsync.transport.shm_files import share_tensors
+from weightsync.transport.shm.files import share_tensors
 
 
 def values_for(canonical, version, dtype):

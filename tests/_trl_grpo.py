@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 
 def write_model(path: Path) -> dict[str, Any]:
     """The tiny Qwen3 checkpoint (seed 1) with a word-level tokenizer: ``w3 w4 ...`` are ids 3, 4, ..."""
-    from weightsync.tiny import tiny_config, write_checkpoint, write_tokenizer
+    from weightsync.tools.tiny import tiny_config, write_checkpoint, write_tokenizer
 
     config = tiny_config()
     write_checkpoint(path, config, seed=1)
@@ -62,7 +62,7 @@ def train(args: argparse.Namespace) -> None:
         vllm_server_timeout=300, vllm_max_model_length=256, vllm_gpu_memory_utilization=0.3,
         per_device_train_batch_size=2, num_generations=2, max_completion_length=8, max_steps=args.steps,
         learning_rate=1e-2, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, seed=0,
-        bf16=False, disable_tqdm=True)
+        bf16=False, disable_tqdm=True, vllm_tensor_parallel_size=args.tp)
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32),
                           reward_funcs=reward, args=grpo, train_dataset=Dataset.from_dict({"prompt": prompts}),
                           processing_class=AutoTokenizer.from_pretrained(args.model),
@@ -103,20 +103,24 @@ def train(args: argparse.Namespace) -> None:
         trainer.train()
     finally:
         generation.close()
+    logged = [{k: v for k, v in row.items() if k.startswith("weightsync/")} for row in trainer.state.log_history]
+    print("LOGGED " + json.dumps({"rank": rank, "rows": [row for row in logged if row]}), flush=True)
 
 
-def colocate_reference(paths: list[str]) -> None:
+def colocate_reference(paths: list[str], tp: int = 1) -> None:
     """Greedy tokens of a fresh engine per checkpoint, built with the arguments TRL 1.16 gives its
     colocated ``LLM`` (VLLMGeneration._init_vllm; the engine's dtype is vLLM's choice for a float32
-    checkpoint, bfloat16 on CPU, where a different batch budget may flip a greedy token)."""
+    checkpoint, bfloat16 on CPU, where a different batch budget may flip a greedy token); with
+    ``tp`` > 1 its TP workers are processes of its own (TRL's are the training ranks)."""
     from vllm import LLM
 
     sys.path.insert(0, str(HERE))
     from _vllm_native import _greedy
 
+    parallel: dict[str, Any] = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
     for path in paths:
         llm = LLM(model=path, max_model_len=256, max_num_seqs=2, seed=0, max_num_batched_tokens=4096,
-                  logprobs_mode="processed_logprobs", kv_cache_memory_bytes=32 << 20)
+                  logprobs_mode="processed_logprobs", kv_cache_memory_bytes=32 << 20, **parallel)
         print("RESULT " + json.dumps({"path": path, "tokens": _greedy(llm)}), flush=True)
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -131,15 +135,17 @@ def main() -> int:
     t.add_argument("--mode", choices=["server", "colocate"], required=True)
     t.add_argument("--url", default=None)
     t.add_argument("--steps", type=int, default=3)
+    t.add_argument("--tp", type=int, default=1, help="vllm_tensor_parallel_size")
     r = sub.add_parser("colocate-reference")
     r.add_argument("paths", nargs="+")
+    r.add_argument("--tp", type=int, default=1)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     if args.cmd == "train":
         train(args)
     else:
-        colocate_reference(args.paths)
+        colocate_reference(args.paths, args.tp)
     return 0
 
 

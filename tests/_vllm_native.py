@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from weightsync.bench.vllm_prefetch_serve import free_port, vllm_serve
+from weightsync.apps.bench.vllm_prefetch_serve import free_port, vllm_serve
 
 PROMPT = [5 + (7 * i) % 480 for i in range(40)]  # longer than one KV block (16 tokens on CPU)
 NEW_TOKENS = 12
@@ -126,8 +126,8 @@ def lora_trainer(args: argparse.Namespace) -> None:
     from weightsync.layout import ModelSpec
     from weightsync.layout.lora import LoraSpec
     from weightsync.sources.lora import LoraSource
-    from weightsync.tiny import lora_weights
-    from weightsync.torch_layout import allocate, fill_from_canonical
+    from weightsync.tools.tiny import lora_weights
+    from weightsync.tools.torch_layout import allocate, fill_from_canonical
 
     torch.set_num_threads(1)
     config = json.loads((Path(args.model) / "config.json").read_text())
@@ -160,12 +160,12 @@ def pause_driver(args: argparse.Namespace) -> None:
     seed) prefetched since ``/start_weight_update`` and applied under the bench's driver sequence
     for that pause mode (``apply_prefetched``), then the server's greedy tokens, how many prompt
     tokens it took from its prefix cache, and its weight version."""
-    from weightsync.bench.vllm_prefetch_serve import _Routes, apply_prefetched
+    from weightsync.apps.bench.vllm_prefetch_serve import _Routes, apply_prefetched
     from weightsync.meta.client import MetaClient
-    from weightsync.sync_config import SCOPES, SyncConfig
-    from weightsync.tiny import CanonicalSource, canonical_weights
-    from weightsync.torch_layout import fill_from_canonical
-    from weightsync.writer import WeightWriter
+    from weightsync.roles.writer import WeightWriter
+    from weightsync.session.config import SCOPES, SyncConfig
+    from weightsync.tools.tiny import CanonicalSource, canonical_weights
+    from weightsync.tools.torch_layout import fill_from_canonical
 
     config = json.loads((Path(args.model) / "config.json").read_text())
     source = CanonicalSource(config)
@@ -226,8 +226,8 @@ def mp_engine(checkpoint: str, versions: list[str]) -> None:
 
     from weightsync.integrations.vllm_trainer import LLMClient, WeightSyncTrainerInitInfo
     from weightsync.sources.module import ShardedSource
-    from weightsync.tiny import canonical_weights
-    from weightsync.torch_layout import fill_from_canonical
+    from weightsync.tools.tiny import canonical_weights
+    from weightsync.tools.torch_layout import fill_from_canonical
 
     config = json.loads((Path(checkpoint) / "config.json").read_text())
     llm = _engine(checkpoint, weight_transfer_config={"backend": "weightsync"})
@@ -262,8 +262,8 @@ def mp_engine_delta(checkpoint: str, seed: int) -> None:
 
     from weightsync.integrations.vllm_trainer import LLMClient, WeightSyncTrainerInitInfo
     from weightsync.sources.module import ShardedSource
-    from weightsync.tiny import canonical_weights
-    from weightsync.torch_layout import fill_from_canonical
+    from weightsync.tools.tiny import canonical_weights
+    from weightsync.tools.torch_layout import fill_from_canonical
 
     config = json.loads((Path(checkpoint) / "config.json").read_text())
     llm = _engine(checkpoint, weight_transfer_config={"backend": "weightsync"})

@@ -14,7 +14,7 @@ import pytest
 @pytest.fixture(autouse=True)
 def sweep_dead_writers_segments():
     yield
-    from weightsync.transport.shm_files import sweep_stale_segments
+    from weightsync.transport.shm.files import sweep_stale_segments
 
     sweep_stale_segments()
 

@@ -1,8 +1,8 @@
 """A CPU model of the device port that *enforces* GPU rules (tests only).
 
-Installed with ``weightsync.device_port.use(DeviceModel())``, it makes CPU tensors behave like
+Installed with ``weightsync.ports.device.use(DeviceModel())``, it makes CPU tensors behave like
 tensors on a GPU as far as these rules go, against the same transport and engine code that runs
-on a GPU (:mod:`weightsync.device_port` is the port; each rule has a negative test in
+on a GPU (:mod:`weightsync.ports.device` is the port; each rule has a negative test in
 ``tests/test_device_model.py``):
 
 * **Asynchronous completion.** ``copy`` only queues the copy on the calling process's stream; it
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from weightsync.device_port import IpcHandle
+from weightsync.ports.device import IpcHandle
 
 Range = tuple[int, int]  # [start, end) in bytes
 
@@ -334,7 +334,7 @@ class DeviceModel:
 # -- NIXL --------------------------------------------------------------------------------------
 
 class NixlModel:
-    """The slice of the ``nixl`` Python API :mod:`weightsync.transport.nixl_agent` uses, in one
+    """The slice of the ``nixl`` Python API :mod:`weightsync.transport.nixl.agent` uses, in one
     process: agents find each other by name, transfers are memory copies reported to the device
     model as NIC accesses, and every descriptor must lie inside one registration of its agent.
 

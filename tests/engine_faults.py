@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from weightsync import device_port
 from weightsync.meta import MetaClient
-from weightsync.session import SyncConfig
-from weightsync.tiny import CanonicalSource, canonical_weights
-from weightsync.torch_layout import fill_from_canonical
+from weightsync.ports import device as device_port
+from weightsync.session.sync_session import SyncConfig
+from weightsync.tools.tiny import CanonicalSource, canonical_weights
+from weightsync.tools.torch_layout import fill_from_canonical
 from weightsync.transport import TransportError
 
 
@@ -91,7 +91,7 @@ class Trainer:
         self._pool.submit(self._open, sync, address, token).result(60)
 
     def _open(self, sync: SyncConfig, address: str, token: str) -> None:
-        from weightsync.writer import WeightWriter
+        from weightsync.roles.writer import WeightWriter
 
         self.source = CanonicalSource(self.config)
         self._writer = WeightWriter(self.source, rank=0, config=sync, meta=MetaClient(address, job=sync.job,

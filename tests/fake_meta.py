@@ -1,4 +1,4 @@
-"""What transports use of the meta server (:class:`weightsync.job_port.TransportBoard`), backed by a directory.
+"""What transports use of the meta server (:class:`weightsync.ports.coordinator.TransportBoard`), backed by a directory.
 
 Transport contract tests run transports without the meta server (which has its own
 tests); this keeps them fast and isolates failures. Works across processes: writes are

@@ -17,13 +17,13 @@ from typing import Any
 import torch
 
 from fake_meta import DirectoryMeta
-from weightsync import device_port
 from weightsync.configs import load_spec
-from weightsync.job import JobChannel
+from weightsync.job.channel import JobChannel
 from weightsync.layout import parse_layout
 from weightsync.plan import build_local_plan, layer_phases, split_plan
 from weightsync.plan.reference import cut_shards, empty_shards, random_canonical
-from weightsync.torch_layout import TORCH_DTYPES
+from weightsync.ports import device as device_port
+from weightsync.tools.torch_layout import TORCH_DTYPES
 from weightsync.transport import TransportContext, TransportOptions, create_transport
 
 

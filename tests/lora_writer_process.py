@@ -3,7 +3,7 @@
     WEIGHTSYNC_META_ADDR=... WEIGHTSYNC_META_TOKEN=... python tests/lora_writer_process.py \\
         --config '<hf config json>' --r 8 --alpha 16 --tp 2 --rank 0 --job j --seeds 2,3
 
-Version ``i`` (from 1) holds ``weightsync.tiny.lora_weights(config, lora, seeds[i - 1])``, this
+Version ``i`` (from 1) holds ``weightsync.tools.tiny.lora_weights(config, lora, seeds[i - 1])``, this
 rank's TP slice of it (column-parallel layers' B rows, row-parallel layers' A columns).
 """
 
@@ -17,11 +17,11 @@ import torch
 
 from weightsync.layout import ModelSpec
 from weightsync.layout.lora import LoraSpec
-from weightsync.session import SyncConfig
+from weightsync.roles.writer import WeightWriter
+from weightsync.session.sync_session import SyncConfig
 from weightsync.sources.lora import LoraSource
-from weightsync.tiny import lora_weights
-from weightsync.torch_layout import allocate, fill_from_canonical
-from weightsync.writer import WeightWriter
+from weightsync.tools.tiny import lora_weights
+from weightsync.tools.torch_layout import allocate, fill_from_canonical
 
 
 def main() -> int:

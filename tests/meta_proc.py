@@ -88,7 +88,7 @@ class MetaServerProcess:
 def wait_for_long_polls(client, count: int = 1, timeout: float = 20.0) -> None:
     """Until the server holds ``count`` long-polls (a waiter thread's call has reached it): an
     event to order a test on, instead of a sleep that fails under load."""
-    from weightsync.deadline import Deadline
+    from weightsync.clock.deadline import Deadline
 
     deadline = Deadline.after(timeout)
     while client.server_status()["waiting"] < count:

@@ -24,10 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 PKG = SRC / "weightsync"
 
-#: Packages the pure core (layout/, plan/) must never import.
+#: Packages the pure core (layout/, plan/, clock/, configs/) must never import.
 CORE_FORBIDDEN = (
     "torch", "weightsync.transport", "weightsync.engines", "weightsync.sources", "weightsync.meta",
-    "weightsync.writer", "weightsync.reader", "vllm", "sglang", "megatron", "deepspeed", "nixl",
+    "weightsync.roles", "vllm", "sglang", "megatron", "deepspeed", "nixl",
     "nixl_cu12", "nccl", "transformers", "fastapi", "uvicorn", "httpx",
 )
 #: Engine / framework packages only their own adapter (or integration) modules may import.
@@ -35,39 +35,38 @@ ADAPTER_ONLY = {
     "vllm": ("engines/vllm", "integrations/vllm", "integrations/trl"), "sglang": ("engines/sglang", "integrations/sglang"),
     "transformers": ("engines/hf", "sources/"), "trl": "integrations/trl",
     "megatron": "sources/megatron", "mbridge": "sources/megatron", "deepspeed": "sources/deepspeed",
-    "nixl": "transport/nixl", "nixl_cu12": "transport/nixl", "nccl": "transport/nccl_comm",
+    "nixl": "transport/nixl/", "nixl_cu12": "transport/nixl/", "nccl": "transport/torch/nccl_comm",
     # weightsync's Ray actors, and the vLLM trainer engine driving vLLM's Ray workers
     "ray": ("integrations/ray/", "integrations/vllm_trainer"), "verl": "integrations/verl",
 }
 
-#: The layers: layer -> (the modules in it, by prefix; the layers it builds on). A module may
-#: import modules of its own layer and of every layer its layer builds on, directly or through
-#: others, never any other (docs/architecture.md draws this). A module belongs to the layer of
-#: the longest prefix naming it; every module needs one (the package root names only itself).
+#: The layers: layer -> (its folders, the top-level packages of ``src/weightsync``; the layers it
+#: builds on). A module may import modules of its own layer and of every layer its layer builds
+#: on, directly or through others, never any other (docs/architecture.md draws this). A module
+#: belongs to the layer of the folder it is in; the package root (``weightsync/__init__.py``)
+#: is the one module outside every folder, in the core.
 LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "core": (("weightsync", "weightsync.layout", "weightsync.plan", "weightsync.deadline", "weightsync.configs"), ()),
-    "tools": (("weightsync.torch_layout", "weightsync.devices", "weightsync.codecs", "weightsync.tiny",
-               "weightsync.verify", "weightsync.rss", "weightsync.device_port"), ("core",)),
+    "core": (("weightsync", "weightsync.layout", "weightsync.plan", "weightsync.clock", "weightsync.configs"), ()),
     "ports": (("weightsync.ports",), ("core",)),
+    "tools": (("weightsync.tools",), ("ports",)),
     "adapters": (("weightsync.sources", "weightsync.engines"), ("ports", "tools")),
-    "meta": (("weightsync.meta",), ("core",)),
-    "job channel": (("weightsync.job", "weightsync.job_port", "weightsync.job_wire", "weightsync.heartbeat"), ("meta",)),
+    "meta": (("weightsync.meta",), ("ports",)),
+    "job channel": (("weightsync.job",), ("meta",)),
     "transports": (("weightsync.transport",), ("job channel", "tools")),
-    "session": (("weightsync.session", "weightsync.sync_config", "weightsync.combinations"), ("transports",)),
-    "roles": (("weightsync.writer", "weightsync.reader", "weightsync.inflight", "weightsync.tensorstore"),
-              ("session", "ports")),
+    "session": (("weightsync.session",), ("transports",)),
+    "roles": (("weightsync.roles",), ("session", "ports")),
     "integrations": (("weightsync.integrations",), ("roles", "adapters")),
-    "applications": (("weightsync.demo", "weightsync.doctor", "weightsync.bench"), ("integrations",)),
-    "command line": (("weightsync.commands", "weightsync.cli"), ("applications",)),
+    "applications": (("weightsync.apps",), ("integrations",)),
+    "command line": (("weightsync.cli",), ("applications",)),
 }
 
 #: The only imports a layer may make of a layer it does not build on: lazy re-exports of an
 #: ``__init__`` (names resolved on first use, so importing the package imports nothing above
 #: it; the imports the AST sees are the ``TYPE_CHECKING`` ones, for type checkers).
 LAZY_REEXPORTS = frozenset({
-    ("weightsync", "weightsync.session"), ("weightsync", "weightsync.writer"), ("weightsync", "weightsync.reader"),
-    ("weightsync", "weightsync.inflight"), ("weightsync", "weightsync.tensorstore"),
-    ("weightsync", "weightsync.transport.shm_files"),
+    ("weightsync", "weightsync.session.sync_session"), ("weightsync", "weightsync.roles.writer"),
+    ("weightsync", "weightsync.roles.reader"), ("weightsync", "weightsync.roles.inflight"),
+    ("weightsync", "weightsync.roles.tensorstore"), ("weightsync", "weightsync.transport.shm.files"),
 })
 
 Layers = Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]]
@@ -175,6 +174,20 @@ def unplaced_modules(modules: Iterable[str], layers: Layers = LAYERS) -> list[st
     return sorted(m for m in modules if layer_of(m, layers) is None)
 
 
+def layers_not_folders(pkg: Path, layers: Layers = LAYERS) -> list[str]:
+    """Layers named by anything but top-level folders, and modules outside every folder (but the
+    package root): ``ls src/weightsync`` shows the layers and nothing else."""
+    package = pkg.name
+    offenders = [f"{path.relative_to(pkg.parent)} is outside every folder: move it into its layer's folder"
+                 for path in sorted(pkg.glob("*.py")) if path.name != "__init__.py"]
+    for layer, (prefixes, _) in layers.items():
+        for prefix in prefixes:
+            rel = prefix.removeprefix(package + ".")
+            if prefix != package and ("." in rel or not (pkg / rel / "__init__.py").is_file()):
+                offenders.append(f"layer {layer!r} names {prefix}, which is not a top-level folder of {package}/")
+    return offenders
+
+
 def _listed_reexport(edge: Import, allowed: frozenset[tuple[str, str]]) -> bool:
     return edge.is_init and edge.kind != "module" and (edge.importer, edge.imported) in allowed
 
@@ -249,12 +262,12 @@ def integrations_imported_below(edges: Iterable[Import], layers: Layers = LAYERS
 #: The job protocol: every method of what the job channel asks of the meta server (its
 #: ``MetaPort``, ``TransportBoard`` included). Only the job channel (and the meta package itself)
 #: may call them on a meta client, so that every key and message of the protocol lives in one module.
-PROTOCOL_PORT = "weightsync.job_port.MetaPort"
+PROTOCOL_PORT = "weightsync.ports.coordinator.MetaPort"
 #: What speaks the protocol: the meta clients (all share ClientBase) and the ports they fill.
-PROTOCOL_SPEAKERS = ("weightsync.meta.client_base.ClientBase", "weightsync.job_port.MetaPort",
-                     "weightsync.job_port.TransportBoard")
+PROTOCOL_SPEAKERS = ("weightsync.meta.client_base.ClientBase", "weightsync.ports.coordinator.MetaPort",
+                     "weightsync.ports.coordinator.TransportBoard")
 #: Where the protocol may be spoken.
-PROTOCOL_HOMES = ("weightsync.job", "weightsync.job_port", "weightsync.meta")
+PROTOCOL_HOMES = ("weightsync.job.channel", "weightsync.ports.coordinator", "weightsync.meta")
 
 
 def type_checked(extra: Mapping[str, str] | None = None) -> tuple[Any, dict[str, Any]]:
@@ -313,7 +326,7 @@ def protocol_calls(trees: Mapping[str, Any]) -> set[str]:
 
 
 def protocol_calls_outside_the_channel(types: Mapping[Any, Any], trees: Mapping[str, Any]) -> list[str]:
-    """Protocol methods reached outside job.py and meta/ on a receiver that is a meta client,
+    """Protocol methods reached outside job/channel.py and meta/ on a receiver that is a meta client,
     by its type, whatever its name (or whose type is unknown, so it may be one)."""
     from mypy.traverser import NameAndMemberCollector
 
@@ -347,7 +360,7 @@ PROTOCOL_PROBES = {
             await board.put_document("key", b"")
     """,
     "weightsync.probe_through_the_port": """
-        from weightsync.job_port import MetaPort
+        from weightsync.ports.coordinator import MetaPort
 
         def sneak(port: MetaPort) -> None:
             port.report_applied(0, 1)
@@ -357,8 +370,8 @@ PROTOCOL_PROBES = {
             return whatever.wait_version(after=0, timeout=1.0)
     """,
     "weightsync.probe_through_the_channel": """
-        from weightsync.deadline import Deadline
-        from weightsync.job import JobChannel
+        from weightsync.clock.deadline import Deadline
+        from weightsync.job.channel import JobChannel
 
         def fine(meta: JobChannel) -> None:
             meta.wait_version(after=0, deadline=Deadline.after(1.0))
@@ -388,6 +401,11 @@ def test_every_module_has_a_layer():
     assert not unplaced_modules(module_names(SRC)), "add these to LAYERS (and docs/architecture.md)"
 
 
+def test_the_layers_are_the_top_level_folders():
+    offenders = layers_not_folders(PKG)
+    assert not offenders, "\n".join(offenders)
+
+
 def test_no_import_goes_up_a_layer(edges):
     offenders = upward_imports(edges)
     assert not offenders, "\n".join(offenders)
@@ -405,7 +423,7 @@ def test_integrations_are_imported_by_nothing_below_them(edges):
 
 def test_only_the_job_channel_speaks_the_protocol(typed_tree):
     offenders = [o for o in protocol_calls_outside_the_channel(*typed_tree) if ".probe_" not in o.split(":")[0]]
-    assert not offenders, "go through weightsync.job.JobChannel:\n" + "\n".join(offenders)
+    assert not offenders, "go through weightsync.job.channel.JobChannel:\n" + "\n".join(offenders)
 
 
 def documented_layers(doc: str) -> dict[str, tuple[set[str], set[str]]]:
@@ -465,7 +483,7 @@ def libraries_outside_their_adapter(pkg: Path) -> list[str]:
     return offenders
 
 
-@pytest.mark.parametrize("package", ["layout", "plan"])
+@pytest.mark.parametrize("package", ["layout", "plan", "clock", "configs"])
 def test_core_imports_nothing_outside_the_core(package):
     offenders = forbidden_imports(PKG, package, CORE_FORBIDDEN)
     assert not offenders, "core must stay pure:\n" + "\n".join(offenders)
@@ -504,33 +522,42 @@ def _tree(tmp_path: Path, files: Mapping[str, str]) -> Path:
 
 def test_an_upward_import_is_caught_wherever_it_hides(tmp_path):
     root = _tree(tmp_path, {
-        "engines/vllm.py": "def backend():\n    from weightsync.reader import WeightReader\n",
-        "layout/box.py": "def f():\n    from weightsync.reader import WeightReader\n",
-        "plan/ops.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from weightsync import writer\n",
-        "reader.py": "from weightsync.layout import box\nfrom weightsync.engines import vllm\n",
-        "writer.py": "",
+        "engines/vllm.py": "def backend():\n    from weightsync.roles.reader import WeightReader\n",
+        "layout/box.py": "def f():\n    from weightsync.roles.reader import WeightReader\n",
+        "plan/ops.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from weightsync.roles import writer\n",
+        "roles/reader.py": "from weightsync.layout import box\nfrom weightsync.engines import vllm\n",
+        "roles/writer.py": "",
+        "tools/devices.py": "from weightsync.meta import client\n",
+        "meta/client.py": "from weightsync.ports import device\n",
+        "ports/device.py": "",
+        "sources/module.py": "from weightsync.meta import client\n",
     })
     assert upward_imports(import_graph(root)) == [
-        "weightsync.engines.vllm:2 imports weightsync.reader (lazy) : layer 'adapters' does not build on layer 'roles'",
-        "weightsync.layout.box:2 imports weightsync.reader (lazy) : layer 'core' does not build on layer 'roles'",
-        "weightsync.plan.ops:3 imports weightsync.writer (typing) : layer 'core' does not build on layer 'roles'",
-        "weightsync.reader:2 imports weightsync.engines.vllm (module) : layer 'roles' does not build on layer "
+        "weightsync.engines.vllm:2 imports weightsync.roles.reader (lazy) : layer 'adapters' does not build on layer "
+        "'roles'",
+        "weightsync.layout.box:2 imports weightsync.roles.reader (lazy) : layer 'core' does not build on layer 'roles'",
+        "weightsync.plan.ops:3 imports weightsync.roles.writer (typing) : layer 'core' does not build on layer 'roles'",
+        "weightsync.roles.reader:2 imports weightsync.engines.vllm (module) : layer 'roles' does not build on layer "
         "'adapters'",
+        "weightsync.sources.module:1 imports weightsync.meta.client (module) : layer 'adapters' does not build on "
+        "layer 'meta'",
+        "weightsync.tools.devices:1 imports weightsync.meta.client (module) : layer 'tools' does not build on layer "
+        "'meta'",
     ]
 
 
 def test_only_listed_lazy_reexports_of_an_init_may_point_up(tmp_path):
-    lazy = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from weightsync.writer import W\n"
-    root = _tree(tmp_path, {"__init__.py": lazy, "layout/__init__.py": lazy, "writer.py": "W = 1\n",
-                            "plan/__init__.py": "from weightsync.writer import W\n"})
+    lazy = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from weightsync.roles.writer import W\n"
+    root = _tree(tmp_path, {"__init__.py": lazy, "layout/__init__.py": lazy, "roles/writer.py": "W = 1\n",
+                            "plan/__init__.py": "from weightsync.roles.writer import W\n"})
     edges = import_graph(root)
-    allowed = frozenset({("weightsync", "weightsync.writer"), ("weightsync.plan", "weightsync.writer")})
+    allowed = frozenset({("weightsync", "weightsync.roles.writer"), ("weightsync.plan", "weightsync.roles.writer")})
     assert upward_imports(edges, allowed=allowed) == [
-        "weightsync.layout:3 imports weightsync.writer (typing) : layer 'core' does not build on layer 'roles'",
-        "weightsync.plan:1 imports weightsync.writer (module) : layer 'core' does not build on layer 'roles'",
+        "weightsync.layout:3 imports weightsync.roles.writer (typing) : layer 'core' does not build on layer 'roles'",
+        "weightsync.plan:1 imports weightsync.roles.writer (module) : layer 'core' does not build on layer 'roles'",
     ]
-    assert unused_reexport_exceptions(edges, frozenset({("weightsync", "weightsync.reader")})) == [
-        ("weightsync", "weightsync.reader")]
+    assert unused_reexport_exceptions(edges, frozenset({("weightsync", "weightsync.roles.reader")})) == [
+        ("weightsync", "weightsync.roles.reader")]
 
 
 def test_a_module_outside_every_layer_is_caught(tmp_path):
@@ -538,22 +565,34 @@ def test_a_module_outside_every_layer_is_caught(tmp_path):
     assert unplaced_modules(module_names(root)) == ["weightsync.newthing"]
 
 
+def test_a_layer_that_is_not_a_folder_is_caught(tmp_path):
+    root = _tree(tmp_path, {"__init__.py": "", "newthing.py": "", "layout/box.py": "", "roles/writer.py": ""})
+    layers = {"core": (("weightsync", "weightsync.layout"), ()),
+              "roles": (("weightsync.roles.writer", "weightsync.newthing", "weightsync.missing"), ("core",))}
+    assert layers_not_folders(root / "weightsync", layers) == [
+        "weightsync/newthing.py is outside every folder: move it into its layer's folder",
+        "layer 'roles' names weightsync.roles.writer, which is not a top-level folder of weightsync/",
+        "layer 'roles' names weightsync.newthing, which is not a top-level folder of weightsync/",
+        "layer 'roles' names weightsync.missing, which is not a top-level folder of weightsync/",
+    ]
+
+
 def test_an_import_circle_is_caught_even_through_a_lazy_import(tmp_path):
     root = _tree(tmp_path, {
-        "transport/torch_gloo.py": "from weightsync.transport import torch_delta\n",
-        "transport/torch_delta.py": "def f():\n    from weightsync.transport.torch_gloo import G\n",
-        "transport/shm.py": "from weightsync.transport import torch_gloo\n",
+        "transport/torch/gloo.py": "from weightsync.transport.torch import delta\n",
+        "transport/torch/delta.py": "def f():\n    from weightsync.transport.torch.gloo import G\n",
+        "transport/shm/transport.py": "from weightsync.transport.torch import gloo\n",
     })
-    assert import_cycles(import_graph(root)) == [["weightsync.transport.torch_delta",
-                                                  "weightsync.transport.torch_gloo"]]
+    assert import_cycles(import_graph(root)) == [["weightsync.transport.torch.delta",
+                                                  "weightsync.transport.torch.gloo"]]
 
 
 def test_an_integration_imported_from_below_is_caught(tmp_path):
     root = _tree(tmp_path, {
         "engines/vllm.py": "def register():\n    import weightsync.integrations.vllm_backend\n",
-        "integrations/vllm_backend.py": "from weightsync import reader\n",
-        "commands/serve.py": "from weightsync.integrations import vllm_backend\n",
-        "reader.py": "",
+        "integrations/vllm_backend.py": "from weightsync.roles import reader\n",
+        "cli/commands/serve.py": "from weightsync.integrations import vllm_backend\n",
+        "roles/reader.py": "",
     })
     assert integrations_imported_below(import_graph(root)) == [
         "weightsync.engines.vllm:2 imports weightsync.integrations.vllm_backend (lazy)"]
@@ -564,7 +603,7 @@ def test_a_protocol_call_outside_the_channel_is_caught_by_what_its_receiver_is(t
     assert found == [
         "weightsync.probe_async_and_aliased:6 .put_document on speaker weightsync.meta.async_client.AsyncMetaClient",
         "weightsync.probe_named_like_a_channel:5 .publish_version on speaker weightsync.meta.client.MetaClient",
-        "weightsync.probe_through_the_port:5 .report_applied on speaker weightsync.job_port.MetaPort",
+        "weightsync.probe_through_the_port:5 .report_applied on speaker weightsync.ports.coordinator.MetaPort",
         "weightsync.probe_untyped:3 .wait_version on unknown Any",
     ]
 
@@ -574,12 +613,12 @@ def test_a_library_in_the_core_or_outside_its_adapter_is_caught(tmp_path):
         "plan/ops.py": "def f():\n    import torch\n",
         "engines/hf.py": "import transformers\nfrom weightsync.transport import shm\n",
         "sources/module.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from weightsync.engines import hf\n",
-        "session.py": "import vllm\n",
+        "session/sync_session.py": "import vllm\n",
         "integrations/vllm_backend.py": "import vllm\n",
     })
     pkg = root / "weightsync"
     assert forbidden_imports(pkg, "plan", CORE_FORBIDDEN) == ["plan/ops.py imports torch"]
-    assert libraries_outside_their_adapter(pkg) == ["session.py imports vllm"]
+    assert libraries_outside_their_adapter(pkg) == ["session/sync_session.py imports vllm"]
     assert forbidden_imports(pkg, "engines", ADAPTER_FORBIDDEN["engines"]) == [
         "engines/hf.py imports weightsync.transport"]
     assert forbidden_imports(pkg, "sources", ADAPTER_FORBIDDEN["sources"]) == [

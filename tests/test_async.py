@@ -23,12 +23,12 @@ import torch
 
 from weightsync import SyncConfig, WeightReader, WeightWriter
 from weightsync.engines import ModuleEngine
-from weightsync.inflight import InflightReader
 from weightsync.layout import ModelSpec
 from weightsync.meta import EmbeddedMetaServer, MetaClient
 from weightsync.plan import PlanError
+from weightsync.roles.inflight import InflightReader
+from weightsync.roles.tensorstore import StoreConfig, SupersededError, TensorSlice, TensorStore, slice_of
 from weightsync.sources import ModuleSource
-from weightsync.tensorstore import StoreConfig, SupersededError, TensorSlice, TensorStore, slice_of
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)

@@ -11,14 +11,14 @@ from typing import cast
 import pytest
 import torch
 
-from weightsync.bench.baselines import RankContext, WeightsyncMethod, make_method, plan_buckets
-from weightsync.bench.cases import Case, model_config, suite
-from weightsync.bench.report import summary_ratios
-from weightsync.bench.runner import add_ratios, parse_awex_output
-from weightsync.bench.weights import CanonicalLoader, WeightPool, fill, gather_contributions, mismatches
+from weightsync.apps.bench.baselines import RankContext, WeightsyncMethod, make_method, plan_buckets
+from weightsync.apps.bench.cases import Case, model_config, suite
+from weightsync.apps.bench.report import summary_ratios
+from weightsync.apps.bench.runner import add_ratios, parse_awex_output
+from weightsync.apps.bench.weights import CanonicalLoader, WeightPool, fill, gather_contributions, mismatches
 from weightsync.cli import main
 from weightsync.layout import ModelSpec, parse_layout
-from weightsync.torch_layout import allocate
+from weightsync.tools.torch_layout import allocate
 
 ROW_KEYS = {"method", "transport", "layout", "bytes", "seconds", "gbps", "peak_extra_bytes"}
 
@@ -174,9 +174,9 @@ def test_vllm_serve_prefetch_rows_from_token_arrivals_and_the_trainer_trace():
     """The serve row's figures from token arrivals and the trainer's trace (no server needed):
     the pause is the clients' gap around the moment the engine was paused, tokens/s count
     the tokens inside each window."""
-    from weightsync.bench.vllm_prefetch import run_vllm_prefetch
-    from weightsync.bench.vllm_prefetch_serve import client_pause, summarize, window_rate
-    from weightsync.commands.bench import _prefetch_cells
+    from weightsync.apps.bench.vllm_prefetch import run_vllm_prefetch
+    from weightsync.apps.bench.vllm_prefetch_serve import client_pause, summarize, window_rate
+    from weightsync.cli.commands.bench import _prefetch_cells
 
     # one chunk of 4 tokens every 0.25 s, but none in (10, 13) (a blocking sync from 10.2 to 12.8)
     # and none in (20, 21) (a prefetched update paused from 20.2 to 20.8)
@@ -224,7 +224,7 @@ def test_vllm_serve_prefetch_rows_from_token_arrivals_and_the_trainer_trace():
 def test_vllm_serve_engine_figures_from_the_workers_step_trace(tmp_path):
     """Where the clients' gap went, from the worker's trace (forwards and update_weights): the
     engine's pause is the last forward's end before the apply to the next forward's start."""
-    from weightsync.bench.vllm_prefetch_serve import summarize
+    from weightsync.apps.bench.vllm_prefetch_serve import summarize
     from weightsync.integrations.vllm_step_trace import StepTrace, read
 
     trace_file = tmp_path / "steps.trace"
@@ -265,7 +265,7 @@ def test_gpu_script_fails_clearly_without_cuda():
 
 
 def test_link_shaping_commands_pace_rather_than_drop():
-    from weightsync.bench.link import tbf_arguments
+    from weightsync.apps.bench.link import tbf_arguments
 
     ten = tbf_arguments(10)
     assert ten[:6] == ["qdisc", "add", "dev", "lo", "root", "tbf"]
@@ -277,7 +277,7 @@ def test_link_shaping_commands_pace_rather_than_drop():
 
 
 def test_link_shaping_never_replaces_someone_elses_qdisc():
-    from weightsync.bench.link import root_qdisc_is_default
+    from weightsync.apps.bench.link import root_qdisc_is_default
 
     assert root_qdisc_is_default("qdisc noqueue 0: root refcnt 2 \n")
     assert root_qdisc_is_default("")
@@ -288,7 +288,7 @@ def test_link_shaping_never_replaces_someone_elses_qdisc():
 def test_link_rates_are_parsed_or_refused_by_name():
     import argparse
 
-    from weightsync.commands.bench import _link_rates
+    from weightsync.cli.commands.bench import _link_rates
 
     assert _link_rates("lo,10,2.5") == [None, 10.0, 2.5]
     with pytest.raises(argparse.ArgumentTypeError, match="'ten' is neither 'lo' nor a rate"):
@@ -303,8 +303,8 @@ def test_delta_bench_runs_the_transports_that_carry_deltas_and_says_why_not_the_
     carries deltas, and is left out with the refusal's message until then."""
     import importlib.util
 
-    from weightsync.bench.delta_sync import VARIANTS, delta_variants
-    from weightsync.transport.file import FileTransport
+    from weightsync.apps.bench.delta_sync import VARIANTS, delta_variants
+    from weightsync.transport.file.transport import FileTransport
 
     carried, left_out = delta_variants()
     names = {v.name for v in carried}
@@ -323,7 +323,7 @@ def test_delta_bench_runs_the_transports_that_carry_deltas_and_says_why_not_the_
 def test_delta_bench_routed_and_file_rows_send_fewer_bytes_bitwise():
     """routed splits the two writers between its shm and gloo routes, file writes change files;
     every version lands bitwise in both modes and the delta moves fewer bytes than the full sync."""
-    from weightsync.bench.delta_sync import TEST_MODEL, run_delta
+    from weightsync.apps.bench.delta_sync import TEST_MODEL, run_delta
 
     rows, changed = run_delta(models=[TEST_MODEL], steps=3, timeout=120, transports=["routed", "file"])
     assert [(r["transport"], r["mode"]) for r in rows] == [("routed", "full"), ("routed", "delta"),
@@ -338,7 +338,7 @@ def test_delta_bench_routed_and_file_rows_send_fewer_bytes_bitwise():
 def test_the_vllm_prefetch_suite_runs_every_model_named_and_refuses_two_transports(monkeypatch, capsys):
     """``--models a,b`` ran only ``a`` (the rest silently dropped), and ``--transports`` took its
     first entry: each model now gets its rows, and a second transport is refused by name."""
-    import weightsync.bench.vllm_prefetch as vllm_prefetch
+    import weightsync.apps.bench.vllm_prefetch as vllm_prefetch
     from weightsync.cli import main
 
     ran = []
@@ -356,7 +356,7 @@ def test_the_vllm_prefetch_suite_runs_every_model_named_and_refuses_two_transpor
 
 
 def test_the_vllm_suites_name_an_unknown_model_and_the_known_ones():
-    from weightsync.bench.vllm_memory import model_config
+    from weightsync.apps.bench.vllm_memory import model_config
 
     with pytest.raises(ValueError, match=r"unknown model 'qwen3-0.6b' for the vLLM suites; known: qwen3-30m, "
                                          r"qwen3-0.2b, qwen3-0.4b"):

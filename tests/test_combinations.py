@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from weightsync import SyncConfig, TransportOptions
-from weightsync.combinations import CombinationError
+from weightsync.session.combinations import CombinationError
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "fewer-bytes.md"
@@ -172,7 +172,7 @@ def test_auto_choosing_shm_refuses_before_any_byte_moves(where, settings, messag
     from weightsync.engines.buffers import ShardedEngine
     from weightsync.meta import EmbeddedMetaServer, MetaClient
     from weightsync.sources.module import ShardedSource
-    from weightsync.tiny import tiny_config
+    from weightsync.tools.tiny import tiny_config
 
     config = tiny_config()
     sync = SyncConfig(num_writers=1, num_readers=1, timeout=30, **_keywords(settings))

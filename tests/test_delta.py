@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightsync.codecs.delta import Kind, apply, diff, encode, encoded_sizes
+from weightsync.tools.codecs.delta import Kind, apply, diff, encode, encoded_sizes
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int32]
 
@@ -111,7 +111,7 @@ def test_compiled_kernels_leave_module_namespaces_scannable_by_vllm() -> None:
     numba had loaded, llvmlite's library handle broke that and in-process engines failed to start."""
     import sys
 
-    from weightsync.codecs import delta_jit
+    from weightsync.tools.codecs import delta_jit
 
     if delta_jit.load() is None:
         pytest.skip("numba is not installed")

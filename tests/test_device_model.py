@@ -1,6 +1,6 @@
 """The CPU device model's rules, each with a negative test: code that breaks it is caught.
 
-The model (``tests/device_model.py``) stands in for :mod:`weightsync.device_port` so that the GPU
+The model (``tests/device_model.py``) stands in for :mod:`weightsync.ports.device` so that the GPU
 paths of the transports and engines run on CPU tensors; these tests make sure it would notice
 the mistakes it exists for.
 """
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from device_model import DeviceModel, HazardError, NixlModel
-from weightsync import device_port
-from weightsync.device_port import DeviceMemoryError, TorchDevices, check_fits
+from weightsync.ports import device as device_port
+from weightsync.ports.device import DeviceMemoryError, TorchDevices, check_fits
 
 
 def test_the_real_port_is_installed_unless_a_test_installs_the_model():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.devices import (
+from weightsync.tools.devices import (
     RankPlacement,
     check_serves,
     choose_transport,
@@ -162,7 +162,7 @@ def test_nccl_rounds_cover_every_message_once_with_at_most_one_staged_per_window
     from weightsync.layout import parse_layout
     from weightsync.plan import PlanOptions, build_plan
     from weightsync.transport.schedule import build_messages
-    from weightsync.transport.torch_nccl import WINDOW, needs_buffer, rounds_of, windows_of
+    from weightsync.transport.torch.nccl import WINDOW, needs_buffer, rounds_of, windows_of
 
     spec = load_spec("tiny-qwen3-moe")
     writers = parse_layout("megatron:tp=2,ep=2,etp=1").all_rank_layouts(spec)
@@ -186,8 +186,8 @@ def test_watchdog_aborts_at_the_deadline_and_only_then():
     import threading
     import time
 
-    from weightsync.deadline import Deadline
-    from weightsync.transport.nccl_comm import Watchdog
+    from weightsync.clock.deadline import Deadline
+    from weightsync.transport.torch.nccl_comm import Watchdog
 
     aborted = threading.Event()
     with Watchdog(Deadline.after(0.05), aborted.set) as dog:

@@ -1,4 +1,4 @@
-"""The digest primitive (weightsync/codecs/digest.py): values against independent references,
+"""The digest primitive (weightsync/tools/codecs/digest.py): values against independent references,
 streaming equal to one shot, every one-byte change seen, and the same bits on every device."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightsync.codecs import digest as digest_mod
-from weightsync.codecs.digest import (
+from weightsync.tools.codecs import digest as digest_mod
+from weightsync.tools.codecs.digest import (
     Digest,
     Hasher,
     as_signed,

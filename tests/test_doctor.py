@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from weightsync.apps.doctor import CHECKS
 from weightsync.cli import main
-from weightsync.doctor import CHECKS
 
 
 @pytest.mark.timeout(180)
@@ -53,11 +53,11 @@ def test_doctor_lists_every_gpu_path_of_a_real_job_and_writes_a_report(tmp_path,
 
 
 def test_the_nccl_checks_say_they_need_nccl4py():
-    """weightsync drives NCCL through nccl4py (transport/nccl_comm.py): on a GPU machine without
+    """weightsync drives NCCL through nccl4py (transport/torch/nccl_comm.py): on a GPU machine without
     it every NCCL check is refused with the package to install, and on one without GPUs the
     reason names both."""
-    from weightsync.doctor import DoctorOptions, Environment
-    from weightsync.transport.nccl_comm import MISSING
+    from weightsync.apps.doctor import DoctorOptions, Environment
+    from weightsync.transport.torch.nccl_comm import MISSING
 
     assert MISSING == "the NCCL transport needs nccl4py (pip install weightsync[gpu])"
     gpus = Environment(torch="2.13.0", cuda_build="12.8", gpus=8, nccl4py=False)

@@ -1,7 +1,7 @@
 """The doctor's GPU checks of issue 23 section 3, on a CPU machine.
 
 Each check is code no GPU here runs, so it is checked in two halves: on a fake GPU machine
-each check asks :func:`weightsync.demo.run_demo` for exactly the sync it names (devices,
+each check asks :func:`weightsync.apps.demo.run_demo` for exactly the sync it names (devices,
 transport, NIXL mode, phases, hosts, visible devices, the fault), and the same run_demo
 options run for real between CPU processes, every byte checked.
 """
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from weightsync import doctor
-from weightsync.demo import FAULT_SECONDS, run_demo
-from weightsync.doctor import CHECKS, Check, DoctorOptions, Environment
+from weightsync.apps import doctor
+from weightsync.apps.demo import FAULT_SECONDS, run_demo
+from weightsync.apps.doctor import CHECKS, Check, DoctorOptions, Environment
 
 GPUS = Environment(torch="2.13.0", cuda_build="12.8", gpus=4, nixl=True, nccl4py=True)
 TINY = {"size": "tiny", "source": "megatron:tp=1", "target": "vllm:tp=1", "steps": 2, "timeout": 60}
@@ -83,8 +83,8 @@ def test_the_vllm_memory_check_runs_vllm_on_the_gpu_at_a_real_utilization(gpus, 
     GPU when there is one (on the engine's when not), and reports the verdict on the figures."""
     import sys
 
-    from weightsync.bench import vllm_memory as bench
-    from weightsync.tiny import tiny_config
+    from weightsync.apps.bench import vllm_memory as bench
+    from weightsync.tools.tiny import tiny_config
 
     ran = []
 
@@ -102,7 +102,7 @@ def test_the_vllm_memory_check_runs_vllm_on_the_gpu_at_a_real_utilization(gpus, 
     common = ["--job", job, "--bucket", str(16 << 20), "--timeout", "300.0"]
     assert reader == [sys.executable, "-m", "weightsync.integrations.vllm_memory", "--checkpoint", checkpoint,
                       *common, "--device", "cuda", "--gpu-memory-utilization", "0.5"]
-    assert writer_cmd == [sys.executable, "-m", "weightsync.bench.vllm_memory", "writer", "--checkpoint", checkpoint,
+    assert writer_cmd == [sys.executable, "-m", "weightsync.apps.bench.vllm_memory", "writer", "--checkpoint", checkpoint,
                           *common, "--device", writer]
     assert config == tiny_config() and run_env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert check.status == "passed" and check.detail.startswith("version 1 changed the output"), check
@@ -172,7 +172,7 @@ def test_the_vllm_memory_engine_options_follow_the_device():
 def test_fp8_quantised_in_writer_pieces_is_bitwise_the_reference_and_a_wrong_byte_is_caught(monkeypatch):
     """On CPU the pieces path equals the reference; a quantiser that gets one piece's first
     byte wrong is reported, naming the scheme."""
-    from weightsync.codecs import fp8
+    from weightsync.tools.codecs import fp8
 
     assert doctor.fp8_mismatches("cpu") == []
     quantize_box = fp8.quantize_box
@@ -251,8 +251,8 @@ def test_run_demo_refuses_options_it_would_ignore(options, message):
 def test_the_doctor_reads_a_fault_and_phases_from_the_demo_result(monkeypatch):
     """What a check reports from run_demo's result: the fault's timing and error, and a phased
     job that moved in one phase is a failure (its setting would have been ignored)."""
-    from weightsync import demo
-    from weightsync.demo import DemoResult, ReaderKilled, ReaderStep, WriterFailed
+    from weightsync.apps import demo
+    from weightsync.apps.demo import DemoResult, ReaderKilled, ReaderStep, WriterFailed
 
     def step(num_phases):
         return ReaderStep(rank=0, version=0, nbytes=1, phases={}, gbps=1.0, verified=True, mismatches=[],

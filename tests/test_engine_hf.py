@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from weightsync.tiny import canonical_weights, tiny_config
+from weightsync.tools.tiny import canonical_weights, tiny_config
 from writer_process import writer_processes
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[transformers]')")
@@ -27,7 +27,7 @@ NEW_TOKENS = 12
 def hf_model(config: dict[str, Any], seed: int) -> torch.nn.Module:
     """A transformers model holding ``canonical_weights(config, seed)``."""
     from weightsync.sources.module import ModuleSource
-    from weightsync.torch_layout import fill_from_canonical
+    from weightsync.tools.torch_layout import fill_from_canonical
 
     hf_config = transformers.AutoConfig.for_model(**config)
     torch.manual_seed(0)
@@ -57,8 +57,8 @@ def one_torch_thread():
 def test_sync_into_transformers_model_matches_fresh_model(moe, one_torch_thread):
     from weightsync.engines import ModuleEngine
     from weightsync.meta import EmbeddedMetaServer, MetaClient
-    from weightsync.reader import WeightReader
-    from weightsync.session import SyncConfig
+    from weightsync.roles.reader import WeightReader
+    from weightsync.session.sync_session import SyncConfig
 
     config = tiny_config(moe=moe)
     engine_model, fresh_b = hf_model(config, seed=1), hf_model(config, seed=2)
@@ -88,7 +88,7 @@ def test_module_layout_of_a_transformers_moe_model_covers_every_canonical_tensor
     """The engine's canonical view covers each canonical tensor exactly (fused experts included)."""
     from weightsync.layout import ModelSpec
     from weightsync.sources.module import ModuleSource
-    from weightsync.verify import union_volume
+    from weightsync.tools.verify import union_volume
 
     config = tiny_config(moe=True)
     layout = ModuleSource(hf_model(config, seed=2), config).layout()
@@ -111,7 +111,7 @@ def test_a_transformers_engine_receives_the_correction_bias():
 
     from weightsync.engines import ModuleEngine
     from weightsync.sources import ModuleSource
-    from weightsync.tiny import tiny_config
+    from weightsync.tools.tiny import tiny_config
 
     config = {**tiny_config(family="glm4_moe"), "num_nextn_predict_layers": 0}
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
@@ -134,7 +134,7 @@ def test_frontier_names_and_shapes_are_transformers_own(family, tmp_path):
 
     from weightsync.layout import ModelSpec, parse_layout
     from weightsync.layout.params import hf_params
-    from weightsync.tiny import tiny_config
+    from weightsync.tools.tiny import tiny_config
 
     config = tiny_config(family=family)
     spec = ModelSpec.from_hf_config(config)

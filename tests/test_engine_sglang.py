@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from weightsync.engines.sglang import SGLangEngine, SGLangHTTP, _check
-from weightsync.tiny import canonical_weights, checkpoint_tensors, tiny_config, write_checkpoint
+from weightsync.tools.tiny import canonical_weights, checkpoint_tensors, tiny_config, write_checkpoint
 
 PROMPT = [random.Random(0).randrange(4, 512) for _ in range(300)]
 
@@ -74,7 +74,7 @@ def test_sync_into_sglang_matches_fresh_engine(tmp_path, mode):
     import sglang
 
     if mode == "distributed" and torch.cuda.device_count() < 2:
-        pytest.skip("the distributed mode stages on a GPU outside the engine's (weightsync.devices)")
+        pytest.skip("the distributed mode stages on a GPU outside the engine's (weightsync.tools.devices)")
 
     config = tiny_config(tie=True)
     a = write_checkpoint(tmp_path / "A", config, seed=1)

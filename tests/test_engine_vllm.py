@@ -30,7 +30,7 @@ from weightsync.engines.process_state import preserved_process_state
 from weightsync.engines.staging import StagedWeights
 from weightsync.engines.vllm import VLLMEngine, check_supported
 from weightsync.layout import ModelSpec
-from weightsync.tiny import canonical_weights, checkpoint_tensors, tiny_config, write_checkpoint
+from weightsync.tools.tiny import canonical_weights, checkpoint_tensors, tiny_config, write_checkpoint
 from writer_process import writer_processes
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -136,8 +136,8 @@ class EngineProofs:
 
     def test_sync_from_training_ranks_matches_fresh_engine(self, case):
         from weightsync.meta import client as meta
-        from weightsync.reader import WeightReader
-        from weightsync.session import SyncConfig
+        from weightsync.roles.reader import WeightReader
+        from weightsync.session.sync_session import SyncConfig
 
         case.load(case.a, version=0)
         assert case.greedy()[0] == case.ref_a
@@ -346,8 +346,8 @@ def write_fp8_checkpoint(path: Path, config: dict[str, Any], seed: int) -> None:
 
     from safetensors.torch import save_file
 
-    from weightsync.codecs.fp8 import reference_quantize
     from weightsync.layout.quant import SCHEMES, quantized_tensors
+    from weightsync.tools.codecs.fp8 import reference_quantize
 
     spec = ModelSpec.from_hf_config(config)
     quantized = set(quantized_tensors(spec))
@@ -386,8 +386,8 @@ class TestFP8Channel:
 
     def test_fp8_from_bf16_training_ranks_matches_fresh_fp8_engine(self, case):
         from weightsync.meta import client as meta
-        from weightsync.reader import WeightReader
-        from weightsync.session import SyncConfig
+        from weightsync.roles.reader import WeightReader
+        from weightsync.session.sync_session import SyncConfig
 
         assert case.engine.layout_text == "hf:dtype=bfloat16,quant=fp8_channel"
         job = f"vllm-fp8-{uuid.uuid4().hex[:8]}"

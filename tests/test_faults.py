@@ -21,7 +21,7 @@ import pytest
 from meta_proc import MetaServerProcess
 from test_sync_e2e import finish
 from test_sync_e2e import launch as launch_rank
-from weightsync.deadline import Deadline
+from weightsync.clock.deadline import Deadline
 from weightsync.meta.client import EmbeddedMetaServer, MetaClient
 from weightsync.transport import unavailable_reason
 
@@ -195,8 +195,8 @@ def test_a_send_posted_on_a_broken_group_past_the_deadline_fails_at_once():
 
     from weightsync.transport import TransportContext, TransportError, create_transport
     from weightsync.transport.base import TransferStats
-    from weightsync.transport.torch_dist import Pair
-    from weightsync.transport.torch_gloo import _GlooLink, _LaneRun
+    from weightsync.transport.torch.common import Pair
+    from weightsync.transport.torch.gloo import _GlooLink, _LaneRun
 
     ctx = TransportContext(channel=_LeasedChannel(), num_writers=1, num_readers=1, device="cpu")  # type: ignore[arg-type]
     gloo = create_transport("torch", ctx)
@@ -213,7 +213,7 @@ def test_breaking_a_gloo_group_goes_past_the_pairs_of_dead_ranks():
     """gloo closes every pair of a group when a receive *times out*; on the pair of a rank that
     died the receive fails at once instead, and the other pairs stayed open (a writer's send to a
     live reader then waited its whole timeout, 1 run in 4 of the SIGKILL case below)."""
-    from weightsync.transport.torch_gloo import break_group
+    from weightsync.transport.torch.gloo import break_group
 
     tried = []
 
@@ -261,8 +261,8 @@ def test_a_gloo_send_cut_off_mid_write_fails_the_write_within_seconds_of_the_dea
     import torch.distributed as dist
 
     from weightsync.transport import TransportContext, TransportError, create_transport
-    from weightsync.transport.torch_dist import Pair
-    from weightsync.transport.torch_gloo import _GlooLink, break_group
+    from weightsync.transport.torch.common import Pair
+    from weightsync.transport.torch.gloo import _GlooLink, break_group
 
     store, groups = dist.HashStore(), {}
 
@@ -320,7 +320,7 @@ def test_a_gloo_group_whose_peer_died_before_connecting_fails_to_form_within_sec
 
     import torch.distributed as dist
 
-    from weightsync.deadline import Deadline
+    from weightsync.clock.deadline import Deadline
     from weightsync.transport import TransportContext, TransportError, create_transport
 
     store = dist.PrefixStore("formation", dist.HashStore())
@@ -359,7 +359,7 @@ def test_a_rank_dead_before_it_arrived_at_an_epoch_is_waited_for_but_one_that_ar
 
     import torch.distributed as dist
 
-    from weightsync.deadline import Deadline
+    from weightsync.clock.deadline import Deadline
     from weightsync.transport import TransportContext, TransportError, create_transport
 
     channel = _WriterChannel()

@@ -32,7 +32,7 @@ import torch
 
 from weightsync.engines.process_state import preserved_process_state
 from weightsync.layout import ModelSpec
-from weightsync.tiny import canonical_weights, tiny_config, write_checkpoint
+from weightsync.tools.tiny import canonical_weights, tiny_config, write_checkpoint
 
 HERE = Path(__file__).resolve().parent
 PROMPT = [5 + (7 * i) % 480 for i in range(40)]  # longer than one KV block (16 tokens with MLA on CPU)
@@ -138,8 +138,8 @@ def _sync_a_live_engine(family, tmp_path, monkeypatch, start_trainers, *, writer
 
     from weightsync.engines.vllm import VLLMEngine, update_llm
     from weightsync.meta import client as meta
-    from weightsync.reader import WeightReader
-    from weightsync.session import SyncConfig
+    from weightsync.roles.reader import WeightReader
+    from weightsync.session.sync_session import SyncConfig
 
     config = tiny_config(family=family)
     spec = ModelSpec.from_hf_config(config)
@@ -162,7 +162,7 @@ def _sync_a_live_engine(family, tmp_path, monkeypatch, start_trainers, *, writer
                 client = meta.MetaClient(server.address, job=job, token=server.token)
                 try:
                     if backend == "trainer":
-                        from weightsync.torch_layout import fill_from_canonical
+                        from weightsync.tools.torch_layout import fill_from_canonical
 
                         source, trainer = _module_trainer(config, server, job, llm)
                         try:

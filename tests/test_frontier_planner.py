@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from test_planner import SETTINGS, execute_and_check, needed_bytes
 from weightsync.layout import ModelSpec, parse_layout
 from weightsync.plan import PlanOptions, build_plan
-from weightsync.tiny import tiny_config
+from weightsync.tools.tiny import tiny_config
 
 #: Whether the ``megatron`` kind can lay gpt-oss out here (mbridge's names, megatron-core's layer specs).
 MEGATRON = all(importlib.util.find_spec(m) is not None for m in ("mbridge", "megatron"))

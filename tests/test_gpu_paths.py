@@ -10,9 +10,9 @@ import pytest
 
 from device_model import DeviceModel, NixlModel
 from gpu_harness import run_pair
-from weightsync import device_port
 from weightsync.layout.types import itemsize
-from weightsync.transport import nixl_agent
+from weightsync.ports import device as device_port
+from weightsync.transport.nixl import agent as nixl_agent
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,7 +40,7 @@ def back_to_back(layout):
     allocator places them: each its own storage (its own NIXL registration), one after another."""
     import torch
 
-    from weightsync.torch_layout import TORCH_DTYPES
+    from weightsync.tools.torch_layout import TORCH_DTYPES
 
     sizes = [(s, math.prod(s.shape) * itemsize(s.dtype)) for s in layout.shards]
     memory = bytearray(sum(n for _, n in sizes))
@@ -106,7 +106,7 @@ def test_the_self_checks_trainer_holds_its_weights_where_the_engine_stages():
     a device that is not the CPU, on any machine)."""
     import types
 
-    from weightsync.tiny import CanonicalSource, tiny_config
+    from weightsync.tools.tiny import CanonicalSource, tiny_config
 
     source = CanonicalSource.beside(types.SimpleNamespace(device="meta"), tiny_config())
     assert {str(t.device) for t in source.tensors().values()} == {"meta"}
@@ -133,8 +133,8 @@ def test_the_staging_arena_is_refused_with_its_figure_when_the_engine_left_no_ro
     import torch
 
     from weightsync.configs import load_spec
-    from weightsync.device_port import DeviceMemoryError
     from weightsync.engines.staging import StagedWeights
+    from weightsync.ports.device import DeviceMemoryError
 
     model = DeviceModel(budget=64 << 20)
     model.reserve(48 << 20, "the engine's weights")
@@ -211,7 +211,7 @@ def test_vllm_staging_that_does_not_fit_is_refused_at_init_with_its_figure(monke
     ``init_weight_transfer_engine``, so a shortfall is refused there, naming the figure and the
     settings to change, with nothing allocated."""
     pytest.importorskip("vllm")
-    from weightsync.device_port import DeviceMemoryError
+    from weightsync.ports.device import DeviceMemoryError
 
     model = _engine_left_no_room(staging_fits=1 << 20)
     staged: list = []
@@ -257,9 +257,9 @@ def test_sglang_staging_that_does_not_fit_is_refused_when_the_adapter_is_built()
     built, refused there with the figure and ``mem_fraction_static``."""
     import torch
 
-    from weightsync.device_port import DeviceMemoryError
     from weightsync.engines.sglang import SGLangEngine
-    from weightsync.tiny import tiny_config
+    from weightsync.ports.device import DeviceMemoryError
+    from weightsync.tools.tiny import tiny_config
 
     model = _engine_left_no_room(staging_fits=0)
     with device_port.use(model):
@@ -279,8 +279,8 @@ def test_the_verl_actor_copy_that_does_not_fit_is_refused_with_its_figure_after_
 
     import torch
 
-    from weightsync.device_port import DeviceMemoryError
     from weightsync.integrations.actor_copy import copy_model
+    from weightsync.ports.device import DeviceMemoryError
 
     walked: list[str] = []
 

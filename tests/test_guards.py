@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from weightsync import SyncConfig, WeightReader, WeightWriter
-from weightsync.deadline import Deadline
+from weightsync.clock.deadline import Deadline
 from weightsync.engines.buffers import ShardedEngine
 from weightsync.layout import ModelSpec
 from weightsync.meta import EmbeddedMetaServer, MetaClient
-from weightsync.session import SyncError
+from weightsync.session.sync_session import SyncError
 from weightsync.sources.module import ShardedSource
-from weightsync.torch_layout import allocate, fill_from_canonical
+from weightsync.tools.torch_layout import allocate, fill_from_canonical
 
 pytestmark = pytest.mark.timeout(120)
 CONFIG = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
@@ -207,7 +207,7 @@ def test_two_threads_planning_one_reader_get_one_plan(server, monkeypatch):
     too (tests/test_integrity.py does): both must get one PlannedSync. Two would each make a
     transport and digests, the later replacing the one a version is being received with (its
     check then finds digests never attached)."""
-    import weightsync.session as session_module
+    import weightsync.session.sync_session as session_module
 
     made: list[str] = []
     create = session_module.create_transport
@@ -258,7 +258,7 @@ def test_a_meta_client_of_another_job_is_refused():
 def test_epoch_advances_are_atomic_and_never_move_it_back(server):
     """advance_epoch used to read, then write, in two calls: a rank that read an old epoch could
     write it back after others had moved on (one failure is noticed by many ranks at once)."""
-    from weightsync.job import JobChannel
+    from weightsync.job.channel import JobChannel
 
     meta = client(server, "epochs")
     read_first, moved_on = threading.Event(), threading.Event()

@@ -33,35 +33,49 @@ STEPS = 2
 
 
 def _results(out: str) -> list[dict]:
-    return [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
+    rows = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
+    return rows + [{**json.loads(line[len("LOGGED "):]), "logged": True} for line in out.splitlines()
+                   if line.startswith("LOGGED ")]
 
 
-def _trainers(tmp_path: Path, mode: str, url: str | None, server=None) -> list[dict]:
+def _trainers(tmp_path: Path, mode: str, url: str | None, server=None, extra: tuple[str, ...] = (),
+              timeout: float = 600) -> list[dict]:
     """Two training ranks (the ``server`` context, if any, is entered while they start up)."""
     sys.path.insert(0, str(HERE))
     from _vllm_native import free_port, run_to_end
 
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
            "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_HOST_IP": "127.0.0.1"}
+           "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     cmd = [sys.executable, str(HERE / "_trl_grpo.py"), "train", "--model", str(tmp_path / "model"), "--out",
-           str(tmp_path / "out"), "--mode", mode, "--steps", str(STEPS), *(["--url", url] if url else [])]
+           str(tmp_path / "out"), "--mode", mode, "--steps", str(STEPS), *(["--url", url] if url else []), *extra]
     procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     with server if server is not None else contextlib.nullcontext():
-        outputs = run_to_end(procs, timeout=600, tail=5000)
+        outputs = run_to_end(procs, timeout=timeout, tail=5000)
     return [r for out in outputs for r in _results(out)]
 
 
-def _references(tmp_path: Path, script: str, command: str) -> dict[int, list[int]]:
+def _references(tmp_path: Path, script: str, command: str, extra: tuple[str, ...] = ()) -> dict[int, list[int]]:
     """Greedy tokens of a fresh engine on each saved version of the trainer's weights."""
     paths = [str(tmp_path / "out" / f"v{v}") for v in range(1, STEPS + 1)]
-    proc = subprocess.run([sys.executable, str(HERE / script), command, *paths],
-                          capture_output=True, text=True, timeout=300, check=False,
+    proc = subprocess.run([sys.executable, str(HERE / script), command, *paths, *extra],
+                          capture_output=True, text=True, timeout=600, check=False,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # in-process: no engine processes to start
+                               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})  # in-process: no engine processes to start
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {int(Path(r["path"]).name[1:]): r["tokens"] for r in _results(proc.stdout)}
+
+
+def _check_logged(results: list[dict]) -> None:
+    """Every step's sync is among TRL's logged metrics, on every rank: its seconds, this rank's
+    bytes (its share, as sent) and the version lag (0: TRL syncs before it generates)."""
+    for rank in (0, 1):
+        rows = next(r["rows"] for r in results if r.get("logged") and r["rank"] == rank)
+        sent = [r["nbytes"] for r in results if r.get("rank") == rank and "version" in r]
+        assert len(rows) == STEPS, rows
+        assert [row["weightsync/bytes"] for row in rows] == sent
+        assert all(row["weightsync/sync_seconds"] > 0 and row["weightsync/version_lag"] == 0 for row in rows), rows
 
 
 def _check_shares(results: list[dict], dtype: str, *, exactly_one_model: bool = True) -> None:
@@ -71,7 +85,7 @@ def _check_shares(results: list[dict], dtype: str, *, exactly_one_model: bool = 
 
     itemsize = getattr(torch, dtype).itemsize
     for version in range(1, STEPS + 1):
-        ranks = {r["rank"]: r for r in results if r["version"] == version}
+        ranks = {r["rank"]: r for r in results if r.get("version") == version}
         assert sorted(ranks) == [0, 1], results
         total = ranks[0]["model_numel"] * itemsize
         for r in ranks.values():
@@ -93,6 +107,7 @@ def test_grpo_trainer_syncs_a_vllm_server_through_weightsync_without_a_gather(tm
                          extra=("--logprobs-mode", "processed_logprobs"))
     results = _trainers(tmp_path, "server", url, server)
     _check_shares(results, "float32")
+    _check_logged(results)
     refs = _references(tmp_path, "_vllm_native.py", "reference")  # the server's engine arguments
     served = sorted((r for r in results if "tokens" in r), key=lambda r: r["version"])
     assert [r["version"] for r in served] == list(range(1, STEPS + 1))
@@ -108,13 +123,41 @@ def test_grpo_trainer_colocated_engines_are_synced_through_shared_memory(tmp_pat
 
     write_model(tmp_path / "model")
     results = _trainers(tmp_path, "colocate", None)
-    dtypes = {r["dtype"] for r in results}
+    dtypes = {r["dtype"] for r in results if "dtype" in r}
     assert len(dtypes) == 1, dtypes
     dtype = dtypes.pop()
     # Each writer packs its pieces of every reader's copy into its shared-memory slot once; the planner
     # balances each reader's load on its own, so together the two writers pack more than one model.
     _check_shares(results, dtype, exactly_one_model=False)
+    _check_logged(results)
     refs = _references(tmp_path, "_trl_grpo.py", "colocate-reference")  # the arguments TRL builds its LLM with
-    for r in results:  # both ranks' engines, after every step
+    for r in (r for r in results if "tokens" in r):  # both ranks' engines, after every step
+        assert r["tokens"] == refs[r["version"]], r
+        assert r["weight_version"] == str(r["version"])
+
+
+@pytest.mark.timeout(1800)
+def test_grpo_trainer_colocated_tp2_engine_takes_each_workers_slices_from_both_ranks(tmp_path):
+    """``vllm_tensor_parallel_size=2``: TRL's two ranks host the two TP workers of one engine
+    (``external_launcher``); each worker's reader receives only the slices it loads, from both
+    ranks, and the engine generates what a fresh TP 2 engine on the trainer's weights generates."""
+    sys.path.insert(0, str(HERE))
+    from _trl_grpo import write_model
+    from weightsync.engines.vllm_layout import record_rank
+
+    config = write_model(tmp_path / "model")
+    results = _trainers(tmp_path, "colocate", None, extra=("--tp", "2"), timeout=1000)
+    _check_logged(results)
+    dtype = {r["dtype"] for r in results if "dtype" in r}.pop()
+    import torch
+
+    itemsize = getattr(torch, dtype).itemsize
+    slices = sum(r.numel * itemsize for t in (0, 1) for s in record_rank(config, tp=2, rank=t)
+                 for r in {(reg.canonical, reg.box): reg for reg in s.regions}.values())
+    for version in range(1, STEPS + 1):
+        sent = [r["nbytes"] for r in results if r.get("version") == version]
+        assert len(sent) == 2 and all(0 < n < r0 for n, r0 in zip(sent, [slices] * 2, strict=True)), sent
+    refs = _references(tmp_path, "_trl_grpo.py", "colocate-reference", ("--tp", "2"))
+    for r in (r for r in results if "tokens" in r):  # both ranks generate with the one engine
         assert r["tokens"] == refs[r["version"]], r
         assert r["weight_version"] == str(r["version"])

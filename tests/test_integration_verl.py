@@ -82,7 +82,7 @@ def local_ray():
     finally:
         stop_meta_server()
         ray.shutdown()
-        from weightsync.transport.shm_files import sweep_stale_segments
+        from weightsync.transport.shm.files import sweep_stale_segments
 
         sweep_stale_segments()  # verl has no close hook: the writer's segment goes with its process
 
@@ -107,20 +107,43 @@ def test_verl_registry_builds_the_backend_and_steps_sync_bitwise(local_ray):
         got = ray.get([w.update_weights.remote(step) for w in rollouts], timeout=WAIT)
         metrics = ray.get(sent, timeout=WAIT)
         assert all(g["exact"] for g in got), got
-        assert metrics[1] == {}  # a non-master actor worker sends nothing
         nbytes = sum(t.numel() * t.element_size() for _, t in weights(step))
-        assert metrics[0]["weightsync/bytes"] == nbytes  # one node: packed once into shared memory
+        sent = [m["weightsync/bytes"] for m in metrics]
+        # every actor worker sends its share, none the whole model; one node: each byte packed once
+        assert sum(sent) == nbytes and all(0 < n < nbytes for n in sent), sent
+        assert all(m["weightsync/version_lag"] == 0 and m["weightsync/sync_seconds"] > 0 for m in metrics), metrics
         ray.get([w.call.remote("finalize") for w in actors + rollouts], timeout=WAIT)
-    ray.get([w.call.remote("init_process_group", "writer", 0, 2) for w in actors[:1]], timeout=WAIT)  # same: ok
+    ray.get([w.call.remote("init_process_group", "writer", 0, 2, 2) for w in actors[:1]], timeout=WAIT)  # same: ok
     with pytest.raises(ray.exceptions.RayTaskError, match="a weightsync job keeps its ranks"):
-        ray.get(rollouts[0].call.remote("init_process_group", "reader", 0, 3), timeout=WAIT)
+        ray.get(rollouts[0].call.remote("init_process_group", "reader", 0, 3, 2), timeout=WAIT)
 
 
 def test_topology_needs_exactly_one_master():
     from weightsync.integrations.verl import topology
 
     actor_kw, rollout_kw = topology(2, 3, [{"master": False}, {"master": True}, {}, {}, {}])
-    assert actor_kw == {"role": ["none", "writer"], "rank": [-1, 0], "num_readers": [3, 3]}
-    assert rollout_kw == {"role": ["reader"] * 3, "rank": [0, 1, 2], "num_readers": [3, 3, 3]}
+    # every actor worker writes its share; the master is writer 0 (it publishes the tensor list)
+    assert actor_kw == {"role": ["writer", "writer"], "rank": [1, 0], "num_readers": [3, 3], "num_writers": [2, 2]}
+    assert rollout_kw == {"role": ["reader"] * 3, "rank": [0, 1, 2], "num_readers": [3, 3, 3],
+                          "num_writers": [2, 2, 2]}
     with pytest.raises(ValueError, match="exactly one master actor worker, got 0"):
         topology(1, 1, [{"master": False}, {}])
+
+
+@pytest.mark.timeout(480)
+def test_the_verl_example_runs_as_its_readme_says():
+    """examples/verl/checkpoint_engine_cpu.py, its smallest run (one step), in this venv."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "examples" / "verl" / "checkpoint_engine_cpu.py"), "--steps", "1"],
+                          capture_output=True, text=True, timeout=420, cwd=root,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"),
+                                                                            os.environ.get("PYTHONPATH", "")])})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (step,) = [json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("STEP ")]
+    assert step["bitwise"] and len(step["bytes_per_actor"]) == 2 and all(b > 0 for b in step["bytes_per_actor"])
+    assert step["version_lag"] == 0

@@ -19,24 +19,24 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from weightsync.apps.demo import canonical_values
+from weightsync.clock.deadline import Deadline
 from weightsync.configs import load_spec
-from weightsync.deadline import Deadline
-from weightsync.demo import canonical_values
 from weightsync.engines.buffers import ShardedEngine
-from weightsync.inflight import InflightReader
 from weightsync.layout import ModelSpec, RankLayout
 from weightsync.layout.lora import LoraSpec
 from weightsync.meta import EmbeddedMetaServer, MetaClient
-from weightsync.ports import Invalid, Validity
-from weightsync.reader import WeightReader
-from weightsync.session import SyncConfig, SyncError
+from weightsync.ports.engine import Invalid, Validity
+from weightsync.roles.inflight import InflightReader
+from weightsync.roles.reader import WeightReader
+from weightsync.roles.writer import ReadersFailedError, WeightWriter
+from weightsync.session.sync_session import SyncConfig, SyncError
 from weightsync.sources.lora import LoraSource
 from weightsync.sources.module import ShardedSource
-from weightsync.tiny import lora_weights, tiny_config
-from weightsync.torch_layout import allocate, fill_from_canonical
+from weightsync.tools.tiny import lora_weights, tiny_config
+from weightsync.tools.torch_layout import allocate, fill_from_canonical
 from weightsync.transport import TransportOptions, unavailable_reason
-from weightsync.transport.shm_files import share_tensors
-from weightsync.writer import ReadersFailedError, WeightWriter
+from weightsync.transport.shm.files import share_tensors
 
 CONFIG = load_spec("tiny-qwen3-moe").to_hf_config()
 SOURCE, TARGET = "megatron:tp=2", "vllm:tp=1,replicas=2"
@@ -309,7 +309,7 @@ def test_in_place_engine_is_marked_invalid_and_recovers():
 def test_inflight_staging_starts_as_a_copy_of_the_live_buffers():
     """Bytes no op writes (padding rows of a vocabulary) reach the live weights at every step
     boundary: staging must start equal to them, not as uninitialised memory."""
-    from weightsync.inflight import _StagingEngine
+    from weightsync.roles.inflight import _StagingEngine
 
     engine = ShardedEngine(TARGET, CONFIG, 0)
     for t in engine.tensors.values():

@@ -29,14 +29,14 @@ from engine_faults import Trainer, fail_in_phase, nudged, partial_writes
 from weightsync.engines.buffers import ModuleEngine
 from weightsync.engines.sglang import SGLangEngine
 from weightsync.engines.staging import StagedWeights
-from weightsync.inflight import InflightReader
 from weightsync.layout import ModelSpec
 from weightsync.meta import EmbeddedMetaServer, MetaClient
-from weightsync.reader import Prefetch, WeightReader
-from weightsync.session import SyncConfig, SyncError
-from weightsync.tiny import canonical_weights, checkpoint_tensors, tiny_config
+from weightsync.roles.inflight import InflightReader
+from weightsync.roles.reader import Prefetch, WeightReader
+from weightsync.roles.writer import ReadersFailedError
+from weightsync.session.sync_session import SyncConfig, SyncError
+from weightsync.tools.tiny import canonical_weights, checkpoint_tensors, tiny_config
 from weightsync.transport import TransportError, TransportOptions
-from weightsync.writer import ReadersFailedError
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
@@ -122,7 +122,7 @@ def recover(reader: Any, trainer: Trainer, engine: Any, meta: MetaClient, *, ful
 def hf_model(weights: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
     """A transformers model holding ``weights`` (canonical; None: seed 0's)."""
     from weightsync.sources.module import ModuleSource
-    from weightsync.torch_layout import fill_from_canonical
+    from weightsync.tools.torch_layout import fill_from_canonical
 
     config = transformers.AutoConfig.for_model(**CONFIG)
     torch.manual_seed(0)

@@ -34,8 +34,8 @@ import torch
 from engine_faults import Trainer, fail_in_phase, partial_writes
 from weightsync.engines.process_state import preserved_process_state
 from weightsync.meta import EmbeddedMetaServer, MetaClient
-from weightsync.session import SyncConfig, SyncError
-from weightsync.tiny import canonical_weights, tiny_config, write_checkpoint
+from weightsync.session.sync_session import SyncConfig, SyncError
+from weightsync.tools.tiny import canonical_weights, tiny_config, write_checkpoint
 from weightsync.transport import TransportError, TransportOptions
 
 pytestmark = [
@@ -202,7 +202,7 @@ FAULTS = list(MESSAGES)
 @pytest.mark.parametrize("fault", FAULTS)
 def test_an_in_process_vllm_engine_ends_invalid_and_a_full_version_recovers_it(engine, fault):
     from weightsync.engines.vllm import VLLMEngine
-    from weightsync.reader import WeightReader
+    from weightsync.roles.reader import WeightReader
 
     y, z = engine.next_steps()
     adapter = VLLMEngine(engine.llm)
@@ -356,8 +356,8 @@ def test_the_trainer_side_leaves_vllm_stamped_invalid_and_its_next_version_recov
     one), and the next ``send_weights`` restores the engine. ((a) is the worker backend's case
     above: the trainer side drives the same worker.)"""
     from weightsync.integrations.vllm_trainer import LLMClient, WeightSyncTrainerEngine, WeightSyncTrainerInitInfo
-    from weightsync.tiny import CanonicalSource
-    from weightsync.torch_layout import fill_from_canonical
+    from weightsync.tools.tiny import CanonicalSource
+    from weightsync.tools.torch_layout import fill_from_canonical
 
     y, z = engine.next_steps()
     job = f"vinv-trainer-{uuid.uuid4().hex[:8]}"

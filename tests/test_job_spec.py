@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from weightsync.job import settings_difference
-from weightsync.sync_config import SyncConfig, job_settings
+from weightsync.job.channel import settings_difference
+from weightsync.session.config import SyncConfig, job_settings
 
 #: setting -> (scope, two valid values)
 SETTINGS = {
@@ -45,7 +45,7 @@ SETTINGS = {
     "integrity": ("match", (True, False)),
 }
 CASES = [(name, value) for name, (_, values) in SETTINGS.items() for value in values]
-#: what a setting needs beside it to be valid (weightsync/combinations.py): deltas are refused with
+#: what a setting needs beside it to be valid (weightsync/session/combinations.py): deltas are refused with
 #: layer phases (on by default in vLLM's trainer and TRL), a transport's own option without it
 NEEDS = {"delta_anchor_every": {"layer_phases": False}, "nixl_mode": {"transport": "nixl"},
          "file_dir": {"transport": "file"}}
@@ -188,7 +188,7 @@ def test_a_bad_trainer_init_info_is_refused_naming_the_field(bad, message):
 
     from weightsync.integrations.vllm_trainer import WeightSyncTrainerInitInfo
     from weightsync.sources.module import ShardedSource
-    from weightsync.tiny import tiny_config
+    from weightsync.tools.tiny import tiny_config
 
     config = tiny_config()
     with pytest.raises(ValueError, match=r"WeightSyncTrainerInitInfo\W*" + message):
@@ -210,7 +210,7 @@ def test_a_bad_worker_init_info_is_refused_naming_the_field(bad, message, monkey
 
     from weightsync.engines.buffers import ShardedEngine
     from weightsync.integrations import vllm_backend
-    from weightsync.tiny import tiny_config
+    from weightsync.tools.tiny import tiny_config
 
     monkeypatch.setattr(vllm_backend, "_WorkerEngine", lambda *args, **kwargs: ShardedEngine("hf", tiny_config(), 0))
     engine = vllm_backend.WeightSyncTransferEngine(
@@ -245,7 +245,7 @@ def test_model_config_may_be_a_transformers_config_object():
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from weightsync.integrations.vllm_trainer import WeightSyncTrainerInitInfo
-    from weightsync.tiny import tiny_config
+    from weightsync.tools.tiny import tiny_config
 
     hf_config = Qwen3Config(**tiny_config())
     torch.manual_seed(0)

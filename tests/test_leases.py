@@ -47,7 +47,7 @@ def test_a_rank_leaves_in_under_two_seconds_after_its_meta_server_stopped():
     stopped (vLLM's workers after the trainer engine's embedded server, an operator stopping
     `weightsync meta-server` first) used to stall 30 s and more, its heartbeat and the release
     of its lease retrying a server that is gone for good."""
-    from weightsync.job import JobChannel
+    from weightsync.job.channel import JobChannel
     from weightsync.meta.client import EmbeddedMetaServer, MetaClient
 
     server = EmbeddedMetaServer().start()
@@ -71,7 +71,7 @@ def test_a_peer_whose_lease_a_restarted_process_took_over_is_dead_to_those_that_
     peer looked: the torch transport's errors then named no one (the reader-kill fault test
     checked torch for timing only). A peer compared with who held the lease when its group
     formed is dead once another process holds it."""
-    from weightsync.job import JobChannel
+    from weightsync.job.channel import JobChannel
     from weightsync.meta.client import EmbeddedMetaServer, MetaClient
 
     with EmbeddedMetaServer() as server, MetaClient(server.address, token=server.token) as meta:
@@ -89,7 +89,7 @@ def test_a_peer_whose_lease_a_restarted_process_took_over_is_dead_to_those_that_
 
 def _writers(meta, n: int = 2):
     """JobChannels of ``n`` writers, registered with leases (no heartbeat thread: renewed by hand)."""
-    from weightsync.job import JobChannel
+    from weightsync.job.channel import JobChannel
 
     out = [JobChannel(meta, role="writer", rank=r) for r in range(n)]
     for channel in out:
@@ -100,7 +100,7 @@ def _writers(meta, n: int = 2):
 
 def _restart(meta, rank: int):
     """A process that takes a dead writer's rank over, as ``SyncSession.register`` does."""
-    from weightsync.job import JobChannel
+    from weightsync.job.channel import JobChannel
 
     channel = JobChannel(meta, role="writer", rank=rank)
     assert channel.register(host="h", group="default", layout=b"layout", lease=3.0)  # a restart
@@ -117,7 +117,7 @@ def test_a_writer_that_died_before_it_joined_a_version_is_waited_for_and_its_res
     memory that was gone (CI, nixl pull, "remote agent ... was disconnected")."""
     import threading
 
-    from weightsync.deadline import Deadline
+    from weightsync.clock.deadline import Deadline
     from weightsync.meta.client import EmbeddedMetaServer, MetaClient
 
     with EmbeddedMetaServer() as server, MetaClient(server.address, token=server.token) as meta:
@@ -143,9 +143,9 @@ def test_a_writer_that_died_before_it_joined_a_version_is_waited_for_and_its_res
 
 
 def test_a_writer_gives_a_version_up_at_once_when_a_peer_that_joined_it_died():
-    from weightsync.deadline import Deadline
-    from weightsync.job_port import PeerDiedError
+    from weightsync.clock.deadline import Deadline
     from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+    from weightsync.ports.coordinator import PeerDiedError
 
     with EmbeddedMetaServer() as server, MetaClient(server.address, token=server.token) as meta:
         writer0, writer1 = _writers(meta)
@@ -167,10 +167,10 @@ def test_a_writer_gives_a_version_up_at_once_when_the_restart_of_a_peer_takes_pa
     """Writer 1 died between versions; writer 0 decided version 2's epoch, then a reader saw that
     epoch fail before writer 1's restart registered: the restart takes part from the next epoch
     on (``decide_epoch`` waits for a newer decision), so waiting for it in this one is useless."""
-    from weightsync.deadline import Deadline
-    from weightsync.job import JobChannel
-    from weightsync.job_port import PeerDiedError
+    from weightsync.clock.deadline import Deadline
+    from weightsync.job.channel import JobChannel
     from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+    from weightsync.ports.coordinator import PeerDiedError
 
     with EmbeddedMetaServer() as server, MetaClient(server.address, token=server.token) as meta:
         writer0, writer1 = _writers(meta)
@@ -187,7 +187,7 @@ def test_a_writer_gives_a_version_up_at_once_when_the_restart_of_a_peer_takes_pa
 
 
 def test_a_writer_that_waited_its_whole_timeout_names_a_peer_with_no_live_process():
-    from weightsync.deadline import Deadline
+    from weightsync.clock.deadline import Deadline
     from weightsync.meta.client import EmbeddedMetaServer, MetaClient
 
     with EmbeddedMetaServer() as server, MetaClient(server.address, token=server.token) as meta:

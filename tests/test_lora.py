@@ -24,7 +24,7 @@ from weightsync.layout import ModelSpec
 from weightsync.layout.lora import LoraSpec
 from weightsync.plan import build_plan
 from weightsync.sources.lora import LoraSource, peft_name
-from weightsync.tiny import lora_weights, tiny_config, write_adapter, write_checkpoint
+from weightsync.tools.tiny import lora_weights, tiny_config, write_adapter, write_checkpoint
 
 HERE = Path(__file__).resolve().parent
 LORA = LoraSpec(r=8, alpha=16)  # scaling 2: vLLM's folded B is exactly 2 * B
@@ -155,8 +155,8 @@ def lora_llm(request, tmp_path_factory):
 def test_vllm_adapter_synced_from_tp_trainers_matches_disk(lora_llm):
     from weightsync.engines.vllm_lora import VLLMLoraEngine
     from weightsync.meta import client as meta
-    from weightsync.reader import WeightReader
-    from weightsync.session import SyncConfig
+    from weightsync.roles.reader import WeightReader
+    from weightsync.session.sync_session import SyncConfig
 
     tmp, config, llm, greedy = lora_llm
     disk, base, ref = disk_refs(tmp, config, llm)
@@ -200,9 +200,9 @@ def disk_refs(tmp, config, llm):
 @pytest.mark.slow
 def test_vllm_adapter_in_flight_updates_apply_at_step_boundaries(lora_llm):
     from weightsync.engines.vllm_lora import VLLMLoraEngine
-    from weightsync.inflight import InflightReader
     from weightsync.meta import client as meta
-    from weightsync.session import SyncConfig
+    from weightsync.roles.inflight import InflightReader
+    from weightsync.session.sync_session import SyncConfig
 
     tmp, config, llm, greedy = lora_llm
     _, _, ref = disk_refs(tmp, config, llm)

@@ -47,7 +47,7 @@ from _sources import assert_covered, check_source, run_ranks
 from meta_proc import MetaServerProcess
 from weightsync.layout import ModelSpec, parse_layout
 from weightsync.sources.param_mapping import same_layout
-from weightsync.tiny import canonical_weights, tiny_config
+from weightsync.tools.tiny import canonical_weights, tiny_config
 
 pytestmark = [pytest.mark.xdist_group("sources-megatron"), pytest.mark.slow]
 
@@ -73,10 +73,10 @@ def import_libraries() -> None:
 def _rank(rank: int, world: int, family: str, job: str) -> list:
     from megatron.core import parallel_state as ps
 
-    from weightsync.session import SyncConfig
+    from weightsync.roles.writer import WeightWriter
+    from weightsync.session.sync_session import SyncConfig
     from weightsync.sources.megatron import MegatronSource, _tensors
     from weightsync.sources.megatron_names import install
-    from weightsync.writer import WeightWriter
 
     cpu_shims()
     hf = tiny_config(family=family)
@@ -112,10 +112,10 @@ def test_megatron_trainer_syncs_a_transformers_model_bitwise(family, tmp_path, m
     import_libraries()
     from weightsync.engines import ModuleEngine
     from weightsync.meta.client import MetaClient
-    from weightsync.reader import WeightReader
-    from weightsync.session import SyncConfig
+    from weightsync.roles.reader import WeightReader
+    from weightsync.session.sync_session import SyncConfig
     from weightsync.sources.module import ModuleSource
-    from weightsync.torch_layout import fill_from_canonical
+    from weightsync.tools.torch_layout import fill_from_canonical
 
     hf = tiny_config(family=family)
     model, expected = hf_model(hf), hf_model(hf)

@@ -18,9 +18,9 @@ from weightsync.meta.events import (
     event_from_wire,
     event_to_wire,
 )
-from weightsync.meta.records import VersionInfo
 from weightsync.meta.reducer import MetaData, ReaderState, apply, replay, snapshot
 from weightsync.meta.state import ConflictError, MetaState
+from weightsync.ports.records import VersionInfo
 
 pytestmark = pytest.mark.timeout(120)
 

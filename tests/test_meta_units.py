@@ -302,7 +302,7 @@ def test_connect_starts_an_embedded_server_without_an_address(monkeypatch):
 def test_server_token_sources(tmp_path, monkeypatch):
     from argparse import Namespace
 
-    from weightsync.commands.meta_server import _token
+    from weightsync.cli.commands.meta_server import _token
 
     monkeypatch.delenv("WEIGHTSYNC_META_TOKEN", raising=False)
     token, source = _token(Namespace(token_file=None, state_dir=str(tmp_path / "state")))
@@ -359,7 +359,7 @@ def test_a_server_reachable_from_other_hosts_needs_a_shared_token(monkeypatch, c
 
 
 def test_the_meta_server_process_imports_no_torch(tmp_path):
-    """cli.py promises lazy imports: a meta server used to hold torch (250 MB) it never uses."""
+    """cli/__init__.py promises lazy imports: a meta server used to hold torch (250 MB) it never uses."""
     import sys as _sys
 
     _sys.path.insert(0, os.path.dirname(__file__))
@@ -378,8 +378,8 @@ def test_a_writer_waits_for_its_own_attempt_before_it_counts_readers_failures():
     """A restarted writer 0 publishes its part of version 1 in epoch 2 before writer 1 has: the
     readers' failures of epoch 0 are not failures of its epoch. It waits until every writer
     published epoch 2 (a bounded wait naming the epoch), then for the readers on it."""
-    from weightsync.deadline import Deadline
-    from weightsync.job import JobChannel
+    from weightsync.clock.deadline import Deadline
+    from weightsync.job.channel import JobChannel
 
     with EmbeddedMetaServer() as server, MetaClient(server.address, token=server.token, job="j", timeout=5) as c:
         c.register(Participant("reader", 0))
@@ -415,7 +415,7 @@ def test_what_the_job_channel_is_given_has_every_call_of_its_port(tmp_path, pair
     """``JobChannel`` takes a ``MetaPort`` (a ``TransportBoard`` when only transports use it, as in
     the transport contract tests): every call the port declares exists, with its parameters."""
     from fake_meta import DirectoryMeta
-    from weightsync import job
+    from weightsync.job import channel as job
 
     given, port = pair.split(":")
     meta = (MetaClient("127.0.0.1:1", token="abcdefgh") if given == "MetaClient"

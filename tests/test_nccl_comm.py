@@ -1,4 +1,4 @@
-"""Our NCCL communicator (transport/nccl_comm.py) against a fake nccl4py that records every call:
+"""Our NCCL communicator (transport/torch/nccl_comm.py) against a fake nccl4py that records every call:
 how weightsync forms it (without touching the process environment: issue 23, defect 10), how it
 calls nccl4py, and that nccl4py, where installed, has the names it calls."""
 
@@ -18,11 +18,11 @@ import torch.distributed as dist
 
 import fake_nccl4py
 from fake_meta import DirectoryMeta
-from weightsync.deadline import Deadline
-from weightsync.job import JobChannel
+from weightsync.clock.deadline import Deadline
+from weightsync.job.channel import JobChannel
 from weightsync.transport import TransportContext, TransportError, TransportOptions, create_transport
-from weightsync.transport.nccl_comm import MISSING, P2P, NcclComm, Watchdog, connect
-from weightsync.transport.torch_nccl import NcclTransport
+from weightsync.transport.torch.nccl import NcclTransport
+from weightsync.transport.torch.nccl_comm import MISSING, P2P, NcclComm, Watchdog, connect
 
 
 class _Watched(dict):  # type: ignore[type-arg]
@@ -182,7 +182,7 @@ def test_the_nccl_transport_without_nccl4py_is_refused_at_init(tmp_path, monkeyp
 @pytest.mark.skipif(importlib.util.find_spec("nccl") is None,
                     reason="nccl4py is not installed (a GPU-only extra: pip install weightsync[gpu])")
 def test_the_nccl4py_names_weightsync_calls_exist():
-    """The real nccl4py has every name and parameter transport/nccl_comm.py (and the fake above)
+    """The real nccl4py has every name and parameter transport/torch/nccl_comm.py (and the fake above)
     use, and the two ``ncclResult_t`` values it compares against."""
     import nccl.core as nccl
     from nccl.bindings import nccl as bindings

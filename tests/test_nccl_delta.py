@@ -23,18 +23,18 @@ import torch
 from device_model import DeviceModel, span
 from fake_meta import DirectoryMeta
 from gpu_harness import as_tensors
-from weightsync import device_port
-from weightsync.codecs.delta import Kind
-from weightsync.codecs.delta_device import DEVICE_CODEC, HOST_CODEC, DeviceCodec, HostCodec, codec_for
 from weightsync.configs import load_spec
-from weightsync.device_port import DeviceMemoryError, TorchDevices
-from weightsync.job import JobChannel
+from weightsync.job.channel import JobChannel
 from weightsync.layout import parse_layout
 from weightsync.plan import build_local_plan
 from weightsync.plan.reference import cut_shards, empty_shards, random_canonical
+from weightsync.ports import device as device_port
+from weightsync.ports.device import DeviceMemoryError, TorchDevices
+from weightsync.tools.codecs.delta import Kind
+from weightsync.tools.codecs.delta_device import DEVICE_CODEC, HOST_CODEC, DeviceCodec, HostCodec, codec_for
 from weightsync.transport import TransportContext, TransportError, TransportOptions
-from weightsync.transport.nccl_comm import P2P
-from weightsync.transport.torch_nccl import NcclTransport
+from weightsync.transport.torch.nccl import NcclTransport
+from weightsync.transport.torch.nccl_comm import P2P
 
 # -- the codec -------------------------------------------------------------------------------------
 
@@ -177,7 +177,7 @@ class Wire:
 
 
 class FakeComm:
-    """:class:`weightsync.transport.nccl_comm.Communicator` on the wire: each post enqueues its
+    """:class:`weightsync.transport.torch.nccl_comm.Communicator` on the wire: each post enqueues its
     operations on the poster's stream (a receive once its send was posted, so it lands in
     stream order); it returns once every operation is matched, or fails after the wire's patience."""
 

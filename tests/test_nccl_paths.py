@@ -1,5 +1,5 @@
 """The NCCL transport's control flow without a GPU, over a fake of its communicator
-(:class:`weightsync.transport.nccl_comm.Communicator`), so that each issue-23 defect of this
+(:class:`weightsync.transport.torch.nccl_comm.Communicator`), so that each issue-23 defect of this
 transport has a test that runs in CI. How the real communicator calls nccl4py:
 tests/test_nccl_comm.py."""
 
@@ -14,17 +14,17 @@ import pytest
 
 from fake_meta import DirectoryMeta
 from gpu_harness import as_tensors
+from weightsync.clock.deadline import Deadline
 from weightsync.configs import load_spec
-from weightsync.deadline import Deadline
-from weightsync.device_port import TorchDevices
-from weightsync.job import JobChannel
+from weightsync.job.channel import JobChannel
 from weightsync.layout import parse_layout
 from weightsync.plan.reference import empty_shards
+from weightsync.ports.device import TorchDevices
 from weightsync.transport import TransportContext, TransportError, TransportOptions
-from weightsync.transport.nccl_comm import P2P
 from weightsync.transport.tensors import flat_views
-from weightsync.transport.torch_dist import Pair
-from weightsync.transport.torch_nccl import NcclTransport
+from weightsync.transport.torch.common import Pair
+from weightsync.transport.torch.nccl import NcclTransport
+from weightsync.transport.torch.nccl_comm import P2P
 
 
 class FakeComm:

@@ -19,7 +19,7 @@ from weightsync.configs import load_spec
 from weightsync.engines.staging import StagedWeights
 from weightsync.layout import ModelSpec, parse_layout
 from weightsync.plan import PlanOptions, build_plan, layer_index, layer_phases, split_plan
-from weightsync.tiny import canonical_weights, checkpoint_tensors, tiny_config
+from weightsync.tools.tiny import canonical_weights, checkpoint_tensors, tiny_config
 
 HERE = Path(__file__).resolve().parent
 
@@ -95,8 +95,8 @@ HOSTS = {"routed": ("node-a,node-b", "node-a")}
 def test_versions_arrive_phase_by_phase_into_one_arena(transport):
     sys.path.insert(0, str(HERE))
     from weightsync.meta.client import EmbeddedMetaServer, MetaClient
-    from weightsync.reader import WeightReader
-    from weightsync.session import SyncConfig, TransportOptions
+    from weightsync.roles.reader import WeightReader
+    from weightsync.session.sync_session import SyncConfig, TransportOptions
     from writer_process import writer_processes
 
     config = tiny_config()
@@ -132,8 +132,8 @@ def test_deltas_arrive_phase_by_phase_into_one_arena(transport):
     nothing changed, next to nothing moves, and every phase still arrives bitwise."""
     sys.path.insert(0, str(HERE))
     from weightsync.meta.client import EmbeddedMetaServer, MetaClient
-    from weightsync.reader import WeightReader
-    from weightsync.session import SyncConfig, TransportOptions
+    from weightsync.roles.reader import WeightReader
+    from weightsync.session.sync_session import SyncConfig, TransportOptions
     from writer_process import writer_processes
 
     config = tiny_config()

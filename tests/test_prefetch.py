@@ -17,11 +17,11 @@ from weightsync.engines.buffers import ShardedEngine
 from weightsync.engines.staging import StagedWeights
 from weightsync.layout import ModelSpec
 from weightsync.meta import EmbeddedMetaServer, MetaClient
-from weightsync.reader import Prefetch, WeightReader
-from weightsync.session import SyncConfig
-from weightsync.tiny import CanonicalSource, canonical_weights, checkpoint_tensors, tiny_config
-from weightsync.torch_layout import fill_from_canonical
-from weightsync.writer import WeightWriter
+from weightsync.roles.reader import Prefetch, WeightReader
+from weightsync.roles.writer import WeightWriter
+from weightsync.session.sync_session import SyncConfig
+from weightsync.tools.tiny import CanonicalSource, canonical_weights, checkpoint_tensors, tiny_config
+from weightsync.tools.torch_layout import fill_from_canonical
 
 CONFIG = {**tiny_config(), "torch_dtype": "float32"}
 

@@ -1,6 +1,6 @@
 """FP8 quantize-on-send (issue 17): readers ask for FP8, writers quantize what they send.
 
-The reference here is written independently of ``weightsync.codecs.fp8``: a loop over tiles of
+The reference here is written independently of ``weightsync.tools.codecs.fp8``: a loop over tiles of
 the full tensor, in fp32, exactly the rule the module states. Every case plans from real
 layout kinds, lets each writer's quantizer fill its FP8 twins and scales (exchanging the
 maxima of shared tiles through an in-memory board, concurrently, as the job channel does),
@@ -20,13 +20,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from weightsync.codecs.fp8 import WriterQuantizer, dequantize
 from weightsync.layout import ModelSpec, parse_layout
 from weightsync.layout.quant import SCHEMES, quantized_tensors
 from weightsync.layout.quant_offers import grid_boxes, quantized_sources
 from weightsync.plan import PlanOptions, build_plan
-from weightsync.tiny import canonical_weights
-from weightsync.torch_layout import TORCH_DTYPES, allocate, fill_from_canonical, strided_view
+from weightsync.tools.codecs.fp8 import WriterQuantizer, dequantize
+from weightsync.tools.tiny import canonical_weights
+from weightsync.tools.torch_layout import TORCH_DTYPES, allocate, fill_from_canonical, strided_view
 from weightsync.transport import TransportOptions
 
 
@@ -232,8 +232,8 @@ def test_fp8_and_bf16_readers_from_three_training_processes(transport):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from weightsync.engines.buffers import ShardedEngine
     from weightsync.meta.client import EmbeddedMetaServer, MetaClient
-    from weightsync.reader import WeightReader
-    from weightsync.session import SyncConfig
+    from weightsync.roles.reader import WeightReader
+    from weightsync.session.sync_session import SyncConfig
     from weightsync.transport import unavailable_reason
     from writer_process import writer_processes
 

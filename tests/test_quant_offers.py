@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 
 import fp8_oracle as oracle
 from strategies import layout_kinds, model_specs
-from weightsync.codecs.fp8 import WriterQuantizer
 from weightsync.layout import Box, CanonicalTensor, RankLayout, Region, Shard, parse_layout
 from weightsync.layout.box import contiguous_strides
 from weightsync.layout.quant import SCHEMES, quantized_canonical
 from weightsync.layout.quant_offers import grid_boxes, quantized_sources
 from weightsync.plan import PlanOptions, build_plan
+from weightsync.tools.codecs.fp8 import WriterQuantizer
 
 
 def slow(examples: int) -> settings:

@@ -21,7 +21,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from weightsync.integrations.ray import SyncActor, attach_readers, attach_writers, meta_server, rejoin, stop_meta_server  # noqa: E402
 from weightsync.integrations.ray.actors import NODE_LABEL  # noqa: E402
-from weightsync.session import SyncConfig  # noqa: E402
+from weightsync.session.sync_session import SyncConfig  # noqa: E402
 from weightsync.transport import TransportOptions  # noqa: E402
 
 # one Ray cluster at a time on a 2-core CI machine: every Ray test runs in one xdist worker
@@ -46,9 +46,9 @@ class Trainer(SyncActor):
         return self.source
 
     def step(self, version, timeout=WAIT):
-        from weightsync.demo import canonical_values
-        from weightsync.session import SyncError
-        from weightsync.torch_layout import fill_from_canonical
+        from weightsync.apps.demo import canonical_values
+        from weightsync.session.sync_session import SyncError
+        from weightsync.tools.torch_layout import fill_from_canonical
 
         fill_from_canonical(self.source.layout(), self.source.tensors(), canonical_values(self.config, version))
         try:
@@ -75,8 +75,8 @@ class Rollout(SyncActor):
         """Apply ``version``; whether every tensor equals that version's weights, bitwise."""
         import torch
 
-        from weightsync.demo import canonical_values
-        from weightsync.torch_layout import allocate, fill_from_canonical
+        from weightsync.apps.demo import canonical_values
+        from weightsync.tools.torch_layout import allocate, fill_from_canonical
 
         result = self.weightsync_update(version, timeout=WAIT)
         want = allocate(self.engine.layout())
@@ -100,7 +100,7 @@ def cluster():
         stop_meta_server()
         ray.shutdown()
         c.shutdown()
-        from weightsync.transport.shm_files import sweep_stale_segments
+        from weightsync.transport.shm.files import sweep_stale_segments
 
         sweep_stale_segments()
 

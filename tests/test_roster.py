@@ -15,16 +15,16 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from strategies import layout_kinds, model_specs
-from weightsync.codecs.fp8 import WriterQuantizer
 from weightsync.configs import load_spec
-from weightsync.job import Member
+from weightsync.job.channel import Member
 from weightsync.layout import ModelSpec, parse_layout
 from weightsync.layout.kinds.base import _memo_tables
 from weightsync.layout.quant_offers import quantized_sources
 from weightsync.layout.roster import Roster
 from weightsync.layout.wire import encode_descriptor, encode_explicit
 from weightsync.plan import PlanOptions, build_plan
-from weightsync.session import decode_roster, plan_share
+from weightsync.session.sync_session import decode_roster, plan_share
+from weightsync.tools.codecs.fp8 import WriterQuantizer
 
 EXACT = PlanOptions(min_split_bytes=0)
 

@@ -83,7 +83,7 @@ def _zero_frontier_rank(rank: int, world: int, family: str) -> tuple[list, objec
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from weightsync.sources.deepspeed import ZeroSource
-    from weightsync.tiny import tiny_config
+    from weightsync.tools.tiny import tiny_config
 
     # no MTP layer: outside the forward pass ZeRO-3 leaves it stale (the FSDP2 e2e test covers MTP)
     config = {**tiny_config(family=family), "num_nextn_predict_layers": 0}
@@ -118,7 +118,7 @@ def test_zero3_frontier_families_as_they_are(monkeypatch, family):
     correction bias (a buffer ZeRO-3 leaves whole) included, and its layout is ``deepspeed:dp=2``."""
     import_deepspeed(monkeypatch)
     results = run_ranks(_zero_frontier_rank, 2, family, timeout=240)
-    from weightsync.tiny import tiny_config
+    from weightsync.tools.tiny import tiny_config
 
     spec = ModelSpec.from_hf_config({**tiny_config(family=family), "num_nextn_predict_layers": 0})
     assert_covered([held for held, _ in results], {n: t.shape for n, t in spec.canonical_tensors().items()})

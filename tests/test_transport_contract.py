@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from weightsync.transport import unavailable_reason
-from weightsync.transport.shm_files import sweep_stale_segments
+from weightsync.transport.shm.files import sweep_stale_segments
 
 HERE = os.path.dirname(__file__)
 TRANSPORTS = ["torch", "shm", "shm-zero-copy", "file", "nixl-pull", "nixl-push", "routed"]
@@ -149,7 +149,7 @@ def test_gpu_versions_arrive_bitwise_in_place(tmp_path, transport, device, gpus)
     """The same contract on GPU: CUDA IPC between processes sharing one GPU; NCCL, one GPU per rank."""
     if GPUS < gpus:
         pytest.skip(f"needs {gpus} CUDA GPU(s); this machine has {GPUS}")
-    from weightsync.transport.nccl_comm import nccl4py_missing
+    from weightsync.transport.torch.nccl_comm import nccl4py_missing
 
     if transport == "torch" and (missing := nccl4py_missing()):
         pytest.skip(missing)
@@ -170,8 +170,8 @@ def test_every_transports_endpoint_round_trips_and_a_malformed_one_is_named(tmp_
     import msgpack
 
     from fake_meta import DirectoryMeta
-    from weightsync.deadline import Deadline
-    from weightsync.job import JobChannel
+    from weightsync.clock.deadline import Deadline
+    from weightsync.job.channel import JobChannel
     from weightsync.transport.base import TransportContext, TransportError, peer_endpoint
     from weightsync.transport.endpoints import FileEndpoint, NixlEndpoint, NixlSlots, ShmEndpoint, TorchRendezvous
 

@@ -99,9 +99,9 @@ def test_delta_is_refused_where_it_would_be_ignored(monkeypatch):
     """On 3ee4748 transports took ``delta_anchor_every`` and sent every version in full; each
     then refused it until it carried deltas (NIXL push last). Every transport carries them now,
     so the refusal is checked on a transport class that says it does not."""
-    from weightsync.job import JobChannel
+    from weightsync.job.channel import JobChannel
     from weightsync.transport import TransportContext, TransportOptions, check_delta_carried
-    from weightsync.transport.nixl_push import NixlPushTransport
+    from weightsync.transport.nixl.push import NixlPushTransport
 
     monkeypatch.setattr(NixlPushTransport, "carries_deltas", False)
     name, device, options, words = "nixl", "cpu", {"nixl_mode": "push"}, "the nixl transport (NixlPushTransport, on cpu)"
@@ -123,7 +123,7 @@ def test_delta_is_refused_where_it_would_be_ignored(monkeypatch):
 def test_delta_over_nccl_is_taken_and_routed_between_gpus_refused_naming_its_shm_route():
     """NCCL carries deltas (tests/test_nccl_delta.py); the routed transport between GPUs is
     still refused at creation, for its CUDA IPC route (shm deltas need host memory)."""
-    from weightsync.job import JobChannel
+    from weightsync.job.channel import JobChannel
     from weightsync.transport import TransportContext, TransportOptions, check_delta_carried
 
     ctx = TransportContext(channel=JobChannel(None, role="writer", rank=1), num_writers=2,  # type: ignore[arg-type]
@@ -137,9 +137,9 @@ def test_delta_over_nccl_is_taken_and_routed_between_gpus_refused_naming_its_shm
 
 
 def test_shm_delta_between_gpus_is_refused():
-    from weightsync.job import JobChannel
+    from weightsync.job.channel import JobChannel
     from weightsync.transport import TransportContext, TransportOptions
-    from weightsync.transport.delta_published import check_delta
+    from weightsync.transport.delta.published import check_delta
 
     ctx = TransportContext(channel=JobChannel(None, role="reader", rank=0), num_writers=1,  # type: ignore[arg-type]
                            num_readers=1, device="cuda:0", options=TransportOptions(delta_anchor_every=4))
@@ -152,10 +152,10 @@ def test_shm_delta_between_gpus_is_refused():
 
 
 def test_nixl_delta_on_gpu_memory_is_refused_in_both_modes():
-    from weightsync.job import JobChannel
+    from weightsync.job.channel import JobChannel
     from weightsync.transport import TransportContext, TransportOptions
-    from weightsync.transport.nixl_pull import NixlPullTransport
-    from weightsync.transport.nixl_push import NixlPushTransport
+    from weightsync.transport.nixl.pull import NixlPullTransport
+    from weightsync.transport.nixl.push import NixlPushTransport
 
     ctx = TransportContext(channel=JobChannel(None, role="writer", rank=0), num_writers=1,  # type: ignore[arg-type]
                            num_readers=1, device="cuda:0", options=TransportOptions(delta_anchor_every=4))
@@ -169,7 +169,7 @@ def test_nixl_auto_mode_with_deltas_is_pull():
     """``nixl_mode='auto'`` picks push for as many readers as writers; with deltas it picks pull
     (both modes carry them, but a pull writer publishes its changes once and never waits for
     readers, while a push writer with deltas packs every op and waits for each reader)."""
-    from weightsync.job import JobChannel
+    from weightsync.job.channel import JobChannel
     from weightsync.transport import TransportContext, TransportOptions, check_delta_carried, transport_class_path
 
     for anchor, cls in ((0, "NixlPushTransport"), (4, "NixlPullTransport")):
@@ -185,9 +185,9 @@ def test_file_deltas_read_exactly_the_changes_and_old_change_files_go(tmp_path):
     deltas at init)."""
     from _delta_exact import delta_pair, run_exact_sequence
     from fake_meta import DirectoryMeta
-    from weightsync.job import JobChannel
+    from weightsync.job.channel import JobChannel
     from weightsync.transport import TransportContext, TransportOptions
-    from weightsync.transport.file import FileTransport
+    from weightsync.transport.file.transport import FileTransport
 
     meta, files = DirectoryMeta(tmp_path / "meta"), tmp_path / "files"
 
@@ -208,11 +208,11 @@ def test_file_delta_reader_refuses_a_writer_that_writes_no_change_files(tmp_path
 
     from fake_meta import DirectoryMeta
     from weightsync.configs import load_spec
-    from weightsync.job import JobChannel
+    from weightsync.job.channel import JobChannel
     from weightsync.layout import parse_layout
     from weightsync.plan import build_plan
     from weightsync.transport import TransportContext, TransportError, TransportOptions
-    from weightsync.transport.file import FileTransport
+    from weightsync.transport.file.transport import FileTransport
 
     layouts = parse_layout("hf").all_rank_layouts(load_spec("tiny-qwen3"))
     plan = build_plan(layouts, layouts)

@@ -40,7 +40,7 @@ def _layouts(target: str):
 def _tensors(arrays, layout):
     import torch
 
-    from weightsync.torch_layout import TORCH_DTYPES
+    from weightsync.tools.torch_layout import TORCH_DTYPES
 
     dtypes = {s.name: s.dtype for s in layout.shards}
     return {name: torch.from_numpy(a).view(TORCH_DTYPES[dtypes[name]]) for name, a in arrays.items()}
@@ -65,7 +65,7 @@ def _rank_main(role, rank, scenarios, meta_root, barrier, results, stop_after=No
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         import torch
 
-        from weightsync.job import JobChannel
+        from weightsync.job.channel import JobChannel
         from weightsync.plan import build_local_plan
         from weightsync.plan.reference import cut_shards, empty_shards, random_canonical
         from weightsync.transport import TransportContext, TransportError, TransportOptions, create_transport
@@ -228,11 +228,11 @@ def test_dead_writer_fails_reader_within_timeout(tmp_path, mode):
 
 
 def test_modes_and_options(tmp_path):
-    from weightsync.job import JobChannel
+    from weightsync.job.channel import JobChannel
     from weightsync.transport import TransportContext, TransportOptions, create_transport
-    from weightsync.transport.nixl_common import resolve_mode
-    from weightsync.transport.nixl_pull import NixlPullTransport
-    from weightsync.transport.nixl_push import NixlPushTransport
+    from weightsync.transport.nixl.common import resolve_mode
+    from weightsync.transport.nixl.pull import NixlPullTransport
+    from weightsync.transport.nixl.push import NixlPushTransport
 
     # auto: push while each writer feeds few readers, pull on fan-out to more readers than writers
     assert resolve_mode("auto", num_writers=2, num_readers=2) == "push"
@@ -262,13 +262,13 @@ def test_slots_stale_versions_and_mode_mismatch_in_one_process(tmp_path, monkeyp
     import torch
 
     from weightsync.configs import load_spec
-    from weightsync.job import JobChannel
+    from weightsync.job.channel import JobChannel
     from weightsync.layout import parse_layout
     from weightsync.plan import build_plan
     from weightsync.transport import TransportContext, TransportError, TransportOptions
-    from weightsync.transport.nixl_agent import NixlAgent
-    from weightsync.transport.nixl_pull import NixlPullTransport
-    from weightsync.transport.nixl_push import NixlPushTransport
+    from weightsync.transport.nixl.agent import NixlAgent
+    from weightsync.transport.nixl.pull import NixlPullTransport
+    from weightsync.transport.nixl.push import NixlPushTransport
 
     monkeypatch.setenv("NIXL_LOG_LEVEL", "WARN")
     threads_before = threading_names()  # other tests in this worker may have left e.g. tqdm's monitor
@@ -321,8 +321,8 @@ def threading_names():
 
 
 def test_descriptor_geometry():
-    from weightsync.transport.nixl_agent import Descriptors
-    from weightsync.transport.nixl_common import contiguous_runs
+    from weightsync.transport.nixl.agent import Descriptors
+    from weightsync.transport.nixl.common import contiguous_runs
 
     # A column half of a 4x6 row-major matrix, read from a packed 4x3 block.
     a, b, run = contiguous_runs((4, 3), (3, 1), (6, 1))
@@ -338,9 +338,9 @@ def test_descriptor_geometry():
 def test_pull_deltas_move_exactly_the_published_changes(tmp_path, monkeypatch):
     """Deltas over NIXL pull READ exactly the published changes (tests/_delta_exact.py)."""
     from _delta_exact import delta_pair, run_exact_sequence
-    from weightsync.job import JobChannel
+    from weightsync.job.channel import JobChannel
     from weightsync.transport import TransportContext, TransportOptions
-    from weightsync.transport.nixl_pull import NixlPullTransport
+    from weightsync.transport.nixl.pull import NixlPullTransport
 
     monkeypatch.setenv("NIXL_LOG_LEVEL", "WARN")
     meta = DirectoryMeta(tmp_path)
@@ -365,11 +365,11 @@ def test_push_deltas_write_exactly_the_changes(tmp_path, monkeypatch):
     import torch
 
     from weightsync.configs import load_spec
-    from weightsync.job import JobChannel
+    from weightsync.job.channel import JobChannel
     from weightsync.layout import parse_layout
     from weightsync.plan import build_plan
     from weightsync.transport import TransportContext, TransportError, TransportOptions
-    from weightsync.transport.nixl_push import NixlPushTransport
+    from weightsync.transport.nixl.push import NixlPushTransport
 
     monkeypatch.setenv("NIXL_LOG_LEVEL", "WARN")
     spec = load_spec("tiny-qwen3")
@@ -426,11 +426,11 @@ def test_push_delta_ranks_refuse_a_peer_without_deltas(tmp_path, monkeypatch):
     import torch
 
     from weightsync.configs import load_spec
-    from weightsync.job import JobChannel
+    from weightsync.job.channel import JobChannel
     from weightsync.layout import parse_layout
     from weightsync.plan import build_plan
     from weightsync.transport import TransportContext, TransportError, TransportOptions
-    from weightsync.transport.nixl_push import NixlPushTransport
+    from weightsync.transport.nixl.push import NixlPushTransport
 
     monkeypatch.setenv("NIXL_LOG_LEVEL", "WARN")
     layouts = parse_layout("hf").all_rank_layouts(load_spec("tiny-qwen3"))
@@ -466,11 +466,11 @@ def test_pull_delta_reader_refuses_a_writer_that_publishes_no_changes(tmp_path, 
     import torch
 
     from weightsync.configs import load_spec
-    from weightsync.job import JobChannel
+    from weightsync.job.channel import JobChannel
     from weightsync.layout import parse_layout
     from weightsync.plan import build_plan
     from weightsync.transport import TransportContext, TransportError, TransportOptions
-    from weightsync.transport.nixl_pull import NixlPullTransport
+    from weightsync.transport.nixl.pull import NixlPullTransport
 
     monkeypatch.setenv("NIXL_LOG_LEVEL", "WARN")
     layouts = parse_layout("hf").all_rank_layouts(load_spec("tiny-qwen3"))
@@ -502,12 +502,12 @@ def test_push_reader_takes_the_version_of_a_writer_that_closed_after_sending_it(
     import torch
 
     from weightsync.configs import load_spec
-    from weightsync.job import JobChannel
+    from weightsync.job.channel import JobChannel
     from weightsync.layout import parse_layout
     from weightsync.plan import build_plan
-    from weightsync.torch_layout import allocate, fill_from_canonical
+    from weightsync.tools.torch_layout import allocate, fill_from_canonical
     from weightsync.transport import TransportContext, TransportOptions
-    from weightsync.transport.nixl_push import NixlPushTransport
+    from weightsync.transport.nixl.push import NixlPushTransport
 
     monkeypatch.setenv("NIXL_LOG_LEVEL", "ERROR")
     spec = load_spec("tiny-qwen3")

@@ -11,17 +11,17 @@ import threading
 import pytest
 import torch
 
+from weightsync.apps.demo import canonical_values
 from weightsync.configs import load_spec
-from weightsync.demo import canonical_values
-from weightsync.devices import RankPlacement, choose_transport, same_node
 from weightsync.engines.buffers import ShardedEngine
 from weightsync.meta import EmbeddedMetaServer, MetaClient
-from weightsync.reader import WeightReader
-from weightsync.session import SyncConfig
+from weightsync.roles.reader import WeightReader
+from weightsync.roles.writer import WeightWriter
+from weightsync.session.sync_session import SyncConfig
 from weightsync.sources.module import ShardedSource
-from weightsync.torch_layout import allocate, fill_from_canonical
+from weightsync.tools.devices import RankPlacement, choose_transport, same_node
+from weightsync.tools.torch_layout import allocate, fill_from_canonical
 from weightsync.transport import TransportOptions
-from weightsync.writer import WeightWriter
 
 
 def place(role, rank, node):
@@ -103,7 +103,7 @@ def test_routed_job_moves_same_node_pairs_over_shm_and_the_rest_over_torch():
 
 @pytest.mark.parametrize("bad", [()])
 def test_routed_refuses_a_context_without_placements(bad):
-    from weightsync.job import JobChannel
+    from weightsync.job.channel import JobChannel
     from weightsync.transport import TransportContext, create_transport
 
     ctx = TransportContext(channel=JobChannel(None, role="reader", rank=0), num_writers=1, num_readers=1,  # type: ignore[arg-type]

@@ -12,15 +12,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from fake_meta import DirectoryMeta
 from weightsync.configs import load_spec
-from weightsync.job import JobChannel
+from weightsync.job.channel import JobChannel
 from weightsync.layout import parse_layout
 from weightsync.plan import PlanOptions, build_local_plan
-from weightsync.torch_layout import allocate
+from weightsync.tools.torch_layout import allocate
 from weightsync.transport import TransportContext, TransportError, TransportOptions, create_transport
-from weightsync.transport.shm_files import SHM_DIR, share_tensors
-from weightsync.transport.shm_segment import RETIRED, SegmentRetiredError, check_live
-from weightsync.transport.shm_snapshot import SnapshotWriter
-from weightsync.transport.shm_zero_copy import EXPOSED_WORD, ZeroCopyWriter
+from weightsync.transport.shm.files import SHM_DIR, share_tensors
+from weightsync.transport.shm.segment import RETIRED, SegmentRetiredError, check_live
+from weightsync.transport.shm.snapshot import SnapshotWriter
+from weightsync.transport.shm.zero_copy import EXPOSED_WORD, ZeroCopyWriter
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -123,7 +123,7 @@ def test_a_segment_never_unlinked_removes_its_file_when_the_process_exits():
     """A writer not closed must not leave a model-sized file in /dev/shm."""
     import subprocess
 
-    code = ("from weightsync.transport.shm_segment import OwnSegment; import os; "
+    code = ("from weightsync.transport.shm.segment import OwnSegment; import os; "
             "s = OwnSegment(0, {'k': 1}, 1 << 16); assert os.path.exists(s.path); print(s.path)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -137,7 +137,7 @@ def test_the_sweep_spares_files_a_live_process_holds_whatever_pid_their_name_car
     and zero-copy parameter files (issue 28). It judges by the creator's lock now."""
     import subprocess
 
-    from weightsync.transport.shm_files import create_shared, remove_shared, sweep_stale_segments
+    from weightsync.transport.shm.files import create_shared, remove_shared, sweep_stale_segments
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                           timeout=60)

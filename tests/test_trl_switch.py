@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightsync.tiny import tiny_config
+from weightsync.tools.tiny import tiny_config
 
 needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None or importlib.util.find_spec("vllm") is None,
                                reason="needs trl and vllm (weightsync[trl,vllm])")
@@ -38,7 +38,6 @@ def test_an_unsupported_trl_release_is_refused_naming_both_versions(trl_switch):
 @needs_trl
 @pytest.mark.parametrize(("setting", "message"), [
     ({"vllm_enable_sleep_mode": True}, "vllm_enable_sleep_mode=True with weightsync"),
-    ({"vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size=2 in colocate mode"),
 ])
 def test_colocate_settings_weightsync_cannot_serve_are_refused_before_vllm_starts(tmp_path, trl_switch, setting,
                                                                                   message):
@@ -111,3 +110,21 @@ def test_a_peft_model_syncs_its_merged_weights_and_keeps_its_adapter(tmp_path):
         assert torch.equal(got[name], tensor), name  # the merged weights, bit for bit
     for name, p in model.named_parameters():  # the adapter is back in place (unmerged: up to rounding)
         assert torch.allclose(p, before[name], atol=1e-6), name
+
+
+@needs_trl
+def test_trl_vllm_serve_starts_vllm_with_the_weightsync_backend_when_asked(trl_switch):
+    """``trl vllm-serve`` (TRL 1.16) only execs ``vllm serve`` with dev mode, its NCCL backend and the
+    extra arguments after it: ``--weight-transfer-config '{"backend": "weightsync"}'`` wins (vLLM
+    takes the last of a repeated option), so TRL's own server command serves weightsync."""
+    from trl.scripts.vllm_serve import build_command, make_parser
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args, extra = make_parser().parse_args_and_config(
+        args=["--model", "Qwen/Qwen3-0.6B", "--tensor_parallel_size", "2", "--weight-transfer-config",
+              '{"backend": "weightsync"}'], return_remaining_strings=True)
+    command = build_command(args, extra)
+    served = make_arg_parser(FlexibleArgumentParser()).parse_args(command[command.index("serve") + 1:])
+    assert served.weight_transfer_config.backend == "weightsync"
+    assert served.tensor_parallel_size == 2 and served.logprobs_mode == "processed_logprobs"

@@ -8,12 +8,12 @@ import os
 
 import torch
 
+from weightsync.apps.demo import canonical_values
 from weightsync.cli import main
 from weightsync.configs import load_spec
-from weightsync.demo import canonical_values
 from weightsync.layout import parse_layout
-from weightsync.torch_layout import allocate, fill_from_canonical
-from weightsync.verify import dump_rank, merge_reports, save_canonical, union_volume, verify_rank
+from weightsync.tools.torch_layout import allocate, fill_from_canonical
+from weightsync.tools.verify import dump_rank, merge_reports, save_canonical, union_volume, verify_rank
 
 
 def _setup(tmp_path, kind="vllm:tp=2"):
@@ -119,7 +119,7 @@ def test_nan_never_matches_a_number(tmp_path):
 
 
 def test_nan_in_the_checkpoint_matches_only_the_same_nan(tmp_path):
-    from weightsync.verify import differences
+    from weightsync.tools.verify import differences
 
     want = torch.tensor([1.0, float("nan"), float("inf"), -float("inf")], dtype=torch.float32)
     same = want.clone()

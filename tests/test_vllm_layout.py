@@ -18,7 +18,7 @@ import pytest
 
 from weightsync.layout import ModelSpec, RankLayout, parse_layout
 from weightsync.plan.reference import cut_shards, random_canonical
-from weightsync.tiny import tiny_config
+from weightsync.tools.tiny import tiny_config
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
               pytest.mark.slow, pytest.mark.xdist_group("vllm-layout"), pytest.mark.timeout(600)]

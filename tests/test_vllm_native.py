@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from _vllm_native import free_port, run_to_end
-from weightsync.tiny import tiny_config, write_checkpoint
+from weightsync.tools.tiny import tiny_config, write_checkpoint
 
 HERE = Path(__file__).resolve().parent
 pytestmark = [
@@ -86,7 +86,7 @@ def test_vllm_serve_takes_lora_adapter_versions_from_two_tp_trainers_over_http(t
     from weightsync.layout import ModelSpec
     from weightsync.layout.lora import LoraSpec
     from weightsync.meta.client import EmbeddedMetaServer
-    from weightsync.tiny import write_adapter
+    from weightsync.tools.tiny import write_adapter
 
     config, lora = tiny_config(), LoraSpec(r=8, alpha=16)
     write_checkpoint(tmp_path / "base", config, seed=1)
@@ -211,7 +211,7 @@ def test_workers_that_never_answer_update_weights_fail_send_weights_naming_the_m
     from types import SimpleNamespace
 
     from weightsync.integrations.vllm_trainer import WeightSyncTrainerEngine, WeightSyncTrainerInitInfo
-    from weightsync.session import SyncError
+    from weightsync.session.sync_session import SyncError
 
     stuck = threading.Event()
     client = SimpleNamespace(start_weight_update=lambda: None, update_weights=lambda info: stuck.wait(30),

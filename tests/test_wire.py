@@ -6,10 +6,10 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from weightsync.job import Member
+from weightsync.job.channel import Member
 from weightsync.layout import ModelSpec, parse_layout
 from weightsync.layout.wire import LayoutDecoder, decode_layout, encode_descriptor, encode_explicit
-from weightsync.session import decode_roster
+from weightsync.session.sync_session import decode_roster
 
 CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
           "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,

@@ -3,7 +3,7 @@
     WEIGHTSYNC_META_ADDR=... WEIGHTSYNC_META_TOKEN=... python tests/writer_process.py \\
         --config '<hf config json>' --layout megatron:tp=2 --rank 0 --readers 1 --job j --seeds 2,1
 
-Version ``i`` (from 1) holds ``weightsync.tiny.canonical_weights(config, seeds[i - 1])``.
+Version ``i`` (from 1) holds ``weightsync.tools.tiny.canonical_weights(config, seeds[i - 1])``.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import Any
 import torch
 
 from weightsync.layout import parse_layout
-from weightsync.session import SyncConfig, TransportOptions
+from weightsync.roles.writer import WeightWriter
+from weightsync.session.sync_session import SyncConfig, TransportOptions
 from weightsync.sources.module import ShardedSource
-from weightsync.tiny import canonical_weights
-from weightsync.torch_layout import fill_from_canonical
-from weightsync.writer import WeightWriter
+from weightsync.tools.tiny import canonical_weights
+from weightsync.tools.torch_layout import fill_from_canonical
 
 HERE = Path(__file__).resolve().parent
 

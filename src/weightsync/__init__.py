@@ -12,21 +12,23 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from weightsync.inflight import InflightReader
-    from weightsync.reader import UpdateResult, WeightReader
-    from weightsync.session import SyncConfig, SyncError, TransportOptions
-    from weightsync.tensorstore import StoreConfig, TensorSlice, TensorStore
-    from weightsync.transport.shm_files import SharedTensors, share_tensors
-    from weightsync.writer import ReadersFailedError, WeightWriter, WriteResult
+    from weightsync.roles.inflight import InflightReader
+    from weightsync.roles.reader import UpdateResult, WeightReader
+    from weightsync.roles.tensorstore import StoreConfig, TensorSlice, TensorStore
+    from weightsync.roles.writer import ReadersFailedError, WeightWriter, WriteResult
+    from weightsync.session.sync_session import SyncConfig, SyncError, TransportOptions
+    from weightsync.transport.shm.files import SharedTensors, share_tensors
 
 _LAZY = {
-    "SyncConfig": "weightsync.session", "SyncError": "weightsync.session", "TransportOptions": "weightsync.session",
-    "WeightWriter": "weightsync.writer", "WriteResult": "weightsync.writer", "ReadersFailedError": "weightsync.writer",
-    "WeightReader": "weightsync.reader", "UpdateResult": "weightsync.reader",
-    "InflightReader": "weightsync.inflight",
-    "TensorStore": "weightsync.tensorstore", "StoreConfig": "weightsync.tensorstore",
-    "TensorSlice": "weightsync.tensorstore",
-    "share_tensors": "weightsync.transport.shm_files", "SharedTensors": "weightsync.transport.shm_files",
+    "SyncConfig": "weightsync.session.sync_session", "SyncError": "weightsync.session.sync_session",
+    "TransportOptions": "weightsync.session.sync_session",
+    "WeightWriter": "weightsync.roles.writer", "WriteResult": "weightsync.roles.writer",
+    "ReadersFailedError": "weightsync.roles.writer",
+    "WeightReader": "weightsync.roles.reader", "UpdateResult": "weightsync.roles.reader",
+    "InflightReader": "weightsync.roles.inflight",
+    "TensorStore": "weightsync.roles.tensorstore", "StoreConfig": "weightsync.roles.tensorstore",
+    "TensorSlice": "weightsync.roles.tensorstore",
+    "share_tensors": "weightsync.transport.shm.files", "SharedTensors": "weightsync.transport.shm.files",
 }
 
 __all__ = ["InflightReader", "ReadersFailedError", "SharedTensors", "StoreConfig", "SyncConfig", "SyncError",

@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 from weightsync.engines.buffers import ModuleEngine, ShardedEngine
-from weightsync.ports import InferenceEngine
+from weightsync.ports.engine import InferenceEngine
 
 #: attribute -> the adapter module that defines it (imported on first access)
 _LAZY = {"VLLMEngine": "weightsync.engines.vllm", "update_llm": "weightsync.engines.vllm",

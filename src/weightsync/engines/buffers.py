@@ -20,8 +20,8 @@ from typing import Any, ClassVar
 import torch
 
 from weightsync.layout import ModelSpec, RankLayout, parse_layout
-from weightsync.ports import Invalid, Validity
-from weightsync.torch_layout import allocate, module_layout, named_tensors
+from weightsync.ports.engine import Invalid, Validity
+from weightsync.tools.torch_layout import allocate, module_layout, named_tensors
 
 
 class _InPlace:

@@ -41,10 +41,10 @@ from typing import Any, Literal
 
 import torch
 
-from weightsync.devices import resolve_device, sglang_staging_device
 from weightsync.engines.staging import StagedWeights, invalid_stamp
 from weightsync.layout import ModelSpec
-from weightsync.torch_layout import dtype_name
+from weightsync.tools.devices import resolve_device, sglang_staging_device
+from weightsync.tools.torch_layout import dtype_name
 
 logger = logging.getLogger(__name__)
 

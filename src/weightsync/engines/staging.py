@@ -35,11 +35,13 @@ from typing import ClassVar
 
 import torch
 
-from weightsync import device_port
 from weightsync.layout import ModelSpec, RankLayout, Shard
+from weightsync.layout.box import Box
 from weightsync.layout.kinds.hf import HFLayout
-from weightsync.ports import Invalid
-from weightsync.torch_layout import TORCH_DTYPES, dtype_name
+from weightsync.layout.restrict import restrict
+from weightsync.ports import device as device_port
+from weightsync.ports.engine import Invalid
+from weightsync.tools.torch_layout import TORCH_DTYPES, dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ class StagedWeights:
     push staged tensors through the engine's loader: :meth:`_begin` opens a load,
     :meth:`_load_items` loads some tensors, :meth:`_end` completes the version.
 
-    **Phases** (``SyncConfig(layer_phases=True)``; a :class:`~weightsync.ports.PhasedEngine`):
+    **Phases** (``SyncConfig(layer_phases=True)``; a :class:`~weightsync.ports.engine.PhasedEngine`):
     the reader calls :meth:`use_phases` with the job's phases of whole layers; an engine that
     ``loads_in_phases`` then lays its buffers out in one *arena* the size of the largest
     phase, every phase's tensors on the same memory, and loads each phase as it arrives
@@ -61,14 +63,15 @@ class StagedWeights:
 
     stages_in_phases: ClassVar[bool] = True
     #: Staging is allocated once and only the transport writes it (phases that share the
-    #: arena excepted, see :class:`~weightsync.ports.InferenceEngine`).
+    #: arena excepted, see :class:`~weightsync.ports.engine.InferenceEngine`).
     keeps_received_bytes: ClassVar[bool] = True
     #: Whether the engine's loader takes a version in several calls (vLLM's layerwise reload
     #: does); an engine that does not stages the whole model whatever the phases.
     loads_in_phases: bool = True
 
     def __init__(self, spec: ModelSpec, *, dtype: torch.dtype, device: str | torch.device, rank: int,
-                 replicas: int | None = None, quant: str | None = None) -> None:
+                 replicas: int | None = None, quant: str | None = None,
+                 reads: Mapping[str, Iterable[Box]] | None = None) -> None:
         self.spec = spec
         # The hf kind's world must include this rank; pass the number of engines so that all
         # readers publish one descriptor (and share one layout template when planning).
@@ -76,6 +79,11 @@ class StagedWeights:
         kind.validate(spec)
         self.layout_text = kind.describe()
         self._layout = kind.rank_layout(spec, rank)
+        #: ``reads``: the boxes of each canonical tensor the engine's loader reads (a TP worker's
+        #: slices): only they arrive, into whole checkpoint-shaped buffers (an explicit layout)
+        self._restricted = reads is not None
+        if reads is not None:
+            self._layout = restrict(self._layout, reads)
         self._device = torch.device(device)
         self.dev = device_port.current()
         self._phases: tuple[tuple[str, ...], ...] | None = None  # laid out for these; None: not yet
@@ -104,6 +112,8 @@ class StagedWeights:
         return MappingProxyType(self._buffers)
 
     def descriptor(self) -> tuple[str, Mapping[str, object]] | None:
+        if self._restricted:
+            return None  # not the hf kind's whole model: the shards themselves are published
         return self.layout_text, self.spec.to_hf_config()
 
     @property

@@ -46,7 +46,7 @@ import torch
 
 from weightsync.engines.staging import StagedWeights, invalid_stamp
 from weightsync.layout import ModelSpec
-from weightsync.torch_layout import dtype_name
+from weightsync.tools.torch_layout import dtype_name
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -61,7 +61,9 @@ BACKEND_NAME = "weightsync"
 # -- the in-process engine ---------------------------------------------------------------------
 
 class VLLMEngine(StagedWeights):
-    """An in-process ``vllm.LLM`` (one worker) as a weightsync :class:`InferenceEngine`.
+    """An in-process ``vllm.LLM`` as a weightsync :class:`InferenceEngine`: one worker, or this
+    process's TP worker of an engine TRL colocates over its ranks (``external_launcher``), whose
+    reader receives only the slices that worker loads (:mod:`weightsync.engines.vllm_parallel`).
 
     ``apply`` loads the staged weights through vLLM's reload path, resets the prefix
     cache (cached KV blocks were computed with the old weights) and sets the engine's
@@ -80,9 +82,10 @@ class VLLMEngine(StagedWeights):
         vllm_config: Any = engine.vllm_config
         check_supported(vllm_config)
         # with MTP drafting, the drafter's layers are synced too (reloaded after the target's)
-        super().__init__(spec_of(vllm_config, mtp=runs_mtp(vllm_config)), dtype=vllm_config.model_config.dtype,
+        mtp = runs_mtp(vllm_config)
+        super().__init__(spec_of(vllm_config, mtp=mtp), dtype=vllm_config.model_config.dtype,
                          device=vllm_config.device_config.device, rank=rank, replicas=replicas,
-                         quant=staging_quant(vllm_config))
+                         quant=staging_quant(vllm_config), reads=llm.collective_rpc(_worker_reads, args=(mtp,))[0])
         self.llm = llm
         if in_place:  # parameters that need no processing are received straight into the model
             checkpoint = {shard.name: (shard.shape, shard.dtype) for shard in self.layout().shards}
@@ -296,11 +299,9 @@ def quant_scheme(config: Mapping[str, Any]) -> str:
 
 def check_supported(vllm_config: Any) -> None:
     """Reject engine configurations whose reload path this adapter has not been built for."""
-    parallel = vllm_config.parallel_config
-    if parallel.world_size != 1:
-        raise ValueError(f"weightsync's vLLM adapter supports one worker per engine (TP=PP=1), got "
-                         f"TP={parallel.tensor_parallel_size} PP={parallel.pipeline_parallel_size}; "
-                         "run several engines, one reader each")
+    from weightsync.engines.vllm_parallel import check_parallel
+
+    check_parallel(vllm_config)
     staging_quant(vllm_config)
     if vllm_config.lora_config is not None:
         raise ValueError("engines with LoRA enabled are not supported")
@@ -394,6 +395,12 @@ def _in_place_params(worker: Any, checkpoint: Mapping[str, tuple[tuple[int, ...]
     model = worker.model_runner.get_model()
     names = set(in_place_names(param_facts(model), checkpoint, quantized=quantized))
     return {name: param.data for name, param in model.named_parameters() if name in names}
+
+
+def _worker_reads(worker: Any, mtp: bool) -> Any:
+    from weightsync.engines.vllm_parallel import worker_reads
+
+    return worker_reads(worker.vllm_config, mtp=mtp)
 
 
 def _reload_begin(worker: Any) -> None:

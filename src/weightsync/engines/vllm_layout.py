@@ -44,7 +44,7 @@ from weightsync.engines.process_state import preserved_process_state
 from weightsync.layout import ModelSpec, Region, Shard
 from weightsync.layout.box import Box, contiguous_strides
 from weightsync.layout.kinds.hf import HFLayout
-from weightsync.torch_layout import dtype_name
+from weightsync.tools.torch_layout import dtype_name
 
 #: Tensor methods that return a view of their input: the recording follows them.
 _VIEW_OPS = frozenset({"narrow", "view", "reshape", "__getitem__", "unsqueeze", "squeeze", "transpose", "t",

@@ -36,8 +36,8 @@ import torch
 from weightsync.engines.vllm import spec_of
 from weightsync.layout import RankLayout
 from weightsync.layout.lora import PEFT_PREFIX, LoraSpec
-from weightsync.ports import Invalid, Validity
-from weightsync.torch_layout import allocate, check_tensors, dtype_name
+from weightsync.ports.engine import Invalid, Validity
+from weightsync.tools.torch_layout import allocate, check_tensors, dtype_name
 
 if TYPE_CHECKING:
     from vllm import LLM

@@ -4,7 +4,7 @@ verl hands the actor a generator of full (gathered) tensors that it may free aft
 yield, and weightsync's writer sends a version after all of them are staged, so actor
 rank 0 keeps one copy of the model (on the trainer's GPU by default). That copy is taken
 here, tensor by tensor, each allocation checked against the device's free memory
-(:mod:`weightsync.device_port`): a model that does not fit is refused with the figure and
+(:mod:`weightsync.ports.device`): a model that does not fit is refused with the figure and
 the setting to change, never an out-of-memory error, and before the writer sends a byte.
 
 The generator is walked to its end even then, since producing a tensor is collective over
@@ -15,19 +15,21 @@ the actor group (the other actor ranks are walking it too)::
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import torch
 
-from weightsync import device_port
+from weightsync.ports import device as device_port
 
 #: What to change when the copy does not fit (``engine_kwargs.weightsync`` of verl's config).
 FIX = ("stage on the host instead: actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.weightsync.device=cpu "
        "(every worker of the job, actor and rollout, stages on one kind of device)")
 
 
-async def copy_model(weights: AsyncIterator[tuple[str, torch.Tensor]], *, device: str) -> dict[str, torch.Tensor]:
-    """A contiguous copy of every tensor ``weights`` yields, on ``device``.
+async def copy_model(weights: AsyncIterator[tuple[str, torch.Tensor]], *, device: str,
+                     keep: Callable[[str, torch.Tensor], bool] = lambda name, t: True) -> dict[str, torch.Tensor]:
+    """A contiguous copy of every tensor ``weights`` yields that ``keep`` accepts, on ``device``
+    (``keep`` sees every tensor, in order).
 
     Raises:
         DeviceMemoryError: the copy does not fit; the message gives the model's size (every
@@ -39,7 +41,7 @@ async def copy_model(weights: AsyncIterator[tuple[str, torch.Tensor]], *, device
     failed: device_port.DeviceMemoryError | None = None
     async for name, t in weights:
         total += t.numel() * t.element_size()
-        if failed is not None:
+        if failed is not None or not keep(name, t):
             continue  # keep walking: the other actor ranks produce these tensors with us
         try:
             buffers[name] = _copy(port, name, t, device)

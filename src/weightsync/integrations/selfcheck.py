@@ -1,6 +1,6 @@
 """What ``weightsync doctor --engines``'s engine checks share: the proof and the child process.
 
-The proof: an engine started on a tiny checkpoint B (``weightsync.tiny``) generates greedily;
+The proof: an engine started on a tiny checkpoint B (``weightsync.tools.tiny``) generates greedily;
 a writer in a thread then syncs version 1 (weights A) into it, the output must change, and
 version 2 (B again) must bring back B's greedy output token for token. One engine start, and
 the update is shown both to take effect and to be exact. Each engine's module
@@ -41,11 +41,11 @@ def round_trip(engine: Any, greedy: Callable[[], list[int]], config: dict[str, A
     where ``engine`` stages (``CanonicalSource.beside``), read each into ``engine`` and generate
     after each: (output after 1, output after 2, the two ``UpdateResult``)."""
     from weightsync.meta.client import MetaClient
-    from weightsync.reader import WeightReader
-    from weightsync.session import SyncConfig
-    from weightsync.tiny import CanonicalSource
-    from weightsync.torch_layout import fill_from_canonical
-    from weightsync.writer import WeightWriter
+    from weightsync.roles.reader import WeightReader
+    from weightsync.roles.writer import WeightWriter
+    from weightsync.session.sync_session import SyncConfig
+    from weightsync.tools.tiny import CanonicalSource
+    from weightsync.tools.torch_layout import fill_from_canonical
 
     sync = SyncConfig(num_writers=1, num_readers=1, job="selfcheck", timeout=120.0)
     source = CanonicalSource.beside(engine, config)

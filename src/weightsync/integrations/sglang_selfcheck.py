@@ -38,7 +38,7 @@ def main() -> int:
 
     from weightsync.engines.sglang import SGLangEngine
     from weightsync.meta import EmbeddedMetaServer
-    from weightsync.tiny import canonical_weights, tiny_config, write_checkpoint
+    from weightsync.tools.tiny import canonical_weights, tiny_config, write_checkpoint
 
     config = tiny_config(tie=True)
     with tempfile.TemporaryDirectory(prefix="weightsync-selfcheck-") as tmp, EmbeddedMetaServer() as server:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -51,6 +52,10 @@ logger = logging.getLogger(__name__)
 
 #: The TRL releases whose GRPOTrainer / VLLMGeneration internals this module was written against.
 SUPPORTED_TRL = ("1.16.",)
+#: What each sync adds to TRL's logged metrics: the sync's wall time on this rank, the bytes this
+#: rank sent (its own shard: no rank gathers the model), and how many steps the weights vLLM
+#: generates with are behind the trainer's (0 when the sync completed: TRL syncs before generating).
+SYNC_METRICS = ("weightsync/sync_seconds", "weightsync/bytes", "weightsync/version_lag")
 
 
 def check_trl_version(version: str | None = None) -> None:
@@ -93,6 +98,12 @@ class GRPOTrainer(trl.GRPOTrainer):  # type: ignore[misc]
             generation = self.vllm_generation
             assert isinstance(generation, WeightSyncVLLMGeneration)
             generation.version_of = lambda: int(self.state.global_step)
+            generation.record = self._record_sync
+
+    def _record_sync(self, metrics: dict[str, float]) -> None:
+        """A sync's figures among TRL's logged metrics (averaged over the logging steps, as TRL's own)."""
+        for key, value in metrics.items():
+            self._metrics["train"][key].append(value)
 
 
 _SWAP_LOCK = threading.Lock()
@@ -122,6 +133,8 @@ class WeightSyncVLLMGeneration(VLLMGeneration):  # type: ignore[misc]
         self.sync: Any = None  # _ServerSync or _ColocateSync, set by _init_vllm
         #: the version of the next sync: the trainer's global step (GRPOTrainer sets it)
         self.version_of: Callable[[], int] = lambda: 0
+        #: where each sync's metrics go (GRPOTrainer: its logged metrics, :data:`SYNC_METRICS`)
+        self.record: Callable[[dict[str, float]], None] = lambda metrics: None
         super().__init__(*args, **kwargs)
 
     def _init_vllm(self) -> None:
@@ -137,13 +150,13 @@ class WeightSyncVLLMGeneration(VLLMGeneration):  # type: ignore[misc]
             accelerator.wait_for_everyone()
         elif self.mode == "colocate":
             if self.enable_sleep_mode:
-                raise ValueError("vllm_enable_sleep_mode=True with weightsync: sleep level 2 discards vLLM's weights "
-                                 "between generations, so every generation would be a full re-sync; set "
-                                 "vllm_enable_sleep_mode=False, or use trl's GRPOTrainer")
-            if self.tensor_parallel_size != 1:
-                raise ValueError(f"vllm_tensor_parallel_size={self.tensor_parallel_size} in colocate mode: "
-                                 "weightsync's in-process reader serves engines of one worker; set it to 1, or "
-                                 "use server mode with a weightsync vLLM server")
+                raise ValueError(
+                    "vllm_enable_sleep_mode=True with weightsync: TRL sleeps the engine at level 2 after every "
+                    "generation, which discards its weights, so weightsync would re-send the whole model before every "
+                    "generation instead of once per optimizer step (as TRL's own path does: 0.51 s and 0.38 s per "
+                    "sync of a 58M-parameter model on 2 ranks, docs/benchmarks.md); level 1 would keep the weights in "
+                    "host memory, but TRL 1.16 calls sleep(level=2) itself, and vLLM's CPU build ignores sleep. Set "
+                    "vllm_enable_sleep_mode=False (docs/distributed.md), or use trl's GRPOTrainer")
             super()._init_vllm()
             self.sync = ColocateSync(self, self.weightsync)
         else:
@@ -158,9 +171,14 @@ class WeightSyncVLLMGeneration(VLLMGeneration):  # type: ignore[misc]
         """Send the trainer's current weights to vLLM as version ``global_step`` (every rank).
 
         A sync of the version vLLM already holds does nothing: the weights change only with the
-        global step.
+        global step. Each sync's :data:`SYNC_METRICS` go to TRL's logged metrics.
         """
-        self.sync.sync(self.version_of())
+        version = self.version_of()
+        start = time.perf_counter()
+        sent = self.sync.sync(version)
+        if sent is not None:
+            self.record({"weightsync/sync_seconds": time.perf_counter() - start, "weightsync/bytes": float(sent.nbytes),
+                         "weightsync/version_lag": float(version - self.sync.version)})
 
     def close(self) -> None:
         """Leave the weightsync job (writers, readers, an embedded meta server)."""

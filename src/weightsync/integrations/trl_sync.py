@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weightsync.sync_config import SyncConfig, check_value, job_config, job_wire, with_job_settings
+from weightsync.session.config import SyncConfig, check_value, job_config, job_wire, with_job_settings
 
 if TYPE_CHECKING:
-    from weightsync.writer import WriteResult
+    from weightsync.roles.writer import WriteResult
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class TRLSyncSettings:
     """weightsync's settings for a TRL trainer (the same on every rank).
 
     Besides the fields below, every job setting of ``SyncConfig``'s wire form
-    (:mod:`weightsync.sync_config`) but the job's size (TRL's world) and the rank's own node and
+    (:mod:`weightsync.session.config`) but the job's size (TRL's world) and the rank's own node and
     address; defaults as ``SyncConfig``'s, except ``job="trl"`` and ``layer_phases=True``
     (a vLLM worker stages one phase of whole layers rather than a copy of the whole model).
 
@@ -71,11 +71,12 @@ class TRLSyncSettings:
         return job_config(self, "TRLSyncSettings", num_writers=num_writers, num_readers=num_readers)
 
     def trainer_init_info(self, *, rank: int, world: int, meta_address: str, meta_token: str,
-                          model_config: Any) -> Any:
-        """vLLM's ``WeightSyncTrainerInitInfo`` for trainer rank ``rank`` of ``world`` (server mode)."""
+                          model_config: Any, readers: int = 1) -> Any:
+        """vLLM's ``WeightSyncTrainerInitInfo`` for trainer rank ``rank`` of ``world`` (server mode),
+        into a server of ``readers`` workers (TP x PP x DP: one weightsync reader each)."""
         from weightsync.integrations.vllm_trainer import WeightSyncTrainerInitInfo
 
-        job = {**job_wire(self), "num_writers": world, "num_readers": 1}
+        job = {**job_wire(self), "num_writers": world, "num_readers": readers}
         return WeightSyncTrainerInitInfo(rank=rank, meta_address=meta_address, meta_token=meta_token,
                                          model_config=model_config, **job)
 
@@ -98,16 +99,17 @@ class _Sync:
         self._lock = threading.Lock()
         atexit.register(self.close)
 
-    def _meta(self, check: Any = None) -> tuple[str, str]:
-        """(address, token) of the job's meta server, the same on every rank; ``check()`` runs on
-        the main process first and a message it returns is raised on every rank."""
+    def _meta(self, check: Any = None) -> dict[str, Any]:
+        """The job's meta server (``address``, ``token``), the same on every rank; ``check()`` runs
+        on the main process first and the fields it returns are shared too (an ``error`` it
+        returns is raised on every rank)."""
         from weightsync.meta.config import MetaEnv
 
-        payload = None
+        payload: dict[str, Any] | None = None
         if self.accelerator.is_main_process:
             payload = {"address": self.settings.meta_address, "token": self.settings.meta_token, "error": ""}
             try:
-                payload["error"] = check() if check is not None else ""
+                payload.update(check() if check is not None else {})
                 if not payload["address"]:
                     env = MetaEnv.from_env()
                     payload["address"], payload["token"] = env.address or "", env.token or ""
@@ -122,17 +124,18 @@ class _Sync:
         shared = share_from_main(self.accelerator, payload)
         if shared["error"]:
             raise ValueError(f"weightsync (TRL {self.generation.mode} mode): {shared['error']}")
-        return str(shared["address"]), str(shared["token"])
+        return shared
 
     def _source(self) -> Any:
         """This rank's training source over the trainer's model (merged-weight names for PEFT)."""
         return training_source(self.generation.model, self.rank)
 
-    def sync(self, version: int) -> None:
+    def sync(self, version: int) -> WriteResult | None:
+        """Send ``version`` (every rank); this rank's result, or None when vLLM holds it already."""
         with self._lock:
             if self.version is not None and version <= self.version:
                 if version == self.version:
-                    return  # vLLM holds this step's weights already
+                    return None  # vLLM holds this step's weights already
                 raise ValueError(f"weightsync: version {version} (the trainer's global step) is older than "
                                  f"{self.version}, which vLLM holds; a resumed run must not go back in steps")
             with merged_adapter(self.generation.model):
@@ -140,6 +143,7 @@ class _Sync:
             self.version = version
             logger.info("weightsync: rank %d sent version %d (%d bytes, %.3f s)", self.rank, version,
                         self.last_result.nbytes, self.last_result.seconds)
+            return self.last_result
 
     def _send(self, version: int) -> WriteResult:
         raise NotImplementedError
@@ -160,20 +164,19 @@ class ServerSync(_Sync):
     def __init__(self, generation: Any, settings: TRLSyncSettings) -> None:
         super().__init__(generation, settings)
         self.engine: Any = None
-        self.address, self.token = self._meta(self._check_server)
+        shared = self._meta(self._check_server)
+        self.address, self.token = str(shared["address"]), str(shared["token"])
+        #: the server's workers (TP x DP), each a weightsync reader of the slices it loads
+        self.readers = int(shared["readers"])
 
-    def _check_server(self) -> str:
+    def _check_server(self) -> dict[str, Any]:
         client = self.generation.vllm_client
         transfer = client.get_server_info().get("weight_transfer_config") or {}
         if transfer.get("backend") != "weightsync":
-            return (f"the vLLM server at {client.base_url} runs weight-transfer backend {transfer.get('backend')!r}; "
-                    "start it with --weight-transfer-config '{\"backend\": \"weightsync\"}' (and "
-                    "VLLM_SERVER_DEV_MODE=1)")
-        workers = client.get_world_size()
-        if workers != 1:
-            return (f"the vLLM server at {client.base_url} has {workers} workers; weightsync's vLLM backend serves "
-                    "engines of one worker (tensor, pipeline and data parallel size 1)")
-        return ""
+            return {"error": f"the vLLM server at {client.base_url} runs weight-transfer backend "
+                             f"{transfer.get('backend')!r}; start it with --weight-transfer-config "
+                             "'{\"backend\": \"weightsync\"}' (and VLLM_SERVER_DEV_MODE=1)"}
+        return {"readers": int(client.get_world_size())}
 
     def _send(self, version: int) -> WriteResult:
         if self.engine is None:
@@ -189,7 +192,8 @@ class ServerSync(_Sync):
 
         source = self._source()
         info = self.settings.trainer_init_info(rank=self.rank, world=self.world, meta_address=self.address,
-                                               meta_token=self.token, model_config=source.config)
+                                               meta_token=self.token, model_config=source.config,
+                                               readers=self.readers)
         client = HTTPVLLMWeightSyncClient(self.generation.base_url, timeout=self.timeout)  # rank 0 drives it
         engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
         self._closers.insert(0, engine.shutdown)
@@ -202,12 +206,13 @@ class ColocateSync(_Sync):
     def __init__(self, generation: Any, settings: TRLSyncSettings) -> None:
         from weightsync.engines.vllm import VLLMEngine
         from weightsync.meta.client import MetaClient
-        from weightsync.reader import WeightReader
+        from weightsync.roles.reader import WeightReader
 
         super().__init__(generation, settings)
         self.writer: Any = None
-        self.address, self.token = self._meta()
-        self.meta = MetaClient(self.address, job=self._config().job, token=self.token or None)
+        shared = self._meta()
+        self.address, self.token = str(shared["address"]), str(shared["token"])
+        self.meta = MetaClient(self.address, job=self._config().job, token=self.token or None, timeout=self.timeout)
         self._closers.insert(0, self.meta.close)
         engine = VLLMEngine(generation.llm, rank=self.rank, replicas=self.world)
         self.reader = WeightReader(engine, rank=self.rank, config=self._config(), meta=self.meta)
@@ -217,7 +222,7 @@ class ColocateSync(_Sync):
         return self.settings.sync_config(num_writers=self.world, num_readers=self.world)
 
     def _send(self, version: int) -> WriteResult:
-        from weightsync.writer import WeightWriter
+        from weightsync.roles.writer import WeightWriter
 
         if self.writer is None:
             self.writer = WeightWriter(self._source(), rank=self.rank, config=self._config(), meta=self.meta)

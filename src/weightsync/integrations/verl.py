@@ -21,12 +21,14 @@ How verl drives it, every training step (``CheckpointEngineManager.update_weight
     async for name, t in engine.receive_weights(step): ...   # rollout: receive, then yield
     engine.finalize()                             # nothing to free: connections stay up
 
-verl hands the actor a generator of full (gathered) tensors, so actor rank 0 copies them
-into one persistent staging buffer per tensor (the model's size, once, on the trainer's GPU
-unless ``device=cpu``; refused with its figure when it does not fit,
-:mod:`weightsync.integrations.actor_copy`) and writes from it;
-the other actor ranks walk the generator (producing a tensor is collective over the actor
-group) and send nothing. Rollout workers receive into persistent buffers of the same
+verl hands every actor worker a generator of full (gathered) tensors, in one order; every
+actor worker is a writer of a share of them (:class:`Shares`: each tensor goes to the
+least-loaded writer by bytes, which every worker computes alike), copied into one persistent
+staging buffer per tensor of its share (``1/N`` of the model on each of ``N`` workers, on the
+trainer's GPU unless ``device=cpu``; refused with its figure when it does not fit,
+:mod:`weightsync.integrations.actor_copy`) and written from it: no worker keeps or sends the
+whole model. (The gather itself is verl's: its generator yields whole tensors.) Rollout
+workers receive into persistent buffers of the same
 layout, which they learn from the writer through the job channel on the first step, and
 yield views of them to verl's server adapter. The meta server is the named Ray actor of
 :mod:`weightsync.integrations.ray`, found by every worker; the weightsync job is planned once and reused
@@ -44,14 +46,14 @@ from typing import Any, ClassVar
 import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
-from weightsync.deadline import Deadline
+from weightsync.clock.deadline import Deadline
 from weightsync.integrations.verl_settings import VerlSyncSettings
-from weightsync.job_wire import TensorTable
+from weightsync.job.wire import TensorTable
 from weightsync.layout import RankLayout
 from weightsync.layout.builders import replicated
 from weightsync.layout.types import CanonicalTensor
-from weightsync.ports import Invalid, Validity
-from weightsync.torch_layout import allocate, dtype_name
+from weightsync.ports.engine import Invalid, Validity
+from weightsync.tools.torch_layout import allocate, dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +114,8 @@ class WholeTensorBuffers:
 
 def topology(actor_world_size: int, rollout_world_size: int,
              metadata: list[dict[str, Any]]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
-    """verl's ``build_topology``: the master actor worker is writer 0, rollout worker i is reader i.
+    """verl's ``build_topology``: every actor worker is a writer (the master is writer 0, the
+    others follow in order), rollout worker i is reader i.
 
     Raises:
         ValueError: not exactly one actor worker is the master.
@@ -122,15 +125,32 @@ def topology(actor_world_size: int, rollout_world_size: int,
     if len(masters) != 1:
         raise ValueError(f"the weightsync backend needs exactly one master actor worker, got {len(masters)} "
                          "(verl marks actor rank 0 with is_master=True)")
-    master = masters[0]
+    order = masters + [i for i in range(actor_world_size) if i != masters[0]]
+    sizes = {"num_readers": rollout_world_size, "num_writers": actor_world_size}
     actor_kwargs: dict[str, list[Any]] = {
-        "role": ["writer" if i == master else "none" for i in range(actor_world_size)],
-        "rank": [0 if i == master else -1 for i in range(actor_world_size)],
-        "num_readers": [rollout_world_size] * actor_world_size}
+        "role": ["writer"] * actor_world_size, "rank": [order.index(i) for i in range(actor_world_size)],
+        **{k: [v] * actor_world_size for k, v in sizes.items()}}
     rollout_kwargs: dict[str, list[Any]] = {
         "role": ["reader"] * rollout_world_size, "rank": list(range(rollout_world_size)),
-        "num_readers": [rollout_world_size] * rollout_world_size}
+        **{k: [v] * rollout_world_size for k, v in sizes.items()}}
     return actor_kwargs, rollout_kwargs
+
+
+class Shares:
+    """Which writer sends each tensor: verl yields every tensor whole on every actor worker, in one
+    order, so each worker assigns the next tensor to the least-loaded writer (by bytes, the lowest
+    rank on a tie) and all agree without talking. Each writer stages and sends its share only."""
+
+    def __init__(self, writers: int) -> None:
+        self.load = [0] * writers
+        self.owner: dict[str, int] = {}
+
+    def assign(self, name: str, t: torch.Tensor) -> int:
+        if name not in self.owner:
+            rank = min(range(len(self.load)), key=lambda r: (self.load[r], r))
+            self.owner[name] = rank
+            self.load[rank] += t.numel() * t.element_size()
+        return self.owner[name]
 
 
 @CheckpointEngineRegistry.register(BACKEND)
@@ -144,6 +164,8 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self.role = ""
         self.rank = -1
         self.num_readers = 0
+        self.num_writers = 1
+        self._shares: Shares | None = None
         self._writer: Any = None
         self._reader: Any = None
         self._staged: WholeTensorBuffers | None = None
@@ -160,12 +182,14 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
                        metadata: list[dict[str, Any]]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
         return topology(actor_wg_world_size, rollout_world_size, metadata)
 
-    def init_process_group(self, role: str, rank: int, num_readers: int) -> None:
-        if self.role and (self.role, self.rank, self.num_readers) != (role, rank, num_readers):
+    def init_process_group(self, role: str, rank: int, num_readers: int, num_writers: int = 1) -> None:
+        if self.role and (self.role, self.rank, self.num_readers, self.num_writers) != (role, rank, num_readers,
+                                                                                       num_writers):
             raise ValueError(f"weightsync backend: this worker joined as {self.role} {self.rank} of a job with "
-                             f"{self.num_readers} readers and is now asked to be {role} {rank} of {num_readers}: "
-                             "a weightsync job keeps its ranks; rebuild the trainer to change the rollout size")
-        self.role, self.rank, self.num_readers = role, rank, num_readers
+                             f"{self.num_writers} writers and {self.num_readers} readers and is now asked to be "
+                             f"{role} {rank} of {num_writers} and {num_readers}: a weightsync job keeps its ranks; "
+                             "rebuild the trainer to change the actor or rollout size")
+        self.role, self.rank, self.num_readers, self.num_writers = role, rank, num_readers, num_writers
 
     def finalize(self) -> None:
         """Nothing to free between steps: the job's connections and buffers persist."""
@@ -174,7 +198,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         """The job's settings, placed on this worker's Ray node (see :mod:`weightsync.integrations.ray.actors`)."""
         from weightsync.integrations.ray.actors import placed_config
 
-        return placed_config(self.settings.sync_config(num_readers=self.num_readers))
+        return placed_config(self.settings.sync_config(num_readers=self.num_readers, num_writers=self.num_writers))
 
     def _meta(self) -> Any:
         from weightsync.integrations.ray import meta_server
@@ -184,6 +208,13 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
 
     # -- actor side -----------------------------------------------------------------------
     async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, Any]:
+        """Stage this actor worker's share of ``weights`` and write it as version ``global_steps``.
+
+        Returns:
+            verl's sync metrics (merged over the actor workers by verl, the last one's wins):
+            ``weightsync/sync_seconds``, ``weightsync/bytes`` (this worker's share) and
+            ``weightsync/version_lag`` (versions the slowest rollout worker is behind after it).
+        """
         if self.role != "writer":  # producing each tensor is collective: walk the generator
             async for _ in _aiter(weights):
                 pass
@@ -195,36 +226,50 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
                 await self._stage(weights)
         version = global_steps if global_steps is not None else next(self._versions)
         result = await asyncio.to_thread(self._writer.write, version)
-        return {"weightsync/bytes": result.nbytes, "weightsync/seconds": result.seconds}
+        lag = await asyncio.to_thread(self._writer.session.channel.reader_lag, version, self.num_readers)
+        return {"weightsync/bytes": result.nbytes, "weightsync/sync_seconds": result.seconds,
+                "weightsync/version_lag": lag}
 
     async def _start_writer(self, weights: Any) -> None:
         from weightsync.integrations.actor_copy import copy_model
-        from weightsync.writer import WeightWriter
+        from weightsync.roles.writer import WeightWriter
 
         device = self.settings.staging_device
+        shares = self._shares = Shares(self.num_writers)
+        every: dict[str, torch.Tensor] = {}
+
+        def mine(name: str, t: torch.Tensor) -> bool:
+            every[name] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            return shares.assign(name, t) == self.rank
+
         # one tensor at a time: verl may gather each on the fly and free it after the yield;
         # a copy that does not fit is refused with its figure before anything is sent
-        buffers = await copy_model(_aiter(weights), device=device)
-        table = tensor_table(buffers)
-        self._staged = WholeTensorBuffers(table_layout(table, 0), buffers)
-        self._writer = WeightWriter(self._staged, rank=0, config=self._config(), meta=self._meta())
-        self._writer.session.channel.publish_tensor_table(table)
-        logger.info("weightsync backend: writer stages %d tensors (%d bytes) on %s", len(buffers),
-                    self._staged.layout().nbytes, device)
+        buffers = await copy_model(_aiter(weights), device=device, keep=mine)
+        self._staged = WholeTensorBuffers(table_layout(tensor_table(buffers), self.rank), buffers)
+        self._writer = WeightWriter(self._staged, rank=self.rank, config=self._config(), meta=self._meta())
+        if self.rank == 0:  # what the readers lay out: every tensor, whoever sends it
+            self._writer.session.channel.publish_tensor_table(tensor_table(every))
+        logger.info("weightsync backend: writer %d of %d stages its share, %d of %d tensors (%d bytes) on %s",
+                    self.rank, self.num_writers, len(buffers), len(every), self._staged.layout().nbytes, device)
 
     async def _stage(self, weights: Any) -> None:
-        assert self._staged is not None
-        buffers, seen = self._staged.buffers, 0
+        assert self._staged is not None and self._shares is not None
+        buffers, owner, seen = self._staged.buffers, self._shares.owner, 0
         async for name, t in _aiter(weights):
-            target = buffers.get(name)
-            if target is None or target.shape != t.shape or target.dtype != t.dtype:
+            seen += 1
+            if owner.get(name) != self.rank:
+                if name not in owner:
+                    raise ValueError(f"weightsync backend: tensor {name!r} is not one the job was planned with; the "
+                                     "model's tensors must not change between steps")
+                continue  # another writer's share
+            target = buffers[name]
+            if target.shape != t.shape or target.dtype != t.dtype:
                 raise ValueError(f"weightsync backend: tensor {name!r} ({tuple(t.shape)}, {t.dtype}) is not one the "
                                  "job was planned with; the model's tensors must not change between steps")
             target.copy_(t)
-            seen += 1
-        if seen != len(buffers):
+        if seen != len(owner):
             raise ValueError(f"weightsync backend: the actor yielded {seen} tensors, the job was planned with "
-                             f"{len(buffers)}")
+                             f"{len(owner)}")
 
     # -- rollout side ---------------------------------------------------------------------
     async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
@@ -236,8 +281,8 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             yield name, t
 
     def _start_reader(self) -> None:
-        from weightsync.job import JobChannel
-        from weightsync.reader import WeightReader
+        from weightsync.job.channel import JobChannel
+        from weightsync.roles.reader import WeightReader
 
         meta = self._meta()
         channel = JobChannel(meta, role="reader", rank=self.rank)

@@ -1,8 +1,8 @@
 """``engine_kwargs.weightsync`` of verl's checkpoint-engine config, without importing verl.
 
 Its own fields (``device``, ``meta_name``) and every job setting of ``SyncConfig``'s wire form
-(:mod:`weightsync.sync_config`) but those the backend fills itself: the job's size comes from
-verl's topology (one writer, one reader per rollout worker) and each worker's node and address
+(:mod:`weightsync.session.config`) but those the backend fills itself: the job's size comes from
+verl's topology (a writer per actor worker, a reader per rollout worker) and each worker's node and address
 from its Ray node. Defaults as ``SyncConfig``'s, except ``job="verl"`` and ``timeout=600``::
 
     actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.weightsync.transport=shm
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from weightsync.sync_config import SyncConfig, check_value, from_fields, job_config, with_job_settings
+from weightsync.session.config import SyncConfig, check_value, from_fields, job_config, with_job_settings
 
 #: What ``engine_kwargs.weightsync`` errors are named after.
 WHERE = "engine_kwargs.weightsync"
@@ -39,9 +39,9 @@ class VerlSyncSettings:
         """What verl passes the backend (``engine_kwargs.weightsync``), checked field by field."""
         return from_fields(cls, kwargs, WHERE)
 
-    def sync_config(self, *, num_readers: int) -> SyncConfig:
-        """The job's settings: verl's one writer (the master actor worker) and ``num_readers``."""
-        return job_config(self, WHERE, num_writers=1, num_readers=num_readers)
+    def sync_config(self, *, num_readers: int, num_writers: int = 1) -> SyncConfig:
+        """The job's settings: verl's actor workers (every one a writer) and ``num_readers``."""
+        return job_config(self, WHERE, num_writers=num_writers, num_readers=num_readers)
 
     @property
     def staging_device(self) -> str:

@@ -75,10 +75,11 @@ from weightsync.engines.vllm import (
     staging_quant,
 )
 from weightsync.engines.vllm_lora import WorkerLoraEngine
+from weightsync.engines.vllm_parallel import worker_index, worker_reads, workers_per_engine
 from weightsync.integrations import vllm_step_trace
 from weightsync.layout.lora import LoraSpec
-from weightsync.reader import Prefetch, UpdateResult, WeightReader
-from weightsync.sync_config import SyncConfig, check_value, from_fields, job_config, with_job_settings
+from weightsync.roles.reader import Prefetch, UpdateResult, WeightReader
+from weightsync.session.config import SyncConfig, check_value, from_fields, job_config, with_job_settings
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     """Where the job's meta server is, who this worker is in the job, and the job's settings.
 
     Besides the fields below it has one field per job setting (``SyncConfig``'s wire form,
-    :mod:`weightsync.sync_config`): ``num_writers`` and ``num_readers`` are required, the rest
+    :mod:`weightsync.session.config`): ``num_writers`` and ``num_readers`` are required, the rest
     take ``SyncConfig``'s defaults. Every field is checked when vLLM parses the dict
     (:meth:`from_wire`), and an error names it.
     """
@@ -168,9 +169,11 @@ class _WorkerEngine(StagedWeights):
         check_supported(vllm_config)
         self.mtp = runs_mtp(vllm_config)
         assert draft is not None or not self.mtp, "init_transfer_engine refuses an MTP engine without its drafter"
-        # with MTP drafting the MTP layers are staged too, for the drafter
+        # with MTP drafting the MTP layers are staged too, for the drafter; a TP worker receives
+        # only the slices its loaders read
         super().__init__(spec_of(vllm_config, mtp=self.mtp), dtype=vllm_config.model_config.dtype, device=device,
-                         rank=rank, replicas=replicas, quant=staging_quant(vllm_config))
+                         rank=rank, replicas=replicas, quant=staging_quant(vllm_config),
+                         reads=worker_reads(vllm_config, mtp=self.mtp))
         self.model = model
         self.vllm_config = vllm_config
         self._session: ReloadSession | None = None
@@ -198,6 +201,21 @@ class _WorkerEngine(StagedWeights):
         if version is not None and version != self._version:
             raise ValueError(f"a draft update to version {version}: the target model holds version "
                              f"{self._version}, and the drafter is updated with the target, not alone")
+
+
+def reader_rank(first: int, num_readers: int, vllm_config: Any) -> int:
+    """This worker's weightsync reader rank: the engine's first (``WeightSyncInitInfo.rank``) plus
+    the worker's place in the engine, ``d * TP + t`` (:func:`~weightsync.engines.vllm_parallel.worker_index`).
+
+    Raises:
+        ValueError: the engine's workers do not fit below ``num_readers``.
+    """
+    workers = workers_per_engine(vllm_config)
+    if first + workers > num_readers:
+        raise ValueError(f"this engine has {workers} workers (TP x DP), each a weightsync reader, from reader rank "
+                         f"{first}: num_readers={num_readers} must be at least {first + workers} (the trainer side: "
+                         "WeightSyncTrainerInitInfo.num_readers)")
+    return first + worker_index(vllm_config)
 
 
 def _creator_drafter(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -297,10 +315,11 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             raise RuntimeError("the weightsync transfer engine is already initialised; shut it down first")
         config = init_info.sync_config()
         lora = init_info.lora_spec()
+        rank = reader_rank(init_info.rank, config.num_readers, self.vllm_config)
         engine: Any
         if lora is not None:  # adapter-only versions, into vLLM's LoRA manager
             engine = WorkerLoraEngine(self._default_model, self.vllm_config, lora, lora_id=init_info.lora_id,
-                                      rank=init_info.rank)
+                                      rank=rank)
         else:  # prefetched bytes must not reach the model early: stage everything
             if runs_mtp(self.vllm_config) and self._drafter is None:
                 raise RuntimeError(
@@ -310,7 +329,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
                     "from the worker that creates it (vLLM 0.32's Worker.load_model, get_draft_model()), and this "
                     "vLLM created it elsewhere. Its MTP weights would go stale: run without speculative decoding, "
                     "or with vLLM 0.32")
-            engine = self._worker = _WorkerEngine(self._default_model, self.vllm_config, self.device, init_info.rank,
+            engine = self._worker = _WorkerEngine(self._default_model, self.vllm_config, self.device, rank,
                                                   config.num_readers, in_place=not init_info.prefetch,
                                                   draft=self._drafter)
             # Staging is allocated now, not at the first update: vLLM sized its KV cache when it
@@ -318,9 +337,10 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             # left is refused here, with the figure, never inside a sync.
             engine.lay_out(layer_phases=config.layer_phases,
                            budget_bytes=config.transport_options.max_bucket_bytes)
-        meta = (MetaClient(init_info.meta_address, job=config.job, token=init_info.meta_token)
-                if init_info.meta_address else MetaClient.from_env(job=config.job))
-        self.reader = WeightReader(engine, rank=init_info.rank, config=config, meta=meta)
+        # unreachable for the job's timeout is an error, as any other wait of the job
+        meta = (MetaClient(init_info.meta_address, job=config.job, token=init_info.meta_token, timeout=config.timeout)
+                if init_info.meta_address else MetaClient.from_env(job=config.job, timeout=config.timeout))
+        self.reader = WeightReader(engine, rank=rank, config=config, meta=meta)
         self.prefetch = Prefetch(self.reader) if init_info.prefetch else None
         worker = _hosting_worker(sys._getframe(1), self)
         if worker is not None:  # drivers ask it after a failed update: collective_rpc(WORKER_INVALID)
@@ -330,7 +350,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
                            "whether a failed update left its weights invalid (%s)", WORKER_INVALID)
         what = (f"LoRA adapter id {init_info.lora_id} (r={lora.r})" if lora is not None else
                 "phases of whole layers" if config.layer_phases else "the whole model at once")
-        logger.info("weightsync reader %d ready (%s%s); staging is laid out", init_info.rank,
+        logger.info("weightsync reader %d ready (%s%s); staging is laid out", rank,
                     what, ", prefetching" if init_info.prefetch else "")
 
     def start_weight_update(self) -> None:

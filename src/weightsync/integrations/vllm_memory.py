@@ -2,7 +2,7 @@
 CPU (the process's resident set) or on a GPU (device memory against weightsync's reserve).
 
 Run by ``weightsync bench --suite vllm-memory`` and ``weightsync doctor``'s
-``engine/vllm-memory`` (:mod:`weightsync.bench.vllm_memory` starts this and a writer process):
+``engine/vllm-memory`` (:mod:`weightsync.apps.bench.vllm_memory` starts this and a writer process):
 an in-process vLLM engine is started on checkpoint B and generates greedily; a weightsync
 reader then receives version 1 (other weights) and version 2 (B again) from the writer.
 Greedy output after version 1 must differ and after version 2 equal the start, token for
@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Any
 
-from weightsync.rss import reset_peak_rss, status_bytes
+from weightsync.tools.rss import reset_peak_rss, status_bytes
 
 PREFIX = "WSVLLMMEM "
 #: vLLM's share of the GPU in ``--device cuda`` mode: real, and leaves room for staging and a writer
@@ -167,7 +167,7 @@ def _on_cpu(llm: Any, args: argparse.Namespace, sync: Any) -> dict[str, Any]:
     import torch
 
     from weightsync.engines.vllm import VLLMEngine
-    from weightsync.reader import WeightReader
+    from weightsync.roles.reader import WeightReader
 
     start = _greedy(llm)
     engine = VLLMEngine(llm)
@@ -193,7 +193,7 @@ def _on_gpu(llm: Any, args: argparse.Namespace, sync: Any) -> dict[str, Any]:
     import torch
 
     from weightsync.engines.vllm import VLLMEngine
-    from weightsync.reader import WeightReader
+    from weightsync.roles.reader import WeightReader
 
     start = _greedy(llm)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
-    from weightsync.session import SyncConfig, TransportOptions
+    from weightsync.session.sync_session import SyncConfig, TransportOptions
 
     llm = LLM(model=args.checkpoint, **options)
     sync = SyncConfig(num_writers=1, num_readers=1, job=args.job, timeout=args.timeout, layer_phases=args.phases,

@@ -44,7 +44,7 @@ def main() -> int:
 
     from weightsync.engines.vllm import VLLMEngine
     from weightsync.meta import EmbeddedMetaServer
-    from weightsync.tiny import canonical_weights, tiny_config, write_checkpoint
+    from weightsync.tools.tiny import canonical_weights, tiny_config, write_checkpoint
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = tiny_config()

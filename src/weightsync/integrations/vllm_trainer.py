@@ -36,8 +36,9 @@ import dataclasses
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -46,11 +47,11 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 
 from weightsync.layout import ModelSpec, RankLayout
 from weightsync.layout.lora import LoraSpec
-from weightsync.sync_config import SCOPES, SyncConfig, check_value, job_config, job_wire, with_job_settings
-from weightsync.torch_layout import module_layout
+from weightsync.session.config import SCOPES, SyncConfig, check_value, job_config, job_wire, with_job_settings
+from weightsync.tools.torch_layout import module_layout
 
 if TYPE_CHECKING:
-    from weightsync.writer import WriteResult
+    from weightsync.roles.writer import WriteResult
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
     """What every trainer rank passes to ``trainer_init`` (``rank`` is this rank's).
 
     Besides the fields below it has one field per job setting (``SyncConfig``'s wire form,
-    :mod:`weightsync.sync_config`, docs/engines.md lists them), with ``SyncConfig``'s
+    :mod:`weightsync.session.config`, docs/engines.md lists them), with ``SyncConfig``'s
     defaults except ``num_writers=1``, ``num_readers=1`` and ``layer_phases=True``. The
     workers receive every setting but the rank's own (``host``, ``transport_host``).
 
@@ -176,7 +177,7 @@ class WeightSourceAdapter:
                 if tensor is None or name not in shapes:
                     continue
                 if self._buffers is None:  # on the source's device, allocated once
-                    from weightsync.torch_layout import allocate
+                    from weightsync.tools.torch_layout import allocate
 
                     self._buffers = allocate(self._layout, device=tensor.device)
                 self._buffers[name].copy_(tensor.detach())
@@ -309,6 +310,27 @@ def prefix_cache_resetter(client: Any, timeout: float) -> Callable[[], None]:
                      "HTTPVLLMWeightSyncClient / RayVLLMWeightSyncClient or weightsync's LLMClient")
 
 
+def embedded_meta_server(init_info: WeightSyncTrainerInitInfo, config: SyncConfig) -> tuple[str, str, Any]:
+    """(address, token, server or None) of the meta server trainer ranks start when none is given:
+    one trainer rank starts its own on ``meta_host``; several, launched by torchrun or accelerate,
+    share the one rank 0 starts (:mod:`weightsync.meta.launch`).
+
+    Raises:
+        ValueError: several trainer ranks without a launcher's store (naming WEIGHTSYNC_META_ADDR).
+    """
+    from weightsync.meta.embedded import EmbeddedMetaServer
+    from weightsync.meta.launch import LaunchEnv, no_store_error, shared_meta_server
+
+    if config.num_writers == 1:
+        server = EmbeddedMetaServer(host=init_info.meta_host).start()
+        return server.address, server.token, server
+    launch = LaunchEnv.from_env()
+    if not launch.launched:
+        raise no_store_error(dataclasses.replace(launch, rank=init_info.rank, world_size=config.num_writers))
+    host = None if init_info.meta_host == "127.0.0.1" else init_info.meta_host  # default: from MASTER_ADDR
+    return shared_meta_server(config.job, launch, timeout=config.timeout, host=host)
+
+
 class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitInfo]):
     """vLLM ``TrainerWeightTransferEngine`` hosting a weightsync writer per trainer rank."""
 
@@ -327,6 +349,8 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         self._reset_prefix_cache: Callable[[], None] = lambda: None  # the sender's is set at trainer_init
         #: the sender's way to stamp vLLM invalid after a failed version (vllm_trainer_stamp.py); None: none
         self._stamp_invalid: Callable[[], str | None] | None = None
+        #: a write still running when the workers' error was raised (waited for by the next version)
+        self._unfinished_write: Future[Any] | None = None
         #: seconds any one wait may take (the job's ``timeout``)
         self.timeout: float = info.sync_config().timeout
 
@@ -336,7 +360,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         from weightsync.integrations.vllm_trainer_stamp import invalid_stamper
         from weightsync.meta.client import MetaClient
         from weightsync.meta.config import MetaEnv
-        from weightsync.writer import WeightWriter
+        from weightsync.roles.writer import WeightWriter
 
         if source is None:
             raise ValueError("the weightsync trainer backend needs a source (a weightsync TrainingSource or a vLLM "
@@ -349,16 +373,10 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             env = MetaEnv.from_env()
             address, token = env.address or "", token or env.token or ""
         if not address:
-            if config.num_writers != 1:
-                raise ValueError("several trainer ranks need one meta server they all reach: set "
-                                 "WeightSyncTrainerInitInfo.meta_address (and meta_token), or WEIGHTSYNC_META_ADDR, "
-                                 "e.g. to a `weightsync meta-server`")
-            from weightsync.meta.embedded import EmbeddedMetaServer
-
-            server = EmbeddedMetaServer(host=init_info.meta_host).start()
-            closers.append(server.stop)
-            address, token = server.address, server.token
-        meta = MetaClient(address, job=config.job, token=token or None)
+            address, token, server = embedded_meta_server(init_info, config)
+            if server is not None:
+                closers.append(server.stop)
+        meta = MetaClient(address, job=config.job, token=token or None, timeout=config.timeout)
         closers.insert(0, meta.close)
         training_source = as_training_source(source, init_info.model_config, init_info.rank)
         lora = getattr(training_source, "lora", None)
@@ -384,28 +402,55 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         with self._lock:
             self.version = version if version is not None else self.version + 1
             v = self.version
+            unfinished, self._unfinished_write = self._unfinished_write, None
+            if unfinished is not None:
+                with contextlib.suppress(Exception):  # its error was the workers'; raised then
+                    unfinished.result(timeout=self.timeout)
             if not self.is_sender:
                 self.last_result = self.writer.write(v)
                 return
             self.client.start_weight_update()
-            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-vllm-rpc")
             try:
-                # The workers receive inside update_weights while this rank (and every other) writes.
-                rpc = pool.submit(self.client.update_weights, {"version": v, "timeout": self.timeout})
-                try:
-                    self.last_result = self.writer.write(v)
-                except BaseException:
-                    with contextlib.suppress(Exception):  # the writer's error is the one to see
-                        rpc.result(timeout=self.timeout)
-                    raise
-                self._worker_result(rpc, v)
+                self._send_and_update(v)
             except BaseException:
                 self._stamp_if_invalid(v)
                 raise
-            finally:
-                pool.shutdown(wait=False)  # an RPC that never answers must not hold this call past its timeout
             self.client.finish_weight_update(weight_version=str(v))
             self._reset_prefix_cache()
+
+    def _send_and_update(self, version: int) -> None:
+        """This rank's ``write(version)`` while vLLM's workers receive it in ``update_weights``.
+
+        Whichever side fails first is the error, raised as itself as soon as it happens: a worker
+        that cannot join the job (a wrong token, an unreachable meta server) fails at once, while
+        this rank's writer would only give up waiting for it at the job's timeout. Neither call is
+        waited for past the timeout (threads that never answer are left behind, not joined).
+        """
+        pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="weightsync-vllm-send")
+        deadline = time.monotonic() + self.timeout
+        try:
+            rpc = pool.submit(self.client.update_weights, {"version": version, "timeout": self.timeout})
+            write = pool.submit(self.writer.write, version)
+            done, _ = wait([rpc, write], timeout=self.timeout, return_when=FIRST_EXCEPTION)
+            if rpc in done and rpc.exception() is not None and not (write in done and write.exception() is not None):
+                self._unfinished_write = write  # the next version waits for it: one write at a time
+                raise self._worker_error(rpc.exception(), version)  # the workers' refusal, as itself
+            try:
+                self.last_result = write.result(timeout=max(0.0, self.timeout))
+            except BaseException:  # the writer's error is the one to see (the workers fail because of it) ...
+                with contextlib.suppress(Exception):  # ... once they did: what they hold is then settled
+                    rpc.result(timeout=max(0.0, deadline - time.monotonic()))
+                raise
+            self._worker_result(rpc, version)
+        finally:
+            pool.shutdown(wait=False)  # an RPC that never answers must not hold this call past its timeout
+
+    def _worker_error(self, error: BaseException | None, version: int) -> BaseException:
+        assert error is not None
+        logger.error("trainer rank %d: vLLM's workers failed update_weights of version %d: %s: %s (this rank's "
+                     "writer stops waiting for them at its timeout)", self.info.rank, version,
+                     type(error).__name__, error)
+        return error
 
     def _stamp_if_invalid(self, version: int) -> None:
         """Version ``version`` failed: if it left a worker's weights mixed, stamp vLLM invalid."""
@@ -422,7 +467,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
     def _worker_result(self, rpc: Future[Any], version: int) -> None:
         """The workers' ``update_weights`` of ``version``: their error, or one naming where they
         receive from when they do not answer (``concurrent.futures`` times out with no message)."""
-        from weightsync.session import SyncError
+        from weightsync.session.sync_session import SyncError
 
         try:
             rpc.result(timeout=self.timeout)

@@ -4,8 +4,8 @@ A sync job only needs two things from either side to plan: which slices of which
 tensors a rank holds (:meth:`LayoutProvider.layout`), and, when those slices follow a
 registered layout kind, the short descriptor that lets thousands of ranks publish one shared
 blob instead of a shard list each (:meth:`LayoutProvider.descriptor`).
-:class:`~weightsync.ports.TrainingSource` adds the live tensors to send;
-:class:`~weightsync.ports.InferenceEngine` adds buffers to receive into, the apply/abort
+:class:`~weightsync.ports.engine.TrainingSource` adds the live tensors to send;
+:class:`~weightsync.ports.engine.InferenceEngine` adds buffers to receive into, the apply/abort
 lifecycle and its capabilities.
 """
 

@@ -7,7 +7,7 @@ per-channel FP8). This module names them and lays them out on the reader's side
 (:func:`quantize_shards`). Writers hold only ``X``: what each of them offers in addition
 (an FP8 twin of its shards, the scale tiles it can compute) is derived from the roster in
 :mod:`weightsync.layout.quant_offers`, and quantized on send by
-:mod:`weightsync.codecs.fp8`, bit for bit the reference quantizer applied to the full tensor.
+:mod:`weightsync.tools.codecs.fp8`, bit for bit the reference quantizer applied to the full tensor.
 
     layout = parse_layout("vllm:tp=2,quant=fp8_block")       # a reader asking for FP8
     writers, quant = quantized_sources(writer_layouts, reader_layouts)   # layout.quant_offers

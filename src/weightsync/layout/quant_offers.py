@@ -10,7 +10,7 @@ dtype.
 A scale depends on a whole tile; a tile cut by any writer's region boundary (an FSDP row
 cut, a ZeRO-3 flat partition, a K-split row for per-channel scales) is *exchanged*: every
 holder publishes its partial maximum and each sender takes the maximum of all
-(:class:`weightsync.codecs.fp8.WriterQuantizer`). Every other tile lies whole inside one region
+(:class:`weightsync.tools.codecs.fp8.WriterQuantizer`). Every other tile lies whole inside one region
 of each of its holders, which computes it alone.
 
 Every rank runs this at job start, over every writer of the job, so its cost is linear in

@@ -10,7 +10,7 @@ A participant publishes its layout in one of two forms:
   refer to them by index.
 
 The model config (Hugging Face ``config.json``) is stored once per job by the job channel
-(:meth:`weightsync.job.JobChannel.publish_model_config`), which returns the content digest
+(:meth:`weightsync.job.channel.JobChannel.publish_model_config`), which returns the content digest
 descriptors name it by.
 
     blob = encode_descriptor("vllm:tp=2", digest)

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 from weightsync.meta.calls import ServerStateLostError
 from weightsync.meta.client import AsyncMetaClient, MetaClient, connect
 from weightsync.meta.config import MetaEnv
-from weightsync.meta.records import Participant, ParticipantTable, VersionInfo
+from weightsync.meta.records import ParticipantTable
+from weightsync.ports.records import Participant, VersionInfo
 
 if TYPE_CHECKING:
     from weightsync.meta.embedded import EmbeddedMetaServer

@@ -15,9 +15,10 @@ from typing import Any
 import httpx
 
 from weightsync.meta import calls
-from weightsync.meta.calls import Call, ReaderReport
+from weightsync.meta.calls import Call
 from weightsync.meta.client_base import Answer, ClientBase, Outcome, Sleep, Steps, T, ssl_context
-from weightsync.meta.records import LeaseRow, Participant, ParticipantTable, VersionInfo
+from weightsync.meta.records import ParticipantTable
+from weightsync.ports.records import LeaseRow, Participant, ReaderReport, VersionInfo
 
 
 class AsyncMetaClient(ClientBase):

@@ -15,7 +15,8 @@ from typing import Any, Generic, TypeVar
 from urllib.parse import quote, urlencode
 
 from weightsync.meta import wire
-from weightsync.meta.records import LeaseRow, ParticipantTable, VersionInfo, check_document_key
+from weightsync.meta.records import ParticipantTable, check_document_key
+from weightsync.ports.records import LeaseRow, ReaderReport, VersionInfo
 
 T = TypeVar("T")
 
@@ -180,39 +181,6 @@ def report_failed(job: str, reader_rank: int, version: int, error: str, epoch: i
         body["holds"] = _int("holds", holds)
     return Call("POST", f"{_job(job)}/readers/{_int('reader_rank', reader_rank)}/failed", lambda o: None,
                 body=wire.pack(body))
-
-
-@dataclass(frozen=True, slots=True)
-class ReaderReport:
-    """What ``GET /readers`` answers: the latest version and every known reader's state."""
-
-    latest: VersionInfo | None
-    rows: tuple[Mapping[str, Any], ...]
-
-    @property
-    def versions(self) -> dict[int, int | None]:
-        return {int(r["rank"]): r["version"] for r in self.rows}
-
-    def settled(self, min_version: int, readers: int | None = None) -> list[int]:
-        """Registered reader ranks (below ``readers``, if given) done with ``min_version``:
-        applied it or newer, or failed it or newer."""
-        def last(row: Mapping[str, Any]) -> int:
-            seen = [v for v in (row.get("version"), row.get("failed_version")) if v is not None]
-            return max(seen, default=-1)
-        return [int(r["rank"]) for r in self.rows if r.get("registered", True) and last(r) >= min_version
-                and (readers is None or int(r["rank"]) < readers)]
-
-    def failed(self, min_version: int, readers: int | None = None) -> dict[int, str]:
-        """Registered reader ranks that failed ``min_version`` (or newer) and applied nothing as new
-        since, with the error each reported."""
-        return {int(r["rank"]): str(r.get("error") or "failed") for r in self.rows
-                if r.get("registered", True) and (readers is None or int(r["rank"]) < readers)
-                and r.get("failed_version") is not None and r["failed_version"] >= min_version
-                and (r.get("version") is None or r["version"] < min_version)}
-
-    @classmethod
-    def from_wire(cls, obj: Any) -> ReaderReport:
-        return cls(VersionInfo.from_wire(obj["latest"]), tuple(obj["readers"]))
 
 
 def readers(job: str, *, min_version: int = 0, count: int = 0, wait: float = 0.0) -> Call[ReaderReport]:

@@ -30,10 +30,11 @@ import httpx
 
 from weightsync.meta import calls
 from weightsync.meta.async_client import AsyncMetaClient
-from weightsync.meta.calls import Call, ReaderReport
+from weightsync.meta.calls import Call
 from weightsync.meta.client_base import Answer, ClientBase, Outcome, Sleep, Steps, T, ssl_context
 from weightsync.meta.config import MetaEnv
-from weightsync.meta.records import LeaseRow, Participant, ParticipantTable, VersionInfo
+from weightsync.meta.records import ParticipantTable
+from weightsync.ports.records import LeaseRow, Participant, ReaderReport, VersionInfo
 
 if TYPE_CHECKING:
     from weightsync.meta.embedded import EmbeddedMetaServer
@@ -236,16 +237,25 @@ class MetaClient(ClientBase):
 
 def connect(address: str | None = None, *, job: str = "default", token: str | None = None,
             timeout: float = 30.0) -> tuple[MetaClient, EmbeddedMetaServer | None]:
-    """A client for ``address`` / ``WEIGHTSYNC_META_ADDR``, or else for a new embedded server.
+    """A client for ``address`` / ``WEIGHTSYNC_META_ADDR``, or else for an embedded server.
 
-    Single-machine runs need not start anything: without an address an
-    :class:`~weightsync.meta.embedded.EmbeddedMetaServer` is started on 127.0.0.1 (a daemon
-    thread of this process). The caller closes the client and stops the server (if not None).
+    Runs need not start anything: without an address a single process starts an
+    :class:`~weightsync.meta.embedded.EmbeddedMetaServer` on 127.0.0.1 (a daemon thread of this
+    process); under torchrun or accelerate (``WORLD_SIZE`` > 1) rank 0 starts it and the others
+    find it through torch's store (:mod:`weightsync.meta.launch`), and a multi-process job that
+    has no store fails at once naming ``WEIGHTSYNC_META_ADDR``. The caller closes the client and
+    stops the server (if not None).
     """
+    from weightsync.meta.launch import LaunchEnv, shared_meta_server
+
     env = MetaEnv.from_env()
     address = address or env.address
     if address is not None:
         return MetaClient(address, job=job, token=token or env.token, timeout=timeout), None
+    launch = LaunchEnv.from_env()
+    if launch.launched:
+        address, shared_token, server = shared_meta_server(job, launch, timeout=timeout)
+        return MetaClient(address, job=job, token=shared_token, timeout=timeout), server
     from weightsync.meta.embedded import EmbeddedMetaServer
 
     server = EmbeddedMetaServer(token=token).start()

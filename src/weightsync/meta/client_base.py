@@ -31,17 +31,22 @@ from typing import Any, TypeAlias, TypeVar
 import httpx
 
 import weightsync
-from weightsync.deadline import Deadline
+from weightsync.clock.deadline import Deadline
 from weightsync.meta import calls, wire
-from weightsync.meta.calls import Call, ReaderReport
+from weightsync.meta.calls import Call
 from weightsync.meta.config import MetaEnv, check_token, normalize_address
-from weightsync.meta.records import LeaseRow, Participant, ParticipantTable, VersionInfo, check_job
+from weightsync.meta.records import ParticipantTable, check_job
+from weightsync.ports.records import LeaseRow, Participant, ReaderReport, VersionInfo
 
 logger = logging.getLogger("weightsync.meta.client")
 T = TypeVar("T")
 
 #: longest single long-poll a client asks for; longer waits are a loop of these
 MAX_POLL_SECONDS = 25.0
+#: a wait for peers says who is missing at INFO at most this often (and its long-polls are this short)
+PROGRESS_SECONDS = 5.0
+#: libraries that log every request at INFO; their loggers go to WARNING unless the application set a level
+REQUEST_LOGGERS = ("httpx",)
 _BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 1.0
 
 
@@ -60,17 +65,39 @@ def shorten(ranks: Sequence[int], limit: int = 20) -> str:
     return f"[{text}{', ...' if len(ranks) > limit else ''}] ({len(ranks)})"
 
 
+def quiet_request_logs() -> None:
+    """Per-request INFO lines of the HTTP libraries off (httpx logs every long-poll: dozens of
+    lines a minute while a rank waits), by their own loggers' levels: the root logger and any
+    level the application set stay as they are."""
+    for name in REQUEST_LOGGERS:
+        library = logging.getLogger(name)
+        if library.level == logging.NOTSET:
+            library.setLevel(logging.WARNING)
+
+
+def missing_ranks(table: ParticipantTable, writers: int, readers: int) -> str:
+    """``"writer ranks [...] and reader ranks [...]"``: who has not registered yet ("" if nobody)."""
+    missing = []
+    if table.count("writer") < writers:
+        missing.append(f"writer ranks {shorten(table.missing('writer', writers))}")
+    if table.count("reader") < readers:
+        missing.append(f"reader ranks {shorten(table.missing('reader', readers))}")
+    return " and ".join(missing)
+
+
 def barrier_result(table: ParticipantTable, writers: int, readers: int, timeout: float) -> ParticipantTable:
     have_w, have_r = table.count("writer"), table.count("reader")
     if have_w >= writers and have_r >= readers:
         return table
-    missing = []
-    if have_w < writers:
-        missing.append(f"writer ranks {shorten(table.missing('writer', writers))}")
-    if have_r < readers:
-        missing.append(f"reader ranks {shorten(table.missing('reader', readers))}")
     raise TimeoutError(f"timed out after {timeout:.1f} s waiting for job {table.job!r}: {have_w}/{writers} writers "
-                       f"and {have_r}/{readers} readers registered; missing {' and '.join(missing)}")
+                       f"and {have_r}/{readers} readers registered; missing {missing_ranks(table, writers, readers)}")
+
+
+def log_missing(table: ParticipantTable, writers: int, readers: int, left: float) -> None:
+    """The INFO line a wait for peers logs every :data:`PROGRESS_SECONDS`."""
+    logger.info("job %r: waiting for %s to register (%d/%d writers, %d/%d readers so far); %.0f s left",
+                table.job, missing_ranks(table, writers, readers), table.count("writer"), writers,
+                table.count("reader"), readers, left)
 
 
 def readers_result(report: ReaderReport, job: str, min_version: int, readers: int,
@@ -137,14 +164,22 @@ def exchange(client: ClientBase, call: Call[T]) -> Steps[T]:
     raise AssertionError("unreachable")
 
 
-def poll(client: ClientBase, make: Callable[[float], Call[T]], done: Callable[[T], bool], timeout: float) -> Steps[T]:
+def poll(client: ClientBase, make: Callable[[float], Call[T]], done: Callable[[T], bool], timeout: float,
+         progress: Callable[[T, float], None] | None = None) -> Steps[T]:
     """Long-poll: ask with ``make(wait)`` until ``done(result)`` or ``timeout`` seconds passed;
-    returns the last result. Each request waits on the server at most :data:`MAX_POLL_SECONDS`."""
+    returns the last result. Each request waits on the server at most :data:`MAX_POLL_SECONDS`;
+    with ``progress``, at most :data:`PROGRESS_SECONDS`, and ``progress(result, seconds_left)``
+    is called at most that often while not done."""
     deadline = Deadline.after(max(0.0, timeout))
+    longest = MAX_POLL_SECONDS if progress is None else PROGRESS_SECONDS
+    said = time.monotonic()
     while True:
-        result = yield from exchange(client, make(min(deadline.remaining(0.0), MAX_POLL_SECONDS)))
+        result = yield from exchange(client, make(min(deadline.remaining(0.0), longest)))
         if done(result) or deadline.expired:
             return result
+        if progress is not None and time.monotonic() - said >= PROGRESS_SECONDS:
+            said = time.monotonic()
+            progress(result, deadline.remaining(0.0))
 
 
 class ClientBase:
@@ -167,6 +202,7 @@ class ClientBase:
                          "User-Agent": f"weightsync/{weightsync.__version__}"}
         #: the server instance this client pinned (None: any); see :meth:`MetaClient.pin_instance`
         self.instance: str | None = None
+        quiet_request_logs()
 
     def _request_headers(self, call: Call[Any]) -> dict[str, str] | None:
         headers = call.headers
@@ -214,7 +250,7 @@ class ClientBase:
                 return calls.join(self.job, join, writers=writers, readers=readers, wait=w, documents=documents)
             return calls.roster(self.job, writers=writers, readers=readers, wait=w, documents=documents)
         table = yield from poll(self, make, lambda t: t.count("writer") >= writers and t.count("reader") >= readers,
-                                timeout)
+                                timeout, progress=lambda t, left: log_missing(t, writers, readers, left))
         return barrier_result(table, writers, readers, timeout)
 
     def _get_document(self, key: str, wait: float) -> Steps[bytes | None]:

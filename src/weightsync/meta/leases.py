@@ -31,8 +31,8 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from weightsync.deadline import Deadline
-from weightsync.meta.records import LeaseRow
+from weightsync.clock.deadline import Deadline
+from weightsync.ports.records import LeaseRow
 
 
 class LeaseHeldError(Exception):

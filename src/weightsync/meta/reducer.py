@@ -32,7 +32,7 @@ from weightsync.meta.events import (
     VersionPublished,
     VersionReported,
 )
-from weightsync.meta.records import ROLES, VersionInfo
+from weightsync.ports.records import ROLES, VersionInfo
 
 #: epochs of a version are below this (a reader waiting "after version V" waits past them all)
 MAX_EPOCH = 1 << 62

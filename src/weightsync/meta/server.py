@@ -64,9 +64,10 @@ from weightsync.meta import status_page, wire
 from weightsync.meta.leases import LeaseHeldError
 from weightsync.meta.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from weightsync.meta.metrics import ServerMetrics
-from weightsync.meta.records import MAX_RANK, check_document_key
+from weightsync.meta.records import check_document_key
 from weightsync.meta.state import ConflictError, MetaState, RecordError
 from weightsync.meta.store import StoreError
+from weightsync.ports.records import MAX_RANK
 
 logger = logging.getLogger(__name__)
 

@@ -48,10 +48,11 @@ from weightsync.meta.events import (
     encode_events,
 )
 from weightsync.meta.leases import Leases
-from weightsync.meta.records import VersionInfo, blob_hash
+from weightsync.meta.records import blob_hash
 from weightsync.meta.reducer import MAX_EPOCH, Job, MetaData, apply, snapshot
 from weightsync.meta.store import MemoryStore, Store, StoreError
 from weightsync.meta.watch import Watch, notify
+from weightsync.ports.records import VersionInfo
 
 logger = logging.getLogger(__name__)
 

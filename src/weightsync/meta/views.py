@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from weightsync.meta import wire
-from weightsync.meta.records import ROLES, encode_columns
+from weightsync.meta.records import encode_columns
 from weightsync.meta.reducer import Job, MetaData, ReaderState
+from weightsync.ports.records import ROLES
 
 
 def encode_roster(name: str, job: Job | None, *, msgpack_: bool) -> bytes:

@@ -3,7 +3,7 @@
 Importing this package imports no training framework: each adapter imports its own, lazily.
 """
 
-from weightsync.ports import TrainingSource
+from weightsync.ports.engine import TrainingSource
 from weightsync.sources.deepspeed import ZeroSource
 from weightsync.sources.dtensor import DTensorSource
 from weightsync.sources.megatron import MegatronSource

@@ -24,7 +24,7 @@ from weightsync.layout import Box, ModelSpec, RankLayout, Shard
 from weightsync.layout.families import BUFFER_ROLES
 from weightsync.layout.params import ParamParts, hf_param
 from weightsync.sources.param_mapping import check_known, clean_name, matching_descriptor, read_config, uniform_dtype
-from weightsync.torch_layout import dtype_name, named_tensors
+from weightsync.tools.torch_layout import dtype_name, named_tensors
 
 
 def partition_range(param: Any) -> tuple[int, int, int]:

@@ -45,7 +45,7 @@ from weightsync.layout.params import (
     strided_runs,
 )
 from weightsync.sources.param_mapping import check_known, clean_name, matching_descriptor, read_config, uniform_dtype
-from weightsync.torch_layout import dtype_name, named_tensors
+from weightsync.tools.torch_layout import dtype_name, named_tensors
 
 
 def placement_runs(shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int],

@@ -28,7 +28,7 @@ import torch
 
 from weightsync.layout import ModelSpec, RankLayout
 from weightsync.layout.lora import PEFT_PREFIX, LoraSpec
-from weightsync.torch_layout import check_tensors, dtype_name
+from weightsync.tools.torch_layout import check_tensors, dtype_name
 
 _LORA_NAME = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.(?P<adapter>[\w-]+))?\.weight$")
 

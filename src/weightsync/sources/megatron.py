@@ -49,7 +49,7 @@ from weightsync.layout.builders import padded_size
 from weightsync.layout.kinds.megatron import whole_expert_shard
 from weightsync.layout.params import ParamParts, Runs, run_boxes, runs_length
 from weightsync.sources.param_mapping import check_known, matching_descriptor, read_config, uniform_dtype
-from weightsync.torch_layout import dtype_name
+from weightsync.tools.torch_layout import dtype_name
 
 _TE_EXPERT = re.compile(r"\.linear_fc[12]\.weight\d+$")
 _LAYER = re.compile(r"(decoder|mtp)\.layers\.(\d+)\.(.+)")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from weightsync.layout import ModelSpec, RankLayout, parse_layout
-from weightsync.torch_layout import allocate, module_layout, named_tensors
+from weightsync.tools.torch_layout import allocate, module_layout, named_tensors
 
 
 def _spec(config: Mapping[str, Any] | ModelSpec) -> ModelSpec:

@@ -1,18 +1,18 @@
-"""Transports: one module each, behind the :class:`Transport` Protocol, chosen in one place.
+"""Transports: one package each, behind the :class:`Transport` Protocol, chosen in one place.
 
 | name    | modules                              | moves bytes by                                   | one-sided |
 |---------|--------------------------------------|--------------------------------------------------|-----------|
-| torch   | torch_gloo.py, torch_nccl.py         | p2p: torch's gloo on CPU, NCCL (nccl4py) on GPU  | no        |
-| shm     | shm.py, shm_zero_copy.py             | POSIX shared memory / CUDA IPC, co-located ranks | yes       |
-| file    | file.py                              | safetensors files on (shared) storage            | yes       |
-| nixl    | nixl_pull.py, nixl_push.py           | NIXL/UCX RDMA reads (pull) or writes (push)      | pull only |
-| routed  | routed.py                            | shm within a node, torch across nodes, per pair  | no        |
+| torch   | torch/gloo.py, torch/nccl.py         | p2p: torch's gloo on CPU, NCCL (nccl4py) on GPU  | no        |
+| shm     | shm/transport.py, shm/zero_copy.py   | POSIX shared memory / CUDA IPC, co-located ranks | yes       |
+| file    | file/transport.py                    | safetensors files on (shared) storage            | yes       |
+| nixl    | nixl/pull.py, nixl/push.py           | NIXL/UCX RDMA reads (pull) or writes (push)      | pull only |
+| routed  | routed/transport.py                  | shm within a node, torch across nodes, per pair  | no        |
 
-Adding a transport is one module, one entry in ``_FACTORIES`` and one availability probe.
+Adding a transport is one package, one entry in ``_FACTORIES`` and one availability probe.
 A transport with several modes (torch: gloo or NCCL by device; nixl: pull or push) has one
 class per mode; :func:`transport_class_path` picks the class, here and nowhere else. Which
 transport a job uses is decided from every rank's placement by
-:func:`weightsync.devices.choose_transport`.
+:func:`weightsync.tools.devices.choose_transport`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from weightsync.devices import torch_backend
+from weightsync.tools.devices import torch_backend
 from weightsync.transport.base import (
     TransferStats,
     Transport,
@@ -36,13 +36,13 @@ logger = logging.getLogger(__name__)
 
 #: name -> "module:Class", or, for transports with modes, mode -> "module:Class"
 _FACTORIES: dict[str, str | dict[str, str]] = {
-    "torch": {"gloo": "weightsync.transport.torch_gloo:GlooTransport",
-              "nccl": "weightsync.transport.torch_nccl:NcclTransport"},
-    "shm": "weightsync.transport.shm:SharedMemoryTransport",
-    "file": "weightsync.transport.file:FileTransport",
-    "nixl": {"pull": "weightsync.transport.nixl_pull:NixlPullTransport",
-             "push": "weightsync.transport.nixl_push:NixlPushTransport"},
-    "routed": "weightsync.transport.routed:RoutedTransport",
+    "torch": {"gloo": "weightsync.transport.torch.gloo:GlooTransport",
+              "nccl": "weightsync.transport.torch.nccl:NcclTransport"},
+    "shm": "weightsync.transport.shm.transport:SharedMemoryTransport",
+    "file": "weightsync.transport.file.transport:FileTransport",
+    "nixl": {"pull": "weightsync.transport.nixl.pull:NixlPullTransport",
+             "push": "weightsync.transport.nixl.push:NixlPushTransport"},
+    "routed": "weightsync.transport.routed.transport:RoutedTransport",
 }
 
 
@@ -54,7 +54,7 @@ def transport_class_path(name: str, ctx: TransportContext) -> str:
     if name == "torch":
         mode = torch_backend(ctx.device)
     else:
-        from weightsync.transport.nixl_common import resolve_mode
+        from weightsync.transport.nixl.common import resolve_mode
 
         mode = resolve_mode(ctx.options.nixl_mode, num_writers=ctx.num_writers, num_readers=ctx.num_readers,
                             delta=bool(ctx.options.delta_anchor_every))
@@ -99,10 +99,10 @@ def create_transport(name: str, ctx: TransportContext) -> Transport:
 
 def _nccl_missing(name: str, ctx: TransportContext) -> str | None:
     """Why ``name`` cannot move this job's GPU memory here: its NCCL mode (torch between GPUs,
-    and routed's torch route) drives NCCL through nccl4py (transport/nccl_comm.py)."""
+    and routed's torch route) drives NCCL through nccl4py (transport/torch/nccl_comm.py)."""
     if name not in ("torch", "routed") or torch_backend(ctx.device) != "nccl":
         return None
-    from weightsync.transport.nccl_comm import nccl4py_missing
+    from weightsync.transport.torch.nccl_comm import nccl4py_missing
 
     return nccl4py_missing()
 
@@ -124,7 +124,7 @@ def check_delta_carried(name: str, ctx: TransportContext) -> None:
                              "run over torch (gloo between CPU ranks, NCCL between GPUs), and over shm, nixl, "
                              "file and routed between CPU ranks; use one of those, or delta_anchor_every=0")
         if name == "routed" and route == "shm":
-            from weightsync.transport.delta_published import check_delta
+            from weightsync.transport.delta.published import check_delta
 
             check_delta("routed", ctx)  # its same-node pairs go through CUDA IPC
 

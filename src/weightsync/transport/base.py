@@ -23,7 +23,7 @@ the engine's parameters (or staging buffers when an engine must run its own load
 the transport writes straight into them. Every blocking call takes an explicit version and
 timeout; a failure raises :class:`TransportError` naming the peer and the tensors.
 Transports reach their peers (rendezvous addresses, memory handles) only through the job
-channel's endpoints (:meth:`weightsync.job.JobChannel.publish_endpoint`), one typed record per
+channel's endpoints (:meth:`weightsync.job.channel.JobChannel.publish_endpoint`), one typed record per
 transport and epoch (:mod:`weightsync.transport.endpoints`).
 
 Capabilities are class attributes, so callers (and the contract tests) can ask what a
@@ -39,14 +39,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 
-from weightsync.devices import RankPlacement, check_serves, parse_device, tensors_device
-from weightsync.job_wire import EndpointRecord, WireError
+from weightsync.job.wire import EndpointRecord, WireError
+from weightsync.tools.devices import RankPlacement, check_serves, parse_device, tensors_device
 
 if TYPE_CHECKING:
     import torch
 
-    from weightsync.deadline import Deadline
-    from weightsync.job import Holder, JobChannel, Role
+    from weightsync.clock.deadline import Deadline
+    from weightsync.job.channel import Holder, JobChannel, Role
     from weightsync.plan import Plan
 
 E = TypeVar("E", bound=EndpointRecord)
@@ -74,14 +74,14 @@ class TransportOptions:
         nixl_mode: how the NIXL transport moves bytes: "pull" (readers READ from writers'
             registered version slots), "push" (writers WRITE into readers' registered
             parameters) or "auto" (push when readers <= writers, else pull; see
-            transport/nixl_common.py).
+            transport/nixl/common.py).
         shm_streaming: shared-memory readers copy while writers pack (x86-64 CPU only; see
-            transport/shm.py); False makes them wait for whole slots (for A/B measurements).
+            transport/shm/transport.py); False makes them wait for whole slots (for A/B measurements).
         delta_anchor_every: 0 sends every version in full; K >= 1 sends each reader only what
             changed since the version it holds and can vouch for (two-sided transports:
-            :mod:`weightsync.transport.delta`; one-sided: :mod:`weightsync.transport.delta_published`; file:
-            :mod:`weightsync.transport.file_changes`), with a full version at least every K versions
-            (K=1: always full); NIXL push: :mod:`weightsync.transport.nixl_push_changes`. NCCL refuses it.
+            :mod:`weightsync.transport.delta.pairs`; one-sided: :mod:`weightsync.transport.delta.published`; file:
+            :mod:`weightsync.transport.file.changes`), with a full version at least every K versions
+            (K=1: always full); NIXL push: :mod:`weightsync.transport.nixl.push_changes`. NCCL refuses it.
     """
 
     max_bucket_bytes: int = 64 << 20
@@ -126,9 +126,9 @@ class TransportContext:
     registrations follow it, and ``prepare`` refuses tensors elsewhere. ``placements`` are
     where every rank of the job runs (what the routed transport splits pairs by).
     ``keeps_received_bytes`` says whether a reader's tensors hold what arrived until the next
-    receive (its engine's capability, :class:`weightsync.ports.InferenceEngine`): only then
+    receive (its engine's capability, :class:`weightsync.ports.engine.InferenceEngine`): only then
     may it apply what changed straight to them; otherwise a delta reader keeps a copy of its
-    own (:mod:`weightsync.transport.delta`).
+    own (:mod:`weightsync.transport.delta.pairs`).
     """
 
     channel: JobChannel
@@ -271,7 +271,7 @@ def check_tensors_device(transport: ServesDevices, ctx: TransportContext,
 class PeerWatch:
     """Liveness of the peers a transport waits on, for its wait loops (rate-limited).
 
-    Asks the job channel (:meth:`weightsync.job.JobChannel.dead_peers`, leases on the meta
+    Asks the job channel (:meth:`weightsync.job.channel.JobChannel.dead_peers`, leases on the meta
     server) at most every ``every`` seconds, so a spin loop may call :meth:`check` on every
     turn: a peer that died (killed, stopped, hung) fails the wait within about a second of
     its lease expiring, naming it, instead of at the timeout.

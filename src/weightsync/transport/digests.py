@@ -1,7 +1,7 @@
 """In-band digests of every version: writers digest what they send, readers check what landed.
 
 With ``SyncConfig(integrity=True)`` every op of a plan gets a 64-bit digest
-(:mod:`weightsync.codecs.digest`) of its bytes as they must land: the writer's source box,
+(:mod:`weightsync.tools.codecs.digest`) of its bytes as they must land: the writer's source box,
 converted to the destination dtype, in row-major order. The digests travel *in band*, as
 bytes of the plan itself: each (writer, reader) pair gets one more op per phase, appended
 after the pair's real ops, that moves an int64 vector from the writer's digest shard
@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING, overload
 import numpy as np
 import torch
 
-from weightsync.codecs.digest import DigestKind, Hasher, as_signed, as_unsigned
 from weightsync.plan.ops import OpColumns, Plan, TransferOp
 from weightsync.plan.table import ShardRef
-from weightsync.torch_layout import TORCH_DTYPES, strided_view
+from weightsync.tools.codecs.digest import DigestKind, Hasher, as_signed, as_unsigned
+from weightsync.tools.torch_layout import TORCH_DTYPES, strided_view
 from weightsync.transport.base import TransportError
 from weightsync.transport.exposed import piece_key
 from weightsync.transport.schedule import slabs
-from weightsync.transport.shm_files import SHM_DIR, SharedTensors
+from weightsync.transport.shm.files import SHM_DIR, SharedTensors
 
 if TYPE_CHECKING:
     from weightsync.plan.ops import Role

@@ -1,7 +1,7 @@
 """Each transport's endpoint: what a rank publishes so that its peers can reach it in one epoch.
 
 One frozen dataclass per transport, with an explicit msgpack wire form, checked field by field
-when a peer's arrives (:class:`~weightsync.job_wire.WireError` names the field). Transports
+when a peer's arrives (:class:`~weightsync.job.wire.WireError` names the field). Transports
 publish and read them through the job channel, which keys them by ``transport``, epoch and rank::
 
     ctx.channel.publish_endpoint(epoch, ShmEndpoint(path="/dev/shm/weightsync-..."))
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from weightsync.job_wire import WireError, take
+from weightsync.job.wire import WireError, take
 
 __all__ = ["FileEndpoint", "NixlEndpoint", "NixlSlots", "ShmEndpoint", "TorchRendezvous"]
 
@@ -76,7 +76,7 @@ class NixlSlots:
     """A NIXL pull writer's registered version slots: ``slots`` areas of ``slot_bytes`` from
     address ``area``, laid out by ``index`` (an encoded :class:`~weightsync.transport.exposed.ExposedIndex`),
     and with deltas where the area's change tables follow (``changes``: a
-    :class:`~weightsync.transport.delta_published.ChangeLayout` header)."""
+    :class:`~weightsync.transport.delta.published.ChangeLayout` header)."""
 
     area: int
     slots: int
@@ -102,7 +102,7 @@ class NixlEndpoint:
     """A NIXL rank of the epoch: its mode, agent metadata, control words and device, plus what
     its mode exposes (a pull writer its version ``slots``; a push reader its ``shards``:
     tensor name -> (address, bytes) of the destination memory writers WRITE into). With deltas
-    in push (:mod:`weightsync.transport.nixl_push_changes`), a writer says so (``deltas``) and
+    in push (:mod:`weightsync.transport.nixl.push_changes`), a writer says so (``deltas``) and
     a reader publishes its ``inboxes``: writer rank -> (address, bytes) of what it WRITEs changes into."""
 
     transport: ClassVar[str] = "nixl"

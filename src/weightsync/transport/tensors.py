@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from weightsync.torch_layout import TORCH_DTYPES, strided_view
+from weightsync.tools.torch_layout import TORCH_DTYPES, strided_view
 from weightsync.transport.schedule import Message, Piece
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 #: How a piece is copied: ``dst.copy_(src)`` on host memory, the device port's queued copy on a
-#: GPU (:meth:`weightsync.device_port.DevicePort.copy`).
+#: GPU (:meth:`weightsync.ports.device.DevicePort.copy`).
 Copy = Callable[[torch.Tensor, torch.Tensor], object]
 
 

@@ -17,7 +17,7 @@
 
 Every rank publishes its Ray node id as its node, so ``transport="auto"`` moves bytes over
 shared memory between actors on one Ray node and over torch (gloo/NCCL) between nodes, per
-pair (:mod:`weightsync.transport.routed`). ``ray`` is imported only inside this package
+pair (:mod:`weightsync.transport.routed.transport`). ``ray`` is imported only inside this package
 (extra ``weightsync[ray]``); see docs/distributed.md.
 """
 

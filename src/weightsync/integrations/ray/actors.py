@@ -9,7 +9,7 @@ An actor class inherits :class:`SyncActor` and says what it holds: ``weightsync_
 (a training source) on trainers, ``weightsync_engine()`` (an inference engine) on rollout
 workers. Joining replaces the config's ``host`` with the actor's node name, which
 placement compares (two Ray nodes on one machine are two nodes), and the transport's
-address with the node's IP; the rest of :class:`weightsync.session.SyncConfig` is the
+address with the node's IP; the rest of :class:`weightsync.session.sync_session.SyncConfig` is the
 caller's, identical on every rank. The config crosses Ray in its wire form
 (:meth:`SyncConfig.to_wire`: plain data, checked on arrival), never as a pickled object.
 
@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from weightsync.integrations.ray.meta import MetaConnection
-from weightsync.session import SyncConfig
+from weightsync.session.sync_session import SyncConfig
 
 if TYPE_CHECKING:
-    from weightsync.job import Role
-    from weightsync.ports import InferenceEngine, TrainingSource
-    from weightsync.reader import WeightReader
-    from weightsync.writer import WeightWriter
+    from weightsync.job.channel import Role
+    from weightsync.ports.engine import InferenceEngine, TrainingSource
+    from weightsync.roles.reader import WeightReader
+    from weightsync.roles.writer import WeightWriter
 
 logger = logging.getLogger(__name__)
 
@@ -87,12 +87,12 @@ class SyncActor:
         placed = placed_config(config)
         meta = MetaConnection(address, token).client(job=config.job)
         if role == "writer":
-            from weightsync.writer import WeightWriter
+            from weightsync.roles.writer import WeightWriter
 
             self.weightsync_writer = WeightWriter(self.weightsync_source(), rank=rank, config=placed, meta=meta)
             self.weightsync_writer.session.register()
         else:
-            from weightsync.reader import WeightReader
+            from weightsync.roles.reader import WeightReader
 
             self.weightsync_reader = WeightReader(self.weightsync_engine(), rank=rank, config=placed, meta=meta)
             self.weightsync_reader.session.register()

@@ -1,0 +1,1 @@
+"""The applications: the end-to-end demo, the doctor, the benchmarks."""

@@ -1,0 +1,1 @@
+"""The clock of every wait: one absolute deadline per operation (core: the standard library only)."""

@@ -1,0 +1,581 @@
+"""The job channel: everything the ranks of a job say to each other, typed, in one place.
+
+Writers, readers, transports and the tensor store talk through the meta server, and only
+through :class:`JobChannel`. It owns every meta-server key (no other module builds one) and
+the version handshake; what crosses it is a frozen dataclass here, encoded with msgpack or
+plain text, never pickle. Following one version ``V`` from writer to reader::
+
+    # every rank, once:            channel.register(host, layout_blob) -> channel.wait_roster(...)
+    # writer 0 decides V's epoch:  epoch = channel.decide_epoch(V, deadline)   (the others wait for it)
+    # transports, once per epoch:  channel.publish_endpoint(epoch, ShmEndpoint(path)) / channel.wait_endpoint(...)
+    # every writer:                channel.publish_version(PublishedVersion(V, fingerprint, epoch), num_writers)
+    # every reader:                published = channel.wait_version(after=applied, deadline)
+    #                              ... receive, apply ...
+    #                              channel.report_applied(V, nbytes, seconds)  or  channel.report_failed(V, why)
+    # writers (staleness bound):   channel.wait_readers(min_version, readers, deadline)
+
+**Epochs.** A transport's connections (a process group, shared-memory mappings, NIXL
+registrations) belong to an *epoch*, a job-wide counter. A rank that sees a transfer fail,
+and a rank that restarts, moves the job past the epoch it saw (:meth:`JobChannel.advance_epoch`,
+a no-op when someone already did). Writer 0 fixes the epoch of each version once
+(:meth:`JobChannel.decide_epoch`), every writer publishes the version with it, and readers
+prepare their transport for the epoch they read in :class:`PublishedVersion`, so after a
+failure the next version re-forms every connection cleanly. The same counter tells the tries
+of one version apart: a version written again after a failure is written in a later epoch,
+and the meta server keeps the one in the latest epoch. It has one name everywhere, on the
+server too (``epoch``, ``after_epoch``): it numbers connections, and a try is one use of them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import msgpack
+
+from weightsync.job.wire import (
+    STORE_FINGERPRINT,
+    EndpointRecord,
+    Member,
+    PublishedVersion,
+    TensorTable,
+    WireError,
+    model_digest,
+    unpack_map,
+)
+from weightsync.meta import client_base
+from weightsync.plan.ops import Role
+from weightsync.ports.coordinator import Holder, MetaPort, PeerDiedError, TransportBoard
+
+if TYPE_CHECKING:
+    from weightsync.clock.deadline import Deadline
+    from weightsync.job.heartbeat import Heartbeat
+    from weightsync.ports.records import LeaseRow
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["STORE_FINGERPRINT", "Holder", "JobChannel", "Member", "MetaPort", "PeerDiedError", "PublishedVersion",
+           "Role", "TransportBoard", "model_digest"]
+
+E = TypeVar("E", bound=EndpointRecord)
+
+
+# -- keys: the only place that builds a meta-server document key ------------------------------
+
+def _epoch_key() -> str:
+    return "epoch"
+
+
+def _version_epoch_key(version: int) -> str:
+    return f"versions/{version}/epoch"  # a counter: the epoch writer 0 decided for the version, + 1
+
+
+def _joined_key(version: int, epoch: int, rank: int) -> str:
+    return f"versions/{version}/joined/{epoch}/writer{rank}"  # a writer took part in the version in this epoch
+
+
+def _floor_key(role: Role, rank: int) -> str:
+    return f"floors/{role}{rank}"  # "<incarnation> <min_epoch>": the oldest epoch that process takes part in
+
+
+def _model_key(digest: str) -> str:
+    return f"models/{digest}"
+
+
+def _tensor_table_key() -> str:
+    return "tensor-table"
+
+
+def _endpoint_key(transport: str, epoch: int, role: Role, rank: int) -> str:
+    return f"transport/{transport}/{epoch}/{role}{rank}"
+
+
+def _store_index_key(version: int, writer: int) -> str:
+    return f"tensorstore/{version}/writer{writer}"
+
+
+def _tile_maxima_key(version: int, writer: int) -> str:
+    return f"quant/{version}/writer{writer}"
+
+
+
+def settings_difference(mine: str, theirs: str) -> str:
+    """``"layer_phases: True here, False there"`` for two ranks' settings (``SyncConfig.settings()``,
+    a JSON object); the two texts whole when either is not one."""
+    try:
+        a, b = json.loads(mine), json.loads(theirs)
+    except ValueError:
+        a = b = None
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return f"{theirs} there, {mine} here"
+    names = [k for k in {**a, **b} if a.get(k) != b.get(k)]
+    return "; ".join(f"{k}: {json.dumps(a.get(k))} here, {json.dumps(b.get(k))} there" for k in names)
+
+class JobChannel:
+    """One rank's typed view of its job on the meta server (see module docstring).
+
+    Args:
+        meta: the meta client. A channel that only serves transports (their contract tests)
+            may be given just a :class:`TransportBoard`.
+        role, rank: who speaks; endpoints and reports are this rank's own.
+    """
+
+    def __init__(self, meta: MetaPort, *, role: Role, rank: int) -> None:
+        self.meta = meta
+        self.role: Role = role
+        self.rank = rank
+        #: this process's claim on (role, rank): a restarted process has a new one
+        self.incarnation = secrets.token_hex(8)
+        #: the oldest epoch this rank may take part in: the job's epoch when it (re)joined or last
+        #: saw a failure. Endpoints of older epochs may belong to processes that are gone.
+        self.min_epoch = 0
+        #: this process replaced a dead one (registration found an earlier incarnation)
+        self.restarted = False
+        self.lease_seconds = 0.0
+        self.host = ""
+        self._heartbeat: Heartbeat | None = None
+        self._lease_cache: tuple[float, dict[tuple[str, int], LeaseRow]] = (-1.0, {})
+
+    @property
+    def who(self) -> str:
+        return f"{self.role} {self.rank}"
+
+    # -- membership ---------------------------------------------------------------------------
+    def register(self, *, host: str, group: str, layout: bytes, device: str = "cpu", gpu: str = "",
+                 settings: str = "", lease: float = 0.0) -> bool:
+        """Register this rank: its node, the device of its tensors (and that GPU's UUID, the identity
+        other processes can compare), its layout blob and the job
+        settings it runs with (compared across ranks, see :meth:`check_settings`).
+
+        First the client pins the server's instance (a server that loses its state later is
+        noticed at the next call) and, with ``lease`` seconds, this process takes the rank's
+        lease (:mod:`weightsync.meta.leases`), waiting for a dead predecessor's to expire.
+        Returns True if the rank was registered before (this process is a restart of it).
+
+        Raises:
+            ValueError: another live process holds this rank (two processes claim it).
+        """
+        from weightsync.ports.records import Participant
+
+        self.pin_server()
+        took_over = False
+        if lease > 0:
+            self.lease_seconds, self.host = lease, host
+            took_over = self.meta.acquire_lease(self.role, self.rank, incarnation=self.incarnation, ttl=lease,
+                                                pid=os.getpid(), host=host, wait=lease + 1.0)
+        restarted = took_over or any(p.rank == self.rank for p in self.meta.participants(self.role))
+        me = Member(self.role, self.rank, host, layout, device, gpu, settings or None)
+        self.meta.register(Participant(role=self.role, rank=self.rank, group=group, host=host,
+                                       endpoints=me.endpoints(), layout=layout))
+        return restarted
+
+    def check_settings(self, settings: str, people: list[Member] | None = None) -> None:
+        """Compare this rank's job settings with every rank registered so far.
+
+        Each rank checks after registering (the later of two ranks that disagree sees the
+        other) and again once the roster is complete (``people``), so every rank stops before
+        planning, naming the ranks that differ.
+
+        Raises:
+            ValueError: naming the ranks whose settings differ and the settings themselves.
+        """
+        if people is None:
+            people = [Member.from_participant(p) for p in self.meta.participants()]
+        differ = [f"{m.who} ({settings_difference(settings, m.settings)})" for m in people
+                  if m.settings is not None and m.settings != settings]
+        if differ:
+            raise ValueError(f"{self.who} runs job {self.meta.job!r} with other settings than "
+                             f"{', '.join(differ[:8])}{' ...' if len(differ) > 8 else ''}: every writer and reader "
+                             "of a job must use the same SyncConfig")
+
+    def wait_roster(self, *, writers: int, readers: int, deadline: Deadline) -> list[Member]:
+        """Everyone, once ``writers`` writers and ``readers`` readers registered."""
+        people = self.meta.wait_registered(writers=writers, readers=readers, timeout=deadline.remaining())
+        return [Member.from_participant(p) for p in people]
+
+    def pin_server(self) -> None:
+        """Pin the meta server's current instance: the first step of (re)joining, before anything
+        is written to it (a server that later loses its state is noticed at the next call)."""
+        self.meta.pin_instance()
+
+    def publish_model_config(self, config: Mapping[str, Any]) -> str:
+        """Store a model config once per job; returns the digest layout descriptors name it by."""
+        digest = model_digest(config)
+        self.meta.put_document(_model_key(digest), json.dumps(config, sort_keys=True).encode())
+        return digest
+
+    def model_config(self, digest: str) -> Mapping[str, Any]:
+        doc = self.meta.get_document(_model_key(digest))
+        if doc is None:
+            raise ValueError(f"model config {digest} is missing from the meta server (job {self.meta.job!r})")
+        config: Mapping[str, Any] = json.loads(doc)
+        return config
+
+    def publish_tensor_table(self, table: TensorTable) -> None:
+        """The job's table of whole tensors (the writers' names, shapes and dtypes), once per job."""
+        self.meta.put_document(_tensor_table_key(), msgpack.packb(table.to_wire(), use_bin_type=True))
+
+    def wait_tensor_table(self, *, deadline: Deadline) -> TensorTable | None:
+        """The job's tensor table, once published; None at the deadline.
+
+        Raises:
+            WireError: the table is malformed (named).
+        """
+        raw = self.meta.get_document(_tensor_table_key(), wait=deadline.remaining(0.0))
+        if raw is None:
+            return None
+        try:
+            return TensorTable.from_wire(unpack_map(raw))
+        except WireError as exc:
+            raise WireError(f"{self.who}: the tensor table of job {self.meta.job!r} is malformed: {exc}") from None
+
+    # -- epochs -------------------------------------------------------------------------------
+    def current_epoch(self) -> int:
+        epoch: int = self.meta.counter(_epoch_key())
+        return epoch
+
+    def advance_epoch(self, seen: int) -> int:
+        """Move the job past epoch ``seen``: one compare-and-set on the server, so of ranks that
+        saw the same epoch fail only one moves it, and a rank that saw an older epoch never
+        moves it back. Returns the job's epoch now."""
+        epoch = self._advance(seen)
+        if epoch > self.min_epoch:
+            self.min_epoch = epoch
+            self._put_floor()
+        return epoch
+
+    def _advance(self, seen: int) -> int:
+        _, epoch = self.meta.compare_and_set(_epoch_key(), expected=seen, value=seen + 1)
+        return int(epoch)
+
+    def rejoin(self) -> None:
+        """This process replaced a dead one of its rank: move the job past the epoch it finds
+        (the others' connections do not include it), and take part in versions of that epoch
+        or later that its predecessor did not join (see :meth:`decide_epoch`): an epoch writer 0
+        decided just before this advance is fine, the one the predecessor died in is not."""
+        seen = self.current_epoch()
+        self._advance(seen)
+        self.restarted, self.min_epoch = True, seen
+        self._put_floor()
+
+    def _put_floor(self) -> None:
+        """Say which epochs this process still takes part in, so that a writer waiting for it to
+        publish in an older one stops waiting (:meth:`wait_readers`)."""
+        if self.role == "writer":
+            self.meta.put_document(_floor_key(self.role, self.rank), f"{self.incarnation} {self.min_epoch}".encode())
+
+    def decide_epoch(self, version: int, deadline: Deadline) -> int:
+        """Writer 0 fixes the epoch each try of ``version`` is written in; the other writers wait
+        for a decision no older than their :attr:`min_epoch`.
+
+        One decision per try means writers never publish different epochs, even when a
+        failure report or a restarted rank advances the job's epoch concurrently; and a writer
+        that failed a version, or restarted, never joins the epoch it saw fail (whose
+        connections include dead processes) but waits for writer 0's next decision.
+
+        A restarted writer (:attr:`restarted`) joins a version in an epoch decided at the epoch it
+        found at registration or later, unless its dead predecessor joined the version in that
+        very epoch (each writer leaves a "joined" mark): so an epoch writer 0 decided just before
+        the restarted rank advanced the job's epoch still completes.
+
+        Raises:
+            TimeoutError: writer 0 did not start ``version`` (in a recent enough epoch) in time.
+        """
+        key = _version_epoch_key(version)  # a counter holding the decided epoch + 1 (0: undecided)
+        if self.role == "writer" and self.rank == 0:
+            epoch = max(self.current_epoch(), self.min_epoch)
+            held = int(self.meta.counter(key))
+            decided = max(epoch, held - 1)
+            # marked before the decision is visible, so a peer never sees it without the mark
+            self.meta.put_document(_joined_key(version, decided, self.rank), self.incarnation.encode())
+            if held < epoch + 1:  # only writer 0 sets it
+                self.meta.compare_and_set(key, expected=held, value=epoch + 1)
+            return decided
+        floor = self.min_epoch
+        while True:
+            held = int(self.meta.counter(key, at_least=floor + 1, wait=deadline.remaining()))
+            if held < floor + 1:
+                raise TimeoutError(f"{self.who}: writer 0 did not start version {version} in epoch {floor} or "
+                                   "later in time" + (f" (it decided epoch {held - 1}, before this writer joined "
+                                                      "or failed)" if held else ""))
+            joined = _joined_key(version, held - 1, self.rank)
+            if self.restarted and self.meta.get_document(joined) is not None:
+                floor = held  # this rank's dead predecessor joined the version in that epoch: wait for the next
+                continue
+            self.meta.put_document(joined, self.incarnation.encode())
+            return held - 1
+
+    # -- versions -----------------------------------------------------------------------------
+    def publish_version(self, published: PublishedVersion, *, num_writers: int) -> None:
+        """This writer's "``published.version`` is ready" (complete once every writer said so).
+
+        Raises:
+            ValueError: another writer published the version with a different fingerprint.
+        """
+        assert self.role == "writer", "only writers publish versions"
+        self.meta.publish_version(published.version, published.sync_fingerprint, writer_rank=self.rank,
+                                  num_writers=num_writers, epoch=published.epoch)
+
+    def wait_version(self, *, after: int, deadline: Deadline, after_epoch: int | None = None
+                     ) -> PublishedVersion | None:
+        """The newest version newer than ``after`` (with ``after_epoch``: or ``after`` itself,
+        written again in a later epoch), once one is published; None at the deadline."""
+        info = self.meta.wait_version(after=after, timeout=deadline.remaining(0.0), after_epoch=after_epoch)
+        return PublishedVersion.from_info(info) if info is not None else None
+
+    def report_applied(self, version: int, *, nbytes: int, seconds: float) -> None:
+        """This reader now serves ``version``."""
+        self.meta.report_applied(self.rank, version, nbytes=nbytes, seconds=seconds)
+
+    def reader_lag(self, version: int, readers: int) -> int:
+        """How many versions the slowest of reader ranks ``0..readers-1`` is behind ``version``
+        (a reader at no valid version counts as ``version`` behind)."""
+        held = self.meta.reader_versions()
+        return max((version - (held.get(r) or 0) for r in range(readers)), default=0)
+
+    def report_failed(self, version: int, error: str, *, epoch: int | None = None, invalid: bool = True,
+                      holds: int | None = None) -> None:
+        """This reader failed ``version`` (published in ``epoch``): its engine is ``invalid`` (a mix of
+        versions) until the next version (or this one, written again in a later epoch), or, when
+        the failure never touched it, still serves ``holds`` (None: what it started with)."""
+        self.meta.report_failed(self.rank, version, error[:2000], epoch=epoch, invalid=invalid, holds=holds)
+
+    def wait_readers(self, *, min_version: int, readers: int, deadline: Deadline,
+                     epoch: int | None = None, writers: int = 0) -> dict[int, str]:
+        """Until reader ranks ``0..readers-1`` are done with ``min_version`` (applied or failed it,
+        or newer, or died: their lease expired). Returns the readers that failed it: rank -> the
+        error each reported, or how it died.
+
+        With ``epoch`` (the epoch this writer published ``min_version`` in), first until the
+        version is published in that epoch by every writer: until then the readers' failures of
+        the version are those of an earlier epoch (the server clears them when the new one
+        completes), and a writer that restarted faster than its peers must not take them for its own.
+
+        Raises:
+            TimeoutError: naming the laggards (or the epoch in which no one completed the version).
+            PeerDiedError: another of the ``writers`` can no longer publish its part in ``epoch``
+                (:meth:`_gone_from_try`).
+        """
+        if epoch is not None:
+            self._wait_published(min_version, epoch, writers, deadline)
+        said = time.monotonic()
+        while True:
+            # In slices of a lease, so that a reader that died is reported as such, not waited for.
+            step = deadline.remaining() if self.lease_seconds <= 0 else min(deadline.remaining(), self.lease_seconds)
+            try:
+                report = self.meta.wait_reader_report(min_version=min_version, readers=readers, timeout=step)
+            except TimeoutError as exc:
+                if time.monotonic() - said >= client_base.PROGRESS_SECONDS and not deadline.expired:
+                    said = time.monotonic()
+                    logger.info("%s: still waiting for the readers of version %d; %.0f s left (%s)", self.who,
+                                min_version, deadline.remaining(0.0), str(exc).split("; ", 1)[-1])
+                dead = self.dead_peers("reader", range(readers), max_age=0.0)
+                if dead:
+                    versions = {r: -1 if v is None else v for r, v in self.meta.reader_versions().items()}
+                    behind = {r: f"died before it applied version {min_version}: {why}" for r, why in dead.items()
+                              if versions.get(r, -1) < min_version}
+                    if behind:
+                        return behind
+                if deadline.expired:
+                    raise
+                continue
+            failed: dict[int, str] = report.failed(min_version, readers)
+            return failed
+
+    def _wait_published(self, version: int, epoch: int, writers: int, deadline: Deadline) -> None:
+        """Until every writer published ``version`` in ``epoch`` (or later), in slices of a lease
+        so that a writer that can no longer publish in it is named within seconds instead of
+        waited for (:meth:`_gone_from_try`)."""
+        others = [w for w in range(writers) if not (self.role == "writer" and w == self.rank)]
+        while True:
+            step = deadline.remaining(0.0) if self.lease_seconds <= 0 else min(deadline.remaining(0.0),
+                                                                                self.lease_seconds / 2)
+            if self.meta.wait_version(after=version, timeout=step, after_epoch=epoch - 1) is not None:
+                return
+            gone = self._gone_from_try(version, epoch, others)
+            if gone:
+                rank, why = min(gone.items())
+                raise PeerDiedError(f"{self.who}: writer {rank} cannot publish its part of version {version} in "
+                                    f"epoch {epoch}: {why}")
+            if deadline.expired:
+                absent = self.dead_peers("writer", others, max_age=0.0)
+                raise TimeoutError(f"{self.who}: epoch {epoch} of version {version} was not published by "
+                                   "every writer in time (another writer did not publish its part" + "".join(
+                                       f"; writer {r} has no live process and no restart of it joined: {why}"
+                                       for r, why in sorted(absent.items())) + ")")
+
+    def _gone_from_try(self, version: int, epoch: int, writers: Sequence[int]) -> dict[int, str]:
+        """Writers of ``writers`` that will never publish ``version`` in ``epoch``: rank -> why.
+
+        The process that joined the try (:meth:`decide_epoch` leaves its mark) died, or a
+        restarted one holds the rank now (which never joins the epoch its predecessor joined);
+        or the process holding the rank takes part only in later epochs (it restarted, or saw
+        an epoch fail, after writer 0 decided this one). A writer that died *before* it joined
+        is not gone: its restart may still join this try, and a wait for it ends at the deadline
+        (seen: a writer 1 restarting slowly after dying in the previous version made writer 0
+        give up the next version, which the restart then completed with writer 0's part while
+        writer 0 had closed its memory).
+        """
+        rows = self._leases(0.0)
+        gone = {}
+        for r in writers:
+            row = rows.get(("writer", r))
+            if row is None:
+                continue  # no leases in this job: liveness is the transports' business
+            mark = self.meta.get_document(_joined_key(version, epoch, r))
+            if mark is not None:
+                if not row.alive or row.incarnation != mark.decode():
+                    gone[r] = (f"the process that joined it died ({row.detail})" if row.incarnation == mark.decode()
+                               else f"the process that joined it is gone: a restarted one holds the rank now "
+                                    f"({row.detail})")
+                continue
+            floor = self.meta.get_document(_floor_key("writer", r))
+            if row.alive and floor is not None:
+                incarnation, _, oldest = floor.decode().partition(" ")
+                if incarnation == row.incarnation and int(oldest) > epoch:
+                    gone[r] = (f"its process ({row.detail}) takes part only in epoch {oldest} or later (it restarted, "
+                               "or saw an epoch fail, after writer 0 decided this one)")
+        return gone
+
+    # -- liveness -----------------------------------------------------------------------------
+    def start_heartbeat(self) -> None:
+        """Keep this rank's lease alive from a background thread (after :meth:`register`)."""
+        if self.lease_seconds > 0 and self._heartbeat is None:
+            from weightsync.job.heartbeat import Heartbeat
+
+            self._heartbeat = Heartbeat(self)
+
+    def stop_heartbeat(self, *, release: bool = True) -> None:
+        """Stop renewing the lease; ``release`` tells peers this rank left (it did not die)."""
+        beat, self._heartbeat = self._heartbeat, None
+        if beat is not None:
+            beat.stop(release=release)
+
+    def renew_lease(self, *, release: bool = False) -> None:
+        """Renew this rank's lease (or, with ``release``, give it up: the rank left, it did not die).
+
+        Raises:
+            ValueError: another process holds the rank now.
+        """
+        self.meta.acquire_lease(self.role, self.rank, incarnation=self.incarnation, ttl=self.lease_seconds,
+                                pid=os.getpid(), host=self.host, release=release)
+
+    @property
+    def lost(self) -> str | None:
+        """Why this rank can no longer take part (another process took its rank over), or None."""
+        return self._heartbeat.lost if self._heartbeat is not None else None
+
+    def dead_peers(self, role: Role, ranks: Iterable[int], *, max_age: float = 0.25,
+                   known: Mapping[tuple[str, int], Holder] | None = None) -> dict[int, str]:
+        """Peers of ``role`` among ``ranks`` whose lease expired or was released: rank -> what the
+        meta server knows of them. Peers without a lease count as alive. Answers are cached for
+        ``max_age`` seconds, so transports may ask from their wait loops.
+
+        With ``known`` (:meth:`lease_holders` when this rank's connections were made), a peer
+        whose lease a *restarted* process holds now is dead too: the process this rank is
+        connected to is gone. A restart takes the lease over the moment it expires, so without
+        this a peer that restarts quickly is never seen dead.
+        """
+        rows = self._leases(max_age)
+        dead = {}
+        for r in ranks:
+            row = rows.get((role, r))
+            if row is None:
+                continue
+            was = known.get((role, r)) if known is not None else None
+            if not row.alive:
+                dead[r] = row.detail
+            elif was is not None and was.incarnation != row.incarnation:
+                dead[r] = (f"its process (pid {was.pid} on {was.host or 'an unnamed host'}) is gone: a restarted one "
+                           f"holds the rank now ({row.detail})")
+        return dead
+
+    def lease_holders(self, *, max_age: float = 0.25) -> dict[tuple[str, int], Holder]:
+        """Who holds each live lease now (to tell, later, a peer that restarted: :meth:`dead_peers`),
+        cached as :meth:`dead_peers` is."""
+        return {key: Holder(row.incarnation, row.pid, row.host) for key, row in self._leases(max_age).items()
+                if row.alive}
+
+    def _leases(self, max_age: float) -> dict[tuple[str, int], LeaseRow]:
+        """Every lease, by (role, rank), asked of the server at most every ``max_age`` seconds."""
+        at, rows = self._lease_cache
+        now = time.monotonic()
+        if now - at > max_age:
+            rows = {(row.role, row.rank): row for row in self.meta.leases()}
+            self._lease_cache = (now, rows)
+        return rows
+
+    # -- transport endpoints ------------------------------------------------------------------
+    def publish_endpoint(self, epoch: int, endpoint: EndpointRecord) -> None:
+        """What peers need to reach this rank's transport (``endpoint.transport``) in ``epoch``."""
+        key = _endpoint_key(endpoint.transport, epoch, self.role, self.rank)
+        self.meta.put_document(key, msgpack.packb(endpoint.to_wire(), use_bin_type=True))
+
+    def wait_endpoint(self, kind: type[E], epoch: int, role: Role, rank: int, *, deadline: Deadline) -> E | None:
+        """A peer's endpoint of ``kind``'s transport in ``epoch``, once published; None at the deadline.
+
+        Raises:
+            WireError: the peer published something else (names the peer and the field).
+        """
+        raw = self.meta.get_document(_endpoint_key(kind.transport, epoch, role, rank), wait=deadline.remaining(0.0))
+        if raw is None:
+            return None
+        try:
+            return kind.from_wire(unpack_map(raw))
+        except WireError as exc:
+            raise WireError(f"{self.who}: {role} {rank}'s {kind.transport} endpoint for epoch {epoch} is malformed "
+                            f"({exc}): is it running another weightsync release?") from None
+
+    # -- FP8 tile maxima ----------------------------------------------------------------------
+    def exchange_tile_maxima(self, version: int, payload: bytes | None, publishers: Sequence[int], *,
+                             deadline: Deadline) -> list[bytes]:
+        """Publish this writer's maxima of shared FP8 tiles for ``version`` (when it holds any)
+        and collect those of ``publishers`` (see :mod:`weightsync.tools.codecs.fp8`).
+
+        Raises:
+            TimeoutError: naming the writers whose maxima did not arrive.
+        """
+        if payload is not None:
+            self.meta.put_document(_tile_maxima_key(version, self.rank), payload)
+        out = []
+        missing = []
+        for writer in publishers:
+            if writer == self.rank and payload is not None:
+                out.append(payload)
+                continue
+            raw = self.meta.get_document(_tile_maxima_key(version, writer), wait=deadline.remaining(0.0))
+            if raw is None:
+                missing.append(writer)
+            else:
+                out.append(raw)
+        if missing:
+            raise TimeoutError(f"{self.who}: FP8 tile maxima of version {version} never came from writer(s) "
+                               f"{missing} (they share FP8 blocks with this writer)")
+        return out
+
+    # -- tensor store -------------------------------------------------------------------------
+    def publish_store_index(self, version: int, index: bytes) -> None:
+        """This store writer's part of ``version`` (an encoded index; empty: retired)."""
+        self.meta.put_document(_store_index_key(version, self.rank), index)
+
+    def store_index(self, version: int, writer: int) -> bytes | None:
+        """Writer ``writer``'s part of ``version``: None if never published, empty if retired."""
+        doc: bytes | None = self.meta.get_document(_store_index_key(version, writer))
+        return doc
+
+    def publish_store_version(self, version: int, *, num_writers: int) -> None:
+        """This store writer completed ``version``."""
+        self.meta.publish_version(version, STORE_FINGERPRINT, writer_rank=self.rank, num_writers=num_writers)
+
+    def latest_store_version(self) -> int | None:
+        info = self.meta.latest_version()
+        return info.version if info is not None else None
+
+    def wait_store_version(self, *, after: int, deadline: Deadline) -> int | None:
+        info = self.meta.wait_version(after=after, timeout=deadline.remaining(0.0))
+        return info.version if info is not None else None

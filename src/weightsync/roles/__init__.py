@@ -1,0 +1,1 @@
+"""The user-facing roles: writer, reader, in-flight reader, tensor store."""

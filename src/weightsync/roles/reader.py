@@ -1,0 +1,390 @@
+"""``WeightReader``: one per inference worker; applies new weight versions.
+
+    reader = WeightReader(engine, rank=worker_id, config=SyncConfig(num_writers=8, num_readers=4))
+    result = reader.update(timeout=60)      # newest version, straight into the engine's memory
+    print(result.version, result.nbytes, result.phases)
+
+``update`` waits for a version newer than the one applied (through the job channel,
+:mod:`weightsync.job.channel`), checks that the writers' sync fingerprint equals its own (same
+plan, transport and settings), receives exactly its ops, lets the engine apply them and
+reports the version to the meta server. A version is
+reported applied only after every op arrived. If anything fails, the engine is told
+(``abort``), the failure is reported with what it left, and ``update`` raises
+:class:`SyncError` naming the version, the peer and the tensors; the next ``update``
+(for a newer version) starts clean.
+
+What a failure leaves is the engine's to say (``InferenceEngine.invalid``): once a byte of the
+version reached the weights it serves, it is invalid (``version`` None) until a later version is
+applied in full; before that (a refused plan, a dead writer, bytes only in staging) it keeps
+its version. An invalid engine vouches for none of the bytes it holds: its next version comes
+in full, never as a delta.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from weightsync.clock.deadline import Deadline
+from weightsync.job.channel import PublishedVersion
+from weightsync.session.sync_session import SyncConfig, SyncError, SyncResult, SyncSession, device_of, state_lost
+from weightsync.transport import TransportError
+
+if TYPE_CHECKING:
+    from weightsync.meta.client import MetaClient
+    from weightsync.ports.engine import InferenceEngine, Invalid, PhasedEngine
+    from weightsync.session.sync_session import PlannedSync
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class UpdateResult(SyncResult):
+    """What one ``update`` applied: version, bytes received and seconds per phase."""
+
+    @property
+    def transfer_seconds(self) -> float:
+        return sum(v for k, v in self.phases.items() if k.startswith("receive."))
+
+    @property
+    def gbps(self) -> float:
+        """Received gigabytes per second over the transfer phases."""
+        return self.nbytes / self.transfer_seconds / 1e9 if self.transfer_seconds else 0.0
+
+
+@dataclass(frozen=True)
+class Received:
+    """A version :meth:`WeightReader.receive` put in the engine's receive buffers, checked, and
+    not applied yet: hand it to :meth:`WeightReader.apply`."""
+
+    published: PublishedVersion
+    nbytes: int
+    phases: dict[str, float]
+    planned: PlannedSync | None  # the plan it came under (a reader that re-registers drops it)
+
+    @property
+    def version(self) -> int:
+        return self.published.version
+
+
+class WeightReader:
+    """An inference worker's end of a sync job (see module docstring)."""
+
+    def __init__(self, engine: InferenceEngine, *, rank: int, config: SyncConfig,
+                 meta: MetaClient | None = None) -> None:
+        from weightsync.meta.client import MetaClient
+
+        self._own_meta = meta is None
+        self.meta = meta if meta is not None else MetaClient.from_env(job=config.job)
+        self.engine = engine
+        #: the engine's phase hooks, when it stages phase by phase (its declared capability)
+        self._phased = cast("PhasedEngine", engine) if engine.stages_in_phases else None
+        self.config = config
+        self.session = SyncSession("reader", rank, engine, config, self.meta, device=self._device,
+                                   keeps_received_bytes=engine.keeps_received_bytes)
+        self._failed: int | None = None
+        self._failed_epoch = -1  # the epoch the version that failed here was published in
+        #: the version this reader last applied (at first: the engine's own; None after a failure)
+        self._applied: int | None = engine.weight_version
+
+    def _device(self) -> str:
+        if self._phased is not None:  # its buffers are laid out only once the phases are known
+            return self._phased.device
+        return device_of(self.engine.receive_buffers(), f"reader {self.rank}")
+
+    @property
+    def rank(self) -> int:
+        return self.session.rank
+
+    @property
+    def version(self) -> int | None:
+        """The version the engine's weights are at (None: none yet, or invalid)."""
+        return self.engine.weight_version
+
+    @property
+    def invalid(self) -> Invalid | None:
+        """Why the engine serves no valid version: a failed update touched its weights (None: valid)."""
+        return self.engine.invalid
+
+    @property
+    def last_failed(self) -> int | None:
+        """The last version that failed here, until one is applied (it is never re-taken)."""
+        return self._failed
+
+    def update(self, version: int | None = None, *, timeout: float | None = None) -> UpdateResult:
+        """Apply the newest version (or at least ``version``); see module docstring.
+
+        Raises:
+            TimeoutError: no suitable version was published within ``timeout``.
+            ValueError: the writers' sync fingerprint differs from this reader's.
+            SyncError: the transfer failed; the engine is invalid if the failure touched its weights
+                (``invalid``), else at the version it had.
+        """
+        return self.apply(self.receive(version, timeout=timeout))
+
+    def receive(self, version: int | None = None, *, timeout: float | None = None) -> Received:
+        """The first half of :meth:`update`: receive (and check) the newest version, or at least
+        ``version``, into the engine's receive buffers, without applying it.
+
+        With an engine that stages (vLLM, SGLang) and receives nothing into its live weights,
+        the engine keeps serving its version meanwhile: :class:`Prefetch` runs this in the
+        background while the engine generates, and :meth:`apply` is then the engine's pause.
+        Raises as :meth:`update`.
+        """
+        self.session.check_alive()
+        return self._guarded(lambda: self._receive(version, timeout))
+
+    def apply(self, received: Received) -> UpdateResult:
+        """The second half of :meth:`update`: let the engine apply what :meth:`receive` staged,
+        and report it applied. Raises ``SyncError`` if the engine cannot."""
+        return self._guarded(lambda: self._apply(received))
+
+    def _guarded(self, step: Callable[[], T]) -> T:
+        try:
+            return step()
+        except Exception as exc:
+            lost = state_lost(exc)
+            if lost is None:
+                raise
+            self.session.forget()  # the next update registers and plans anew
+            # The new server's versions and epochs start over: a failure here says nothing about them.
+            self._failed, self._failed_epoch = None, -1
+            raise SyncError(f"reader {self.rank}: update failed: {lost}. This reader registers again on its next "
+                            f"update (its engine keeps version {self.version})") from exc
+
+    def _receive(self, version: int | None, timeout: float | None) -> Received:
+        deadline = Deadline.after(timeout if timeout is not None else self.config.timeout)
+        session = self.session
+        phases: dict[str, float] = {}
+        if session.planned is None:
+            session.plan(deadline)
+            phases["plan"] = session.timings["setup"]
+            if session.rejoined and self.version is not None:  # tell the new server what this engine serves
+                session.channel.report_applied(self.version, nbytes=0, seconds=0.0)
+                session.rejoined = False
+        planned = session.planned
+        assert planned is not None
+        self._lay_out(planned.phase_names)
+        self._notice_outside_change()
+        t0 = time.perf_counter()
+        published = self._wait_for_version(version, deadline)
+        phases["wait"] = time.perf_counter() - t0
+        if published.sync_fingerprint != planned.fingerprint:
+            raise ValueError(
+                f"reader {self.rank}: writers published version {published.version} with sync fingerprint "
+                f"{published.sync_fingerprint}, this reader computed {planned.fingerprint}: writers and readers "
+                "disagree on the plan, transport or its settings"
+            )
+        v = published.version
+        try:
+            buffers = self.engine.receive_buffers()
+            t0 = time.perf_counter()
+            transport = session.arm(buffers, published.epoch, deadline)
+            phases["prepare"] = time.perf_counter() - t0
+            if self.engine.invalid is not None:  # it vouches for none of its bytes: this version comes in full
+                transport.forget_received()
+            self.engine.receiving(v)  # from here on, bytes land in the receive buffers
+            nbytes = 0
+            for phase in range(planned.num_phases):
+                stats = transport.receive(v, timeout=deadline.remaining(), phase=phase)
+                nbytes += stats.nbytes
+                for name, seconds in stats.phases.items():
+                    phases[f"receive.{name}"] = phases.get(f"receive.{name}", 0.0) + seconds
+                if planned.digests is not None:  # before the engine loads or applies a byte of it
+                    t0 = time.perf_counter()
+                    planned.digests.check(phase, buffers, version=v)
+                    phases["check"] = phases.get("check", 0.0) + time.perf_counter() - t0
+                if planned.phases:  # an engine staging phase by phase loads this one now
+                    t0 = time.perf_counter()
+                    self._phase_arrived(v, phase, planned.phase_names[phase])
+                    phases["load"] = phases.get("load", 0.0) + time.perf_counter() - t0
+        except (TransportError, ValueError) as exc:
+            self._fail(published, exc)
+            raise SyncError(f"reader {self.rank}: version {v} failed: {exc}") from exc
+        except Exception as exc:
+            self._fail(published, exc)
+            raise SyncError(f"reader {self.rank}: engine could not load version {v}: {exc}") from exc
+        return Received(published, nbytes, phases, self.session.planned)
+
+    def _apply(self, received: Received) -> UpdateResult:
+        published, nbytes, phases = received.published, received.nbytes, dict(received.phases)
+        v = published.version
+        if received.planned is not self.session.planned:
+            raise SyncError(f"reader {self.rank}: version {v} was received under a plan this reader has since "
+                            "dropped (it registered again); receive it again")
+        t0 = time.perf_counter()
+        try:
+            self.engine.apply(v)
+        except Exception as exc:
+            self._fail(published, exc)
+            raise SyncError(f"reader {self.rank}: engine could not apply version {v}: {exc}") from exc
+        phases["apply"] = time.perf_counter() - t0
+        result = UpdateResult(v, nbytes, phases)
+        self._applied = v
+        self.session.channel.report_applied(v, nbytes=nbytes, seconds=result.seconds)
+        self._failed = None
+        logger.info("reader %d applied version %d: %d bytes, %.3fs", self.rank, v, nbytes, result.seconds)
+        return result
+
+    def _lay_out(self, phases: tuple[tuple[str, ...], ...]) -> None:
+        """A phased engine lays its staging out for the job's phases (idempotent)."""
+        if self._phased is not None:
+            self._phased.use_phases(phases or None)
+
+    def _phase_arrived(self, version: int, phase: int, names: tuple[str, ...]) -> None:
+        """Tell an engine that stages phase by phase (``PhasedEngine``) that a phase is complete."""
+        if self._phased is not None:
+            self._phased.phase_arrived(version, phase, names)
+
+    def _notice_outside_change(self) -> None:
+        """The engine's version moved without this reader (``engine.update(..., version=older)``,
+        a failed manual update, a version set to None): whatever the transport kept of what it
+        received is no base to build on, and the versions this reader took stay taken."""
+        if self.engine.weight_version == self._applied:
+            return
+        if self._applied is not None:  # None: this reader's last receive failed, it knows
+            logger.warning("reader %d: the engine's version changed from %s to %s outside this reader; the next "
+                           "version is received in full", self.rank, self._applied, self.engine.weight_version)
+        assert self.session.planned is not None
+        self.session.planned.transport.forget_received()
+
+    def _wait_for_version(self, version: int | None, deadline: Deadline) -> PublishedVersion:
+        # Never re-take a version that already failed here, nor one this reader applied before its
+        # engine's version moved back (two-sided writers moved on: they would send another version's
+        # bytes under that number). The same version written again in a later epoch (writers
+        # restarted) is fine.
+        floor = max(x for x in (self.version, self._applied, self._failed, -1) if x is not None)
+        want = floor if version is None else max(floor, version - 1)
+        retry = self._failed_epoch if self._failed is not None and want == self._failed else None
+        while True:
+            if deadline.expired:
+                raise TimeoutError(f"reader {self.rank}: no version newer than {want} was published in time")
+            published = self.session.channel.wait_version(after=want, deadline=deadline, after_epoch=retry)
+            if published is not None:
+                return published
+
+    def _fail(self, published: PublishedVersion, exc: BaseException) -> None:
+        self._failed, self._failed_epoch = published.version, published.epoch
+        self.engine.abort(published.version, exc)
+        self._applied = self.engine.weight_version  # None if the failure left it invalid
+        self.session.disarm()
+        channel = self.session.channel
+        channel.advance_epoch(published.epoch)
+        try:
+            channel.report_failed(published.version, str(exc), epoch=published.epoch,
+                                  invalid=self.engine.invalid is not None, holds=self.engine.weight_version)
+        except Exception as report_exc:  # the failure itself is what the caller must see
+            logger.warning("reader %d could not report its failure: %s", self.rank, report_exc)
+
+    def close(self) -> None:
+        self.session.close()
+        if self._own_meta:
+            self.meta.close()
+
+    def __enter__(self) -> WeightReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Prefetch:
+    """Receive the next version in the background while the engine serves; apply it on demand.
+
+        prefetch = Prefetch(reader)      # reader of an engine that stages (vLLM, SGLang)
+        prefetch.start()                 # a thread receives the next version into staging
+        llm.generate(...)                # the engine serves its current version meanwhile
+        prefetch.apply(version=7)        # the pause: the engine's own load, and the cache reset
+
+    The engine's pause is then its apply alone, plus whatever of the transfer had not ended
+    when :meth:`apply` was called. That needs an engine whose receive buffers the model never
+    reads: staging, with nothing received straight into the model (``in_place_names``
+    empty, e.g. ``VLLMEngine(llm, in_place=False)``), and no ``layer_phases`` (a phased engine
+    loads each phase into the model as it arrives, so its transfer cannot overlap generation:
+    only the wait for the version could). An engine that receives into its live weights
+    overlaps through :class:`~weightsync.roles.inflight.InflightReader` instead, with one more copy.
+
+    A prefetch that fails leaves the engine serving its version (only staging was written); an
+    apply that fails leaves it invalid until a later version is applied in full.
+    """
+
+    def __init__(self, reader: WeightReader) -> None:
+        in_place = getattr(reader.engine, "in_place_names", None)
+        if in_place is None or in_place:
+            what = (f"{len(in_place)} tensors ({', '.join(in_place[:2])}, ...) straight into the model"
+                    if in_place else "into its live weights")
+            raise ValueError(f"prefetch needs an engine that receives into staging only; "
+                             f"{type(reader.engine).__name__} receives {what}: create it with in_place=False "
+                             "(VLLMEngine), or use InflightReader")
+        if reader.config.layer_phases:
+            raise ValueError("prefetch with SyncConfig(layer_phases=True): each phase is loaded into the model as "
+                             "it arrives, so the transfer cannot overlap generation; use one or the other")
+        self.reader = reader
+        self._thread: threading.Thread | None = None
+        self._received: Received | None = None
+        self._error: BaseException | None = None
+        self._timeout = reader.config.timeout
+
+    @property
+    def pending(self) -> bool:
+        """A receive was started and not applied yet."""
+        return self._thread is not None
+
+    @property
+    def received(self) -> int | None:
+        """The version fully received and checked, waiting for :meth:`apply` (None: none yet)."""
+        thread, received = self._thread, self._received
+        return received.version if thread is not None and not thread.is_alive() and received is not None else None
+
+    def start(self, version: int | None = None, *, timeout: float | None = None) -> None:
+        """Start receiving the newest version (or at least ``version``) in the background; a
+        receive already started and not applied is kept."""
+        if self._thread is not None:
+            return
+        self._received, self._error = None, None
+        self._timeout = timeout if timeout is not None else self.reader.config.timeout
+
+        def receive() -> None:
+            try:
+                self._received = self.reader.receive(version, timeout=self._timeout)
+            except BaseException as exc:  # handed to apply(), in the caller's thread
+                self._error = exc
+
+        self._thread = threading.Thread(target=receive, name=f"weightsync-prefetch-{self.reader.rank}", daemon=True)
+        self._thread.start()
+
+    def apply(self, version: int | None = None, *, timeout: float | None = None) -> UpdateResult:
+        """Apply the prefetched version, once its receive ended; without one (or if it is older than
+        ``version``, or none was published in time), receive ``version`` now and apply it.
+
+        Raises:
+            As :meth:`WeightReader.update`; a failed prefetch raises its own error here.
+        """
+        received = self._join()
+        if received is None or (version is not None and received.version < version):
+            return self.reader.update(version, timeout=timeout)
+        return self.reader.apply(received)
+
+    def _join(self) -> Received | None:
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return None
+        thread.join(self._timeout + 30)  # the receive ends by its own deadline; this is a backstop
+        if thread.is_alive():
+            raise TimeoutError(f"reader {self.reader.rank}: the prefetch did not end within {self._timeout:.0f}s")
+        if isinstance(self._error, TimeoutError):
+            return None  # nothing was published meanwhile: receive what the caller asks for now
+        if self._error is not None:
+            raise self._error
+        return self._received
+
+    def close(self) -> None:
+        """Wait for a receive under way to end (by its deadline at worst); nothing is applied."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(self._timeout + 30)

@@ -1,0 +1,216 @@
+"""``WeightWriter``: one per training rank; publishes new weight versions.
+
+    with WeightWriter(source, rank=dist.get_rank(), config=SyncConfig(num_writers=8, num_readers=4)) as w:
+        for step in range(steps):
+            train_step()
+            w.write(step)          # returns when every reader applied it (staleness=0)
+
+``write(V)`` sends exactly the bytes this rank's share of the plan assigns to it and
+publishes ``V`` through the job channel (:mod:`weightsync.job.channel`) with the sync fingerprint
+(plan + transport settings) and the transport epoch, which every reader checks before it
+takes a byte. With ``staleness=K`` it returns as soon as the
+data is out, and blocks only while the slowest reader is more than ``K`` versions behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from weightsync.clock.deadline import Deadline
+from weightsync.job.channel import PeerDiedError, PublishedVersion
+from weightsync.session.sync_session import SyncConfig, SyncError, SyncResult, SyncSession, device_of, state_lost
+from weightsync.transport import TransportError
+
+if TYPE_CHECKING:
+    from weightsync.meta.client import MetaClient
+    from weightsync.ports.engine import TrainingSource
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WriteResult(SyncResult):
+    """What one ``write`` did, with per-phase seconds (plan, prepare, send, wait_readers)."""
+
+
+class ReadersFailedError(SyncError):
+    """Readers reported failing a version: ``write`` never returns success for it.
+
+    Attributes:
+        version: the version they failed (``write(V)`` waits for ``V - staleness``).
+        failed: reader rank -> the error it reported. A reader that received in place holds
+            no valid version until the next one, one that received into staging (vLLM,
+            ``InflightReader``) still serves its previous version; the writer's next ``write``
+            sends a newer version as usual.
+    """
+
+    def __init__(self, writer: int, version: int, failed: dict[int, str]) -> None:
+        self.version, self.failed = version, dict(failed)
+        shown = "; ".join(f"reader {r}: {why}" for r, why in sorted(failed.items())[:8])
+        super().__init__(f"writer {writer}: {len(failed)} reader(s) failed version {version} (the next version "
+                         f"brings them up to date): {shown}")
+
+
+#: (meta server address, job, rank) of every open WeightWriter of this process
+_OPEN: dict[tuple[str, str, int], WeightWriter] = {}
+
+
+class WeightWriter:
+    """A training rank's end of a sync job (see module docstring)."""
+
+    def __init__(self, source: TrainingSource, *, rank: int, config: SyncConfig,
+                 meta: MetaClient | None = None) -> None:
+        from weightsync.meta.client import MetaClient
+
+        self._own_meta = meta is None
+        self.meta = meta if meta is not None else MetaClient.from_env(job=config.job)
+        self._claim = (self.meta.address, config.job, rank)
+        if self._claim in _OPEN:
+            if self._own_meta:
+                self.meta.close()
+            raise ValueError(f"a WeightWriter for writer rank {rank} of job {config.job!r} (meta server "
+                             f"{self.meta.address}) is already open in this process: close it first (two writers of "
+                             "one rank would send over each other)")
+        self.source = source
+        self.config = config
+        self.session = SyncSession("writer", rank, source, config, self.meta,
+                                   device=lambda: device_of(source.tensors(), f"writer {rank}"))
+        _OPEN[self._claim] = self
+        self.version: int | None = None
+        self._history: list[int] = []  # versions this writer published, oldest first
+
+    @property
+    def rank(self) -> int:
+        return self.session.rank
+
+    def write(self, version: int, *, timeout: float | None = None) -> WriteResult:
+        """Send and publish ``version`` (see module docstring).
+
+        Raises:
+            ValueError: the version does not increase, or tensors disagree with the layout.
+            ReadersFailedError: readers reported failing the version this write waited for
+                (``version - staleness``), naming them and why; the version is out, the next
+                ``write`` (of a newer version) proceeds as usual.
+            SyncError: a peer died, a timeout expired, or writers disagree on the plan;
+                the job moves to a new epoch and the next ``write`` starts clean.
+        """
+        if self.version is not None and version <= self.version:
+            raise ValueError(f"writer {self.rank}: version {version} does not increase past {self.version}")
+        self.session.check_alive()
+        written, history = self.version, list(self._history)
+        try:
+            return self._write(version, timeout)
+        except Exception as exc:
+            lost = state_lost(exc)
+            if lost is None:
+                raise
+            self.session.forget()  # the next write registers and plans anew
+            # The new server knows no version: this one may be written again (a trainer retries it).
+            self.version, self._history = written, history
+            raise SyncError(f"writer {self.rank}: version {version} failed: {lost}. This writer registers again "
+                            "on its next write, which may write this version again") from exc
+
+    def _write(self, version: int, timeout: float | None) -> WriteResult:
+        deadline = Deadline.after(timeout if timeout is not None else self.config.timeout)
+        session, channel = self.session, self.session.channel
+        result = WriteResult(version, 0)
+        if session.planned is None:
+            session.plan(deadline)
+            result.phases["plan"] = session.timings["setup"]
+        planned = session.planned
+        assert planned is not None
+        transport = planned.transport
+        slots = self.config.transport_options.slots
+        if transport.one_sided and len(self._history) >= slots:
+            # The slot this version overwrites holds the version written `slots` writes ago:
+            # every reader must have moved past it.
+            self._wait_readers(self._history[-slots], deadline, result, "wait_slot")
+        try:
+            epoch = channel.decide_epoch(version, deadline)
+        except TimeoutError as exc:
+            raise SyncError(str(exc)) from exc
+        published = PublishedVersion(version, planned.fingerprint, epoch)
+        tensors = self.source.tensors()
+        session.check_tensors(tensors)  # a clear error before anything is published or sent
+        if planned.quantizer is not None:  # FP8 readers: quantize what this writer sends
+            t0 = time.perf_counter()
+            try:
+                tensors = planned.quantizer.derive(tensors, exchange=lambda payload, publishers: (
+                    channel.exchange_tile_maxima(version, payload, publishers, deadline=deadline)))
+            except TimeoutError as exc:
+                raise SyncError(str(exc)) from exc
+            result.phases["quantize"] = time.perf_counter() - t0
+        try:
+            if transport.publishes_before_send:
+                self._publish(published, result)
+            t0 = time.perf_counter()
+            session.arm(tensors, epoch, deadline)
+            result.phases["prepare"] = time.perf_counter() - t0
+            for phase in range(planned.num_phases):  # phases of whole layers, or the version at once
+                if planned.digests is not None:  # in band: the phase's digest ops carry them
+                    t0 = time.perf_counter()
+                    planned.digests.fill(phase, tensors)
+                    result.phases["digest"] = result.phases.get("digest", 0.0) + time.perf_counter() - t0
+                stats = transport.send(version, timeout=deadline.remaining(), phase=phase)
+                result.nbytes += stats.nbytes
+                for name, seconds in stats.phases.items():
+                    result.phases[f"send.{name}"] = result.phases.get(f"send.{name}", 0.0) + seconds
+            if not transport.publishes_before_send:
+                self._publish(published, result)
+        except TransportError as exc:
+            session.disarm()
+            channel.advance_epoch(epoch)
+            raise SyncError(f"writer {self.rank}: version {version} failed: {exc}") from exc
+        self.version = version
+        self._history = [*self._history[-(slots + self.config.staleness):], version]
+        k = self.config.staleness
+        if len(self._history) > k:
+            # Training may run at most k versions ahead of the slowest reader.
+            self._wait_readers(self._history[-1 - k], deadline, result, "wait_readers",
+                               epoch=epoch if k == 0 else None)
+        logger.info("writer %d wrote version %d: %d bytes in %.3fs", self.rank, version, result.nbytes,
+                    result.seconds)
+        return result
+
+    def _publish(self, published: PublishedVersion, result: WriteResult) -> None:
+        t0 = time.perf_counter()
+        self.session.channel.publish_version(published, num_writers=self.config.num_writers)
+        result.phases["publish"] = time.perf_counter() - t0
+
+    def _wait_readers(self, min_version: int, deadline: Deadline, result: WriteResult, phase: str, *,
+                      epoch: int | None = None) -> None:
+        """Wait until every reader is done with ``min_version`` (as published in ``epoch``, when it is
+        the version just written); for the staleness bound (``phase == "wait_readers"``) a reader that
+        failed it is an error, never a success."""
+        t0 = time.perf_counter()
+        try:
+            failed = self.session.channel.wait_readers(min_version=min_version, readers=self.config.num_readers,
+                                                       deadline=deadline, epoch=epoch,
+                                                       writers=self.config.num_writers)
+        except TimeoutError as exc:
+            raise SyncError(f"writer {self.rank}: readers did not reach version {min_version} in time: {exc}") from exc
+        except PeerDiedError as exc:
+            if epoch is not None:  # never write in that epoch again: its connections include the dead process
+                self.session.channel.advance_epoch(epoch)
+            raise SyncError(str(exc)) from exc
+        result.phases[phase] = result.phases.get(phase, 0.0) + time.perf_counter() - t0
+        if failed and phase == "wait_readers":
+            raise ReadersFailedError(self.rank, min_version, failed)
+
+    def close(self) -> None:
+        try:
+            self.session.close()
+            if self._own_meta:
+                self.meta.close()
+        finally:
+            if _OPEN.get(self._claim) is self:
+                del _OPEN[self._claim]
+
+    def __enter__(self) -> WeightWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

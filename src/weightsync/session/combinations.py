@@ -1,0 +1,73 @@
+"""Which settings combine: every pair that does not is refused at init, naming both settings.
+
+A setting that a job cannot honour with another must never be dropped silently (a delta
+"accepted" and full versions sent anyway, a checksum never computed, a NIXL mode on a job
+without NIXL). The rules live here, in one place, and
+docs/fewer-bytes.md's combination table lists each with its message;
+``tests/test_combinations.py`` walks that table. :class:`~weightsync.session.config.SyncConfig`
+checks them when it is built (so a wrong init info fails where the user wrote it), and the
+session checks them again once ``transport="auto"`` has picked a transport::
+
+    refuse_combinations(config.to_wire(), transport=config.transport)   # SyncConfig.__post_init__
+    refuse_combinations(config.to_wire(), transport=choice.name, why=choice.reason)   # once chosen
+
+A rule that a later change makes work is deleted here, with its row in the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+#: Every transport carries deltas: torch and routed run the delta exchange per pair
+#: (transport/delta/pairs.py), shm and NIXL pull writers publish each version's changes
+#: (transport/delta/published.py), NIXL push writers WRITE them into each reader's inbox
+#: (transport/nixl/push_changes.py), file writers a change file next to each version
+#: (transport/file/changes.py), and NCCL runs the per-pair exchange on GPU memory
+#: (transport/torch/nccl_delta.py). On other GPU memory (CUDA IPC, NIXL VRAM) the transport refuses
+#: them when it is created.
+#: Transports that checksum every message with ``checksum=True``.
+CHECKSUM_TRANSPORTS = frozenset({"torch"})
+#: Transport options that only one kind of transport reads: (setting, its no-op value, the
+#: transports that read it, whether ``auto`` may choose one of them).
+ONLY_FOR = (("nixl_mode", "auto", frozenset({"nixl"}), False),
+            ("file_dir", "", frozenset({"file"}), False),
+            ("shm_streaming", True, frozenset({"shm", "routed"}), True))
+
+
+class CombinationError(ValueError):
+    """Two settings of a job that do not work together; the message names both and the way out."""
+
+
+def refusal(settings: Mapping[str, Any], *, transport: str, why: str = "") -> str | None:
+    """Why a job of these settings (``SyncConfig``'s wire form) cannot run over ``transport``
+    (``"auto"``: not chosen yet), or None. ``why`` is the reason ``auto`` picked ``transport``.
+    """
+    picked = f"transport='auto' chose {transport!r} ({why})" if why else f"transport={transport!r}"
+    chosen = transport != "auto"
+    if settings["checksum"] and chosen and transport not in CHECKSUM_TRANSPORTS:
+        return (f"checksum=True with {picked}: only the {_names(CHECKSUM_TRANSPORTS)} transport checksums its "
+                f"messages, so nothing would be checked. Set transport='torch', or checksum=False")
+    for name, no_op, readers, auto_may_choose in ONLY_FOR:
+        value = settings[name]
+        if value == no_op or transport in readers or (not chosen and auto_may_choose):
+            continue
+        where = picked if chosen else f"transport='auto' (which never chooses {_names(readers)})"
+        return (f"{name}={value!r} with {where}: {name} applies to the {_names(readers)} transport only and would "
+                f"be ignored. Set transport={sorted(readers)[0]!r}, or leave {name}={no_op!r}")
+    return None
+
+
+def _names(transports: frozenset[str]) -> str:
+    return " and ".join(sorted(transports))
+
+
+def refuse_combinations(settings: Mapping[str, Any], *, transport: str, why: str = "") -> None:
+    """Raise :class:`CombinationError` when :func:`refusal` finds one."""
+    message = refusal(settings, transport=transport, why=why)
+    if message is not None:
+        raise CombinationError(message)
+
+
+__all__ = ["CHECKSUM_TRANSPORTS", "ONLY_FOR", "CombinationError", "refusal",
+           "refuse_combinations"]

@@ -1,0 +1,329 @@
+"""What writers and readers share: the job settings, planning, and the transport.
+
+A :class:`SyncSession` is one rank's membership in a sync job. On first use
+(:meth:`SyncSession.plan`) it registers the rank through the job channel (layout metadata
+included), waits until every writer and reader has registered, rebuilds everyone's layout,
+computes *this rank's* share of the plan (rank-local planning: no rank ever builds the
+global plan), and creates the transport; the result is a frozen :class:`PlannedSync`.
+Before each version, :meth:`SyncSession.arm` (re)prepares the transport when the version's
+epoch or the buffers' storage changed. Writers and readers (``roles/writer.py``, ``reader.py``)
+drive versions on top; epochs are explained in :mod:`weightsync.job.channel`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from weightsync.clock.deadline import Deadline
+from weightsync.job.channel import JobChannel, Member, Role
+from weightsync.layout.quant_offers import quantized_sources
+from weightsync.layout.roster import Roster
+from weightsync.layout.wire import LayoutDecoder, encode_descriptor, encode_explicit
+from weightsync.plan import PlanOptions, build_local_plan, layer_phases, split_plan
+from weightsync.session.combinations import refuse_combinations
+from weightsync.session.config import SyncConfig
+from weightsync.tools.devices import RankPlacement, choose_transport, gpu_identity, tensors_device
+from weightsync.tools.torch_layout import check_tensors
+from weightsync.transport import TransportContext, TransportOptions, create_transport, unavailable_reason
+
+if TYPE_CHECKING:
+    import torch
+
+    from weightsync.layout import LayoutProvider
+    from weightsync.meta.client import MetaClient
+    from weightsync.plan import Plan
+    from weightsync.tools.codecs.fp8 import WriterQuantizer
+    from weightsync.transport import Transport
+    from weightsync.transport.digests import VersionDigests
+
+logger = logging.getLogger(__name__)
+
+
+def device_of(tensors: Mapping[str, torch.Tensor], who: str) -> str:
+    """The one device a rank's tensors live on (``"cuda:N"`` with its index)."""
+    return tensors_device((str(t.device) for t in tensors.values()), what=f"{who}'s tensors")
+
+
+class SyncError(RuntimeError):
+    """A sync could not complete; the message names the version, the peer and the tensors."""
+
+
+def state_lost(exc: BaseException) -> BaseException | None:
+    """The :class:`~weightsync.meta.calls.ServerStateLostError` behind ``exc``, if any."""
+    from weightsync.meta.calls import ServerStateLostError
+
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None or isinstance(seen, ServerStateLostError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+@dataclass(slots=True)
+class SyncResult:
+    """What one sync did on this rank: the version, bytes moved and seconds per phase."""
+
+    version: int
+    nbytes: int
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.phases.values())
+
+
+@dataclass(frozen=True)
+class PlannedSync:
+    """A rank's planned share of the job: its plan, transport and the sync fingerprint.
+
+    ``fingerprint`` hashes the plan's inputs and options together with the transport and its
+    settings; writers publish it with every version and readers refuse a version whose
+    fingerprint differs from theirs.
+    """
+
+    plan: Plan
+    transport: Transport
+    transport_name: str
+    fingerprint: str
+    seconds: float  # registration, rendezvous and planning
+    device: str  # where this rank's tensors live ("cpu", "cuda:N")
+    why: str  # why this transport (``auto``'s reasoning, or "requested")
+    #: the canonical tensors of each phase (one phase, every tensor, without ``layer_phases``)
+    phase_names: tuple[tuple[str, ...], ...] = ()
+    #: this rank's plan cut by phase (empty without ``layer_phases``)
+    phases: tuple[Plan, ...] = ()
+    #: a writer's FP8 quantizer, when readers ask for FP8 weights it sends (``layout.quant_offers``)
+    quantizer: WriterQuantizer | None = None
+    #: with ``SyncConfig.integrity``: the plan with its digest ops, and this rank's digests
+    digests: VersionDigests | None = None
+
+    @property
+    def num_phases(self) -> int:
+        return max(1, len(self.phases))
+
+
+def decode_roster(people: Sequence[Member], load_model: Callable[[str], Mapping[str, Any]]
+                  ) -> tuple[Roster, Roster]:
+    """Every writer's and reader's layout from the roster, as columns (``load_model``: model config by digest).
+
+    Ranks publishing one descriptor are built together by their layout kind, with no object per
+    rank (:class:`~weightsync.layout.roster.Roster`).
+    """
+    models: dict[str, Mapping[str, Any]] = {}
+
+    def model(digest: str) -> Mapping[str, Any]:
+        if digest not in models:
+            models[digest] = load_model(digest)
+        return models[digest]
+
+    decode = LayoutDecoder(model)
+    sides = []
+    for role in ("writer", "reader"):
+        members = [(p.rank, p.layout) for p in people if p.role == role]
+        sides.append(decode.roster(members) if members else Roster.from_layouts([]))
+    return sides[0], sides[1]
+
+
+def plan_share(writers: Roster, readers: Roster, *, role: Role, rank: int, options: PlanOptions,
+               timings: dict[str, float] | None = None) -> tuple[Plan, Roster, WriterQuantizer | None]:
+    """One rank's share of the job from everyone's layouts, as :meth:`SyncSession.plan` computes it.
+
+    Returns this rank's plan, the writers as planned (with FP8 twins and scale shards when
+    readers ask for FP8) and, for a writer that sends FP8, its quantizer. ``timings``
+    receives the seconds of each step: ``fp8_offers``, ``local_plan``, ``quantizer``.
+    """
+    times = timings if timings is not None else {}
+    t0 = time.perf_counter()
+    planned, quant = quantized_sources(writers, readers)  # FP8 readers: writers quantize on send
+    t1 = time.perf_counter()
+    plan = build_local_plan(planned, readers, role=role, rank=rank, options=options)
+    t2 = time.perf_counter()
+    quantizer = None
+    if quant and role == "writer":
+        from weightsync.tools.codecs.fp8 import WriterQuantizer
+
+        quantizer = WriterQuantizer(quant, planned.layout(rank), plan)  # objects for this rank only
+        quantizer = quantizer if quantizer.active else None
+    times.update(fp8_offers=t1 - t0, local_plan=t2 - t1, quantizer=time.perf_counter() - t2)
+    return plan, planned, quantizer
+
+
+class SyncSession:
+    """One rank's view of a job (see module docstring)."""
+
+    def __init__(self, role: Role, rank: int, provider: LayoutProvider, config: SyncConfig,
+                 meta: MetaClient, *, device: Callable[[], str], keeps_received_bytes: bool = True) -> None:
+        if getattr(meta, "job", config.job) != config.job:
+            raise ValueError(f"SyncConfig(job={config.job!r}) but the MetaClient passed in speaks for job "
+                             f"{meta.job!r}: build the client with job={config.job!r} (or leave meta= out)")
+        size = config.num_writers if role == "writer" else config.num_readers
+        if not 0 <= rank < size:
+            raise ValueError(f"{role} rank {rank} is outside 0..{size - 1} (the job has {size} {role}s)")
+        self.provider = provider
+        self._device = device  # where the source's tensors or the engine's buffers live
+        self._keeps_received_bytes = keeps_received_bytes  # a reader's engine's capability
+        self.config = config
+        self.channel = JobChannel(meta, role=role, rank=rank)
+        self.host = config.host or socket.gethostname()
+        self.planned: PlannedSync | None = None
+        #: one plan() at a time: a second caller (an InflightReader's thread and its owner) waits and
+        #: gets the first one's PlannedSync, not a second transport and digests replacing it mid-version
+        self._planning = threading.Lock()
+        self.timings: dict[str, float] = {}
+        self._armed: tuple[int, tuple[int, ...]] | None = None  # (epoch, buffer pointers) prepared for
+        self._registered = False
+        #: this session registered again after the meta server lost its state (see forget())
+        self.rejoined = False
+
+    @property
+    def role(self) -> Role:
+        return self.channel.role
+
+    @property
+    def rank(self) -> int:
+        return self.channel.rank
+
+    # -- membership -----------------------------------------------------------------------
+    def _layout_blob(self) -> bytes:
+        descriptor = self.provider.descriptor()
+        if descriptor is not None:
+            layout_text, config = descriptor
+            return encode_descriptor(layout_text, self.channel.publish_model_config(config))
+        return encode_explicit(self.provider.layout())
+
+    def device(self) -> str:
+        """Where this rank's tensors live: published so that the job picks a transport that
+        can move them (see :func:`weightsync.tools.devices.choose_transport`)."""
+        return self._device()
+
+    def register(self) -> None:
+        if self._registered:
+            return
+        self.channel.pin_server()  # first: the layout blob below is already written to the server
+        settings = self.config.settings()
+        device = self.device()
+        restarted = self.channel.register(host=self.host, group=self.config.job, layout=self._layout_blob(),
+                                          device=device, gpu=gpu_identity(device), settings=settings,
+                                          lease=self.config.lease_seconds)
+        self.channel.start_heartbeat()
+        self.channel.check_settings(settings)
+        if restarted:  # the others' connections do not include this new process: move everyone on
+            self.channel.rejoin()
+            logger.info("%s rejoined the job; epoch advanced", self.channel.who)
+        self._registered = True
+
+    # -- planning -------------------------------------------------------------------------
+    def plan(self, deadline: Deadline) -> PlannedSync:
+        """This rank's share of the job, planned once (the first call waits for everyone; a call
+        from another thread meanwhile waits for it and returns the same plan)."""
+        if not self._planning.acquire(timeout=deadline.remaining()):
+            raise TimeoutError(f"{self.channel.who}: another thread was still planning this rank's share")
+        try:
+            if self.planned is None:
+                self.planned = self._plan(deadline)
+            return self.planned
+        finally:
+            self._planning.release()
+
+    def _plan(self, deadline: Deadline) -> PlannedSync:
+        started = time.perf_counter()
+        self.register()
+        people = self.channel.wait_roster(writers=self.config.num_writers, readers=self.config.num_readers,
+                                          deadline=deadline)
+        self.channel.check_settings(self.config.settings(), people)
+        t0 = time.perf_counter()
+        writers, readers = decode_roster(people, self.channel.model_config)
+        self.timings["decode"] = time.perf_counter() - t0
+        plan, writers, quantizer = plan_share(writers, readers, role=self.role, rank=self.rank,
+                                              options=self.config.plan_options, timings=self.timings)
+        self.timings["plan"] = time.perf_counter() - t0  # all of the rank-local work above
+        placements = [RankPlacement(m.role, m.rank, m.host, m.device, m.gpu) for m in people]
+        unavailable = {n: r for n in ("shm", "nixl", "file") if (r := unavailable_reason(n)) is not None}
+        choice = choose_transport(self.config.transport, placements, unavailable=unavailable)
+        refuse_combinations(self.config.to_wire(), transport=choice.name, why=choice.reason)
+        opts = self.config.transport_options
+        phase_names: tuple[tuple[str, ...], ...] = ()
+        phases: tuple[Plan, ...] = ()
+        if self.config.layer_phases:
+            phase_names = layer_phases(writers.canonical_tensors(), budget_bytes=opts.max_bucket_bytes)
+            phases = tuple(split_plan(plan, phase_names))
+        device = self.device()
+        digests = None
+        if self.config.integrity:
+            from weightsync.tools.codecs.digest import kind_for
+            from weightsync.transport.digests import VersionDigests
+
+            digests = VersionDigests(plan, phases or None, role=self.role, rank=self.rank,
+                                     kind=kind_for(m.device for m in people), device=device)
+        checked = f"|digests={digests.kind}" if digests is not None else ""
+        digest = hashlib.blake2b(f"{choice.name}|{opts.digest()}|phases={len(phase_names)}{checked}".encode(),
+                                 digest_size=4).hexdigest()
+        ctx = TransportContext(channel=self.channel, num_writers=self.config.num_writers,
+                               num_readers=self.config.num_readers, device=device, options=opts,
+                               placements=tuple(placements), keeps_received_bytes=self._keeps_received_bytes)
+        transport = create_transport(choice.name, ctx)
+        self.timings["setup"] = time.perf_counter() - started
+        planned = PlannedSync(plan, transport, choice.name, f"{plan.fingerprint}-{digest}", self.timings["setup"],
+                              device, choice.reason, phase_names, phases, quantizer, digests)
+        logger.info("%s planned %d ops (%d bytes) over %s on %s (%s) in %.3fs", self.channel.who, len(plan),
+                    plan.total_bytes, choice.name, device, choice.reason, self.timings["plan"])
+        return planned
+
+    # -- transport ------------------------------------------------------------------------
+    def check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Before a version is published: the tensors agree with this rank's layout (shape,
+        dtype, contiguous), whatever the transport (:func:`weightsync.tools.torch_layout.check_tensors`)."""
+        check_tensors(self.provider.layout(), tensors, self.channel.who)
+
+    def arm(self, tensors: Mapping[str, torch.Tensor], epoch: int, deadline: Deadline) -> Transport:
+        """The planned transport, (re)prepared when the epoch or the buffers' storage changed."""
+        planned = self.planned
+        if planned is None:
+            raise RuntimeError(f"{self.channel.who}: arm() before plan()")
+        digests = planned.digests
+        plan, phases = (planned.plan, planned.phases) if digests is None else (digests.plan, digests.phases)
+        if digests is not None:  # the transport moves the digests too, in band
+            tensors = digests.attach(tensors)
+        ptrs = tuple(t.data_ptr() for t in tensors.values())
+        if self._armed != (epoch, ptrs):
+            t0 = time.perf_counter()
+            planned.transport.prepare(plan, tensors, epoch=epoch, timeout=deadline.remaining(), phases=phases or None)
+            self._armed = (epoch, ptrs)
+            self.timings["prepare"] = time.perf_counter() - t0
+        return planned.transport
+
+    def disarm(self) -> None:
+        """Forget the transport's connections (after a failure): the next version re-prepares."""
+        self._armed = None
+
+    def check_alive(self) -> None:
+        """Raise if another process took this rank over (its heartbeat found out)."""
+        if self.channel.lost is not None:
+            raise SyncError(f"{self.channel.who} no longer belongs to job {self.config.job!r}: {self.channel.lost}")
+
+    def forget(self) -> None:
+        """Start over (the meta server lost its state): the next version registers and plans anew."""
+        self.close(release=False)
+        self._registered = False
+        self.rejoined = True
+
+    def close(self, *, release: bool = True) -> None:
+        self.channel.stop_heartbeat(release=release)
+        if self.planned is not None:
+            self.planned.transport.close()
+            if self.planned.digests is not None:
+                self.planned.digests.close()
+            self.planned = None
+        self._armed = None
+
+
+__all__ = ["PlannedSync", "SyncConfig", "SyncError", "SyncResult", "SyncSession", "TransportOptions", "decode_roster",
+           "plan_share"]

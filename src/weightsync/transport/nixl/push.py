@@ -1,0 +1,421 @@
+"""NIXL transport, push mode: writers WRITE straight into readers' registered parameters.
+
+The protocol (ready words, notifications carrying the version) and when push is chosen:
+:mod:`weightsync.transport.nixl.common`. With ``delta_anchor_every`` (host memory), a reader
+that vouches for the previous version gets only what changed, WRITTEN into an inbox it
+registered (:mod:`weightsync.transport.nixl.push_changes`); ``TransferStats.nbytes`` then counts
+the encodings and the ops WRITTEN whole.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+import torch
+
+from weightsync.clock.deadline import Deadline
+from weightsync.job.wire import WireError
+from weightsync.layout.types import itemsize
+from weightsync.ports import device as device_port
+from weightsync.tools.codecs.delta import Kind
+from weightsync.tools.torch_layout import TORCH_DTYPES
+from weightsync.transport.base import PhaseTimer, TransferStats, TransportContext, TransportError, check_phase
+from weightsync.transport.delta.published import (
+    DIGEST,
+    KIND,
+    NBYTES,
+    OFFSET,
+    ChangeLayout,
+    ChangeReader,
+    SlotChanges,
+    check_delta,
+)
+from weightsync.transport.exposed import piece_key
+from weightsync.transport.nixl.agent import Descriptors, Xfer
+from weightsync.transport.nixl.common import (
+    EMPTY,
+    MAX_PHASES,
+    NixlBase,
+    Peer,
+    contiguous_runs,
+    extent,
+    phase_token,
+    row_major,
+    send_live,
+)
+from weightsync.transport.nixl.push_changes import Inbox, InboxLayout, Outbox
+from weightsync.transport.tensors import op_dst_view
+
+if TYPE_CHECKING:
+    from weightsync.plan import Plan, TransferOp
+    from weightsync.transport.schedule import Message
+
+#: How often a waiting reader checks that the writers it waits for are alive.
+_PROBE_S = 0.05
+
+
+class NixlPushTransport(NixlBase):
+    """Push mode of the NIXL transport (see module docstring)."""
+
+    one_sided: ClassVar[bool] = False
+    publishes_before_send: ClassVar[bool] = True  # readers raise their ready words on receive
+    mode: ClassVar[str] = "push"
+    carries_deltas: ClassVar[bool] = True  # host memory only (delta_published.check_delta)
+
+    def __init__(self, ctx: TransportContext) -> None:
+        super().__init__(ctx)
+        check_delta(f"{self.name} (push)", ctx, slots=False)
+        delta = ctx.options.delta_anchor_every
+        self._published: SlotChanges | None = None  # writer: versions in two slots, each with its changes
+        self._outboxes: list[Outbox] = []  # writer: per reader
+        self._staged = torch.empty(0, dtype=torch.int64)  # writer: the readers' staged tables
+        self._changes = ChangeReader(ctx) if delta and ctx.role == "reader" else None
+        self._inboxes: list[Inbox] = []  # reader: per writer
+        self._inbox_mem = torch.empty(0, dtype=torch.uint8)
+
+    def close(self) -> None:
+        super().close()
+        self._published = None
+        self._outboxes, self._inboxes = [], []
+
+    def forget_received(self) -> None:
+        if self._changes is not None:
+            self._changes.forget()
+
+    # -- writer -----------------------------------------------------------------------------
+    def _prepare_writer(self, parts: list[Plan], epoch: int, deadline: Deadline) -> None:
+        me = self.ctx.rank
+        delta = bool(self.ctx.options.delta_anchor_every)
+        ops = [op for part in parts for op in part.ops if op.src_rank == me]
+        self._exposed(parts, keep=None if delta else lambda op: not send_live(op))  # deltas: every op packed
+        assert self._index is not None
+        readers = sorted({op.dst_rank for op in ops})
+        self._slot_bytes = max(self._index.total_bytes, 64)
+        if delta:
+            layout = ChangeLayout.for_index(self._index, 2, after=2 * self._slot_bytes)
+            self._area = device_port.allocate(self.dev, layout.end, self.device, what=(
+                f"{self.who}'s NIXL push slots with changes (2 x {device_port.gib(self._slot_bytes)})"),
+                fix="use delta_anchor_every=0, or nixl_mode='pull'")
+            self._published = SlotChanges(self._index, layout, self._area, slot_bytes=self._slot_bytes,
+                                          anchor_every=self.ctx.options.delta_anchor_every)
+            pairs = [[part.ops_between(me, r) for part in parts] for r in readers]
+            inboxes = [InboxLayout.for_ops(pair) for pair in pairs]
+            self._staged = torch.zeros(max(sum(b.rows for b in inboxes), 1), 5, dtype=torch.int64)
+            at = np.cumsum([0, *(b.rows for b in inboxes)]).tolist()
+            self._outboxes = [Outbox(pair, b, self._staged[at[i]: at[i + 1]], 0)
+                              for i, (pair, b) in enumerate(zip(pairs, inboxes, strict=True))]
+        else:
+            self._area = self.dev.empty(self._slot_bytes, self.device, what=f"{self.who}'s NIXL pack area")
+        # own word, readers' ready words, their vouch words for this writer (deltas)
+        self._ctl = torch.full((1 + 2 * len(readers),), EMPTY, dtype=torch.int64)
+        live = sorted({op.src_shard for op in ops if self._live(op)})
+        self._pinned = set(live)
+        self._register([self._area, *([self._staged] if delta else []), *(self._flats[name] for name in live)],
+                       words=self._ctl)
+        self._publish(epoch, deltas=delta)
+        self._peers = [self._connect(epoch, "reader", r, deadline) for r in readers]
+        t0 = time.perf_counter()
+        for i, peer in enumerate(self._peers):
+            peer.ctl = self._ready_xfer(i, peer)
+            peer.phases = []
+            for p, part in enumerate(parts):
+                mine = part.ops_between(me, peer.rank)
+                peer.phases.append([[(self._prepare_xfer(peer, "WRITE", self._runs(
+                    peer, mine, base=s * self._slot_bytes), f"phase {p}"), None)] if mine else []
+                    for s in range(2 if delta else 1)])
+        self.setup["prepare_xfers_seconds"] = time.perf_counter() - t0
+
+    def _live(self, op: TransferOp) -> bool:
+        return self._published is None and send_live(op)
+
+    def _ready_xfer(self, i: int, peer: Peer) -> Xfer:
+        """The READ of the reader's ready word and, with deltas, of its vouch word for this writer
+        (the reader's words: ready, then one vouch word per writer rank); checks its inbox."""
+        if self._published is None:
+            return self._word_xfer(peer, self._ctl[1 + i: 2 + i], "ready word")
+        inbox = (peer.endpoint.inboxes or {}).get(self.ctx.rank)
+        out = self._outboxes[i]
+        if inbox is None:
+            raise TransportError(f"{self.who}: {peer.label} takes no changes from this writer; set the same "
+                                 "TransportOptions.delta_anchor_every on every rank")
+        if inbox[1] != out.layout.nbytes:
+            raise TransportError(f"{self.who}: {peer.label}'s change inbox has {inbox[1]} bytes, this writer "
+                                 f"expects {out.layout.nbytes}: writer and reader disagree on their ops")
+        out.inbox = inbox[0]
+        word = self._ctl.data_ptr()
+        n = len(self._peers)
+        descs = Descriptors.of([word + 8 * (1 + i), word + 8 * (1 + n + i)],
+                               [peer.endpoint.ctl, peer.endpoint.ctl + 8 * (1 + self.ctx.rank)], [8, 8])
+        return self._prepare_xfer(peer, "READ", descs, "ready and vouch words", data=False)
+
+    def _runs(self, peer: Peer, ops: list[TransferOp], *, base: int = 0) -> Descriptors:
+        """One descriptor per run contiguous in both the source (live, or the area at ``base``)
+        and the reader's tensor."""
+        assert self._area is not None and self._index is not None
+        try:
+            shards = peer.endpoint.destination_shards(peer.label)
+        except WireError as exc:
+            raise TransportError(f"{self.who}: {exc}") from exc
+        local, remote, lengths = [], [], []
+        for op in ops:
+            size = itemsize(op.dst_dtype)
+            addr, nbytes = shards[op.dst_shard]
+            if extent(op.box.sizes, op.dst_strides, op.dst_offset) * size > nbytes:
+                raise TransportError(f"{self.who}: {peer.label}'s tensor {op.dst_shard} has {nbytes} bytes, too "
+                                     f"few for {op.canonical} {op.box}: writer and reader disagree on layouts")
+            if self._live(op):
+                src, src_strides = self._flats[op.src_shard].data_ptr() + op.src_offset * size, op.src_strides
+            else:
+                at = self._index.entries[piece_key(op)][0]
+                src, src_strides = self._area.data_ptr() + base + at, row_major(op.box.sizes)
+            a, b, run = contiguous_runs(op.box.sizes, src_strides, op.dst_strides)
+            local.append(src + a * size)
+            remote.append(addr + (op.dst_offset + b) * size)
+            lengths.append(np.full(len(a), run * size, dtype=np.int64))
+        if not ops:
+            return Descriptors.of([], [], [])
+        # the reader registers the storages behind its tensors; a range that begins where one
+        # storage begins begins a tensor, so never joining at a tensor's start keeps them apart
+        return Descriptors.of(np.concatenate(local), np.concatenate(remote), np.concatenate(lengths),
+                              local_starts=self._starts, remote_starts=[addr for addr, _ in shards.values()])
+
+    def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
+        self._prepared_agent("send")
+        check_phase(phase, self._phases, self.who)
+        stats = TransferStats(version)
+        timer = PhaseTimer(stats)
+        deadline = Deadline.after(timeout)
+        token = phase_token(version, phase)
+        changes = self._published
+        slot = 0 if changes is None else version % 2
+        if changes is not None and phase == 0:
+            changes.begin(version)
+        self._copy_in()  # _pack synchronizes before the first WRITE
+        try:
+            with timer("pack"):
+                self._pack(slot * self._slot_bytes, phase, then=None if changes is None else (
+                    lambda key, op, at: changes.piece(version, key, op, at)))
+            for i, peer in enumerate(self._peers):
+                if not peer.phases[phase][slot]:
+                    continue
+                with timer("wait"):
+                    self._wait_ready(i, peer, token, deadline)
+                if changes is None or not self._write_changes(i, peer, version, phase, deadline=deadline,
+                                                              stats=stats, timer=timer):
+                    self._write_whole(peer, peer.phases[phase][slot], token=token, deadline=deadline, stats=stats,
+                                      timer=timer)
+        except BaseException:
+            if changes is not None:
+                changes.abandon()  # the next version goes in full
+            raise
+        if phase == self._phases - 1:
+            if changes is not None:
+                changes.end(version)
+            self._ctl[0] = version
+        stats.peak_extra_bytes = (0 if self._area is None else self._area.numel()) + self._moved_bytes()
+        return stats
+
+    def _write_whole(self, peer: Peer, xfers: list[tuple[Xfer, Message | None]], *, token: int, deadline: Deadline,
+                     stats: TransferStats, timer: PhaseTimer) -> None:
+        for xfer, _ in xfers:
+            with timer("transfer"):
+                self._run(peer, xfer, deadline, notif=b"v%d" % token)
+            stats.nbytes += xfer.nbytes
+            stats.direct_bytes += xfer.nbytes
+            stats.messages += 1
+
+    def _write_changes(self, i: int, peer: Peer, version: int, phase: int, *, deadline: Deadline,
+                       stats: TransferStats, timer: PhaseTimer) -> bool:
+        """WRITE the reader's staged table and, when it vouched for this version's base, the
+        changes (with the notification); returns whether they went (else the caller WRITEs whole)."""
+        changes, agent = self._published, self._prepared_agent("send")
+        assert changes is not None
+        slot = version % 2
+        delta = changes.book.base >= 0 and int(self._ctl[1 + len(self._peers) + i]) == phase_token(version, phase)
+        ranges, whole, nbytes = self._outboxes[i].stage(version, phase, changes.tables[slot],
+                                                        changes.areas[slot].data_ptr(), row_of=changes.book.row_of,
+                                                        delta=delta)
+        local, remote, lengths = (np.asarray(x, dtype=np.int64) for x in zip(*ranges, strict=True))
+        what = f"version {version}'s change table"
+        if delta:
+            runs = self._runs(peer, whole, base=slot * self._slot_bytes)
+            local, remote, lengths = (np.concatenate(x) for x in ((local, runs.local), (remote, runs.remote),
+                                                                   (lengths, runs.lengths)))
+            what = f"version {version}'s changes"
+        with timer("transfer"):
+            agent.run_once("WRITE", peer.agent, Descriptors(local, remote, lengths), "DRAM", deadline, what=what,
+                           alive=peer.watch.check, notif=b"v%d" % phase_token(version, phase) if delta else b"")
+        if delta:
+            stats.nbytes += nbytes + sum(op.nbytes for op in whole)
+            stats.messages += 1
+        return delta
+
+    def _wait_ready(self, i: int, peer: Peer, token: int, deadline: Deadline) -> None:
+        """Until the reader asks for exactly this (version, phase) (see :func:`phase_token`)."""
+        assert self._agent is not None and peer.ctl is not None
+        want = f"version {token >> 12} phase {token & (MAX_PHASES - 1)}"
+        while True:
+            self._run(peer, peer.ctl, deadline)
+            ready = int(self._ctl[1 + i])
+            if ready == token:
+                return
+            asked = f"version {ready >> 12} phase {ready & (MAX_PHASES - 1)}" if ready >= 0 else "nothing"
+            if ready > token:
+                raise TransportError(f"{self.who}: {peer.label} waits for {asked}, this writer sends {want}; "
+                                     "writers and readers are out of step")
+            if deadline.expired:
+                raise TransportError(f"{self.who}: {peer.label} did not ask for {want} in time (its last request "
+                                     f"was {asked})")
+            peer.watch.check(f"{peer.label} to ask for {want}")
+            time.sleep(0.001)
+
+    # -- reader -----------------------------------------------------------------------------
+    def _prepare_reader(self, parts: list[Plan], epoch: int, deadline: Deadline) -> None:
+        writers = sorted({op.src_rank for part in parts for op in part.ops})
+        vouch = self.ctx.num_writers
+        # ready word, a vouch word per writer rank (deltas), liveness mirrors
+        self._ctl = torch.full((1 + vouch + len(writers),), EMPTY, dtype=torch.int64)
+        inboxes = self._make_inboxes(parts, writers)
+        self._register([*self._flats.values(), *([self._inbox_mem] if inboxes else [])], words=self._ctl)
+        self._pinned = set(self._flats)
+        self._publish(epoch, shards={name: (t.data_ptr(), t.numel() * t.element_size())
+                                     for name, t in self._flats.items()}, inboxes=inboxes)
+        self._peers = [self._connect(epoch, "writer", w, deadline) for w in writers]
+        for i, peer in enumerate(self._peers):
+            if self._changes is not None and not peer.endpoint.deltas:
+                raise TransportError(f"{self.who}: {peer.label} sends no changes; set the same "
+                                     "TransportOptions.delta_anchor_every on every rank")
+            peer.ctl = self._word_xfer(peer, self._ctl[1 + vouch + i: 2 + vouch + i], "liveness word")
+            peer.nbytes = [sum(op.nbytes for op in part.ops_between(peer.rank, self.ctx.rank)) for part in parts]
+        if self._changes is not None:
+            self._changes.prepared(len(parts))
+
+    def _make_inboxes(self, parts: list[Plan], writers: list[int]) -> dict[int, tuple[int, int]] | None:
+        """With deltas, one inbox per writer in one registered buffer; writer -> (address, bytes)."""
+        if self._changes is None:
+            return None
+        pairs = [[part.ops_between(w, self.ctx.rank) for part in parts] for w in writers]
+        layouts = [InboxLayout.for_ops(pair) for pair in pairs]
+        self._inbox_mem = torch.zeros(max(sum(b.nbytes for b in layouts), 64), dtype=torch.uint8)
+        out, at = {}, 0
+        self._inboxes = []
+        for w, pair, b in zip(writers, pairs, layouts, strict=True):
+            self._inboxes.append(Inbox(pair, b, *b.views(self._inbox_mem[at: at + b.nbytes])))
+            out[w] = (self._inbox_mem.data_ptr() + at, b.nbytes)
+            at += b.nbytes
+        return out
+
+    def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
+        agent = self._prepared_agent("receive")
+        check_phase(phase, self._phases, self.who)
+        stats = TransferStats(version)
+        deadline = Deadline.after(timeout)
+        token = phase_token(version, phase)
+        pending = {peer.agent: peer for peer in self._peers if peer.nbytes[phase]}
+        self._copy_in()  # what this rank's tensors hold now: the base of deltas, the bytes no op writes
+        vouched = self._vouch(version, phase, stats)
+        # writers poll this word before they WRITE into our tensors, outside stream order: what
+        # is queued on them (the engine's last forward, the previous phase's loads) completes first
+        self.dev.synchronize(self.device)
+        self.dev.signal(self._ctl, 0, token, covers=list(self._flats.values()))
+        next_probe = time.monotonic() + _PROBE_S
+        digests: dict[int, list[int]] = {}
+
+        def take(notifs: dict[str, list[bytes]]) -> None:
+            for name, messages in notifs.items():
+                if name in pending and any(_notif_token(m) >= token for m in messages):
+                    peer = pending.pop(name)
+                    if self._changes is None:
+                        nbytes = peer.nbytes[phase]
+                    else:
+                        nbytes, digests[peer.rank] = self._take(peer, version, phase, vouched[peer.rank])
+                    stats.nbytes += nbytes
+                    stats.direct_bytes += nbytes
+                    stats.messages += 1
+
+        with PhaseTimer(stats)("transfer"):
+            while pending:
+                take(agent.take_notifs(timeout=0.005))
+                now = time.monotonic()
+                if pending and (deadline.expired or now > next_probe):
+                    self._probe(pending, version, deadline, take)
+                    next_probe = now + _PROBE_S
+        if self._changes is not None:
+            for writer, received in digests.items():
+                self._changes.received((phase, writer), version, received)
+            stats.peak_extra_bytes = self._changes.extra_bytes() + self._inbox_mem.numel()
+        self._copy_out()
+        stats.peak_extra_bytes += self._moved_bytes()
+        return stats
+
+    def _probe(self, pending: dict[str, Peer], version: int, deadline: Deadline,
+               take: Callable[[dict[str, list[bytes]]], None]) -> None:
+        """Fail for a pending writer that is dead (a dead writer never notifies; READing its word
+        fails, or hangs until its lease expires) or late, unless its notification came meanwhile.
+
+        A writer that sent its last version closes and leaves: its notification is delivered
+        before its disconnection, but this rank may not have taken it yet (it was applying
+        another writer's changes, or the poller was not scheduled). So each failure first takes
+        what arrived, progressing NIXL now, and counts only for a writer still pending."""
+        drain = self._prepared_agent("receive").take_notifs
+        for peer in list(pending.values()):
+            if peer.agent in pending and not deadline.expired:
+                try:
+                    assert peer.ctl is not None
+                    self._run(peer, peer.ctl, deadline)
+                    peer.watch.check(f"version {version} from {peer.label}")
+                except TransportError:
+                    take(drain(timeout=0, progress=True))
+                    if peer.agent in pending:
+                        raise
+        if deadline.expired:
+            take(drain(timeout=0, progress=True))
+            if pending:
+                names = ", ".join(p.label for p in pending.values())
+                raise TransportError(f"{self.who}: version {version} did not arrive from {names} in time")
+
+    def _vouch(self, version: int, phase: int, stats: TransferStats) -> dict[int, bool]:
+        """With deltas, set each writer's vouch word: this token when the memory holds ``version - 1``
+        of its ops of the phase (checked by digest), else -1. Returns writer -> vouched."""
+        out: dict[int, bool] = {}
+        if self._changes is None:
+            return out
+        with PhaseTimer(stats)("vouch"):
+            for peer, inbox in zip(self._peers, self._inboxes, strict=True):
+                ops = inbox.ops[phase]
+                base = self._changes.vouch((phase, peer.rank), ops, self._flats) if ops else -1
+                out[peer.rank] = base >= 0 and base == version - 1
+                self._ctl[1 + peer.rank] = phase_token(version, phase) if out[peer.rank] else EMPTY
+        return out
+
+    def _take(self, peer: Peer, version: int, phase: int, vouched: bool) -> tuple[int, list[int]]:
+        """Bring ``peer``'s ops of the phase to ``version`` once its notification arrived: apply the
+        changes in the inbox (the rest was WRITTEN whole into the destination), keep the shadow.
+        Returns the bytes the writer WROTE (encodings and whole ops) and its digest of each op."""
+        assert self._changes is not None
+        inbox = next(b for p, b in zip(self._peers, self._inboxes, strict=True) if p is peer)
+        ops = inbox.ops[phase]
+        delta, rows = inbox.rows(version, phase, vouched=vouched, reader=self.ctx.rank, writer=peer.rank)
+        shadow = self._changes.shadow_of((phase, peer.rank), ops)
+        nbytes = 0
+        for j, (op, row) in enumerate(zip(ops, rows, strict=True)):
+            kept = None if shadow is None else shadow[j]
+            if delta and row[KIND] != Kind.DENSE:
+                self._changes.apply(op, row, inbox.area[row[OFFSET]: row[OFFSET] + row[NBYTES]], self._flats,
+                                    writer=peer.rank, shadow=kept)
+                nbytes += row[NBYTES]
+                continue
+            if kept is not None:  # the reader's own copy of what landed whole
+                kept.view(TORCH_DTYPES[op.dst_dtype]).view(op.box.sizes).copy_(op_dst_view(self._flats, op))
+            nbytes += op.nbytes
+        return nbytes, [row[DIGEST] for row in rows]
+
+
+def _notif_token(message: bytes) -> int:
+    try:
+        return int(message[1:]) if message[:1] == b"v" else -1
+    except ValueError:
+        return -1

@@ -1,0 +1,145 @@
+"""Per-pair routing: shared memory between a writer and a reader on one node, torch between nodes.
+
+One job spanning several nodes often has trainers and engines side by side on some of them
+(Ray places actors where resources are free). ``shm`` only reaches ranks on its own node,
+and ``torch`` alone would push same-node bytes through the network stack. The routed
+transport splits this rank's share of the plan by pair, using the node every rank published
+(:func:`weightsync.tools.devices.same_node`), and drives a :class:`SharedMemoryTransport` over the
+same-node ops and a torch transport (gloo on CPU, NCCL on GPU) over the rest, each exactly
+as it runs alone::
+
+    transport = create_transport("routed", ctx)      # ctx.placements: every rank's node
+    transport.prepare(plan, tensors, epoch=e, timeout=60)
+    transport.send(version, timeout=60)              # writer: shm part, then torch part
+    transport.receive(version, timeout=60)           # reader: same order
+    transport.routes                                 # {"shm": [(w, r), ...], "torch": [...]}
+
+Ordering keeps it deadlock-free: the shared-memory side of a writer never waits for a
+reader (readers wait for its bytes), so every writer reaches its torch sends, and every
+reader its torch receives, after a bounded shm step. ``auto`` picks this transport when
+ranks span several nodes and at least one writer shares a node with a reader
+(:func:`weightsync.tools.devices.choose_transport`).
+
+Failures: a torch-side failure is a :class:`TransportError`, as alone. The shm side's
+version slots are protected by the writer's staleness wait (``SyncConfig`` keeps
+``slots > staleness``), and a reader whose slot was overwritten sees it by the slot's
+sequence word, as with ``shm`` alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+import numpy as np
+
+from weightsync.clock.deadline import Deadline
+from weightsync.tools.devices import same_node
+from weightsync.transport.base import TransferStats, Transport, TransportContext, check_tensors_device
+
+if TYPE_CHECKING:
+    import torch
+
+    from weightsync.plan import Plan
+
+logger = logging.getLogger(__name__)
+
+Route = Literal["shm", "torch"]
+ROUTES: tuple[Route, ...] = ("shm", "torch")  # the order both sides run them in
+
+
+class RoutedTransport:
+    """``shm`` for same-node pairs and ``torch`` for the others (see module docstring)."""
+
+    name: ClassVar[str] = "routed"
+    writes_in_place: ClassVar[bool] = True
+    one_sided: ClassVar[bool] = False  # its torch part needs the writer
+    serves_cpu: ClassVar[bool] = True
+    serves_cuda: ClassVar[bool] = True
+    carries_deltas: ClassVar[bool] = True  # both routes do
+    publishes_before_send: ClassVar[bool] = True  # both parts: torch posts receives, shm streams
+
+    def __init__(self, ctx: TransportContext) -> None:
+        local = same_node(ctx.placements)
+        want = {(w, r) for w in range(ctx.num_writers) for r in range(ctx.num_readers)}
+        if missing := sorted(want - set(local)):
+            raise ValueError(f"{ctx.who}: the routed transport needs every rank's node (TransportContext."
+                             f"placements), but writer/reader pairs {missing[:4]} have none")
+        self.ctx = ctx
+        self._local = np.zeros((ctx.num_writers, ctx.num_readers), dtype=bool)
+        for (w, r), together in local.items():
+            self._local[w, r] = together
+        self._subs: dict[Route, Transport] = {}
+        self._active: list[Route] = []
+        self._phases = 1
+        self.routes: dict[Route, list[tuple[int, int]]] = {"shm": [], "torch": []}
+        #: bytes each route moved in the last send/receive (summed over its phases)
+        self.last_bytes: dict[Route, int] = {"shm": 0, "torch": 0}
+
+    def _sub(self, route: Route) -> Transport:
+        if route not in self._subs:
+            from weightsync.transport import create_transport
+
+            self._subs[route] = create_transport(route, self.ctx)
+        return self._subs[route]
+
+    def _part(self, plan: Plan, route: Route) -> Plan:
+        c = plan.columns
+        together = self._local[np.asarray(c.src_rank, dtype=np.int64), np.asarray(c.dst_rank, dtype=np.int64)]
+        return plan.subset(np.flatnonzero(together if route == "shm" else ~together), tag=route)
+
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
+                phases: Sequence[Plan] | None = None) -> None:
+        check_tensors_device(self, self.ctx, tensors)
+        deadline = Deadline.after(timeout)
+        self._phases = len(phases) if phases else 1
+        active: list[Route] = []
+        for route in ROUTES:
+            part = self._part(plan, route)
+            self.routes[route] = sorted(part.pairs())
+            # Every rank joins the torch group when any pair crosses nodes (group formation is
+            # collective); shared memory is set up only by ranks with same-node ops.
+            needed = len(part) > 0 if route == "shm" else not self._local.all()
+            if not needed:
+                continue
+            sub_phases = [self._part(p, route) for p in phases] if phases else None
+            self._sub(route).prepare(part, tensors, epoch=epoch, timeout=deadline.remaining(), phases=sub_phases)
+            active.append(route)
+        self._active = active
+        logger.info("%s routes %d pair(s) over shm and %d over torch", self.ctx.who, len(self.routes["shm"]),
+                    len(self.routes["torch"]))
+
+    def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
+        return self._run(version, timeout, phase, sending=True)
+
+    def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
+        return self._run(version, timeout, phase, sending=False)
+
+    def _run(self, version: int, timeout: float, phase: int, *, sending: bool) -> TransferStats:
+        deadline = Deadline.after(timeout)
+        total = TransferStats(version)
+        if phase == 0:
+            self.last_bytes = {"shm": 0, "torch": 0}
+        for route in self._active:
+            sub = self._subs[route]
+            move = sub.send if sending else sub.receive
+            stats = move(version, timeout=deadline.remaining(), phase=phase)
+            self.last_bytes[route] += stats.nbytes
+            total.nbytes += stats.nbytes
+            total.messages += stats.messages
+            total.direct_bytes += stats.direct_bytes
+            total.peak_extra_bytes = max(total.peak_extra_bytes, stats.peak_extra_bytes)
+            for name, seconds in stats.phases.items():
+                total.add_phase(f"{route}.{name}", seconds)
+        return total
+
+    def forget_received(self) -> None:
+        for sub in self._subs.values():
+            sub.forget_received()
+
+    def close(self) -> None:
+        for sub in self._subs.values():
+            sub.close()
+        self._subs.clear()
+        self._active = []

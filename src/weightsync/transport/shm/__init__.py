@@ -1,0 +1,1 @@
+"""The shared-memory transport: snapshot and zero-copy modes, segments, shared files."""

@@ -1,0 +1,303 @@
+"""The torch transport's point-to-point setup: what its two backends (gloo, NCCL) share.
+
+One group spans all writers and readers (writers ranks 0..W-1, readers W..W+R-1): on host
+memory a gloo process group created with the process-group classes directly, on GPU memory a
+NCCL communicator of our own driven through nccl4py (no torch process group: see
+:mod:`weightsync.transport.torch.nccl`), so it never touches the training job's groups.
+Rendezvous goes through the job channel: writer 0 opens a TCPStore on a free port and
+publishes its address as its endpoint of the epoch (:class:`TorchRendezvous`); everyone else
+reads it from there. A new *epoch* (after a peer died) means a new store and
+a new group, so a failed sync never poisons the next one.
+
+Per pair, the messages of :mod:`weightsync.transport.schedule` flow in the same order on
+both ends (no header ever crosses the wire): direct messages straight between the source
+view and the destination parameter, staged ones through staging buffers whose total stays
+within ``TransportOptions.max_bucket_bytes``. The backend is a property of the device
+(:func:`weightsync.tools.devices.torch_backend`), so each has its own class:
+
+* :class:`~weightsync.transport.torch.gloo.GlooTransport` (host memory): up to eight pairs at
+  once, one thread each, a few messages in flight per pair;
+* :class:`~weightsync.transport.torch.nccl.NcclTransport` (CUDA memory): every pair's
+  messages of a round in one NCCL group, on the current stream, the CPU
+  waiting on one CUDA event per version under a watchdog that aborts the communicator at
+  the deadline (a dead peer never hangs or kills the process).
+
+    t = create_transport("torch", ctx)        # GlooTransport or NcclTransport, by ctx.device
+    t.prepare(plan, tensors, epoch=0, timeout=60)
+    t.send(version, timeout=60)               # or t.receive(version, timeout=60)
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from weightsync.clock.deadline import Deadline
+from weightsync.ports import device as device_port
+from weightsync.transport.base import (
+    PeerWatch,
+    TransportContext,
+    TransportError,
+    check_phase,
+    check_tensors_device,
+    peer_endpoint,
+    phase_plans,
+)
+from weightsync.transport.endpoints import TorchRendezvous
+from weightsync.transport.schedule import Message, build_messages, pair_order
+from weightsync.transport.tensors import flat_views
+
+if TYPE_CHECKING:
+    from weightsync.job.channel import Holder
+    from weightsync.plan import Plan
+    from weightsync.transport.delta.pairs import DeltaSync
+
+logger = logging.getLogger(__name__)
+
+#: Pairs moved at once (gloo: one thread each; NCCL: one group call); the staging bound is
+#: shared by all of them, so a message is at most ``message_bytes / MAX_LANES``.
+MAX_LANES = 8
+
+
+class TorchDistBase:
+    """Setup both backends share: rendezvous, message schedules, staging buffers."""
+
+    name: ClassVar[str] = "torch"
+    writes_in_place: ClassVar[bool] = True
+    one_sided: ClassVar[bool] = False
+    publishes_before_send: ClassVar[bool] = True  # receivers must post their receives
+    serves_cpu: ClassVar[bool]
+    serves_cuda: ClassVar[bool]
+    carries_deltas: ClassVar[bool] = False  # both backends do: gloo (transport/delta/pairs.py), NCCL (nccl_delta.py)
+    #: The pairs' delta state, set by a backend when ``delta_anchor_every`` is on.
+    delta: DeltaSync | None = None
+
+    def __init__(self, ctx: TransportContext) -> None:
+        self.ctx = ctx
+        self.dev = device_port.current()
+        self.device = torch.device(ctx.device)
+        self.epoch: int | None = None
+        self._store: dist.TCPStore | None = None
+        #: who held each lease when the group formed (:meth:`_lease_holders`)
+        self._holders: dict[tuple[str, int], Holder] | None = None
+        self._pg: Any = None
+        self._schedules: list[list[Pair]] = []  # per phase: this rank's pairs and their messages
+        self._flats: dict[str, torch.Tensor] = {}
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        # Both ends of a pair must cut the same messages, and a rank's plan may hold only its
+        # own pairs, so the message size cannot follow the number of pairs: it assumes the most.
+        self._message_bytes = max(4096, ctx.options.message_bytes // MAX_LANES)
+
+    # -- setup ----------------------------------------------------------------------------
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
+                phases: Sequence[Plan] | None = None) -> None:
+        check_tensors_device(self, self.ctx, tensors)
+        if self.epoch != epoch or self._pg is None:
+            self._teardown_group()
+            self._pg = self._form_group(epoch, Deadline.after(timeout))
+            self.epoch = epoch
+            logger.info("%s joined transport epoch %d (%d ranks, %s)", self.ctx.who, epoch, self.ctx.world_size,
+                        type(self).__name__)
+        self._flats = flat_views(tensors)
+        self._schedules = [self._schedule_of(part) for part in phase_plans(plan, phases)]
+
+    def _schedule_of(self, plan: Plan) -> list[Pair]:
+        me = self.ctx.rank
+        mine = [p for p in plan.pairs() if (p[0] if self.ctx.role == "writer" else p[1]) == me]
+        schedule = []
+        for src, dst in pair_order(mine, self.ctx.num_writers, self.ctx.num_readers):
+            messages = build_messages(plan.ops_between(src, dst), message_bytes=self._message_bytes,
+                                      direct_min_bytes=self.ctx.options.direct_min_bytes)
+            peer = dst if self.ctx.role == "writer" else src
+            peer_global = src if self.ctx.role == "reader" else self.ctx.num_writers + dst
+            schedule.append(Pair(peer, peer_global, messages))
+        return schedule
+
+    def _phase_schedule(self, phase: int) -> list[Pair]:
+        check_phase(phase, len(self._schedules), self.ctx.who)
+        return self._schedules[phase]
+
+    def _store_for(self, epoch: int, deadline: Deadline) -> dist.Store:
+        """The epoch's TCPStore, once every rank of the group arrived at it: writer 0 opens it,
+        everyone else finds it through the job channel (see :meth:`_arrive`)."""
+        ctx = self.ctx
+        td = datetime.timedelta(seconds=deadline.remaining())
+        if ctx.role == "writer" and ctx.rank == 0:
+            store = dist.TCPStore(ctx.options.host, 0, ctx.world_size, True, timeout=td, wait_for_workers=False)
+            ctx.channel.publish_endpoint(epoch, TorchRendezvous(ctx.options.host, store.port))
+        else:
+            rendezvous = peer_endpoint(ctx, TorchRendezvous, epoch, "writer", 0, deadline=deadline)
+            if rendezvous is None:
+                raise TransportError(f"{ctx.who}: writer 0 did not publish the torch rendezvous address for "
+                                     f"epoch {epoch} in time{PeerWatch(ctx, 'writer', [0]).describe()}")
+            where = f"writer 0's rendezvous of epoch {epoch} at {rendezvous.host}:{rendezvous.port}"
+            _reach(ctx, rendezvous, where, deadline)
+            try:
+                store = dist.TCPStore(rendezvous.host, rendezvous.port, ctx.world_size, False,
+                                      timeout=datetime.timedelta(seconds=deadline.remaining()))
+            except RuntimeError as exc:  # DistNetworkError and friends: writer 0's store of this epoch is gone
+                dead = PeerWatch(ctx, "writer", [0]).describe()
+                raise TransportError(f"{ctx.who}: cannot join {where}{dead}: {exc}") from exc
+        self._store = store
+        prefix = dist.PrefixStore(f"weightsync/{epoch}", store)
+        self._arrive(prefix, epoch, deadline)
+        self._holders = self._lease_holders()
+        return prefix
+
+    def _lease_holders(self) -> dict[tuple[str, int], Holder] | None:
+        """The processes holding the group's leases as it forms: a peer that restarts later is
+        one this group is no longer connected to, dead to it even once its lease is renewed."""
+        try:
+            return self.ctx.channel.lease_holders(max_age=0.0)
+        except Exception as exc:  # the meta server is away: only expired leases will tell
+            logger.debug("%s: cannot read leases: %s", self.ctx.who, exc)
+            return None
+
+    def _arrive(self, store: dist.Store, epoch: int, deadline: Deadline) -> None:
+        """Wait until every rank of the group reached the epoch's store, failing as soon as one of
+        them is dead (its lease), naming it.
+
+        A process group's constructor blocks until every rank arrived, with no way to ask
+        why one does not: a dead rank costs the whole timeout there. Once everyone is here it
+        completes at once (a rank that dies in between is the only case left to its timeout).
+
+        A rank that is dead but never arrived is waited for until the deadline, which then names
+        it: its restart may still come to this epoch (seen: writer 1 died in version 1, writer 0
+        gave version 2 up at once because writer 1's lease had expired, and the restart that
+        came a second later then waited for a version 2 no one would write).
+
+        Each rank arrives once per epoch. A second arrival of the same rank is a restarted
+        process coming to an epoch whose group formed (or is forming) with its earlier
+        incarnation: the peers will never connect to it, and gloo's constructor would retry
+        every pair until several times its timeout. It fails here at once instead, and the
+        caller waits for the next epoch, which the peers open when they notice the death.
+        """
+        ctx = self.ctx
+        watches = [PeerWatch(ctx, "writer", range(ctx.num_writers)), PeerWatch(ctx, "reader", range(ctx.num_readers))]
+        what = f"every rank to join the process group of epoch {epoch}"
+        try:
+            if store.add(f"arrived/{ctx.global_rank}", 1) > 1:
+                raise TransportError(f"{ctx.who}: the process group of epoch {epoch} already counts an earlier "
+                                     f"{ctx.role} {ctx.rank} (this process started after it joined): this rank "
+                                     "takes part from the next epoch")
+            arrived = store.add("arrived", 1)
+            pause, look = 0.005, time.monotonic()
+            while arrived < ctx.world_size:
+                if deadline.expired:
+                    missing = "".join(w.describe() for w in watches)
+                    raise TransportError(f"{ctx.who}: only {arrived} of {ctx.world_size} ranks joined the process "
+                                         f"group of epoch {epoch} in time{missing}")
+                if time.monotonic() >= look:  # as PeerWatch.check, every half second
+                    look = time.monotonic() + 0.5
+                    for watch, first in zip(watches, (0, ctx.num_writers), strict=True):
+                        # only ranks that arrived: a dead one that did not may still be replaced
+                        dead = {r: why for r, why in watch.dead().items() if store.add(f"arrived/{first + r}", 0)}
+                        if dead:
+                            raise TransportError(watch.died(dead, what))
+                time.sleep(pause)
+                pause = min(2 * pause, 0.1)
+                arrived = store.add("arrived", 0)
+        except TransportError:
+            raise
+        except RuntimeError as exc:  # the store's host (writer 0) is gone
+            raise TransportError(f"{ctx.who}: the rendezvous of epoch {epoch} failed while waiting for {what}"
+                                 f"{PeerWatch(ctx, 'writer', [0]).describe()}: {exc}") from exc
+
+    def _form_group(self, epoch: int, deadline: Deadline) -> Any:
+        raise NotImplementedError
+
+    def _buffer(self, lane: int, slot: int) -> torch.Tensor:
+        key = (lane, slot)
+        if key not in self._buffers:
+            self._buffers[key] = self.dev.empty(self._message_bytes, self.device, what=f"{self.ctx.who}'s staging")
+        return self._buffers[key]
+
+    def _extra_bytes(self) -> int:
+        extra = self.delta.extra_bytes() if self.delta is not None else 0
+        return len(self._buffers) * self._message_bytes + extra
+
+    def _peer_label(self, peer: int) -> str:
+        return f"{'reader' if self.ctx.role == 'writer' else 'writer'} {peer}"
+
+    def forget_received(self) -> None:
+        """Something else wrote this reader's memory: with deltas, the next version comes in full."""
+        if self.delta is not None:
+            self.delta.forget_received()
+
+    # -- teardown -------------------------------------------------------------------------
+    def _teardown_group(self) -> None:
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            try:
+                pg.abort()
+            except Exception as exc:  # best effort: the group may already be dead
+                logger.debug("process group abort failed: %s", exc)
+        self._store = None
+        self.epoch = None
+
+    def close(self) -> None:
+        self._teardown_group()
+        self._buffers.clear()
+        self._flats = {}
+        self._schedules = []
+        if self.delta is not None:
+            self.delta.close()
+
+
+def _reach(ctx: TransportContext, rendezvous: TorchRendezvous, where: str, deadline: Deadline) -> None:
+    """Until ``rendezvous`` accepts a connection: a refused one means its store is gone for good
+    (writer 0 opens it before publishing its address, and closes it when it leaves the epoch).
+
+    torch's TCPStore client instead retries a refused connection until its timeout and then,
+    after a random backoff, once more: up to twice its timeout and more.
+
+    Raises:
+        TransportError: refused (naming writer 0 and, if it is dead, why), writer 0 died, or the deadline.
+    """
+    watch = PeerWatch(ctx, "writer", [0])
+    while True:
+        try:
+            with socket.create_connection((rendezvous.host, rendezvous.port), timeout=min(1.0, deadline.remaining())):
+                return
+        except ConnectionRefusedError:
+            raise TransportError(f"{ctx.who}: {where} refuses connections: writer 0 left that epoch (it failed "
+                                 f"or finished it){watch.describe()}") from None
+        except OSError as exc:  # unreachable for now: a slow network, or a host that went away
+            watch.check(where)
+            if deadline.expired:
+                raise TransportError(f"{ctx.who}: cannot reach {where} in time: {exc}{watch.describe()}") from exc
+            time.sleep(0.05)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One peer of this rank and the messages exchanged with it, in order."""
+
+    peer: int  # the peer's writer or reader rank
+    peer_global: int  # its rank in the transport's process group
+    messages: list[Message]
+
+
+class TorchPairLink:
+    """What both backends' :class:`~weightsync.transport.delta.pairs.PairLink` share: the peer is the
+    pair's, and staging buffers hold one message of the transport's. Each backend's link (a
+    dataclass) declares ``transport`` and ``pair`` and adds how it posts and waits."""
+
+    transport: TorchDistBase
+    pair: Pair
+
+    @property
+    def peer(self) -> int:
+        return self.pair.peer
+
+    @property
+    def capacity(self) -> int:
+        return self.transport._message_bytes
