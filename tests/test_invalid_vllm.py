@@ -12,7 +12,8 @@ in full, and the engine generates token for token what a fresh engine on that ch
 Each case starts from a valid checkpoint X, fails toward Y and recovers to Z, three checkpoints
 that differ in every tensor (norms included), so no tensor of the recovered engine can pass by
 having kept an old value. A failure before any byte reached the model keeps the engine at its
-version; an engine core in a child process (as ``vllm serve`` runs it) is stamped by its worker.
+version. A ``vllm serve`` (its engine core in a child process) is stamped by the trainer side over
+HTTP, and the meta server's status page and metrics show its reader invalid.
 """
 
 from __future__ import annotations
@@ -350,11 +351,10 @@ def test_a_failure_before_any_byte_reached_the_model_keeps_the_backends_version(
 
 # -- the trainer side: WeightSyncTrainerEngine.send_weights over LLMClient ---------------------------
 
-@pytest.mark.parametrize("fault", ["phase", "loader"])
+@pytest.mark.parametrize("fault", FAULTS)
 def test_the_trainer_side_leaves_vllm_stamped_invalid_and_its_next_version_recovers_it(engine, fault):
     """``send_weights`` raises the worker's error; vLLM's version is ``invalid:V`` (never the old
-    one), and the next ``send_weights`` restores the engine. ((a) is the worker backend's case
-    above: the trainer side drives the same worker.)"""
+    one), and the next ``send_weights`` restores the engine."""
     from weightsync.integrations.vllm_trainer import LLMClient, WeightSyncTrainerEngine, WeightSyncTrainerInitInfo
     from weightsync.tools.tiny import CanonicalSource
     from weightsync.tools.torch_layout import fill_from_canonical
@@ -363,57 +363,92 @@ def test_the_trainer_side_leaves_vllm_stamped_invalid_and_its_next_version_recov
     job = f"vinv-trainer-{uuid.uuid4().hex[:8]}"
     info = WeightSyncTrainerInitInfo(rank=0, num_writers=1, num_readers=1, job=job, meta_address=engine.server.address,
                                      meta_token=engine.server.token, timeout=60.0, layer_phases=fault == "phase",
-                                     max_bucket_bytes=BUCKET, delta_anchor_every=0 if fault == "phase" else 8)
+                                     max_bucket_bytes=BUCKET, delta_anchor_every=8 if fault == "loader" else 0)
     source = CanonicalSource(CONFIG)
-    sender = WeightSyncTrainerEngine.trainer_init(info, client=LLMClient(engine.llm), source=source)
-    try:
-        def send(version: int, checkpoint: str) -> None:
-            fill_from_canonical(source.layout(), source.tensors(), canonical_weights(CONFIG, SEEDS[checkpoint]))
-            sender.send_weights(version)
+    with partial_writes() as port:
+        sender = WeightSyncTrainerEngine.trainer_init(info, client=LLMClient(engine.llm), source=source)
+        try:
+            def send(version: int, checkpoint: str) -> None:
+                fill_from_canonical(source.layout(), source.tensors(), canonical_weights(CONFIG, SEEDS[checkpoint]))
+                sender.send_weights(version)
 
-        v = engine.version + 1
-        send(v, engine.holds)
-        reader = engine.worker_engine().reader
-        with inject(engine, fault, reader, v + 1):
-            with pytest.raises(Exception, match=MESSAGES[fault]):
-                send(v + 1, y)
-        assert reader.invalid is not None
-        engine.check_invalid(v + 1)
-        send(v + 2, z)
-        assert reader.version == v + 2 and reader.invalid is None
-    finally:
-        sender.shutdown()
+            v = engine.version + 1
+            send(v, engine.holds)
+            reader = engine.worker_engine().reader
+            with inject(engine, fault, reader, v + 1, port, reader.engine.receive_buffers()[NORM]):
+                with pytest.raises(Exception, match=MESSAGES[fault]):
+                    send(v + 1, y)
+            assert reader.invalid is not None
+            engine.check_invalid(v + 1)
+            send(v + 2, z)
+            assert reader.version == v + 2 and reader.invalid is None
+        finally:
+            sender.shutdown()
     engine.check(z, str(v + 2))
     engine.holds, engine.version = z, v + 2
 
 
-# -- an engine core in a child process, as vllm serve runs it ------------------------------------------
+# -- vllm serve: its engine core in a child process, driven over HTTP ----------------------------------
 
-def test_an_engine_core_in_a_child_process_is_stamped_invalid_by_its_worker(engine):
-    """``vllm serve`` (and an ``LLM`` by default) runs the engine core in a child process, and
-    vLLM's CPU build each worker in a process of its own, so the driver stamps: ``update_llm`` asks
-    the workers (``weightsync_invalid``) once the update failed, and sets ``invalid:2`` before it
-    raises. The trainer stops after phase 2 of version 2; the worker's receive of phase 3 times
-    out after phases 0..2 were loaded. Version 3 then recovers the engine (tokens of a fresh
-    engine on C)."""
-    import json
-    import subprocess
-    import sys
+def test_vllm_serve_is_stamped_invalid_over_http_and_the_meta_status_and_metrics_show_it(engine, monkeypatch):
+    """``vllm serve`` runs its engine core in a child process (vLLM's CPU build: its worker in yet
+    another), so the trainer side stamps it over HTTP. Version 2 breaks off on the trainer's side
+    after phase 2 of 10 (the worker's receive of phase 3 times out after phases 0..2 were loaded):
+    ``send_weights`` raises, and vLLM's weight version (``/weight_info``) is ``invalid:2``; the meta
+    server's status page and metrics show the reader invalid. Version 3 recovers the server: the
+    tokens of a fresh engine on C, under version ``3``."""
+    import httpx
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-    here = Path(__file__).resolve().parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
-    seeds = ",".join(str(SEEDS[c]) for c in "ABC")
-    proc = subprocess.run([sys.executable, str(here / "_invalid_child_core.py"), "--checkpoint", str(engine.paths["A"]),
-                           "--seeds", seeds, "--meta", engine.server.address, "--token", engine.server.token],
-                          capture_output=True, text=True, timeout=400, env=env, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    failed, recovered = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines()
-                         if line.startswith("RESULT ")]
-    assert "version 2" in failed["error"], failed["error"]
-    assert failed["weight_version"] == "invalid:2" and failed["stamps"] == ["invalid:2"]
-    assert recovered["weight_version"] == "3" and recovered["stamps"] == ["3"]
-    assert recovered["tokens"] == engine.refs["C"]
+    from _vllm_native import vllm_server
+    from weightsync.integrations.vllm_trainer import WeightSyncTrainerEngine, WeightSyncTrainerInitInfo
+    from weightsync.tools.tiny import CanonicalSource
+    from weightsync.tools.torch_layout import fill_from_canonical
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # as a user runs it (the module's engine: 0)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    job = f"vinv-serve-{uuid.uuid4().hex[:8]}"
+    info = WeightSyncTrainerInitInfo(rank=0, num_writers=1, num_readers=1, job=job, meta_address=engine.server.address,
+                                     meta_token=engine.server.token, timeout=20.0, layer_phases=True,
+                                     max_bucket_bytes=BUCKET, delta_anchor_every=0)
+    source = CanonicalSource(CONFIG)
+    meta = httpx.Client(base_url=engine.server.address, trust_env=False, timeout=10,
+                        headers={"Authorization": f"Bearer {engine.server.token}"})
+    with meta, vllm_server(engine.paths["A"], extra=("--max-model-len", "512")) as url:
+        sender = WeightSyncTrainerEngine.trainer_init(info, client=HTTPVLLMWeightSyncClient(url), source=source)
+        try:
+            def send(version: int, seed: int) -> None:
+                fill_from_canonical(source.layout(), source.tensors(), canonical_weights(CONFIG, seed))
+                sender.send_weights(version)
+
+            def served() -> tuple[list[int], str]:
+                body = {"model": str(engine.paths["A"]), "prompt": PROMPT, "max_tokens": NEW_TOKENS,
+                        "temperature": 0, "return_token_ids": True, "ignore_eos": True}
+                tokens = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["token_ids"]
+                return tokens, httpx.get(f"{url}/weight_info", timeout=30).json()["weight_version"]
+
+            send(1, SEEDS["A"])
+            transport = sender.writer.session.planned.transport
+            original = transport.send
+
+            def stops_after_phase_2(version: int, *, timeout: float, phase: int = 0) -> Any:
+                if version == 2 and phase == 3:
+                    raise TransportError("injected: the trainer stopped after phase 2")
+                return original(version, timeout=timeout, phase=phase)
+
+            transport.send = stops_after_phase_2
+            with pytest.raises(Exception, match="stopped after phase 2"):
+                send(2, SEEDS["B"])
+            assert served()[1] == "invalid:2"
+            status = meta.get("/status", auth=("anyone", engine.server.token)).text
+            assert "INVALID since" in status[status.index(f"<h2>job {job}</h2>"):]
+            assert f'weightsync_meta_reader_invalid{{job="{job}",rank="0"}} 1.0' in meta.get("/metrics").text
+
+            send(3, SEEDS["C"])
+            assert served() == (engine.refs["C"], "3")
+            assert f'weightsync_meta_reader_invalid{{job="{job}",rank="0"}} 0.0' in meta.get("/metrics").text
+        finally:
+            sender.shutdown()
 
 
 def test_the_worker_finds_its_engine_core_and_itself_on_its_stack():
