@@ -147,8 +147,9 @@ def poke(engine: ShardedEngine, how: str, version: int, values) -> None:
         fill_from_canonical(layout, engine.tensors, values(version - 2))
         engine.apply(version - 2)
     elif how == "none":
+        engine.receiving(version - 1)  # a manual update writes into the live weights...
         target.view(-1)[: target.numel() // 2] = 0
-        engine.abort(version - 1, RuntimeError("manual update failed"))
+        engine.abort(version - 1, RuntimeError("manual update failed"))  # ...and fails: invalid
     elif how == "reset":
         fill_from_canonical(layout, engine.tensors, values(0))
     elif how == "flip":

@@ -26,6 +26,7 @@ from weightsync.engines.buffers import ShardedEngine
 from weightsync.layout import ModelSpec, RankLayout, parse_layout
 from weightsync.layout.lora import LoraSpec
 from weightsync.meta import EmbeddedMetaServer, MetaClient
+from weightsync.ports.engine import Invalid, Validity
 from weightsync.roles.inflight import InflightReader
 from weightsync.roles.reader import WeightReader
 from weightsync.roles.writer import ReadersFailedError, WeightWriter
@@ -84,7 +85,7 @@ class AdapterEngine:
     keeps_received_bytes: ClassVar[bool] = True
 
     def __init__(self, layout: RankLayout) -> None:
-        self._layout, self.tensors, self.weight_version = layout, allocate(layout), None
+        self._layout, self.tensors, self.validity = layout, allocate(layout), Validity()
 
     def layout(self) -> RankLayout:
         return self._layout
@@ -95,11 +96,22 @@ class AdapterEngine:
     def receive_buffers(self) -> dict[str, torch.Tensor]:
         return self.tensors
 
+    def receiving(self, version: int) -> None:
+        self.validity.touch(version)
+
     def apply(self, version: int) -> None:
-        self.weight_version = version
+        self.validity.applied(version)
 
     def abort(self, version: int, error: BaseException) -> None:
-        self.weight_version = None
+        self.validity.failed(version, error)
+
+    @property
+    def weight_version(self) -> int | None:
+        return self.validity.version
+
+    @property
+    def invalid(self) -> Invalid | None:
+        return self.validity.invalid
 
 
 @dataclass

@@ -34,7 +34,7 @@ operations = st.lists(st.one_of(
     st.tuples(st.just("report"), jobs, st.integers(0, 4), st.sampled_from(["f", "g"]), st.integers(0, 1),
               st.integers(1, 2), st.integers(0, 3)),
     st.tuples(st.just("reader"), jobs, ranks, st.integers(0, 4), st.none() | st.just("boom"),
-              st.none() | st.integers(0, 3)),
+              st.none() | st.integers(0, 3), st.booleans(), st.none() | st.integers(0, 3)),
     st.tuples(st.just("drop"), jobs),
 ), max_size=40)
 
@@ -54,8 +54,9 @@ async def _run(state: MetaState, ops: list[tuple]) -> None:
                 await state.report_version(job, version, fingerprint, writer_rank=min(writer, writers - 1),
                                            num_writers=writers, epoch=epoch)
             elif op == "reader":
-                rank, version, error, epoch = args
-                await state.report_reader(job, rank, version, nbytes=8, seconds=0.5, error=error, epoch=epoch)
+                rank, version, error, epoch, invalid, holds = args
+                await state.report_reader(job, rank, version, nbytes=8, seconds=0.5, error=error, epoch=epoch,
+                                          invalid=invalid, holds=holds)
             else:
                 await state.delete_job(job)
         except ConflictError:
@@ -99,7 +100,7 @@ def test_an_earlier_releases_journal_replays():
     assert job.latest == VersionInfo(3, "fp@2", 2.0, epoch=2)
     assert (job.pending[4].epoch, job.pending[4].ranks) == (5, {0})
     assert job.readers[0] == ReaderState(version=None, nbytes=0, seconds=0.0, at=4.0, applied_at=1.5,
-                                         error="peer died", failed_version=3)
+                                         error="peer died", failed_version=3, invalid_since=4.0)
 
 
 def test_a_version_in_a_later_epoch_supersedes_it_and_clears_failures_of_it():

@@ -256,6 +256,47 @@ def test_status_page_json_and_metrics(server, client):
     assert 'weightsync_meta_requests_total{method="POST",route="/v1/jobs/{job}/versions",status="200"}' in metrics
 
 
+def test_status_page_and_metrics_show_each_readers_validity(server, client):
+    """A reader whose failed update touched its engine is invalid (since when, which version, the
+    error) until it applies a version; one whose failure never reached its engine keeps its version;
+    a client that does not say (an earlier release) was invalid."""
+    for rank in (0, 1, 2):
+        client.register(reader(rank))
+    client.publish_version(5, "fp5", writer_rank=0, num_writers=1)
+    client.report_applied(0, 5)
+    client.report_applied(1, 5)
+    before = time.time()
+    client.report_failed(0, 6, "injected: the loader raised at layer 1", invalid=True)
+    client.report_failed(1, 6, "writer 0 died before this reader connected", invalid=False, holds=5)
+    assert raw(server, "POST", f"/v1/jobs/{client.job}/readers/2/failed",
+               json={"version": 6, "error": "an earlier release"}).status_code == 200
+    job = next(j for j in raw(server, "GET", "/v1/status").json()["jobs"] if j["job"] == client.job)
+    rows = {r["rank"]: r for r in job["reader_state"]}
+    assert (rows[0]["state"], rows[0]["version"], rows[0]["failed_version"]) == ("invalid", None, 6)
+    assert before - 1 <= rows[0]["invalid_since"] <= time.time() + 1
+    assert (rows[1]["state"], rows[1]["version"], rows[1]["invalid_since"]) == ("valid", 5, None)
+    assert (rows[2]["state"], rows[2]["version"]) == ("invalid", None)
+    since = rows[0]["invalid_since"]
+    client.report_failed(0, 7, "again <b>", invalid=True)  # still invalid since the first failure
+    assert client.wait_reader_report(min_version=0, readers=0, timeout=1).rows[0]["invalid_since"] == since
+
+    page = raw(server, "GET", "/status", token=None, auth=("anyone", server.token)).text
+    page = page[page.index(f"<h2>job {client.job}</h2>"):]  # this job's section (the server is the module's)
+    page = page[:page.index("<h2>", 1)] if "<h2>" in page[1:] else page
+    assert page.count("INVALID since") == 2 and "version 7: again &lt;b&gt;" in page
+    metrics = raw(server, "GET", "/metrics").text
+    assert f'weightsync_meta_reader_invalid{{job="{client.job}",rank="0"}} 1.0' in metrics
+    assert f'weightsync_meta_reader_invalid{{job="{client.job}",rank="1"}} 0.0' in metrics
+    [line] = [x for x in metrics.splitlines()
+              if x.startswith(f'weightsync_meta_reader_invalid_since_seconds{{job="{client.job}",rank="0"}} ')]
+    assert float(line.split()[-1]) == pytest.approx(since)
+    assert f'weightsync_meta_reader_invalid_info{{error="again <b>",job="{client.job}",rank="0",version="7"}} 1.0' in metrics
+
+    client.report_applied(0, 8)
+    row = client.wait_reader_report(min_version=0, readers=0, timeout=1).rows[0]
+    assert (row["state"], row["version"], row["invalid_since"], row["error"]) == ("valid", 8, None, None)
+
+
 # --- security and validation -----------------------------------------------------------------------
 
 def test_every_route_but_healthz_needs_the_token(server):

@@ -23,6 +23,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_quant_offers.py", "test_roster.py", "test_rollouts.py", "test_rollouts_trl.py",
         "test_trl_switch.py", "test_validate.py", "test_wait_logs.py", "test_wire.py", "test_device_memory.py",
         "test_side_streams.py", "test_meta_state_dir.py", "test_fleet_decide.py", "test_fleet_invariants.py", "test_sites.py",
+        "test_invalid_on_failure.py",
     }),
     "contract": frozenset({
         "test_transport_contract.py", "test_transport_delta.py", "test_transport_nixl.py",
@@ -33,7 +34,7 @@ TIERS: dict[str, frozenset[str]] = {
     "e2e": frozenset({
         "test_bench.py", "test_doctor.py", "test_engine_hf.py", "test_engine_vllm.py",
         "test_example_fsdp_to_vllm.py", "test_examples.py", "test_engine_matrix.py", "test_engine_state.py",
-        "test_draft_models.py", "test_draft_paths.py", "test_quant_block.py", "test_eplb.py", "test_sites_netns.py", "test_integration_trl.py",
+        "test_draft_models.py", "test_draft_paths.py", "test_quant_block.py", "test_eplb.py", "test_sites_netns.py", "test_invalid_vllm.py", "test_integration_trl.py",
         "test_integration_verl.py", "test_launch.py", "test_megatron_frontier.py", "test_ray_multinode.py",
         "test_readme.py", "test_rollouts_vllm.py", "test_scripts.py", "test_sources_deepspeed.py",
         "test_sources_dtensor.py", "test_sources_megatron.py", "test_sync_e2e.py", "test_vllm_layout.py",

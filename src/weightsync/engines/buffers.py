@@ -2,7 +2,11 @@
 ``nn.Module`` with Hugging Face names.
 
 These are what tests, the demo and custom inference code use: the transport writes
-straight into the tensors (parameters), and ``apply`` only records the version.
+straight into the tensors (parameters), and ``apply`` only records the version. So the
+engine's weights are touched from the transport's first receive of a version on: a failure
+after it leaves the engine invalid (``weight_version`` None, ``invalid`` set) until a later
+version arrives in full; a failure before it (a refused plan, a writer dead before the
+receive) leaves it at its version.
 
     engine = ShardedEngine("vllm:tp=2", config, rank)   # allocates vLLM-style shards
     engine = ModuleEngine(hf_model, config)             # an HF model, updated in place
@@ -18,27 +22,35 @@ import torch
 
 from weightsync.layout import ModelSpec, RankLayout, parse_layout
 from weightsync.layout.models import merge, named_layout, prefixed
+from weightsync.ports.engine import Invalid, Validity
 from weightsync.tools.torch_layout import allocate, dtype_name, module_layout, named_tensors
 
 
 class _InPlace:
-    """Shared bookkeeping: version and validity of in-place buffers."""
+    """Shared bookkeeping: version and validity of in-place buffers (the weights themselves)."""
 
     stages_in_phases: ClassVar[bool] = False
     keeps_received_bytes: ClassVar[bool] = True  # the parameters themselves
 
     def __init__(self) -> None:
-        self._version: int | None = None
+        self.validity = Validity()
+
+    def receiving(self, version: int) -> None:
+        self.validity.touch(version)  # the receive buffers are the live weights
 
     def apply(self, version: int) -> None:
-        self._version = version
+        self.validity.applied(version)
 
     def abort(self, version: int, error: BaseException) -> None:
-        self._version = None
+        self.validity.failed(version, error)
 
     @property
     def weight_version(self) -> int | None:
-        return self._version
+        return self.validity.version
+
+    @property
+    def invalid(self) -> Invalid | None:
+        return self.validity.invalid
 
 
 class ShardedEngine(_InPlace):

@@ -24,6 +24,11 @@ then hands them over through one of SGLang's two public APIs:
 
 SGLang's KV cache is flushed by the update call itself (``flush_cache=True`` on the last
 request). ``sglang`` is imported only here, lazily; needs a CUDA GPU.
+
+A version touches SGLang only when its update call starts (nothing is received in place): a
+transfer that fails leaves SGLang at its version; an update call that fails (SGLang refused it,
+a bucket broke off) leaves it invalid, its weight version ``invalid:<version>`` where it can be
+set, until a later version is loaded.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from typing import Any, Literal
 
 import torch
 
-from weightsync.engines.staging import StagedWeights
+from weightsync.engines.staging import StagedWeights, invalid_stamp
 from weightsync.layout import ModelSpec
 from weightsync.tools.devices import resolve_device, sglang_staging_device
 from weightsync.tools.torch_layout import dtype_name
@@ -107,6 +112,12 @@ class SGLangEngine(StagedWeights):
         set_version = getattr(self.engine, "update_weight_version", None)
         if set_version is not None and not failed:
             set_version(str(version))
+
+    def _invalidate(self, version: int) -> None:
+        # SGLang loaded part of the version (or a bucket of it): its outputs say so from now on.
+        set_version = getattr(self.engine, "update_weight_version", None)
+        if set_version is not None:
+            set_version(invalid_stamp(version))
 
     # -- mode="distributed" ---------------------------------------------------------------------
     def _broadcast(self, items: list[tuple[str, torch.Tensor]]) -> None:

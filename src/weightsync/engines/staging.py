@@ -12,6 +12,15 @@ own loader, which fuses, shards and repacks exactly as at start-up.
 
 Memory: one copy of the model in the engine's dtype, on the device given; with phases
 (``SyncConfig(layer_phases=True)``), one phase of whole layers.
+
+**Where a version first touches the engine**, and so what a failure leaves: the engine's own
+weights are touched by the first byte received into a tensor taken in place
+(:meth:`StagedWeights.receive_in_place`), else by the opening of its load (:meth:`_begin`:
+with phases, of the first phase). A failure after that makes the engine invalid
+(``weight_version`` None, ``invalid`` set, :meth:`_invalidate` stamps the engine itself) until a
+later version is loaded in full; a failure before it (a refused plan, a dead writer, a transfer
+that broke off in staging, staged tensors refused by the checks) leaves the engine serving the
+version it had, untouched: whole-model staging is what lets such an engine keep its version.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import time
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import ClassVar
@@ -30,6 +40,7 @@ from weightsync.layout.box import Box
 from weightsync.layout.kinds.hf import HFLayout
 from weightsync.layout.restrict import restrict
 from weightsync.ports import device as device_port
+from weightsync.ports.engine import Invalid
 from weightsync.tools.torch_layout import TORCH_DTYPES, dtype_name
 
 logger = logging.getLogger(__name__)
@@ -80,8 +91,10 @@ class StagedWeights:
         self._buffers: dict[str, torch.Tensor] = {}
         self._version: int | None = None
         self._complete = False  # every buffer holds one consistent version
-        self._touched = False   # a load into the engine started and did not finish
+        self._touched = False   # bytes of a version that did not complete reached the engine's weights
         self._loading: int | None = None  # the version whose load is open (between phases)
+        #: why the engine serves no valid version (None: it serves ``_version``, or what it started with)
+        self.invalid: Invalid | None = None
         #: checkpoint tensors received straight into the engine's own parameters (no staging)
         self._direct: dict[str, torch.Tensor] = {}
         #: device memory reserved for the arena before the engine sized its cache (adopt_reserve)
@@ -107,7 +120,13 @@ class StagedWeights:
 
     @property
     def weight_version(self) -> int | None:
-        return self._version
+        return None if self._touched or self.invalid is not None else self._version
+
+    def receiving(self, version: int) -> None:
+        """Bytes of ``version`` land in staging, and in the tensors taken in place, which are the
+        engine's own: with any, the engine is touched from here on."""
+        if self._direct:
+            self._touched = True
 
     @property
     def staging_bytes(self) -> int:
@@ -215,34 +234,36 @@ class StagedWeights:
         if self._phases[phase] != names:
             raise ValueError(f"phase {phase} of the job holds other tensors than this engine laid out: the engine "
                              "and the job disagree on phases (same max_bucket_bytes everywhere?)")
-        if phase == 0:
-            self._open(version)
         items = [(s.name, self._buffers[s.name]) for s in self._phase_shards[phase]]
         check_weights(_only(self._layout, items), dict(items), complete=True, exact_dtype=True)
+        if phase == 0:
+            self._open(version)
         self._load_items(items)
         if self._device.type == "cpu":
             trim_host_heap()
 
     # -- the version's lifecycle ----------------------------------------------------------------
     def _open(self, version: int) -> None:
-        self._version = None
-        self._touched = True
+        self._touched = True  # from the first call into the engine's loader on
         self._loading = version
         self._begin(version)
 
     def apply(self, version: int) -> None:
         """Every buffer (or phase) holds ``version`` (the reader's contract): complete the load."""
         if self._loading != version:  # the whole model at once: load it all now
+            items = self.staged_items()  # checked before the engine is touched
             self._open(version)
-            self._load_items(self.staged_items())
+            self._load_items(items)
         self._loading = None
         self._end(version)
         self._complete = True
         self._touched = False
+        self.invalid = None
         self._version = version
 
     def abort(self, version: int, error: BaseException) -> None:
-        # The buffers may hold a mix of two versions; the next update must be a full one.
+        """The update of ``version`` failed: invalid if it touched the engine (see module docstring)."""
+        # Staging may hold a mix of two versions either way: the next update must be a full one.
         if self._loading is not None:
             self._loading = None
             try:
@@ -250,10 +271,18 @@ class StagedWeights:
             except Exception as exc:  # the original error is what the caller sees
                 logger.warning("closing the failed load of version %d: %s", version, exc)
         self._complete = False
-        self._version = None
-        self._touched = self._touched or bool(self._direct)  # in-place tensors may hold part of it
-        logger.warning("version %d was not applied (%s); the engine's weights are %s", version, error,
-                       "invalid until the next full update" if self._touched else "unchanged")
+        if self._touched:
+            self._touched = False
+            self._version = None
+            since = self.invalid.since if self.invalid is not None else time.time()
+            self.invalid = Invalid(version, str(error) or type(error).__name__, since)
+            try:
+                self._invalidate(version)
+            except Exception as exc:  # the original error is what the caller sees
+                logger.warning("marking the engine invalid after version %d failed: %s", version, exc)
+        logger.warning("version %d was not applied (%s); the engine %s", version, error,
+                       "is invalid until a later version is loaded in full" if self.invalid is not None
+                       else f"still serves {'its start-up weights' if self._version is None else self._version}")
 
     # -- direct loading -----------------------------------------------------------------------
     def update(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
@@ -271,6 +300,7 @@ class StagedWeights:
         self.use_phases(None)
         items = dict(weights.items() if isinstance(weights, Mapping) else weights)
         check_weights(self._layout, items, complete=not self._complete)
+        self.receiving(version)
         for name, tensor in items.items():
             self.dev.copy(self._buffers[name], tensor)
         try:
@@ -297,8 +327,19 @@ class StagedWeights:
     def _end(self, version: int, *, failed: bool = False) -> None:
         """Complete (or, ``failed``, close) the load: after it the engine serves the new weights."""
 
+    def _invalidate(self, version: int) -> None:
+        """The engine's weights are a mix since ``version`` failed: say so where its outputs are
+        labelled (vLLM, SGLang: their own weight version), until a later version is loaded."""
+
 
 _ALIGN = 64
+
+
+def invalid_stamp(version: int) -> str:
+    """The weight version an engine (vLLM, SGLang) is given when the update to ``version`` failed
+    after touching its weights: every output it generates until a later full update carries it,
+    so rollouts of mixed weights can be told apart and dropped."""
+    return f"invalid:{version}"
 
 
 def trim_host_heap() -> None:

@@ -37,18 +37,21 @@ this module; ``vllm`` is imported lazily, inside functions.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weightsync.engines.staging import StagedWeights
+from weightsync.engines.staging import StagedWeights, invalid_stamp
 from weightsync.layout import ModelSpec
 from weightsync.tools.torch_layout import dtype_name
 
 if TYPE_CHECKING:
     from vllm import LLM
+
+logger = logging.getLogger(__name__)
 
 #: The vLLM release the version-specific code below was written and tested against.
 TESTED_VLLM = "0.32.0"
@@ -105,11 +108,37 @@ class VLLMEngine(StagedWeights):
                                "blocks computed with the old weights would be reused")
         self.llm.llm_engine.set_weight_version(str(version))
 
-    def abort(self, version: int, error: BaseException) -> None:
-        super().abort(version, error)
-        if self._touched:
-            # Outputs generated from now on are stamped, so rollouts from broken weights can be dropped.
-            self.llm.llm_engine.set_weight_version(f"invalid:{version}")
+    def _invalidate(self, version: int) -> None:
+        # Outputs generated from now on are stamped, so rollouts from broken weights can be dropped.
+        self.llm.llm_engine.set_weight_version(invalid_stamp(version))
+
+
+#: The method the ``"weightsync"`` backend gives each vLLM worker it runs in: None while the
+#: worker's weights are valid, else ``{"version", "error", "since"}`` of the failed update that left
+#: them mixed. Drivers ask it by name: ``llm.collective_rpc(WORKER_INVALID)``, and through ``vllm
+#: serve``'s dev-mode ``POST /collective_rpc {"method": "weightsync_invalid"}``.
+WORKER_INVALID = "weightsync_invalid"
+
+
+def invalid_stamp_of(states: Iterable[Mapping[str, Any] | None]) -> str | None:
+    """vLLM's weight version for an engine whose workers answered ``states`` (:data:`WORKER_INVALID`):
+    ``invalid:<version>`` if any worker is invalid, else None (every worker valid)."""
+    versions = [int(state["version"]) for state in states if state]
+    return invalid_stamp(max(versions)) if versions else None
+
+
+def stamp_if_invalid(llm: LLM) -> str | None:
+    """After a failed update of ``llm`` (``"weightsync"`` backend): if the failure left a worker's
+    weights mixed, set vLLM's weight version to ``invalid:<version>`` (every later output carries
+    it) and return it; None if every worker kept valid weights.
+
+    A worker that runs in the engine core's process stamps it itself; vLLM's CPU build runs
+    workers in processes of their own, where only the driver can.
+    """
+    stamp = invalid_stamp_of(llm.collective_rpc(WORKER_INVALID))
+    if stamp is not None:
+        llm.update_weight_version(stamp)
+    return stamp
 
 
 def update_llm(llm: LLM, version: int, *, timeout: float | None = None) -> None:
@@ -120,11 +149,21 @@ def update_llm(llm: LLM, version: int, *, timeout: float | None = None) -> None:
     reset and the engine's weight version set to ``str(version)``.
 
     Raises:
-        Whatever a worker raised (``SyncError``, ``TimeoutError``); the weight version is
-        then left unchanged and the next successful update recovers the engine.
+        Whatever a worker raised (``SyncError``, ``TimeoutError``). If the failed version had
+        touched a worker's weights, the engine is stamped ``invalid:<version>``
+        (:func:`stamp_if_invalid`) before this raises; otherwise it keeps its version. The next
+        successful update recovers the engine.
     """
     llm.start_weight_update()
-    llm.update_weights({"update_info": {"version": version, "timeout": timeout}})
+    try:
+        llm.update_weights({"update_info": {"version": version, "timeout": timeout}})
+    except Exception:
+        try:
+            stamp_if_invalid(llm)
+        except Exception as exc:  # the update's own error is what the caller must see
+            logger.warning("after version %d failed, asking vLLM's workers whether their weights are valid: %s",
+                           version, exc)
+        raise
     llm.finish_weight_update(weight_version=str(version))
     if not llm.reset_prefix_cache():
         raise RuntimeError("vLLM could not reset its prefix cache (requests are running)")

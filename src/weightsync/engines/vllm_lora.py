@@ -36,6 +36,7 @@ import torch
 from weightsync.engines.vllm import spec_of
 from weightsync.layout import RankLayout
 from weightsync.layout.lora import PEFT_PREFIX, LoraSpec
+from weightsync.ports.engine import Invalid, Validity
 from weightsync.tools.torch_layout import allocate, check_tensors, dtype_name
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class _AdapterStaging:
         self._dtype = engine_dtype
         self._layout = lora.rank_layout(spec_of(vllm_config), rank, dtype=dtype_name(engine_dtype))
         self._buffers = allocate(self._layout)
-        self._version: int | None = None
+        self.validity = Validity()
 
     # -- InferenceEngine ----------------------------------------------------------------------
     def layout(self) -> RankLayout:
@@ -81,20 +82,30 @@ class _AdapterStaging:
 
     @property
     def weight_version(self) -> int | None:
-        return self._version
+        return self.validity.version
+
+    @property
+    def invalid(self) -> Invalid | None:
+        return self.validity.invalid
+
+    def receiving(self, version: int) -> None:
+        """Only staging receives: the live adapter is untouched until :meth:`apply`."""
 
     def apply(self, version: int) -> None:
         """Swap the staged adapter in as ``version`` (the old one serves until the swap)."""
         tensors = {name: t.clone() for name, t in self._buffers.items()}  # vLLM scales B in place
+        self.validity.touch(version)  # the old adapter may be gone once the install started
         try:
             self._install(tensors)
-        except BaseException:
-            self._version = None  # the old adapter may be gone: serve nothing stale under a version
+        except BaseException as exc:
+            self.validity.failed(version, exc)  # serve nothing stale under a version
             raise
-        self._version = version
+        self.validity.applied(version)
 
     def abort(self, version: int, error: BaseException) -> None:
-        """Only staging was written: the live adapter (and its version) is unchanged."""
+        """A failed transfer wrote staging only: the live adapter (and its version) is unchanged;
+        a failed install already made the engine invalid."""
+        self.validity.failed(version, error)
 
     def _install(self, tensors: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError
@@ -135,11 +146,12 @@ class VLLMLoraEngine(_AdapterStaging):
     @property
     def lora_request(self) -> LoRARequest | None:
         """The request that generates with the current version (None before the first)."""
-        if self._version is None:
+        version = self.weight_version
+        if version is None:
             return None
         from vllm.lora.request import LoRARequest
 
-        return LoRARequest(self.name, self.lora_id, f"weightsync://{self.name}/v{self._version}")
+        return LoRARequest(self.name, self.lora_id, f"weightsync://{self.name}/v{version}")
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         """The adapter as the engine computes with it, by PEFT name: A as sent, B times ``alpha / r``.

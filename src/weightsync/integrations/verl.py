@@ -52,6 +52,7 @@ from weightsync.job.wire import TensorTable
 from weightsync.layout import RankLayout
 from weightsync.layout.builders import replicated
 from weightsync.layout.types import CanonicalTensor
+from weightsync.ports.engine import Invalid, Validity
 from weightsync.tools.torch_layout import allocate, dtype_name
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class WholeTensorBuffers:
     def __init__(self, layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> None:
         self._layout = layout
         self.buffers = dict(buffers)
-        self._version: int | None = None
+        self.validity = Validity()
 
     def layout(self) -> RankLayout:
         return self._layout
@@ -93,15 +94,22 @@ class WholeTensorBuffers:
     def receive_buffers(self) -> Mapping[str, torch.Tensor]:
         return self.buffers
 
+    def receiving(self, version: int) -> None:
+        self.validity.touch(version)  # the buffers are what the rollout reads
+
     def apply(self, version: int) -> None:
-        self._version = version
+        self.validity.applied(version)
 
     def abort(self, version: int, error: BaseException) -> None:
-        self._version = None
+        self.validity.failed(version, error)
 
     @property
     def weight_version(self) -> int | None:
-        return self._version
+        return self.validity.version
+
+    @property
+    def invalid(self) -> Invalid | None:
+        return self.validity.invalid
 
 
 def topology(actor_world_size: int, rollout_world_size: int,

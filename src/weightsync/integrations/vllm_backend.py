@@ -27,7 +27,15 @@ otherwise received straight into the model) and refuses ``layer_phases``.
 
 Names, shapes and dtypes are checked before the session starts, and the session is always
 closed, so a failed update never leaves the model half-materialised; the next version
-recovers it.
+recovers it. An update that fails after a byte of it reached the model (a tensor received in
+place, a phase loaded, vLLM's loader started) leaves the engine invalid, and vLLM's weight
+version, stamped on every output, becomes ``invalid:<version>``; a failure before that leaves the
+engine at its version. The worker answers whether it is invalid to its driver
+(:data:`~weightsync.engines.vllm.WORKER_INVALID`, a method it adds to vLLM's worker). Who stamps:
+a worker in the engine core's process (vLLM's ``uni`` executor: TP=1 on a GPU) stamps the core
+itself before ``update_weights`` raises (:func:`_calling_engine_core`); otherwise (vLLM's CPU build
+runs every worker in a process of its own) the driver does, as ``update_llm`` and the trainer
+side do after a failed update.
 
 An engine that drafts with the model's MTP layers (``speculative_config`` method ``mtp``) stages
 them too, and every version reloads target and drafter in one session: the drafter holds the
@@ -56,8 +64,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from weightsync.engines.staging import StagedWeights
+from weightsync.engines.staging import StagedWeights, invalid_stamp
 from weightsync.engines.vllm import (
+    WORKER_INVALID,
     ReloadSession,
     check_supported,
     in_place_targets,
@@ -301,6 +310,41 @@ def _creator(model: torch.nn.Module) -> Any:
     return None
 
 
+def _hosting_worker(start: FrameType | None, engine: Any) -> Any:
+    """The vLLM worker whose ``weight_transfer_engine`` is ``engine``: a caller of its
+    ``init_transfer_engine`` (vLLM 0.32: ``Worker.init_weight_transfer_engine``); None if not found."""
+    frame = start
+    for _ in range(6):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if getattr(owner, "weight_transfer_engine", None) is engine:
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def _calling_engine_core(start: FrameType | None) -> Any:
+    """vLLM's engine core whose call (a ``collective_rpc``) runs this worker code; None if none.
+
+    The core holds the weight version stamped on every output (vLLM 0.32: ``EngineCore``, with
+    ``set_weight_version``), and a worker has no reference to it. An engine of one worker runs
+    it in the core's own process (vLLM's ``uni`` executor: an ``LLM`` in or out of process, ``vllm
+    serve`` with TP=PP=DP=1), so the core is a caller on this thread's stack. Executors that run
+    workers in their own processes (``mp``, ``ray``) leave it unreachable.
+    """
+    frame = start
+    for _ in range(16):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if all(callable(getattr(owner, name, None)) for name in ("set_weight_version", "get_weight_version",
+                                                                 "collective_rpc")):
+            return owner
+        frame = frame.f_back
+    return None
+
+
 class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):
     """vLLM ``WeightTransferEngine`` hosting a weightsync ``WeightReader`` (see module docstring)."""
 
@@ -381,6 +425,12 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
                 if init_info.meta_address else MetaClient.from_env(job=config.job, timeout=config.timeout))
         self.reader = WeightReader(engine, rank=rank, config=config, meta=meta)
         self.prefetch = Prefetch(self.reader) if init_info.prefetch else None
+        worker = _hosting_worker(sys._getframe(1), self)
+        if worker is not None:  # drivers ask it after a failed update: collective_rpc(WORKER_INVALID)
+            setattr(worker, WORKER_INVALID, self.invalid_state)
+        else:
+            logger.warning("weightsync: the vLLM worker hosting this backend was not found; drivers cannot ask it "
+                           "whether a failed update left its weights invalid (%s)", WORKER_INVALID)
         what = (f"LoRA adapter id {init_info.lora_id} (r={lora.r})" if lora is not None else
                 "phases of whole layers" if config.layer_phases else "the whole model at once")
         logger.info("weightsync reader %d ready (%s%s); staging is laid out", rank,
@@ -406,9 +456,38 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on CPU-only torch.
         with self._span("update_weights"):
-            self.receive_weights(self.parse_update_info(update_info))
+            try:
+                self.receive_weights(self.parse_update_info(update_info))
+            except BaseException:
+                self._stamp_invalid(sys._getframe(1))
+                raise
             if torch.accelerator.is_available():
                 torch.accelerator.synchronize()
+
+    def invalid_state(self) -> dict[str, Any] | None:
+        """This worker's :data:`~weightsync.engines.vllm.WORKER_INVALID` answer: None while its
+        weights are valid, else the failed version, its error and since when (plain data)."""
+        invalid = self.reader.invalid if self.reader is not None else None
+        return None if invalid is None else {"version": invalid.version, "error": invalid.error,
+                                             "since": invalid.since}
+
+    def _stamp_invalid(self, caller: FrameType | None) -> None:
+        """The update failed: if it left this worker's engine invalid, stamp vLLM's weight version
+        ``invalid:<version>`` before the error reaches the driver (module docstring)."""
+        invalid = self.reader.invalid if self.reader is not None else None
+        if invalid is None:
+            return
+        core = _calling_engine_core(caller)
+        if core is None:  # a worker process of its own: the driver stamps (update_llm, the trainer side)
+            logger.warning("weightsync: version %d left this worker's weights invalid; vLLM's engine core runs in "
+                           "another process, so its driver must stamp its weight version %r (update_llm and the "
+                           "trainer side do; over HTTP: POST /update_weight_version)", invalid.version,
+                           invalid_stamp(invalid.version))
+            return
+        try:
+            core.set_weight_version(invalid_stamp(invalid.version))
+        except Exception as exc:  # the update's own error is what the driver must see
+            logger.warning("weightsync: stamping vLLM's weight version invalid: %s", exc)
 
     def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
         if self.reader is None:

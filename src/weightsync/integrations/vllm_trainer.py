@@ -36,6 +36,7 @@ import dataclasses
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -242,6 +243,12 @@ class LLMClient:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache (requests are running)")
 
+    def stamp_if_invalid(self) -> str | None:
+        """After a failed version: stamp the engine ``invalid:<version>`` if a worker's weights are."""
+        from weightsync.engines.vllm import stamp_if_invalid
+
+        return stamp_if_invalid(self.llm)
+
 
 def check_reset_answer(url: str, body: bytes) -> None:
     """Refuse a prefix-cache reset that vLLM answered 200 but did not do: since 0.32 the route says
@@ -340,6 +347,8 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         self._closers = closers
         self._lock = threading.Lock()
         self._reset_prefix_cache: Callable[[], None] = lambda: None  # the sender's is set at trainer_init
+        #: the sender's way to stamp vLLM invalid after a failed version (vllm_trainer_stamp.py); None: none
+        self._stamp_invalid: Callable[[], str | None] | None = None
         #: a write still running when the workers' error was raised (waited for by the next version)
         self._unfinished_write: Future[Any] | None = None
         #: seconds any one wait may take (the job's ``timeout``)
@@ -348,6 +357,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
     @classmethod
     def trainer_init(cls, init_info: WeightSyncTrainerInitInfo, *, client: Any,
                      source: Any = None) -> WeightSyncTrainerEngine:
+        from weightsync.integrations.vllm_trainer_stamp import invalid_stamper
         from weightsync.meta.client import MetaClient
         from weightsync.meta.config import MetaEnv
         from weightsync.roles.writer import WeightWriter
@@ -376,6 +386,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         if engine.is_sender:
             assert resetter is not None
             engine._reset_prefix_cache = resetter
+            engine._stamp_invalid = invalid_stamper(client, config.timeout)
             adapter = lora.peft_config() if isinstance(lora, LoraSpec) else None  # adapter-only versions
             client.init_weight_transfer_engine(init_info.worker_init_info(address, token, adapter))
         return engine
@@ -384,7 +395,9 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         """Send the next version (or ``version``) on every rank; rank 0 drives vLLM (module docstring).
 
         Raises:
-            SyncError: a rank or a worker failed; the workers stay on their last complete version.
+            SyncError: a rank or a worker failed. Workers whose weights the failed version touched
+                are invalid, and rank 0 has stamped vLLM's weight version ``invalid:<version>``;
+                the others keep their version. The next version recovers them.
         """
         with self._lock:
             self.version = version if version is not None else self.version + 1
@@ -397,7 +410,11 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                 self.last_result = self.writer.write(v)
                 return
             self.client.start_weight_update()
-            self._send_and_update(v)
+            try:
+                self._send_and_update(v)
+            except BaseException:
+                self._stamp_if_invalid(v)
+                raise
             self.client.finish_weight_update(weight_version=str(v))
             self._reset_prefix_cache()
 
@@ -410,6 +427,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         waited for past the timeout (threads that never answer are left behind, not joined).
         """
         pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="weightsync-vllm-send")
+        deadline = time.monotonic() + self.timeout
         try:
             rpc = pool.submit(self.client.update_weights, {"version": version, "timeout": self.timeout})
             write = pool.submit(self.writer.write, version)
@@ -417,8 +435,12 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             if rpc in done and rpc.exception() is not None and not (write in done and write.exception() is not None):
                 self._unfinished_write = write  # the next version waits for it: one write at a time
                 raise self._worker_error(rpc.exception(), version)  # the workers' refusal, as itself
-            # the writer's error is the one to see (the workers fail because of it)
-            self.last_result = write.result(timeout=max(0.0, self.timeout))
+            try:
+                self.last_result = write.result(timeout=max(0.0, self.timeout))
+            except BaseException:  # the writer's error is the one to see (the workers fail because of it) ...
+                with contextlib.suppress(Exception):  # ... once they did: what they hold is then settled
+                    rpc.result(timeout=max(0.0, deadline - time.monotonic()))
+                raise
             self._worker_result(rpc, version)
         finally:
             pool.shutdown(wait=False)  # an RPC that never answers must not hold this call past its timeout
@@ -429,6 +451,18 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                      "writer stops waiting for them at its timeout)", self.info.rank, version,
                      type(error).__name__, error)
         return error
+
+    def _stamp_if_invalid(self, version: int) -> None:
+        """Version ``version`` failed: if it left a worker's weights mixed, stamp vLLM invalid."""
+        if self._stamp_invalid is None:
+            logger.warning("version %d failed, and %s cannot stamp vLLM's weight version invalid if a worker's "
+                           "weights are (the meta server's status page shows its reader)", version,
+                           type(self.client).__name__)
+            return
+        try:
+            self._stamp_invalid()
+        except Exception as exc:  # the update's own error is what the caller must see
+            logger.warning("version %d failed; stamping vLLM's weight version invalid failed too: %s", version, exc)
 
     def _worker_result(self, rpc: Future[Any], version: int) -> None:
         """The workers' ``update_weights`` of ``version``: their error, or one naming where they

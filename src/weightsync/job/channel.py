@@ -418,10 +418,12 @@ class JobChannel:
         held = self.meta.reader_versions()
         return max((version - (held.get(r) or 0) for r in range(readers)), default=0)
 
-    def report_failed(self, version: int, error: str, *, epoch: int | None = None) -> None:
-        """This reader failed ``version`` (published in ``epoch``): its weights are at no valid
-        version until the next (or this one, written again in a later epoch)."""
-        self.meta.report_failed(self.rank, version, error[:2000], epoch=epoch)
+    def report_failed(self, version: int, error: str, *, epoch: int | None = None, invalid: bool = True,
+                      holds: int | None = None) -> None:
+        """This reader failed ``version`` (published in ``epoch``): its engine is ``invalid`` (a mix of
+        versions) until the next version (or this one, written again in a later epoch), or, when
+        the failure never touched it, still serves ``holds`` (None: what it started with)."""
+        self.meta.report_failed(self.rank, version, error[:2000], epoch=epoch, invalid=invalid, holds=holds)
 
     def wait_readers(self, *, min_version: int, readers: int, deadline: Deadline,
                      epoch: int | None = None, writers: int = 0) -> dict[int, str]:

@@ -111,8 +111,10 @@ class AsyncMetaClient(ClientBase):
         await self._run(self._one(calls.report_applied(self.job, reader_rank, version, nbytes=nbytes,
                                                        seconds=seconds)))
 
-    async def report_failed(self, reader_rank: int, version: int, error: str, *, epoch: int | None = None) -> None:
-        await self._run(self._one(calls.report_failed(self.job, reader_rank, version, error, epoch)))
+    async def report_failed(self, reader_rank: int, version: int, error: str, *, epoch: int | None = None,
+                            invalid: bool = True, holds: int | None = None) -> None:
+        await self._run(self._one(calls.report_failed(self.job, reader_rank, version, error, epoch, invalid=invalid,
+                                                      holds=holds)))
 
     async def reader_versions(self) -> dict[int, int | None]:
         return (await self._run(self._one(calls.readers(self.job)))).versions

@@ -171,10 +171,14 @@ def report_applied(job: str, reader_rank: int, version: int, *, nbytes: int, sec
                 body=wire.pack(body))
 
 
-def report_failed(job: str, reader_rank: int, version: int, error: str, epoch: int | None = None) -> Call[None]:
-    body: dict[str, Any] = {"version": _int("version", version, -1), "error": str(error)[:4096]}
+def report_failed(job: str, reader_rank: int, version: int, error: str, epoch: int | None = None, *,
+                  invalid: bool = True, holds: int | None = None) -> Call[None]:
+    body: dict[str, Any] = {"version": _int("version", version, -1), "error": str(error)[:4096],
+                            "invalid": bool(invalid)}
     if epoch is not None:
         body["epoch"] = _int("epoch", epoch)
+    if holds is not None and not invalid:
+        body["holds"] = _int("holds", holds)
     return Call("POST", f"{_job(job)}/readers/{_int('reader_rank', reader_rank)}/failed", lambda o: None,
                 body=wire.pack(body))
 

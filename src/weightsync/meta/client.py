@@ -172,10 +172,13 @@ class MetaClient(ClientBase):
         """Reader ``reader_rank`` now serves ``version`` (``nbytes`` received in ``seconds``)."""
         self._run(self._one(calls.report_applied(self.job, reader_rank, version, nbytes=nbytes, seconds=seconds)))
 
-    def report_failed(self, reader_rank: int, version: int, error: str, *, epoch: int | None = None) -> None:
-        """Reader ``reader_rank`` failed to apply ``version`` (as published in ``epoch``): its weights
-        are not at a valid version. A failure of an epoch that a later one superseded is ignored."""
-        self._run(self._one(calls.report_failed(self.job, reader_rank, version, error, epoch)))
+    def report_failed(self, reader_rank: int, version: int, error: str, *, epoch: int | None = None,
+                      invalid: bool = True, holds: int | None = None) -> None:
+        """Reader ``reader_rank`` failed to apply ``version`` (as published in ``epoch``): its engine
+        is ``invalid`` (the failure touched its weights), or still serves ``holds`` (None: what it
+        started with). A failure of an epoch that a later one superseded is ignored."""
+        self._run(self._one(calls.report_failed(self.job, reader_rank, version, error, epoch, invalid=invalid,
+                                                holds=holds)))
 
     def reader_versions(self) -> dict[int, int | None]:
         """Reader rank -> last applied version (None: never applied, or failed since)."""

@@ -123,6 +123,9 @@ class ReaderApplied:
 
 @dataclass(frozen=True, slots=True)
 class ReaderFailed:
+    """Reader ``rank`` failed ``version``: its engine is ``invalid`` (a mix of versions), or it
+    still serves ``holds`` (None: what it started with) because the failure never touched it."""
+
     op: ClassVar[str] = "failed"
     job: str
     rank: int
@@ -131,6 +134,8 @@ class ReaderFailed:
     nbytes: int
     seconds: float
     at: float
+    invalid: bool = True
+    holds: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +152,7 @@ class ReaderRestored:
     seconds: float
     at: float | None
     applied_at: float | None
+    invalid_since: float | None = None  # a failed update left its engine invalid, since then
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +217,7 @@ def _is_endpoints(v: Any) -> bool:
 #: the field annotations used above -> (check, what the message calls it)
 _TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "str": (lambda v: isinstance(v, str), "a str"), "bytes": (lambda v: isinstance(v, bytes), "bytes"),
-    "int": (_is_int, "an int"), "float": (_is_number, "a number"),
+    "int": (_is_int, "an int"), "float": (_is_number, "a number"), "bool": (lambda v: isinstance(v, bool), "a bool"),
     "Mapping[str, str]": (_is_endpoints, "a map of str to str"),
 }
 
@@ -241,6 +247,11 @@ def _legacy(obj: dict[str, Any]) -> dict[str, Any]:
                "seconds": obj.get("seconds", 0.0), "at": obj.get("at"), "applied_at": obj.get("applied_at")}
     elif op in ("applied", "failed"):
         obj = {"nbytes": 0, "seconds": 0.0, **obj}
+    if obj["op"] == "failed":  # before engines said whether a failure left them invalid: it did
+        obj = {"invalid": True, "holds": None, **obj}
+    elif obj["op"] == "reader" and "invalid_since" not in obj:
+        failed = obj.get("version") is None and obj.get("error") is not None
+        obj = {**obj, "invalid_since": obj.get("at") if failed else None}
     return obj
 
 
@@ -248,7 +259,8 @@ def event_from_wire(obj: Any) -> Event:
     """Decode one stored event, checking every field against its declared type.
 
     Reads the maps this release writes and those of earlier releases (``"attempt"`` for the
-    epoch, readers in a snapshot as ``"applied"``/``"failed"`` with ``"applied_at"``).
+    epoch, readers in a snapshot as ``"applied"``/``"failed"`` with ``"applied_at"``, failures
+    without ``"invalid"``: the engine was invalid).
 
     Raises:
         EventError: naming the op and the field that is missing or of the wrong type.

@@ -1,7 +1,8 @@
 """Prometheus metrics of one meta server (``GET /metrics``).
 
 Request counters and latencies are recorded by the server's middleware; job gauges (participants,
-latest version, reader lag, time since the last sync) are computed from the state at scrape
+latest version, reader lag, time since the last sync, each reader's validity: invalid since when,
+its failed version and error) are computed from the state at scrape
 time, so they are never stale and cost nothing between scrapes. Each server has its own
 registry, so several embedded servers in one process do not collide.
 """
@@ -34,6 +35,14 @@ class _StateCollector(Collector):
                                     "readers that never applied a version or reported a failure", labels=["job"])
         since = GaugeMetricFamily("weightsync_meta_seconds_since_last_sync",
                                   "seconds since a reader last reported an applied version", labels=["job"])
+        mixed = GaugeMetricFamily("weightsync_meta_reader_invalid",
+                                  "1 while a failed update leaves the reader's engine serving a mix of versions "
+                                  "(until a later version is applied in full), else 0", labels=["job", "rank"])
+        mixed_since = GaugeMetricFamily("weightsync_meta_reader_invalid_since_seconds",
+                                        "unix time at which an invalid reader became invalid", labels=["job", "rank"])
+        mixed_info = GaugeMetricFamily("weightsync_meta_reader_invalid_info",
+                                       "an invalid reader's failed version and error (first 200 characters)",
+                                       labels=["job", "rank", "version", "error"])
         now = time.time()
         for name, job in sorted(self.state.jobs.items()):
             for role, rows in job.rows.items():
@@ -48,7 +57,13 @@ class _StateCollector(Collector):
             synced = [r["last_sync_at"] for r in readers if r["last_sync_at"] is not None]
             if synced:
                 since.add_metric([name], now - max(synced))
-        yield from (participants, latest, max_lag, invalid, since)
+            for r in readers:
+                rank = str(r["rank"])
+                mixed.add_metric([name, rank], float(r["state"] == "invalid"))
+                if r["state"] == "invalid":
+                    mixed_since.add_metric([name, rank], r["invalid_since"])
+                    mixed_info.add_metric([name, rank, str(r["failed_version"]), (r["error"] or "")[:200]], 1.0)
+        yield from (participants, latest, max_lag, invalid, since, mixed, mixed_since, mixed_info)
         yield GaugeMetricFamily("weightsync_meta_jobs", "job namespaces", value=len(self.state.jobs))
         yield GaugeMetricFamily("weightsync_meta_waiting_requests", "long-polls being held",
                                 value=self.state.watch.waiting)

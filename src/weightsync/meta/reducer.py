@@ -66,6 +66,8 @@ class ReaderState:
     applied_at: float | None = None  # last successful sync
     error: str | None = None
     failed_version: int | None = None  # the version of the last failed report
+    #: when a failed update left the reader's engine invalid (serving a mix of versions); None: valid
+    invalid_since: float | None = None
 
 
 @dataclass(slots=True)
@@ -220,12 +222,17 @@ def _reader(job: Job, event: ReaderApplied | ReaderFailed | ReaderRestored) -> l
     state.at, state.nbytes, state.seconds = event.at, event.nbytes, event.seconds
     if isinstance(event, ReaderRestored):
         state.version, state.failed_version, state.error = event.version, event.failed_version, event.error
-        state.applied_at = event.applied_at
+        state.applied_at, state.invalid_since = event.applied_at, event.invalid_since
         return []
     if isinstance(event, ReaderApplied):
-        state.version, state.applied_at, state.error = event.version, event.at, None
+        state.version, state.applied_at, state.error, state.invalid_since = event.version, event.at, None, None
     else:
-        state.version, state.error, state.failed_version = None, event.error, event.version
+        state.error, state.failed_version = event.error, event.version
+        if event.invalid:  # invalid since the first failure that left it so
+            state.version = None
+            state.invalid_since = event.at if state.invalid_since is None else state.invalid_since
+        else:  # the failure never touched the engine: it serves what it served
+            state.version, state.invalid_since = event.holds, None
     return [ReadersChanged(job.name)]
 
 
@@ -254,6 +261,6 @@ def snapshot(data: MetaData) -> list[Event]:
             out.extend(VersionReported(name, version, p.fingerprint, p.epoch, w, p.num_writers, job.updated_at)
                        for w in sorted(p.ranks))
         out.extend(ReaderRestored(name, rank, r.version, r.failed_version, r.error, r.nbytes, r.seconds, r.at,
-                                  r.applied_at) for rank, r in job.readers.items())
+                                  r.applied_at, r.invalid_since) for rank, r in job.readers.items())
         out.append(JobRestored(name, job.created_at, job.updated_at, job.roster_revision))
     return out

@@ -166,6 +166,10 @@ class FailedBody(_Body):
     version: Annotated[int, Field(ge=-1, lt=MAX_INT)]
     error: Annotated[str, Field(max_length=4096)]
     epoch: Annotated[int | None, Field(ge=0, lt=MAX_INT)] = None
+    #: the failure left the engine a mix of versions (clients that do not say: it did)
+    invalid: bool = True
+    #: the version a valid engine still serves (None: what it started with)
+    holds: Annotated[int | None, Field(ge=0, lt=MAX_INT)] = None
 
 
 M = TypeVar("M", bound=_Body)
@@ -455,7 +459,8 @@ def create_app(state: MetaState, config: ServerConfig) -> FastAPI:
     @app.post("/v1/jobs/{job}/readers/{rank}/failed")
     async def failed(request: Request, job: Job, rank: Annotated[int, Path(ge=0, lt=MAX_RANK)]) -> Response:
         body = await _parse(request, FailedBody)
-        await state.report_reader(job, rank, body.version, error=body.error, epoch=body.epoch)
+        await state.report_reader(job, rank, body.version, error=body.error, epoch=body.epoch, invalid=body.invalid,
+                                  holds=None if body.invalid else body.holds)
         return _reply(request, {"ok": True})
 
     @app.get("/v1/jobs/{job}/readers")

@@ -338,8 +338,10 @@ class MetaState:
 
     # --- readers ---------------------------------------------------------------------------
     async def report_reader(self, job: str, rank: int, version: int, *, nbytes: int = 0, seconds: float = 0.0,
-                            error: str | None = None, epoch: int | None = None) -> None:
-        """Record that reader ``rank`` applied ``version`` (or failed to: ``error`` set).
+                            error: str | None = None, epoch: int | None = None, invalid: bool = True,
+                            holds: int | None = None) -> None:
+        """Record that reader ``rank`` applied ``version`` (or failed to: ``error`` set; its engine
+        then is ``invalid``, or still serves ``holds``).
 
         A failure of the version as published in ``epoch``, when it is published in a later
         epoch since, is ignored (a late report: the reader takes the newer one, and the writers
@@ -350,7 +352,7 @@ class MetaState:
         """
         at = time.time()
         event: Event = (ReaderApplied(job, rank, version, nbytes, seconds, at) if error is None
-                        else ReaderFailed(job, rank, version, error, nbytes, seconds, at))
+                        else ReaderFailed(job, rank, version, error, nbytes, seconds, at, invalid, holds))
 
         def plan() -> list[Event]:
             state = self.jobs.get(job)

@@ -22,10 +22,27 @@ def _ago(at: float | None, now: float) -> str:
     return f"{seconds / 3600:.1f} h ago"
 
 
-def _table(headers: list[str], rows: list[list[Any]]) -> str:
+def _table(headers: list[str], rows: list[list[Any]], *, bad: list[bool] | None = None) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    marks = bad or [False] * len(rows)
+    body = "".join(("<tr class='bad'>" if mark else "<tr>") + "".join(f"<td>{html.escape(str(c))}</td>" for c in row)
+                   + "</tr>" for row, mark in zip(rows, marks, strict=True))
     return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _state(reader: dict[str, Any], now: float) -> str:
+    """A reader's state: valid, invalid since when (a failed update left its engine a mix of
+    versions), or no version yet."""
+    if reader["state"] == "invalid":
+        return f"INVALID since {_ago(reader['invalid_since'], now)}"
+    return "valid" if reader["state"] == "valid" else "no version yet"
+
+
+def _failure(reader: dict[str, Any]) -> str:
+    if not reader["error"]:
+        return ""
+    version = reader.get("failed_version")
+    return reader["error"] if version is None else f"version {version}: {reader['error']}"
 
 
 def render(status: dict[str, Any], *, refresh_seconds: int = 5) -> str:
@@ -59,10 +76,11 @@ def render(status: dict[str, Any], *, refresh_seconds: int = 5) -> str:
                  for p in job["pending_versions"]]))
         if job["reader_state"]:
             parts.append("<h3>Readers</h3>" + _table(
-                ["rank", "version", "lag", "last sync", "seconds", "bytes", "error"],
-                [[r["rank"], "invalid" if r["version"] is None else r["version"],
+                ["rank", "state", "version", "lag", "last sync", "seconds", "bytes", "last failure"],
+                [[r["rank"], _state(r, now), "" if r["version"] is None else r["version"],
                   "" if r["lag"] is None else r["lag"], _ago(r["last_sync_at"], now),
-                  f"{r['seconds']:.3f}", r["nbytes"], r["error"] or ""] for r in job["reader_state"]]))
+                  f"{r['seconds']:.3f}", r["nbytes"], _failure(r)] for r in job["reader_state"]],
+                bad=[r["state"] == "invalid" for r in job["reader_state"]]))
         parts.append("<h3>Participants</h3>" + _table(
             ["role", "rank", "group", "host", "endpoints", "layout"],
             [[p["role"], p["rank"], p["group"], p["host"],

@@ -3,7 +3,7 @@
 Pure functions of :class:`~weightsync.meta.reducer.MetaData` (plus the server facts the status
 names), so ``GET /v1/status``, the HTML page and ``/metrics`` all read one thing.
 
-    rows = reader_rows(data.jobs["grpo"])             # rank, version, lag, last sync, error
+    rows = reader_rows(data.jobs["grpo"])             # rank, state, version, lag, last sync, error
     page = status(data, server={"instance": ...})     # {"server": ..., "jobs": [...]}
 """
 
@@ -32,8 +32,14 @@ def encode_roster(name: str, job: Job | None, *, msgpack_: bool) -> bytes:
     return wire.encode(obj, msgpack_=msgpack_)[0]
 
 
+def reader_state(r: ReaderState) -> str:
+    """``valid`` (serves a version), ``invalid`` (a failed update left its engine a mix of versions)
+    or ``none`` (no version reported: a reader that has not synced yet serves what it started with)."""
+    return "invalid" if r.invalid_since is not None else "valid" if r.version is not None else "none"
+
+
 def reader_rows(job: Job | None) -> list[dict[str, Any]]:
-    """Every known reader (registered or reported): rank, version, lag, last sync, error."""
+    """Every known reader (registered or reported): rank, state, version, lag, last sync, error."""
     if job is None:
         return []
     latest = job.latest.version if job.latest else None
@@ -41,7 +47,8 @@ def reader_rows(job: Job | None) -> list[dict[str, Any]]:
     for rank in job.reader_ranks():
         r = job.readers.get(rank, ReaderState())
         lag = latest - r.version if latest is not None and r.version is not None else None
-        out.append({"rank": rank, "registered": rank in job.rows["reader"], "version": r.version, "lag": lag,
+        out.append({"rank": rank, "registered": rank in job.rows["reader"], "state": reader_state(r),
+                    "version": r.version, "lag": lag, "invalid_since": r.invalid_since,
                     "last_sync_at": r.applied_at, "seconds": r.seconds, "nbytes": r.nbytes, "error": r.error,
                     "failed_version": r.failed_version if r.error is not None else None})
     return out

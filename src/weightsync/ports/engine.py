@@ -9,9 +9,17 @@ transports do, and the roles read them instead of testing the engine's class.
 Lifecycle of one update, driven by ``WeightReader.update``::
 
     buffers = engine.receive_buffers()   # where the transport writes
+    engine.receiving(version)            # the transport may write from now on
     ...transport fills every op...
     engine.apply(version)                # make the new weights live (load, repack, caches)
     # on failure instead: engine.abort(version, error)
+
+**Valid or invalid.** A failed update never leaves an engine claiming a version while it
+serves a mix of two: once a byte of version V reached memory the engine serves from (its live
+weights as receive buffers, or its own loader), a failure makes it *invalid*
+(``weight_version`` None, ``invalid`` says since when and why) until a later version is applied
+in full. A failure before that (a refused plan, a dead writer, a transfer into staging)
+leaves it valid at the version it had. :class:`Validity` keeps this bookkeeping for adapters.
 
 Engines whose parameters can be written in place (HF models, vLLM on GPU without
 repacking) return their parameters from ``receive_buffers`` and ``apply`` only records the
@@ -24,7 +32,9 @@ and the writer notices when their storage moved).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 from weightsync.layout import LayoutProvider
@@ -68,17 +78,29 @@ class InferenceEngine(LayoutProvider, Protocol):
         """Shard name -> tensor the transport writes into (parameters or staging)."""
         ...
 
+    def receiving(self, version: int) -> None:
+        """The transport is about to write ``version`` into the receive buffers (once per version,
+        before its first byte; nothing before it wrote into them). Receive buffers that are the
+        weights the engine serves are touched from here on."""
+        ...
+
     def apply(self, version: int) -> None:
         """Everything for ``version`` arrived: make it live and record the version."""
         ...
 
     def abort(self, version: int, error: BaseException) -> None:
-        """An update failed part-way; the engine's weights are not at a valid version."""
+        """The update of ``version`` failed: if any of it reached the weights the engine serves,
+        the engine becomes invalid; otherwise it stays at the version it had."""
         ...
 
     @property
     def weight_version(self) -> int | None:
-        """The version the engine's weights are at; None before the first update or after a failure."""
+        """The version the engine's weights are at; None before the first update, and while invalid."""
+        ...
+
+    @property
+    def invalid(self) -> Invalid | None:
+        """Why the engine serves no valid version (None: it does, or serves what it started with)."""
         ...
 
 
@@ -105,4 +127,58 @@ class PhasedEngine(InferenceEngine, Protocol):
         ...
 
 
-__all__ = ["InferenceEngine", "PhasedEngine", "TrainingSource"]
+@dataclass(frozen=True, slots=True)
+class Invalid:
+    """An engine serving a mix of versions: the update of ``version`` failed (``error``) after
+    its first byte reached the engine's weights; invalid since ``since`` (``time.time()``; a
+    later failure keeps the first time and names its own version and error)."""
+
+    version: int
+    error: str
+    since: float
+
+
+class Validity:
+    """The version an engine's weights are at, and whether a failed update left them mixed.
+
+    The bookkeeping every engine adapter shares::
+
+        validity.touch(V)           # bytes of V reach what the engine serves (a receive in place, a load)
+        validity.applied(V)         # V is live, whole
+        validity.failed(V, error)   # invalid if V touched the engine, else unchanged; True if invalid
+
+    ``version`` is None while a version is being written into the engine and while it is
+    invalid: an engine never claims a version it does not hold whole.
+    """
+
+    def __init__(self, version: int | None = None) -> None:
+        self._version = version
+        self._touching: int | None = None
+        self.invalid: Invalid | None = None
+
+    @property
+    def version(self) -> int | None:
+        return None if self._touching is not None or self.invalid is not None else self._version
+
+    @property
+    def touched(self) -> bool:
+        """Bytes of an update that has not ended reached the engine's weights."""
+        return self._touching is not None
+
+    def touch(self, version: int) -> None:
+        self._touching = version
+
+    def applied(self, version: int) -> None:
+        self._version, self._touching, self.invalid = version, None, None
+
+    def failed(self, version: int, error: BaseException | str) -> bool:
+        """The update of ``version`` failed; returns whether the engine is now invalid."""
+        if self._touching is not None:
+            self._touching = None
+            self._version = None
+            since = self.invalid.since if self.invalid is not None else time.time()
+            self.invalid = Invalid(version, str(error) or type(error).__name__, since)
+        return self.invalid is not None
+
+
+__all__ = ["InferenceEngine", "Invalid", "PhasedEngine", "TrainingSource", "Validity"]

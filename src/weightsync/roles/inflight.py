@@ -16,7 +16,10 @@ serving thread at a step boundary, a step never sees half of a version.
 
 Only after the live apply does the reader report the version applied to the meta server,
 so a writer's staleness bound (``SyncConfig.staleness``) counts versions the engine really
-serves. A transfer that fails leaves the live weights untouched at their (valid) version.
+serves. A transfer that fails leaves the live weights untouched at their (valid) version;
+the live engine is touched only by the copy at the step boundary, and if that copy or the
+engine's ``apply`` fails, the engine is invalid (``version`` None) until the next version goes
+live, and :meth:`InflightReader.step_boundary` raises.
 
 **Streams.** The background thread receives on a stream of its own: on the default stream,
 which it would share with the engine's forward, every step would queue behind the transfer.
@@ -47,7 +50,7 @@ from weightsync.session.sync_session import SyncConfig, SyncError
 if TYPE_CHECKING:
     from weightsync.layout import RankLayout
     from weightsync.meta.client import MetaClient
-    from weightsync.ports.engine import InferenceEngine
+    from weightsync.ports.engine import InferenceEngine, Invalid
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +74,8 @@ class _StagingEngine:
                         for name, t in live.receive_buffers().items()}
         self.cond = threading.Condition()
         self.ready: int | None = None  # staged, waiting for a step boundary
+        self.failure: BaseException | None = None  # the live engine could not take ``ready``
         self.closed = False
-        self._version: int | None = None
         self.dev = device_port.current()
         self.device = str(next(iter(self.buffers.values())).device) if self.buffers else "cpu"
         self.received_at: Any = None  # an event after the staged version's receive, on its stream
@@ -87,6 +90,9 @@ class _StagingEngine:
 
     def receive_buffers(self) -> Mapping[str, torch.Tensor]:
         return self.buffers
+
+    def receiving(self, version: int) -> None:
+        """Only staging receives: the live weights are untouched until a step boundary."""
 
     def apply(self, version: int) -> None:
         """Hand ``version`` to the serving thread and wait until it is live."""
@@ -103,14 +109,20 @@ class _StagingEngine:
             if self.ready is not None:  # closed while waiting: the version never went live
                 self.ready = None
                 raise _ClosedError(f"closed before version {version} was applied")
-        self._version = version
+            failure, self.failure = self.failure, None
+        if failure is not None:  # the live engine failed it (and knows: invalid)
+            raise failure
 
     def abort(self, version: int, error: BaseException) -> None:
-        self._version = None  # only staging is affected: the live weights stay at their version
+        """Only staging was written, or the live engine was told at the step boundary."""
 
     @property
     def weight_version(self) -> int | None:
-        return self._version
+        return self.live.weight_version
+
+    @property
+    def invalid(self) -> Invalid | None:
+        return self.live.invalid
 
 
 class InflightReader:
@@ -143,6 +155,11 @@ class InflightReader:
     def version(self) -> int | None:
         """The version the live engine serves."""
         return self.engine.weight_version
+
+    @property
+    def invalid(self) -> Invalid | None:
+        """Why the live engine serves no valid version (None: it does)."""
+        return self.engine.invalid
 
     @property
     def staged_version(self) -> int | None:
@@ -201,7 +218,9 @@ class InflightReader:
         """Apply a staged version now (call between two engine steps); returns it, or None.
 
         Raises:
-            SyncError: the background thread stopped on an error it cannot recover from.
+            SyncError: the background thread stopped on an error it cannot recover from, or the
+                engine could not take the staged version (it is then invalid if it was touched,
+                until the next version goes live; the background thread carries on).
         """
         staging = self._staging
         if staging.ready is None:
@@ -213,15 +232,25 @@ class InflightReader:
             if version is None:
                 return None
             t0 = time.perf_counter()
-            staging.dev.order_after(staging.received_at, staging.device)
-            with torch.no_grad():
-                for name, live in self._live.items():
-                    staging.dev.copy(live, staging.buffers[name])
-            staging.copied_at = staging.dev.record(staging.device)
-            self.engine.apply(version)
+            try:
+                self.engine.receiving(version)
+                staging.dev.order_after(staging.received_at, staging.device)
+                with torch.no_grad():
+                    for name, live in self._live.items():
+                        staging.dev.copy(live, staging.buffers[name])
+                staging.copied_at = staging.dev.record(staging.device)
+                self.engine.apply(version)
+            except Exception as exc:
+                self.engine.abort(version, exc)
+                staging.failure = exc  # the background reader reports it
+                left = ("is invalid until the next version goes live" if self.engine.invalid is not None
+                        else f"still serves {self.engine.weight_version}")
+                raise SyncError(f"reader {self.reader.rank}: the engine could not take version {version} at a step "
+                                f"boundary ({exc}); it {left}") from exc
+            finally:
+                staging.ready = None
+                staging.cond.notify_all()
             self.last_pause = time.perf_counter() - t0
-            staging.ready = None
-            staging.cond.notify_all()
         return version
 
     def wait_version(self, min_version: int, *, timeout: float | None = None) -> int:

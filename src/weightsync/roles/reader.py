@@ -8,10 +8,16 @@
 :mod:`weightsync.job.channel`), checks that the writers' sync fingerprint equals its own (same
 plan, transport and settings), receives exactly its ops, lets the engine apply them and
 reports the version to the meta server. A version is
-reported applied only after every op arrived. If anything fails, the engine is told its
-weights are not at a valid version, the failure is reported, and ``update`` raises
+reported applied only after every op arrived. If anything fails, the engine is told
+(``abort``), the failure is reported with what it left, and ``update`` raises
 :class:`SyncError` naming the version, the peer and the tensors; the next ``update``
 (for a newer version) starts clean.
+
+What a failure leaves is the engine's to say (``InferenceEngine.invalid``): once a byte of the
+version reached the weights it serves, it is invalid (``version`` None) until a later version is
+applied in full; before that (a refused plan, a dead writer, bytes only in staging) it keeps
+its version. An invalid engine vouches for none of the bytes it holds: its next version comes
+in full, never as a delta.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from weightsync.transport import TransportError
 
 if TYPE_CHECKING:
     from weightsync.meta.client import MetaClient
-    from weightsync.ports.engine import InferenceEngine, PhasedEngine
+    from weightsync.ports.engine import InferenceEngine, Invalid, PhasedEngine
     from weightsync.session.sync_session import PlannedSync
 
 logger = logging.getLogger(__name__)
@@ -99,8 +105,13 @@ class WeightReader:
 
     @property
     def version(self) -> int | None:
-        """The version the engine's weights are at (None: none yet, or the last update failed)."""
+        """The version the engine's weights are at (None: none yet, or invalid)."""
         return self.engine.weight_version
+
+    @property
+    def invalid(self) -> Invalid | None:
+        """Why the engine serves no valid version: a failed update touched its weights (None: valid)."""
+        return self.engine.invalid
 
     @property
     def last_failed(self) -> int | None:
@@ -113,7 +124,8 @@ class WeightReader:
         Raises:
             TimeoutError: no suitable version was published within ``timeout``.
             ValueError: the writers' sync fingerprint differs from this reader's.
-            SyncError: the transfer failed; the engine is not at a valid version.
+            SyncError: the transfer failed; the engine is invalid if the failure touched its weights
+                (``invalid``), else at the version it had.
         """
         return self.apply(self.receive(version, timeout=timeout))
 
@@ -187,6 +199,9 @@ class WeightReader:
             t0 = time.perf_counter()
             transport = session.arm(buffers, published.epoch, deadline)
             phases["prepare"] = time.perf_counter() - t0
+            if self.engine.invalid is not None:  # it vouches for none of its bytes: this version comes in full
+                transport.forget_received()
+            self.engine.receiving(v)  # from here on, bytes land in the receive buffers
             nbytes = 0
             for phase in range(planned.num_phases):
                 if planned.digests is not None:
@@ -306,13 +321,14 @@ class WeightReader:
 
     def _fail(self, published: PublishedVersion, exc: BaseException) -> None:
         self._failed, self._failed_epoch = published.version, published.epoch
-        self._applied = None
         self.engine.abort(published.version, exc)
+        self._applied = self.engine.weight_version  # None if the failure left it invalid
         self.session.disarm()
         channel = self.session.channel
         channel.advance_epoch(published.epoch)
         try:
-            channel.report_failed(published.version, str(exc), epoch=published.epoch)
+            channel.report_failed(published.version, str(exc), epoch=published.epoch,
+                                  invalid=self.engine.invalid is not None, holds=self.engine.weight_version)
         except Exception as report_exc:  # the failure itself is what the caller must see
             logger.warning("reader %d could not report its failure: %s", self.rank, report_exc)
 
@@ -349,6 +365,9 @@ class Prefetch:
     default stream), every decode step would queue behind the whole transfer, and the overlap
     would be lost on a GPU. The apply, on the caller's stream, is ordered after the receive by
     an event, and the next receive (into the same staging) after the apply by another.
+
+    A prefetch that fails leaves the engine serving its version (only staging was written); an
+    apply that fails leaves it invalid until a later version is applied in full.
     """
 
     def __init__(self, reader: WeightReader) -> None:
