@@ -80,8 +80,10 @@ class LayoutEngine:
     keeps_received_bytes: ClassVar[bool] = True
 
     def __init__(self, layout: RankLayout, tensors: dict[str, torch.Tensor]) -> None:
+        from weightsync.ports.engine import Validity
+
         self._layout, self._tensors = layout, {s.name: tensors[s.name] for s in layout.shards}
-        self.weight_version: int | None = None
+        self.validity = Validity()  # bytes land in the live tensors: a failed version leaves them invalid
 
     def layout(self) -> RankLayout:
         return self._layout
@@ -92,11 +94,22 @@ class LayoutEngine:
     def descriptor(self) -> None:
         return None
 
+    def receiving(self, version: int) -> None:
+        self.validity.touch(version)
+
     def apply(self, version: int) -> None:
-        self.weight_version = version
+        self.validity.applied(version)
 
     def abort(self, version: int, error: BaseException) -> None:
-        self.weight_version = None
+        self.validity.failed(version, error)
+
+    @property
+    def weight_version(self) -> int | None:
+        return self.validity.version
+
+    @property
+    def invalid(self) -> Any:
+        return self.validity.invalid
 
 
 def emit(record: dict[str, Any]) -> None:

@@ -151,7 +151,7 @@ def test_two_reader_sites_take_one_copy_each_across_and_every_reader_is_bitwise(
         procs = [_start(ns["a"], "--site", "a", "--host", hosts["a"])]
         try:
             meta = _first_line(procs[0], timeout=120, what="site a did not start its meta server")
-            procs += [_start(ns[s], "--site", s, "--host", hosts[s], "--meta", meta["meta"], "--token", meta["token"])
+            procs += [_start(ns[s], "--site", s, "--host", hosts[s], "--meta", meta["meta"], f"--token={meta['token']}")  # a token may start with "-"
                       for s in "bc"]
             outs = {s: _first_line(p, timeout=400, what=f"site {s} did not report its readers")
                     for s, p in zip("bc", procs[1:], strict=True)}

@@ -173,6 +173,10 @@ class ModelsEngine:
     def descriptor(self) -> tuple[str, Mapping[str, object]] | None:
         return None
 
+    def receiving(self, version: int) -> None:
+        for engine in self.engines.values():
+            engine.receiving(version)
+
     def apply(self, version: int) -> None:
         for engine in self.engines.values():
             engine.apply(version)
@@ -185,6 +189,12 @@ class ModelsEngine:
     def weight_version(self) -> int | None:
         versions = {e.weight_version for e in self.engines.values()}
         return versions.pop() if len(versions) == 1 else None
+
+    @property
+    def invalid(self) -> Invalid | None:
+        """The first model left invalid by a failed version: the models serve together, so one
+        invalid model makes the reader's next version come in full."""
+        return next((e.invalid for e in self.engines.values() if e.invalid is not None), None)
 
 
 def _named(module: torch.nn.Module) -> dict[str, torch.Tensor]:
