@@ -23,11 +23,12 @@ import contextlib
 import json
 import sys
 import threading
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from weightsync.apps.demo import canonical_values
+from weightsync.engines.buffers import _InPlace
 from weightsync.layout import ModelSpec, parse_layout
 from weightsync.layout.types import RankLayout
 from weightsync.meta import EmbeddedMetaServer, MetaClient
@@ -73,17 +74,13 @@ class LayoutSource:
         return None
 
 
-class LayoutEngine:
-    """A reader's tensors under an explicit layout (what one job lands in them), in place."""
-
-    stages_in_phases: ClassVar[bool] = False
-    keeps_received_bytes: ClassVar[bool] = True
+class LayoutEngine(_InPlace):
+    """A reader's tensors under an explicit layout (what one job lands in them), in place; the
+    version and validity bookkeeping is the in-place engines' own."""
 
     def __init__(self, layout: RankLayout, tensors: dict[str, torch.Tensor]) -> None:
-        from weightsync.ports.engine import Validity
-
+        super().__init__()
         self._layout, self._tensors = layout, {s.name: tensors[s.name] for s in layout.shards}
-        self.validity = Validity()  # bytes land in the live tensors: a failed version leaves them invalid
 
     def layout(self) -> RankLayout:
         return self._layout
@@ -93,23 +90,6 @@ class LayoutEngine:
 
     def descriptor(self) -> None:
         return None
-
-    def receiving(self, version: int) -> None:
-        self.validity.touch(version)
-
-    def apply(self, version: int) -> None:
-        self.validity.applied(version)
-
-    def abort(self, version: int, error: BaseException) -> None:
-        self.validity.failed(version, error)
-
-    @property
-    def weight_version(self) -> int | None:
-        return self.validity.version
-
-    @property
-    def invalid(self) -> Any:
-        return self.validity.invalid
 
 
 def emit(record: dict[str, Any]) -> None:
