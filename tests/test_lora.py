@@ -247,6 +247,13 @@ def test_vllm_lora_engine_direct_update_matches_disk(lora_llm):
     engine.update(disk[3], version=5)
     assert engine.weight_version == 5 and engine.lora_request.lora_path == "weightsync://direct/v5"
     assert greedy(llm, PROMPT, engine.lora_request) == ref[3]
+    # The name is reused across versions: a request object of version 5, used after version 6 was
+    # applied, generates with version 6's adapter and none of version 5's KV (prefix cache reset at apply).
+    stale = engine.lora_request
+    engine.update(disk[2], version=6)
+    assert engine.lora_request.lora_name == stale.lora_name == "direct"
+    assert greedy(llm, PROMPT, stale) == ref[2]
+    assert greedy(llm, PROMPT, engine.lora_request) == ref[2]
 
 
 class LoraWriters:
