@@ -476,6 +476,25 @@ def test_vllm_serve_is_stamped_invalid_over_http_and_the_meta_status_and_metrics
             sender.shutdown()
 
 
+# -- which version generated an output (vLLM's spans; no engine needed) ---------------------------------
+
+def test_an_output_is_tagged_with_one_version_only_when_every_token_came_from_it():
+    from vllm.outputs import CompletionOutput, WeightVersionSpan
+
+    from weightsync.engines.vllm_version import GeneratedUnder, generated_under
+
+    def output(*spans: tuple[str, int, int], finished: bool = True) -> CompletionOutput:
+        return CompletionOutput(0, "", [1] * 6, None, None, finish_reason="length" if finished else None,
+                                weight_versions=[WeightVersionSpan(*s) for s in spans] if finished else None)
+
+    assert generated_under(output(("7", 0, 6))) == GeneratedUnder(7, True, False, ("7",))
+    assert generated_under(output(("7", 0, 2), ("8", 2, 6))) == GeneratedUnder(None, True, True, ("7", "8"))
+    assert generated_under(output(("invalid:8", 0, 6))) == GeneratedUnder(None, False, False, ("invalid:8",))
+    assert generated_under(output(("default", 0, 6))).version is None  # an engine weightsync never labelled
+    with pytest.raises(ValueError, match="not finished"):
+        generated_under(output(finished=False))
+
+
 def test_the_worker_finds_its_engine_core_and_itself_on_its_stack():
     """Where the stamp goes (vLLM 0.32): the engine core is a caller of the worker's
     ``update_weights`` when the worker runs in its process (the ``uni`` executor), and the worker is

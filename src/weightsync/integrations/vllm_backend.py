@@ -35,7 +35,9 @@ engine at its version. The worker answers whether it is invalid to its driver
 a worker in the engine core's process (vLLM's ``uni`` executor: TP=1 on a GPU) stamps the core
 itself before ``update_weights`` raises (:func:`_calling_engine_core`); otherwise (vLLM's CPU build
 runs every worker in a process of its own) the driver does, as ``update_llm`` and the trainer
-side do after a failed update.
+side do after a failed update. Every worker also answers which version it serves, since when, valid
+or not (:data:`~weightsync.engines.vllm_version.WORKER_VERSION`, a method it adds to vLLM's worker at
+construction: :meth:`WeightSyncTransferEngine.serving`).
 
 An engine that drafts with the model's MTP layers (``speculative_config`` method ``mtp``) stages
 them too, and every version reloads target and drafter in one session: the drafter holds the

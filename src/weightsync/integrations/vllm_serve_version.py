@@ -56,9 +56,15 @@ CHANGED_HEADER = "x-weightsync-versions"
 TAGGED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/inference/v1/generate"})
 
 
+#: the tag of a request whose label could not be read
+UNKNOWN = "unknown"
+
+
 def version_headers(start: str, end: str) -> list[tuple[bytes, bytes]]:
     """The headers of a request whose label was ``start`` on arrival and ``end`` when its response
-    started: one version, or ``mixed`` with both (module docstring)."""
+    started: one version, or ``mixed`` with both (module docstring); ``unknown`` if either is."""
+    if UNKNOWN in (start, end):
+        return [(HEADER.encode(), UNKNOWN.encode())]
     if start == end:
         return [(HEADER.encode(), start.encode())]
     return [(HEADER.encode(), b"mixed"), (CHANGED_HEADER.encode(), f"{start},{end}".encode())]
@@ -99,15 +105,25 @@ class WeightSyncVersionMiddleware:
 
     async def _tagged(self, scope: Scope, receive: Receive, send: Send) -> None:
         engine = _engine_client(scope)
-        start = await engine.get_weight_version()
+        start = await _label(engine)
 
         async def send_tagged(message: Message) -> None:
             if message["type"] == "http.response.start":
-                end = await engine.get_weight_version()
+                end = await _label(engine)
                 message = {**message, "headers": [*message.get("headers", ()), *version_headers(start, end)]}
             await send(message)
 
         await self.app(scope, receive, send_tagged)
+
+
+async def _label(engine: Any) -> str:
+    """vLLM's weight-version label; ``unknown`` when the engine cannot say (the request is served,
+    and its tag claims no version)."""
+    try:
+        return str(await engine.get_weight_version())
+    except Exception as exc:
+        logger.warning("weightsync: reading vLLM's weight version for a response header failed: %s", exc)
+        return UNKNOWN
 
 
 def _engine_client(scope: Scope) -> Any:
