@@ -74,6 +74,15 @@ def greedy(llm: Any) -> tuple[list[int], list[str]]:
     return list(out.token_ids), [span.version for span in out.weight_versions or []]
 
 
+def cached_tokens(llm: Any) -> int:
+    """Prompt tokens of the 300-token prompt whose KV vLLM's prefix cache supplied (one greedy run)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    return int(llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)[0].num_cached_tokens)
+
+
 def shutdown(llm: Any) -> None:
     llm.llm_engine.engine_core.shutdown()
     gc.collect()
@@ -291,6 +300,8 @@ def test_the_worker_backend_stamps_vllm_invalid_when_a_failed_version_touched_th
         assert worker.last_result.nbytes == reader.engine.layout().nbytes and row(engine, sync)["state"] == "valid"
         answer = serving_llm(engine.llm)
         assert (answer.version, answer.valid) == (v + 2, True) and before <= answer.since <= time.time()
+        # the prompt ran on the invalid weights just before: none of that KV is reused, the new version's is
+        assert cached_tokens(engine.llm) == 0 and cached_tokens(engine.llm) >= 256
     engine.check(z, str(v + 2))
     engine.holds, engine.version = z, v + 2
 
