@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import time
 
 import pytest
 import torch
@@ -50,6 +51,27 @@ def test_a_refused_update_marks_the_engine_invalid():
     with pytest.raises(RuntimeError, match="SGLang update failed: out of memory"):
         adapter.apply(1)
     assert adapter.weight_version is None and engine.versions == []
+
+
+def test_sglang_answers_which_version_it_serves_since_when_and_whether_valid():
+    from weightsync.ports.engine import ServingVersion
+
+    config = tiny_config()
+    engine = FakeEngine()
+    adapter = SGLangEngine(engine, config, dtype=torch.float32, device="cpu")
+    assert adapter.serving() == ServingVersion(None, None, True)  # its start-up weights
+    before = time.time()
+    adapter.update(checkpoint_tensors(canonical_weights(config, seed=0)), version=3)
+    answer = adapter.serving()
+    assert (answer.version, answer.valid) == (3, True) and before <= answer.since <= time.time()
+    assert ServingVersion.from_wire(answer.to_wire()) == answer
+    engine.answer = (False, "out of memory")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        adapter.update(checkpoint_tensors(canonical_weights(config, seed=1)), version=4)
+    answer = adapter.serving()
+    assert (answer.version, answer.valid, answer.failed) == (None, False, 4)
+    assert answer.reason == "version 4 failed: SGLang update failed: out of memory"
+    assert engine.versions == ["3", "invalid:4"]
 
 
 def test_answers_of_both_engine_kinds_are_checked():

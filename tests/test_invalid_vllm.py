@@ -13,7 +13,9 @@ Each case starts from a valid checkpoint X, fails toward Y and recovers to Z, th
 that differ in every tensor (norms included), so no tensor of the recovered engine can pass by
 having kept an old value. A failure before any byte reached the model keeps the engine at its
 version. A ``vllm serve`` (its engine core in a child process) is stamped by the trainer side over
-HTTP, and the meta server's status page and metrics show its reader invalid.
+HTTP, and the meta server's status page and metrics show its reader invalid. Each driver also reads
+back which version the engine serves (``serving_llm``, the trainer side's ``serving()``, ``vllm serve``'s
+``GET /weightsync/version``), and ``vllm serve`` tags each completion with its version.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import gc
 import importlib.util
 import os
 import random
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -69,6 +72,15 @@ def greedy(llm: Any) -> tuple[list[int], list[str]]:
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
     out = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)[0].outputs[0]
     return list(out.token_ids), [span.version for span in out.weight_versions or []]
+
+
+def cached_tokens(llm: Any) -> int:
+    """Prompt tokens of the 300-token prompt whose KV vLLM's prefix cache supplied (one greedy run)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    return int(llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)[0].num_cached_tokens)
 
 
 def shutdown(llm: Any) -> None:
@@ -136,6 +148,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequ
             refs[name] = greedy(fresh)[0]
             shutdown(fresh)
         llm = start_llm(paths["A"], weight_transfer_config={"backend": "weightsync"})
+        # every check() reruns a prompt of more than two KV blocks that ran on the old weights: with the
+        # prefix cache on, a version whose apply kept the old KV would not generate as a fresh engine
+        assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
         refs["A"] = greedy(llm)[0]
         assert len({tuple(r) for r in refs.values()}) == 3, "the checkpoints must generate differently"
         yield Engine(llm, server, refs, paths)
@@ -253,6 +268,7 @@ def test_the_worker_backend_stamps_vllm_invalid_when_a_failed_version_touched_th
     """Before the fix the worker's reader knew, but vLLM's weight version stayed the old one: outputs
     of mixed weights were stamped with a valid version."""
     from weightsync.engines.vllm import stamp_if_invalid, update_llm
+    from weightsync.engines.vllm_version import serving_llm
 
     y, z = engine.next_steps()
     sync = sync_config(engine, fault)
@@ -273,11 +289,19 @@ def test_the_worker_backend_stamps_vllm_invalid_when_a_failed_version_touched_th
         # the driver's stamp, for a worker in a process of its own (vLLM's CPU build): it asks the worker
         engine.llm.update_weight_version(str(v))
         assert stamp_if_invalid(engine.llm) == f"invalid:{v + 1}" == engine.llm.get_weight_version()
+        answer = serving_llm(engine.llm)  # the readback: no version, invalid since the failure, and why
+        assert (answer.version, answer.valid, answer.failed, answer.since) == (None, False, v + 1, reader.invalid.since)
+        assert MESSAGES[fault] in answer.reason
 
         done = t.write(v + 2, SEEDS[z])
+        before = time.time()
         update_llm(engine.llm, v + 2)
         done.result(60)
         assert worker.last_result.nbytes == reader.engine.layout().nbytes and row(engine, sync)["state"] == "valid"
+        answer = serving_llm(engine.llm)
+        assert (answer.version, answer.valid) == (v + 2, True) and before <= answer.since <= time.time()
+        # the prompt ran on the invalid weights just before: none of that KV is reused, the new version's is
+        assert cached_tokens(engine.llm) == 0 and cached_tokens(engine.llm) >= 256
     engine.check(z, str(v + 2))
     engine.holds, engine.version = z, v + 2
 
@@ -380,8 +404,10 @@ def test_the_trainer_side_leaves_vllm_stamped_invalid_and_its_next_version_recov
                     send(v + 1, y)
             assert reader.invalid is not None
             engine.check_invalid(v + 1)
+            assert [(a.version, a.valid, a.failed) for a in sender.serving()] == [(None, False, v + 1)]
             send(v + 2, z)
             assert reader.version == v + 2 and reader.invalid is None
+            assert [(a.version, a.valid) for a in sender.serving()] == [(v + 2, True)]
         finally:
             sender.shutdown()
     engine.check(z, str(v + 2))
@@ -414,7 +440,8 @@ def test_vllm_serve_is_stamped_invalid_over_http_and_the_meta_status_and_metrics
     source = CanonicalSource(CONFIG)
     meta = httpx.Client(base_url=engine.server.address, trust_env=False, timeout=10,
                         headers={"Authorization": f"Bearer {engine.server.token}"})
-    with meta, vllm_server(engine.paths["A"], extra=("--max-model-len", "512")) as url:
+    middleware = "weightsync.integrations.vllm_serve_version.WeightSyncVersionMiddleware"
+    with meta, vllm_server(engine.paths["A"], extra=("--max-model-len", "512", "--middleware", middleware)) as url:
         sender = WeightSyncTrainerEngine.trainer_init(info, client=HTTPVLLMWeightSyncClient(url), source=source)
         try:
             def send(version: int, seed: int) -> None:
@@ -424,8 +451,14 @@ def test_vllm_serve_is_stamped_invalid_over_http_and_the_meta_status_and_metrics
             def served() -> tuple[list[int], str]:
                 body = {"model": str(engine.paths["A"]), "prompt": PROMPT, "max_tokens": NEW_TOKENS,
                         "temperature": 0, "return_token_ids": True, "ignore_eos": True}
-                tokens = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["token_ids"]
-                return tokens, httpx.get(f"{url}/weight_info", timeout=30).json()["weight_version"]
+                response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+                label = httpx.get(f"{url}/weight_info", timeout=30).json()["weight_version"]
+                assert response.headers["x-weightsync-version"] == label  # the version it was generated under
+                return response.json()["choices"][0]["token_ids"], label
+
+            def version() -> tuple[int | None, bool, int | None, str]:
+                answer = httpx.get(f"{url}/weightsync/version", timeout=30).json()
+                return answer["version"], answer["valid"], answer["failed"], answer["label"]
 
             send(1, SEEDS["A"])
             transport = sender.writer.session.planned.transport
@@ -440,15 +473,37 @@ def test_vllm_serve_is_stamped_invalid_over_http_and_the_meta_status_and_metrics
             with pytest.raises(Exception, match="stopped after phase 2"):
                 send(2, SEEDS["B"])
             assert served()[1] == "invalid:2"
+            assert version() == (None, False, 2, "invalid:2")
             status = meta.get("/status", auth=("anyone", engine.server.token)).text
             assert "INVALID since" in status[status.index(f"<h2>job {job}</h2>"):]
             assert f'weightsync_meta_reader_invalid{{job="{job}",rank="0"}} 1.0' in meta.get("/metrics").text
 
             send(3, SEEDS["C"])
             assert served() == (engine.refs["C"], "3")
+            assert version() == (3, True, None, "3")
+            assert [(a.version, a.valid) for a in sender.serving()] == [(3, True)]  # over /collective_rpc
             assert f'weightsync_meta_reader_invalid{{job="{job}",rank="0"}} 0.0' in meta.get("/metrics").text
         finally:
             sender.shutdown()
+
+
+# -- which version generated an output (vLLM's spans; no engine needed) ---------------------------------
+
+def test_an_output_is_tagged_with_one_version_only_when_every_token_came_from_it():
+    from vllm.outputs import CompletionOutput, WeightVersionSpan
+
+    from weightsync.engines.vllm_version import GeneratedUnder, generated_under
+
+    def output(*spans: tuple[str, int, int], finished: bool = True) -> CompletionOutput:
+        return CompletionOutput(0, "", [1] * 6, None, None, finish_reason="length" if finished else None,
+                                weight_versions=[WeightVersionSpan(*s) for s in spans] if finished else None)
+
+    assert generated_under(output(("7", 0, 6))) == GeneratedUnder(7, True, False, ("7",))
+    assert generated_under(output(("7", 0, 2), ("8", 2, 6))) == GeneratedUnder(None, True, True, ("7", "8"))
+    assert generated_under(output(("invalid:8", 0, 6))) == GeneratedUnder(None, False, False, ("invalid:8",))
+    assert generated_under(output(("default", 0, 6))).version is None  # an engine weightsync never labelled
+    with pytest.raises(ValueError, match="not finished"):
+        generated_under(output(finished=False))
 
 
 def test_the_worker_finds_its_engine_core_and_itself_on_its_stack():

@@ -247,6 +247,33 @@ def test_vllm_lora_engine_direct_update_matches_disk(lora_llm):
     engine.update(disk[3], version=5)
     assert engine.weight_version == 5 and engine.lora_request.lora_path == "weightsync://direct/v5"
     assert greedy(llm, PROMPT, engine.lora_request) == ref[3]
+    # The name is reused across versions: a request object of version 5, used after version 6 was
+    # applied, generates with version 6's adapter and none of version 5's KV (prefix cache reset at apply).
+    stale = engine.lora_request
+    engine.update(disk[2], version=6)
+    assert engine.lora_request.lora_name == stale.lora_name == "direct"
+    assert greedy(llm, PROMPT, stale) == ref[2]
+    assert greedy(llm, PROMPT, engine.lora_request) == ref[2]
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed (pip install -e '.[vllm]')")
+@pytest.mark.xdist_group("vllm-lora")
+def test_vllms_prefix_cache_keys_each_version_of_a_reused_adapter_name_apart():
+    """vLLM hashes KV blocks with the adapter's name and path; weightsync's path names the version, so
+    the KV of version 1 is never found by a request for version 2 under the same name."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+    from vllm.v1.request import Request
+
+    from weightsync.engines.vllm_lora import versioned_lora_request
+
+    def keys(version: int) -> object:
+        lora = versioned_lora_request("policy", 1, version)
+        request = Request("r", list(range(32)), SamplingParams(max_tokens=1), None, lora_request=lora)
+        return generate_block_hash_extra_keys(request, 0, 16, 0)[0]
+
+    assert versioned_lora_request("policy", 1, 2).lora_name == "policy"
+    assert keys(1) != keys(2) and keys(2) == keys(2)
 
 
 class LoraWriters:

@@ -1,4 +1,4 @@
-"""``weightsync`` command line: plan | meta-server | demo | bench | verify | doctor.
+"""``weightsync`` command line: plan | meta-server | demo | bench | verify | doctor | status.
 
 Each subcommand lives in its own module under ``weightsync.cli.commands`` and is imported only
 when used, so ``weightsync plan`` never imports torch.distributed or a server stack.
@@ -22,6 +22,7 @@ COMMANDS = {
     "bench": ("weightsync.cli.commands.bench", "benchmark weightsync against today's baselines"),
     "verify": ("weightsync.cli.commands.verify", "compare an engine's weights with a checkpoint"),
     "doctor": ("weightsync.cli.commands.doctor", "check what works on this machine (transports, GPUs, engines)"),
+    "status": ("weightsync.cli.commands.status", "every member of a job: its version, state and lag"),
 }
 
 

@@ -40,7 +40,7 @@ from weightsync.layout.box import Box
 from weightsync.layout.kinds.hf import HFLayout
 from weightsync.layout.restrict import restrict
 from weightsync.ports import device as device_port
-from weightsync.ports.engine import Invalid
+from weightsync.ports.engine import Invalid, ServingVersion
 from weightsync.tools.torch_layout import TORCH_DTYPES, dtype_name
 
 logger = logging.getLogger(__name__)
@@ -95,6 +95,8 @@ class StagedWeights:
         self._loading: int | None = None  # the version whose load is open (between phases)
         #: why the engine serves no valid version (None: it serves ``_version``, or what it started with)
         self.invalid: Invalid | None = None
+        #: ``time.time()`` when the version the engine serves went live (None: its start-up weights)
+        self.applied_at: float | None = None
         #: checkpoint tensors received straight into the engine's own parameters (no staging)
         self._direct: dict[str, torch.Tensor] = {}
         #: device memory reserved for the arena before the engine sized its cache (adopt_reserve)
@@ -260,6 +262,12 @@ class StagedWeights:
         self._touched = False
         self.invalid = None
         self._version = version
+        self.applied_at = time.time()
+
+    def serving(self) -> ServingVersion:
+        """Which version the engine serves, since when, valid or not (SGLang's readback, and
+        vLLM's in-process engine's)."""
+        return ServingVersion.of(self, since=self.applied_at)
 
     def abort(self, version: int, error: BaseException) -> None:
         """The update of ``version`` failed: invalid if it touched the engine (see module docstring)."""

@@ -12,11 +12,13 @@ swaps it in under the same adapter id. The base weights never move::
         reader.update()
         llm.generate(prompts, params, lora_request=engine.lora_request)
 
-Versions: ``engine.lora_request`` names the current version in its ``lora_path``
-(``weightsync://<name>/v<version>``, never read). vLLM's prefix cache keys KV blocks by
-adapter name and path, not contents, so a new path per version keeps blocks computed with
-an older adapter from being reused; requests holding an older request object keep their
-cache keys but run with the newest adapter (vLLM keeps one copy per id).
+Versions: an adapter's identity includes its version. ``engine.lora_request`` names the
+current version in its ``lora_path`` (``weightsync://<name>/v<version>``, never read;
+:func:`versioned_lora_request`), and vLLM's prefix cache keys KV blocks by adapter name and
+path, not contents, so blocks computed with an older adapter are never looked up under the
+new one. A request object of an older version, reused under the same name, runs with the
+newest adapter (vLLM keeps one copy per id), and its old cache key would find the old
+adapter's blocks: so ``apply`` also resets the prefix cache, unless ``keep_stale=True``.
 
 Staging buffers are separate from the live adapter (``apply`` copies them), so an
 ``InflightReader`` can receive version N+1 while N serves. :class:`WorkerLoraEngine` does the
@@ -120,9 +122,12 @@ class VLLMLoraEngine(_AdapterStaging):
         lora: the adapter's shape; its dtype defaults to vLLM's LoRA dtype.
         name, lora_id: the adapter's name and integer id in vLLM (``lora_id > 0``).
         rank: the reader rank.
+        keep_stale: keep the prefix cache at each apply (KV computed with an older adapter may then
+            be reused by requests of an older version's request object).
     """
 
-    def __init__(self, llm: LLM, lora: LoraSpec, *, name: str = "policy", lora_id: int = 1, rank: int = 0) -> None:
+    def __init__(self, llm: LLM, lora: LoraSpec, *, name: str = "policy", lora_id: int = 1, rank: int = 0,
+                 keep_stale: bool = False) -> None:
         engine = llm.llm_engine
         if type(engine.engine_core).__name__ != "InprocClient":
             raise ValueError("VLLMLoraEngine needs an in-process vLLM engine: set "
@@ -131,9 +136,13 @@ class VLLMLoraEngine(_AdapterStaging):
         super().__init__(engine.vllm_config, lora, lora_id, rank)
         self.llm = llm
         self.name = name
+        self.keep_stale = keep_stale
 
     def _install(self, tensors: dict[str, torch.Tensor]) -> None:
         self.llm.collective_rpc(_install_in_worker, args=(self.lora_id, tensors, self.lora.peft_config()))
+        if not self.keep_stale and not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache (requests are running): KV blocks computed "
+                               "with the old adapter would be reused; apply between requests, or keep_stale=True")
 
     # -- direct use ---------------------------------------------------------------------------
     def update(self, tensors: Mapping[str, torch.Tensor], *, version: int) -> None:
@@ -147,11 +156,7 @@ class VLLMLoraEngine(_AdapterStaging):
     def lora_request(self) -> LoRARequest | None:
         """The request that generates with the current version (None before the first)."""
         version = self.weight_version
-        if version is None:
-            return None
-        from vllm.lora.request import LoRARequest
-
-        return LoRARequest(self.name, self.lora_id, f"weightsync://{self.name}/v{version}")
+        return None if version is None else versioned_lora_request(self.name, self.lora_id, version)
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         """The adapter as the engine computes with it, by PEFT name: A as sent, B times ``alpha / r``.
@@ -190,6 +195,14 @@ class WorkerLoraEngine(_AdapterStaging):
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
         return read_adapter(self.manager, self.lora_id)
+
+
+def versioned_lora_request(name: str, lora_id: int, version: int) -> LoRARequest:
+    """vLLM's request for version ``version`` of adapter ``name``: its path names the version, so
+    vLLM's prefix cache (keyed by name and path) never serves one version's KV to another."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, lora_id, f"weightsync://{name}/v{version}")
 
 
 # -- worker side: runs where the model lives ----------------------------------------------------

@@ -35,7 +35,9 @@ engine at its version. The worker answers whether it is invalid to its driver
 a worker in the engine core's process (vLLM's ``uni`` executor: TP=1 on a GPU) stamps the core
 itself before ``update_weights`` raises (:func:`_calling_engine_core`); otherwise (vLLM's CPU build
 runs every worker in a process of its own) the driver does, as ``update_llm`` and the trainer
-side do after a failed update.
+side do after a failed update. Every worker also answers which version it serves, since when, valid
+or not (:data:`~weightsync.engines.vllm_version.WORKER_VERSION`, a method it adds to vLLM's worker at
+construction: :meth:`WeightSyncTransferEngine.serving`).
 
 An engine that drafts with the model's MTP layers (``speculative_config`` method ``mtp``) stages
 them too, and every version reloads target and drafter in one session: the drafter holds the
@@ -76,9 +78,11 @@ from weightsync.engines.vllm import (
 )
 from weightsync.engines.vllm_lora import WorkerLoraEngine
 from weightsync.engines.vllm_parallel import replica_index, worker_index, worker_reads, workers_per_engine
+from weightsync.engines.vllm_version import WORKER_VERSION
 from weightsync.integrations import vllm_step_trace
 from weightsync.layout.lora import LoraSpec
 from weightsync.ports import device as device_port
+from weightsync.ports.engine import ServingVersion
 from weightsync.roles.reader import Prefetch, UpdateResult, WeightReader
 from weightsync.session.config import SyncConfig, check_value, from_fields, job_config, with_job_settings
 
@@ -372,6 +376,10 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self._trace = vllm_step_trace.install(model)
         #: staging memory taken now, before vLLM sizes its KV cache (laid out at init)
         self._reserve = reserve_staging(vllm_config, device)
+        #: what the worker serves once its reader is shut down (the reader's last answer)
+        self._served = ServingVersion(None, None, True)
+        if worker is not None:  # drivers ask it by name: collective_rpc(WORKER_VERSION), GET /weightsync/version
+            setattr(worker, WORKER_VERSION, self.serving_state)
 
     def __call__(self, query: str) -> dict[str, Any]:
         """Answer a weightsync query about this worker's engine, JSON-able: what the oracle reads
@@ -464,6 +472,15 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             if torch.accelerator.is_available():
                 torch.accelerator.synchronize()
 
+    def serving(self) -> ServingVersion:
+        """Which version this worker serves, since when, valid or not: its reader's answer; before
+        ``init_weight_transfer_engine`` its start-up weights, after shutdown the last answer."""
+        return self.reader.serving() if self.reader is not None else self._served
+
+    def serving_state(self) -> dict[str, Any]:
+        """This worker's :data:`~weightsync.engines.vllm_version.WORKER_VERSION` answer (plain data)."""
+        return self.serving().to_wire()
+
     def invalid_state(self) -> dict[str, Any] | None:
         """This worker's :data:`~weightsync.engines.vllm.WORKER_INVALID` answer: None while its
         weights are valid, else the failed version, its error and since when (plain data)."""
@@ -515,5 +532,6 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             self.prefetch = None
         if self.reader is not None:
             reader, self.reader = self.reader, None
+            self._served = reader.serving()
             reader.close()
             reader.meta.close()

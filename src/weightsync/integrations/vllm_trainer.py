@@ -47,6 +47,7 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 
 from weightsync.layout import ModelSpec, RankLayout
 from weightsync.layout.lora import LoraSpec
+from weightsync.ports.engine import ServingVersion
 from weightsync.session.config import SCOPES, SyncConfig, check_value, job_config, job_wire, with_job_settings
 from weightsync.tools.torch_layout import module_layout
 
@@ -248,6 +249,12 @@ class LLMClient:
         from weightsync.engines.vllm import stamp_if_invalid
 
         return stamp_if_invalid(self.llm)
+
+    def serving(self) -> ServingVersion:
+        """Which version the engine serves, since when, valid or not (its workers' answers)."""
+        from weightsync.engines.vllm_version import serving_llm
+
+        return serving_llm(self.llm)
 
 
 def check_reset_answer(url: str, body: bytes) -> None:
@@ -451,6 +458,23 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                      "writer stops waiting for them at its timeout)", self.info.rank, version,
                      type(error).__name__, error)
         return error
+
+    def serving(self) -> list[ServingVersion]:
+        """Which version each engine behind the client serves, since when, valid or not (rank 0,
+        the sender, asks; :func:`~weightsync.integrations.vllm_trainer_stamp.serving_reader`).
+
+        Raises:
+            ValueError: on a rank that does not drive vLLM, or a client that cannot be asked.
+        """
+        from weightsync.integrations.vllm_trainer_stamp import serving_reader
+
+        ask = serving_reader(self.client, self.timeout) if self.is_sender else None
+        if ask is None:
+            raise ValueError(f"trainer rank {self.info.rank}: " + (
+                "only the sender (is_sender=True) drives vLLM; ask the engine on that rank" if not self.is_sender
+                else f"{type(self.client).__name__} cannot be asked which version vLLM serves: give it a serving() "
+                     "method, or use vLLM's HTTP or Ray client"))
+        return ask()
 
     def _stamp_if_invalid(self, version: int) -> None:
         """Version ``version`` failed: if it left a worker's weights mixed, stamp vLLM invalid."""

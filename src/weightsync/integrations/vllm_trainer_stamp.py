@@ -14,6 +14,9 @@ control plane::
 ``vllm serve``: ``POST /collective_rpc {"method": "weightsync_invalid"}`` answers each worker's
 state, ``POST /update_weight_version {"new_version": "invalid:7"}`` sets the stamp (dev-mode
 routes, like the weight-transfer routes themselves).
+
+The same control plane reads back which version each engine serves (:func:`serving_reader`):
+the workers' :data:`~weightsync.engines.vllm_version.WORKER_VERSION` answers, combined per engine.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from weightsync.engines.vllm import WORKER_INVALID, invalid_stamp_of
+from weightsync.engines.vllm_version import WORKER_VERSION, engine_serving
+from weightsync.ports.engine import ServingVersion
 
 
 def invalid_stamper(client: Any, timeout: float) -> Callable[[], str | None] | None:
@@ -61,5 +66,36 @@ def invalid_stamper(client: Any, timeout: float) -> Callable[[], str | None] | N
                     ray.get(handle.update_weight_version.remote(stamp), timeout=timeout)
                     stamps.append(stamp)
             return stamps[0] if stamps else None
+        return over_ray
+    return None
+
+
+def serving_reader(client: Any, timeout: float) -> Callable[[], list[ServingVersion]] | None:
+    """How to ask the engine(s) behind ``client`` which version each serves (one
+    :class:`ServingVersion` per engine); None for a client that cannot.
+
+    A client with ``serving()`` (ours, ``LLMClient``) uses it; vLLM's HTTP client (anything with
+    its ``base_url``) asks the server's dev-mode ``/collective_rpc``; its Ray client (anything with
+    actor ``handles``) asks each actor, an engine of its own.
+    """
+    if callable(getattr(client, "serving", None)):
+        return lambda: [client.serving()]
+    base_url = getattr(client, "base_url", None)
+    if isinstance(base_url, str):
+        def over_http() -> list[ServingVersion]:
+            import httpx
+
+            answer = httpx.post(f"{base_url.rstrip('/')}/collective_rpc", json={"method": WORKER_VERSION},
+                                timeout=timeout)
+            answer.raise_for_status()
+            return [engine_serving(answer.json().get("results") or [])]
+        return over_http
+    handles = getattr(client, "handles", None)
+    if handles is not None:
+        def over_ray() -> list[ServingVersion]:
+            import ray
+
+            return [engine_serving(ray.get(h.collective_rpc.remote(WORKER_VERSION), timeout=timeout))
+                    for h in handles]
         return over_ray
     return None

@@ -33,9 +33,9 @@ and the writer notices when their storage moved).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from weightsync.layout import LayoutProvider
 
@@ -181,4 +181,84 @@ class Validity:
         return self.invalid is not None
 
 
-__all__ = ["InferenceEngine", "Invalid", "PhasedEngine", "TrainingSource", "Validity"]
+@dataclass(frozen=True, slots=True)
+class ServingVersion:
+    """Which version an engine serves, since when, and whether it is valid: the one answer every
+    readback gives (a reader, vLLM's worker backend and its drivers, ``vllm serve``'s
+    ``GET /weightsync/version``, SGLang's adapter), on the wire as :meth:`to_wire` (JSON/msgpack).
+
+    Attributes:
+        version: the version whose weights the engine serves whole; None while it serves its
+            start-up weights (no version applied yet) or while it is invalid.
+        since: ``time.time()`` when it began serving that (invalid: when it became invalid); None
+            for start-up weights.
+        valid: False when a failed update left its weights a mix of two versions, or when the
+            workers of one engine serve different versions (an update under way).
+        reason: why it is invalid (the failed version and its error); empty when valid.
+        failed: the version whose failure left it invalid (vLLM stamps ``invalid:<failed>``).
+    """
+
+    version: int | None
+    since: float | None
+    valid: bool
+    reason: str = ""
+    failed: int | None = None
+
+    @classmethod
+    def of(cls, engine: InferenceEngine, *, since: float | None) -> ServingVersion:
+        """What ``engine`` serves, given when its current version went live (``since``)."""
+        invalid = engine.invalid
+        if invalid is not None:
+            return cls(None, invalid.since, False, f"version {invalid.version} failed: {invalid.error}",
+                       invalid.version)
+        version = engine.weight_version
+        return cls(version, since if version is not None else None, True)
+
+    @classmethod
+    def combine(cls, answers: Sequence[ServingVersion]) -> ServingVersion:
+        """One engine's answer from its workers' (a TP/DP engine: one reader per worker): invalid if
+        any worker is, or if they serve different versions; else their version, since the last switched.
+
+        Raises:
+            ValueError: no answers (an engine has at least one worker).
+        """
+        if not answers:
+            raise ValueError("ServingVersion.combine: no worker answered; an engine has at least one worker")
+        broken = [a for a in answers if not a.valid]
+        if broken:
+            first = min(broken, key=lambda a: a.since if a.since is not None else float("inf"))
+            failed = [a.failed for a in broken if a.failed is not None]
+            return cls(None, first.since, False, first.reason or "a worker is invalid", max(failed, default=None))
+        versions = {a.version for a in answers}
+        if len(versions) > 1:
+            shown = sorted(versions, key=lambda v: -1 if v is None else v)
+            return cls(None, None, False, f"its workers serve different versions {shown} (an update is under way)")
+        times = [a.since for a in answers if a.since is not None]
+        return cls(versions.pop(), max(times) if times else None, True)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"version": self.version, "since": self.since, "valid": self.valid, "reason": self.reason,
+                "failed": self.failed}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> ServingVersion:
+        """Read :meth:`to_wire`'s form back.
+
+        Raises:
+            ValueError: ``obj`` is not that form, naming the field.
+        """
+        if not isinstance(obj, dict):
+            raise ValueError(f"a serving version is a mapping with version, since, valid, got {type(obj).__name__}")
+        checks = {"version": (int, type(None)), "since": (int, float, type(None)), "valid": (bool,),
+                  "reason": (str,), "failed": (int, type(None))}
+        for name, kinds in checks.items():
+            value = obj.get(name, "" if name == "reason" else None)
+            if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+                raise ValueError(f"serving version field {name!r} must be {' or '.join(k.__name__ for k in kinds)}, "
+                                 f"got {value!r}")
+        since = obj.get("since")
+        return cls(obj.get("version"), float(since) if since is not None else None, obj["valid"],
+                   obj.get("reason", ""), obj.get("failed"))
+
+
+__all__ = ["InferenceEngine", "Invalid", "PhasedEngine", "ServingVersion", "TrainingSource", "Validity"]

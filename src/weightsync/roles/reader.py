@@ -38,7 +38,7 @@ from weightsync.transport import TransportError
 
 if TYPE_CHECKING:
     from weightsync.meta.client import MetaClient
-    from weightsync.ports.engine import InferenceEngine, Invalid, PhasedEngine
+    from weightsync.ports.engine import InferenceEngine, Invalid, PhasedEngine, ServingVersion
     from weightsync.session.sync_session import PlannedSync
 
 logger = logging.getLogger(__name__)
@@ -93,6 +93,8 @@ class WeightReader:
         self._failed_epoch = -1  # the epoch the version that failed here was published in
         #: the version this reader last applied (at first: the engine's own; None after a failure)
         self._applied: int | None = engine.weight_version
+        #: (the version this reader last made live, when): the ``since`` of :meth:`serving`
+        self._live: tuple[int | None, float | None] = (engine.weight_version, None)
 
     def _device(self) -> str:
         if self._phased is not None:  # its buffers are laid out only once the phases are known
@@ -112,6 +114,15 @@ class WeightReader:
     def invalid(self) -> Invalid | None:
         """Why the engine serves no valid version: a failed update touched its weights (None: valid)."""
         return self.engine.invalid
+
+    def serving(self) -> ServingVersion:
+        """Which version the engine serves, since when, valid or not (see :class:`ServingVersion`).
+        ``since`` is when this reader applied it; None for what the engine started with, or for a
+        version set on the engine outside this reader."""
+        from weightsync.ports.engine import ServingVersion
+
+        version, since = self._live
+        return ServingVersion.of(self.engine, since=since if self.engine.weight_version == version else None)
 
     @property
     def last_failed(self) -> int | None:
@@ -277,6 +288,7 @@ class WeightReader:
         phases["apply"] = time.perf_counter() - t0
         result = UpdateResult(v, nbytes, phases)
         self._applied = v
+        self._live = (v, time.time())
         self.session.channel.report_applied(v, nbytes=nbytes, seconds=result.seconds)
         self._failed = None
         logger.info("reader %d applied version %d: %d bytes, %.3fs", self.rank, v, nbytes, result.seconds)
