@@ -288,7 +288,7 @@ class MetaState:
             ConflictError: ``rank`` is not a registered reader of ``job``.
         """
         at = time.time()
-        event: Event = (ReaderApplied(job, rank, version, nbytes, seconds, at) if error is None
+        event: ReaderApplied | ReaderFailed = (ReaderApplied(job, rank, version, nbytes, seconds, at) if error is None
                         else ReaderFailed(job, rank, version, error, nbytes, seconds, at, invalid, holds))
 
         def plan() -> list[Event]:

@@ -294,3 +294,46 @@ def _reason(exc: BaseException) -> str:
                 continue
             return str(obj.get("message") or obj.get("error") or arg)
     return str(exc.args[0] if exc.args else exc)[:300] or type(exc).__name__
+
+
+# -- transaction parts (etcd's KV API, as the gateway takes them) ----------------------------------------
+
+def put(key: str, value: bytes, lease: int = 0) -> dict[str, Any]:
+    request: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+    if lease:
+        request["lease"] = lease
+    return {"request_put": request}
+
+
+def delete(key: str, *, prefix: bool = False) -> dict[str, Any]:
+    request = {"key": b64(key)}
+    if prefix:
+        request["range_end"] = b64(prefix_end(key))
+    return {"request_delete_range": request}
+
+
+def read(key: str, *, prefix: bool = False, count_only: bool = False) -> dict[str, Any]:
+    request: dict[str, Any] = {"key": b64(key)}
+    if prefix:
+        request["range_end"] = b64(prefix_end(key))
+    if count_only:
+        request["count_only"] = True
+    return {"request_range": request}
+
+
+def unchanged(key: str, mod_revision: int) -> dict[str, Any]:
+    """The key was not written since ``mod_revision`` (0: the key does not exist)."""
+    return {"key": b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": mod_revision}
+
+
+def holds(key: str, value: bytes) -> dict[str, Any]:
+    return {"key": b64(key), "target": "VALUE", "result": "EQUAL", "value": b64(value)}
+
+
+def rows_of(response: dict[str, Any]) -> list[Row]:
+    """The rows of one ``request_range`` answer of a transaction."""
+    return [_row(kv) for kv in response.get("response_range", {}).get("kvs", [])]
+
+
+def count_of(response: dict[str, Any]) -> int:
+    return int(response.get("response_range", {}).get("count", 0))
