@@ -85,13 +85,17 @@ class EtcdAddress:
 
     def urls(self) -> list[str]:
         scheme = "https" if self.tls else "http"
-        return [f"{scheme}://{host}:{port}" for host, port in self.endpoints]
+        return [f"{scheme}://{_bracket(host)}:{port}" for host, port in self.endpoints]
 
     def __str__(self) -> str:
         """The address without its password (safe to log)."""
         who = f"{self.user}@" if self.user else ""
-        hosts = ",".join(f"{h}:{p}" for h, p in self.endpoints)
+        hosts = ",".join(f"{_bracket(h)}:{p}" for h, p in self.endpoints)
         return f"{'etcds' if self.tls else 'etcd'}://{who}{hosts}/{self.prefix}"
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def _safe(text: str) -> str:

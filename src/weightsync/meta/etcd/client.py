@@ -13,9 +13,9 @@ leases: :mod:`weightsync.meta.etcd.leases`; the connection (failover, auth, watc
     meta.publish_version(step, fingerprint, writer_rank=0, num_writers=8)
 
 The barrier (:meth:`EtcdMetaClient.wait_table`) counts registrations (etcd ``count_only``
-ranges) and watches the ``roster`` key: the first waiter that finds everyone registered stores
-the encoded roster there, which wakes the others, and every rank then reads that one key
-instead of a range of all the participants.
+ranges) and watches them; the first waiter that finds everyone registered stores the encoded
+roster in one key, and every rank then reads that key instead of a range of all the
+participants.
 """
 
 from __future__ import annotations
@@ -114,8 +114,8 @@ class EtcdMetaClient(Versions, Leases):
             TimeoutError: naming the ranks still missing.
         """
         calls.roster(self.job, writers=writers, readers=readers, documents=documents)  # checks the arguments
-        state = self.wait(self.keys.roster, lambda: self._roster(documents),
-                          lambda s: s.writers >= writers and s.readers >= readers, timeout,
+        state = self.wait(self.keys.root + "part/", lambda: self._roster(documents),
+                          lambda s: s.writers >= writers and s.readers >= readers, timeout, prefix=True,
                           progress=lambda s, left: log_missing(self._build(s, store=False), writers, readers, left))
         table = state.table or self._build(state, store=state.writers >= writers and state.readers >= readers)
         return barrier_result(table, writers, readers, timeout)
@@ -204,7 +204,7 @@ class EtcdMetaClient(Versions, Leases):
     def status(self) -> dict[str, Any]:
         """This job's status (participants, versions, each reader's lag and last sync), as JSON data."""
         rows, _ = self.rows(*(ops.read(self.keys.root + kind, prefix=True)
-                              for kind in ("part/", "blob/", "doc/", "ctr/", "ver/", "reader/")))
+                              for kind in ("part/writer/", "part/reader/", "blob/", "doc/", "ctr/", "ver/", "reader/")))
         job = load_job(self.keys, rows)
         job.roster_revision = sum(len(r) for r in job.rows.values())
         return views.job_status(job)

@@ -7,8 +7,9 @@ key (under ``<prefix>/jobs/<job>/``)     value
 ``ctr/<name>``                           the counter, as decimal ASCII
 ``part/<role>/<rank:010d>``              ``[group, host, endpoints, layout hash, at]``
 ``blob/<hash>``                          a layout blob (content-addressed, stored once)
-``roster``                               the encoded columnar roster with its writer and
-                                         reader counts (a cache: rebuilt when stale)
+``part/roster``                          the encoded columnar roster with its writer and
+                                         reader counts (a cache: rebuilt when stale; under
+                                         ``part/`` so that one watch sees it and registrations)
 ``ver/latest``                           the published :class:`VersionInfo`
 ``ver/pending/<version:020d>``           a version some writers reported (fingerprint, epoch,
                                          writer count, ranks)
@@ -62,7 +63,7 @@ class JobKeys:
 
     @property
     def roster(self) -> str:
-        return f"{self.root}roster"
+        return f"{self.root}part/roster"
 
     @property
     def latest(self) -> str:
