@@ -256,6 +256,7 @@ class EtcdKV:
                                            timeout=(min(left, MAX_REQUEST_SECONDS), left))
         except requests.RequestException:
             self._current = (self._current + 1) % len(self.address.endpoints)
+            time.sleep(min(deadline.remaining(0.0), _BACKOFF_MAX * random.uniform(0.5, 1)))  # backoff, then read again
             return True
         try:
             return self._first_event(response)
@@ -293,7 +294,8 @@ def _reason(exc: BaseException) -> str:
             except ValueError:
                 continue
             return str(obj.get("message") or obj.get("error") or arg)
-    return str(exc.args[0] if exc.args else exc)[:300] or type(exc).__name__
+    said = " ".join(str(a) for a in exc.args if a)[:300]
+    return f"{type(exc).__name__}: {said}" if said else type(exc).__name__
 
 
 # -- transaction parts (etcd's KV API, as the gateway takes them) ----------------------------------------
