@@ -35,6 +35,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -227,6 +228,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
+    # a TERM (e.g. from `timeout`) unwinds like an exception, so the servers and etcd members it started stop
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--writers", type=int, default=1024)
     p.add_argument("--readers", type=int, default=256)

@@ -117,3 +117,58 @@ def test_a_client_cut_off_from_etcd_is_named_dead_and_rejoins_as_a_new_incarnati
             m.close()
 
 
+
+
+def test_without_quorum_write_and_update_fail_naming_it_and_the_job_resumes_when_a_member_returns(cluster):
+    import threading
+
+    from etcd_helpers import CONFIG, SOURCE, TARGET, values
+    from weightsync.engines.buffers import ShardedEngine
+    from weightsync.roles.reader import WeightReader
+    from weightsync.roles.writer import WeightWriter
+    from weightsync.session.sync_session import SyncConfig
+    from weightsync.sources.module import ShardedSource
+    from weightsync.tools.torch_layout import fill_from_canonical
+
+    config = SyncConfig(num_writers=1, num_readers=1, transport="shm", timeout=15.0, job="quorum-job")
+    source = ShardedSource(SOURCE.replace("tp=2", "tp=1"), CONFIG, 0)
+    engine = ShardedEngine(TARGET.replace("replicas=2", "replicas=1"), CONFIG, 0)
+    with WeightWriter(source, rank=0, config=config, meta=meta(cluster.address, "quorum-job", 3.0)) as w, \
+            WeightReader(engine, rank=0, config=config, meta=meta(cluster.address, "quorum-job", 3.0)) as r:
+        def sync(version: int) -> list[BaseException | int]:
+            got: list[BaseException | int] = []
+
+            def update() -> None:
+                try:
+                    got.append(r.update(version, timeout=config.timeout).version)
+                except BaseException as exc:
+                    got.append(exc)
+            t = threading.Thread(target=update)
+            t.start()
+            fill_from_canonical(source.layout(), source.tensors(), values(version))
+            try:
+                w.write(version)
+                got.append(version)
+            except BaseException as exc:
+                got.append(exc)
+            t.join(30)
+            assert not t.is_alive()
+            return got
+
+        assert sync(0) == [0, 0]
+        leader = cluster.leader()
+        cluster.kill(leader)
+        cluster.kill((leader + 1) % 3)
+        t0 = time.monotonic()
+        failed = sync(1)
+        assert time.monotonic() - t0 < config.timeout + 6.0
+        for outcome in failed:
+            assert isinstance(outcome, BaseException), failed
+            chain, e = [], outcome
+            while e is not None:
+                chain.append(str(e))
+                e = e.__cause__ or e.__context__
+            assert any("lost quorum" in text for text in chain), chain
+        cluster.start(leader)
+        cluster.leader(timeout=20)
+        assert sync(2) == [2, 2]  # the next version goes through
