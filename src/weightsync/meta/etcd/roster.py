@@ -6,7 +6,9 @@ ranges), the barriers ranks wait at and the stored roster. A rank that waits for
 waiter), then reads the counts, and watches the one ``part/roster`` key. Whoever first sees a known
 barrier complete (the last registrant, in its registration's transaction, or a waiter in its read)
 stores the encoded columnar roster in ``part/roster``: that write wakes every waiter once, and
-each reads that key instead of a range of all the participants.
+each reads that key instead of a range of all the participants. A waiter that finds the barrier
+complete before the roster is stored gives that rank :data:`ROSTER_GRACE_SECONDS` to store it,
+and then stores it itself.
 
 No completion is missed: a waiter writes its barrier before it reads the counts, and a registrant
 reads the barriers after its registration, both linearizable, so at least one of the two sees
@@ -21,10 +23,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from weightsync.clock.deadline import Deadline
 from weightsync.meta import calls, rules, views, wire
 from weightsync.meta.client_base import barrier_result, log_missing, logger
 from weightsync.meta.etcd import kv as ops
-from weightsync.meta.etcd.base import EtcdBase
+from weightsync.meta.etcd.base import PROGRESS_SECONDS, EtcdBase
 from weightsync.meta.etcd.kv import Row
 from weightsync.meta.etcd.schema import load_job, pack_registration
 from weightsync.meta.events import Registered
@@ -34,6 +37,9 @@ from weightsync.ports.records import Participant
 
 #: a waiting rank names the missing ranks while at most this many registered (see Roster._log_missing)
 NAME_MISSING_UP_TO = 256
+#: a waiter that finds the barrier complete but no roster stored waits this long for the rank that
+#: completed it to store it before it reads every registration itself (one build, not one per waiter)
+ROSTER_GRACE_SECONDS = 1.0
 
 
 @dataclass(slots=True)
@@ -113,8 +119,21 @@ class Roster(EtcdBase):
         def done(s: _Roster) -> bool:
             return s.writers >= writers and s.readers >= readers
 
-        state = self.wait(self.keys.roster, read, done, timeout,
-                          progress=lambda s, left: self._log_missing(s, writers, readers, left))
+        deadline, said = Deadline.after(max(0.0, timeout)), time.monotonic()
+        builds: Deadline | None = None  # when this rank stores the roster itself, if no one else did
+        while True:
+            state, revision = read()
+            if done(state) and (state.table is not None or (builds is not None and builds.expired)):
+                break
+            if deadline.expired:
+                break
+            if done(state) and builds is None:  # the rank that completed it stores it; wait for that a little
+                builds = Deadline.after(ROSTER_GRACE_SECONDS)
+            elif not done(state) and time.monotonic() - said >= PROGRESS_SECONDS:
+                said = time.monotonic()
+                self._log_missing(state, writers, readers, deadline.remaining(0.0))
+            step = min(deadline.remaining(0.0), PROGRESS_SECONDS if builds is None else builds.remaining(0.0))
+            self.kv.watch(self.keys.roster, prefix=False, after=revision, deadline=Deadline.after(step))
         table = state.table or self._build(state, store=done(state))
         return barrier_result(table, writers, readers, timeout)
 
