@@ -152,3 +152,35 @@ def test_a_sync_job_runs_on_etcd_bitwise(cluster):
     assert not out.errors, out.errors
     assert out.reads == {0: versions, 1: versions} and all(all(e) for e in out.exact.values())
     assert [v for v, _ in out.writes[0]] == versions == [v for v, _ in out.writes[1]]
+
+
+def test_an_etcd_user_and_password_authenticate_and_a_wrong_one_is_named(tmp_path):
+    import json
+    import urllib.request
+
+    single = etcd_cluster(tmp_path / "auth", members=1)
+    try:
+        def admin(path: str, body: dict, token: str = "") -> dict:
+            request = urllib.request.Request(f"{single.urls[0]}/v3/{path}", data=json.dumps(body).encode(),
+                                             method="POST", headers={"Authorization": token} if token else {})
+            with urllib.request.urlopen(request, timeout=5) as r:
+                return json.loads(r.read())
+
+        admin("auth/user/add", {"name": "root", "password": "rootpw"})
+        admin("auth/user/grant", {"user": "root", "role": "root"})
+        admin("auth/enable", {})
+        host = single.address.removeprefix("etcd://")
+        from weightsync.meta.etcd.client import EtcdMetaClient
+
+        with EtcdMetaClient(f"etcd://root@{host}", job="auth", password="rootpw") as c:  # WEIGHTSYNC_ETCD_PASSWORD
+            c.put_document("k", b"v")
+            assert c.get_document("k") == b"v"
+        with meta(f"etcd://{host}", "auth", timeout=2) as c, \
+                pytest.raises(PermissionError, match=r"requires authentication: put the user in the address"):
+            c.get_document("k")
+        with meta(f"etcd://root:wrong@{host}", "auth", timeout=2) as c, \
+                pytest.raises(PermissionError, match=r"refused user 'root' \(.*\): check the user and "
+                                                     r"WEIGHTSYNC_ETCD_PASSWORD"):
+            c.get_document("k")
+    finally:
+        single.stop()

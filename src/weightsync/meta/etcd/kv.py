@@ -287,14 +287,15 @@ class EtcdKV:
 
 def _reason(exc: BaseException) -> str:
     """etcd's own message from a gateway error (``{"error": ..., "message": ...}``), else the exception."""
-    for arg in exc.args:
-        if isinstance(arg, str) and arg.startswith("{"):
+    detail = getattr(exc, "detail_text", None)  # etcd3gw keeps the answer's body there
+    for text in (detail, *exc.args):
+        if isinstance(text, str) and text.lstrip().startswith("{"):
             try:
-                obj = json.loads(arg)
+                obj = json.loads(text)
             except ValueError:
                 continue
-            return str(obj.get("message") or obj.get("error") or arg)
-    said = " ".join(str(a) for a in exc.args if a)[:300]
+            return str(obj.get("message") or obj.get("error") or text) if isinstance(obj, dict) else text
+    said = " ".join(str(a) for a in (detail, *exc.args) if a)[:300]
     return f"{type(exc).__name__}: {said}" if said else type(exc).__name__
 
 
