@@ -4,6 +4,7 @@
     python benchmarks/meta_scale.py --state-dir --json    # with the durable store (one fsynced commit per change)
     python benchmarks/meta_scale.py --mode separate       # register, then a separate barrier fetch
     python benchmarks/meta_scale.py --materialize         # also build all 1280 Participant objects per rank
+    python benchmarks/meta_scale.py --backend both        # the embedded server and a 3-member etcd cluster
 
 A real ``weightsync meta-server`` process serves; the participants are simulated by asyncio
 tasks in ``--procs`` client processes, one :class:`AsyncMetaClient` (own TCP connection) each.
@@ -14,6 +15,13 @@ and decoded, and the model config document fetched. Writer 0 publishes the confi
 (the bundled ``moe-1t`` HF config) before it joins, as weightsync's writer does; every rank
 asks for it with the roster (``documents=[key]``), so ``--mode join`` is one round trip per rank
 and ``--mode separate`` two.
+
+With ``--backend etcd`` the coordinator is a 3-member etcd cluster on loopback
+(:class:`~weightsync.meta.etcd.cluster.LocalEtcdCluster`) and each participant is a thread with
+its own :class:`~weightsync.meta.etcd.client.EtcdMetaClient` (own HTTP connections), doing the
+same: writer 0 stores the config, every rank joins (register, then the barrier with the config
+document) and decodes the roster. ``--backend both`` runs the two one after the other, in one
+invocation, on the same machine.
 
 Layouts: writers ``megatron:tp=8,pp=16,dp=8,ep=64,etp=1`` (1024 ranks, 8 per host), readers
 ``vllm:tp=16,replicas=16`` (256 ranks, 8 per host); each rank has two transport endpoints.
@@ -27,6 +35,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -66,14 +75,7 @@ async def _one(client: AsyncMetaClient, p: Participant, args: argparse.Namespace
         await client.register(p)
         table = await client.wait_table(writers=args.writers, readers=args.readers, timeout=120,
                                         documents=[MODEL_KEY])
-    layouts = {role: {msgpack.unpackb(blob)["layout"]: len(ranks) for blob, ranks in table.layouts(role).items()}
-               for role in ("writer", "reader")}
-    assert layouts == {"writer": {WRITER_LAYOUT: args.writers}, "reader": {READER_LAYOUT: args.readers}}, layouts
-    if args.materialize:
-        assert len(table.participants()) == args.writers + args.readers
-    else:
-        peer = table.get("reader" if p.role == "writer" else "writer", 0)
-        assert peer is not None and peer.endpoints
+    _check(table, p, args)
     model = table.documents.get(MODEL_KEY) or await client.get_document(MODEL_KEY, wait=60)
     assert model == config
     return time.monotonic()
@@ -96,6 +98,76 @@ def _worker(index: int, args: argparse.Namespace, address: str, token: str, barr
             await asyncio.gather(*(c.aclose() for c in clients))
 
     out.put((index, *asyncio.run(main())))
+
+
+def _etcd_one(address: str, p: Participant, args: argparse.Namespace, config: bytes) -> float:
+    from weightsync.meta.etcd.client import EtcdMetaClient
+
+    with EtcdMetaClient(address, job=JOB, timeout=120) as client:
+        if p.role == "writer" and p.rank == 0:
+            client.put_document(MODEL_KEY, config)
+        table = client.join(p, writers=args.writers, readers=args.readers, timeout=120, documents=[MODEL_KEY])
+        _check(table, p, args)
+        model = table.documents.get(MODEL_KEY) or client.get_document(MODEL_KEY, wait=60)
+        assert model == config
+        return time.monotonic()
+
+
+def _check(table: Any, p: Participant, args: argparse.Namespace) -> None:
+    layouts = {role: {msgpack.unpackb(blob)["layout"]: len(ranks) for blob, ranks in table.layouts(role).items()}
+               for role in ("writer", "reader")}
+    assert layouts == {"writer": {WRITER_LAYOUT: args.writers}, "reader": {READER_LAYOUT: args.readers}}, layouts
+    if args.materialize:
+        assert len(table.participants()) == args.writers + args.readers
+    else:
+        peer = table.get("reader" if p.role == "writer" else "writer", 0)
+        assert peer is not None and peer.endpoints
+
+
+def _etcd_worker(index: int, args: argparse.Namespace, address: str, barrier: Any, out: Any) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    raise_open_file_limit()
+    everyone = [("writer", r) for r in range(args.writers)] + [("reader", r) for r in range(args.readers)]
+    mine = [participant(role, rank) for role, rank in everyone[index::args.procs]]
+    config = (resources.files("weightsync.configs") / "moe-1t.json").read_bytes()
+    with ThreadPoolExecutor(max_workers=len(mine), thread_name_prefix="rank") as pool:
+        barrier.wait()
+        start, cpu = time.monotonic(), time.process_time()
+        done = list(pool.map(lambda p: _etcd_one(address, p, args, config), mine))
+    out.put((index, start, max(done), time.process_time() - cpu))
+
+
+def run_etcd(args: argparse.Namespace) -> dict[str, Any]:
+    """The same job on a 3-member etcd cluster on loopback (see module docstring)."""
+    from weightsync.meta.etcd.client import EtcdMetaClient
+    from weightsync.meta.etcd.cluster import LocalEtcdCluster
+
+    with tempfile.TemporaryDirectory(prefix="weightsync-meta-scale-etcd-") as tmp, \
+            LocalEtcdCluster(Path(tmp), members=3) as cluster:
+        ctx = mp.get_context("spawn")
+        barrier, out = ctx.Barrier(args.procs + 1), ctx.Queue()
+        procs = [ctx.Process(target=_etcd_worker, args=(i, args, cluster.address, barrier, out))
+                 for i in range(args.procs)]
+        for p in procs:
+            p.start()
+        barrier.wait(timeout=120)
+        etcd_pids = [proc.pid for proc in cluster.procs if proc is not None]
+        server_cpu = sum(_cpu_seconds(pid) for pid in etcd_pids)
+        results = [out.get(timeout=300) for _ in procs]
+        for p in procs:
+            p.join(timeout=30)
+        server_cpu = sum(_cpu_seconds(pid) for pid in etcd_pids) - server_cpu
+        with EtcdMetaClient(cluster.address, job=JOB) as client:
+            roster = len(client.kv.get(client.keys.roster)[0].value)  # type: ignore[union-attr]
+    start = min(r[1] for r in results)
+    return {
+        "backend": "etcd (3 members, loopback)", "writers": args.writers, "readers": args.readers, "mode": "join",
+        "procs": args.procs, "state_dir": True, "materialize": args.materialize,
+        "seconds": round(max(r[2] for r in results) - start, 3), "roster_bytes": roster,
+        "client_cpu_seconds": round(sum(r[3] for r in results), 2), "server_cpu_seconds": round(server_cpu, 2),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+    }
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -144,6 +216,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             server.terminate()
             server.wait(timeout=30)
     return {
+        "backend": "embedded (weightsync meta-server)",
         "writers": args.writers, "readers": args.readers, "mode": args.mode, "procs": args.procs,
         "state_dir": args.state_dir, "materialize": args.materialize,
         "seconds": round(total, 3), "requests": (args.writers + args.readers) * (1 if args.mode == "join" else 2) + 1,
@@ -155,6 +228,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
+    # a TERM (e.g. from `timeout`) unwinds like an exception, so the servers and etcd members it started stop
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--writers", type=int, default=1024)
     p.add_argument("--readers", type=int, default=256)
@@ -164,21 +239,31 @@ def main() -> int:
     p.add_argument("--state-dir", action="store_true", help="run the server with a durable state directory")
     p.add_argument("--materialize", action="store_true", help="build every Participant object on every rank")
     p.add_argument("--repeat", type=int, default=1, help="runs; the best and all are reported")
+    p.add_argument("--backend", choices=("embedded", "etcd", "both"), default="embedded",
+                   help="the coordinator: the embedded meta server, a 3-member etcd cluster on loopback, or both")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    runs = [run(args) for _ in range(args.repeat)]
+    if args.backend != "embedded" and args.mode != "join":
+        p.error("--backend etcd runs --mode join only")
+    backends = {"embedded": [run], "etcd": [run_etcd], "both": [run, run_etcd]}[args.backend]
+    for runner in backends:
+        _report(args, [runner(args) for _ in range(args.repeat)])
+    return 0
+
+
+def _report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
     best = min(runs, key=lambda r: r["seconds"])
     best["all_seconds"] = [r["seconds"] for r in runs]
     if args.json:
         print(json.dumps(best))
     else:
-        print(f"{args.writers} writers + {args.readers} readers ({args.mode}, {args.procs} client processes"
+        print(f"{best['backend']}: {args.writers} writers + {args.readers} readers ({args.mode}, "
+              f"{args.procs} client processes"
               f"{', state dir' if args.state_dir else ''}{', materialized' if args.materialize else ''}): "
               f"{best['seconds']:.3f} s (runs: {best['all_seconds']}); roster {best['roster_bytes']} bytes; "
-              f"{best['requests']} requests; CPU: clients {best['client_cpu_seconds']} s, "
+              f"{best.get('requests', '-')} requests; CPU: clients {best['client_cpu_seconds']} s, "
               f"server {best['server_cpu_seconds']} s; "
-              f"commits {best['store_commits']}; {best['machine']}")
-    return 0
+              f"commits {best.get('store_commits', '-')}; {best['machine']}")
 
 
 if __name__ == "__main__":

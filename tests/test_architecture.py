@@ -264,7 +264,8 @@ def integrations_imported_below(edges: Iterable[Import], layers: Layers = LAYERS
 #: may call them on a meta client, so that every key and message of the protocol lives in one module.
 PROTOCOL_PORT = "weightsync.ports.coordinator.MetaPort"
 #: What speaks the protocol: the meta clients (all share ClientBase) and the ports they fill.
-PROTOCOL_SPEAKERS = ("weightsync.meta.client_base.ClientBase", "weightsync.ports.coordinator.MetaPort",
+PROTOCOL_SPEAKERS = ("weightsync.meta.client_base.ClientBase", "weightsync.meta.etcd.base.EtcdBase",
+                     "weightsync.ports.coordinator.MetaPort",
                      "weightsync.ports.coordinator.TransportBoard")
 #: Where the protocol may be spoken.
 PROTOCOL_HOMES = ("weightsync.job.channel", "weightsync.ports.coordinator", "weightsync.meta")

@@ -410,7 +410,7 @@ def _signature(fn) -> list[tuple[str, object, object]]:
     return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values() if p.name != "self"]
 
 
-@pytest.mark.parametrize("pair", ["MetaClient:MetaPort", "DirectoryMeta:TransportBoard"])
+@pytest.mark.parametrize("pair", ["MetaClient:MetaPort", "EtcdMetaClient:MetaPort", "DirectoryMeta:TransportBoard"])
 def test_what_the_job_channel_is_given_has_every_call_of_its_port(tmp_path, pair):
     """``JobChannel`` takes a ``MetaPort`` (a ``TransportBoard`` when only transports use it, as in
     the transport contract tests): every call the port declares exists, with its parameters."""
@@ -418,12 +418,17 @@ def test_what_the_job_channel_is_given_has_every_call_of_its_port(tmp_path, pair
     from weightsync.job import channel as job
 
     given, port = pair.split(":")
+    if given == "EtcdMetaClient":
+        from etcd_helpers import require_etcd
+
+        require_etcd()
+        from weightsync.meta.etcd.client import EtcdMetaClient
     meta = (MetaClient("127.0.0.1:1", token="abcdefgh") if given == "MetaClient"
-            else DirectoryMeta(str(tmp_path)))
+            else EtcdMetaClient("etcd://127.0.0.1:1") if given == "EtcdMetaClient" else DirectoryMeta(str(tmp_path)))
     methods = _protocol_methods(getattr(job, port))
     assert "put_document" in methods and (port == "TransportBoard" or "acquire_lease" in methods)
     assert isinstance(meta.job, str)
     for name, declared in methods.items():
         assert _signature(getattr(meta, name)) == _signature(declared), name
-    if given == "MetaClient":
+    if given != "DirectoryMeta":
         meta.close()

@@ -205,14 +205,14 @@ class ColocateSync(_Sync):
 
     def __init__(self, generation: Any, settings: TRLSyncSettings) -> None:
         from weightsync.engines.vllm import VLLMEngine
-        from weightsync.meta.client import MetaClient
+        from weightsync.meta.client import open_meta
         from weightsync.roles.reader import WeightReader
 
         super().__init__(generation, settings)
         self.writer: Any = None
         shared = self._meta()
         self.address, self.token = str(shared["address"]), str(shared["token"])
-        self.meta = MetaClient(self.address, job=self._config().job, token=self.token or None, timeout=self.timeout)
+        self.meta = open_meta(self.address, job=self._config().job, token=self.token or None, timeout=self.timeout)
         self._closers.insert(0, self.meta.close)
         engine = VLLMEngine(generation.llm, rank=self.rank, replicas=self.world)
         self.reader = WeightReader(engine, rank=self.rank, config=self._config(), meta=self.meta)

@@ -398,7 +398,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         return WeightSyncInitInfo.from_wire(init_dict)
 
     def init_transfer_engine(self, init_info: WeightSyncInitInfo) -> None:
-        from weightsync.meta.client import MetaClient
+        from weightsync.meta.client import open_meta
 
         if self.reader is not None:
             raise RuntimeError("the weightsync transfer engine is already initialised; shut it down first")
@@ -429,8 +429,8 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             engine.lay_out(layer_phases=config.layer_phases,
                            budget_bytes=config.transport_options.max_bucket_bytes)
         # unreachable for the job's timeout is an error, as any other wait of the job
-        meta = (MetaClient(init_info.meta_address, job=config.job, token=init_info.meta_token, timeout=config.timeout)
-                if init_info.meta_address else MetaClient.from_env(job=config.job, timeout=config.timeout))
+        meta = open_meta(init_info.meta_address or None, job=config.job, token=init_info.meta_token or None,
+                         timeout=config.timeout)
         self.reader = WeightReader(engine, rank=rank, config=config, meta=meta)
         self.prefetch = Prefetch(self.reader) if init_info.prefetch else None
         worker = _hosting_worker(sys._getframe(1), self)

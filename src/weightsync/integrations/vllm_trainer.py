@@ -365,7 +365,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
     def trainer_init(cls, init_info: WeightSyncTrainerInitInfo, *, client: Any,
                      source: Any = None) -> WeightSyncTrainerEngine:
         from weightsync.integrations.vllm_trainer_stamp import invalid_stamper
-        from weightsync.meta.client import MetaClient
+        from weightsync.meta.client import open_meta
         from weightsync.meta.config import MetaEnv
         from weightsync.roles.writer import WeightWriter
 
@@ -383,7 +383,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             address, token, server = embedded_meta_server(init_info, config)
             if server is not None:
                 closers.append(server.stop)
-        meta = MetaClient(address, job=config.job, token=token or None, timeout=config.timeout)
+        meta = open_meta(address, job=config.job, token=token or None, timeout=config.timeout)
         closers.insert(0, meta.close)
         training_source = as_training_source(source, init_info.model_config, init_info.rank)
         lora = getattr(training_source, "lora", None)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import httpx
 
@@ -33,14 +33,19 @@ from weightsync.meta.async_client import AsyncMetaClient
 from weightsync.meta.calls import Call
 from weightsync.meta.client_base import Answer, ClientBase, Outcome, Sleep, Steps, T, ssl_context
 from weightsync.meta.config import MetaEnv
+from weightsync.meta.etcd.address import is_etcd_address
 from weightsync.meta.records import ParticipantTable
 from weightsync.ports.records import LeaseRow, Participant, ReaderReport, VersionInfo
 
 if TYPE_CHECKING:
     from weightsync.meta.embedded import EmbeddedMetaServer
+    from weightsync.meta.etcd.client import EtcdMetaClient
 
-__all__ = ["AsyncMetaClient", "EmbeddedMetaServer", "MetaClient", "Participant", "ParticipantTable",
-           "VersionInfo", "connect"]
+__all__ = ["AnyMetaClient", "AsyncMetaClient", "EmbeddedMetaServer", "MetaClient", "Participant", "ParticipantTable",
+           "VersionInfo", "connect", "open_meta"]
+
+#: a coordinator client: the embedded meta server's, or etcd's (both provide the job channel's MetaPort)
+AnyMetaClient: TypeAlias = "MetaClient | EtcdMetaClient"
 
 
 class MetaClient(ClientBase):
@@ -235,8 +240,28 @@ class MetaClient(ClientBase):
         return self._run(self._one(calls.delete_job(self.job)))
 
 
+def open_meta(address: str | None = None, *, job: str = "default", token: str | None = None,
+              timeout: float = 30.0) -> AnyMetaClient:
+    """A client of the coordinator at ``address`` or ``WEIGHTSYNC_META_ADDR``: an etcd cluster
+    (``etcd://host1:2379,...``: :class:`~weightsync.meta.etcd.client.EtcdMetaClient`, its
+    password from ``WEIGHTSYNC_ETCD_PASSWORD``) or a meta server (:class:`MetaClient`, with
+    ``token`` or ``WEIGHTSYNC_META_TOKEN``).
+
+    Raises:
+        ValueError: no address, or a malformed one (naming what is wrong).
+        ModuleNotFoundError: an etcd address without etcd3gw installed (naming the install command).
+    """
+    env = MetaEnv.from_env()
+    address = address or env.address
+    if address is not None and is_etcd_address(address):
+        from weightsync.meta.etcd import EtcdMetaClient
+
+        return EtcdMetaClient(address, job=job, timeout=timeout, password=env.etcd_password)
+    return MetaClient.from_env(job=job, address=address, token=token, timeout=timeout)
+
+
 def connect(address: str | None = None, *, job: str = "default", token: str | None = None,
-            timeout: float = 30.0) -> tuple[MetaClient, EmbeddedMetaServer | None]:
+            timeout: float = 30.0) -> tuple[AnyMetaClient, EmbeddedMetaServer | None]:
     """A client for ``address`` / ``WEIGHTSYNC_META_ADDR``, or else for an embedded server.
 
     Runs need not start anything: without an address a single process starts an
@@ -251,7 +276,7 @@ def connect(address: str | None = None, *, job: str = "default", token: str | No
     env = MetaEnv.from_env()
     address = address or env.address
     if address is not None:
-        return MetaClient(address, job=job, token=token or env.token, timeout=timeout), None
+        return open_meta(address, job=job, token=token or env.token, timeout=timeout), None
     launch = LaunchEnv.from_env()
     if launch.launched:
         address, shared_token, server = shared_meta_server(job, launch, timeout=timeout)

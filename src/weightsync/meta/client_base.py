@@ -35,6 +35,7 @@ from weightsync.clock.deadline import Deadline
 from weightsync.meta import calls, wire
 from weightsync.meta.calls import Call
 from weightsync.meta.config import MetaEnv, check_token, normalize_address
+from weightsync.meta.etcd.address import is_etcd_address
 from weightsync.meta.records import ParticipantTable, check_job
 from weightsync.ports.records import LeaseRow, Participant, ReaderReport, VersionInfo
 
@@ -189,6 +190,9 @@ class ClientBase:
     def __init__(self, address: str, *, job: str = "default", token: str | None = None,
                  timeout: float = 30.0) -> None:
         self.address = normalize_address(address)
+        if is_etcd_address(self.address):
+            raise ValueError(f"{self.address!r} is an etcd cluster, which {type(self).__name__} does not speak: use "
+                             "weightsync.meta.open_meta(address, job=...) (or EtcdMetaClient) for etcd:// addresses")
         self.job = check_job(job)
         if token is None:
             token = MetaEnv.from_env().token

@@ -1,6 +1,9 @@
 """Where the meta server is and how to authenticate: read once, at the edge, from the environment.
 
-    WEIGHTSYNC_META_ADDR        http://host:port (or host:port) of a running meta server
+    WEIGHTSYNC_META_ADDR        http://host:port (or host:port) of a running meta server, or
+                                etcd://host1:2379,host2:2379,host3:2379 of an etcd cluster
+                                (see weightsync.meta.etcd.address)
+    WEIGHTSYNC_ETCD_PASSWORD    the password of the etcd user named in an etcd:// address
     WEIGHTSYNC_META_TOKEN       the shared secret, or
     WEIGHTSYNC_META_TOKEN_FILE  a file holding it (e.g. the server's --token-file on a shared disk)
 
@@ -13,20 +16,27 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from weightsync.meta.etcd.address import EtcdAddress, is_etcd_address
 
 ENV_ADDR = "WEIGHTSYNC_META_ADDR"
 ENV_TOKEN = "WEIGHTSYNC_META_TOKEN"
 ENV_TOKEN_FILE = "WEIGHTSYNC_META_TOKEN_FILE"
+ENV_ETCD_PASSWORD = "WEIGHTSYNC_ETCD_PASSWORD"
 MIN_TOKEN_LENGTH = 8
 
 
 def normalize_address(address: str) -> str:
-    """``"host:port"`` or ``"http://host:port/"`` -> ``"http://host:port"``; ValueError if unusable."""
+    """``"host:port"`` or ``"http://host:port/"`` -> ``"http://host:port"``; an ``etcd://`` address
+    is checked (:class:`~weightsync.meta.etcd.address.EtcdAddress`) and kept as it is. ValueError if unusable."""
     if not isinstance(address, str) or not address.strip():
         raise ValueError(f"meta server address must be 'http://host:port' or 'host:port', got {address!r}")
+    if is_etcd_address(address):
+        EtcdAddress.parse(address)
+        return address.strip()
     text = address.strip().rstrip("/")
     if "://" not in text:
         text = "http://" + text
@@ -36,8 +46,8 @@ def normalize_address(address: str) -> str:
     except ValueError:
         port = None
     if parts.scheme not in ("http", "https") or not parts.hostname or port is None or parts.path:
-        raise ValueError(f"meta server address must be 'http://host:port' or 'host:port', got {address!r} "
-                         f"(check {ENV_ADDR})")
+        raise ValueError(f"meta server address must be 'http://host:port' or 'host:port' (or an etcd cluster's "
+                         f"'etcd://host1:2379,host2:2379,...'), got {address!r} (check {ENV_ADDR})")
     return f"{parts.scheme}://{parts.netloc}"
 
 
@@ -83,6 +93,8 @@ class MetaEnv:
 
     address: str | None = None
     token: str | None = None
+    #: the password of the etcd user an ``etcd://`` address names (``WEIGHTSYNC_ETCD_PASSWORD``)
+    etcd_password: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> MetaEnv:
@@ -93,4 +105,5 @@ class MetaEnv:
             token = check_token(token, ENV_TOKEN)
         elif env.get(ENV_TOKEN_FILE, "").strip():
             token = read_token_file(env[ENV_TOKEN_FILE].strip())
-        return cls(address=normalize_address(address) if address else None, token=token)
+        return cls(address=normalize_address(address) if address else None, token=token,
+                   etcd_password=env.get(ENV_ETCD_PASSWORD) or None)

@@ -35,7 +35,6 @@ from typing import Any
 
 from weightsync.meta import views
 from weightsync.meta.events import (
-    BlobStored,
     CounterSet,
     DocumentPut,
     Event,
@@ -43,13 +42,11 @@ from weightsync.meta.events import (
     JobDropped,
     ReaderApplied,
     ReaderFailed,
-    Registered,
-    VersionReported,
     encode_events,
 )
 from weightsync.meta.leases import Leases
-from weightsync.meta.records import blob_hash
 from weightsync.meta.reducer import MAX_EPOCH, Job, MetaData, apply, snapshot
+from weightsync.meta.rules import ConflictError, reader_report, registration, version_report
 from weightsync.meta.store import MemoryStore, Store, StoreError
 from weightsync.meta.watch import Watch, notify
 from weightsync.ports.records import VersionInfo
@@ -57,10 +54,6 @@ from weightsync.ports.records import VersionInfo
 logger = logging.getLogger(__name__)
 
 __all__ = ["MAX_EPOCH", "ConflictError", "MetaState", "RecordError"]
-
-
-class ConflictError(Exception):
-    """A request that contradicts the state (the server answers 409 with this message)."""
 
 
 #: A change whose events cannot be stored (the server answers 422; nothing is applied).
@@ -177,28 +170,9 @@ class MetaState:
         Raises:
             ConflictError: the rank is registered with different data.
         """
-        h = blob_hash(layout)
-
         def plan() -> list[Event]:
-            current = self.jobs.get(job)
-            row = current.rows[role].get(rank) if current else None
-            if row is not None:
-                diffs = [f"{n}: {a!r} != {b!r}" for n, a, b in (
-                    ("group", row.group, group), ("host", row.host, host),
-                    ("endpoints", row.endpoints, dict(endpoints))) if a != b]
-                if row.layout != h:
-                    diffs.append(f"layout: blob {row.layout[:12]} != {h[:12]}")
-                if not diffs:
-                    return []
-                raise ConflictError(f"{role} rank {rank} of job {job!r} is already registered with different data "
-                                    f"({'; '.join(diffs)}); a rank registers once per job: use a new job name "
-                                    "for a new run, or delete the job first")
-            at = time.time()
-            events: list[Event] = []
-            if current is None or h not in current.blobs:
-                events.append(BlobStored(job, h, bytes(layout), at))
-            events.append(Registered(job, role, rank, group, host, endpoints, h, at))
-            return events
+            return registration(self.jobs.get(job), job, role, rank, group=group, host=host, endpoints=endpoints,
+                                layout=layout, at=time.time())
 
         return await self._change(plan)
 
@@ -280,49 +254,12 @@ class MetaState:
             ConflictError: an older version or epoch, a different fingerprint or writer count.
         """
         def plan() -> list[Event]:
-            state = self.jobs.get(job)
-            if self._published_already(state, job, version, fingerprint, writer_rank=writer_rank, epoch=epoch):
-                return []  # a retry or a late writer
-            pending = state.pending.get(version) if state else None
-            if pending is not None and pending.epoch > epoch:
-                raise ConflictError(f"writer rank {writer_rank} reports epoch {epoch} of version {version}, but "
-                                    f"writer ranks {sorted(pending.ranks)[:8]} publish epoch {pending.epoch}")
-            if pending is not None and pending.epoch == epoch:
-                if pending.fingerprint != fingerprint:
-                    raise ConflictError(
-                        f"writer rank {writer_rank} reports version {version} with fingerprint {fingerprint!r}, "
-                        f"but writer ranks {sorted(pending.ranks)[:8]} reported {pending.fingerprint!r}: "
-                        "the writers planned different syncs (different layouts or options)")
-                if pending.num_writers != num_writers:
-                    raise ConflictError(f"writer rank {writer_rank} says version {version} needs {num_writers} "
-                                        f"writers, earlier reports said {pending.num_writers}")
-                if writer_rank in pending.ranks:
-                    return []
-            return [VersionReported(job, version, fingerprint, epoch, writer_rank, num_writers, time.time())]
+            return version_report(self.jobs.get(job), job, version, fingerprint, writer_rank=writer_rank,
+                                  num_writers=num_writers, epoch=epoch, at=time.time())
 
         await self._change(plan)
         latest = self.latest(job)
         return latest if latest is not None and (latest.version, latest.epoch) == (version, epoch) else None
-
-    @staticmethod
-    def _published_already(state: Job | None, job: str, version: int, fingerprint: str, *, writer_rank: int,
-                           epoch: int) -> bool:
-        """Whether (version, epoch) is the published one, reported again; raises when it is not
-        newer than the published one otherwise."""
-        latest = state.latest if state else None
-        if latest is None or (version, epoch) > (latest.version, latest.epoch):
-            return False
-        if (version, epoch) == (latest.version, latest.epoch) and fingerprint == latest.fingerprint:
-            return True
-        if version == latest.version and epoch < latest.epoch:
-            raise ConflictError(f"writer rank {writer_rank} reports epoch {epoch} of version {version}, "
-                                f"but epoch {latest.epoch} of it is published already")
-        if version == latest.version:
-            raise ConflictError(f"writer rank {writer_rank} reports version {version} with fingerprint "
-                                f"{fingerprint!r}, but it was published with fingerprint "
-                                f"{latest.fingerprint!r}: the writers planned different syncs")
-        raise ConflictError(f"version {version} is older than the published version {latest.version} of "
-                            f"job {job!r}: versions must increase")
 
     async def wait_version(self, job: str, after: int, wait: float, after_epoch: int | None = None
                            ) -> VersionInfo | None:
@@ -351,19 +288,11 @@ class MetaState:
             ConflictError: ``rank`` is not a registered reader of ``job``.
         """
         at = time.time()
-        event: Event = (ReaderApplied(job, rank, version, nbytes, seconds, at) if error is None
+        event: ReaderApplied | ReaderFailed = (ReaderApplied(job, rank, version, nbytes, seconds, at) if error is None
                         else ReaderFailed(job, rank, version, error, nbytes, seconds, at, invalid, holds))
 
         def plan() -> list[Event]:
-            state = self.jobs.get(job)
-            if state is None or rank not in state.rows["reader"]:
-                raise ConflictError(f"reader rank {rank} is not registered in job {job!r}: a reader registers "
-                                    "(WeightReader does, on its first update) before it reports progress")
-            latest = state.latest
-            if (error is not None and epoch is not None and latest is not None and latest.version == version
-                    and latest.epoch > epoch):
-                return []
-            return [event]
+            return reader_report(self.jobs.get(job), event, epoch=epoch)
 
         await self._change(plan)
 

@@ -49,7 +49,7 @@ from weightsync.session.sync_session import SyncConfig, SyncError
 
 if TYPE_CHECKING:
     from weightsync.layout import RankLayout
-    from weightsync.meta.client import MetaClient
+    from weightsync.meta.client import AnyMetaClient
     from weightsync.ports.engine import InferenceEngine, Invalid
 
 logger = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class InflightReader:
     """
 
     def __init__(self, engine: InferenceEngine, *, rank: int, config: SyncConfig,
-                 meta: MetaClient | None = None, poll: float = 0.5) -> None:
+                 meta: AnyMetaClient | None = None, poll: float = 0.5) -> None:
         if poll <= 0:
             raise ValueError(f"poll must be positive, got {poll}")
         self.engine = engine

@@ -37,7 +37,7 @@ from weightsync.tools.torch_layout import apply_copies
 from weightsync.transport import TransportError
 
 if TYPE_CHECKING:
-    from weightsync.meta.client import MetaClient
+    from weightsync.meta.client import AnyMetaClient
     from weightsync.ports.engine import InferenceEngine, Invalid, PhasedEngine, ServingVersion
     from weightsync.session.sync_session import PlannedSync
 
@@ -78,11 +78,11 @@ class WeightReader:
     """An inference worker's end of a sync job (see module docstring)."""
 
     def __init__(self, engine: InferenceEngine, *, rank: int, config: SyncConfig,
-                 meta: MetaClient | None = None) -> None:
-        from weightsync.meta.client import MetaClient
+                 meta: AnyMetaClient | None = None) -> None:
+        from weightsync.meta.client import open_meta
 
         self._own_meta = meta is None
-        self.meta = meta if meta is not None else MetaClient.from_env(job=config.job)
+        self.meta = meta if meta is not None else open_meta(job=config.job)
         self.engine = engine
         #: the engine's phase hooks, when it stages phase by phase (its declared capability)
         self._phased = cast("PhasedEngine", engine) if engine.stages_in_phases else None

@@ -25,7 +25,7 @@ from weightsync.session.sync_session import SyncConfig, SyncError, SyncResult, S
 from weightsync.transport import TransportError
 
 if TYPE_CHECKING:
-    from weightsync.meta.client import MetaClient
+    from weightsync.meta.client import AnyMetaClient
     from weightsync.ports.engine import TrainingSource
 
 logger = logging.getLogger(__name__)
@@ -62,11 +62,11 @@ class WeightWriter:
     """A training rank's end of a sync job (see module docstring)."""
 
     def __init__(self, source: TrainingSource, *, rank: int, config: SyncConfig,
-                 meta: MetaClient | None = None) -> None:
-        from weightsync.meta.client import MetaClient
+                 meta: AnyMetaClient | None = None) -> None:
+        from weightsync.meta.client import open_meta
 
         self._own_meta = meta is None
-        self.meta = meta if meta is not None else MetaClient.from_env(job=config.job)
+        self.meta = meta if meta is not None else open_meta(job=config.job)
         self._claim = (self.meta.address, config.job, rank)
         if self._claim in _OPEN:
             if self._own_meta:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     import torch
 
     from weightsync.layout import LayoutProvider
-    from weightsync.meta.client import MetaClient
+    from weightsync.meta.client import AnyMetaClient
     from weightsync.plan import Plan
     from weightsync.tools.codecs.fp8 import Exchange
     from weightsync.transport import Transport
@@ -185,7 +185,7 @@ class SyncSession:
     """One rank's view of a job (see module docstring)."""
 
     def __init__(self, role: Role, rank: int, provider: LayoutProvider, config: SyncConfig,
-                 meta: MetaClient, *, device: Callable[[], str], keeps_received_bytes: bool = True) -> None:
+                 meta: AnyMetaClient, *, device: Callable[[], str], keeps_received_bytes: bool = True) -> None:
         if getattr(meta, "job", config.job) != config.job:
             raise ValueError(f"SyncConfig(job={config.job!r}) but the MetaClient passed in speaks for job "
                              f"{meta.job!r}: build the client with job={config.job!r} (or leave meta= out)")

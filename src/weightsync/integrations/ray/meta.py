@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 if TYPE_CHECKING:
-    from weightsync.meta.client import MetaClient
+    from weightsync.meta.client import AnyMetaClient
 
 logger = logging.getLogger(__name__)
 
@@ -32,15 +32,18 @@ HEAD_RESOURCE = "node:__internal_head__"
 
 @dataclass(frozen=True, slots=True)
 class MetaConnection:
-    """How to reach the meta server: its HTTP address and token (plain strings)."""
+    """How to reach the coordinator: the meta server's HTTP address and token (plain strings), or an
+    etcd cluster's ``etcd://host1:2379,...`` address (token ``""``; an etcd user's password comes
+    from ``WEIGHTSYNC_ETCD_PASSWORD`` in the actors' environment): ``MetaConnection("etcd://...", "")``
+    in place of :func:`meta_server` runs the job on etcd (docs/distributed.md says when to)."""
 
     address: str
     token: str
 
-    def client(self, *, job: str = "default") -> MetaClient:
-        from weightsync.meta.client import MetaClient
+    def client(self, *, job: str = "default") -> AnyMetaClient:
+        from weightsync.meta.client import open_meta
 
-        return MetaClient(self.address, job=job, token=self.token)
+        return open_meta(self.address, job=job, token=self.token or None)
 
 
 class MetaServerActor:
