@@ -29,7 +29,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_transport_contract.py", "test_transport_delta.py", "test_transport_nixl.py",
         "test_transport_routed.py", "test_transport_shm.py", "test_integrity.py", "test_phases.py",
         "test_prefetch.py", "test_async.py", "test_lora.py", "test_meta_server.py", "test_meta_store.py",
-        "test_meta_durability.py", "test_meta_fuzz.py", "test_process_state.py",
+        "test_meta_durability.py", "test_meta_fuzz.py", "test_process_state.py", "test_fleet_server.py",
     }),
     "e2e": frozenset({
         "test_bench.py", "test_doctor.py", "test_engine_hf.py", "test_engine_vllm.py",

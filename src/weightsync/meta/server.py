@@ -24,6 +24,7 @@ Routes (all but ``/healthz`` need ``Authorization: Bearer <token>``; ``{job}`` n
     POST /v1/jobs/{job}/leases/{role}/{rank}?wait      take, renew or release a participant's lease
     GET  /v1/jobs/{job}/leases                        every lease: holder, alive, seconds since its heartbeat
     GET  /v1/server                                   this server's instance (the identity of its state)
+    .../v1/jobs/{job}/fleet[/{op}]                    the fleet coordinator (meta/fleet/routes.py)
 
 **Identity.** Every answer carries ``X-Weightsync-Instance``: the identity of the server's
 state, new for every empty state and kept in ``--state-dir``. A request with
@@ -61,6 +62,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import weightsync
 from weightsync.meta import status_page, wire
+from weightsync.meta.fleet.routes import fleet_router
 from weightsync.meta.leases import LeaseHeldError
 from weightsync.meta.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from weightsync.meta.metrics import ServerMetrics
@@ -329,32 +331,19 @@ def create_app(state: MetaState, config: ServerConfig) -> FastAPI:
     app.add_middleware(Guard, token=config.token, max_body_bytes=config.max_body_bytes, metrics=metrics, state=state)
     app.state.meta = state
 
-    @app.exception_handler(ConflictError)
-    async def _conflict(request: Request, exc: ConflictError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=409)
-
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse({"detail": _describe(list(exc.errors()), "request")}, status_code=422)
 
-    @app.exception_handler(OSError)
-    async def _disk(request: Request, exc: OSError) -> JSONResponse:
-        return JSONResponse({"detail": f"the server could not persist the change: {exc}"}, status_code=503)
-
-    @app.exception_handler(StoreError)
-    async def _store(request: Request, exc: StoreError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=503)
-
-    @app.exception_handler(LeaseHeldError)
-    async def _held(request: Request, exc: LeaseHeldError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=409)
-
-    @app.exception_handler(RecordError)
-    async def _record(request: Request, exc: RecordError) -> JSONResponse:
-        return JSONResponse({"detail": f"invalid request: {exc}"}, status_code=422)
+    for kind, status, prefix in ((ConflictError, 409, ""), (LeaseHeldError, 409, ""), (StoreError, 503, ""),
+                                 (OSError, 503, "the server could not persist the change: "),
+                                 (RecordError, 422, "invalid request: ")):
+        app.add_exception_handler(kind, _error_handler(status, prefix))
 
     def held(wait: float) -> float:
         return min(wait, config.max_wait)
+
+    app.include_router(fleet_router(state, max_wait=config.max_wait))
 
     @app.get("/healthz", response_class=PlainTextResponse)
     async def healthz() -> Response:
@@ -493,6 +482,12 @@ def create_app(state: MetaState, config: ServerConfig) -> FastAPI:
         return _reply(request, {"deleted": await state.delete_job(job)})
 
     return app
+
+
+def _error_handler(status: int, prefix: str) -> Any:
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"detail": f"{prefix}{exc}"}, status_code=status)
+    return handle
 
 
 def _check_key(key: str) -> None:

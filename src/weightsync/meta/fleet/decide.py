@@ -36,6 +36,7 @@ from weightsync.meta.fleet.commands import Command, Expire, Fail, Join, Leave, O
 from weightsync.ports.fleet import (
     KEEP_TRIES,
     FleetRecord,
+    FleetWireError,
     Generation,
     Holding,
     Member,
@@ -43,6 +44,7 @@ from weightsync.ports.fleet import (
     Try,
     seats_of,
 )
+from weightsync.ports.fleet.policy import is_int, wire_field
 
 
 class FleetConflictError(ValueError):
@@ -62,6 +64,21 @@ class Reply:
     try_number: int | None = None
     restarted: bool = False
     generation: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": self.kind, "why": self.why, "id": self.id, "try_number": self.try_number,
+                "restarted": self.restarted, "generation": self.generation}
+
+    @classmethod
+    def from_wire(cls, doc: Any) -> Reply:
+        """Raises FleetWireError naming the malformed field."""
+        kind, why = wire_field(doc, "kind", str, "a str"), wire_field(doc, "why", str, "a str")
+        generation = wire_field(doc, "generation", int, "an int")
+        restarted = wire_field(doc, "restarted", bool, "a bool")
+        for name in ("id", "try_number"):
+            if doc.get(name) is not None and not is_int(doc[name]):
+                raise FleetWireError(f"field {name!r} must be an int or None, not {doc[name]!r:.40}")
+        return cls(kind, why, doc.get("id"), doc.get("try_number"), restarted, generation)
 
 
 @dataclass(frozen=True, slots=True)
