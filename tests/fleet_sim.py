@@ -17,7 +17,8 @@ What the processes model:
 * a **reader** runs ``update()`` in a loop: take ``record.next_for(...)``, receive it (a few
   steps; it fails if a writer of the try died meanwhile), apply it and report; its engine holds
   the version it applied last (``None``: empty, or invalid after a failed transfer);
-* the **coordinator** decides nothing itself: ``decide`` does.
+* the **coordinator** decides nothing itself: ``decide`` does; its leases are the meta server's
+  (:class:`~weightsync.meta.fleet.leases.FleetLeases` on the simulation's clock).
 
 :meth:`Sim.check` states the invariants checked after every step (see its docstring);
 :func:`run_schedule` runs one seeded schedule and then a quiet phase in which churn stops and
@@ -30,8 +31,9 @@ import random
 from dataclasses import dataclass, field
 
 from weightsync.clock.clock import ManualClock
-from weightsync.meta.fleet.commands import Command, Expire, Fail, Join, Leave, OpenTry, Ready, Report, Tick
+from weightsync.meta.fleet.commands import Command, Fail, Join, Leave, OpenTry, Ready, Report, Tick
 from weightsync.meta.fleet.decide import FleetConflictError, Reply, decide
+from weightsync.meta.fleet.leases import FleetLeases
 from weightsync.ports.fleet import FleetRecord, JobShape, Policy, Try
 
 #: the lease period (seconds) and each write's deadline
@@ -52,12 +54,13 @@ class InvariantError(AssertionError):
 # -- the coordinator ------------------------------------------------------------------------------
 
 class Coordinator:
-    """The record (stored: it survives a restart), the leases (in memory: they do not)."""
+    """The record (stored: it survives a restart), the leases (in memory: they do not), as the
+    embedded meta server keeps them."""
 
     def __init__(self, clock: ManualClock) -> None:
         self.clock = clock
         self.record = FleetRecord.empty("sim")
-        self.leases: dict[tuple[str, int], tuple[str, float]] = {}
+        self.leases = FleetLeases(clock)  # the meta server's lease rules
         self.down_until: float | None = None
         self.calls = 0
         self._deadline: tuple[FleetRecord | None, float] = (None, 0.0)
@@ -78,7 +81,7 @@ class Coordinator:
         self.record = decision.record
         if isinstance(command, Join) and decision.reply.kind == "joined":
             assert decision.reply.id is not None
-            self.leases[(command.role, decision.reply.id)] = (command.incarnation, self.clock.monotonic())
+            self.leases.renew("sim", command.role, decision.reply.id, command.incarnation, ttl=TTL)
         return decision.reply
 
     def beat(self, role: str, id_: int, incarnation: str) -> bool | None:
@@ -88,7 +91,7 @@ class Coordinator:
         m = self.record.member(role, id_)
         if m is None or not m.live or m.incarnation != incarnation:
             return False
-        self.leases[(role, id_)] = (incarnation, self.clock.monotonic())
+        self.leases.renew("sim", role, id_, incarnation)
         return True
 
     def tick(self) -> None:
@@ -98,14 +101,8 @@ class Coordinator:
             if now < self.down_until:
                 return
             self.down_until = None
-        for m in list(self.record.members.values()):
-            if not m.live:
-                continue
-            lease = self.leases.get((m.role, m.id))
-            if lease is None or lease[0] != m.incarnation:  # restarted: no lease known until the next beat
-                self.leases[(m.role, m.id)] = (m.incarnation, now)
-            elif now - lease[1] > TTL:
-                self.call(Expire(m.role, m.id, m.incarnation, f"no heartbeat for {now - lease[1]:.1f} s"))
+        for expire in self.leases.expired("sim", self.record):
+            self.call(expire)
         if now >= self.next_deadline():
             self.call(Tick())
 
@@ -117,7 +114,7 @@ class Coordinator:
         return self._deadline[1]
 
     def restart(self, down_for: float) -> None:
-        self.leases = {}
+        self.leases.forget()
         self.down_until = self.clock.monotonic() + down_for
 
 
