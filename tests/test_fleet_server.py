@@ -134,3 +134,28 @@ def test_conflicts_and_malformed_commands_are_refused_naming_the_cause(server):
                        headers={"Authorization": f"Bearer {server.token}"}, trust_env=False, timeout=10)
         assert r.status_code == 422
         assert "fleet command 'report': field 'try_number' must be int, not 'x'" in r.json()["detail"]
+
+
+def test_the_stored_commands_and_the_snapshot_rebuild_the_same_record():
+    """Live, replayed from the stored commands (through their wire form) and rebuilt from a
+    snapshot: one record."""
+    import msgpack
+
+    from weightsync.meta.events import FleetCommanded, encode_events, event_from_wire
+    from weightsync.meta.fleet.commands import command_to_wire
+    from weightsync.meta.reducer import MetaData, apply, replay, snapshot
+
+    commands = [Join("writer", 0, "w", "h", 1, SHAPE), Join("reader", None, "a", "h", 2, SHAPE),
+                Join("reader", None, "b", "h", 3, SHAPE), OpenTry(1, 0, "w", 30.0), Ready(1, 0, "w", "fp"),
+                Report(1, 0, "a", "applied"), Leave("reader", 1, "b")]
+    events = [FleetCommanded("job", msgpack.packb(command_to_wire(c)), 1_000.0 + i) for i, c in enumerate(commands)]
+    live = MetaData()
+    for event in events:
+        apply(live, event)
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(encode_events(events))
+    assert replay(event_from_wire(doc) for doc in unpacker) == live
+    assert replay(snapshot(live)) == live
+    record = live.jobs["job"].fleet
+    assert record is not None and record.tries[1].state == "failed"  # reader 1 left: quorum=2 cannot be met
+    assert record.holdings[0].version == 1 and live.jobs["job"].fleet_revision == 7
