@@ -412,3 +412,27 @@ def _a_try() -> Try:
     fleet.join("reader", 0)
     number = fleet.publish(1)
     return fleet.record.tries[number]
+
+
+def test_a_report_on_a_failed_try_still_moves_the_readers_holding():
+    """A reader that applied (or failed to apply) a try that another reader failed meanwhile: the
+    try stays failed, but the record says what the reader's engine holds now (found by the
+    simulator: the record claimed reader 0 held version 1 while its engine held version 2)."""
+    fleet = Fleet(readers=2, policy="all")
+    fleet.join("writer", 0)
+    fleet.join("reader", 0)
+    fleet.join("reader", 1)
+    first = fleet.publish(1)
+    fleet.report(first, 0)
+    fleet.report(first, 1)
+    second = fleet.publish(2)
+    fleet.report(second, 1, "failed", "boom")
+    assert fleet.state(second) == "failed"
+    assert fleet.report(second, 0).kind == "ignored"  # reader 0 applied it all the same
+    assert fleet.state(second) == "failed" and fleet.record.tries[second].outcomes[0].state == "pending"
+    held = fleet.record.holdings[0]
+    assert (held.version, held.try_number) == (2, second)
+    third = fleet.publish(3)
+    fleet.report(third, 1, "failed", "boom")
+    assert fleet.report(third, 0, "failed", "its engine broke").kind == "ignored"
+    assert fleet.state(third) == "failed" and 0 not in fleet.record.holdings  # its engine holds no valid version

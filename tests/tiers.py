@@ -22,14 +22,15 @@ TIERS: dict[str, frozenset[str]] = {
         "test_nccl_comm.py", "test_nccl_delta.py", "test_nccl_paths.py", "test_planner.py", "test_quant.py",
         "test_quant_offers.py", "test_roster.py", "test_rollouts.py", "test_rollouts_trl.py",
         "test_trl_switch.py", "test_validate.py", "test_wait_logs.py", "test_wire.py", "test_device_memory.py",
-        "test_side_streams.py", "test_meta_state_dir.py", "test_fleet_decide.py", "test_fleet_invariants.py", "test_sites.py",
-        "test_invalid_on_failure.py", "test_version_readback.py",
+        "test_side_streams.py", "test_meta_state_dir.py", "test_fleet_decide.py", "test_fleet_invariants.py",
+        "test_fleet_sim.py", "test_sites.py", "test_invalid_on_failure.py", "test_version_readback.py",
     }),
     "contract": frozenset({
         "test_transport_contract.py", "test_transport_delta.py", "test_transport_nixl.py",
         "test_transport_routed.py", "test_transport_shm.py", "test_integrity.py", "test_phases.py",
         "test_prefetch.py", "test_async.py", "test_lora.py", "test_meta_server.py", "test_meta_store.py",
         "test_meta_durability.py", "test_meta_fuzz.py", "test_process_state.py", "test_meta_etcd.py",
+        "test_fleet_server.py",
     }),
     "e2e": frozenset({
         "test_bench.py", "test_doctor.py", "test_engine_hf.py", "test_engine_vllm.py",

@@ -17,6 +17,8 @@ import httpx
 from weightsync.meta import calls
 from weightsync.meta.calls import Call
 from weightsync.meta.client_base import Answer, ClientBase, Outcome, Sleep, Steps, T, ssl_context
+from weightsync.meta.fleet.answers import FleetAnswer, FleetTicked, FleetView
+from weightsync.meta.fleet.commands import Command, Join
 from weightsync.meta.records import ParticipantTable
 from weightsync.ports.records import LeaseRow, Participant, ReaderReport, VersionInfo
 
@@ -135,6 +137,21 @@ class AsyncMetaClient(ClientBase):
 
     async def leases(self) -> list[LeaseRow]:
         return await self._run(self._leases())
+
+    async def fleet_join(self, join: Join, *, ttl: float | None = None) -> FleetAnswer:
+        return await self._run(self._one(calls.fleet_command(self.job, join, ttl=ttl)))
+
+    async def fleet_command(self, command: Command) -> FleetAnswer:
+        return await self._run(self._one(calls.fleet_command(self.job, command)))
+
+    async def fleet_beat(self, role: str, id_: int, incarnation: str) -> bool:
+        return await self._run(self._one(calls.fleet_beat(self.job, role, id_, incarnation)))
+
+    async def fleet_tick(self) -> FleetTicked:
+        return await self._run(self._one(calls.fleet_tick(self.job)))
+
+    async def fleet_record(self, *, after: int = -1, wait: float = 0.0) -> FleetView:
+        return await self._run(self._one(calls.fleet_record(self.job, after=after, wait=wait)))
 
     async def status(self) -> dict[str, Any]:
         return await self._run(self._job_status())

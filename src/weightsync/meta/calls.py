@@ -15,6 +15,8 @@ from typing import Any, Generic, TypeVar
 from urllib.parse import quote, urlencode
 
 from weightsync.meta import wire
+from weightsync.meta.fleet.answers import FleetAnswer, FleetTicked, FleetView
+from weightsync.meta.fleet.commands import MEMBER_OPS, Command, command_to_wire
 from weightsync.meta.records import ParticipantTable, check_document_key
 from weightsync.ports.records import LeaseRow, ReaderReport, VersionInfo
 
@@ -211,3 +213,32 @@ def status(job: str | None = None) -> Call[dict[str, Any]]:
 
 def delete_job(job: str) -> Call[bool]:
     return Call("DELETE", _job(job), lambda o: bool(o["deleted"]))
+
+
+# --- the fleet coordinator (meta/fleet/routes.py) --------------------------------------------------
+
+def fleet_command(job: str, command: Command, *, ttl: float | None = None) -> Call[FleetAnswer]:
+    """A member's command (``Join``, ``Leave``, ``OpenTry``, ``Ready``, ``Fail``, ``Report``)."""
+    if command.op not in MEMBER_OPS:
+        raise ValueError(f"{type(command).__name__} is the coordinator's own command: members send "
+                         f"{', '.join(MEMBER_OPS)}")
+    body = {k: v for k, v in command_to_wire(command).items() if k != "op"}
+    if ttl is not None:
+        if command.op != "join":
+            raise ValueError("ttl (the lease period) is given with a join only")
+        body["ttl"] = float(ttl)
+    return Call("POST", f"{_job(job)}/fleet/{command.op}", FleetAnswer.from_wire, body=wire.pack(body))
+
+
+def fleet_beat(job: str, role: str, id_: int, incarnation: str) -> Call[bool]:
+    body = {"role": role, "id": _int("id", id_), "incarnation": incarnation}
+    return Call("POST", f"{_job(job)}/fleet/beat", lambda o: bool(o["live"]), body=wire.pack(body))
+
+
+def fleet_tick(job: str) -> Call[FleetTicked]:
+    return Call("POST", f"{_job(job)}/fleet/tick", FleetTicked.from_wire, body=wire.pack({}))
+
+
+def fleet_record(job: str, *, after: int = -1, wait: float = 0.0) -> Call[FleetView]:
+    return Call("GET", f"{_job(job)}/fleet", FleetView.from_wire,
+                params={"after": _int("after", after, -1), "wait": f"{wait:.3f}"}, wait=wait)

@@ -34,6 +34,8 @@ from weightsync.meta.calls import Call
 from weightsync.meta.client_base import Answer, ClientBase, Outcome, Sleep, Steps, T, ssl_context
 from weightsync.meta.config import MetaEnv
 from weightsync.meta.etcd.address import is_etcd_address
+from weightsync.meta.fleet.answers import FleetAnswer, FleetTicked, FleetView
+from weightsync.meta.fleet.commands import Command, Join
 from weightsync.meta.records import ParticipantTable
 from weightsync.ports.records import LeaseRow, Participant, ReaderReport, VersionInfo
 
@@ -224,6 +226,31 @@ class MetaClient(ClientBase):
     def leases(self) -> list[LeaseRow]:
         """Every lease of this job: role, rank, holder (pid, host), alive, seconds since its heartbeat."""
         return self._run(self._leases())
+
+    # --- the fleet coordinator (docs/fleet.md: wired on the server, not yet used by the roles) ---
+    def fleet_join(self, join: Join, *, ttl: float | None = None) -> FleetAnswer:
+        """Join the fleet (``reply.id``: the seat; ``ttl``: this member's lease period).
+
+        Raises:
+            ValueError: the join contradicts the job (another shape, a seat held by a live process).
+        """
+        return self._run(self._one(calls.fleet_command(self.job, join, ttl=ttl)))
+
+    def fleet_command(self, command: Command) -> FleetAnswer:
+        """Send a member's command (``Leave``, ``OpenTry``, ``Ready``, ``Fail``, ``Report``)."""
+        return self._run(self._one(calls.fleet_command(self.job, command)))
+
+    def fleet_beat(self, role: str, id_: int, incarnation: str) -> bool:
+        """Renew this member's lease; False: the coordinator ended it (join again as a new process)."""
+        return self._run(self._one(calls.fleet_beat(self.job, role, id_, incarnation)))
+
+    def fleet_tick(self) -> FleetTicked:
+        """Expire the members whose lease ran out and decide the tries whose deadline came."""
+        return self._run(self._one(calls.fleet_tick(self.job)))
+
+    def fleet_record(self, *, after: int = -1, wait: float = 0.0) -> FleetView:
+        """The fleet record; with ``wait``, long-poll until its revision is past ``after``."""
+        return self._run(self._one(calls.fleet_record(self.job, after=after, wait=wait)))
 
     # --- jobs ------------------------------------------------------------------------------
     def server_status(self) -> dict[str, Any]:

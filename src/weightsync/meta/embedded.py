@@ -23,6 +23,7 @@ from typing import Any
 
 import uvicorn
 
+from weightsync.clock.clock import SYSTEM, Clock
 from weightsync.meta.config import new_token
 from weightsync.meta.server import ServerConfig, create_app
 from weightsync.meta.sqlite_store import SqliteStore
@@ -125,10 +126,15 @@ class PreparedServer:
 def prepare_server(*, host: str = "127.0.0.1", port: int = 0, token: str,
                    state_dir: str | os.PathLike[str] | None = None, max_body_bytes: int = 64 << 20,
                    max_wait: float = 30.0, compact_bytes: int = 64 << 20, loop: str = "auto",
-                   log_level: str = "warning") -> PreparedServer:
-    """Load the state and bind the socket; ``server.run(sockets=[sock])`` then serves."""
+                   log_level: str = "warning", clock: Clock = SYSTEM, fleet_tick: float | None = 1.0
+                   ) -> PreparedServer:
+    """Load the state and bind the socket; ``server.run(sockets=[sock])`` then serves.
+
+    ``clock`` is the fleet coordinator's time (a test passes a ManualClock, and ``fleet_tick=None``
+    to tick the fleet itself instead of the server's timer)."""
     config = ServerConfig(token=token, max_body_bytes=max_body_bytes, max_wait=max_wait)
-    state = MetaState(SqliteStore(state_dir, compact_bytes=compact_bytes) if state_dir is not None else None)
+    state = MetaState(SqliteStore(state_dir, compact_bytes=compact_bytes) if state_dir is not None else None,
+                      clock=clock, fleet_tick=fleet_tick)
     try:
         state.load()
         sock = bind(host, port)

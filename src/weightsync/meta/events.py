@@ -28,7 +28,8 @@ from typing import Any, ClassVar, TypeAlias
 
 import msgpack
 
-__all__ = ["BlobStored", "CounterSet", "DocumentPut", "Event", "EventError", "JobDropped", "JobRestored",
+__all__ = ["BlobStored", "CounterSet", "DocumentPut", "Event", "EventError", "FleetCommanded", "FleetRestored",
+           "JobDropped", "JobRestored",
            "ReaderApplied", "ReaderFailed", "ReaderRestored", "Registered", "VersionPublished", "VersionReported",
            "encode_events", "event_from_wire", "event_to_wire"]
 
@@ -167,16 +168,40 @@ class JobRestored:
 
 
 @dataclass(frozen=True, slots=True)
+class FleetCommanded:
+    """A fleet command the coordinator applied at ``at`` (``command``: its msgpack wire form,
+    :func:`weightsync.meta.fleet.commands.command_to_wire`); replaying it runs the same
+    :func:`~weightsync.meta.fleet.decide.decide` at the same time, so the record comes back."""
+
+    op: ClassVar[str] = "fleet"
+    job: str
+    command: bytes
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class FleetRestored:
+    """Snapshot: a job's fleet record (its msgpack form) and how many changes made it."""
+
+    op: ClassVar[str] = "fleet_record"
+    job: str
+    record: bytes
+    revision: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
 class JobDropped:
     op: ClassVar[str] = "drop"
     job: str
 
 
 Event: TypeAlias = (BlobStored | Registered | DocumentPut | CounterSet | VersionReported | VersionPublished
-                    | ReaderApplied | ReaderFailed | ReaderRestored | JobRestored | JobDropped)
+                    | ReaderApplied | ReaderFailed | ReaderRestored | JobRestored | JobDropped | FleetCommanded
+                    | FleetRestored)
 _KINDS: dict[str, type[Any]] = {cls.op: cls for cls in (
     BlobStored, Registered, DocumentPut, CounterSet, VersionReported, VersionPublished, ReaderApplied, ReaderFailed,
-    ReaderRestored, JobRestored, JobDropped)}
+    ReaderRestored, JobRestored, JobDropped, FleetCommanded, FleetRestored)}
 
 
 def event_to_wire(event: Event) -> dict[str, Any]:

@@ -18,11 +18,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import msgpack
+
 from weightsync.meta.events import (
     BlobStored,
     CounterSet,
     DocumentPut,
     Event,
+    FleetCommanded,
+    FleetRestored,
     JobDropped,
     JobRestored,
     ReaderApplied,
@@ -32,6 +36,9 @@ from weightsync.meta.events import (
     VersionPublished,
     VersionReported,
 )
+from weightsync.meta.fleet.commands import command_from_wire
+from weightsync.meta.fleet.decide import decide
+from weightsync.ports.fleet import FleetRecord
 from weightsync.ports.records import ROLES, VersionInfo
 
 #: epochs of a version are below this (a reader waiting "after version V" waits past them all)
@@ -85,6 +92,9 @@ class Job:
     readers: dict[int, ReaderState] = field(default_factory=dict)
     roster_revision: int = 0  # bumped by every registration (roster caches key on it)
     updated_at: float = 0.0
+    #: the coordinator's fleet record (None until a member joins) and the changes that made it
+    fleet: FleetRecord | None = None
+    fleet_revision: int = 0
 
     def reader_ranks(self) -> list[int]:
         return sorted(set(self.rows["reader"]) | set(self.readers))
@@ -145,7 +155,13 @@ class ReadersChanged:
     job: str
 
 
-Notice = RosterGrew | DocumentChanged | CounterChanged | VersionChanged | ReadersChanged
+@dataclass(frozen=True, slots=True)
+class FleetChanged:
+    job: str
+    revision: int
+
+
+Notice = RosterGrew | DocumentChanged | CounterChanged | VersionChanged | ReadersChanged | FleetChanged
 
 
 # -- the reducer --------------------------------------------------------------------------------
@@ -185,7 +201,21 @@ def apply(data: MetaData, event: Event) -> list[Notice]:
         return _report(job, event)
     if isinstance(event, VersionPublished):
         return _publish(job, VersionInfo(event.version, event.fingerprint, event.at, event.epoch))
+    if isinstance(event, (FleetCommanded, FleetRestored)):
+        return _fleet(job, event)
     return _reader(job, event)
+
+
+def _fleet(job: Job, event: FleetCommanded | FleetRestored) -> list[Notice]:
+    """The fleet record after ``event``: the stored command decided again at its time (decide is
+    pure, so live and replayed records are equal), or the snapshot's record."""
+    if isinstance(event, FleetRestored):
+        job.fleet, job.fleet_revision = FleetRecord.from_bytes(event.record), event.revision
+        return []
+    command = command_from_wire(msgpack.unpackb(event.command, raw=False))
+    job.fleet = decide(job.fleet or FleetRecord.empty(job.name), command, event.at).record
+    job.fleet_revision += 1
+    return [FleetChanged(job.name, job.fleet_revision)]
 
 
 def _report(job: Job, event: VersionReported) -> list[Notice]:
@@ -262,5 +292,7 @@ def snapshot(data: MetaData) -> list[Event]:
                        for w in sorted(p.ranks))
         out.extend(ReaderRestored(name, rank, r.version, r.failed_version, r.error, r.nbytes, r.seconds, r.at,
                                   r.applied_at, r.invalid_since) for rank, r in job.readers.items())
+        if job.fleet is not None:
+            out.append(FleetRestored(name, job.fleet.to_bytes(), job.fleet_revision, job.updated_at))
         out.append(JobRestored(name, job.created_at, job.updated_at, job.roster_revision))
     return out

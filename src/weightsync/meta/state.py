@@ -33,22 +33,30 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import msgpack
+
+from weightsync.clock.clock import SYSTEM, Clock
 from weightsync.meta import views
 from weightsync.meta.events import (
     CounterSet,
     DocumentPut,
     Event,
     EventError,
+    FleetCommanded,
     JobDropped,
     ReaderApplied,
     ReaderFailed,
     encode_events,
 )
+from weightsync.meta.fleet.commands import Command, Expire, Fail, Join, OpenTry, Ready, Report, Tick, command_to_wire
+from weightsync.meta.fleet.decide import Decision, decide
+from weightsync.meta.fleet.leases import FleetLeases
 from weightsync.meta.leases import Leases
 from weightsync.meta.reducer import MAX_EPOCH, Job, MetaData, apply, snapshot
 from weightsync.meta.rules import ConflictError, reader_report, registration, version_report
 from weightsync.meta.store import MemoryStore, Store, StoreError
 from weightsync.meta.watch import Watch, notify
+from weightsync.ports.fleet import FleetRecord
 from weightsync.ports.records import VersionInfo
 
 logger = logging.getLogger(__name__)
@@ -63,10 +71,15 @@ RecordError = EventError
 class MetaState:
     """All jobs of one server. Methods run on the server's event loop only."""
 
-    def __init__(self, store: Store | None = None) -> None:
+    def __init__(self, store: Store | None = None, *, clock: Clock = SYSTEM, fleet_tick: float | None = 1.0) -> None:
         self.data = MetaData()
         self.watch = Watch()
         self.leases = Leases()
+        #: the time of the fleet coordinator's decisions and leases (a test passes a ManualClock)
+        self.clock = clock
+        self.fleet_leases = FleetLeases(clock)
+        self._fleet_tick = fleet_tick  # seconds between the fleet timer's ticks (None: no timer)
+        self._fleet_timer: asyncio.Task[None] | None = None
         self.started_at = time.time()
         #: Who this state is: new with every empty state, kept in the state directory. Clients
         #: pin it; a server restarted without its state answers with another one (see server.py).
@@ -110,14 +123,27 @@ class MetaState:
         """Start what runs beside the requests: the clock that keeps a stalled server from
         expiring live leases (:meth:`Leases.keep_time`)."""
         self._clock = asyncio.create_task(self.leases.keep_time(), name="weightsync-lease-clock")
+        if self._fleet_tick is not None:
+            self._fleet_timer = asyncio.create_task(self._tick_fleets(self._fleet_tick), name="weightsync-fleet-timer")
+
+    async def _tick_fleets(self, every: float) -> None:
+        """The fleet timer: :meth:`fleet_tick` for every job with a fleet, every ``every`` seconds."""
+        while True:
+            await asyncio.sleep(every)
+            for job in [name for name, j in self.jobs.items() if j.fleet is not None]:
+                try:
+                    await self.fleet_tick(job)
+                except StoreError as exc:  # the store is full: the next tick tries again
+                    logger.warning("fleet timer: job %s: %s", job, exc)
 
     async def close(self) -> None:
         """Wake every long-poll (they answer with what they have) and close the store."""
-        clock, self._clock = self._clock, None
-        if clock is not None:
-            clock.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await clock
+        for task in (self._clock, self._fleet_timer):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._clock = self._fleet_timer = None
         self.watch.close()
         async with self._lock:  # a change being committed finishes first
             self.store.close()
@@ -308,8 +334,68 @@ class MetaState:
         return await self.watch.wait("readers", job, (min_version, count), ready, wait)
 
     # --- jobs ------------------------------------------------------------------------------
+    # --- the fleet coordinator (docs/fleet.md) -------------------------------------------------
+    def fleet(self, job: str) -> FleetRecord:
+        """The job's fleet record (empty until a member joins)."""
+        state = self.jobs.get(job)
+        return state.fleet if state is not None and state.fleet is not None else FleetRecord.empty(job)
+
+    def fleet_revision(self, job: str) -> int:
+        state = self.jobs.get(job)
+        return state.fleet_revision if state is not None else 0
+
+    async def decide_fleet(self, job: str, command: Command, *, ttl: float | None = None) -> Decision:
+        """Apply ``command`` to the job's fleet record through ``decide``, under the lock, at the
+        clock's time; a change is stored (as the command: a restart decides it again) before it
+        is applied. A member's command renews its lease (``ttl``: its lease period, on a join).
+
+        Raises:
+            FleetConflictError: the command contradicts the job (nothing changes).
+        """
+        now = self.clock.now()
+        box: list[Decision] = []
+
+        def plan() -> list[Event]:
+            record = self.fleet(job)
+            box.append(decide(record, command, now))
+            if box[0].record is record:
+                return []
+            return [FleetCommanded(job, msgpack.packb(command_to_wire(command), use_bin_type=True), now)]
+
+        await self._change(plan)
+        decision = box[0]
+        member = _member_of(command, decision)
+        if member is not None and decision.reply.kind not in ("refused", "ignored"):
+            self.fleet_leases.renew(job, *member, ttl=ttl)
+        return decision
+
+    def fleet_beat(self, job: str, role: str, id_: int, incarnation: str) -> bool:
+        """A member's heartbeat; False: it is not a live member (its lease expired, or it left)."""
+        m = self.fleet(job).member(role, id_)
+        if m is None or not m.live or m.incarnation != incarnation:
+            return False
+        self.fleet_leases.renew(job, role, id_, incarnation)
+        return True
+
+    async def fleet_tick(self, job: str) -> list[Expire]:
+        """Declare dead the members whose lease ran out, then decide the tries whose deadline came
+        (what the server's timer runs for every job). Returns the members declared dead."""
+        expired = self.fleet_leases.expired(job, self.fleet(job))
+        for command in expired:
+            await self.decide_fleet(job, command)
+        now = self.clock.now()
+        if any(not t.settled and now >= t.deadline_at for t in self.fleet(job).tries.values()):
+            await self.decide_fleet(job, Tick())
+        return expired
+
+    async def wait_fleet(self, job: str, after: int, wait: float) -> tuple[int, FleetRecord]:
+        """Wait until the fleet record changed past revision ``after``; returns (revision, record)."""
+        await self.watch.wait("fleet", job, after, lambda: self.fleet_revision(job) > after, wait)
+        return self.fleet_revision(job), self.fleet(job)
+
     async def delete_job(self, job: str) -> bool:
         self.leases.drop(job)
+        self.fleet_leases.drop(job)
         return await self._change(lambda: [JobDropped(job)] if job in self.jobs else [])
 
     def job_status(self, name: str) -> dict[str, Any]:
@@ -321,3 +407,17 @@ class MetaState:
                   "uptime_seconds": time.time() - self.started_at, "durable": self.durable,
                   "waiting": self.watch.waiting}
         return views.status(self.data, server=server, job=job)
+
+
+def _member_of(command: Command, decision: Decision) -> tuple[str, int, str] | None:
+    """The member whose lease a command renews (role, id, incarnation); None for a leave, an
+    expiry or a tick."""
+    if isinstance(command, Join):
+        return (command.role, decision.reply.id, command.incarnation) if decision.reply.id is not None else None
+    if isinstance(command, (OpenTry, Ready)):
+        return "writer", command.writer, command.incarnation
+    if isinstance(command, Report):
+        return "reader", command.reader, command.incarnation
+    if isinstance(command, Fail):
+        return command.role, command.id, command.incarnation
+    return None

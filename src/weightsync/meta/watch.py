@@ -20,6 +20,7 @@ from typing import Any
 from weightsync.meta.reducer import (
     CounterChanged,
     DocumentChanged,
+    FleetChanged,
     MetaData,
     Notice,
     ReadersChanged,
@@ -87,6 +88,8 @@ def notify(watch: Watch, data: MetaData, notice: Notice) -> None:
         watch.fire("counter", notice.job, lambda k: k[0] == notice.name and notice.value >= k[1])
     elif isinstance(notice, VersionChanged):
         watch.fire("version", notice.job, lambda after: (notice.version, notice.epoch) > after)
+    elif isinstance(notice, FleetChanged):
+        watch.fire("fleet", notice.job, lambda after: notice.revision > after)
     elif isinstance(notice, ReadersChanged):
         job = data.jobs.get(notice.job)
         if job is not None:

@@ -118,6 +118,8 @@ class Tick:
 
 
 Command: TypeAlias = Join | Leave | Expire | OpenTry | Ready | Fail | Report | Tick
+#: the commands a member sends (Expire and Tick are the coordinator's own)
+MEMBER_OPS = ("join", "leave", "open", "ready", "fail", "report")
 _KINDS: dict[str, type[Any]] = {c.op: c for c in (Join, Leave, Expire, OpenTry, Ready, Fail, Report, Tick)}
 _PLAIN: dict[str, type | tuple[type, ...]] = {"str": str, "int": int, "float": (int, float),
                                                "int | None": (int, type(None))}
@@ -168,5 +170,5 @@ def command_from_wire(doc: Any) -> Command:
     return command
 
 
-__all__ = ["Command", "Expire", "Fail", "Join", "Leave", "OpenTry", "Ready", "Report", "Tick", "command_from_wire",
-           "command_to_wire"]
+__all__ = ["MEMBER_OPS", "Command", "Expire", "Fail", "Join", "Leave", "OpenTry", "Ready", "Report", "Tick",
+           "command_from_wire", "command_to_wire"]

@@ -36,6 +36,7 @@ from weightsync.meta.fleet.commands import Command, Expire, Fail, Join, Leave, O
 from weightsync.ports.fleet import (
     KEEP_TRIES,
     FleetRecord,
+    FleetWireError,
     Generation,
     Holding,
     Member,
@@ -43,6 +44,7 @@ from weightsync.ports.fleet import (
     Try,
     seats_of,
 )
+from weightsync.ports.fleet.policy import is_int, wire_field
 
 
 class FleetConflictError(ValueError):
@@ -62,6 +64,21 @@ class Reply:
     try_number: int | None = None
     restarted: bool = False
     generation: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": self.kind, "why": self.why, "id": self.id, "try_number": self.try_number,
+                "restarted": self.restarted, "generation": self.generation}
+
+    @classmethod
+    def from_wire(cls, doc: Any) -> Reply:
+        """Raises FleetWireError naming the malformed field."""
+        kind, why = wire_field(doc, "kind", str, "a str"), wire_field(doc, "why", str, "a str")
+        generation = wire_field(doc, "generation", int, "an int")
+        restarted = wire_field(doc, "restarted", bool, "a bool")
+        for name in ("id", "try_number"):
+            if doc.get(name) is not None and not is_int(doc[name]):
+                raise FleetWireError(f"field {name!r} must be an int or None, not {doc[name]!r:.40}")
+        return cls(kind, why, doc.get("id"), doc.get("try_number"), restarted, generation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,26 +298,39 @@ class _Step:
         if me is None or not me.live or me.incarnation != c.incarnation:  # a dead process completes nothing
             self.reply = Reply("ignored", why=f"reader {c.reader} ({c.incarnation}) is not a live member")
             return
-        t = self.tries.get(c.try_number)
-        if t is None or not t.member("reader", c.reader, c.incarnation) or t.state in ("failed", "superseded"):
-            self.reply = Reply("ignored", why=f"try {c.try_number} does not take reports from reader {c.reader} now")
-            return
         if c.outcome not in ("applied", "staged", "failed"):
             raise FleetConflictError(f"reader {c.reader}: outcome {c.outcome!r} is not applied, staged or failed")
+        t = self.tries.get(c.try_number)
+        if t is None or not t.member("reader", c.reader, c.incarnation):
+            self.reply = Reply("ignored", why=f"try {c.try_number} does not take reports from reader {c.reader}")
+            return
+        if t.state in ("failed", "superseded"):
+            # the try is decided, but the reader's engine changed all the same: its holding follows
+            self._hold(c, t)
+            self.reply = Reply("ignored", why=f"try {t.number} is {t.state}: the report changes only what reader "
+                                              f"{c.reader} holds")
+            return
         current = t.outcomes[c.reader]
         if current.state in ("applied", "failed", "left") or (current.state == "staged" and c.outcome == "staged"):
             self.reply = Reply("ignored", why=f"reader {c.reader} already reported {current.state} for try {t.number}")
             return
         self._set(self._evaluate(_with_outcome(t, c.reader, ReaderOutcome(c.outcome, self.now, c.detail, c.nbytes,
                                                                           c.seconds))))
+        self._hold(c, t)
+        if c.outcome == "failed" and t.generation == self.generation.number:  # its connections are broken
+            self._regenerate = self._regenerate or f"reader {c.reader} failed try {t.number}"
+
+    def _hold(self, c: Report, t: Try) -> None:
+        """The reader's holding after its report on ``t``: the newest try it applied; none once a
+        failed apply left its engine at no valid version."""
         held = self.holdings.get(c.reader)
         if c.outcome == "applied" and (held is None or held.try_number is None
                                        or (held.version, held.try_number) < t.key):
             self.holdings[c.reader] = Holding(t.version, t.number, c.incarnation, self.now)
-        elif c.outcome == "failed":
-            self.holdings.pop(c.reader, None)  # its engine is at no valid version
-            if t.generation == self.generation.number:  # its connections of this generation are broken
-                self._regenerate = self._regenerate or f"reader {c.reader} failed try {t.number}"
+            self.changed = True
+        elif c.outcome == "failed" and held is not None:
+            del self.holdings[c.reader]
+            self.changed = True
 
     def tick(self) -> None:
         for t in list(self.tries.values()):

@@ -1,0 +1,161 @@
+"""The fleet coordinator wired into the embedded meta server: commands through the meta client,
+``decide`` applied under the server's lock, leases on a clock the test moves (nothing sleeps),
+and a restart that replays the stored commands into the same record."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from weightsync.clock.clock import ManualClock
+from weightsync.meta.client import MetaClient
+from weightsync.meta.embedded import EmbeddedMetaServer
+from weightsync.meta.fleet.commands import Join, Leave, OpenTry, Ready, Report, Tick
+from weightsync.ports.fleet import FleetRecord, JobShape, Policy
+
+SHAPE = JobShape(1, None, Policy.parse("quorum=2", deadline=30.0))
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(1_000.0)
+
+
+@pytest.fixture
+def server(clock, tmp_path):
+    with EmbeddedMetaServer(state_dir=tmp_path / "state", clock=clock, fleet_tick=None) as s:
+        yield s
+
+
+def _client(server: EmbeddedMetaServer) -> MetaClient:
+    return MetaClient(server.address, job="fleet", token=server.token, timeout=10)
+
+
+def _fleet(c: MetaClient) -> dict[str, str]:
+    """A writer and three readers (elastic: the coordinator gives reader ids); their incarnations."""
+    incs = {"w0": "w0-a"}
+    assert c.fleet_join(Join("writer", 0, "w0-a", "h", 1, SHAPE), ttl=5.0).reply.kind == "joined"
+    for n in range(3):
+        answer = c.fleet_join(Join("reader", None, f"r{n}-a", "h", 10 + n, SHAPE), ttl=5.0)
+        assert (answer.reply.kind, answer.reply.id) == ("joined", n)
+        incs[f"r{n}"] = f"r{n}-a"
+    return incs
+
+
+def test_a_version_completes_under_quorum_through_the_client_with_typed_answers(server):
+    with _client(server) as c:
+        _fleet(c)
+        opened = c.fleet_command(OpenTry(1, 0, "w0-a", 30.0))
+        assert opened.reply.kind == "try" and opened.generation == 4
+        number = opened.reply.try_number
+        assert c.fleet_command(Ready(number, 0, "w0-a", "fp")).reply.kind == "ok"
+        for r in (0, 1):
+            c.fleet_command(Report(number, r, f"r{r}-a", "applied", nbytes=10))
+        view = c.fleet_record()
+        assert isinstance(view.record, FleetRecord)
+        t = view.record.tries[number]
+        assert t.state == "complete" and t.reader_ids("applied") == [0, 1] and view.record.latest == number
+        assert view.record.holdings[0].version == 1
+        assert c.fleet_record(after=view.revision - 1).revision == view.revision  # nothing to wait for
+
+
+def test_a_silent_reader_is_declared_dead_one_lease_later_and_quorum_still_completes(server, clock):
+    with _client(server) as c:
+        _fleet(c)
+        number = c.fleet_command(OpenTry(1, 0, "w0-a", 30.0)).reply.try_number
+        c.fleet_command(Ready(number, 0, "w0-a", "fp"))
+        clock.advance(4.0)
+        for role, id_, inc in (("writer", 0, "w0-a"), ("reader", 0, "r0-a"), ("reader", 1, "r1-a")):
+            assert c.fleet_beat(role, id_, inc)
+        assert c.fleet_tick().expired == ()
+        clock.advance(1.5)  # reader 2: 5.5 s without a heartbeat, lease 5 s
+        ticked = c.fleet_tick()
+        assert ticked.expired == (("reader", 2, "r2-a"),) and ticked.generation == 5
+        assert not c.fleet_beat("reader", 2, "r2-a")  # it rejoins as a new process
+        view = c.fleet_record()
+        assert view.record.tries[number].outcomes[2].state == "failed"
+        assert view.record.tries[number].state == "published"  # a dead reader does not fail quorum=2
+        c.fleet_command(Report(number, 0, "r0-a", "applied"))
+        c.fleet_command(Report(number, 1, "r1-a", "applied"))
+        assert c.fleet_record().record.tries[number].state == "complete"
+
+
+def test_a_deadline_is_decided_by_the_tick_on_the_servers_clock(server, clock):
+    with _client(server) as c:
+        _fleet(c)
+        number = c.fleet_command(OpenTry(1, 0, "w0-a", 3.0)).reply.try_number
+        c.fleet_command(Ready(number, 0, "w0-a", "fp"))
+        c.fleet_command(Report(number, 0, "r0-a", "applied"))
+        clock.advance(3.0)
+        for role, id_, inc in (("writer", 0, "w0-a"), ("reader", 0, "r0-a"), ("reader", 1, "r1-a"),
+                               ("reader", 2, "r2-a")):
+            c.fleet_beat(role, id_, inc)
+        c.fleet_tick()
+        t = c.fleet_record().record.tries[number]
+        assert t.state == "failed" and t.reader_ids("missed") == [1, 2]
+        assert "policy quorum=2 needs 2 of 3 reader(s): 1 applied it, by the deadline" in t.why
+
+
+def test_a_restarted_server_replays_the_record_and_gives_every_member_one_lease(clock, tmp_path):
+    state = tmp_path / "state"
+    with EmbeddedMetaServer(state_dir=state, clock=clock, fleet_tick=None) as first, _client(first) as c:
+        _fleet(c)
+        number = c.fleet_command(OpenTry(1, 0, "w0-a", 30.0)).reply.try_number
+        c.fleet_command(Ready(number, 0, "w0-a", "fp"))
+        c.fleet_command(Report(number, 0, "r0-a", "applied"))
+        c.fleet_command(Leave("reader", 2, "r2-a"))
+        before = c.fleet_record()
+    clock.advance(60.0)  # the coordinator was down for longer than any lease
+    with EmbeddedMetaServer(state_dir=state, clock=clock, fleet_tick=None) as second, _client(second) as c:
+        after = c.fleet_record()
+        assert after.record == before.record and after.revision == before.revision
+        assert c.fleet_tick().expired == ()  # leases are not stored: each live member gets one from now
+        clock.advance(4.0)
+        assert c.fleet_beat("writer", 0, "w0-a") and c.fleet_beat("reader", 0, "r0-a")
+        clock.advance(1.5)
+        assert c.fleet_tick().expired == (("reader", 1, "r1-a"),)
+
+
+def test_conflicts_and_malformed_commands_are_refused_naming_the_cause(server):
+    with _client(server) as c:
+        _fleet(c)
+        other = JobShape(1, None, Policy.parse("all", deadline=30.0))
+        with pytest.raises(ValueError, match="policy all here, quorum=2 there"):
+            c.fleet_join(Join("reader", None, "x", "h", 1, other))
+        with pytest.raises(ValueError, match="held by another live process"):
+            c.fleet_join(Join("writer", 0, "w0-b", "h", 2, SHAPE))
+        with pytest.raises(ValueError, match="coordinator's own command"):
+            c.fleet_command(Tick())
+        with pytest.raises(ValueError, match=r"field 'ttl' must be seconds in \(0.01, 3600\]"):
+            c.fleet_join(Join("reader", None, "y", "h", 1, SHAPE), ttl=0.0)
+        refused = c.fleet_command(Ready(99, 0, "w0-a", "fp"))
+        assert refused.reply.kind == "refused" and "try 99 is unknown" in refused.reply.why
+        r = httpx.post(f"{server.address}/v1/jobs/fleet/fleet/report", json={"try_number": "x"},
+                       headers={"Authorization": f"Bearer {server.token}"}, trust_env=False, timeout=10)
+        assert r.status_code == 422
+        assert "fleet command 'report': field 'try_number' must be int, not 'x'" in r.json()["detail"]
+
+
+def test_the_stored_commands_and_the_snapshot_rebuild_the_same_record():
+    """Live, replayed from the stored commands (through their wire form) and rebuilt from a
+    snapshot: one record."""
+    import msgpack
+
+    from weightsync.meta.events import FleetCommanded, encode_events, event_from_wire
+    from weightsync.meta.fleet.commands import command_to_wire
+    from weightsync.meta.reducer import MetaData, apply, replay, snapshot
+
+    commands = [Join("writer", 0, "w", "h", 1, SHAPE), Join("reader", None, "a", "h", 2, SHAPE),
+                Join("reader", None, "b", "h", 3, SHAPE), OpenTry(1, 0, "w", 30.0), Ready(1, 0, "w", "fp"),
+                Report(1, 0, "a", "applied"), Leave("reader", 1, "b")]
+    events = [FleetCommanded("job", msgpack.packb(command_to_wire(c)), 1_000.0 + i) for i, c in enumerate(commands)]
+    live = MetaData()
+    for event in events:
+        apply(live, event)
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(encode_events(events))
+    assert replay(event_from_wire(doc) for doc in unpacker) == live
+    assert replay(snapshot(live)) == live
+    record = live.jobs["job"].fleet
+    assert record is not None and record.tries[1].state == "failed"  # reader 1 left: quorum=2 cannot be met
+    assert record.holdings[0].version == 1 and live.jobs["job"].fleet_revision == 7
