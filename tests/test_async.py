@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -21,6 +20,7 @@ import time
 import pytest
 import torch
 
+from launcher import launch as launch_process
 from weightsync import SyncConfig, WeightReader, WeightWriter
 from weightsync.engines import ModuleEngine
 from weightsync.layout import ModelSpec
@@ -46,10 +46,9 @@ def test_store_put_get_non_weight_tensors_across_processes_bitwise():
     with EmbeddedMetaServer() as server:
         env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
                "OMP_NUM_THREADS": "1"}
-        procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_store_worker.py"),
-                                   json.dumps({"rank": r, "num_writers": 2, "job": "rl", "slots": 3,
-                                               "versions": versions, "timeout": 60})],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs = [launch_process([sys.executable, os.path.join(HERE, "_store_worker.py"),
+                                 json.dumps({"rank": r, "num_writers": 2, "job": "rl", "slots": 3,
+                                             "versions": versions, "timeout": 60})], env=env)
                  for r in range(2)]
         try:
             with TensorStore(StoreConfig(job="rl", timeout=60),

@@ -11,6 +11,7 @@ from typing import cast
 import pytest
 import torch
 
+from launcher import run as run_process
 from weightsync.apps.bench.baselines import RankContext, WeightsyncMethod, make_method, plan_buckets
 from weightsync.apps.bench.cases import Case, model_config, suite
 from weightsync.apps.bench.report import summary_ratios
@@ -255,11 +256,10 @@ def test_vllm_serve_engine_figures_from_the_workers_step_trace(tmp_path):
 def test_gpu_script_fails_clearly_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
-    import subprocess
     import sys
 
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu.py")
-    proc = subprocess.run([sys.executable, script, "--sizes", "1b"], capture_output=True, text=True, timeout=60)
+    proc = run_process([sys.executable, script, "--sizes", "1b"], timeout=60)
     assert proc.returncode == 2
     assert "CUDA" in proc.stderr
 

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
+from launcher import run as run_process
 from weightsync.cli import main
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "weightsync.cli", *args], capture_output=True,
-                          text=True, timeout=120)
+    return run_process([sys.executable, "-m", "weightsync.cli", *args], timeout=120)
 
 
 def test_plan_json_has_the_documented_fields(capsys):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 
 import numpy as np
@@ -22,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from launcher import run as run_process
 from weightsync.layout import ModelSpec, parse_layout
 from weightsync.layout.eplb import Placement, initial_map, register
 from weightsync.layout.wire import LayoutDecoder, encode_descriptor
@@ -203,9 +203,9 @@ def test_weightsync_plan_takes_a_placement_file_and_reports_copies(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(CONFIG))
     path = placement_file(tmp_path, Placement(8, [[3, 0, 3, 1, 2, 4, 3, 5, 6, 7]] * 2))
-    out = subprocess.run([sys.executable, "-m", "weightsync.cli", "plan", "--config", str(config), "--source",
+    out = run_process([sys.executable, "-m", "weightsync.cli", "plan", "--config", str(config), "--source",
                           "fsdp:dp=2", "--target", f"vllm:tp=2,ep=2,eplb={path}", "--json"],
-                         capture_output=True, text=True, timeout=120, check=True)
+                         timeout=120, check=True)
     report = json.loads(out.stdout)
     assert report["sent_bytes"] == report["needed_bytes"]
     assert report["copied_bytes"] == 2 * 3 * 32 * 32 * 4  # expert 3's gate, up, down, in both layers

@@ -9,12 +9,13 @@ import sys
 
 import pytest
 
+from launcher import run as run_process
+
 ROOT = os.path.dirname(os.path.dirname(__file__))
 
 
 def test_two_threads_example_syncs_bitwise():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "two_threads.py")], capture_output=True,
-                          text=True, timeout=180)
+    proc = run_process([sys.executable, os.path.join(ROOT, "examples", "two_threads.py")], timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("reader applied version") == 3
     assert "weights identical: True" in proc.stdout
@@ -22,8 +23,8 @@ def test_two_threads_example_syncs_bitwise():
 
 def test_async_grpo_example_runs_sync_and_async_with_the_staleness_bound():
     pytest.importorskip("transformers")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "async_grpo.py"), "--steps", "3"],
-                          capture_output=True, text=True, timeout=240)
+    proc = run_process([sys.executable, os.path.join(ROOT, "examples", "async_grpo.py"), "--steps", "3"],
+                       timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.split("RESULTS ", 1)[1])
     assert [(r["mode"], r["staleness"]) for r in results] == [("sync", 0), ("async", 1)]

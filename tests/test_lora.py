@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from launcher import launch as launch_process
 from test_engine_vllm import shutdown, start_llm, vllm_env  # noqa: F401  (vllm_env: a fixture)
 from weightsync.layout import ModelSpec
 from weightsync.layout.lora import LoraSpec
@@ -284,9 +285,8 @@ class LoraWriters:
                "OMP_NUM_THREADS": "1"}
         args = ["--config", json.dumps(config), "--r", str(LORA.r), "--alpha", str(LORA.alpha), "--tp", str(tp),
                 "--job", job, "--seeds", ",".join(map(str, seeds))]
-        self.procs = [subprocess.Popen([sys.executable, str(HERE / "lora_writer_process.py"), *args,
-                                        "--rank", str(rank)], env=env, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True) for rank in range(tp)]
+        self.procs = [launch_process([sys.executable, str(HERE / "lora_writer_process.py"), *args,
+                                      "--rank", str(rank)], env=env) for rank in range(tp)]
 
     def __enter__(self):
         return self.procs

@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
 import sys
 
 import pytest
+
+from launcher import run as run_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
@@ -34,8 +35,7 @@ def env() -> dict[str, str]:
 @pytest.mark.parametrize("index", range(len(blocks("python"))))
 def test_readme_python_block_runs(index, tmp_path):
     code = blocks("python")[index]
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env(), capture_output=True, text=True,
-                          timeout=TIMEOUT)
+    proc = run_process([sys.executable, "-c", code], cwd=str(tmp_path), env=env(), timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -48,7 +48,7 @@ def test_readme_plan_command_runs_and_reports_the_plan(tmp_path):
                   if line.lstrip().startswith("weightsync plan")]
     args = shlex.split(command)
     assert args[0] == "weightsync"
-    proc = subprocess.run([sys.executable, "-m", "weightsync.cli", *args[1:]], cwd=tmp_path, env=env(),
-                          capture_output=True, text=True, timeout=TIMEOUT)
+    proc = run_process([sys.executable, "-m", "weightsync.cli", *args[1:]], cwd=str(tmp_path), env=env(),
+                       timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert '"writers": 1024' in proc.stdout and '"readers": 256' in proc.stdout

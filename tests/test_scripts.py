@@ -13,9 +13,10 @@ from __future__ import annotations
 import ast
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from launcher import run as run_process
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(p for folder in ("benchmarks", "examples") for p in (ROOT / folder).rglob("*.py"))
@@ -86,8 +87,7 @@ def test_every_script_imports_names_what_exists_and_answers_help():
             continue
         jobs.append({"path": str(path), "help": "argparse" in path.read_text(), "names": weightsync_imports(path)})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(jobs)], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=ROOT)
+    proc = run_process([sys.executable, "-c", _CHILD, json.dumps(jobs)], timeout=600, env=env, cwd=str(ROOT))
     assert proc.returncode == 0 and "RESULTS " in proc.stdout, proc.stderr[-3000:]
     results = json.loads(proc.stdout.split("RESULTS ", 1)[1])
     failed = {Path(p).relative_to(ROOT).as_posix(): r for p, r in results.items() if r}

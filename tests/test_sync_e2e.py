@@ -1,6 +1,6 @@
 """End to end: WeightWriter / WeightReader processes, a real meta server, every transport.
 
-Each scenario launches real processes (plain subprocesses, free ports only) and checks the
+Each scenario launches real processes (forked by tests/launcher.py, free ports only) and checks the
 product's promises: every reader holds exactly the writers' weights after each version
 (bitwise), received exactly the bytes it needs, in place; a writer killed mid-transfer
 makes the readers fail within their timeout without reporting the version, and the next
@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
+from launcher import launch as launch_process
 from weightsync.layout import parse_layout
 from weightsync.meta.client import EmbeddedMetaServer
 from weightsync.transport import unavailable_reason
@@ -29,8 +29,7 @@ def launch(server, role, rank, **args):
     env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
            "OMP_NUM_THREADS": "1"}
     payload = json.dumps({"role": role, "rank": rank, **args})
-    return subprocess.Popen([sys.executable, WORKER, payload], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return launch_process([sys.executable, WORKER, payload], env=env)
 
 
 def finish(procs, timeout):

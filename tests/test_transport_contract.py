@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from launcher import launch as launch_process
 from weightsync.transport import unavailable_reason
 from weightsync.transport.shm.files import sweep_stale_segments
 
@@ -41,9 +41,7 @@ def run_scenario(tmp_path, transport, *, versions=3, timeout=30.0, **extra):
     for role in ("writer", "reader"):
         for rank in range(2):
             args = json.dumps({**base, "role": role, "rank": rank})
-            procs.append((role, rank, subprocess.Popen([sys.executable, os.path.join(HERE, "_transport_worker.py"),
-                                                        args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                       text=True)))
+            procs.append((role, rank, launch_process([sys.executable, os.path.join(HERE, "_transport_worker.py"), args])))
     out = {}
     try:
         for role, rank, p in procs:

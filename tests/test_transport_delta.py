@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from launcher import launch as launch_process
 from weightsync.transport import unavailable_reason
 
 HERE = os.path.dirname(__file__)
@@ -40,9 +40,7 @@ def run(tmp_path, *, readers: int, versions: int, anchor: int, timeout: float = 
     for role, count in (("writer", 2), ("reader", readers)):
         for rank in range(count):
             args = json.dumps({**base, "role": role, "rank": rank})
-            procs.append((role, rank, subprocess.Popen([sys.executable, os.path.join(HERE, "_transport_worker.py"),
-                                                        args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                       text=True)))
+            procs.append((role, rank, launch_process([sys.executable, os.path.join(HERE, "_transport_worker.py"), args])))
     out = {}
     try:
         for role, rank, p in procs:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from launcher import launch as launch_process
 from weightsync.layout import parse_layout
 from weightsync.roles.writer import WeightWriter
 from weightsync.session.sync_session import SyncConfig, TransportOptions
@@ -39,10 +40,9 @@ def writer_processes(server: Any, config: dict[str, Any], layout: str, *, job: s
     ``--nixl-mode push``)."""
     env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
            "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, str(HERE / "writer_process.py"), "--config", json.dumps(config),
-                               "--layout", layout, "--rank", str(rank), "--job", job,
-                               "--seeds", ",".join(map(str, seeds)), *extra],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [launch_process([sys.executable, str(HERE / "writer_process.py"), "--config", json.dumps(config),
+                             "--layout", layout, "--rank", str(rank), "--job", job,
+                             "--seeds", ",".join(map(str, seeds)), *extra], env=env)
              for rank in range(parse_layout(layout).world_size)]
     try:
         yield procs

@@ -1,0 +1,240 @@
+"""The one launcher of the suite's multi-process tests: ``launch([sys.executable, script, ...])``.
+
+A rank started as a fresh interpreter spends about 3 s of CPU importing torch before it does
+anything; the fault and transport tests start hundreds of them, which on two cores was a third
+of the suite. ``launch`` forks each rank from a warm process (``_zygote.py``) that has imported
+torch once, and hands back an object that behaves as :class:`subprocess.Popen` does for what the
+tests use: ``pid``, ``poll``, ``wait``, ``communicate``, ``kill``, ``terminate``, ``send_signal``,
+``returncode`` (negative for a signal), ``stdout``/``stderr`` pipes and
+:class:`subprocess.TimeoutExpired`.
+
+A rank is still a process of its own (its pid can be SIGKILLed or SIGSTOPped, its shared memory
+is its own) with the environment, working directory and arguments it was given; only the
+imports of torch, numpy, msgpack and httpx are inherited. ``WEIGHTSYNC_TEST_FRESH_PROCESSES=1``
+starts every rank as a fresh interpreter instead, to rule the launcher out when a test fails.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import json
+import os
+import selectors
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PIPE = subprocess.PIPE
+
+
+class _Zygote:
+    """The warm process of this test process (one per pytest-xdist worker), started on first use."""
+
+    def __init__(self) -> None:
+        self.directory = tempfile.mkdtemp(prefix="weightsync-zygote-")
+        self.path = os.path.join(self.directory, "socket")
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "_zygote.py"), self.path],
+                                     stdin=PIPE, stdout=PIPE, env=env, text=True)
+        ready = _readline_within(self.proc.stdout, 120.0)
+        if ready.strip() != "ready":
+            self.close()
+            raise RuntimeError(f"the test launcher's warm process did not start (said {ready!r})")
+        self.count = 0
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+_zygotes: list[_Zygote] = []
+_lock = threading.Lock()
+
+
+def _the_zygote() -> _Zygote:
+    with _lock:
+        if not _zygotes or _zygotes[-1].proc.poll() is not None:
+            _zygotes.append(_Zygote())
+            atexit.register(_zygotes[-1].close)
+        return _zygotes[-1]
+
+
+def _readline_within(stream: Any, seconds: float) -> str:
+    selector = selectors.DefaultSelector()
+    selector.register(stream, selectors.EVENT_READ)
+    try:
+        if not selector.select(timeout=seconds):
+            return ""
+        return stream.readline()
+    finally:
+        selector.close()
+
+
+class Launched:
+    """A rank forked from the warm process, used as a :class:`subprocess.Popen`."""
+
+    def __init__(self, args: list[str], *, env: dict[str, str] | None, cwd: str | None, text: bool,
+                 capture: bool) -> None:
+        zygote = _the_zygote()
+        zygote.count += 1
+        self.args = args
+        self.returncode: int | None = None
+        self._text = text
+        stem = os.path.join(zygote.directory, f"{os.getpid()}-{zygote.count}")
+        fds = []
+        for name in ("stdout", "stderr"):
+            os.mkfifo(f"{stem}.{name}")
+            fds.append(os.open(f"{stem}.{name}", os.O_RDONLY | os.O_NONBLOCK))
+        request = {"argv": args[1:], "env": dict(os.environ if env is None else env),
+                   "cwd": cwd or os.getcwd(), "stdout": f"{stem}.stdout", "stderr": f"{stem}.stderr"}
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(120.0)
+        self._sock.connect(zygote.path)
+        self._sock.sendall(json.dumps(request).encode() + b"\n")
+        self._lines = b""
+        first = self._next_message(120.0)
+        if first is None or "pid" not in first:
+            raise RuntimeError(f"the test launcher could not start {args!r}")
+        self.pid: int = first["pid"]
+        for name in ("stdout", "stderr"):
+            os.unlink(f"{stem}.{name}")
+        for fd in fds:
+            os.set_blocking(fd, True)
+        self._fds = fds
+        self._chunks: dict[int, list[bytes]] = {fd: [] for fd in fds}
+        self._open = set(fds)
+        self.stdout: Any = None
+        self.stderr: Any = None
+        if not capture:  # the caller reads the pipes itself, as with Popen(stdout=PIPE)
+            self.stdout, self.stderr = (self._wrap(fd) for fd in fds)
+            self._open = set()
+
+    def _wrap(self, fd: int) -> Any:
+        raw = io.FileIO(fd, "rb")
+        return io.TextIOWrapper(io.BufferedReader(raw)) if self._text else io.BufferedReader(raw)
+
+    def _next_message(self, seconds: float | None) -> dict | None:
+        """The next JSON line from the zygote, or None when none came within ``seconds``."""
+        deadline = None if seconds is None else time.monotonic() + seconds
+        while b"\n" not in self._lines:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._sock.settimeout(left)
+            try:
+                chunk = self._sock.recv(4096)
+            except (TimeoutError, BlockingIOError):
+                return None
+            if not chunk:
+                raise RuntimeError("the test launcher's warm process went away")
+            self._lines += chunk
+        line, self._lines = self._lines.split(b"\n", 1)
+        return json.loads(line)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            message = self._next_message(0.0)
+            if message is not None:
+                self._finish(message["status"])
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            message = self._next_message(timeout)
+            if message is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._finish(message["status"])
+        assert self.returncode is not None
+        return self.returncode
+
+    def _finish(self, status: int) -> None:
+        self.returncode = status
+        self._sock.close()
+
+    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
+        """Reads both pipes to their end and waits for the exit, as Popen.communicate does; a
+        timeout keeps what was read, so a later call goes on from there."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        selector = selectors.DefaultSelector()
+        for fd in self._open:
+            selector.register(fd, selectors.EVENT_READ)
+        try:
+            while self._open:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+                for key, _ in selector.select(timeout=left):
+                    chunk = os.read(key.fd, 65536)
+                    if chunk:
+                        self._chunks[key.fd].append(chunk)
+                    else:
+                        selector.unregister(key.fd)
+                        self._open.discard(key.fd)
+                        os.close(key.fd)
+        finally:
+            selector.close()
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if self.stdout is not None:
+            return None, None
+        out, err = (b"".join(self._chunks[fd]) for fd in self._fds)
+        return (out.decode(errors="replace"), err.decode(errors="replace")) if self._text else (out, err)
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(9)
+
+    def terminate(self) -> None:
+        self.send_signal(15)
+
+    def __del__(self) -> None:
+        for fd in getattr(self, "_open", ()):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def launch(args: list[str], *, env: dict[str, str] | None = None, cwd: str | None = None, text: bool = True,
+           stdout: Any = PIPE, stderr: Any = PIPE) -> Any:
+    """Starts ``[sys.executable, script | -m module | -c code, *arguments]``; see the module doc.
+
+    ``stdout``/``stderr`` PIPE (the default) are read by ``communicate``; ``capture=False`` is
+    chosen by passing ``stdout="stream"``, which gives ``.stdout``/``.stderr`` to read directly.
+    Anything else (another executable, a file for stdout) starts a fresh process with Popen."""
+    fresh = os.environ.get("WEIGHTSYNC_TEST_FRESH_PROCESSES") == "1"
+    if fresh or args[0] != sys.executable or stderr not in (PIPE, "stream") or stdout not in (PIPE, "stream"):
+        popen_out = PIPE if stdout == "stream" else stdout
+        popen_err = PIPE if stderr == "stream" else stderr
+        return subprocess.Popen(args, env=env, cwd=cwd, text=text, stdout=popen_out, stderr=popen_err)
+    return Launched(args, env=env, cwd=cwd, text=text, capture=stdout != "stream")
+
+
+def run(args: list[str], *, env: dict[str, str] | None = None, cwd: str | None = None, timeout: float | None = None,
+        text: bool = True, check: bool = False) -> subprocess.CompletedProcess:
+    """``subprocess.run(args, capture_output=True, text=text, timeout=timeout)``, forked as
+    :func:`launch` does; on timeout the process is killed and :class:`subprocess.TimeoutExpired`
+    raised, as ``subprocess.run`` does."""
+    proc = launch(args, env=env, cwd=cwd, text=text)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)
+        raise
+    if check and proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, args, out, err)
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
