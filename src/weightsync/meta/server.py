@@ -50,40 +50,32 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Any
 
-from fastapi import FastAPI, Path, Query, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from fastapi import FastAPI
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import weightsync
-from weightsync.meta import status_page, wire
-from weightsync.meta.leases import LeaseHeldError
-from weightsync.meta.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from weightsync.meta import wire
 from weightsync.meta.metrics import ServerMetrics
-from weightsync.meta.records import check_document_key
-from weightsync.meta.state import ConflictError, MetaState, RecordError
-from weightsync.meta.store import StoreError
-from weightsync.ports.records import MAX_RANK
+from weightsync.meta.routes import (
+    register_document_routes,
+    register_error_handlers,
+    register_lease_routes,
+    register_roster_routes,
+    register_service_routes,
+    register_version_routes,
+)
+from weightsync.meta.state import MetaState
 
 logger = logging.getLogger(__name__)
 
 INSTANCE_HEADER = b"x-weightsync-instance"
 EXPECT_HEADER = b"x-weightsync-expect-instance"
 
-JOB_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 PUBLIC_PATHS = frozenset({"/healthz"})
-Job = Annotated[str, Path(pattern=JOB_PATTERN, description="job namespace")]
-Wait = Annotated[float, Query(ge=0, le=3600, description="seconds to hold the request (long-poll)")]
-Count = Annotated[int, Query(ge=0, lt=1 << 31, description="barrier: wait for this many registered")]
-Documents = Annotated[Sequence[str], Query(max_length=64, description="documents to include in the answer")]
-#: every integer the server stores or compares fits in msgpack's and the store's int64
-MAX_INT = 1 << 62
-VersionNumber = Annotated[int, Field(ge=0, lt=MAX_INT)]
-Seconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
+
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,99 +101,6 @@ class ServerConfig:
         if not 0 < self.max_wait <= 3600:
             raise ValueError(f"max_wait={self.max_wait} must be in (0, 3600] seconds")
 
-
-# --- request bodies ------------------------------------------------------------------------------
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, val_json_bytes="base64")
-
-
-Name = Annotated[str, Field(max_length=256)]
-
-
-class RegisterBody(_Body):
-    role: Literal["writer", "reader"]
-    rank: Annotated[int, Field(ge=0, lt=MAX_RANK)]
-    group: Annotated[str, Field(max_length=128)] = ""
-    host: Name = ""
-    endpoints: Annotated[dict[Annotated[str, Field(min_length=1, max_length=64)],
-                              Annotated[str, Field(max_length=1024)]], Field(max_length=64)] = {}
-    layout: bytes = b""
-
-
-class VersionBody(_Body):
-    version: VersionNumber
-    fingerprint: Annotated[str, Field(min_length=1, max_length=256)]
-    writer_rank: Annotated[int, Field(ge=0, lt=MAX_RANK)]
-    num_writers: Annotated[int, Field(ge=1, le=MAX_RANK)]
-    epoch: Annotated[int, Field(ge=0, lt=MAX_INT)] = 0
-
-    @model_validator(mode="after")
-    def _rank_in_range(self) -> VersionBody:
-        if self.writer_rank >= self.num_writers:
-            raise ValueError(f"writer_rank {self.writer_rank} must be below num_writers {self.num_writers}")
-        return self
-
-
-class AppliedBody(_Body):
-    version: VersionNumber
-    nbytes: Annotated[int, Field(ge=0, lt=MAX_INT)] = 0
-    seconds: Seconds = 0.0
-
-
-class CompareAndSetBody(_Body):
-    expected: Annotated[int, Field(ge=0, lt=MAX_INT)]
-    value: Annotated[int, Field(ge=0, lt=MAX_INT)]
-
-
-class LeaseBody(_Body):
-    incarnation: Annotated[str, Field(min_length=1, max_length=64)]
-    ttl: Annotated[float, Field(gt=0.01, le=3600, allow_inf_nan=False)]
-    pid: Annotated[int, Field(ge=0, lt=1 << 31)] = 0
-    host: Name = ""
-    release: bool = False
-
-
-class FailedBody(_Body):
-    version: Annotated[int, Field(ge=-1, lt=MAX_INT)]
-    error: Annotated[str, Field(max_length=4096)]
-    epoch: Annotated[int | None, Field(ge=0, lt=MAX_INT)] = None
-    #: the failure left the engine a mix of versions (clients that do not say: it did)
-    invalid: bool = True
-    #: the version a valid engine still serves (None: what it started with)
-    holds: Annotated[int | None, Field(ge=0, lt=MAX_INT)] = None
-
-
-M = TypeVar("M", bound=_Body)
-
-
-def _describe(errors: list[Any], where: str = "body") -> str:
-    parts = []
-    for e in errors[:5]:
-        loc = [str(x) for x in e.get("loc", ()) if x not in ("body",)]
-        field = ".".join(loc) if loc else where
-        parts.append(f"field '{field}': {e.get('msg', 'invalid')}" if loc else f"{where}: {e.get('msg', 'invalid')}")
-    return "invalid request: " + "; ".join(parts)
-
-
-async def _parse(request: Request, model: type[M]) -> M:
-    data = await request.body()
-    ctype = wire.media_type(request.headers.get("content-type"))
-    try:
-        if wire.is_msgpack(ctype):
-            return model.model_validate(wire.unpack(data))
-        if ctype in ("application/json", ""):
-            return model.model_validate_json(data)
-    except ValidationError as exc:
-        raise HTTPException(422, _describe(exc.errors(include_url=False))) from None
-    except wire.BodyError as exc:
-        raise HTTPException(exc.status, str(exc)) from None
-    raise HTTPException(415, f"unsupported content type {ctype!r}: send application/msgpack or application/json")
-
-
-def _reply(request: Request, obj: Any) -> Response:
-    body, ctype = wire.encode(obj, msgpack_=wire.wants_msgpack(request.headers.get("accept")))
-    return Response(body, media_type=ctype)
 
 
 # --- the guard: token, body size, metrics --------------------------------------------------------
@@ -328,175 +227,10 @@ def create_app(state: MetaState, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(state)
     app.add_middleware(Guard, token=config.token, max_body_bytes=config.max_body_bytes, metrics=metrics, state=state)
     app.state.meta = state
-
-    @app.exception_handler(ConflictError)
-    async def _conflict(request: Request, exc: ConflictError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=409)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"detail": _describe(list(exc.errors()), "request")}, status_code=422)
-
-    @app.exception_handler(OSError)
-    async def _disk(request: Request, exc: OSError) -> JSONResponse:
-        return JSONResponse({"detail": f"the server could not persist the change: {exc}"}, status_code=503)
-
-    @app.exception_handler(StoreError)
-    async def _store(request: Request, exc: StoreError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=503)
-
-    @app.exception_handler(LeaseHeldError)
-    async def _held(request: Request, exc: LeaseHeldError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=409)
-
-    @app.exception_handler(RecordError)
-    async def _record(request: Request, exc: RecordError) -> JSONResponse:
-        return JSONResponse({"detail": f"invalid request: {exc}"}, status_code=422)
-
-    def held(wait: float) -> float:
-        return min(wait, config.max_wait)
-
-    @app.get("/healthz", response_class=PlainTextResponse)
-    async def healthz() -> Response:
-        broken = state.broken()
-        if broken is not None:  # a server that cannot persist changes must not look healthy
-            return PlainTextResponse(f"unhealthy: {broken}", status_code=503)
-        return PlainTextResponse("ok")
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
-
-    @app.get("/status", response_class=HTMLResponse)
-    async def status_html() -> str:
-        return status_page.render(state.status())
-
-    @app.get("/v1/status")
-    async def status_json(request: Request, job: Annotated[str | None, Query(pattern=JOB_PATTERN)] = None) -> Response:
-        return _reply(request, state.status(job))
-
-    async def roster(request: Request, job: str, *, writers: int, readers: int, wait: float,
-                     documents: Sequence[str]) -> Response:
-        for key in documents:
-            _check_key(key)
-        if writers or readers:
-            await state.wait_registered(job, writers=writers, readers=readers, wait=held(wait))
-        msgpack_ = wire.wants_msgpack(request.headers.get("accept"))
-        body = state.roster(job, msgpack_=msgpack_)
-        if documents:
-            body = wire.extend_map(body, {"documents": {k: state.document(job, k) for k in documents}},
-                                   msgpack_=msgpack_)
-        return Response(body, media_type=wire.MSGPACK if msgpack_ else wire.JSON)
-
-    async def register(request: Request, job: str) -> bool:
-        body = await _parse(request, RegisterBody)
-        return await state.register(job, body.role, body.rank, group=body.group, host=body.host,
-                                    endpoints=body.endpoints, layout=body.layout)
-
-    @app.post("/v1/jobs/{job}/participants")
-    async def post_participant(request: Request, job: Job) -> Response:
-        return _reply(request, {"created": await register(request, job)})
-
-    @app.get("/v1/jobs/{job}/participants")
-    async def get_participants(request: Request, job: Job, *, writers: Count = 0, readers: Count = 0,
-                               wait: Wait = 0.0, documents: Documents = ()) -> Response:
-        return await roster(request, job, writers=writers, readers=readers, wait=wait, documents=documents)
-
-    @app.post("/v1/jobs/{job}/join")
-    async def join(request: Request, job: Job, *, writers: Count = 0, readers: Count = 0, wait: Wait = 0.0,
-                   documents: Documents = ()) -> Response:
-        await register(request, job)
-        return await roster(request, job, writers=writers, readers=readers, wait=wait, documents=documents)
-
-    @app.put("/v1/jobs/{job}/documents/{key:path}")
-    async def put_document(request: Request, job: Job, key: str) -> Response:
-        _check_key(key)
-        value = await request.body()
-        await state.put_document(job, key, value)
-        return _reply(request, {"stored": len(value)})
-
-    @app.get("/v1/jobs/{job}/documents/{key:path}")
-    async def get_document(job: Job, key: str, wait: Wait = 0.0) -> Response:
-        _check_key(key)
-        value = await state.wait_document(job, key, held(wait))
-        if value is None:
-            return JSONResponse({"detail": f"no document {key!r} in job {job!r}"}, status_code=404)
-        return Response(value, media_type=wire.OCTETS)
-
-    @app.get("/v1/jobs/{job}/counters/{name:path}")
-    async def get_counter(request: Request, job: Job, name: str,
-                          at_least: Annotated[int, Query(ge=0, lt=MAX_INT)] = 0, wait: Wait = 0.0) -> Response:
-        _check_key(name)
-        return _reply(request, {"value": await state.wait_counter(job, name, at_least, held(wait))})
-
-    @app.post("/v1/jobs/{job}/counters/{name:path}")
-    async def compare_and_set(request: Request, job: Job, name: str) -> Response:
-        _check_key(name)
-        body = await _parse(request, CompareAndSetBody)
-        swapped, value = await state.compare_and_set(job, name, expected=body.expected, value=body.value)
-        return _reply(request, {"swapped": swapped, "value": value})
-
-    @app.post("/v1/jobs/{job}/versions")
-    async def post_version(request: Request, job: Job) -> Response:
-        body = await _parse(request, VersionBody)
-        info = await state.report_version(job, body.version, body.fingerprint, writer_rank=body.writer_rank,
-                                          num_writers=body.num_writers, epoch=body.epoch)
-        return _reply(request, {"published": info.to_wire() if info else None})
-
-    @app.get("/v1/jobs/{job}/versions/latest")
-    async def latest_version(request: Request, job: Job, after: Annotated[int, Query(ge=-1, lt=MAX_INT)] = -1,
-                             wait: Wait = 0.0,
-                             after_epoch: Annotated[int | None, Query(ge=-1, lt=MAX_INT)] = None) -> Response:
-        info = await state.wait_version(job, after, held(wait), after_epoch)
-        return _reply(request, {"latest": info.to_wire() if info else None})
-
-    @app.post("/v1/jobs/{job}/readers/{rank}/applied")
-    async def applied(request: Request, job: Job, rank: Annotated[int, Path(ge=0, lt=MAX_RANK)]) -> Response:
-        body = await _parse(request, AppliedBody)
-        await state.report_reader(job, rank, body.version, nbytes=body.nbytes, seconds=body.seconds)
-        return _reply(request, {"ok": True})
-
-    @app.post("/v1/jobs/{job}/readers/{rank}/failed")
-    async def failed(request: Request, job: Job, rank: Annotated[int, Path(ge=0, lt=MAX_RANK)]) -> Response:
-        body = await _parse(request, FailedBody)
-        await state.report_reader(job, rank, body.version, error=body.error, epoch=body.epoch, invalid=body.invalid,
-                                  holds=None if body.invalid else body.holds)
-        return _reply(request, {"ok": True})
-
-    @app.get("/v1/jobs/{job}/readers")
-    async def readers(request: Request, job: Job, min_version: Annotated[int, Query(ge=0, lt=MAX_INT)] = 0,
-                      count: Annotated[int, Query(ge=0, le=MAX_RANK)] = 0, wait: Wait = 0.0) -> Response:
-        if count:
-            await state.wait_readers(job, min_version=min_version, count=count, wait=held(wait))
-        latest = state.latest(job)
-        return _reply(request, {"latest": latest.to_wire() if latest else None, "readers": state.readers(job)})
-
-    @app.get("/v1/server")
-    async def server_identity(request: Request) -> Response:
-        return _reply(request, {"instance": state.instance, "durable": state.durable, "started_at": state.started_at,
-                                "version": weightsync.__version__})
-
-    @app.post("/v1/jobs/{job}/leases/{role}/{rank}")
-    async def lease(request: Request, job: Job, role: Literal["writer", "reader"],
-                    rank: Annotated[int, Path(ge=0, lt=MAX_RANK)], wait: Wait = 0.0) -> Response:
-        body = await _parse(request, LeaseBody)
-        took_over = await state.leases.acquire(job, role, rank, incarnation=body.incarnation, ttl=body.ttl,
-                                               pid=body.pid, host=body.host, wait=held(wait), release=body.release)
-        return _reply(request, {"took_over": took_over})
-
-    @app.get("/v1/jobs/{job}/leases")
-    async def leases(request: Request, job: Job) -> Response:
-        return _reply(request, {"leases": [row.to_wire() for row in state.leases.table(job)]})
-
-    @app.delete("/v1/jobs/{job}")
-    async def delete_job(request: Request, job: Job) -> Response:
-        return _reply(request, {"deleted": await state.delete_job(job)})
-
+    register_error_handlers(app)
+    register_service_routes(app, state, metrics)
+    register_roster_routes(app, state, config)
+    register_document_routes(app, state, config)
+    register_version_routes(app, state, config)
+    register_lease_routes(app, state, config)
     return app
-
-
-def _check_key(key: str) -> None:
-    try:
-        check_document_key(key)
-    except ValueError as exc:
-        raise HTTPException(422, f"invalid request: field 'key': {exc}") from None
