@@ -371,7 +371,7 @@ class Prefetch:
     """
 
     def __init__(self, reader: WeightReader) -> None:
-        in_place = getattr(reader.engine, "in_place_names", None)
+        in_place = reader.engine.in_place_names
         if in_place is None or in_place:
             what = (f"{len(in_place)} tensors ({', '.join(in_place[:2])}, ...) straight into the model"
                     if in_place else "into its live weights")
