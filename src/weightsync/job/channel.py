@@ -42,10 +42,10 @@ import msgpack
 from weightsync.job.board import Board
 from weightsync.job.keys import (
     epoch_key,
-    floor_key,
     joined_key,
     layout_key,
     layouts_key,
+    min_epoch_key,
     model_key,
     tensor_table_key,
     version_epoch_key,
@@ -281,7 +281,7 @@ class JobChannel(Liveness, Board):
         epoch = self._advance(seen)
         if epoch > self.min_epoch:
             self.min_epoch = epoch
-            self._put_floor()
+            self._publish_min_epoch()
         return epoch
 
     def _advance(self, seen: int) -> int:
@@ -296,13 +296,13 @@ class JobChannel(Liveness, Board):
         seen = self.current_epoch()
         self._advance(seen)
         self.restarted, self.min_epoch = True, seen
-        self._put_floor()
+        self._publish_min_epoch()
 
-    def _put_floor(self) -> None:
+    def _publish_min_epoch(self) -> None:
         """Say which epochs this process still takes part in, so that a writer waiting for it to
         publish in an older one stops waiting (:meth:`wait_readers`)."""
         if self.role == "writer":
-            self.meta.put_document(floor_key(self.role, self.rank), f"{self.incarnation} {self.min_epoch}".encode())
+            self.meta.put_document(min_epoch_key(self.role, self.rank), f"{self.incarnation} {self.min_epoch}".encode())
 
     def decide_epoch(self, version: int, deadline: Deadline) -> int:
         """Writer 0 fixes the epoch each try of ``version`` is written in; the other writers wait
@@ -337,16 +337,16 @@ class JobChannel(Liveness, Board):
                 self.meta.compare_and_set(key, expected=held, value=epoch + 1)
             self._decided_generation = generation
             return decided
-        floor = self.min_epoch
+        oldest = self.min_epoch
         while True:
-            held = int(self.meta.counter(key, at_least=floor + 1, wait=deadline.remaining()))
-            if held < floor + 1:
-                raise TimeoutError(f"{self.who}: writer 0 did not start version {version} in epoch {floor} or "
+            held = int(self.meta.counter(key, at_least=oldest + 1, wait=deadline.remaining()))
+            if held < oldest + 1:
+                raise TimeoutError(f"{self.who}: writer 0 did not start version {version} in epoch {oldest} or "
                                    "later in time" + (f" (it decided epoch {held - 1}, before this writer joined "
                                                       "or failed)" if held else ""))
             joined = joined_key(version, held - 1, self.rank)
             if self.restarted and self.meta.get_document(joined) is not None:
-                floor = held  # this rank's dead predecessor joined the version in that epoch: wait for the next
+                oldest = held  # this rank's dead predecessor joined the version in that epoch: wait for the next
                 continue
             self.meta.put_document(joined, self.incarnation.encode())
             return held - 1
@@ -457,10 +457,8 @@ class JobChannel(Liveness, Board):
         restarted one holds the rank now (which never joins the epoch its predecessor joined);
         or the process holding the rank takes part only in later epochs (it restarted, or saw
         an epoch fail, after writer 0 decided this one). A writer that died *before* it joined
-        is not gone: its restart may still join this try, and a wait for it ends at the deadline
-        (seen: a writer 1 restarting slowly after dying in the previous version made writer 0
-        give up the next version, which the restart then completed with writer 0's part while
-        writer 0 had closed its memory).
+        is not gone: its restart may still join this try, so a wait for it ends only at the
+        deadline (giving up earlier would leave the restart completing the version alone).
         """
         rows = self._leases(0.0)
         gone = {}
@@ -475,9 +473,9 @@ class JobChannel(Liveness, Board):
                                else f"the process that joined it is gone: a restarted one holds the rank now "
                                     f"({row.detail})")
                 continue
-            floor = self.meta.get_document(floor_key("writer", r))
-            if row.alive and floor is not None:
-                incarnation, _, oldest = floor.decode().partition(" ")
+            record = self.meta.get_document(min_epoch_key("writer", r))
+            if row.alive and record is not None:
+                incarnation, _, oldest = record.decode().partition(" ")
                 if incarnation == row.incarnation and int(oldest) > epoch:
                     gone[r] = (f"its process ({row.detail}) takes part only in epoch {oldest} or later (it restarted, "
                                "or saw an epoch fail, after writer 0 decided this one)")

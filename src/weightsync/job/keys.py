@@ -33,8 +33,9 @@ def version_layouts_key(version: int, epoch: int) -> str:
     return f"versions/{version}/layouts/{epoch}"  # the layout generation writer 0 planned the try with (absent: 0)
 
 
-def floor_key(role: Role, rank: int) -> str:
-    return f"floors/{role}{rank}"  # "<incarnation> <min_epoch>": the oldest epoch that process takes part in
+def min_epoch_key(role: Role, rank: int) -> str:
+    # "<incarnation> <min_epoch>": the oldest epoch that process takes part in (the path keeps its old name)
+    return f"floors/{role}{rank}"
 
 
 def model_key(digest: str) -> str:

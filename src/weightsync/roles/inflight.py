@@ -194,9 +194,9 @@ class InflightReader:
         while not self._stop.is_set():
             staging.dev.order_after(staging.copied_at, staging.device)  # the last live copy read staging
             # Wait in short polls (so close() is prompt), then transfer under the full timeout.
-            floor = max(x for x in (self._staging.weight_version, reader.last_failed, -1) if x is not None)
+            seen = max(x for x in (self._staging.weight_version, reader.last_failed, -1) if x is not None)
             try:
-                if reader.session.channel.wait_version(after=floor, deadline=Deadline.after(self.poll)) is None:
+                if reader.session.channel.wait_version(after=seen, deadline=Deadline.after(self.poll)) is None:
                     continue
                 result = reader.update(timeout=reader.config.timeout)
             except TimeoutError as exc:
