@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Annotated, Literal
 
 from fastapi import FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,14 +39,11 @@ from weightsync.meta.state import ConflictError, MetaState, RecordError
 from weightsync.meta.store import StoreError
 from weightsync.ports.records import MAX_RANK
 
-if TYPE_CHECKING:
-    from weightsync.meta.server import ServerConfig
 
-
-def _holder(config: ServerConfig) -> Callable[[float], float]:
-    """How long a long-poll asking for ``wait`` seconds is held: at most ``config.max_wait``."""
+def _holder(max_wait: float) -> Callable[[float], float]:
+    """How long a long-poll asking for ``wait`` seconds is held: at most ``max_wait`` (``ServerConfig``)."""
     def held(wait: float) -> float:
-        return min(wait, config.max_wait)
+        return min(wait, max_wait)
     return held
 
 
@@ -105,9 +102,9 @@ def register_service_routes(app: FastAPI, state: MetaState, metrics: ServerMetri
                                 "version": weightsync.__version__})
 
 
-def register_roster_routes(app: FastAPI, state: MetaState, config: ServerConfig) -> None:
+def register_roster_routes(app: FastAPI, state: MetaState, max_wait: float) -> None:
     """Registration of a job's ranks, its roster (a barrier when asked), and forgetting a job."""
-    held = _holder(config)
+    held = _holder(max_wait)
 
     async def roster(request: Request, job: str, *, writers: int, readers: int, wait: float,
                      documents: Sequence[str]) -> Response:
@@ -147,9 +144,9 @@ def register_roster_routes(app: FastAPI, state: MetaState, config: ServerConfig)
         return _reply(request, {"deleted": await state.delete_job(job)})
 
 
-def register_document_routes(app: FastAPI, state: MetaState, config: ServerConfig) -> None:
+def register_document_routes(app: FastAPI, state: MetaState, max_wait: float) -> None:
     """A job's documents (raw bytes by key) and counters (compare-and-set integers)."""
-    held = _holder(config)
+    held = _holder(max_wait)
 
     @app.put("/v1/jobs/{job}/documents/{key:path}")
     async def put_document(request: Request, job: Job, key: str) -> Response:
@@ -180,9 +177,9 @@ def register_document_routes(app: FastAPI, state: MetaState, config: ServerConfi
         return _reply(request, {"swapped": swapped, "value": value})
 
 
-def register_version_routes(app: FastAPI, state: MetaState, config: ServerConfig) -> None:
+def register_version_routes(app: FastAPI, state: MetaState, max_wait: float) -> None:
     """The version handshake: writers' reports, the latest version, readers' progress."""
-    held = _holder(config)
+    held = _holder(max_wait)
 
     @app.post("/v1/jobs/{job}/versions")
     async def post_version(request: Request, job: Job) -> Response:
@@ -220,9 +217,9 @@ def register_version_routes(app: FastAPI, state: MetaState, config: ServerConfig
         return _reply(request, {"latest": latest.to_wire() if latest else None, "readers": state.readers(job)})
 
 
-def register_lease_routes(app: FastAPI, state: MetaState, config: ServerConfig) -> None:
+def register_lease_routes(app: FastAPI, state: MetaState, max_wait: float) -> None:
     """Participants' leases: take, renew or release one; the table of all."""
-    held = _holder(config)
+    held = _holder(max_wait)
 
     @app.post("/v1/jobs/{job}/leases/{role}/{rank}")
     async def lease(request: Request, job: Job, role: Literal["writer", "reader"],

@@ -229,8 +229,8 @@ def create_app(state: MetaState, config: ServerConfig) -> FastAPI:
     app.state.meta = state
     register_error_handlers(app)
     register_service_routes(app, state, metrics)
-    register_roster_routes(app, state, config)
-    register_document_routes(app, state, config)
-    register_version_routes(app, state, config)
-    register_lease_routes(app, state, config)
+    register_roster_routes(app, state, config.max_wait)
+    register_document_routes(app, state, config.max_wait)
+    register_version_routes(app, state, config.max_wait)
+    register_lease_routes(app, state, config.max_wait)
     return app
