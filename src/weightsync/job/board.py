@@ -21,7 +21,7 @@ E = TypeVar("E", bound=EndpointRecord)
 
 
 class Board:
-    """The document half of :class:`~weightsync.job.channel.JobChannel` (which sets these attributes)."""
+    """The document part of :class:`~weightsync.job.channel.JobChannel` (which sets these attributes)."""
 
     meta: MetaPort
     role: Role

@@ -1,9 +1,11 @@
 """The job channel: everything the ranks of a job say to each other, typed, in one place.
 
 Writers, readers, transports and the tensor store talk through the meta server, and only
-through :class:`JobChannel`. It owns every meta-server key (no other module builds one) and
-the version handshake; what crosses it is a frozen dataclass here, encoded with msgpack or
-plain text, never pickle. Following one version ``V`` from writer to reader::
+through :class:`JobChannel`. It owns every meta-server key (built in :mod:`weightsync.job.keys`,
+used by nothing else) and the version handshake; leases are its :class:`~weightsync.job.liveness.Liveness`
+part, what ranks post for each other its :class:`~weightsync.job.board.Board` part. What crosses it
+is a frozen dataclass, encoded with msgpack or plain text, never pickle. Following one
+version ``V`` from writer to reader::
 
     # every rank, once:            channel.register(host, layout_blob) -> channel.wait_roster(...)
     # writer 0 decides V's epoch:  epoch = channel.decide_epoch(V, deadline)   (the others wait for it)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 class Liveness:
-    """The lease half of :class:`~weightsync.job.channel.JobChannel` (which sets these attributes)."""
+    """The lease part of :class:`~weightsync.job.channel.JobChannel` (which sets these attributes)."""
 
     meta: MetaPort
     role: Role
