@@ -268,7 +268,7 @@ PROTOCOL_SPEAKERS = ("weightsync.meta.client_base.ClientBase", "weightsync.meta.
                      "weightsync.ports.coordinator.MetaPort",
                      "weightsync.ports.coordinator.TransportBoard")
 #: Where the protocol may be spoken.
-PROTOCOL_HOMES = ("weightsync.job.channel", "weightsync.ports.coordinator", "weightsync.meta")
+PROTOCOL_HOMES = ("weightsync.job.channel", "weightsync.job.liveness", "weightsync.job.board", "weightsync.ports.coordinator", "weightsync.meta")
 
 
 def type_checked(extra: Mapping[str, str] | None = None) -> tuple[Any, dict[str, Any]]:
@@ -345,6 +345,46 @@ def protocol_calls_outside_the_channel(types: Mapping[Any, Any], trees: Mapping[
     return offenders
 
 
+#: Where ports live: a ``Protocol`` class of these packages is a port.
+PORT_HOMES = ("weightsync.ports", "weightsync.job")
+
+
+def _ports_of(typ: Any) -> list[str]:
+    """The ports a value's static type is (a union: each member that is one)."""
+    from mypy.types import Instance, TypeType, UnionType, get_proper_type
+
+    proper = get_proper_type(typ) if typ is not None else None
+    if isinstance(proper, UnionType):
+        return [port for item in proper.items for port in _ports_of(item)]
+    if isinstance(proper, TypeType):
+        proper = get_proper_type(proper.item)
+    if isinstance(proper, Instance) and proper.type.is_protocol \
+            and any(_matches(proper.type.fullname, home) for home in PORT_HOMES):
+        return [proper.type.fullname]
+    return []
+
+
+def port_probes(types: Mapping[Any, Any], trees: Mapping[str, Any]) -> list[str]:
+    """``hasattr``/``getattr`` calls whose object is typed as a port: a capability the port should
+    declare (a port says what its implementations can do; callers never probe for it)."""
+    from mypy.nodes import CallExpr
+    from mypy.traverser import NameAndMemberCollector
+
+    where = {}  # the callee's node -> its module (the trees' traversers are compiled: no subclass)
+    for module, tree in trees.items():
+        if _matches(module, "weightsync"):
+            collector = NameAndMemberCollector()
+            tree.accept(collector)
+            where.update({id(name): module for name in collector.name_exprs
+                          if name.fullname in ("builtins.hasattr", "builtins.getattr")})
+    offenders = []
+    for call in types:
+        if isinstance(call, CallExpr) and id(call.callee) in where and call.args:
+            offenders += [f"{where[id(call.callee)]}:{call.line} {call.callee.name}() on {port}"  # type: ignore[attr-defined]
+                          for port in _ports_of(types.get(call.args[0]))]
+    return sorted(offenders)
+
+
 #: Code that breaks the protocol rule (and code that keeps it), type-checked with the tree.
 PROTOCOL_PROBES = {
     "weightsync.probe_named_like_a_channel": """
@@ -376,6 +416,18 @@ PROTOCOL_PROBES = {
 
         def fine(meta: JobChannel) -> None:
             meta.wait_version(after=0, deadline=Deadline.after(1.0))
+    """,
+    "weightsync.probe_port_capability": """
+        from weightsync.ports.engine import InferenceEngine, PhasedEngine
+
+        class Reader:
+            engine: InferenceEngine
+
+        def sneak(reader: Reader, phased: PhasedEngine | None) -> bool:
+            return hasattr(reader.engine, "in_place_names") or getattr(phased, "device", None) is not None
+
+        def fine(engine: InferenceEngine) -> bool:
+            return engine.stages_in_phases and getattr(engine.receive_buffers(), "keys", None) is not None
     """,
     "weightsync.meta.probe_inside": """
         from weightsync.meta.client import MetaClient
@@ -435,6 +487,36 @@ def documented_layers(doc: str) -> dict[str, tuple[set[str], set[str]]]:
         name, modules = re.split(r"\s{2,}", left.strip(), maxsplit=1)
         out[name] = (set(modules.split()), {x.strip() for x in builds_on.split(",") if x.strip()})
     return out
+
+
+def test_no_port_is_probed_with_hasattr_or_getattr(typed_tree):
+    offenders = [o for o in port_probes(*typed_tree) if ".probe_" not in o.split(":")[0]]
+    assert not offenders, "declare the capability on the port instead of probing for it:\n" + "\n".join(offenders)
+
+
+#: The size limits of docs/architecture.md: a module, and a function (nested ones counted on their own).
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def oversized(pkg: Path) -> list[str]:
+    """Modules over :data:`MAX_MODULE_LINES` lines and functions over :data:`MAX_FUNCTION_LINES`."""
+    offenders = []
+    for path in sorted(pkg.rglob("*.py")):
+        text = path.read_text()
+        rel = path.relative_to(pkg.parent).as_posix()
+        if (lines := len(text.splitlines())) > MAX_MODULE_LINES:
+            offenders.append(f"{rel}: {lines} lines (at most {MAX_MODULE_LINES}: split it along a seam)")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    and (lines := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:  # type: ignore[operator]
+                offenders.append(f"{rel}:{node.lineno} {node.name}(): {lines} lines (at most {MAX_FUNCTION_LINES})")
+    return offenders
+
+
+def test_no_module_or_function_is_oversized():
+    offenders = oversized(PKG)
+    assert not offenders, "\n".join(offenders)
 
 
 def test_the_architecture_doc_draws_the_layers_as_they_are():
@@ -606,6 +688,26 @@ def test_a_protocol_call_outside_the_channel_is_caught_by_what_its_receiver_is(t
         "weightsync.probe_named_like_a_channel:5 .publish_version on speaker weightsync.meta.client.MetaClient",
         "weightsync.probe_through_the_port:5 .report_applied on speaker weightsync.ports.coordinator.MetaPort",
         "weightsync.probe_untyped:3 .wait_version on unknown Any",
+    ]
+
+
+def test_a_probed_port_is_caught_by_its_type(typed_tree):
+    found = [o for o in port_probes(*typed_tree) if ".probe_" in o.split(":")[0]]
+    assert found == [
+        "weightsync.probe_port_capability:8 getattr() on weightsync.ports.engine.PhasedEngine",
+        "weightsync.probe_port_capability:8 hasattr() on weightsync.ports.engine.InferenceEngine",
+    ]
+
+
+def test_an_oversized_module_or_function_is_caught(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    root = _tree(tmp_path, {
+        "plan/long.py": "def long():\n" + body + "\n" * (MAX_MODULE_LINES - MAX_FUNCTION_LINES),
+        "plan/fine.py": "def fine():\n" + body[:-len(f"    x{MAX_FUNCTION_LINES - 1} = {MAX_FUNCTION_LINES - 1}\n")],
+    })
+    assert oversized(root / "weightsync") == [
+        f"weightsync/plan/long.py: {MAX_MODULE_LINES + 1} lines (at most {MAX_MODULE_LINES}: split it along a seam)",
+        f"weightsync/plan/long.py:1 long(): {MAX_FUNCTION_LINES + 1} lines (at most {MAX_FUNCTION_LINES})",
     ]
 
 

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from weightsync.engines import vllm as vllm_engine
+from weightsync.engines import vllm_reload
 from weightsync.engines.process_state import preserved_process_state
 from weightsync.engines.staging import StagedWeights
 from weightsync.engines.vllm import VLLMEngine, check_supported
@@ -179,11 +180,11 @@ def _vanilla_reload(worker, items, fix=None):
 
 @contextlib.contextmanager
 def _moe_prepack_fix(model):
-    stashed = vllm_engine._stash_cpu_moe_kernels(model)
+    stashed = vllm_reload._stash_cpu_moe_kernels(model)
     try:
         yield
     finally:
-        vllm_engine._restore_cpu_moe_kernels(stashed)
+        vllm_reload._restore_cpu_moe_kernels(stashed)
 
 
 @vllm_test("dense")
@@ -241,7 +242,7 @@ class TestDenseQwen3(EngineProofs):
         case.llm.collective_rpc(_vanilla_reload, args=(list(checkpoint_tensors(case.b).items()),))
         case.llm.reset_prefix_cache()
         assert case.greedy()[0] != case.ref_b, "vLLM now refreshes a tied lm_head: drop _cpu_retie_lm_head"
-        case.llm.collective_rpc(lambda worker: vllm_engine._cpu_retie_lm_head(worker.model_runner.get_model()))
+        case.llm.collective_rpc(lambda worker: vllm_reload._cpu_retie_lm_head(worker.model_runner.get_model()))
         case.llm.reset_prefix_cache()
         assert case.greedy()[0] == case.ref_b
 

@@ -32,6 +32,16 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from weightsync.apps.demo_records import (
+    _RECORDS,
+    FAULT_SECONDS,
+    DemoResult,
+    ReaderKilled,
+    ReaderStep,
+    Record,
+    WriterFailed,
+    WriterStep,
+)
 from weightsync.clock.deadline import Deadline
 
 #: How a worker's line on stdout starts (the rest is one JSON record).
@@ -103,76 +113,6 @@ class DemoSpec:
         return json.dumps(self.__dict__)
 
 
-@dataclass(frozen=True, kw_only=True)
-class WriterStep:
-    """One ``write`` of one writer process."""
-
-    rank: int
-    version: int
-    nbytes: int
-    phases: dict[str, float]
-    train_seconds: float
-    #: device memory torch's allocator holds for this process after the write (GPU writers)
-    device_bytes: int = 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReaderStep:
-    """One ``update`` of one reader process, and what checking its weights found."""
-
-    rank: int
-    version: int
-    nbytes: int
-    phases: dict[str, float]
-    gbps: float
-    verified: bool  # every tensor bitwise equal to the checkpoint of this version
-    mismatches: list[str]  # the first tensors that differ
-    in_place: bool  # every buffer kept its storage
-    num_phases: int = 1  # phases the version moved in (``layer_phases``: several)
-
-    @property
-    def transfer_seconds(self) -> float:
-        return sum(v for k, v in self.phases.items() if k.startswith("receive."))
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReaderKilled:
-    """The reader of ``DemoSpec.kill_reader``, as it SIGKILLs itself (``at``: ``time.time()``)."""
-
-    rank: int
-    version: int
-    at: float
-
-
-@dataclass(frozen=True, kw_only=True)
-class WriterFailed:
-    """A writer's ``write`` that raised (with ``DemoSpec.kill_reader``): the error its caller saw."""
-
-    rank: int
-    version: int
-    error: str
-    at: float
-
-
-#: With ``kill_reader``: at most this many seconds from the reader's death to each writer's error.
-FAULT_SECONDS = 10.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class DemoResult:
-    """What :func:`run_demo` saw: every worker's steps, the failures, and whether all checks passed."""
-
-    ok: bool
-    writers: list[WriterStep]
-    readers: list[ReaderStep]
-    failures: list[str]
-    size: str
-    source: str
-    target: str
-    parameters: int
-    #: with ``kill_reader``: the death, and each writer's error
-    killed: list[ReaderKilled] = field(default_factory=list)
-    writer_errors: list[WriterFailed] = field(default_factory=list)
 
 
 def canonical_values(config: Mapping[str, Any], step: int) -> dict[str, Any]:
@@ -284,9 +224,6 @@ def _sync_config(spec: DemoSpec, sync_cls: Any, opts_cls: Any, host: str = "") -
                     timeout=spec.timeout, layer_phases=spec.layer_phases, host=host)
 
 
-_RECORDS: dict[str, type] = {"writer": WriterStep, "reader": ReaderStep, "writer-failed": WriterFailed,
-                             "reader-killed": ReaderKilled}
-Record = WriterStep | ReaderStep | WriterFailed | ReaderKilled
 
 
 _EMIT = threading.Lock()  # ranks in threads of one process (same_process) share stdout

@@ -30,9 +30,9 @@ class Deadline:
     def after(cls, seconds: float) -> Deadline:
         return cls(time.monotonic() + seconds)
 
-    def remaining(self, floor: float = MIN_WAIT) -> float:
-        """Seconds left, at least ``floor`` (pass 0.0 where a zero wait means "do not wait")."""
-        return max(self.at - time.monotonic(), floor)
+    def remaining(self, at_least: float = MIN_WAIT) -> float:
+        """Seconds left, at least ``at_least`` (pass 0.0 where a zero wait means "do not wait")."""
+        return max(self.at - time.monotonic(), at_least)
 
     @property
     def expired(self) -> bool:

@@ -31,6 +31,7 @@ class _InPlace:
 
     stages_in_phases: ClassVar[bool] = False
     keeps_received_bytes: ClassVar[bool] = True  # the parameters themselves
+    in_place_names: tuple[str, ...] | None = None  # see InferenceEngine.in_place_names
 
     def __init__(self) -> None:
         self.validity = Validity()
@@ -148,6 +149,7 @@ class ModelsEngine:
 
     stages_in_phases: ClassVar[bool] = False
     keeps_received_bytes: ClassVar[bool] = True
+    in_place_names: tuple[str, ...] | None = None  # see InferenceEngine.in_place_names
 
     def __init__(self, engines: Mapping[str, Any], *, rank: int = 0) -> None:
         staged = [p for p, e in engines.items() if e.stages_in_phases or not e.keeps_received_bytes]

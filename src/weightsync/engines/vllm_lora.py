@@ -51,6 +51,7 @@ class _AdapterStaging:
 
     stages_in_phases: ClassVar[bool] = False
     keeps_received_bytes: ClassVar[bool] = True  # apply installs copies of the staged adapter
+    in_place_names: tuple[str, ...] | None = None  # see InferenceEngine.in_place_names
 
     def __init__(self, vllm_config: Any, lora: LoraSpec, lora_id: int, rank: int) -> None:
         lora_config = vllm_config.lora_config

@@ -76,6 +76,7 @@ class WholeTensorBuffers:
 
     stages_in_phases: ClassVar[bool] = False
     keeps_received_bytes: ClassVar[bool] = True
+    in_place_names: tuple[str, ...] | None = None  # see InferenceEngine.in_place_names
 
     def __init__(self, layout: RankLayout, buffers: Mapping[str, torch.Tensor]) -> None:
         self._layout = layout

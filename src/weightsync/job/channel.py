@@ -1,9 +1,11 @@
 """The job channel: everything the ranks of a job say to each other, typed, in one place.
 
 Writers, readers, transports and the tensor store talk through the meta server, and only
-through :class:`JobChannel`. It owns every meta-server key (no other module builds one) and
-the version handshake; what crosses it is a frozen dataclass here, encoded with msgpack or
-plain text, never pickle. Following one version ``V`` from writer to reader::
+through :class:`JobChannel`. It owns every meta-server key (built in :mod:`weightsync.job.keys`,
+used by nothing else) and the version handshake; leases are its :class:`~weightsync.job.liveness.Liveness`
+part, what ranks post for each other its :class:`~weightsync.job.board.Board` part. What crosses it
+is a frozen dataclass, encoded with msgpack or plain text, never pickle. Following one
+version ``V`` from writer to reader::
 
     # every rank, once:            channel.register(host, layout_blob) -> channel.wait_roster(...)
     # writer 0 decides V's epoch:  epoch = channel.decide_epoch(V, deadline)   (the others wait for it)
@@ -34,14 +36,26 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from weightsync.job.board import Board
+from weightsync.job.keys import (
+    epoch_key,
+    joined_key,
+    layout_key,
+    layouts_key,
+    min_epoch_key,
+    model_key,
+    tensor_table_key,
+    version_epoch_key,
+    version_layouts_key,
+)
+from weightsync.job.liveness import Liveness
 from weightsync.job.wire import (
     STORE_FINGERPRINT,
-    EndpointRecord,
     Member,
     PublishedVersion,
     TensorTable,
@@ -63,57 +77,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["STORE_FINGERPRINT", "Holder", "JobChannel", "Member", "MetaPort", "PeerDiedError", "PublishedVersion",
            "Role", "TransportBoard", "model_digest"]
 
-E = TypeVar("E", bound=EndpointRecord)
-
-
-# -- keys: the only place that builds a meta-server document key ------------------------------
-
-def _epoch_key() -> str:
-    return "epoch"
-
-
-def _version_epoch_key(version: int) -> str:
-    return f"versions/{version}/epoch"  # a counter: the epoch writer 0 decided for the version, + 1
-
-
-def _joined_key(version: int, epoch: int, rank: int) -> str:
-    return f"versions/{version}/joined/{epoch}/writer{rank}"  # a writer took part in the version in this epoch
-
-
-def _layouts_key() -> str:
-    return "layouts"  # a counter: the job's layout generation, one step per layout a rank changed while running
-
-
-def _layout_key(generation: int) -> str:
-    return f"layouts/{generation}"  # msgpack [role, rank, layout blob]: whose layout generation N changed, to what
-
-
-def _version_layouts_key(version: int, epoch: int) -> str:
-    return f"versions/{version}/layouts/{epoch}"  # the layout generation writer 0 planned the try with (absent: 0)
-
-
-def _floor_key(role: Role, rank: int) -> str:
-    return f"floors/{role}{rank}"  # "<incarnation> <min_epoch>": the oldest epoch that process takes part in
-
-
-def _model_key(digest: str) -> str:
-    return f"models/{digest}"
-
-
-def _tensor_table_key() -> str:
-    return "tensor-table"
-
-
-def _endpoint_key(transport: str, epoch: int, role: Role, rank: int) -> str:
-    return f"transport/{transport}/{epoch}/{role}{rank}"
-
-
-def _store_index_key(version: int, writer: int) -> str:
-    return f"tensorstore/{version}/writer{writer}"
-
-
-def _tile_maxima_key(version: int, writer: int) -> str:
-    return f"quant/{version}/writer{writer}"
 
 
 
@@ -129,7 +92,7 @@ def settings_difference(mine: str, theirs: str) -> str:
     names = [k for k in {**a, **b} if a.get(k) != b.get(k)]
     return "; ".join(f"{k}: {json.dumps(a.get(k))} here, {json.dumps(b.get(k))} there" for k in names)
 
-class JobChannel:
+class JobChannel(Liveness, Board):
     """One rank's typed view of its job on the meta server (see module docstring).
 
     Args:
@@ -218,7 +181,7 @@ class JobChannel:
     # -- layouts that change while a job runs (an engine's EPLB placement) ---------------------
     def layout_generation(self) -> int:
         """How many times a rank changed its layout since the job started."""
-        generation: int = self.meta.counter(_layouts_key())
+        generation: int = self.meta.counter(layouts_key())
         return generation
 
     def publish_layout(self, layout: bytes, *, deadline: Deadline) -> int:
@@ -229,12 +192,12 @@ class JobChannel:
         (:meth:`version_generation`); versions planned before it are not for this rank."""
         while True:
             generation = self.layout_generation()
-            done, _ = self.meta.compare_and_set(_layouts_key(), expected=generation, value=generation + 1)
+            done, _ = self.meta.compare_and_set(layouts_key(), expected=generation, value=generation + 1)
             if done:
                 break
             if deadline.expired:
                 raise TimeoutError(f"{self.who}: could not record its new layout in time")
-        self.meta.put_document(_layout_key(generation + 1), msgpack.packb([self.role, self.rank, layout]))
+        self.meta.put_document(layout_key(generation + 1), msgpack.packb([self.role, self.rank, layout]))
         return generation + 1
 
     def roster_at(self, people: Sequence[Member], generation: int, *, deadline: Deadline) -> list[Member]:
@@ -248,7 +211,7 @@ class JobChannel:
         for g in range(1, generation + 1):
             if g in self._changes:
                 continue
-            doc = self.meta.get_document(_layout_key(g), wait=deadline.remaining(0.0))
+            doc = self.meta.get_document(layout_key(g), wait=deadline.remaining(0.0))
             if doc is None:
                 raise TimeoutError(f"{self.who}: layout change {g} of job {self.meta.job!r} was not published in time")
             try:
@@ -269,7 +232,7 @@ class JobChannel:
 
     def version_generation(self, version: int, epoch: int) -> int:
         """The layout generation writer 0 planned ``version`` with in ``epoch`` (0: no layout changed)."""
-        doc = self.meta.get_document(_version_layouts_key(version, epoch))
+        doc = self.meta.get_document(version_layouts_key(version, epoch))
         return int(doc.decode()) if doc is not None else 0
 
     def pin_server(self) -> None:
@@ -280,11 +243,11 @@ class JobChannel:
     def publish_model_config(self, config: Mapping[str, Any]) -> str:
         """Store a model config once per job; returns the digest layout descriptors name it by."""
         digest = model_digest(config)
-        self.meta.put_document(_model_key(digest), json.dumps(config, sort_keys=True).encode())
+        self.meta.put_document(model_key(digest), json.dumps(config, sort_keys=True).encode())
         return digest
 
     def model_config(self, digest: str) -> Mapping[str, Any]:
-        doc = self.meta.get_document(_model_key(digest))
+        doc = self.meta.get_document(model_key(digest))
         if doc is None:
             raise ValueError(f"model config {digest} is missing from the meta server (job {self.meta.job!r})")
         config: Mapping[str, Any] = json.loads(doc)
@@ -292,7 +255,7 @@ class JobChannel:
 
     def publish_tensor_table(self, table: TensorTable) -> None:
         """The job's table of whole tensors (the writers' names, shapes and dtypes), once per job."""
-        self.meta.put_document(_tensor_table_key(), msgpack.packb(table.to_wire(), use_bin_type=True))
+        self.meta.put_document(tensor_table_key(), msgpack.packb(table.to_wire(), use_bin_type=True))
 
     def wait_tensor_table(self, *, deadline: Deadline) -> TensorTable | None:
         """The job's tensor table, once published; None at the deadline.
@@ -300,7 +263,7 @@ class JobChannel:
         Raises:
             WireError: the table is malformed (named).
         """
-        raw = self.meta.get_document(_tensor_table_key(), wait=deadline.remaining(0.0))
+        raw = self.meta.get_document(tensor_table_key(), wait=deadline.remaining(0.0))
         if raw is None:
             return None
         try:
@@ -310,7 +273,7 @@ class JobChannel:
 
     # -- epochs -------------------------------------------------------------------------------
     def current_epoch(self) -> int:
-        epoch: int = self.meta.counter(_epoch_key())
+        epoch: int = self.meta.counter(epoch_key())
         return epoch
 
     def advance_epoch(self, seen: int) -> int:
@@ -320,11 +283,11 @@ class JobChannel:
         epoch = self._advance(seen)
         if epoch > self.min_epoch:
             self.min_epoch = epoch
-            self._put_floor()
+            self._publish_min_epoch()
         return epoch
 
     def _advance(self, seen: int) -> int:
-        _, epoch = self.meta.compare_and_set(_epoch_key(), expected=seen, value=seen + 1)
+        _, epoch = self.meta.compare_and_set(epoch_key(), expected=seen, value=seen + 1)
         return int(epoch)
 
     def rejoin(self) -> None:
@@ -335,13 +298,13 @@ class JobChannel:
         seen = self.current_epoch()
         self._advance(seen)
         self.restarted, self.min_epoch = True, seen
-        self._put_floor()
+        self._publish_min_epoch()
 
-    def _put_floor(self) -> None:
+    def _publish_min_epoch(self) -> None:
         """Say which epochs this process still takes part in, so that a writer waiting for it to
         publish in an older one stops waiting (:meth:`wait_readers`)."""
         if self.role == "writer":
-            self.meta.put_document(_floor_key(self.role, self.rank), f"{self.incarnation} {self.min_epoch}".encode())
+            self.meta.put_document(min_epoch_key(self.role, self.rank), f"{self.incarnation} {self.min_epoch}".encode())
 
     def decide_epoch(self, version: int, deadline: Deadline) -> int:
         """Writer 0 fixes the epoch each try of ``version`` is written in; the other writers wait
@@ -360,7 +323,7 @@ class JobChannel:
         Raises:
             TimeoutError: writer 0 did not start ``version`` (in a recent enough epoch) in time.
         """
-        key = _version_epoch_key(version)  # a counter holding the decided epoch + 1 (0: undecided)
+        key = version_epoch_key(version)  # a counter holding the decided epoch + 1 (0: undecided)
         if self.role == "writer" and self.rank == 0:
             generation = self.layout_generation()
             epoch = max(self.current_epoch(), self.min_epoch)
@@ -369,23 +332,23 @@ class JobChannel:
             held = int(self.meta.counter(key))
             decided = max(epoch, held - 1)
             # marked before the decision is visible, so a peer never sees it without the mark
-            self.meta.put_document(_joined_key(version, decided, self.rank), self.incarnation.encode())
+            self.meta.put_document(joined_key(version, decided, self.rank), self.incarnation.encode())
             if held < epoch + 1:  # only writer 0 sets it
                 if generation:
-                    self.meta.put_document(_version_layouts_key(version, epoch), str(generation).encode())
+                    self.meta.put_document(version_layouts_key(version, epoch), str(generation).encode())
                 self.meta.compare_and_set(key, expected=held, value=epoch + 1)
             self._decided_generation = generation
             return decided
-        floor = self.min_epoch
+        oldest = self.min_epoch
         while True:
-            held = int(self.meta.counter(key, at_least=floor + 1, wait=deadline.remaining()))
-            if held < floor + 1:
-                raise TimeoutError(f"{self.who}: writer 0 did not start version {version} in epoch {floor} or "
+            held = int(self.meta.counter(key, at_least=oldest + 1, wait=deadline.remaining()))
+            if held < oldest + 1:
+                raise TimeoutError(f"{self.who}: writer 0 did not start version {version} in epoch {oldest} or "
                                    "later in time" + (f" (it decided epoch {held - 1}, before this writer joined "
                                                       "or failed)" if held else ""))
-            joined = _joined_key(version, held - 1, self.rank)
+            joined = joined_key(version, held - 1, self.rank)
             if self.restarted and self.meta.get_document(joined) is not None:
-                floor = held  # this rank's dead predecessor joined the version in that epoch: wait for the next
+                oldest = held  # this rank's dead predecessor joined the version in that epoch: wait for the next
                 continue
             self.meta.put_document(joined, self.incarnation.encode())
             return held - 1
@@ -496,10 +459,8 @@ class JobChannel:
         restarted one holds the rank now (which never joins the epoch its predecessor joined);
         or the process holding the rank takes part only in later epochs (it restarted, or saw
         an epoch fail, after writer 0 decided this one). A writer that died *before* it joined
-        is not gone: its restart may still join this try, and a wait for it ends at the deadline
-        (seen: a writer 1 restarting slowly after dying in the previous version made writer 0
-        give up the next version, which the restart then completed with writer 0's part while
-        writer 0 had closed its memory).
+        is not gone: its restart may still join this try, so a wait for it ends only at the
+        deadline (giving up earlier would leave the restart completing the version alone).
         """
         rows = self._leases(0.0)
         gone = {}
@@ -507,155 +468,17 @@ class JobChannel:
             row = rows.get(("writer", r))
             if row is None:
                 continue  # no leases in this job: liveness is the transports' business
-            mark = self.meta.get_document(_joined_key(version, epoch, r))
+            mark = self.meta.get_document(joined_key(version, epoch, r))
             if mark is not None:
                 if not row.alive or row.incarnation != mark.decode():
                     gone[r] = (f"the process that joined it died ({row.detail})" if row.incarnation == mark.decode()
                                else f"the process that joined it is gone: a restarted one holds the rank now "
                                     f"({row.detail})")
                 continue
-            floor = self.meta.get_document(_floor_key("writer", r))
-            if row.alive and floor is not None:
-                incarnation, _, oldest = floor.decode().partition(" ")
+            record = self.meta.get_document(min_epoch_key("writer", r))
+            if row.alive and record is not None:
+                incarnation, _, oldest = record.decode().partition(" ")
                 if incarnation == row.incarnation and int(oldest) > epoch:
                     gone[r] = (f"its process ({row.detail}) takes part only in epoch {oldest} or later (it restarted, "
                                "or saw an epoch fail, after writer 0 decided this one)")
         return gone
-
-    # -- liveness -----------------------------------------------------------------------------
-    def start_heartbeat(self) -> None:
-        """Keep this rank's lease alive from a background thread (after :meth:`register`)."""
-        if self.lease_seconds > 0 and self._heartbeat is None:
-            from weightsync.job.heartbeat import Heartbeat
-
-            self._heartbeat = Heartbeat(self)
-
-    def stop_heartbeat(self, *, release: bool = True) -> None:
-        """Stop renewing the lease; ``release`` tells peers this rank left (it did not die)."""
-        beat, self._heartbeat = self._heartbeat, None
-        if beat is not None:
-            beat.stop(release=release)
-
-    def renew_lease(self, *, release: bool = False) -> None:
-        """Renew this rank's lease (or, with ``release``, give it up: the rank left, it did not die).
-
-        Raises:
-            ValueError: another process holds the rank now.
-        """
-        self.meta.acquire_lease(self.role, self.rank, incarnation=self.incarnation, ttl=self.lease_seconds,
-                                pid=os.getpid(), host=self.host, release=release)
-
-    @property
-    def lost(self) -> str | None:
-        """Why this rank can no longer take part (another process took its rank over), or None."""
-        return self._heartbeat.lost if self._heartbeat is not None else None
-
-    def dead_peers(self, role: Role, ranks: Iterable[int], *, max_age: float = 0.25,
-                   known: Mapping[tuple[str, int], Holder] | None = None) -> dict[int, str]:
-        """Peers of ``role`` among ``ranks`` whose lease expired or was released: rank -> what the
-        meta server knows of them. Peers without a lease count as alive. Answers are cached for
-        ``max_age`` seconds, so transports may ask from their wait loops.
-
-        With ``known`` (:meth:`lease_holders` when this rank's connections were made), a peer
-        whose lease a *restarted* process holds now is dead too: the process this rank is
-        connected to is gone. A restart takes the lease over the moment it expires, so without
-        this a peer that restarts quickly is never seen dead.
-        """
-        rows = self._leases(max_age)
-        dead = {}
-        for r in ranks:
-            row = rows.get((role, r))
-            if row is None:
-                continue
-            was = known.get((role, r)) if known is not None else None
-            if not row.alive:
-                dead[r] = row.detail
-            elif was is not None and was.incarnation != row.incarnation:
-                dead[r] = (f"its process (pid {was.pid} on {was.host or 'an unnamed host'}) is gone: a restarted one "
-                           f"holds the rank now ({row.detail})")
-        return dead
-
-    def lease_holders(self, *, max_age: float = 0.25) -> dict[tuple[str, int], Holder]:
-        """Who holds each live lease now (to tell, later, a peer that restarted: :meth:`dead_peers`),
-        cached as :meth:`dead_peers` is."""
-        return {key: Holder(row.incarnation, row.pid, row.host) for key, row in self._leases(max_age).items()
-                if row.alive}
-
-    def _leases(self, max_age: float) -> dict[tuple[str, int], LeaseRow]:
-        """Every lease, by (role, rank), asked of the server at most every ``max_age`` seconds."""
-        at, rows = self._lease_cache
-        now = time.monotonic()
-        if now - at > max_age:
-            rows = {(row.role, row.rank): row for row in self.meta.leases()}
-            self._lease_cache = (now, rows)
-        return rows
-
-    # -- transport endpoints ------------------------------------------------------------------
-    def publish_endpoint(self, epoch: int, endpoint: EndpointRecord) -> None:
-        """What peers need to reach this rank's transport (``endpoint.transport``) in ``epoch``."""
-        key = _endpoint_key(endpoint.transport, epoch, self.role, self.rank)
-        self.meta.put_document(key, msgpack.packb(endpoint.to_wire(), use_bin_type=True))
-
-    def wait_endpoint(self, kind: type[E], epoch: int, role: Role, rank: int, *, deadline: Deadline) -> E | None:
-        """A peer's endpoint of ``kind``'s transport in ``epoch``, once published; None at the deadline.
-
-        Raises:
-            WireError: the peer published something else (names the peer and the field).
-        """
-        raw = self.meta.get_document(_endpoint_key(kind.transport, epoch, role, rank), wait=deadline.remaining(0.0))
-        if raw is None:
-            return None
-        try:
-            return kind.from_wire(unpack_map(raw))
-        except WireError as exc:
-            raise WireError(f"{self.who}: {role} {rank}'s {kind.transport} endpoint for epoch {epoch} is malformed "
-                            f"({exc}): is it running another weightsync release?") from None
-
-    # -- FP8 tile maxima ----------------------------------------------------------------------
-    def exchange_tile_maxima(self, version: int, payload: bytes | None, publishers: Sequence[int], *,
-                             deadline: Deadline) -> list[bytes]:
-        """Publish this writer's maxima of shared FP8 tiles for ``version`` (when it holds any)
-        and collect those of ``publishers`` (see :mod:`weightsync.tools.codecs.fp8`).
-
-        Raises:
-            TimeoutError: naming the writers whose maxima did not arrive.
-        """
-        if payload is not None:
-            self.meta.put_document(_tile_maxima_key(version, self.rank), payload)
-        out = []
-        missing = []
-        for writer in publishers:
-            if writer == self.rank and payload is not None:
-                out.append(payload)
-                continue
-            raw = self.meta.get_document(_tile_maxima_key(version, writer), wait=deadline.remaining(0.0))
-            if raw is None:
-                missing.append(writer)
-            else:
-                out.append(raw)
-        if missing:
-            raise TimeoutError(f"{self.who}: FP8 tile maxima of version {version} never came from writer(s) "
-                               f"{missing} (they share FP8 blocks with this writer)")
-        return out
-
-    # -- tensor store -------------------------------------------------------------------------
-    def publish_store_index(self, version: int, index: bytes) -> None:
-        """This store writer's part of ``version`` (an encoded index; empty: retired)."""
-        self.meta.put_document(_store_index_key(version, self.rank), index)
-
-    def store_index(self, version: int, writer: int) -> bytes | None:
-        """Writer ``writer``'s part of ``version``: None if never published, empty if retired."""
-        doc: bytes | None = self.meta.get_document(_store_index_key(version, writer))
-        return doc
-
-    def publish_store_version(self, version: int, *, num_writers: int) -> None:
-        """This store writer completed ``version``."""
-        self.meta.publish_version(version, STORE_FINGERPRINT, writer_rank=self.rank, num_writers=num_writers)
-
-    def latest_store_version(self) -> int | None:
-        info = self.meta.latest_version()
-        return info.version if info is not None else None
-
-    def wait_store_version(self, *, after: int, deadline: Deadline) -> int | None:
-        info = self.meta.wait_version(after=after, timeout=deadline.remaining(0.0))
-        return info.version if info is not None else None

@@ -44,56 +44,40 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import hmac
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Any
 
-from fastapi import FastAPI, Path, Query, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from fastapi import FastAPI
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import weightsync
-from weightsync.meta import status_page, wire
-from weightsync.meta.bodies import (
-    MAX_INT,
-    AppliedBody,
-    CompareAndSetBody,
-    FailedBody,
-    LeaseBody,
-    RegisterBody,
-    VersionBody,
-    describe_errors,
-    encode_reply,
-    parse_body,
-)
+from weightsync.meta import wire
 from weightsync.meta.fleet.routes import fleet_router
-from weightsync.meta.leases import LeaseHeldError
-from weightsync.meta.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from weightsync.meta.metrics import ServerMetrics
-from weightsync.meta.records import check_document_key
-from weightsync.meta.state import ConflictError, MetaState, RecordError
-from weightsync.meta.store import StoreError
-from weightsync.ports.records import MAX_RANK
+from weightsync.meta.routes import (
+    register_document_routes,
+    register_error_handlers,
+    register_lease_routes,
+    register_roster_routes,
+    register_service_routes,
+    register_version_routes,
+)
+from weightsync.meta.state import MetaState
 
 logger = logging.getLogger(__name__)
 
 INSTANCE_HEADER = b"x-weightsync-instance"
 EXPECT_HEADER = b"x-weightsync-expect-instance"
 
-JOB_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 PUBLIC_PATHS = frozenset({"/healthz"})
-Job = Annotated[str, Path(pattern=JOB_PATTERN, description="job namespace")]
-Wait = Annotated[float, Query(ge=0, le=3600, description="seconds to hold the request (long-poll)")]
-Count = Annotated[int, Query(ge=0, lt=1 << 31, description="barrier: wait for this many registered")]
-Documents = Annotated[Sequence[str], Query(max_length=64, description="documents to include in the answer")]
+
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -118,6 +102,7 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes={self.max_body_bytes} is too small; use at least 1024")
         if not 0 < self.max_wait <= 3600:
             raise ValueError(f"max_wait={self.max_wait} must be in (0, 3600] seconds")
+
 
 
 # --- the guard: token, body size, metrics --------------------------------------------------------
@@ -244,178 +229,11 @@ def create_app(state: MetaState, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(state)
     app.add_middleware(Guard, token=config.token, max_body_bytes=config.max_body_bytes, metrics=metrics, state=state)
     app.state.meta = state
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"detail": describe_errors(list(exc.errors()), "request")}, status_code=422)
-
-    for kind, status, prefix in ((ConflictError, 409, ""), (LeaseHeldError, 409, ""), (StoreError, 503, ""),
-                                 (OSError, 503, "the server could not persist the change: "),
-                                 (RecordError, 422, "invalid request: ")):
-        app.add_exception_handler(kind, _error_handler(status, prefix))
-
+    register_error_handlers(app)
     app.include_router(fleet_router(state, max_wait=config.max_wait))
-    held = functools.partial(min, config.max_wait)  # a long-poll is held at most max_wait
-    _status_and_participant_routes(app, state, metrics, held)
-    _document_and_version_routes(app, state, held)
-    _reader_and_lease_routes(app, state, held)
+    register_service_routes(app, state, metrics)
+    register_roster_routes(app, state, config.max_wait)
+    register_document_routes(app, state, config.max_wait)
+    register_version_routes(app, state, config.max_wait)
+    register_lease_routes(app, state, config.max_wait)
     return app
-
-
-def _status_and_participant_routes(app: FastAPI, state: MetaState, metrics: ServerMetrics,
-                                   held: Callable[[float], float]) -> None:
-    @app.get("/healthz", response_class=PlainTextResponse)
-    async def healthz() -> Response:
-        broken = state.broken()
-        if broken is not None:  # a server that cannot persist changes must not look healthy
-            return PlainTextResponse(f"unhealthy: {broken}", status_code=503)
-        return PlainTextResponse("ok")
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
-
-    @app.get("/status", response_class=HTMLResponse)
-    async def status_html() -> str:
-        return status_page.render(state.status())
-
-    @app.get("/v1/status")
-    async def status_json(request: Request, job: Annotated[str | None, Query(pattern=JOB_PATTERN)] = None) -> Response:
-        return encode_reply(request, state.status(job))
-
-    async def roster(request: Request, job: str, *, writers: int, readers: int, wait: float,
-                     documents: Sequence[str]) -> Response:
-        for key in documents:
-            _check_key(key)
-        if writers or readers:
-            await state.wait_registered(job, writers=writers, readers=readers, wait=held(wait))
-        msgpack_ = wire.wants_msgpack(request.headers.get("accept"))
-        body = state.roster(job, msgpack_=msgpack_)
-        if documents:
-            body = wire.extend_map(body, {"documents": {k: state.document(job, k) for k in documents}},
-                                   msgpack_=msgpack_)
-        return Response(body, media_type=wire.MSGPACK if msgpack_ else wire.JSON)
-
-    async def register(request: Request, job: str) -> bool:
-        body = await parse_body(request, RegisterBody)
-        return await state.register(job, body.role, body.rank, group=body.group, host=body.host,
-                                    endpoints=body.endpoints, layout=body.layout)
-
-    @app.post("/v1/jobs/{job}/participants")
-    async def post_participant(request: Request, job: Job) -> Response:
-        return encode_reply(request, {"created": await register(request, job)})
-
-    @app.get("/v1/jobs/{job}/participants")
-    async def get_participants(request: Request, job: Job, *, writers: Count = 0, readers: Count = 0,
-                               wait: Wait = 0.0, documents: Documents = ()) -> Response:
-        return await roster(request, job, writers=writers, readers=readers, wait=wait, documents=documents)
-
-    @app.post("/v1/jobs/{job}/join")
-    async def join(request: Request, job: Job, *, writers: Count = 0, readers: Count = 0, wait: Wait = 0.0,
-                   documents: Documents = ()) -> Response:
-        await register(request, job)
-        return await roster(request, job, writers=writers, readers=readers, wait=wait, documents=documents)
-
-
-
-def _document_and_version_routes(app: FastAPI, state: MetaState, held: Callable[[float], float]) -> None:
-    @app.put("/v1/jobs/{job}/documents/{key:path}")
-    async def put_document(request: Request, job: Job, key: str) -> Response:
-        _check_key(key)
-        value = await request.body()
-        await state.put_document(job, key, value)
-        return encode_reply(request, {"stored": len(value)})
-
-    @app.get("/v1/jobs/{job}/documents/{key:path}")
-    async def get_document(job: Job, key: str, wait: Wait = 0.0) -> Response:
-        _check_key(key)
-        value = await state.wait_document(job, key, held(wait))
-        if value is None:
-            return JSONResponse({"detail": f"no document {key!r} in job {job!r}"}, status_code=404)
-        return Response(value, media_type=wire.OCTETS)
-
-    @app.get("/v1/jobs/{job}/counters/{name:path}")
-    async def get_counter(request: Request, job: Job, name: str,
-                          at_least: Annotated[int, Query(ge=0, lt=MAX_INT)] = 0, wait: Wait = 0.0) -> Response:
-        _check_key(name)
-        return encode_reply(request, {"value": await state.wait_counter(job, name, at_least, held(wait))})
-
-    @app.post("/v1/jobs/{job}/counters/{name:path}")
-    async def compare_and_set(request: Request, job: Job, name: str) -> Response:
-        _check_key(name)
-        body = await parse_body(request, CompareAndSetBody)
-        swapped, value = await state.compare_and_set(job, name, expected=body.expected, value=body.value)
-        return encode_reply(request, {"swapped": swapped, "value": value})
-
-    @app.post("/v1/jobs/{job}/versions")
-    async def post_version(request: Request, job: Job) -> Response:
-        body = await parse_body(request, VersionBody)
-        info = await state.report_version(job, body.version, body.fingerprint, writer_rank=body.writer_rank,
-                                          num_writers=body.num_writers, epoch=body.epoch)
-        return encode_reply(request, {"published": info.to_wire() if info else None})
-
-    @app.get("/v1/jobs/{job}/versions/latest")
-    async def latest_version(request: Request, job: Job, after: Annotated[int, Query(ge=-1, lt=MAX_INT)] = -1,
-                             wait: Wait = 0.0,
-                             after_epoch: Annotated[int | None, Query(ge=-1, lt=MAX_INT)] = None) -> Response:
-        info = await state.wait_version(job, after, held(wait), after_epoch)
-        return encode_reply(request, {"latest": info.to_wire() if info else None})
-
-
-
-def _reader_and_lease_routes(app: FastAPI, state: MetaState, held: Callable[[float], float]) -> None:
-    @app.post("/v1/jobs/{job}/readers/{rank}/applied")
-    async def applied(request: Request, job: Job, rank: Annotated[int, Path(ge=0, lt=MAX_RANK)]) -> Response:
-        body = await parse_body(request, AppliedBody)
-        await state.report_reader(job, rank, body.version, nbytes=body.nbytes, seconds=body.seconds)
-        return encode_reply(request, {"ok": True})
-
-    @app.post("/v1/jobs/{job}/readers/{rank}/failed")
-    async def failed(request: Request, job: Job, rank: Annotated[int, Path(ge=0, lt=MAX_RANK)]) -> Response:
-        body = await parse_body(request, FailedBody)
-        await state.report_reader(job, rank, body.version, error=body.error, epoch=body.epoch, invalid=body.invalid,
-                                  holds=None if body.invalid else body.holds)
-        return encode_reply(request, {"ok": True})
-
-    @app.get("/v1/jobs/{job}/readers")
-    async def readers(request: Request, job: Job, min_version: Annotated[int, Query(ge=0, lt=MAX_INT)] = 0,
-                      count: Annotated[int, Query(ge=0, le=MAX_RANK)] = 0, wait: Wait = 0.0) -> Response:
-        if count:
-            await state.wait_readers(job, min_version=min_version, count=count, wait=held(wait))
-        latest = state.latest(job)
-        return encode_reply(request, {"latest": latest.to_wire() if latest else None, "readers": state.readers(job)})
-
-    @app.get("/v1/server")
-    async def server_identity(request: Request) -> Response:
-        return encode_reply(request, {"instance": state.instance, "durable": state.durable,
-                                      "started_at": state.started_at, "version": weightsync.__version__})
-
-    @app.post("/v1/jobs/{job}/leases/{role}/{rank}")
-    async def lease(request: Request, job: Job, role: Literal["writer", "reader"],
-                    rank: Annotated[int, Path(ge=0, lt=MAX_RANK)], wait: Wait = 0.0) -> Response:
-        body = await parse_body(request, LeaseBody)
-        took_over = await state.leases.acquire(job, role, rank, incarnation=body.incarnation, ttl=body.ttl,
-                                               pid=body.pid, host=body.host, wait=held(wait), release=body.release)
-        return encode_reply(request, {"took_over": took_over})
-
-    @app.get("/v1/jobs/{job}/leases")
-    async def leases(request: Request, job: Job) -> Response:
-        return encode_reply(request, {"leases": [row.to_wire() for row in state.leases.table(job)]})
-
-    @app.delete("/v1/jobs/{job}")
-    async def delete_job(request: Request, job: Job) -> Response:
-        return encode_reply(request, {"deleted": await state.delete_job(job)})
-
-
-
-def _error_handler(status: int, prefix: str) -> Any:
-    async def handle(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse({"detail": f"{prefix}{exc}"}, status_code=status)
-    return handle
-
-
-def _check_key(key: str) -> None:
-    try:
-        check_document_key(key)
-    except ValueError as exc:
-        raise HTTPException(422, f"invalid request: field 'key': {exc}") from None

@@ -74,6 +74,14 @@ class InferenceEngine(LayoutProvider, Protocol):
     #: with more than one phase, transports assume nothing is kept.
     keeps_received_bytes: ClassVar[bool]
 
+    @property
+    def in_place_names(self) -> tuple[str, ...] | None:
+        """The shards the engine receives straight into the weights it serves; ``()`` when every
+        receive buffer is staging, so that receiving while the engine serves is safe (what
+        :class:`~weightsync.roles.reader.Prefetch` needs). None: the receive buffers are the live
+        weights, or the engine does not tell them apart."""
+        ...
+
     def receive_buffers(self) -> Mapping[str, torch.Tensor]:
         """Shard name -> tensor the transport writes into (parameters or staging)."""
         ...

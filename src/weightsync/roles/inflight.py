@@ -64,6 +64,7 @@ class _StagingEngine:
 
     stages_in_phases: ClassVar[bool] = False
     keeps_received_bytes: ClassVar[bool] = True  # step_boundary copies out of staging, never into it
+    in_place_names: tuple[str, ...] | None = None  # see InferenceEngine.in_place_names
 
     def __init__(self, live: InferenceEngine, timeout: float) -> None:
         self.live = live
@@ -193,9 +194,9 @@ class InflightReader:
         while not self._stop.is_set():
             staging.dev.order_after(staging.copied_at, staging.device)  # the last live copy read staging
             # Wait in short polls (so close() is prompt), then transfer under the full timeout.
-            floor = max(x for x in (self._staging.weight_version, reader.last_failed, -1) if x is not None)
+            seen = max(x for x in (self._staging.weight_version, reader.last_failed, -1) if x is not None)
             try:
-                if reader.session.channel.wait_version(after=floor, deadline=Deadline.after(self.poll)) is None:
+                if reader.session.channel.wait_version(after=seen, deadline=Deadline.after(self.poll)) is None:
                     continue
                 result = reader.update(timeout=reader.config.timeout)
             except TimeoutError as exc:

@@ -191,9 +191,9 @@ class WeightReader:
         if session.planned is None:
             session.plan(deadline)
             phases["plan"] = session.timings["setup"]
-            if session.rejoined and self.version is not None:  # tell the new server what this engine serves
+            if session.registered_anew and self.version is not None:  # tell the new server what this engine serves
                 session.channel.report_applied(self.version, nbytes=0, seconds=0.0)
-                session.rejoined = False
+                session.registered_anew = False
         elif session.relayout(deadline):  # the engine's layout moved (EPLB): the job re-plans it
             phases["plan"] = session.timings["setup"]
         t0 = time.perf_counter()
@@ -321,8 +321,8 @@ class WeightReader:
         # engine's version moved back (two-sided writers moved on: they would send another version's
         # bytes under that number). The same version written again in a later epoch (writers
         # restarted) is fine.
-        floor = max(x for x in (self.version, self._applied, self._failed, -1) if x is not None)
-        want = floor if version is None else max(floor, version - 1)
+        seen = max(x for x in (self.version, self._applied, self._failed, -1) if x is not None)
+        want = seen if version is None else max(seen, version - 1)
         retry = self._failed_epoch if self._failed is not None and want == self._failed else None
         while True:
             if deadline.expired:
@@ -383,7 +383,7 @@ class Prefetch:
     """
 
     def __init__(self, reader: WeightReader) -> None:
-        in_place = getattr(reader.engine, "in_place_names", None)
+        in_place = reader.engine.in_place_names
         if in_place is None or in_place:
             what = (f"{len(in_place)} tensors ({', '.join(in_place[:2])}, ...) straight into the model"
                     if in_place else "into its live weights")

@@ -127,7 +127,7 @@ class WeightWriter:
         if transport.one_sided and len(self._history) >= slots:
             # The slot this version overwrites holds the version written `slots` writes ago:
             # every reader must have moved past it.
-            self._wait_readers(self._history[-slots], deadline, result, "wait_slot")
+            self._wait_readers(self._history[-slots], deadline, result, timing="wait_slot", failed_is_error=False)
         try:
             epoch = channel.decide_epoch(version, deadline)
             # a reader's layout changed (its engine's EPLB placement): plan the version at the
@@ -177,8 +177,8 @@ class WeightWriter:
         k = self.config.staleness
         if len(self._history) > k:
             # Training may run at most k versions ahead of the slowest reader.
-            self._wait_readers(self._history[-1 - k], deadline, result, "wait_readers",
-                               epoch=epoch if k == 0 else None)
+            self._wait_readers(self._history[-1 - k], deadline, result, timing="wait_readers",
+                               failed_is_error=True, epoch=epoch if k == 0 else None)
         logger.info("writer %d wrote version %d: %d bytes in %.3fs", self.rank, version, result.nbytes,
                     result.seconds)
         return result
@@ -188,11 +188,11 @@ class WeightWriter:
         self.session.channel.publish_version(published, num_writers=self.config.num_writers)
         result.phases["publish"] = time.perf_counter() - t0
 
-    def _wait_readers(self, min_version: int, deadline: Deadline, result: WriteResult, phase: str, *,
-                      epoch: int | None = None) -> None:
+    def _wait_readers(self, min_version: int, deadline: Deadline, result: WriteResult, *, timing: str,
+                      failed_is_error: bool, epoch: int | None = None) -> None:
         """Wait until every reader is done with ``min_version`` (as published in ``epoch``, when it is
-        the version just written); for the staleness bound (``phase == "wait_readers"``) a reader that
-        failed it is an error, never a success."""
+        the version just written), timed as ``result.phases[timing]``. With ``failed_is_error`` (the
+        staleness bound) a reader that failed it is an error, never a success."""
         t0 = time.perf_counter()
         try:
             failed = self.session.channel.wait_readers(min_version=min_version, readers=self.config.num_readers,
@@ -204,8 +204,8 @@ class WeightWriter:
             if epoch is not None:  # never write in that epoch again: its connections include the dead process
                 self.session.channel.advance_epoch(epoch)
             raise SyncError(str(exc)) from exc
-        result.phases[phase] = result.phases.get(phase, 0.0) + time.perf_counter() - t0
-        if failed and phase == "wait_readers":
+        result.phases[timing] = result.phases.get(timing, 0.0) + time.perf_counter() - t0
+        if failed and failed_is_error:
             raise ReadersFailedError(self.rank, min_version, failed)
 
     def close(self) -> None:

@@ -205,8 +205,9 @@ class SyncSession:
         self.timings: dict[str, float] = {}
         self._armed: tuple[int, tuple[int, ...]] | None = None  # (epoch, buffer pointers) prepared for
         self._registered = False
-        #: this session registered again after the meta server lost its state (see forget())
-        self.rejoined = False
+        #: this session registers anew with a meta server that lost its state (see forget()): a
+        #: reader then tells the new server the version its engine serves
+        self.registered_anew = False
         #: the job's layout generation this rank's plan was made at (see JobChannel.publish_layout)
         self.generation = 0
         #: the generation of this rank's own last layout change (0: none)
@@ -420,7 +421,7 @@ class SyncSession:
         """Start over (the meta server lost its state): the next version registers and plans anew."""
         self.close(release=False)
         self._registered = False
-        self.rejoined = True
+        self.registered_anew = True
         self.generation = self.own_generation = 0  # the new server starts at generation 0
         self.channel.forget_layouts()
 

@@ -36,6 +36,7 @@ from weightsync.transport.delta.pairs import DeltaSync
 from weightsync.transport.schedule import Message
 from weightsync.transport.tensors import as_bytes, checksum, direct_source, dst_view, pack, scatter, src_view
 from weightsync.transport.torch.common import MAX_LANES, Pair, TorchDistBase, TorchPairLink
+from weightsync.transport.torch.gloo_group import break_group, gloo_options
 
 if TYPE_CHECKING:
     from weightsync.plan import Plan
@@ -468,41 +469,6 @@ class _GlooLink(TorchPairLink):
         return self.transport._buffer(self.run.lane, slot)
 
 
-#: The tag of :func:`break_group`'s receive, which no message ever uses (tags are message indices).
-_BREAK_TAG = (1 << 31) - 1
-
-
-def break_group(pg: Any, ranks: Sequence[int]) -> None:
-    """Make every pending and future operation of a gloo group fail now.
-
-    Neither ``abort()`` nor ``shutdown()`` of a gloo group wakes a thread blocked in a send or
-    receive (torch 2.13), but a receive that times out makes gloo close every pair of the
-    group with "Application timeout caused pair closure" (``UnboundBuffer::waitRecv``), which
-    fails the blocked waits, here and at the peers, and keeps a late peer's bytes out.
-
-    The receive must be posted on a pair that is still open: on the pair of a rank that died
-    it fails at once, without the timeout that closes the others (seen: a writer that broke
-    its group through the dead writer's pair kept waiting on a send to a live reader). So it
-    is tried with each of ``ranks`` in turn; once one times out, the rest fail at once.
-    One wait no break fails: a send whose bytes were partly written when its pair closed
-    (see :meth:`GlooTransport._join_lanes`).
-    """
-    for rank in ranks:
-        try:
-            pg.recv([torch.empty(1)], rank, _BREAK_TAG).wait(datetime.timedelta(milliseconds=1))
-        except Exception as exc:  # the timeout that breaks it, or a pair that is broken already
-            logger.debug("gloo group broken through rank %d: %s", rank, exc)
-
-
-def gloo_options(host: str, deadline: Deadline) -> Any:
-    """gloo's options for a group: its device bound to ``host``, the address this rank publishes to
-    its peers (``TransportOptions.host``). gloo's default device takes the address the machine's
-    host name resolves to, which on a multi-homed host (a site behind its own link) may be one no
-    peer can reach."""
-    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch 2.13 keeps it private
-    options._timeout = datetime.timedelta(seconds=max(deadline.remaining(), 0.001))
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    return options
 
 
 def _buffers_in_use(in_flight: deque[tuple[Any, Message, int]]) -> int:

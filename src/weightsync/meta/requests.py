@@ -1,27 +1,34 @@
-"""The meta server's request bodies: pydantic models checked strictly, and how bodies are read
-and answers written (msgpack or JSON, by ``Content-Type`` and ``Accept``).
-
-    body = await parse_body(request, VersionBody)     # 415 / 422 naming the field
-    return encode_reply(request, {"published": ...})
+"""What the meta server's routes take and answer: path and query types, the request bodies
+(strict pydantic models: an unknown or mistyped field is a 422 naming it), and the parsing and
+encoding of bodies (msgpack or JSON, by ``Content-Type`` and ``Accept``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
-from fastapi import Request
+from fastapi import Path, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.exceptions import HTTPException
 
 from weightsync.meta import wire
+from weightsync.meta.records import check_document_key
 from weightsync.ports.records import MAX_RANK
 
+JOB_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+Job = Annotated[str, Path(pattern=JOB_PATTERN, description="job namespace")]
+Wait = Annotated[float, Query(ge=0, le=3600, description="seconds to hold the request (long-poll)")]
+Count = Annotated[int, Query(ge=0, lt=1 << 31, description="barrier: wait for this many registered")]
+Documents = Annotated[Sequence[str], Query(max_length=64, description="documents to include in the answer")]
 #: every integer the server stores or compares fits in msgpack's and the store's int64
 MAX_INT = 1 << 62
 VersionNumber = Annotated[int, Field(ge=0, lt=MAX_INT)]
 Seconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
 
+
+# --- request bodies ------------------------------------------------------------------------------
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, val_json_bytes="base64")
@@ -86,7 +93,7 @@ class FailedBody(_Body):
 M = TypeVar("M", bound=_Body)
 
 
-def describe_errors(errors: list[Any], where: str = "body") -> str:
+def _describe(errors: list[Any], where: str = "body") -> str:
     parts = []
     for e in errors[:5]:
         loc = [str(x) for x in e.get("loc", ()) if x not in ("body",)]
@@ -95,7 +102,7 @@ def describe_errors(errors: list[Any], where: str = "body") -> str:
     return "invalid request: " + "; ".join(parts)
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
+async def _parse(request: Request, model: type[M]) -> M:
     data = await request.body()
     ctype = wire.media_type(request.headers.get("content-type"))
     try:
@@ -104,12 +111,19 @@ async def parse_body(request: Request, model: type[M]) -> M:
         if ctype in ("application/json", ""):
             return model.model_validate_json(data)
     except ValidationError as exc:
-        raise HTTPException(422, describe_errors(exc.errors(include_url=False))) from None
+        raise HTTPException(422, _describe(exc.errors(include_url=False))) from None
     except wire.BodyError as exc:
         raise HTTPException(exc.status, str(exc)) from None
     raise HTTPException(415, f"unsupported content type {ctype!r}: send application/msgpack or application/json")
 
 
-def encode_reply(request: Request, obj: Any) -> Response:
+def _reply(request: Request, obj: Any) -> Response:
     body, ctype = wire.encode(obj, msgpack_=wire.wants_msgpack(request.headers.get("accept")))
     return Response(body, media_type=ctype)
+
+
+def _check_key(key: str) -> None:
+    try:
+        check_document_key(key)
+    except ValueError as exc:
+        raise HTTPException(422, f"invalid request: field 'key': {exc}") from None

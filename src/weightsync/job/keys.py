@@ -1,0 +1,58 @@
+"""Every meta-server document key of the job protocol: the one place that builds one.
+
+Only the job channel (:mod:`weightsync.job.channel` and its parts) calls these; a key is
+``<kind>/<scope...>``, and a comment beside each says what its document holds.
+"""
+
+from __future__ import annotations
+
+from weightsync.plan.ops import Role
+
+
+def epoch_key() -> str:
+    return "epoch"
+
+
+def version_epoch_key(version: int) -> str:
+    return f"versions/{version}/epoch"  # a counter: the epoch writer 0 decided for the version, + 1
+
+
+def joined_key(version: int, epoch: int, rank: int) -> str:
+    return f"versions/{version}/joined/{epoch}/writer{rank}"  # a writer took part in the version in this epoch
+
+
+def layouts_key() -> str:
+    return "layouts"  # a counter: the job's layout generation, one step per layout a rank changed while running
+
+
+def layout_key(generation: int) -> str:
+    return f"layouts/{generation}"  # msgpack [role, rank, layout blob]: whose layout generation N changed, to what
+
+
+def version_layouts_key(version: int, epoch: int) -> str:
+    return f"versions/{version}/layouts/{epoch}"  # the layout generation writer 0 planned the try with (absent: 0)
+
+
+def min_epoch_key(role: Role, rank: int) -> str:
+    # "<incarnation> <min_epoch>": the oldest epoch that process takes part in (the path keeps its old name)
+    return f"floors/{role}{rank}"
+
+
+def model_key(digest: str) -> str:
+    return f"models/{digest}"
+
+
+def tensor_table_key() -> str:
+    return "tensor-table"
+
+
+def endpoint_key(transport: str, epoch: int, role: Role, rank: int) -> str:
+    return f"transport/{transport}/{epoch}/{role}{rank}"
+
+
+def store_index_key(version: int, writer: int) -> str:
+    return f"tensorstore/{version}/writer{writer}"
+
+
+def tile_maxima_key(version: int, writer: int) -> str:
+    return f"quant/{version}/writer{writer}"
