@@ -4,8 +4,8 @@ A rank started as a fresh interpreter spends about 3 s of CPU importing torch be
 anything; the fault and transport tests start hundreds of them, which on two cores was a third
 of the suite. ``launch`` forks each rank from a warm process (``_zygote.py``) that has imported
 torch once, and hands back an object that behaves as :class:`subprocess.Popen` does for what the
-tests use: ``pid``, ``poll``, ``wait``, ``communicate``, ``kill``, ``terminate``, ``send_signal``,
-``returncode`` (negative for a signal), ``stdout``/``stderr`` pipes and
+tests use: ``pid``, ``poll``, ``wait``, ``communicate`` (stdout and stderr captured),
+``kill``, ``terminate``, ``send_signal``, ``returncode`` (negative for a signal) and
 :class:`subprocess.TimeoutExpired`.
 
 A rank is still a process of its own (its pid can be SIGKILLed or SIGSTOPped, its shared memory
@@ -17,7 +17,6 @@ starts every rank as a fresh interpreter instead, to rule the launcher out when 
 from __future__ import annotations
 
 import atexit
-import io
 import json
 import os
 import selectors
@@ -86,8 +85,7 @@ def _readline_within(stream: Any, seconds: float) -> str:
 class Launched:
     """A rank forked from the warm process, used as a :class:`subprocess.Popen`."""
 
-    def __init__(self, args: list[str], *, env: dict[str, str] | None, cwd: str | None, text: bool,
-                 capture: bool) -> None:
+    def __init__(self, args: list[str], *, env: dict[str, str] | None, cwd: str | None, text: bool) -> None:
         zygote = _the_zygote()
         zygote.count += 1
         self.args = args
@@ -116,15 +114,6 @@ class Launched:
         self._fds = fds
         self._chunks: dict[int, list[bytes]] = {fd: [] for fd in fds}
         self._open = set(fds)
-        self.stdout: Any = None
-        self.stderr: Any = None
-        if not capture:  # the caller reads the pipes itself, as with Popen(stdout=PIPE)
-            self.stdout, self.stderr = (self._wrap(fd) for fd in fds)
-            self._open = set()
-
-    def _wrap(self, fd: int) -> Any:
-        raw = io.FileIO(fd, "rb")
-        return io.TextIOWrapper(io.BufferedReader(raw)) if self._text else io.BufferedReader(raw)
 
     def _next_message(self, seconds: float | None) -> dict | None:
         """The next JSON line from the zygote, or None when none came within ``seconds``."""
@@ -185,8 +174,6 @@ class Launched:
         finally:
             selector.close()
         self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        if self.stdout is not None:
-            return None, None
         out, err = (b"".join(self._chunks[fd]) for fd in self._fds)
         return (out.decode(errors="replace"), err.decode(errors="replace")) if self._text else (out, err)
 
@@ -212,15 +199,12 @@ def launch(args: list[str], *, env: dict[str, str] | None = None, cwd: str | Non
            stdout: Any = PIPE, stderr: Any = PIPE) -> Any:
     """Starts ``[sys.executable, script | -m module | -c code, *arguments]``; see the module doc.
 
-    ``stdout``/``stderr`` PIPE (the default) are read by ``communicate``; ``capture=False`` is
-    chosen by passing ``stdout="stream"``, which gives ``.stdout``/``.stderr`` to read directly.
-    Anything else (another executable, a file for stdout) starts a fresh process with Popen."""
+    stdout and stderr (PIPE) are read by ``communicate``. Anything else (another executable, a
+    file for stdout) starts a fresh process with Popen."""
     fresh = os.environ.get("WEIGHTSYNC_TEST_FRESH_PROCESSES") == "1"
-    if fresh or args[0] != sys.executable or stderr not in (PIPE, "stream") or stdout not in (PIPE, "stream"):
-        popen_out = PIPE if stdout == "stream" else stdout
-        popen_err = PIPE if stderr == "stream" else stderr
-        return subprocess.Popen(args, env=env, cwd=cwd, text=text, stdout=popen_out, stderr=popen_err)
-    return Launched(args, env=env, cwd=cwd, text=text, capture=stdout != "stream")
+    if fresh or args[0] != sys.executable or stdout != PIPE or stderr != PIPE:
+        return subprocess.Popen(args, env=env, cwd=cwd, text=text, stdout=stdout, stderr=stderr)
+    return Launched(args, env=env, cwd=cwd, text=text)
 
 
 def run(args: list[str], *, env: dict[str, str] | None = None, cwd: str | None = None, timeout: float | None = None,
