@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from weightsync.clock.deadline import Deadline
-from weightsync.job.channel import PeerDiedError, PublishedVersion
+from weightsync.job.channel import JobChannel, PeerDiedError, PublishedVersion
 from weightsync.session.sync_session import SyncConfig, SyncError, SyncResult, SyncSession, device_of, state_lost
 from weightsync.transport import TransportError
 
@@ -114,7 +114,8 @@ class WeightWriter:
                             "on its next write, which may write this version again") from exc
 
     def _write(self, version: int, timeout: float | None) -> WriteResult:
-        deadline = Deadline.after(timeout if timeout is not None else self.config.timeout)
+        budget = timeout if timeout is not None else self.config.timeout
+        deadline = Deadline.after(budget)
         session, channel = self.session, self.session.channel
         result = WriteResult(version, 0)
         if session.planned is None:
@@ -129,7 +130,13 @@ class WeightWriter:
             # every reader must have moved past it.
             self._wait_readers(self._history[-slots], deadline, result, timing="wait_slot", failed_is_error=False)
         try:
-            epoch = channel.decide_epoch(version, deadline)
+            if self._joins_late(channel):
+                # writer 0 may still be failing the version this rank's predecessor died in, which
+                # ends on writer 0's own timeout: wait for that too, then write with the whole budget
+                epoch = channel.decide_epoch(version, Deadline.after(deadline.remaining() + budget))
+                deadline = Deadline.after(budget)
+            else:
+                epoch = channel.decide_epoch(version, deadline)
             # a reader's layout changed (its engine's EPLB placement): plan the version at the
             # layout generation writer 0 recorded for it, as every writer does
             if session.follow_generation(channel.version_generation(version, epoch), deadline):
@@ -182,6 +189,16 @@ class WeightWriter:
         logger.info("writer %d wrote version %d: %d bytes in %.3fs", self.rank, version, result.nbytes,
                     result.seconds)
         return result
+
+    def _joins_late(self, channel: JobChannel) -> bool:
+        """This is a restarted writer's first write, and writer 0 is not restarting with it.
+
+        Its predecessor died part-way through a version; writer 0 learns of it only when that
+        version fails, on writer 0's own timeout, and decides the next version after that. A
+        restart is quick (seen in CI: under a second from the death to the wait), so the
+        restarted writer's first wait for writer 0 gets one more timeout of slack, and its
+        write proper starts once writer 0 decided."""
+        return channel.restarted and self.version is None and self.rank != 0
 
     def _publish(self, published: PublishedVersion, result: WriteResult) -> None:
         t0 = time.perf_counter()
