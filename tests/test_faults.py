@@ -474,8 +474,9 @@ RESTART_TRANSPORTS = [p for p in TRANSPORTS if p.id != "shm-zero-copy"]
 _GLOO_FORMATION_OVERRUN = pytest.mark.xfail(
     reason="known defect: over gloo a later epoch's process group can take ~100 s to form under a 20 s timeout "
            "(connectFullMesh)", strict=False)
-RESTART_CASES = [pytest.param(*p.values, id=p.id, marks=_GLOO_FORMATION_OVERRUN) if p.id == "torch" else p
-                 for p in RESTART_TRANSPORTS]
+#: non-strict, so it tells CI nothing while it costs up to 150 s there: `make test-heavy` runs it
+RESTART_CASES = [pytest.param(*p.values, id=p.id, marks=[_GLOO_FORMATION_OVERRUN, pytest.mark.heavy])
+                 if p.id == "torch" else p for p in RESTART_TRANSPORTS]
 
 
 @pytest.mark.parametrize("options", RESTART_CASES)

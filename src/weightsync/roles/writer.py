@@ -130,13 +130,12 @@ class WeightWriter:
             # every reader must have moved past it.
             self._wait_readers(self._history[-slots], deadline, result, timing="wait_slot", failed_is_error=False)
         try:
-            if self._joins_late(channel):
-                # writer 0 may still be failing the version this rank's predecessor died in, which
-                # ends on writer 0's own timeout: wait for that too, then write with the whole budget
-                epoch = channel.decide_epoch(version, Deadline.after(deadline.remaining() + budget))
-                deadline = Deadline.after(budget)
-            else:
-                epoch = channel.decide_epoch(version, deadline)
+            if self._joins_late(channel) and not channel.version_started(version, Deadline.after(0.0)):
+                # writer 0 is still in an earlier version (failing the one this rank's predecessor
+                # died in ends on writer 0's own timeout): wait for it too, then write with the whole budget
+                if channel.version_started(version, Deadline.after(deadline.remaining() + budget)):
+                    deadline = Deadline.after(budget)
+            epoch = channel.decide_epoch(version, deadline)
             # a reader's layout changed (its engine's EPLB placement): plan the version at the
             # layout generation writer 0 recorded for it, as every writer does
             if session.follow_generation(channel.version_generation(version, epoch), deadline):
@@ -194,10 +193,11 @@ class WeightWriter:
         """This is a restarted writer's first write, and writer 0 is not restarting with it.
 
         Its predecessor died part-way through a version; writer 0 learns of it only when that
-        version fails, on writer 0's own timeout, and decides the next version after that. A
-        restart is quick (seen in CI: under a second from the death to the wait), so the
-        restarted writer's first wait for writer 0 gets one more timeout of slack, and its
-        write proper starts once writer 0 decided."""
+        version fails, on writer 0's own timeout, and starts the next version after that. A
+        restart is quick (seen in CI: under a second from the death to the wait), so when writer
+        0 has not started this version in any epoch yet, the restarted writer waits one more
+        timeout for it, and its write proper starts once writer 0 did. A version writer 0 did
+        start, in an epoch the restart cannot join, fails within the write's own timeout as before."""
         return channel.restarted and self.version is None and self.rank != 0
 
     def _publish(self, published: PublishedVersion, result: WriteResult) -> None:
