@@ -70,7 +70,8 @@ def no_leaks():
 TRANSPORTS = [
     pytest.param({"transport": "torch"}, id="torch"),
     pytest.param({"transport": "shm"}, id="shm-snapshot"),
-    pytest.param({"transport": "shm", "shared_source": True}, id="shm-zero-copy"),
+    # shm with the trainer's parameters in /dev/shm: the contract tier covers it in the default run
+    pytest.param({"transport": "shm", "shared_source": True}, id="shm-zero-copy", marks=pytest.mark.heavy),
     pytest.param({"transport": "file"}, id="file"),
 ]
 
@@ -461,7 +462,7 @@ def assert_calls_end_in_time(out) -> None:
 
 #: two-sided (torch) and both one-sided paths (shm's polls; file's directory): the recovery flows
 #: differ by those, not by shm's zero-copy mode (CI time)
-RESTART_TRANSPORTS = [p for p in TRANSPORTS if p.id != "shm-zero-copy"]
+RESTART_TRANSPORTS = [p for p in TRANSPORTS if p.id != "shm-zero-copy"]  # (its marks dropped with it)
 
 
 #: Known, not fixed: over gloo, under load, a later epoch's process group sometimes takes about
@@ -551,7 +552,7 @@ DELTA = {"delta_anchor_every": 100}
 DELTA_TRANSPORTS = [
     pytest.param({"transport": "torch"}, id="torch"),
     pytest.param({"transport": "shm"}, id="shm-snapshot"),
-    pytest.param({"transport": "shm", "shared_source": True}, id="shm-zero-copy"),
+    pytest.param({"transport": "shm", "shared_source": True}, id="shm-zero-copy", marks=pytest.mark.heavy),
     pytest.param({"transport": "routed", "hosts": {"writer": ["a", "a"], "reader": ["a", "b"]}}, id="routed"),
     pytest.param({"transport": "nixl"}, id="nixl-pull"),  # nixl_mode 'auto' picks pull with deltas
     pytest.param({"transport": "nixl", "transport_options": {"nixl_mode": "push"}}, id="nixl-push"),

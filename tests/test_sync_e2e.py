@@ -223,10 +223,14 @@ def test_readers_reject_a_different_plan():
                     r"\(min_split_bytes: 7 here, 1048576 there\)", record["error"]), record["error"]
 
 
+#: on torch, shm and file, test_faults.py's SIGKILL case runs this scenario in the default run
+_IN_FAULTS = pytest.mark.heavy
+
+
 @pytest.mark.parametrize(("transport", "options"), [
-    pytest.param("torch", {}, id="torch"),
-    pytest.param("shm", {}, id="shm"),
-    pytest.param("file", {}, id="file"),
+    pytest.param("torch", {}, id="torch", marks=_IN_FAULTS),
+    pytest.param("shm", {}, id="shm", marks=_IN_FAULTS),
+    pytest.param("file", {}, id="file", marks=_IN_FAULTS),
     pytest.param("nixl", {"nixl_mode": "pull"}, id="nixl-pull"),
     pytest.param("nixl", {"nixl_mode": "push"}, id="nixl-push"),
 ])

@@ -46,6 +46,8 @@ def _run(args: list[str], *, timeout: float = 300, env: dict[str, str] | None = 
     return _results(proc.stdout)
 
 
+@pytest.mark.heavy  # 130 s; in the default run: two trainer ranks over HTTP (the LoRA case below), FSDP2
+# trainers (test_engine_matrix deepseek_v3 engine-fsdp2-full), vllm serve updated over HTTP (the pause case)
 def test_vllm_serve_is_updated_by_two_fsdp2_trainers_over_http(tmp_path):
     sys.path.insert(0, str(HERE))
     from _vllm_native import vllm_server
@@ -135,6 +137,7 @@ def test_llm_with_a_child_engine_core_is_updated_through_the_same_api(tmp_path):
     assert closed["trainer_seconds"] < 2 and closed["engine_seconds"] < 5 + 2, closed
 
 
+@pytest.mark.heavy  # 50 s; deltas through the worker backend run by default in test_engine_matrix (mixtral)
 def test_deltas_through_the_weightsync_backend_restore_the_engine_exactly(tmp_path):
     """``delta_anchor_every`` on both sides: the second version moves only the elements that
     changed, and the engine ends on exactly the checkpoint's weights (its tokens at start)."""

@@ -130,11 +130,8 @@ class WeightWriter:
             # every reader must have moved past it.
             self._wait_readers(self._history[-slots], deadline, result, timing="wait_slot", failed_is_error=False)
         try:
-            if self._joins_late(channel) and not channel.version_started(version, Deadline.after(0.0)):
-                # writer 0 is still in an earlier version (failing the one this rank's predecessor
-                # died in ends on writer 0's own timeout): wait for it too, then write with the whole budget
-                if channel.version_started(version, Deadline.after(deadline.remaining() + budget)):
-                    deadline = Deadline.after(budget)
+            if self._joins_late(channel):
+                deadline = self._once_writer_0_started(channel, version, deadline, budget)
             epoch = channel.decide_epoch(version, deadline)
             # a reader's layout changed (its engine's EPLB placement): plan the version at the
             # layout generation writer 0 recorded for it, as every writer does
@@ -199,6 +196,17 @@ class WeightWriter:
         timeout for it, and its write proper starts once writer 0 did. A version writer 0 did
         start, in an epoch the restart cannot join, fails within the write's own timeout as before."""
         return channel.restarted and self.version is None and self.rank != 0
+
+    @staticmethod
+    def _once_writer_0_started(channel: JobChannel, version: int, deadline: Deadline, budget: float) -> Deadline:
+        """The deadline of a late-joining write (:meth:`_joins_late`): unchanged when writer 0 started
+        ``version`` already; else, once writer 0 starts it within one more timeout, the whole budget
+        from then on."""
+        if channel.version_started(version, Deadline.after(0.0)):
+            return deadline
+        if channel.version_started(version, Deadline.after(deadline.remaining() + budget)):
+            return Deadline.after(budget)
+        return deadline
 
     def _publish(self, published: PublishedVersion, result: WriteResult) -> None:
         t0 = time.perf_counter()
