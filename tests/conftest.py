@@ -6,6 +6,9 @@ no test changes the process (environment, CPU affinity, torch threads) for the t
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from typing import Any
 
 import pytest
@@ -91,3 +94,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(tier_of(name))
         if is_fast(name, item.name):
             item.add_marker("fast")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """With ``WEIGHTSYNC_TEST_TIMELINE=FILE``, append one JSON line per test (its xdist worker, start
+    and end on the wall clock) to FILE: where a run's time went, and which worker waited on which
+    group at the end (docs/benchmarks.md, "CI time")."""
+    path = os.environ.get("WEIGHTSYNC_TEST_TIMELINE")
+    start = time.time()
+    yield
+    if path:
+        line = json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "test": item.nodeid,
+                           "start": start, "end": time.time()})
+        with open(path, "a") as f:
+            f.write(line + "\n")

@@ -20,6 +20,10 @@ from typing import Any
 
 import pytest
 
+#: one worker runs the module: the mypy build its fixtures share takes 16 s
+pytestmark = pytest.mark.xdist_group("architecture")
+
+
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 PKG = SRC / "weightsync"
@@ -438,7 +442,7 @@ PROTOCOL_PROBES = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module")  # one worker builds it (the module's xdist group): 16 s
 def typed_tree() -> tuple[Any, dict[str, Any]]:
     return type_checked({name: textwrap.dedent(text) for name, text in PROTOCOL_PROBES.items()})
 

@@ -80,8 +80,11 @@ def heavy(cell: Cell) -> Any:
 CELLS: dict[str, list[Any]] = {
     "llama": _cells(Cell("engine", "hf", "phases")),
     "qwen2": _cells(Cell("backend", "hf", "prefetch")),
-    # the cheapest family carries the two APIs with an engine process of their own
-    "qwen3": _cells(Cell("engine", "hf", "delta"), Cell("trainer-child", "hf", "phases"), Cell("serve", "hf", "phases")),
+    # the cheapest family carries the two APIs with an engine process of their own; `vllm serve`
+    # (80 s: three processes) is in make test-heavy, and test_vllm_native and test_invalid_vllm update
+    # a `vllm serve` over HTTP in the default run
+    "qwen3": _cells(Cell("engine", "hf", "delta"), Cell("trainer-child", "hf", "phases"),
+                    heavy(Cell("serve", "hf", "phases"))),
     "qwen3_moe": _cells(Cell("backend", "hf", "phases")),
     "mixtral": _cells(Cell("backend", "hf", "delta")),
     "deepseek_v3": _cells(Cell("engine", "fsdp2", "full"), Cell("engine", "hf", "prefetch"),

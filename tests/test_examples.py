@@ -37,6 +37,7 @@ def test_async_grpo_example_runs_sync_and_async_with_the_staleness_bound():
 
 @pytest.mark.ray
 @pytest.mark.xdist_group("ray")
+@pytest.mark.heavy  # 80 s of Ray actors and a meta-server actor: `make test-heavy` (test_ray_multinode runs by default)
 def test_ray_grpo_example_trains_on_ray_actors_within_the_staleness_bound():
     pytest.importorskip("ray", reason="needs ray (pip install 'weightsync[ray]')")
     pytest.importorskip("transformers")

@@ -35,12 +35,19 @@ def _results(out: str) -> list[dict]:
 
 
 def _run(args: list[str], *, timeout: float = 300, env: dict[str, str] | None = None) -> list[dict]:
+    """``tests/_vllm_native.py args``, its engines in its own process unless ``env`` says otherwise:
+    a fresh reference engine computes the same tokens there, without the two processes (engine
+    core, worker) that vLLM's CPU build starts per engine otherwise (measured: 79 s against 22 s
+    for two references)."""
     proc = subprocess.run([sys.executable, str(HERE / "_vllm_native.py"), *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, check=False)
+                          timeout=timeout, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return _results(proc.stdout)
 
 
+@pytest.mark.heavy  # 130 s; in the default run: two trainer ranks over HTTP (the LoRA case below), FSDP2
+# trainers (test_engine_matrix deepseek_v3 engine-fsdp2-full), vllm serve updated over HTTP (the pause case)
 def test_vllm_serve_is_updated_by_two_fsdp2_trainers_over_http(tmp_path):
     sys.path.insert(0, str(HERE))
     from _vllm_native import vllm_server
@@ -130,6 +137,7 @@ def test_llm_with_a_child_engine_core_is_updated_through_the_same_api(tmp_path):
     assert closed["trainer_seconds"] < 2 and closed["engine_seconds"] < 5 + 2, closed
 
 
+@pytest.mark.heavy  # 50 s; deltas through the worker backend run by default in test_engine_matrix (mixtral)
 def test_deltas_through_the_weightsync_backend_restore_the_engine_exactly(tmp_path):
     """``delta_anchor_every`` on both sides: the second version moves only the elements that
     changed, and the engine ends on exactly the checkpoint's weights (its tokens at start)."""

@@ -6,8 +6,9 @@
 - ``faults``: processes killed, stalled or cut off while versions flow (the fault matrix).
 
 ``make test-fast`` runs the unit tier and the contract on one transport (``FAST_TRANSPORT``): the
-run before every commit. ``make test`` runs every tier except the tests marked ``heavy`` (engines
-with several workers for minutes each: ``make test-heavy``). A test file missing from this table
+run before every commit. ``make test`` runs every tier except the tests marked ``heavy``
+(``make test-heavy``): engines with several workers for minutes each, and tests that check what
+another test of the default run checks, at a higher cost (each names that test beside its mark). A test file missing from this table
 fails collection, naming the file, so that every new file is placed in a tier.
 """
 

@@ -353,6 +353,11 @@ class JobChannel(Liveness, Board):
             self.meta.put_document(joined, self.incarnation.encode())
             return held - 1
 
+    def version_started(self, version: int, deadline: Deadline) -> bool:
+        """Whether writer 0 has decided an epoch for ``version`` (in any epoch), waiting for it until
+        ``deadline`` (``Deadline.after(0.0)``: only look)."""
+        return int(self.meta.counter(version_epoch_key(version), at_least=1, wait=deadline.remaining(0.0))) >= 1
+
     # -- versions -----------------------------------------------------------------------------
     def publish_version(self, published: PublishedVersion, *, num_writers: int) -> None:
         """This writer's "``published.version`` is ready" (complete once every writer said so).

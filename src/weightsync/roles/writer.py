@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from weightsync.clock.deadline import Deadline
-from weightsync.job.channel import PeerDiedError, PublishedVersion
+from weightsync.job.channel import JobChannel, PeerDiedError, PublishedVersion
 from weightsync.session.sync_session import SyncConfig, SyncError, SyncResult, SyncSession, device_of, state_lost
 from weightsync.transport import TransportError
 
@@ -114,7 +114,8 @@ class WeightWriter:
                             "on its next write, which may write this version again") from exc
 
     def _write(self, version: int, timeout: float | None) -> WriteResult:
-        deadline = Deadline.after(timeout if timeout is not None else self.config.timeout)
+        budget = timeout if timeout is not None else self.config.timeout
+        deadline = Deadline.after(budget)
         session, channel = self.session, self.session.channel
         result = WriteResult(version, 0)
         if session.planned is None:
@@ -129,6 +130,8 @@ class WeightWriter:
             # every reader must have moved past it.
             self._wait_readers(self._history[-slots], deadline, result, timing="wait_slot", failed_is_error=False)
         try:
+            if self._joins_late(channel):
+                deadline = self._once_writer_0_started(channel, version, deadline, budget)
             epoch = channel.decide_epoch(version, deadline)
             # a reader's layout changed (its engine's EPLB placement): plan the version at the
             # layout generation writer 0 recorded for it, as every writer does
@@ -182,6 +185,28 @@ class WeightWriter:
         logger.info("writer %d wrote version %d: %d bytes in %.3fs", self.rank, version, result.nbytes,
                     result.seconds)
         return result
+
+    def _joins_late(self, channel: JobChannel) -> bool:
+        """This is a restarted writer's first write, and writer 0 is not restarting with it.
+
+        Its predecessor died part-way through a version; writer 0 learns of it only when that
+        version fails, on writer 0's own timeout, and starts the next version after that. A
+        restart is quick (seen in CI: under a second from the death to the wait), so when writer
+        0 has not started this version in any epoch yet, the restarted writer waits one more
+        timeout for it, and its write proper starts once writer 0 did. A version writer 0 did
+        start, in an epoch the restart cannot join, fails within the write's own timeout as before."""
+        return channel.restarted and self.version is None and self.rank != 0
+
+    @staticmethod
+    def _once_writer_0_started(channel: JobChannel, version: int, deadline: Deadline, budget: float) -> Deadline:
+        """The deadline of a late-joining write (:meth:`_joins_late`): unchanged when writer 0 started
+        ``version`` already; else, once writer 0 starts it within one more timeout, the whole budget
+        from then on."""
+        if channel.version_started(version, Deadline.after(0.0)):
+            return deadline
+        if channel.version_started(version, Deadline.after(deadline.remaining() + budget)):
+            return Deadline.after(budget)
+        return deadline
 
     def _publish(self, published: PublishedVersion, result: WriteResult) -> None:
         t0 = time.perf_counter()
