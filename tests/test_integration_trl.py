@@ -100,6 +100,7 @@ def _check_shares(results: list[dict], dtype: str, *, exactly_one_model: bool = 
             assert sum(r["nbytes"] for r in ranks.values()) == total, ranks
 
 
+@pytest.mark.heavy  # 135 s in CI's conditions: `make test-heavy`; TRL's colocate mode runs by default
 def test_grpo_trainer_syncs_a_vllm_server_through_weightsync_without_a_gather(tmp_path):
     sys.path.insert(0, str(HERE))
     from _trl_grpo import write_model

@@ -416,6 +416,8 @@ def test_the_trainer_side_leaves_vllm_stamped_invalid_and_its_next_version_recov
 
 # -- vllm serve: its engine core in a child process, driven over HTTP ----------------------------------
 
+@pytest.mark.heavy  # 110 s in CI's conditions; by default the in-process cases above stamp invalid, and
+# test_version_readback.py checks vllm serve's version route and header
 def test_vllm_serve_is_stamped_invalid_over_http_and_the_meta_status_and_metrics_show_it(engine, monkeypatch):
     """``vllm serve`` runs its engine core in a child process (vLLM's CPU build: its worker in yet
     another), so the trainer side stamps it over HTTP. Version 2 breaks off on the trainer's side

@@ -103,7 +103,10 @@ def test_other_transports_end_to_end(transport, options):
 
 
 @pytest.mark.parametrize(("transport", "options"), [
-    pytest.param("torch", {}, id="torch"),
+    # over gloo, writer 0 can take past two timeouts to fail version 1 under CI's load (the gloo
+    # overrun of test_faults.py's _GLOO_FORMATION_OVERRUN): `make test-heavy`; the restarted writer's
+    # wait for writer 0 is checked below on shm, and this case runs by default with a slow restart
+    pytest.param("torch", {}, id="torch", marks=pytest.mark.heavy),
     # torch, writer 1's restart coming up only after writer 0 reached version 2's rendezvous:
     # writer 0 waits there for it (it gave version 2 up at once, since writer 1's lease had
     # expired, and the restart then waited for a version 2 no one wrote; 1 run in 4 under load)

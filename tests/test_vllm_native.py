@@ -81,6 +81,7 @@ def _trainers(cmd: list[str], *, world: int) -> list[str]:
     return run_to_end(procs, timeout=300)
 
 
+@pytest.mark.heavy  # 106 s; LoRA versions into vLLM run by default in test_lora, vllm serve over HTTP below
 def test_vllm_serve_takes_lora_adapter_versions_from_two_tp_trainers_over_http(tmp_path):
     """``vllm serve --enable-lora --lora-modules policy=...`` with the "weightsync" backend: two
     tensor-parallel trainer ranks of a LoRA adapter send adapter-only versions through vLLM's
@@ -118,6 +119,7 @@ def test_vllm_serve_takes_lora_adapter_versions_from_two_tp_trainers_over_http(t
     assert sent == [lora.nbytes(ModelSpec.from_hf_config(config))] * 2  # the adapter's bytes, each once
 
 
+@pytest.mark.heavy  # 80 s; the matrix's trainer-child cell updates an LLM with a child engine core by default
 def test_llm_with_a_child_engine_core_is_updated_through_the_same_api(tmp_path):
     config = tiny_config()
     write_checkpoint(tmp_path / "B", config, seed=2)
