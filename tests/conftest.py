@@ -100,7 +100,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
     """With ``WEIGHTSYNC_TEST_TIMELINE=FILE``, append one JSON line per test (its xdist worker, start
     and end on the wall clock) to FILE: where a run's time went, and which worker waited on which
-    group at the end (docs/benchmarks.md, "CI time")."""
+    group at the end (docs/benchmarks.md, "Where the suite's time went")."""
     path = os.environ.get("WEIGHTSYNC_TEST_TIMELINE")
     start = time.time()
     yield
