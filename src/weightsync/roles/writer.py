@@ -87,7 +87,9 @@ class WeightWriter:
         return self.session.rank
 
     def write(self, version: int, *, timeout: float | None = None) -> WriteResult:
-        """Send and publish ``version`` (see module docstring).
+        """Send and publish ``version`` (see module docstring), within ``timeout`` (the config's by
+        default). A restarted writer's first write may also wait up to one more timeout for writer 0
+        to start the version (:meth:`_joins_late`).
 
         Raises:
             ValueError: the version does not increase, or tensors disagree with the layout.
