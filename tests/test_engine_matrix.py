@@ -67,7 +67,7 @@ def _cells(*extra: Cell) -> list[Cell]:
     return [Cell("engine", "hf", "full"), Cell("backend", "hf", "full"), Cell("trainer", "hf", "phases"), *extra]
 
 
-MEGATRON_TP2_EP2 = {"tp": 2, "pp": 1, "ep": 2, "etp": 1}  # TP 2 x DP 2, EP 2 (four ranks)
+MEGATRON_TP2_EP2 = {"tp": 2, "pp": 1, "dp": 1, "ep": 2, "etp": 1}  # TP 2, EP 2 over the same two ranks
 
 
 def heavy(cell: Cell) -> Any:
@@ -81,8 +81,8 @@ CELLS: dict[str, list[Any]] = {
     "llama": _cells(Cell("engine", "hf", "phases")),
     "qwen2": _cells(Cell("backend", "hf", "prefetch")),
     # the cheapest family carries the two APIs with an engine process of their own; `vllm serve`
-    # (80 s: three processes) is in make test-heavy, and test_vllm_native and test_invalid_vllm update
-    # a `vllm serve` over HTTP in the default run
+    # (80 s: three processes) is in make test-heavy, and test_vllm_native's pause case updates a
+    # `vllm serve` over HTTP in the default run
     "qwen3": _cells(Cell("engine", "hf", "delta"), Cell("trainer-child", "hf", "phases"),
                     heavy(Cell("serve", "hf", "phases"))),
     "qwen3_moe": _cells(Cell("backend", "hf", "phases")),
@@ -92,7 +92,7 @@ CELLS: dict[str, list[Any]] = {
     "deepseek_v3-no-mtp": _cells(),
     "glm4_moe": _cells(heavy(Cell("backend", "fsdp2", "phases"))),
     "glm4_moe-no-attention-bias": _cells(),
-    "gpt_oss": _cells(heavy(Cell("engine", "megatron", "full", MEGATRON_TP2_EP2)), heavy(Cell("backend", "fsdp2", "delta")),
+    "gpt_oss": _cells(Cell("engine", "megatron", "full", MEGATRON_TP2_EP2), heavy(Cell("backend", "fsdp2", "delta")),
                       heavy(Cell("trainer-child", "hf", "phases"))),
     "qwen3-fp8": [Cell("engine", "hf", "fp8"), Cell("backend", "hf", "fp8")],
 }
