@@ -44,8 +44,13 @@ typecheck: $(VENV)/.installed-$(TEST_EXTRAS)
 
 # The tiers are in tests/tiers.py. `make test` runs them all but the heavy tests (engines with
 # several workers for minutes each), which `make test-heavy` runs.
-test: lint typecheck
-	$(VENV)/bin/pytest -n 2 -p randomly --randomly-seed=$(TEST_SEED) -m "not heavy"
+# mypy (one core, about a minute) runs beside the tests, which leave about a third of two cores idle
+# (processes waiting on each other and on timeouts); its report follows theirs, and either failing fails.
+test: lint
+	@log=$$(mktemp); $(VENV)/bin/mypy >$$log 2>&1 & mypy=$$!; \
+	$(VENV)/bin/pytest -n 2 -p randomly --randomly-seed=$(TEST_SEED) -m "not heavy"; tests=$$?; \
+	wait $$mypy; typed=$$?; echo "mypy:"; cat $$log; rm -f $$log; \
+	test $$tests = 0 && test $$typed = 0
 	@echo "verl's backend is tested in a venv of its own (verl pins transformers<5.11): make test-verl"
 
 # Before every commit: the unit tier and the transport contract on shared memory (about a minute).

@@ -299,9 +299,9 @@ def hf_writer(live: Live, job: str, targets: list[tuple[int, str]], sync: dict[s
 def process_writers(live: Live, job: str, targets: list[tuple[int, str]], sync: dict[str, Any], *, source: str,
                     parallel: dict[str, int] | None = None) -> Iterator[None]:
     """Training ranks in child processes: two FSDP2 ranks of the transformers model
-    (``tests/_frontier_trainer.py``), or four megatron-core ranks (``tests/_megatron_trainer.py``)."""
+    (``tests/_frontier_trainer.py``), or TP x PP x DP megatron-core ranks (``tests/_megatron_trainer.py``)."""
     script, world, extra = (("_frontier_trainer.py", 2, ()) if source == "fsdp2" else
-                            ("_megatron_trainer.py", 4, ("--parallel", json.dumps(parallel))))
+                            ("_megatron_trainer.py", num_writers(source, parallel), ("--parallel", json.dumps(parallel))))
     env = {**os.environ, "WEIGHTSYNC_META_ADDR": live.server.address, "WEIGHTSYNC_META_TOKEN": live.server.token,
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
@@ -332,8 +332,12 @@ def writers(live: Live, job: str, targets: list[tuple[int, str]], sync: dict[str
     return process_writers(live, job, targets, sync, source=source, parallel=parallel)
 
 
-def num_writers(source: str) -> int:
-    return {"hf": 1, "fsdp2": 2, "megatron": 4}[source]
+def num_writers(source: str, parallel: dict[str, int] | None = None) -> int:
+    """The training ranks of ``source``: Megatron's are TP x PP x DP of ``parallel``."""
+    if source == "megatron":
+        assert parallel is not None, "a megatron source needs its parallel sizes"
+        return parallel["tp"] * parallel["pp"] * parallel["dp"]
+    return {"hf": 1, "fsdp2": 2}[source]
 
 
 # -- the APIs ---------------------------------------------------------------------------------------
@@ -349,7 +353,7 @@ def via_engine(live: Live, source: str, sync: dict[str, Any], versions: int = 1,
 
     targets = _targets(live, versions)
     job = new_job(live, "engine")
-    config = SyncConfig.from_wire({"num_writers": num_writers(source), "num_readers": 1, "job": job,
+    config = SyncConfig.from_wire({"num_writers": num_writers(source, parallel), "num_readers": 1, "job": job,
                                    "timeout": 240.0, **sync})
     engine = VLLMEngine(live.llm, in_place=False) if prefetch else live.engine
     meta = MetaClient(live.server.address, job=job, token=live.server.token)
@@ -379,7 +383,7 @@ def via_backend(live: Live, source: str, sync: dict[str, Any], versions: int = 1
 
     targets = _targets(live, versions)
     job = new_job(live, "backend")
-    wire = {k: v for k, v in {"num_writers": num_writers(source), "num_readers": 1, "job": job, "timeout": 240.0,
+    wire = {k: v for k, v in {"num_writers": num_writers(source, parallel), "num_readers": 1, "job": job, "timeout": 240.0,
                               **sync}.items() if SCOPES.get(k) != "rank"}
     live.llm.init_weight_transfer_engine({"init_info": {
         **wire, "meta_address": live.server.address, "meta_token": live.server.token, "rank": 0,

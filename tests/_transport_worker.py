@@ -133,6 +133,10 @@ def main() -> None:
                 except Exception as exc:  # report what the user would see
                     print(json.dumps({"error": type(exc).__name__, "message": str(exc),
                                       "seconds": time.monotonic() - t0}), flush=True)
+                    # what WeightReader does: a reader that failed a version is done with it, so a
+                    # one-sided writer stops keeping that version's memory for it
+                    for v in range(version, args["versions"]):
+                        meta.put_document(f"done/{v}/{rank}", b"1")
                     return
                 expected = values(canonical, version, args["source_dtype"])
                 expected = {n: v.to(TORCH_DTYPES[args["target_dtype"]]) for n, v in expected.items()}

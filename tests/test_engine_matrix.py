@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reaso
 class Cell:
     api: str     # engine | backend | trainer | trainer-child | serve
     source: str  # hf | fsdp2 | megatron
-    path: str    # full | delta | phases | prefetch | fp8 (an FP8 engine)
+    path: str    # full | delta | phases | phases-256k | prefetch | fp8 (an FP8 engine)
     parallel: dict[str, int] | None = None  # megatron's
 
     @property
@@ -47,7 +47,9 @@ class Cell:
         return f"{self.api}-{self.source}-{self.path}"
 
     def run(self, live: Live) -> None:
-        sync: dict[str, Any] = {"phases": {"layer_phases": True}, "delta": {"delta_anchor_every": 2}}.get(self.path, {})
+        # phases-256k: phases of 256 KiB, which cut a layer into several phases (through reused staging)
+        sync: dict[str, Any] = {"phases": {"layer_phases": True}, "delta": {"delta_anchor_every": 2},
+                                "phases-256k": {"layer_phases": True, "max_bucket_bytes": 256 << 10}}.get(self.path, {})
         versions = 2 if self.path == "delta" else 1  # a delta needs the anchor before it
         prefetch = self.path == "prefetch"
         if self.api == "serve":
@@ -67,7 +69,7 @@ def _cells(*extra: Cell) -> list[Cell]:
     return [Cell("engine", "hf", "full"), Cell("backend", "hf", "full"), Cell("trainer", "hf", "phases"), *extra]
 
 
-MEGATRON_TP2_EP2 = {"tp": 2, "pp": 1, "ep": 2, "etp": 1}  # TP 2 x DP 2, EP 2 (four ranks)
+MEGATRON_TP2_EP2 = {"tp": 2, "pp": 1, "dp": 1, "ep": 2, "etp": 1}  # TP 2, EP 2 over the same two ranks
 
 
 def heavy(cell: Cell) -> Any:
@@ -81,18 +83,18 @@ CELLS: dict[str, list[Any]] = {
     "llama": _cells(Cell("engine", "hf", "phases")),
     "qwen2": _cells(Cell("backend", "hf", "prefetch")),
     # the cheapest family carries the two APIs with an engine process of their own; `vllm serve`
-    # (80 s: three processes) is in make test-heavy, and test_vllm_native and test_invalid_vllm update
-    # a `vllm serve` over HTTP in the default run
+    # (80 s: three processes) is in make test-heavy, and test_vllm_native's pause case updates a
+    # `vllm serve` over HTTP in the default run
     "qwen3": _cells(Cell("engine", "hf", "delta"), Cell("trainer-child", "hf", "phases"),
                     heavy(Cell("serve", "hf", "phases"))),
     "qwen3_moe": _cells(Cell("backend", "hf", "phases")),
     "mixtral": _cells(Cell("backend", "hf", "delta")),
     "deepseek_v3": _cells(Cell("engine", "fsdp2", "full"), Cell("engine", "hf", "prefetch"),
-                          heavy(Cell("serve", "hf", "phases"))),
+                          Cell("trainer", "hf", "phases-256k"), heavy(Cell("serve", "hf", "phases"))),
     "deepseek_v3-no-mtp": _cells(),
     "glm4_moe": _cells(heavy(Cell("backend", "fsdp2", "phases"))),
     "glm4_moe-no-attention-bias": _cells(),
-    "gpt_oss": _cells(heavy(Cell("engine", "megatron", "full", MEGATRON_TP2_EP2)), heavy(Cell("backend", "fsdp2", "delta")),
+    "gpt_oss": _cells(Cell("engine", "megatron", "full", MEGATRON_TP2_EP2), heavy(Cell("backend", "fsdp2", "delta")),
                       heavy(Cell("trainer-child", "hf", "phases"))),
     "qwen3-fp8": [Cell("engine", "hf", "fp8"), Cell("backend", "hf", "fp8")],
 }

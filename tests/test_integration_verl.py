@@ -75,7 +75,7 @@ class RolloutWorker:
 
 @pytest.fixture
 def local_ray():
-    ray.init(num_cpus=2, namespace="weightsync-verl-test", log_to_driver=False)
+    ray.init(num_cpus=2, namespace="weightsync-verl-test", log_to_driver=False, include_dashboard=False)
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     try:
         yield

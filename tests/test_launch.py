@@ -28,8 +28,10 @@ client, server = connect(job="zero", timeout=60)
 rank = int(os.environ["RANK"])
 client.register(Participant("writer", rank, "train", "h", {}, b""))
 table = client.wait_table(writers=2, readers=0, timeout=60)
-print("RESULT " + json.dumps({"rank": rank, "address": client.address, "started": server is not None,
-                              "writers": table.count("writer")}), flush=True)
+# one write(2) per line: the two ranks share torchrun's stdout (print may write the line and its
+# newline apart, and the other rank's line then lands between them)
+os.write(1, ("RESULT " + json.dumps({"rank": rank, "address": client.address, "started": server is not None,
+                                     "writers": table.count("writer")}) + "\\n").encode())
 if rank == 1:
     client.put_document("done", b"1")
 else:  # rank 0's server outlives rank 1's calls

@@ -33,7 +33,7 @@ def test_phases_hold_whole_fused_modules_in_layer_order_within_the_budget():
     for name in canonical:
         units.setdefault(module_unit(name), []).append(name)
     assert units["model.layers.1.self_attn.qkv_proj"] == [f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"]
-    assert len(units["model.layers.1.mlp.experts.*.gate_up_proj"]) == 2  # the stacked gate and up: vLLM's w13
+    assert len(units["model.layers.1.mlp.experts"]) == 3  # every expert's gate, up (w13) and down (w2): one FusedMoE
     largest = max(sum(canonical[n].nbytes for n in names) for names in units.values())
     for budget in (1, largest, 3 * largest, 10**12):
         phases = layer_phases(canonical, budget_bytes=budget)
@@ -49,6 +49,29 @@ def test_phases_hold_whole_fused_modules_in_layer_order_within_the_budget():
     assert len(layer_phases(canonical, budget_bytes=10**12)) == 1
     with pytest.raises(ValueError, match="budget_bytes must be positive"):
         layer_phases(canonical, budget_bytes=0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+@pytest.mark.slow
+@pytest.mark.xdist_group("vllm-layout")
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "llama"])
+def test_no_phase_splits_a_module_vllm_loads_as_one(family, monkeypatch):
+    """vLLM's layerwise reload keeps the tensors a module was fed (views of the reader's staging) until
+    the module's last tensor arrives, then builds it from them; a module split across phases is built
+    from staging the next phase already overwrote. Every parameter-holding module of vLLM's own
+    layout (its loaders, recorded: DeepSeek-V3's ``fused_qkv_a_proj`` = ``q_a_proj`` +
+    ``kv_a_proj_with_mqa``, a FusedMoE's every expert's w13 and w2, MTP drafters included) is one unit."""
+    from weightsync.engines.vllm_layout import record_rank
+    from weightsync.plan.phases import module_unit
+
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+    config = tiny_config(family=family)
+    modules: dict[str, set[str]] = {}
+    for shard in record_rank(config, mtp=bool(ModelSpec.from_hf_config(config).mtp_layers)):
+        modules.setdefault(shard.name.rpartition(".")[0], set()).update(r.canonical for r in shard.regions)
+    split = {m: sorted({module_unit(n) for n in names}) for m, names in modules.items()
+             if len({module_unit(n) for n in names}) > 1}
+    assert not split, f"vLLM modules whose tensors layer_phases may put in different phases: {split}"
 
 
 def test_split_plan_keeps_every_op_once_in_wire_order():

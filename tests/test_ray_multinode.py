@@ -90,7 +90,7 @@ class Rollout(SyncActor):
 
 @pytest.fixture
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 8}})
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 8}, "include_dashboard": False})
     node_b = c.add_node(num_cpus=1, resources={"node_b": 8}, labels={NODE_LABEL: "b"})
     ray.init(address=c.address, namespace="weightsync-test", log_to_driver=False)
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actor classes live in this file

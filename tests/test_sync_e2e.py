@@ -133,7 +133,8 @@ def test_writer_killed_mid_transfer_then_next_version_succeeds(transport, option
     with EmbeddedMetaServer() as server:
         procs = {("writer", 0): launch(server, "writer", 0, versions=[0, 1, 2], **common),
                  ("writer", 1): launch(server, "writer", 1, versions=[0, 1], die_at=1, **common)}
-        procs |= {("reader", r): launch(server, "reader", r, versions=[0, 1, 2], **common) for r in range(2)}
+        # each reader updates until it holds version 2 (three updates, or two when nixl pull skips 1)
+        procs |= {("reader", r): launch(server, "reader", r, until=2, **common) for r in range(2)}
         first = procs.pop(("writer", 1))
         first.wait(timeout * 4)
         assert first.returncode == 3  # died part-way through version 1
@@ -146,10 +147,9 @@ def test_writer_killed_mid_transfer_then_next_version_succeeds(transport, option
             # nixl pull: version 1 was never published (writer 1 died before it published), and
             # when the restarted writer 1 comes back within the reader's timeout, the reader's
             # next update takes version 2, the newest, without a failure on the way
-            ok0, ok2 = records[:2]
+            ok0, ok2 = records
             assert ok0["ok"] and ok0["exact"] and ok0["version"] == 0
             assert ok2["ok"] and ok2["exact"] and ok2["version"] == 2, (out, stderr[-3000:])
-            assert not records[2]["ok"] and records[2]["seconds"] < timeout + 5  # nothing newer came
             continue
         ok0, failed, ok2 = records
         assert ok0["ok"] and ok0["exact"] and ok0["version"] == 0

@@ -78,7 +78,8 @@ def main() -> int:
 
     from weightsync.integrations.ray import stop_meta_server
 
-    ray.init(num_cpus=2, namespace="weightsync-verl-example", log_to_driver=False)
+    # no dashboard: a one-machine example has no use for it, and it costs seconds of the start
+    ray.init(num_cpus=2, namespace="weightsync-verl-example", log_to_driver=False, include_dashboard=False)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     try:
         import_external_libs(MODULE)

@@ -5,7 +5,8 @@ version into staging buffers. Moved at once, staging is a whole-model copy; move
 *phases* of whole modules, each at most ``budget_bytes``, one staging arena of the largest
 phase serves them all: the reader receives a phase, hands it to the loader (vLLM's
 layerwise reload rebuilds a module as soon as all its tensors arrived, so a fused module's
-parts, q/k/v or gate/up, travel together), and the next phase lands in the same memory.
+parts, q/k/v, gate/up, a layer's routed experts, travel together), and the next phase lands in
+the same memory.
 Peak staging is ``budget_bytes``, or one module when a module alone is larger.
 
 Both sides compute the same phases from the canonical tensors alone, in their canonical
@@ -34,16 +35,25 @@ def layer_index(name: str) -> int | None:
     return None
 
 
-#: Checkpoint modules an engine fuses into one (vLLM: ``qkv_proj``, ``gate_up_proj``, expert ``w13``):
-#: their tensors must arrive in one phase, since the engine rebuilds the fused module only once
-#: all its parts arrived.
+#: Checkpoint modules an engine fuses into one (vLLM: ``qkv_proj``, ``gate_up_proj``, DeepSeek's
+#: ``fused_qkv_a_proj``): their tensors must arrive in one phase. vLLM's layerwise reload keeps the
+#: tensors a module was fed (views of the reader's staging, not copies) until its last one arrives,
+#: then builds the module from them: a module split across phases would be built from staging the
+#: next phase already overwrote.
 _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "w1": "w13", "w3": "w13"}
+          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "w1": "w13", "w3": "w13",
+          "q_a_proj": "fused_qkv_a_proj", "kv_a_proj_with_mqa": "fused_qkv_a_proj"}
 
 
 def module_unit(name: str) -> str:
-    """The engine module a canonical tensor loads into (weight and bias together, fused parts together)."""
+    """The engine module a canonical tensor loads into (weight and bias together, fused parts together;
+    a layer's routed experts, ``experts.*.<any>`` or ``experts.<e>.<any>``, are one unit: vLLM's
+    FusedMoE holds every expert's w13 and w2 in one module)."""
     parts = name.split(".")[:-1]  # drop "weight" / "bias"
+    for i, part in enumerate(parts[:-1]):
+        if part == "experts" and (parts[i + 1] == "*" or parts[i + 1].isdigit()):
+            parts = parts[: i + 1]
+            break
     return ".".join(_FUSED.get(p, p) for p in parts)
 
 
