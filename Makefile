@@ -44,10 +44,14 @@ typecheck: $(VENV)/.installed-$(TEST_EXTRAS)
 
 # The tiers are in tests/tiers.py. `make test` runs them all but the heavy tests (engines with
 # several workers for minutes each), which `make test-heavy` runs.
-# mypy (one core, about a minute) runs beside the tests, which leave about a third of two cores idle
-# (processes waiting on each other and on timeouts); its report follows theirs, and either failing fails.
+# mypy (one core, about a minute) runs beside the tests at a lower priority: the tests leave about a
+# third of the two cores idle (processes waiting on each other and on timeouts). Its report follows
+# theirs, and either failing fails.
+# Bytecode first: the environment may forbid writing it (PYTHONDONTWRITEBYTECODE), and then every
+# process the tests start would compile weightsync's modules again (about a second each here).
 test: lint
-	@log=$$(mktemp); $(VENV)/bin/mypy >$$log 2>&1 & mypy=$$!; \
+	$(PY) -m compileall -q src tests
+	@log=$$(mktemp); nice -n 10 $(VENV)/bin/mypy >$$log 2>&1 & mypy=$$!; \
 	$(VENV)/bin/pytest -n 2 -p randomly --randomly-seed=$(TEST_SEED) -m "not heavy"; tests=$$?; \
 	wait $$mypy; typed=$$?; echo "mypy:"; cat $$log; rm -f $$log; \
 	test $$tests = 0 && test $$typed = 0
@@ -67,6 +71,7 @@ $(VERL_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-verl: $(VERL_VENV)/.installed
+	$(VERL_PY) -m compileall -q src tests
 	$(VERL_VENV)/bin/pytest -p randomly --randomly-seed=$(TEST_SEED) tests/test_integration_verl.py
 
 clean:
