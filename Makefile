@@ -63,6 +63,8 @@ test-fast: $(VENV)/.installed-$(TEST_EXTRAS)
 
 test-heavy: $(VENV)/.installed-$(TEST_EXTRAS)
 	$(VENV)/bin/pytest -n 2 -p randomly --randomly-seed=$(TEST_SEED) -m heavy
+	if [ -x $(VERL_VENV)/bin/pytest ]; then $(VERL_VENV)/bin/pytest -m heavy tests/test_integration_verl.py; \
+	else echo "verl's heavy tests need its venv: make $(VERL_VENV)/.installed"; fi
 
 $(VERL_VENV)/.installed: pyproject.toml
 	test -x $(VERL_PY) || python3 -m venv $(VERL_VENV)

@@ -94,7 +94,7 @@ CELLS: dict[str, list[Any]] = {
     "deepseek_v3-no-mtp": _cells(),
     "glm4_moe": _cells(heavy(Cell("backend", "fsdp2", "phases"))),
     "glm4_moe-no-attention-bias": _cells(),
-    "gpt_oss": _cells(Cell("engine", "megatron", "full", MEGATRON_TP2_EP2), heavy(Cell("backend", "fsdp2", "delta")),
+    "gpt_oss": _cells(heavy(Cell("engine", "megatron", "full", MEGATRON_TP2_EP2)), heavy(Cell("backend", "fsdp2", "delta")),
                       heavy(Cell("trainer-child", "hf", "phases"))),
     "qwen3-fp8": [Cell("engine", "hf", "fp8"), Cell("backend", "hf", "fp8")],
 }

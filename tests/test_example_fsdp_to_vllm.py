@@ -13,6 +13,9 @@ import pytest
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp_to_vllm.py"
 
 
+# CI's budget (45-65 s): `make test-heavy`; FSDP2 trainers in processes of their own sync a vLLM engine
+# by default in test_engine_matrix.py::TestMatrix_deepseek_v3::test_cell[engine-fsdp2-full]
+@pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.xdist_group("vllm-example")
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None or importlib.util.find_spec("transformers") is None,

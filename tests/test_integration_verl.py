@@ -130,6 +130,9 @@ def test_topology_needs_exactly_one_master():
         topology(1, 1, [{"master": False}, {}])
 
 
+# CI's budget (66 s): `make test-heavy`; test_verl_registry_builds_the_backend_and_steps_sync_bitwise
+# makes the same calls through verl's registry on Ray actors, by default
+@pytest.mark.heavy
 @pytest.mark.timeout(480)
 def test_the_verl_example_runs_as_its_readme_says():
     """examples/verl/checkpoint_engine_cpu.py, its smallest run (one step), in this venv."""
