@@ -37,8 +37,11 @@ def _child(conn: socket.socket, request: dict, inherited: list[int]) -> None:
     try:
         for fd in inherited:
             os.close(fd)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE):
+        for sig in (signal.SIGCHLD, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
+        # as a fresh interpreter has it: a write to a socket or pipe whose peer died raises EPIPE
+        # (BrokenPipeError) instead of killing the process (a surviving gloo rank died with -13)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.set_wakeup_fd(-1)
         atexit._clear()
