@@ -36,12 +36,13 @@ def layer_index(name: str) -> int | None:
 
 
 #: Checkpoint modules an engine fuses into one (vLLM: ``qkv_proj``, ``gate_up_proj``, DeepSeek's
-#: ``fused_qkv_a_proj``): their tensors must arrive in one phase. vLLM's layerwise reload keeps the
+#: ``fused_qkv_a_proj``; experts, Mixtral's ``w1``/``w3`` included, are one unit per layer in
+#: :func:`module_unit`): their tensors must arrive in one phase. vLLM's layerwise reload keeps the
 #: tensors a module was fed (views of the reader's staging, not copies) until its last one arrives,
 #: then builds the module from them: a module split across phases would be built from staging the
 #: next phase already overwrote.
 _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "w1": "w13", "w3": "w13",
+          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
           "q_a_proj": "fused_qkv_a_proj", "kv_a_proj_with_mqa": "fused_qkv_a_proj"}
 
 
