@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -394,3 +395,37 @@ def test_agent_loop_refuses_a_configuration_it_cannot_run_and_says_which_setting
     other = batch(n=1)
     other.non_tensor_batch["raw_prompt"][0] = [{"role": "user", "content": "w12"}]
     fails(r"exists with another prompt", other, directory=directory, tool=tool)
+
+
+class HangingServerManager(FakeServerManager):
+    """A server that never answers turn 3 (call 2): the call waits until it is cancelled."""
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+        if len(self.calls) == 1:
+            self.calls.append({"request_id": request_id, "prompt_ids": list(prompt_ids), "params": dict(sampling_params)})
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                self.cancelled = time.monotonic()
+                raise
+        return await super().generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs)
+
+
+def test_agent_loop_bounds_a_turn_by_its_timeout_and_lets_verl_cancel_a_sample(trainer_config, tmp_path):
+    from weightsync.roles.rollouts import RolloutStore
+
+    tool = f"{__name__}:agent_tool"
+    server = HangingServerManager()
+    worker = agent_worker(trainer_config, tmp_path, server, directory=str(tmp_path / "a"), tool=tool, timeout=0.5)
+    with pytest.raises(TimeoutError, match=r"turn 3 did not end within 0\.\d+ s"):  # what is left of 0.5 s
+        generate(worker, batch(n=1))
+    assert server.cancelled  # the call in flight was cancelled, not left running on verl's loop
+    assert len(RolloutStore(tmp_path / "a").load("verl-5f1c0d2e-uid-of-step-7-p0").turns) == 3
+
+    # verl cancels the sample (its task): the call in flight is cancelled at once, not after `timeout`
+    server = HangingServerManager()
+    worker = agent_worker(trainer_config, tmp_path, server, directory=str(tmp_path / "b"), tool=tool, timeout=60)
+    started = time.monotonic()
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(asyncio.wait_for(worker.generate_sequences(batch(n=1)), timeout=1.0))
+    assert server.cancelled - started < 5

@@ -80,7 +80,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 
 from weightsync.roles.rollouts.driver import NoEngineError, Rollouts
 from weightsync.roles.rollouts.engine import EngineGoneError, TurnRequest, TurnResult
-from weightsync.roles.rollouts.record import RolloutRecord, Sampling, Turn, UpdateMode, check_rollout_id
+from weightsync.roles.rollouts.record import RolloutRecord, Sampling, Turn, UpdateMode
 from weightsync.roles.rollouts.store import RolloutStore
 
 logger = logging.getLogger(__name__)
@@ -140,7 +140,9 @@ class AgentLoopSettings:
         if not self.id_fields:
             raise ValueError(f"{AGENT_NAME}: `id_fields` is empty: name the sample fields its rollout id is made of "
                              "(default [uid, priority])")
-        check_rollout_id(self.prefix)
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", self.prefix):
+            raise ValueError(f"{AGENT_NAME}: `prefix` {self.prefix!r} must be 1-64 letters, digits, '.', '_' or '-' "
+                             "(it begins every rollout id, which names files)")
         object.__setattr__(self, "id_fields", tuple(str(f) for f in self.id_fields))
 
     @classmethod
@@ -257,19 +259,21 @@ class VerlTurnEngine:
         return params
 
     def generate(self, request: TurnRequest, *, timeout: float) -> TurnResult:
+        if self.closed:
+            raise concurrent.futures.CancelledError(f"{self.name}: verl cancelled rollout {request.rollout_id}")
         params = self.sampling_params(request)
         call = self.server_manager.generate(request_id=self.request_id, prompt_ids=list(request.token_ids),
                                             sampling_params=params)
         started = time.monotonic()
         self._call = future = asyncio.run_coroutine_threadsafe(call, self.loop)
-        if self.closed:
+        if self.closed:  # closed while the call was being made
             future.cancel()
         try:
             output = future.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise TimeoutError(f"{self.name}: rollout {request.rollout_id} turn {request.turn} did not end "
-                               f"within {timeout:.0f} s") from None
+                               f"within {timeout:.3g} s") from None
         except Exception as exc:
             if _server_died(exc):
                 self.gone = EngineGoneError(f"{self.name}: the server of rollout {request.rollout_id} died at turn "
