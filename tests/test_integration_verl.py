@@ -208,6 +208,7 @@ def trainer_config(tmp_path_factory):
     import json
 
     import verl
+    import verl.experimental.agent_loop  # its import (seconds without bytecode) is the setup's
     from hydra import compose, initialize_config_dir
 
     from weightsync.tools.tiny import FRONTIER, VOCAB, write_tokenizer

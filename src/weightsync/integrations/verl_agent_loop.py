@@ -5,8 +5,8 @@ verl (0.9.1) runs each sample of a batch through an agent loop (``AgentLoopBase.
 sampling_params=)`` once per generated turn and returns an ``AgentLoopOutput``. The loop here,
 registered as ``weightsync_tool_agent``, keeps each sample's rollout as a record in a
 :class:`~weightsync.roles.rollouts.Rollouts` store: every complete turn is saved, so a sample
-whose server died (or whose trainer was restarted) and that verl runs again goes on from its
-last complete turn instead of turn 1. The verl user's one change is an entry in the agent loop
+whose server died and that verl runs again goes on from its last complete turn instead of
+turn 1. The verl user's one change is an entry in the agent loop
 config file (``actor_rollout_ref.rollout.agent.agent_loop_config_path=weightsync_agent.yaml``)::
 
     - name: weightsync_tool_agent
@@ -21,8 +21,10 @@ of a custom agent loop (verl builds the loop per sample with ``hydra.utils.insta
 entry's keys as keyword arguments), every ``AgentLoopWorker`` reads it on whatever node Ray put
 it, and nothing else reaches that constructor (environment variables would need Ray's
 ``runtime_env`` on every worker). The optional settings are those of :class:`AgentLoopSettings`.
+(Importing this module registers the loop only where the registry has no entry of its name:
+hydra imports it while building the config file's entry, which verl's ``register`` would replace.)
 
-Each sample, in a thread of its own (the store and the tool block; verl's event loop does not)::
+Each sample, on a driver thread (the store and the tool block; verl's event loop must not)::
 
     prompt_ids = ct_build_initial_tokens(raw_prompt)       # verl's chat template, as its own loops
     record = the rollout's record, or a new one             # id: <prefix>-<uid>-p<priority>
@@ -53,10 +55,15 @@ sample again is a new route through verl's load balancer (a fresh ``request_id``
 the resume (``engine-removed``). A turn a weight update aborted (``stop_reason="aborted"``) is
 generated again from its start with the same seed.
 
+The record is what verl gets: generated tokens as the server returned them and the tool turn's
+tokens as the tool returned them, so the tool writes whatever the chat template puts around a
+tool message (verl's own loops splice those boundaries with their Continuous Token builder).
+
 Not done here: the KV store (verl's vLLM servers would need weightsync's KV connector, and
 ``kv_transfer_params`` passed through ``server_manager.generate``); verl's tool machinery
-(``BaseTool``, tool parsers, tool rewards: the tool here is one callable that returns the tool
-turn's tokens); multi-modal prompts; SGLang servers (the turn's ``seed`` is vLLM's key).
+(``BaseTool``, tool parsers, tool rewards); multi-modal prompts; SGLang servers (refused: the
+turn's seed goes under vLLM's key); retrying a dead server within one run (verl's load balancer
+routes to a server until it is removed).
 """
 
 from __future__ import annotations
