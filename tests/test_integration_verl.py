@@ -401,9 +401,12 @@ def test_agent_loop_refuses_a_configuration_it_cannot_run_and_says_which_setting
 class HangingServerManager(FakeServerManager):
     """A server that never answers turn 3 (call 2): the call waits until it is cancelled."""
 
+    hanging = cancelled = None  # when the call began to wait, and when it was cancelled
+
     async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
         if len(self.calls) == 1:
             self.calls.append({"request_id": request_id, "prompt_ids": list(prompt_ids), "params": dict(sampling_params)})
+            self.hanging = time.monotonic()
             try:
                 await asyncio.sleep(60)
             except asyncio.CancelledError:
@@ -417,16 +420,26 @@ def test_agent_loop_bounds_a_turn_by_its_timeout_and_lets_verl_cancel_a_sample(t
 
     tool = f"{__name__}:agent_tool"
     server = HangingServerManager()
-    worker = agent_worker(trainer_config, tmp_path, server, directory=str(tmp_path / "a"), tool=tool, timeout=0.5)
-    with pytest.raises(TimeoutError, match=r"turn 3 did not end within 0\.\d+ s"):  # what is left of 0.5 s
+    worker = agent_worker(trainer_config, tmp_path, server, directory=str(tmp_path / "a"), tool=tool, timeout=1.0)
+    with pytest.raises(TimeoutError, match=r"turn 3 did not end within [\d.]+ s"):  # what is left of 1 s
         generate(worker, batch(n=1))
-    assert server.cancelled  # the call in flight was cancelled, not left running on verl's loop
+    assert server.cancelled is not None  # the call in flight was cancelled, not left running on verl's loop
     assert len(RolloutStore(tmp_path / "a").load("verl-5f1c0d2e-uid-of-step-7-p0").turns) == 3
 
-    # verl cancels the sample (its task): the call in flight is cancelled at once, not after `timeout`
+    # verl cancels the sample (its task) while the turn waits: the call is cancelled at once, not after `timeout`
     server = HangingServerManager()
     worker = agent_worker(trainer_config, tmp_path, server, directory=str(tmp_path / "b"), tool=tool, timeout=60)
-    started = time.monotonic()
-    with pytest.raises(asyncio.TimeoutError):
-        asyncio.run(asyncio.wait_for(worker.generate_sequences(batch(n=1)), timeout=1.0))
-    assert server.cancelled - started < 5
+
+    async def cancel_while_hanging():
+        task = asyncio.create_task(worker.generate_sequences(batch(n=1)))
+        while server.hanging is None and not task.done():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        cancelled_at = time.monotonic()
+        while server.cancelled is None and time.monotonic() - cancelled_at < 5:  # verl's loop goes on
+            await asyncio.sleep(0.01)
+        return server.cancelled
+
+    assert asyncio.run(asyncio.wait_for(cancel_while_hanging(), timeout=60)) is not None
