@@ -79,7 +79,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, get_args
 
@@ -87,6 +87,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 
 from weightsync.roles.rollouts.driver import NoEngineError, Rollouts
 from weightsync.roles.rollouts.engine import EngineGoneError, TurnRequest, TurnResult
+from weightsync.roles.rollouts.loop import Tool, flatten, open_rollout, tool_loop
 from weightsync.roles.rollouts.record import RolloutRecord, Sampling, Turn, UpdateMode
 from weightsync.roles.rollouts.store import RolloutStore
 
@@ -94,9 +95,6 @@ logger = logging.getLogger(__name__)
 
 #: the name the loop is registered under (``agent_name`` / ``default_agent_loop``)
 AGENT_NAME = "weightsync_tool_agent"
-#: the tool loop's step, as in ``trl_rollouts``: the record so far and the turn just generated ->
-#: the tool's turn, or None (done)
-Tool = Callable[[RolloutRecord, Turn], Turn | None]
 _WHERE = ("its entry in the agent loop config file (actor_rollout_ref.rollout.agent.agent_loop_config_path, "
           f"name: {AGENT_NAME})")
 
@@ -394,54 +392,40 @@ class WeightsyncToolAgentLoop(AgentLoopBase):
     def drive(self, rid: str, prompt_ids: list[int], engine: VerlTurnEngine, sampling: Sampling,
               timing: dict[str, float]) -> RolloutRecord:
         """Generate and call the tool until done (in a driver thread); the finished record."""
-        try:
-            record = self.rollouts.record(rid)
-        except KeyError:
-            record = self.rollouts.start(rid, prompt_ids, sampling=sampling, on_update=self.settings.on_update)
-        if list(record.turns[0].token_ids) != prompt_ids:
-            raise ValueError(f"rollout {rid} exists with another prompt: its id fields {self.settings.id_fields} "
-                             f"do not name one sample (set `id_fields` or `prefix` in {_WHERE})")
-        if record.finished:
-            return record
-        if len(record.turns) > 1:
+        record = open_rollout(self.rollouts, rid, prompt_ids, sampling=sampling, on_update=self.settings.on_update,
+                              hint=f"its id fields {self.settings.id_fields} do not name one sample (set `id_fields` "
+                                   f"or `prefix` in {_WHERE})")
+        if len(record.turns) > 1 and not record.finished:
             logger.info("rollout %s continues at turn %d on %s", rid, len(record.turns), engine.name)
-        while not record.finished:
-            generated = sum(t.kind == "generated" for t in record.turns)
-            last = record.turns[-1]
-            if response_tokens(record) >= self.response_length or (
-                    last.kind != "generated" and generated >= self.settings.max_turns):
-                record = self.rollouts.finish(rid)
-            elif last.kind == "generated":
-                started = time.monotonic()
-                answer = self.tool(record, last) if generated < self.settings.max_turns else None
+
+        def generate() -> None:
+            try:
+                self.rollouts.generate(rid, [engine], timeout=self.settings.timeout)
+            except NoEngineError:
+                if engine.gone is not None:  # the death, with Ray's error as its cause
+                    raise engine.gone  # noqa: B904 (its cause is the server's death, not this)
+                raise
+
+        def timed_tool(record: RolloutRecord, last: Turn) -> Turn | None:
+            started = time.monotonic()
+            try:
+                return self.tool(record, last)
+            finally:
                 timing["tool_calls"] = timing.get("tool_calls", 0.0) + time.monotonic() - started
-                record = self.rollouts.append_turn(rid, answer) if answer is not None else self.rollouts.finish(rid)
-            else:
-                try:
-                    self.rollouts.generate(rid, [engine], timeout=self.settings.timeout)
-                except NoEngineError:
-                    if engine.gone is not None:  # the death, with Ray's error as its cause
-                        raise engine.gone  # noqa: B904 (its cause is the server's death, not this)
-                    raise
-                record = self.rollouts.record(rid)
-        return record
+
+        return tool_loop(self.rollouts, record, generate=generate, tool=timed_tool, max_turns=self.settings.max_turns,
+                         stop=lambda r: response_tokens(r) >= self.response_length)
 
 
 def agent_loop_output(record: RolloutRecord, *, response_length: int, metrics: AgentLoopMetrics,
                       logprobs: bool) -> AgentLoopOutput:
     """verl's output of a finished record: every turn after the prompt is the response (cut at
     ``response_length``, as verl's loops do), masked 1 on generated tokens and 0 on the tools'."""
-    response: list[int] = []
-    mask: list[int] = []
-    probs: list[float] = []
-    for turn in record.turns[1:]:
-        model = turn.kind == "generated"
-        response += turn.token_ids
-        mask += [int(model)] * len(turn.token_ids)
-        probs += list(turn.logprobs) if model and turn.logprobs else [0.0] * len(turn.token_ids)
+    tokens = flatten(record)
+    response, mask, probs = tokens.response_ids, tokens.mask, tokens.logprobs
     versions = [v for t in record.turns for v in t.versions]
     return AgentLoopOutput(
-        prompt_ids=list(record.turns[0].token_ids), response_ids=response[:response_length],
+        prompt_ids=tokens.prompt_ids, response_ids=response[:response_length],
         response_mask=mask[:response_length], response_logprobs=probs[:response_length] if logprobs else None,
         num_turns=len(record.turns), metrics=metrics,
         extra_fields={"turn_scores": [], "tool_rewards": [], "weightsync_rollout_id": record.rollout_id,
