@@ -88,6 +88,9 @@ def main() -> None:
         m = kv.metrics()
         print(f"KV store: {m.saved_blocks} blocks saved, {m.loaded_blocks} loaded by the resuming engine, "
               f"{m.dropped_finished_blocks} dropped when the rollouts finished, {m.bytes} bytes left")
+        survivor = fleet[-1].info()["kv"]  # the connector's figures on the engine's Prometheus registry
+        print(f"{fleet[-1].name}'s vllm:weightsync_kv_* metrics: {int(survivor['loaded_blocks'])} blocks loaded "
+              f"({int(survivor['loaded_bytes'])} bytes), {int(survivor['missed_blocks'])} missed")
     finally:
         for engine in engines:
             engine.request_shutdown()

@@ -54,17 +54,52 @@ def require_etcd() -> None:
     pytest.skip(reason)
 
 
-def etcd_cluster(directory: Path, members: int = 3) -> Any:
+def etcd_cluster(directory: Path, members: int = 3, tls: Any = None) -> Any:
     """A started :class:`~weightsync.meta.etcd.cluster.LocalEtcdCluster` (the caller stops it)."""
     require_etcd()
     from weightsync.meta.etcd.cluster import LocalEtcdCluster
 
-    cluster = LocalEtcdCluster(directory, members=members)
+    cluster = LocalEtcdCluster(directory, members=members, tls=tls)
     try:
         return cluster.start()
     except BaseException:
         cluster.stop()
         raise
+
+
+def certificates(directory: Path, *, member_client_auth: bool = True) -> Any:
+    """A throwaway PKI made with ``openssl``: a CA, a member certificate for 127.0.0.1 and a client
+    certificate (client auth), EC P-256, valid for a day; an
+    :class:`~weightsync.meta.etcd.cluster.EtcdTLS` of their files.
+
+    The member certificate allows server and client auth: etcd's HTTP gateway dials the member's
+    own gRPC server with it (``member_client_auth=False`` makes the certificate etcd then fails with).
+    """
+    import subprocess
+
+    from weightsync.meta.etcd.cluster import EtcdTLS
+
+    directory.mkdir(parents=True, exist_ok=True)
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+    def openssl(*args: str) -> None:
+        proc = subprocess.run(["openssl", *args], capture_output=True, text=True, timeout=30, check=False)
+        assert proc.returncode == 0, f"openssl {args[0]}: {proc.stderr[-1000:]}"
+
+    ca, ca_key = str(directory / "ca.pem"), str(directory / "ca.key")
+    openssl("req", "-x509", *key, "-keyout", ca_key, "-out", ca, "-days", "1", "-subj", "/CN=weightsync test CA")
+    files = {}
+    usage = "serverAuth,clientAuth" if member_client_auth else "serverAuth"
+    for name, extensions in (("server", f"subjectAltName=IP:127.0.0.1\nextendedKeyUsage={usage}\n"),
+                             ("client", "extendedKeyUsage=clientAuth\n")):
+        (directory / f"{name}.ext").write_text(extensions)
+        csr = str(directory / f"{name}.csr")
+        files[name] = (str(directory / f"{name}.pem"), str(directory / f"{name}.key"))
+        openssl("req", *key, "-keyout", files[name][1], "-out", csr, "-subj", f"/CN=weightsync test {name}")
+        openssl("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", files[name][0],
+                "-days", "1", "-extfile", str(directory / f"{name}.ext"))
+    return EtcdTLS(ca=ca, server_cert=files["server"][0], server_key=files["server"][1],
+                   client_cert=files["client"][0], client_key=files["client"][1])
 
 
 def meta(address: str, job: str, timeout: float = 10.0) -> Any:

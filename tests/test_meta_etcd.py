@@ -27,6 +27,7 @@ from test_meta_server import (  # noqa: F401 (the shared contract scenarios, col
 )
 from weightsync.meta.config import MetaEnv
 from weightsync.meta.etcd.address import EtcdAddress
+from weightsync.meta.etcd.kv import EtcdUnavailableError
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("etcd")]
 _jobs = iter(range(1_000_000))
@@ -152,6 +153,40 @@ def test_a_sync_job_runs_on_etcd_bitwise(cluster):
     assert not out.errors, out.errors
     assert out.reads == {0: versions, 1: versions} and all(all(e) for e in out.exact.values())
     assert [v for v, _ in out.writes[0]] == versions == [v for v, _ in out.writes[1]]
+
+
+def test_tls_with_a_client_certificate_is_spoken_and_each_tls_mismatch_is_named(tmp_path):
+    """A member that requires client certificates (etcd's --client-cert-auth), reached with the CA
+    and the client certificate in the address; without the certificate, over plain HTTP, and with a
+    member certificate etcd's own gateway cannot use, the error says what to fix (not a lost quorum)."""
+    from etcd_helpers import certificates
+
+    tls = certificates(tmp_path / "pki")
+    single = etcd_cluster(tmp_path / "tls", members=1, tls=tls)
+    try:
+        assert single.address.startswith("etcds://127.0.0.1:") and "cert=" in single.address
+        with meta(single.address, "tls") as c:
+            c.put_document("k", b"v")
+            assert c.get_document("k") == b"v"
+        members = single.address.removeprefix("etcds://").split("?")[0]
+        with meta(f"etcds://{members}?ca={tls.ca}", "tls", timeout=1) as c, \
+                pytest.raises(EtcdUnavailableError, match=r"The TLS handshake with every member failed: .*cert= and "
+                                                         r"key= give a client certificate that CA signed"):
+            c.get_document("k")
+        with meta(f"etcd://{members}", "tls", timeout=1) as c, \
+                pytest.raises(EtcdUnavailableError, match=r"as a member that speaks TLS does to plain HTTP: use etcds://"):
+            c.get_document("k")
+    finally:
+        single.stop()
+    unusable = certificates(tmp_path / "pki-2", member_client_auth=False)
+    single = etcd_cluster(tmp_path / "tls-2", members=1, tls=unusable)
+    try:
+        with meta(single.address, "tls", timeout=1) as c, \
+                pytest.raises(EtcdUnavailableError, match=r"must then allow client auth as well \(extendedKeyUsage "
+                                                         r"serverAuth,clientAuth\)"):
+            c.get_document("k")
+    finally:
+        single.stop()
 
 
 def test_an_etcd_user_and_password_authenticate_and_a_wrong_one_is_named(tmp_path):

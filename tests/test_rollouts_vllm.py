@@ -3,13 +3,21 @@
 Two engines, each a process of its own (``weightsync.integrations.vllm_rollout_host``), share one
 KV store in ``/dev/shm``: A serves checkpoint 2 as version 2 (a fresh engine on the target of
 the update below), B starts on checkpoint 1 as version 1. A 3-turn greedy rollout calls a tool
-after each of its first two turns. Two scenarios run once per module, in this order (fixtures),
+after each of its first two turns. Four scenarios run once per module, in this order (fixtures),
 and the tests check what they recorded:
 
-1. *update*: on B, turns 1-2 under version 1, then an update of B to checkpoint 2 with ``abort``
+1. *stale*: a ``keep-stale`` rollout, turns 1-2 on B under version 1; for turn 3 both engines are
+   offered and it stays on B, the engine still serving its version, though A serves a newer one
+   (compared with B's uninterrupted run);
+2. *update*: on B, turns 1-2 under version 1, then an update of B to checkpoint 2 with ``abort``
    cuts turn 3, which goes on under version 2 (compared with A's answer to the same context);
-2. *kill*: on A, turns 1-2, then A is SIGKILLed and B (now at version 2) resumes turn 3 with the
-   KV A saved (compared with A's uninterrupted run).
+3. *kill*: on A, turns 1-2, then A is SIGKILLed and B (now at version 2) resumes turn 3 with the
+   KV A saved (compared with A's uninterrupted run); the connector's Prometheus metrics on both
+   engines count the blocks A saved and B loaded;
+4. *kept*: a ``keep-stale`` rollout, turns 1-2 on B under version 2, then B is updated to
+   checkpoint 1 as version 3 with ``keep-stale`` while turn 3 waits: no engine serves version 2
+   any more, so the turn runs under version 3 on the KV the old weights computed (B's prefix
+   cache was kept, where ``abort`` resets it).
 
 Block size 32; the lengths are chosen so that the first two turns end one token past a block
 boundary: an engine that ran them saved every block of them (all but the last token, whose KV
@@ -19,6 +27,7 @@ prompt. Prefill figures are vLLM's own counters (``vllm:prompt_tokens_by_source`
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import random
@@ -166,9 +175,27 @@ class Scenario:
 
 
 @pytest.fixture(scope="module")
-def update_scenario(fleet: Fleet) -> Scenario:
+def version_1(fleet: Fleet) -> RolloutRecord:
+    """B's uninterrupted run under version 1 (B serves checkpoint 1 until the update scenario)."""
+    assert fleet.b.weight_version == 1
+    return uninterrupted(fleet.rollouts, "version-1", fleet.b)
+
+
+@pytest.fixture(scope="module")
+def stale_scenario(fleet: Fleet, version_1: RolloutRecord) -> Scenario:
     rollouts, a, b = fleet.rollouts, fleet.a, fleet.b
-    version_1 = uninterrupted(rollouts, "version-1", b)
+    b.reset_prefix_cache()
+    rollouts.start("stale", PROMPT, sampling=SAMPLING, on_update="keep-stale")
+    run_turns(rollouts, "stale", [b], range(2))
+    prefill_before = prefill(b)
+    run_turns(rollouts, "stale", [a, b], range(2, 3))
+    return Scenario(rollouts.record("stale"), version_1, delta(prefill(b), prefill_before), 0,
+                    {"versions": (a.weight_version, b.weight_version)})
+
+
+@pytest.fixture(scope="module")
+def update_scenario(fleet: Fleet, version_1: RolloutRecord, stale_scenario: Scenario) -> Scenario:
+    rollouts, a, b = fleet.rollouts, fleet.a, fleet.b
     b.reset_prefix_cache()
     rollouts.start("updated", PROMPT, sampling=SAMPLING)
     run_turns(rollouts, "updated", [b], range(2))
@@ -194,16 +221,76 @@ def kill_scenario(fleet: Fleet, update_scenario: Scenario) -> Scenario:
     reference = uninterrupted(rollouts, "reference", a)
     a.reset_prefix_cache()
     b.reset_prefix_cache()
+    a_before = a.info()["kv"]
     rollouts.start("killed", PROMPT, sampling=SAMPLING)
     run_turns(rollouts, "killed", [a], range(2))
+    a_saved = kv_delta(a.info()["kv"], a_before)
     a.kill()
-    kv_before, prefill_before = rollouts.kv.metrics(), prefill(b)
+    kv_before, prefill_before, b_before = rollouts.kv.metrics(), prefill(b), b.info()["kv"]
     run_turns(rollouts, "killed", [a, b], range(2, 3))
+    b_after = b.info()["kv"]
     return Scenario(rollouts.record("killed"), reference, delta(prefill(b), prefill_before),
-                    rollouts.kv.metrics().loaded_blocks - kv_before.loaded_blocks, {})
+                    rollouts.kv.metrics().loaded_blocks - kv_before.loaded_blocks,
+                    {"a_saved": a_saved, "b_loaded": kv_delta(b_after, b_before), "b_gauges": b_after,
+                     "ledger": rollouts.kv.metrics()})
 
 
-@pytest.mark.heavy  # two engines, one killed mid-rollout: `make test-heavy`
+@pytest.fixture(scope="module")
+def kept_scenario(fleet: Fleet, kill_scenario: Scenario) -> Scenario:
+    rollouts, b = fleet.rollouts, fleet.b
+    assert b.weight_version == 2
+    b.reset_prefix_cache()
+    rollouts.start("kept", PROMPT, sampling=SAMPLING, on_update="keep-stale")
+    run_turns(rollouts, "kept", [b], range(2))
+    prefill_before = prefill(b)
+    updating = _UpdatesDuringItsTurn(b, b.update_command(3, weights_path=fleet.checkpoints[0], mode="keep-stale"))
+    rollouts.generate("kept", [updating], timeout=TIMEOUT)
+    return Scenario(rollouts.record("kept"), kill_scenario.reference, delta(prefill(b), prefill_before), 0,
+                    {"aborted": updating.futures[1].result(timeout=TIMEOUT)["aborted"]})
+
+
+def kv_delta(after: dict[str, float], before: dict[str, float]) -> dict[str, int]:
+    return {k: int(after.get(k, 0) - before.get(k, 0)) for k in ("saved_blocks", "saved_bytes", "loaded_blocks",
+                                                                 "loaded_bytes", "missed_blocks")}
+
+
+def test_a_keep_stale_rollout_stays_on_an_engine_that_still_serves_its_version(stale_scenario):
+    record, extra = stale_scenario.record, stale_scenario.extra
+    assert extra["versions"] == (2, 1)  # A serves a newer version than the rollout's
+    assert [t.engine for t in generated(record)] == ["B", "B", "B"]
+    assert [t.weight_version for t in generated(record)] == [1, 1, 1]
+    assert record.version_changes == () and record.resumes == ()
+    assert record.token_ids() == stale_scenario.reference.token_ids()  # what version 1 generates, uninterrupted
+    # B's prefix cache held the first two turns (KV of version 1, the rollout's own)
+    assert stale_scenario.prefill == {"local_compute": 9, "local_cache_hit": 96, "external_kv_transfer": 0}
+
+
+def test_a_keep_stale_update_goes_on_under_the_new_version_with_the_old_weights_kv(kept_scenario):
+    record = kept_scenario.record
+    assert kept_scenario.extra["aborted"] == 0  # keep-stale aborts nothing
+    assert [t.engine for t in generated(record)] == ["B", "B", "B"]
+    assert [t.weight_version for t in generated(record)] == [2, 2, 3]
+    assert record.version_changes == (VersionChange(turn=5, token=0, old=2, new=3),)
+    assert record.resumes == ()
+    # the context before turn 3 is what version 2 generated (A's uninterrupted run); turn 3 is not
+    assert record.token_ids()[:-16] == kept_scenario.reference.token_ids()[:-16]
+    # the update kept B's prefix cache: turn 3 read the KV version 2 computed (abort would have reset it)
+    assert kept_scenario.prefill == {"local_compute": 9, "local_cache_hit": 96, "external_kv_transfer": 0}
+
+
+def test_the_connectors_prometheus_metrics_count_what_each_engine_moved(kill_scenario):
+    extra = kill_scenario.extra
+    # A saved the three full blocks of the first two turns; B loaded those very bytes, none missed
+    assert extra["a_saved"]["saved_blocks"] == 3 and extra["a_saved"]["loaded_blocks"] == 0
+    assert extra["b_loaded"]["loaded_blocks"] == 3 and extra["b_loaded"]["missed_blocks"] == 0
+    assert extra["b_loaded"]["loaded_bytes"] == extra["a_saved"]["saved_bytes"] > 0
+    assert extra["b_loaded"]["saved_blocks"] == 0  # turn 3 completed no new block
+    # the store's gauges on B's registry are the host ledger as B last reported (nothing moved since)
+    ledger, gauges = extra["ledger"], extra["b_gauges"]
+    assert {name: int(gauges[f"store_{name}"]) for name in dataclasses.asdict(ledger)} == dataclasses.asdict(ledger)
+    assert gauges["store_budget_bytes"] == KVStoreConfig(directory="-").budget_bytes
+
+
 def test_a_rollout_whose_engine_is_killed_after_turn_2_resumes_on_another_with_its_kv(kill_scenario):
     record, reference = kill_scenario.record, kill_scenario.reference
     assert record.token_ids() == reference.token_ids()
@@ -229,6 +316,53 @@ def test_an_update_with_abort_resumes_the_rollout_on_the_new_version_without_old
     assert record.token_ids()[:-16] == update_scenario.reference.token_ids()[:-16]
     # after the turn the store dropped the KV of version 1, which no engine of the turn's fleet serves
     assert 1 in extra["kv_versions_before"] and 1 not in extra["kv_versions_after"] and extra["dropped"] > 0
+
+
+def test_the_connectors_stats_sum_over_workers_and_its_gauges_read_the_ledger(tmp_path):
+    """vLLM's metric hooks without an engine: workers' stats summed, counters per engine, and the
+    store's gauges from the ledger (left alone while no store is there)."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    import prometheus_client
+    import torch
+
+    from weightsync.integrations.vllm_kv import WeightsyncKVConnector, WeightsyncKVStats
+
+    registry = prometheus_client.CollectorRegistry()
+    types = {cls: partial(cls, registry=registry)
+             for cls in (prometheus_client.Gauge, prometheus_client.Counter, prometheus_client.Histogram)}
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(
+        kv_connector_extra_config={"directory": str(tmp_path), "budget_bytes": 1 << 20}))
+    metrics = WeightsyncKVConnector.build_prom_metrics(config, types, ["engine"], {0: ["0"], 1: ["1"]})
+    assert metrics is not None
+
+    def sample(name: str, engine: str = "1") -> float | None:
+        return registry.get_sample_value(f"vllm:weightsync_kv_{name}", {"engine": engine})
+
+    assert WeightsyncKVStats().is_empty()
+    worker_0 = WeightsyncKVStats()
+    worker_0.add(saved_blocks=2, saved_bytes=256)
+    worker_1 = WeightsyncKVConnector.build_kv_connector_stats({"saved_blocks": 2, "saved_bytes": 256,
+                                                              "missed_blocks": 1})
+    assert worker_1 is not None
+    total = worker_0.aggregate(worker_1)
+    assert total.reduce() == {"saved_blocks": 4, "saved_bytes": 512, "loaded_blocks": 0, "loaded_bytes": 0,
+                              "missed_blocks": 1}
+    metrics.observe(total.to_dict(), engine_idx=1)
+    assert (sample("saved_blocks_total"), sample("missed_blocks_total"), sample("saved_blocks_total", "0")) == (4, 1, 0)
+    assert sample("store_bytes") == 0 and not os.path.exists(tmp_path / "kv")  # no store: nothing read or made
+    assert sample("store_budget_bytes") == sample("store_budget_bytes", "0") == 1 << 20
+
+    store = KVStore(KVStoreConfig(directory=str(tmp_path), budget_bytes=1 << 20))
+    key = KVStore.keys("layout", "r", version=1, token_ids=range(4), block_size=4)[0]
+    assert store.save(key, {"layer.0": torch.ones(2, 4)})
+    store.load(key)
+    metrics.observe({"loaded_blocks": 1, "loaded_bytes": 32}, engine_idx=1)
+    ledger = store.metrics()
+    assert (ledger.blocks, ledger.saved_blocks, ledger.loaded_blocks) == (1, 1, 1)
+    assert {name: sample(f"store_{name}") for name in dataclasses.asdict(ledger)} == dataclasses.asdict(ledger)
+    assert sample("loaded_bytes_total") == 32 and sample("store_bytes", "0") == 0  # engine 0 reported nothing
 
 
 class _FakeLLM:

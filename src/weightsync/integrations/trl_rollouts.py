@@ -35,10 +35,10 @@ from typing import Any
 
 from weightsync.roles.rollouts.driver import Rollouts
 from weightsync.roles.rollouts.engine import TurnEngine
-from weightsync.roles.rollouts.record import RolloutRecord, Sampling, Turn, UpdateMode
+from weightsync.roles.rollouts.loop import Tool, flatten, open_rollout, tool_loop
+from weightsync.roles.rollouts.record import RolloutRecord, Sampling, UpdateMode
 
-#: the tool loop's step: the record so far and the turn just generated -> the tool's turn, or None (done)
-Tool = Callable[[RolloutRecord, Turn], Turn | None]
+__all__ = ["Tool", "outputs", "rollout_func"]
 
 
 def rollout_func(rollouts: Rollouts, engines: Sequence[TurnEngine] | Callable[[], Sequence[TurnEngine]], *,
@@ -81,23 +81,10 @@ def rollout_func(rollouts: Rollouts, engines: Sequence[TurnEngine] | Callable[[]
 
 def _run_one(rollouts: Rollouts, rid: str, prompt_ids: list[int], fleet: list[TurnEngine], *, tool: Tool,
              max_turns: int, sampling: Sampling, on_update: UpdateMode, timeout: float) -> RolloutRecord:
-    try:
-        record = rollouts.record(rid)
-    except KeyError:
-        record = rollouts.start(rid, prompt_ids, sampling=sampling, on_update=on_update)
-    if list(record.turns[0].token_ids) != prompt_ids:
-        raise ValueError(f"rollout {rid} exists with another prompt; a restarted trainer must see the same batch "
-                         "at the same step (or use another prefix)")
-    while not record.finished:
-        generated = sum(t.kind == "generated" for t in record.turns)
-        last = record.turns[-1]
-        if last.kind == "generated":
-            answer = tool(record, last) if generated < max_turns else None
-            record = rollouts.append_turn(rid, answer) if answer is not None else rollouts.finish(rid)
-            continue
-        rollouts.generate(rid, fleet, timeout=timeout)
-        record = rollouts.record(rid)
-    return record
+    record = open_rollout(rollouts, rid, prompt_ids, sampling=sampling, on_update=on_update,
+                          hint="a restarted trainer must see the same batch at the same step (or use another prefix)")
+    return tool_loop(rollouts, record, generate=lambda: rollouts.generate(rid, fleet, timeout=timeout), tool=tool,
+                     max_turns=max_turns)
 
 
 def outputs(records: Sequence[RolloutRecord]) -> dict[str, Any]:
@@ -105,17 +92,10 @@ def outputs(records: Sequence[RolloutRecord]) -> dict[str, Any]:
     out: dict[str, list[Any]] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [],
                                  "rollout_id": []}
     for record in records:
-        completion: list[int] = []
-        logprobs: list[float] = []
-        mask: list[int] = []
-        for turn in record.turns[1:]:
-            completion += turn.token_ids
-            model = turn.kind == "generated"
-            logprobs += list(turn.logprobs) if model and turn.logprobs else [0.0] * len(turn.token_ids)
-            mask += [int(model)] * len(turn.token_ids)
-        out["prompt_ids"].append(list(record.turns[0].token_ids))
-        out["completion_ids"].append(completion)
-        out["logprobs"].append(logprobs)
-        out["env_mask"].append(mask)
+        tokens = flatten(record)
+        out["prompt_ids"].append(tokens.prompt_ids)
+        out["completion_ids"].append(tokens.response_ids)
+        out["logprobs"].append(tokens.logprobs)
+        out["env_mask"].append(tokens.mask)
         out["rollout_id"].append(record.rollout_id)
     return out

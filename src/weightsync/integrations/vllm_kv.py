@@ -25,6 +25,16 @@ forward (synchronously: a load that fails is reported through
 ``kv_load_failure_policy="recompute"``); ``wait_for_save`` copies the listed blocks out after
 the forward. Per-layer hooks do nothing: loads and saves are whole blocks of every layer.
 
+**Metrics.** Through vLLM's own connector-metrics hooks, on the engine's Prometheus registry
+(``/metrics`` of ``vllm serve``, ``LLM.get_metrics()``): per engine, the counters
+``vllm:weightsync_kv_{saved,loaded}_{blocks,bytes}`` and ``vllm:weightsync_kv_missed_blocks``
+(loads that failed, so the engine computed the block), which the workers report with each
+step's output (:class:`WeightsyncKVStats`); and the store's host-wide ledger as gauges
+``vllm:weightsync_kv_store_<field>`` (:class:`~weightsync.roles.rollouts.kv.KVMetrics`: bytes
+held, blocks, evictions, drops, rejections), read again whenever the engine reports KV moves,
+and ``vllm:weightsync_kv_store_budget_bytes``. Gauges, not counters, because the ledger is
+kept by every process of the host, not by this engine.
+
 **Versions.** The version in a request's params names the weights that compute and read its KV.
 The engine adapter also tells the connector which version it serves (:func:`set_engine_version`,
 in the process that hosts the worker); a request naming another version is neither loaded nor
@@ -43,7 +53,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,14 +62,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from weightsync.roles.rollouts.engine import KV_PARAMS_KEY
-from weightsync.roles.rollouts.kv import BlockKey, KVMissError, KVStore, KVStoreConfig, block_digests
+from weightsync.roles.rollouts.kv import BlockKey, KVMetrics, KVMissError, KVStore, KVStoreConfig, block_digests
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -118,6 +130,78 @@ class _Tracked:
     restored: int = 0  # tokens loaded from the store
 
 
+#: the names of the connector's metrics on vLLM's registry begin with it
+METRIC_PREFIX = "vllm:weightsync_kv_"
+#: what a worker counts per step (names as in the store's ledger, :class:`KVMetrics`)
+STEP_COUNTERS = ("saved_blocks", "saved_bytes", "loaded_blocks", "loaded_bytes", "missed_blocks")
+
+
+@dataclass
+class WeightsyncKVStats(KVConnectorStats):
+    """The KV one engine's connectors moved since their last report: ``data`` maps each of
+    :data:`STEP_COUNTERS` to a count (one block per block and engine shard, as files in the store).
+
+    vLLM takes it from every worker with each step's output, sums the workers' (``aggregate``),
+    and hands ``data`` to the metrics loggers of the engine's front end.
+    """
+
+    def reset(self) -> None:
+        self.data = dict[str, Any]()
+
+    def add(self, **counts: int) -> None:
+        for name, n in counts.items():
+            self.data[name] = self.data.get(name, 0) + int(n)
+
+    def aggregate(self, other: KVConnectorStats) -> WeightsyncKVStats:
+        self.add(**{k: v for k, v in other.data.items() if k in STEP_COUNTERS})
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: int(self.data.get(name, 0)) for name in STEP_COUNTERS}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(name, 0) for name in STEP_COUNTERS)
+
+
+class WeightsyncKVPromMetrics(KVConnectorPromMetrics):
+    """The connector's Prometheus metrics (module docstring, *Metrics*), made by vLLM's stat logger
+    in the engine's front end (``build_prom_metrics``) with vLLM's metric classes and labels."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        extra = self._kv_transfer_config.kv_connector_extra_config if self._kv_transfer_config else {}
+        self.directory = str(extra.get("directory", ""))
+
+        def per_engine(cls: Any, name: str, doc: str) -> dict[int, Any]:
+            return create_metric_per_engine(cls(name=name, documentation=doc, labelnames=labelnames),
+                                            per_engine_labelvalues)
+
+        self.counters = {name: per_engine(self._counter_cls, METRIC_PREFIX + name,
+                                          f"weightsync KV connector: {name.replace('_', ' ')} by this engine "
+                                          "(per block and engine shard; missed: loads the engine computed instead)")
+                         for name in STEP_COUNTERS}
+        self.store = {m.name: per_engine(self._gauge_cls, f"{METRIC_PREFIX}store_{m.name}",
+                                             f"weightsync KV store {self.directory}: {m.name.replace('_', ' ')} "
+                                             "(the host-wide ledger every process of the host keeps)")
+                      for m in fields(KVMetrics)}
+        budget = per_engine(self._gauge_cls, f"{METRIC_PREFIX}store_budget_bytes",
+                            f"weightsync KV store {self.directory}: its budget in bytes")
+        for gauge in budget.values():
+            gauge.set(int(extra.get("budget_bytes", 1 << 30)))
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name in STEP_COUNTERS:
+            if count := int(transfer_stats_data.get(name, 0)):
+                self.counters[name][engine_idx].inc(count)
+        ledger = KVStore.read_metrics(self.directory) if self.directory else None
+        if ledger is not None:  # None: the store is on another host than this front end
+            for name, gauges in self.store.items():
+                gauges[engine_idx].set(getattr(ledger, name))
+
+
 class WeightsyncKVConnector(KVConnectorBase_V1):
     """See module docstring. vLLM makes one per role: the scheduler's and each worker's."""
 
@@ -146,6 +230,7 @@ class WeightsyncKVConnector(KVConnectorBase_V1):
         self._loads: list[_Move] = []
         self._kv: dict[str, torch.Tensor] = {}
         self._load_errors: set[int] = set()
+        self._stats = WeightsyncKVStats()
 
     # -- scheduler side ----------------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
@@ -245,9 +330,11 @@ class WeightsyncKVConnector(KVConnectorBase_V1):
                 with gpu_sync_allowed():  # a deliberate host-to-device copy, before the forward that reads it
                     for name, kv in self._kv.items():
                         kv[move.block_id].copy_(_block_like(tensors, name, kv[move.block_id]))
+                self._stats.add(loaded_blocks=1, loaded_bytes=sum(t.nbytes for t in tensors.values()))
             except KVMissError as exc:
                 logger.info("KV block %s not loaded (%s): the engine computes it", move.key.relpath, exc)
                 self._load_errors.add(move.block_id)
+                self._stats.add(missed_blocks=1)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -264,11 +351,29 @@ class WeightsyncKVConnector(KVConnectorBase_V1):
                 continue
             with gpu_sync_allowed():  # a host copy; on a GPU a synchronous device-to-host copy after the forward
                 block = {name: kv[move.block_id].to("cpu", copy=True) for name, kv in self._kv.items()}
-            self._store.save(move.key.of_shard(self._shard), block)
+            if self._store.save(move.key.of_shard(self._shard), block):
+                self._stats.add(saved_blocks=1, saved_bytes=sum(t.nbytes for t in block.values()))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    # -- metrics (module docstring, *Metrics*) -----------------------------------------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, WeightsyncKVStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return WeightsyncKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return WeightsyncKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
 def _worker_shard(vllm_config: VllmConfig) -> int:

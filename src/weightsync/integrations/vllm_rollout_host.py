@@ -144,7 +144,8 @@ class HostedTurnEngine:
         return TurnResult.from_wire(self._wait(future, timeout, "turn")["result"])
 
     def info(self, timeout: float = 60) -> dict[str, Any]:
-        """The engine's version and vLLM's prefill counters (``prefill``: ``prompt_tokens_by_source``)."""
+        """The engine's version, vLLM's prefill counters (``prefill``: ``prompt_tokens_by_source``) and
+        the KV connector's metrics (``kv``: :meth:`VLLMTurnEngine.kv_counters`)."""
         reply = self._wait(self._call({"op": "info"})[0], timeout, "info")
         self._version = reply["version"]
         return reply
@@ -268,7 +269,8 @@ def _handle(engine: Any, sock: socket.socket, msg: dict[str, Any], turns: dict[s
             aborted = engine.update(int(msg["version"]), weights_path=msg["weights_path"], mode=msg["mode"])
             reply: dict[str, Any] = {"aborted": len(aborted)}
         elif op == "info":
-            reply = {"version": engine.weight_version, "prefill": engine.prefill_counters()}
+            reply = {"version": engine.weight_version, "prefill": engine.prefill_counters(),
+                     "kv": engine.kv_counters()}
         elif op == "reset_prefix_cache":
             reply = {"ok": engine.llm.reset_prefix_cache()}
         else:

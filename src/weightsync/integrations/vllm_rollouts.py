@@ -199,3 +199,13 @@ class VLLMTurnEngine:
             elif metric.name == "vllm:prompt_tokens":
                 out["total"] = out.get("total", 0.0) + float(metric.value)
         return out
+
+    def kv_counters(self) -> dict[str, float]:
+        """The weightsync KV connector's metrics on vLLM's registry (``vllm:weightsync_kv_*``, the
+        prefix dropped: ``loaded_blocks``, ``store_bytes``, ...), summed over engines."""
+        out: dict[str, float] = {}
+        for metric in self.llm.get_metrics():
+            if metric.name.startswith(vllm_kv.METRIC_PREFIX):
+                name = metric.name[len(vllm_kv.METRIC_PREFIX):]
+                out[name] = out.get(name, 0.0) + float(metric.value)
+        return out

@@ -9,6 +9,11 @@ election 500 ms) so that fault tests see an election within a second.
         meta = EtcdMetaClient(cluster.address, job="j")
         cluster.kill(cluster.leader())      # an election follows
         cluster.start(0)                    # a member returns with its data
+
+With ``tls`` (:class:`EtcdTLS`: a CA, the members' certificate and a client's), the members
+serve clients over HTTPS only and require a client certificate signed by that CA
+(``--client-cert-auth``); :attr:`LocalEtcdCluster.address` is then an ``etcds://`` address that
+carries the CA and the client certificate, as a user's would.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from weightsync.clock.deadline import Deadline
@@ -43,14 +51,33 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
+@dataclass(frozen=True)
+class EtcdTLS:
+    """PEM files for a cluster that speaks TLS to its clients: the CA that signed everything, the
+    members' certificate (valid for 127.0.0.1) and key, and a client's certificate and key."""
+
+    ca: str
+    server_cert: str
+    server_key: str
+    client_cert: str
+    client_key: str
+
+    def context(self) -> ssl.SSLContext:
+        """What a client of the members verifies them with, presenting the client certificate."""
+        context = ssl.create_default_context(cafile=self.ca)
+        context.load_cert_chain(self.client_cert, self.client_key)
+        return context
+
+
 class LocalEtcdCluster:
     """``members`` etcd processes on loopback (see module docstring)."""
 
-    def __init__(self, directory: str | Path, *, members: int = 3, start_timeout: float = 30.0) -> None:
+    def __init__(self, directory: str | Path, *, members: int = 3, start_timeout: float = 30.0,
+                 tls: EtcdTLS | None = None) -> None:
         binary = etcd_binary()
         if binary is None:
             raise FileNotFoundError(f"etcd is not installed: {INSTALL}")
-        self.binary, self.directory, self.size = binary, Path(directory), members
+        self.binary, self.directory, self.size, self.tls = binary, Path(directory), members, tls
         ports = _free_ports(2 * members)
         self.client_ports, self.peer_ports = ports[:members], ports[members:]
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * members
@@ -58,15 +85,22 @@ class LocalEtcdCluster:
 
     @property
     def urls(self) -> list[str]:
-        return [f"http://127.0.0.1:{p}" for p in self.client_ports]
+        scheme = "https" if self.tls else "http"
+        return [f"{scheme}://127.0.0.1:{p}" for p in self.client_ports]
 
     @property
     def address(self) -> str:
-        return "etcd://" + ",".join(f"127.0.0.1:{p}" for p in self.client_ports)
+        members = ",".join(f"127.0.0.1:{p}" for p in self.client_ports)
+        if self.tls is None:
+            return f"etcd://{members}"
+        query = urllib.parse.urlencode({"ca": self.tls.ca, "cert": self.tls.client_cert, "key": self.tls.client_key})
+        return f"etcds://{members}?{query}"
 
     def _command(self, i: int, state: str) -> list[str]:
         peers = ",".join(f"m{j}=http://127.0.0.1:{p}" for j, p in enumerate(self.peer_ports))
-        return [self.binary, "--name", f"m{i}", "--data-dir", str(self.directory / f"m{i}"),
+        tls = [] if self.tls is None else ["--cert-file", self.tls.server_cert, "--key-file", self.tls.server_key,
+                                           "--trusted-ca-file", self.tls.ca, "--client-cert-auth"]
+        return [self.binary, "--name", f"m{i}", "--data-dir", str(self.directory / f"m{i}"), *tls,
                 "--listen-client-urls", self.urls[i], "--advertise-client-urls", self.urls[i],
                 "--listen-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
@@ -103,7 +137,7 @@ class LocalEtcdCluster:
 
     def healthy(self, i: int) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.urls[i]}/health", timeout=1.0) as r:
+            with urllib.request.urlopen(f"{self.urls[i]}/health", timeout=1.0, context=self._context()) as r:
                 return bool(json.loads(r.read()).get("health") == "true")
         except (OSError, urllib.error.URLError, ValueError):
             return False
@@ -111,11 +145,14 @@ class LocalEtcdCluster:
     def _status(self, i: int) -> dict[str, object] | None:
         request = urllib.request.Request(f"{self.urls[i]}/v3/maintenance/status", data=b"{}", method="POST")
         try:
-            with urllib.request.urlopen(request, timeout=1.0) as r:
+            with urllib.request.urlopen(request, timeout=1.0, context=self._context()) as r:
                 answer: dict[str, object] = json.loads(r.read())
                 return answer
         except (OSError, urllib.error.URLError, ValueError):
             return None
+
+    def _context(self) -> ssl.SSLContext | None:
+        return None if self.tls is None else self.tls.context()
 
     def leader(self, timeout: float = 10.0) -> int:
         """The index of the current leader (waiting up to ``timeout`` for one to be elected)."""

@@ -28,7 +28,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -74,6 +74,32 @@ def prefix_end(prefix: str) -> str:
     """The ``range_end`` that makes a range or watch cover every key starting with ``prefix``."""
     raw = prefix.encode()
     return (raw[:-1] + bytes([raw[-1] + 1])).decode()
+
+
+def tls_advice(tls: bool, reasons: Iterable[str]) -> str | None:
+    """What to fix when every member failed as a TLS mismatch fails (a lost quorum looks otherwise).
+
+    Three cases, each seen against etcd 3.4: a handshake the members refuse or we cannot verify;
+    plain HTTP to members that speak TLS (they hang up without a response); and etcd's own HTTP
+    gateway unable to dial its member's gRPC server (``connection closed``, or a gRPC transport
+    error such as ``failed to write client preface``: which one is a race), which happens under
+    ``--client-cert-auth`` when the member's certificate does not allow client auth.
+    """
+    reasons = list(reasons)
+    if not reasons:
+        return None
+    if all("SSLError" in r for r in reasons):
+        return ("The TLS handshake with every member failed: check that ca= names the CA that signed the members' "
+                "certificates, and that cert= and key= give a client certificate that CA signed when the members "
+                "require one (--client-cert-auth)")
+    if not tls and all("Remote end closed connection without response" in r for r in reasons):
+        return ("Every member hung up without a response, as a member that speaks TLS does to plain HTTP: use "
+                "etcds:// with ca= (and cert= and key= when the members require client certificates)")
+    if tls and all("connection closed" in r or 'desc = "transport:' in r for r in reasons):
+        return ("Every member answered that its gRPC connection failed (as above): etcd's HTTP gateway could not "
+                "reach the member's own gRPC server. Under --client-cert-auth etcd dials it with the member's "
+                "certificate, which must then allow client auth as well (extendedKeyUsage serverAuth,clientAuth)")
+    return None
 
 
 def _row(kv: dict[str, Any]) -> Row:
@@ -191,11 +217,12 @@ class EtcdKV:
         members = len(self.address.endpoints)
         quorum = members // 2 + 1
         said = "; ".join(f"{url}: {why}" for url, why in failures.items())
-        return EtcdUnavailableError(
-            f"etcd cluster {self.address} could not {what} within the deadline: no member answered ({said}). "
+        advice = tls_advice(self.address.tls, failures.values()) or (
             f"The cluster has lost quorum or is unreachable: etcd serves only while a majority ({quorum} of "
             f"{members}) of its members run and reach each other; restart the stopped members (etcdctl endpoint "
             "health shows which) or check the network to them")
+        return EtcdUnavailableError(
+            f"etcd cluster {self.address} could not {what} within the deadline: no member answered ({said}). {advice}")
 
     # -- operations ------------------------------------------------------------------------------
     def range(self, key: str, *, prefix: bool = False, deadline: Deadline | None = None,

@@ -237,6 +237,18 @@ class KVStore:
         with locked(self.root):
             return KVMetrics(**self._ledger())
 
+    @staticmethod
+    def read_metrics(directory: str) -> KVMetrics | None:
+        """The ledger of the store in ``directory`` as last written, or None if it has none.
+
+        For a metrics scrape: it does not open the store (no sweep, no recount, no lock; the ledger
+        is replaced whole, so a read sees one complete ledger) and creates nothing.
+        """
+        root = os.path.join(directory, "kv")
+        if not os.path.exists(os.path.join(root, _LEDGER)):
+            return None
+        return KVMetrics(**_read_ledger(root))
+
     # -- internals -------------------------------------------------------------------------------
     def _version_dirs(self) -> list[tuple[str, str, str]]:
         out = []
@@ -310,14 +322,7 @@ class KVStore:
         return ledger
 
     def _ledger(self) -> dict[str, int]:
-        base = dataclasses.asdict(KVMetrics())
-        try:
-            stored = msgpack.unpackb(read_file(os.path.join(self.root, _LEDGER)), raw=False)
-        except (FileNotFoundError, ValueError, msgpack.ExtraData, msgpack.FormatError):
-            return base
-        if isinstance(stored, dict):
-            base.update({k: int(v) for k, v in stored.items() if k in base and isinstance(v, int)})
-        return base
+        return _read_ledger(self.root)
 
     def _write_ledger(self, ledger: Mapping[str, int]) -> None:
         write_atomic(os.path.join(self.root, _LEDGER), msgpack.packb(dict(ledger)), durable=False)
@@ -328,6 +333,18 @@ class KVStore:
             for name, n in counts.items():
                 ledger[name] += n
             self._write_ledger(ledger)
+
+
+def _read_ledger(root: str) -> dict[str, int]:
+    """The ledger under ``root``; zeros for a missing or unreadable one (a recount restores bytes and blocks)."""
+    base = dataclasses.asdict(KVMetrics())
+    try:
+        stored = msgpack.unpackb(read_file(os.path.join(root, _LEDGER)), raw=False)
+    except (FileNotFoundError, ValueError, msgpack.ExtraData, msgpack.FormatError):
+        return base
+    if isinstance(stored, dict):
+        base.update({k: int(v) for k, v in stored.items() if k in base and isinstance(v, int)})
+    return base
 
 
 def _meta(key: BlockKey) -> dict[str, str]:
