@@ -73,8 +73,8 @@ MEGATRON_TP2_EP2 = {"tp": 2, "pp": 1, "dp": 1, "ep": 2, "etp": 1}  # TP 2, EP 2 
 
 
 def heavy(cell: Cell) -> Any:
-    """A cell whose engine runs in processes of its own (50-70 s each on the 2-core machine):
-    ``make test-heavy`` runs it; the default run keeps every family and every API but ``serve``."""
+    """A cell whose trainers or engine run in processes of their own (30-220 s each on the 2-core
+    machine): ``make test-heavy`` runs it; the default run keeps every family and every API."""
     return pytest.param(cell, marks=pytest.mark.heavy, id=cell.id)
 
 
@@ -92,11 +92,9 @@ CELLS: dict[str, list[Any]] = {
     "deepseek_v3": _cells(Cell("engine", "fsdp2", "full"), Cell("engine", "hf", "prefetch"),
                           Cell("trainer", "hf", "phases-256k"), heavy(Cell("serve", "hf", "phases"))),
     "deepseek_v3-no-mtp": _cells(),
-    "glm4_moe": _cells(Cell("backend", "fsdp2", "phases")),
+    "glm4_moe": _cells(heavy(Cell("backend", "fsdp2", "phases"))),
     "glm4_moe-no-attention-bias": _cells(),
-    # the trainer-child cell (50 s: a child process with vLLM's engine core in another) is in make test-heavy;
-    # qwen3's trainer-child cell runs that API by default
-    "gpt_oss": _cells(Cell("engine", "megatron", "full", MEGATRON_TP2_EP2), Cell("backend", "fsdp2", "delta"),
+    "gpt_oss": _cells(heavy(Cell("engine", "megatron", "full", MEGATRON_TP2_EP2)), heavy(Cell("backend", "fsdp2", "delta")),
                       heavy(Cell("trainer-child", "hf", "phases"))),
     "qwen3-fp8": [Cell("engine", "hf", "fp8"), Cell("backend", "hf", "fp8")],
 }
