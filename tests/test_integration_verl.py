@@ -387,12 +387,17 @@ def test_agent_loop_refuses_a_configuration_it_cannot_run_and_says_which_setting
     fails(r"`tool` is not set", directory=directory)
     fails(r"`tool` 'no_such_module:f': cannot import no_such_module", directory=directory, tool="no_such_module:f")
     fails(r"`max_turns` must be >= 1", directory=directory, tool=tool, max_turns=0)
+    fails(r"`on_update: keep-stale` cannot be honoured: verl's server manager picks each turn's server",
+          directory=directory, tool=tool, on_update="keep-stale")
     fails(r"rollout.name=sglang is not supported", directory=directory, tool=tool, rollout={"name": "sglang"})
     no_uid = batch(n=1)
     del no_uid.non_tensor_batch["uid"]
     fails(r"the sample has no \['uid'\].*set `id_fields`", no_uid, directory=directory, tool=tool)
     # a record under the sample's id with another prompt: the id fields do not name one sample
     generate(agent_worker(trainer_config, tmp_path, FakeServerManager(), directory=directory, tool=tool), batch(n=1))
+    # the process's driver pool exists now (256 threads, the default): another number is refused, not ignored
+    fails(r"`threads: 3`, but this agent loop worker drives its rollouts with 256 threads", directory=directory,
+          tool=tool, threads=3)
     other = batch(n=1)
     other.non_tensor_batch["raw_prompt"][0] = [{"role": "user", "content": "w12"}]
     fails(r"exists with another prompt", other, directory=directory, tool=tool)

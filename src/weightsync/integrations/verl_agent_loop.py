@@ -108,13 +108,15 @@ class AgentLoopSettings:
             may run a sample again (``/dev/shm/...`` on one host, shared storage across hosts).
         tool: ``module:callable`` (or ``module.callable``) of a :data:`Tool`.
         max_turns: generated turns per rollout at most.
-        on_update: ``abort`` or ``keep-stale`` (docs/rl-state.md).
+        on_update: ``abort`` only: verl's server manager picks each turn's server, so the loop
+            cannot keep a rollout on a server of its old version (``keep-stale`` is refused).
         initial_version: the version of turns whose server reports no ``global_steps``.
         id_fields: the sample's fields (keys of verl's ``non_tensor_batch``) that name its rollout.
         prefix: the rollout ids' first part.
         seed: each rollout samples with ``seed + crc32(rollout id)`` (turn ``i``: ``+ i``).
         timeout: seconds per generated turn, every attempt included.
-        threads: rollouts driven at once per agent loop worker (the first loop built sets it).
+        threads: rollouts driven at once per agent loop worker (one pool per process: a loop
+            asking for another number than the pool has is refused).
     """
 
     directory: str
@@ -137,6 +139,10 @@ class AgentLoopSettings:
                              f"(record, turn) -> Turn or None) to {_WHERE}")
         if self.on_update not in get_args(UpdateMode):
             raise ValueError(f"{AGENT_NAME}: `on_update` must be one of {get_args(UpdateMode)}, got {self.on_update!r}")
+        if self.on_update != "abort":
+            raise ValueError(f"{AGENT_NAME}: `on_update: {self.on_update}` cannot be honoured: verl's server manager "
+                             "picks each turn's server, so the loop cannot keep a rollout on a server of its old "
+                             "version (an aborted turn is generated again on the new one); leave `on_update` unset")
         for name in ("max_turns", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{AGENT_NAME}: `{name}` must be >= 1, got {getattr(self, name)}")
@@ -314,7 +320,7 @@ class VerlTurnEngine:
 
 _LOCK = threading.Lock()
 _ROLLOUTS: dict[str, Rollouts] = {}
-_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
+_POOL: dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # threads -> the process's one pool
 
 
 def _rollouts(directory: str) -> Rollouts:
@@ -330,9 +336,13 @@ def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
     its thread while the server generates."""
     with _LOCK:
         if not _POOL:
-            _POOL.append(concurrent.futures.ThreadPoolExecutor(max_workers=threads,
-                                                               thread_name_prefix="weightsync-rollout"))
-        return _POOL[0]
+            _POOL[threads] = concurrent.futures.ThreadPoolExecutor(max_workers=threads,
+                                                                   thread_name_prefix="weightsync-rollout")
+        if threads not in _POOL:
+            raise ValueError(f"{AGENT_NAME}: `threads: {threads}`, but this agent loop worker drives its rollouts "
+                             f"with {next(iter(_POOL))} threads, set by the first loop it built: give every "
+                             f"{AGENT_NAME} entry the same `threads`")
+        return _POOL[threads]
 
 
 def response_tokens(record: RolloutRecord) -> int:
