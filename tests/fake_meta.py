@@ -46,3 +46,36 @@ class DirectoryMeta:
 
     def close(self) -> None:
         pass
+
+
+class FakeChannel:
+    """A :class:`weightsync.ports.channel.TransportChannel` for a transport tested without a job.
+
+    Endpoints are kept in this object (one process); ``dead`` names the peers the test has
+    declared dead, by rank, for the role other than this rank's (``{0: "its lease expired"}``
+    on a writer's channel: reader 0 died). ``lease_seconds`` > 0 makes the transport behave as
+    under leases (it waits for one to name a peer that broke a connection).
+    """
+
+    def __init__(self, role: str = "writer", rank: int = 0, *, lease_seconds: float = 0.0) -> None:
+        self.role, self.rank, self.lease_seconds = role, rank, lease_seconds
+        self.dead: dict[int, str] = {}
+        self._endpoints: dict[tuple[str, int, str, int], object] = {}
+
+    @property
+    def who(self) -> str:
+        return f"{self.role} {self.rank}"
+
+    def publish_endpoint(self, epoch, endpoint) -> None:
+        self._endpoints[(endpoint.transport, epoch, self.role, self.rank)] = endpoint
+
+    def wait_endpoint(self, kind, epoch, role, rank, *, deadline):
+        return self._endpoints.get((kind.transport, epoch, role, rank))
+
+    def dead_peers(self, role, ranks, *, max_age=0.25, known=None) -> dict[int, str]:
+        if role == self.role:
+            return {}
+        return {r: why for r, why in self.dead.items() if r in set(ranks)}
+
+    def lease_holders(self, *, max_age=0.25) -> dict:
+        return {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fake_meta import FakeChannel
 from weightsync.ports.device import parse_device
 from weightsync.tools.devices import (
     RankPlacement,
@@ -60,12 +61,8 @@ def test_transports_refuse_devices_they_do_not_serve():
     check_serves("shm", serves_cpu=True, serves_cuda=True, device="cuda:7")
 
 
-class _Channel:
-    role, rank, who = "writer", 0, "writer 0"
-
-
 def test_prepare_refuses_tensors_elsewhere_than_the_context_device():
-    ctx = TransportContext(channel=_Channel(), num_writers=1, num_readers=1, device="cpu")  # type: ignore[arg-type]
+    ctx = TransportContext(channel=FakeChannel(), num_writers=1, num_readers=1, device="cpu")
     gloo = create_transport("torch", ctx)
     check_tensors_device(gloo, ctx, {"a": torch.zeros(2)})
     meta = torch.zeros(2, device="meta")
@@ -77,7 +74,7 @@ def test_prepare_refuses_tensors_elsewhere_than_the_context_device():
 
 def test_torch_transport_backend_follows_the_device():
     def path(device):
-        ctx = TransportContext(channel=_Channel(), num_writers=1, num_readers=1, device=device,  # type: ignore[arg-type]
+        ctx = TransportContext(channel=FakeChannel(), num_writers=1, num_readers=1, device=device,
                                options=TransportOptions())
         return transport_class_path("torch", ctx)
 

@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from fake_meta import FakeChannel
 from meta_proc import MetaServerProcess
 from test_sync_e2e import finish
 from test_sync_e2e import launch as launch_rank
@@ -137,10 +138,6 @@ def assert_reader_ends_exact(out, rank, version):
         assert r["ok"] or r["seconds"] < TIMEOUT + 10  # a failure ends within the timeout, never hangs
 
 
-class _ReaderChannel:
-    role, rank, who = "reader", 0, "reader 0"
-
-
 def test_a_restarted_rank_arriving_at_an_epoch_its_earlier_self_joined_fails_at_once():
     """The restarted torch reader of the SIGKILL case below came to the epoch its killed
     incarnation had joined: the arrival count was already full, and gloo's constructor then
@@ -152,7 +149,7 @@ def test_a_restarted_rank_arriving_at_an_epoch_its_earlier_self_joined_fails_at_
 
     from weightsync.transport import TransportContext, TransportError, create_transport
 
-    ctx = TransportContext(channel=_ReaderChannel(), num_writers=1, num_readers=1, device="cpu")  # type: ignore[arg-type]
+    ctx = TransportContext(channel=FakeChannel("reader", 0), num_writers=1, num_readers=1, device="cpu")
     gloo = create_transport("torch", ctx)
     host = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
     store = dist.PrefixStore("weightsync/0", host)
@@ -164,15 +161,6 @@ def test_a_restarted_rank_arriving_at_an_epoch_its_earlier_self_joined_fails_at_
                                              r"reader 0 .* takes part from the next epoch"):
         gloo._arrive(store, 0, Deadline.after(TIMEOUT))
     assert time.monotonic() - started < 1.0
-
-
-class _LeasedChannel(_ReaderChannel):
-    """Leases that name no one dead (the failure is a live peer's, or too recent to tell)."""
-
-    lease_seconds = 3.0
-
-    def dead_peers(self, role, ranks, **_):
-        return {}
 
 
 class _BrokenGroup:
@@ -199,7 +187,7 @@ def test_a_send_posted_on_a_broken_group_past_the_deadline_fails_at_once():
     from weightsync.transport.torch.common import Pair
     from weightsync.transport.torch.gloo import _GlooLink, _LaneRun
 
-    ctx = TransportContext(channel=_LeasedChannel(), num_writers=1, num_readers=1, device="cpu")  # type: ignore[arg-type]
+    ctx = TransportContext(channel=FakeChannel("reader", 0, lease_seconds=3.0), num_writers=1, num_readers=1, device="cpu")
     gloo = create_transport("torch", ctx)
     run = _LaneRun(0, _BrokenGroup(), Deadline.after(0.0), TransferStats(1), [])
     link = _GlooLink(gloo, run, Pair(0, 0, []))  # type: ignore[arg-type]
@@ -236,19 +224,6 @@ def test_breaking_a_gloo_group_goes_past_the_pairs_of_dead_ranks():
     assert tried[:2] == [1, 2]  # past the dead rank's pair, to one whose receive times out
 
 
-class _WriterChannel:
-    """Writer 0's leases: reader 0 dies when the test says so."""
-
-    role, rank, who = "writer", 0, "writer 0"
-    lease_seconds = 3.0
-
-    def __init__(self) -> None:
-        self.dead: dict[int, str] = {}
-
-    def dead_peers(self, role, ranks, **_):
-        return {r: why for r, why in self.dead.items() if role == "reader" and r in ranks}
-
-
 def test_a_gloo_send_cut_off_mid_write_fails_the_write_within_seconds_of_the_death():
     """gloo fails the pending operations of a pair it closes, except a send whose bytes are
     partly written: that wait ran to its timeout (writer 0's write() took its whole 20 s, 1 run
@@ -275,8 +250,8 @@ def test_a_gloo_send_cut_off_mid_write_fails_the_write_within_seconds_of_the_dea
         thread.start()
     for thread in formers:
         thread.join(timeout=TIMEOUT)
-    channel = _WriterChannel()
-    gloo = create_transport("torch", TransportContext(channel=channel, num_writers=1, num_readers=1))  # type: ignore[arg-type]
+    channel = FakeChannel("writer", 0, lease_seconds=3.0)  # reader 0 dies when the test says so
+    gloo = create_transport("torch", TransportContext(channel=channel, num_writers=1, num_readers=1))
     gloo._pg = groups[0]
     source, dest = torch.ones(64 << 20, dtype=torch.uint8), torch.zeros(64 << 20, dtype=torch.uint8)
     posted, gave_up = threading.Event(), {}
@@ -325,8 +300,8 @@ def test_a_gloo_group_whose_peer_died_before_connecting_fails_to_form_within_sec
     from weightsync.transport import TransportContext, TransportError, create_transport
 
     store = dist.PrefixStore("formation", dist.HashStore())
-    channel = _WriterChannel()
-    gloo = create_transport("torch", TransportContext(channel=channel, num_writers=1, num_readers=1))  # type: ignore[arg-type]
+    channel = FakeChannel("writer", 0, lease_seconds=3.0)  # reader 0 dies when the test says so
+    gloo = create_transport("torch", TransportContext(channel=channel, num_writers=1, num_readers=1))
     gloo._store_for = lambda epoch, deadline: store  # both ranks arrived (the store's count is not what is tested)
     gloo._holders = {}
 
@@ -363,8 +338,8 @@ def test_a_rank_dead_before_it_arrived_at_an_epoch_is_waited_for_but_one_that_ar
     from weightsync.clock.deadline import Deadline
     from weightsync.transport import TransportContext, TransportError, create_transport
 
-    channel = _WriterChannel()
-    gloo = create_transport("torch", TransportContext(channel=channel, num_writers=1, num_readers=1))  # type: ignore[arg-type]
+    channel = FakeChannel("writer", 0, lease_seconds=3.0)  # reader 0 dies when the test says so
+    gloo = create_transport("torch", TransportContext(channel=channel, num_writers=1, num_readers=1))
     store = dist.PrefixStore("arrivals", dist.HashStore())
     channel.dead[0] = "its lease expired"  # reader 0 is dead and has not arrived
 
@@ -381,7 +356,7 @@ def test_a_rank_dead_before_it_arrived_at_an_epoch_is_waited_for_but_one_that_ar
     finally:
         restart.join(timeout=TIMEOUT)
 
-    gloo = create_transport("torch", TransportContext(channel=channel, num_writers=1, num_readers=2))  # type: ignore[arg-type]
+    gloo = create_transport("torch", TransportContext(channel=channel, num_writers=1, num_readers=2))
     store = dist.PrefixStore("arrivals-again", dist.HashStore())
     store.add("arrived/1", 1)  # reader 0 arrives, then dies (reader 1 is on its way)
     store.add("arrived", 1)

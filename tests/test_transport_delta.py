@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from fake_meta import FakeChannel
 from launcher import launch as launch_process
 from weightsync.transport import unavailable_reason
 
@@ -97,14 +98,13 @@ def test_delta_is_refused_where_it_would_be_ignored(monkeypatch):
     """On 3ee4748 transports took ``delta_anchor_every`` and sent every version in full; each
     then refused it until it carried deltas (NIXL push last). Every transport carries them now,
     so the refusal is checked on a transport class that says it does not."""
-    from weightsync.job.channel import JobChannel
     from weightsync.transport import TransportContext, TransportOptions, check_delta_carried
     from weightsync.transport.nixl.push import NixlPushTransport
 
     monkeypatch.setattr(NixlPushTransport, "carries_deltas", False)
     name, device, options, words = "nixl", "cpu", {"nixl_mode": "push"}, "the nixl transport (NixlPushTransport, on cpu)"
     for anchor, refused in ((0, False), (4, True)):
-        ctx = TransportContext(channel=JobChannel(None, role="writer", rank=1), num_writers=2,  # type: ignore[arg-type]
+        ctx = TransportContext(channel=FakeChannel("writer", 1), num_writers=2,
                                num_readers=2, device=device,
                                options=TransportOptions(delta_anchor_every=anchor, **options))
         if not refused:
@@ -121,10 +121,9 @@ def test_delta_is_refused_where_it_would_be_ignored(monkeypatch):
 def test_delta_over_nccl_is_taken_and_routed_between_gpus_refused_naming_its_shm_route():
     """NCCL carries deltas (tests/test_nccl_delta.py); the routed transport between GPUs is
     still refused at creation, for its CUDA IPC route (shm deltas need host memory)."""
-    from weightsync.job.channel import JobChannel
     from weightsync.transport import TransportContext, TransportOptions, check_delta_carried
 
-    ctx = TransportContext(channel=JobChannel(None, role="writer", rank=1), num_writers=2,  # type: ignore[arg-type]
+    ctx = TransportContext(channel=FakeChannel("writer", 1), num_writers=2,
                            num_readers=2, device="cuda:0", options=TransportOptions(delta_anchor_every=4))
     check_delta_carried("torch", ctx)
     with pytest.raises(ValueError) as info:
@@ -135,11 +134,10 @@ def test_delta_over_nccl_is_taken_and_routed_between_gpus_refused_naming_its_shm
 
 
 def test_shm_delta_between_gpus_is_refused():
-    from weightsync.job.channel import JobChannel
     from weightsync.transport import TransportContext, TransportOptions
     from weightsync.transport.delta.published import check_delta
 
-    ctx = TransportContext(channel=JobChannel(None, role="reader", rank=0), num_writers=1,  # type: ignore[arg-type]
+    ctx = TransportContext(channel=FakeChannel("reader", 0), num_writers=1,
                            num_readers=1, device="cuda:0", options=TransportOptions(delta_anchor_every=4))
     with pytest.raises(ValueError, match=r"reader 0: delta_anchor_every=4 over the shm transport needs host memory, "
                                          r"but the tensors live on cuda:0"):
@@ -150,12 +148,11 @@ def test_shm_delta_between_gpus_is_refused():
 
 
 def test_nixl_delta_on_gpu_memory_is_refused_in_both_modes():
-    from weightsync.job.channel import JobChannel
     from weightsync.transport import TransportContext, TransportOptions
     from weightsync.transport.nixl.pull import NixlPullTransport
     from weightsync.transport.nixl.push import NixlPushTransport
 
-    ctx = TransportContext(channel=JobChannel(None, role="writer", rank=0), num_writers=1,  # type: ignore[arg-type]
+    ctx = TransportContext(channel=FakeChannel("writer", 0), num_writers=1,
                            num_readers=1, device="cuda:0", options=TransportOptions(delta_anchor_every=4))
     for cls, mode in ((NixlPullTransport, "pull"), (NixlPushTransport, "push")):
         with pytest.raises(ValueError, match=rf"writer 0: delta_anchor_every=4 over the nixl \({mode}\) transport "
@@ -167,11 +164,10 @@ def test_nixl_auto_mode_with_deltas_is_pull():
     """``nixl_mode='auto'`` picks push for as many readers as writers; with deltas it picks pull
     (both modes carry them, but a pull writer publishes its changes once and never waits for
     readers, while a push writer with deltas packs every op and waits for each reader)."""
-    from weightsync.job.channel import JobChannel
     from weightsync.transport import TransportContext, TransportOptions, check_delta_carried, transport_class_path
 
     for anchor, cls in ((0, "NixlPushTransport"), (4, "NixlPullTransport")):
-        ctx = TransportContext(channel=JobChannel(None, role="reader", rank=0), num_writers=2,  # type: ignore[arg-type]
+        ctx = TransportContext(channel=FakeChannel("reader", 0), num_writers=2,
                                num_readers=2, options=TransportOptions(delta_anchor_every=anchor))
         check_delta_carried("nixl", ctx)
         assert transport_class_path("nixl", ctx).endswith(f":{cls}")

@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 
+from fake_meta import FakeChannel
 from weightsync.apps.demo import canonical_values
 from weightsync.configs import load_spec
 from weightsync.engines.buffers import ShardedEngine
@@ -103,10 +104,9 @@ def test_routed_job_moves_same_node_pairs_over_shm_and_the_rest_over_torch():
 
 @pytest.mark.parametrize("bad", [()])
 def test_routed_refuses_a_context_without_placements(bad):
-    from weightsync.job.channel import JobChannel
     from weightsync.transport import TransportContext, create_transport
 
-    ctx = TransportContext(channel=JobChannel(None, role="reader", rank=0), num_writers=1, num_readers=1,  # type: ignore[arg-type]
+    ctx = TransportContext(channel=FakeChannel("reader", 0), num_writers=1, num_readers=1,
                            placements=bad)
     with pytest.raises(ValueError, match="routed transport needs every rank's node"):
         create_transport("routed", ctx)

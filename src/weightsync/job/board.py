@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, TypeVar
 import msgpack
 
 from weightsync.job.keys import endpoint_key, store_index_key, tile_maxima_key
-from weightsync.job.wire import STORE_FINGERPRINT, EndpointRecord, WireError, unpack_map
+from weightsync.job.wire import STORE_FINGERPRINT, WireError, unpack_map
 from weightsync.plan.ops import Role
+from weightsync.ports.channel import EndpointRecord
 from weightsync.ports.coordinator import MetaPort
 
 if TYPE_CHECKING:

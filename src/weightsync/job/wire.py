@@ -17,13 +17,13 @@ import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgpack
 
-if TYPE_CHECKING:
-    from typing_extensions import Self
+from weightsync.ports.channel import EndpointRecord  # noqa: F401  (re-exported: the channel's callers name it here)
 
+if TYPE_CHECKING:
     from weightsync.plan.ops import Role
     from weightsync.ports.records import Participant, VersionInfo
 
@@ -66,21 +66,6 @@ def model_digest(config: Mapping[str, Any]) -> str:
     """Content address of a model config (a layout descriptor names its model by it)."""
     canonical = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(canonical).hexdigest()[:24]
-
-
-class EndpointRecord(Protocol):
-    """How peers reach one rank's transport in one epoch (see :mod:`weightsync.transport.endpoints`).
-
-    ``transport`` names the transport whose endpoint this is (the channel keys it by that name,
-    the epoch and the rank); ``to_wire`` gives its msgpack map and ``from_wire`` checks one.
-    """
-
-    transport: ClassVar[str]
-
-    def to_wire(self) -> dict[str, Any]: ...
-
-    @classmethod
-    def from_wire(cls, doc: Mapping[str, Any]) -> Self: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -186,7 +186,7 @@ class SyncSession:
 
     def __init__(self, role: Role, rank: int, provider: LayoutProvider, config: SyncConfig,
                  meta: AnyMetaClient, *, device: Callable[[], str], keeps_received_bytes: bool = True) -> None:
-        if getattr(meta, "job", config.job) != config.job:
+        if meta.job != config.job:
             raise ValueError(f"SyncConfig(job={config.job!r}) but the MetaClient passed in speaks for job "
                              f"{meta.job!r}: build the client with job={config.job!r} (or leave meta= out)")
         size = config.num_writers if role == "writer" else config.num_readers
@@ -375,9 +375,8 @@ class SyncSession:
                                num_readers=self.config.num_readers, device=device, options=opts,
                                placements=tuple(placements), keeps_received_bytes=self._keeps_received_bytes)
         transport = create_transport(choice.name, ctx)
-        if digests is not None and digests.fuses(getattr(transport, "fuses_digests", ())):
-            # the transports that fuse have it; they may decline (a setting that changes what they copy)
-            digests.fused = bool(transport.use_digests(digests))  # type: ignore[attr-defined]
+        if digests is not None and digests.fuses(transport.fuses_digests):
+            digests.fused = transport.use_digests(digests)  # it may decline (a setting that changes what it copies)
         self.timings["setup"] = time.perf_counter() - started
         planned = PlannedSync(plan, transport, choice.name, f"{plan.fingerprint}-{digest}", self.timings["setup"],
                               device, choice.reason, phase_names, phases, quantizer, digests)

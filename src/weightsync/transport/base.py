@@ -39,22 +39,22 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 
-from weightsync.job.wire import EndpointRecord, WireError
+from weightsync.job.wire import WireError
+from weightsync.ports.channel import EndpointRecord, TransportChannel
 from weightsync.tools.devices import RankPlacement, check_serves, parse_device, tensors_device
+from weightsync.transport.errors import TransportError
 
 if TYPE_CHECKING:
     import torch
 
     from weightsync.clock.deadline import Deadline
-    from weightsync.job.channel import Holder, JobChannel, Role
     from weightsync.plan import Plan
+    from weightsync.plan.ops import Role
+    from weightsync.ports.coordinator import Holder
+    from weightsync.transport.digests import VersionDigests
 
 E = TypeVar("E", bound=EndpointRecord)
 logger = logging.getLogger(__name__)
-
-
-class TransportError(RuntimeError):
-    """A transfer failed: a peer died, a timeout expired, or a checksum did not match."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -131,7 +131,7 @@ class TransportContext:
     own (:mod:`weightsync.transport.delta.pairs`).
     """
 
-    channel: JobChannel
+    channel: TransportChannel
     num_writers: int
     num_readers: int
     device: str = "cpu"
@@ -228,6 +228,13 @@ class Transport(Protocol):
     #: Honours ``TransportOptions.delta_anchor_every`` (:func:`weightsync.transport.create_transport`
     #: refuses it, naming the transport, where this is False or absent).
     carries_deltas: ClassVar[bool]
+    #: The roles for which it digests bytes while it copies them (:mod:`weightsync.transport.digests`);
+    #: empty: the session digests each phase after it arrived.
+    fuses_digests: ClassVar[frozenset[str]]
+
+    def use_digests(self, digests: VersionDigests | None) -> bool:
+        """Digest as it copies (only called where ``fuses_digests`` names this rank's role);
+        False: it declines (a setting that changes what it copies), and the session digests."""
 
     def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
                 phases: Sequence[Plan] | None = None) -> None: ...
@@ -290,8 +297,7 @@ class PeerWatch:
             return {}
         channel = self.ctx.channel
         if self.known is None:
-            holders = getattr(channel, "lease_holders", None)  # a transport-only channel may have none
-            self.known = holders() if holders is not None else {}
+            self.known = channel.lease_holders()
         if not self.known:
             return channel.dead_peers(self.role, self.ranks)
         return channel.dead_peers(self.role, self.ranks, known=self.known)

@@ -44,7 +44,7 @@ from weightsync.plan.ops import OpColumns, Plan, TransferOp
 from weightsync.plan.table import ShardRef
 from weightsync.tools.codecs.digest import CopyHasher, DigestKind, as_signed, as_unsigned
 from weightsync.tools.torch_layout import TORCH_DTYPES, strided_view
-from weightsync.transport.base import TransportError
+from weightsync.transport.errors import TransportError
 from weightsync.transport.exposed import piece_key
 from weightsync.transport.schedule import slabs
 from weightsync.transport.shm.files import SHM_DIR, SharedTensors

@@ -188,7 +188,7 @@ class GlooTransport(TorchDistBase):
 
     def _teardown_group(self) -> None:
         pg = self._pg
-        if pg is not None and float(getattr(self.ctx.channel, "lease_seconds", 0.0) or 0.0) > 0:
+        if pg is not None and self.ctx.channel.lease_seconds > 0:
             # peers blocked on this rank fail now instead of at their timeout; the leases then
             # name the rank that died (:meth:`_blame`), which the pair that broke may not be
             self._break_group(pg)
@@ -415,7 +415,7 @@ class GlooTransport(TorchDistBase):
         readers = [r for r in range(ctx.num_readers) if (ctx.role, r) != ("reader", ctx.rank)]
         watches = [PeerWatch(ctx, "writer", writers, known=self._holders),
                    PeerWatch(ctx, "reader", readers, known=self._holders)]
-        ttl = float(getattr(ctx.channel, "lease_seconds", 0.0) or 0.0)
+        ttl = ctx.channel.lease_seconds
         grace = 2 * ttl + 1.0 if ttl > 0 else 0.0  # expiry comes up to a ttl after death, later if the server stalled
         wait = Deadline.after(min(grace, deadline.remaining(0.0)))
         while True:

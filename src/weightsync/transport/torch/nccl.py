@@ -66,6 +66,7 @@ from weightsync.transport.torch.nccl_delta import check_delta_memory, delta_sync
 if TYPE_CHECKING:
     from weightsync.plan import Plan
     from weightsync.transport.base import TransportContext
+    from weightsync.transport.digests import VersionDigests
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,11 @@ class NcclTransport(TorchDistBase):
     serves_cpu: ClassVar[bool] = False
     serves_cuda: ClassVar[bool] = True
     carries_deltas: ClassVar[bool] = True  # transport/torch/nccl_delta.py
+    #: a digest of GPU memory is queued on the copy's stream, which the device port does not model
+    fuses_digests: ClassVar[frozenset[str]] = frozenset()
+
+    def use_digests(self, digests: VersionDigests | None) -> bool:
+        return False
 
     def __init__(self, ctx: TransportContext) -> None:
         super().__init__(ctx)
