@@ -4,42 +4,54 @@ not expire the leases of live peers, while a peer that stops renewing still dies
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
 
 import pytest
 
-from weightsync.meta.leases import Leases
+from weightsync.clock.clock import ManualClock
+from weightsync.meta.leases import TICK_S, LeaseHeldError, Leases
 
 
 def test_a_stalled_server_does_not_expire_live_leases_but_a_silent_peer_still_dies():
-    async def run() -> tuple[bool, bool]:
-        leases = Leases()
-        clock = asyncio.create_task(leases.keep_time())
-        await asyncio.sleep(0.05)
-        await leases.acquire("j", "writer", 0, incarnation="a", ttl=0.5, pid=1, host="h", wait=0.0)
-        time.sleep(1.0)  # the event loop stands still: the heartbeats of that time wait unread
-        after_stall = leases.table("j")[0].alive
-        await asyncio.sleep(0.8)  # the loop runs and no heartbeat comes: the peer is dead
-        after_silence = leases.table("j")[0].alive
-        clock.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await clock
-        return after_stall, after_silence
+    clock = ManualClock()
+    leases = Leases(clock)
+    leases.watch_time()  # the server's keep_time task runs
+    asyncio.run(leases.acquire("j", "writer", 0, incarnation="a", ttl=0.5, pid=1, host="h", wait=0.0))
+    clock.advance(1.0)  # the server stood still: the heartbeats of that time wait unread
+    assert leases.table("j")[0].age == pytest.approx(TICK_S)  # only the one tick it expected counts
+    for _ in range(3):  # it runs again, looking at the clock every tick, and no heartbeat comes
+        clock.advance(TICK_S)
+        leases.tick()
+    assert leases.table("j")[0].alive  # 0.4 s of silence: within the ttl
+    for _ in range(2):
+        clock.advance(TICK_S)
+        leases.tick()
+    row = leases.table("j")[0]
+    assert not row.alive and "the meta server's lease of it (ttl 0.5 s) expired" in row.detail
 
-    assert asyncio.run(run()) == (True, False)
+
+def test_without_the_server_watching_time_an_unrenewed_lease_expires_after_its_ttl():
+    clock = ManualClock()
+    leases = Leases(clock)
+    asyncio.run(leases.acquire("j", "reader", 1, incarnation="a", ttl=0.2, pid=1, host="h", wait=0.0))
+    clock.advance(0.2)
+    assert leases.table("j")[0].alive
+    clock.advance(0.1)
+    row = leases.table("j")[0]
+    assert not row.alive and "last heartbeat 0.3 s ago" in row.detail
 
 
-def test_without_the_clock_an_unrenewed_lease_expires_after_its_ttl():
-    async def run() -> bool:
-        leases = Leases()
-        await leases.acquire("j", "reader", 1, incarnation="a", ttl=0.2, pid=1, host="h", wait=0.0)
-        time.sleep(0.3)
-        row = leases.table("j")[0]
-        return row.alive or "last heartbeat" not in row.detail
-
-    assert asyncio.run(run()) is False
+def test_a_second_process_claiming_a_live_rank_is_refused_naming_the_holder_until_its_lease_expires():
+    clock = ManualClock()
+    leases = Leases(clock)
+    asyncio.run(leases.acquire("j", "writer", 2, incarnation="a", ttl=3.0, pid=41, host="n0", wait=0.0))
+    clock.advance(2.9)
+    with pytest.raises(LeaseHeldError, match=r"writer rank 2 of job 'j' is held by another live process \(pid 41 on "
+                                             r"n0, last heartbeat 2.9 s ago \(ttl 3 s\)\): two processes claim"):
+        asyncio.run(leases.acquire("j", "writer", 2, incarnation="b", ttl=3.0, pid=42, host="n1", wait=0.0))
+    clock.advance(0.2)
+    assert asyncio.run(leases.acquire("j", "writer", 2, incarnation="b", ttl=3.0, pid=42, host="n1", wait=0.0))
 
 
 def test_a_rank_leaves_in_under_two_seconds_after_its_meta_server_stopped():

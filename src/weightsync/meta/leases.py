@@ -20,7 +20,7 @@ process) does not count against anyone: the heartbeats of that time wait unread 
 sockets, and without this the first request served afterwards would find every lease expired
 at once and fail live peers. :meth:`Leases.keep_time` (run by the server) notices such stalls.
 
-    leases = Leases()
+    leases = Leases()                  # Leases(ManualClock()) in a test: time moves when it says
     await leases.acquire("job", "writer", 0, incarnation="3fa2", ttl=3.0, pid=41, host="n0", wait=3.0)
     leases.table("job")       # [LeaseRow(role="writer", rank=0, alive=True, age=0.01, ...)]
 """
@@ -28,10 +28,9 @@ at once and fail live peers. :meth:`Leases.keep_time` (run by the server) notice
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 
-from weightsync.clock.deadline import Deadline
+from weightsync.clock.clock import SYSTEM, Clock
 from weightsync.ports.records import LeaseRow
 
 
@@ -45,7 +44,7 @@ class Lease:
     ttl: float
     pid: int
     host: str
-    renewed: float  # time.monotonic() of the last heartbeat
+    renewed: float  # the clock's monotonic() at the last heartbeat
     released: bool = False
 
     def age(self, now: float) -> float:
@@ -71,27 +70,39 @@ TICK_S = 0.1
 
 
 class Leases:
-    """Every job's leases (in memory; see module docstring)."""
+    """Every job's leases (in memory; see module docstring), on ``clock`` (a test's
+    :class:`~weightsync.clock.clock.ManualClock` moves only when the test says, so a test
+    acquires with ``wait=0``: nothing would end a wait for a live holder)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock = SYSTEM) -> None:
+        self.clock = clock
         self._jobs: dict[str, dict[tuple[str, int], Lease]] = {}
         self._awake: float | None = None  # when the server last looked at the clock (keep_time runs)
 
     async def keep_time(self) -> None:
         """Look at the clock every ``TICK_S`` until cancelled, so that :meth:`_now` can tell a
         stall of the server from a quiet spell (run as a task for as long as the server serves)."""
-        self._awake = time.monotonic()
+        self.watch_time()
         try:
             while True:
                 await asyncio.sleep(TICK_S)
-                self._now()
+                self.tick()
         finally:
             self._awake = None
 
+    def watch_time(self) -> None:
+        """From now on, a gap of more than ``TICK_S`` between two :meth:`tick` calls (or other
+        reads of the clock) is a stall of the server, which counts against no lease."""
+        self._awake = self.clock.monotonic()
+
+    def tick(self) -> None:
+        """The server looked at the clock (what :meth:`keep_time` does every ``TICK_S``)."""
+        self._now()
+
     def _now(self) -> float:
-        """``time.monotonic()``, after moving every lease's last heartbeat forward by the time the
-        server stood still since it last looked (see module docstring)."""
-        now = time.monotonic()
+        """The clock's ``monotonic()``, after moving every lease's last heartbeat forward by the
+        time the server stood still since it last looked (see module docstring)."""
+        now = self.clock.monotonic()
         if self._awake is not None:
             stalled = now - self._awake - TICK_S
             if stalled > TICK_S:
@@ -111,19 +122,19 @@ class Leases:
             LeaseHeldError: another incarnation still holds it, alive, after ``wait`` seconds.
         """
         leases = self._jobs.setdefault(job, {})
-        deadline = Deadline.after(wait)
+        ends = self.clock.monotonic() + wait
         while True:
             now = self._now()
             held = leases.get((role, rank))
             if held is None or held.incarnation == incarnation or not held.alive(now):
                 break
-            if deadline.expired:
+            if now >= ends:
                 raise LeaseHeldError(
                     f"{role} rank {rank} of job {job!r} is held by another live process ({held.describe(now)}): two "
                     f"processes claim the same rank (pid {pid} on {host or 'an unnamed host'} asked); check the rank "
                     "each process is given, or stop the other one first")
             # until the holder's lease would expire, unless it renews it meanwhile (then refuse)
-            await asyncio.sleep(min(deadline.remaining(0.0), held.ttl - held.age(now) + 0.01))
+            await asyncio.sleep(min(ends - now, held.ttl - held.age(now) + 0.01))
         took_over = held is not None and held.incarnation != incarnation
         if release:
             if held is not None and not took_over:

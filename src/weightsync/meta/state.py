@@ -74,8 +74,8 @@ class MetaState:
     def __init__(self, store: Store | None = None, *, clock: Clock = SYSTEM, fleet_tick: float | None = 1.0) -> None:
         self.data = MetaData()
         self.watch = Watch()
-        self.leases = Leases()
-        #: the time of the fleet coordinator's decisions and leases (a test passes a ManualClock)
+        #: the time of leases and of the fleet coordinator's decisions (a test passes a ManualClock)
+        self.leases = Leases(clock)
         self.clock = clock
         self.fleet_leases = FleetLeases(clock)
         self._fleet_tick = fleet_tick  # seconds between the fleet timer's ticks (None: no timer)
