@@ -157,7 +157,7 @@ def test_version_slots_on_the_trainer_gpu_are_refused_with_their_figure(tmp_path
 
     model = DeviceModel(budget=1 << 20)
     monkeypatch.setattr(nixl_agent, "load_nixl", NixlModel(model).module)
-    result = run_pair(transport, tmp_path, model=model, timeout=5.0, options=TransportOptions(
+    result = run_pair(transport, tmp_path, model=model, timeout=1.5, options=TransportOptions(
         slots=3, nixl_mode="pull", max_bucket_bytes=1 << 16, direct_min_bytes=1024))
     assert any(f"writer 0's {'CUDA IPC' if transport == 'shm' else 'NIXL'} version slots (3 x " in str(e)
                and "TransportOptions.slots" in str(e) for e in result.errors), result.errors

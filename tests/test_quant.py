@@ -9,7 +9,6 @@ applies the plan op by op, and compares every FP8 byte and every scale bit with 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +26,6 @@ from weightsync.plan import PlanOptions, build_plan
 from weightsync.tools.codecs.fp8 import WriterQuantizer, dequantize
 from weightsync.tools.tiny import canonical_weights
 from weightsync.tools.torch_layout import TORCH_DTYPES, allocate, fill_from_canonical, strided_view
-from weightsync.transport import TransportOptions
 
 
 def config(*, hidden: int = 256, inter: int = 384, layers: int = 1, moe: bool = False) -> dict:
@@ -212,68 +210,3 @@ def test_any_shape_any_cut_matches_the_reference(rows, cols, writers, seed, sche
     cfg["head_dim"] = 8
     result = run_sync(cfg, f"{kind}:dp={writers}", f"hf:quant={scheme}", seed=seed)
     check_hf_reader(result, scheme)
-
-
-#: variants of a transport: (transport, writer flags, reader settings)
-FP8_VARIANTS = {"shm-phases": ("shm", ("--layer-phases", "--bucket", "65536"),
-                               {"layer_phases": True, "transport_options": TransportOptions(max_bucket_bytes=65536)}),
-                "torch-delta": ("torch", ("--delta", "4"), {"transport_options": TransportOptions(delta_anchor_every=4)})}
-
-
-@pytest.mark.parametrize("transport", ["shm", "torch", "file", "nixl", "routed", "shm-phases", "torch-delta"])
-def test_fp8_and_bf16_readers_from_three_training_processes(transport):
-    """Three FSDP ranks (rows cut inside blocks: maxima exchanged through the meta server) write two
-    versions; an FP8 reader and a bf16 reader of the same job each get their own format, bitwise.
-    Also in layer phases (into engines that hold the whole model) and with deltas."""
-    import sys
-    import uuid
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from weightsync.engines.buffers import ShardedEngine
-    from weightsync.meta.client import EmbeddedMetaServer, MetaClient
-    from weightsync.roles.reader import WeightReader
-    from weightsync.session.sync_session import SyncConfig
-    from weightsync.transport import unavailable_reason
-    from writer_process import writer_processes
-
-    transport, flags, settings = FP8_VARIANTS.get(transport, (transport, (), {}))
-    if unavailable_reason(transport):
-        pytest.skip(unavailable_reason(transport))
-    # routed: writers 0 and 2 with reader 0 on node a (shared memory), writer 1 and reader 1 on node b (torch)
-    writer_hosts, reader_hosts = ("a,b,a", ["a", "b"]) if transport == "routed" else ("", ["", ""])
-    cfg = config(hidden=256, inter=320)
-    job = f"fp8-{uuid.uuid4().hex[:8]}"
-    engines = [ShardedEngine("hf:quant=fp8_block", cfg, 0), ShardedEngine("hf:replicas=2", cfg, 1)]
-    errors: list[BaseException] = []
-    with EmbeddedMetaServer() as server, writer_processes(server, cfg, "fsdp:dp=3", job=job, seeds=[2, 1],
-                                                          extra=("--transport", transport, "--readers", "2",
-                                                                 "--hosts", writer_hosts, *flags)):
-        sync = SyncConfig(num_writers=3, num_readers=2, job=job, transport=transport, timeout=120, **settings)
-
-        def read(rank: int) -> None:
-            try:
-                with MetaClient(server.address, job=job, token=server.token) as meta, \
-                        WeightReader(engines[rank], rank=rank, config=dataclasses.replace(sync, host=reader_hosts[rank]),
-                                     meta=meta) as reader:
-                    for version in (1, 2):
-                        assert reader.update(version).version == version
-                        if version == 1:
-                            snapshot[rank] = {n: t.clone() for n, t in engines[rank].tensors.items()}
-            except BaseException as exc:  # re-raised below, in the test's thread
-                errors.append(exc)
-
-        snapshot: dict[int, dict] = {}
-        threads = [threading.Thread(target=read, args=(r,)) for r in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=180)
-    assert not errors, errors
-    spec = ModelSpec.from_hf_config(cfg)
-    for version, seed, tensors in ((1, 2, snapshot[0]), (2, 1, engines[0].tensors)):
-        weights = {n: t.to(torch.bfloat16) for n, t in canonical_weights(cfg, seed).items()}
-        check_hf_reader({"spec": spec, "weights": weights, "dst": {0: tensors}}, "fp8_block")
-        plain = snapshot[1] if version == 1 else engines[1].tensors
-        for name, weight in weights.items():
-            assert torch.equal(plain[name], weight), (version, name)

@@ -17,7 +17,7 @@ from __future__ import annotations
 TIERS: dict[str, frozenset[str]] = {
     "unit": frozenset({
         "test_architecture.py", "test_box.py", "test_cli_plan.py", "test_combinations.py", "test_delta.py",
-        "test_device_model.py", "test_devices.py", "test_digest.py", "test_doctor_checks.py",
+        "test_device_model.py", "test_devices.py", "test_digest.py",
         "test_engine_sglang.py", "test_frontier_planner.py", "test_gpu_paths.py", "test_guards.py",
         "test_job_spec.py", "test_layouts.py", "test_leases.py", "test_meta_reducer.py", "test_meta_units.py",
         "test_nccl_comm.py", "test_nccl_delta.py", "test_nccl_paths.py", "test_planner.py", "test_quant.py",
@@ -28,13 +28,13 @@ TIERS: dict[str, frozenset[str]] = {
     }),
     "contract": frozenset({
         "test_transport_contract.py", "test_transport_delta.py", "test_transport_nixl.py",
-        "test_transport_routed.py", "test_transport_shm.py", "test_transport_registry.py", "test_integrity.py", "test_phases.py",
+        "test_transport_routed.py", "test_transport_shm.py", "test_transport_registry.py", "test_quant_transports.py", "test_integrity.py", "test_phases.py",
         "test_prefetch.py", "test_async.py", "test_lora.py", "test_meta_server.py", "test_meta_store.py",
         "test_meta_durability.py", "test_meta_fuzz.py", "test_process_state.py", "test_meta_etcd.py",
         "test_fleet_server.py",
     }),
     "e2e": frozenset({
-        "test_bench.py", "test_doctor.py", "test_engine_hf.py", "test_engine_vllm.py",
+        "test_bench.py", "test_doctor.py", "test_doctor_checks.py", "test_engine_hf.py", "test_engine_vllm.py",
         "test_example_fsdp_to_vllm.py", "test_examples.py", "test_engine_matrix.py", "test_engine_state.py",
         "test_draft_models.py", "test_draft_paths.py", "test_quant_block.py", "test_eplb.py", "test_sites_netns.py", "test_invalid_vllm.py", "test_integration_trl.py",
         "test_integration_verl.py", "test_launch.py", "test_megatron_frontier.py", "test_ray_multinode.py",
