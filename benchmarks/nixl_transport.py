@@ -95,6 +95,7 @@ def _rank_main(bench: str, role: str, rank: int, layers: int, layouts: tuple[str
     """One rank: prepare inside version 0, then send or receive every version, timed."""
     import torch
 
+    from weightsync.clock.deadline import Deadline
     from weightsync.job.channel import JobChannel
     from weightsync.plan import build_local_plan
     from weightsync.plan.reference import random_canonical
@@ -121,10 +122,10 @@ def _rank_main(bench: str, role: str, rank: int, layers: int, layouts: tuple[str
         barrier.wait(TIMEOUT)
         t0 = time.monotonic()
         if v == 0:
-            transport.prepare(plan, tensors, epoch=0, timeout=TIMEOUT)
+            transport.prepare(plan, tensors, epoch=0, deadline=Deadline.after(TIMEOUT))
             prepare_s = time.monotonic() - t0
         if role == "writer":
-            stats = transport.send(v, timeout=TIMEOUT)
+            stats = transport.send(v, deadline=Deadline.after(TIMEOUT))
             if transport.one_sided:
                 meta.put_document(f"sent/{v}/{rank}", b"1")
         else:
@@ -132,7 +133,7 @@ def _rank_main(bench: str, role: str, rank: int, layers: int, layouts: tuple[str
                 for w in range(len(writers)):
                     if meta.get_document(f"sent/{v}/{w}", wait=TIMEOUT) is None:
                         raise TimeoutError(f"writer {w} did not publish version {v}")
-            stats = transport.receive(v, timeout=TIMEOUT)
+            stats = transport.receive(v, deadline=Deadline.after(TIMEOUT))
         spans.append((t0, time.monotonic()))
         phases.append(dict(stats.phases))
         nbytes = stats.nbytes

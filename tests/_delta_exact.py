@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from weightsync.clock.deadline import Deadline
+
 #: Anchors: full versions at 1 and 5.
 ANCHOR_EVERY = 4
 #: 3 int32 indices + 3 fp32 values.
@@ -39,10 +41,10 @@ class DeltaPair:
     def step(self, version: int, change: int = 0, *, receive: bool = True) -> int | None:
         """Change the first ``change`` elements, send ``version``; the bytes the reader took, or None."""
         next(iter(self.src.values()))[:change] += 1.0
-        self.writer.send(version, timeout=5)
+        self.writer.send(version, deadline=Deadline.after(5))
         if not receive:
             return None
-        moved = self.reader.receive(version, timeout=5).nbytes
+        moved = self.reader.receive(version, deadline=Deadline.after(5)).nbytes
         assert all(torch.equal(self.dst[n], self.src[n]) for n in self.src), version
         return moved
 
@@ -65,8 +67,8 @@ def delta_pair(make_transport: Callable[[str, dict[str, Any]], Any], **options: 
     reader = None
     try:
         reader = make_transport("reader", options)
-        writer.prepare(plan, src, epoch=0, timeout=10)
-        reader.prepare(plan, dst, epoch=0, timeout=10)
+        writer.prepare(plan, src, epoch=0, deadline=Deadline.after(10))
+        reader.prepare(plan, dst, epoch=0, deadline=Deadline.after(10))
         yield DeltaPair(writer, reader, src, dst, plan.total_bytes)
     finally:
         writer.close()

@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch
 
 from fake_meta import DirectoryMeta
+from weightsync.clock.deadline import Deadline
 from weightsync.configs import load_spec
 from weightsync.job.channel import JobChannel
 from weightsync.layout import parse_layout
@@ -85,7 +86,7 @@ def main() -> None:
     timeout = args.get("timeout", 30.0)
     t0 = time.monotonic()
     try:
-        transport.prepare(plan, tensors, epoch=0, timeout=timeout)
+        transport.prepare(plan, tensors, epoch=0, deadline=Deadline.after(timeout))
     except Exception as exc:  # WeightReader reports a failed prepare like a failed receive
         transport.close()
         if role == "writer":
@@ -104,7 +105,7 @@ def main() -> None:
                     if args.get("moved_shared"):  # to new /dev/shm files (zero-copy stays possible)
                         shares.append(share_tensors(tensors))
                         tensors = shares[-1].tensors
-                    transport.prepare(plan, tensors, epoch=0, timeout=timeout)  # what SyncSession.arm does
+                    transport.prepare(plan, tensors, epoch=0, deadline=Deadline.after(timeout))  # what SyncSession.arm does
                 fill_from_canonical(mine, tensors, values(canonical, version, args["source_dtype"]))
                 # (routed: its shm part keeps version slots too; WeightWriter's staleness wait guards them)
                 if (transport.one_sided or transport.name == "routed") and version >= 1:
@@ -114,7 +115,7 @@ def main() -> None:
                 early = transport.publishes_before_send
                 if early:
                     meta.put_document(f"sent/{version}/{rank}", b"1")
-                stats = transport.send(version, timeout=timeout)
+                stats = transport.send(version, deadline=Deadline.after(timeout))
                 if not early:
                     meta.put_document(f"sent/{version}/{rank}", b"1")
                 results.append({"version": version, "peak_extra_bytes": stats.peak_extra_bytes})
@@ -122,14 +123,14 @@ def main() -> None:
                 if version in args.get("new_memory_at", {}).get(str(rank), []):  # a restarted/staging reader
                     tensors = allocate(mine, device=device)  # fresh (zeroed) memory
                     pointers = {n: t.data_ptr() for n, t in tensors.items()}
-                    transport.prepare(plan, tensors, epoch=0, timeout=timeout)
+                    transport.prepare(plan, tensors, epoch=0, deadline=Deadline.after(timeout))
                 t0 = time.monotonic()
                 try:
                     if transport.one_sided:  # what WeightReader does: wait for the publication
                         for w in range(len(writers)):
                             if meta.get_document(f"sent/{version}/{w}", wait=timeout) is None:
                                 raise TimeoutError(f"writer {w} never published version {version}")
-                    stats = transport.receive(version, timeout=timeout)
+                    stats = transport.receive(version, deadline=Deadline.after(timeout))
                 except Exception as exc:  # report what the user would see
                     print(json.dumps({"error": type(exc).__name__, "message": str(exc),
                                       "seconds": time.monotonic() - t0}), flush=True)

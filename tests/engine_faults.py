@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from weightsync.clock.deadline import Deadline
 from weightsync.meta import MetaClient
 from weightsync.ports import device as device_port
 from weightsync.session.sync_session import SyncConfig
@@ -69,10 +70,10 @@ def fail_in_phase(reader: Any, version: int, phase: int) -> None:
     transport = planned.transport
     original = transport.receive
 
-    def receive(v: int, *, timeout: float, phase: int = 0, _k: int = phase) -> Any:
+    def receive(v: int, *, deadline: Deadline, phase: int = 0, _k: int = phase) -> Any:
         if v == version and phase == _k:
             raise TransportError(f"injected: writer 0 went away in phase {_k} of version {v}")
-        return original(v, timeout=timeout, phase=phase)
+        return original(v, deadline=deadline, phase=phase)
 
     transport.receive = receive
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fake_meta import DirectoryMeta
+from weightsync.clock.deadline import Deadline
 from weightsync.configs import load_spec
 from weightsync.job.channel import JobChannel
 from weightsync.layout import parse_layout
@@ -82,24 +83,24 @@ def run_pair(transport: str, tmp_path: Any, *, model: Any, processes: tuple[str,
         t = create_transport(transport, ctx(role, rank))
         epoch = epoch_of(versions[0])
         try:
-            t.prepare(plan, tensors, epoch=epoch, timeout=timeout, phases=phases)
+            t.prepare(plan, tensors, epoch=epoch, deadline=Deadline.after(timeout), phases=phases)
             for v in versions:
                 if epoch_of(v) != epoch or (reattach and role == "reader" and v != versions[0]):
                     epoch = epoch_of(v)
-                    t.prepare(plan, tensors, epoch=epoch, timeout=timeout, phases=phases)
+                    t.prepare(plan, tensors, epoch=epoch, deadline=Deadline.after(timeout), phases=phases)
                 values = random_canonical(canonical, seed=v)
                 if role == "writer":
                     for name, src in as_tensors(cut_shards(layout, values), layout).items():
                         tensors[name].copy_(src)
                     for p in range(len(phases or [plan])):
-                        t.send(v, timeout=timeout, phase=p)
+                        t.send(v, deadline=Deadline.after(timeout), phase=p)
                         if lockstep:
                             barrier.wait(timeout)
                 else:
                     for p in range(len(phases or [plan])):
                         if before_receive is not None:
                             before_receive(v, p, tensors)
-                        t.receive(v, timeout=timeout, phase=p)
+                        t.receive(v, deadline=Deadline.after(timeout), phase=p)
                         if lockstep:
                             barrier.wait(timeout)
                     device_port.current().synchronize("cpu")

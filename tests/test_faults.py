@@ -289,7 +289,7 @@ def test_a_gloo_send_cut_off_mid_write_fails_the_write_within_seconds_of_the_dea
     try:
         with pytest.raises(TransportError, match=r"writer 0: reader 0 died while this rank waited for version 1: "
                                                  "its lease expired"):
-            gloo._run_pairs(1, 8.0, move, [Pair(0, 1, [])])
+            gloo._run_pairs(1, Deadline.after(8.0), move, [Pair(0, 1, [])])
         elapsed = time.monotonic() - started
     finally:
         reader.join(timeout=TIMEOUT)

@@ -162,9 +162,9 @@ def corrupt_in_transit(reader: WeightReader, buffers: dict[str, torch.Tensor], v
             flip(view)
         arrived(o, view)
 
-    def on_receive(v: int, *, timeout: float, phase: int = 0) -> Any:
+    def on_receive(v: int, *, deadline: Deadline, phase: int = 0) -> Any:
         state["armed"] = v == version
-        stats = receive(v, timeout=timeout, phase=phase)
+        stats = receive(v, deadline=deadline, phase=phase)
         if v == version and phase == last and not state["done"]:  # nothing digested it on its way in
             state.update(done=True, where="after landing")
             element = buffers[op.dst_shard].view(-1)[op.dst_offset: op.dst_offset + 1]

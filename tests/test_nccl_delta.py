@@ -23,6 +23,7 @@ import torch
 from device_model import DeviceModel, span
 from fake_meta import DirectoryMeta
 from gpu_harness import as_tensors
+from weightsync.clock.deadline import Deadline
 from weightsync.configs import load_spec
 from weightsync.job.channel import JobChannel
 from weightsync.layout import parse_layout
@@ -268,12 +269,12 @@ def run_versions(tmp_path: Any, model: DeviceModel, versions: list[int], *, anch
         tensors = as_tensors(cut_shards(layout, values_at(1)), layout)
         t = make("writer", tmp_path, wire, rank=rank, **sizes, delta_anchor_every=anchor)
         try:
-            t.prepare(build_local_plan(writers, readers, role="writer", rank=rank), tensors, epoch=0, timeout=20)
+            t.prepare(build_local_plan(writers, readers, role="writer", rank=rank), tensors, epoch=0, deadline=Deadline.after(20))
             for v in versions:
                 for name, src in as_tensors(cut_shards(layout, values_at(v)), layout).items():
                     tensors[name].copy_(src)
                 barrier.wait(20)
-                t.send(v, timeout=20)
+                t.send(v, deadline=Deadline.after(20))
                 barrier.wait(20)
         except BaseException as exc:
             errors.append(exc)
@@ -287,7 +288,7 @@ def run_versions(tmp_path: Any, model: DeviceModel, versions: list[int], *, anch
         tensors = as_tensors(empty_shards(layout), layout)
         t = make("reader", tmp_path, wire, rank=rank, **sizes, delta_anchor_every=anchor)
         try:
-            t.prepare(plan, tensors, epoch=0, timeout=20)
+            t.prepare(plan, tensors, epoch=0, deadline=Deadline.after(20))
             for v in versions:
                 barrier.wait(20)
                 if reader_event is not None:
@@ -295,8 +296,8 @@ def run_versions(tmp_path: Any, model: DeviceModel, versions: list[int], *, anch
                     if fresh is not None:
                         t.close()
                         t = fresh
-                        t.prepare(plan, tensors, epoch=0, timeout=20)
-                stats = t.receive(v, timeout=20)
+                        t.prepare(plan, tensors, epoch=0, deadline=Deadline.after(20))
+                stats = t.receive(v, deadline=Deadline.after(20))
                 model.synchronize("cpu")
                 want = as_tensors(cut_shards(layout, values_at(v)), layout)
                 equal = all(torch.equal(x.view(torch.uint8), want[n].to(x.dtype).view(torch.uint8))
@@ -394,7 +395,7 @@ def test_copies_that_do_not_fit_the_device_are_refused_at_prepare(tmp_path):
             r"writer 0's delta copies of the bytes it sends \(one per reader it sends to\) and staging needs "
             r".* on cpu, and only .* of it is free: set delta_anchor_every=0")):
         t = make("writer", tmp_path, Wire(model), delta_anchor_every=2)
-        t.prepare(build_local_plan(WRITERS, READERS, role="writer", rank=0), tensors, epoch=0, timeout=5)
+        t.prepare(build_local_plan(WRITERS, READERS, role="writer", rank=0), tensors, epoch=0, deadline=Deadline.after(5))
     t.close()
 
 
@@ -415,7 +416,7 @@ def test_nccls_buffers_and_the_staging_that_do_not_fit_are_refused_at_prepare(tm
             rf"writer 0's NCCL staging \({lanes} x .* MiB\) needs .* of it is free: a smaller max_bucket_bytes")
     with device_port.use(model), pytest.raises(DeviceMemoryError, match=what):
         t = make("writer", tmp_path, Wire(model))
-        t.prepare(build_local_plan(WRITERS, READERS, role="writer", rank=0), tensors, epoch=0, timeout=5)
+        t.prepare(build_local_plan(WRITERS, READERS, role="writer", rank=0), tensors, epoch=0, deadline=Deadline.after(5))
     t.close()
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from weightsync.clock.deadline import Deadline
 from weightsync.layout import ModelSpec, parse_layout
 from weightsync.layout.quant_block import BLOCK_SCHEMES, BlockTensor, block_tensors
 from weightsync.layout.quant_block_offers import block_sources
@@ -337,12 +338,12 @@ def test_a_version_whose_scale_piece_does_not_arrive_fails_and_is_never_loaded()
                 phase = next(i for i, names in enumerate(planned.phase_names) if held_back in names)
                 original = planned.transport.receive
 
-                def receive(v: int, *, timeout: float, phase_: int = 0, **kw):
+                def receive(v: int, *, deadline: Deadline, phase_: int = 0, **kw):
                     p = kw.get("phase", phase_)
                     if v == 2 and p == phase:  # the values land; the scale piece is not there by the deadline
-                        original(v, timeout=timeout, phase=p)
+                        original(v, deadline=deadline, phase=p)
                         raise TransportError(f"version 2 phase {p}: {held_back} did not arrive before the deadline")
-                    return original(v, timeout=timeout, phase=p)
+                    return original(v, deadline=deadline, phase=p)
 
                 planned.transport.receive = receive
                 with pytest.raises(SyncError, match="did not arrive"):

@@ -15,6 +15,7 @@ import pytest
 
 from fake_meta import FakeChannel
 from launcher import launch as launch_process
+from weightsync.clock.deadline import Deadline
 from weightsync.transport import unavailable_reason
 
 HERE = os.path.dirname(__file__)
@@ -216,13 +217,13 @@ def test_file_delta_reader_refuses_a_writer_that_writes_no_change_files(tmp_path
     r = FileTransport(TransportContext(channel=JobChannel(meta, role="reader", rank=0), num_writers=1, num_readers=1,
                                        options=TransportOptions(file_dir=files, delta_anchor_every=4)))
     try:
-        w.prepare(plan, {s.name: torch.ones(s.numel) for s in layouts[0].shards}, epoch=0, timeout=10)
-        r.prepare(plan, {s.name: torch.zeros(s.numel) for s in layouts[0].shards}, epoch=0, timeout=10)
-        w.send(1, timeout=5)
+        w.prepare(plan, {s.name: torch.ones(s.numel) for s in layouts[0].shards}, epoch=0, deadline=Deadline.after(10))
+        r.prepare(plan, {s.name: torch.zeros(s.numel) for s in layouts[0].shards}, epoch=0, deadline=Deadline.after(10))
+        w.send(1, deadline=Deadline.after(5))
         with pytest.raises(TransportError, match=r"^reader 0: writer 0 publishes no changes next to .*v1/writer-0\.p0"
                                                  r"\.safetensors; set the same TransportOptions\.delta_anchor_every "
                                                  "on every rank"):
-            r.receive(1, timeout=5)
+            r.receive(1, deadline=Deadline.after(5))
     finally:
         w.close()
         r.close()

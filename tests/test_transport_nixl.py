@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from fake_meta import DirectoryMeta
+from weightsync.clock.deadline import Deadline
 from weightsync.transport import unavailable_reason
 
 needs_nixl = pytest.mark.skipif(unavailable_reason("nixl") is not None,
@@ -85,7 +86,7 @@ def _rank_main(role, rank, scenarios, meta_root, barrier, results, stop_after=No
             ptrs = {n: t.data_ptr() for n, t in tensors.items()}
             threads0, fds0 = _native_threads(), _fds()
             transport = create_transport("nixl", ctx)
-            transport.prepare(plan, tensors, epoch=epoch, timeout=TIMEOUT)
+            transport.prepare(plan, tensors, epoch=epoch, deadline=Deadline.after(TIMEOUT))
             out = {"setup": dict(transport.setup), "received": [], "error": None}
             for i, v in enumerate(versions):
                 values = random_canonical(canonical, seed=v)
@@ -94,12 +95,12 @@ def _rank_main(role, rank, scenarios, meta_root, barrier, results, stop_after=No
                         time.sleep(3 * TIMEOUT)  # the test kills this process now
                     for name, t in _tensors(cut_shards(layout, values), layout).items():
                         tensors[name].copy_(t)
-                    transport.send(v, timeout=TIMEOUT)
+                    transport.send(v, deadline=Deadline.after(TIMEOUT))
                     results.put((role, rank, "sent", v))
                 else:
                     t0 = time.monotonic()
                     try:
-                        stats = transport.receive(v, timeout=TIMEOUT)
+                        stats = transport.receive(v, deadline=Deadline.after(TIMEOUT))
                     except TransportError as exc:
                         out["error"] = (str(exc), time.monotonic() - t0)
                         barrier.wait(TIMEOUT)
@@ -290,29 +291,29 @@ def test_slots_stale_versions_and_mode_mismatch_in_one_process(tmp_path, monkeyp
     src = {s.name: torch.zeros(s.numel) for s in writers[0].shards}
     dst = {s.name: torch.zeros(s.numel) for s in readers[0].shards}
     with NixlPullTransport(ctx("writer")) as w, NixlPullTransport(ctx("reader")) as r:
-        w.prepare(plan, src, epoch=0, timeout=10)
-        r.prepare(plan, dst, epoch=0, timeout=10)
+        w.prepare(plan, src, epoch=0, deadline=Deadline.after(10))
+        r.prepare(plan, dst, epoch=0, deadline=Deadline.after(10))
         prepared = len(registrations)
         for v in (1, 2):
             for t in src.values():
                 t.fill_(v)
-            w.send(v, timeout=5)
-        assert r.receive(1, timeout=5).nbytes == plan.total_bytes
+            w.send(v, deadline=Deadline.after(5))
+        assert r.receive(1, deadline=Deadline.after(5)).nbytes == plan.total_bytes
         assert all(bool((t == 1).all()) for t in dst.values())
-        w.send(3, timeout=5)  # overwrites version 1's slot
+        w.send(3, deadline=Deadline.after(5))  # overwrites version 1's slot
         with pytest.raises(TransportError, match="version 1 in writer 0's NIXL slot is already replaced by version 3"):
-            r.receive(1, timeout=5)
-        r.receive(2, timeout=5)
+            r.receive(1, deadline=Deadline.after(5))
+        r.receive(2, deadline=Deadline.after(5))
         assert all(bool((t == 2).all()) for t in dst.values())
         t0 = time.monotonic()
         with pytest.raises(TransportError, match="version 4 in writer 0's NIXL slot is not written yet"):
-            r.receive(4, timeout=0.3)
+            r.receive(4, deadline=Deadline.after(0.3))
         assert time.monotonic() - t0 < 2
         assert len(registrations) == prepared, "registration must happen once per plan, not per version"
         with NixlPushTransport(ctx("reader", "push")) as pushed:
             assert pushed.mode == "push"
             with pytest.raises(TransportError, match="writer 0 uses nixl_mode 'pull'"):
-                pushed.prepare(plan, dst, epoch=0, timeout=5)
+                pushed.prepare(plan, dst, epoch=0, deadline=Deadline.after(5))
     assert threading_names() == threads_before, "the NIXL agents left threads behind"
 
 
@@ -389,23 +390,23 @@ def test_push_deltas_write_exactly_the_changes(tmp_path, monkeypatch):
     first = next(iter(src.values()))
     full = plan.total_bytes
     with NixlPushTransport(ctx("writer")) as w, NixlPushTransport(ctx("reader")) as r:
-        prepared = threading.Thread(target=w.prepare, args=(plan, src), kwargs={"epoch": 0, "timeout": 10})
+        prepared = threading.Thread(target=w.prepare, args=(plan, src), kwargs={"epoch": 0, "deadline": Deadline.after(10)})
         prepared.start()
-        r.prepare(plan, dst, epoch=0, timeout=10)
+        r.prepare(plan, dst, epoch=0, deadline=Deadline.after(10))
         prepared.join(10)
 
         def step(version, change=0, *, fail=False):
             first[:change] += 1.0
             sent = {}
-            writer = threading.Thread(target=lambda: sent.update(stats=w.send(version, timeout=10)))
+            writer = threading.Thread(target=lambda: sent.update(stats=w.send(version, deadline=Deadline.after(10))))
             if fail:  # the reader asks for the version, gives up, then the writer writes it
                 with pytest.raises(TransportError, match="did not arrive"):
-                    r.receive(version, timeout=0.2)
+                    r.receive(version, deadline=Deadline.after(0.2))
                 writer.start()
                 writer.join(10)
                 return None
             writer.start()
-            moved = r.receive(version, timeout=10).nbytes
+            moved = r.receive(version, deadline=Deadline.after(10)).nbytes
             writer.join(10)
             assert sent["stats"].nbytes == moved, version
             assert all(torch.equal(dst[n], src[n]) for n in src), version
@@ -450,7 +451,7 @@ def test_push_delta_ranks_refuse_a_peer_without_deltas(tmp_path, monkeypatch):
 
         def prepare(t, tensors):
             try:
-                t.prepare(plan, tensors, epoch=0, timeout=5)
+                t.prepare(plan, tensors, epoch=0, deadline=Deadline.after(5))
             except TransportError as exc:
                 errors.append(str(exc))
 
@@ -485,10 +486,10 @@ def test_pull_delta_reader_refuses_a_writer_that_publishes_no_changes(tmp_path, 
 
     tensors = {s.name: torch.zeros(s.numel) for s in layouts[0].shards}
     with NixlPullTransport(ctx("writer", 0)) as w, NixlPullTransport(ctx("reader", 4)) as r:
-        w.prepare(plan, tensors, epoch=0, timeout=10)
+        w.prepare(plan, tensors, epoch=0, deadline=Deadline.after(10))
         with pytest.raises(TransportError, match=r"reader 0: writer 0 publishes no changes; set the same "
                                                  r"TransportOptions\.delta_anchor_every on every rank"):
-            r.prepare(plan, {n: torch.zeros_like(t) for n, t in tensors.items()}, epoch=0, timeout=10)
+            r.prepare(plan, {n: torch.zeros_like(t) for n, t in tensors.items()}, epoch=0, deadline=Deadline.after(10))
 
 
 @needs_nixl
@@ -530,19 +531,19 @@ def test_push_reader_takes_the_version_of_a_writer_that_closed_after_sending_it(
     dst, want = allocate(readers[0]), allocate(readers[0])
     fill_from_canonical(readers[0], want, values)
     w0, w1, r = make("writer", 0), make("writer", 1), make("reader", 0)
-    threads = [threading.Thread(target=w.prepare, args=(plan, src), kwargs={"epoch": 0, "timeout": 10})
+    threads = [threading.Thread(target=w.prepare, args=(plan, src), kwargs={"epoch": 0, "deadline": Deadline.after(10)})
                for w, src in ((w0, srcs[0]), (w1, srcs[1]))]
     try:
         for t in threads:
             t.start()
-        r.prepare(plan, dst, epoch=0, timeout=10)
+        r.prepare(plan, dst, epoch=0, deadline=Deadline.after(10))
         for t in threads:
             t.join(10)
         take, sent = NixlPushTransport._take, {}
 
         def last_writer_sends_and_leaves():
             try:
-                sent[1] = w1.send(1, timeout=10).nbytes
+                sent[1] = w1.send(1, deadline=Deadline.after(10)).nbytes
             finally:
                 w1.close()
 
@@ -555,9 +556,9 @@ def test_push_reader_takes_the_version_of_a_writer_that_closed_after_sending_it(
             return take(self, peer, *args, **kwargs)
 
         monkeypatch.setattr(NixlPushTransport, "_take", slow_take)
-        first = threading.Thread(target=lambda: sent.update({0: w0.send(1, timeout=10).nbytes}))
+        first = threading.Thread(target=lambda: sent.update({0: w0.send(1, deadline=Deadline.after(10)).nbytes}))
         first.start()
-        received = r.receive(1, timeout=10)
+        received = r.receive(1, deadline=Deadline.after(10))
         first.join(10)
         assert sorted(sent) == [0, 1], "a writer failed to send (its error is printed above)"
         assert received.nbytes == sent[0] + sent[1] == plan.total_bytes

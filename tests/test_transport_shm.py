@@ -11,6 +11,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from fake_meta import DirectoryMeta
+from weightsync.clock.deadline import Deadline
 from weightsync.configs import load_spec
 from weightsync.job.channel import JobChannel
 from weightsync.layout import parse_layout
@@ -35,10 +36,10 @@ def _writer(tmp_path, tensors, *, moves=None):
     ctx = TransportContext(channel=JobChannel(DirectoryMeta(str(tmp_path)), role="writer", rank=0), num_writers=1,
                            num_readers=2, options=TransportOptions())
     transport = create_transport("shm", ctx)
-    transport.prepare(plan, tensors(writers[0]), epoch=0, timeout=5)
+    transport.prepare(plan, tensors(writers[0]), epoch=0, deadline=Deadline.after(5))
     if moves is not None:
         first = transport.writer_side
-        transport.prepare(plan, moves(writers[0]), epoch=0, timeout=5)
+        transport.prepare(plan, moves(writers[0]), epoch=0, deadline=Deadline.after(5))
         return transport, first
     return transport
 
@@ -70,7 +71,7 @@ def test_zero_copy_writer_names_readers_that_never_copied(tmp_path):
     try:
         assert isinstance(transport.writer_side, ZeroCopyWriter), "sources in /dev/shm must select zero-copy mode"
         with pytest.raises(TransportError, match=r"readers \[0, 1\] did not copy version 0"):
-            transport.send(0, timeout=0.3)
+            transport.send(0, deadline=Deadline.after(0.3))
         # no longer exposed: the trainer may write again
         assert int(transport.writer_side.segment.words[EXPOSED_WORD]) == -1
     finally:
@@ -82,7 +83,7 @@ def test_private_sources_keep_snapshot_slots(tmp_path):
     transport = _writer(tmp_path, allocate)
     try:
         assert isinstance(transport.writer_side, SnapshotWriter)
-        stats = transport.send(0, timeout=5)  # packs into its slot, does not wait for anyone
+        stats = transport.send(0, deadline=Deadline.after(5))  # packs into its slot, does not wait for anyone
         assert stats.peak_extra_bytes >= stats.nbytes > 0
     finally:
         transport.close()

@@ -5,7 +5,7 @@ epoch, preparing the transport, moving bytes, waiting for readers) gets what is 
 it, so the whole operation, not each step, is bounded by the caller's timeout.
 
     deadline = Deadline.after(timeout)
-    transport.send(version, timeout=deadline.remaining())
+    transport.send(version, deadline=deadline)
     if deadline.expired: ...
 """
 

@@ -217,7 +217,7 @@ class WeightReader:
             for phase in range(planned.num_phases):
                 if planned.digests is not None:
                     planned.digests.begin(phase)
-                stats = transport.receive(v, timeout=deadline.remaining(), phase=phase)
+                stats = transport.receive(v, deadline=deadline, phase=phase)
                 nbytes += stats.nbytes if planned.digests is None else planned.digests.weight_bytes(phase, stats.nbytes)
                 for name, seconds in stats.phases.items():
                     phases[f"receive.{name}"] = phases.get(f"receive.{name}", 0.0) + seconds

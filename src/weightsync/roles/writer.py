@@ -166,7 +166,7 @@ class WeightWriter:
                     t0 = time.perf_counter()
                     planned.digests.before_send(phase, tensors)  # or the transport digests as it packs
                     result.phases["digest"] = result.phases.get("digest", 0.0) + time.perf_counter() - t0
-                stats = transport.send(version, timeout=deadline.remaining(), phase=phase)
+                stats = transport.send(version, deadline=deadline, phase=phase)
                 digests = planned.digests
                 result.nbytes += stats.nbytes if digests is None else digests.weight_bytes(phase, stats.nbytes)
                 for name, seconds in stats.phases.items():

@@ -402,7 +402,7 @@ class SyncSession:
         ptrs = tuple(t.data_ptr() for t in tensors.values())
         if self._armed != (epoch, ptrs):
             t0 = time.perf_counter()
-            planned.transport.prepare(plan, tensors, epoch=epoch, timeout=deadline.remaining(), phases=phases or None)
+            planned.transport.prepare(plan, tensors, epoch=epoch, deadline=deadline, phases=phases or None)
             self._armed = (epoch, ptrs)
             self.timings["prepare"] = time.perf_counter() - t0
         return planned.transport

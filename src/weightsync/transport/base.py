@@ -3,10 +3,11 @@
 Lifecycle (both roles)::
 
     transport = create_transport("torch", ctx)       # ctx: the rank's job channel, peers, options
-    transport.prepare(plan, tensors, epoch=e, timeout=60)   # once per plan/epoch/buffers
-    # every version:
-    stats = transport.send(version, timeout=60)       # writer
-    stats = transport.receive(version, timeout=60)    # reader
+    deadline = Deadline.after(60)                    # the caller's: every step of its operation shares it
+    transport.prepare(plan, tensors, epoch=e, deadline=deadline)   # once per plan/epoch/buffers
+    # every version (each under its operation's deadline):
+    stats = transport.send(version, deadline=deadline)       # writer
+    stats = transport.receive(version, deadline=deadline)    # reader
     transport.close()
 
 **Phases.** ``prepare(..., phases=split_plan(plan, layer_phases(...)))`` cuts every version
@@ -21,7 +22,8 @@ registration, message schedules); ``send``/``receive`` only move bytes. ``tensor
 each local shard name in the plan to the torch tensor holding it: on the reader these are
 the engine's parameters (or staging buffers when an engine must run its own loader), and
 the transport writes straight into them. Every blocking call takes an explicit version and
-timeout; a failure raises :class:`TransportError` naming the peer and the tensors.
+the caller's :class:`~weightsync.clock.deadline.Deadline` (the one its whole operation shares,
+never a float to turn back into one); a failure raises :class:`TransportError` naming the peer and the tensors.
 Transports reach their peers (rendezvous addresses, memory handles) only through the job
 channel's endpoints (:meth:`weightsync.job.channel.JobChannel.publish_endpoint`), one typed record per
 transport and epoch (:mod:`weightsync.transport.endpoints`).
@@ -236,12 +238,12 @@ class Transport(Protocol):
         """Digest as it copies (only called where ``fuses_digests`` names this rank's role);
         False: it declines (a setting that changes what it copies), and the session digests."""
 
-    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, deadline: Deadline,
                 phases: Sequence[Plan] | None = None) -> None: ...
 
-    def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats: ...
+    def send(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats: ...
 
-    def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats: ...
+    def receive(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats: ...
 
     def forget_received(self) -> None:
         """Reader: its tensors may no longer hold what this transport last wrote into them

@@ -127,11 +127,11 @@ class FileTransport:
         self._digests = digests
         return True
 
-    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, deadline: Deadline,
                 phases: Sequence[Plan] | None = None) -> None:
         check_tensors_device(self, self.ctx, tensors)
         self._flats = flat_views(tensors)
-        self.directory = self._directory(epoch, Deadline.after(timeout))
+        self.directory = self._directory(epoch, deadline)
         parts = phase_plans(plan, phases)
         if self.ctx.role == "writer":
             self._pieces = [ExposedIndex.for_writer(part, self.ctx.rank)[1] for part in parts]
@@ -171,7 +171,7 @@ class FileTransport:
         return os.path.join(self.directory, f"v{version}", f"writer-{writer}.p{phase}.safetensors")
 
     # -- writer ---------------------------------------------------------------------------
-    def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
+    def send(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats:
         check_phase(phase, len(self._pieces), self.ctx.who)
         pieces = self._pieces[phase]
         changes = self._change_writers[phase] if self._change_writers else None
@@ -263,11 +263,11 @@ class FileTransport:
                     os.unlink(name)
 
     # -- reader ---------------------------------------------------------------------------
-    def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
+    def receive(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats:
         check_phase(phase, len(self._reads), self.ctx.who)
         stats = TransferStats(version)
         timer = PhaseTimer(stats)
-        deadline = Deadline.after(timeout)
+        timeout = deadline.remaining()  # for the message: what the caller gave this call
         for writer, ops in sorted(self._reads[phase].items()):
             path = self._path(version, writer, phase)
             watch = PeerWatch(self.ctx, "writer", [writer])

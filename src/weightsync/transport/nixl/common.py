@@ -42,8 +42,8 @@ Every wait has a deadline and keeps operating on the peers it waits for, so a de
 is a :class:`TransportError` naming it, within the timeout.
 
     t = create_transport("nixl", ctx)   # NixlPullTransport or NixlPushTransport, by mode
-    t.prepare(plan, tensors, epoch=e, timeout=60)   # register, exchange metadata, prepare
-    t.send(v, timeout=60)    # or t.receive(v, timeout=60): repost the prepared handles
+    t.prepare(plan, tensors, epoch=e, deadline=deadline)   # register, exchange metadata, prepare
+    t.send(v, deadline=deadline)    # or t.receive(v, deadline=deadline): repost the prepared handles
     t.close()
 
 **Memory that moves** within an epoch (a trainer's ``param.data = t``, an optimizer that swaps
@@ -170,14 +170,13 @@ class NixlBase:
         return True
 
     # -- lifecycle --------------------------------------------------------------------------
-    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, deadline: Deadline,
                 phases: Sequence[Plan] | None = None) -> None:
         """Start over for a plan: new agent, registrations, metadata exchange, handles."""
         check_tensors_device(self, self.ctx, tensors)
         if self._follow(plan, tensors, epoch=epoch, phases=phases):
             return
         self.close()
-        deadline = Deadline.after(timeout)
         self._flats = flat_views(tensors)
         started = time.perf_counter()
         name = f"weightsync-{self.ctx.role}{self.ctx.rank}-e{epoch}-{os.getpid()}-{secrets.token_hex(4)}"

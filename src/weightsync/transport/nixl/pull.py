@@ -107,7 +107,7 @@ class NixlPullTransport(NixlBase):
         self._publish(epoch, slots=NixlSlots(self._area.data_ptr(), self.slots, self._slot_bytes, self._index.encode(),
                                              None if layout is None else layout.to_header()))
 
-    def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
+    def send(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats:
         if self._area is None:
             raise RuntimeError(f"{self.who}: send() before prepare()")
         check_phase(phase, self._phases, self.who)
@@ -231,12 +231,11 @@ class NixlPullTransport(NixlBase):
                 out.append((self._prepare_xfer(peer, "READ", descs, f"slot {slot} into the landing buffer"), m))
         return out
 
-    def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
+    def receive(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats:
         self._prepared_agent("receive")
         check_phase(phase, self._phases, self.who)
         stats = TransferStats(version)
         timer = PhaseTimer(stats)
-        deadline = Deadline.after(timeout)
         slot = version % self.slots
         with timer("wait"):
             for i, peer in enumerate(self._peers):

@@ -183,12 +183,11 @@ class NixlPushTransport(NixlBase):
         return Descriptors.of(np.concatenate(local), np.concatenate(remote), np.concatenate(lengths),
                               local_starts=self._starts, remote_starts=[addr for addr, _ in shards.values()])
 
-    def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
+    def send(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats:
         self._prepared_agent("send")
         check_phase(phase, self._phases, self.who)
         stats = TransferStats(version)
         timer = PhaseTimer(stats)
-        deadline = Deadline.after(timeout)
         token = phase_token(version, phase)
         changes = self._published
         slot = 0 if changes is None else version % 2
@@ -314,11 +313,10 @@ class NixlPushTransport(NixlBase):
             at += b.nbytes
         return out
 
-    def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
+    def receive(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats:
         agent = self._prepared_agent("receive")
         check_phase(phase, self._phases, self.who)
         stats = TransferStats(version)
-        deadline = Deadline.after(timeout)
         token = phase_token(version, phase)
         pending = {peer.agent: peer for peer in self._peers if peer.nbytes[phase]}
         self._copy_in()  # what this rank's tensors hold now: the base of deltas, the bytes no op writes

@@ -10,9 +10,9 @@ same-node ops and a torch transport (gloo on CPU, NCCL on GPU) over the rest, ea
 as it runs alone::
 
     transport = create_transport("routed", ctx)      # ctx.placements: every rank's node
-    transport.prepare(plan, tensors, epoch=e, timeout=60)
-    transport.send(version, timeout=60)              # writer: shm part, then torch part
-    transport.receive(version, timeout=60)           # reader: same order
+    transport.prepare(plan, tensors, epoch=e, deadline=deadline)   # deadline: the caller's Deadline
+    transport.send(version, deadline=deadline)       # writer: shm part, then torch part
+    transport.receive(version, deadline=deadline)    # reader: same order
     transport.routes                                 # {"shm": [(w, r), ...], "torch": [...]}
 
 Ordering keeps it deadlock-free: the shared-memory side of a writer never waits for a
@@ -121,11 +121,10 @@ class RoutedTransport:
         together = self._local[np.asarray(c.src_rank, dtype=np.int64), np.asarray(c.dst_rank, dtype=np.int64)]
         return plan.subset(np.flatnonzero(together if route == "shm" else ~together), tag=route)
 
-    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, deadline: Deadline,
                 phases: Sequence[Plan] | None = None) -> None:
         check_tensors_device(self, self.ctx, tensors)
         check_host_phases(self.ctx.device, len(phases) if phases else 1)
-        deadline = Deadline.after(timeout)
         self._phases = len(phases) if phases else 1
         active: list[Route] = []
         for route in ROUTES:
@@ -137,27 +136,26 @@ class RoutedTransport:
             if not needed:
                 continue
             sub_phases = [self._part(p, route) for p in phases] if phases else None
-            self._sub(route).prepare(part, tensors, epoch=epoch, timeout=deadline.remaining(), phases=sub_phases)
+            self._sub(route).prepare(part, tensors, epoch=epoch, deadline=deadline, phases=sub_phases)
             active.append(route)
         self._active = active
         logger.info("%s routes %d pair(s) over shm and %d over torch", self.ctx.who, len(self.routes["shm"]),
                     len(self.routes["torch"]))
 
-    def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
-        return self._run(version, timeout, phase, sending=True)
+    def send(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats:
+        return self._run(version, deadline, phase, sending=True)
 
-    def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
-        return self._run(version, timeout, phase, sending=False)
+    def receive(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats:
+        return self._run(version, deadline, phase, sending=False)
 
-    def _run(self, version: int, timeout: float, phase: int, *, sending: bool) -> TransferStats:
-        deadline = Deadline.after(timeout)
+    def _run(self, version: int, deadline: Deadline, phase: int, *, sending: bool) -> TransferStats:
         total = TransferStats(version)
         if phase == 0:
             self.last_bytes = {"shm": 0, "torch": 0}
         for route in self._active:
             sub = self._subs[route]
             move = sub.send if sending else sub.receive
-            stats = move(version, timeout=deadline.remaining(), phase=phase)
+            stats = move(version, deadline=deadline, phase=phase)
             self.last_bytes[route] += stats.nbytes
             total.nbytes += stats.nbytes
             total.messages += stats.messages

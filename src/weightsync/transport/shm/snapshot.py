@@ -41,7 +41,7 @@ cannot open it, releases its share instead. The handles are published msgpack-en
 segment header; only the small control page stays in ``/dev/shm``::
 
     side = SnapshotWriter(ctx, index, copies, slots=2, device=device, streaming=True, dev=dev, readers=[0, 1])
-    side.send(version, flats, timeout, phase=0, last=True)          # writer: pack, seal the slot
+    side.send(version, flats, deadline, phase=0, last=True)         # writer: pack, seal the slot
     peer = attach_snapshot(path, mem, words, header, index, writer=w, ctx=ctx, streaming=True, dev=dev,
                            mapped={})                               # mapped: kept for the epoch
     peer.begin(version, deadline); peer.source(op, at, version, deadline); peer.finish(version, deadline)
@@ -155,7 +155,7 @@ class SnapshotWriter:
         """The same pieces: they are packed from wherever the weights are at each send."""
         return (index, copies) == (self.index, self.copies)
 
-    def send(self, version: int, flats: Mapping[str, torch.Tensor], timeout: float, *, phase: int,
+    def send(self, version: int, flats: Mapping[str, torch.Tensor], deadline: Deadline, *, phase: int,
              last: bool) -> TransferStats:
         """Pack ``phase``'s pieces into the version's slot; the last phase seals it."""
         stats = TransferStats(version)

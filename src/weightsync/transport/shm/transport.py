@@ -68,7 +68,7 @@ class WriterSide(Protocol):
     segment: OwnSegment
     digests: VersionDigests | None  # integrity checks, fused (transport/digests.py)
 
-    def send(self, version: int, flats: Mapping[str, torch.Tensor], timeout: float, *, phase: int,
+    def send(self, version: int, flats: Mapping[str, torch.Tensor], deadline: Deadline, *, phase: int,
              last: bool) -> TransferStats: ...
 
     def serves(self, index: ExposedIndex, copies: list[list[tuple[str, TransferOp]]], plan: Plan,
@@ -147,7 +147,7 @@ class SharedMemoryTransport:
             self._writer.digests = digests
         return True
 
-    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, deadline: Deadline,
                 phases: Sequence[Plan] | None = None) -> None:
         check_tensors_device(self, self.ctx, tensors)
         self._flats = flat_views(tensors)
@@ -156,7 +156,7 @@ class SharedMemoryTransport:
         if self.ctx.role == "writer":
             self._prepare_writer(plan, parts, epoch)
         else:
-            self._prepare_reader(parts, epoch, Deadline.after(timeout))
+            self._prepare_reader(parts, epoch, deadline)
         self.epoch = epoch
 
     # -- writer ---------------------------------------------------------------------------
@@ -190,11 +190,11 @@ class SharedMemoryTransport:
         assert path is not None, "a segment has its path until it is closed"
         self.ctx.channel.publish_endpoint(epoch, ShmEndpoint(path))
 
-    def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
+    def send(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats:
         if self._writer is None:
             raise RuntimeError("SharedMemoryTransport.send() before prepare()")
         check_phase(phase, self._phases, self.ctx.who)
-        return self._writer.send(version, self._flats, timeout, phase=phase, last=phase == self._phases - 1)
+        return self._writer.send(version, self._flats, deadline, phase=phase, last=phase == self._phases - 1)
 
     # -- reader ---------------------------------------------------------------------------
     def _prepare_reader(self, parts: list[Plan], epoch: int, deadline: Deadline) -> None:
@@ -256,11 +256,10 @@ class SharedMemoryTransport:
                 reads.append((op.src_rank, op, at, rows[op.src_rank][piece_key(op)]))
             self._reads.append(reads)
 
-    def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
+    def receive(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats:
         check_phase(phase, self._phases, self.ctx.who)
         stats = TransferStats(version)
         timer = PhaseTimer(stats)
-        deadline = Deadline.after(timeout)
         involved = list(dict.fromkeys(w for w, _, _, _ in self._reads[phase]))
         with timer("vouch"):  # per writer: the base this reader vouches for (deltas on)
             taking = {} if self._changes is None else self._changes.begin_writers(

@@ -130,12 +130,12 @@ class ZeroCopyWriter:
         move, or moved within the same files at the same offsets)."""
         return (index, copies) == (self.index, self.copies) and shared_sources(plan, self.ctx.rank, flats) == self.files
 
-    def send(self, version: int, flats: Mapping[str, torch.Tensor], timeout: float, *, phase: int,
+    def send(self, version: int, flats: Mapping[str, torch.Tensor], deadline: Deadline, *, phase: int,
              last: bool) -> TransferStats:
         """Expose the weights as ``version`` (first phase); hold them until readers are done (last)."""
         stats = TransferStats(version)
         control = self.segment.words
-        deadline = Deadline.after(timeout)
+        timeout = deadline.remaining()  # for the message: what the caller gave this call
         if phase == 0:
             if self.changes is not None:
                 with PhaseTimer(stats)("encode"):

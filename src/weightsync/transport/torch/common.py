@@ -23,8 +23,8 @@ within ``TransportOptions.max_bucket_bytes``. The backend is a property of the d
   the deadline (a dead peer never hangs or kills the process).
 
     t = create_transport("torch", ctx)        # GlooTransport or NcclTransport, by ctx.device
-    t.prepare(plan, tensors, epoch=0, timeout=60)
-    t.send(version, timeout=60)               # or t.receive(version, timeout=60)
+    t.prepare(plan, tensors, epoch=0, deadline=deadline)   # deadline: the caller's Deadline
+    t.send(version, deadline=deadline)        # or t.receive(version, deadline=deadline)
 """
 
 from __future__ import annotations
@@ -97,12 +97,12 @@ class TorchDistBase:
         self._message_bytes = max(4096, ctx.options.message_bytes // MAX_LANES)
 
     # -- setup ----------------------------------------------------------------------------
-    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, deadline: Deadline,
                 phases: Sequence[Plan] | None = None) -> None:
         check_tensors_device(self, self.ctx, tensors)
         if self.epoch != epoch or self._pg is None:
             self._teardown_group()
-            self._pg = self._form_group(epoch, Deadline.after(timeout))
+            self._pg = self._form_group(epoch, deadline)
             self.epoch = epoch
             logger.info("%s joined transport epoch %d (%d ranks, %s)", self.ctx.who, epoch, self.ctx.world_size,
                         type(self).__name__)

@@ -74,9 +74,9 @@ class GlooTransport(TorchDistBase):
         self._digests = digests if self.delta is None else None
         return self._digests is not None
 
-    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, deadline: Deadline,
                 phases: Sequence[Plan] | None = None) -> None:
-        super().prepare(plan, tensors, epoch=epoch, timeout=timeout, phases=phases)
+        super().prepare(plan, tensors, epoch=epoch, deadline=deadline, phases=phases)
         if self.delta is not None:
             self.delta.prepared(tensors, phases=len(self._schedules))
 
@@ -123,23 +123,23 @@ class GlooTransport(TorchDistBase):
                                      f"timeout{dead} (gloo was still connecting its pairs)")
 
     # -- data movement --------------------------------------------------------------------
-    def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
+    def send(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats:
         move = self._send_pair
         if (delta := self.delta) is not None:
             def move(pair: Pair, run: _LaneRun) -> None:
                 delta.send_pair(_GlooLink(self, run, pair), pair.messages, self._flats, phase=phase,
                                 stats=run.stats, timer=run.timer)
-        return self._run_pairs(version, timeout, move, self._phase_schedule(phase))
+        return self._run_pairs(version, deadline, move, self._phase_schedule(phase))
 
-    def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
+    def receive(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats:
         move = self._receive_pair
         if (delta := self.delta) is not None:
             def move(pair: Pair, run: _LaneRun) -> None:
                 delta.receive_pair(_GlooLink(self, run, pair), pair.messages, self._flats, phase=phase,
                                    stats=run.stats, timer=run.timer)
-        return self._run_pairs(version, timeout, move, self._phase_schedule(phase))
+        return self._run_pairs(version, deadline, move, self._phase_schedule(phase))
 
-    def _run_pairs(self, version: int, timeout: float, move: Any, schedule: list[Pair]) -> TransferStats:
+    def _run_pairs(self, version: int, deadline: Deadline, move: Any, schedule: list[Pair]) -> TransferStats:
         """Run ``move`` for every peer (see :meth:`_run_lanes`) while two peer guards watch the
         group: gloo's waits cannot be interrupted, so when a rank's lease expires the guard
         breaks the group (:func:`break_group`) and the waits fail at once; the error names the
@@ -162,8 +162,7 @@ class GlooTransport(TorchDistBase):
         try:
             with watches[0].guard(abort=abort) as on_peers, watches[1].guard(abort=abort) as on_mates:
                 try:
-                    stats = self._run_lanes(version, Deadline.after(timeout), pg, move, schedule,
-                                                   broken=broken)
+                    stats = self._run_lanes(version, deadline, pg, move, schedule, broken=broken)
                 except TransportError as exc:
                     if not (on_peers.dead or on_mates.dead):
                         raise

@@ -151,7 +151,7 @@ class NcclTransport(TorchDistBase):
         super().__init__(ctx)
         self.delta = delta_sync(self) if ctx.options.delta_anchor_every else None
 
-    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, timeout: float,
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, deadline: Deadline,
                 phases: Sequence[Plan] | None = None) -> None:
         if self.epoch != epoch or self._pg is None:  # a new communicator: NCCL's buffers must fit first
             me, mine = self.ctx.rank, 0 if self.ctx.role == "writer" else 1
@@ -162,7 +162,7 @@ class NcclTransport(TorchDistBase):
                      "NCCL outside torch)",
                 fix="leave it free on this GPU (an engine's: a lower gpu_memory_utilization), or give this rank "
                     "fewer peers")
-        super().prepare(plan, tensors, epoch=epoch, timeout=timeout, phases=phases)
+        super().prepare(plan, tensors, epoch=epoch, deadline=deadline, phases=phases)
         if self.delta is not None:
             self.delta.prepared(tensors, phases=len(self._schedules))
             check_delta_memory(self, self.delta)
@@ -193,11 +193,11 @@ class NcclTransport(TorchDistBase):
             raise TransportError(f"{self.ctx.who}: NCCL communicator of epoch {epoch} did not form on {self.device}: "
                                  f"{exc}") from exc
 
-    def send(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
-        return self._move(version, Deadline.after(timeout), self._phase_schedule(phase), sending=True, phase=phase)
+    def send(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats:
+        return self._move(version, deadline, self._phase_schedule(phase), sending=True, phase=phase)
 
-    def receive(self, version: int, *, timeout: float, phase: int = 0) -> TransferStats:
-        return self._move(version, Deadline.after(timeout), self._phase_schedule(phase), sending=False, phase=phase)
+    def receive(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats:
+        return self._move(version, deadline, self._phase_schedule(phase), sending=False, phase=phase)
 
     def _move(self, version: int, deadline: Deadline, schedule: list[Pair], *, sending: bool,
               phase: int = 0) -> TransferStats:
