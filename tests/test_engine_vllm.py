@@ -556,3 +556,21 @@ def test_an_mtp_engine_whose_drafter_the_backend_cannot_find_is_refused_at_init(
     with pytest.raises(RuntimeError, match=r"drafts with the model's MTP layers .* did not find its drafter.*stale"):
         engine.init_transfer_engine(WeightSyncInitInfo.from_wire({"num_writers": 1, "num_readers": 1}))
 
+
+
+def test_an_engine_drafting_with_weights_of_its_own_is_told_they_stay_as_started():
+    """A separate drafter (EAGLE, a draft model) is not the job's: said once at set-up, never
+    silently; MTP (the model's own layers, synced) and weightless drafting say nothing."""
+    from weightsync.engines.vllm_model import separate_drafter
+
+    def config(method, model=None):
+        return SimpleNamespace(speculative_config=SimpleNamespace(method=method,
+                                                                  draft_model_config=SimpleNamespace(model=model)))
+
+    notice = separate_drafter(config("eagle3", "org/eagle3-head"))
+    assert notice is not None and notice.startswith(
+        "the engine drafts with eagle3 (org/eagle3-head): weightsync syncs the target model only, and the drafter "
+        "keeps the weights it was started with")
+    assert "draft_model" in (separate_drafter(config("draft_model", "Qwen/Qwen3-0.6B")) or "")
+    assert [separate_drafter(config(m)) for m in ("mtp", "deepseek_mtp", "ngram", "suffix")] == [None] * 4
+    assert separate_drafter(SimpleNamespace(speculative_config=None)) is None

@@ -6,6 +6,7 @@ Everything here reads vLLM 0.32's config and parameter attributes; ``vllm`` is i
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,11 @@ from weightsync.tools.torch_layout import dtype_name
 
 if TYPE_CHECKING:
     from weightsync.engines.staging import StagedWeights
+
+logger = logging.getLogger(__name__)
+
+#: speculative methods that draft without weights of their own (nothing to sync)
+WEIGHTLESS_DRAFTING = frozenset({"ngram", "ngram_gpu", "suffix"})
 
 def spec_of(vllm_config: Any, *, mtp: bool = False) -> ModelSpec:
     """The canonical model of a vLLM engine, read from the Hugging Face config vLLM loaded.
@@ -32,6 +38,29 @@ def runs_mtp(vllm_config: Any) -> bool:
     """Whether the engine drafts with the model's own MTP layers (``speculative_config`` method ``mtp``)."""
     speculative = getattr(vllm_config, "speculative_config", None)
     return speculative is not None and "mtp" in str(getattr(speculative, "method", "") or "")
+
+
+def separate_drafter(vllm_config: Any) -> str | None:
+    """What an engine that drafts with weights other than the model's own MTP layers is told
+    (an EAGLE head, a draft model, Medusa heads), or None.
+
+    Those weights are a model of their own, which an RL run usually does not train: weightsync
+    syncs the target only and the drafter keeps the weights it started with. Speculative
+    decoding stays lossless (the target verifies every drafted token); only the share of drafted
+    tokens it accepts may fall as the policy moves away from the drafter. Syncing such a drafter
+    into vLLM is not supported yet (docs/models.md, "Draft models"), so this is said once, when the
+    engine is set up, rather than left for the user to find out.
+    """
+    speculative = getattr(vllm_config, "speculative_config", None)
+    method = str(getattr(speculative, "method", "") or "") if speculative is not None else ""
+    if not method or runs_mtp(vllm_config) or method in WEIGHTLESS_DRAFTING:
+        return None
+    draft_config = getattr(speculative, "draft_model_config", None)
+    draft = getattr(draft_config, "model", None) or getattr(speculative, "model", "")
+    return (f"the engine drafts with {method}{f' ({draft})' if draft else ''}: weightsync syncs the target model only, "
+            "and the drafter keeps the weights it was started with (decoding stays lossless; the share of drafted "
+            "tokens accepted may fall as the policy moves). Syncing a separate drafter into vLLM is not supported "
+            "yet: docs/models.md, \"Draft models\"")
 
 
 def draft_model(model_runner: Any) -> torch.nn.Module | None:
@@ -150,6 +179,8 @@ def check_supported(vllm_config: Any) -> None:
 
     check_parallel(vllm_config)
     staging_quant(vllm_config)
+    if (notice := separate_drafter(vllm_config)) is not None:
+        logger.info(notice)
     if vllm_config.lora_config is not None:
         raise ValueError("engines with LoRA enabled are not supported")
     if getattr(vllm_config.model_config, "dtype", None) == torch.float16 and spec_of(vllm_config).family_info.sinks \
