@@ -239,7 +239,16 @@ class Transport(Protocol):
         False: it declines (a setting that changes what it copies), and the session digests."""
 
     def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, deadline: Deadline,
-                phases: Sequence[Plan] | None = None) -> None: ...
+                phases: Sequence[Plan] | None = None) -> None:
+        """:meth:`connect` unless ``epoch`` is the one connected, then :meth:`bind`."""
+
+    def connect(self, epoch: int, *, deadline: Deadline) -> None:
+        """Form the connections of ``epoch``, dropping any earlier ones (rendezvous, agents)."""
+
+    def bind(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, deadline: Deadline,
+             phases: Sequence[Plan] | None = None) -> None:
+        """Bind the plan (cut into ``phases``) to ``tensors`` within the connected epoch:
+        registrations, schedules, segments. Refuses tensors on another device than the context's."""
 
     def send(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats: ...
 
@@ -386,6 +395,77 @@ def peer_endpoint(ctx: TransportContext, kind: type[E], epoch: int, role: Role, 
         return ctx.channel.wait_endpoint(kind, epoch, role, rank, deadline=deadline)
     except WireError as exc:
         raise TransportError(str(exc)) from exc
+
+
+class TransportBase:
+    """What the built-in transports share around their own connections and memory: the
+    :class:`Transport` steps in order, the device and phase checks, timing and peer watching.
+
+    Two steps, because a session needs them at different times: :meth:`connect` when the
+    epoch changes (every connection is re-formed: a failed sync never poisons the next one),
+    :meth:`bind` when the plan or the buffers' storage moved within an epoch (memory only:
+    re-forming a process group there would cost a rendezvous and break peers that did not
+    move). The caller says which (:meth:`weightsync.session.sync_session.SyncSession.arm`), so
+    no transport compares epochs itself. A transport implements :meth:`_connect` and
+    :meth:`_bind`; the checks around them live here once.
+    """
+
+    name: ClassVar[str]
+    serves_cpu: ClassVar[bool]
+    serves_cuda: ClassVar[bool]
+
+    def __init__(self, ctx: TransportContext) -> None:
+        self.ctx = ctx
+        #: the epoch whose connections this rank holds (None: none, or they broke)
+        self.epoch: int | None = None
+        #: how many phases the bound plan was cut into
+        self.phase_count = 0
+
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, deadline: Deadline,
+                phases: Sequence[Plan] | None = None) -> None:
+        """Both steps, for callers that arm a transport directly (tests, benchmarks): connect
+        when ``epoch`` is not the one connected, then bind."""
+        check_tensors_device(self, self.ctx, tensors)  # before any connection forms
+        if epoch != self.epoch:
+            self.connect(epoch, deadline=deadline)
+        self.bind(plan, tensors, deadline=deadline, phases=phases)
+
+    def connect(self, epoch: int, *, deadline: Deadline) -> None:
+        """Form the connections of ``epoch`` (dropping any earlier ones)."""
+        self.epoch = None  # until the new ones formed: a failure leaves none
+        self._connect(epoch, deadline)
+        self.epoch = epoch
+
+    def bind(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, deadline: Deadline,
+             phases: Sequence[Plan] | None = None) -> None:
+        """Bind this rank's share of ``plan`` (cut into ``phases``) to ``tensors`` under the
+        connected epoch: flat views, schedules, registrations."""
+        check_tensors_device(self, self.ctx, tensors)
+        if self.epoch is None:
+            raise RuntimeError(f"{self.ctx.who}: {self.name} transport bound before it connected")
+        parts = phase_plans(plan, phases)
+        self._bind(plan, parts, tensors, deadline)
+        self.phase_count = len(parts)
+
+    def _connect(self, epoch: int, deadline: Deadline) -> None:
+        raise NotImplementedError
+
+    def _bind(self, plan: Plan, parts: Sequence[Plan], tensors: Mapping[str, torch.Tensor],
+              deadline: Deadline) -> None:
+        raise NotImplementedError
+
+    def check_phase(self, phase: int) -> None:
+        """Refuse a phase the bound plan does not have (send and receive, first)."""
+        check_phase(phase, self.phase_count, self.ctx.who)
+
+    def new_stats(self, version: int) -> tuple[TransferStats, PhaseTimer]:
+        """A send's or receive's stats, and the timer that adds its phases' time to them."""
+        stats = TransferStats(version)
+        return stats, PhaseTimer(stats)
+
+    def peer_watch(self, role: Role, ranks: Sequence[int], **kwargs: Any) -> PeerWatch:
+        """A :class:`PeerWatch` of these peers of this rank."""
+        return PeerWatch(self.ctx, role, ranks, **kwargs)
 
 
 def phase_plans(plan: Plan, phases: Sequence[Plan] | None) -> list[Plan]:
