@@ -5,9 +5,9 @@ A :class:`SyncSession` is one rank's membership in a sync job. On first use
 included), waits until every writer and reader has registered, rebuilds everyone's layout,
 computes *this rank's* share of the plan (rank-local planning: no rank ever builds the
 global plan), and creates the transport; the result is a frozen :class:`PlannedSync`.
-Before each version, :meth:`SyncSession.arm` (re)prepares the transport when the version's
-epoch or the buffers' storage changed. Writers and readers (``roles/writer.py``, ``reader.py``)
-drive versions on top; epochs are explained in :mod:`weightsync.job.channel`.
+Before each version, :meth:`SyncSession.arm` connects the transport when the version's
+epoch changed and binds it then or when the buffers' storage moved. Writers and readers
+(``roles/writer.py``, ``reader.py``) drive versions on top; epochs are explained in :mod:`weightsync.job.channel`.
 """
 
 from __future__ import annotations
@@ -203,7 +203,8 @@ class SyncSession:
         #: gets the first one's PlannedSync, not a second transport and digests replacing it mid-version
         self._planning = threading.Lock()
         self.timings: dict[str, float] = {}
-        self._armed: tuple[int, tuple[int, ...]] | None = None  # (epoch, buffer pointers) prepared for
+        self._connected: int | None = None  # the epoch the transport connected in
+        self._bound: tuple[int, ...] | None = None  # the buffers' data pointers it was bound to
         self._registered = False
         #: this session registers anew with a meta server that lost its state (see forget()): a
         #: reader then tells the new server the version its engine serves
@@ -303,7 +304,8 @@ class SyncSession:
         try:
             if self.planned is not None and self.generation == generation:
                 return False
-            old, self.planned, self._armed = self.planned, None, None
+            old, self.planned = self.planned, None
+            self.disarm()
             if old is not None:
                 self._previous = old.plan
                 old.transport.close()
@@ -391,7 +393,12 @@ class SyncSession:
         check_tensors(self.provider.layout(), tensors, self.channel.who)
 
     def arm(self, tensors: Mapping[str, torch.Tensor], epoch: int, deadline: Deadline) -> Transport:
-        """The planned transport, (re)prepared when the epoch or the buffers' storage changed."""
+        """The planned transport, connected in ``epoch`` and bound to ``tensors``.
+
+        It connects only when the epoch changed (or after :meth:`disarm`), and binds when it
+        connected or the buffers' storage moved: the transport is told which step to take
+        rather than comparing epochs itself, and memory that moved within an epoch never
+        re-forms its connections."""
         planned = self.planned
         if planned is None:
             raise RuntimeError(f"{self.channel.who}: arm() before plan()")
@@ -400,16 +407,27 @@ class SyncSession:
         if digests is not None:  # the transport moves the digests too, in band
             tensors = digests.attach(tensors)
         ptrs = tuple(t.data_ptr() for t in tensors.values())
-        if self._armed != (epoch, ptrs):
-            t0 = time.perf_counter()
-            planned.transport.prepare(plan, tensors, epoch=epoch, deadline=deadline, phases=phases or None)
-            self._armed = (epoch, ptrs)
-            self.timings["prepare"] = time.perf_counter() - t0
-        return planned.transport
+        transport = planned.transport
+        try:
+            if self._connected != epoch:
+                t0 = time.perf_counter()
+                self._bound = None  # a new epoch binds anew, whatever the buffers
+                transport.connect(epoch, deadline=deadline)
+                self._connected = epoch
+                self.timings["connect"] = time.perf_counter() - t0
+            if self._bound != ptrs:
+                t0 = time.perf_counter()
+                transport.bind(plan, tensors, deadline=deadline, phases=phases or None)
+                self._bound = ptrs
+                self.timings["bind"] = time.perf_counter() - t0
+        except BaseException:
+            self.disarm()  # whatever half formed, the next arm connects anew
+            raise
+        return transport
 
     def disarm(self) -> None:
-        """Forget the transport's connections (after a failure): the next version re-prepares."""
-        self._armed = None
+        """Forget the transport's connections (after a failure): the next version connects anew."""
+        self._connected = self._bound = None
 
     def check_alive(self) -> None:
         """Raise if another process took this rank over (its heartbeat found out)."""
@@ -431,7 +449,7 @@ class SyncSession:
             if self.planned.digests is not None:
                 self.planned.digests.close()
             self.planned = None
-        self._armed = None
+        self.disarm()
 
 
 __all__ = ["PlannedSync", "SyncConfig", "SyncError", "SyncResult", "SyncSession", "TransportOptions", "decode_roster",

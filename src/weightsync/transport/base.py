@@ -4,21 +4,34 @@ Lifecycle (both roles)::
 
     transport = create_transport("torch", ctx)       # ctx: the rank's job channel, peers, options
     deadline = Deadline.after(60)                    # the caller's: every step of its operation shares it
-    transport.prepare(plan, tensors, epoch=e, deadline=deadline)   # once per plan/epoch/buffers
+    transport.connect(e, deadline=deadline)          # once per epoch: the epoch's connections
+    transport.bind(plan, tensors, deadline=deadline) # then, and whenever the buffers' storage moved
     # every version (each under its operation's deadline):
     stats = transport.send(version, deadline=deadline)       # writer
     stats = transport.receive(version, deadline=deadline)    # reader
     transport.close()
 
-**Phases.** ``prepare(..., phases=split_plan(plan, layer_phases(...)))`` cuts every version
+**Connect and bind.** ``connect(epoch)`` forms what peers reach this rank by in that epoch (a
+process group's rendezvous, a NIXL agent, the file directory announced for it, a shared
+memory writer's fresh start) and drops the last epoch's; ``bind(plan, tensors)`` ties the
+plan to memory within the connected epoch (flat views, message schedules, registrations, a
+segment). The caller says which a version needs (:meth:`weightsync.session.sync_session.SyncSession.arm`:
+connect when the epoch changed or after a failure, bind then or when the tensors moved), so
+no transport compares epochs. ``prepare(plan, tensors, epoch=e)`` does both, connecting only
+when ``e`` is not the connected epoch, for callers that arm a transport directly (tests,
+benchmarks). The built-in transports inherit :class:`TransportBase`, which owns these steps,
+the device and phase checks, timing and peer watching; a third party may too, or implement
+:class:`Transport` itself.
+
+**Phases.** ``bind(..., phases=split_plan(plan, layer_phases(...)))`` cuts every version
 into phases of whole layers (:mod:`weightsync.plan.phases`); writers then ``send(v,
 phase=i)`` and readers ``receive(v, phase=i)`` for ``i = 0, 1, ...`` in order, and a reader
 may reuse the same memory for the destinations of different phases (its staging arena):
 a transport writes a phase's bytes only between the start of ``receive(v, phase=i)`` and
 its return. Without phases, everything is phase 0.
 
-``prepare`` does the expensive, once-per-plan work (process-group rendezvous, memory
-registration, message schedules); ``send``/``receive`` only move bytes. ``tensors`` maps
+``connect`` and ``bind`` do the expensive work (rendezvous, memory registration, message
+schedules); ``send``/``receive`` only move bytes. ``tensors`` maps
 each local shard name in the plan to the torch tensor holding it: on the reader these are
 the engine's parameters (or staging buffers when an engine must run its own loader), and
 the transport writes straight into them. Every blocking call takes an explicit version and
@@ -125,7 +138,7 @@ class TransportContext:
 
     ``device`` is the device of the tensors this rank hands the transport (``"cpu"`` or
     ``"cuda:N"``, with its index): staging buffers, the process-group backend and memory
-    registrations follow it, and ``prepare`` refuses tensors elsewhere. ``placements`` are
+    registrations follow it, and ``bind`` refuses tensors elsewhere. ``placements`` are
     where every rank of the job runs (what the routed transport splits pairs by).
     ``keeps_received_bytes`` says whether a reader's tensors hold what arrived until the next
     receive (its engine's capability, :class:`weightsync.ports.engine.InferenceEngine`): only then
@@ -220,7 +233,7 @@ class Transport(Protocol):
     writes_in_place: ClassVar[bool]
     #: Readers can fetch a version without the writer taking part (pull at any time).
     one_sided: ClassVar[bool]
-    #: Devices whose memory the transport moves (``prepare`` refuses tensors elsewhere).
+    #: Devices whose memory the transport moves (``bind`` refuses tensors elsewhere).
     serves_cpu: ClassVar[bool]
     serves_cuda: ClassVar[bool]
     #: Writers publish version V *before* ``send(V)``: readers' ``receive(V)`` waits for the
@@ -239,7 +252,16 @@ class Transport(Protocol):
         False: it declines (a setting that changes what it copies), and the session digests."""
 
     def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, deadline: Deadline,
-                phases: Sequence[Plan] | None = None) -> None: ...
+                phases: Sequence[Plan] | None = None) -> None:
+        """:meth:`connect` unless ``epoch`` is the one connected, then :meth:`bind`."""
+
+    def connect(self, epoch: int, *, deadline: Deadline) -> None:
+        """Form the connections of ``epoch``, dropping any earlier ones (rendezvous, agents)."""
+
+    def bind(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, deadline: Deadline,
+             phases: Sequence[Plan] | None = None) -> None:
+        """Bind the plan (cut into ``phases``) to ``tensors`` within the connected epoch:
+        registrations, schedules, segments. Refuses tensors on another device than the context's."""
 
     def send(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats: ...
 
@@ -263,7 +285,7 @@ class ServesDevices(Protocol):
 
 def check_tensors_device(transport: ServesDevices, ctx: TransportContext,
                          tensors: Mapping[str, torch.Tensor]) -> None:
-    """What every ``prepare`` checks first: the tensors live on ``ctx.device``, which the
+    """What every ``bind`` checks first: the tensors live on ``ctx.device``, which the
     transport serves (gloo would read GPU pointers as host memory, with no error of its own).
 
     Raises:
@@ -388,8 +410,79 @@ def peer_endpoint(ctx: TransportContext, kind: type[E], epoch: int, role: Role, 
         raise TransportError(str(exc)) from exc
 
 
+class TransportBase:
+    """What the built-in transports share around their own connections and memory: the
+    :class:`Transport` steps in order, the device and phase checks, timing and peer watching.
+
+    Two steps, because a session needs them at different times: :meth:`connect` when the
+    epoch changes (every connection is re-formed: a failed sync never poisons the next one),
+    :meth:`bind` when the plan or the buffers' storage moved within an epoch (memory only:
+    re-forming a process group there would cost a rendezvous and break peers that did not
+    move). The caller says which (:meth:`weightsync.session.sync_session.SyncSession.arm`), so
+    no transport compares epochs itself. A transport implements :meth:`_connect` and
+    :meth:`_bind`; the checks around them live here once.
+    """
+
+    name: ClassVar[str]
+    serves_cpu: ClassVar[bool]
+    serves_cuda: ClassVar[bool]
+
+    def __init__(self, ctx: TransportContext) -> None:
+        self.ctx = ctx
+        #: the epoch whose connections this rank holds (None: none, or they broke)
+        self.epoch: int | None = None
+        #: how many phases the bound plan was cut into
+        self.phase_count = 0
+
+    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, deadline: Deadline,
+                phases: Sequence[Plan] | None = None) -> None:
+        """Both steps, for callers that arm a transport directly (tests, benchmarks): connect
+        when ``epoch`` is not the one connected, then bind."""
+        check_tensors_device(self, self.ctx, tensors)  # before any connection forms
+        if epoch != self.epoch:
+            self.connect(epoch, deadline=deadline)
+        self.bind(plan, tensors, deadline=deadline, phases=phases)
+
+    def connect(self, epoch: int, *, deadline: Deadline) -> None:
+        """Form the connections of ``epoch`` (dropping any earlier ones)."""
+        self.epoch = None  # until the new ones formed: a failure leaves none
+        self._connect(epoch, deadline)
+        self.epoch = epoch
+
+    def bind(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, deadline: Deadline,
+             phases: Sequence[Plan] | None = None) -> None:
+        """Bind this rank's share of ``plan`` (cut into ``phases``) to ``tensors`` under the
+        connected epoch: flat views, schedules, registrations."""
+        check_tensors_device(self, self.ctx, tensors)
+        if self.epoch is None:
+            raise RuntimeError(f"{self.ctx.who}: {self.name} transport bound before it connected")
+        parts = phase_plans(plan, phases)
+        self._bind(plan, parts, tensors, deadline)
+        self.phase_count = len(parts)
+
+    def _connect(self, epoch: int, deadline: Deadline) -> None:
+        raise NotImplementedError
+
+    def _bind(self, plan: Plan, parts: Sequence[Plan], tensors: Mapping[str, torch.Tensor],
+              deadline: Deadline) -> None:
+        raise NotImplementedError
+
+    def check_phase(self, phase: int) -> None:
+        """Refuse a phase the bound plan does not have (send and receive, first)."""
+        check_phase(phase, self.phase_count, self.ctx.who)
+
+    def new_stats(self, version: int) -> tuple[TransferStats, PhaseTimer]:
+        """A send's or receive's stats, and the timer that adds its phases' time to them."""
+        stats = TransferStats(version)
+        return stats, PhaseTimer(stats)
+
+    def peer_watch(self, role: Role, ranks: Sequence[int], **kwargs: Any) -> PeerWatch:
+        """A :class:`PeerWatch` of these peers of this rank."""
+        return PeerWatch(self.ctx, role, ranks, **kwargs)
+
+
 def phase_plans(plan: Plan, phases: Sequence[Plan] | None) -> list[Plan]:
-    """The phases a transport was prepared with: ``[plan]`` when the version is not cut."""
+    """The phases a transport was bound with: ``[plan]`` when the version is not cut."""
     return [plan] if not phases else list(phases)
 
 

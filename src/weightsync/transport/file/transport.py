@@ -47,17 +47,7 @@ from weightsync.clock.deadline import Deadline
 from weightsync.layout.types import itemsize
 from weightsync.ports import device as device_port
 from weightsync.tools.torch_layout import TORCH_DTYPES, strided_view
-from weightsync.transport.base import (
-    PeerWatch,
-    PhaseTimer,
-    TransferStats,
-    TransportContext,
-    TransportError,
-    check_phase,
-    check_tensors_device,
-    peer_endpoint,
-    phase_plans,
-)
+from weightsync.transport.base import TransferStats, TransportBase, TransportContext, TransportError, peer_endpoint
 from weightsync.transport.delta.published import ChangeReader, check_delta
 from weightsync.transport.endpoints import FileEndpoint
 from weightsync.transport.exposed import ExposedIndex, piece_key
@@ -92,7 +82,7 @@ ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "
              "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
 
 
-class FileTransport:
+class FileTransport(TransportBase):
     """safetensors files on (shared) storage (see module docstring)."""
 
     name: ClassVar[str] = "file"
@@ -108,7 +98,7 @@ class FileTransport:
 
     def __init__(self, ctx: TransportContext) -> None:
         check_delta(self.name, ctx)
-        self.ctx = ctx
+        super().__init__(ctx)
         self.dev = device_port.current()
         self.device = torch.device(ctx.device)
         self.directory: str | None = None
@@ -127,12 +117,13 @@ class FileTransport:
         self._digests = digests
         return True
 
-    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, deadline: Deadline,
-                phases: Sequence[Plan] | None = None) -> None:
-        check_tensors_device(self, self.ctx, tensors)
-        self._flats = flat_views(tensors)
+    def _connect(self, epoch: int, deadline: Deadline) -> None:
+        """The directory announced for the epoch: a reader follows writer 0 to it."""
         self.directory = self._directory(epoch, deadline)
-        parts = phase_plans(plan, phases)
+
+    def _bind(self, plan: Plan, parts: Sequence[Plan], tensors: Mapping[str, torch.Tensor],
+              deadline: Deadline) -> None:
+        self._flats = flat_views(tensors)
         if self.ctx.role == "writer":
             self._pieces = [ExposedIndex.for_writer(part, self.ctx.rank)[1] for part in parts]
             if self.ctx.options.delta_anchor_every:  # a new plan: the next version is full
@@ -172,11 +163,10 @@ class FileTransport:
 
     # -- writer ---------------------------------------------------------------------------
     def send(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats:
-        check_phase(phase, len(self._pieces), self.ctx.who)
+        self.check_phase(phase)
         pieces = self._pieces[phase]
         changes = self._change_writers[phase] if self._change_writers else None
-        stats = TransferStats(version)
-        timer = PhaseTimer(stats)
+        stats, timer = self.new_stats(version)
         path = self._path(version, self.ctx.rank, phase)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         entries = {key: (ST_DTYPES[op.dst_dtype], list(op.box.sizes), op.nbytes) for key, op in pieces}
@@ -264,13 +254,12 @@ class FileTransport:
 
     # -- reader ---------------------------------------------------------------------------
     def receive(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats:
-        check_phase(phase, len(self._reads), self.ctx.who)
-        stats = TransferStats(version)
-        timer = PhaseTimer(stats)
+        self.check_phase(phase)
+        stats, timer = self.new_stats(version)
         timeout = deadline.remaining()  # for the message: what the caller gave this call
         for writer, ops in sorted(self._reads[phase].items()):
             path = self._path(version, writer, phase)
-            watch = PeerWatch(self.ctx, "writer", [writer])
+            watch = self.peer_watch("writer", [writer])
             while not os.path.exists(path):
                 if deadline.expired:
                     raise TransportError(f"reader {self.ctx.rank}: writer {writer}'s file for version {version} "
@@ -357,5 +346,6 @@ class FileTransport:
         self._flats = {}
         self._buffer = None
         self._change_writers = []
+        self.epoch = None
         if self._changes is not None:
             self._changes.close()

@@ -1,7 +1,7 @@
 """NIXL transport, what both modes share: one-sided READs (pull) or WRITEs (push) over UCX.
 
-Both modes register memory, exchange NIXL agent metadata as job-channel endpoints and
-prepare every transfer handle once per plan (``prepare``); ``send``/``receive`` only
+Both modes make an agent per epoch (``connect``), register memory, exchange NIXL agent
+metadata as job-channel endpoints and prepare every transfer handle once per plan (``bind``); ``send``/``receive`` only
 repost those handles. All NIXL calls go through :mod:`weightsync.transport.nixl.agent`
 (progress thread off, a 1 ms notification poller, ordered teardown).
 
@@ -42,19 +42,20 @@ Every wait has a deadline and keeps operating on the peers it waits for, so a de
 is a :class:`TransportError` naming it, within the timeout.
 
     t = create_transport("nixl", ctx)   # NixlPullTransport or NixlPushTransport, by mode
-    t.prepare(plan, tensors, epoch=e, deadline=deadline)   # register, exchange metadata, prepare
+    t.connect(e, deadline=deadline)            # the epoch's agent
+    t.bind(plan, tensors, deadline=deadline)   # register, exchange metadata, prepare the handles
     t.send(v, deadline=deadline)    # or t.receive(v, deadline=deadline): repost the prepared handles
     t.close()
 
 **Memory that moves** within an epoch (a trainer's ``param.data = t``, an optimizer that swaps
-buffers; :meth:`weightsync.session.sync_session.SyncSession.arm` then re-prepares this rank in the same
-epoch): peers connect to a rank's agent and learn its addresses once per epoch, so such a
-prepare keeps the agent, its registrations and its peers (:meth:`NixlBase._follow`). Memory no
+buffers; :meth:`weightsync.session.sync_session.SyncSession.arm` then binds this rank again without
+connecting it): peers connect to a rank's agent and learn its addresses once per epoch, so such a
+bind keeps the agent, its registrations and its peers (:meth:`NixlBase._follow`). Memory no
 peer or handle addresses (what a writer packs from) is simply taken from the new tensors;
 registered memory that moved (a push writer's live shards, a push reader's destinations) stays
 registered, and each version is copied through it (new -> registered before, registered -> new
 after a push reader's receive) until the next epoch registers the new memory. A pull reader
-re-prepares in full: its writers never address it.
+binds in full again (a new agent in the same epoch): its writers never address it.
 
 Endpoints (msgpack, through the job channel), one per rank and epoch: each writer's (NIXL
 agent metadata, address of its control words; in pull also the slot area and the exposed
@@ -84,11 +85,10 @@ from weightsync.tools.devices import nixl_device_id
 from weightsync.tools.torch_layout import TORCH_DTYPES
 from weightsync.transport.base import (
     PeerWatch,
+    TransportBase,
     TransportContext,
     TransportError,
-    check_tensors_device,
     peer_endpoint,
-    phase_plans,
 )
 from weightsync.transport.endpoints import NixlEndpoint, NixlSlots
 from weightsync.transport.exposed import ExposedIndex
@@ -122,7 +122,7 @@ def resolve_mode(mode: str, *, num_writers: int, num_readers: int, delta: bool =
     return "push" if num_readers <= num_writers and not delta else "pull"
 
 
-class NixlBase:
+class NixlBase(TransportBase):
     """Lifecycle and setup both modes share; a mode implements its four role methods."""
 
     name: ClassVar[str] = "nixl"
@@ -136,14 +136,13 @@ class NixlBase:
     mode: ClassVar[str]
 
     def __init__(self, ctx: TransportContext) -> None:
-        self.ctx = ctx
+        super().__init__(ctx)
         self.dev = device_port.current()
         self.device = torch.device(ctx.device)
         self.slots = ctx.options.slots
         self._starts: list[int] = []  # where this rank's memory registrations begin (Descriptors.of)
         self.who = ctx.who
-        self.epoch: int | None = None
-        #: Seconds, bytes and counts of the last prepare(): registration is paid there, once.
+        #: Seconds, bytes and counts of the last connect and full bind: registration is paid there, once.
         self.setup: dict[str, float] = {}
         self._agent: NixlAgent | None = None
         self._flats: dict[str, torch.Tensor] = {}
@@ -151,11 +150,10 @@ class NixlBase:
         self._area: torch.Tensor | None = None  # writer: packed pieces (pull: all slots)
         self._index: ExposedIndex | None = None
         self._copies: list[list[tuple[str, TransferOp]]] = []  # per phase
-        self._phases = 1
         self._slot_bytes = 0
         self._landing: torch.Tensor | None = None  # pull reader: staged messages land here
         self._peers: list[Peer] = []
-        self._prepared_for: tuple[Plan, Sequence[Plan] | None] | None = None
+        self._bound_to: tuple[Plan, list[Plan]] | None = None  # the plan and phases registered for
         self._pinned: set[str] = set()  # tensors whose registered storage peers or handles address
         self._moved: dict[str, torch.Tensor] = {}  # pinned tensor -> where the caller's now lives
         self._digests: VersionDigests | None = None
@@ -170,23 +168,35 @@ class NixlBase:
         return True
 
     # -- lifecycle --------------------------------------------------------------------------
-    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, deadline: Deadline,
-                phases: Sequence[Plan] | None = None) -> None:
-        """Start over for a plan: new agent, registrations, metadata exchange, handles."""
-        check_tensors_device(self, self.ctx, tensors)
-        if self._follow(plan, tensors, epoch=epoch, phases=phases):
-            return
+    def _connect(self, epoch: int, deadline: Deadline) -> None:
+        """The epoch's agent (the old one, its registrations and peers released): peers learn
+        its metadata from the endpoint the first bind publishes."""
         self.close()
-        self._flats = flat_views(tensors)
+        self._new_agent(epoch)
+
+    def _new_agent(self, epoch: int) -> None:
         started = time.perf_counter()
         name = f"weightsync-{self.ctx.role}{self.ctx.rank}-e{epoch}-{os.getpid()}-{secrets.token_hex(4)}"
         self._agent = NixlAgent(name, who=self.who, loopback=self.ctx.options.host in _LOOPBACK)
         self.setup = {"agent_seconds": time.perf_counter() - started}
+
+    def _bind(self, plan: Plan, parts: Sequence[Plan], tensors: Mapping[str, torch.Tensor],
+              deadline: Deadline) -> None:
+        """Register, exchange metadata and prepare every handle for the plan; within an epoch
+        already bound, follow memory that moved instead (see "Memory that moves")."""
+        parts = list(parts)
+        if len(parts) > MAX_PHASES:
+            raise ValueError(f"{self.who}: {len(parts)} phases; NIXL tokens allow at most {MAX_PHASES}")
+        epoch = self.epoch
+        assert epoch is not None, "bind runs within a connected epoch"
+        if self._bound_to is not None:
+            if self._follow(plan, parts, tensors):
+                return
+            self._release()  # not a move it follows (a pull reader's): start over within the epoch
+            self._new_agent(epoch)
+        started = time.perf_counter()
+        self._flats = flat_views(tensors)
         try:
-            parts = phase_plans(plan, phases)
-            if len(parts) > MAX_PHASES:
-                raise ValueError(f"{self.who}: {len(parts)} phases; NIXL tokens allow at most {MAX_PHASES}")
-            self._phases = len(parts)
             if self.ctx.role == "writer":
                 self._prepare_writer(parts, epoch, deadline)
             else:
@@ -194,13 +204,16 @@ class NixlBase:
         except BaseException:
             self.close()
             raise
-        self.epoch = epoch
-        self._prepared_for = (plan, phases)
+        self._bound_to = (plan, parts)
         self.setup["prepare_seconds"] = time.perf_counter() - started
-        logger.info("%s: nixl %s prepared for epoch %d: %s", self.who, self.mode, epoch, self.setup)
+        logger.info("%s: nixl %s bound in epoch %d: %s", self.who, self.mode, epoch, self.setup)
 
     def close(self) -> None:
         """Release handles, peers and registrations, then the agent (idempotent)."""
+        self._release()
+        self.epoch = None
+
+    def _release(self) -> None:
         agent, self._agent = self._agent, None
         if agent is not None:
             agent.close()
@@ -209,22 +222,20 @@ class NixlBase:
         self._index = None
         self._copies = []
         self._flats = {}
-        self.epoch = None
-        self._prepared_for = None
+        self._bound_to = None
         self._pinned, self._moved = set(), {}
 
     def _follows_moves(self) -> bool:
         """Whether a move of this rank's memory within an epoch keeps its agent and peers (a pull
-        reader, whose writers never address it, re-prepares in full instead)."""
+        reader, whose writers never address it, re-binds in full instead)."""
         return True
 
-    def _follow(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int,
-                phases: Sequence[Plan] | None) -> bool:
-        """Take tensors that moved within the prepared epoch and plan without a new agent (see
+    def _follow(self, plan: Plan, parts: list[Plan], tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Take tensors that moved within the bound epoch and plan without a new agent (see
         "Memory that moves"); False when this is not such a move (the caller starts over)."""
-        prepared = self._prepared_for
-        if (self._agent is None or self.epoch != epoch or prepared is None or prepared[0] is not plan
-                or prepared[1] is not phases or not self._follows_moves()):
+        bound = self._bound_to
+        if (bound is None or bound[0] is not plan or len(bound[1]) != len(parts)
+                or any(a is not b for a, b in zip(bound[1], parts, strict=True)) or not self._follows_moves()):
             return False
         flats = flat_views(tensors)
         current = {name: self._moved.get(name, t) for name, t in self._flats.items()}
@@ -234,7 +245,7 @@ class NixlBase:
             return False
         moved = [n for n, t in flats.items() if t.data_ptr() != current[n].data_ptr()]
         if not moved:
-            return False  # re-armed after a failure: start over
+            return False  # bound again in place: start over
         for name in moved:
             if name not in self._pinned:
                 self._flats[name] = flats[name]
@@ -242,9 +253,9 @@ class NixlBase:
                 self._moved.pop(name, None)  # back in the registered storage
             else:
                 self._moved[name] = flats[name]
-        logger.warning("%s: %d tensor(s) moved to new storage within epoch %d; NIXL peers address what was "
+        logger.warning("%s: %d tensor(s) moved to new storage within epoch %s; NIXL peers address what was "
                        "registered, so %d of them are copied through it each version until the next epoch",
-                       self.who, len(moved), epoch, len(self._moved))
+                       self.who, len(moved), self.epoch, len(self._moved))
         return True
 
     def _copy_in(self) -> None:
@@ -315,7 +326,7 @@ class NixlBase:
         self.ctx.channel.publish_endpoint(epoch, NixlEndpoint(self.mode, self._agent.metadata(), self._ctl.data_ptr(),
                                                               self.ctx.device, slots, shards, deltas, inboxes))
 
-    def _connect(self, epoch: int, role: Role, rank: int, deadline: Deadline) -> Peer:
+    def _connect_peer(self, epoch: int, role: Role, rank: int, deadline: Deadline) -> Peer:
         """Wait for a peer's endpoint, check that it agrees with us, connect to its agent."""
         assert self._agent is not None
         label = f"{role} {rank}"
@@ -338,9 +349,9 @@ class NixlBase:
         self._agent.run(xfer, deadline, notif, alive=peer.watch.check)
 
     def _prepared_agent(self, call: str) -> NixlAgent:
-        """The NIXL agent, or the error that ``call`` before ``prepare()`` deserves."""
+        """The NIXL agent, or the error that ``call`` before ``connect()`` deserves."""
         if self._agent is None:
-            raise RuntimeError(f"{self.who}: {call}() before prepare()")
+            raise RuntimeError(f"{self.who}: {call}() before connect() and bind()")
         return self._agent
 
     def _prepare_xfer(self, peer: Peer, op: str, descs: Descriptors, what: str, *, data: bool = True) -> Xfer:

@@ -27,7 +27,7 @@ from weightsync.layout.types import itemsize
 from weightsync.ports import device as device_port
 from weightsync.tools.codecs.delta import Kind
 from weightsync.tools.torch_layout import TORCH_DTYPES
-from weightsync.transport.base import PhaseTimer, TransferStats, TransportContext, TransportError, check_phase
+from weightsync.transport.base import PhaseTimer, TransferStats, TransportContext, TransportError
 from weightsync.transport.delta.published import (
     BASE,
     COLUMNS,
@@ -109,8 +109,8 @@ class NixlPullTransport(NixlBase):
 
     def send(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats:
         if self._area is None:
-            raise RuntimeError(f"{self.who}: send() before prepare()")
-        check_phase(phase, self._phases, self.who)
+            raise RuntimeError(f"{self.who}: send() before bind()")
+        self.check_phase(phase)
         stats = TransferStats(version)
         slot = version % self.slots
         changes = self._published
@@ -126,7 +126,7 @@ class NixlPullTransport(NixlBase):
             if changes is not None:
                 changes.abandon()
             raise
-        if phase == self._phases - 1:  # readers read every phase once the whole slot is packed
+        if phase == self.phase_count - 1:  # readers read every phase once the whole slot is packed
             if changes is not None:
                 changes.end(version)
             area = self._area[slot * self._slot_bytes: (slot + 1) * self._slot_bytes]
@@ -148,7 +148,7 @@ class NixlPullTransport(NixlBase):
     def _prepare_reader(self, parts: list[Plan], epoch: int, deadline: Deadline) -> None:
         opts = self.ctx.options
         writers = sorted({op.src_rank for part in parts for op in part.ops})
-        self._peers = [self._connect(epoch, "writer", w, deadline) for w in writers]
+        self._peers = [self._connect_peer(epoch, "writer", w, deadline) for w in writers]
         schedules = [[build_messages(part.ops_between(p.rank, self.ctx.rank), message_bytes=opts.message_bytes,
                                      direct_min_bytes=opts.direct_min_bytes) for part in parts] for p in self._peers]
         staged = max((m.nbytes for per_phase in schedules for ms in per_phase for m in ms if not m.direct),
@@ -233,9 +233,8 @@ class NixlPullTransport(NixlBase):
 
     def receive(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats:
         self._prepared_agent("receive")
-        check_phase(phase, self._phases, self.who)
-        stats = TransferStats(version)
-        timer = PhaseTimer(stats)
+        self.check_phase(phase)
+        stats, timer = self.new_stats(version)
         slot = version % self.slots
         with timer("wait"):
             for i, peer in enumerate(self._peers):

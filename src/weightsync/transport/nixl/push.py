@@ -22,7 +22,7 @@ from weightsync.layout.types import itemsize
 from weightsync.ports import device as device_port
 from weightsync.tools.codecs.delta import Kind
 from weightsync.tools.torch_layout import TORCH_DTYPES
-from weightsync.transport.base import PhaseTimer, TransferStats, TransportContext, TransportError, check_phase
+from weightsync.transport.base import PhaseTimer, TransferStats, TransportContext, TransportError
 from weightsync.transport.delta.published import (
     DIGEST,
     KIND,
@@ -77,8 +77,8 @@ class NixlPushTransport(NixlBase):
         self._inbox_mem = torch.empty(0, dtype=torch.uint8)
         self._ops_from: dict[int, list[list[TransferOp]]] = {}  # reader: writer -> its ops, per phase
 
-    def close(self) -> None:
-        super().close()
+    def _release(self) -> None:
+        super()._release()
         self._published = None
         self._outboxes, self._inboxes = [], []
 
@@ -117,7 +117,7 @@ class NixlPushTransport(NixlBase):
         self._register([self._area, *([self._staged] if delta else []), *(self._flats[name] for name in live)],
                        words=self._ctl)
         self._publish(epoch, deltas=delta)
-        self._peers = [self._connect(epoch, "reader", r, deadline) for r in readers]
+        self._peers = [self._connect_peer(epoch, "reader", r, deadline) for r in readers]
         t0 = time.perf_counter()
         for i, peer in enumerate(self._peers):
             peer.ctl = self._ready_xfer(i, peer)
@@ -185,9 +185,8 @@ class NixlPushTransport(NixlBase):
 
     def send(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats:
         self._prepared_agent("send")
-        check_phase(phase, self._phases, self.who)
-        stats = TransferStats(version)
-        timer = PhaseTimer(stats)
+        self.check_phase(phase)
+        stats, timer = self.new_stats(version)
         token = phase_token(version, phase)
         changes = self._published
         slot = 0 if changes is None else version % 2
@@ -214,7 +213,7 @@ class NixlPushTransport(NixlBase):
             if changes is not None:
                 changes.abandon()  # the next version goes in full
             raise
-        if phase == self._phases - 1:
+        if phase == self.phase_count - 1:
             if changes is not None:
                 changes.end(version)
             self._ctl[0] = version
@@ -286,7 +285,7 @@ class NixlPushTransport(NixlBase):
         self._pinned = set(self._flats)
         self._publish(epoch, shards={name: (t.data_ptr(), t.numel() * t.element_size())
                                      for name, t in self._flats.items()}, inboxes=inboxes)
-        self._peers = [self._connect(epoch, "writer", w, deadline) for w in writers]
+        self._peers = [self._connect_peer(epoch, "writer", w, deadline) for w in writers]
         for i, peer in enumerate(self._peers):
             if self._changes is not None and not peer.endpoint.deltas:
                 raise TransportError(f"{self.who}: {peer.label} sends no changes; set the same "
@@ -315,7 +314,7 @@ class NixlPushTransport(NixlBase):
 
     def receive(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats:
         agent = self._prepared_agent("receive")
-        check_phase(phase, self._phases, self.who)
+        self.check_phase(phase)
         stats = TransferStats(version)
         token = phase_token(version, phase)
         pending = {peer.agent: peer for peer in self._peers if peer.nbytes[phase]}

@@ -10,7 +10,8 @@ same-node ops and a torch transport (gloo on CPU, NCCL on GPU) over the rest, ea
 as it runs alone::
 
     transport = create_transport("routed", ctx)      # ctx.placements: every rank's node
-    transport.prepare(plan, tensors, epoch=e, deadline=deadline)   # deadline: the caller's Deadline
+    transport.connect(e, deadline=deadline)          # each route it may take (deadline: the caller's)
+    transport.bind(plan, tensors, deadline=deadline) # each route's part of the plan
     transport.send(version, deadline=deadline)       # writer: shm part, then torch part
     transport.receive(version, deadline=deadline)    # reader: same order
     transport.routes                                 # {"shm": [(w, r), ...], "torch": [...]}
@@ -37,7 +38,7 @@ import numpy as np
 
 from weightsync.clock.deadline import Deadline
 from weightsync.tools.devices import shm_pairs
-from weightsync.transport.base import TransferStats, Transport, TransportContext, check_tensors_device
+from weightsync.transport.base import TransferStats, Transport, TransportBase, TransportContext
 
 if TYPE_CHECKING:
     import torch
@@ -69,7 +70,7 @@ def check_host_phases(device: str, phases: int) -> None:
                          "Use layer_phases=False, or transport 'torch'")
 
 
-class RoutedTransport:
+class RoutedTransport(TransportBase):
     """``shm`` for same-node pairs and ``torch`` for the others (see module docstring)."""
 
     name: ClassVar[str] = "routed"
@@ -88,13 +89,12 @@ class RoutedTransport:
         if missing := sorted(want - set(local)):
             raise ValueError(f"{ctx.who}: the routed transport needs every rank's node (TransportContext."
                              f"placements), but writer/reader pairs {missing[:4]} have none")
-        self.ctx = ctx
+        super().__init__(ctx)
         self._local = np.zeros((ctx.num_writers, ctx.num_readers), dtype=bool)
         for (w, r), together in local.items():
             self._local[w, r] = together
         self._subs: dict[Route, Transport] = {}
         self._active: list[Route] = []
-        self._phases = 1
         self.routes: dict[Route, list[tuple[int, int]]] = {"shm": [], "torch": []}
         #: bytes each route moved in the last send/receive (summed over its phases)
         self.last_bytes: dict[Route, int] = {"shm": 0, "torch": 0}
@@ -121,22 +121,28 @@ class RoutedTransport:
         together = self._local[np.asarray(c.src_rank, dtype=np.int64), np.asarray(c.dst_rank, dtype=np.int64)]
         return plan.subset(np.flatnonzero(together if route == "shm" else ~together), tag=route)
 
-    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, deadline: Deadline,
-                phases: Sequence[Plan] | None = None) -> None:
-        check_tensors_device(self, self.ctx, tensors)
-        check_host_phases(self.ctx.device, len(phases) if phases else 1)
-        self._phases = len(phases) if phases else 1
+    def _connect(self, epoch: int, deadline: Deadline) -> None:
+        """Connect every route this rank may take: torch whenever any pair crosses nodes (group
+        formation is collective), shared memory when this rank has a same-node peer."""
+        mine = self._local[self.ctx.rank] if self.ctx.role == "writer" else self._local[:, self.ctx.rank]
+        for route in ROUTES:
+            if (route == "shm" and mine.any()) or (route == "torch" and not self._local.all()):
+                self._sub(route).connect(epoch, deadline=deadline)
+
+    def _bind(self, plan: Plan, parts: Sequence[Plan], tensors: Mapping[str, torch.Tensor],
+              deadline: Deadline) -> None:
+        check_host_phases(self.ctx.device, len(parts))
         active: list[Route] = []
         for route in ROUTES:
             part = self._part(plan, route)
             self.routes[route] = sorted(part.pairs())
-            # Every rank joins the torch group when any pair crosses nodes (group formation is
-            # collective); shared memory is set up only by ranks with same-node ops.
+            # Every rank binds the torch route when any pair crosses nodes (it connected to the
+            # group); shared memory only ranks with same-node ops.
             needed = len(part) > 0 if route == "shm" else not self._local.all()
             if not needed:
                 continue
-            sub_phases = [self._part(p, route) for p in phases] if phases else None
-            self._sub(route).prepare(part, tensors, epoch=epoch, deadline=deadline, phases=sub_phases)
+            sub_phases = [self._part(p, route) for p in parts] if len(parts) > 1 else None
+            self._sub(route).bind(part, tensors, deadline=deadline, phases=sub_phases)
             active.append(route)
         self._active = active
         logger.info("%s routes %d pair(s) over shm and %d over torch", self.ctx.who, len(self.routes["shm"]),
@@ -174,3 +180,4 @@ class RoutedTransport:
             sub.close()
         self._subs.clear()
         self._active = []
+        self.epoch = None

@@ -15,8 +15,8 @@ named by :mod:`weightsync.transport.shm.files` (the writer's pid and a random to
 path is the writer's endpoint of the epoch), and is unlinked by its writer on ``close()``
 or, if it died, by the next writer's sweep.
 
-**Weights that move within an epoch.** ``SyncSession.arm`` prepares a writer again when its
-weights' storage changed (``param.data = t``, an optimizer swapping buffers), but readers
+**Weights that move within an epoch.** ``SyncSession.arm`` binds a writer again, without
+connecting it, when its weights' storage changed (``param.data = t``, an optimizer swapping buffers), but readers
 attach to a writer's segment once per epoch. So a writer keeps its segment while it still
 serves (snapshot slots always do: they are packed from wherever the weights are); a
 zero-copy writer whose files changed *retires* its segment (word 0) and publishes a new one
@@ -38,14 +38,11 @@ from weightsync.ports import device as device_port
 from weightsync.ports.device import DevicePort
 from weightsync.transport.base import (
     PeerWatch,
-    PhaseTimer,
     TransferStats,
+    TransportBase,
     TransportContext,
     TransportError,
-    check_phase,
-    check_tensors_device,
     peer_endpoint,
-    phase_plans,
 )
 from weightsync.transport.delta.published import ChangeReader, check_delta, published_views
 from weightsync.transport.endpoints import ShmEndpoint
@@ -103,7 +100,7 @@ class PeerSegment(Protocol):
         """The reader is done with ``version`` (copied, or gave up)."""
 
 
-class SharedMemoryTransport:
+class SharedMemoryTransport(TransportBase):
     """One-sided shared-memory transport (see module docstring)."""
 
     name: ClassVar[str] = "shm"
@@ -119,7 +116,7 @@ class SharedMemoryTransport:
     fuses_digests: ClassVar[frozenset[str]] = frozenset({"writer", "reader"})
 
     def __init__(self, ctx: TransportContext) -> None:
-        self.ctx = ctx
+        super().__init__(ctx)
         self.dev = device_port.current()
         self.device = torch.device(ctx.device)
         self.slots = ctx.options.slots
@@ -130,11 +127,8 @@ class SharedMemoryTransport:
         self._paths: dict[int, str] = {}  # each writer's segment the reader maps
         #: CUDA IPC mappings by segment path, kept for the epoch (shm_snapshot.attach_snapshot)
         self._mapped: dict[str, torch.Tensor] = {}
-        self._mapped_epoch: int | None = None
         self._parts: list[Plan] = []
         self._reads: list[list[tuple[int, TransferOp, int, int]]] = []  # per phase: (writer, op, offset, row)
-        self._phases = 1
-        self.epoch: int | None = None
         check_delta(self.name, ctx)
         self._changes = ChangeReader(ctx) if ctx.options.delta_anchor_every and ctx.role == "reader" else None
         self._digests: VersionDigests | None = None
@@ -147,34 +141,39 @@ class SharedMemoryTransport:
             self._writer.digests = digests
         return True
 
-    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, deadline: Deadline,
-                phases: Sequence[Plan] | None = None) -> None:
-        check_tensors_device(self, self.ctx, tensors)
+    def _connect(self, epoch: int, deadline: Deadline) -> None:
+        """A new epoch: a writer's segment goes (its readers attach to the one it exposes at bind),
+        and a reader unmaps the old epoch's segments."""
+        self._release_own()
+        self._close_peers()
+        self._mapped.clear()
+
+    def _bind(self, plan: Plan, parts: Sequence[Plan], tensors: Mapping[str, torch.Tensor],
+              deadline: Deadline) -> None:
         self._flats = flat_views(tensors)
-        parts = phase_plans(plan, phases)
-        self._phases = len(parts)
+        assert self.epoch is not None, "bind runs within a connected epoch"
         if self.ctx.role == "writer":
-            self._prepare_writer(plan, parts, epoch)
+            self._bind_writer(plan, list(parts), self.epoch)
         else:
-            self._prepare_reader(parts, epoch, deadline)
-        self.epoch = epoch
+            self._bind_reader(list(parts), self.epoch, deadline)
 
     # -- writer ---------------------------------------------------------------------------
     @property
     def writer_side(self) -> WriterSide | None:
-        """The prepared writer side: :class:`SnapshotWriter` or a zero-copy writer."""
+        """The bound writer side: :class:`SnapshotWriter` or a zero-copy writer."""
         return self._writer
 
-    def _prepare_writer(self, plan: Plan, parts: list[Plan], epoch: int) -> None:
+    def _bind_writer(self, plan: Plan, parts: list[Plan], epoch: int) -> None:
         # Pieces laid out phase by phase, so "packed up to byte X" also means "phases so far".
         me = self.ctx.rank
         index, first_ops = ExposedIndex.for_ops(op for part in parts for op in part.ops if op.src_rank == me)
         phase_of = {t: i for i, part in enumerate(parts) for t in {op.canonical for op in part.ops}}
         copies = [[(key, op) for key, op in first_ops if phase_of[op.canonical] == i] for i in range(len(parts))]
-        # The weights moved to new storage within the epoch (SyncSession.arm): readers stay attached
-        # to this segment until the next epoch, so keep it while it serves (snapshot slots are
-        # packed from wherever the weights are); else readers of the epoch must move with it.
-        if epoch == self.epoch and self._writer is not None:
+        # A segment still here was exposed in this epoch (connect releases it), and the weights
+        # moved to new storage within it (SyncSession.arm binds without connecting): readers stay
+        # attached to this segment until the next epoch, so keep it while it serves (snapshot
+        # slots are packed from wherever the weights are); else readers must move with it.
+        if self._writer is not None:
             if self._writer.serves(index, copies, plan, self._flats):
                 return
             self._writer.segment.retire()  # attached readers look up the endpoint published below
@@ -192,16 +191,13 @@ class SharedMemoryTransport:
 
     def send(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats:
         if self._writer is None:
-            raise RuntimeError("SharedMemoryTransport.send() before prepare()")
-        check_phase(phase, self._phases, self.ctx.who)
-        return self._writer.send(version, self._flats, deadline, phase=phase, last=phase == self._phases - 1)
+            raise RuntimeError("SharedMemoryTransport.send() before bind()")
+        self.check_phase(phase)
+        return self._writer.send(version, self._flats, deadline, phase=phase, last=phase == self.phase_count - 1)
 
     # -- reader ---------------------------------------------------------------------------
-    def _prepare_reader(self, parts: list[Plan], epoch: int, deadline: Deadline) -> None:
-        self._close_peers()
-        if epoch != self._mapped_epoch:  # a new epoch's writers expose new segments: unmap the old ones
-            self._mapped.clear()
-            self._mapped_epoch = epoch
+    def _bind_reader(self, parts: list[Plan], epoch: int, deadline: Deadline) -> None:
+        self._close_peers()  # its CUDA IPC mappings stay for the epoch (connect drops them)
         writers = sorted({op.src_rank for part in parts for op in part.ops})
         for w in writers:
             endpoint = peer_endpoint(self.ctx, ShmEndpoint, epoch, "writer", w, deadline=deadline)
@@ -239,7 +235,7 @@ class SharedMemoryTransport:
             try:
                 return self._peers[w].begin(version, deadline)
             except SegmentRetiredError:
-                assert self.epoch is not None, "a reader receives once prepared"
+                assert self.epoch is not None, "a reader receives once bound"
                 self._reattach(w, self.epoch, deadline)
 
     def _locate_reads(self) -> None:
@@ -257,9 +253,8 @@ class SharedMemoryTransport:
             self._reads.append(reads)
 
     def receive(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats:
-        check_phase(phase, self._phases, self.ctx.who)
-        stats = TransferStats(version)
-        timer = PhaseTimer(stats)
+        self.check_phase(phase)
+        stats, timer = self.new_stats(version)
         involved = list(dict.fromkeys(w for w, _, _, _ in self._reads[phase]))
         with timer("vouch"):  # per writer: the base this reader vouches for (deltas on)
             taking = {} if self._changes is None else self._changes.begin_writers(
@@ -287,10 +282,10 @@ class SharedMemoryTransport:
                 # the sequence words are checked after the copies: they must have read the slot by then
                 self.dev.synchronize(self.device)
             for w in involved:
-                self._peers[w].finish(version, deadline, last=phase == self._phases - 1)
+                self._peers[w].finish(version, deadline, last=phase == self.phase_count - 1)
             done = True
         finally:  # zero-copy writers hold their weights until every reader is done (or gave up)
-            if phase == self._phases - 1 or not done:
+            if phase == self.phase_count - 1 or not done:
                 for peer in self._peers.values():
                     peer.release(version)
         if self._changes is not None:
@@ -318,8 +313,8 @@ class SharedMemoryTransport:
         self._release_own()
         self._close_peers()
         self._mapped.clear()
-        self._mapped_epoch = None
         self._flats = {}
+        self.epoch = None
         if self._changes is not None:
             self._changes.close()
 

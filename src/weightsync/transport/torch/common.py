@@ -23,7 +23,8 @@ within ``TransportOptions.max_bucket_bytes``. The backend is a property of the d
   the deadline (a dead peer never hangs or kills the process).
 
     t = create_transport("torch", ctx)        # GlooTransport or NcclTransport, by ctx.device
-    t.prepare(plan, tensors, epoch=0, deadline=deadline)   # deadline: the caller's Deadline
+    t.connect(epoch=0, deadline=deadline)     # the epoch's group (deadline: the caller's Deadline)
+    t.bind(plan, tensors, deadline=deadline)  # schedules (again alone when only the memory moved)
     t.send(version, deadline=deadline)        # or t.receive(version, deadline=deadline)
 """
 
@@ -44,12 +45,10 @@ from weightsync.clock.deadline import Deadline
 from weightsync.ports import device as device_port
 from weightsync.transport.base import (
     PeerWatch,
+    TransportBase,
     TransportContext,
     TransportError,
-    check_phase,
-    check_tensors_device,
     peer_endpoint,
-    phase_plans,
 )
 from weightsync.transport.endpoints import TorchRendezvous
 from weightsync.transport.schedule import Message, build_messages, pair_order
@@ -67,8 +66,8 @@ logger = logging.getLogger(__name__)
 MAX_LANES = 8
 
 
-class TorchDistBase:
-    """Setup both backends share: rendezvous, message schedules, staging buffers."""
+class TorchDistBase(TransportBase):
+    """Setup both backends share: rendezvous (connect), message schedules (bind), staging buffers."""
 
     name: ClassVar[str] = "torch"
     writes_in_place: ClassVar[bool] = True
@@ -81,10 +80,9 @@ class TorchDistBase:
     delta: DeltaSync | None = None
 
     def __init__(self, ctx: TransportContext) -> None:
-        self.ctx = ctx
+        super().__init__(ctx)
         self.dev = device_port.current()
         self.device = torch.device(ctx.device)
-        self.epoch: int | None = None
         self._store: dist.TCPStore | None = None
         #: who held each lease when the group formed (:meth:`_lease_holders`)
         self._holders: dict[tuple[str, int], Holder] | None = None
@@ -97,17 +95,17 @@ class TorchDistBase:
         self._message_bytes = max(4096, ctx.options.message_bytes // MAX_LANES)
 
     # -- setup ----------------------------------------------------------------------------
-    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, deadline: Deadline,
-                phases: Sequence[Plan] | None = None) -> None:
-        check_tensors_device(self, self.ctx, tensors)
-        if self.epoch != epoch or self._pg is None:
-            self._teardown_group()
-            self._pg = self._form_group(epoch, deadline)
-            self.epoch = epoch
-            logger.info("%s joined transport epoch %d (%d ranks, %s)", self.ctx.who, epoch, self.ctx.world_size,
-                        type(self).__name__)
+    def _connect(self, epoch: int, deadline: Deadline) -> None:
+        """A new group for the epoch: the old one's pairs may be mid-message or lead to the dead."""
+        self._teardown_group()
+        self._pg = self._form_group(epoch, deadline)
+        logger.info("%s joined transport epoch %d (%d ranks, %s)", self.ctx.who, epoch, self.ctx.world_size,
+                    type(self).__name__)
+
+    def _bind(self, plan: Plan, parts: Sequence[Plan], tensors: Mapping[str, torch.Tensor],
+              deadline: Deadline) -> None:
         self._flats = flat_views(tensors)
-        self._schedules = [self._schedule_of(part) for part in phase_plans(plan, phases)]
+        self._schedules = [self._schedule_of(part) for part in parts]
 
     def _schedule_of(self, plan: Plan) -> list[Pair]:
         me = self.ctx.rank
@@ -122,7 +120,7 @@ class TorchDistBase:
         return schedule
 
     def _phase_schedule(self, phase: int) -> list[Pair]:
-        check_phase(phase, len(self._schedules), self.ctx.who)
+        self.check_phase(phase)
         return self._schedules[phase]
 
     def _store_for(self, epoch: int, deadline: Deadline) -> dist.Store:

@@ -74,9 +74,9 @@ class GlooTransport(TorchDistBase):
         self._digests = digests if self.delta is None else None
         return self._digests is not None
 
-    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, deadline: Deadline,
-                phases: Sequence[Plan] | None = None) -> None:
-        super().prepare(plan, tensors, epoch=epoch, deadline=deadline, phases=phases)
+    def _bind(self, plan: Plan, parts: Sequence[Plan], tensors: Mapping[str, torch.Tensor],
+              deadline: Deadline) -> None:
+        super()._bind(plan, parts, tensors, deadline)
         if self.delta is not None:
             self.delta.prepared(tensors, phases=len(self._schedules))
 

@@ -7,7 +7,9 @@ checks it on the first machine that has one. What it does, and the facts it rest
   torch's (the epoch's TCPStore, :class:`~weightsync.transport.torch.common.TorchDistBase`), the
   communicator is NCCL's, driven through nccl4py (:mod:`weightsync.transport.torch.nccl_comm`, which
   cites the calls): rank 0's ``ncclUniqueId`` goes through the store as raw bytes and every
-  rank joins during ``prepare``, bound to its device, under a deadline.
+  rank joins at the first ``bind`` of an epoch (``connect`` opens the rendezvous's epoch; the
+  plan, which bind brings, says how many peers NCCL's buffers serve), bound to its device,
+  under a deadline.
   Not torch's ``ProcessGroupNCCL``: torch 2.13 starts a watchdog thread for each one, which on
   an asynchronous NCCL error of the group (a dead peer across the network: ``ncclRemoteError``;
   or the error our own abort of a hung round leaves) raises the process-wide dump signal and
@@ -34,12 +36,12 @@ checks it on the first machine that has one. What it does, and the facts it rest
   non-blocking group end connects a pair on first use) has not completed by the deadline, as
   soon as the job channel reports a peer dead (NCCL has no peer watch of its own), or as soon
   as NCCL reports an asynchronous error; aborted NCCL kernels end, the event completes, and
-  the sync raises :class:`TransportError` naming the peers and why. The connect of ``prepare``
+  the sync raises :class:`TransportError` naming the peers and why. The communicator's connect
   runs under one too. The next version runs in a new epoch with a new communicator.
 
 Staging: one buffer of ``max_bucket_bytes / 16`` per pair (a window holds at most one staged
 message), so peak extra memory is within ``max_bucket_bytes`` up to 16 peers per rank. It is
-laid out at ``prepare``, and NCCL's own connection buffers (:func:`nccl_device_bytes`) are
+laid out at ``bind``, and NCCL's own connection buffers (:func:`nccl_device_bytes`) are
 checked against the device's free memory before the communicator forms: a shortfall is
 refused there with its figure, never an out-of-memory error inside a version.
 """
@@ -56,7 +58,7 @@ import torch.distributed as dist
 
 from weightsync.clock.deadline import Deadline
 from weightsync.ports import device as device_port
-from weightsync.transport.base import PeerWatch, PhaseTimer, TransferStats, TransportError
+from weightsync.transport.base import TransferStats, TransportError
 from weightsync.transport.schedule import Message
 from weightsync.transport.tensors import as_bytes, checksum, direct_source, dst_view, pack, scatter
 from weightsync.transport.torch.common import Pair, TorchDistBase
@@ -86,7 +88,7 @@ NCCL_COMM_BYTES = 64 << 20
 
 def nccl_device_bytes(peers: int) -> int:
     """Device memory NCCL allocates, outside torch's allocator, for a communicator of ours with
-    ``peers`` p2p peers once it connects them: accounted before it forms (:meth:`NcclTransport.prepare`)."""
+    ``peers`` p2p peers once it connects them: accounted before it forms (:meth:`NcclTransport._bind`)."""
     return NCCL_COMM_BYTES + peers * NCCL_CHANNELS_PER_PEER * NCCL_CONNECTION_BYTES
 
 
@@ -151,9 +153,14 @@ class NcclTransport(TorchDistBase):
         super().__init__(ctx)
         self.delta = delta_sync(self) if ctx.options.delta_anchor_every else None
 
-    def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, deadline: Deadline,
-                phases: Sequence[Plan] | None = None) -> None:
-        if self.epoch != epoch or self._pg is None:  # a new communicator: NCCL's buffers must fit first
+    def _connect(self, epoch: int, deadline: Deadline) -> None:
+        """Drop the old communicator; the epoch's forms at its first bind (:meth:`_bind`), once
+        the plan says how many peers NCCL's buffers will serve and they were found to fit."""
+        self._teardown_group()
+
+    def _bind(self, plan: Plan, parts: Sequence[Plan], tensors: Mapping[str, torch.Tensor],
+              deadline: Deadline) -> None:
+        if self._pg is None:  # connected, the communicator not formed yet: NCCL's buffers must fit first
             me, mine = self.ctx.rank, 0 if self.ctx.role == "writer" else 1
             peers = len({p for p in plan.pairs() if p[mine] == me})
             device_port.check_fits(
@@ -162,7 +169,11 @@ class NcclTransport(TorchDistBase):
                      "NCCL outside torch)",
                 fix="leave it free on this GPU (an engine's: a lower gpu_memory_utilization), or give this rank "
                     "fewer peers")
-        super().prepare(plan, tensors, epoch=epoch, deadline=deadline, phases=phases)
+            assert self.epoch is not None, "bind runs within a connected epoch"
+            self._pg = self._form_group(self.epoch, deadline)
+            logger.info("%s joined transport epoch %d (%d ranks, NCCL)", self.ctx.who, self.epoch,
+                        self.ctx.world_size)
+        super()._bind(plan, parts, tensors, deadline)
         if self.delta is not None:
             self.delta.prepared(tensors, phases=len(self._schedules))
             check_delta_memory(self, self.delta)
@@ -203,13 +214,12 @@ class NcclTransport(TorchDistBase):
               phase: int = 0) -> TransferStats:
         comm: Communicator | None = self._pg
         if comm is None:
-            raise TransportError(f"{self.ctx.who}: no NCCL communicator; call prepare() first")
-        stats = TransferStats(version)
-        timer = PhaseTimer(stats)
+            raise TransportError(f"{self.ctx.who}: no NCCL communicator; call connect() and bind() first")
+        stats, timer = self.new_stats(version)
         rounds = rounds_of([pair.messages for pair in schedule])
         sums: dict[int, dict[int, int]] = {i: {} for i in range(len(schedule))}
         other = "reader" if self.ctx.role == "writer" else "writer"
-        watch = PeerWatch(self.ctx, other, [p.peer for p in schedule])  # type: ignore[arg-type]
+        watch = self.peer_watch(other, [p.peer for p in schedule])  # type: ignore[arg-type]
         # posting waits too: the end of a group connects a pair on its first use
         dog = Watchdog(deadline, comm.abort, watch, health=comm.error)
         try:
