@@ -27,7 +27,7 @@ from test_meta_server import (  # noqa: F401 (the shared contract scenarios, col
 )
 from weightsync.meta.config import MetaEnv
 from weightsync.meta.etcd.address import EtcdAddress
-from weightsync.meta.etcd.kv import EtcdUnavailableError
+from weightsync.meta.etcd.ops import EtcdUnavailableError
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("etcd")]
 _jobs = iter(range(1_000_000))
@@ -97,7 +97,7 @@ def test_a_wiped_store_is_noticed_by_every_client_that_pinned_it(cluster, client
     client.register(writer(0))
     assert client.pin_instance() == instance  # pinning again finds the same store
     from weightsync.meta.calls import ServerStateLostError
-    from weightsync.meta.etcd import kv as ops
+    from weightsync.meta.etcd import ops
 
     client.kv.txn([], [ops.delete(client.etcd.prefix + "/", prefix=True)])  # the store wiped
     with pytest.raises(ServerStateLostError, match=r"the store is not the one this client registered with \(instance "
