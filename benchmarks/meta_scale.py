@@ -17,11 +17,14 @@ asks for it with the roster (``documents=[key]``), so ``--mode join`` is one rou
 and ``--mode separate`` two.
 
 With ``--backend etcd`` the coordinator is a 3-member etcd cluster on loopback
-(:class:`~weightsync.meta.etcd.cluster.LocalEtcdCluster`) and each participant is a thread with
-its own :class:`~weightsync.meta.etcd.client.EtcdMetaClient` (own HTTP connections), doing the
-same: writer 0 stores the config, every rank joins (register, then the barrier with the config
-document) and decodes the roster. ``--backend both`` runs the two one after the other, in one
-invocation, on the same machine.
+(:class:`~weightsync.meta.etcd.cluster.LocalEtcdCluster`, with etcd's default heartbeat and
+election timeout), and the participants are asyncio
+tasks in the same client processes, each with its own
+:class:`~weightsync.meta.etcd.async_client.AsyncEtcdMetaClient` (own HTTP connections), doing the
+same calls: writer 0 stores the config, every rank joins (one transaction registers it and
+announces the barrier, a watch waits for the roster, the config document is read with it) and
+decodes the roster. ``--backend both`` runs the two one after the other, in one invocation, on
+the same machine, so the two are compared like for like.
 
 Layouts: writers ``megatron:tp=8,pp=16,dp=8,ep=64,etp=1`` (1024 ranks, 8 per host), readers
 ``vllm:tp=16,replicas=16`` (256 ranks, 8 per host); each rank has two transport endpoints.
@@ -66,7 +69,8 @@ def participant(role: str, rank: int) -> Participant:
                        msgpack.packb({"layout": layout, "model": MODEL_KEY}))
 
 
-async def _one(client: AsyncMetaClient, p: Participant, args: argparse.Namespace, config: bytes) -> float:
+async def _one(client: Any, p: Participant, args: argparse.Namespace, config: bytes) -> float:
+    """One rank, on either backend (:class:`AsyncMetaClient` or :class:`AsyncEtcdMetaClient`: the same calls)."""
     if p.role == "writer" and p.rank == 0:
         await client.put_document(MODEL_KEY, config)
     if args.mode == "join":
@@ -81,14 +85,23 @@ async def _one(client: AsyncMetaClient, p: Participant, args: argparse.Namespace
     return time.monotonic()
 
 
-def _worker(index: int, args: argparse.Namespace, address: str, token: str, barrier: Any, out: Any) -> None:
+def _client(address: str, token: str | None) -> Any:
+    """A simulated rank's own client: of the meta server (a token), else of the etcd cluster."""
+    if token is None:
+        from weightsync.meta.etcd.async_client import AsyncEtcdMetaClient
+
+        return AsyncEtcdMetaClient(address, job=JOB, timeout=120)
+    return AsyncMetaClient(address, job=JOB, token=token, timeout=120)
+
+
+def _worker(index: int, args: argparse.Namespace, address: str, token: str | None, barrier: Any, out: Any) -> None:
     raise_open_file_limit()  # hundreds of connections per client process
     everyone = [("writer", r) for r in range(args.writers)] + [("reader", r) for r in range(args.readers)]
     mine = [participant(role, rank) for role, rank in everyone[index::args.procs]]
     config = (resources.files("weightsync.configs") / "moe-1t.json").read_bytes()
 
     async def main() -> tuple[float, float, float]:
-        clients = [AsyncMetaClient(address, job=JOB, token=token, timeout=120) for _ in mine]
+        clients = [_client(address, token) for _ in mine]
         try:
             await asyncio.get_running_loop().run_in_executor(None, barrier.wait)
             start, cpu = time.monotonic(), time.process_time()
@@ -98,19 +111,6 @@ def _worker(index: int, args: argparse.Namespace, address: str, token: str, barr
             await asyncio.gather(*(c.aclose() for c in clients))
 
     out.put((index, *asyncio.run(main())))
-
-
-def _etcd_one(address: str, p: Participant, args: argparse.Namespace, config: bytes) -> float:
-    from weightsync.meta.etcd.client import EtcdMetaClient
-
-    with EtcdMetaClient(address, job=JOB, timeout=120) as client:
-        if p.role == "writer" and p.rank == 0:
-            client.put_document(MODEL_KEY, config)
-        table = client.join(p, writers=args.writers, readers=args.readers, timeout=120, documents=[MODEL_KEY])
-        _check(table, p, args)
-        model = table.documents.get(MODEL_KEY) or client.get_document(MODEL_KEY, wait=60)
-        assert model == config
-        return time.monotonic()
 
 
 def _check(table: Any, p: Participant, args: argparse.Namespace) -> None:
@@ -124,40 +124,28 @@ def _check(table: Any, p: Participant, args: argparse.Namespace) -> None:
         assert peer is not None and peer.endpoints
 
 
-def _etcd_worker(index: int, args: argparse.Namespace, address: str, barrier: Any, out: Any) -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
-    raise_open_file_limit()
-    everyone = [("writer", r) for r in range(args.writers)] + [("reader", r) for r in range(args.readers)]
-    mine = [participant(role, rank) for role, rank in everyone[index::args.procs]]
-    config = (resources.files("weightsync.configs") / "moe-1t.json").read_bytes()
-    with ThreadPoolExecutor(max_workers=len(mine), thread_name_prefix="rank") as pool:
-        barrier.wait()
-        start, cpu = time.monotonic(), time.process_time()
-        done = list(pool.map(lambda p: _etcd_one(address, p, args, config), mine))
-    out.put((index, start, max(done), time.process_time() - cpu))
-
-
 def run_etcd(args: argparse.Namespace) -> dict[str, Any]:
     """The same job on a 3-member etcd cluster on loopback (see module docstring)."""
     from weightsync.meta.etcd.client import EtcdMetaClient
     from weightsync.meta.etcd.cluster import LocalEtcdCluster
 
     with tempfile.TemporaryDirectory(prefix="weightsync-meta-scale-etcd-") as tmp, \
-            LocalEtcdCluster(Path(tmp), members=3) as cluster:
+            LocalEtcdCluster(Path(tmp), members=3, heartbeat_ms=100, election_ms=1000) as cluster:
         ctx = mp.get_context("spawn")
         barrier, out = ctx.Barrier(args.procs + 1), ctx.Queue()
-        procs = [ctx.Process(target=_etcd_worker, args=(i, args, cluster.address, barrier, out))
+        procs = [ctx.Process(target=_worker, args=(i, args, cluster.address, None, barrier, out))
                  for i in range(args.procs)]
         for p in procs:
             p.start()
         barrier.wait(timeout=120)
         etcd_pids = [proc.pid for proc in cluster.procs if proc is not None]
-        server_cpu = sum(_cpu_seconds(pid) for pid in etcd_pids)
+        server_cpu, before = sum(_cpu_seconds(pid) for pid in etcd_pids), _etcd_requests(cluster.urls)
         results = [out.get(timeout=300) for _ in procs]
         for p in procs:
             p.join(timeout=30)
         server_cpu = sum(_cpu_seconds(pid) for pid in etcd_pids) - server_cpu
+        after = _etcd_requests(cluster.urls)
+        requests = {method: after[method] - before.get(method, 0) for method in sorted(after)}
         with EtcdMetaClient(cluster.address, job=JOB) as client:
             roster = len(client.kv.get(client.keys.roster)[0].value)  # type: ignore[union-attr]
     start = min(r[1] for r in results)
@@ -165,9 +153,25 @@ def run_etcd(args: argparse.Namespace) -> dict[str, Any]:
         "backend": "etcd (3 members, loopback)", "writers": args.writers, "readers": args.readers, "mode": "join",
         "procs": args.procs, "state_dir": True, "materialize": args.materialize,
         "seconds": round(max(r[2] for r in results) - start, 3), "roster_bytes": roster,
+        "requests": sum(requests.values()), "requests_by_method": {m: n for m, n in requests.items() if n},
         "client_cpu_seconds": round(sum(r[3] for r in results), 2), "server_cpu_seconds": round(server_cpu, 2),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
     }
+
+
+def _etcd_requests(urls: list[str]) -> dict[str, int]:
+    """gRPC calls the members started, by method, from their /metrics: every gateway request
+    (a transaction, a watch stream, ...) is one gRPC call of the member it reached."""
+    import urllib.request
+
+    counts: dict[str, int] = {}
+    for url in urls:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("grpc_server_started_total{"):
+                    method = line.split('grpc_method="', 1)[1].split('"', 1)[0]
+                    counts[method] = counts.get(method, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return counts
 
 
 def _cpu_seconds(pid: int) -> float:

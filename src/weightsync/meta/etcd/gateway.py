@@ -1,0 +1,217 @@
+"""The asyncio connection to an etcd cluster: :class:`AsyncEtcdKV`, the twin of
+:class:`~weightsync.meta.etcd.kv.EtcdKV` over ``httpx`` (no etcd3gw, no threads).
+
+The same requests to etcd's v3 HTTP/JSON gateway (``/v3/kv/txn``, ``/v3/kv/range``,
+``/v3/watch``, ``/v3/auth/authenticate``; base64 keys and values), built and read by
+:mod:`weightsync.meta.etcd.ops`, with the same behaviour:
+
+- **failover**: a call a member cannot answer (connection refused or reset, no leader, etcd's
+  request timeout: :data:`~weightsync.meta.etcd.ops.RETRY_STATUSES`) goes to the next member,
+  with jittered backoff after each round (:func:`~weightsync.meta.etcd.ops.failover`), until
+  the call's deadline; then :class:`~weightsync.meta.etcd.ops.EtcdUnavailableError` names every
+  member's last error and a lost quorum (or the TLS mismatch);
+- **authentication**: etcd's user/password token in the ``Authorization`` header, renewed when
+  etcd says it expired; TLS with the address's CA and client certificate (httpx's ``verify``
+  with an ``ssl.SSLContext`` built once per process and address);
+- **watches with a deadline**: :meth:`AsyncEtcdKV.watch_rows` holds one stream until a change,
+  the deadline (None) or the stream's end (empty: the caller reads again, failing over).
+
+One ``httpx.AsyncClient`` per member, opened on first use: a rank usually talks to one member.
+
+    kv = AsyncEtcdKV(EtcdAddress.parse("etcd://n1:2379,n2:2379,n3:2379"), timeout=30)
+    answer = await kv.txn([], [ops.read(key)])
+    rows = await kv.watch_rows(key, prefix=False, after=answer.revision, deadline=Deadline.after(10))
+    await kv.aclose()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import ssl
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from weightsync.clock.deadline import Deadline
+from weightsync.meta.client_base import ssl_context
+from weightsync.meta.etcd import ops
+from weightsync.meta.etcd.address import EtcdAddress
+from weightsync.meta.etcd.ops import MAX_REQUEST_SECONDS, Row, TxnAnswer, b64, prefix_end
+
+logger = logging.getLogger(__name__)
+
+#: etcd 3.4 serves the gateway at /v3/ (as :data:`weightsync.meta.etcd.kv.API_PATH`)
+API_PATH = "/v3/"
+
+
+class _MemberError(Exception):
+    """A member could not answer (its reason, worded as the sync connection words it): try another."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@functools.lru_cache(maxsize=16)
+def tls_context(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContext:
+    """The members' CA (else the system's) and our client certificate, loaded once per process:
+    building a context costs ~20 ms, and a benchmark opens a client per simulated rank."""
+    context = ssl.create_default_context(cafile=ca)
+    if cert is not None:
+        context.load_cert_chain(cert, key)
+    return context
+
+
+def _reason(exc: httpx.TransportError) -> str:
+    """A transport error, named so that :func:`~weightsync.meta.etcd.ops.tls_advice` reads it as
+    it reads the sync connection's (``SSLError`` for a failed handshake)."""
+    chain: list[BaseException] = []
+    cause: BaseException | None = exc
+    while cause is not None and len(chain) < 8:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    name = "SSLError" if any(isinstance(c, ssl.SSLError) for c in chain) else type(exc).__name__
+    said = str(exc) or type(exc).__name__
+    return f"{name}: {said}"[:300]
+
+
+class AsyncEtcdKV:
+    """One client's asyncio connection to an etcd cluster (see module docstring). One event loop."""
+
+    def __init__(self, address: EtcdAddress, *, timeout: float = 30.0) -> None:
+        self.address = address
+        self.timeout = float(timeout)
+        self._urls = address.urls()
+        self._members: list[httpx.AsyncClient | None] = [None] * len(self._urls)
+        self._token: str | None = None
+        self._current = ops.first_member(len(self._urls))  # the last member that answered
+
+    def _member(self, index: int) -> httpx.AsyncClient:
+        client = self._members[index]
+        if client is None:
+            a = self.address
+            verify = tls_context(a.ca, a.cert, a.key) if a.tls else ssl_context()
+            client = httpx.AsyncClient(base_url=self._urls[index] + API_PATH, verify=verify, trust_env=False,
+                                       timeout=MAX_REQUEST_SECONDS,
+                                       limits=httpx.Limits(max_connections=16, max_keepalive_connections=2))
+            self._members[index] = client
+        return client
+
+    async def aclose(self) -> None:
+        members, self._members = self._members, [None] * len(self._urls)
+        await asyncio.gather(*(m.aclose() for m in members if m is not None))
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": self._token} if self._token is not None else {}
+
+    # -- calls -----------------------------------------------------------------------------------
+    async def call(self, what: str, path: str, body: dict[str, Any], deadline: Deadline | None = None) -> Any:
+        """POST ``body`` to ``/v3/<path>`` of the current member, failing over to the others until
+        ``deadline`` (default: the connection's timeout from now); etcd's answer.
+
+        Raises:
+            EtcdUnavailableError: no member answered in time (naming each one's last error).
+            PermissionError: authentication failed or the user may not do this.
+            RuntimeError: a member refused the request for good (naming etcd's reason).
+        """
+        deadline = deadline or Deadline.after(self.timeout)
+        failures: dict[str, str] = {}
+        for index, pause in ops.failover(len(self._urls), self._current, deadline):
+            if pause:
+                await asyncio.sleep(pause)  # backoff between rounds over the members, not polling
+            try:
+                answer = await self._authorized(index, path, body, deadline)
+            except _MemberError as exc:
+                failures[self._urls[index]] = exc.reason
+                logger.debug("etcd member %s: %s (%s)", self._urls[index], exc.reason, what)
+            else:
+                self._current = index
+                return answer
+        raise ops.unavailable(self.address, what, failures)
+
+    async def _authorized(self, index: int, path: str, body: dict[str, Any], deadline: Deadline) -> Any:
+        if self.address.user is not None and self._token is None:
+            await self._authenticate(index, deadline)
+        status, text, answer = await self._send(index, path, body, deadline)
+        if status == 200:
+            return answer
+        reason = ops.reason_of(text) or f"HTTP {status}: {text[:300]}"
+        if ops.wants_token(reason):
+            await self._authenticate(index, deadline)  # etcd's token expired (or was never sent): once more
+            status, text, answer = await self._send(index, path, body, deadline)
+            if status == 200:
+                return answer
+            reason = ops.reason_of(text) or f"HTTP {status}: {text[:300]}"
+        raise ops.refused(self.address, self._urls[index], reason)
+
+    async def _authenticate(self, index: int, deadline: Deadline) -> None:
+        a = self.address
+        if a.user is None:
+            raise ops.no_user(a)
+        self._token = None
+        status, text, answer = await self._send(index, "auth/authenticate", {"name": a.user,
+                                                                             "password": a.password or ""}, deadline)
+        if status != 200:
+            raise ops.bad_user(a, ops.reason_of(text) or f"HTTP {status}")
+        self._token = str(answer["token"])
+
+    async def _send(self, index: int, path: str, body: dict[str, Any], deadline: Deadline) -> tuple[int, str, Any]:
+        """(status, body text, parsed answer when 200); _MemberError when another member may answer."""
+        seconds = max(0.05, min(MAX_REQUEST_SECONDS, deadline.remaining(0.0)))
+        try:
+            r = await self._member(index).post(path, json=body, headers=self._headers(), timeout=seconds)
+        except httpx.TransportError as exc:
+            raise _MemberError(_reason(exc)) from None
+        if r.status_code in ops.RETRY_STATUSES:
+            raise _MemberError(ops.reason_of(r.text) or f"HTTP {r.status_code}: {r.text[:300]}")
+        return r.status_code, r.text, (r.json() if r.status_code == 200 else None)
+
+    # -- operations ------------------------------------------------------------------------------
+    async def txn(self, compare: Sequence[dict[str, Any]], success: Sequence[dict[str, Any]],
+                  failure: Sequence[dict[str, Any]] = (), *, what: str = "commit a transaction",
+                  deadline: Deadline | None = None) -> TxnAnswer:
+        """One transaction (see :class:`~weightsync.meta.etcd.ops.TxnAnswer`)."""
+        body = {"compare": list(compare), "success": list(success), "failure": list(failure)}
+        return TxnAnswer.from_gateway(await self.call(what, "kv/txn", body, deadline))
+
+    async def watch_rows(self, key: str, *, prefix: bool, after: int, deadline: Deadline) -> tuple[Row, ...] | None:
+        """Wait for a change of ``key`` (or under the prefix) made after revision ``after``: the
+        keys it put (empty: a delete, or the stream ended or was refused: read again, failing
+        over), or None at the deadline. The watch starts at ``after + 1``: nothing is missed."""
+        create: dict[str, Any] = {"key": b64(key), "start_revision": after + 1}
+        if prefix:
+            create["range_end"] = b64(prefix_end(key))
+        left = deadline.remaining(0.0)
+        if left <= 0:
+            return None
+        index = self._current
+        try:
+            return await asyncio.wait_for(self._first_event(index, create, left), timeout=left)
+        except asyncio.TimeoutError:
+            return None
+        except httpx.TransportError as exc:  # no stream, or it broke: its member went away
+            logger.debug("etcd member %s: %s (watch %s)", self._urls[index], _reason(exc), key)
+            self._current = (index + 1) % len(self._urls)
+            await asyncio.sleep(min(deadline.remaining(0.0), ops.backoff(10)))  # backoff, then read again
+            return ()
+
+    async def _first_event(self, index: int, create: dict[str, Any], left: float) -> tuple[Row, ...]:
+        # the read timeout outlasts the wait: the wait's end is wait_for's, never a broken stream's
+        timeout = httpx.Timeout(left + MAX_REQUEST_SECONDS, connect=min(left, MAX_REQUEST_SECONDS))
+        async with self._member(index).stream("POST", "watch", json={"create_request": create},
+                                              headers=self._headers(), timeout=timeout) as response:
+            if response.status_code != 200:
+                self._current = (index + 1) % len(self._urls)
+                return ()
+            buffer = b""
+            async for chunk in response.aiter_bytes():
+                buffer += chunk
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    seen = ops.watch_line(line)
+                    if seen.wakes:
+                        return seen.rows  # a change, or a watch etcd refused (compacted): read again
+        return ()  # the stream ended: its member went away
