@@ -159,6 +159,13 @@ def run_etcd(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _server_requests(address: str, headers: dict[str, str]) -> int:
+    """HTTP requests the meta server answered so far (its /metrics), long-polls asked again included."""
+    text = httpx.get(f"{address}/metrics", headers=headers, timeout=30).text
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+               if line.startswith("weightsync_meta_requests_total{"))
+
+
 def _etcd_requests(urls: list[str]) -> dict[str, int]:
     """gRPC calls the members started, by method, from their /metrics: every gateway request
     (a transaction, a watch stream, ...) is one gRPC call of the member it reached."""
@@ -203,15 +210,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      for i in range(args.procs)]
             for p in procs:
                 p.start()
+            headers = {"Authorization": f"Bearer {token}", "Accept": "application/msgpack"}
             barrier.wait(timeout=120)
-            server_cpu = _cpu_seconds(server.pid)
+            server_cpu, before = _cpu_seconds(server.pid), _server_requests(address, headers)
             results = [out.get(timeout=300) for _ in procs]
             for p in procs:
                 p.join(timeout=30)
             start = min(r[1] for r in results)
             total = max(r[2] for r in results) - start
             server_cpu = _cpu_seconds(server.pid) - server_cpu
-            headers = {"Authorization": f"Bearer {token}", "Accept": "application/msgpack"}
+            requests = _server_requests(address, headers) - before - 1  # the first /metrics counts once done
             roster = httpx.get(f"{address}/v1/jobs/{JOB}/participants", headers=headers, timeout=30).content
             metrics = httpx.get(f"{address}/metrics", headers=headers, timeout=30).text
             fsyncs = next((float(line.split()[-1]) for line in metrics.splitlines()
@@ -223,7 +231,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "backend": "embedded (weightsync meta-server)",
         "writers": args.writers, "readers": args.readers, "mode": args.mode, "procs": args.procs,
         "state_dir": args.state_dir, "materialize": args.materialize,
-        "seconds": round(total, 3), "requests": (args.writers + args.readers) * (1 if args.mode == "join" else 2) + 1,
+        "seconds": round(total, 3), "requests": requests,
         "roster_bytes": len(roster), "client_cpu_seconds": round(sum(r[3] for r in results), 2),
         "server_cpu_seconds": round(server_cpu, 2),
         "store_commits": fsyncs,

@@ -68,16 +68,19 @@ class AsyncEtcdMetaClient(EtcdSettings):
     async def run(self, operation: Steps[T]) -> T:
         """Drive an operation's steps (see :mod:`weightsync.meta.etcd.steps`) with awaits."""
         answer: TxnAnswer | tuple[Row, ...] | None = None
-        while True:
-            try:
-                step = operation.send(answer)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
-            if isinstance(step, Txn):
-                answer = await self.commit(step)
-            else:
-                answer = await self.kv.watch_rows(step.key, prefix=step.prefix, after=step.after,
-                                                  deadline=Deadline.after(step.seconds))
+        try:
+            while True:
+                try:
+                    step = operation.send(answer)
+                except StopIteration as done:
+                    return done.value  # type: ignore[no-any-return]
+                if isinstance(step, Txn):
+                    answer = await self.commit(step)
+                else:
+                    answer = await self.kv.watch_rows(step.key, prefix=step.prefix, after=step.after,
+                                                      deadline=Deadline.after(step.seconds))
+        finally:
+            await self.kv.release_watch()  # a watch kept open between this call's waits
 
     async def commit(self, step: Txn) -> TxnAnswer:
         """One transaction, also comparing the pinned instance.

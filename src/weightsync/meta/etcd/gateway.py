@@ -13,8 +13,9 @@ The same requests to etcd's v3 HTTP/JSON gateway (``/v3/kv/txn``, ``/v3/kv/range
 - **authentication**: etcd's user/password token in the ``Authorization`` header, renewed when
   etcd says it expired; TLS with the address's CA and client certificate (httpx's ``verify``
   with an ``ssl.SSLContext`` built once per process and address);
-- **watches with a deadline**: :meth:`AsyncEtcdKV.watch_rows` holds one stream until a change,
-  the deadline (None) or the stream's end (empty: the caller reads again, failing over).
+- **watches with a deadline**: :meth:`AsyncEtcdKV.watch_rows` waits on one stream until a change,
+  the deadline (None) or the stream's end (empty: the caller reads again, failing over); a
+  stream outlives a deadline for the next wait on the same key (one stream per waiting rank).
 
 One ``httpx.AsyncClient`` per member, opened on first use: a rank usually talks to one member.
 
@@ -31,6 +32,7 @@ import functools
 import logging
 import ssl
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -45,6 +47,17 @@ logger = logging.getLogger(__name__)
 
 #: etcd 3.4 serves the gateway at /v3/ (as :data:`weightsync.meta.etcd.kv.API_PATH`)
 API_PATH = "/v3/"
+
+
+@dataclass(frozen=True, slots=True)
+class _Watch:
+    """A watch stream kept open between waits (see :meth:`AsyncEtcdKV.watch_rows`)."""
+
+    key: str
+    prefix: bool
+    after: int
+    member: int
+    task: asyncio.Future[tuple[Row, ...]]
 
 
 class _MemberError(Exception):
@@ -63,6 +76,11 @@ def tls_context(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLCon
     if cert is not None:
         context.load_cert_chain(cert, key)
     return context
+
+
+@functools.lru_cache(maxsize=64)
+def _endpoint_url(member: str, path: str) -> httpx.URL:
+    return httpx.URL(member + API_PATH + path)
 
 
 def _reason(exc: httpx.TransportError) -> str:
@@ -88,24 +106,31 @@ class AsyncEtcdKV:
         self._members: list[httpx.AsyncClient | None] = [None] * len(self._urls)
         self._token: str | None = None
         self._current = ops.first_member(len(self._urls))  # the last member that answered
+        self._held: _Watch | None = None
+        self._member(self._current)  # the one a rank talks to (the others on first use)
 
     def _member(self, index: int) -> httpx.AsyncClient:
         client = self._members[index]
         if client is None:
             a = self.address
             verify = tls_context(a.ca, a.cert, a.key) if a.tls else ssl_context()
-            client = httpx.AsyncClient(base_url=self._urls[index] + API_PATH, verify=verify, trust_env=False,
+            client = httpx.AsyncClient(verify=verify, trust_env=False,
                                        timeout=MAX_REQUEST_SECONDS,
                                        limits=httpx.Limits(max_connections=16, max_keepalive_connections=2))
             self._members[index] = client
         return client
 
     async def aclose(self) -> None:
+        await self.release_watch()
         members, self._members = self._members, [None] * len(self._urls)
         await asyncio.gather(*(m.aclose() for m in members if m is not None))
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": self._token} if self._token is not None else {}
+
+    def _url(self, index: int, path: str) -> httpx.URL:
+        """An absolute URL (httpx parses a relative one against a base URL on every request)."""
+        return _endpoint_url(self._urls[index], path)
 
     # -- calls -----------------------------------------------------------------------------------
     async def call(self, what: str, path: str, body: dict[str, Any], deadline: Deadline | None = None) -> Any:
@@ -162,7 +187,8 @@ class AsyncEtcdKV:
         """(status, body text, parsed answer when 200); _MemberError when another member may answer."""
         seconds = max(0.05, min(MAX_REQUEST_SECONDS, deadline.remaining(0.0)))
         try:
-            r = await self._member(index).post(path, json=body, headers=self._headers(), timeout=seconds)
+            r = await self._member(index).post(self._url(index, path), json=body, headers=self._headers(),
+                                               timeout=seconds)
         except httpx.TransportError as exc:
             raise _MemberError(_reason(exc)) from None
         if r.status_code in ops.RETRY_STATUSES:
@@ -180,38 +206,65 @@ class AsyncEtcdKV:
     async def watch_rows(self, key: str, *, prefix: bool, after: int, deadline: Deadline) -> tuple[Row, ...] | None:
         """Wait for a change of ``key`` (or under the prefix) made after revision ``after``: the
         keys it put (empty: a delete, or the stream ended or was refused: read again, failing
-        over), or None at the deadline. The watch starts at ``after + 1``: nothing is missed."""
-        create: dict[str, Any] = {"key": b64(key), "start_revision": after + 1}
-        if prefix:
-            create["range_end"] = b64(prefix_end(key))
+        over), or None at the deadline. The watch starts at ``after + 1``: nothing is missed.
+
+        A watch that reached its deadline stays open (its stream, on its member) for the next
+        wait of the same key from a later revision: a waiter that reads again every few seconds
+        (to log who is missing) keeps one stream instead of opening one per read, which on a
+        busy client could time out before it even reached etcd. It reports changes from an
+        earlier revision on: at worst a change the new read saw already wakes the waiter, which
+        reads again. :meth:`release_watch` closes it (the client does at the end of each call).
+        """
         left = deadline.remaining(0.0)
         if left <= 0:
             return None
-        index = self._current
-        try:
-            return await asyncio.wait_for(self._first_event(index, create, left), timeout=left)
-        except asyncio.TimeoutError:
+        held = self._held
+        if held is None or (held.key, held.prefix, held.member) != (key, prefix, self._current) or held.after > after:
+            await self.release_watch()
+            create: dict[str, Any] = {"key": b64(key), "start_revision": after + 1}
+            if prefix:
+                create["range_end"] = b64(prefix_end(key))
+            held = self._held = _Watch(key, prefix, after, self._current,
+                                       asyncio.ensure_future(self._first_event(self._current, create)))
+        done, _ = await asyncio.wait({held.task}, timeout=left)
+        if not done:
             return None
+        self._held = None
+        try:
+            return held.task.result()
         except httpx.TransportError as exc:  # no stream, or it broke: its member went away
-            logger.debug("etcd member %s: %s (watch %s)", self._urls[index], _reason(exc), key)
-            self._current = (index + 1) % len(self._urls)
+            logger.debug("etcd member %s: %s (watch %s)", self._urls[held.member], _reason(exc), key)
+            self._current = (held.member + 1) % len(self._urls)
             await asyncio.sleep(min(deadline.remaining(0.0), ops.backoff(10)))  # backoff, then read again
             return ()
 
-    async def _first_event(self, index: int, create: dict[str, Any], left: float) -> tuple[Row, ...]:
-        # the read timeout outlasts the wait: the wait's end is wait_for's, never a broken stream's
-        timeout = httpx.Timeout(left + MAX_REQUEST_SECONDS, connect=min(left, MAX_REQUEST_SECONDS))
-        async with self._member(index).stream("POST", "watch", json={"create_request": create},
-                                              headers=self._headers(), timeout=timeout) as response:
+    async def release_watch(self) -> None:
+        """Close the watch kept open by :meth:`watch_rows`, if any."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.task.cancel()
+            await asyncio.gather(held.task, return_exceptions=True)  # its stream closed, its error retrieved
+
+    async def _first_event(self, index: int, create: dict[str, Any]) -> tuple[Row, ...]:
+        # no read timeout: the waits on this stream have their deadlines (watch_rows), a dead
+        # member's stream breaks, and a member that stops answering fails the waiter's next read
+        timeout = httpx.Timeout(MAX_REQUEST_SECONDS, read=None)
+        member = self._member(index)
+        request = member.build_request("POST", self._url(index, "watch"), json={"create_request": create},
+                                       headers=self._headers(), timeout=timeout)
+        response = await member.send(request, stream=True)
+        try:
             if response.status_code != 200:
                 self._current = (index + 1) % len(self._urls)
                 return ()
             buffer = b""
-            async for chunk in response.aiter_bytes():
+            async for chunk in response.aiter_raw():  # the gateway sends identity-encoded JSON lines
                 buffer += chunk
                 while b"\n" in buffer:
                     line, buffer = buffer.split(b"\n", 1)
                     seen = ops.watch_line(line)
                     if seen.wakes:
                         return seen.rows  # a change, or a watch etcd refused (compacted): read again
-        return ()  # the stream ended: its member went away
+            return ()  # the stream ended: its member went away
+        finally:
+            await response.aclose()
