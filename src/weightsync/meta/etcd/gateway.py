@@ -83,7 +83,12 @@ def _endpoint_url(member: str, path: str) -> httpx.URL:
     return httpx.URL(member + API_PATH + path)
 
 
-def _reason(exc: httpx.TransportError) -> str:
+#: what a request that got no answer raises: httpx's transport errors, and a TLS alert the server
+#: sends after the handshake (TLS 1.3 refuses a client certificate so), which reaches us unwrapped
+NO_ANSWER = (httpx.TransportError, ssl.SSLError)
+
+
+def _reason(exc: BaseException) -> str:
     """A transport error, named so that :func:`~weightsync.meta.etcd.ops.tls_advice` reads it as
     it reads the sync connection's (``SSLError`` for a failed handshake)."""
     chain: list[BaseException] = []
@@ -92,7 +97,8 @@ def _reason(exc: httpx.TransportError) -> str:
         chain.append(cause)
         cause = cause.__cause__ or cause.__context__
     name = "SSLError" if any(isinstance(c, ssl.SSLError) for c in chain) else type(exc).__name__
-    said = str(exc) or type(exc).__name__
+    root = chain[-1]  # httpx's errors often say nothing; the OS's error at the bottom does
+    said = str(exc) or (f"{type(root).__name__}: {root}" if root is not exc else type(exc).__name__)
     return f"{name}: {said}"[:300]
 
 
@@ -189,7 +195,7 @@ class AsyncEtcdKV:
         try:
             r = await self._member(index).post(self._url(index, path), json=body, headers=self._headers(),
                                                timeout=seconds)
-        except httpx.TransportError as exc:
+        except NO_ANSWER as exc:
             raise _MemberError(_reason(exc)) from None
         if r.status_code in ops.RETRY_STATUSES:
             raise _MemberError(ops.reason_of(r.text) or f"HTTP {r.status_code}: {r.text[:300]}")
@@ -232,7 +238,7 @@ class AsyncEtcdKV:
         self._held = None
         try:
             return held.task.result()
-        except httpx.TransportError as exc:  # no stream, or it broke: its member went away
+        except NO_ANSWER as exc:  # no stream, or it broke: its member went away
             logger.debug("etcd member %s: %s (watch %s)", self._urls[held.member], _reason(exc), key)
             self._current = (held.member + 1) % len(self._urls)
             await asyncio.sleep(min(deadline.remaining(0.0), ops.backoff(10)))  # backoff, then read again

@@ -225,20 +225,23 @@ def refused(address: EtcdAddress, url: str, reason: str) -> Exception:
     return RuntimeError(f"etcd at {url} refused a request: {reason}")
 
 
-def tls_advice(tls: bool, reasons: Iterable[str]) -> str | None:
+def tls_advice(tls: bool, reasons: Iterable[str], *, client_cert: bool = True) -> str | None:
     """What to fix when every member failed as a TLS mismatch fails (a lost quorum looks otherwise).
 
     Three cases, each seen against etcd 3.4: a handshake the members refuse or we cannot verify
-    (``SSLError``); plain HTTP to members that speak TLS (they hang up without a response: each
-    HTTP library words it its own way); and etcd's own HTTP gateway unable to dial its member's
-    gRPC server (``connection closed``, or a gRPC transport error such as ``failed to write client
-    preface``: which one is a race), which happens under ``--client-cert-auth`` when the member's
-    certificate does not allow client auth.
+    (``SSLError``; under TLS 1.3 a member refuses a missing client certificate after the
+    handshake, and an HTTP library that writes before it reads may see only the broken pipe:
+    with no ``client_cert``, that counts too); plain HTTP to members that speak TLS (they hang up
+    without a response: each HTTP library words it its own way); and etcd's own HTTP gateway
+    unable to dial its member's gRPC server (``connection closed``, or a gRPC transport error such
+    as ``failed to write client preface``: which one is a race), which happens under
+    ``--client-cert-auth`` when the member's certificate does not allow client auth.
     """
     reasons = list(reasons)
     if not reasons:
         return None
-    if all("SSLError" in r for r in reasons):
+    refused = ("SSLError", "Broken pipe", "Connection reset") if tls and not client_cert else ("SSLError",)
+    if all(any(x in r for x in refused) for r in reasons):
         return ("The TLS handshake with every member failed: check that ca= names the CA that signed the members' "
                 "certificates, and that cert= and key= give a client certificate that CA signed when the members "
                 "require one (--client-cert-auth)")
@@ -259,7 +262,7 @@ def unavailable(address: EtcdAddress, what: str, failures: dict[str, str]) -> Et
     members = len(address.endpoints)
     quorum = members // 2 + 1
     said = "; ".join(f"{url}: {why}" for url, why in failures.items())
-    advice = tls_advice(address.tls, failures.values()) or (
+    advice = tls_advice(address.tls, failures.values(), client_cert=address.cert is not None) or (
         f"The cluster has lost quorum or is unreachable: etcd serves only while a majority ({quorum} of "
         f"{members}) of its members run and reach each other; restart the stopped members (etcdctl endpoint "
         "health shows which) or check the network to them")
