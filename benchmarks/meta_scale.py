@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
 import multiprocessing as mp
 import os
 import platform
+import pstats
 import signal
 import subprocess
 import sys
@@ -100,17 +102,44 @@ def _worker(index: int, args: argparse.Namespace, address: str, token: str | Non
     mine = [participant(role, rank) for role, rank in everyone[index::args.procs]]
     config = (resources.files("weightsync.configs") / "moe-1t.json").read_bytes()
 
+    profile = cProfile.Profile() if args.profile and index == 0 else None
+
     async def main() -> tuple[float, float, float]:
         clients = [_client(address, token) for _ in mine]
         try:
             await asyncio.get_running_loop().run_in_executor(None, barrier.wait)
             start, cpu = time.monotonic(), time.process_time()
+            if profile is not None:
+                profile.enable()
             done = await asyncio.gather(*(_one(c, p, args, config) for c, p in zip(clients, mine, strict=True)))
+            if profile is not None:
+                profile.disable()
             return start, max(done), time.process_time() - cpu
         finally:
             await asyncio.gather(*(c.aclose() for c in clients))
 
-    out.put((index, *asyncio.run(main())))
+    out.put((index, *asyncio.run(main()), _by_package(profile) if profile is not None else None))
+
+
+def _by_package(profile: cProfile.Profile) -> dict[str, float]:
+    """Where a client process spent its CPU (``--profile``): each function's own time, summed per
+    top-level package (``asyncio`` for the event loop, ``builtins`` for C functions), as shares."""
+    spent: dict[str, float] = {}
+    for (filename, _, _), (_, _, own, _, _) in pstats.Stats(profile).stats.items():  # type: ignore[attr-defined]
+        if filename == "~":
+            package = "builtins"
+        else:
+            parts = Path(filename).parts
+            if "site-packages" in parts:
+                package = parts[parts.index("site-packages") + 1].split(".")[0]
+            elif "weightsync" in parts:
+                package = "weightsync"
+            else:  # the standard library: its package (asyncio), else its module (contextlib)
+                folder = Path(filename).parent.name
+                package = Path(filename).stem if folder.startswith("python3") else folder
+        spent[package] = spent.get(package, 0.0) + own
+    total = sum(spent.values()) or 1.0
+    return {k: round(v / total, 3) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])[:12]}
 
 
 def _check(table: Any, p: Participant, args: argparse.Namespace) -> None:
@@ -139,22 +168,25 @@ def run_etcd(args: argparse.Namespace) -> dict[str, Any]:
             p.start()
         barrier.wait(timeout=120)
         etcd_pids = [proc.pid for proc in cluster.procs if proc is not None]
-        server_cpu, before = sum(_cpu_seconds(pid) for pid in etcd_pids), _etcd_requests(cluster.urls)
-        results = [out.get(timeout=300) for _ in procs]
+        members_cpu, before = [_cpu_seconds(pid) for pid in etcd_pids], _etcd_requests(cluster.urls)
+        results = sorted((out.get(timeout=300) for _ in procs), key=lambda r: r[0])
         for p in procs:
             p.join(timeout=30)
-        server_cpu = sum(_cpu_seconds(pid) for pid in etcd_pids) - server_cpu
+        members_cpu = [_cpu_seconds(pid) - cpu for pid, cpu in zip(etcd_pids, members_cpu, strict=True)]
         after = _etcd_requests(cluster.urls)
+        leader = cluster.leader()
         requests = {method: after[method] - before.get(method, 0) for method in sorted(after)}
         with EtcdMetaClient(cluster.address, job=JOB) as client:
             roster = len(client.kv.get(client.keys.roster)[0].value)  # type: ignore[union-attr]
     start = min(r[1] for r in results)
     return {
-        "backend": "etcd (3 members, loopback)", "writers": args.writers, "readers": args.readers, "mode": "join",
+        "backend": "etcd (3 members, loopback)", "writers": args.writers, "readers": args.readers, "mode": args.mode,
         "procs": args.procs, "state_dir": True, "materialize": args.materialize,
         "seconds": round(max(r[2] for r in results) - start, 3), "roster_bytes": roster,
         "requests": sum(requests.values()), "requests_by_method": {m: n for m, n in requests.items() if n},
-        "client_cpu_seconds": round(sum(r[3] for r in results), 2), "server_cpu_seconds": round(server_cpu, 2),
+        "client_cpu_seconds": round(sum(r[3] for r in results), 2), "server_cpu_seconds": round(sum(members_cpu), 2),
+        "member_cpu_seconds": [round(c, 2) for c in members_cpu], "leader": leader,
+        "client_profile": results[0][4],
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
     }
 
@@ -213,7 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             headers = {"Authorization": f"Bearer {token}", "Accept": "application/msgpack"}
             barrier.wait(timeout=120)
             server_cpu, before = _cpu_seconds(server.pid), _server_requests(address, headers)
-            results = [out.get(timeout=300) for _ in procs]
+            results = sorted((out.get(timeout=300) for _ in procs), key=lambda r: r[0])
             for p in procs:
                 p.join(timeout=30)
             start = min(r[1] for r in results)
@@ -234,7 +266,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": round(total, 3), "requests": requests,
         "roster_bytes": len(roster), "client_cpu_seconds": round(sum(r[3] for r in results), 2),
         "server_cpu_seconds": round(server_cpu, 2),
-        "store_commits": fsyncs,
+        "store_commits": fsyncs, "client_profile": results[0][4],
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
     }
 
@@ -253,10 +285,10 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=1, help="runs; the best and all are reported")
     p.add_argument("--backend", choices=("embedded", "etcd", "both"), default="embedded",
                    help="the coordinator: the embedded meta server, a 3-member etcd cluster on loopback, or both")
+    p.add_argument("--profile", action="store_true",
+                   help="profile the first client process (slower: for where its CPU goes, not for timings)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    if args.backend != "embedded" and args.mode != "join":
-        p.error("--backend etcd runs --mode join only")
     backends = {"embedded": [run], "etcd": [run_etcd], "both": [run, run_etcd]}[args.backend]
     for runner in backends:
         _report(args, [runner(args) for _ in range(args.repeat)])
@@ -276,6 +308,11 @@ def _report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
               f"{best.get('requests', '-')} requests; CPU: clients {best['client_cpu_seconds']} s, "
               f"server {best['server_cpu_seconds']} s; "
               f"commits {best.get('store_commits', '-')}; {best['machine']}")
+        if best.get("member_cpu_seconds"):
+            print(f"  etcd members' CPU: {best['member_cpu_seconds']} s (leader: member {best['leader']}); "
+                  f"gRPC calls: {best['requests_by_method']}")
+        if best.get("client_profile"):
+            print(f"  client process 0's CPU by package: {best['client_profile']}")
 
 
 if __name__ == "__main__":
