@@ -298,6 +298,7 @@ def main() -> int:
 def _report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
     best = min(runs, key=lambda r: r["seconds"])
     best["all_seconds"] = [r["seconds"] for r in runs]
+    best["all_requests"] = [r["requests"] for r in runs]
     if args.json:
         print(json.dumps(best))
     else:
