@@ -17,11 +17,14 @@ asks for it with the roster (``documents=[key]``), so ``--mode join`` is one rou
 and ``--mode separate`` two.
 
 With ``--backend etcd`` the coordinator is a 3-member etcd cluster on loopback
-(:class:`~weightsync.meta.etcd.cluster.LocalEtcdCluster`) and each participant is a thread with
-its own :class:`~weightsync.meta.etcd.client.EtcdMetaClient` (own HTTP connections), doing the
-same: writer 0 stores the config, every rank joins (register, then the barrier with the config
-document) and decodes the roster. ``--backend both`` runs the two one after the other, in one
-invocation, on the same machine.
+(:class:`~weightsync.meta.etcd.cluster.LocalEtcdCluster`, with etcd's default heartbeat and
+election timeout), and the participants are asyncio
+tasks in the same client processes, each with its own
+:class:`~weightsync.meta.etcd.async_client.AsyncEtcdMetaClient` (own HTTP connections), doing the
+same calls: writer 0 stores the config, every rank joins (one transaction registers it and
+announces the barrier, a watch waits for the roster, the config document is read with it) and
+decodes the roster. ``--backend both`` runs the two one after the other, in one invocation, on
+the same machine, so the two are compared like for like.
 
 Layouts: writers ``megatron:tp=8,pp=16,dp=8,ep=64,etp=1`` (1024 ranks, 8 per host), readers
 ``vllm:tp=16,replicas=16`` (256 ranks, 8 per host); each rank has two transport endpoints.
@@ -31,10 +34,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
 import multiprocessing as mp
 import os
 import platform
+import pstats
 import signal
 import subprocess
 import sys
@@ -66,7 +71,8 @@ def participant(role: str, rank: int) -> Participant:
                        msgpack.packb({"layout": layout, "model": MODEL_KEY}))
 
 
-async def _one(client: AsyncMetaClient, p: Participant, args: argparse.Namespace, config: bytes) -> float:
+async def _one(client: Any, p: Participant, args: argparse.Namespace, config: bytes) -> float:
+    """One rank, on either backend (:class:`AsyncMetaClient` or :class:`AsyncEtcdMetaClient`: the same calls)."""
     if p.role == "writer" and p.rank == 0:
         await client.put_document(MODEL_KEY, config)
     if args.mode == "join":
@@ -81,36 +87,59 @@ async def _one(client: AsyncMetaClient, p: Participant, args: argparse.Namespace
     return time.monotonic()
 
 
-def _worker(index: int, args: argparse.Namespace, address: str, token: str, barrier: Any, out: Any) -> None:
+def _client(address: str, token: str | None) -> Any:
+    """A simulated rank's own client: of the meta server (a token), else of the etcd cluster."""
+    if token is None:
+        from weightsync.meta.etcd.async_client import AsyncEtcdMetaClient
+
+        return AsyncEtcdMetaClient(address, job=JOB, timeout=120)
+    return AsyncMetaClient(address, job=JOB, token=token, timeout=120)
+
+
+def _worker(index: int, args: argparse.Namespace, address: str, token: str | None, barrier: Any, out: Any) -> None:
     raise_open_file_limit()  # hundreds of connections per client process
     everyone = [("writer", r) for r in range(args.writers)] + [("reader", r) for r in range(args.readers)]
     mine = [participant(role, rank) for role, rank in everyone[index::args.procs]]
     config = (resources.files("weightsync.configs") / "moe-1t.json").read_bytes()
 
+    profile = cProfile.Profile() if args.profile and index == 0 else None
+
     async def main() -> tuple[float, float, float]:
-        clients = [AsyncMetaClient(address, job=JOB, token=token, timeout=120) for _ in mine]
+        clients = [_client(address, token) for _ in mine]
         try:
             await asyncio.get_running_loop().run_in_executor(None, barrier.wait)
             start, cpu = time.monotonic(), time.process_time()
+            if profile is not None:
+                profile.enable()
             done = await asyncio.gather(*(_one(c, p, args, config) for c, p in zip(clients, mine, strict=True)))
+            if profile is not None:
+                profile.disable()
             return start, max(done), time.process_time() - cpu
         finally:
             await asyncio.gather(*(c.aclose() for c in clients))
 
-    out.put((index, *asyncio.run(main())))
+    out.put((index, *asyncio.run(main()), _by_package(profile) if profile is not None else None))
 
 
-def _etcd_one(address: str, p: Participant, args: argparse.Namespace, config: bytes) -> float:
-    from weightsync.meta.etcd.client import EtcdMetaClient
-
-    with EtcdMetaClient(address, job=JOB, timeout=120) as client:
-        if p.role == "writer" and p.rank == 0:
-            client.put_document(MODEL_KEY, config)
-        table = client.join(p, writers=args.writers, readers=args.readers, timeout=120, documents=[MODEL_KEY])
-        _check(table, p, args)
-        model = table.documents.get(MODEL_KEY) or client.get_document(MODEL_KEY, wait=60)
-        assert model == config
-        return time.monotonic()
+def _by_package(profile: cProfile.Profile) -> dict[str, float]:
+    """Where a client process spent its CPU (``--profile``): each function's own time, summed per
+    top-level package (``asyncio`` for the event loop, ``builtins`` for C functions), as shares."""
+    spent: dict[str, float] = {}
+    for (filename, _, _), (_, _, own, _, _) in pstats.Stats(profile).stats.items():  # type: ignore[attr-defined]
+        if filename == "~":
+            package = "builtins"
+        else:
+            parts = Path(filename).parts
+            if "site-packages" in parts:
+                package = parts[parts.index("site-packages") + 1].split(".")[0]
+            elif "weightsync" in parts:
+                package = "weightsync"
+            else:  # the standard library: its package (asyncio), else its module (contextlib)
+                folder = Path(filename).parent.name
+                package = Path(filename).stem if folder.startswith("python3") else folder
+        spent[package] = spent.get(package, 0.0) + own
+    total = sum(spent.values()) or 1.0
+    return {k: round(v / total, 3) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])[:12]}
 
 
 def _check(table: Any, p: Participant, args: argparse.Namespace) -> None:
@@ -124,50 +153,64 @@ def _check(table: Any, p: Participant, args: argparse.Namespace) -> None:
         assert peer is not None and peer.endpoints
 
 
-def _etcd_worker(index: int, args: argparse.Namespace, address: str, barrier: Any, out: Any) -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
-    raise_open_file_limit()
-    everyone = [("writer", r) for r in range(args.writers)] + [("reader", r) for r in range(args.readers)]
-    mine = [participant(role, rank) for role, rank in everyone[index::args.procs]]
-    config = (resources.files("weightsync.configs") / "moe-1t.json").read_bytes()
-    with ThreadPoolExecutor(max_workers=len(mine), thread_name_prefix="rank") as pool:
-        barrier.wait()
-        start, cpu = time.monotonic(), time.process_time()
-        done = list(pool.map(lambda p: _etcd_one(address, p, args, config), mine))
-    out.put((index, start, max(done), time.process_time() - cpu))
-
-
 def run_etcd(args: argparse.Namespace) -> dict[str, Any]:
     """The same job on a 3-member etcd cluster on loopback (see module docstring)."""
     from weightsync.meta.etcd.client import EtcdMetaClient
     from weightsync.meta.etcd.cluster import LocalEtcdCluster
 
     with tempfile.TemporaryDirectory(prefix="weightsync-meta-scale-etcd-") as tmp, \
-            LocalEtcdCluster(Path(tmp), members=3) as cluster:
+            LocalEtcdCluster(Path(tmp), members=3, heartbeat_ms=100, election_ms=1000) as cluster:
         ctx = mp.get_context("spawn")
         barrier, out = ctx.Barrier(args.procs + 1), ctx.Queue()
-        procs = [ctx.Process(target=_etcd_worker, args=(i, args, cluster.address, barrier, out))
+        procs = [ctx.Process(target=_worker, args=(i, args, cluster.address, None, barrier, out))
                  for i in range(args.procs)]
         for p in procs:
             p.start()
         barrier.wait(timeout=120)
         etcd_pids = [proc.pid for proc in cluster.procs if proc is not None]
-        server_cpu = sum(_cpu_seconds(pid) for pid in etcd_pids)
-        results = [out.get(timeout=300) for _ in procs]
+        members_cpu, before = [_cpu_seconds(pid) for pid in etcd_pids], _etcd_requests(cluster.urls)
+        results = sorted((out.get(timeout=300) for _ in procs), key=lambda r: r[0])
         for p in procs:
             p.join(timeout=30)
-        server_cpu = sum(_cpu_seconds(pid) for pid in etcd_pids) - server_cpu
+        members_cpu = [_cpu_seconds(pid) - cpu for pid, cpu in zip(etcd_pids, members_cpu, strict=True)]
+        after = _etcd_requests(cluster.urls)
+        leader = cluster.leader()
+        requests = {method: after[method] - before.get(method, 0) for method in sorted(after)}
         with EtcdMetaClient(cluster.address, job=JOB) as client:
             roster = len(client.kv.get(client.keys.roster)[0].value)  # type: ignore[union-attr]
     start = min(r[1] for r in results)
     return {
-        "backend": "etcd (3 members, loopback)", "writers": args.writers, "readers": args.readers, "mode": "join",
+        "backend": "etcd (3 members, loopback)", "writers": args.writers, "readers": args.readers, "mode": args.mode,
         "procs": args.procs, "state_dir": True, "materialize": args.materialize,
         "seconds": round(max(r[2] for r in results) - start, 3), "roster_bytes": roster,
-        "client_cpu_seconds": round(sum(r[3] for r in results), 2), "server_cpu_seconds": round(server_cpu, 2),
+        "requests": sum(requests.values()), "requests_by_method": {m: n for m, n in requests.items() if n},
+        "client_cpu_seconds": round(sum(r[3] for r in results), 2), "server_cpu_seconds": round(sum(members_cpu), 2),
+        "member_cpu_seconds": [round(c, 2) for c in members_cpu], "leader": leader,
+        "client_profile": results[0][4],
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
     }
+
+
+def _server_requests(address: str, headers: dict[str, str]) -> int:
+    """HTTP requests the meta server answered so far (its /metrics), long-polls asked again included."""
+    text = httpx.get(f"{address}/metrics", headers=headers, timeout=30).text
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+               if line.startswith("weightsync_meta_requests_total{"))
+
+
+def _etcd_requests(urls: list[str]) -> dict[str, int]:
+    """gRPC calls the members started, by method, from their /metrics: every gateway request
+    (a transaction, a watch stream, ...) is one gRPC call of the member it reached."""
+    import urllib.request
+
+    counts: dict[str, int] = {}
+    for url in urls:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("grpc_server_started_total{"):
+                    method = line.split('grpc_method="', 1)[1].split('"', 1)[0]
+                    counts[method] = counts.get(method, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return counts
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -199,15 +242,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      for i in range(args.procs)]
             for p in procs:
                 p.start()
+            headers = {"Authorization": f"Bearer {token}", "Accept": "application/msgpack"}
             barrier.wait(timeout=120)
-            server_cpu = _cpu_seconds(server.pid)
-            results = [out.get(timeout=300) for _ in procs]
+            server_cpu, before = _cpu_seconds(server.pid), _server_requests(address, headers)
+            results = sorted((out.get(timeout=300) for _ in procs), key=lambda r: r[0])
             for p in procs:
                 p.join(timeout=30)
             start = min(r[1] for r in results)
             total = max(r[2] for r in results) - start
             server_cpu = _cpu_seconds(server.pid) - server_cpu
-            headers = {"Authorization": f"Bearer {token}", "Accept": "application/msgpack"}
+            requests = _server_requests(address, headers) - before - 1  # the first /metrics counts once done
             roster = httpx.get(f"{address}/v1/jobs/{JOB}/participants", headers=headers, timeout=30).content
             metrics = httpx.get(f"{address}/metrics", headers=headers, timeout=30).text
             fsyncs = next((float(line.split()[-1]) for line in metrics.splitlines()
@@ -219,10 +263,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "backend": "embedded (weightsync meta-server)",
         "writers": args.writers, "readers": args.readers, "mode": args.mode, "procs": args.procs,
         "state_dir": args.state_dir, "materialize": args.materialize,
-        "seconds": round(total, 3), "requests": (args.writers + args.readers) * (1 if args.mode == "join" else 2) + 1,
+        "seconds": round(total, 3), "requests": requests,
         "roster_bytes": len(roster), "client_cpu_seconds": round(sum(r[3] for r in results), 2),
         "server_cpu_seconds": round(server_cpu, 2),
-        "store_commits": fsyncs,
+        "store_commits": fsyncs, "client_profile": results[0][4],
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
     }
 
@@ -241,10 +285,10 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=1, help="runs; the best and all are reported")
     p.add_argument("--backend", choices=("embedded", "etcd", "both"), default="embedded",
                    help="the coordinator: the embedded meta server, a 3-member etcd cluster on loopback, or both")
+    p.add_argument("--profile", action="store_true",
+                   help="profile the first client process (slower: for where its CPU goes, not for timings)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    if args.backend != "embedded" and args.mode != "join":
-        p.error("--backend etcd runs --mode join only")
     backends = {"embedded": [run], "etcd": [run_etcd], "both": [run, run_etcd]}[args.backend]
     for runner in backends:
         _report(args, [runner(args) for _ in range(args.repeat)])
@@ -254,6 +298,7 @@ def main() -> int:
 def _report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
     best = min(runs, key=lambda r: r["seconds"])
     best["all_seconds"] = [r["seconds"] for r in runs]
+    best["all_requests"] = [r["requests"] for r in runs]
     if args.json:
         print(json.dumps(best))
     else:
@@ -264,6 +309,11 @@ def _report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
               f"{best.get('requests', '-')} requests; CPU: clients {best['client_cpu_seconds']} s, "
               f"server {best['server_cpu_seconds']} s; "
               f"commits {best.get('store_commits', '-')}; {best['machine']}")
+        if best.get("member_cpu_seconds"):
+            print(f"  etcd members' CPU: {best['member_cpu_seconds']} s (leader: member {best['leader']}); "
+                  f"gRPC calls: {best['requests_by_method']}")
+        if best.get("client_profile"):
+            print(f"  client process 0's CPU by package: {best['client_profile']}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ this module's ``client`` fixture), so both backends pass one contract.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -27,7 +28,7 @@ from test_meta_server import (  # noqa: F401 (the shared contract scenarios, col
 )
 from weightsync.meta.config import MetaEnv
 from weightsync.meta.etcd.address import EtcdAddress
-from weightsync.meta.etcd.kv import EtcdUnavailableError
+from weightsync.meta.etcd.ops import EtcdUnavailableError
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("etcd")]
 _jobs = iter(range(1_000_000))
@@ -97,7 +98,7 @@ def test_a_wiped_store_is_noticed_by_every_client_that_pinned_it(cluster, client
     client.register(writer(0))
     assert client.pin_instance() == instance  # pinning again finds the same store
     from weightsync.meta.calls import ServerStateLostError
-    from weightsync.meta.etcd import kv as ops
+    from weightsync.meta.etcd import ops
 
     client.kv.txn([], [ops.delete(client.etcd.prefix + "/", prefix=True)])  # the store wiped
     with pytest.raises(ServerStateLostError, match=r"the store is not the one this client registered with \(instance "
@@ -155,10 +156,26 @@ def test_a_sync_job_runs_on_etcd_bitwise(cluster):
     assert [v for v, _ in out.writes[0]] == versions == [v for v, _ in out.writes[1]]
 
 
+def _sync_get(address: str, key: str, *, timeout: float) -> bytes | None:
+    with meta(address, "tls", timeout=timeout) as c:
+        return c.get_document(key)
+
+
+def _async_get(address: str, key: str, *, timeout: float = 1.0, password: str | None = None) -> bytes | None:
+    """``get_document`` through the asyncio client (:mod:`weightsync.meta.etcd.async_client`)."""
+    from weightsync.meta.etcd.async_client import AsyncEtcdMetaClient
+
+    async def get() -> bytes | None:
+        async with AsyncEtcdMetaClient(address, job="tls", timeout=timeout, password=password) as c:
+            return await c.get_document(key)
+    return asyncio.run(asyncio.wait_for(get(), 30))
+
+
 def test_tls_with_a_client_certificate_is_spoken_and_each_tls_mismatch_is_named(tmp_path):
     """A member that requires client certificates (etcd's --client-cert-auth), reached with the CA
     and the client certificate in the address; without the certificate, over plain HTTP, and with a
-    member certificate etcd's own gateway cannot use, the error says what to fix (not a lost quorum)."""
+    member certificate etcd's own gateway cannot use, the error says what to fix (not a lost quorum).
+    The sync client (etcd3gw) and the asyncio one (httpx) alike."""
     from etcd_helpers import certificates
 
     tls = certificates(tmp_path / "pki")
@@ -168,23 +185,24 @@ def test_tls_with_a_client_certificate_is_spoken_and_each_tls_mismatch_is_named(
         with meta(single.address, "tls") as c:
             c.put_document("k", b"v")
             assert c.get_document("k") == b"v"
+        assert _async_get(single.address, "k", timeout=10) == b"v"
         members = single.address.removeprefix("etcds://").split("?")[0]
-        with meta(f"etcds://{members}?ca={tls.ca}", "tls", timeout=1) as c, \
-                pytest.raises(EtcdUnavailableError, match=r"The TLS handshake with every member failed: .*cert= and "
-                                                         r"key= give a client certificate that CA signed"):
-            c.get_document("k")
-        with meta(f"etcd://{members}", "tls", timeout=1) as c, \
-                pytest.raises(EtcdUnavailableError, match=r"as a member that speaks TLS does to plain HTTP: use etcds://"):
-            c.get_document("k")
+        for get in (lambda a: _sync_get(a, "k", timeout=1), lambda a: _async_get(a, "k")):
+            with pytest.raises(EtcdUnavailableError, match=r"The TLS handshake with every member failed: .*cert= and "
+                                                           r"key= give a client certificate that CA signed"):
+                get(f"etcds://{members}?ca={tls.ca}")
+            with pytest.raises(EtcdUnavailableError, match=r"as a member that speaks TLS does to plain HTTP: use "
+                                                           r"etcds://"):
+                get(f"etcd://{members}")
     finally:
         single.stop()
     unusable = certificates(tmp_path / "pki-2", member_client_auth=False)
     single = etcd_cluster(tmp_path / "tls-2", members=1, tls=unusable)
     try:
-        with meta(single.address, "tls", timeout=1) as c, \
-                pytest.raises(EtcdUnavailableError, match=r"must then allow client auth as well \(extendedKeyUsage "
-                                                         r"serverAuth,clientAuth\)"):
-            c.get_document("k")
+        for get in (lambda a: _sync_get(a, "k", timeout=1), lambda a: _async_get(a, "k")):
+            with pytest.raises(EtcdUnavailableError, match=r"must then allow client auth as well \(extendedKeyUsage "
+                                                           r"serverAuth,clientAuth\)"):
+                get(single.address)
     finally:
         single.stop()
 
@@ -210,12 +228,14 @@ def test_an_etcd_user_and_password_authenticate_and_a_wrong_one_is_named(tmp_pat
         with EtcdMetaClient(f"etcd://root@{host}", job="auth", password="rootpw") as c:  # WEIGHTSYNC_ETCD_PASSWORD
             c.put_document("k", b"v")
             assert c.get_document("k") == b"v"
-        with meta(f"etcd://{host}", "auth", timeout=2) as c, \
-                pytest.raises(PermissionError, match=r"requires authentication: put the user in the address"):
-            c.get_document("k")
-        with meta(f"etcd://root:wrong@{host}", "auth", timeout=2) as c, \
-                pytest.raises(PermissionError, match=r"refused user 'root' \(.*\): check the user and "
-                                                     r"WEIGHTSYNC_ETCD_PASSWORD"):
-            c.get_document("k")
+        with EtcdMetaClient(f"etcd://root@{host}", job="tls", password="rootpw") as c:
+            c.put_document("k", b"async")
+        assert _async_get(f"etcd://root@{host}", "k", timeout=5, password="rootpw") == b"async"
+        for get in (lambda a: _sync_get(a, "k", timeout=2), lambda a: _async_get(a, "k", timeout=2)):
+            with pytest.raises(PermissionError, match=r"requires authentication: put the user in the address"):
+                get(f"etcd://{host}")
+            with pytest.raises(PermissionError, match=r"refused user 'root' \(.*\): check the user and "
+                                                      r"WEIGHTSYNC_ETCD_PASSWORD"):
+                get(f"etcd://root:wrong@{host}")
     finally:
         single.stop()

@@ -60,7 +60,7 @@ def test_the_job_carries_on_when_the_etcd_leader_is_killed(cluster):
 
 
 def test_without_quorum_calls_fail_within_their_deadline_naming_it_and_the_next_version_succeeds(cluster):
-    from weightsync.meta.etcd.kv import EtcdUnavailableError
+    from weightsync.meta.etcd.ops import EtcdUnavailableError
 
     with meta(cluster.address, "quorum", timeout=3.0) as c:
         c.register(reader(0))

@@ -2,11 +2,15 @@
 
 :class:`EtcdMetaClient` provides the :class:`~weightsync.ports.coordinator.MetaPort` that the
 embedded meta server's :class:`~weightsync.meta.client.MetaClient` provides, over etcd's
-HTTP/JSON gateway (``pip install weightsync[etcd]``: the ``etcd3gw`` client). Its modules, one
-per concern: ``address`` (parsing, no etcd needed), ``kv`` (the connection: failover, auth,
-watches), ``schema`` (what is stored where), ``base`` (transactions, waits, the store
-instance), ``versions``, ``leases`` and ``client`` (the port's calls), ``cluster`` (a local
-3-member cluster for tests and benchmarks).
+HTTP/JSON gateway (``pip install weightsync[etcd]``: the ``etcd3gw`` client);
+:class:`AsyncEtcdMetaClient` does what a joining rank does with asyncio (``httpx``, no etcd3gw).
+Its modules, one per concern: ``address`` (parsing, no etcd needed), ``ops`` (the gateway's
+requests, answers and errors as plain data), ``kv`` and ``gateway`` (the sync and the asyncio
+connection: failover, auth, watches), ``schema`` (what is stored where), ``settings`` (the job and
+cluster a client serves), ``steps`` (operations written once for both clients, sans I/O),
+``barrier`` (registration and the barrier, as steps), ``base`` (the sync client's transactions
+and waits), ``roster``, ``versions``, ``leases`` and ``client`` (the sync client's calls),
+``async_client``, ``cluster`` (a local 3-member cluster for tests and benchmarks).
 """
 
 from __future__ import annotations
@@ -16,14 +20,19 @@ from typing import TYPE_CHECKING, Any
 from weightsync.meta.etcd.address import EtcdAddress, is_etcd_address
 
 if TYPE_CHECKING:
+    from weightsync.meta.etcd.async_client import AsyncEtcdMetaClient
     from weightsync.meta.etcd.client import EtcdMetaClient
 
-__all__ = ["EtcdAddress", "EtcdMetaClient", "is_etcd_address"]
+__all__ = ["AsyncEtcdMetaClient", "EtcdAddress", "EtcdMetaClient", "is_etcd_address"]
 
 INSTALL = "pip install 'weightsync[etcd]' (the etcd3gw client)"
 
 
 def __getattr__(name: str) -> Any:
+    if name == "AsyncEtcdMetaClient":  # httpx only: no etcd3gw needed
+        from weightsync.meta.etcd.async_client import AsyncEtcdMetaClient
+
+        return AsyncEtcdMetaClient
     if name == "EtcdMetaClient":  # imported lazily: etcd3gw is an optional dependency
         try:
             from weightsync.meta.etcd.client import EtcdMetaClient

@@ -5,7 +5,9 @@ The same calls, answers and errors as :class:`~weightsync.meta.client.MetaClient
 meta server's client), so the job channel runs unchanged on either. What is stored where:
 :mod:`weightsync.meta.etcd.schema`; versions and reader reports: :mod:`weightsync.meta.etcd.versions`;
 leases: :mod:`weightsync.meta.etcd.leases`; the connection (failover, auth, watches):
-:mod:`weightsync.meta.etcd.kv`.
+:mod:`weightsync.meta.etcd.kv`. Operations that the asyncio client
+(:class:`~weightsync.meta.etcd.async_client.AsyncEtcdMetaClient`) has too are written once, as
+steps (:mod:`weightsync.meta.etcd.steps`, :mod:`weightsync.meta.etcd.barrier`).
 
     meta = EtcdMetaClient("etcd://n1:2379,n2:2379,n3:2379", job="grpo")
     meta.register(Participant("writer", 0, "train", "n1", {"tcp": "n1:29500"}, layout))
@@ -20,12 +22,11 @@ from __future__ import annotations
 from typing import Any
 
 from weightsync.meta import calls, views
-from weightsync.meta.etcd import kv as ops
+from weightsync.meta.etcd import ops, steps
 from weightsync.meta.etcd.leases import Leases
 from weightsync.meta.etcd.roster import Roster
 from weightsync.meta.etcd.schema import load_job
 from weightsync.meta.etcd.versions import Versions
-from weightsync.meta.records import check_document_key
 
 __all__ = ["EtcdMetaClient"]
 
@@ -49,17 +50,11 @@ class EtcdMetaClient(Roster, Versions, Leases):
     # --- documents and counters ---------------------------------------------------------------------
     def put_document(self, key: str, value: bytes) -> None:
         """Store a job-level document under ``key``; overwrites."""
-        calls.put_document(self.job, key, value)  # checks the key and the value's type
-        self.txn([], [ops.put(self.keys.doc(key), bytes(value))], what=f"store document {key}")
+        self.run(steps.put_document(self.keys, key, value))
 
     def get_document(self, key: str, *, wait: float = 0.0) -> bytes | None:
         """The document ``key``; with ``wait > 0``, watched for until it exists. None if absent."""
-        doc = self.keys.doc(check_document_key(key))
-
-        def read() -> tuple[bytes | None, int]:
-            rows, revision = self.rows(ops.read(doc))
-            return (rows[0].value if rows else None), revision
-        return self.wait(doc, read, lambda v: v is not None, wait)
+        return self.run(steps.get_document(self.keys, key, wait))
 
     def counter(self, name: str, *, at_least: int = 0, wait: float = 0.0) -> int:
         """The job's counter ``name`` (0 until set); with ``wait``, watched until it reaches ``at_least``."""

@@ -2,8 +2,10 @@
 
 Each member is an ``etcd`` process (Debian's ``etcd-server``: ``apt-get install etcd-server``)
 on free loopback ports, with its data in a directory of its own; :meth:`LocalEtcdCluster.stop`
-kills every member it started. Members elect faster than etcd's defaults (heartbeat 50 ms,
-election 500 ms) so that fault tests see an election within a second.
+kills every member it started. By default members elect faster than etcd's defaults (heartbeat
+50 ms, election 500 ms) so that fault tests see an election within a second; a benchmark that
+loads the machine passes etcd's own (``heartbeat_ms=100, election_ms=1000``), with which a
+busy member is not taken for a dead leader.
 
     with LocalEtcdCluster(tmp_path, members=3) as cluster:
         meta = EtcdMetaClient(cluster.address, job="j")
@@ -73,7 +75,7 @@ class LocalEtcdCluster:
     """``members`` etcd processes on loopback (see module docstring)."""
 
     def __init__(self, directory: str | Path, *, members: int = 3, start_timeout: float = 30.0,
-                 tls: EtcdTLS | None = None) -> None:
+                 tls: EtcdTLS | None = None, heartbeat_ms: int = 50, election_ms: int = 500) -> None:
         binary = etcd_binary()
         if binary is None:
             raise FileNotFoundError(f"etcd is not installed: {INSTALL}")
@@ -82,6 +84,10 @@ class LocalEtcdCluster:
         self.client_ports, self.peer_ports = ports[:members], ports[members:]
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * members
         self.start_timeout = start_timeout
+        if not 0 < heartbeat_ms * 5 <= election_ms:
+            raise ValueError(f"election_ms ({election_ms}) must be at least 5 heartbeats ({heartbeat_ms} ms each), "
+                             "as etcd requires (its docs advise about 10)")
+        self.timing = (heartbeat_ms, election_ms)
 
     @property
     def urls(self) -> list[str]:
@@ -106,7 +112,7 @@ class LocalEtcdCluster:
                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_ports[i]}",
                 "--initial-cluster", peers, "--initial-cluster-state", state,
                 "--initial-cluster-token", f"weightsync-{self.peer_ports[0]}",
-                "--heartbeat-interval", "50", "--election-timeout", "500",
+                "--heartbeat-interval", str(self.timing[0]), "--election-timeout", str(self.timing[1]),
                 "--logger", "zap", "--log-outputs", str(self.directory / f"m{i}.log"), "--log-level", "warn"]
 
     def start(self, i: int | None = None) -> LocalEtcdCluster:

@@ -1,13 +1,15 @@
-"""The connection to an etcd cluster: every call fails over between its members, within a deadline.
+"""The sync connection to an etcd cluster: every call fails over between its members, within a deadline.
 
-:class:`EtcdKV` is the only module that talks to etcd. It speaks etcd's v3 HTTP/JSON gateway
-through ``etcd3gw`` (one ``Etcd3Client`` per member and thread: a ``requests`` session is not
-shared between threads), and adds what a coordinator needs on top:
+:class:`EtcdKV` is how the sync client (:class:`~weightsync.meta.etcd.client.EtcdMetaClient`)
+talks to etcd; the asyncio client has its twin, :mod:`weightsync.meta.etcd.gateway`, and both
+build their requests and errors with :mod:`weightsync.meta.etcd.ops`. It speaks etcd's v3
+HTTP/JSON gateway through ``etcd3gw`` (one ``Etcd3Client`` per member and thread: a ``requests``
+session is not shared between threads), and adds what a coordinator needs on top:
 
 - **failover**: a call that a member cannot answer (connection refused or reset, no leader,
   etcd's own request timeout) goes to the next member, with jittered backoff after each round,
-  until the call's deadline; then :class:`EtcdUnavailableError` says which members refused and
-  that a write needs a quorum (a majority of the members);
+  until the call's deadline; then :class:`~weightsync.meta.etcd.ops.EtcdUnavailableError` says
+  which members refused and that a write needs a quorum (a majority of the members);
 - **authentication**: etcd's user/password (``/v3/auth/authenticate``; its token is sent as the
   ``Authorization`` header and renewed when etcd says it expired) and TLS client certificates;
 - **watches with a deadline**: :meth:`EtcdKV.watch` holds one watch stream until an event or the
@@ -22,14 +24,10 @@ shared between threads), and adds what a coordinator needs on top:
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
-import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import requests
@@ -37,74 +35,20 @@ from etcd3gw import exceptions as etcd_errors
 from etcd3gw.client import Etcd3Client
 
 from weightsync.clock.deadline import Deadline
+from weightsync.meta.etcd import ops
 from weightsync.meta.etcd.address import EtcdAddress
+from weightsync.meta.etcd.ops import MAX_REQUEST_SECONDS, EtcdUnavailableError, Row, TxnAnswer, b64, prefix_end
+
+__all__ = ["API_PATH", "EtcdKV", "EtcdUnavailableError"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: etcd 3.4 serves the gateway at /v3/ (and /v3beta/, gone in 3.5); etcd3gw's discovery costs a request
 API_PATH = "/v3/"
-#: longest single HTTP request; a longer call is several tries (another member after each)
-MAX_REQUEST_SECONDS = 5.0
-_BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 0.5
+#: etcd3gw's errors for the gateway statuses of :data:`~weightsync.meta.etcd.ops.RETRY_STATUSES` and
+#: for connections that failed or timed out: another member may answer
 _RETRIED = (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutError, etcd_errors.InternalServerError)
-
-
-class EtcdUnavailableError(ConnectionError):
-    """No member of the etcd cluster could serve a call before its deadline (the message says
-    which members refused and why: most often a lost quorum)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    """One key-value of a range read."""
-
-    key: str
-    value: bytes
-    mod_revision: int
-    create_revision: int
-    lease: int
-
-
-def b64(data: str | bytes) -> str:
-    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode("ascii")
-
-
-def prefix_end(prefix: str) -> str:
-    """The ``range_end`` that makes a range or watch cover every key starting with ``prefix``."""
-    raw = prefix.encode()
-    return (raw[:-1] + bytes([raw[-1] + 1])).decode()
-
-
-def tls_advice(tls: bool, reasons: Iterable[str]) -> str | None:
-    """What to fix when every member failed as a TLS mismatch fails (a lost quorum looks otherwise).
-
-    Three cases, each seen against etcd 3.4: a handshake the members refuse or we cannot verify;
-    plain HTTP to members that speak TLS (they hang up without a response); and etcd's own HTTP
-    gateway unable to dial its member's gRPC server (``connection closed``, or a gRPC transport
-    error such as ``failed to write client preface``: which one is a race), which happens under
-    ``--client-cert-auth`` when the member's certificate does not allow client auth.
-    """
-    reasons = list(reasons)
-    if not reasons:
-        return None
-    if all("SSLError" in r for r in reasons):
-        return ("The TLS handshake with every member failed: check that ca= names the CA that signed the members' "
-                "certificates, and that cert= and key= give a client certificate that CA signed when the members "
-                "require one (--client-cert-auth)")
-    if not tls and all("Remote end closed connection without response" in r for r in reasons):
-        return ("Every member hung up without a response, as a member that speaks TLS does to plain HTTP: use "
-                "etcds:// with ca= (and cert= and key= when the members require client certificates)")
-    if tls and all("connection closed" in r or 'desc = "transport:' in r for r in reasons):
-        return ("Every member answered that its gRPC connection failed (as above): etcd's HTTP gateway could not "
-                "reach the member's own gRPC server. Under --client-cert-auth etcd dials it with the member's "
-                "certificate, which must then allow client auth as well (extendedKeyUsage serverAuth,clientAuth)")
-    return None
-
-
-def _row(kv: dict[str, Any]) -> Row:
-    return Row(base64.b64decode(kv["key"]).decode(), base64.b64decode(kv.get("value", "")),
-               int(kv.get("mod_revision", 0)), int(kv.get("create_revision", 0)), int(kv.get("lease", 0)))
 
 
 class EtcdKV:
@@ -116,7 +60,7 @@ class EtcdKV:
         self._local = threading.local()
         self._token: str | None = None
         self._lock = threading.Lock()
-        self._current = 0  # the member calls go to first (the last one that answered)
+        self._current = ops.first_member(len(address.endpoints))  # the last member that answered
 
     # -- members ---------------------------------------------------------------------------------
     def _clients(self) -> list[Etcd3Client]:
@@ -142,8 +86,7 @@ class EtcdKV:
     def _authenticate(self, client: Etcd3Client) -> None:
         a = self.address
         if a.user is None:
-            raise PermissionError(f"etcd at {a} requires authentication: put the user in the address "
-                                  "(etcd://USER@host:2379,...) and its password in WEIGHTSYNC_ETCD_PASSWORD")
+            raise ops.no_user(a)
         client.session.headers.pop("Authorization", None)
         try:
             answer = client.post(client.get_url("/auth/authenticate"), json={"name": a.user,
@@ -151,8 +94,7 @@ class EtcdKV:
         except etcd_errors.Etcd3Exception as exc:
             if isinstance(exc, _RETRIED):
                 raise
-            raise PermissionError(f"etcd at {a} refused user {a.user!r} ({_reason(exc)}): check the user and "
-                                  "WEIGHTSYNC_ETCD_PASSWORD") from None
+            raise ops.bad_user(a, _reason(exc)) from None
         with self._lock:
             self._token = str(answer["token"])
 
@@ -168,8 +110,8 @@ class EtcdKV:
         deadline = deadline or Deadline.after(self.timeout)
         failures: dict[str, str] = {}
         clients = self._clients()
-        for tries in range(1 << 30):
-            index = (self._current + tries) % len(clients)
+        for index, pause in ops.failover(len(clients), self._current, deadline):
+            time.sleep(pause)  # backoff between rounds over the members, not polling
             client = clients[index]
             client.timeout = max(0.05, min(MAX_REQUEST_SECONDS, deadline.remaining(0.0)))
             try:
@@ -180,14 +122,7 @@ class EtcdKV:
             else:
                 self._current = index
                 return result
-            if (tries + 1) % len(clients) == 0:
-                pause = min(_BACKOFF_MAX, _BACKOFF_FIRST * 2 ** (tries // len(clients))) * random.uniform(0.5, 1)
-                if deadline.remaining(0.0) <= pause:
-                    raise self._unavailable(what, failures, deadline)
-                time.sleep(pause)  # backoff between rounds over the members, not polling
-            elif deadline.expired:
-                raise self._unavailable(what, failures, deadline)
-        raise AssertionError("unreachable")
+        raise ops.unavailable(self.address, what, failures)
 
     def _authorized(self, client: Etcd3Client, fn: Callable[[Etcd3Client], T]) -> T:
         if self.address.user is not None and self._token is None:
@@ -199,7 +134,7 @@ class EtcdKV:
             if isinstance(exc, _RETRIED):
                 raise
             reason = _reason(exc)
-            if "token" in reason or "authenticat" in reason or "user name" in reason:
+            if ops.wants_token(reason):
                 self._authenticate(client)  # etcd's token expired (or was never sent): once more
                 self._clients()
                 try:
@@ -207,22 +142,8 @@ class EtcdKV:
                 except etcd_errors.Etcd3Exception as again:
                     if isinstance(again, _RETRIED):
                         raise
-                    exc, reason = again, _reason(again)
-            if "permission denied" in reason:
-                raise PermissionError(f"etcd at {self.address} denied user {self.address.user!r}: {reason}; grant "
-                                      f"it read-write on the prefix {self.address.prefix}/") from None
-            raise RuntimeError(f"etcd at {client.base_url} refused a request: {reason}") from None
-
-    def _unavailable(self, what: str, failures: dict[str, str], deadline: Deadline) -> EtcdUnavailableError:
-        members = len(self.address.endpoints)
-        quorum = members // 2 + 1
-        said = "; ".join(f"{url}: {why}" for url, why in failures.items())
-        advice = tls_advice(self.address.tls, failures.values()) or (
-            f"The cluster has lost quorum or is unreachable: etcd serves only while a majority ({quorum} of "
-            f"{members}) of its members run and reach each other; restart the stopped members (etcdctl endpoint "
-            "health shows which) or check the network to them")
-        return EtcdUnavailableError(
-            f"etcd cluster {self.address} could not {what} within the deadline: no member answered ({said}). {advice}")
+                    reason = _reason(again)
+            raise ops.refused(self.address, client.base_url, reason) from None
 
     # -- operations ------------------------------------------------------------------------------
     def range(self, key: str, *, prefix: bool = False, deadline: Deadline | None = None,
@@ -234,7 +155,7 @@ class EtcdKV:
         if keys_only:
             body["keys_only"] = True
         answer = self.call(f"read {key}", lambda c: c.post(c.get_url("/kv/range"), json=body), deadline)
-        return [_row(kv) for kv in answer.get("kvs", [])], int(answer["header"]["revision"])
+        return [ops.row_of(kv) for kv in answer.get("kvs", [])], int(answer["header"]["revision"])
 
     def get(self, key: str, deadline: Deadline | None = None) -> tuple[Row | None, int]:
         rows, revision = self.range(key, deadline=deadline)
@@ -242,11 +163,10 @@ class EtcdKV:
 
     def txn(self, compare: Sequence[dict[str, Any]], success: Sequence[dict[str, Any]],
             failure: Sequence[dict[str, Any]] = (), *, what: str = "commit a transaction",
-            deadline: Deadline | None = None) -> tuple[bool, int, list[dict[str, Any]]]:
-        """One transaction: (whether the compares held, the revision after it, the responses)."""
+            deadline: Deadline | None = None) -> TxnAnswer:
+        """One transaction (see :class:`~weightsync.meta.etcd.ops.TxnAnswer`)."""
         body = {"compare": list(compare), "success": list(success), "failure": list(failure)}
-        answer = self.call(what, lambda c: c.post(c.get_url("/kv/txn"), json=body), deadline)
-        return bool(answer.get("succeeded", False)), int(answer["header"]["revision"]), answer.get("responses", [])
+        return TxnAnswer.from_gateway(self.call(what, lambda c: c.post(c.get_url("/kv/txn"), json=body), deadline))
 
     def grant(self, ttl: int, deadline: Deadline | None = None) -> int:
         """A new etcd lease of ``ttl`` seconds (etcd raises it to its minimum, about 1.5 election timeouts)."""
@@ -271,99 +191,57 @@ class EtcdKV:
         False at the deadline. Events between ``after`` and the watch's start are not missed:
         the watch starts at revision ``after + 1``.
         """
+        return self.watch_rows(key, prefix=prefix, after=after, deadline=deadline) is not None
+
+    def watch_rows(self, key: str, *, prefix: bool, after: int, deadline: Deadline) -> tuple[Row, ...] | None:
+        """:meth:`watch`, returning the keys the first change put (empty: a delete, or the stream
+        ended or was canceled) or None at the deadline."""
         create: dict[str, Any] = {"key": b64(key), "start_revision": after + 1}
         if prefix:
             create["range_end"] = b64(prefix_end(key))
         client = self._clients()[self._current]
         left = deadline.remaining(0.0)
         if left <= 0:
-            return False
+            return None
         try:
             response = client.session.post(client.get_url("/watch"), json={"create_request": create}, stream=True,
                                            timeout=(min(left, MAX_REQUEST_SECONDS), left))
         except requests.RequestException:
             self._current = (self._current + 1) % len(self.address.endpoints)
-            time.sleep(min(deadline.remaining(0.0), _BACKOFF_MAX * random.uniform(0.5, 1)))  # backoff, then read again
-            return True
+            time.sleep(min(deadline.remaining(0.0), ops.backoff(10)))  # backoff, then read again
+            return ()
         try:
             return self._first_event(response)
         finally:
             response.close()
 
-    def _first_event(self, response: requests.Response) -> bool:
+    def _first_event(self, response: requests.Response) -> tuple[Row, ...] | None:
         if response.status_code != 200:
             self._current = (self._current + 1) % len(self.address.endpoints)
-            return True
+            return ()
         buffer = b""
         try:
             for chunk in response.iter_content(chunk_size=None):
                 buffer += chunk
                 while b"\n" in buffer:
                     line, buffer = buffer.split(b"\n", 1)
-                    result = json.loads(line).get("result", {}) if line.strip() else {}
-                    if result.get("events") or result.get("canceled"):
-                        return True  # a change, or a watch etcd refused (compacted): read again
+                    seen = ops.watch_line(line)
+                    if seen.wakes:
+                        return seen.rows  # a change, or a watch etcd refused (compacted): read again
         except requests.exceptions.ConnectionError as exc:
             if "timed out" in str(exc).lower() or "timeout" in type(exc.__cause__ or exc).__name__.lower():
-                return False
+                return None
             self._current = (self._current + 1) % len(self.address.endpoints)
         except requests.RequestException:
-            return False
-        return True  # the stream ended: its member went away
+            return None
+        return ()  # the stream ended: its member went away
 
 
 def _reason(exc: BaseException) -> str:
     """etcd's own message from a gateway error (``{"error": ..., "message": ...}``), else the exception."""
     detail = getattr(exc, "detail_text", None)  # etcd3gw keeps the answer's body there
     for text in (detail, *exc.args):
-        if isinstance(text, str) and text.lstrip().startswith("{"):
-            try:
-                obj = json.loads(text)
-            except ValueError:
-                continue
-            return str(obj.get("message") or obj.get("error") or text) if isinstance(obj, dict) else text
+        if isinstance(text, str) and (said := ops.reason_of(text)) is not None:
+            return said
     said = " ".join(str(a) for a in (detail, *exc.args) if a)[:300]
     return f"{type(exc).__name__}: {said}" if said else type(exc).__name__
-
-
-# -- transaction parts (etcd's KV API, as the gateway takes them) ----------------------------------------
-
-def put(key: str, value: bytes, lease: int = 0) -> dict[str, Any]:
-    request: dict[str, Any] = {"key": b64(key), "value": b64(value)}
-    if lease:
-        request["lease"] = lease
-    return {"request_put": request}
-
-
-def delete(key: str, *, prefix: bool = False) -> dict[str, Any]:
-    request = {"key": b64(key)}
-    if prefix:
-        request["range_end"] = b64(prefix_end(key))
-    return {"request_delete_range": request}
-
-
-def read(key: str, *, prefix: bool = False, count_only: bool = False) -> dict[str, Any]:
-    request: dict[str, Any] = {"key": b64(key)}
-    if prefix:
-        request["range_end"] = b64(prefix_end(key))
-    if count_only:
-        request["count_only"] = True
-    return {"request_range": request}
-
-
-def unchanged(key: str, mod_revision: int) -> dict[str, Any]:
-    """The key was not written since ``mod_revision`` (0: the key does not exist)."""
-    return {"key": b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": mod_revision}
-
-
-def holds(key: str, value: bytes) -> dict[str, Any]:
-    return {"key": b64(key), "target": "VALUE", "result": "EQUAL", "value": b64(value)}
-
-
-def rows_of(response: dict[str, Any]) -> list[Row]:
-    """The rows of one ``request_range`` answer of a transaction."""
-    return [_row(kv) for kv in response.get("response_range", {}).get("kvs", [])]
-
-
-def count_of(response: dict[str, Any]) -> int:
-    return int(response.get("response_range", {}).get("count", 0))

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 from weightsync.clock.deadline import Deadline
 from weightsync.meta import calls, wire
-from weightsync.meta.etcd import kv as ops
+from weightsync.meta.etcd import ops
 from weightsync.meta.etcd.base import EtcdBase
-from weightsync.meta.etcd.kv import Row
+from weightsync.meta.etcd.ops import Row
 from weightsync.ports.records import LeaseRow, check_role
 
 

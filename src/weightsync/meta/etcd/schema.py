@@ -10,6 +10,7 @@ key (under ``<prefix>/jobs/<job>/``)     value
 ``part/roster``                          the encoded columnar roster with its writer and
                                          reader counts (a cache: rebuilt when stale; under
                                          ``part/`` so that one watch sees it and registrations)
+``barrier/<W>-<R>``                      empty: some rank waits for W writers and R readers
 ``ver/latest``                           the published :class:`VersionInfo`
 ``ver/pending/<version:020d>``           a version some writers reported (fingerprint, epoch,
                                          writer count, ranks)
@@ -33,7 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 from weightsync.meta import wire
-from weightsync.meta.etcd.kv import Row
+from weightsync.meta.etcd.ops import Row
 from weightsync.meta.reducer import Job, Pending, ReaderState
 from weightsync.meta.reducer import Row as Registration
 from weightsync.ports.records import VersionInfo
@@ -60,6 +61,10 @@ class JobKeys:
 
     def blob(self, h: str = "") -> str:
         return f"{self.root}blob/{h}"
+
+    def barrier(self, writers: int | None = None, readers: int | None = None) -> str:
+        """A barrier's key (no counts: the prefix of every barrier's)."""
+        return f"{self.root}barrier/" + ("" if writers is None else f"{writers}-{readers}")
 
     @property
     def roster(self) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 from weightsync.meta import calls, rules
 from weightsync.meta.client_base import newer_than, readers_result
-from weightsync.meta.etcd import kv as ops
+from weightsync.meta.etcd import ops
 from weightsync.meta.etcd.base import EtcdBase
 from weightsync.meta.etcd.schema import load_job, pack_latest, pack_pending, pack_reader
 from weightsync.meta.events import ReaderApplied, ReaderFailed, VersionReported
