@@ -57,7 +57,7 @@ test: lint
 	test $$tests = 0 && test $$typed = 0
 	@echo "verl's backend is tested in a venv of its own (verl pins transformers<5.11): make test-verl"
 
-# Before every commit: the unit tier and the transport contract on shared memory (about a minute).
+# Before every commit: the unit tier and the transport contract on shared memory (about 2.5 minutes here).
 test-fast: $(VENV)/.installed-$(TEST_EXTRAS)
 	$(VENV)/bin/pytest -n 2 -p randomly --randomly-seed=$(TEST_SEED) -m fast
 
