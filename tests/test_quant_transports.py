@@ -4,8 +4,10 @@ each reader gets its own format, bitwise (the reference quantization is tests/te
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -14,6 +16,19 @@ from test_quant import check_hf_reader, config
 from weightsync.layout import ModelSpec
 from weightsync.tools.tiny import canonical_weights
 from weightsync.transport import TransportOptions
+
+
+@contextlib.contextmanager
+def _readers_first(errors: list[BaseException]) -> Iterator[None]:
+    """A writer process that failed because a reader gave up names the reader, not itself: the
+    readers' own errors come first in the failure."""
+    try:
+        yield
+    except AssertionError as exc:
+        if errors:
+            raise AssertionError(f"readers failed: {errors!r}; then a writer: {str(exc)[-1500:]}") from exc
+        raise
+
 
 #: variants of a transport: (transport, writer flags, reader settings)
 FP8_VARIANTS = {"shm-phases": ("shm", ("--layer-phases", "--bucket", "65536"),
@@ -47,7 +62,7 @@ def test_fp8_and_bf16_readers_from_three_training_processes(transport):
     job = f"fp8-{uuid.uuid4().hex[:8]}"
     engines = [ShardedEngine("hf:quant=fp8_block", cfg, 0), ShardedEngine("hf:replicas=2", cfg, 1)]
     errors: list[BaseException] = []
-    with EmbeddedMetaServer() as server, writer_processes(server, cfg, "fsdp:dp=3", job=job, seeds=[2, 1],
+    with _readers_first(errors), EmbeddedMetaServer() as server, writer_processes(server, cfg, "fsdp:dp=3", job=job, seeds=[2, 1],
                                                           extra=("--transport", transport, "--readers", "2",
                                                                  "--hosts", writer_hosts, *flags)):
         sync = SyncConfig(num_writers=3, num_readers=2, job=job, transport=transport, timeout=120, **settings)
