@@ -76,10 +76,15 @@ def test_fp8_and_bf16_readers_from_three_training_processes(transport):
                         assert reader.update(version).version == version
                         if version == 1:
                             snapshot[rank] = {n: t.clone() for n, t in engines[rank].tensors.items()}
+                    # a reader done first stays until the other is done too: over gloo a reader that
+                    # leaves (releases its lease) reads as dead to the one still receiving
+                    done.wait(timeout=120)
             except BaseException as exc:  # re-raised below, in the test's thread
                 errors.append(exc)
+                done.abort()  # the other reader stops waiting for this one
 
         snapshot: dict[int, dict] = {}
+        done = threading.Barrier(2)
         threads = [threading.Thread(target=read, args=(r,)) for r in (0, 1)]
         for t in threads:
             t.start()

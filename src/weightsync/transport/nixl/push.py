@@ -360,30 +360,24 @@ class NixlPushTransport(NixlBase):
 
     def _probe(self, pending: dict[str, Peer], version: int, deadline: Deadline,
                take: Callable[[dict[str, list[bytes]]], None]) -> None:
-        """Fail for the pending writers that are dead (a dead writer never notifies; READing its word
-        fails, or hangs until its lease expires) or late, unless their notification came meanwhile,
-        naming each of them.
+        """Fail for a pending writer that is dead (a dead writer never notifies; READing its word
+        fails, or hangs until its lease expires) or late, unless its notification came meanwhile.
 
         A writer that sent its last version closes and leaves: its notification is delivered
         before its disconnection, but this rank may not have taken it yet (it was applying
         another writer's changes, or the poller was not scheduled). So each failure first takes
         what arrived, progressing NIXL now, and counts only for a writer still pending."""
         drain = self._prepared_agent("receive").take_notifs
-        failed: list[TransportError] = []
         for peer in list(pending.values()):
             if peer.agent in pending and not deadline.expired:
                 try:
                     assert peer.ctl is not None
                     self._run(peer, peer.ctl, deadline)
                     peer.watch.check(f"version {version} from {peer.label}")
-                except TransportError as exc:
+                except TransportError:
                     take(drain(timeout=0, progress=True))
                     if peer.agent in pending:
-                        failed.append(exc)
-        if failed:
-            # every pending writer that is gone, not the first probed: a writer that failed the
-            # version because another died leaves too, and the one that died must be named
-            raise failed[0] if len(failed) == 1 else TransportError("; ".join(map(str, failed)))
+                        raise
         if deadline.expired:
             take(drain(timeout=0, progress=True))
             if pending:
