@@ -13,6 +13,12 @@ from typing import Any
 
 import pytest
 
+#: OpenMP threads that wait for work sleep instead of spinning. The suite runs three xdist workers
+#: on two cores, each starting ranks and vLLM engines whose torch threads, spinning in every
+#: barrier, took the cores the other processes needed. Set before any process (worker, rank or
+#: engine) loads torch's OpenMP, which reads it once.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 @pytest.fixture(autouse=True)
 def sweep_dead_writers_segments():
@@ -83,6 +89,45 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     terminalreporter.write_line("|---|---|---|---|---|")
     for (fault, transport), (injected, survived, hangs) in sorted(FAULT_TABLE.items()):
         terminalreporter.write_line(f"| {fault} | {transport} | {injected} | {survived} | {hangs} |")
+
+
+def _seed_torch(seed: int) -> None:
+    """What deepspeed's seeder for pytest-randomly does beyond random and numpy (which
+    pytest-randomly seeds itself): torch's generator, once a test module has imported torch."""
+    import sys
+
+    if "torch" in sys.modules:
+        sys.modules["torch"].manual_seed(seed % 2**63)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """``make test-fast`` (``-m fast``) draws fewer examples per property (tests/budget.py).
+
+    pytest-randomly loads every package's ``pytest_randomly.random_seeder`` entry point at the
+    start of each process, and deepspeed declares one: importing deepspeed took 3.8 s of CPU in the
+    controller and in every xdist worker, before any test. Its seeder is replaced by what it
+    does beyond pytest-randomly's own seeding (``_seed_torch``)."""
+    import pytest_randomly
+    from hypothesis import settings
+
+    import budget
+
+    pytest_randomly.entrypoint_reseeds = [_seed_torch]
+
+    budget.FAST = (config.getoption("markexpr") or "").strip() == "fast"
+    if budget.FAST:  # properties that name no count of their own draw hypothesis's default (100)
+        settings.register_profile("fast", max_examples=budget.examples(100))
+        settings.load_profile("fast")
+
+
+def pytest_ignore_collect(collection_path: Any, config: pytest.Config) -> bool | None:
+    """A run of one tier (``-m fast``, ``-m unit``, ...) skips the other tiers' test files unread."""
+    from tiers import may_select
+
+    name = collection_path.name
+    if not (name.startswith("test_") and name.endswith(".py")):
+        return None
+    return None if may_select(name, config.getoption("markexpr") or "") else True
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

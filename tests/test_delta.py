@@ -13,12 +13,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from budget import examples
 from weightsync.tools.codecs.delta import Kind, apply, diff, encode, encoded_sizes
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int32]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(dtype=st.sampled_from(DTYPES), n=st.integers(0, 300), seed=st.integers(0, 2**31 - 1),
        density=st.sampled_from([0.0, 0.005, 0.05, 0.3, 1.0]))
 def test_round_trip_is_bitwise(dtype: torch.dtype, n: int, seed: int, density: float) -> None:
@@ -59,7 +60,7 @@ def test_bad_payload_is_refused_before_writing() -> None:
         encode(torch.zeros(6, dtype=torch.uint8), torch.zeros(6, dtype=torch.uint8), unit=4)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(unit=st.sampled_from([1, 2, 4, 8]), n=st.integers(0, 200), lead=st.integers(0, 7),
        chunk_words=st.sampled_from([1, 2, 3, 5, 64]), seed=st.integers(0, 2**31 - 1),
        density=st.sampled_from([0.0, 0.02, 0.3, 1.0]), compiled=st.booleans())

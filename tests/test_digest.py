@@ -10,6 +10,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from budget import examples
 from weightsync.tools.codecs import digest as digest_mod
 from weightsync.tools.codecs import digest_jit
 from weightsync.tools.codecs.digest import (
@@ -94,7 +95,7 @@ def test_values_match_references_for_every_dtype_and_view(dtype):
         assert bytes_digest(data, "sum64") == tensor_digest(t, "sum64")
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(data=st.binary(min_size=0, max_size=300), cuts=st.lists(st.integers(0, 300), max_size=6),
        kind=st.sampled_from(["xxh3", "sum64"]))
 def test_streaming_equals_one_shot_whatever_the_cuts(data, cuts, kind):
@@ -106,7 +107,7 @@ def test_streaming_equals_one_shot_whatever_the_cuts(data, cuts, kind):
     assert h.digest() == tensor_digest(t, kind)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(size=st.integers(0, 3000) | st.integers(3000, 20000), seed=st.integers(0, 2**31),
        rows=st.lists(st.tuples(st.integers(1, 8), st.integers(1, 3000)), min_size=1, max_size=4),
        gap=st.integers(0, 9), skew=st.integers(0, 7))

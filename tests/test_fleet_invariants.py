@@ -17,6 +17,7 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from budget import examples
 from weightsync.meta.fleet.commands import (
     Command,
     Expire,
@@ -154,7 +155,7 @@ def _check_try(old: Try | None, t: Try, live: set[tuple[str, int, str]], now: fl
     assert set(t.outcomes) == {r for r, _ in t.readers}
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(50), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), writers=st.integers(1, 2), readers=st.sampled_from([None, 3]),
        policy=st.sampled_from(["all", "quorum=2", "fraction=0.5"]))
 def test_random_schedules_keep_the_invariants_and_replay_alike(data, writers, readers, policy):
@@ -212,7 +213,7 @@ JUNK = st.none() | st.booleans() | st.integers(-2, 2) | st.floats(allow_nan=True
     | st.lists(st.integers(0, 2), max_size=2) | st.dictionaries(st.text(max_size=2), st.integers(), max_size=1)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(path=st.sampled_from(list(_leaves(BUSY))), junk=JUNK)
 def test_a_malformed_record_is_refused_with_fleet_wire_error_and_nothing_else(path, junk):
     doc = _replaced(BUSY, path, junk)
@@ -229,7 +230,7 @@ COMMANDS = [command_to_wire(c) for c in (
     Fail(1, "reader", 0, "a", "boom"), Report(1, 0, "a", "applied", "", 10, 0.5), Tick())]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(doc=st.sampled_from(COMMANDS), data=st.data(), junk=JUNK)
 def test_a_malformed_command_is_refused_with_fleet_wire_error_and_nothing_else(doc, data, junk):
     doc = _replaced(doc, data.draw(st.sampled_from(list(_leaves(doc)))), junk)

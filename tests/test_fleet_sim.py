@@ -18,10 +18,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from budget import examples
 from fleet_sim import CONVERGE_STEPS, STEP_DTS, InvariantError, ReaderProc, Sim, WriterProc, run_schedule
 from weightsync.ports.fleet import JobShape, Policy
 
-CHUNKS, PER_CHUNK = 10, 1_000
+CHUNKS, PER_CHUNK = 10, examples(1_000)
 
 
 @pytest.mark.parametrize("chunk", range(CHUNKS))
@@ -124,7 +125,7 @@ class FleetMachine(RuleBasedStateMachine):
             self.sim.settle()
 
 
-FleetMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=25, deadline=None,
+FleetMachine.TestCase.settings = settings(max_examples=examples(30), stateful_step_count=25, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
 test_fleet_machine = FleetMachine.TestCase
 

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import weightsync.meta.state as state_module
+from budget import examples
 from weightsync.meta.events import (
     DocumentPut,
     EventError,
@@ -63,7 +64,7 @@ async def _run(state: MetaState, ops: list[tuple]) -> None:
             pass  # refused: nothing changed
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=operations)
 def test_replaying_the_journal_of_a_live_server_rebuilds_its_state(monkeypatch, ops):
     """Whatever requests a server took, the events it journaled rebuild its state exactly, and

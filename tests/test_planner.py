@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from budget import examples
 from strategies import layout_pairs, raw_layout_pairs
 from weightsync.layout import Box, CanonicalTensor, ModelSpec, RankLayout, Region, Shard, parse_layout
 from weightsync.layout.box import contiguous_strides
@@ -24,7 +25,7 @@ from weightsync.plan import (
 from weightsync.plan.reference import check_destinations, cut_shards, empty_shards, random_canonical, run_plan
 
 EXACT = PlanOptions(min_split_bytes=0)
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+SETTINGS = settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                          HealthCheck.filter_too_much])
 
 
@@ -86,7 +87,7 @@ def test_local_plans_equal_the_global_plan_filtered(case, seed):
     assert local_r.fingerprint == local_w.fingerprint == plan.fingerprint
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.filter_too_much])
 @given(layout_pairs(scale=32))
 def test_balance_within_five_percent_of_the_lower_bound(case):

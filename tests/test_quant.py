@@ -19,6 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from budget import examples
 from weightsync.layout import ModelSpec, parse_layout
 from weightsync.layout.quant import SCHEMES, quantized_tensors
 from weightsync.layout.quant_offers import grid_boxes, quantized_sources
@@ -190,7 +191,7 @@ def test_dequantize_is_close_to_the_weights():
         assert (back - w.bfloat16().float()).abs().max() <= w.abs().max() / 14  # e4m3: 3 mantissa bits
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.lists(st.booleans(), min_size=1, max_size=7), min_size=1, max_size=6).filter(
     lambda rows: len({len(r) for r in rows}) == 1), st.integers(1, 3))
 def test_grid_boxes_cover_each_true_cell_once(rows, experts):
@@ -201,7 +202,7 @@ def test_grid_boxes_cover_each_true_cell_once(rows, experts):
     assert np.array_equal(cover, mask.astype(int))
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rows=st.integers(1, 300), cols=st.integers(1, 300), writers=st.integers(1, 4), seed=st.integers(0, 99),
        scheme=st.sampled_from(sorted(SCHEMES)), kind=st.sampled_from(["fsdp", "deepspeed"]))
 def test_any_shape_any_cut_matches_the_reference(rows, cols, writers, seed, scheme, kind):

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import fp8_oracle as oracle
+from budget import examples
 from strategies import layout_kinds, model_specs
 from weightsync.layout import Box, CanonicalTensor, RankLayout, Region, Shard, parse_layout
 from weightsync.layout.box import contiguous_strides
@@ -23,8 +24,8 @@ from weightsync.plan import PlanOptions, build_plan
 from weightsync.tools.codecs.fp8 import WriterQuantizer
 
 
-def slow(examples: int) -> settings:
-    return settings(max_examples=examples, deadline=None,
+def slow(full: int) -> settings:
+    return settings(max_examples=examples(full), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -237,7 +238,7 @@ def join_reference(boxes: list[Box]) -> list[Box]:
     return sorted(boxes, key=lambda box: box.offsets)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(st.integers(1, 5), min_size=1, max_size=4).flatmap(
     lambda shape: st.lists(st.booleans(), min_size=int(np.prod(shape)), max_size=int(np.prod(shape))).map(
         lambda cells: np.array(cells, dtype=bool).reshape(shape))))

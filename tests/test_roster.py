@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from budget import examples
 from strategies import layout_kinds, model_specs
 from weightsync.configs import load_spec
 from weightsync.job.channel import Member
@@ -48,7 +49,7 @@ def assert_kind_roster_is_its_layouts(spec: ModelSpec, text: str) -> None:
     assert [lay.shards for lay in got.layouts()] == [lay.shards for lay in layouts]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_a_kinds_roster_is_the_columns_of_its_rank_layouts(data):
     spec = data.draw(model_specs())

@@ -6,7 +6,8 @@
 - ``faults``: processes killed, stalled or cut off while versions flow (the fault matrix).
 
 ``make test-fast`` runs the unit tier and the contract on one transport (``FAST_TRANSPORT``): the
-run before every commit. ``make test`` runs every tier except the tests marked ``heavy``
+run before every commit. It skips the other tiers' files unread (:func:`may_select`), and its
+property tests draw a fifth of their examples (tests/budget.py). ``make test`` runs every tier except the tests marked ``heavy``
 (``make test-heavy``): engines with several workers for minutes each, and tests that check what
 another test of the default run checks, at a higher cost (each names that test beside its mark). A test file missing from this table
 fails collection, naming the file, so that every new file is placed in a tier.
@@ -24,7 +25,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_quant_offers.py", "test_roster.py", "test_rollouts.py", "test_rollouts_trl.py",
         "test_trl_switch.py", "test_validate.py", "test_wait_logs.py", "test_wire.py", "test_device_memory.py",
         "test_side_streams.py", "test_meta_state_dir.py", "test_transport_base.py", "test_fleet_decide.py", "test_fleet_invariants.py",
-        "test_fleet_sim.py", "test_sites.py", "test_invalid_on_failure.py", "test_version_readback.py",
+        "test_fleet_sim.py", "test_sites.py", "test_invalid_on_failure.py", "test_version_readback.py", "test_tiers.py",
     }),
     "contract": frozenset({
         "test_transport_contract.py", "test_transport_delta.py", "test_transport_nixl.py",
@@ -58,6 +59,23 @@ def tier_of(filename: str) -> str:
         where = "in no tier" if not found else f"in tiers {found}"
         raise ValueError(f"tests/{filename} is {where}: add it to exactly one tier in tests/tiers.py")
     return found[0]
+
+
+def may_select(filename: str, markexpr: str) -> bool:
+    """Whether a run selecting ``markexpr`` can select any test of ``filename``: a run of one tier
+    (``-m fast``, ``-m unit``, ...) does not import the other tiers' files. Collecting a file
+    imports what it imports (vLLM alone takes ten seconds), on every xdist worker. A file in no
+    tier is collected, so that the run names it."""
+    expr = markexpr.strip()
+    if expr != "fast" and expr not in TIERS:
+        return True
+    try:
+        tier = tier_of(filename)
+    except ValueError:
+        return True
+    if expr == "fast":
+        return tier == "unit" or filename == "test_transport_contract.py"
+    return tier == expr
 
 
 def is_fast(filename: str, test_id: str) -> bool:
