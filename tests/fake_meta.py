@@ -72,7 +72,7 @@ class FakeChannel:
     def wait_endpoint(self, kind, epoch, role, rank, *, deadline):
         return self._endpoints.get((kind.transport, epoch, role, rank))
 
-    def dead_peers(self, role, ranks, *, max_age=0.25, known=None) -> dict[int, str]:
+    def dead_peers(self, role, ranks, *, max_age=0.25, known=None, departed=True) -> dict[int, str]:
         if role == self.role:
             return {}
         return {r: why for r, why in self.dead.items() if r in set(ranks)}

@@ -135,3 +135,113 @@ def test_the_base_refuses_a_phase_the_bound_plan_does_not_have_and_a_bind_before
     assert transport.send(1, deadline=Deadline.after(5), phase=1).phases.keys() == {"pack"}
     with pytest.raises(ValueError, match=r"writer 0: phase 2 of a plan prepared with 2 phase\(s\)"):
         transport.send(1, deadline=Deadline.after(5), phase=2)
+
+
+# -- over gloo, a rank that left on purpose is not a dead one (issue 36) ---------------------------
+
+class LeaseMeta:
+    """Leases as the meta server reports them, set by the test; ``polled`` is set each time a
+    guard has read them ``wanted`` times since the test last cleared it."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.rows: dict[tuple[str, int], bool] = {}  # (role, rank) -> released (else live)
+        self.expired: set[tuple[str, int]] = set()
+        self.polled = threading.Event()
+        self.reads_left = 0
+
+    def leases(self) -> list:
+        from weightsync.ports.records import LeaseRow
+
+        self.reads_left -= 1
+        if self.reads_left <= 0:
+            self.polled.set()
+        return [LeaseRow(role, rank, f"inc-{role}-{rank}", 100 + rank, "h", 3.0, 0.1,
+                         alive=not released and (role, rank) not in self.expired,
+                         released=released, detail=f"{role} {rank}: " + ("released" if released else "expired"))
+                for (role, rank), released in self.rows.items()]
+
+    def guards_read(self, times: int = 3) -> None:
+        """Wait (bounded) until the running call's guards read the leases ``times`` more times."""
+        self.reads_left = times
+        self.polled.clear()
+        assert self.polled.wait(10.0), "the guards never read the leases"
+
+
+def _gloo(role: str, rank: int, meta: LeaseMeta) -> tuple[object, list]:
+    from weightsync.job.channel import JobChannel
+    from weightsync.transport.torch.gloo import GlooTransport
+
+    channel = JobChannel(meta, role=role, rank=rank)  # type: ignore[arg-type]
+    transport = GlooTransport(TransportContext(channel=channel, num_writers=2, num_readers=2))
+    transport._pg = object()  # the group the lanes would use: _run_lanes is the test's
+    broken: list = []
+    transport._break_group = broken.append  # type: ignore[method-assign]
+    for r in range(2):
+        meta.rows[("writer", r)] = meta.rows[("reader", r)] = False
+    return transport, broken
+
+
+def _schedule(*peers: int) -> list:
+    from weightsync.transport.torch.common import Pair
+
+    return [Pair(peer=p, peer_global=p, messages=[]) for p in peers]
+
+
+@pytest.mark.parametrize("left", ["released", "expired"])
+def test_over_gloo_a_mate_that_left_on_purpose_does_not_fail_a_rank_still_receiving(left):
+    """Reader 1 is done with the version and closes (its lease released) while reader 0 still
+    receives from writer 0: readers exchange no bytes, so reader 0 goes on. A mate that died
+    (its lease expired) still breaks the group, naming it (CI of wave 9: a reader that left
+    failed the other's FP8 delta version)."""
+    meta = LeaseMeta()
+    transport, broken = _gloo("reader", 0, meta)
+
+    def lanes(version, deadline, pg, move, schedule, *, broken):
+        meta.rows[("reader", 1)] = left == "released"
+        if left == "expired":
+            meta.expired.add(("reader", 1))
+        meta.guards_read()
+        for pair in schedule:
+            move(pair, None)
+        return TransferStats(version)
+
+    transport._run_lanes = lanes  # type: ignore[method-assign]
+    moved = []
+    if left == "released":
+        transport._run_pairs(3, Deadline.after(30), lambda pair, run: moved.append(pair.peer), _schedule(0))
+        assert moved == [0] and broken == []
+    else:
+        with pytest.raises(Exception, match="reader 1 died while this rank waited for version 3: reader 1: expired"):
+            transport._run_pairs(3, Deadline.after(30), lambda pair, run: moved.append(pair.peer), _schedule(0))
+        assert broken
+
+
+@pytest.mark.parametrize("when", ["after its pairs", "before its pairs"])
+def test_over_gloo_a_peer_that_leaves_after_its_pairs_does_not_fail_the_rest(when):
+    """Writer 0 sends to reader 1, which applies the version and closes, then to reader 0. The
+    reader that left had all it needed: the write goes on. A reader that leaves before its pairs
+    are done fails the version, naming it."""
+    meta = LeaseMeta()
+    transport, broken = _gloo("writer", 0, meta)
+
+    def lanes(version, deadline, pg, move, schedule, *, broken):
+        first, rest = schedule[0], schedule[1:]
+        if when == "after its pairs":
+            move(first, None)
+        meta.rows[("reader", 1)] = True
+        meta.guards_read()
+        for pair in rest if when == "after its pairs" else schedule:
+            move(pair, None)
+        return TransferStats(version)
+
+    transport._run_lanes = lanes  # type: ignore[method-assign]
+    moved = []
+    if when == "after its pairs":
+        transport._run_pairs(3, Deadline.after(30), lambda pair, run: moved.append(pair.peer), _schedule(1, 0))
+        assert moved == [1, 0] and broken == []
+    else:
+        with pytest.raises(Exception, match="reader 1 died while this rank waited for version 3: reader 1: released"):
+            transport._run_pairs(3, Deadline.after(30), lambda pair, run: moved.append(pair.peer), _schedule(1, 0))
+        assert broken

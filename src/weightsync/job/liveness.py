@@ -65,10 +65,13 @@ class Liveness:
         return self._heartbeat.lost if self._heartbeat is not None else None
 
     def dead_peers(self, role: Role, ranks: Iterable[int], *, max_age: float = 0.25,
-                   known: Mapping[tuple[str, int], Holder] | None = None) -> dict[int, str]:
+                   known: Mapping[tuple[str, int], Holder] | None = None, departed: bool = True) -> dict[int, str]:
         """Peers of ``role`` among ``ranks`` whose lease expired or was released: rank -> what the
         meta server knows of them. Peers without a lease count as alive. Answers are cached for
         ``max_age`` seconds, so transports may ask from their wait loops.
+
+        ``departed=False`` leaves out peers that released their lease (they left on purpose):
+        for a rank that exchanges no bytes with them, a clean leave is not a death.
 
         With ``known`` (:meth:`lease_holders` when this rank's connections were made), a peer
         whose lease a *restarted* process holds now is dead too: the process this rank is
@@ -83,7 +86,8 @@ class Liveness:
                 continue
             was = known.get((role, r)) if known is not None else None
             if not row.alive:
-                dead[r] = row.detail
+                if departed or not row.released:
+                    dead[r] = row.detail
             elif was is not None and was.incarnation != row.incarnation:
                 dead[r] = (f"its process (pid {was.pid} on {was.host or 'an unnamed host'}) is gone: a restarted one "
                            f"holds the rank now ({row.detail})")

@@ -68,9 +68,10 @@ class TransportChannel(Protocol):
         Raises WireError when the peer published something malformed."""
 
     def dead_peers(self, role: Role, ranks: Iterable[int], *, max_age: float = 0.25,
-                   known: Mapping[tuple[str, int], Holder] | None = None) -> dict[int, str]:
+                   known: Mapping[tuple[str, int], Holder] | None = None, departed: bool = True) -> dict[int, str]:
         """Peers of ``role`` among ``ranks`` that died (or, with ``known``, were replaced):
-        rank -> why."""
+        rank -> why. ``departed=False``: a peer that released its lease (it left on purpose) is
+        not counted."""
 
     def lease_holders(self, *, max_age: float = 0.25) -> dict[tuple[str, int], Holder]:
         """Who holds each live lease now (empty without leases)."""

@@ -309,8 +309,10 @@ class PeerWatch:
     """
 
     def __init__(self, ctx: TransportContext, role: Role, ranks: Sequence[int], *, every: float = 0.5,
-                 known: Mapping[tuple[str, int], Holder] | None = None) -> None:
+                 known: Mapping[tuple[str, int], Holder] | None = None, departed: bool = True) -> None:
         self.ctx, self.role, self.ranks, self.every = ctx, role, list(ranks), every
+        #: whether a peer that released its lease (left on purpose) counts as gone
+        self.departed = departed
         #: the processes this rank waits on (a peer that restarted since is dead to it): those
         #: connected to (``known``), else those holding the leases when the watch first looked
         self.known = known
@@ -322,9 +324,15 @@ class PeerWatch:
         channel = self.ctx.channel
         if self.known is None:
             self.known = channel.lease_holders()
+        ranks = self.ranks  # replaced, never changed in place (:meth:`done_with`), while a guard reads it
         if not self.known:
-            return channel.dead_peers(self.role, self.ranks)
-        return channel.dead_peers(self.role, self.ranks, known=self.known)
+            return channel.dead_peers(self.role, ranks, departed=self.departed)
+        return channel.dead_peers(self.role, ranks, known=self.known, departed=self.departed)
+
+    def done_with(self, rank: int) -> None:
+        """Stop watching ``rank``: what this rank needed of it is done (its death can no longer
+        spoil the call that watches it)."""
+        self.ranks = [r for r in self.ranks if r != rank]
 
     def describe(self) -> str:
         """`` (writer 1 is dead: ...)`` for error messages, or empty."""

@@ -20,7 +20,7 @@ import datetime
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -145,10 +145,17 @@ class GlooTransport(TorchDistBase):
         breaks the group (:func:`break_group`) and the waits fail at once; the error names the
         dead rank.
 
-        The guards watch every other rank of the group, not only this rank's peers: each rank
-        breaks its own group when any rank of it dies, and its error names that rank. A send
-        that was on the wire when its pair closed never fails (gloo, see :meth:`_join_lanes`):
-        the call leaves its lane behind and fails within about a second of the break.
+        The guards watch this rank's peers and the ranks of its own role: each rank breaks its
+        own group when a rank it depends on dies, and its error names that rank.
+        - A peer is watched until its last pair of the call is done; after that its death (or
+          its clean leave) cannot spoil what this rank received or sent.
+        - A rank of its own role exchanges no bytes with this one: one that died breaks the
+          group (the peers it had pairs with break theirs), but one that left on purpose (its
+          lease released: a reader done with the version, a writer done writing) does not.
+
+        A send that was on the wire when its pair closed never fails (gloo, see
+        :meth:`_join_lanes`): the call leaves its lane behind and fails within about a second of
+        the break.
         """
         pg = self._pg
         if pg is None:
@@ -156,13 +163,23 @@ class GlooTransport(TorchDistBase):
         ctx = self.ctx
         same = range(ctx.num_writers if ctx.role == "writer" else ctx.num_readers)
         watches = (PeerWatch(ctx, self._other, sorted({pair.peer for pair in schedule}), known=self._holders),
-                   PeerWatch(ctx, ctx.role, [r for r in same if r != ctx.rank], known=self._holders))
+                   PeerWatch(ctx, ctx.role, [r for r in same if r != ctx.rank], known=self._holders, departed=False))
+        pairs_left = Counter(pair.peer for pair in schedule)
+        lock = threading.Lock()
+
+        def move_and_count(pair: Pair, run: _LaneRun) -> None:
+            move(pair, run)
+            with lock:
+                pairs_left[pair.peer] -= 1
+                if not pairs_left[pair.peer]:
+                    watches[0].done_with(pair.peer)
+
         self._broken = broken = Future[float]()
         abort = lambda: self._break_group(pg)  # noqa: E731 (one abort for both guards)
         try:
             with watches[0].guard(abort=abort) as on_peers, watches[1].guard(abort=abort) as on_mates:
                 try:
-                    stats = self._run_lanes(version, deadline, pg, move, schedule, broken=broken)
+                    stats = self._run_lanes(version, deadline, pg, move_and_count, schedule, broken=broken)
                 except TransportError as exc:
                     if not (on_peers.dead or on_mates.dead):
                         raise
