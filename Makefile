@@ -44,23 +44,21 @@ typecheck: $(VENV)/.installed-$(TEST_EXTRAS)
 
 # The tiers are in tests/tiers.py. `make test` runs them all but the heavy tests (engines with
 # several workers for minutes each), which `make test-heavy` runs.
-# Three xdist workers on two cores: many tests wait (on each other's processes, on timeouts), and a
-# third worker fills the cores they leave idle (CPU 98% busy; 15 min 28 s against 20 min 12 s
-# with two workers and spinning OpenMP threads: docs/benchmarks.md, "The test tiers in wave 10").
-# mypy (one core, about a minute) runs beside the tests at a lower priority. Its report follows
-# theirs, and either failing fails.
+# mypy (one core, about a minute) runs beside the tests at a lower priority: the tests leave some
+# of the two cores idle (processes waiting on each other and on timeouts). Its report follows
+# theirs, and either failing fails. Two xdist workers: three were faster here but not in a fresh
+# clone, where a Ray test then timed out (docs/benchmarks.md, "The test tiers in wave 10").
 # Bytecode first: the environment may forbid writing it (PYTHONDONTWRITEBYTECODE), and then every
 # process the tests start would compile weightsync's modules again (about a second each here).
 test: lint
 	$(PY) -m compileall -q src tests
 	@log=$$(mktemp); nice -n 10 $(VENV)/bin/mypy >$$log 2>&1 & mypy=$$!; \
-	$(VENV)/bin/pytest -n 3 -p randomly --randomly-seed=$(TEST_SEED) -m "not heavy"; tests=$$?; \
+	$(VENV)/bin/pytest -n 2 -p randomly --randomly-seed=$(TEST_SEED) -m "not heavy"; tests=$$?; \
 	wait $$mypy; typed=$$?; echo "mypy:"; cat $$log; rm -f $$log; \
 	test $$tests = 0 && test $$typed = 0
 	@echo "verl's backend is tested in a venv of its own (verl pins transformers<5.11): make test-verl"
 
 # Before every commit: the unit tier and the transport contract on shared memory (about 1 min 50 s here).
-# Two workers: the tier hardly waits, and a third would only collect the tests once more.
 test-fast: $(VENV)/.installed-$(TEST_EXTRAS)
 	$(VENV)/bin/pytest -n 2 -p randomly --randomly-seed=$(TEST_SEED) -m fast
 

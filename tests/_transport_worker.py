@@ -153,6 +153,14 @@ def main() -> None:
             for r in range(len(readers)):  # keep the exposed data until every reader is done
                 meta.get_document(f"done/{args['versions'] - 1}/{r}", wait=timeout)
         print(json.dumps({"results": results}), flush=True)
+    except Exception:
+        # a writer whose version failed (another writer died) stays up until the readers are done
+        # with it, as a trainer that goes on would: its leaving would be a second fault, and the
+        # readers of a one-sided transport could name it instead of the writer that died
+        if role == "writer" and transport.one_sided:
+            for r in range(len(readers)):
+                meta.get_document(f"done/{args['versions'] - 1}/{r}", wait=timeout)
+        raise
     finally:
         transport.close()
         for shared in shares:

@@ -92,10 +92,10 @@ CELLS: dict[str, list[Any]] = {
     "deepseek_v3": _cells(Cell("engine", "fsdp2", "full"), Cell("engine", "hf", "prefetch"),
                           Cell("trainer", "hf", "phases-256k"), heavy(Cell("serve", "hf", "phases"))),
     "deepseek_v3-no-mtp": _cells(),
-    "glm4_moe": _cells(Cell("backend", "fsdp2", "phases")),
+    "glm4_moe": _cells(heavy(Cell("backend", "fsdp2", "phases"))),
     "glm4_moe-no-attention-bias": _cells(),
-    "gpt_oss": _cells(Cell("engine", "megatron", "full", MEGATRON_TP2_EP2), Cell("backend", "fsdp2", "delta"),
-                      Cell("trainer-child", "hf", "phases")),
+    "gpt_oss": _cells(heavy(Cell("engine", "megatron", "full", MEGATRON_TP2_EP2)), heavy(Cell("backend", "fsdp2", "delta")),
+                      heavy(Cell("trainer-child", "hf", "phases"))),
     "qwen3-fp8": [Cell("engine", "hf", "fp8"), Cell("backend", "hf", "fp8")],
 }
 
