@@ -137,7 +137,7 @@ def test_a_dead_peer_aborts_the_round_long_before_the_deadline(tmp_path, monkeyp
     t = nccl(tmp_path, "reader")
     t._pg = comm = HangingComm()
     t._flats = dict(flat_views(as_tensors(empty_shards(readers_layout()), readers_layout())))
-    monkeypatch.setattr(t.ctx.channel, "dead_peers", lambda role, ranks: {0: "lease expired 2.0s ago"})
+    monkeypatch.setattr(t.ctx.channel, "dead_peers", lambda role, ranks, **_: {0: "lease expired 2.0s ago"})
     t0 = time.monotonic()
     with pytest.raises(TransportError, match=r"reader 0: version 6 failed with writer 0: writer 0 is dead \(lease "
                                              r"expired 2\.0s ago\); the NCCL communicator was aborted"):
