@@ -178,7 +178,7 @@ def main() -> None:
     config = spec.to_hf_config()
     sync = SyncConfig(num_writers=args["num_writers"], num_readers=args["num_readers"], host=args.get("host", ""),
                       transport=args.get("transport", "auto"), timeout=args.get("timeout", 60.0),
-                      integrity=args.get("integrity", False),
+                      integrity=args.get("integrity", False), completion=args.get("completion", "all"),
                       plan_options=PlanOptions(min_split_bytes=args.get("min_split_bytes", 1 << 20)),
                       transport_options=TransportOptions(max_bucket_bytes=args.get("bucket", 1 << 16),
                                                          direct_min_bytes=1024,
@@ -211,8 +211,10 @@ def main() -> None:
                     t0 = time.monotonic()
                     try:
                         result = writer.write(version)
+                        completion = result.completion
                         emit(role=role, rank=rank, version=version, ok=True, bytes=result.nbytes,
-                             seconds=time.monotonic() - t0)
+                             seconds=time.monotonic() - t0,
+                             **({} if completion is None else {"completion": completion.to_wire()}))
                         break
                     except SyncError as exc:
                         emit(role=role, rank=rank, version=version, ok=False, error=str(exc),

@@ -55,7 +55,7 @@ def test_the_section_has_the_four_tables_with_every_feature():
     assert transports == ["torch", "shm", "nixl", "file", "routed", "auto"]
     assert list(found["Transport x option"][0])[1:] == transports
     options = [row["option"].strip("`").split("=")[0] for row in found["Transport x option"]]
-    assert options == ["checksum", "nixl_mode", "file_dir", "shm_streaming"]
+    assert options == ["checksum", "nixl_mode", "file_dir", "shm_streaming", "completion"]
 
 
 @pytest.mark.parametrize(("table", "row", "column", "entry"), cells())
@@ -136,8 +136,9 @@ def _keywords(settings: dict) -> dict:
 
 
 def test_refused_entries_exist_for_every_rule():
-    # nixl_mode, file_dir x 5; shm_streaming x 3; checksum x 4 (every transport carries deltas)
-    assert len(_refusals(when_planned=False)) == 5 + 5 + 3 + 4
+    # nixl_mode, file_dir x 5; shm_streaming x 3; checksum x 4 (every transport carries deltas);
+    # completion x 3 (torch, routed, nixl in push mode)
+    assert len(_refusals(when_planned=False)) == 5 + 5 + 3 + 4 + 3
 
 
 def test_deltas_over_every_nixl_mode_are_accepted():

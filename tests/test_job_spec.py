@@ -43,12 +43,13 @@ SETTINGS = {
     "host": ("rank", ("node-a", "node-b")),
     "layer_phases": ("match", (True, False)),
     "integrity": ("match", (True, False)),
+    "completion": ("match", ("quorum=1", "fraction=0.5")),
 }
 CASES = [(name, value) for name, (_, values) in SETTINGS.items() for value in values]
 #: what a setting needs beside it to be valid (weightsync/session/combinations.py): deltas are refused with
 #: layer phases (on by default in vLLM's trainer and TRL), a transport's own option without it
 NEEDS = {"delta_anchor_every": {"layer_phases": False}, "nixl_mode": {"transport": "nixl"},
-         "file_dir": {"transport": "file"}}
+         "file_dir": {"transport": "file"}, "completion": {"transport": "shm"}}
 
 
 def with_needs(name, value, **base):

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from weightsync.roles.inflight import InflightReader
     from weightsync.roles.reader import UpdateResult, WeightReader
     from weightsync.roles.tensorstore import StoreConfig, TensorSlice, TensorStore
-    from weightsync.roles.writer import ReadersFailedError, WeightWriter, WriteResult
+    from weightsync.roles.writer import PolicyNotMetError, ReadersFailedError, WeightWriter, WriteResult
     from weightsync.session.sync_session import SyncConfig, SyncError, TransportOptions
     from weightsync.transport.shm.files import SharedTensors, share_tensors
 
@@ -23,7 +23,7 @@ _LAZY = {
     "SyncConfig": "weightsync.session.sync_session", "SyncError": "weightsync.session.sync_session",
     "TransportOptions": "weightsync.session.sync_session",
     "WeightWriter": "weightsync.roles.writer", "WriteResult": "weightsync.roles.writer",
-    "ReadersFailedError": "weightsync.roles.writer",
+    "ReadersFailedError": "weightsync.roles.writer", "PolicyNotMetError": "weightsync.roles.writer",
     "WeightReader": "weightsync.roles.reader", "UpdateResult": "weightsync.roles.reader",
     "InflightReader": "weightsync.roles.inflight",
     "TensorStore": "weightsync.roles.tensorstore", "StoreConfig": "weightsync.roles.tensorstore",
@@ -31,8 +31,8 @@ _LAZY = {
     "share_tensors": "weightsync.transport.shm.files", "SharedTensors": "weightsync.transport.shm.files",
 }
 
-__all__ = ["InflightReader", "ReadersFailedError", "SharedTensors", "StoreConfig", "SyncConfig", "SyncError",
-           "TensorSlice", "TensorStore",
+__all__ = ["InflightReader", "PolicyNotMetError", "ReadersFailedError", "SharedTensors", "StoreConfig", "SyncConfig",
+           "SyncError", "TensorSlice", "TensorStore",
            "TransportOptions", "UpdateResult", "WeightReader", "WeightWriter", "WriteResult", "share_tensors"]
 
 

@@ -28,7 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weightsync.session.config import SyncConfig, check_value, job_config, job_wire, with_job_settings
+from weightsync.session.config import (
+    UNKNOWN_READERS,
+    SyncConfig,
+    check_value,
+    job_config,
+    job_wire,
+    with_job_settings,
+)
 
 if TYPE_CHECKING:
     from weightsync.roles.writer import WriteResult
@@ -64,7 +71,7 @@ class TRLSyncSettings:
             check_value(getattr(self, name), str, f"TRLSyncSettings.{name}")
         if self.meta_token and not self.meta_address:
             raise ValueError("TRLSyncSettings.meta_token is set without meta_address: give both, or neither")
-        self.sync_config(num_writers=1, num_readers=1)  # every job setting checked now, named
+        self.sync_config(num_writers=1, num_readers=UNKNOWN_READERS)  # every job setting checked now, named
 
     def sync_config(self, *, num_writers: int, num_readers: int) -> SyncConfig:
         """The job's settings for ``num_writers`` trainer ranks and ``num_readers`` engines."""
@@ -92,7 +99,7 @@ class _Sync:
         self.world = int(self.accelerator.num_processes)
         self.version: int | None = None
         #: seconds any one wait may take (the job's ``timeout``)
-        self.timeout = settings.sync_config(num_writers=1, num_readers=1).timeout
+        self.timeout = settings.sync_config(num_writers=1, num_readers=UNKNOWN_READERS).timeout
         #: this rank's WriteResult of the last version (bytes on the wire, seconds per phase)
         self.last_result: WriteResult | None = None
         self._closers: list[Any] = []

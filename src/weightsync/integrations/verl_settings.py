@@ -13,7 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from weightsync.session.config import SyncConfig, check_value, from_fields, job_config, with_job_settings
+from weightsync.session.config import (
+    UNKNOWN_READERS,
+    SyncConfig,
+    check_value,
+    from_fields,
+    job_config,
+    with_job_settings,
+)
 
 #: What ``engine_kwargs.weightsync`` errors are named after.
 WHERE = "engine_kwargs.weightsync"
@@ -32,7 +39,7 @@ class VerlSyncSettings:
     def __post_init__(self) -> None:
         check_value(self.device, str, f"{WHERE}.device")
         check_value(self.meta_name, str, f"{WHERE}.meta_name")
-        self.sync_config(num_readers=1)  # every job setting checked now, named
+        self.sync_config(num_readers=UNKNOWN_READERS)  # every job setting checked now, named
 
     @classmethod
     def from_engine_kwargs(cls, kwargs: dict[str, Any]) -> VerlSyncSettings:

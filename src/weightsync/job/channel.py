@@ -35,7 +35,6 @@ import json
 import logging
 import os
 import secrets
-import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +53,7 @@ from weightsync.job.keys import (
     version_layouts_key,
 )
 from weightsync.job.liveness import Liveness
+from weightsync.job.reader_waits import ReaderWaits
 from weightsync.job.wire import (
     STORE_FINGERPRINT,
     Member,
@@ -63,7 +63,6 @@ from weightsync.job.wire import (
     model_digest,
     unpack_map,
 )
-from weightsync.meta import client_base
 from weightsync.plan.ops import Role
 from weightsync.ports.coordinator import Holder, MetaPort, PeerDiedError, TransportBoard
 
@@ -92,7 +91,7 @@ def settings_difference(mine: str, theirs: str) -> str:
     names = [k for k in {**a, **b} if a.get(k) != b.get(k)]
     return "; ".join(f"{k}: {json.dumps(a.get(k))} here, {json.dumps(b.get(k))} there" for k in names)
 
-class JobChannel(Liveness, Board):
+class JobChannel(Liveness, Board, ReaderWaits):
     """One rank's typed view of its job on the meta server (see module docstring).
 
     Args:
@@ -375,65 +374,6 @@ class JobChannel(Liveness, Board):
         written again in a later epoch), once one is published; None at the deadline."""
         info = self.meta.wait_version(after=after, timeout=deadline.remaining(0.0), after_epoch=after_epoch)
         return PublishedVersion.from_info(info) if info is not None else None
-
-    def report_applied(self, version: int, *, nbytes: int, seconds: float) -> None:
-        """This reader now serves ``version``."""
-        self.meta.report_applied(self.rank, version, nbytes=nbytes, seconds=seconds)
-
-    def reader_lag(self, version: int, readers: int) -> int:
-        """How many versions the slowest of reader ranks ``0..readers-1`` is behind ``version``
-        (a reader at no valid version counts as ``version`` behind)."""
-        held = self.meta.reader_versions()
-        return max((version - (held.get(r) or 0) for r in range(readers)), default=0)
-
-    def report_failed(self, version: int, error: str, *, epoch: int | None = None, invalid: bool = True,
-                      holds: int | None = None) -> None:
-        """This reader failed ``version`` (published in ``epoch``): its engine is ``invalid`` (a mix of
-        versions) until the next version (or this one, written again in a later epoch), or, when
-        the failure never touched it, still serves ``holds`` (None: what it started with)."""
-        self.meta.report_failed(self.rank, version, error[:2000], epoch=epoch, invalid=invalid, holds=holds)
-
-    def wait_readers(self, *, min_version: int, readers: int, deadline: Deadline,
-                     epoch: int | None = None, writers: int = 0) -> dict[int, str]:
-        """Until reader ranks ``0..readers-1`` are done with ``min_version`` (applied or failed it,
-        or newer, or died: their lease expired). Returns the readers that failed it: rank -> the
-        error each reported, or how it died.
-
-        With ``epoch`` (the epoch this writer published ``min_version`` in), first until the
-        version is published in that epoch by every writer: until then the readers' failures of
-        the version are those of an earlier epoch (the server clears them when the new one
-        completes), and a writer that restarted faster than its peers must not take them for its own.
-
-        Raises:
-            TimeoutError: naming the laggards (or the epoch in which no one completed the version).
-            PeerDiedError: another of the ``writers`` can no longer publish its part in ``epoch``
-                (:meth:`_gone_from_try`).
-        """
-        if epoch is not None:
-            self._wait_published(min_version, epoch, writers, deadline)
-        said = time.monotonic()
-        while True:
-            # In slices of a lease, so that a reader that died is reported as such, not waited for.
-            step = deadline.remaining() if self.lease_seconds <= 0 else min(deadline.remaining(), self.lease_seconds)
-            try:
-                report = self.meta.wait_reader_report(min_version=min_version, readers=readers, timeout=step)
-            except TimeoutError as exc:
-                if time.monotonic() - said >= client_base.PROGRESS_SECONDS and not deadline.expired:
-                    said = time.monotonic()
-                    logger.info("%s: still waiting for the readers of version %d; %.0f s left (%s)", self.who,
-                                min_version, deadline.remaining(0.0), str(exc).split("; ", 1)[-1])
-                dead = self.dead_peers("reader", range(readers), max_age=0.0)
-                if dead:
-                    versions = {r: -1 if v is None else v for r, v in self.meta.reader_versions().items()}
-                    behind = {r: f"died before it applied version {min_version}: {why}" for r, why in dead.items()
-                              if versions.get(r, -1) < min_version}
-                    if behind:
-                        return behind
-                if deadline.expired:
-                    raise
-                continue
-            failed: dict[int, str] = report.failed(min_version, readers)
-            return failed
 
     def _wait_published(self, version: int, epoch: int, writers: int, deadline: Deadline) -> None:
         """Until every writer published ``version`` in ``epoch`` (or later), in slices of a lease

@@ -124,8 +124,9 @@ class AsyncMetaClient(ClientBase):
     async def wait_readers(self, *, min_version: int, readers: int, timeout: float) -> dict[int, int | None]:
         return (await self.wait_reader_report(min_version=min_version, readers=readers, timeout=timeout)).versions
 
-    async def wait_reader_report(self, *, min_version: int, readers: int, timeout: float) -> ReaderReport:
-        return await self._run(self._wait_reader_report(min_version, readers, timeout))
+    async def wait_reader_report(self, *, min_version: int, readers: int, timeout: float,
+                                 settled: int | None = None, applied: int = 0) -> ReaderReport:
+        return await self._run(self._wait_reader_report(min_version, readers, timeout, settled, applied))
 
     async def pin_instance(self) -> str:
         return await self._run(self._pin_instance())

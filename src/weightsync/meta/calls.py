@@ -185,9 +185,14 @@ def report_failed(job: str, reader_rank: int, version: int, error: str, epoch: i
                 body=wire.pack(body))
 
 
-def readers(job: str, *, min_version: int = 0, count: int = 0, wait: float = 0.0) -> Call[ReaderReport]:
+def readers(job: str, *, min_version: int = 0, count: int = 0, wait: float = 0.0, settled: int | None = None,
+            applied: int = 0) -> Call[ReaderReport]:
     params = {"min_version": _int("min_version", min_version), "count": _int("readers", count),
               "wait": f"{wait:.3f}"}
+    if settled is not None:
+        params["settled"] = _int("settled", settled)
+    if applied:
+        params["applied"] = _int("applied", applied)
     return Call("GET", f"{_job(job)}/readers", ReaderReport.from_wire, params=params, wait=wait)
 
 

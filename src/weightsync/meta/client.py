@@ -201,9 +201,12 @@ class MetaClient(ClientBase):
         """
         return self.wait_reader_report(min_version=min_version, readers=readers, timeout=timeout).versions
 
-    def wait_reader_report(self, *, min_version: int, readers: int, timeout: float) -> ReaderReport:
-        """:meth:`wait_readers`, answering the whole report (``report.failed(v)``: who failed and why)."""
-        return self._run(self._wait_reader_report(min_version, readers, timeout))
+    def wait_reader_report(self, *, min_version: int, readers: int, timeout: float, settled: int | None = None,
+                           applied: int = 0) -> ReaderReport:
+        """:meth:`wait_readers`, answering the whole report (``report.failed(v)``: who failed and why).
+        ``settled``: done once that many (not all) are done with it; ``applied`` (when positive):
+        done also once that many applied it (a completion policy's quorum)."""
+        return self._run(self._wait_reader_report(min_version, readers, timeout, settled, applied))
 
     # --- identity and liveness ---------------------------------------------------------------
     def pin_instance(self) -> str:

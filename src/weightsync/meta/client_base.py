@@ -102,10 +102,10 @@ def log_missing(table: ParticipantTable, writers: int, readers: int, left: float
 
 
 def readers_result(report: ReaderReport, job: str, min_version: int, readers: int,
-                   timeout: float) -> dict[int, int | None]:
+                   timeout: float, *, settled: int | None = None, applied: int = 0) -> dict[int, int | None]:
     versions = report.versions
     done = report.settled(min_version, readers)
-    if len(done) >= readers:
+    if report.enough(min_version, readers, settled=settled, applied=applied):
         return versions
     expected = [row for row in report.rows if int(row["rank"]) < readers and row.get("registered", True)]
     laggards = [f"rank {row['rank']} at {'no valid version' if row['version'] is None else row['version']}"
@@ -277,11 +277,12 @@ class ClientBase:
                                                                     after_epoch=after_epoch), newer, timeout)
         return info if newer(info) else None
 
-    def _wait_reader_report(self, min_version: int, readers: int, timeout: float) -> Steps[ReaderReport]:
+    def _wait_reader_report(self, min_version: int, readers: int, timeout: float, settled: int | None = None,
+                            applied: int = 0) -> Steps[ReaderReport]:
         report = yield from poll(self, lambda w: calls.readers(self.job, min_version=min_version, count=readers,
-                                                               wait=w),
-                                 lambda r: len(r.settled(min_version, readers)) >= readers, timeout)
-        readers_result(report, self.job, min_version, readers, timeout)
+                                                               wait=w, settled=settled, applied=applied),
+                                 lambda r: r.enough(min_version, readers, settled=settled, applied=applied), timeout)
+        readers_result(report, self.job, min_version, readers, timeout, settled=settled, applied=applied)
         return report
 
     def _pin_instance(self) -> Steps[str]:

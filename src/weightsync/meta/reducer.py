@@ -113,6 +113,18 @@ class Job:
                    and max(-1 if r.version is None else r.version,
                            -1 if r.failed_version is None else r.failed_version) >= min_version)
 
+    def readers_done(self, min_version: int, count: int, settled: int, applied: int) -> bool:
+        """A writer's wait on readers ``0..count-1`` is over: ``settled`` of them are done with
+        ``min_version``, or (``applied`` > 0) that many applied it. The key of the long-poll."""
+        return (self.settled_count(min_version, count) >= settled
+                or 0 < applied <= self.applied_count(min_version, count))
+
+    def applied_count(self, min_version: int, count: int) -> int:
+        """Registered readers of rank below ``count`` that applied ``min_version`` or newer."""
+        registered = self.rows["reader"]
+        return sum(1 for rank, r in self.readers.items()
+                   if rank < count and rank in registered and r.version is not None and r.version >= min_version)
+
 
 @dataclass(slots=True)
 class MetaData:

@@ -209,10 +209,13 @@ def register_version_routes(app: FastAPI, state: MetaState, max_wait: float) -> 
         return _reply(request, {"ok": True})
 
     @app.get("/v1/jobs/{job}/readers")
-    async def readers(request: Request, job: Job, min_version: Annotated[int, Query(ge=0, lt=MAX_INT)] = 0,
-                      count: Annotated[int, Query(ge=0, le=MAX_RANK)] = 0, wait: Wait = 0.0) -> Response:
+    async def readers(request: Request, job: Job, *, min_version: Annotated[int, Query(ge=0, lt=MAX_INT)] = 0,
+                      count: Annotated[int, Query(ge=0, le=MAX_RANK)] = 0,
+                      settled: Annotated[int | None, Query(ge=0, le=MAX_RANK)] = None,
+                      applied: Annotated[int, Query(ge=0, le=MAX_RANK)] = 0, wait: Wait = 0.0) -> Response:
         if count:
-            await state.wait_readers(job, min_version=min_version, count=count, wait=held(wait))
+            await state.wait_readers(job, min_version=min_version, count=count, wait=held(wait), settled=settled,
+                                     applied=applied)
         latest = state.latest(job)
         return _reply(request, {"latest": latest.to_wire() if latest else None, "readers": state.readers(job)})
 

@@ -326,12 +326,16 @@ class MetaState:
         """Every known reader (registered or reported): rank, version, lag, last sync, error."""
         return views.reader_rows(self.jobs.get(job))
 
-    async def wait_readers(self, job: str, *, min_version: int, count: int, wait: float) -> bool:
-        """Wait until ``count`` readers are done with ``min_version`` (applied or failed it, or newer)."""
+    async def wait_readers(self, job: str, *, min_version: int, count: int, wait: float,
+                           settled: int | None = None, applied: int = 0) -> bool:
+        """Wait until readers ``0..count-1`` are done with ``min_version`` (applied or failed it, or
+        newer): ``settled`` of them (all by default), or ``applied`` of them (when positive) applied it."""
+        key = (min_version, count, count if settled is None else settled, applied)
+
         def ready() -> bool:
             state = self.jobs.get(job)
-            return state is not None and state.settled_count(min_version, count) >= count
-        return await self.watch.wait("readers", job, (min_version, count), ready, wait)
+            return state is not None and state.readers_done(*key)
+        return await self.watch.wait("readers", job, key, ready, wait)
 
     # --- jobs ------------------------------------------------------------------------------
     # --- the fleet coordinator (docs/fleet.md) -------------------------------------------------

@@ -93,4 +93,4 @@ def notify(watch: Watch, data: MetaData, notice: Notice) -> None:
     elif isinstance(notice, ReadersChanged):
         job = data.jobs.get(notice.job)
         if job is not None:
-            watch.fire("readers", notice.job, lambda k: job.settled_count(k[0], k[1]) >= k[1])
+            watch.fire("readers", notice.job, lambda k: job.readers_done(*k))

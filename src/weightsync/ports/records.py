@@ -172,6 +172,18 @@ class ReaderReport:
         return [int(r["rank"]) for r in self.rows if r.get("registered", True) and last(r) >= min_version
                 and (readers is None or int(r["rank"]) < readers)]
 
+    def applied(self, min_version: int, readers: int | None = None) -> list[int]:
+        """Registered reader ranks (below ``readers``, if given) that applied ``min_version`` or newer."""
+        return [int(r["rank"]) for r in self.rows if r.get("registered", True) and r.get("version") is not None
+                and r["version"] >= min_version and (readers is None or int(r["rank"]) < readers)]
+
+    def enough(self, min_version: int, readers: int, *, settled: int | None = None, applied: int = 0) -> bool:
+        """Whether a writer's wait on reader ranks ``0..readers-1`` for ``min_version`` is over:
+        ``settled`` of them (all by default) are done with it (applied or failed it or newer), or
+        ``applied`` of them (when positive) applied it (a quorum)."""
+        done = len(self.settled(min_version, readers)) >= (readers if settled is None else settled)
+        return done or (applied > 0 and len(self.applied(min_version, readers)) >= applied)
+
     def failed(self, min_version: int, readers: int | None = None) -> dict[int, str]:
         """Registered reader ranks that failed ``min_version`` (or newer) and applied nothing as new
         since, with the error each reported."""

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from weightsync.clock.deadline import Deadline
 from weightsync.job.channel import JobChannel, PeerDiedError, PublishedVersion
+from weightsync.job.completion import Completion
 from weightsync.session.sync_session import SyncConfig, SyncError, SyncResult, SyncSession, device_of, state_lost
 from weightsync.transport import TransportError
 
@@ -33,7 +34,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class WriteResult(SyncResult):
-    """What one ``write`` did, with per-phase seconds (plan, prepare, send, wait_readers)."""
+    """What one ``write`` did, with per-phase seconds (plan, prepare, send, wait_readers).
+
+    ``completion``: under a ``quorum`` or ``fraction`` policy, who applied the version this
+    write waited for and who missed it (:class:`~weightsync.job.completion.Completion`); None
+    under ``all`` (every reader applied it) or when the write waited for no reader."""
+
+    completion: Completion | None = None
 
 
 class ReadersFailedError(SyncError):
@@ -52,6 +59,21 @@ class ReadersFailedError(SyncError):
         shown = "; ".join(f"reader {r}: {why}" for r, why in sorted(failed.items())[:8])
         super().__init__(f"writer {writer}: {len(failed)} reader(s) failed version {version} (the next version "
                          f"brings them up to date): {shown}")
+
+
+class PolicyNotMetError(SyncError):
+    """Too few readers applied a version for the job's completion policy (``quorum=K`` or
+    ``fraction=F``): too many failed it or died, or the deadline came. The version is out; the
+    readers that missed it catch up on the next one.
+
+    Attributes:
+        completion: who applied the version and who missed it, and why.
+    """
+
+    def __init__(self, writer: int, completion: Completion) -> None:
+        self.completion = completion
+        self.version = completion.version
+        super().__init__(f"writer {writer}: {completion.summary()}")
 
 
 #: (meta server address, job, rank) of every open WeightWriter of this process
@@ -93,9 +115,11 @@ class WeightWriter:
 
         Raises:
             ValueError: the version does not increase, or tensors disagree with the layout.
-            ReadersFailedError: readers reported failing the version this write waited for
-                (``version - staleness``), naming them and why; the version is out, the next
-                ``write`` (of a newer version) proceeds as usual.
+            ReadersFailedError: under ``completion="all"``, readers failed the version this write
+                waited for (``version - staleness``) or died before applying it, naming them and
+                why; the version is out, the next ``write`` (of a newer version) proceeds as usual.
+            PolicyNotMetError: under a ``quorum`` or ``fraction`` policy, too few readers applied
+                that version (naming who missed it, and why); the version is out.
             SyncError: a peer died, a timeout expired, or writers disagree on the plan;
                 the job moves to a new epoch and the next ``write`` starts clean.
         """
@@ -181,9 +205,12 @@ class WeightWriter:
         self._history = [*self._history[-(slots + self.config.staleness):], version]
         k = self.config.staleness
         if len(self._history) > k:
-            # Training may run at most k versions ahead of the slowest reader.
-            self._wait_readers(self._history[-1 - k], deadline, result, timing="wait_readers",
-                               failed_is_error=True, epoch=epoch if k == 0 else None)
+            # Training may run at most k versions ahead of the slowest reader (of the quorum).
+            if self.config.policy.kind == "all":
+                self._wait_readers(self._history[-1 - k], deadline, result, timing="wait_readers",
+                                   failed_is_error=True, epoch=epoch if k == 0 else None)
+            else:
+                self._wait_policy(self._history[-1 - k], deadline, result, epoch=epoch if k == 0 else None)
         logger.info("writer %d wrote version %d: %d bytes in %.3fs", self.rank, version, result.nbytes,
                     result.seconds)
         return result
@@ -234,6 +261,27 @@ class WeightWriter:
         result.phases[timing] = result.phases.get(timing, 0.0) + time.perf_counter() - t0
         if failed and failed_is_error:
             raise ReadersFailedError(self.rank, min_version, failed)
+
+    def _wait_policy(self, min_version: int, deadline: Deadline, result: WriteResult, *,
+                     epoch: int | None) -> None:
+        """Until ``min_version`` is decided under the job's quorum or fraction policy."""
+        t0 = time.perf_counter()
+        try:
+            completion = self.session.channel.wait_completion(
+                self.config.policy, min_version=min_version, readers=self.config.num_readers, deadline=deadline,
+                epoch=epoch, writers=self.config.num_writers)
+        except TimeoutError as exc:
+            raise SyncError(f"writer {self.rank}: version {min_version} was not published in time: {exc}") from exc
+        except PeerDiedError as exc:
+            if epoch is not None:
+                self.session.channel.advance_epoch(epoch)
+            raise SyncError(str(exc)) from exc
+        result.phases["wait_readers"] = result.phases.get("wait_readers", 0.0) + time.perf_counter() - t0
+        result.completion = completion
+        if completion.missed:
+            logger.info("writer %d: %s", self.rank, completion.summary())
+        if completion.state != "complete":
+            raise PolicyNotMetError(self.rank, completion)
 
     def close(self) -> None:
         try:

@@ -26,6 +26,9 @@ from typing import Any
 #: (transport/file/changes.py), and NCCL runs the per-pair exchange on GPU memory
 #: (transport/torch/nccl_delta.py). On other GPU memory (CUDA IPC, NIXL VRAM) the transport refuses
 #: them when it is created.
+#: Transports whose writers send to every reader (torch's pairs, routed's torch part): a dead reader
+#: fails the send, so a completion policy other than ``all`` cannot hold (NIXL: in push mode).
+TWO_SIDED = frozenset({"torch", "routed"})
 #: Transports that checksum every message with ``checksum=True``.
 CHECKSUM_TRANSPORTS = frozenset({"torch"})
 #: Transport options that only one kind of transport reads: (setting, its no-op value, the
@@ -45,6 +48,13 @@ def refusal(settings: Mapping[str, Any], *, transport: str, why: str = "") -> st
     """
     picked = f"transport='auto' chose {transport!r} ({why})" if why else f"transport={transport!r}"
     chosen = transport != "auto"
+    completion = settings["completion"]
+    if completion != "all" and chosen and _two_sided(settings, transport):
+        mode = " in push mode" + (" (nixl_mode='auto' picks push for no more readers than writers)"
+                                  if settings["nixl_mode"] == "auto" else "") if transport == "nixl" else ""
+        return (f"completion={completion!r} with {picked}{mode}: its writers send to every reader themselves, so a "
+                "dead reader fails every write whatever the policy. Use a one-sided transport (shm, file, or nixl "
+                "with nixl_mode='pull'), or completion='all'")
     if settings["checksum"] and chosen and transport not in CHECKSUM_TRANSPORTS:
         return (f"checksum=True with {picked}: only the {_names(CHECKSUM_TRANSPORTS)} transport checksums its "
                 f"messages, so nothing would be checked. Set transport='torch', or checksum=False")
@@ -58,6 +68,16 @@ def refusal(settings: Mapping[str, Any], *, transport: str, why: str = "") -> st
     return None
 
 
+def _two_sided(settings: Mapping[str, Any], transport: str) -> bool:
+    """Whether a writer of ``transport`` sends to each reader itself (so waits on every one of them)."""
+    if transport == "nixl":
+        from weightsync.transport.nixl.common import resolve_mode
+
+        return resolve_mode(settings["nixl_mode"], num_writers=settings["num_writers"],
+                            num_readers=settings["num_readers"], delta=settings["delta_anchor_every"] > 0) == "push"
+    return transport in TWO_SIDED
+
+
 def _names(transports: frozenset[str]) -> str:
     return " and ".join(sorted(transports))
 
@@ -69,5 +89,5 @@ def refuse_combinations(settings: Mapping[str, Any], *, transport: str, why: str
         raise CombinationError(message)
 
 
-__all__ = ["CHECKSUM_TRANSPORTS", "ONLY_FOR", "CombinationError", "refusal",
+__all__ = ["CHECKSUM_TRANSPORTS", "ONLY_FOR", "TWO_SIDED", "CombinationError", "refusal",
            "refuse_combinations"]

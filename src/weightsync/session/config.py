@@ -36,10 +36,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from weightsync.plan import PlanOptions
+from weightsync.ports.fleet.policy import Policy
 from weightsync.session.combinations import refuse_combinations
 from weightsync.transport import TransportOptions
 
 Scope = Literal["match", "local", "rank"]
+
+#: The reader count an integration checks its settings with before it knows the job's: large, so
+#: that a rule bound to the count (a quorum of K readers, NIXL's mode) is checked once it is known.
+UNKNOWN_READERS = 1 << 16
 
 #: The scope of every setting, by wire name (module docstring). A setting without one is an
 #: error at first use, so a new field cannot reach the wire unclassified.
@@ -47,7 +52,7 @@ SCOPES: Mapping[str, Scope] = {
     # SyncConfig
     "num_writers": "match", "num_readers": "match", "job": "match", "transport": "match",
     "staleness": "match", "timeout": "local", "lease_seconds": "local", "host": "rank",
-    "layer_phases": "match", "integrity": "match",
+    "layer_phases": "match", "integrity": "match", "completion": "match",
     # TransportOptions
     "max_bucket_bytes": "match", "direct_min_bytes": "match", "checksum": "match",
     "transport_host": "rank", "slots": "match", "file_dir": "local", "nixl_mode": "match",
@@ -131,6 +136,13 @@ class SyncConfig:
         integrity: writers digest every piece they send and readers check what landed in their
             memory before the engine applies it (:mod:`weightsync.transport.digests`); a
             mismatch fails the version on that reader, naming the tensor, writer and bytes.
+        completion: when a version is complete, so that ``write`` returns
+            (:mod:`weightsync.job.completion`): ``"all"`` (every reader applied it; a reader that
+            failed it or died fails the write), ``"quorum=K"`` (K readers applied it) or
+            ``"fraction=F"`` (that share of the readers did). Under a quorum or a fraction a dead
+            or failing reader misses the version and catches up later, and never fails ``write``
+            while the policy can still be met; it needs a one-sided transport (shm, file, NIXL
+            pull), since a two-sided one fails the writer's send with any dead reader.
     """
 
     num_writers: int
@@ -145,6 +157,7 @@ class SyncConfig:
     host: str = ""
     layer_phases: bool = False
     integrity: bool = False
+    completion: str = "all"
 
     def __post_init__(self) -> None:
         for setting in job_settings():
@@ -165,11 +178,23 @@ class SyncConfig:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
         if not 0.1 <= self.lease_seconds <= 3600:
             raise ValueError(f"lease_seconds must be in [0.1, 3600], got {self.lease_seconds}")
+        policy = self.policy  # a malformed text is refused here, naming the forms accepted
+        if policy.kind == "quorum" and policy.count > self.num_readers:
+            raise ValueError(f"completion={self.completion!r} needs {policy.count} readers to apply each version, but "
+                             f"the job has num_readers={self.num_readers}: use quorum=K with K <= {self.num_readers}")
         refuse_combinations(self.to_wire(), transport=self.transport)  # "auto" is checked once it has chosen
         if self.transport_options.slots <= self.staleness:
             # One-sided transports keep a version slot per version a reader may lag behind.
             object.__setattr__(self, "transport_options",
                                dataclasses.replace(self.transport_options, slots=self.staleness + 1))
+
+    @property
+    def policy(self) -> Policy:
+        """The completion policy (``completion``), with the write's ``timeout`` as its deadline."""
+        try:
+            return Policy.parse(self.completion, deadline=self.timeout)
+        except ValueError as exc:
+            raise ValueError(f"completion: {exc}") from None
 
     def settings(self) -> str:
         """What every rank of a job must agree on (the ``match`` settings), as ranks compare it
@@ -308,5 +333,5 @@ def job_config(obj: Any, where: str, **fixed: Any) -> SyncConfig:
     return SyncConfig.from_wire({**job_wire(obj), **fixed}, where=where)
 
 
-__all__ = ["SCOPES", "Scope", "Setting", "SyncConfig", "check_value", "from_fields", "job_config", "job_settings",
-           "job_wire", "with_job_settings"]
+__all__ = ["SCOPES", "UNKNOWN_READERS", "Scope", "Setting", "SyncConfig", "check_value", "from_fields", "job_config",
+           "job_settings", "job_wire", "with_job_settings"]

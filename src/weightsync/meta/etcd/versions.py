@@ -127,17 +127,20 @@ class Versions(EtcdBase):
         """Reader rank -> last applied version (None: never applied, or failed since)."""
         return self._reader_report()[0].versions
 
-    def wait_reader_report(self, *, min_version: int, readers: int, timeout: float) -> ReaderReport:
+    def wait_reader_report(self, *, min_version: int, readers: int, timeout: float, settled: int | None = None,
+                           applied: int = 0) -> ReaderReport:
         """Watch until reader ranks ``0..readers-1`` are done with ``min_version`` (see
         :meth:`weightsync.meta.client.MetaClient.wait_readers`).
 
         Raises:
             TimeoutError: naming the laggards and their versions.
         """
-        calls.readers(self.job, min_version=min_version, count=readers)  # checks the arguments
+        calls.readers(self.job, min_version=min_version, count=readers, settled=settled,
+                      applied=applied)  # checks the arguments
         report = self.wait(self.keys.reader(), self._reader_report,
-                           lambda r: len(r.settled(min_version, readers)) >= readers, timeout, prefix=True)
-        readers_result(report, self.job, min_version, readers, timeout)
+                           lambda r: r.enough(min_version, readers, settled=settled, applied=applied), timeout,
+                           prefix=True)
+        readers_result(report, self.job, min_version, readers, timeout, settled=settled, applied=applied)
         return report
 
     def wait_readers(self, *, min_version: int, readers: int, timeout: float) -> dict[int, int | None]:

@@ -1,0 +1,152 @@
+"""The readers' side of the job channel: their reports, and a writer's waits on them.
+
+A reader reports each version it applied or failed; a writer waits until its readers are done
+with a version: every one of them (``completion="all"``, :meth:`ReaderWaits.wait_readers`), or
+as many as the job's completion policy needs (:meth:`ReaderWaits.wait_completion`, decided by
+:func:`weightsync.job.completion.judge`). Both ask the meta server to hold the request until
+enough readers reported (a long-poll, no timer) and look at the readers' leases once per lease
+period, so that a dead reader is named within one lease instead of waited for.
+:class:`~weightsync.job.channel.JobChannel` inherits these methods.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from weightsync.job.completion import Completion, judge
+from weightsync.meta import client_base
+from weightsync.plan.ops import Role
+from weightsync.ports.coordinator import Holder, MetaPort
+
+if TYPE_CHECKING:
+    from weightsync.clock.deadline import Deadline
+    from weightsync.ports.fleet.policy import Policy
+
+logger = logging.getLogger("weightsync.job.channel")
+
+
+class ReaderWaits:
+    """The reader part of :class:`~weightsync.job.channel.JobChannel` (which sets these attributes)."""
+
+    meta: MetaPort
+    role: Role
+    rank: int
+    lease_seconds: float
+
+    if TYPE_CHECKING:
+        @property
+        def who(self) -> str: ...
+
+        def dead_peers(self, role: Role, ranks: Iterable[int], *, max_age: float = 0.25,
+                       known: Mapping[tuple[str, int], Holder] | None = None,
+                       departed: bool = True) -> dict[int, str]: ...
+
+        def _wait_published(self, version: int, epoch: int, writers: int, deadline: Deadline) -> None: ...
+
+    def report_applied(self, version: int, *, nbytes: int, seconds: float) -> None:
+        """This reader now serves ``version``."""
+        self.meta.report_applied(self.rank, version, nbytes=nbytes, seconds=seconds)
+
+    def reader_lag(self, version: int, readers: int) -> int:
+        """How many versions the slowest of reader ranks ``0..readers-1`` is behind ``version``
+        (a reader at no valid version counts as ``version`` behind)."""
+        held = self.meta.reader_versions()
+        return max((version - (held.get(r) or 0) for r in range(readers)), default=0)
+
+    def report_failed(self, version: int, error: str, *, epoch: int | None = None, invalid: bool = True,
+                      holds: int | None = None) -> None:
+        """This reader failed ``version`` (published in ``epoch``): its engine is ``invalid`` (a mix of
+        versions) until the next version (or this one, written again in a later epoch), or, when
+        the failure never touched it, still serves ``holds`` (None: what it started with)."""
+        self.meta.report_failed(self.rank, version, error[:2000], epoch=epoch, invalid=invalid, holds=holds)
+
+    def wait_readers(self, *, min_version: int, readers: int, deadline: Deadline,
+                     epoch: int | None = None, writers: int = 0) -> dict[int, str]:
+        """Until reader ranks ``0..readers-1`` are done with ``min_version`` (applied or failed it,
+        or newer, or died: their lease expired). Returns the readers that failed it: rank -> the
+        error each reported, or how it died.
+
+        With ``epoch`` (the epoch this writer published ``min_version`` in), first until the
+        version is published in that epoch by every writer: until then the readers' failures of
+        the version are those of an earlier epoch (the server clears them when the new one
+        completes), and a writer that restarted faster than its peers must not take them for its own.
+
+        Raises:
+            TimeoutError: naming the laggards (or the epoch in which no one completed the version).
+            PeerDiedError: another of the ``writers`` can no longer publish its part in ``epoch``
+                (:meth:`_gone_from_try`).
+        """
+        if epoch is not None:
+            self._wait_published(min_version, epoch, writers, deadline)
+        said = time.monotonic()
+        dead: dict[int, str] = {}  # dead readers behind min_version: waited for no more
+        while True:
+            # In slices of a lease, so that a reader that died is reported as such, not waited for.
+            step = deadline.remaining() if self.lease_seconds <= 0 else min(deadline.remaining(), self.lease_seconds)
+            try:
+                report = self.meta.wait_reader_report(min_version=min_version, readers=readers, timeout=step,
+                                                      settled=readers - len(dead) if dead else None)
+            except TimeoutError as exc:
+                if time.monotonic() - said >= client_base.PROGRESS_SECONDS and not deadline.expired:
+                    said = time.monotonic()
+                    logger.info("%s: still waiting for the readers of version %d; %.0f s left (%s)", self.who,
+                                min_version, deadline.remaining(0.0), str(exc).split("; ", 1)[-1])
+                dead = self._dead_readers_behind(min_version, readers)
+                if deadline.expired:
+                    raise
+                continue
+            failed = report.failed(min_version, readers)
+            settled = set(report.settled(min_version, readers))
+            # the dead that are still behind (a restart of one may have applied it since)
+            failed.update({r: why for r, why in dead.items() if r not in settled})
+            return failed
+
+    def _dead_readers_behind(self, min_version: int, readers: int) -> dict[int, str]:
+        """Reader ranks below ``readers`` whose lease expired before they were done with ``min_version``."""
+        dead = self.dead_peers("reader", range(readers), max_age=0.0)
+        if not dead:
+            return {}
+        report = self.meta.wait_reader_report(min_version=min_version, readers=0, timeout=0.0)
+        settled = set(report.settled(min_version, readers))
+        return {r: f"died before it applied version {min_version}: {why}" for r, why in dead.items()
+                if r not in settled}
+
+    def wait_completion(self, policy: Policy, *, min_version: int, readers: int, deadline: Deadline,
+                        epoch: int | None = None, writers: int = 0) -> Completion:
+        """Until ``min_version`` is decided under ``policy`` (:mod:`weightsync.job.completion`):
+        complete as soon as enough of reader ranks ``0..readers-1`` applied it, failed as soon as
+        too few are left that may still apply it (a dead reader is out of the count within one
+        lease), or at the deadline. ``epoch`` and ``writers`` as in :meth:`wait_readers`.
+
+        Raises:
+            PeerDiedError: as :meth:`wait_readers`.
+        """
+        if epoch is not None:
+            self._wait_published(min_version, epoch, writers, deadline)
+        needed = max(1, policy.needed(readers))
+        dead: dict[int, str] = {}
+        behind = 0  # dead readers not done with the version: waited for no more
+        while True:
+            step = deadline.remaining(0.0) if self.lease_seconds <= 0 else min(deadline.remaining(0.0),
+                                                                                self.lease_seconds)
+            try:
+                report = self.meta.wait_reader_report(min_version=min_version, readers=readers, timeout=step,
+                                                      settled=readers - behind, applied=needed)
+            except TimeoutError:
+                report = self.meta.wait_reader_report(min_version=min_version, readers=0, timeout=0.0)
+                dead = self.dead_peers("reader", range(readers), max_age=0.0)
+                behind = len(set(dead) - set(report.settled(min_version, readers)))
+            verdict = judge(policy, min_version, readers=readers, report=report, dead=dead,
+                            expired=deadline.expired)
+            if verdict.state == "complete" and "still applying" in verdict.missed.values() and not dead:
+                # say which of those the quorum left behind are dead (one lease read, on a miss only)
+                dead = self.dead_peers("reader", range(readers), max_age=0.0)
+                verdict = judge(policy, min_version, readers=readers, report=report, dead=dead)
+            if verdict.state != "waiting":
+                return verdict
+
+
+__all__ = ["ReaderWaits"]
