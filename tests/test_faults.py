@@ -600,8 +600,14 @@ def test_under_a_quorum_a_killed_reader_fails_no_write_and_its_restart_catches_u
         wait_for_lease(server, "reader", 2, procs[("reader", 2)].pid)
         (flags / "go").touch()
         out = finish(procs, TIMEOUT * 8)
+        with MetaClient(server.address, token=server.token) as meta:
+            status = meta.status()
     for rank in range(3):
         assert_reader_ends_exact(out, rank, 3)
+    # the status page's record: reader 2 missed versions 1 and 2, and its restart caught up
+    shown = {c["version"]: c for c in status["completions"]}
+    assert shown.keys() == {0, 1, 2, 3} and all(c["state"] == "complete" for c in shown.values()), shown
+    assert [shown[v]["caught_up"] for v in (1, 2)] == [[2], [2]], shown
     for rank in range(2):
         code, records, stderr = out[("writer", rank)]
         assert code == 0 and [r["version"] for r in records] == [0, 1, 2, 3], (records, stderr[-3000:])

@@ -256,6 +256,40 @@ def test_status_page_json_and_metrics(server, client):
     assert 'weightsync_meta_requests_total{method="POST",route="/v1/jobs/{job}/versions",status="200"}' in metrics
 
 
+def test_status_page_and_metrics_show_each_versions_completion_and_who_caught_up(server, client):
+    """Writer 0's record of the newest versions under a quorum (issue 36: who applied, who missed,
+    who caught up), shown newest first; a malformed record is named, never half-shown."""
+    import msgpack
+
+    from weightsync.ports.fleet.policy import COMPLETIONS_KEY, Completion
+
+    for rank in (0, 1, 2):
+        client.register(reader(rank))
+    done = [Completion(4, "quorum=2", 2, (0, 1), {2: "died before it applied version 4: lease expired"}, "complete"),
+            Completion(5, "quorum=2", 2, (0,), {1: "out of <memory>", 2: "still applying"}, "failed")]
+    client.put_document(COMPLETIONS_KEY, msgpack.packb([c.to_wire() for c in done]))
+    client.report_applied(0, 5)
+    client.report_applied(2, 5)  # reader 2's restart caught up; reader 1 did not
+    job = next(j for j in raw(server, "GET", "/v1/status").json()["jobs"] if j["job"] == client.job)
+    assert [(c["version"], c["state"], c["caught_up"]) for c in job["completions"]] == [(5, "failed", [2]),
+                                                                                         (4, "complete", [2])]
+    page = raw(server, "GET", "/status", token=None, auth=("anyone", server.token)).text
+    page = page[page.index(f"<h2>job {client.job}</h2>"):]
+    assert "<h3>Completion (quorum=2)</h3>" in page and "reader 1: out of &lt;memory&gt;" in page
+    assert "1 of 2 needed: [0]" in page
+    metrics = raw(server, "GET", "/metrics").text
+    assert f'weightsync_meta_completion_applied_readers{{job="{client.job}",version="5"}} 1.0' in metrics
+    assert f'weightsync_meta_completion_missed_readers{{job="{client.job}",version="5"}} 2.0' in metrics
+    assert f'weightsync_meta_completion_failed_versions{{job="{client.job}"}} 1.0' in metrics
+
+    client.put_document(COMPLETIONS_KEY, msgpack.packb([{**done[0].to_wire(), "applied": ["zero"]}]))
+    job = next(j for j in raw(server, "GET", "/v1/status").json()["jobs"] if j["job"] == client.job)
+    assert job["completions"] == [{"error": "the 'completions' document is malformed: field 'applied' must be a list "
+                                            "of reader ranks, not ['zero']"}]
+    assert "the &#x27;completions&#x27; document is malformed" in raw(server, "GET", "/status", token=None,
+                                                                     auth=("anyone", server.token)).text
+
+
 def test_status_page_and_metrics_show_each_readers_validity(server, client):
     """A reader whose failed update touched its engine is invalid (since when, which version, the
     error) until it applies a version; one whose failure never reached its engine keeps its version;

@@ -24,47 +24,9 @@ channel's wait (:meth:`weightsync.job.channel.JobChannel.wait_completion`) feeds
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
 
-from weightsync.ports.fleet.policy import Policy
+from weightsync.ports.fleet.policy import Completion, CompletionState, Policy
 from weightsync.ports.records import ReaderReport
-
-State = Literal["complete", "failed", "waiting"]
-
-
-@dataclass(frozen=True, slots=True)
-class Completion:
-    """What became of one version under the job's completion policy, as a writer saw it.
-
-    Attributes:
-        version: the version waited for.
-        policy: the policy's text (``all``, ``quorum=K``, ``fraction=F``).
-        needed: readers that must apply it.
-        applied: reader ranks that applied it (or newer).
-        missed: reader ranks that did not, with why: the error one reported, how it died, or
-            ``"still applying"`` (a live reader the quorum did not wait for).
-        state: ``complete`` (the policy is met), ``failed`` (it can no longer be met, or the
-            deadline came), ``waiting``.
-    """
-
-    version: int
-    policy: str
-    needed: int
-    applied: tuple[int, ...]
-    missed: Mapping[int, str] = field(default_factory=dict)
-    state: State = "waiting"
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"version": self.version, "policy": self.policy, "needed": self.needed, "applied": list(self.applied),
-                "missed": {str(r): why for r, why in sorted(self.missed.items())}, "state": self.state}
-
-    def summary(self) -> str:
-        """One line naming who applied and who missed the version, and why."""
-        missed = "; ".join(f"reader {r}: {why}" for r, why in sorted(self.missed.items())[:8])
-        more = f" (+{len(self.missed) - 8} more)" if len(self.missed) > 8 else ""
-        return (f"version {self.version} under completion={self.policy}: {len(self.applied)} of the {self.needed} "
-                f"reader(s) needed applied it" + (f"; missed: {missed}{more}" if missed else ""))
 
 
 def judge(policy: Policy, version: int, *, readers: int, report: ReaderReport, dead: Mapping[int, str],
@@ -85,7 +47,7 @@ def judge(policy: Policy, version: int, *, readers: int, report: ReaderReport, d
     needed = max(1, policy.needed(readers))
     missed = {**out, **dict.fromkeys(pending, "still applying")}
     if len(applied) >= needed:
-        state: State = "complete"
+        state: CompletionState = "complete"
     elif len(applied) + len(pending) < needed or expired:
         state = "failed"
         if expired:
@@ -95,4 +57,4 @@ def judge(policy: Policy, version: int, *, readers: int, report: ReaderReport, d
     return Completion(version, policy.text, needed, tuple(sorted(applied)), dict(sorted(missed.items())), state)
 
 
-__all__ = ["Completion", "State", "judge"]
+__all__ = ["Completion", "judge"]

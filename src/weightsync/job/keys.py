@@ -7,6 +7,7 @@ Only the job channel (:mod:`weightsync.job.channel` and its parts) calls these; 
 from __future__ import annotations
 
 from weightsync.plan.ops import Role
+from weightsync.ports.fleet.policy import COMPLETIONS_KEY
 
 
 def epoch_key() -> str:
@@ -56,3 +57,9 @@ def store_index_key(version: int, writer: int) -> str:
 
 def tile_maxima_key(version: int, writer: int) -> str:
     return f"quant/{version}/writer{writer}"
+
+
+def completions_key() -> str:
+    """The newest versions' completions under the job's policy, as writer 0 saw them (a msgpack
+    list; the meta server's status page and /metrics read it)."""
+    return COMPLETIONS_KEY

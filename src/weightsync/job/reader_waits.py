@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import msgpack
+
 from weightsync.job.completion import Completion, judge
+from weightsync.job.keys import completions_key
 from weightsync.meta import client_base
 from weightsync.plan.ops import Role
 from weightsync.ports.coordinator import Holder, MetaPort
@@ -113,6 +116,12 @@ class ReaderWaits:
         settled = set(report.settled(min_version, readers))
         return {r: f"died before it applied version {min_version}: {why}" for r, why in dead.items()
                 if r not in settled}
+
+    def record_completions(self, completions: Sequence[Completion]) -> None:
+        """Post the newest versions' completions (writer 0's, oldest first) for the status page
+        and /metrics (:data:`~weightsync.ports.fleet.policy.COMPLETIONS_KEY`)."""
+        self.meta.put_document(completions_key(), msgpack.packb([c.to_wire() for c in completions],
+                                                                use_bin_type=True))
 
     def wait_completion(self, policy: Policy, *, min_version: int, readers: int, deadline: Deadline,
                         epoch: int | None = None, writers: int = 0) -> Completion:

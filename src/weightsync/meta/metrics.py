@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from weightsync.meta.state import MetaState
+from weightsync.meta.views import completion_rows
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -43,8 +44,23 @@ class _StateCollector(Collector):
         mixed_info = GaugeMetricFamily("weightsync_meta_reader_invalid_info",
                                        "an invalid reader's failed version and error (first 200 characters)",
                                        labels=["job", "rank", "version", "error"])
+        applied = GaugeMetricFamily("weightsync_meta_completion_applied_readers",
+                                    "readers that applied the newest version decided under a quorum or fraction "
+                                    "policy", labels=["job", "version"])
+        missed = GaugeMetricFamily("weightsync_meta_completion_missed_readers",
+                                   "readers that missed the newest version decided under a quorum or fraction policy "
+                                   "(failed it, died, or still applying when the quorum was met)",
+                                   labels=["job", "version"])
+        failed = GaugeMetricFamily("weightsync_meta_completion_failed_versions",
+                                   "of the newest versions kept, those whose policy was not met", labels=["job"])
         now = time.time()
         for name, job in sorted(self.state.jobs.items()):
+            completions = [c for c in completion_rows(job, []) if "error" not in c]
+            if completions:
+                newest = completions[0]
+                applied.add_metric([name, str(newest["version"])], len(newest["applied"]))
+                missed.add_metric([name, str(newest["version"])], len(newest["missed"]))
+                failed.add_metric([name], sum(1 for c in completions if c["state"] == "failed"))
             for role, rows in job.rows.items():
                 participants.add_metric([name, role], len(rows))
             if job.latest is not None:
@@ -63,7 +79,8 @@ class _StateCollector(Collector):
                 if r["state"] == "invalid":
                     mixed_since.add_metric([name, rank], r["invalid_since"])
                     mixed_info.add_metric([name, rank, str(r["failed_version"]), (r["error"] or "")[:200]], 1.0)
-        yield from (participants, latest, max_lag, invalid, since, mixed, mixed_since, mixed_info)
+        yield from (participants, latest, max_lag, invalid, since, mixed, mixed_since, mixed_info, applied, missed,
+                    failed)
         yield GaugeMetricFamily("weightsync_meta_jobs", "job namespaces", value=len(self.state.jobs))
         yield GaugeMetricFamily("weightsync_meta_waiting_requests", "long-polls being held",
                                 value=self.state.watch.waiting)

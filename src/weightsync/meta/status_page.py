@@ -45,6 +45,19 @@ def _failure(reader: dict[str, Any]) -> str:
     return reader["error"] if version is None else f"version {version}: {reader['error']}"
 
 
+def _completions(rows: list[dict[str, Any]]) -> str:
+    """The newest versions under the job's quorum or fraction policy: who applied, who missed
+    (and why), who has caught up since."""
+    if "error" in rows[0]:
+        return f"<h3>Completion</h3><p class='bad'>{html.escape(rows[0]['error'])}</p>"
+    return f"<h3>Completion ({html.escape(rows[0]['policy'])})</h3>" + _table(
+        ["version", "state", "applied", "missed", "caught up since"],
+        [[c["version"], c["state"], f"{len(c['applied'])} of {c['needed']} needed: {c['applied']}",
+          "; ".join(f"reader {r}: {why}" for r, why in c["missed"].items()), ", ".join(map(str, c["caught_up"]))]
+         for c in rows],
+        bad=[c["state"] == "failed" for c in rows])
+
+
 def render(status: dict[str, Any], *, refresh_seconds: int = 5) -> str:
     """HTML for a ``MetaState.status()`` dict."""
     now = time.time()
@@ -81,6 +94,8 @@ def render(status: dict[str, Any], *, refresh_seconds: int = 5) -> str:
                   "" if r["lag"] is None else r["lag"], _ago(r["last_sync_at"], now),
                   f"{r['seconds']:.3f}", r["nbytes"], _failure(r)] for r in job["reader_state"]],
                 bad=[r["state"] == "invalid" for r in job["reader_state"]]))
+        if job["completions"]:
+            parts.append(_completions(job["completions"]))
         parts.append("<h3>Participants</h3>" + _table(
             ["role", "rank", "group", "host", "endpoints", "layout"],
             [[p["role"], p["rank"], p["group"], p["host"],

@@ -14,6 +14,7 @@ from typing import Any
 from weightsync.meta import wire
 from weightsync.meta.records import encode_columns
 from weightsync.meta.reducer import Job, MetaData, ReaderState
+from weightsync.ports.fleet.policy import COMPLETIONS_KEY, Completion
 from weightsync.ports.records import ROLES
 
 
@@ -54,6 +55,25 @@ def reader_rows(job: Job | None) -> list[dict[str, Any]]:
     return out
 
 
+def completion_rows(job: Job, readers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The newest versions under a quorum or fraction policy, newest first, as writer 0 posted
+    them (:data:`~weightsync.ports.fleet.policy.COMPLETIONS_KEY`), each with the readers that
+    missed it and hold it (or newer) now: ``caught_up``. A malformed document is one row saying so."""
+    raw = job.documents.get(COMPLETIONS_KEY)
+    if raw is None:
+        return []
+    try:
+        items = wire.unpack(raw)
+        if not isinstance(items, list):
+            raise ValueError(f"a list of completions, not {type(items).__name__}")
+        completions = [Completion.from_wire(item) for item in items]
+    except ValueError as exc:
+        return [{"error": f"the {COMPLETIONS_KEY!r} document is malformed: {exc}"}]
+    held = {r["rank"]: r["version"] for r in readers}
+    return [{**c.to_wire(), "caught_up": [r for r in sorted(c.missed) if (held.get(r) or -1) >= c.version]}
+            for c in reversed(completions)]
+
+
 def job_status(job: Job) -> dict[str, Any]:
     """One job as plain data (the status page's source)."""
     readers = reader_rows(job)
@@ -70,6 +90,7 @@ def job_status(job: Job) -> dict[str, Any]:
         "participants": [{"role": role, "rank": rank, "group": row.group, "host": row.host,
                           "endpoints": row.endpoints, "layout": row.layout[:12]}
                          for role in ROLES for rank, row in sorted(job.rows[role].items())],
+        "completions": completion_rows(job, readers),
         "documents": {k: len(v) for k, v in sorted(job.documents.items())},
         "counters": dict(sorted(job.counters.items())),
         "blobs": {h: len(d) for h, d in job.blobs.items()},

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from weightsync.clock.deadline import Deadline
 from weightsync.job.channel import JobChannel, PeerDiedError, PublishedVersion
 from weightsync.job.completion import Completion
+from weightsync.ports.fleet.policy import KEEP_COMPLETIONS
 from weightsync.session.sync_session import SyncConfig, SyncError, SyncResult, SyncSession, device_of, state_lost
 from weightsync.transport import TransportError
 
@@ -103,6 +105,8 @@ class WeightWriter:
         _OPEN[self._claim] = self
         self.version: int | None = None
         self._history: list[int] = []  # versions this writer published, oldest first
+        #: the newest versions' completions under a quorum or fraction policy (writer 0 posts them)
+        self._completions: deque[Completion] = deque(maxlen=KEEP_COMPLETIONS)
 
     @property
     def rank(self) -> int:
@@ -278,6 +282,9 @@ class WeightWriter:
             raise SyncError(str(exc)) from exc
         result.phases["wait_readers"] = result.phases.get("wait_readers", 0.0) + time.perf_counter() - t0
         result.completion = completion
+        if self.rank == 0:  # the status page's and /metrics' record of the newest versions
+            self._completions.append(completion)
+            self.session.channel.record_completions(self._completions)
         if completion.missed:
             logger.info("writer %d: %s", self.rank, completion.summary())
         if completion.state != "complete":

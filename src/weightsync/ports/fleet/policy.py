@@ -15,9 +15,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 ROLES = ("writer", "reader")
+COMPLETION_STATES = ("complete", "failed", "waiting")
+#: The meta-server document where writer 0 keeps the newest completions (a msgpack list of
+#: :meth:`Completion.to_wire` maps, oldest first), which the status page and /metrics show
+COMPLETIONS_KEY = "completions"
+#: how many versions that document keeps
+KEEP_COMPLETIONS = 16
+CompletionState = Literal["complete", "failed", "waiting"]
 POLICIES = ("all", "quorum", "fraction")
 TRY_STATES = ("open", "published", "complete", "failed", "superseded")
 OUTCOMES = ("pending", "staged", "applied", "failed", "missed", "left")
@@ -186,5 +193,58 @@ class JobShape:
             raise FleetWireError(f"job shape: {exc}") from None
 
 
-__all__ = ["KEEP_TRIES", "OUTCOMES", "POLICIES", "ROLES", "TRY_STATES", "FleetWireError", "JobShape", "Policy",
-           "Seat", "is_int", "is_number", "wire_field", "wire_seats"]
+# -- what a writer's wait decided (while the fleet record does not decide it: docs/fleet.md) ----------
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """What became of one version under the job's completion policy, as a writer saw it.
+
+    Attributes:
+        version: the version waited for.
+        policy: the policy's text (``all``, ``quorum=K``, ``fraction=F``).
+        needed: readers that must apply it.
+        applied: reader ranks that applied it (or newer).
+        missed: reader ranks that did not, with why: the error one reported, how it died, or
+            ``"still applying"`` (a live reader the quorum did not wait for).
+        state: ``complete`` (the policy is met), ``failed`` (it can no longer be met, or the
+            deadline came), ``waiting``.
+    """
+
+    version: int
+    policy: str
+    needed: int
+    applied: tuple[int, ...]
+    missed: Mapping[int, str] = field(default_factory=dict)
+    state: CompletionState = "waiting"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"version": self.version, "policy": self.policy, "needed": self.needed, "applied": list(self.applied),
+                "missed": {str(r): why for r, why in sorted(self.missed.items())}, "state": self.state}
+
+    @classmethod
+    def from_wire(cls, doc: Mapping[str, Any]) -> Completion:
+        """A completion from its wire form, each field checked (:class:`FleetWireError` names it)."""
+        applied = wire_field(doc, "applied", list, "a list of reader ranks")
+        missed = wire_field(doc, "missed", Mapping, "a map of reader rank to why")
+        state = wire_field(doc, "state", str, "a str")
+        if not all(is_int(r) for r in applied):
+            raise FleetWireError(f"field 'applied' must be a list of reader ranks, not {applied!r:.60}")
+        if not all(isinstance(r, str) and r.isdigit() and isinstance(why, str) for r, why in missed.items()):
+            raise FleetWireError(f"field 'missed' must map reader ranks to why, not {missed!r:.60}")
+        if state not in COMPLETION_STATES:
+            raise FleetWireError(f"field 'state' must be one of {list(COMPLETION_STATES)}, not {state!r:.40}")
+        return cls(wire_field(doc, "version", int, "an int"), wire_field(doc, "policy", str, "a str"),
+                   wire_field(doc, "needed", int, "an int"), tuple(applied),
+                   {int(r): why for r, why in missed.items()}, state)
+
+    def summary(self) -> str:
+        """One line naming who applied and who missed the version, and why."""
+        missed = "; ".join(f"reader {r}: {why}" for r, why in sorted(self.missed.items())[:8])
+        more = f" (+{len(self.missed) - 8} more)" if len(self.missed) > 8 else ""
+        return (f"version {self.version} under completion={self.policy}: {len(self.applied)} of the {self.needed} "
+                f"reader(s) needed applied it" + (f"; missed: {missed}{more}" if missed else ""))
+
+
+__all__ = ["COMPLETIONS_KEY", "COMPLETION_STATES", "KEEP_COMPLETIONS", "KEEP_TRIES", "OUTCOMES", "POLICIES", "ROLES",
+           "TRY_STATES", "Completion", "CompletionState", "FleetWireError", "JobShape", "Policy", "Seat", "is_int",
+           "is_number", "wire_field", "wire_seats"]
