@@ -196,6 +196,7 @@ def main() -> None:
             if shared is not None:
                 stack.callback(shared.close)
             for version in args["versions"]:
+                time.sleep(args.get("step_seconds", 0.0))  # a training step
                 fill_from_canonical(source.layout(), source.tensors(), values(version))
                 if args.get("pause_before") == version:  # the previous version is done: between versions
                     wait_for_go(args["flag_dir"], sync.timeout * 4)
@@ -221,6 +222,8 @@ def main() -> None:
                              seconds=time.monotonic() - t0)
                         if writer.version is not None and writer.version >= version:
                             break  # the version is out (its readers failed it): go on with the next
+            if args.get("stay_until_go"):  # a trainer that goes on training: its last version stays out
+                wait_for_go(args["flag_dir"], sync.timeout * 8)
         return
     engine = ShardedEngine(args["target"], config, rank)
     pointers = {n: t.data_ptr() for n, t in engine.tensors.items()}

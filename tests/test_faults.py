@@ -620,6 +620,70 @@ def test_under_a_quorum_a_killed_reader_fails_no_write_and_its_restart_catches_u
             assert r["seconds"] < DETECT, r  # no wait for the dead reader
 
 
+def churn(options, flags, *, writers: int, readers: int, versions: int, quorum: int, every: float,
+          seed: int) -> None:
+    """Issue 36's churn: ``writers`` writers write ``versions`` versions, a training step apart, under
+    ``quorum=K`` of ``readers`` reader processes; every ``every`` seconds a random reader is
+    SIGKILLed and a new process takes its rank at once (seeded). Every version completes; every
+    version a reader reports holds bitwise; every reader ends on the last version; the status
+    record shows each version complete."""
+    import random
+
+    rng = random.Random(seed)
+    last = versions - 1
+    common = {**COMMON, **options, "source": f"megatron:tp={writers}", "num_writers": writers, "num_readers": readers,
+              "target": f"vllm:tp=1,replicas={readers}", "completion": f"quorum={quorum}"}
+    ended: list[tuple[int, object]] = []  # (rank, process) of every reader killed
+    with EmbeddedMetaServer() as server:
+        # the writer stays up after its last version (a trainer goes on): readers started late get it
+        trainers = {("writer", w): launch(server, "writer", w, versions=list(range(versions)), step_seconds=0.25,
+                                          stay_until_go=True, flag_dir=str(flags), **common) for w in range(writers)}
+        live = {r: launch(server, "reader", r, until=last, **common) for r in range(readers)}
+        wait_for_lease(server, "reader", readers - 1, live[readers - 1].pid)
+        deadline = Deadline.after(TIMEOUT * 8)
+        with MetaClient(server.address, token=server.token) as meta:
+            while getattr(meta.latest_version(), "version", -1) < last:
+                assert all(p.poll() is None for p in trainers.values()) and not deadline.expired, \
+                    "the writers did not write every version"
+                time.sleep(every)
+                rank = rng.randrange(readers)
+                if live[rank].poll() is None:
+                    live[rank].kill()
+                    ended.append((rank, live[rank]))
+                    live[rank] = launch(server, "reader", rank, until=last, **common)
+            out = finish({("reader", r): p for r, p in live.items()}, TIMEOUT * 4)
+            (flags / "go").touch()
+            out |= finish(trainers, TIMEOUT)
+            killed = finish({("killed", i): p for i, (_, p) in enumerate(ended)}, TIMEOUT)
+            status = meta.status()
+    for w in range(writers):
+        code, records, stderr = out[("writer", w)]
+        assert code == 0 and [r["version"] for r in records] == list(range(versions)), (records, stderr[-3000:])
+        assert all(r["ok"] and r["completion"]["state"] == "complete" for r in records), records
+    for rank in range(readers):
+        assert_reader_ends_exact(out, rank, last)
+    # every reader, killed or not, reported only versions it held bitwise
+    wrong = [(key, r) for key, (_, records, _) in [*killed.items(), *out.items()] for r in records
+             if r.get("role") == "reader" and r["ok"] and not r["exact"]]
+    assert len(ended) >= 3 and wrong == [], (len(ended), wrong)
+    assert all(c["state"] == "complete" for c in status["completions"]), status["completions"]
+
+
+#: the churn case on shm by default (1 writer, 4 readers, 16 versions, 20 s here); issue 36's size
+#: (16 readers, 100 versions, 1-2 writers) on both one-sided transports in `make test-heavy`
+CHURN = [pytest.param({"transport": "shm"}, 1, 4, 16, 2, id="shm-1x4"),
+         pytest.param({"transport": "shm"}, 2, 16, 100, 10, id="shm-2x16", marks=pytest.mark.heavy),
+         pytest.param({"transport": "file"}, 1, 16, 100, 10, id="file-1x16", marks=pytest.mark.heavy)]
+
+
+@pytest.mark.parametrize(("options", "writers", "readers", "versions", "quorum"), CHURN)
+def test_churn_readers_killed_and_replaced_at_random_under_a_quorum_every_version_completes(
+        options, writers, readers, versions, quorum, no_leaks, tally, tmp_path):
+    skip_unavailable(options)
+    tally(f"churn: a random reader of {readers} SIGKILLed and replaced every 1.5 s, quorum={quorum}", options)
+    churn(options, tmp_path, writers=writers, readers=readers, versions=versions, quorum=quorum, every=1.5, seed=36)
+
+
 def assert_calls_end_in_time(out) -> None:
     """Every write() and update() of every rank ended within its timeout plus the documented
     grace (docs/faults.md), whatever the recovery flow made it wait for."""

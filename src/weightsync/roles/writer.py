@@ -157,8 +157,14 @@ class WeightWriter:
         slots = self.config.transport_options.slots
         if transport.one_sided and len(self._history) >= slots:
             # The slot this version overwrites holds the version written `slots` writes ago:
-            # every reader must have moved past it.
-            self._wait_readers(self._history[-slots], deadline, result, timing="wait_slot", failed_is_error=False)
+            # every reader must have moved past it (under a quorum, the quorum: a reader further
+            # behind has its read overwritten, sees it by the slot's sequence word, fails that
+            # version and takes the next).
+            if self.config.policy.kind == "all":
+                self._wait_readers(self._history[-slots], deadline, result, timing="wait_slot",
+                                   failed_is_error=False)
+            else:
+                self._wait_policy(self._history[-slots], deadline, result, timing="wait_slot", record=False)
         try:
             if self._joins_late(channel):
                 deadline = self._once_writer_0_started(channel, version, deadline, budget)
@@ -266,9 +272,12 @@ class WeightWriter:
         if failed and failed_is_error:
             raise ReadersFailedError(self.rank, min_version, failed)
 
-    def _wait_policy(self, min_version: int, deadline: Deadline, result: WriteResult, *,
-                     epoch: int | None) -> None:
-        """Until ``min_version`` is decided under the job's quorum or fraction policy."""
+    def _wait_policy(self, min_version: int, deadline: Deadline, result: WriteResult, *, epoch: int | None = None,
+                     timing: str = "wait_readers", record: bool = True) -> None:
+        """Until ``min_version`` is decided under the job's quorum or fraction policy, timed as
+        ``result.phases[timing]``. With ``record`` (the version this write waited for) the
+        decision is the write's: kept in ``result.completion``, posted by writer 0, and an
+        unmet policy raises; else (a slot's reuse) it only bounds the wait."""
         t0 = time.perf_counter()
         try:
             completion = self.session.channel.wait_completion(
@@ -280,7 +289,9 @@ class WeightWriter:
             if epoch is not None:
                 self.session.channel.advance_epoch(epoch)
             raise SyncError(str(exc)) from exc
-        result.phases["wait_readers"] = result.phases.get("wait_readers", 0.0) + time.perf_counter() - t0
+        result.phases[timing] = result.phases.get(timing, 0.0) + time.perf_counter() - t0
+        if not record:
+            return
         result.completion = completion
         if self.rank == 0:  # the status page's and /metrics' record of the newest versions
             self._completions.append(completion)
