@@ -156,15 +156,7 @@ class WeightWriter:
         transport = planned.transport
         slots = self.config.transport_options.slots
         if transport.one_sided and len(self._history) >= slots:
-            # The slot this version overwrites holds the version written `slots` writes ago:
-            # every reader must have moved past it (under a quorum, the quorum: a reader further
-            # behind has its read overwritten, sees it by the slot's sequence word, fails that
-            # version and takes the next).
-            if self.config.policy.kind == "all":
-                self._wait_readers(self._history[-slots], deadline, result, timing="wait_slot",
-                                   failed_is_error=False)
-            else:
-                self._wait_policy(self._history[-slots], deadline, result, timing="wait_slot", record=False)
+            self._wait_slot(self._history[-slots], deadline, result)
         try:
             if self._joins_late(channel):
                 deadline = self._once_writer_0_started(channel, version, deadline, budget)
@@ -224,6 +216,16 @@ class WeightWriter:
         logger.info("writer %d wrote version %d: %d bytes in %.3fs", self.rank, version, result.nbytes,
                     result.seconds)
         return result
+
+    def _wait_slot(self, version: int, deadline: Deadline, result: WriteResult) -> None:
+        """Before a one-sided transport overwrites the slot holding ``version`` (written ``slots``
+        writes ago): every reader must have moved past it; under a quorum or fraction, the policy's
+        readers (one further behind has its read overwritten, sees it by the slot's sequence word,
+        fails that version and takes the next, so a restarting engine never holds writers up)."""
+        if self.config.policy.kind == "all":
+            self._wait_readers(version, deadline, result, timing="wait_slot", failed_is_error=False)
+        else:
+            self._wait_policy(version, deadline, result, timing="wait_slot", record=False)
 
     def _joins_late(self, channel: JobChannel) -> bool:
         """This is a restarted writer's first write, and writer 0 is not restarting with it.
