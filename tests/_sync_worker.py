@@ -74,11 +74,11 @@ def die_mid_transfer(writer: WeightWriter, how: str = "exit") -> None:
         transport.send = lambda *a, **kw: die(how)
 
 
-def wait_for_go(flag_dir: str, timeout: float) -> None:
-    """Touch ``flag_dir/held``, then wait for ``flag_dir/go``: the test injects its fault between."""
+def wait_for_go(flag_dir: str, timeout: float, name: str = "go") -> None:
+    """Touch ``flag_dir/held``, then wait for ``flag_dir/<name>``: the test injects its fault between."""
     open(os.path.join(flag_dir, "held"), "w").close()
     deadline = Deadline.after(timeout)
-    while not os.path.exists(os.path.join(flag_dir, "go")):
+    while not os.path.exists(os.path.join(flag_dir, name)):
         if deadline.expired:
             raise TimeoutError(f"no go in {flag_dir} within {timeout} s")
         time.sleep(0.02)
@@ -222,8 +222,8 @@ def main() -> None:
                              seconds=time.monotonic() - t0)
                         if writer.version is not None and writer.version >= version:
                             break  # the version is out (its readers failed it): go on with the next
-            if args.get("stay_until_go"):  # a trainer that goes on training: its last version stays out
-                wait_for_go(args["flag_dir"], sync.timeout * 8)
+            if args.get("stay_until"):  # a trainer that goes on training: its last version stays out
+                wait_for_go(args["flag_dir"], sync.timeout * 8, name=args["stay_until"])
         return
     engine = ShardedEngine(args["target"], config, rank)
     pointers = {n: t.data_ptr() for n, t in engine.tensors.items()}

@@ -135,8 +135,10 @@ def assert_noticed(records, death: float, dead: str | None, *, must_fail: bool =
 
 def wait_for_lease(server, role: str, rank: int, pid: int) -> None:
     """Until process ``pid`` holds the lease of ``role`` ``rank`` (it joined the job)."""
+    from weightsync.meta.client import open_meta
+
     deadline = Deadline.after(TIMEOUT * 4)
-    with MetaClient(server.address, token=server.token) as meta:
+    with open_meta(server.address, token=server.token) as meta:
         while not any(row.role == role and row.rank == rank and row.pid == pid and row.alive
                       for row in meta.leases()):
             assert not deadline.expired, f"{role} {rank} (pid {pid}) did not join in time"
@@ -585,9 +587,10 @@ def test_under_a_quorum_a_killed_reader_fails_no_write_and_its_restart_catches_u
     flags = tmp_path / "flags"
     flags.mkdir()
     with EmbeddedMetaServer() as server:
-        procs = {("writer", r): launch(server, "writer", r, versions=[0, 1, 2, 3], pause_before=3,
-                                       flag_dir=str(flags), **common) for r in range(2)}
-        procs |= {("reader", r): launch(server, "reader", r, until=3, **common) for r in range(2)}
+        # the writers stay up after version 3 (a trainer goes on): reader 2's restart gets it whenever it comes
+        writers = {("writer", r): launch(server, "writer", r, versions=[0, 1, 2, 3], pause_before=3, stay_until="done",
+                                         flag_dir=str(flags), **common) for r in range(2)}
+        procs = {("reader", r): launch(server, "reader", r, until=3, **common) for r in range(2)}
         dying = launch(server, "reader", 2, until=3, die_at=1, die_how="SIGKILL", **common)
         dying.communicate(timeout=TIMEOUT * 4)
         assert dying.returncode == -signal.SIGKILL
@@ -600,6 +603,8 @@ def test_under_a_quorum_a_killed_reader_fails_no_write_and_its_restart_catches_u
         wait_for_lease(server, "reader", 2, procs[("reader", 2)].pid)
         (flags / "go").touch()
         out = finish(procs, TIMEOUT * 8)
+        (flags / "done").touch()
+        out |= finish(writers, TIMEOUT)
         with MetaClient(server.address, token=server.token) as meta:
             status = meta.status()
     for rank in range(3):
@@ -621,27 +626,34 @@ def test_under_a_quorum_a_killed_reader_fails_no_write_and_its_restart_catches_u
 
 
 def churn(options, flags, *, writers: int, readers: int, versions: int, quorum: int, every: float,
-          seed: int) -> None:
+          seed: int, coordinator: str | None = None) -> None:
     """Issue 36's churn: ``writers`` writers write ``versions`` versions, a training step apart, under
     ``quorum=K`` of ``readers`` reader processes; every ``every`` seconds a random reader is
     SIGKILLed and a new process takes its rank at once (seeded). Every version completes; every
     version a reader reports holds bitwise; every reader ends on the last version; the status
-    record shows each version complete."""
+    record shows each version complete. ``coordinator``: an etcd address (else an embedded meta
+    server, whose status page is checked too)."""
+    import contextlib
     import random
+    import types
+
+    from weightsync.meta.client import open_meta
 
     rng = random.Random(seed)
     last = versions - 1
     common = {**COMMON, **options, "source": f"megatron:tp={writers}", "num_writers": writers, "num_readers": readers,
               "target": f"vllm:tp=1,replicas={readers}", "completion": f"quorum={quorum}"}
     ended: list[tuple[int, object]] = []  # (rank, process) of every reader killed
-    with EmbeddedMetaServer() as server:
+    with contextlib.ExitStack() as stack:
+        server = (stack.enter_context(EmbeddedMetaServer()) if coordinator is None
+                  else types.SimpleNamespace(address=coordinator, token=""))
         # the writer stays up after its last version (a trainer goes on): readers started late get it
         trainers = {("writer", w): launch(server, "writer", w, versions=list(range(versions)), step_seconds=0.25,
-                                          stay_until_go=True, flag_dir=str(flags), **common) for w in range(writers)}
+                                          stay_until="done", flag_dir=str(flags), **common) for w in range(writers)}
         live = {r: launch(server, "reader", r, until=last, **common) for r in range(readers)}
         wait_for_lease(server, "reader", readers - 1, live[readers - 1].pid)
         deadline = Deadline.after(TIMEOUT * 8)
-        with MetaClient(server.address, token=server.token) as meta:
+        with open_meta(server.address, token=server.token) as meta:
             while getattr(meta.latest_version(), "version", -1) < last:
                 assert all(p.poll() is None for p in trainers.values()) and not deadline.expired, \
                     "the writers did not write every version"
@@ -652,10 +664,10 @@ def churn(options, flags, *, writers: int, readers: int, versions: int, quorum: 
                     ended.append((rank, live[rank]))
                     live[rank] = launch(server, "reader", rank, until=last, **common)
             out = finish({("reader", r): p for r, p in live.items()}, TIMEOUT * 4)
-            (flags / "go").touch()
+            (flags / "done").touch()
             out |= finish(trainers, TIMEOUT)
             killed = finish({("killed", i): p for i, (_, p) in enumerate(ended)}, TIMEOUT)
-            status = meta.status()
+            status = meta.status() if coordinator is None else {"completions": []}
     for w in range(writers):
         code, records, stderr = out[("writer", w)]
         assert code == 0 and [r["version"] for r in records] == list(range(versions)), (records, stderr[-3000:])

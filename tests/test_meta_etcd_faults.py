@@ -172,3 +172,15 @@ def test_without_quorum_write_and_update_fail_naming_it_and_the_job_resumes_when
         cluster.start(leader)
         cluster.leader(timeout=20)
         assert sync(2) == [2, 2]  # the next version goes through
+
+
+def test_churn_of_readers_under_a_quorum_runs_on_etcd_as_on_the_meta_server(cluster, tmp_path):
+    """Issue 38: the fleet churn of the fault suite (tests/test_faults.py::churn), coordinated by
+    etcd: readers SIGKILLed and replaced at random while versions flow under ``quorum=2`` of 4;
+    every version completes, bitwise, and every reader ends on the last one."""
+    from test_faults import LAUNCHED, churn, creator, shm_files
+
+    LAUNCHED.clear()
+    churn({"transport": "shm"}, tmp_path, writers=1, readers=4, versions=16, quorum=2, every=1.5, seed=38,
+          coordinator=cluster.address)
+    assert {n for n in shm_files() if creator(n) in LAUNCHED} == set()
