@@ -571,7 +571,9 @@ def test_reader_sigkilled_mid_transfer_the_other_carries_on_and_the_restarted_on
 #: one-sided transports, where a dead reader is no part of a writer's send (file runs in `make
 #: test-heavy`: the same completion wait over another transport's slots)
 QUORUM_TRANSPORTS = [pytest.param({"transport": "shm"}, id="shm"),
-                     pytest.param({"transport": "file"}, id="file", marks=pytest.mark.heavy)]
+                     pytest.param({"transport": "file"}, id="file", marks=pytest.mark.heavy),
+                     pytest.param({"transport": "nixl", "transport_options": {"nixl_mode": "pull"}}, id="nixl-pull",
+                                  marks=pytest.mark.heavy)]
 
 
 @pytest.mark.parametrize("options", QUORUM_TRANSPORTS)
