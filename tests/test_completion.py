@@ -143,3 +143,12 @@ def test_the_all_policy_wait_stops_waiting_for_a_dead_reader_once_the_live_ones_
     failed = channel(meta).wait_readers(min_version=7, readers=3, deadline=Deadline.after(30))
     assert failed == {2: "died before it applied version 7: reader 2: lease expired"}
     assert meta.calls[-1] == (3, 2, 0)  # the last wait was for the two live readers
+
+
+def test_a_dead_readers_restart_that_applied_does_not_stand_in_for_a_live_reader_still_reading():
+    """Reader 2 died, and its restart applied the version while reader 1 is still reading the slot:
+    the wait goes on until reader 1 is done (the server's count alone was met by reader 2)."""
+    meta = ScriptedMeta([(report(r0=7, r1=6, r2=5), {2}), (report(r0=7, r1=6, r2=7), set()),
+                         (report(r0=7, r1=7, r2=7), set())])
+    assert channel(meta).wait_readers(min_version=7, readers=3, deadline=Deadline.after(30)) == {}
+    assert meta.steps == [] and meta.calls[-1] == (3, None, 0)

@@ -101,10 +101,14 @@ class ReaderWaits:
                 if deadline.expired:
                     raise
                 continue
-            failed = report.failed(min_version, readers)
             settled = set(report.settled(min_version, readers))
-            # the dead that are still behind (a restart of one may have applied it since)
-            failed.update({r: why for r, why in dead.items() if r not in settled})
+            # the dead that are still behind (a restart of one may have applied it since, in place
+            # of a live reader still at it: then wait on for that one)
+            dead = {r: why for r, why in dead.items() if r not in settled}
+            if len(settled) + len(dead) < readers:
+                continue
+            failed = report.failed(min_version, readers)
+            failed.update(dead)
             return failed
 
     def _dead_readers_behind(self, min_version: int, readers: int) -> dict[int, str]:
@@ -147,7 +151,8 @@ class ReaderWaits:
             except TimeoutError:
                 report = self.meta.wait_reader_report(min_version=min_version, readers=0, timeout=0.0)
                 dead = self.dead_peers("reader", range(readers), max_age=0.0)
-                behind = len(set(dead) - set(report.settled(min_version, readers)))
+            # from this report, so that the long-poll's condition and the verdict agree (no busy loop)
+            behind = len(set(dead) - set(report.settled(min_version, readers)))
             verdict = judge(policy, min_version, readers=readers, report=report, dead=dead,
                             expired=deadline.expired)
             if verdict.state == "complete" and "still applying" in verdict.missed.values() and not dead:
