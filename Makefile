@@ -48,10 +48,15 @@ typecheck: $(VENV)/.installed-$(TEST_EXTRAS)
 # of the two cores idle (processes waiting on each other and on timeouts). Its report follows
 # theirs, and either failing fails. Two xdist workers: three were faster here but not in a fresh
 # clone, where a Ray test then timed out (docs/benchmarks.md, "The test tiers in wave 10").
-# Bytecode first: the environment may forbid writing it (PYTHONDONTWRITEBYTECODE), and then every
-# process the tests start would compile weightsync's modules again (about a second each here).
+# Bytecode first: the environment may forbid writing it (PYTHONDONTWRITEBYTECODE, as CI does), and
+# then every process the tests start would compile weightsync's modules again (about a second each
+# here), and vLLM's, transformers' and the other installed packages' (importing vLLM and one model
+# took 25-27 s in a fresh venv, 17 s compiled: docs/benchmarks.md, "Bytecode"). compileall skips
+# what is up to date; a third-party file that does not compile is left to import as source.
+SITE = $$($(1) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 test: lint
 	$(PY) -m compileall -q src tests
+	PYTHONDONTWRITEBYTECODE= $(PY) -m compileall -q -j 0 $(call SITE,$(PY)) >/dev/null 2>&1 || true
 	@log=$$(mktemp); nice -n 10 $(VENV)/bin/mypy >$$log 2>&1 & mypy=$$!; \
 	$(VENV)/bin/pytest -n 2 -p randomly --randomly-seed=$(TEST_SEED) -m "not heavy"; tests=$$?; \
 	wait $$mypy; typed=$$?; echo "mypy:"; cat $$log; rm -f $$log; \
