@@ -106,6 +106,9 @@ class ScriptedMeta:
             return self.now
         raise TimeoutError("the long-poll's slice ran out")
 
+    def reader_versions(self):
+        return self.now.versions
+
     def leases(self):
         return [LeaseRow("reader", r, f"inc{r}", 10 + r, "h", 3.0, 0.1, alive=r not in self.dead, released=False,
                          detail=f"reader {r}: lease expired") for r in range(3)]
