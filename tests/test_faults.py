@@ -582,7 +582,7 @@ def test_under_a_quorum_a_killed_reader_fails_no_write_and_its_restart_catches_u
     """Issue 36's completion policy: 3 readers, ``completion="quorum=2"``. Reader 2 is SIGKILLed
     as it receives version 1; versions 1 and 2 complete with readers 0 and 1 (each write says
     reader 2 missed them), and a restart of reader 2 catches up to version 3 bitwise. Under
-    ``completion="all"`` both writers fail versions 1 and 2 with ReadersFailedError."""
+    ``completion="all"`` the writers' ``write(1)`` fails with ReadersFailedError."""
     skip_unavailable(options)
     tally("reader SIGKILL under completion='quorum=2' of 3 readers: no write fails", options)
     common = {**COMMON, **options, "num_readers": 3, "target": "vllm:tp=1,replicas=3", "completion": "quorum=2"}
