@@ -156,8 +156,9 @@ def main() -> None:
     except Exception:
         # a writer whose version failed (another writer died) stays up until the readers are done
         # with it, as a trainer that goes on would: its leaving would be a second fault, and the
-        # readers of a one-sided transport could name it instead of the writer that died
-        if role == "writer" and transport.one_sided:
+        # readers could name it instead of the writer that died (NIXL push readers READ every
+        # writer's ready word: CI saw one name writer 0, gone, before it saw writer 1 dead)
+        if role == "writer":
             for r in range(len(readers)):
                 meta.get_document(f"done/{args['versions'] - 1}/{r}", wait=timeout)
         raise
