@@ -105,6 +105,7 @@ class WeightWriter:
         _OPEN[self._claim] = self
         self.version: int | None = None
         self._history: list[int] = []  # versions this writer published, oldest first
+        self._policy = config.policy  # parsed once: every write consults it
         #: the newest versions' completions under a quorum or fraction policy (writer 0 posts them)
         self._completions: deque[Completion] = deque(maxlen=KEEP_COMPLETIONS)
 
@@ -208,7 +209,7 @@ class WeightWriter:
         k = self.config.staleness
         if len(self._history) > k:
             # Training may run at most k versions ahead of the slowest reader (of the quorum).
-            if self.config.policy.kind == "all":
+            if self._policy.kind == "all":
                 self._wait_readers(self._history[-1 - k], deadline, result, timing="wait_readers",
                                    failed_is_error=True, epoch=epoch if k == 0 else None)
             else:
@@ -222,7 +223,7 @@ class WeightWriter:
         writes ago): every reader must have moved past it; under a quorum or fraction, the policy's
         readers (one further behind has its read overwritten, sees it by the slot's sequence word,
         fails that version and takes the next, so a restarting engine never holds writers up)."""
-        if self.config.policy.kind == "all":
+        if self._policy.kind == "all":
             self._wait_readers(version, deadline, result, timing="wait_slot", failed_is_error=False)
         else:
             self._wait_policy(version, deadline, result, timing="wait_slot", record=False)
@@ -283,7 +284,7 @@ class WeightWriter:
         t0 = time.perf_counter()
         try:
             completion = self.session.channel.wait_completion(
-                self.config.policy, min_version=min_version, readers=self.config.num_readers, deadline=deadline,
+                self._policy, min_version=min_version, readers=self.config.num_readers, deadline=deadline,
                 epoch=epoch, writers=self.config.num_writers)
         except TimeoutError as exc:
             raise SyncError(f"writer {self.rank}: version {min_version} was not published in time: {exc}") from exc
