@@ -6,9 +6,10 @@
 Two measurements behind docs/benchmarks.md's analysis of the meta-scale job on etcd:
 
 * **client CPU per request** (``time.process_time`` over 400 transactions in a row, one
-  connection): through ``httpx.AsyncClient`` (what :class:`~weightsync.meta.etcd.gateway.AsyncEtcdKV`
-  and the embedded server's ``AsyncMetaClient`` use), through ``httpcore`` (httpx's transport)
-  alone, and as a bare asyncio HTTP/1.1 exchange;
+  connection): through ``aiohttp`` (what :class:`~weightsync.meta.etcd.gateway.AsyncEtcdKV`
+  uses), through ``httpx.AsyncClient`` (what the embedded server's ``AsyncMetaClient`` uses, and
+  the etcd client used before wave 12), through ``httpcore`` (httpx's transport) alone, and as a
+  bare asyncio HTTP/1.1 exchange;
 * **members' CPU per request** (the three etcd processes' CPU from ``/proc``, over 640 clients,
   64 at a time): a read-only transaction, a join transaction as
   :mod:`weightsync.meta.etcd.barrier` sends it (its registration, its blob, the barrier and the
@@ -30,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpcore
 import httpx
 
@@ -63,6 +65,11 @@ async def client_cpu(url: str, n: int = 400) -> dict[str, float]:
             await call()
         out[name] = round((time.process_time() - cpu) / n * 1e3, 3)
 
+    async with aiohttp.ClientSession() as session:
+        async def through_aiohttp() -> Any:
+            async with session.post(f"{url}/v3/kv/txn", data=raw, headers={"Content-Type": "application/json"}) as r:
+                return json.loads(await r.read())
+        await timed("aiohttp", through_aiohttp)
     async with httpx.AsyncClient(trust_env=False) as client:
         await timed("httpx", lambda: client.post(f"{url}/v3/kv/txn", json=body))
     async with httpcore.AsyncConnectionPool() as pool:
@@ -140,7 +147,8 @@ def main() -> int:
         result = {"client_cpu_ms_per_request": asyncio.run(client_cpu(cluster.urls[0])),
                   "members_cpu_ms_per_request": asyncio.run(members_cpu(cluster, args.clients)),
                   "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-                             f"httpx {httpx.__version__}, httpcore {httpcore.__version__}"}
+                             f"aiohttp {aiohttp.__version__}, httpx {httpx.__version__}, "
+                             f"httpcore {httpcore.__version__}"}
     if args.json:
         print(json.dumps(result))
     else:

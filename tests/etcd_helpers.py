@@ -121,22 +121,28 @@ def values(version: int) -> dict[str, torch.Tensor]:
 
 
 def run_sync(address: str, versions: list[int], *, job: str, timeout: float = 30.0,
-             after_write: Callable[[int], None] | None = None) -> SyncOutcome:
+             after_write: Callable[[int], None] | None = None, in_config: bool = False) -> SyncOutcome:
     """Two Megatron TP2 writers and two vLLM TP1 readers on shared memory, in threads, each with its
     own etcd client, syncing ``versions``; every reader checks every version bitwise.
-    ``after_write(v)`` runs in writer 0's thread once its ``write(v)`` returned (a fault there)."""
+    ``after_write(v)`` runs in writer 0's thread once its ``write(v)`` returned (a fault there).
+    ``in_config``: the roles open their clients from ``SyncConfig.meta_address`` instead of being
+    given one."""
     from weightsync.roles.reader import WeightReader
     from weightsync.roles.writer import WeightWriter
     from weightsync.session.sync_session import SyncConfig
 
     out = SyncOutcome()
-    config = SyncConfig(num_writers=2, num_readers=2, transport="shm", timeout=timeout, job=job)
+    config = SyncConfig(num_writers=2, num_readers=2, transport="shm", timeout=timeout, job=job,
+                        meta_address=address if in_config else "")
     done = threading.Barrier(4)
+
+    def client() -> Any:
+        return None if in_config else meta(address, job)
 
     def writer(rank: int) -> None:
         source = ShardedSource(SOURCE, CONFIG, rank)
         log = out.writes.setdefault(rank, [])
-        with WeightWriter(source, rank=rank, config=config, meta=meta(address, job)) as w:
+        with WeightWriter(source, rank=rank, config=config, meta=client()) as w:
             for v in versions:
                 fill_from_canonical(source.layout(), source.tensors(), values(v))
                 t0 = time.monotonic()
@@ -148,7 +154,7 @@ def run_sync(address: str, versions: list[int], *, job: str, timeout: float = 30
 
     def reader(rank: int) -> None:
         engine = ShardedEngine(TARGET, CONFIG, rank)
-        with WeightReader(engine, rank=rank, config=config, meta=meta(address, job)) as r:
+        with WeightReader(engine, rank=rank, config=config, meta=client()) as r:
             for v in versions:
                 result = r.update(v, timeout=timeout)
                 out.reads.setdefault(rank, []).append(result.version)

@@ -25,6 +25,7 @@ SETTINGS = {
     "num_writers": ("match", (2, 3)),
     "num_readers": ("match", (2, 3)),
     "job": ("match", ("rl", "rl-2")),
+    "meta_address": ("rank", ("http://10.0.0.5:7000", "etcd://n1:2379,n2:2379,n3:2379")),
     "transport": ("match", ("torch", "shm")),
     "max_bucket_bytes": ("match", (1 << 20, 2 << 20)),
     "direct_min_bytes": ("match", (4096, 8192)),
@@ -91,9 +92,10 @@ def test_vllm_init_infos_carry_the_setting_from_trainer_to_worker(name, value):
     sent = trainer.worker_init_info("http://meta:1", "token")
     assert json.loads(json.dumps(sent)) == sent
     received = WeightSyncInitInfo.from_wire(sent).sync_config().to_wire()[name]
-    # where the trainer runs is not where the worker runs: the worker keeps its own
-    assert received == (SyncConfig(num_writers=1, num_readers=1).to_wire()[name] if SETTINGS[name][0] == "rank"
-                        else value)
+    # where the trainer runs is not where the worker runs: the worker keeps its own, and the
+    # coordinator is the one the trainer tells its workers of
+    own = {**SyncConfig(num_writers=1, num_readers=1).to_wire(), "meta_address": "http://meta:1"}
+    assert received == (own[name] if SETTINGS[name][0] == "rank" else value)
 
 
 #: settings an integration fills itself: verl and TRL size the job from their own topology and
@@ -125,8 +127,9 @@ def test_trl_settings_carry_the_setting_in_both_modes(name, value):
     settings = TRLSyncSettings(**with_needs(name, value))
     assert settings.sync_config(num_writers=4, num_readers=4).to_wire()[name] == value  # colocate
     if HAVE_VLLM:  # server mode: through vLLM's trainer init info
-        info = settings.trainer_init_info(rank=0, world=4, meta_address="http://meta:1", meta_token="t",
-                                          model_config=None)
+        # the main process shares the coordinator it found (the settings' own when they name one)
+        address = value if name == "meta_address" else "http://meta:1"
+        info = settings.trainer_init_info(rank=0, world=4, meta_address=address, meta_token="t", model_config=None)
         assert info.sync_config().to_wire()[name] == value
 
 
@@ -154,6 +157,7 @@ BAD = [({"num_writers": "2"}, r"num_writers must be an integer, got '2' \(str\)"
        ({"layer_phases": 1}, r"layer_phases must be true or false, got 1"),
        ({"delta_anchor_every": -1}, r"delta_anchor_every must be >= 0"),
        ({"nixl_mode": "both"}, r"nixl_mode must be one of \['auto', 'pull', 'push'\]"),
+       ({"meta_address": "meta-server"}, r"meta_address: meta server address must be 'http://host:port'"),
        ({"timout": 30.0}, r"has unknown \w+ \['timout'\]")]
 
 
@@ -263,3 +267,64 @@ def test_model_config_may_be_a_transformers_config_object():
     with pytest.raises(ValueError, match=r"model_config must be the model's Hugging Face config, a dict or a "
                                          r"transformers config object \(PretrainedConfig\), got int"):
         WeightSyncTrainerInitInfo(rank=0, model_config=3)
+
+
+# -- where the coordinator is: SyncConfig.meta_address (issue 38) ---------------------------------------
+
+def test_meta_address_is_normalized_and_an_etcd_password_in_it_is_refused():
+    assert SyncConfig(num_writers=1, num_readers=1, meta_address="10.0.0.5:7000").meta_address == "http://10.0.0.5:7000"
+    assert SyncConfig(num_writers=1, num_readers=1).meta_address == ""  # WEIGHTSYNC_META_ADDR, else embedded
+    with pytest.raises(ValueError, match=r"meta_address carries an etcd password \(user:password@\).*"
+                                         r"etcd://user@host:port,\.\.\. and the password in WEIGHTSYNC_ETCD_PASSWORD"):
+        SyncConfig(num_writers=1, num_readers=1, meta_address="etcd://ws:secret@n1:2379,n2:2379")
+    with pytest.raises(ValueError, match=r"meta_address: .*etcd://host1:2379"):
+        SyncConfig(num_writers=1, num_readers=1, meta_address="etcd://n1:x")
+
+
+def test_a_role_given_a_client_of_another_coordinator_than_its_config_names_is_refused():
+    from weightsync.meta.client import MetaClient
+    from weightsync.roles.writer import WeightWriter
+    from weightsync.sources.module import ShardedSource
+    from weightsync.tools.tiny import tiny_config
+
+    config = SyncConfig(num_writers=1, num_readers=1, meta_address="127.0.0.1:9")
+    source = ShardedSource("hf", tiny_config(), 0)
+    other = MetaClient("http://127.0.0.1:10", job="default", token="token-12345678")
+    try:
+        with pytest.raises(ValueError, match=r"SyncConfig.meta_address is 'http://127.0.0.1:9' but the meta client "
+                                             r"passed is for 'http://127.0.0.1:10'"):
+            WeightWriter(source, rank=0, config=config, meta=other)
+    finally:
+        other.close()
+    from weightsync.meta.client import job_meta
+
+    same = MetaClient("http://127.0.0.1:9/", job="default", token="token-12345678")
+    try:
+        assert job_meta(config.meta_address, job="default", given=same) is same
+    finally:
+        same.close()
+
+
+def test_ray_attach_takes_the_coordinator_from_the_config_or_meta_and_refuses_two():
+    pytest.importorskip("ray")
+    from weightsync.integrations.ray.actors import connection
+    from weightsync.integrations.ray.meta import MetaConnection
+
+    etcd = SyncConfig(num_writers=1, num_readers=1, meta_address="etcd://n1:2379,n2:2379")
+    assert connection(etcd, None) == MetaConnection("etcd://n1:2379,n2:2379", "")
+    assert connection(etcd, MetaConnection("etcd://n1:2379,n2:2379/weightsync", "")).address.startswith("etcd://")
+    with pytest.raises(ValueError, match=r"no coordinator for the actors: pass meta=meta_server\(\)"):
+        connection(SyncConfig(num_writers=1, num_readers=1), None)
+    with pytest.raises(ValueError, match=r"SyncConfig.meta_address is 'etcd://n1:2379,n2:2379' but meta= is "
+                                         r"'http://10.0.0.1:7000'"):
+        connection(etcd, MetaConnection("http://10.0.0.1:7000", "token-12345678"))
+
+
+def test_verl_refuses_a_ray_actor_name_beside_a_coordinator_address():
+    from weightsync.integrations.verl_settings import VerlSyncSettings
+
+    with pytest.raises(ValueError, match=r"engine_kwargs.weightsync.meta_name='mine' with meta_address="
+                                         r"'etcd://n1:2379': .*give one of the two"):
+        VerlSyncSettings.from_engine_kwargs({"meta_name": "mine", "meta_address": "etcd://n1:2379"})
+    assert VerlSyncSettings.from_engine_kwargs({"meta_address": "etcd://n1:2379"}).sync_config(
+        num_readers=2).meta_address == "etcd://n1:2379"

@@ -170,3 +170,30 @@ def test_two_nodes_route_per_pair_and_survive_a_lost_node(cluster):
         assert all("error" not in s for s in ray.get(steps, timeout=WAIT))
         assert [g["version"] for g in got] == [v, v] and all(g["exact"] for g in got)
     ray.get([a.weightsync_leave.remote() for a in trainers + rollouts], timeout=WAIT)
+
+
+def test_actors_attached_with_only_the_config_naming_an_etcd_cluster_sync_bitwise(cluster, tmp_path):
+    """Issue 38's "the Ray integration can point the job at etcd": ``SyncConfig.meta_address``
+    names a 3-member etcd cluster, ``attach_*`` get no ``meta=``, and no meta server actor runs."""
+    from etcd_helpers import etcd_cluster, meta
+
+    etcd = etcd_cluster(tmp_path / "etcd")
+    try:
+        config = SyncConfig(num_writers=2, num_readers=2, timeout=WAIT, transport="shm", job="ray-etcd",
+                            meta_address=etcd.address)
+        trainers = [spawn(Trainer, "node_a", r) for r in range(2)]
+        rollouts = [spawn(Rollout, "node_a", r) for r in range(2)]
+        attach_writers(trainers, config)
+        attach_readers(rollouts, config)
+        for v in (1, 2):
+            steps = [t.step.remote(v) for t in trainers]
+            got = ray.get([r.sync.remote(v) for r in rollouts], timeout=WAIT)
+            assert all("error" not in s for s in ray.get(steps, timeout=WAIT))
+            assert [g["version"] for g in got] == [v, v] and all(g["exact"] for g in got)
+        with meta(etcd.address, "ray-etcd") as c:
+            assert c.latest_version().version == 2  # the job ran on etcd
+        with pytest.raises(ValueError, match="no meta server actor|not found|Failed to look up"):
+            ray.get_actor("weightsync-meta", namespace="weightsync")
+        ray.get([a.weightsync_leave.remote() for a in trainers + rollouts], timeout=WAIT)
+    finally:
+        etcd.stop()

@@ -56,22 +56,28 @@ class TRLSyncSettings:
 
     Attributes:
         meta_address / meta_token: the job's meta server, reachable by every trainer rank and by
-            the vLLM server; empty: ``WEIGHTSYNC_META_ADDR`` / ``WEIGHTSYNC_META_TOKEN`` if set,
-            else the main process starts an embedded one on ``meta_host`` and tells the others.
+            the vLLM server (``meta_address`` is the job setting ``SyncConfig.meta_address``: an
+            etcd cluster's ``etcd://`` address works too, with no token); empty:
+            ``WEIGHTSYNC_META_ADDR`` / ``WEIGHTSYNC_META_TOKEN`` if set, else the main process
+            starts an embedded one on ``meta_host`` and tells the others.
         meta_host: the interface the embedded meta server listens on: loopback by default, an
             address the other nodes reach when the trainers or the vLLM server span machines.
     """
 
-    meta_address: str = ""
     meta_token: str = ""
     meta_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
-        for name in ("meta_address", "meta_token", "meta_host"):
+        for name in ("meta_token", "meta_host"):
             check_value(getattr(self, name), str, f"TRLSyncSettings.{name}")
-        if self.meta_token and not self.meta_address:
+        if self.meta_token and not self.coordinator:
             raise ValueError("TRLSyncSettings.meta_token is set without meta_address: give both, or neither")
         self.sync_config(num_writers=1, num_readers=UNKNOWN_READERS)  # every job setting checked now, named
+
+    @property
+    def coordinator(self) -> str:
+        """``meta_address`` as given (a job setting: ``with_job_settings`` declares it, not this class)."""
+        return str(job_wire(self)["meta_address"])
 
     def sync_config(self, *, num_writers: int, num_readers: int) -> SyncConfig:
         """The job's settings for ``num_writers`` trainer ranks and ``num_readers`` engines."""
@@ -83,9 +89,8 @@ class TRLSyncSettings:
         into a server of ``readers`` workers (TP x PP x DP: one weightsync reader each)."""
         from weightsync.integrations.vllm_trainer import WeightSyncTrainerInitInfo
 
-        job = {**job_wire(self), "num_writers": world, "num_readers": readers}
-        return WeightSyncTrainerInitInfo(rank=rank, meta_address=meta_address, meta_token=meta_token,
-                                         model_config=model_config, **job)
+        job = {**job_wire(self), "num_writers": world, "num_readers": readers, "meta_address": meta_address}
+        return WeightSyncTrainerInitInfo(rank=rank, meta_token=meta_token, model_config=model_config, **job)
 
 
 class _Sync:
@@ -114,7 +119,7 @@ class _Sync:
 
         payload: dict[str, Any] | None = None
         if self.accelerator.is_main_process:
-            payload = {"address": self.settings.meta_address, "token": self.settings.meta_token, "error": ""}
+            payload = {"address": self.settings.coordinator, "token": self.settings.meta_token, "error": ""}
             try:
                 payload.update(check() if check is not None else {})
                 if not payload["address"]:

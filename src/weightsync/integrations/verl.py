@@ -30,8 +30,9 @@ trainer's GPU unless ``device=cpu``; refused with its figure when it does not fi
 whole model. (The gather itself is verl's: its generator yields whole tensors.) Rollout
 workers receive into persistent buffers of the same
 layout, which they learn from the writer through the job channel on the first step, and
-yield views of them to verl's server adapter. The meta server is the named Ray actor of
-:mod:`weightsync.integrations.ray`, found by every worker; the weightsync job is planned once and reused
+yield views of them to verl's server adapter. The coordinator is the named Ray actor of
+:mod:`weightsync.integrations.ray`, found by every worker, unless ``meta_address`` names one (an
+etcd cluster for a job that must survive the loss of the Ray head); the weightsync job is planned once and reused
 by every step, so verl's per-step ``prepare``/``finalize`` cost nothing.
 """
 
@@ -202,9 +203,14 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         return placed_config(self.settings.sync_config(num_readers=self.num_readers, num_writers=self.num_writers))
 
     def _meta(self) -> Any:
+        """The job's coordinator: the one ``meta_address`` names (an etcd cluster, or a meta server
+        with ``WEIGHTSYNC_META_TOKEN`` in the workers' environment), else the named Ray actor."""
         from weightsync.integrations.ray import meta_server
+        from weightsync.meta.client import open_meta
 
         job = self.settings.sync_config(num_readers=1)
+        if job.meta_address:
+            return open_meta(job.meta_address, job=job.job, timeout=job.timeout)
         return meta_server(name=self.settings.meta_name, timeout=job.timeout).client(job=job.job)
 
     # -- actor side -----------------------------------------------------------------------

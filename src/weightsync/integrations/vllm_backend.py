@@ -104,8 +104,9 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     #: This engine's first reader rank; TP rank t of data-parallel replica d is reader
     #: ``rank + d * TP + t`` (:func:`reader_rank`), so ``num_readers`` counts every worker.
     rank: int = 0
-    #: Empty: read WEIGHTSYNC_META_ADDR / WEIGHTSYNC_META_TOKEN from the worker's environment.
-    meta_address: str = ""
+    #: The meta server's token (``meta_address``, a job setting, says where it is). Empty: read
+    #: WEIGHTSYNC_META_TOKEN (and, with ``meta_address`` empty, WEIGHTSYNC_META_ADDR) from the
+    #: worker's environment.
     meta_token: str = ""
     #: A LoRA adapter's PEFT config (``adapter_config.json``: r, lora_alpha, target_modules):
     #: versions are that adapter alone, installed in vLLM's LoRA manager as ``lora_id``.
@@ -119,8 +120,7 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
 
     def __post_init__(self) -> None:
         where = type(self).__name__
-        for name, kind in (("rank", int), ("meta_address", str), ("meta_token", str), ("lora_id", int),
-                           ("prefetch", bool)):
+        for name, kind in (("rank", int), ("meta_token", str), ("lora_id", int), ("prefetch", bool)):
             check_value(getattr(self, name), kind, f"{where}.{name}")
         if self.lora is not None and not isinstance(self.lora, dict):
             raise ValueError(f"{where}.lora must be an adapter config (a mapping) or null, got "
@@ -371,7 +371,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             engine.lay_out(layer_phases=config.layer_phases,
                            budget_bytes=config.transport_options.max_bucket_bytes)
         # unreachable for the job's timeout is an error, as any other wait of the job
-        meta = open_meta(init_info.meta_address or None, job=config.job, token=init_info.meta_token or None,
+        meta = open_meta(config.meta_address or None, job=config.job, token=init_info.meta_token or None,
                          timeout=config.timeout)
         self.reader = WeightReader(engine, rank=rank, config=config, meta=meta)
         self.prefetch = Prefetch(self.reader) if init_info.prefetch else None

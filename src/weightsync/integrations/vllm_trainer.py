@@ -68,9 +68,11 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
     Attributes:
         num_writers: trainer ranks (every one sends its own shards).
         num_readers: vLLM workers (one weightsync reader each).
-        meta_address / meta_token: the job's meta server, reachable by trainers and workers;
-            empty: ``WEIGHTSYNC_META_ADDR`` / ``WEIGHTSYNC_META_TOKEN``, or, for a single trainer
-            rank with neither set, an embedded server on this host (``meta_host``).
+        meta_address / meta_token: the job's meta server, reachable by trainers and workers
+            (``meta_address`` is the job setting ``SyncConfig.meta_address``; an etcd cluster's
+            ``etcd://`` address works too, with no token); empty: ``WEIGHTSYNC_META_ADDR`` /
+            ``WEIGHTSYNC_META_TOKEN``, or, for a single trainer rank with neither set, an embedded
+            server on this host (``meta_host``).
         model_config: the model's Hugging Face config, a dict or a transformers config object
             (needed for vLLM sources; weightsync sources carry their own).
         reader_rank: the weightsync rank of the engine's first worker (several engines: 0, 1, ...).
@@ -87,7 +89,6 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
 
     backend: ClassVar[str] = "weightsync"
 
-    meta_address: str = ""
     meta_token: str = ""
     meta_host: str = "127.0.0.1"
     model_config: Any = None
@@ -96,7 +97,7 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
 
     def __post_init__(self) -> None:
         where = type(self).__name__
-        for name, kind in (("rank", int), ("meta_address", str), ("meta_token", str), ("meta_host", str),
+        for name, kind in (("rank", int), ("meta_token", str), ("meta_host", str),
                            ("reader_rank", int), ("lora_id", int)):
             check_value(getattr(self, name), kind, f"{where}.{name}")
         self.model_config = hf_config_dict(self.model_config, f"{where}.model_config")
@@ -302,7 +303,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
                              "WeightSource) on every trainer rank")
         config = init_info.sync_config()
         resetter = prefix_cache_resetter(client, config.timeout) if init_info.is_sender else None
-        address, token = init_info.meta_address, init_info.meta_token
+        address, token = config.meta_address, init_info.meta_token
         closers: list[Any] = []
         if not address:
             env = MetaEnv.from_env()

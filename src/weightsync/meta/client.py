@@ -32,7 +32,7 @@ from weightsync.meta import calls
 from weightsync.meta.async_client import AsyncMetaClient
 from weightsync.meta.calls import Call
 from weightsync.meta.client_base import Answer, ClientBase, Outcome, Sleep, Steps, T, ssl_context
-from weightsync.meta.config import MetaEnv
+from weightsync.meta.config import MetaEnv, same_coordinator
 from weightsync.meta.etcd.address import is_etcd_address
 from weightsync.meta.fleet.answers import FleetAnswer, FleetTicked, FleetView
 from weightsync.meta.fleet.commands import Command, Join
@@ -288,6 +288,23 @@ def open_meta(address: str | None = None, *, job: str = "default", token: str | 
 
         return EtcdMetaClient(address, job=job, timeout=timeout, password=env.etcd_password)
     return MetaClient.from_env(job=job, address=address, token=token, timeout=timeout)
+
+
+def job_meta(address: str, *, job: str, given: AnyMetaClient | None) -> AnyMetaClient:
+    """The coordinator client a writer or reader uses: ``given`` when the caller passed one (it
+    must then be for ``address``, when a config names one), else a new client for ``address``
+    (``SyncConfig.meta_address``), or ``WEIGHTSYNC_META_ADDR`` when that is "".
+
+    Raises:
+        ValueError: ``given`` is for another coordinator than ``address`` (both named), or the
+            address is malformed.
+    """
+    if given is None:
+        return open_meta(address or None, job=job)
+    if address and not same_coordinator(address, given.address):
+        raise ValueError(f"SyncConfig.meta_address is {address!r} but the meta client passed is for {given.address!r}: "
+                         "leave meta_address empty when passing a client, or pass the client of that coordinator")
+    return given
 
 
 def connect(address: str | None = None, *, job: str = "default", token: str | None = None,

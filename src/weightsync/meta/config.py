@@ -29,7 +29,7 @@ ENV_ETCD_PASSWORD = "WEIGHTSYNC_ETCD_PASSWORD"
 MIN_TOKEN_LENGTH = 8
 
 
-def normalize_address(address: str) -> str:
+def normalize_address(address: str, source: str = ENV_ADDR) -> str:
     """``"host:port"`` or ``"http://host:port/"`` -> ``"http://host:port"``; an ``etcd://`` address
     is checked (:class:`~weightsync.meta.etcd.address.EtcdAddress`) and kept as it is. ValueError if unusable."""
     if not isinstance(address, str) or not address.strip():
@@ -47,8 +47,37 @@ def normalize_address(address: str) -> str:
         port = None
     if parts.scheme not in ("http", "https") or not parts.hostname or port is None or parts.path:
         raise ValueError(f"meta server address must be 'http://host:port' or 'host:port' (or an etcd cluster's "
-                         f"'etcd://host1:2379,host2:2379,...'), got {address!r} (check {ENV_ADDR})")
+                         f"'etcd://host1:2379,host2:2379,...'), got {address!r} (check {source})")
     return f"{parts.scheme}://{parts.netloc}"
+
+
+def config_address(address: str, where: str) -> str:
+    """A coordinator address a job's config names (``SyncConfig.meta_address``), normalized as
+    :func:`normalize_address` does; "" stays "" (the environment's, or an embedded server).
+
+    A config travels (Ray ships it to every actor, logs print it), so an etcd password in it is
+    refused: it belongs in ``WEIGHTSYNC_ETCD_PASSWORD``.
+
+    Raises:
+        ValueError: naming ``where`` and what is wrong.
+    """
+    if address == "":
+        return ""
+    try:
+        text = normalize_address(address, source=where)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    if is_etcd_address(text) and EtcdAddress.parse(text).password is not None:
+        raise ValueError(f"{where} carries an etcd password (user:password@): a config is sent to every rank and "
+                         f"logged; give etcd://user@host:port,... and the password in {ENV_ETCD_PASSWORD}")
+    return text
+
+
+def same_coordinator(a: str, b: str) -> bool:
+    """Whether two addresses name one coordinator (normalized; an etcd address without its password)."""
+    def key(address: str) -> str:
+        return str(EtcdAddress.parse(address)) if is_etcd_address(address) else normalize_address(address)
+    return key(a) == key(b)
 
 
 def check_token(token: str, source: str) -> str:

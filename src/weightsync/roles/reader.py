@@ -79,10 +79,10 @@ class WeightReader:
 
     def __init__(self, engine: InferenceEngine, *, rank: int, config: SyncConfig,
                  meta: AnyMetaClient | None = None) -> None:
-        from weightsync.meta.client import open_meta
+        from weightsync.meta.client import job_meta
 
         self._own_meta = meta is None
-        self.meta = meta if meta is not None else open_meta(job=config.job)
+        self.meta = job_meta(config.meta_address, job=config.job, given=meta)
         self.engine = engine
         #: the engine's phase hooks, when it stages phase by phase (its declared capability)
         self._phased = cast("PhasedEngine", engine) if engine.stages_in_phases else None

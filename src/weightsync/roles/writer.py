@@ -87,10 +87,10 @@ class WeightWriter:
 
     def __init__(self, source: TrainingSource, *, rank: int, config: SyncConfig,
                  meta: AnyMetaClient | None = None) -> None:
-        from weightsync.meta.client import open_meta
+        from weightsync.meta.client import job_meta
 
         self._own_meta = meta is None
-        self.meta = meta if meta is not None else open_meta(job=config.job)
+        self.meta = job_meta(config.meta_address, job=config.job, given=meta)
         self._claim = (self.meta.address, config.job, rank)
         if self._claim in _OPEN:
             if self._own_meta:

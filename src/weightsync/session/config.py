@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from weightsync.meta.config import config_address
 from weightsync.plan import PlanOptions
 from weightsync.ports.fleet.policy import Policy
 from weightsync.session.combinations import refuse_combinations
@@ -50,7 +51,7 @@ UNKNOWN_READERS = 1 << 16
 #: error at first use, so a new field cannot reach the wire unclassified.
 SCOPES: Mapping[str, Scope] = {
     # SyncConfig
-    "num_writers": "match", "num_readers": "match", "job": "match", "transport": "match",
+    "num_writers": "match", "num_readers": "match", "job": "match", "meta_address": "rank", "transport": "match",
     "staleness": "match", "timeout": "local", "lease_seconds": "local", "host": "rank",
     "layer_phases": "match", "integrity": "match", "completion": "match",
     # TransportOptions
@@ -121,6 +122,13 @@ class SyncConfig:
     Attributes:
         num_writers / num_readers: participants the job waits for before planning.
         job: the job's name on the meta server.
+        meta_address: the job's coordinator, as this rank reaches it: a meta server
+            (``http://host:port``) or an etcd cluster (``etcd://host1:2379,host2:2379,...``,
+            :mod:`weightsync.meta.etcd.address`). "" takes ``WEIGHTSYNC_META_ADDR``, else an
+            embedded server. A ``rank`` setting: each rank may reach it by another name, and the
+            integrations give their workers their own. The meta server's token stays out of the
+            config (``WEIGHTSYNC_META_TOKEN``, or an integration's ``meta_token``), as does an etcd
+            password (``WEIGHTSYNC_ETCD_PASSWORD``): a config is logged and sent to every rank.
         transport: ``auto`` (shared memory on one host, torch p2p across hosts), or a name.
         staleness: how many versions training may run ahead of the slowest reader; 0 means
             synchronous (``write`` returns when every reader applied the version).
@@ -148,6 +156,7 @@ class SyncConfig:
     num_writers: int
     num_readers: int
     job: str = "default"
+    meta_address: str = ""
     transport: str = "auto"
     transport_options: TransportOptions = field(default_factory=TransportOptions)
     plan_options: PlanOptions = field(default_factory=PlanOptions)
@@ -172,6 +181,7 @@ class SyncConfig:
                              f"got num_writers={self.num_writers}, num_readers={self.num_readers}")
         if not self.job:
             raise ValueError("job must be a non-empty job name")
+        object.__setattr__(self, "meta_address", config_address(self.meta_address, "meta_address"))
         if self.staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {self.staleness}")
         if self.timeout <= 0:

@@ -131,25 +131,48 @@ class SyncActor:
         self.weightsync_writer = self.weightsync_reader = None
 
 
-def _attach(role: Role, actors: Sequence[Any], config: SyncConfig, meta: MetaConnection,
+def connection(config: SyncConfig, meta: MetaConnection | None) -> MetaConnection:
+    """Where the actors find the coordinator: ``meta`` (:func:`meta_server`'s actor, or an etcd
+    cluster's ``MetaConnection``), else the one ``config.meta_address`` names (an etcd cluster, or
+    a meta server whose token the actors read from ``WEIGHTSYNC_META_TOKEN``).
+
+    Raises:
+        ValueError: neither is given, or both and they name different coordinators.
+    """
+    from weightsync.meta.config import same_coordinator
+
+    if meta is None:
+        if not config.meta_address:
+            raise ValueError("no coordinator for the actors: pass meta=meta_server() (the meta server as a Ray actor) "
+                             "or set SyncConfig.meta_address (an etcd cluster's etcd://host1:2379,...)")
+        return MetaConnection(config.meta_address, "")
+    if config.meta_address and not same_coordinator(config.meta_address, meta.address):
+        raise ValueError(f"SyncConfig.meta_address is {config.meta_address!r} but meta= is {meta.address!r}: give one "
+                         "of the two, or both for the same coordinator")
+    return meta
+
+
+def _attach(role: Role, actors: Sequence[Any], config: SyncConfig, meta: MetaConnection | None,
             timeout: float) -> list[dict[str, Any]]:
     size = config.num_writers if role == "writer" else config.num_readers
     if len(actors) != size:
         raise ValueError(f"{len(actors)} actors were given as {role}s, but the config says num_{role}s={size}: "
                          "pass one actor per rank")
+    meta = connection(config, meta)
     settings = config.to_wire()
     calls = [a.weightsync_join.remote(role, rank, settings, meta.address, meta.token) for rank, a in enumerate(actors)]
     return list(ray.get(calls, timeout=timeout))
 
 
-def rejoin(actor: Any, role: Role, rank: int, config: SyncConfig, meta: MetaConnection, *,
+def rejoin(actor: Any, role: Role, rank: int, config: SyncConfig, meta: MetaConnection | None = None, *,
            timeout: float = 120.0) -> dict[str, Any]:
     """Make one (restarted) actor ``role`` ``rank`` again; the job moves to a new epoch."""
+    meta = connection(config, meta)
     return dict(ray.get(actor.weightsync_join.remote(role, rank, config.to_wire(), meta.address, meta.token),
                         timeout=timeout))
 
 
-def attach_writers(actors: Sequence[Any], config: SyncConfig, meta: MetaConnection, *,
+def attach_writers(actors: Sequence[Any], config: SyncConfig, meta: MetaConnection | None = None, *,
                    timeout: float = 120.0) -> list[dict[str, Any]]:
     """Make ``actors[i]`` writer ``i`` of the job; returns each rank's node.
 
@@ -159,7 +182,7 @@ def attach_writers(actors: Sequence[Any], config: SyncConfig, meta: MetaConnecti
     return _attach("writer", actors, config, meta, timeout)
 
 
-def attach_readers(actors: Sequence[Any], config: SyncConfig, meta: MetaConnection, *,
+def attach_readers(actors: Sequence[Any], config: SyncConfig, meta: MetaConnection | None = None, *,
                    timeout: float = 120.0) -> list[dict[str, Any]]:
     """Make ``actors[i]`` reader ``i`` of the job; returns each rank's node.
 

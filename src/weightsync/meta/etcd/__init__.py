@@ -3,7 +3,7 @@
 :class:`EtcdMetaClient` provides the :class:`~weightsync.ports.coordinator.MetaPort` that the
 embedded meta server's :class:`~weightsync.meta.client.MetaClient` provides, over etcd's
 HTTP/JSON gateway (``pip install weightsync[etcd]``: the ``etcd3gw`` client);
-:class:`AsyncEtcdMetaClient` does what a joining rank does with asyncio (``httpx``, no etcd3gw).
+:class:`AsyncEtcdMetaClient` does what a joining rank does with asyncio (``aiohttp``, no etcd3gw).
 Its modules, one per concern: ``address`` (parsing, no etcd needed), ``ops`` (the gateway's
 requests, answers and errors as plain data), ``kv`` and ``gateway`` (the sync and the asyncio
 connection: failover, auth, watches), ``schema`` (what is stored where), ``settings`` (the job and
@@ -29,7 +29,7 @@ INSTALL = "pip install 'weightsync[etcd]' (the etcd3gw client)"
 
 
 def __getattr__(name: str) -> Any:
-    if name == "AsyncEtcdMetaClient":  # httpx only: no etcd3gw needed
+    if name == "AsyncEtcdMetaClient":  # aiohttp only: no etcd3gw needed
         from weightsync.meta.etcd.async_client import AsyncEtcdMetaClient
 
         return AsyncEtcdMetaClient

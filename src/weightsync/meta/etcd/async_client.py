@@ -4,7 +4,7 @@
 It runs the steps the sync :class:`~weightsync.meta.etcd.client.EtcdMetaClient` runs
 (:mod:`weightsync.meta.etcd.barrier`, :mod:`weightsync.meta.etcd.steps`: one transaction to
 register and announce the barrier, a watch to wait for it, the roster decoded from the watch
-event) over :class:`~weightsync.meta.etcd.gateway.AsyncEtcdKV` (``httpx``), so that many ranks
+event) over :class:`~weightsync.meta.etcd.gateway.AsyncEtcdKV` (``aiohttp``), so that many ranks
 share one event loop instead of a thread each, as the embedded server's
 :class:`~weightsync.meta.async_client.AsyncMetaClient` lets them. Same keys, same records, same
 answers and errors; a rank registered by either client is the same rank to the other.

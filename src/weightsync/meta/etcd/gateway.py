@@ -1,5 +1,5 @@
 """The asyncio connection to an etcd cluster: :class:`AsyncEtcdKV`, the twin of
-:class:`~weightsync.meta.etcd.kv.EtcdKV` over ``httpx`` (no etcd3gw, no threads).
+:class:`~weightsync.meta.etcd.kv.EtcdKV` over ``aiohttp`` (no etcd3gw, no threads).
 
 The same requests to etcd's v3 HTTP/JSON gateway (``/v3/kv/txn``, ``/v3/kv/range``,
 ``/v3/watch``, ``/v3/auth/authenticate``; base64 keys and values), built and read by
@@ -11,13 +11,19 @@ The same requests to etcd's v3 HTTP/JSON gateway (``/v3/kv/txn``, ``/v3/kv/range
   the call's deadline; then :class:`~weightsync.meta.etcd.ops.EtcdUnavailableError` names every
   member's last error and a lost quorum (or the TLS mismatch);
 - **authentication**: etcd's user/password token in the ``Authorization`` header, renewed when
-  etcd says it expired; TLS with the address's CA and client certificate (httpx's ``verify``
-  with an ``ssl.SSLContext`` built once per process and address);
+  etcd says it expired; TLS with the address's CA and client certificate (an ``ssl.SSLContext``
+  built once per process and address);
 - **watches with a deadline**: :meth:`AsyncEtcdKV.watch_rows` waits on one stream until a change,
   the deadline (None) or the stream's end (empty: the caller reads again, failing over); a
   stream outlives a deadline for the next wait on the same key (one stream per waiting rank).
 
-One ``httpx.AsyncClient`` per member, opened on first use: a rank usually talks to one member.
+One ``aiohttp.ClientSession`` per member, opened on first use: a rank usually talks to one member.
+
+Why aiohttp and not httpx (which the embedded server's clients use): a gateway request costs a
+client 0.45-0.57 ms of CPU through aiohttp against 1.9 ms through httpx here
+(``benchmarks/etcd_gateway_costs.py``), and an etcd rank makes two requests where an embedded
+server's rank makes one; at 1280 joining ranks on two cores that CPU was the etcd backend's
+time (docs/benchmarks.md, "The same job on etcd").
 
     kv = AsyncEtcdKV(EtcdAddress.parse("etcd://n1:2379,n2:2379,n3:2379"), timeout=30)
     answer = await kv.txn([], [ops.read(key)])
@@ -29,13 +35,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 
 from weightsync.clock.deadline import Deadline
 from weightsync.meta.client_base import ssl_context
@@ -60,6 +67,9 @@ class _Watch:
     task: asyncio.Future[tuple[Row, ...]]
 
 
+_JSON = {"Content-Type": "application/json"}
+
+
 class _MemberError(Exception):
     """A member could not answer (its reason, worded as the sync connection words it): try another."""
 
@@ -78,14 +88,13 @@ def tls_context(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLCon
     return context
 
 
-@functools.lru_cache(maxsize=64)
-def _endpoint_url(member: str, path: str) -> httpx.URL:
-    return httpx.URL(member + API_PATH + path)
+#: what a request that got no answer raises: aiohttp's client errors (connection refused or reset,
+#: a stream cut short), its timeouts, and a TLS alert the server sends after the handshake (TLS 1.3
+#: refuses a client certificate so), which can reach us unwrapped
+NO_ANSWER = (aiohttp.ClientError, TimeoutError, ssl.SSLError)
 
-
-#: what a request that got no answer raises: httpx's transport errors, and a TLS alert the server
-#: sends after the handshake (TLS 1.3 refuses a client certificate so), which reaches us unwrapped
-NO_ANSWER = (httpx.TransportError, ssl.SSLError)
+#: a request's connect and whole-answer limits (a watch stream has no read limit: see _first_event)
+_STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=MAX_REQUEST_SECONDS, sock_read=None)
 
 
 def _reason(exc: BaseException) -> str:
@@ -97,7 +106,7 @@ def _reason(exc: BaseException) -> str:
         chain.append(cause)
         cause = cause.__cause__ or cause.__context__
     name = "SSLError" if any(isinstance(c, ssl.SSLError) for c in chain) else type(exc).__name__
-    root = chain[-1]  # httpx's errors often say nothing; the OS's error at the bottom does
+    root = chain[-1]  # a client error often says little; the OS's error at the bottom says more
     said = str(exc) or (f"{type(root).__name__}: {root}" if root is not exc else type(exc).__name__)
     return f"{name}: {said}"[:300]
 
@@ -109,34 +118,32 @@ class AsyncEtcdKV:
         self.address = address
         self.timeout = float(timeout)
         self._urls = address.urls()
-        self._members: list[httpx.AsyncClient | None] = [None] * len(self._urls)
+        self._members: list[aiohttp.ClientSession | None] = [None] * len(self._urls)
         self._token: str | None = None
         self._current = ops.first_member(len(self._urls))  # the last member that answered
         self._held: _Watch | None = None
-        self._member(self._current)  # the one a rank talks to (the others on first use)
 
-    def _member(self, index: int) -> httpx.AsyncClient:
-        client = self._members[index]
-        if client is None:
+    def _member(self, index: int) -> aiohttp.ClientSession:
+        """The member's session, opened on first use (aiohttp binds it to the running loop)."""
+        session = self._members[index]
+        if session is None:
             a = self.address
-            verify = tls_context(a.ca, a.cert, a.key) if a.tls else ssl_context()
-            client = httpx.AsyncClient(verify=verify, trust_env=False,
-                                       timeout=MAX_REQUEST_SECONDS,
-                                       limits=httpx.Limits(max_connections=16, max_keepalive_connections=2))
-            self._members[index] = client
-        return client
+            context = tls_context(a.ca, a.cert, a.key) if a.tls else ssl_context()
+            session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=context, limit=16),
+                                            trust_env=False, raise_for_status=False)
+            self._members[index] = session
+        return session
 
     async def aclose(self) -> None:
         await self.release_watch()
         members, self._members = self._members, [None] * len(self._urls)
-        await asyncio.gather(*(m.aclose() for m in members if m is not None))
+        await asyncio.gather(*(m.close() for m in members if m is not None))
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": self._token} if self._token is not None else {}
 
-    def _url(self, index: int, path: str) -> httpx.URL:
-        """An absolute URL (httpx parses a relative one against a base URL on every request)."""
-        return _endpoint_url(self._urls[index], path)
+    def _url(self, index: int, path: str) -> str:
+        return self._urls[index] + API_PATH + path
 
     # -- calls -----------------------------------------------------------------------------------
     async def call(self, what: str, path: str, body: dict[str, Any], deadline: Deadline | None = None) -> Any:
@@ -193,13 +200,16 @@ class AsyncEtcdKV:
         """(status, body text, parsed answer when 200); _MemberError when another member may answer."""
         seconds = max(0.05, min(MAX_REQUEST_SECONDS, deadline.remaining(0.0)))
         try:
-            r = await self._member(index).post(self._url(index, path), json=body, headers=self._headers(),
-                                               timeout=seconds)
+            async with self._member(index).post(self._url(index, path), data=json.dumps(body),
+                                                headers=self._headers() | _JSON,
+                                                timeout=aiohttp.ClientTimeout(total=seconds)) as r:
+                status, raw = r.status, await r.read()
         except NO_ANSWER as exc:
             raise _MemberError(_reason(exc)) from None
-        if r.status_code in ops.RETRY_STATUSES:
-            raise _MemberError(ops.reason_of(r.text) or f"HTTP {r.status_code}: {r.text[:300]}")
-        return r.status_code, r.text, (r.json() if r.status_code == 200 else None)
+        text = raw.decode("utf-8", "replace")
+        if status in ops.RETRY_STATUSES:
+            raise _MemberError(ops.reason_of(text) or f"HTTP {status}: {text[:300]}")
+        return status, text, (json.loads(raw) if status == 200 else None)
 
     # -- operations ------------------------------------------------------------------------------
     async def txn(self, compare: Sequence[dict[str, Any]], success: Sequence[dict[str, Any]],
@@ -254,17 +264,15 @@ class AsyncEtcdKV:
     async def _first_event(self, index: int, create: dict[str, Any]) -> tuple[Row, ...]:
         # no read timeout: the waits on this stream have their deadlines (watch_rows), a dead
         # member's stream breaks, and a member that stops answering fails the waiter's next read
-        timeout = httpx.Timeout(MAX_REQUEST_SECONDS, read=None)
-        member = self._member(index)
-        request = member.build_request("POST", self._url(index, "watch"), json={"create_request": create},
-                                       headers=self._headers(), timeout=timeout)
-        response = await member.send(request, stream=True)
-        try:
-            if response.status_code != 200:
+        async with self._member(index).post(self._url(index, "watch"), data=json.dumps({"create_request": create}),
+                                            headers=self._headers() | _JSON, timeout=_STREAM_TIMEOUT) as response:
+            if response.status != 200:
                 self._current = (index + 1) % len(self._urls)
                 return ()
             buffer = b""
-            async for chunk in response.aiter_raw():  # the gateway sends identity-encoded JSON lines
+            # the gateway sends one JSON line per event; a line (a roster) can be longer than
+            # aiohttp's readline limit, so the lines are cut here
+            async for chunk in response.content.iter_any():
                 buffer += chunk
                 while b"\n" in buffer:
                     line, buffer = buffer.split(b"\n", 1)
@@ -272,5 +280,3 @@ class AsyncEtcdKV:
                     if seen.wakes:
                         return seen.rows  # a change, or a watch etcd refused (compacted): read again
             return ()  # the stream ended: its member went away
-        finally:
-            await response.aclose()

@@ -2,7 +2,7 @@
 answers as plain data, and the errors a failed call raises.
 
 The sync connection (:mod:`weightsync.meta.etcd.kv`, over etcd3gw and ``requests``) and the
-asyncio one (:mod:`weightsync.meta.etcd.gateway`, over ``httpx``) send the same JSON and read the
+asyncio one (:mod:`weightsync.meta.etcd.gateway`, over ``aiohttp``) send the same JSON and read the
 same answers, so everything that does not touch a socket lives here once:
 
 - the parts of a transaction (:func:`put`, :func:`read`, :func:`unchanged`, ...) and the rows of
@@ -245,7 +245,10 @@ def tls_advice(tls: bool, reasons: Iterable[str], *, client_cert: bool = True) -
         return ("The TLS handshake with every member failed: check that ca= names the CA that signed the members' "
                 "certificates, and that cert= and key= give a client certificate that CA signed when the members "
                 "require one (--client-cert-auth)")
-    hung_up = ("Remote end closed connection without response", "Server disconnected without sending a response")
+    # a member that speaks TLS closes a plain-HTTP connection: before its answer, or with our
+    # request unread (a reset); each library words it its own way
+    hung_up = ("Remote end closed connection without response", "Server disconnected without sending a response",
+               "ServerDisconnectedError: Server disconnected", "Connection reset by peer")
     if not tls and all(any(h in r for h in hung_up) for r in reasons):
         return ("Every member hung up without a response, as a member that speaks TLS does to plain HTTP: use "
                 "etcds:// with ca= (and cert= and key= when the members require client certificates)")
