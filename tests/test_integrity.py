@@ -11,6 +11,7 @@ makes reader 0 current again.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from weightsync.engines.buffers import ShardedEngine
 from weightsync.layout import ModelSpec, RankLayout, parse_layout
 from weightsync.layout.lora import LoraSpec
 from weightsync.meta import EmbeddedMetaServer, MetaClient
+from weightsync.meta.client import open_meta
 from weightsync.ports.engine import Invalid, Validity
 from weightsync.roles.inflight import InflightReader
 from weightsync.roles.reader import WeightReader
@@ -179,7 +181,8 @@ def corrupt_in_transit(reader: WeightReader, buffers: dict[str, torch.Tensor], v
 
 def run_job(transport: str, options: dict[str, Any] | None = None, *, shared: bool = False,
             nodes: dict[tuple[str, int], str] | None = None, inflight: bool = True, case: Case | None = None,
-            timeout: float = 60.0) -> Outcome:
+            timeout: float = 60.0, coordinator: str | None = None) -> Outcome:
+    """``coordinator``: an etcd cluster's address (else an embedded meta server)."""
     out = Outcome()
     case = case or Case()
     exact = case.exact
@@ -280,8 +283,12 @@ def run_job(transport: str, options: dict[str, Any] | None = None, *, shared: bo
                     threading.Event().wait(0.005)
             leave_together()
 
-    with EmbeddedMetaServer() as server:
-        metas = [MetaClient(server.address, token=server.token) for _ in range(4)]
+    with contextlib.ExitStack() as stack:
+        if coordinator is None:
+            server = stack.enter_context(EmbeddedMetaServer())
+            metas: list[Any] = [MetaClient(server.address, token=server.token) for _ in range(4)]
+        else:
+            metas = [open_meta(coordinator) for _ in range(4)]  # job "default", as the configs
         threads = [threading.Thread(target=writer, args=(metas[r], r)) for r in range(2)]
         threads += [threading.Thread(target=reader, args=(metas[2 + r], r)) for r in range(2)]
         try:

@@ -183,6 +183,36 @@ def test_a_sync_job_runs_on_the_etcd_cluster_its_config_names(cluster, monkeypat
         assert c.latest_version().version == 1  # type: ignore[union-attr]  # the job ran on this cluster
 
 
+def test_an_answer_is_read_with_the_instance_its_transaction_was_asked_with(cluster, client):
+    """Two threads of one client (a reader's in-flight loop beside its caller): one pins the
+    store while the other's pin is in flight. The interleaving, by hand: the second thread's
+    transaction is asked unpinned, the first pins, then the answer arrives. Before, the answer
+    was read with the instance pinned meanwhile and the pin failed with IndexError (seen in
+    ``test_one_corrupted_byte_is_refused_on_etcd_as_on_the_meta_server``)."""
+    from weightsync.meta.etcd import ops, steps
+
+    client.instance = None
+    operation = steps.pin_instance(client.keys)
+    step = next(operation)
+    compare, failure, asked = client.pinned(step)  # the second thread asks, unpinned
+    first = client.pin_instance()  # the first thread pins meanwhile
+    answer = client.unpinned(client.kv.txn(compare, step.success, failure, what=step.what), asked)
+    with pytest.raises(StopIteration) as done:
+        operation.send(answer)
+    assert done.value.value == first and not answer.ok and ops.rows_of(answer.responses[0])
+
+
+def test_one_corrupted_byte_is_refused_on_etcd_as_on_the_meta_server(cluster):
+    """The integrity case of tests/test_integrity.py (2 writers, 2 readers on shared memory, one
+    byte corrupted in transit in version 1), coordinated by the 3-member cluster: the digests
+    travel through etcd, reader 0 refuses version 1 naming the tensor and the writer, its engine
+    keeps version 0 bitwise, and version 2 lands."""
+    from test_integrity import assert_refused_and_kept, run_job
+
+    out = run_job("shm", coordinator=cluster.address)
+    assert_refused_and_kept(out)
+
+
 def _sync_get(address: str, key: str, *, timeout: float) -> bytes | None:
     with meta(address, "tls", timeout=timeout) as c:
         return c.get_document(key)

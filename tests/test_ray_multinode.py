@@ -192,7 +192,7 @@ def test_actors_attached_with_only_the_config_naming_an_etcd_cluster_sync_bitwis
             assert [g["version"] for g in got] == [v, v] and all(g["exact"] for g in got)
         with meta(etcd.address, "ray-etcd") as c:
             assert c.latest_version().version == 2  # the job ran on etcd
-        with pytest.raises(ValueError, match="no meta server actor|not found|Failed to look up"):
+        with pytest.raises(ValueError, match=r"Failed to look up actor"):
             ray.get_actor("weightsync-meta", namespace="weightsync")
         ray.get([a.weightsync_leave.remote() for a in trainers + rollouts], timeout=WAIT)
     finally:

@@ -88,8 +88,8 @@ class AsyncEtcdMetaClient(EtcdSettings):
         Raises:
             ServerStateLostError: the store is not the one this client pinned.
         """
-        compare, failure = self.pinned(step)
-        return self.unpinned(await self.kv.txn(compare, step.success, failure, what=step.what))
+        compare, failure, instance = self.pinned(step)
+        return self.unpinned(await self.kv.txn(compare, step.success, failure, what=step.what), instance)
 
     # -- the calls ---------------------------------------------------------------------------------
     async def pin_instance(self) -> str:

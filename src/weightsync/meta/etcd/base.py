@@ -63,8 +63,8 @@ class EtcdBase(EtcdSettings):
         Raises:
             ServerStateLostError: the store is not the one this client pinned.
         """
-        compare, failure = self.pinned(step)
-        return self.unpinned(self.kv.txn(compare, step.success, failure, what=step.what))
+        compare, failure, instance = self.pinned(step)
+        return self.unpinned(self.kv.txn(compare, step.success, failure, what=step.what), instance)
 
     # -- identity ----------------------------------------------------------------------------------
     def pin_instance(self) -> str:

@@ -32,13 +32,21 @@ class EtcdSettings:
         #: the store instance this client pinned (None: any); see either client's ``pin_instance``
         self.instance: str | None = None
 
-    def pinned(self, step: Txn) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """``step``'s compare and failure, also comparing the pinned instance."""
-        return ops.pinned(step.compare, step.failure, self.keys.instance, self.instance)
+    def pinned(self, step: Txn) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str | None]:
+        """``step``'s compare and failure, also comparing the pinned instance, and that instance.
 
-    def unpinned(self, answer: TxnAnswer) -> TxnAnswer:
-        """The answer of a :meth:`pinned` transaction; ServerStateLostError if the store was replaced."""
-        return ops.check_pinned(answer, self.instance, address=self.address, job=self.job)
+        The instance is read once here and handed to :meth:`unpinned` with the answer: a client
+        shared by threads (a reader's in-flight loop beside its caller) may pin while another
+        thread's transaction is in flight, and that answer must be read as it was asked.
+        """
+        instance = self.instance
+        compare, failure = ops.pinned(step.compare, step.failure, self.keys.instance, instance)
+        return compare, failure, instance
+
+    def unpinned(self, answer: TxnAnswer, instance: str | None) -> TxnAnswer:
+        """The answer of a :meth:`pinned` transaction asked with ``instance``;
+        ServerStateLostError if the store was replaced."""
+        return ops.check_pinned(answer, instance, address=self.address, job=self.job)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.address!r}, job={self.job!r})"
