@@ -6,6 +6,7 @@ no test changes the process (environment, CPU affinity, torch threads) for the t
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import time
@@ -118,6 +119,47 @@ def pytest_configure(config: pytest.Config) -> None:
     if budget.FAST:  # properties that name no count of their own draw hypothesis's default (100)
         settings.register_profile("fast", max_examples=budget.examples(100))
         settings.load_profile("fast")
+    _collect_once_at_exit(config)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        atexit.register(_end_worker_unfinalized)  # registered before the tests': it runs after theirs
+
+
+#: how many full garbage collections pytest runs as each process ends (tests/test_tiers.py checks it)
+EXIT_COLLECTIONS = 1
+
+
+def _end_worker_unfinalized() -> None:
+    """End an xdist worker once every exit handler ran, without tearing down its interpreter.
+
+    A worker that imported vLLM, transformers, Ray or mypy's build took up to 7 s here to free its
+    heap object by object after its last test, and the controller waits for every worker to end
+    (``make test-fast`` ended 7-9 s after its last test). Nothing a test needs happens there: the
+    tests' own teardowns and the exit handlers (shared memory, servers, processes) have run, the
+    worker's results went to the controller over its channel, and the controller does not read a
+    worker's exit status. Registered in ``pytest_configure``, it runs after every handler registered
+    once the tests began (multiprocessing's, weakref finalizers', torch's); of those registered
+    before it, logging's is run here and execnet's concerns only a controller."""
+    import logging
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _collect_once_at_exit(config: pytest.Config) -> None:
+    """pytest's unraisable-exception plugin runs ``gc.collect()`` five times as each process ends
+    (a constant from Trio), then reports what ``__del__`` methods raised. A worker that imported
+    vLLM, transformers or mypy's build holds millions of objects, and each collection took 1-2.4 s
+    here: up to 12 s per worker at the end of ``make test-fast``, which the controller waits for.
+    One collection still finalizes every cycle unreachable by then; only garbage that a finalizer
+    itself leaves behind would need another pass."""
+    try:
+        from _pytest.unraisableexception import gc_collect_iterations_key
+    except ImportError:  # another pytest: its own default
+        return
+    config.stash[gc_collect_iterations_key] = EXIT_COLLECTIONS
 
 
 def pytest_ignore_collect(collection_path: Any, config: pytest.Config) -> bool | None:

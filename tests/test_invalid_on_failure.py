@@ -18,6 +18,7 @@ The vLLM adapters (in-process engine, worker backend, trainer side) have the sam
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -38,7 +39,9 @@ from weightsync.session.sync_session import SyncConfig, SyncError
 from weightsync.tools.tiny import canonical_weights, checkpoint_tensors, tiny_config
 from weightsync.transport import TransportError, TransportOptions
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+# transformers is imported where a model is built, not at collection: every xdist worker collects
+# this file, and importing transformers (with accelerate) costs each about a second
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
 
 CONFIG = {**tiny_config(), "torch_dtype": "float32"}
 FAULTS = ["partial-write", "phase", "loader"]
@@ -121,6 +124,8 @@ def recover(reader: Any, trainer: Trainer, engine: Any, meta: MetaClient, *, ful
 
 def hf_model(weights: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
     """A transformers model holding ``weights`` (canonical; None: seed 0's)."""
+    import transformers
+
     from weightsync.sources.module import ModuleSource
     from weightsync.tools.torch_layout import fill_from_canonical
 

@@ -20,6 +20,9 @@ import pytest
 from weightsync.job.channel import settings_difference
 from weightsync.session.config import SyncConfig, job_settings
 
+#: one worker imports vLLM, TRL and Ray for the fast tier (tests/tiers.py, VLLM_STACK)
+pytestmark = pytest.mark.xdist_group("vllm-stack")
+
 #: setting -> (scope, two valid values)
 SETTINGS = {
     "num_writers": ("match", (2, 3)),

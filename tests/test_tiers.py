@@ -54,3 +54,12 @@ def test_pytest_randomly_reseeds_torch_without_importing_deepspeed():
     first = torch.rand(3)
     reseed(7)
     assert torch.equal(first, torch.rand(3))
+
+
+def test_each_process_collects_its_garbage_once_as_it_ends(request):
+    """pytest's default is five full collections (conftest._collect_once_at_exit says why one)."""
+    from _pytest.unraisableexception import gc_collect_iterations_key
+
+    import conftest
+
+    assert request.config.stash[gc_collect_iterations_key] == conftest.EXIT_COLLECTIONS == 1
