@@ -88,7 +88,7 @@ class Rollout(SyncActor):
         return self.engine.weight_version
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")  # started once (20-30 s here); the tests leave node a as they found it
 def cluster():
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 8}, "include_dashboard": False})
     node_b = c.add_node(num_cpus=1, resources={"node_b": 8}, labels={NODE_LABEL: "b"})
@@ -177,6 +177,7 @@ def test_actors_attached_with_only_the_config_naming_an_etcd_cluster_sync_bitwis
     names a 3-member etcd cluster, ``attach_*`` get no ``meta=``, and no meta server actor runs."""
     from etcd_helpers import etcd_cluster, meta
 
+    stop_meta_server()  # the other test's, if it ran first on this cluster
     etcd = etcd_cluster(tmp_path / "etcd")
     try:
         config = SyncConfig(num_writers=2, num_readers=2, timeout=WAIT, transport="shm", job="ray-etcd",
@@ -192,7 +193,7 @@ def test_actors_attached_with_only_the_config_naming_an_etcd_cluster_sync_bitwis
             assert [g["version"] for g in got] == [v, v] and all(g["exact"] for g in got)
         with meta(etcd.address, "ray-etcd") as c:
             assert c.latest_version().version == 2  # the job ran on etcd
-        with pytest.raises(ValueError, match=r"Failed to look up actor"):
+        with pytest.raises(ValueError, match=r"Failed to look up actor"):  # the job started none
             ray.get_actor("weightsync-meta", namespace="weightsync")
         ray.get([a.weightsync_leave.remote() for a in trainers + rollouts], timeout=WAIT)
     finally:
