@@ -448,3 +448,22 @@ def test_agent_loop_bounds_a_turn_by_its_timeout_and_lets_verl_cancel_a_sample(t
         return server.cancelled
 
     assert asyncio.run(asyncio.wait_for(cancel_while_hanging(), timeout=60)) is not None
+
+
+def test_meta_address_points_the_backend_at_that_coordinator_not_the_ray_actor(monkeypatch):
+    """``engine_kwargs.weightsync.meta_address`` (issue 38): the job's coordinator is the one it
+    names (here a meta server, its token from the environment), and no Ray actor is looked up."""
+    from weightsync.integrations.verl import WeightSyncCheckpointEngine
+    from weightsync.meta import EmbeddedMetaServer
+
+    with EmbeddedMetaServer() as server:
+        monkeypatch.setenv("WEIGHTSYNC_META_TOKEN", server.token)
+        engine = WeightSyncCheckpointEngine(bucket_size=1 << 20, job="verl-address", meta_address=server.address)
+        meta = engine._meta()
+        try:
+            assert meta.address == server.address and meta.job == "verl-address"
+            meta.put_document("k", b"v")
+            assert meta.get_document("k") == b"v"
+        finally:
+            meta.close()
+    assert not ray.is_initialized()  # the Ray actor's path was not taken
