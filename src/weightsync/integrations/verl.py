@@ -206,12 +206,13 @@ class WeightSyncCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         """The job's coordinator: the one ``meta_address`` names (an etcd cluster, or a meta server
         with ``WEIGHTSYNC_META_TOKEN`` in the workers' environment), else the named Ray actor."""
         from weightsync.integrations.ray import meta_server
+        from weightsync.integrations.ray.meta import DEFAULT_NAME
         from weightsync.meta.client import open_meta
 
         job = self.settings.sync_config(num_readers=1)
         if job.meta_address:
             return open_meta(job.meta_address, job=job.job, timeout=job.timeout)
-        return meta_server(name=self.settings.meta_name, timeout=job.timeout).client(job=job.job)
+        return meta_server(name=self.settings.meta_name or DEFAULT_NAME, timeout=job.timeout).client(job=job.job)
 
     # -- actor side -----------------------------------------------------------------------
     async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, Any]:

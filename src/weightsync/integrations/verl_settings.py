@@ -25,8 +25,6 @@ from weightsync.session.config import (
 
 #: What ``engine_kwargs.weightsync`` errors are named after.
 WHERE = "engine_kwargs.weightsync"
-#: the Ray actor name of the job's meta server (weightsync.integrations.ray's default)
-DEFAULT_META_NAME = "weightsync-meta"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,17 +32,18 @@ DEFAULT_META_NAME = "weightsync-meta"
                    defaults={"job": "verl", "timeout": 600.0})
 class VerlSyncSettings:
     """``engine_kwargs.weightsync``: the staging ``device`` (default ``cuda`` when available), the
-    meta server's Ray actor name (``meta_name``; not with ``meta_address``, which names the
-    coordinator instead), and the job settings (module docstring)."""
+    meta server's Ray actor name (``meta_name``; "" is :mod:`weightsync.integrations.ray`'s
+    ``weightsync-meta``; not with ``meta_address``, which names the coordinator instead), and the
+    job settings (module docstring)."""
 
     device: str = ""
-    meta_name: str = DEFAULT_META_NAME
+    meta_name: str = ""
 
     def __post_init__(self) -> None:
         check_value(self.device, str, f"{WHERE}.device")
         check_value(self.meta_name, str, f"{WHERE}.meta_name")
         address = job_wire(self)["meta_address"]  # a job setting: with_job_settings declares it
-        if self.meta_name != DEFAULT_META_NAME and address:
+        if self.meta_name and address:
             raise ValueError(f"{WHERE}.meta_name={self.meta_name!r} with meta_address={address!r}: the job uses the "
                              "coordinator at meta_address, not a Ray actor; give one of the two")
         self.sync_config(num_readers=UNKNOWN_READERS)  # every job setting checked now, named
