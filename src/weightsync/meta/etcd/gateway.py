@@ -20,7 +20,7 @@ The same requests to etcd's v3 HTTP/JSON gateway (``/v3/kv/txn``, ``/v3/kv/range
 One ``aiohttp.ClientSession`` per member, opened on first use: a rank usually talks to one member.
 
 Why aiohttp and not httpx (which the embedded server's clients use): a gateway request costs a
-client 0.45-0.57 ms of CPU through aiohttp against 1.9 ms through httpx here
+client 0.41 ms of CPU through aiohttp against 1.60 ms through httpx here
 (``benchmarks/etcd_gateway_costs.py``), and an etcd rank makes two requests where an embedded
 server's rank makes one; at 1280 joining ranks on two cores that CPU was the etcd backend's
 time (docs/benchmarks.md, "The same job on etcd").
