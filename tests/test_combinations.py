@@ -150,7 +150,7 @@ def test_deltas_over_every_nixl_mode_are_accepted():
     assert len(_refusals(when_planned=True)) == 1  # checksum with auto (every transport auto picks carries deltas)
 
 
-@pytest.mark.xdist_group("vllm-stack")  # one worker imports vLLM for the fast tier (tests/tiers.py)
+@pytest.mark.xdist_group("vllm-stack")  # one xdist worker imports vLLM (test_job_spec.py says why)
 def test_the_vllm_trainer_init_info_takes_deltas_with_its_default_layer_phases():
     """``WeightSyncTrainerInitInfo`` turns layer phases on by default; deltas with them were
     accepted on 3ee4748 and every version went out in full, then refused; now deltas move phase

@@ -20,7 +20,7 @@ import pytest
 from weightsync.job.channel import settings_difference
 from weightsync.session.config import SyncConfig, job_settings
 
-#: one worker imports vLLM, TRL and Ray for the fast tier (tests/tiers.py, VLLM_STACK)
+#: one xdist worker imports vLLM, TRL and Ray (docs/benchmarks.md, "make test-fast under 90 s")
 pytestmark = pytest.mark.xdist_group("vllm-stack")
 
 #: setting -> (scope, two valid values)

@@ -16,7 +16,7 @@ import torch
 
 from weightsync.tools.tiny import tiny_config
 
-#: one worker imports vLLM, TRL, Ray and DeepSpeed for the fast tier (tests/tiers.py, VLLM_STACK)
+#: one xdist worker imports vLLM, TRL, Ray and DeepSpeed (docs/benchmarks.md, "make test-fast under 90 s")
 pytestmark = pytest.mark.xdist_group("vllm-stack")
 
 needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None or importlib.util.find_spec("vllm") is None,
