@@ -92,6 +92,18 @@ def test_plain_http_to_tls_members_is_named_however_the_library_words_the_hang_u
     assert tls_advice(False, ["ClientConnectorError: Cannot connect to host 127.0.0.1:1 [Connection refused]"]) is None
 
 
+def test_the_gateways_failed_dial_is_named_however_the_race_words_it():
+    """Under --client-cert-auth with a member certificate that does not allow client auth, etcd's
+    gateway fails to dial its own gRPC server; which words it answers with is a race (each seen here)."""
+    from weightsync.meta.etcd.ops import tls_advice
+
+    for said in ('rpc error: code = Unavailable desc = connection closed',
+                 'rpc error: code = Unavailable desc = "transport: failed to write client preface"',
+                 "write tcp 127.0.0.1:34230->127.0.0.1:46983: use of closed network connection"):
+        assert "must then allow client auth as well" in (tls_advice(True, [said]) or ""), said
+    assert tls_advice(True, ["ClientConnectorError: Cannot connect to host 127.0.0.1:1 [Connection refused]"]) is None
+
+
 def test_open_meta_picks_the_backend_from_the_address(monkeypatch):
     require_etcd()
     from weightsync.meta.client import MetaClient, open_meta

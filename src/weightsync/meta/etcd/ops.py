@@ -252,7 +252,8 @@ def tls_advice(tls: bool, reasons: Iterable[str], *, client_cert: bool = True) -
     if not tls and all(any(h in r for h in hung_up) for r in reasons):
         return ("Every member hung up without a response, as a member that speaks TLS does to plain HTTP: use "
                 "etcds:// with ca= (and cert= and key= when the members require client certificates)")
-    if tls and all("connection closed" in r or 'desc = "transport:' in r for r in reasons):
+    dial_failed = ("connection closed", 'desc = "transport:', "use of closed network connection")
+    if tls and all(any(d in r for d in dial_failed) for r in reasons):
         return ("Every member answered that its gRPC connection failed (as above): etcd's HTTP gateway could not "
                 "reach the member's own gRPC server. Under --client-cert-auth etcd dials it with the member's "
                 "certificate, which must then allow client auth as well (extendedKeyUsage serverAuth,clientAuth)")
