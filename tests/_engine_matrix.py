@@ -133,6 +133,9 @@ def engine_kwargs(config: dict[str, Any], *, backend: bool = True) -> dict[str, 
 def start_llm(path: Path, config: dict[str, Any], *, backend: bool = True) -> Any:
     from vllm import LLM
 
+    from vllm_in_process import before_engine_start
+
+    before_engine_start()
     return LLM(model=str(path), enforce_eager=True, max_model_len=512, max_num_seqs=2, seed=0,
                kv_cache_memory_bytes=32 << 20, skip_tokenizer_init=True, **engine_kwargs(config, backend=backend))
 

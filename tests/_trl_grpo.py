@@ -118,7 +118,10 @@ def colocate_reference(paths: list[str], tp: int = 1) -> None:
     from _vllm_native import _greedy
 
     parallel: dict[str, Any] = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
+    from vllm_in_process import before_engine_start
+
     for path in paths:
+        before_engine_start()
         llm = LLM(model=path, max_model_len=256, max_num_seqs=2, seed=0, max_num_batched_tokens=4096,
                   logprobs_mode="processed_logprobs", kv_cache_memory_bytes=32 << 20, **parallel)
         print("RESULT " + json.dumps({"path": path, "tokens": _greedy(llm)}), flush=True)

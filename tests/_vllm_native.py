@@ -199,6 +199,9 @@ def pause_driver(args: argparse.Namespace) -> None:
 def _engine(path: str, **kwargs: Any) -> Any:
     from vllm import LLM
 
+    from vllm_in_process import before_engine_start
+
+    before_engine_start()
     return LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=2, seed=0,
                kv_cache_memory_bytes=32 << 20, skip_tokenizer_init=True, **kwargs)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -108,15 +107,11 @@ def _family(name: str) -> type:
     @pytest.mark.xdist_group(f"vllm-matrix-{name}")
     class Family:
         @pytest.fixture(scope="class")
-        def live(self, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Any:
+        def live(self, tmp_path_factory: pytest.TempPathFactory) -> Any:
             with preserved_process_state(), pytest.MonkeyPatch.context() as mp:
                 for key, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_HOST_IP", "127.0.0.1"),
                                    ("HF_HUB_OFFLINE", "1")):
                     mp.setenv(key, value)
-                if "VLLM_CACHE_ROOT" not in os.environ:
-                    cache = getattr(request.config, "cache", None)
-                    root = cache.mkdir("vllm") if cache is not None else tmp_path_factory.mktemp("vllm-cache")
-                    mp.setenv("VLLM_CACHE_ROOT", str(root))
                 with live_engine(name, VARIANTS[name], tmp_path_factory.mktemp(name), fp8=name in FP8_VARIANTS) as live:
                     yield live
 

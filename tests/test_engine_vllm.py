@@ -4,8 +4,8 @@ Engines run in-process on CPU (tiny Qwen3 and Qwen3-MoE, float32, eager). Each m
 one engine under test, started on checkpoint A, shared by every test of this module (all
 of them run in one xdist worker); each test first puts the engine in the state it needs.
 The prompt is 300 tokens, more than two KV blocks (128 tokens on CPU), so a stale prefix
-cache would show. ``VLLM_CACHE_ROOT`` defaults to pytest's cache directory: vLLM's model
-inspection, cached there, takes 15-35 s once and nothing afterwards.
+cache would show. vLLM's cache is pytest's (tests/conftest.py), and engines start as
+tests/vllm_in_process.py says.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import gc
 import importlib.util
-import os
 import random
 import time
 import uuid
@@ -54,7 +53,7 @@ def vllm_test(group: str):
 # -- engines ----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def vllm_env(request, tmp_path_factory):
+def vllm_env():
     """vLLM's environment, and afterwards this process as it was before the engines.
 
     vLLM's CPU worker binds this process's threads to cores and replaces
@@ -67,16 +66,15 @@ def vllm_env(request, tmp_path_factory):
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: tensors by reference
         mp.setenv("VLLM_HOST_IP", "127.0.0.1")
         mp.setenv("HF_HUB_OFFLINE", "1")
-        if "VLLM_CACHE_ROOT" not in os.environ:
-            cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
-            root = cache.mkdir("vllm") if cache is not None else tmp_path_factory.mktemp("vllm-cache")
-            mp.setenv("VLLM_CACHE_ROOT", str(root))
         yield
 
 
 def start_llm(path: Path, **kwargs: Any) -> Any:
     from vllm import LLM
 
+    from vllm_in_process import before_engine_start
+
+    before_engine_start()
     kwargs.setdefault("dtype", "float32")
     return LLM(model=str(path), enforce_eager=True, max_model_len=512, max_num_seqs=2, seed=0,
                kv_cache_memory_bytes=32 << 20, skip_tokenizer_init=True, **kwargs)

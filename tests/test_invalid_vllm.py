@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib.util
-import os
 import random
 import time
 import uuid
@@ -60,6 +59,9 @@ NORM = "model.layers.1.input_layernorm.weight"  # received in place (vLLM's CPU 
 def start_llm(path: Path, **kwargs: Any) -> Any:
     from vllm import LLM
 
+    from vllm_in_process import before_engine_start
+
+    before_engine_start()
     return LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=2, seed=0,
                kv_cache_memory_bytes=32 << 20, skip_tokenizer_init=True, **kwargs)
 
@@ -129,7 +131,7 @@ class Engine:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Engine]:
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     """One engine on A for every test here; fresh engines on B and C give the references."""
     tmp = tmp_path_factory.mktemp("invalid-vllm")
     paths = {name: tmp / name for name in SEEDS}
@@ -139,9 +141,6 @@ def engine(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequ
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         mp.setenv("VLLM_HOST_IP", "127.0.0.1")
         mp.setenv("HF_HUB_OFFLINE", "1")
-        if "VLLM_CACHE_ROOT" not in os.environ:
-            cache = getattr(request.config, "cache", None)
-            mp.setenv("VLLM_CACHE_ROOT", str(cache.mkdir("vllm") if cache is not None else tmp / "vllm-cache"))
         refs = {}
         for name in ("B", "C"):
             fresh = start_llm(paths[name])

@@ -86,7 +86,7 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     from weightsync.integrations.vllm_rollout_host import HostedTurnEngine
     from weightsync.tools.tiny import tiny_config, write_checkpoint
 
@@ -95,10 +95,7 @@ def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     for seed, path in enumerate(checkpoints, start=1):
         write_checkpoint(Path(path), tiny_config(), seed=seed)
     directory = f"/dev/shm/weightsync-rl-test-{secrets.token_hex(4)}"
-    cache = getattr(request.config, "cache", None)
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1",
-           "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT") or str(
-               cache.mkdir("vllm") if cache is not None else tmp / "vllm-cache")}
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1"}
     engines = [HostedTurnEngine.spawn(path, name=name, version=version, kv_directory=directory, block_size=BLOCK,
                                       llm=LLM, env=env)
                for name, version, path in (("A", 2, checkpoints[1]), ("B", 1, checkpoints[0]))]
