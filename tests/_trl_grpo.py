@@ -51,7 +51,9 @@ def train(args: argparse.Namespace) -> None:
 
     sys.path.insert(0, str(HERE))
     from _vllm_native import _greedy, completion
+    from vllm_in_process import inspect_models_here
 
+    inspect_models_here()  # the colocated engine TRL builds in this process
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     out = Path(args.out)

@@ -30,13 +30,18 @@ def _in_this_process(inspect: Callable[[], _T]) -> _T:
     return inspect()
 
 
-def before_engine_start() -> None:
-    """Call right before ``LLM(...)`` in this process, once vLLM's environment is set. The heap is
-    frozen only when the engine runs in this process: an engine core in a process of its own
-    would not unfreeze this one's at shutdown."""
+def inspect_models_here() -> None:
+    """vLLM inspects model classes in this process from now on (the first cost above)."""
     from vllm.model_executor.models import registry
 
     registry._run_in_subprocess = _in_this_process  # read at call time, as a module global
+
+
+def before_engine_start() -> None:
+    """Call right before ``LLM(...)`` in this process, once vLLM's environment is set: both costs
+    above. The heap is frozen only when the engine runs in this process: an engine core in a
+    process of its own would not unfreeze this one's at shutdown."""
+    inspect_models_here()
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
         gc.collect()
         gc.freeze()
