@@ -422,10 +422,9 @@ def test_push_deltas_write_exactly_the_changes(tmp_path, monkeypatch):
         assert step(7, change=3) == 24
 
 
-@needs_nixl
-def test_push_delta_ranks_refuse_a_peer_without_deltas(tmp_path, monkeypatch):
-    import threading
-
+def _prepare_push_side(directory: str, role: str, anchor: int) -> None:
+    """One side of a push job of tiny-qwen3 over NIXL, in a process of its own: prepares epoch 0
+    with ``delta_anchor_every=anchor`` and prints ``REFUSED <error>`` or ``PREPARED``."""
     import torch
 
     from weightsync.configs import load_spec
@@ -435,33 +434,43 @@ def test_push_delta_ranks_refuse_a_peer_without_deltas(tmp_path, monkeypatch):
     from weightsync.transport import TransportContext, TransportError, TransportOptions
     from weightsync.transport.nixl.push import NixlPushTransport
 
-    monkeypatch.setenv("NIXL_LOG_LEVEL", "WARN")
     layouts = parse_layout("hf").all_rank_layouts(load_spec("tiny-qwen3"))
     plan = build_plan(layouts, layouts)
-    tensors = {s.name: torch.zeros(s.numel) for s in layouts[0].shards}
+    ctx = TransportContext(channel=JobChannel(DirectoryMeta(Path(directory)), role=role, rank=0), num_writers=1,
+                           num_readers=1, options=TransportOptions(nixl_mode="push", delta_anchor_every=anchor))
+    with NixlPushTransport(ctx) as side:
+        try:
+            side.prepare(plan, {s.name: torch.zeros(s.numel) for s in layouts[0].shards}, epoch=0,
+                         deadline=Deadline.after(5))
+        except TransportError as exc:
+            print("REFUSED " + str(exc).replace("\n", " "), flush=True)
+            return
+    print("PREPARED", flush=True)
+
+
+@needs_nixl
+def test_push_delta_ranks_refuse_a_peer_without_deltas(tmp_path):
+    """The writer and the reader in processes of their own, as in a job (two agents preparing at
+    once in one process crashed natively, twice in about twenty runs of the suite, only late in a
+    worker that had run hundreds of tests; never when this test ran alone)."""
+    import sys
+
+    from launcher import launch
+
+    here = os.path.dirname(os.path.abspath(__file__))
     for epoch, (writer_anchor, reader_anchor, who) in enumerate(((0, 4, "reader 0: writer 0 sends no changes"),
                                                                  (4, 0, "writer 0: reader 0 takes no changes"))):
-        meta = DirectoryMeta(tmp_path / str(epoch))
-
-        def ctx(role, anchor):
-            return TransportContext(channel=JobChannel(meta, role=role, rank=0), num_writers=1, num_readers=1,
-                                    options=TransportOptions(nixl_mode="push", delta_anchor_every=anchor))
-
-        errors = []
-
-        def prepare(t, tensors):
-            try:
-                t.prepare(plan, tensors, epoch=0, deadline=Deadline.after(5))
-            except TransportError as exc:
-                errors.append(str(exc))
-
-        with NixlPushTransport(ctx("writer", writer_anchor)) as w, NixlPushTransport(ctx("reader", reader_anchor)) as r:
-            writer = threading.Thread(target=prepare, args=(w, tensors))
-            writer.start()
-            prepare(r, {n: torch.zeros_like(t) for n, t in tensors.items()})
-            writer.join(10)
+        directory = str(tmp_path / str(epoch))
+        sides = [launch([sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); "
+                         "from test_transport_nixl import _prepare_push_side; "
+                         f"_prepare_push_side({directory!r}, {role!r}, {anchor})"],
+                        env={**os.environ, "NIXL_LOG_LEVEL": "WARN"})
+                 for role, anchor in (("writer", writer_anchor), ("reader", reader_anchor))]
+        outputs = [side.communicate(timeout=60) for side in sides]
+        assert all(side.returncode == 0 for side in sides), outputs
+        errors = [line[len("REFUSED "):] for out, _ in outputs for line in out.splitlines() if line.startswith("REFUSED ")]
         assert any(e.startswith(who) and e.endswith("set the same TransportOptions.delta_anchor_every on every "
-                                                    "rank") for e in errors), errors
+                                                    "rank") for e in errors), outputs
 
 
 @needs_nixl
