@@ -7,6 +7,7 @@ no test changes the process (environment, CPU affinity, torch threads) for the t
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import json
 import os
 import time
@@ -172,6 +173,19 @@ def _collect_once_at_exit(config: pytest.Config) -> None:
     except ImportError:  # another pytest: its own default
         return
     config.stash[gc_collect_iterations_key] = EXIT_COLLECTIONS
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Tests of an xdist group named ``vllm...`` start vLLM in this worker (an engine, or a model
+    built to read its layout): vLLM inspects model classes in this process from then on
+    (tests/vllm_in_process.py), instead of a fresh process per architecture."""
+    group = item.get_closest_marker("xdist_group")
+    name = str(group.args[0] if group.args else group.kwargs.get("name", "")) if group else ""
+    if name.startswith("vllm") and importlib.util.find_spec("vllm") is not None:
+        from vllm_in_process import inspect_models_here
+
+        inspect_models_here()
 
 
 def pytest_ignore_collect(collection_path: Any, config: pytest.Config) -> bool | None:
