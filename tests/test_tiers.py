@@ -63,3 +63,30 @@ def test_each_process_collects_its_garbage_once_as_it_ends(request):
     import conftest
 
     assert request.config.stash[gc_collect_iterations_key] == conftest.EXIT_COLLECTIONS == 1
+
+
+def test_a_worker_that_crashes_ends_the_run_naming_its_test(tmp_path):
+    """With the suite's own options (pyproject.toml: two workers under ``--dist loadgroup``), a worker
+    that dies natively fails its test and ends the run. Without ``--max-worker-restart=0`` xdist
+    replaced the worker, never gave the replacement work, and the run waited forever."""
+    import contextlib
+    import signal
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    (tmp_path / "test_dies.py").write_text(
+        "import os\nimport pytest\n\n\n@pytest.mark.parametrize('i', range(6))\n"
+        "def test_one(i):\n    if i == 2:\n        os.abort()\n")
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-c", os.path.join(root, "pyproject.toml"), "--rootdir",
+                             str(tmp_path), "-n", "2", "-p", "no:randomly", "-p", "no:cacheprovider", "-q",
+                             str(tmp_path / "test_dies.py")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:  # a hung run and its workers go with it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    assert proc.returncode == 1, out[-2000:]
+    assert "crashed while running" in out and "test_one[2]" in out, out[-2000:]
