@@ -121,20 +121,8 @@ def pytest_configure(config: pytest.Config) -> None:
         settings.register_profile("fast", max_examples=budget.examples(100))
         settings.load_profile("fast")
     _collect_once_at_exit(config)
-    _share_vllms_cache(config)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         atexit.register(_end_worker_unfinalized)  # registered before the tests': it runs after theirs
-
-
-def _share_vllms_cache(config: pytest.Config) -> None:
-    """Every vLLM engine of the run, in a worker or in a process a test starts, caches what it
-    learns of a model class (``modelinfos``) in one place: pytest's cache directory, so that each
-    architecture is inspected once per checkout rather than once per cache. xdist's workers inherit
-    it from the controller. An explicit ``VLLM_CACHE_ROOT`` wins; under ``-p no:cacheprovider``
-    vLLM's own default (~/.cache/vllm) stays."""
-    cache = getattr(config, "cache", None)
-    if cache is not None and "VLLM_CACHE_ROOT" not in os.environ:
-        os.environ["VLLM_CACHE_ROOT"] = str(cache.mkdir("vllm"))
 
 
 #: how many full garbage collections pytest runs as each process ends (tests/test_tiers.py checks it)

@@ -4,8 +4,7 @@ Engines run in-process on CPU (tiny Qwen3 and Qwen3-MoE, float32, eager). Each m
 one engine under test, started on checkpoint A, shared by every test of this module (all
 of them run in one xdist worker); each test first puts the engine in the state it needs.
 The prompt is 300 tokens, more than two KV blocks (128 tokens on CPU), so a stale prefix
-cache would show. vLLM's cache is pytest's (tests/conftest.py), and engines start as
-tests/vllm_in_process.py says.
+cache would show. Engines start as tests/vllm_in_process.py says.
 """
 
 from __future__ import annotations
