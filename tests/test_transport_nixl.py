@@ -440,8 +440,9 @@ def _prepare_push_side(directory: str, role: str, anchor: int) -> None:
                            num_readers=1, options=TransportOptions(nixl_mode="push", delta_anchor_every=anchor))
     with NixlPushTransport(ctx) as side:
         try:
+            # the peer process may start seconds later on a loaded host; a refusal comes at once
             side.prepare(plan, {s.name: torch.zeros(s.numel) for s in layouts[0].shards}, epoch=0,
-                         deadline=Deadline.after(5))
+                         deadline=Deadline.after(30))
         except TransportError as exc:
             print("REFUSED " + str(exc).replace("\n", " "), flush=True)
             return
@@ -466,7 +467,13 @@ def test_push_delta_ranks_refuse_a_peer_without_deltas(tmp_path):
                          f"_prepare_push_side({directory!r}, {role!r}, {anchor})"],
                         env={**os.environ, "NIXL_LOG_LEVEL": "WARN"})
                  for role, anchor in (("writer", writer_anchor), ("reader", reader_anchor))]
-        outputs = [side.communicate(timeout=60) for side in sides]
+        try:
+            outputs = [side.communicate(timeout=60) for side in sides]
+        finally:  # neither side outlives a failed wait
+            for side in sides:
+                if side.poll() is None:
+                    side.kill()
+                    side.wait(30)
         assert all(side.returncode == 0 for side in sides), outputs
         errors = [line[len("REFUSED "):] for out, _ in outputs for line in out.splitlines() if line.startswith("REFUSED ")]
         assert any(e.startswith(who) and e.endswith("set the same TransportOptions.delta_anchor_every on every "
