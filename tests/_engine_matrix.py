@@ -347,11 +347,12 @@ def num_writers(source: str, parallel: dict[str, int] | None = None) -> int:
 
 def via_engine(live: Live, source: str, sync: dict[str, Any], versions: int = 1, *, prefetch: bool = False,
                parallel: dict[str, int] | None = None) -> None:
-    """The in-process ``VLLMEngine`` behind a ``WeightReader`` (``prefetch``: ``reader.Prefetch``,
+    """The in-process ``VLLMEngine`` behind a ``WeightReader`` (``prefetch``: ``prefetch.Prefetch``,
     on an engine that stages everything), ``versions`` versions of one job."""
     from weightsync.engines.vllm import VLLMEngine
     from weightsync.meta.client import MetaClient
-    from weightsync.roles.reader import Prefetch, WeightReader
+    from weightsync.roles.prefetch import Prefetch
+    from weightsync.roles.reader import WeightReader
     from weightsync.session.config import SyncConfig
 
     targets = _targets(live, versions)

@@ -272,7 +272,8 @@ PROTOCOL_SPEAKERS = ("weightsync.meta.client_base.ClientBase", "weightsync.meta.
                      "weightsync.ports.coordinator.MetaPort",
                      "weightsync.ports.coordinator.TransportBoard")
 #: Where the protocol may be spoken.
-PROTOCOL_HOMES = ("weightsync.job.channel", "weightsync.job.liveness", "weightsync.job.board", "weightsync.job.reader_waits", "weightsync.ports.coordinator", "weightsync.meta")
+PROTOCOL_HOMES = ("weightsync.job.channel", "weightsync.job.liveness", "weightsync.job.board", "weightsync.job.reader_waits",
+                  "weightsync.job.fleet_commit", "weightsync.ports.coordinator", "weightsync.meta")
 
 
 def type_checked(extra: Mapping[str, str] | None = None) -> tuple[Any, dict[str, Any]]:

@@ -23,7 +23,8 @@ from weightsync.session.combinations import CombinationError
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "fewer-bytes.md"
 #: the settings (wire form) a feature of the tables stands for (FP8 and LoRA are layouts, not settings)
-SETTINGS = {"delta": {"delta_anchor_every": 4}, "layer phases": {"layer_phases": True}}
+SETTINGS = {"delta": {"delta_anchor_every": 4}, "layer phases": {"layer_phases": True},
+            "fleet commit": {"commit": "fleet"}}
 ENTRY = re.compile(r"^(works|refused|untested|n/a)\b")
 
 
@@ -137,8 +138,8 @@ def _keywords(settings: dict) -> dict:
 
 def test_refused_entries_exist_for_every_rule():
     # nixl_mode, file_dir x 5; shm_streaming x 3; checksum x 4 (every transport carries deltas);
-    # completion x 3 (torch, routed, nixl in push mode)
-    assert len(_refusals(when_planned=False)) == 5 + 5 + 3 + 4 + 3
+    # completion x 3 (torch, routed, nixl in push mode); the fleet commit with layer phases
+    assert len(_refusals(when_planned=False)) == 5 + 5 + 3 + 4 + 3 + 1
 
 
 def test_deltas_over_every_nixl_mode_are_accepted():

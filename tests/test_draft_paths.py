@@ -22,7 +22,8 @@ from weightsync.engines.buffers import ShardedEngine
 from weightsync.engines.staging import StagedWeights
 from weightsync.layout import ModelSpec
 from weightsync.meta import EmbeddedMetaServer, MetaClient
-from weightsync.roles.reader import Prefetch, WeightReader
+from weightsync.roles.prefetch import Prefetch
+from weightsync.roles.reader import WeightReader
 from weightsync.roles.writer import WeightWriter
 from weightsync.session.sync_session import SyncConfig
 from weightsync.tools.tiny import CanonicalSource, canonical_weights, checkpoint_tensors, tiny_config

@@ -33,7 +33,8 @@ from weightsync.engines.staging import StagedWeights
 from weightsync.layout import ModelSpec
 from weightsync.meta import EmbeddedMetaServer, MetaClient
 from weightsync.roles.inflight import InflightReader
-from weightsync.roles.reader import Prefetch, WeightReader
+from weightsync.roles.prefetch import Prefetch
+from weightsync.roles.reader import WeightReader
 from weightsync.roles.writer import ReadersFailedError
 from weightsync.session.sync_session import SyncConfig, SyncError
 from weightsync.tools.tiny import canonical_weights, checkpoint_tensors, tiny_config

@@ -18,7 +18,8 @@ from weightsync.layout import ModelSpec
 from weightsync.meta import EmbeddedMetaServer, MetaClient
 from weightsync.ports import device as device_port
 from weightsync.roles.inflight import InflightReader
-from weightsync.roles.reader import Prefetch, WeightReader
+from weightsync.roles.prefetch import Prefetch
+from weightsync.roles.reader import WeightReader
 from weightsync.roles.writer import WeightWriter
 from weightsync.session.sync_session import SyncConfig
 from weightsync.tools.tiny import CanonicalSource, canonical_weights, checkpoint_tensors, tiny_config

@@ -84,7 +84,8 @@ from weightsync.integrations.vllm_callers import _calling_engine_core, _creator,
 from weightsync.layout.lora import LoraSpec
 from weightsync.ports import device as device_port
 from weightsync.ports.engine import ServingVersion
-from weightsync.roles.reader import Prefetch, UpdateResult, WeightReader
+from weightsync.roles.prefetch import Prefetch
+from weightsync.roles.reader import UpdateResult, WeightReader
 from weightsync.session.config import SyncConfig, check_value, from_fields, job_config, with_job_settings
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ One process per path, started by :mod:`weightsync.apps.bench.vllm_prefetch` next
 process that writes versions 1, 2, ... as fast as this reader applies them (staleness 0):
 
 * ``engine``: the in-process :class:`~weightsync.engines.vllm.VLLMEngine` (``in_place=False``)
-  with a :class:`~weightsync.roles.reader.WeightReader`, and a :class:`~weightsync.roles.reader.Prefetch`;
+  with a :class:`~weightsync.roles.reader.WeightReader`, and a :class:`~weightsync.roles.prefetch.Prefetch`;
 * ``backend``: the ``"weightsync"`` worker backend of an in-process ``LLM`` (the code a
   ``vllm serve`` worker runs), driven through vLLM's weight-transfer calls.
 
@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _engine_path(llm: Any, args: argparse.Namespace, generate: _Stepper) -> dict[str, Any]:
     from weightsync.engines.vllm import VLLMEngine
-    from weightsync.roles.reader import Prefetch, WeightReader
+    from weightsync.roles.prefetch import Prefetch
+    from weightsync.roles.reader import WeightReader
     from weightsync.session.sync_session import SyncConfig
 
     engine = VLLMEngine(llm, in_place=False)

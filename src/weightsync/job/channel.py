@@ -15,6 +15,8 @@ version ``V`` from writer to reader::
     #                              ... receive, apply ...
     #                              channel.report_applied(V, nbytes, seconds)  or  channel.report_failed(V, why)
     # writers (staleness bound):   channel.wait_readers(min_version, readers, deadline)
+    # with commit="fleet":         readers report_staged(V, epoch) after receiving, writer 0
+    #                              decide_commit(...), readers wait_commit(...) before applying
 
 **Epochs.** A transport's connections (a process group, shared-memory mappings, NIXL
 registrations) belong to an *epoch*, a job-wide counter. A rank that sees a transfer fail,
@@ -41,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from weightsync.job.board import Board
+from weightsync.job.fleet_commit import FleetCommit
 from weightsync.job.keys import (
     epoch_key,
     joined_key,
@@ -91,7 +94,7 @@ def settings_difference(mine: str, theirs: str) -> str:
     names = [k for k in {**a, **b} if a.get(k) != b.get(k)]
     return "; ".join(f"{k}: {json.dumps(a.get(k))} here, {json.dumps(b.get(k))} there" for k in names)
 
-class JobChannel(Liveness, Board, ReaderWaits):
+class JobChannel(Liveness, Board, ReaderWaits, FleetCommit):
     """One rank's typed view of its job on the meta server (see module docstring).
 
     Args:

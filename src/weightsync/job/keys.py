@@ -34,6 +34,23 @@ def version_layouts_key(version: int, epoch: int) -> str:
     return f"versions/{version}/layouts/{epoch}"  # the layout generation writer 0 planned the try with (absent: 0)
 
 
+def staged_key(version: int, epoch: int) -> str:
+    # a counter: readers that staged the try of the version in this epoch, plus FAILED_UNIT per failed stage
+    return f"versions/{version}/staged/{epoch}"
+
+
+def stage_key(version: int, epoch: int, rank: int) -> str:
+    return f"versions/{version}/staged/{epoch}/reader{rank}"  # "staged", "moved past" or "failed: <why>"
+
+
+def commit_key(version: int, epoch: int) -> str:
+    return f"versions/{version}/commit/{epoch}"  # a counter: the fleet commit's decision (0 undecided, 1, 2)
+
+
+def commit_why_key(version: int, epoch: int, decision: str) -> str:
+    return f"versions/{version}/commit/{epoch}/{decision}"  # msgpack CommitVerdict: why it was aborted
+
+
 def min_epoch_key(role: Role, rank: int) -> str:
     # "<incarnation> <min_epoch>": the oldest epoch that process takes part in (the path keeps its old name)
     return f"floors/{role}{rank}"

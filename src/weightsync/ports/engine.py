@@ -78,7 +78,7 @@ class InferenceEngine(LayoutProvider, Protocol):
     def in_place_names(self) -> tuple[str, ...] | None:
         """The shards the engine receives straight into the weights it serves; ``()`` when every
         receive buffer is staging, so that receiving while the engine serves is safe (what
-        :class:`~weightsync.roles.reader.Prefetch` needs). None: the receive buffers are the live
+        :class:`~weightsync.roles.prefetch.Prefetch` needs). None: the receive buffers are the live
         weights, or the engine does not tell them apart."""
         ...
 

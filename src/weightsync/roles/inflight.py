@@ -64,7 +64,7 @@ class _StagingEngine:
 
     stages_in_phases: ClassVar[bool] = False
     keeps_received_bytes: ClassVar[bool] = True  # step_boundary copies out of staging, never into it
-    in_place_names: tuple[str, ...] | None = None  # see InferenceEngine.in_place_names
+    in_place_names: tuple[str, ...] | None = ()  # staging only: the live weights change at a step boundary
 
     def __init__(self, live: InferenceEngine, timeout: float) -> None:
         self.live = live

@@ -23,7 +23,6 @@ in full, never as a delta.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +30,6 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from weightsync.clock.deadline import Deadline
 from weightsync.job.channel import PublishedVersion
-from weightsync.ports import device as device_port
 from weightsync.session.sync_session import SyncConfig, SyncError, SyncResult, SyncSession, device_of, state_lost
 from weightsync.tools.torch_layout import apply_copies
 from weightsync.transport import TransportError
@@ -81,6 +79,8 @@ class WeightReader:
                  meta: AnyMetaClient | None = None) -> None:
         from weightsync.meta.client import job_meta
 
+        if config.commit == "fleet":
+            refuse_live_receives(engine)
         self._own_meta = meta is None
         self.meta = job_meta(config.meta_address, job=config.job, given=meta)
         self.engine = engine
@@ -159,7 +159,7 @@ class WeightReader:
         ``version``, into the engine's receive buffers, without applying it.
 
         With an engine that stages (vLLM, SGLang) and receives nothing into its live weights,
-        the engine keeps serving its version meanwhile: :class:`Prefetch` runs this in the
+        the engine keeps serving its version meanwhile: :class:`~weightsync.roles.prefetch.Prefetch` runs this in the
         background while the engine generates, and :meth:`apply` is then the engine's pause.
         Raises as :meth:`update`.
         """
@@ -234,6 +234,10 @@ class WeightReader:
                     t0 = time.perf_counter()
                     self._phase_arrived(v, phase, planned.phase_names[phase])
                     phases["load"] = phases.get("load", 0.0) + time.perf_counter() - t0
+            if self.config.commit == "fleet":  # staged and checked: the fleet's decision comes in apply()
+                t0 = time.perf_counter()
+                session.channel.report_staged(v, published.epoch, moved_past=self._moved_past(v))
+                phases["stage"] = time.perf_counter() - t0
         except (TransportError, ValueError) as exc:
             self._fail(published, exc)
             raise SyncError(f"reader {self.rank}: version {v} failed: {exc}") from exc
@@ -279,6 +283,12 @@ class WeightReader:
         if received.planned is not self.session.planned:
             raise SyncError(f"reader {self.rank}: version {v} was received under a plan this reader has since "
                             "dropped (it registered again); receive it again")
+        if self.config.commit == "fleet":
+            t0 = time.perf_counter()
+            verdict = self.session.channel.wait_commit(v, published.epoch, deadline=Deadline.after(self.config.timeout))
+            phases["commit"] = time.perf_counter() - t0
+            if verdict.decision != "commit":
+                self._not_committed(published, verdict.why)
         t0 = time.perf_counter()
         try:
             self.engine.apply(v)
@@ -331,6 +341,26 @@ class WeightReader:
             if published is not None:
                 return published
 
+    def _moved_past(self, version: int) -> range:
+        """The older versions whose fleet commit may still wait on this reader, which skipped them
+        (the writers ran ahead of it, at most ``staleness + 1`` versions)."""
+        seen = max(x for x in (self._applied, self._failed, -1) if x is not None)
+        return range(max(seen + 1, version - self.config.staleness - 1), version)
+
+    def _not_committed(self, published: PublishedVersion, why: str) -> None:
+        """The fleet did not commit ``published``: the engine drops what it staged and keeps its
+        version (it was never touched), and the version is reported failed with the reason."""
+        v = published.version
+        error = SyncError(f"reader {self.rank}: version {v} was not committed fleet-wide, so the engine keeps "
+                          f"version {self.engine.weight_version}: {why}")
+        self._failed, self._failed_epoch = v, published.epoch
+        self.engine.abort(v, error)
+        self._applied = self.engine.weight_version
+        self.session.channel.report_failed(v, f"not committed fleet-wide: {why}", epoch=published.epoch,
+                                           invalid=self.engine.invalid is not None, holds=self.engine.weight_version)
+        logger.info("%s", error)
+        raise error
+
     def _fail(self, published: PublishedVersion, exc: BaseException) -> None:
         self._failed, self._failed_epoch = published.version, published.epoch
         self.engine.abort(published.version, exc)
@@ -339,6 +369,8 @@ class WeightReader:
         channel = self.session.channel
         channel.advance_epoch(published.epoch)
         try:
+            if self.config.commit == "fleet":  # writer 0 decides the fleet commit without waiting for this reader
+                channel.report_stage_failed(published.version, published.epoch, str(exc))
             channel.report_failed(published.version, str(exc), epoch=published.epoch,
                                   invalid=self.engine.invalid is not None, holds=self.engine.weight_version)
         except Exception as report_exc:  # the failure itself is what the caller must see
@@ -356,121 +388,13 @@ class WeightReader:
         self.close()
 
 
-class Prefetch:
-    """Receive the next version in the background while the engine serves; apply it on demand.
-
-        prefetch = Prefetch(reader)      # reader of an engine that stages (vLLM, SGLang)
-        prefetch.start()                 # a thread receives the next version into staging
-        llm.generate(...)                # the engine serves its current version meanwhile
-        prefetch.apply(version=7)        # the pause: the engine's own load, and the cache reset
-
-    The engine's pause is then its apply alone, plus whatever of the transfer had not ended
-    when :meth:`apply` was called. That needs an engine whose receive buffers the model never
-    reads: staging, with nothing received straight into the model (``in_place_names``
-    empty, e.g. ``VLLMEngine(llm, in_place=False)``), and no ``layer_phases`` (a phased engine
-    loads each phase into the model as it arrives, so its transfer cannot overlap generation:
-    only the wait for the version could). An engine that receives into its live weights
-    overlaps through :class:`~weightsync.roles.inflight.InflightReader` instead, with one more copy.
-
-    **Streams.** The receive runs on a stream of its own (``DevicePort.new_stream``): on torch's
-    current stream, which a background thread shares with the engine's forward (the device's
-    default stream), every decode step would queue behind the whole transfer, and the overlap
-    would be lost on a GPU. The apply, on the caller's stream, is ordered after the receive by
-    an event, and the next receive (into the same staging) after the apply by another.
-
-    A prefetch that fails leaves the engine serving its version (only staging was written); an
-    apply that fails leaves it invalid until a later version is applied in full.
-    """
-
-    def __init__(self, reader: WeightReader) -> None:
-        in_place = reader.engine.in_place_names
-        if in_place is None or in_place:
-            what = (f"{len(in_place)} tensors ({', '.join(in_place[:2])}, ...) straight into the model"
-                    if in_place else "into its live weights")
-            raise ValueError(f"prefetch needs an engine that receives into staging only; "
-                             f"{type(reader.engine).__name__} receives {what}: create it with in_place=False "
-                             "(VLLMEngine), or use InflightReader")
-        if reader.config.layer_phases:
-            raise ValueError("prefetch with SyncConfig(layer_phases=True): each phase is loaded into the model as "
-                             "it arrives, so the transfer cannot overlap generation; use one or the other")
-        self.reader = reader
-        self._thread: threading.Thread | None = None
-        self._received: Received | None = None
-        self._error: BaseException | None = None
-        self._timeout = reader.config.timeout
-        self._dev = device_port.current()
-        self._stream: Any = None  # the receives' own stream (made at the first start)
-        self._received_at: Any = None  # an event after the last receive, on its stream
-        self._applied_at: Any = None  # an event after the last apply, on the caller's stream
-
-    @property
-    def pending(self) -> bool:
-        """A receive was started and not applied yet."""
-        return self._thread is not None
-
-    @property
-    def received(self) -> int | None:
-        """The version fully received and checked, waiting for :meth:`apply` (None: none yet)."""
-        thread, received = self._thread, self._received
-        return received.version if thread is not None and not thread.is_alive() and received is not None else None
-
-    def start(self, version: int | None = None, *, timeout: float | None = None) -> None:
-        """Start receiving the newest version (or at least ``version``) in the background; a
-        receive already started and not applied is kept."""
-        if self._thread is not None:
-            return
-        self._received, self._error = None, None
-        self._timeout = timeout if timeout is not None else self.reader.config.timeout
-        device = self.reader.session.device()
-        if self._stream is None:
-            self._stream = self._dev.new_stream(device)
-        applied = self._applied_at
-
-        def receive() -> None:
-            try:
-                with self._dev.on_stream(self._stream):
-                    self._dev.order_after(applied, device)  # the last apply read the staging we write
-                    received = self.reader.receive(version, timeout=self._timeout)
-                    self._received_at = self._dev.record(device)
-                self._received = received
-            except BaseException as exc:  # handed to apply(), in the caller's thread
-                self._error = exc
-
-        self._thread = threading.Thread(target=receive, name=f"weightsync-prefetch-{self.reader.rank}", daemon=True)
-        self._thread.start()
-
-    def apply(self, version: int | None = None, *, timeout: float | None = None) -> UpdateResult:
-        """Apply the prefetched version, once its receive ended; without one (or if it is older than
-        ``version``, or none was published in time), receive ``version`` now and apply it.
-
-        Raises:
-            As :meth:`WeightReader.update`; a failed prefetch raises its own error here.
-        """
-        received = self._join()
-        device = self.reader.session.device()
-        if received is None or (version is not None and received.version < version):
-            result = self.reader.update(version, timeout=timeout)
-        else:
-            self._dev.order_after(self._received_at, device)  # the engine's loads come after the receive
-            result = self.reader.apply(received)
-        self._applied_at = self._dev.record(device)
-        return result
-
-    def _join(self) -> Received | None:
-        thread, self._thread = self._thread, None
-        if thread is None:
-            return None
-        thread.join(self._timeout + 30)  # the receive ends by its own deadline; this is a backstop
-        if thread.is_alive():
-            raise TimeoutError(f"reader {self.reader.rank}: the prefetch did not end within {self._timeout:.0f}s")
-        if isinstance(self._error, TimeoutError):
-            return None  # nothing was published meanwhile: receive what the caller asks for now
-        if self._error is not None:
-            raise self._error
-        return self._received
-
-    def close(self) -> None:
-        """Wait for a receive under way to end (by its deadline at worst); nothing is applied."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(self._timeout + 30)
+def refuse_live_receives(engine: InferenceEngine) -> None:
+    """``commit="fleet"`` needs an engine whose receive buffers are staging only: one that
+    receives into the weights it serves would switch before the fleet's commit."""
+    names = engine.in_place_names
+    if names is None or names:
+        what = (f"{len(names)} tensors ({', '.join(names[:2])}, ...) straight into the model" if names
+                else "into its live weights")
+        raise ValueError(f"commit='fleet' needs an engine that receives into staging only, so that it switches when "
+                         f"the fleet commits; {type(engine).__name__} receives {what}. Use VLLMEngine(in_place=False), "
+                         "SGLangEngine, or an InflightReader (which stages for any engine), or commit='each'")

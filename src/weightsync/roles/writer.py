@@ -15,6 +15,7 @@ data is out, and blocks only while the slowest reader is more than ``K`` version
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from weightsync.clock.deadline import Deadline
 from weightsync.job.channel import JobChannel, PeerDiedError, PublishedVersion
 from weightsync.job.completion import Completion
+from weightsync.job.fleet_commit import CommitVerdict
 from weightsync.ports.fleet.policy import KEEP_COMPLETIONS
 from weightsync.session.sync_session import SyncConfig, SyncError, SyncResult, SyncSession, device_of, state_lost
 from weightsync.transport import TransportError
@@ -108,6 +110,8 @@ class WeightWriter:
         self._policy = config.policy  # parsed once: every write consults it
         #: the newest versions' completions under a quorum or fraction policy (writer 0 posts them)
         self._completions: deque[Completion] = deque(maxlen=KEEP_COMPLETIONS)
+        #: writer 0's fleet-commit decisions still under way (``commit="fleet"``), one per version
+        self._deciding: list[threading.Thread] = []
 
     @property
     def rank(self) -> int:
@@ -203,9 +207,13 @@ class WeightWriter:
         except TransportError as exc:
             session.disarm()
             channel.advance_epoch(epoch)
+            if self.config.commit == "fleet" and self.rank == 0:  # readers that staged it must not wait on
+                channel.record_commit(version, epoch, CommitVerdict("abort", f"writer 0's send failed: {exc}", -1, -1))
             raise SyncError(f"writer {self.rank}: version {version} failed: {exc}") from exc
         self.version = version
         self._history = [*self._history[-(slots + self.config.staleness):], version]
+        if self.config.commit == "fleet" and self.rank == 0:
+            self._start_commit(version, epoch, deadline)
         k = self.config.staleness
         if len(self._history) > k:
             # Training may run at most k versions ahead of the slowest reader (of the quorum).
@@ -217,6 +225,28 @@ class WeightWriter:
         logger.info("writer %d wrote version %d: %d bytes in %.3fs", self.rank, version, result.nbytes,
                     result.seconds)
         return result
+
+    def _start_commit(self, version: int, epoch: int, deadline: Deadline) -> None:
+        """Writer 0 decides ``version``'s fleet commit (:mod:`weightsync.job.fleet_commit`) on a
+        thread of its own, so that with ``staleness > 0`` training goes on while the fleet stages
+        it; with ``staleness=0`` the write waits for the readers' applies, which follow the decision."""
+        channel = self.session.channel
+
+        def decide() -> None:
+            try:
+                channel.decide_commit(self._policy, version, epoch, readers=self.config.num_readers, deadline=deadline)
+            except Exception as exc:  # the readers must not wait for a decision that will not come
+                logger.warning("writer 0 could not decide the fleet commit of version %d: %s", version, exc)
+                try:
+                    channel.record_commit(version, epoch, CommitVerdict(
+                        "abort", f"writer 0 could not decide it: {exc}", -1, -1))
+                except Exception as record_exc:
+                    logger.warning("writer 0 could not record the abort of version %d: %s", version, record_exc)
+
+        self._deciding = [t for t in self._deciding if t.is_alive()]
+        thread = threading.Thread(target=decide, name=f"weightsync-commit-{version}", daemon=True)
+        thread.start()
+        self._deciding.append(thread)
 
     def _wait_slot(self, version: int, deadline: Deadline, result: WriteResult) -> None:
         """Before a one-sided transport overwrites the slot holding ``version`` (written ``slots``
@@ -306,6 +336,8 @@ class WeightWriter:
 
     def close(self) -> None:
         try:
+            for thread in self._deciding:  # each ends by its version's deadline
+                thread.join(self.config.timeout)
             self.session.close()
             if self._own_meta:
                 self.meta.close()

@@ -48,6 +48,10 @@ def refusal(settings: Mapping[str, Any], *, transport: str, why: str = "") -> st
     """
     picked = f"transport='auto' chose {transport!r} ({why})" if why else f"transport={transport!r}"
     chosen = transport != "auto"
+    if settings["commit"] == "fleet" and settings["layer_phases"]:
+        return ("commit='fleet' with layer_phases=True: an engine loads each phase into the weights it serves as "
+                "the phase arrives, so no version could wait staged for the fleet's commit. Set layer_phases=False "
+                "(whole-model staging), or commit='each'")
     completion = settings["completion"]
     if completion != "all" and chosen and _two_sided(settings, transport):
         mode = " in push mode" + (" (nixl_mode='auto' picks push for no more readers than writers)"

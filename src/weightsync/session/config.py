@@ -53,7 +53,7 @@ SCOPES: Mapping[str, Scope] = {
     # SyncConfig
     "num_writers": "match", "num_readers": "match", "job": "match", "meta_address": "rank", "transport": "match",
     "staleness": "match", "timeout": "local", "lease_seconds": "local", "host": "rank",
-    "layer_phases": "match", "integrity": "match", "completion": "match",
+    "layer_phases": "match", "integrity": "match", "completion": "match", "commit": "match",
     # TransportOptions
     "max_bucket_bytes": "match", "direct_min_bytes": "match", "checksum": "match",
     "transport_host": "rank", "slots": "match", "file_dir": "local", "nixl_mode": "match",
@@ -151,6 +151,14 @@ class SyncConfig:
             or failing reader misses the version and catches up later, and never fails ``write``
             while the policy can still be met; it needs a one-sided transport (shm, file, NIXL
             pull), since a two-sided one fails the writer's send with any dead reader.
+        commit: when a reader's engine switches to a version (:mod:`weightsync.job.fleet_commit`):
+            ``"each"`` as soon as its own bytes arrived, so a fleet serves a mix of versions while
+            a sync runs; ``"fleet"``: every reader stages the version first, writer 0 commits it
+            once the completion policy is met by readers that staged it, and the engines apply
+            it together (an abort leaves every engine on the version it had). It needs engines
+            that receive into staging (vLLM with ``in_place=False``, SGLang, or an
+            :class:`~weightsync.roles.inflight.InflightReader`), and whole versions (not
+            ``layer_phases``, whose phases are loaded as they arrive).
     """
 
     num_writers: int
@@ -167,6 +175,7 @@ class SyncConfig:
     layer_phases: bool = False
     integrity: bool = False
     completion: str = "all"
+    commit: Literal["each", "fleet"] = "each"
 
     def __post_init__(self) -> None:
         for setting in job_settings():
