@@ -3,8 +3,9 @@
 The switch skew of a version is the time between the first and the last engine's switch to
 it: while it lasts, requests routed to the fleet see a mix of versions. One writer process and
 ``--readers`` reader processes on this host (shared memory, the embedded meta server in this
-process); each reader is an engine that stages like vLLM (its loader copies staging into the
-weights it serves) and stamps the wall clock when it starts to apply a version. Both modes run
+process); each reader is a Hugging Face transformers model that stages like vLLM (its loader
+copies staging into the model's parameters) and stamps the wall clock when it starts to apply a
+version. Both modes run
 in one invocation, one after the other, on the same model and versions, and every engine is
 checked bitwise against each version it applied.
 
@@ -39,11 +40,16 @@ SEEDS = 5
 
 
 class SwitchingEngine(StagedWeights):
-    """Serves ``model``, which only its loader writes; ``switched[v]``: when it began to apply v."""
+    """A Hugging Face transformers model served from staging: its loader copies each staged tensor
+    into the model's parameter of that name. ``switched[v]``: when it began to apply version v."""
 
     def __init__(self, rank: int) -> None:
+        import transformers
+
         super().__init__(ModelSpec.from_hf_config(CONFIG), dtype=torch.float32, device="cpu", rank=rank)
-        self.model: dict[str, torch.Tensor] = {}
+        hf = transformers.AutoConfig.for_model(**{k: v for k, v in CONFIG.items() if k != "architectures"})
+        self.hf = transformers.AutoModelForCausalLM.from_config(hf, dtype=torch.float32).eval()
+        self.params = self.hf.state_dict()
         self.switched: dict[int, float] = {}
 
     def apply(self, version: int) -> None:
@@ -51,11 +57,9 @@ class SwitchingEngine(StagedWeights):
         super().apply(version)
 
     def _load_items(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in items:
-            if name in self.model:
-                self.model[name].copy_(tensor)
-            else:
-                self.model[name] = tensor.clone()
+        with torch.no_grad():
+            for name, tensor in items:
+                self.params[name].copy_(tensor)
 
 
 def use_size(size: str) -> None:
@@ -84,7 +88,7 @@ def _reader(rank: int, mode: str, readers: int, versions: int, job: str, size: s
         for version in range(1, versions + 1):
             reader.update(version, timeout=120)
             want = pool[version % SEEDS]
-            wrong += sum(not torch.equal(engine.model[n], t) for n, t in want.items())
+            wrong += sum(not torch.equal(engine.params[n], t) for n, t in want.items())
     out.put(("reader", rank, engine.switched, wrong))
 
 

@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reaso
 class Cell:
     api: str     # engine | backend | trainer | trainer-child | serve
     source: str  # hf | fsdp2 | megatron
-    path: str    # full | delta | phases | phases-256k | prefetch | fp8 (an FP8 engine)
+    path: str    # full | delta | phases | phases-256k | prefetch | prefetch-fleet | fp8 (an FP8 engine)
     parallel: dict[str, int] | None = None  # megatron's
 
     @property
@@ -47,10 +47,12 @@ class Cell:
 
     def run(self, live: Live) -> None:
         # phases-256k: phases of 256 KiB, which cut a layer into several phases (through reused staging)
+        # prefetch-fleet: prefetch under the fleet-wide commit (the engine applies once writer 0 committed)
         sync: dict[str, Any] = {"phases": {"layer_phases": True}, "delta": {"delta_anchor_every": 2},
-                                "phases-256k": {"layer_phases": True, "max_bucket_bytes": 256 << 10}}.get(self.path, {})
+                                "phases-256k": {"layer_phases": True, "max_bucket_bytes": 256 << 10},
+                                "prefetch-fleet": {"commit": "fleet"}}.get(self.path, {})
         versions = 2 if self.path == "delta" else 1  # a delta needs the anchor before it
-        prefetch = self.path == "prefetch"
+        prefetch = self.path.startswith("prefetch")
         if self.api == "serve":
             via_serve(live)
         elif self.api == "trainer-child":
@@ -88,7 +90,7 @@ CELLS: dict[str, list[Any]] = {
                     heavy(Cell("serve", "hf", "phases"))),
     "qwen3_moe": _cells(Cell("backend", "hf", "phases")),
     "mixtral": _cells(Cell("backend", "hf", "delta")),
-    "deepseek_v3": _cells(Cell("engine", "fsdp2", "full"), Cell("engine", "hf", "prefetch"),
+    "deepseek_v3": _cells(Cell("engine", "fsdp2", "full"), Cell("engine", "hf", "prefetch-fleet"),
                           Cell("trainer", "hf", "phases-256k"), heavy(Cell("serve", "hf", "phases"))),
     "deepseek_v3-no-mtp": _cells(),
     "glm4_moe": _cells(heavy(Cell("backend", "fsdp2", "phases"))),
