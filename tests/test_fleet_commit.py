@@ -84,13 +84,17 @@ def config(**settings: object) -> SyncConfig:
 class Job:
     """A writer thread writing versions (version v holds seed v) and the test's readers."""
 
-    def __init__(self, server: EmbeddedMetaServer, sync: SyncConfig) -> None:
+    def __init__(self, server: EmbeddedMetaServer | None, sync: SyncConfig, *, connect=None) -> None:
         self.server, self.sync = server, sync
+        self._connect = connect  # another coordinator's client (an etcd cluster's), else the server's
         self.results: dict[int, object] = {}  # version -> WriteResult or the exception
         self.written: dict[int, threading.Event] = {}
         self.release = threading.Event()  # the writer stays up (its shared memory too) until the readers are done
 
     def meta(self) -> MetaClient:
+        if self._connect is not None:
+            return self._connect()
+        assert self.server is not None
         return MetaClient(self.server.address, token=self.server.token)
 
     def write(self, versions: tuple[int, ...]) -> threading.Thread:
@@ -169,9 +173,15 @@ def test_no_engine_switches_before_the_last_reader_staged_the_version():
 
 
 def test_a_failed_stage_aborts_the_version_for_every_engine_under_all():
-    fleet = engines(reader2=1)  # reader 2's staging refuses version 1
-    with EmbeddedMetaServer() as server, contextlib.ExitStack() as stack:
-        job = Job(server, config())
+    with EmbeddedMetaServer() as server:
+        a_failed_stage_aborts_the_version(Job(server, config()))
+
+
+def a_failed_stage_aborts_the_version(job: Job) -> None:
+    """Reader 2's staging refuses version 1: no engine applies it, and version 2 reaches all of them
+    (``tests/test_meta_etcd.py`` runs the same on an etcd cluster)."""
+    fleet = engines(reader2=1)
+    with contextlib.ExitStack() as stack:
         readers = [stack.enter_context(WeightReader(e, rank=r, config=job.sync, meta=job.meta()))
                    for r, e in enumerate(fleet)]
         writer = job.write((1, 2))

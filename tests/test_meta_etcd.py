@@ -225,6 +225,17 @@ def test_one_corrupted_byte_is_refused_on_etcd_as_on_the_meta_server(cluster):
     assert_refused_and_kept(out)
 
 
+def test_a_failed_stage_aborts_the_fleet_commit_on_etcd_as_on_the_meta_server(cluster):
+    """The fleet-wide commit's abort case of tests/test_fleet_commit.py (4 readers, reader 2's
+    staging refuses version 1) coordinated by the 3-member cluster: the staged reports and the
+    decision are etcd counters; no engine applies version 1, each keeps version 0 bitwise, and
+    version 2 reaches all four."""
+    from test_fleet_commit import Job, a_failed_stage_aborts_the_version, config
+
+    job = f"fleet-commit{next(_jobs)}"
+    a_failed_stage_aborts_the_version(Job(None, config(job=job), connect=lambda: meta(cluster.address, job)))
+
+
 def _sync_get(address: str, key: str, *, timeout: float) -> bytes | None:
     with meta(address, "tls", timeout=timeout) as c:
         return c.get_document(key)
