@@ -1,4 +1,5 @@
-"""MTP draft weights on every path (issue 40): delta, FP8, the block formats, layer phases, prefetch.
+"""MTP draft weights on every path (issue 40): delta, FP8, the block formats, layer phases, prefetch,
+the fleet-wide commit.
 
 A tiny DeepSeek-V3 (latent attention, experts, one MTP layer: layer 2) trained by a writer thread
 and read by engines that hold the MTP drafter (the ``vllm`` kind with ``mtp=1``, or the
@@ -179,6 +180,15 @@ def test_prefetch_brings_the_mtp_drafter():
     engine = Loading()
     engine.update(checkpoint_tensors(weights(3)), version=0)
     sync = SyncConfig(num_writers=1, num_readers=1, transport="shm", timeout=60)
+    run(engine, sync, versions=(1, 2), prefetch=True, check=engine.check)
+
+
+def test_the_fleet_commit_brings_the_mtp_drafter():
+    """``commit="fleet"``: the drafter is staged with the rest of the version and applied only on
+    writer 0's commit, with prefetch as a serving engine runs it."""
+    engine = Loading()
+    engine.update(checkpoint_tensors(weights(3)), version=0)
+    sync = SyncConfig(num_writers=1, num_readers=1, transport="shm", timeout=60, commit="fleet")
     run(engine, sync, versions=(1, 2), prefetch=True, check=engine.check)
 
 
