@@ -214,9 +214,12 @@ def _greedy(llm: Any) -> list[int]:
     return list(llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)[0].outputs[0].token_ids)
 
 
-def reference(paths: list[str]) -> None:
+def reference(paths: list[str], tp: int = 1) -> None:
+    """Greedy tokens of a fresh engine per checkpoint, built as the test servers are (``tp`` > 1:
+    its TP workers are processes of its own)."""
+    parallel: dict[str, Any] = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
     for path in paths:
-        llm = _engine(path)
+        llm = _engine(path, **parallel)
         print("RESULT " + json.dumps({"path": path, "tokens": _greedy(llm)}), flush=True)
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -299,6 +302,7 @@ def main() -> int:
     t.add_argument("--versions", type=int, default=2)
     r = sub.add_parser("reference")
     r.add_argument("paths", nargs="+")
+    r.add_argument("--tp", type=int, default=1)
     m = sub.add_parser("mp-engine")
     m.add_argument("--checkpoint", required=True)
     m.add_argument("--seeds", required=True)
@@ -324,7 +328,7 @@ def main() -> int:
     elif args.cmd == "pause-driver":
         pause_driver(args)
     elif args.cmd == "reference":
-        reference(args.paths)
+        reference(args.paths, args.tp)
     elif args.cmd == "mp-engine-delta":
         mp_engine_delta(args.checkpoint, args.seed)
     else:

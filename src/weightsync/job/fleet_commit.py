@@ -40,8 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgpack
 
 from weightsync.job.keys import commit_key, commit_why_key, stage_key, staged_key, version_epoch_key
-from weightsync.plan.ops import Role
-from weightsync.ports.coordinator import Holder, MetaPort
+from weightsync.job.parts import ChannelPart
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -116,21 +115,8 @@ def commit_verdict(policy: Policy, version: int, *, readers: int, staged: int, f
     return None
 
 
-class FleetCommit:
+class FleetCommit(ChannelPart):
     """The fleet-commit part of :class:`~weightsync.job.channel.JobChannel` (which sets these attributes)."""
-
-    meta: MetaPort
-    role: Role
-    rank: int
-    lease_seconds: float
-
-    if TYPE_CHECKING:
-        @property
-        def who(self) -> str: ...
-
-        def dead_peers(self, role: Role, ranks: Iterable[int], *, max_age: float = 0.25,
-                       known: Mapping[tuple[str, int], Holder] | None = None,
-                       departed: bool = True) -> dict[int, str]: ...
 
     # -- readers ------------------------------------------------------------------------------
     def report_staged(self, version: int, epoch: int, *, moved_past: Iterable[int] = ()) -> None:

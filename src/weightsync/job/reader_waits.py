@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import msgpack
 
 from weightsync.job.completion import Completion, judge
 from weightsync.job.keys import completions_key
+from weightsync.job.parts import ChannelPart
 from weightsync.meta import client_base
-from weightsync.plan.ops import Role
-from weightsync.ports.coordinator import Holder, MetaPort
 
 if TYPE_CHECKING:
     from weightsync.clock.deadline import Deadline
@@ -31,22 +30,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("weightsync.job.channel")
 
 
-class ReaderWaits:
+class ReaderWaits(ChannelPart):
     """The reader part of :class:`~weightsync.job.channel.JobChannel` (which sets these attributes)."""
 
-    meta: MetaPort
-    role: Role
-    rank: int
-    lease_seconds: float
-
     if TYPE_CHECKING:
-        @property
-        def who(self) -> str: ...
-
-        def dead_peers(self, role: Role, ranks: Iterable[int], *, max_age: float = 0.25,
-                       known: Mapping[tuple[str, int], Holder] | None = None,
-                       departed: bool = True) -> dict[int, str]: ...
-
         def _wait_published(self, version: int, epoch: int, writers: int, deadline: Deadline) -> None: ...
 
     def report_applied(self, version: int, *, nbytes: int, seconds: float) -> None:
