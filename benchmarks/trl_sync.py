@@ -12,8 +12,10 @@ weights once, then syncs them into the same engines twice, in alternating order:
   ``load_weights`` call each, then a prefix-cache reset. On vLLM's CPU build a
   ``load_weights`` after start-up needs a layerwise-reload session (linear layers are repacked
   into oneDNN handles), so the loop runs inside one;
-* ``weightsync``: the switch's sync: both ranks write their part over shared memory, each
-  engine receives the whole model and loads it in one reload session.
+* ``weightsync``: the switch's sync. DDP: each engine loads its own rank's replica through
+  vLLM's loader in one reload session (the local copy: nothing crosses a process); FSDP2: both
+  ranks write their shards over shared memory, each engine receives the whole model and loads it
+  in one reload session.
 
 It reports seconds per sync (the slower rank) and the peak resident memory the sync adds to the
 main process (VmHWM reset before each sync, minus the RSS then), and checks that both paths

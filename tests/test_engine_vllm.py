@@ -158,6 +158,21 @@ class EngineProofs:
         assert tokens == case.ref_b
         assert [span.version for span in out.weight_versions] == ["1"]
 
+    def test_a_local_copy_of_a_whole_float32_replica_matches_fresh_engine(self, case):
+        """``load_local`` (a co-located DDP rank's copy, TRL's colocate mode): the trainer's float32
+        tensors go straight through the engine's loader, no staging; what it serves equals a fresh
+        engine on B. Everything is checked before the engine is touched."""
+        case.load(case.a, version=1)
+        replica = {n: t.float() for n, t in checkpoint_tensors(case.b).items()}  # the trainer's dtype
+        missing = {n: t for n, t in replica.items() if n != "model.norm.weight"}
+        with pytest.raises(ValueError, match=r"model.norm.weight"):
+            case.engine.load_local(missing, version=2)
+        assert case.engine.weight_version == 1 and case.engine.invalid is None and case.greedy()[0] == case.ref_a
+        case.engine.load_local(replica, version=2)
+        tokens, out = case.greedy()
+        assert tokens == case.ref_b and case.engine.weight_version == 2
+        assert [span.version for span in out.weight_versions] == ["2"]
+
     def test_direct_update_matches_fresh_engine(self, case):
         case.load(case.b, version=1)
         tokens, out = case.greedy()

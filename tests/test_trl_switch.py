@@ -131,3 +131,25 @@ def test_trl_vllm_serve_starts_vllm_with_the_weightsync_backend_when_asked(trl_s
     served = make_arg_parser(FlexibleArgumentParser()).parse_args(command[command.index("serve") + 1:])
     assert served.weight_transfer_config.backend == "weightsync"
     assert served.tensor_parallel_size == 2 and served.logprobs_mode == "processed_logprobs"
+
+
+@pytest.mark.parametrize(("settings", "asked"), [
+    ({}, ""),
+    ({"integrity": True}, "integrity"),
+    ({"delta_anchor_every": 4, "layer_phases": False}, "delta_anchor_every"),
+    ({"commit": "fleet", "layer_phases": False}, "commit"),
+    ({"transport": "shm"}, "transport"),
+])
+def test_a_colocated_replica_takes_the_local_copy_unless_a_setting_needs_the_jobs_path(settings, asked, caplog):
+    """The local copy moves nothing between processes, so it cannot honour a transport asked for by
+    name, integrity checks, deltas or the fleet-wide commit: with any of them the rank sends through
+    the job, and the log says which setting asked for it (never a setting silently ignored)."""
+    import logging
+
+    from weightsync.integrations.trl_sync import ColocateSync, TRLSyncSettings
+
+    sync = ColocateSync.__new__(ColocateSync)  # the decision alone: no engine, no process group
+    sync.settings, sync.rank, sync.world = TRLSyncSettings(**settings), 0, 2
+    with caplog.at_level(logging.INFO, logger="weightsync.integrations.trl_sync"):
+        assert sync._local_allowed() is (not asked)
+    assert (f"as {asked} asks" in caplog.text) if asked else "local copy" not in caplog.text

@@ -317,6 +317,32 @@ class StagedWeights:
             self.abort(version, exc)
             raise
 
+    def load_local(self, weights: Mapping[str, torch.Tensor], *, version: int) -> None:
+        """Load a whole model this process holds (a co-located trainer's replica: checkpoint names,
+        full shapes, any floating dtype) straight through the engine's loader, with no staging: the
+        local copy, for a trainer rank and its engine in one process with nothing to move between
+        processes. Everything is checked before the engine is touched; a failure once the load
+        began leaves the engine invalid until a later version is loaded in full.
+
+        Raises:
+            ValueError: unknown names, wrong shapes, non-floating dtypes, or missing tensors.
+        """
+        check_weights(self._layout, weights, complete=True)
+        items = [(shard.name, weights[shard.name]) for shard in self._layout.shards]  # checkpoint order
+        try:
+            self._open(version)
+            self._load_items(items)
+            self._loading = None
+            self._end(version)
+        except Exception as exc:
+            self.abort(version, exc)
+            raise
+        self._complete = False  # staging does not hold this version: a staged update comes in full
+        self._touched = False
+        self.invalid = None
+        self._version = version
+        self.applied_at = time.time()
+
     def staged_items(self) -> list[tuple[str, torch.Tensor]]:
         """(checkpoint name, buffer) in checkpoint order: embeddings, layer by layer, head."""
         if self._phases is None:

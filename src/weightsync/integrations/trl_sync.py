@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -213,7 +214,13 @@ class ServerSync(_Sync):
 
 
 class ColocateSync(_Sync):
-    """Every rank writes its shards; every rank's in-process ``LLM`` reads a whole model."""
+    """Every rank writes its shards; every rank's in-process ``LLM`` reads a whole model.
+
+    **The local copy.** When this rank holds the whole model (a DDP replica) and its engine loads
+    the whole model (one worker), nothing needs to cross a process: the engine loads the rank's
+    own tensors through vLLM's loader (:meth:`~weightsync.engines.staging.StagedWeights.load_local`),
+    with no shared memory, no staging copy and no meta-server round trip. Every rank decides it
+    from its own tensors, and the ranks of one job agree: DDP ranks all hold replicas."""
 
     def __init__(self, generation: Any, settings: TRLSyncSettings) -> None:
         from weightsync.engines.vllm import VLLMEngine
@@ -222,11 +229,14 @@ class ColocateSync(_Sync):
 
         super().__init__(generation, settings)
         self.writer: Any = None
+        #: this rank's source when its engine loads it locally (False: the job moves the shards)
+        self._local_source: Any = None
         shared = self._meta()
         self.address, self.token = str(shared["address"]), str(shared["token"])
         self.meta = open_meta(self.address, job=self._config().job, token=self.token or None, timeout=self.timeout)
         self._closers.insert(0, self.meta.close)
         engine = VLLMEngine(generation.llm, rank=self.rank, replicas=self.world)
+        self.engine = engine
         self.reader = WeightReader(engine, rank=self.rank, config=self._config(), meta=self.meta)
         self._closers.insert(0, self.reader.close)
 
@@ -234,8 +244,13 @@ class ColocateSync(_Sync):
         return self.settings.sync_config(num_writers=self.world, num_readers=self.world)
 
     def _send(self, version: int) -> WriteResult:
-        from weightsync.roles.writer import WeightWriter
+        from weightsync.roles.writer import WeightWriter, WriteResult
 
+        local = self._local_weights()
+        if local is not None:
+            t0 = time.perf_counter()
+            self.engine.load_local(local, version=version)
+            return WriteResult(version, 0, {"local": time.perf_counter() - t0})  # no byte left the process
         if self.writer is None:
             self.writer = WeightWriter(self._source(), rank=self.rank, config=self._config(), meta=self.meta)
             self._closers.insert(0, self.writer.close)
@@ -243,6 +258,41 @@ class ColocateSync(_Sync):
         result: WriteResult = run_concurrently(lambda: self.reader.update(version, timeout=self.timeout),
                                                lambda: writer.write(version), self.timeout)
         return result
+
+
+    def _local_weights(self) -> dict[str, torch.Tensor] | None:
+        """This rank's whole model under the engine's checkpoint names when the engine can load it
+        here (module docstring), else None (the job moves the shards)."""
+        if self._local_source is False:
+            return None
+        shards = self.engine.layout().shards
+        if self._local_source is None and not self._local_allowed():
+            self._local_source = False
+            return None
+        if self._local_source is None:
+            source = self._source()
+            held = source.tensors()
+            whole = all(s.name in held and tuple(held[s.name].shape) == s.shape for s in shards)
+            self._local_source = source if whole else False  # else FSDP2 or ZeRO shards, or a TP engine's slices
+            if not whole:
+                return None
+            logger.info("weightsync: rank %d holds the whole model its engine loads: each version is a local copy",
+                        self.rank)
+        held = self._local_source.tensors()
+        return {s.name: held[s.name] for s in shards}
+
+
+    def _local_allowed(self) -> bool:
+        """Whether the settings leave the data path to weightsync: a transport asked for by name,
+        integrity checks, deltas or the fleet-wide commit each need the job's path, which honours them."""
+        config = self._config()
+        asked = [name for name, on in (("transport", config.transport != "auto"), ("integrity", config.integrity),
+                                       ("delta_anchor_every", config.transport_options.delta_anchor_every > 0),
+                                       ("commit", config.commit != "each")) if on]
+        if asked:
+            logger.info("weightsync: rank %d sends through the job, not a local copy, as %s asks", self.rank,
+                        " and ".join(asked))
+        return not asked
 
 
 def share_from_main(accelerator: Any, payload: dict[str, Any] | None) -> dict[str, Any]:
