@@ -258,7 +258,12 @@ class StagedWeights:
             self._load_items(items)
         self._loading = None
         self._end(version)
-        self._complete = True
+        self._loaded(version, staged=True)
+
+    def _loaded(self, version: int, *, staged: bool) -> None:
+        """The engine serves ``version`` in full; ``staged``: staging holds it too (a later update
+        may then cover a subset)."""
+        self._complete = staged
         self._touched = False
         self.invalid = None
         self._version = version
@@ -337,11 +342,7 @@ class StagedWeights:
         except Exception as exc:
             self.abort(version, exc)
             raise
-        self._complete = False  # staging does not hold this version: a staged update comes in full
-        self._touched = False
-        self.invalid = None
-        self._version = version
-        self.applied_at = time.time()
+        self._loaded(version, staged=False)  # staging does not hold it: a staged update comes in full
 
     def staged_items(self) -> list[tuple[str, torch.Tensor]]:
         """(checkpoint name, buffer) in checkpoint order: embeddings, layer by layer, head."""

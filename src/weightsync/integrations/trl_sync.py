@@ -259,28 +259,23 @@ class ColocateSync(_Sync):
                                                lambda: writer.write(version), self.timeout)
         return result
 
-
     def _local_weights(self) -> dict[str, torch.Tensor] | None:
         """This rank's whole model under the engine's checkpoint names when the engine can load it
         here (module docstring), else None (the job moves the shards)."""
+        shards = self.engine.layout().shards
+        if self._local_source is None:  # decided once: the model's structure and the settings do not change
+            self._local_source = False
+            if self._local_allowed():
+                source = self._source()
+                held = source.tensors()  # FSDP2 or ZeRO shards, or a TP engine's slices, are not whole
+                if all(s.name in held and tuple(held[s.name].shape) == s.shape for s in shards):
+                    self._local_source = source
+                    logger.info("weightsync: rank %d holds the whole model its engine loads: each version is a "
+                                "local copy", self.rank)
         if self._local_source is False:
             return None
-        shards = self.engine.layout().shards
-        if self._local_source is None and not self._local_allowed():
-            self._local_source = False
-            return None
-        if self._local_source is None:
-            source = self._source()
-            held = source.tensors()
-            whole = all(s.name in held and tuple(held[s.name].shape) == s.shape for s in shards)
-            self._local_source = source if whole else False  # else FSDP2 or ZeRO shards, or a TP engine's slices
-            if not whole:
-                return None
-            logger.info("weightsync: rank %d holds the whole model its engine loads: each version is a local copy",
-                        self.rank)
         held = self._local_source.tensors()
         return {s.name: held[s.name] for s in shards}
-
 
     def _local_allowed(self) -> bool:
         """Whether the settings leave the data path to weightsync: a transport asked for by name,

@@ -10,7 +10,7 @@ import threading
 from typing import Any
 
 from weightsync.ports import device as device_port
-from weightsync.roles.reader import Received, UpdateResult, WeightReader
+from weightsync.roles.reader import Received, UpdateResult, WeightReader, live_receives
 
 
 class Prefetch:
@@ -40,10 +40,8 @@ class Prefetch:
     """
 
     def __init__(self, reader: WeightReader) -> None:
-        in_place = reader.engine.in_place_names
-        if in_place is None or in_place:
-            what = (f"{len(in_place)} tensors ({', '.join(in_place[:2])}, ...) straight into the model"
-                    if in_place else "into its live weights")
+        what = live_receives(reader.engine)
+        if what is not None:
             raise ValueError(f"prefetch needs an engine that receives into staging only; "
                              f"{type(reader.engine).__name__} receives {what}: create it with in_place=False "
                              "(VLLMEngine), or use InflightReader")

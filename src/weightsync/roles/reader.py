@@ -388,13 +388,22 @@ class WeightReader:
         self.close()
 
 
+def live_receives(engine: InferenceEngine) -> str | None:
+    """What of ``engine``'s receives reach the weights it serves ("into its live weights", or the
+    tensors taken in place), or None when it receives into staging only (``in_place_names == ()``):
+    what :class:`~weightsync.roles.prefetch.Prefetch` and ``commit="fleet"`` need."""
+    names = engine.in_place_names
+    if names is not None and not names:
+        return None
+    return f"{len(names)} tensors ({', '.join(names[:2])}, ...) straight into the model" if names \
+        else "into its live weights"
+
+
 def refuse_live_receives(engine: InferenceEngine) -> None:
     """``commit="fleet"`` needs an engine whose receive buffers are staging only: one that
     receives into the weights it serves would switch before the fleet's commit."""
-    names = engine.in_place_names
-    if names is None or names:
-        what = (f"{len(names)} tensors ({', '.join(names[:2])}, ...) straight into the model" if names
-                else "into its live weights")
+    what = live_receives(engine)
+    if what is not None:
         raise ValueError(f"commit='fleet' needs an engine that receives into staging only, so that it switches when "
                          f"the fleet commits; {type(engine).__name__} receives {what}. Use VLLMEngine(in_place=False), "
                          "SGLangEngine, or an InflightReader (which stages for any engine), or commit='each'")
