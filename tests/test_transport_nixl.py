@@ -424,7 +424,9 @@ def test_push_deltas_write_exactly_the_changes(tmp_path, monkeypatch):
 
 def _prepare_push_side(directory: str, role: str, anchor: int) -> None:
     """One side of a push job of tiny-qwen3 over NIXL, in a process of its own: prepares epoch 0
-    with ``delta_anchor_every=anchor`` and prints ``REFUSED <error>`` or ``PREPARED``."""
+    with ``delta_anchor_every=anchor`` and prints ``REFUSED <error>`` or ``PREPARED``. Every
+    connection to the peer's agent is refused, as a loaded host's UCX listener refuses some: the
+    settings must be checked from the published endpoint, before connecting."""
     import torch
 
     from weightsync.configs import load_spec
@@ -432,8 +434,13 @@ def _prepare_push_side(directory: str, role: str, anchor: int) -> None:
     from weightsync.layout import parse_layout
     from weightsync.plan import build_plan
     from weightsync.transport import TransportContext, TransportError, TransportOptions
+    from weightsync.transport.nixl.agent import NixlAgent
     from weightsync.transport.nixl.push import NixlPushTransport
 
+    def refused(self, metadata, *, label, deadline=None):
+        raise TransportError(f"{self.who}: cannot load the NIXL metadata of {label}: connect(...) failed")
+
+    NixlAgent.connect = refused  # type: ignore[method-assign]
     layouts = parse_layout("hf").all_rank_layouts(load_spec("tiny-qwen3"))
     plan = build_plan(layouts, layouts)
     ctx = TransportContext(channel=JobChannel(DirectoryMeta(Path(directory)), role=role, rank=0), num_writers=1,
@@ -451,9 +458,10 @@ def _prepare_push_side(directory: str, role: str, anchor: int) -> None:
 
 @needs_nixl
 def test_push_delta_ranks_refuse_a_peer_without_deltas(tmp_path):
-    """The writer and the reader in processes of their own, as in a job (two agents preparing at
-    once in one process crashed natively, twice in about twenty runs of the suite, only late in a
-    worker that had run hundreds of tests; never when this test ran alone)."""
+    """A delta setting that differs is named from the peer's published endpoint, even when no
+    connection to its agent can be made. The writer and the reader in processes of their own, as
+    in a job (two agents preparing at once in one process crashed natively, twice in about twenty
+    runs of the suite, only late in a worker that had run hundreds of tests)."""
     import sys
 
     from launcher import launch
@@ -478,6 +486,39 @@ def test_push_delta_ranks_refuse_a_peer_without_deltas(tmp_path):
         errors = [line[len("REFUSED "):] for out, _ in outputs for line in out.splitlines() if line.startswith("REFUSED ")]
         assert any(e.startswith(who) and e.endswith("set the same TransportOptions.delta_anchor_every on every "
                                                     "rank") for e in errors), outputs
+
+
+@needs_nixl
+def test_loading_a_peers_metadata_is_tried_again_when_its_listener_refuses(monkeypatch):
+    """UCX's connect to a peer's listener fails now and then on a loaded host: the load is tried
+    again, backing off, and an error names the peer and the tries once they run out."""
+    from weightsync.transport import TransportError
+    from weightsync.transport.nixl.agent import NixlAgent
+
+    agent = NixlAgent(f"weightsync-test-{os.getpid()}", who="writer 0", loopback=True)
+    try:
+        calls = []
+
+        def flaky(metadata):
+            calls.append(metadata)
+            if len(calls) < 3:
+                raise agent._errors[0]("loadRemoteMD: error loading connection info")
+            return b"peer-agent"
+
+        monkeypatch.setattr(agent._agent, "add_remote_agent", flaky)
+        monkeypatch.setattr(agent._agent, "make_connection", lambda name: None)
+        assert agent.connect(b"md", label="reader 0", deadline=Deadline.after(10)) == "peer-agent"
+        assert len(calls) == 3
+
+        def refused(metadata):
+            raise agent._errors[0]("connect failed")
+
+        monkeypatch.setattr(agent._agent, "add_remote_agent", refused)
+        with pytest.raises(TransportError, match=r"writer 0: cannot load the NIXL metadata of reader 0 "
+                                                 r"\(tried 4 time\(s\)\): .*connect failed"):
+            agent.connect(b"md", label="reader 0", deadline=Deadline.after(10))
+    finally:
+        agent.close()
 
 
 @needs_nixl

@@ -151,13 +151,27 @@ class NixlAgent:
         with self._cond:
             return bytes(self._agent.get_agent_metadata())
 
-    def connect(self, metadata: bytes, *, label: str) -> str:
-        """Load a peer's metadata and open the connection now; returns the peer's agent name."""
-        try:
-            with self._cond:
-                raw = self._agent.add_remote_agent(metadata)
-        except self._errors as exc:
-            raise TransportError(f"{self.who}: cannot load the NIXL metadata of {label}: {exc}") from exc
+    def connect(self, metadata: bytes, *, label: str, deadline: Deadline | None = None,
+                attempts: int = 4) -> str:
+        """Load a peer's metadata and open the connection now; returns the peer's agent name.
+
+        Loading connects UCX to the peer's listener, which a loaded host refuses now and then
+        ("connect(...) failed", then "loadRemoteMD: error loading connection info"): the load is
+        tried ``attempts`` times, backing off, while ``deadline`` allows."""
+        for attempt in range(1, attempts + 1):
+            try:
+                with self._cond:
+                    raw = self._agent.add_remote_agent(metadata)
+                break
+            except self._errors as exc:
+                pause = 0.1 * 2 ** (attempt - 1)
+                out_of_time = deadline is not None and deadline.remaining(0.0) <= pause
+                if attempt == attempts or out_of_time:
+                    raise TransportError(f"{self.who}: cannot load the NIXL metadata of {label} "
+                                         f"(tried {attempt} time(s)): {exc}") from exc
+                logger.warning("%s: loading the NIXL metadata of %s failed (%s); trying again in %.1f s",
+                               self.who, label, exc, pause)
+                time.sleep(pause)
         peer = raw.decode() if isinstance(raw, bytes) else str(raw)
         self._labels[peer] = label
         try:

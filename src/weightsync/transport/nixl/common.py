@@ -326,8 +326,11 @@ class NixlBase(TransportBase):
         self.ctx.channel.publish_endpoint(epoch, NixlEndpoint(self.mode, self._agent.metadata(), self._ctl.data_ptr(),
                                                               self.ctx.device, slots, shards, deltas, inboxes))
 
-    def _connect_peer(self, epoch: int, role: Role, rank: int, deadline: Deadline) -> Peer:
-        """Wait for a peer's endpoint, check that it agrees with us, connect to its agent."""
+    def _connect_peer(self, epoch: int, role: Role, rank: int, deadline: Deadline,
+                      agree: Callable[[NixlEndpoint, str], None] | None = None) -> Peer:
+        """Wait for a peer's endpoint, check that it agrees with us (``agree`` adds the caller's
+        checks), then connect to its agent: a setting that does not combine is named from the
+        published endpoint alone, before any connection that a loaded host could refuse."""
         assert self._agent is not None
         label = f"{role} {rank}"
         endpoint = peer_endpoint(self.ctx, NixlEndpoint, epoch, role, rank, deadline=deadline)
@@ -337,8 +340,10 @@ class NixlBase(TransportBase):
         if endpoint.mode != self.mode:
             raise TransportError(f"{self.who}: {label} uses nixl_mode {endpoint.mode!r}, this rank "
                                  f"{self.mode!r}; set the same TransportOptions.nixl_mode everywhere")
+        if agree is not None:
+            agree(endpoint, label)
         t0 = time.perf_counter()
-        peer = Peer(rank, label, self._agent.connect(endpoint.agent, label=label), endpoint,
+        peer = Peer(rank, label, self._agent.connect(endpoint.agent, label=label, deadline=deadline), endpoint,
                     PeerWatch(self.ctx, role, [rank]))
         self.setup["connect_seconds"] = self.setup.get("connect_seconds", 0.0) + time.perf_counter() - t0
         return peer

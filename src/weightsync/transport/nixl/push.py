@@ -51,6 +51,7 @@ from weightsync.transport.tensors import op_dst_view
 
 if TYPE_CHECKING:
     from weightsync.plan import Plan, TransferOp
+    from weightsync.transport.endpoints import NixlEndpoint
     from weightsync.transport.schedule import Message
 
 #: How often a waiting reader checks that the writers it waits for are alive.
@@ -117,7 +118,8 @@ class NixlPushTransport(NixlBase):
         self._register([self._area, *([self._staged] if delta else []), *(self._flats[name] for name in live)],
                        words=self._ctl)
         self._publish(epoch, deltas=delta)
-        self._peers = [self._connect_peer(epoch, "reader", r, deadline) for r in readers]
+        self._peers = [self._connect_peer(epoch, "reader", r, deadline, agree=self._reader_takes_changes)
+                       for r in readers]
         t0 = time.perf_counter()
         for i, peer in enumerate(self._peers):
             peer.ctl = self._ready_xfer(i, peer)
@@ -132,6 +134,12 @@ class NixlPushTransport(NixlBase):
     def _live(self, op: TransferOp) -> bool:
         return self._published is None and send_live(op)
 
+    def _reader_takes_changes(self, endpoint: NixlEndpoint, label: str) -> None:
+        """With deltas, the reader must have published an inbox for this writer's changes."""
+        if self._published is not None and (endpoint.inboxes or {}).get(self.ctx.rank) is None:
+            raise TransportError(f"{self.who}: {label} takes no changes from this writer; set the same "
+                                 "TransportOptions.delta_anchor_every on every rank")
+
     def _ready_xfer(self, i: int, peer: Peer) -> Xfer:
         """The READ of the reader's ready word and, with deltas, of its vouch word for this writer
         (the reader's words: ready, then one vouch word per writer rank); checks its inbox."""
@@ -139,9 +147,7 @@ class NixlPushTransport(NixlBase):
             return self._word_xfer(peer, self._ctl[1 + i: 2 + i], "ready word")
         inbox = (peer.endpoint.inboxes or {}).get(self.ctx.rank)
         out = self._outboxes[i]
-        if inbox is None:
-            raise TransportError(f"{self.who}: {peer.label} takes no changes from this writer; set the same "
-                                 "TransportOptions.delta_anchor_every on every rank")
+        assert inbox is not None, "checked before connecting (_reader_takes_changes)"
         if inbox[1] != out.layout.nbytes:
             raise TransportError(f"{self.who}: {peer.label}'s change inbox has {inbox[1]} bytes, this writer "
                                  f"expects {out.layout.nbytes}: writer and reader disagree on their ops")
@@ -285,17 +291,21 @@ class NixlPushTransport(NixlBase):
         self._pinned = set(self._flats)
         self._publish(epoch, shards={name: (t.data_ptr(), t.numel() * t.element_size())
                                      for name, t in self._flats.items()}, inboxes=inboxes)
-        self._peers = [self._connect_peer(epoch, "writer", w, deadline) for w in writers]
+        self._peers = [self._connect_peer(epoch, "writer", w, deadline, agree=self._writer_sends_changes)
+                       for w in writers]
         for i, peer in enumerate(self._peers):
-            if self._changes is not None and not peer.endpoint.deltas:
-                raise TransportError(f"{self.who}: {peer.label} sends no changes; set the same "
-                                     "TransportOptions.delta_anchor_every on every rank")
             peer.ctl = self._word_xfer(peer, self._ctl[1 + vouch + i: 2 + vouch + i], "liveness word")
             peer.nbytes = [sum(op.nbytes for op in part.ops_between(peer.rank, self.ctx.rank)) for part in parts]
         self._ops_from = {peer.rank: [part.ops_between(peer.rank, self.ctx.rank) for part in parts]
                           for peer in self._peers}  # what each writer WRITEs, per phase
         if self._changes is not None:
             self._changes.prepared(len(parts))
+
+    def _writer_sends_changes(self, endpoint: NixlEndpoint, label: str) -> None:
+        """With deltas, the writer must publish changes for this reader's inbox."""
+        if self._changes is not None and not endpoint.deltas:
+            raise TransportError(f"{self.who}: {label} sends no changes; set the same "
+                                 "TransportOptions.delta_anchor_every on every rank")
 
     def _make_inboxes(self, parts: list[Plan], writers: list[int]) -> dict[int, tuple[int, int]] | None:
         """With deltas, one inbox per writer in one registered buffer; writer -> (address, bytes)."""
