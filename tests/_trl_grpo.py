@@ -68,7 +68,7 @@ def train(args: argparse.Namespace) -> None:
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32),
                           reward_funcs=reward, args=grpo, train_dataset=Dataset.from_dict({"prompt": prompts}),
                           processing_class=AutoTokenizer.from_pretrained(args.model),
-                          weightsync=TRLSyncSettings(job=f"trl-{args.mode}", timeout=120.0))
+                          weightsync=TRLSyncSettings(job=f"trl-{args.mode}", timeout=120.0, transport=args.transport))
     generation = trainer.vllm_generation
 
     if args.mode == "server":
@@ -141,6 +141,7 @@ def main() -> int:
     t.add_argument("--url", default=None)
     t.add_argument("--steps", type=int, default=3)
     t.add_argument("--tp", type=int, default=1, help="vllm_tensor_parallel_size")
+    t.add_argument("--transport", default="auto", help="TRLSyncSettings.transport (a name keeps the job's path)")
     r = sub.add_parser("colocate-reference")
     r.add_argument("paths", nargs="+")
     r.add_argument("--tp", type=int, default=1)

@@ -5,8 +5,9 @@ runs DDP over gloo: its FSDP needs an accelerator) on a tiny Qwen3 built here, w
 tokenizer, prompts and a reward built here too. Server mode syncs a real ``vllm serve
 --weight-transfer-config '{"backend": "weightsync"}'``; colocate mode the ``LLM`` TRL builds
 inside each training process. After each step the engine's greedy tokens equal a fresh
-engine's on the trainer's weights of that step, and the two ranks each send a part of the
-model, the parts making exactly one model: no rank sends (or gathers) the whole of it.
+engine's on the trainer's weights of that step. Through the job, the two ranks each send a part
+of the model, the parts making exactly one model: no rank sends (or gathers) the whole of it. A
+colocated engine worker beside a DDP replica takes a local copy instead: 0 bytes.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def _check_shares(results: list[dict], dtype: str) -> None:
         assert sum(r["nbytes"] for r in ranks.values()) == total, ranks
 
 
-@pytest.mark.heavy  # 135 s in CI's conditions: `make test-heavy`; TRL's colocate mode runs by default
+@pytest.mark.heavy  # 135 s in CI's conditions: `make test-heavy`; the TP 2 x DP 2 server below runs by default
 def test_grpo_trainer_syncs_a_vllm_server_through_weightsync_without_a_gather(tmp_path):
     sys.path.insert(0, str(HERE))
     from _trl_grpo import write_model
@@ -122,8 +123,7 @@ def test_grpo_trainer_syncs_a_vllm_server_through_weightsync_without_a_gather(tm
     assert len({tuple(t) for t in refs.values()}) > 1  # training moved the weights, and the server followed
 
 
-@pytest.mark.heavy  # vllm serve with 2 replicas of 2 TP workers (4 worker processes) starts in about 2 min
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(1800)  # vllm serve with 2 replicas of 2 TP workers (4 worker processes) starts in about 2 min
 def test_grpo_trainer_syncs_a_tp2_dp2_vllm_server_each_worker_taking_only_its_slices(tmp_path, monkeypatch):
     """Server mode against ``vllm serve --tensor-parallel-size 2 --data-parallel-size 2`` (issue
     41): each of the server's four workers is a reader of its own (worker ``t`` of replica ``d`` is
@@ -161,6 +161,7 @@ def test_grpo_trainer_syncs_a_tp2_dp2_vllm_server_each_worker_taking_only_its_sl
     assert len({tuple(t) for t in refs.values()}) > 1
 
 
+@pytest.mark.heavy  # 130 s: the TP 2 colocate test's `local` case checks the same (0 bytes, tokens, metrics) with TP
 def test_grpo_trainer_colocated_engines_take_a_local_copy_of_their_ranks_replica(tmp_path):
     """DDP ranks (accelerate on CPU), each with a one-worker engine in its process: each engine
     loads its own rank's replica (the local copy, issue 41): no byte crosses a process, and after
@@ -182,18 +183,22 @@ def test_grpo_trainer_colocated_engines_take_a_local_copy_of_their_ranks_replica
         assert r["weight_version"] == str(r["version"])
 
 
-@pytest.mark.heavy  # two TRL ranks hosting one TP 2 engine, for minutes: `make test-heavy`
-@pytest.mark.timeout(1800)
-def test_grpo_trainer_colocated_tp2_engine_takes_each_workers_slices_from_both_ranks(tmp_path):
+@pytest.mark.parametrize("path", ["local", pytest.param("job", marks=pytest.mark.heavy)])  # job: the server test
+# below checks each rank sending only its TP slices in the default run
+def test_grpo_trainer_colocated_tp2_engine_takes_each_workers_slices_from_both_ranks(tmp_path, path):
     """``vllm_tensor_parallel_size=2``: TRL's two ranks host the two TP workers of one engine
-    (``external_launcher``); each worker's reader receives only the slices it loads, from both
-    ranks, and the engine generates what a fresh TP 2 engine on the trainer's weights generates."""
+    (``external_launcher``), and the engine generates what a fresh TP 2 engine on the trainer's
+    weights generates after every step. ``local``: DDP ranks each hold the whole model, so each
+    worker loads its slices from its own rank's replica through vLLM's loader (0 bytes sent).
+    ``job``: a transport named in the settings keeps the job's path, where each worker's reader
+    receives only the slices it loads, from both ranks (each rank sends a part, no gather)."""
     sys.path.insert(0, str(HERE))
     from _trl_grpo import write_model
     from weightsync.engines.vllm_layout import record_rank
 
     config = write_model(tmp_path / "model")
-    results = _trainers(tmp_path, "colocate", None, extra=("--tp", "2"), timeout=1000)
+    results = _trainers(tmp_path, "colocate", None, extra=("--tp", "2", "--transport", "auto" if path == "local" else "shm"),
+                        timeout=1000)
     _check_logged(results)
     dtype = {r["dtype"] for r in results if "dtype" in r}.pop()
     import torch
@@ -202,8 +207,13 @@ def test_grpo_trainer_colocated_tp2_engine_takes_each_workers_slices_from_both_r
     slices = sum(r.numel * itemsize for t in (0, 1) for s in record_rank(config, tp=2, rank=t)
                  for r in {(reg.canonical, reg.box): reg for reg in s.regions}.values())
     for version in range(1, STEPS + 1):
-        sent = [r["nbytes"] for r in results if r.get("version") == version]
-        assert len(sent) == 2 and all(0 < n < r0 for n, r0 in zip(sent, [slices] * 2, strict=True)), sent
+        ranks = [r for r in results if r.get("version") == version]
+        sent = [r["nbytes"] for r in ranks]
+        assert len(sent) == 2 and all(r["held"] == r["model_bytes"] for r in ranks), ranks
+        if path == "local":
+            assert sent == [0, 0], sent
+        else:
+            assert all(0 < n < slices for n in sent), sent
     refs = _references(tmp_path, "_trl_grpo.py", "colocate-reference", ("--tp", "2"))
     for r in (r for r in results if "tokens" in r):  # both ranks generate with the one engine
         assert r["tokens"] == refs[r["version"]], r

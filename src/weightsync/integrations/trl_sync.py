@@ -216,11 +216,13 @@ class ServerSync(_Sync):
 class ColocateSync(_Sync):
     """Every rank writes its shards; every rank's in-process ``LLM`` reads a whole model.
 
-    **The local copy.** When this rank holds the whole model (a DDP replica) and its engine loads
-    the whole model (one worker), nothing needs to cross a process: the engine loads the rank's
-    own tensors through vLLM's loader (:meth:`~weightsync.engines.staging.StagedWeights.load_local`),
-    with no shared memory, no staging copy and no meta-server round trip. Every rank decides it
-    from its own tensors, and the ranks of one job agree: DDP ranks all hold replicas."""
+    **The local copy.** When this rank holds the whole model (a DDP replica), nothing needs to
+    cross a process: the engine worker in this process loads the rank's own tensors through
+    vLLM's loader (:meth:`~weightsync.engines.staging.StagedWeights.load_local`), with no shared
+    memory, no staging copy and no meta-server round trip. That holds for a TP worker too
+    (``vllm_tensor_parallel_size > 1``): its loader takes whole checkpoint tensors and keeps its
+    own slices, as when it starts. Every rank decides it from its own tensors, and the ranks of
+    one job agree: DDP ranks all hold replicas."""
 
     def __init__(self, generation: Any, settings: TRLSyncSettings) -> None:
         from weightsync.engines.vllm import VLLMEngine
