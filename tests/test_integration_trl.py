@@ -185,7 +185,7 @@ def test_grpo_trainer_colocated_engines_take_a_local_copy_of_their_ranks_replica
 
 @pytest.mark.parametrize("path", ["local", pytest.param("job", marks=pytest.mark.heavy)])  # job: the server test
 # below checks each rank sending only its TP slices in the default run
-def test_grpo_trainer_colocated_tp2_engine_takes_each_workers_slices_from_both_ranks(tmp_path, path):
+def test_grpo_trainer_colocated_tp2_engine_generates_as_a_fresh_tp2_engine(tmp_path, path):
     """``vllm_tensor_parallel_size=2``: TRL's two ranks host the two TP workers of one engine
     (``external_launcher``), and the engine generates what a fresh TP 2 engine on the trainer's
     weights generates after every step. ``local``: DDP ranks each hold the whole model, so each
