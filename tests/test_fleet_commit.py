@@ -8,7 +8,8 @@ each test checks is what an engine serves, bitwise, and when each engine switche
   first three would have applied it before the fourth even started);
 * one reader that fails its stage aborts the version for all of them under ``all``: every
   engine keeps serving the version it had, and the write names every reader;
-* under a quorum a slow reader does not hold the others, and catches up on the committed version.
+* under a quorum a slow reader does not hold the others, and catches up on the committed version;
+* with ``staleness=1`` a reader that skipped a version for a newer one counts as staged for it.
 
 The decision itself, :func:`~weightsync.job.fleet_commit.commit_verdict`, is checked case by case.
 """
@@ -35,6 +36,7 @@ from weightsync.session.combinations import CombinationError
 from weightsync.session.sync_session import SyncConfig, SyncError
 from weightsync.tools.tiny import CanonicalSource, canonical_weights, checkpoint_tensors, tiny_config
 from weightsync.tools.torch_layout import fill_from_canonical
+from weightsync.transport import TransportOptions
 
 CONFIG = {**tiny_config(), "torch_dtype": "float32"}
 READERS = 4
@@ -227,6 +229,42 @@ def test_under_a_quorum_a_slow_reader_holds_no_one_and_catches_up_on_the_committ
         assert fleet[3].switched_at[1] > max(e.switched_at[1] for e in fleet[:3])
         job.release.set()
         writer.join(WAIT)
+
+
+def test_a_reader_that_skipped_a_version_for_a_newer_one_holds_no_one_on_the_skipped_version():
+    """``staleness=1``: the writer goes on to version 2 while the fleet stages version 1. Reader 3
+    was busy and takes version 2 first: it has moved past version 1, so it counts as staged for
+    version 1, and the other three switch to version 1 at once instead of waiting for reader 3
+    until version 1's deadline. Then all four serve version 2, bitwise."""
+    fleet = engines()
+    with EmbeddedMetaServer() as server, contextlib.ExitStack() as stack:
+        job = Job(server, config(staleness=1, transport_options=TransportOptions(slots=2)))  # v2 beside v1
+        readers = [stack.enter_context(WeightReader(e, rank=r, config=job.sync, meta=job.meta()))
+                   for r, e in enumerate(fleet)]
+        writer = job.write((1, 2))
+        started = time.monotonic()
+        took: dict[int, float] = {}
+
+        def serving(rank: int) -> object:  # as a serving loop: version 1, then version 2
+            readers[rank].update(1, timeout=WAIT)
+            took[rank] = time.monotonic() - started
+            assert fleet[rank].serves(1) and fleet[rank].weight_version == 1
+            return readers[rank].update(2, timeout=WAIT)
+
+        def busy() -> object:
+            readers[3].session.plan(Deadline.after(WAIT))  # it joined the job, then was busy serving
+            return readers[3].update(2, timeout=WAIT)  # waits for a version newer than 1
+
+        results = run_readers([lambda r=r: serving(r) for r in range(3)] + [busy])
+        assert all(not isinstance(r, Exception) for r in results.values()), results
+        assert all(1 in fleet[r].switched_at for r in range(3)) and 1 not in fleet[3].switched_at
+        # the skip counted: version 1 was not held until its deadline (WAIT, 60 s)
+        assert max(took.values()) < WAIT / 4, took
+        assert all(e.serves(2) and e.weight_version == 2 for e in fleet), results
+        job.release.set()
+        writer.join(WAIT)
+        assert job.written[1].is_set() and job.written[2].is_set()
+        assert not isinstance(job.results[2], Exception), job.results[2]
 
 
 def test_readers_abort_within_one_lease_when_writer_0_dies_before_it_decides(monkeypatch):
