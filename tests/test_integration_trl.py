@@ -100,7 +100,7 @@ def _check_shares(results: list[dict], dtype: str) -> None:
         assert sum(r["nbytes"] for r in ranks.values()) == total, ranks
 
 
-@pytest.mark.heavy  # 135 s in CI's conditions: `make test-heavy`; the TP 2 x DP 2 server below runs by default
+@pytest.mark.heavy  # 135 s in CI's conditions: `make test-heavy`; TRL's colocate mode runs by default
 def test_grpo_trainer_syncs_a_vllm_server_through_weightsync_without_a_gather(tmp_path):
     sys.path.insert(0, str(HERE))
     from _trl_grpo import write_model
@@ -123,7 +123,8 @@ def test_grpo_trainer_syncs_a_vllm_server_through_weightsync_without_a_gather(tm
     assert len({tuple(t) for t in refs.values()}) > 1  # training moved the weights, and the server followed
 
 
-@pytest.mark.timeout(1800)  # vllm serve with 2 replicas of 2 TP workers (4 worker processes) starts in about 2 min
+@pytest.mark.heavy  # vllm serve with 2 replicas of 2 TP workers (4 worker processes): 4-5 min; `make test-heavy`
+@pytest.mark.timeout(1800)
 def test_grpo_trainer_syncs_a_tp2_dp2_vllm_server_each_worker_taking_only_its_slices(tmp_path, monkeypatch):
     """Server mode against ``vllm serve --tensor-parallel-size 2 --data-parallel-size 2`` (issue
     41): each of the server's four workers is a reader of its own (worker ``t`` of replica ``d`` is
@@ -183,8 +184,7 @@ def test_grpo_trainer_colocated_engines_take_a_local_copy_of_their_ranks_replica
         assert r["weight_version"] == str(r["version"])
 
 
-@pytest.mark.parametrize("path", ["local", pytest.param("job", marks=pytest.mark.heavy)])  # job: the server test
-# below checks each rank sending only its TP slices in the default run
+@pytest.mark.parametrize("path", ["local", pytest.param("job", marks=pytest.mark.heavy)])  # job: 130 s more
 def test_grpo_trainer_colocated_tp2_engine_generates_as_a_fresh_tp2_engine(tmp_path, path):
     """``vllm_tensor_parallel_size=2``: TRL's two ranks host the two TP workers of one engine
     (``external_launcher``), and the engine generates what a fresh TP 2 engine on the trainer's
