@@ -653,3 +653,24 @@ def test_ranks_whose_memory_moves_within_an_epoch_still_exchange_every_version(t
             for r in payload["results"]:
                 assert r["exact"] and r["in_place"], (rank, r)
                 assert 0 < r["bytes"] <= r["needed"] if delta else r["bytes"] == r["needed"], (rank, r)
+
+
+@needs_nixl
+def test_a_peer_that_never_published_its_metadata_is_named_dead_when_its_lease_says_so():
+    """A stopped or killed writer never publishes its NIXL metadata: the reader's error names it
+    dead, with what the job knows of it, not only that the metadata is missing."""
+    from fake_meta import FakeChannel
+    from weightsync.transport import TransportContext, TransportError
+    from weightsync.transport.nixl.pull import NixlPullTransport
+
+    channel = FakeChannel("reader", 0)
+    ctx = TransportContext(channel=channel, num_writers=2, num_readers=1)  # type: ignore[arg-type]
+    side = NixlPullTransport(ctx)
+    side._agent = object()  # type: ignore[assignment]  # never reached: the endpoint is missing
+    with pytest.raises(TransportError, match=r"writer 1 did not publish its NIXL metadata for epoch 0 in time "
+                                             r"\(is it running with transport 'nixl'\?\)"):
+        side._connect_peer(0, "writer", 1, Deadline.after(0.05))
+    channel.dead = {1: "pid 41 on n0, last heartbeat 3.0 s ago: the meta server's lease of it (ttl 2 s) expired"}
+    with pytest.raises(TransportError, match=r"writer 1 did not publish its NIXL metadata for epoch 0 in time "
+                                             r"\(writer 1 is dead: pid 41 on n0, last heartbeat 3.0 s ago"):
+        side._connect_peer(0, "writer", 1, Deadline.after(0.05))

@@ -334,9 +334,10 @@ class NixlBase(TransportBase):
         assert self._agent is not None
         label = f"{role} {rank}"
         endpoint = peer_endpoint(self.ctx, NixlEndpoint, epoch, role, rank, deadline=deadline)
-        if endpoint is None:
+        if endpoint is None:  # a dead peer is named: a stopped or killed one never publishes
+            why = PeerWatch(self.ctx, role, [rank]).describe() or " (is it running with transport 'nixl'?)"
             raise TransportError(f"{self.who}: {label} did not publish its NIXL metadata for epoch "
-                                 f"{epoch} in time (is it running with transport 'nixl'?)")
+                                 f"{epoch} in time{why}")
         if endpoint.mode != self.mode:
             raise TransportError(f"{self.who}: {label} uses nixl_mode {endpoint.mode!r}, this rank "
                                  f"{self.mode!r}; set the same TransportOptions.nixl_mode everywhere")
