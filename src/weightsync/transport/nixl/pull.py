@@ -43,7 +43,7 @@ from weightsync.transport.delta.published import (
     check_delta,
     check_row,
 )
-from weightsync.transport.endpoints import NixlSlots
+from weightsync.transport.endpoints import NixlEndpoint, NixlSlots
 from weightsync.transport.exposed import ExposedIndex, piece_key
 from weightsync.transport.nixl.agent import Descriptors, Xfer
 from weightsync.transport.nixl.common import EMPTY, NixlBase, Peer, slab_offset
@@ -140,15 +140,28 @@ class NixlPullTransport(NixlBase):
 
     # -- pull: reader -----------------------------------------------------------------------
     def _slots_of(self, peer: Peer) -> NixlSlots:
+        return self._published_slots(peer.endpoint, peer.label)
+
+    def _published_slots(self, endpoint: NixlEndpoint, label: str) -> NixlSlots:
         try:
-            return peer.endpoint.exposed_slots(peer.label)
+            return endpoint.exposed_slots(label)
         except WireError as exc:
             raise TransportError(f"{self.who}: {exc}") from exc
+
+    def _writer_agrees(self, endpoint: NixlEndpoint, label: str) -> None:
+        """The writer publishes changes when this reader takes them, and as many version slots."""
+        exposed = self._published_slots(endpoint, label)
+        if self._changes is not None and exposed.changes is None:
+            raise TransportError(f"{self.who}: {label} publishes no changes; set the same "
+                                 "TransportOptions.delta_anchor_every on every rank")
+        if exposed.slots != self.slots:
+            raise TransportError(f"{self.who}: {label} has {exposed.slots} version slots, this "
+                                 f"reader {self.slots}; use the same TransportOptions.slots everywhere")
 
     def _prepare_reader(self, parts: list[Plan], epoch: int, deadline: Deadline) -> None:
         opts = self.ctx.options
         writers = sorted({op.src_rank for part in parts for op in part.ops})
-        self._peers = [self._connect_peer(epoch, "writer", w, deadline) for w in writers]
+        self._peers = [self._connect_peer(epoch, "writer", w, deadline, agree=self._writer_agrees) for w in writers]
         schedules = [[build_messages(part.ops_between(p.rank, self.ctx.rank), message_bytes=opts.message_bytes,
                                      direct_min_bytes=opts.direct_min_bytes) for part in parts] for p in self._peers]
         staged = max((m.nbytes for per_phase in schedules for ms in per_phase for m in ms if not m.direct),
@@ -162,9 +175,6 @@ class NixlPullTransport(NixlBase):
         t0 = time.perf_counter()
         for i, (peer, messages) in enumerate(zip(self._peers, schedules, strict=True)):
             exposed = self._slots_of(peer)
-            if exposed.slots != self.slots:
-                raise TransportError(f"{self.who}: {peer.label} has {exposed.slots} version slots, this "
-                                     f"reader {self.slots}; use the same TransportOptions.slots everywhere")
             peer.ctl = self._word_xfer(peer, self._ctl[i], "version words")
             index = ExposedIndex.decode(exposed.index)
             peer.phases = [[self._pull_xfers(peer, index, phase_messages, slot) for slot in range(self.slots)]
@@ -185,9 +195,7 @@ class NixlPullTransport(NixlBase):
         out, capacity, whole = [], 0, 0
         for peer in self._peers:
             exposed = self._slots_of(peer)
-            if exposed.changes is None:
-                raise TransportError(f"{self.who}: {peer.label} publishes no changes; set the same "
-                                     "TransportOptions.delta_anchor_every on every rank")
+            assert exposed.changes is not None, "checked before connecting (_writer_agrees)"
             layout = ChangeLayout.from_header(exposed.changes, writer=peer.rank)
             index = ExposedIndex.decode(exposed.index)
             rows = {key: 1 + i for i, key in enumerate(index.entries)}
