@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import socket
-import subprocess
 import sys
 import threading
 import uuid
@@ -34,6 +33,7 @@ from typing import Any
 
 import torch
 
+import launcher
 from weightsync.layout import ModelSpec
 from weightsync.tools.engine_state import compare_states
 from weightsync.tools.tiny import canonical_weights, checkpoint_tensors, tiny_config
@@ -311,10 +311,9 @@ def process_writers(live: Live, job: str, targets: list[tuple[int, str]], sync: 
     for name in [k for k in env if k.startswith("VLLM_")]:
         del env[name]
     seeds = ",".join(str(SEEDS[t]) for _, t in targets)
-    procs = [subprocess.Popen([sys.executable, str(HERE / script), "--config", json.dumps(live.config), "--rank",
-                               str(rank), "--world", str(world), "--seeds", seeds, "--job", job,
-                               "--sync", json.dumps(sync), "--first-version", str(targets[0][0]), *extra],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [launcher.launch([sys.executable, str(HERE / script), "--config", json.dumps(live.config), "--rank",
+                              str(rank), "--world", str(world), "--seeds", seeds, "--job", job,
+                              "--sync", json.dumps(sync), "--first-version", str(targets[0][0]), *extra], env=env)
              for rank in range(world)]
     try:
         yield
@@ -451,7 +450,7 @@ def via_trainer_child(live: Live, versions: int = 2) -> None:
     cmd = [sys.executable, str(HERE / "_matrix_child.py"), "--checkpoint", str(live.tmp / "X"), "--config",
            json.dumps(live.config), "--seeds", ",".join(str(SEEDS[t]) for t in targets), "--job",
            new_job(live, "child")]
-    proc = subprocess.run(cmd, env=_child_env(live), text=True, capture_output=True, timeout=600, check=False)
+    proc = launcher.run(cmd, env=_child_env(live), timeout=600, warm="vllm")
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert [r["version"] for r in results] == list(range(versions + 1)), proc.stdout[-2000:]
@@ -515,7 +514,7 @@ def via_serve(live: Live, versions: int = 2) -> None:
         assert main(["verify", "--engine", url, "--checkpoint", str(live.tmp / held), "--timeout", "600"]) == 0
 
 
-def _stderr(procs: list[subprocess.Popen[str]]) -> str:
+def _stderr(procs: list[Any]) -> str:
     out = []
     for proc in procs:
         if proc.poll() is None:

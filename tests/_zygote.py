@@ -1,8 +1,12 @@
 """The warm process that the test launcher forks ranks from (see ``launcher.py``).
 
 It imports the heavy libraries every rank needs (torch above all: about 3 s of CPU per process
-on these machines) once, then forks one child per request. Nothing of weightsync is imported
-here: module-level state (ids, tokens, caches) must be a fresh process's in every rank.
+on these machines) once, then forks one child per request. ``--preload`` names more modules to
+import first (vLLM and transformers: 17 s of CPU per engine process). Nothing of weightsync is
+imported here: module-level state (ids, tokens, caches) must be a fresh process's in every rank.
+What the preloaded libraries registered with ``atexit`` at import stays registered in a child
+and runs at its exit (logging's flush, multiprocessing's joins, Ray's shutdown), as it would in
+a fresh process.
 
 Protocol, one request per connection on a Unix socket, JSON lines (no pickle):
     client -> {"argv": [...], "env": {...}, "cwd": str, "stdout": fifo path, "stderr": fifo path}
@@ -14,7 +18,9 @@ left, so that no rank outlives the suite.
 
 from __future__ import annotations
 
+import argparse
 import atexit
+import importlib
 import json
 import os
 import runpy
@@ -22,6 +28,8 @@ import selectors
 import signal
 import socket
 import sys
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import httpx  # noqa: F401  (preloaded)
 import msgpack  # noqa: F401  (preloaded)
@@ -44,7 +52,6 @@ def _child(conn: socket.socket, request: dict, inherited: list[int]) -> None:
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.set_wakeup_fd(-1)
-        atexit._clear()
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -94,7 +101,12 @@ def _child(conn: socket.socket, request: dict, inherited: list[int]) -> None:
 
 
 def main() -> None:
-    path = sys.argv[1]
+    parser = argparse.ArgumentParser()
+    parser.add_argument("socket")
+    parser.add_argument("--preload", default="", help="modules to import before serving, comma-separated")
+    args = parser.parse_args()
+    read = _preload(filter(None, args.preload.split(",")))
+    path = args.socket
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(64)
@@ -107,7 +119,7 @@ def main() -> None:
     selector.register(server, selectors.EVENT_READ, "accept")
     selector.register(wake_r, selectors.EVENT_READ, "child")
     selector.register(sys.stdin, selectors.EVENT_READ, "parent")
-    print("ready", flush=True)
+    print(json.dumps({"ready": True, "read": sorted(read)}), flush=True)
     try:
         while True:
             for key, _ in selector.select(timeout=1.0):
@@ -136,6 +148,66 @@ def main() -> None:
             conn.close()
         server.close()
         os.unlink(path)
+
+
+class _RecordingEnviron(os._Environ):
+    """``os.environ`` as the preloaded modules see it: it notes every variable they look up by
+    name. Look-ups made while listing the whole environment (tqdm and networkx pick their
+    variables by prefix; ``dict(os.environ)`` copies it for a subprocess) are not noted: they
+    would name every variable, and the prefixes they read are compared as :data:`NATIVE_ENV`."""
+
+    def __init__(self, environ: os._Environ, read: set[str]) -> None:
+        super().__init__(environ._data, environ.encodekey, environ.decodekey, environ.encodevalue,
+                         environ.decodevalue)
+        self.read: set[str] | None = read  # None once the imports are done: a plain os.environ then
+        self.listing = 0  # iterations under way
+        self.copying = 0  # look-ups left of a copy (``dict()`` lists the keys, then looks each up)
+
+    def __iter__(self) -> Iterator[str]:
+        if self.read is None:
+            yield from super().__iter__()
+            return
+        self.listing += 1
+        try:
+            yield from super().__iter__()
+        finally:
+            self.listing -= 1
+
+    def keys(self) -> Any:
+        if self.read is None:
+            return super().keys()
+        keys = list(super().__iter__())
+        self.copying += len(keys)
+        return keys
+
+    def __getitem__(self, key: str) -> str:
+        if self.read is None:
+            pass
+        elif self.copying:
+            self.copying -= 1
+        elif not self.listing and isinstance(key, str):
+            self.read.add(key)
+        return super().__getitem__(key)
+
+
+def _preload(modules: Iterable[str]) -> set[str]:
+    """Imports ``modules``; the names of the environment variables their imports looked up.
+
+    A library that reads a setting at import (vLLM's logging, huggingface_hub's offline switch)
+    keeps the value it read in every child, so the launcher forks a child from this process only
+    if the child's environment has the same values for these names. What C code reads with
+    ``getenv`` (OpenMP's settings) is not seen here: the launcher compares those by prefix."""
+    read: set[str] = set()
+    environ = os.environ
+    recording = _RecordingEnviron(environ, read)
+    os.environ = recording  # os.getenv reads the module's global too
+    try:
+        for module in modules:
+            importlib.import_module(module)
+    finally:
+        os.environ = environ
+        recording.read = None  # a module that kept a reference to it keeps a plain environment
+    return read
 
 
 def _reap(waiting: dict[int, socket.socket]) -> None:

@@ -12,6 +12,14 @@ A rank is still a process of its own (its pid can be SIGKILLed or SIGSTOPped, it
 is its own) with the environment, working directory and arguments it was given; only the
 imports of torch, numpy, msgpack and httpx are inherited. ``WEIGHTSYNC_TEST_FRESH_PROCESSES=1``
 starts every rank as a fresh interpreter instead, to rule the launcher out when a test fails.
+
+``launch(..., warm="vllm")`` forks from a warm process that has also imported vLLM's ``LLM`` and
+transformers (17 s of CPU per process here), for the processes that start engines or TRL. Those
+libraries read settings from the environment when they are imported (vLLM's logging,
+huggingface_hub's offline switch, OpenMP's threads), so such a warm process is started with
+the child's environment and notes every variable its imports looked up. It serves only the
+children that agree with it on those and on :data:`NATIVE_ENV`; a child that does not gets a
+warm process of its own.
 """
 
 from __future__ import annotations
@@ -33,23 +41,44 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PIPE = subprocess.PIPE
 
 
-class _Zygote:
-    """The warm process of this test process (one per pytest-xdist worker), started on first use."""
+#: The warm processes a rank can be forked from, and what each imports beyond torch.
+WARM = {"torch": (), "vllm": ("vllm.entrypoints.llm", "transformers")}
+#: Prefixes of the variables that native code reads at import with ``getenv`` (OpenMP, BLAS), and
+#: that Python code finds by listing the environment (tqdm, networkx): a child of a ``vllm`` warm
+#: process has the warm process's values of these too.
+NATIVE_ENV = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "LD_", "TQDM_", "NETWORKX_")
+#: Thread counts: every warm process runs without them, and each child applies its own
+#: (``torch.set_num_threads``), so that children of different thread counts share one.
+THREADS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
-    def __init__(self) -> None:
+
+class _Zygote:
+    """A warm process of this test process (per pytest-xdist worker and kind), started on first use."""
+
+    def __init__(self, preload: tuple[str, ...], env: dict[str, str]) -> None:
         self.directory = tempfile.mkdtemp(prefix="weightsync-zygote-")
         self.path = os.path.join(self.directory, "socket")
-        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "_zygote.py"), self.path],
-                                     stdin=PIPE, stdout=PIPE, env=env, text=True)
-        ready = _readline_within(self.proc.stdout, 120.0)
-        if ready.strip() != "ready":
+        self.env = env
+        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "_zygote.py"), self.path,
+                                      "--preload", ",".join(preload)], stdin=PIPE, stdout=PIPE, env=env, text=True)
+        ready = _readline_within(self.proc.stdout, 300.0)
+        try:
+            #: the variables the warm process's imports looked up
+            self.read: list[str] = json.loads(ready)["read"]
+        except (ValueError, KeyError, TypeError):
             self.close()
-            raise RuntimeError(f"the test launcher's warm process did not start (said {ready!r})")
+            raise RuntimeError(f"the test launcher's warm process did not start (said {ready!r})") from None
         self.count = 0
 
+    def serves(self, env: dict[str, str]) -> bool:
+        """Whether a child of ``env`` would have imported what this process imported, as it did."""
+        if self.proc.poll() is not None:
+            return False
+        native = {k for k in (*env, *self.env) if k.startswith(NATIVE_ENV)} - set(THREADS)
+        return all(env.get(k) == self.env.get(k) for k in (*self.read, *native))
+
     def close(self) -> None:
-        if self.proc.stdin:
+        if self.proc.stdin and not self.proc.stdin.closed:
             self.proc.stdin.close()
         try:
             self.proc.wait(30)
@@ -59,16 +88,36 @@ class _Zygote:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-_zygotes: list[_Zygote] = []
+_zygotes: dict[str, list[_Zygote]] = {warm: [] for warm in WARM}
 _lock = threading.Lock()
 
 
-def _the_zygote() -> _Zygote:
+def _the_zygote(warm: str, env: dict[str, str]) -> _Zygote:
+    """A live warm process of kind ``warm`` for a child of environment ``env``, started if need be.
+
+    The torch one serves every child (torch reads nothing the tests set)."""
     with _lock:
-        if not _zygotes or _zygotes[-1].proc.poll() is not None:
-            _zygotes.append(_Zygote())
-            atexit.register(_zygotes[-1].close)
-        return _zygotes[-1]
+        live = _zygotes[warm]
+        for zygote in [z for z in live if z.proc.poll() is not None]:
+            live.remove(zygote)
+            zygote.close()
+        if warm == "torch":
+            if not live:
+                live.append(_Zygote((), {k: v for k, v in os.environ.items() if k not in THREADS}))
+            return live[0]
+        for zygote in live:
+            if zygote.serves(env):
+                return zygote
+        live.append(_Zygote(WARM[warm], {k: v for k, v in env.items() if k not in THREADS}))
+        return live[-1]
+
+
+@atexit.register
+def _close_zygotes() -> None:
+    with _lock:
+        for live in _zygotes.values():
+            while live:
+                live.pop().close()
 
 
 def _readline_within(stream: Any, seconds: float) -> str:
@@ -85,8 +134,10 @@ def _readline_within(stream: Any, seconds: float) -> str:
 class Launched:
     """A rank forked from the warm process, used as a :class:`subprocess.Popen`."""
 
-    def __init__(self, args: list[str], *, env: dict[str, str] | None, cwd: str | None, text: bool) -> None:
-        zygote = _the_zygote()
+    def __init__(self, args: list[str], *, env: dict[str, str] | None, cwd: str | None, text: bool,
+                 warm: str) -> None:
+        env = dict(os.environ if env is None else env)
+        zygote = _the_zygote(warm, env)
         zygote.count += 1
         self.args = args
         self.returncode: int | None = None
@@ -96,7 +147,7 @@ class Launched:
         for name in ("stdout", "stderr"):
             os.mkfifo(f"{stem}.{name}")
             fds.append(os.open(f"{stem}.{name}", os.O_RDONLY | os.O_NONBLOCK))
-        request = {"argv": args[1:], "env": dict(os.environ if env is None else env),
+        request = {"argv": args[1:], "env": env,
                    "cwd": cwd or os.getcwd(), "stdout": f"{stem}.stdout", "stderr": f"{stem}.stderr"}
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(120.0)
@@ -196,23 +247,26 @@ class Launched:
 
 
 def launch(args: list[str], *, env: dict[str, str] | None = None, cwd: str | None = None, text: bool = True,
-           stdout: Any = PIPE, stderr: Any = PIPE) -> Any:
-    """Starts ``[sys.executable, script | -m module | -c code, *arguments]``; see the module doc.
+           stdout: Any = PIPE, stderr: Any = PIPE, warm: str = "torch") -> Any:
+    """Starts ``[sys.executable, script | -m module | -c code, *arguments]``, forked from the warm
+    process ``warm`` (a key of :data:`WARM`); see the module doc.
 
     stdout and stderr (PIPE) are read by ``communicate``. Anything else (another executable, a
     file for stdout) starts a fresh process with Popen."""
     fresh = os.environ.get("WEIGHTSYNC_TEST_FRESH_PROCESSES") == "1"
     if fresh or args[0] != sys.executable or stdout != PIPE or stderr != PIPE:
         return subprocess.Popen(args, env=env, cwd=cwd, text=text, stdout=stdout, stderr=stderr)
-    return Launched(args, env=env, cwd=cwd, text=text)
+    if warm not in WARM:
+        raise ValueError(f"no warm process {warm!r}: one of {sorted(WARM)}")
+    return Launched(args, env=env, cwd=cwd, text=text, warm=warm)
 
 
 def run(args: list[str], *, env: dict[str, str] | None = None, cwd: str | None = None, timeout: float | None = None,
-        text: bool = True, check: bool = False) -> subprocess.CompletedProcess:
+        text: bool = True, check: bool = False, warm: str = "torch") -> subprocess.CompletedProcess:
     """``subprocess.run(args, capture_output=True, text=text, timeout=timeout)``, forked as
     :func:`launch` does; on timeout the process is killed and :class:`subprocess.TimeoutExpired`
     raised, as ``subprocess.run`` does."""
-    proc = launch(args, env=env, cwd=cwd, text=text)
+    proc = launch(args, env=env, cwd=cwd, text=text, warm=warm)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

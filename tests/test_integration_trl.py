@@ -16,11 +16,12 @@ import contextlib
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import launcher
 
 HERE = Path(__file__).resolve().parent
 pytestmark = [
@@ -55,8 +56,7 @@ def _trainers(tmp_path: Path, mode: str, url: str | None, server=None, extra: tu
            "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", **VLLM_CI}
     cmd = [sys.executable, str(HERE / "_trl_grpo.py"), "train", "--model", str(tmp_path / "model"), "--out",
            str(tmp_path / "out"), "--mode", mode, "--steps", str(STEPS), *(["--url", url] if url else []), *extra]
-    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [launcher.launch(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, warm="vllm") for r in range(2)]
     with server if server is not None else contextlib.nullcontext():
         outputs = run_to_end(procs, timeout=timeout, tail=5000)
     return [r for out in outputs for r in _results(out)]
@@ -65,9 +65,8 @@ def _trainers(tmp_path: Path, mode: str, url: str | None, server=None, extra: tu
 def _references(tmp_path: Path, script: str, command: str, extra: tuple[str, ...] = ()) -> dict[int, list[int]]:
     """Greedy tokens of a fresh engine on each saved version of the trainer's weights."""
     paths = [str(tmp_path / "out" / f"v{v}") for v in range(1, STEPS + 1)]
-    proc = subprocess.run([sys.executable, str(HERE / script), command, *paths, *extra],
-                          capture_output=True, text=True, timeout=600, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+    proc = launcher.run([sys.executable, str(HERE / script), command, *paths, *extra], timeout=600, warm="vllm",
+                        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
                                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", **VLLM_CI})  # in-process: no engine processes to start
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {int(Path(r["path"]).name[1:]): r["tokens"] for r in _results(proc.stdout)}
@@ -182,6 +181,7 @@ def test_grpo_trainer_colocated_engines_take_a_local_copy_of_their_ranks_replica
     for r in (r for r in results if "tokens" in r):  # both ranks' engines, after every step
         assert r["tokens"] == refs[r["version"]], r
         assert r["weight_version"] == str(r["version"])
+    assert len({tuple(t) for t in refs.values()}) > 1  # training moved the weights, and the engines followed
 
 
 @pytest.mark.parametrize("path", ["local", pytest.param("job", marks=pytest.mark.heavy)])  # job: 130 s more
@@ -218,3 +218,4 @@ def test_grpo_trainer_colocated_tp2_engine_generates_as_a_fresh_tp2_engine(tmp_p
     for r in (r for r in results if "tokens" in r):  # both ranks generate with the one engine
         assert r["tokens"] == refs[r["version"]], r
         assert r["weight_version"] == str(r["version"])
+    assert len({tuple(t) for t in refs.values()}) > 1  # training moved the weights, and the engine followed

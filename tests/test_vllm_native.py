@@ -12,12 +12,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import launcher
 from _vllm_native import free_port, run_to_end
 from weightsync.tools.tiny import tiny_config, write_checkpoint
 
@@ -39,9 +39,9 @@ def _run(args: list[str], *, timeout: float = 300, env: dict[str, str] | None = 
     a fresh reference engine computes the same tokens there, without the two processes (engine
     core, worker) that vLLM's CPU build starts per engine otherwise (measured: 79 s against 22 s
     for two references)."""
-    proc = subprocess.run([sys.executable, str(HERE / "_vllm_native.py"), *args], capture_output=True, text=True,
-                          timeout=timeout, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})})
+    proc = launcher.run([sys.executable, str(HERE / "_vllm_native.py"), *args], timeout=timeout, warm="vllm",
+                        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                             **(env or {})})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return _results(proc.stdout)
 
@@ -76,8 +76,7 @@ def _trainers(cmd: list[str], *, world: int) -> list[str]:
     the end; their stdouts."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1"}
-    procs = [subprocess.Popen([*cmd, "--rank", str(r)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for r in range(world)]
+    procs = [launcher.launch([*cmd, "--rank", str(r)], env=env, warm="vllm") for r in range(world)]
     return run_to_end(procs, timeout=300)
 
 
@@ -257,11 +256,10 @@ def test_vllm_serve_applies_a_prefetched_version_inside_vllms_pause_alone(tmp_pa
     assert refs["A"] != refs["B"]
     with (EmbeddedMetaServer() as meta,
           vllm_server(tmp_path / "A", extra=("--enable-prompt-tokens-details", "--block-size", "32")) as url):
-        out = run_to_end([subprocess.Popen(
+        out = run_to_end([launcher.launch(
             [sys.executable, str(HERE / "_vllm_native.py"), "pause-driver", "--url", url, "--meta", meta.address,
              f"--token={meta.token}", "--job", "pause", "--model", str(tmp_path / "A"),
-             "--plan", "2:abort,1:keep-stale,2:keep,1:abort-reset"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)], timeout=300)
+             "--plan", "2:abort,1:keep-stale,2:keep,1:abort-reset"])], timeout=300)
     served = _results(out[0])
     assert [(r["version"], r.get("mode")) for r in served] == [
         (0, None), (1, "abort"), (2, "keep-stale"), (3, "keep"), (4, "abort-reset")]
