@@ -7,8 +7,9 @@ Everything is built here, nothing comes from a hub: the tiny Qwen3 checkpoint an
 tokenizer over its 512 ids (:func:`write_model`), the prompts, and the reward. After each
 optimizer step a callback syncs vLLM (version = the global step; TRL's own sync at the next
 generation is then a no-op), saves the trainer's full weights (rank 0) and prints one
-``RESULT`` line per rank: the bytes this rank sent, the bytes of the shards it holds, and on
-rank 0 the engine's greedy tokens and weight version.
+``RESULT`` line per rank: the bytes this rank sent, the bytes of the shards it holds, and the
+engine's greedy tokens and weight version (server mode: on rank 0); in colocate mode also the
+digest of every tensor its engine worker holds, which the references give per TP worker.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def train(args: argparse.Namespace) -> None:
                 result["tokens"], result["weight_version"] = completion(args.url, args.model)
             elif args.mode == "colocate":
                 result["tokens"], result["weight_version"] = _greedy(generation.llm), generation.llm.get_weight_version()
+                result["state"] = _wire_state(generation.llm)  # this rank's worker: its TP rank's shards
             print("RESULT " + json.dumps(result), flush=True)
 
     trainer.add_callback(Probe())
@@ -109,12 +111,27 @@ def train(args: argparse.Namespace) -> None:
     print("LOGGED " + json.dumps({"rank": rank, "rows": [row for row in logged if row]}), flush=True)
 
 
+def _wire(tensors: Any) -> dict[str, Any]:
+    """An engine state (tensors or digests) as the JSON of its digests."""
+    from weightsync.tools.engine_state import TensorDigest, state_to_wire
+
+    return state_to_wire({n: v if isinstance(v, TensorDigest) else TensorDigest.of(v) for n, v in tensors.items()})
+
+
+def _wire_state(llm: Any) -> dict[str, Any]:
+    from weightsync.engines.vllm_state import engine_state
+
+    return _wire(engine_state(llm)[1])
+
+
 def colocate_reference(paths: list[str], tp: int = 1) -> None:
     """Greedy tokens of a fresh engine per checkpoint, built with the arguments TRL 1.16 gives its
     colocated ``LLM`` (VLLMGeneration._init_vllm; the engine's dtype is vLLM's choice for a float32
     checkpoint, bfloat16 on CPU, where a different batch budget may flip a greedy token); with
     ``tp`` > 1 its TP workers are processes of its own (TRL's are the training ranks)."""
     from vllm import LLM
+
+    from weightsync.engines.vllm_state import engine_states
 
     sys.path.insert(0, str(HERE))
     from _vllm_native import _greedy
@@ -126,7 +143,8 @@ def colocate_reference(paths: list[str], tp: int = 1) -> None:
         before_engine_start()
         llm = LLM(model=path, max_model_len=256, max_num_seqs=2, seed=0, max_num_batched_tokens=4096,
                   logprobs_mode="processed_logprobs", kv_cache_memory_bytes=32 << 20, **parallel)
-        print("RESULT " + json.dumps({"path": path, "tokens": _greedy(llm)}), flush=True)
+        states = [_wire(tensors) for _, tensors in engine_states(llm)]  # one per TP worker, by rank
+        print("RESULT " + json.dumps({"path": path, "tokens": _greedy(llm), "states": states}), flush=True)
         llm.llm_engine.engine_core.shutdown()
         del llm
 

@@ -5,7 +5,8 @@ runs DDP over gloo: its FSDP needs an accelerator) on a tiny Qwen3 built here, w
 tokenizer, prompts and a reward built here too. Server mode syncs a real ``vllm serve
 --weight-transfer-config '{"backend": "weightsync"}'``; colocate mode the ``LLM`` TRL builds
 inside each training process. After each step the engine's greedy tokens equal a fresh
-engine's on the trainer's weights of that step. Through the job, the two ranks each send a part
+engine's on the trainer's weights of that step; a colocated engine's worker also holds every
+tensor, bitwise, that the fresh engine's worker of the same TP rank holds. Through the job, the two ranks each send a part
 of the model, the parts making exactly one model: no rank sends (or gathers) the whole of it. A
 colocated engine worker beside a DDP replica takes a local copy instead: 0 bytes.
 """
@@ -64,12 +65,38 @@ def _trainers(tmp_path: Path, mode: str, url: str | None, server=None, extra: tu
 
 def _references(tmp_path: Path, script: str, command: str, extra: tuple[str, ...] = ()) -> dict[int, list[int]]:
     """Greedy tokens of a fresh engine on each saved version of the trainer's weights."""
+    return {version: row["tokens"] for version, row in _reference_rows(tmp_path, script, command, extra).items()}
+
+
+def _reference_rows(tmp_path: Path, script: str, command: str, extra: tuple[str, ...] = ()) -> dict[int, dict]:
+    """What a fresh engine on each saved version of the trainer's weights gives, by version
+    (``colocate-reference``: its tokens and each TP worker's state)."""
     paths = [str(tmp_path / "out" / f"v{v}") for v in range(1, STEPS + 1)]
     proc = launcher.run([sys.executable, str(HERE / script), command, *paths, *extra], timeout=600, warm="vllm",
                         env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", **VLLM_CI})  # in-process: no engine processes to start
+                             "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                             **VLLM_CI})  # in-process: no engine processes to start
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {int(Path(r["path"]).name[1:]): r["tokens"] for r in _results(proc.stdout)}
+    return {int(Path(r["path"]).name[1:]): r for r in _results(proc.stdout)}
+
+
+def _check_colocated(results: list[dict], refs: dict[int, dict], tp: int) -> None:
+    """After every step, each rank's engine generates what a fresh engine on the trainer's weights
+    of that step generates, and every tensor its worker holds is bitwise the fresh engine's worker
+    of the same TP rank's (one-worker engines: rank ``r``'s whole engine; TP 2: rank ``r`` hosts TP
+    worker ``r``); and training changed what the references generate."""
+    from weightsync.tools.engine_state import compare_states, state_from_wire
+
+    rows = [r for r in results if "tokens" in r]
+    assert sorted((r["rank"], r["version"]) for r in rows) == [(k, v) for k in (0, 1) for v in range(1, STEPS + 1)]
+    for r in rows:
+        reference = refs[r["version"]]
+        assert r["tokens"] == reference["tokens"], r
+        assert r["weight_version"] == str(r["version"])
+        assert len(reference["states"]) == tp, len(reference["states"])
+        report = compare_states(state_from_wire(r["state"]), state_from_wire(reference["states"][r["rank"] % tp]))
+        assert report.ok and report.compared, f"rank {r['rank']}, version {r['version']}: {report.describe()}"
+    assert len({tuple(ref["tokens"]) for ref in refs.values()}) > 1  # training moved the weights, the engines followed
 
 
 def _check_logged(results: list[dict]) -> None:
@@ -177,11 +204,8 @@ def test_grpo_trainer_colocated_engines_take_a_local_copy_of_their_ranks_replica
         ranks = [r for r in results if r.get("version") == version]
         assert len(ranks) == 2 and all(r["held"] == r["model_bytes"] and r["nbytes"] == 0 for r in ranks), ranks
     _check_logged(results)
-    refs = _references(tmp_path, "_trl_grpo.py", "colocate-reference")  # the arguments TRL builds its LLM with
-    for r in (r for r in results if "tokens" in r):  # both ranks' engines, after every step
-        assert r["tokens"] == refs[r["version"]], r
-        assert r["weight_version"] == str(r["version"])
-    assert len({tuple(t) for t in refs.values()}) > 1  # training moved the weights, and the engines followed
+    # the references are built with the arguments TRL builds its LLM with
+    _check_colocated(results, _reference_rows(tmp_path, "_trl_grpo.py", "colocate-reference"), tp=1)
 
 
 @pytest.mark.parametrize("path", ["local", pytest.param("job", marks=pytest.mark.heavy)])  # job: 130 s more
@@ -214,8 +238,4 @@ def test_grpo_trainer_colocated_tp2_engine_generates_as_a_fresh_tp2_engine(tmp_p
             assert sent == [0, 0], sent
         else:
             assert all(0 < n < slices for n in sent), sent
-    refs = _references(tmp_path, "_trl_grpo.py", "colocate-reference", ("--tp", "2"))
-    for r in (r for r in results if "tokens" in r):  # both ranks generate with the one engine
-        assert r["tokens"] == refs[r["version"]], r
-        assert r["weight_version"] == str(r["version"])
-    assert len({tuple(t) for t in refs.values()}) > 1  # training moved the weights, and the engine followed
+    _check_colocated(results, _reference_rows(tmp_path, "_trl_grpo.py", "colocate-reference", ("--tp", "2")), tp=2)

@@ -161,37 +161,63 @@ def _in_process_state(worker: Any) -> dict[str, Any]:
     return {"settings": asdict(EngineSettings.of(worker.vllm_config)), "tensors": state}
 
 
+def _worker_digests(worker: Any) -> dict[str, Any]:
+    """A worker's state as digests, for a worker of an ``LLM`` in this process that runs in a process
+    of its own (TP workers): no tensor leaves the worker."""
+    state = digest_state(worker_model_state(worker))
+    return {"settings": asdict(EngineSettings.of(worker.vllm_config)), "tensors": state_to_wire(state)}
+
+
 # -- reading engines ----------------------------------------------------------------------------------
 
 LiveState = tuple[EngineSettings, Mapping[str, "torch.Tensor | TensorDigest"]]
 
 
 def engine_state(live: Any, *, timeout: float = 300.0) -> LiveState:
-    """The settings and state of a live engine: an ``LLM`` or the URL of ``vllm serve``.
+    """The settings and state of a live engine of one worker: an ``LLM`` or the URL of ``vllm serve``.
 
     An ``LLM`` whose engine core runs in this process is read by reference (copies of its
     tensors); any other engine through the ``"weightsync"`` backend on its workers, as digests
     (``vllm serve`` needs ``VLLM_SERVER_DEV_MODE=1`` for its ``/collective_rpc`` route).
 
     Raises:
-        ValueError: the engine cannot be read (no weightsync backend, several workers).
+        ValueError: the engine cannot be read (no weightsync backend), or it has several workers
+            (:func:`engine_states` reads those).
+    """
+    states = engine_states(live, timeout=timeout)
+    if len(states) != 1:
+        raise ValueError(f"expected one worker's state, got {len(states)}: engine_state reads engines of one worker "
+                         "(TP=PP=1); engine_states reads each worker of a sharded one")
+    return states[0]
+
+
+def engine_states(live: Any, *, timeout: float = 300.0) -> list[LiveState]:
+    """Each worker's settings and state, in the order vLLM lists its workers (their ranks): what a
+    sharded engine holds is compared worker by worker with a fresh engine of the same parallelism.
+
+    An ``LLM`` whose engine core runs in this process answers for the workers it drives: a
+    worker in this process by reference, workers in processes of their own (its TP workers) as
+    digests; an ``LLM`` that is one rank of an ``external_launcher`` job answers for its own
+    worker. Any other engine answers through the ``"weightsync"`` backend, as :func:`engine_state`.
     """
     if isinstance(live, str):
         answers = _post(live.rstrip("/") + "/collective_rpc",
                         {"method": "weight_transfer_engine", "args": [STATE_QUERY]}, timeout)["results"]
     elif type(live.llm_engine.engine_core).__name__ == "InprocClient":
-        answers = live.collective_rpc(_in_process_state)
+        parallel = live.llm_engine.vllm_config.parallel_config
+        here = parallel.world_size == 1 or parallel.distributed_executor_backend == "external_launcher"
+        answers = live.collective_rpc(_in_process_state if here else _worker_digests)
     else:
         answers = live.collective_rpc("weight_transfer_engine", args=(STATE_QUERY,))
-    if len(answers) != 1 or not isinstance(answers[0], Mapping):
-        raise ValueError(f"expected one worker's state, got {len(answers)} answer(s): the oracle reads engines of "
-                         "one worker (TP=PP=1), whose backend is 'weightsync' when they run in another process")
-    answer = answers[0]
-    settings = EngineSettings(**answer["settings"])
-    tensors = answer["tensors"]
-    if tensors and not isinstance(next(iter(tensors.values())), torch.Tensor):
-        tensors = state_from_wire(tensors)
-    return settings, tensors
+    if not answers or not all(isinstance(a, Mapping) for a in answers):
+        raise ValueError(f"expected each worker's state, got {answers!r:.200}")
+    states: list[LiveState] = []
+    for answer in answers:
+        tensors = answer["tensors"]
+        if tensors and not isinstance(next(iter(tensors.values())), torch.Tensor):
+            tensors = state_from_wire(tensors)
+        states.append((EngineSettings(**answer["settings"]), tensors))
+    return states
 
 
 def _post(url: str, body: Mapping[str, Any], timeout: float) -> Any:
