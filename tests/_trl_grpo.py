@@ -48,7 +48,9 @@ def train(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig
 
+    from weightsync.engines.vllm_state import engine_states
     from weightsync.integrations.trl import GRPOTrainer, TRLSyncSettings
+    from weightsync.tools.engine_state import wire_digests
 
     sys.path.insert(0, str(HERE))
     from _vllm_native import _greedy, completion
@@ -97,6 +99,7 @@ def train(args: argparse.Namespace) -> None:
                 save_file({k: v.contiguous() for k, v in full.items()}, str(path / "model.safetensors"))
             if args.mode == "server" and rank == 0:
                 result["tokens"], result["weight_version"] = completion(args.url, args.model)
+                result["states"] = [wire_digests(t) for _, t in engine_states(args.url)]  # every worker it serves with
             elif args.mode == "colocate":
                 result["tokens"], result["weight_version"] = _greedy(generation.llm), generation.llm.get_weight_version()
                 result["state"] = _wire_state(generation.llm)  # this rank's worker: its TP rank's shards
@@ -111,17 +114,11 @@ def train(args: argparse.Namespace) -> None:
     print("LOGGED " + json.dumps({"rank": rank, "rows": [row for row in logged if row]}), flush=True)
 
 
-def _wire(tensors: Any) -> dict[str, Any]:
-    """An engine state (tensors or digests) as the JSON of its digests."""
-    from weightsync.tools.engine_state import TensorDigest, state_to_wire
-
-    return state_to_wire({n: v if isinstance(v, TensorDigest) else TensorDigest.of(v) for n, v in tensors.items()})
-
-
 def _wire_state(llm: Any) -> dict[str, Any]:
     from weightsync.engines.vllm_state import engine_state
+    from weightsync.tools.engine_state import wire_digests
 
-    return _wire(engine_state(llm)[1])
+    return wire_digests(engine_state(llm)[1])
 
 
 def colocate_reference(paths: list[str], tp: int = 1) -> None:
@@ -132,6 +129,7 @@ def colocate_reference(paths: list[str], tp: int = 1) -> None:
     from vllm import LLM
 
     from weightsync.engines.vllm_state import engine_states
+    from weightsync.tools.engine_state import wire_digests
 
     sys.path.insert(0, str(HERE))
     from _vllm_native import _greedy
@@ -143,7 +141,7 @@ def colocate_reference(paths: list[str], tp: int = 1) -> None:
         before_engine_start()
         llm = LLM(model=path, max_model_len=256, max_num_seqs=2, seed=0, max_num_batched_tokens=4096,
                   logprobs_mode="processed_logprobs", kv_cache_memory_bytes=32 << 20, **parallel)
-        states = [_wire(tensors) for _, tensors in engine_states(llm)]  # one per TP worker, by rank
+        states = [wire_digests(tensors) for _, tensors in engine_states(llm)]  # one per TP worker, by rank
         print("RESULT " + json.dumps({"path": path, "tokens": _greedy(llm), "states": states}), flush=True)
         llm.llm_engine.engine_core.shutdown()
         del llm

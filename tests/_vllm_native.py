@@ -214,13 +214,19 @@ def _greedy(llm: Any) -> list[int]:
     return list(llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)[0].outputs[0].token_ids)
 
 
-def reference(paths: list[str], tp: int = 1) -> None:
+def reference(paths: list[str], tp: int = 1, states: bool = False) -> None:
     """Greedy tokens of a fresh engine per checkpoint, built as the test servers are (``tp`` > 1:
-    its TP workers are processes of its own)."""
+    its TP workers are processes of its own); with ``states``, each worker's state as digests."""
+    from weightsync.engines.vllm_state import engine_states
+    from weightsync.tools.engine_state import wire_digests
+
     parallel: dict[str, Any] = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
     for path in paths:
         llm = _engine(path, **parallel)
-        print("RESULT " + json.dumps({"path": path, "tokens": _greedy(llm)}), flush=True)
+        row: dict[str, Any] = {"path": path, "tokens": _greedy(llm)}
+        if states:
+            row["states"] = [wire_digests(tensors) for _, tensors in engine_states(llm)]
+        print("RESULT " + json.dumps(row), flush=True)
         llm.llm_engine.engine_core.shutdown()
         del llm
 
@@ -303,6 +309,7 @@ def main() -> int:
     r = sub.add_parser("reference")
     r.add_argument("paths", nargs="+")
     r.add_argument("--tp", type=int, default=1)
+    r.add_argument("--states", action="store_true", help="each worker's state too, as digests")
     m = sub.add_parser("mp-engine")
     m.add_argument("--checkpoint", required=True)
     m.add_argument("--seeds", required=True)
@@ -328,7 +335,7 @@ def main() -> int:
     elif args.cmd == "pause-driver":
         pause_driver(args)
     elif args.cmd == "reference":
-        reference(args.paths, args.tp)
+        reference(args.paths, args.tp, args.states)
     elif args.cmd == "mp-engine-delta":
         mp_engine_delta(args.checkpoint, args.seed)
     else:

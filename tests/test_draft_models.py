@@ -10,6 +10,7 @@ trainer's weights: parameters bitwise, and so their outputs on the same input.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -103,3 +104,40 @@ def test_models_of_one_job_must_not_share_names():
         merge([layout, layout], 0)
     both = merge([layout, prefixed(layout, "draft.")], 0)
     assert sorted(both.canonical) == ["draft.fc.weight", "fc.weight"]
+
+
+def _engine_config(method: str | None, model: str = "", tp: int = 1) -> Any:
+    """The parts of a vLLM config that the drafter's set-up reads."""
+    from types import SimpleNamespace
+
+    speculative = None if method is None else SimpleNamespace(method=method, model=model,
+                                                              draft_model_config=SimpleNamespace(model=model))
+    return SimpleNamespace(speculative_config=speculative, parallel_config=SimpleNamespace(tensor_parallel_size=tp))
+
+
+def test_a_separate_drafters_tensors_are_read_from_its_checkpoint_and_an_engine_without_one_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    from weightsync.engines.vllm_model import drafter_checkpoint
+
+    save_file({"fc.weight": torch.zeros(4, 8), "layers.0.mlp.down_proj.weight": torch.zeros(4, 2)},
+              str(tmp_path / "model.safetensors"))
+    assert drafter_checkpoint(_engine_config("eagle", str(tmp_path))) == {
+        "fc.weight": (4, 8), "layers.0.mlp.down_proj.weight": (4, 2)}
+    for method in (None, "mtp", "ngram"):  # no drafter of its own: nothing to sync
+        with pytest.raises(ValueError, match="no drafter of its own"):
+            drafter_checkpoint(_engine_config(method, str(tmp_path)))
+    with pytest.raises(ValueError, match="'org/eagle-head' is not a directory of safetensors files"):
+        drafter_checkpoint(_engine_config("eagle", "org/eagle-head"))
+
+
+def test_syncing_a_drafter_of_a_tp_engine_is_refused_by_name(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    from weightsync.engines import vllm_model
+
+    save_file({"fc.weight": torch.zeros(4, 8)}, str(tmp_path / "model.safetensors"))
+    monkeypatch.setattr(vllm_model, "staging_quant", lambda config: None)
+    monkeypatch.setattr("weightsync.engines.vllm_parallel.check_parallel", lambda config: None)
+    with pytest.raises(ValueError, match="needs an engine of one TP worker"):
+        vllm_model.check_supported(_engine_config("eagle", str(tmp_path), tp=2), drafter=True)

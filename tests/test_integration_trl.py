@@ -63,11 +63,6 @@ def _trainers(tmp_path: Path, mode: str, url: str | None, server=None, extra: tu
     return [r for out in outputs for r in _results(out)]
 
 
-def _references(tmp_path: Path, script: str, command: str, extra: tuple[str, ...] = ()) -> dict[int, list[int]]:
-    """Greedy tokens of a fresh engine on each saved version of the trainer's weights."""
-    return {version: row["tokens"] for version, row in _reference_rows(tmp_path, script, command, extra).items()}
-
-
 def _reference_rows(tmp_path: Path, script: str, command: str, extra: tuple[str, ...] = ()) -> dict[int, dict]:
     """What a fresh engine on each saved version of the trainer's weights gives, by version
     (``colocate-reference``: its tokens and each TP worker's state)."""
@@ -78,6 +73,26 @@ def _reference_rows(tmp_path: Path, script: str, command: str, extra: tuple[str,
                              **VLLM_CI})  # in-process: no engine processes to start
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {int(Path(r["path"]).name[1:]): r for r in _results(proc.stdout)}
+
+
+def _check_served(results: list[dict], refs: dict[int, dict], *, tp: int, workers: int) -> None:
+    """After every step the server generates what a fresh engine on the trainer's weights of that
+    step generates, its version stamp is the step, and each of the ``workers`` workers its state
+    route answers for (TP worker ``t`` of a replica is the ``t``-th) holds every tensor, bitwise,
+    that the fresh engine's TP worker ``t`` holds; and training changed what the references generate."""
+    from weightsync.tools.engine_state import compare_states, state_from_wire
+
+    served = sorted((r for r in results if "tokens" in r), key=lambda r: r["version"])
+    assert [r["version"] for r in served] == list(range(1, STEPS + 1))
+    for r in served:
+        reference = refs[r["version"]]
+        assert r["weight_version"] == str(r["version"])  # the engine's stamp is the trainer's global step
+        assert r["tokens"] == reference["tokens"], r  # the same weights as a fresh engine, token for token
+        assert len(r["states"]) == workers and len(reference["states"]) == tp, (len(r["states"]), workers)
+        for i, state in enumerate(r["states"]):
+            report = compare_states(state_from_wire(state), state_from_wire(reference["states"][i % tp]))
+            assert report.ok and report.compared, f"worker {i}, version {r['version']}: {report.describe()}"
+    assert len({tuple(ref["tokens"]) for ref in refs.values()}) > 1  # training moved the weights, the server followed
 
 
 def _check_colocated(results: list[dict], refs: dict[int, dict], tp: int) -> None:
@@ -140,13 +155,8 @@ def test_grpo_trainer_syncs_a_vllm_server_through_weightsync_without_a_gather(tm
     results = _trainers(tmp_path, "server", url, server)
     _check_shares(results, "float32")
     _check_logged(results)
-    refs = _references(tmp_path, "_vllm_native.py", "reference")  # the server's engine arguments
-    served = sorted((r for r in results if "tokens" in r), key=lambda r: r["version"])
-    assert [r["version"] for r in served] == list(range(1, STEPS + 1))
-    for r in served:
-        assert r["weight_version"] == str(r["version"])  # the engine's stamp is the trainer's global step
-        assert r["tokens"] == refs[r["version"]], r  # the same weights as a fresh engine, token for token
-    assert len({tuple(t) for t in refs.values()}) > 1  # training moved the weights, and the server followed
+    # the server's engine arguments
+    _check_served(results, _reference_rows(tmp_path, "_vllm_native.py", "reference", ("--states",)), tp=1, workers=1)
 
 
 @pytest.mark.heavy  # vllm serve with 2 replicas of 2 TP workers (4 worker processes): 4-5 min; `make test-heavy`
@@ -155,7 +165,9 @@ def test_grpo_trainer_syncs_a_tp2_dp2_vllm_server_each_worker_taking_only_its_sl
     """Server mode against ``vllm serve --tensor-parallel-size 2 --data-parallel-size 2`` (issue
     41): each of the server's four workers is a reader of its own (worker ``t`` of replica ``d`` is
     reader ``2d + t``) and receives only the slices it loads, from both training ranks; after every
-    step both replicas generate what a fresh TP 2 engine on the trainer's saved weights generates."""
+    step the server generates what a fresh TP 2 engine on the trainer's saved weights generates, and
+each worker of the replica its state route reads holds every tensor that the fresh engine's worker
+of its TP rank holds."""
     sys.path.insert(0, str(HERE))
     from _trl_grpo import write_model
     from _vllm_native import free_port, vllm_server
@@ -179,13 +191,10 @@ def test_grpo_trainer_syncs_a_tp2_dp2_vllm_server_each_worker_taking_only_its_sl
         # most the two replicas' sets, and neither rank packs the whole model (no gather)
         model = next(r["model_bytes"] for r in results if r.get("version") == version)
         assert len(sent) == 2 and slices <= sum(sent) <= 2 * slices and all(0 < n < model for n in sent), sent
-    refs = _references(tmp_path, "_vllm_native.py", "reference", ("--tp", "2"))
-    served = sorted((r for r in results if "tokens" in r), key=lambda r: r["version"])
-    assert [r["version"] for r in served] == list(range(1, STEPS + 1))
-    for r in served:
-        assert r["weight_version"] == str(r["version"])
-        assert r["tokens"] == refs[r["version"]], r
-    assert len({tuple(t) for t in refs.values()}) > 1
+    refs = _reference_rows(tmp_path, "_vllm_native.py", "reference", ("--tp", "2", "--states"))
+    # vLLM 0.32 runs a /collective_rpc on every data-parallel engine and answers with the first's:
+    # the state read is replica 0's two workers
+    _check_served(results, refs, tp=2, workers=2)
 
 
 @pytest.mark.heavy  # 130 s: the TP 2 colocate test's `local` case checks the same (0 bytes, tokens, metrics) with TP

@@ -38,6 +38,7 @@ import torch
 from weightsync.layout import ModelSpec, RankLayout, Shard
 from weightsync.layout.box import Box
 from weightsync.layout.kinds.hf import HFLayout
+from weightsync.layout.models import merge
 from weightsync.layout.restrict import restrict
 from weightsync.ports import device as device_port
 from weightsync.ports.engine import Invalid, ServingVersion
@@ -71,7 +72,7 @@ class StagedWeights:
 
     def __init__(self, spec: ModelSpec, *, dtype: torch.dtype, device: str | torch.device, rank: int,
                  replicas: int | None = None, quant: str | None = None,
-                 reads: Mapping[str, Iterable[Box]] | None = None) -> None:
+                 reads: Mapping[str, Iterable[Box]] | None = None, extra: RankLayout | None = None) -> None:
         self.spec = spec
         # The hf kind's world must include this rank; pass the number of engines so that all
         # readers publish one descriptor (and share one layout template when planning).
@@ -81,9 +82,13 @@ class StagedWeights:
         self._layout = kind.rank_layout(spec, rank)
         #: ``reads``: the boxes of each canonical tensor the engine's loader reads (a TP worker's
         #: slices): only they arrive, into whole checkpoint-shaped buffers (an explicit layout)
-        self._restricted = reads is not None
+        self._explicit = reads is not None or extra is not None  # published as shards, not as the hf kind
         if reads is not None:
             self._layout = restrict(self._layout, reads)
+        #: ``extra``: another model of the job the engine stages too (a separate drafter, under its
+        #: prefix: :mod:`weightsync.layout.models`); the layout is then the explicit union
+        if extra is not None:
+            self._layout = merge([self._layout, extra], rank)
         self._device = torch.device(device)
         self.dev = device_port.current()
         self._phases: tuple[tuple[str, ...], ...] | None = None  # laid out for these; None: not yet
@@ -116,7 +121,7 @@ class StagedWeights:
         return MappingProxyType(self._buffers)
 
     def descriptor(self) -> tuple[str, Mapping[str, object]] | None:
-        if self._restricted:
+        if self._explicit:
             return None  # not the hf kind's whole model: the shards themselves are published
         return self.layout_text, self.spec.to_hf_config()
 

@@ -47,11 +47,13 @@ import torch
 
 from weightsync.engines.staging import StagedWeights, invalid_stamp
 from weightsync.engines.vllm_model import (
+    DRAFT_PREFIX,
     PLAIN_LOADERS,
     REPACKED_ATTRS,
     ParamFacts,
     check_supported,
     draft_model,
+    drafter_checkpoint,
     in_place_names,
     in_place_targets,
     param_facts,
@@ -61,6 +63,8 @@ from weightsync.engines.vllm_model import (
     staging_quant,
 )
 from weightsync.engines.vllm_reload import ReloadSession, layer_of, reload_model
+from weightsync.layout.models import named_layout, prefixed
+from weightsync.tools.torch_layout import dtype_name
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -73,6 +77,7 @@ BACKEND_NAME = "weightsync"
 
 __all__ = [
     "BACKEND_NAME",
+    "DRAFT_PREFIX",
     "PLAIN_LOADERS",
     "REPACKED_ATTRS",
     "TESTED_VLLM",
@@ -108,10 +113,13 @@ class VLLMEngine(StagedWeights):
     ``apply`` loads the staged weights through vLLM's reload path, resets the prefix
     cache (cached KV blocks were computed with the old weights) and sets the engine's
     weight version to ``str(version)``, so every ``CompletionOutput.weight_versions`` span
-    says which weights produced it.
+    says which weights produced it. With ``drafter=True`` an engine that drafts with a model of
+    its own (an EAGLE head) takes that model too, as the job's second model under
+    :data:`DRAFT_PREFIX` (docs/models.md, "Draft models").
     """
 
-    def __init__(self, llm: LLM, *, rank: int = 0, replicas: int | None = None, in_place: bool = True) -> None:
+    def __init__(self, llm: LLM, *, rank: int = 0, replicas: int | None = None, in_place: bool = True,
+                 drafter: bool = False) -> None:
         engine = llm.llm_engine
         if type(engine.engine_core).__name__ != "InprocClient":
             raise ValueError(
@@ -120,12 +128,21 @@ class VLLMEngine(StagedWeights):
                 "(LLM(weight_transfer_config={'backend': 'weightsync'})), which runs the reader inside the worker"
             )
         vllm_config: Any = engine.vllm_config
-        check_supported(vllm_config)
+        check_supported(vllm_config, drafter=drafter)
         # with MTP drafting, the drafter's layers are synced too (reloaded after the target's)
         mtp = runs_mtp(vllm_config)
-        super().__init__(spec_of(vllm_config, mtp=mtp), dtype=vllm_config.model_config.dtype,
+        dtype = vllm_config.model_config.dtype
+        #: ``drafter``: the engine's separate drafter (an EAGLE head, a draft model) is a second model
+        #: of the job, its checkpoint's tensors under DRAFT_PREFIX, reloaded in the target's session
+        self.drafter = drafter
+        extra = None
+        if drafter:
+            draft = {name: (shape, dtype_name(dtype)) for name, shape in drafter_checkpoint(vllm_config).items()}
+            extra = prefixed(named_layout(draft, rank), DRAFT_PREFIX)
+        super().__init__(spec_of(vllm_config, mtp=mtp), dtype=dtype,
                          device=vllm_config.device_config.device, rank=rank, replicas=replicas,
-                         quant=staging_quant(vllm_config), reads=llm.collective_rpc(_worker_reads, args=(mtp,))[0])
+                         quant=staging_quant(vllm_config), reads=llm.collective_rpc(_worker_reads, args=(mtp,))[0],
+                         extra=extra)
         self.llm = llm
         if in_place:  # parameters that need no processing are received straight into the model
             checkpoint = {shard.name: (shard.shape, shard.dtype) for shard in self.layout().shards}
@@ -134,7 +151,7 @@ class VLLMEngine(StagedWeights):
 
     # In-process, collective_rpc calls the functions directly: the tensors are passed by reference.
     def _begin(self, version: int) -> None:
-        self.llm.collective_rpc(_reload_begin)
+        self.llm.collective_rpc(_reload_begin, args=(self.drafter,))
 
     def _load_items(self, items: list[tuple[str, torch.Tensor]]) -> None:
         self.llm.collective_rpc(_reload_load, args=(items,))
@@ -227,9 +244,10 @@ def _worker_reads(worker: Any, mtp: bool) -> Any:
     return worker_reads(worker.vllm_config, mtp=mtp)
 
 
-def _reload_begin(worker: Any) -> None:
-    draft = draft_model(worker.model_runner) if runs_mtp(worker.vllm_config) else None
-    worker._weightsync_reload = ReloadSession(worker.model_runner.get_model(), worker.vllm_config, draft=draft)
+def _reload_begin(worker: Any, drafter: bool = False) -> None:
+    draft = draft_model(worker.model_runner) if drafter or runs_mtp(worker.vllm_config) else None
+    worker._weightsync_reload = ReloadSession(worker.model_runner.get_model(), worker.vllm_config, draft=draft,
+                                              draft_prefix=DRAFT_PREFIX if drafter else None)
     worker._weightsync_reload.begin()
 
 

@@ -40,31 +40,75 @@ def runs_mtp(vllm_config: Any) -> bool:
     return speculative is not None and "mtp" in str(getattr(speculative, "method", "") or "")
 
 
+#: The prefix of a separate drafter's tensors in a job that syncs it (``VLLMEngine(llm, drafter=True)``):
+#: the draft model's own checkpoint names under it (``weightsync.layout.models``).
+DRAFT_PREFIX = "draft."
+
+
+def drafts_separately(vllm_config: Any) -> bool:
+    """Whether the engine drafts with a model of its own (an EAGLE head, a draft model), whose
+    weights are not the target's."""
+    speculative = getattr(vllm_config, "speculative_config", None)
+    method = str(getattr(speculative, "method", "") or "") if speculative is not None else ""
+    return bool(method) and not runs_mtp(vllm_config) and method not in WEIGHTLESS_DRAFTING
+
+
+def drafter_checkpoint(vllm_config: Any) -> dict[str, tuple[int, ...]]:
+    """The separate drafter's checkpoint tensors (name -> shape), read from the safetensors headers
+    of the directory vLLM loaded it from: the names its loader takes, so the names a trainer of the
+    draft sends (under :data:`DRAFT_PREFIX`).
+
+    Raises:
+        ValueError: the engine has no separate drafter, or its checkpoint is not a local directory of
+            safetensors files (a hub id: pass the downloaded directory to vLLM).
+    """
+    import glob
+    import os
+
+    from safetensors import safe_open
+
+    if not drafts_separately(vllm_config):
+        raise ValueError("the engine has no drafter of its own to sync (speculative_config with an EAGLE head or a "
+                         "draft model)")
+    speculative = vllm_config.speculative_config
+    path = str(getattr(getattr(speculative, "draft_model_config", None), "model", "") or speculative.model)
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"the drafter's checkpoint {path!r} is not a directory of safetensors files: weightsync reads "
+                         "the drafter's tensor names from there (download it and give vLLM the directory)")
+    tensors: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                tensors[name] = tuple(int(d) for d in f.get_slice(name).get_shape())
+    return tensors
+
+
 def separate_drafter(vllm_config: Any) -> str | None:
     """What an engine that drafts with weights other than the model's own MTP layers is told
     (an EAGLE head, a draft model, Medusa heads), or None.
 
-    Those weights are a model of their own, which an RL run usually does not train: weightsync
-    syncs the target only and the drafter keeps the weights it started with. Speculative
-    decoding stays lossless (the target verifies every drafted token); only the share of drafted
-    tokens it accepts may fall as the policy moves away from the drafter. Syncing such a drafter
-    into vLLM is not supported yet (docs/models.md, "Draft models"), so this is said once, when the
-    engine is set up, rather than left for the user to find out.
+    Those weights are a model of their own, which an RL run does not always train: unless the
+    engine syncs the drafter (``VLLMEngine(llm, drafter=True)``), weightsync syncs the target only
+    and the drafter keeps the weights it started with. Speculative decoding stays lossless (the
+    target verifies every drafted token); only the share of drafted tokens it accepts may fall as
+    the policy moves away from the drafter, so this is said once, when the engine is set up,
+    rather than left for the user to find out.
     """
-    speculative = getattr(vllm_config, "speculative_config", None)
-    method = str(getattr(speculative, "method", "") or "") if speculative is not None else ""
-    if not method or runs_mtp(vllm_config) or method in WEIGHTLESS_DRAFTING:
+    if not drafts_separately(vllm_config):
         return None
+    speculative = vllm_config.speculative_config
     draft_config = getattr(speculative, "draft_model_config", None)
     draft = getattr(draft_config, "model", None) or getattr(speculative, "model", "")
-    return (f"the engine drafts with {method}{f' ({draft})' if draft else ''}: weightsync syncs the target model only, "
-            "and the drafter keeps the weights it was started with (decoding stays lossless; the share of drafted "
-            "tokens accepted may fall as the policy moves). Syncing a separate drafter into vLLM is not supported "
-            "yet: docs/models.md, \"Draft models\"")
+    return (f"the engine drafts with {speculative.method}{f' ({draft})' if draft else ''}: weightsync syncs the target "
+            "model only, and the drafter keeps the weights it was started with (decoding stays lossless; the share of "
+            "drafted tokens accepted may fall as the policy moves). To sync the drafter too, as a second model of the "
+            f"job under {DRAFT_PREFIX!r}: VLLMEngine(llm, drafter=True) (docs/models.md, \"Draft models\")")
 
 
 def draft_model(model_runner: Any) -> torch.nn.Module | None:
-    """The MTP drafter's model of a worker's model runner (vLLM 0.32: ``model_runner.drafter.model``)."""
+    """The drafter's model of a worker's model runner, MTP or separate (vLLM 0.32:
+    ``model_runner.drafter.model``)."""
     return getattr(getattr(model_runner, "drafter", None), "model", None)
 
 
@@ -173,13 +217,19 @@ def quant_scheme(config: Mapping[str, Any]) -> str:
     return scheme
 
 
-def check_supported(vllm_config: Any) -> None:
-    """Reject engine configurations whose reload path this adapter has not been built for."""
+def check_supported(vllm_config: Any, *, drafter: bool = False) -> None:
+    """Reject engine configurations whose reload path this adapter has not been built for
+    (``drafter``: the engine syncs its separate drafter too)."""
     from weightsync.engines.vllm_parallel import check_parallel
 
     check_parallel(vllm_config)
     staging_quant(vllm_config)
-    if (notice := separate_drafter(vllm_config)) is not None:
+    if drafter:
+        drafter_checkpoint(vllm_config)  # refuses an engine without one, naming why
+        if int(vllm_config.parallel_config.tensor_parallel_size) > 1:
+            raise ValueError("syncing a separate drafter needs an engine of one TP worker: the drafter's tensors are "
+                             "staged whole, and a TP worker loads only its slices")
+    elif (notice := separate_drafter(vllm_config)) is not None:
         logger.info(notice)
     if vllm_config.lora_config is not None:
         raise ValueError("engines with LoRA enabled are not supported")

@@ -27,11 +27,13 @@ class ReloadSession:
     the engine.
     """
 
-    def __init__(self, model: Any, vllm_config: Any, *, draft: Any = None) -> None:
+    def __init__(self, model: Any, vllm_config: Any, *, draft: Any = None, draft_prefix: str | None = None) -> None:
         self.model = model
         self.vllm_config = vllm_config
-        #: the MTP drafter, fed the checkpoint's MTP layers (from ``num_hidden_layers`` on)
+        #: the drafter: an MTP drafter is fed the checkpoint's MTP layers (from ``num_hidden_layers``
+        #: on); a separate one (``draft_prefix``) the tensors under its prefix, by its own names
         self.draft = draft
+        self.draft_prefix = draft_prefix
         self._first_mtp = int(vllm_config.model_config.hf_config.num_hidden_layers)
         self._stashed: list[tuple[Any, Any]] = []
         spec = spec_of(vllm_config)
@@ -58,8 +60,13 @@ class ReloadSession:
         from vllm.config import set_current_vllm_config
 
         items = list(weights)
-        draft = [(n, t) for n, t in items if layer_of(n) >= self._first_mtp]
-        target = [(n, t) for n, t in items if layer_of(n) < self._first_mtp]
+        if self.draft_prefix is not None:
+            cut = len(self.draft_prefix)
+            draft = [(n[cut:], t) for n, t in items if n.startswith(self.draft_prefix)]
+            target = [(n, t) for n, t in items if not n.startswith(self.draft_prefix)]
+        else:
+            draft = [(n, t) for n, t in items if layer_of(n) >= self._first_mtp]
+            target = [(n, t) for n, t in items if layer_of(n) < self._first_mtp]
         with set_current_vllm_config(self.vllm_config):
             if target:
                 if self.model is None:

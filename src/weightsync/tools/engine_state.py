@@ -299,6 +299,11 @@ def state_to_wire(state: Mapping[str, TensorDigest]) -> dict[str, list[Any]]:
     return {name: d.to_wire() for name, d in state.items()}
 
 
+def wire_digests(state: State) -> dict[str, list[Any]]:
+    """A state read by reference or as digests (:data:`State`), as the wire form of its digests."""
+    return state_to_wire({name: v if isinstance(v, TensorDigest) else TensorDigest.of(v) for name, v in state.items()})
+
+
 def state_from_wire(doc: Any) -> dict[str, TensorDigest]:
     if not isinstance(doc, Mapping):
         raise ValueError(f"an engine state on the wire is a mapping of tensor name to digest, got {type(doc).__name__}")
