@@ -58,6 +58,7 @@ def _start(path: Path) -> Any:
     before_engine_start()
     return LLM(model=str(path / "target"), skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
                max_model_len=128, max_num_seqs=2, seed=0, kv_cache_memory_bytes=16 << 20,
+               weight_transfer_config={"backend": "weightsync"},
                speculative_config={"method": "eagle", "model": str(path / "draft"), "num_speculative_tokens": 2})
 
 
@@ -79,18 +80,20 @@ def _stop(llm: Any) -> None:
     gc.collect()
 
 
-def _sync(engine: Any, server: Any, job: str, version: int, models_: tuple[torch.nn.Module, torch.nn.Module],
-          **settings: Any) -> None:
+def _sync(llm: Any, engine: Any, server: Any, job: str, version: int,
+          models_: tuple[torch.nn.Module, torch.nn.Module], **settings: Any) -> None:
     """One job of one version: the trainer's target and head (``models_``) from a writer thread, under
-    their prefixes, into ``engine`` through a reader."""
+    their prefixes; read by ``engine`` (a ``VLLMEngine``) behind a ``WeightReader``, or with ``engine``
+    None by the worker backend of ``llm``, initialised with ``drafter=True``."""
+    from weightsync.engines.vllm import update_llm
     from weightsync.meta import MetaClient
     from weightsync.roles.reader import WeightReader
     from weightsync.roles.writer import WeightWriter
     from weightsync.session.sync_session import SyncConfig
     from weightsync.sources.module import ModelsSource, ModuleSource, NamedSource
 
-    sync = SyncConfig.from_wire({"num_writers": 1, "num_readers": 1, "transport": "shm", "timeout": 120.0, "job": job,
-                                 **settings})
+    wire = {"num_writers": 1, "num_readers": 1, "transport": "shm", "timeout": 120.0, "job": job, **settings}
+    sync = SyncConfig.from_wire(wire)
     target, draft = models_
     errors: list[BaseException] = []
 
@@ -105,17 +108,28 @@ def _sync(engine: Any, server: Any, job: str, version: int, models_: tuple[torch
     thread = threading.Thread(target=write, daemon=True)
     thread.start()
     try:
-        with WeightReader(engine, rank=0, config=sync, meta=MetaClient(server.address, job=job, token=server.token)) as reader:
-            assert reader.update(version, timeout=120).version == version
+        if engine is not None:
+            meta = MetaClient(server.address, job=job, token=server.token)
+            with WeightReader(engine, rank=0, config=sync, meta=meta) as reader:
+                assert reader.update(version, timeout=120).version == version
+        else:
+            llm.init_weight_transfer_engine({"init_info": {**wire, "meta_address": server.address,
+                                                           "meta_token": server.token, "rank": 0, "drafter": True}})
+            try:
+                update_llm(llm, version, timeout=120)
+            finally:
+                llm.shutdown_weight_transfer_engine()
+            assert llm.get_weight_version() == str(version)
     finally:
         thread.join(120)
     assert not errors, errors
 
 
 def test_an_eagle_drafter_is_synced_into_vllm_as_the_second_model_of_the_job(tmp_path):
-    """X -> Y as a whole, then Y -> X in layer phases of 64 KiB (the head's layer and ``fc`` in
-    phases of their own, through reused staging): each time every tensor of target and drafter,
-    and the greedy tokens, are those of a fresh engine on the checkpoint sent."""
+    """X -> Y as a whole through ``VLLMEngine``, then Y -> X through the worker backend
+    (``init_info`` ``drafter=True``) in layer phases of 64 KiB, through reused staging: each time
+    every tensor of target and drafter, and the greedy tokens, are those of a fresh engine on the
+    checkpoint sent."""
     from weightsync.engines.vllm import VLLMEngine
     from weightsync.meta import EmbeddedMetaServer
     from weightsync.plan.phases import layer_phases
@@ -144,9 +158,9 @@ def test_an_eagle_drafter_is_synced_into_vllm_as_the_second_model_of_the_job(tmp
             assert len(layer_phases(engine.layout().canonical, budget_bytes=64 << 10)) > 3  # the second job's phases
             after = {}
             with EmbeddedMetaServer() as server:
-                _sync(engine, server, "whole", 1, trained["Y"])
+                _sync(llm, engine, server, "whole", 1, trained["Y"])
                 after["Y"] = _served(llm)
-                _sync(engine, server, "phases", 2, trained["X"], layer_phases=True, max_bucket_bytes=64 << 10)
+                _sync(llm, None, server, "phases", 2, trained["X"], layer_phases=True, max_bucket_bytes=64 << 10)
                 after["X"] = _served(llm)
         finally:
             _stop(llm)

@@ -243,6 +243,11 @@ def test_worker_init_info_rank_and_adapter_are_checked():
         WeightSyncInitInfo.from_wire({"num_writers": 1})
     with pytest.raises(ValueError, match=r"WeightSyncInitInfo.lora is not a plain LoRA adapter config: KeyError\('r'\)"):
         WeightSyncInitInfo.from_wire({"num_writers": 1, "num_readers": 1, "lora": {"lora_alpha": 16}})
+    with pytest.raises(ValueError, match=r"WeightSyncInitInfo: drafter=True with lora: adapter versions"):
+        WeightSyncInitInfo.from_wire({"num_writers": 1, "num_readers": 1, "drafter": True,
+                                      "lora": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}})
+    with pytest.raises(ValueError, match=r"WeightSyncInitInfo.drafter"):
+        WeightSyncInitInfo.from_wire({"num_writers": 1, "num_readers": 1, "drafter": "yes"})
 
 
 @needs_vllm

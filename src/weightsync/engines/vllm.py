@@ -54,6 +54,8 @@ from weightsync.engines.vllm_model import (
     check_supported,
     draft_model,
     drafter_checkpoint,
+    drafter_layout,
+    drafts_separately,
     in_place_names,
     in_place_targets,
     param_facts,
@@ -63,8 +65,6 @@ from weightsync.engines.vllm_model import (
     staging_quant,
 )
 from weightsync.engines.vllm_reload import ReloadSession, layer_of, reload_model
-from weightsync.layout.models import named_layout, prefixed
-from weightsync.tools.torch_layout import dtype_name
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -87,6 +87,9 @@ __all__ = [
     "VLLMEngine",
     "check_supported",
     "draft_model",
+    "drafter_checkpoint",
+    "drafter_layout",
+    "drafts_separately",
     "in_place_names",
     "in_place_targets",
     "invalid_stamp_of",
@@ -131,18 +134,13 @@ class VLLMEngine(StagedWeights):
         check_supported(vllm_config, drafter=drafter)
         # with MTP drafting, the drafter's layers are synced too (reloaded after the target's)
         mtp = runs_mtp(vllm_config)
-        dtype = vllm_config.model_config.dtype
         #: ``drafter``: the engine's separate drafter (an EAGLE head, a draft model) is a second model
         #: of the job, its checkpoint's tensors under DRAFT_PREFIX, reloaded in the target's session
         self.drafter = drafter
-        extra = None
-        if drafter:
-            draft = {name: (shape, dtype_name(dtype)) for name, shape in drafter_checkpoint(vllm_config).items()}
-            extra = prefixed(named_layout(draft, rank), DRAFT_PREFIX)
-        super().__init__(spec_of(vllm_config, mtp=mtp), dtype=dtype,
+        super().__init__(spec_of(vllm_config, mtp=mtp), dtype=vllm_config.model_config.dtype,
                          device=vllm_config.device_config.device, rank=rank, replicas=replicas,
                          quant=staging_quant(vllm_config), reads=llm.collective_rpc(_worker_reads, args=(mtp,))[0],
-                         extra=extra)
+                         extra=drafter_layout(vllm_config, rank) if drafter else None)
         self.llm = llm
         if in_place:  # parameters that need no processing are received straight into the model
             checkpoint = {shard.name: (shard.shape, shard.dtype) for shard in self.layout().shards}

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weightsync.layout import ModelSpec
+from weightsync.layout import ModelSpec, RankLayout
+from weightsync.layout.models import named_layout, prefixed
 from weightsync.tools.torch_layout import dtype_name
 
 if TYPE_CHECKING:
@@ -84,6 +85,14 @@ def drafter_checkpoint(vllm_config: Any) -> dict[str, tuple[int, ...]]:
     return tensors
 
 
+def drafter_layout(vllm_config: Any, rank: int) -> RankLayout:
+    """The separate drafter as staged beside the target: its checkpoint's tensors, whole, in the
+    engine's dtype, under :data:`DRAFT_PREFIX` (the job's second model)."""
+    dtype = dtype_name(vllm_config.model_config.dtype)
+    tensors = {name: (shape, dtype) for name, shape in drafter_checkpoint(vllm_config).items()}
+    return prefixed(named_layout(tensors, rank), DRAFT_PREFIX)
+
+
 def separate_drafter(vllm_config: Any) -> str | None:
     """What an engine that drafts with weights other than the model's own MTP layers is told
     (an EAGLE head, a draft model, Medusa heads), or None.
@@ -103,7 +112,8 @@ def separate_drafter(vllm_config: Any) -> str | None:
     return (f"the engine drafts with {speculative.method}{f' ({draft})' if draft else ''}: weightsync syncs the target "
             "model only, and the drafter keeps the weights it was started with (decoding stays lossless; the share of "
             "drafted tokens accepted may fall as the policy moves). To sync the drafter too, as a second model of the "
-            f"job under {DRAFT_PREFIX!r}: VLLMEngine(llm, drafter=True) (docs/models.md, \"Draft models\")")
+            f"job under {DRAFT_PREFIX!r}: VLLMEngine(llm, drafter=True), or drafter=True in the weightsync backend's "
+            "init info (docs/models.md, \"Draft models\")")
 
 
 def draft_model(model_runner: Any) -> torch.nn.Module | None:

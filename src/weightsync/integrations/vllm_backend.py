@@ -31,13 +31,11 @@ recovers it. An update that fails after a byte of it reached the model (a tensor
 place, a phase loaded, vLLM's loader started) leaves the engine invalid, and vLLM's weight
 version, stamped on every output, becomes ``invalid:<version>``; a failure before that leaves the
 engine at its version. The worker answers whether it is invalid to its driver
-(:data:`~weightsync.engines.vllm.WORKER_INVALID`, a method it adds to vLLM's worker). Who stamps:
-a worker in the engine core's process (vLLM's ``uni`` executor: TP=1 on a GPU) stamps the core
-itself before ``update_weights`` raises (:func:`_calling_engine_core`); otherwise (vLLM's CPU build
-runs every worker in a process of its own) the driver does, as ``update_llm`` and the trainer
-side do after a failed update. Every worker also answers which version it serves, since when, valid
-or not (:data:`~weightsync.engines.vllm_version.WORKER_VERSION`, a method it adds to vLLM's worker at
-construction: :meth:`WeightSyncTransferEngine.serving`).
+(:data:`~weightsync.engines.vllm.WORKER_INVALID`, a method it adds to vLLM's worker). A worker in
+the engine core's process (vLLM's ``uni`` executor) stamps the core itself before ``update_weights``
+raises (:func:`_calling_engine_core`); otherwise the driver does (``update_llm``, the trainer side).
+Every worker also answers which version it serves, since when, valid or not
+(:data:`~weightsync.engines.vllm_version.WORKER_VERSION`: :meth:`WeightSyncTransferEngine.serving`).
 
 An engine that drafts with the model's MTP layers (``speculative_config`` method ``mtp``) stages
 them too, and every version reloads target and drafter in one session: the drafter holds the
@@ -47,6 +45,7 @@ hands a backend its drafter only in a draft session (``start_draft_weight_update
 vLLM's trainer-side client protocol cannot open, so the backend takes it from the worker that
 creates it (:func:`_creator`), and refuses at init an MTP engine whose drafter it cannot
 find. A draft session is still accepted, for the version the target holds (nothing is left to load).
+A drafter of its own (an EAGLE head) is synced the same way with ``drafter=True`` in the init info.
 """
 
 from __future__ import annotations
@@ -68,9 +67,12 @@ from vllm.distributed.weight_transfer.base import (
 
 from weightsync.engines.staging import StagedWeights, invalid_stamp
 from weightsync.engines.vllm import (
+    DRAFT_PREFIX,
     WORKER_INVALID,
     ReloadSession,
     check_supported,
+    drafter_layout,
+    drafts_separately,
     in_place_targets,
     runs_mtp,
     spec_of,
@@ -118,10 +120,13 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
     #: engine keeps generating; ``update_weights`` then only applies (module docstring). This
     #: worker's own choice, not a job setting: the trainers never see it.
     prefetch: bool = False
+    #: sync the engine's drafter of its own (an EAGLE head) too, the job's second model under ``draft.``
+    drafter: bool = False
 
     def __post_init__(self) -> None:
         where = type(self).__name__
-        for name, kind in (("rank", int), ("meta_token", str), ("lora_id", int), ("prefetch", bool)):
+        for name, kind in (("rank", int), ("meta_token", str), ("lora_id", int), ("prefetch", bool),
+                           ("drafter", bool)):
             check_value(getattr(self, name), kind, f"{where}.{name}")
         if self.lora is not None and not isinstance(self.lora, dict):
             raise ValueError(f"{where}.lora must be an adapter config (a mapping) or null, got "
@@ -134,6 +139,9 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
         if self.prefetch and config.layer_phases:
             raise ValueError(f"{where}: prefetch=True with layer_phases=True: each phase is loaded into the model "
                              "as it arrives, so the transfer cannot overlap generation; choose one")
+        if self.drafter and self.lora is not None:
+            raise ValueError(f"{where}: drafter=True with lora: adapter versions are the target's adapter alone, "
+                             "with no drafter in them; choose one")
         if self.prefetch and self.lora is not None:
             raise ValueError(f"{where}: prefetch=True with lora: adapter versions are installed whole into vLLM's "
                              "LoRA manager as they arrive, there is no staging to prefetch into; choose one")
@@ -174,25 +182,32 @@ class _WorkerEngine(StagedWeights):
     reload session per version (fed a phase of whole layers at a time with ``layer_phases``)."""
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device, rank: int,
-                 replicas: int, *, in_place: bool = True, draft: torch.nn.Module | None = None) -> None:
-        check_supported(vllm_config)
+                 replicas: int, *, in_place: bool = True, draft: torch.nn.Module | None = None,
+                 drafter: bool = False) -> None:
+        check_supported(vllm_config, drafter=drafter)
         self.mtp = runs_mtp(vllm_config)
-        assert draft is not None or not self.mtp, "init_transfer_engine refuses an MTP engine without its drafter"
+        #: the drafter of its own (``drafter``) is the job's second model, staged under DRAFT_PREFIX
+        self.separate = drafter
+        if draft is None and (self.mtp or drafter):
+            raise RuntimeError("the weightsync backend did not find this engine's drafter (vLLM 0.32's Worker."
+                               "load_model, get_draft_model()), and its weights would go stale")
         # with MTP drafting the MTP layers are staged too, for the drafter; a TP worker receives
         # only the slices its loaders read
         super().__init__(spec_of(vllm_config, mtp=self.mtp), dtype=vllm_config.model_config.dtype, device=device,
                          rank=rank, replicas=replicas, quant=staging_quant(vllm_config),
-                         reads=worker_reads(vllm_config, mtp=self.mtp))
+                         reads=worker_reads(vllm_config, mtp=self.mtp),
+                         extra=drafter_layout(vllm_config, rank) if drafter else None)
         self.model = model
         self.vllm_config = vllm_config
         self._session: ReloadSession | None = None
-        #: the MTP drafter, reloaded with the target in every session
-        self.draft = draft if self.mtp else None
+        #: the drafter (MTP, or of its own with ``drafter``), reloaded with the target in every session
+        self.draft = draft if self.mtp or drafter else None
         if in_place:  # parameters that need no processing are received straight into the model
             self.receive_in_place(in_place_targets(model, self, quantized=staging_quant(vllm_config) is not None))
 
     def _begin(self, version: int) -> None:
-        self._session = ReloadSession(self.model, self.vllm_config, draft=self.draft)
+        self._session = ReloadSession(self.model, self.vllm_config, draft=self.draft,
+                                      draft_prefix=DRAFT_PREFIX if self.separate else None)
         self._session.begin()
 
     def _load_items(self, items: list[tuple[str, torch.Tensor]]) -> None:
@@ -205,8 +220,9 @@ class _WorkerEngine(StagedWeights):
             session.end()
 
     def load_draft(self, version: int | None) -> None:
-        """A draft session (vLLM's ``start_draft_weight_update``): the drafter loaded the MTP layers
-        of the target's version with it, so only that version is accepted, and nothing is loaded."""
+        """A draft session (vLLM's ``start_draft_weight_update``): the drafter was loaded with the
+        target's version (its MTP layers, or its own tensors), so only that version is accepted, and
+        nothing is loaded."""
         if version is not None and version != self._version:
             raise ValueError(f"a draft update to version {version}: the target model holds version "
                              f"{self._version}, and the drafter is updated with the target, not alone")
@@ -311,8 +327,10 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self._worker: _WorkerEngine | None = None
         self._draft_session = False
         worker = _creator(model)
-        #: the MTP drafter, taken now: only the worker creating this engine can say which it is
-        self._drafter = worker.get_draft_model() if worker is not None and runs_mtp(vllm_config) else None
+        #: the drafter (MTP, or of its own), taken now: only the worker creating this engine can say which
+        drafts = runs_mtp(vllm_config) or drafts_separately(vllm_config)
+        self._draft_model = worker.get_draft_model() if worker is not None and drafts else None
+        self._drafter = self._draft_model if runs_mtp(vllm_config) else None  # the one synced
         #: its model runner (for the KV caches the engine-state oracle leaves out), None if not found
         self._runner = getattr(worker, "model_runner", None)
         #: the bench's timestamps of forwards and of these calls (None unless it asks: vllm_step_trace)
@@ -361,9 +379,11 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
                     "from the worker that creates it (vLLM 0.32's Worker.load_model, get_draft_model()), and this "
                     "vLLM created it elsewhere. Its MTP weights would go stale: run without speculative decoding, "
                     "or with vLLM 0.32")
+            if init_info.drafter:  # synced from now on, and so part of the engine's state
+                self._drafter = self._draft_model
             engine = self._worker = _WorkerEngine(self._default_model, self.vllm_config, self.device, rank,
                                                   config.num_readers, in_place=not init_info.prefetch,
-                                                  draft=self._drafter)
+                                                  draft=self._drafter, drafter=init_info.drafter)
             # Staging is laid out now, not at the first update, in the memory reserved before vLLM
             # sized its KV cache (reserve_staging); what does not fit in it is allocated from what
             # vLLM left, or refused here with the figure, never inside a sync.
@@ -395,10 +415,10 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         # vLLM's start_draft_weight_update retargets this engine at the drafter before calling this
         self._draft_session = self.model is not self._default_model
         if self._draft_session:
-            if self._worker is None or not self._worker.mtp or self.model is not self._worker.draft:
-                raise RuntimeError("a draft weight update: weightsync syncs MTP drafters (speculative_config "
-                                   "method 'mtp') of full-model versions, and this engine drafts with another "
-                                   "model or takes LoRA adapters")
+            if self._worker is None or self._worker.draft is None or self.model is not self._worker.draft:
+                raise RuntimeError("a draft weight update: weightsync syncs an MTP drafter (speculative_config "
+                                   "method 'mtp'), or a drafter of its own when initialised with drafter=True, "
+                                   "with the target's versions, and this engine does neither or takes LoRA adapters")
             return
         if self.prefetch is not None:
             with self._span("start_weight_update"):
