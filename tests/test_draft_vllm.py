@@ -80,13 +80,24 @@ def _stop(llm: Any) -> None:
     gc.collect()
 
 
-def _sync(llm: Any, engine: Any, server: Any, job: str, version: int,
-          models_: tuple[torch.nn.Module, torch.nn.Module], **settings: Any) -> None:
-    """One job of one version: the trainer's target and head (``models_``) from a writer thread, under
-    their prefixes; read by ``engine`` (a ``VLLMEngine``) behind a ``WeightReader``, or with ``engine``
-    None by the worker backend of ``llm``, initialised with ``drafter=True``."""
+#: the jobs the test runs on one engine, in turn: (job, API, [(version, checkpoint)], job settings)
+JOBS = [
+    ("whole", "engine", [(1, "Y")], {}),
+    ("phases", "backend", [(2, "X")], {"layer_phases": True, "max_bucket_bytes": 64 << 10}),
+    ("prefetch-fleet", "prefetch", [(3, "Y")], {"commit": "fleet"}),
+    ("delta", "engine", [(4, "X"), (5, "Y")], {"delta_anchor_every": 2}),  # an anchor, then a delta
+]
+
+
+def _sync(llm: Any, engines: dict[str, Any], server: Any, job: str, api: str, versions: list[tuple[int, str]],
+          trained: dict[str, tuple[torch.nn.Module, torch.nn.Module]], settings: dict[str, Any]) -> list[Any]:
+    """One job: the trainer's target and head hold each version's checkpoint in turn and a writer
+    thread sends them under their prefixes; ``api`` reads them (``engine``: a ``VLLMEngine`` behind a
+    ``WeightReader``; ``prefetch``: one that stages everything, behind ``Prefetch``; ``backend``: the
+    worker backend of ``llm``, initialised with ``drafter=True``). What the engine serves after each."""
     from weightsync.engines.vllm import update_llm
     from weightsync.meta import MetaClient
+    from weightsync.roles.prefetch import Prefetch
     from weightsync.roles.reader import WeightReader
     from weightsync.roles.writer import WeightWriter
     from weightsync.session.sync_session import SyncConfig
@@ -94,42 +105,68 @@ def _sync(llm: Any, engine: Any, server: Any, job: str, version: int,
 
     wire = {"num_writers": 1, "num_readers": 1, "transport": "shm", "timeout": 120.0, "job": job, **settings}
     sync = SyncConfig.from_wire(wire)
-    target, draft = models_
+    target, draft = _eagle_head_pair(seed=9)  # the trainer's modules, given each version's values
     errors: list[BaseException] = []
 
     def write() -> None:
         try:
             source = ModelsSource({"": ModuleSource(target, CONFIG), "draft.": NamedSource(draft)})
             with WeightWriter(source, rank=0, config=sync, meta=MetaClient(server.address, job=job, token=server.token)) as w:
-                w.write(version)
+                for version, name in versions:
+                    with torch.no_grad():
+                        for mine, theirs in zip((target, draft), trained[name], strict=True):
+                            for p, q in zip(mine.parameters(), theirs.parameters(), strict=True):
+                                p.copy_(q)
+                    w.write(version)
         except BaseException as exc:
             errors.append(exc)
 
+    served = []
     thread = threading.Thread(target=write, daemon=True)
     thread.start()
     try:
-        if engine is not None:
-            meta = MetaClient(server.address, job=job, token=server.token)
-            with WeightReader(engine, rank=0, config=sync, meta=meta) as reader:
-                assert reader.update(version, timeout=120).version == version
-        else:
+        if api == "backend":
             llm.init_weight_transfer_engine({"init_info": {**wire, "meta_address": server.address,
                                                            "meta_token": server.token, "rank": 0, "drafter": True}})
             try:
-                update_llm(llm, version, timeout=120)
+                for version, _ in versions:
+                    update_llm(llm, version, timeout=120)
+                    assert llm.get_weight_version() == str(version)
+                    served.append(_served(llm))
             finally:
                 llm.shutdown_weight_transfer_engine()
-            assert llm.get_weight_version() == str(version)
+        else:
+            meta = MetaClient(server.address, job=job, token=server.token)
+            with WeightReader(engines[api], rank=0, config=sync, meta=meta) as reader:
+                staged = Prefetch(reader) if api == "prefetch" else None
+                try:
+                    for version, _ in versions:
+                        if staged is not None:
+                            staged.start()
+                            assert staged.apply(version, timeout=120).version == version
+                        else:
+                            assert reader.update(version, timeout=120).version == version
+                        served.append(_served(llm))
+                finally:
+                    if staged is not None:
+                        staged.close()
     finally:
         thread.join(120)
     assert not errors, errors
+    return served
+
+
+def _eagle_head_pair(seed: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    target, draft = models(seed)
+    return target, _eagle_head(draft)
 
 
 def test_an_eagle_drafter_is_synced_into_vllm_as_the_second_model_of_the_job(tmp_path):
-    """X -> Y as a whole through ``VLLMEngine``, then Y -> X through the worker backend
-    (``init_info`` ``drafter=True``) in layer phases of 64 KiB, through reused staging: each time
-    every tensor of target and drafter, and the greedy tokens, are those of a fresh engine on the
-    checkpoint sent."""
+    """One engine, started on X, takes five versions alternating Y and X through four jobs
+    (:data:`JOBS`): the whole model through ``VLLMEngine``; the worker backend (``init_info``
+    ``drafter=True``) in layer phases of 64 KiB, through reused staging; prefetch under the
+    fleet-wide commit; an anchor then a delta. After each version every tensor of target and
+    drafter, and the greedy tokens, are those of a fresh engine on the checkpoint sent."""
     from weightsync.engines.vllm import VLLMEngine
     from weightsync.meta import EmbeddedMetaServer
     from weightsync.plan.phases import layer_phases
@@ -142,30 +179,31 @@ def test_an_eagle_drafter_is_synced_into_vllm_as_the_second_model_of_the_job(tmp
         trained = {"X": _write(tmp_path / "X", seed=0), "Y": _write(tmp_path / "Y", seed=1)}  # the trainer's weights
         fresh = _start(tmp_path / "Y")
         try:
-            served = {"Y": _served(fresh)}
+            reference = {"Y": _served(fresh)}
         finally:
             _stop(fresh)
             del fresh
         llm = _start(tmp_path / "X")
         try:
-            served["X"] = _served(llm)  # a fresh engine on X: no update yet
-            assert served["X"][0] != served["Y"][0]
-            drafted = sorted(n for n in served["Y"][1] if n.startswith("drafter.")
-                             and not torch.equal(served["X"][1][n], served["Y"][1][n]))
+            reference["X"] = _served(llm)  # a fresh engine on X: no update yet
+            assert reference["X"][0] != reference["Y"][0]
+            drafted = sorted(n for n in reference["Y"][1] if n.startswith("drafter.")
+                             and not torch.equal(reference["X"][1][n], reference["Y"][1][n]))
             assert any(".fc." in n for n in drafted) and any(".layers.0." in n for n in drafted), drafted
-            engine = VLLMEngine(llm, drafter=True)
-            assert {"draft.fc.weight", "draft.layers.0.mlp.down_proj.weight"} <= set(engine.layout().canonical)
-            assert len(layer_phases(engine.layout().canonical, budget_bytes=64 << 10)) > 3  # the second job's phases
-            after = {}
+            engines = {"engine": VLLMEngine(llm, drafter=True), "prefetch": VLLMEngine(llm, in_place=False, drafter=True)}
+            canonical = engines["engine"].layout().canonical
+            assert {"draft.fc.weight", "draft.layers.0.mlp.down_proj.weight"} <= set(canonical)
+            assert len(layer_phases(canonical, budget_bytes=64 << 10)) > 3  # the phases job's phases
+            after = []
             with EmbeddedMetaServer() as server:
-                _sync(llm, engine, server, "whole", 1, trained["Y"])
-                after["Y"] = _served(llm)
-                _sync(llm, None, server, "phases", 2, trained["X"], layer_phases=True, max_bucket_bytes=64 << 10)
-                after["X"] = _served(llm)
+                for job, api, versions, settings in JOBS:
+                    served = _sync(llm, engines, server, job, api, versions, trained, settings)
+                    after += [(f"{job} ({api}), version {v}", name, s) for (v, name), s in zip(versions, served,
+                                                                                               strict=True)]
         finally:
             _stop(llm)
-    for target, before in (("Y", "X"), ("X", "Y")):
-        tokens, state = after[target]
-        report = compare_states(state, served[target][1], others={before: served[before][1]})
-        assert report.ok, f"{before} -> {target}: {report.describe()}"
-        assert tokens == served[target][0], f"{before} -> {target}: greedy tokens differ from a fresh engine's"
+    for what, target, (tokens, state) in after:
+        before = "X" if target == "Y" else "Y"
+        report = compare_states(state, reference[target][1], others={before: reference[before][1]})
+        assert report.ok, f"{what}, {before} -> {target}: {report.describe()}"
+        assert tokens == reference[target][0], f"{what}, {before} -> {target}: greedy tokens differ from a fresh engine's"
