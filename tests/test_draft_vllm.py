@@ -211,6 +211,8 @@ def test_an_eagle_drafter_is_synced_into_vllm_as_the_second_model_of_the_job(tmp
         assert tokens == reference[target][0], f"{what}, {before} -> {target}: greedy tokens differ from a fresh engine's"
 
 
+@pytest.mark.heavy  # 55 s in CI's conditions: `make test-heavy`; by default test_draft_paths checks that LoRA
+# never targets the MTP layer (test_lora_leaves_the_drafter), and test_lora syncs adapters into vLLM
 def test_a_lora_adapter_synced_into_an_engine_drafting_with_mtp_moves_the_adapter_and_leaves_the_drafter(tmp_path):
     """LoRA around an MTP drafter: a tiny DeepSeek-V3 with one MTP layer, served with LoRA enabled
     and drafting with MTP. A LoRA job moves the adapter alone (vLLM applies adapters to the target,
