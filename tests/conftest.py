@@ -193,7 +193,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         name = item.path.name
         item.add_marker(tier_of(name))
-        if is_fast(name, item.name):
+        if is_fast(name, item.name, stack=item.get_closest_marker("stack") is not None):
             item.add_marker("fast")
 
 

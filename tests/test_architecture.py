@@ -443,6 +443,10 @@ PROTOCOL_PROBES = {
 }
 
 
+#: the rules read from mypy's types: its build of the tree takes 16-28 s, in `make test` only (tests/tiers.py)
+TYPED = pytest.mark.stack("mypy")
+
+
 @pytest.fixture(scope="module")  # one worker builds it (the module's xdist group): 16 s
 def typed_tree() -> tuple[Any, dict[str, Any]]:
     return type_checked({name: textwrap.dedent(text) for name, text in PROTOCOL_PROBES.items()})
@@ -479,6 +483,7 @@ def test_integrations_are_imported_by_nothing_below_them(edges):
     assert not offenders, "\n".join(offenders)
 
 
+@TYPED
 def test_only_the_job_channel_speaks_the_protocol(typed_tree):
     offenders = [o for o in protocol_calls_outside_the_channel(*typed_tree) if ".probe_" not in o.split(":")[0]]
     assert not offenders, "go through weightsync.job.channel.JobChannel:\n" + "\n".join(offenders)
@@ -494,6 +499,7 @@ def documented_layers(doc: str) -> dict[str, tuple[set[str], set[str]]]:
     return out
 
 
+@TYPED
 def test_no_port_is_probed_with_hasattr_or_getattr(typed_tree):
     offenders = [o for o in port_probes(*typed_tree) if ".probe_" not in o.split(":")[0]]
     assert not offenders, "declare the capability on the port instead of probing for it:\n" + "\n".join(offenders)
@@ -686,6 +692,7 @@ def test_an_integration_imported_from_below_is_caught(tmp_path):
         "weightsync.engines.vllm:2 imports weightsync.integrations.vllm_backend (lazy)"]
 
 
+@TYPED
 def test_a_protocol_call_outside_the_channel_is_caught_by_what_its_receiver_is(typed_tree):
     found = [o for o in protocol_calls_outside_the_channel(*typed_tree) if ".probe_" in o.split(":")[0]]
     assert found == [
@@ -696,6 +703,7 @@ def test_a_protocol_call_outside_the_channel_is_caught_by_what_its_receiver_is(t
     ]
 
 
+@TYPED
 def test_a_probed_port_is_caught_by_its_type(typed_tree):
     found = [o for o in port_probes(*typed_tree) if ".probe_" in o.split(":")[0]]
     assert found == [

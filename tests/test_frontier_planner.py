@@ -111,6 +111,7 @@ def test_frontier_plans_have_zero_redundancy_and_cover_every_element_once(case):
 
 
 @pytest.mark.skipif(not MEGATRON, reason="mbridge or megatron-core is not installed (pip install weightsync[megatron])")
+@pytest.mark.stack("megatron")  # megatron-core's import and layer specs: 10 s of CPU
 @SETTINGS
 @given(frontier_pairs(family="gpt_oss", megatron=True))
 def test_gpt_oss_from_megatron_plans_have_zero_redundancy_and_cover_every_element_once(case):

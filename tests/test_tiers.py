@@ -32,6 +32,20 @@ def test_every_file_a_fast_run_reads_holds_fast_tests():
     assert all(tier_of(f) in ("unit", "contract") for f in fast)
 
 
+def test_a_unit_test_that_builds_a_stack_runs_in_make_test_not_in_make_test_fast(request):
+    """``pytest.mark.stack`` leaves a test to ``make test``: mypy's build of the tree and megatron-core's
+    import cost more CPU than the rest of the fast tier's unit files together (tiers.py)."""
+    from tiers import is_fast
+
+    assert is_fast("test_architecture.py", "test_no_import_circle")
+    assert not is_fast("test_architecture.py", "test_no_port_is_probed_with_hasattr_or_getattr", stack=True)
+    items = {i.name: i for i in request.session.items}
+    for name in ("test_no_port_is_probed_with_hasattr_or_getattr",
+                 "test_gpt_oss_from_megatron_plans_have_zero_redundancy_and_cover_every_element_once"):
+        if name in items:  # collected in this run: marked unit, never fast
+            assert items[name].get_closest_marker("unit") and not items[name].get_closest_marker("fast")
+
+
 def test_the_fast_tier_draws_a_fifth_of_the_examples(monkeypatch):
     monkeypatch.setattr(budget, "FAST", False)
     assert [budget.examples(n) for n in (3, 30, 300, 1000)] == [3, 30, 300, 1000]

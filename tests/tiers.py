@@ -78,8 +78,11 @@ def may_select(filename: str, markexpr: str) -> bool:
     return tier == expr
 
 
-def is_fast(filename: str, test_id: str) -> bool:
-    """A unit test, or a contract test that runs on FAST_TRANSPORT or on no transport at all."""
+def is_fast(filename: str, test_id: str, *, stack: bool = False) -> bool:
+    """A unit test, or a contract test that runs on FAST_TRANSPORT or on no transport at all, that
+    does not pay for a stack (``stack``: it carries ``pytest.mark.stack``)."""
+    if stack:
+        return False
     tier = tier_of(filename)
     if tier == "unit":
         return True
