@@ -152,8 +152,12 @@ def backend_query(model: torch.nn.Module, drafter: torch.nn.Module | None, vllm_
     """
     if query != STATE_QUERY:
         raise ValueError(f"the weightsync backend answers the query {STATE_QUERY!r}, not {query!r}")
-    state = digest_state(model_state(model, drafter, runtime=runtime))
-    return {"settings": asdict(EngineSettings.of(vllm_config)), "tensors": state_to_wire(state)}
+    return _digests(model_state(model, drafter, runtime=runtime), vllm_config)
+
+
+def _digests(state: Mapping[str, torch.Tensor], vllm_config: Any) -> dict[str, Any]:
+    """A worker's settings and state as digests: what crosses to a reader in another process."""
+    return {"settings": asdict(EngineSettings.of(vllm_config)), "tensors": state_to_wire(digest_state(state))}
 
 
 def _in_process_state(worker: Any) -> dict[str, Any]:
@@ -164,8 +168,7 @@ def _in_process_state(worker: Any) -> dict[str, Any]:
 def _worker_digests(worker: Any) -> dict[str, Any]:
     """A worker's state as digests, for a worker of an ``LLM`` in this process that runs in a process
     of its own (TP workers): no tensor leaves the worker."""
-    state = digest_state(worker_model_state(worker))
-    return {"settings": asdict(EngineSettings.of(worker.vllm_config)), "tensors": state_to_wire(state)}
+    return _digests(worker_model_state(worker), worker.vllm_config)
 
 
 # -- reading engines ----------------------------------------------------------------------------------
