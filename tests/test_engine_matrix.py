@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reaso
 class Cell:
     api: str     # engine | backend | trainer | trainer-child | serve
     source: str  # hf | fsdp2 | megatron
-    path: str    # full | delta | phases | phases-256k | prefetch | prefetch-fleet | fp8 (an FP8 engine)
+    path: str    # full | delta | phases | phases-256k | prefetch | prefetch-fleet | elastic | fp8 (an FP8 engine)
     parallel: dict[str, int] | None = None  # megatron's
 
     @property
@@ -50,7 +50,8 @@ class Cell:
         # prefetch-fleet: prefetch under the fleet-wide commit (the engine applies once writer 0 committed)
         sync: dict[str, Any] = {"phases": {"layer_phases": True}, "delta": {"delta_anchor_every": 2},
                                 "phases-256k": {"layer_phases": True, "max_bucket_bytes": 256 << 10},
-                                "prefetch-fleet": {"commit": "fleet"}}.get(self.path, {})
+                                "prefetch-fleet": {"commit": "fleet"},
+                                "elastic": {"num_readers": None, "completion": "quorum=1"}}.get(self.path, {})
         versions = 2 if self.path == "delta" else 1  # a delta needs the anchor before it
         prefetch = self.path.startswith("prefetch")
         if self.api == "serve":
@@ -82,7 +83,8 @@ def heavy(cell: Cell) -> Any:
 #: family -> its cells (see docs/models.md for the covering design and the cost)
 CELLS: dict[str, list[Any]] = {
     "llama": _cells(Cell("engine", "hf", "phases")),
-    "qwen2": _cells(Cell("backend", "hf", "prefetch")),
+    # elastic: the engine joins an elastic set of readers (num_readers=None) on its seat, under quorum=1
+    "qwen2": _cells(Cell("backend", "hf", "prefetch"), Cell("backend", "hf", "elastic")),
     # the cheapest family carries the two APIs with an engine process of their own; `vllm serve`
     # (80 s: three processes) is in make test-heavy, and test_vllm_native's pause case updates a
     # `vllm serve` over HTTP in the default run

@@ -698,6 +698,81 @@ def test_churn_readers_killed_and_replaced_at_random_under_a_quorum_every_versio
     churn(options, tmp_path, writers=writers, readers=readers, versions=versions, quorum=quorum, every=1.5, seed=36)
 
 
+def _wait_past(meta, version: int, procs) -> int:
+    """Until the job's newest version is past ``version`` (every process in ``procs`` still up); returns it."""
+    deadline = Deadline.after(TIMEOUT * 4)
+    while (latest := getattr(meta.latest_version(), "version", -1)) <= version:
+        assert all(p.poll() is None for p in procs) and not deadline.expired, f"version {version + 1} never came"
+        time.sleep(0.1)
+    return latest
+
+
+#: elastic readers on each one-sided transport: shm by default, file and NIXL pull in `make test-heavy`
+ELASTIC = [pytest.param({"transport": "shm"}, id="shm"),
+           pytest.param({"transport": "file"}, id="file", marks=pytest.mark.heavy),
+           pytest.param({"transport": "nixl", "transport_options": {"nixl_mode": "pull"}}, id="nixl-pull",
+                        marks=pytest.mark.heavy)]
+
+
+@pytest.mark.parametrize("options", ELASTIC)
+def test_elastic_readers_join_and_leave_while_versions_flow_and_every_write_completes(options, no_leaks, tally,
+                                                                                      tmp_path):
+    skip_unavailable(options)
+    tally("elastic readers: one dies, two join on new seats, quorum=1", options)
+    elastic(options, tmp_path)
+
+
+def elastic(options, flags, *, coordinator: str | None = None) -> None:
+    """``num_readers=None`` (issue 36's elastic readers) under ``quorum=1``: readers 0 and 1 start
+    with the writer; reader 0 is SIGKILLed (it leaves by dying) and reader 2 joins on a new seat;
+    later reader 3 joins. Every write completes; a reader that joins takes its first version, in
+    full and bitwise, among those started after it joined, then follows; every live reader ends
+    on the last version, bitwise; the dead seat never fails a write. ``coordinator``: an etcd
+    address (else an embedded meta server)."""
+    import contextlib
+    import types
+
+    from weightsync.meta.client import open_meta
+
+    versions = 40
+    last = versions - 1
+    # each seat a replica, laid out as the vLLM backend lays out an elastic set's workers (one per seat)
+    common = {**COMMON, **options, "source": "megatron:tp=1", "num_writers": 1, "num_readers": None,
+              "target": "vllm:tp=1,replicas=4096", "completion": "quorum=1"}
+    joined: dict[int, int] = {}  # seat -> the newest version when it was started
+    with contextlib.ExitStack() as stack:
+        server = (stack.enter_context(EmbeddedMetaServer()) if coordinator is None
+                  else types.SimpleNamespace(address=coordinator, token=""))
+        meta = stack.enter_context(open_meta(server.address, token=server.token))
+        writer = launch(server, "writer", 0, versions=list(range(versions)), step_seconds=0.3, stay_until="done",
+                        flag_dir=str(flags), **common)
+        live = {r: launch(server, "reader", r, until=last, **common) for r in (0, 1)}
+        _wait_past(meta, 2, [writer, *live.values()])
+        dead = live.pop(0)
+        dead.kill()
+        killed = finish({("killed", 0): dead}, TIMEOUT)
+        joined[2] = _wait_past(meta, -1, [writer])
+        live[2] = launch(server, "reader", 2, until=last, **common)
+        _wait_past(meta, joined[2] + 4, [writer, *live.values()])
+        joined[3] = _wait_past(meta, -1, [writer])
+        live[3] = launch(server, "reader", 3, until=last, **common)
+        assert _wait_past(meta, joined[3], [writer, *live.values()]) < last, "reader 3 joined after the last version"
+        out = finish({("reader", r): p for r, p in live.items()}, TIMEOUT * 8)
+        (flags / "done").touch()
+        out |= finish({("writer", 0): writer}, TIMEOUT)
+    code, records, stderr = out[("writer", 0)]
+    assert code == 0 and [r["version"] for r in records] == list(range(versions)), (records, stderr[-3000:])
+    assert all(r["ok"] and r["completion"]["state"] == "complete" for r in records), records
+    for rank in (1, 2, 3):
+        assert_reader_ends_exact(out, rank, last)
+    for rank, before in joined.items():  # a version planned before its join is not for it
+        first = next(r for r in out[("reader", rank)][1] if r["ok"])
+        assert first["version"] > before and first["bytes"] == first["needed"] > 0, (rank, before, first)
+    wrong = [(key, r) for key, (_, recs, _) in [*killed.items(), *out.items()] for r in recs
+             if r.get("role") == "reader" and r["ok"] and not r["exact"]]
+    assert wrong == [], wrong
+
+
 def assert_calls_end_in_time(out) -> None:
     """Every write() and update() of every rank ended within its timeout plus the documented
     grace (docs/faults.md), whatever the recovery flow made it wait for."""

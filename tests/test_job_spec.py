@@ -237,7 +237,7 @@ def test_a_bad_worker_init_info_is_refused_naming_the_field(bad, message, monkey
 def test_worker_init_info_rank_and_adapter_are_checked():
     from weightsync.integrations.vllm_backend import WeightSyncInitInfo
 
-    with pytest.raises(ValueError, match=r"WeightSyncInitInfo.rank must be in \[0, num_readers=2\), got 2"):
+    with pytest.raises(ValueError, match=r"WeightSyncInitInfo.rank must be in \[0, 2\) \(the reader seats\), got 2"):
         WeightSyncInitInfo.from_wire({"num_writers": 1, "num_readers": 2, "rank": 2})
     with pytest.raises(ValueError, match=r"WeightSyncInitInfo.num_readers is required"):
         WeightSyncInitInfo.from_wire({"num_writers": 1})

@@ -184,3 +184,15 @@ def test_churn_of_readers_under_a_quorum_runs_on_etcd_as_on_the_meta_server(clus
     churn({"transport": "shm"}, tmp_path, writers=1, readers=4, versions=16, quorum=2, every=1.5, seed=38,
           coordinator=cluster.address)
     assert {n for n in shm_files() if creator(n) in LAUNCHED} == set()
+
+
+@pytest.mark.heavy  # 20 s; the protocol is the coordinator's calls, which the churn test above runs on etcd, and
+# the elastic set runs on the meta server by default: tests/test_faults.py::test_elastic_readers_join_and_leave_while_versions_flow_and_every_write_completes
+def test_elastic_readers_join_and_leave_on_etcd_as_on_the_meta_server(cluster, tmp_path):
+    """Issue 36's elastic readers (``num_readers=None``) coordinated by etcd: readers join on new
+    seats and one dies while versions flow; every write completes, bitwise (tests/test_faults.py::elastic)."""
+    from test_faults import LAUNCHED, creator, elastic, shm_files
+
+    LAUNCHED.clear()
+    elastic({"transport": "shm"}, tmp_path, coordinator=cluster.address)
+    assert {n for n in shm_files() if creator(n) in LAUNCHED} == set()

@@ -25,7 +25,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_quant_offers.py", "test_roster.py", "test_rollouts.py", "test_rollouts_trl.py",
         "test_trl_switch.py", "test_validate.py", "test_wait_logs.py", "test_wire.py", "test_device_memory.py",
         "test_side_streams.py", "test_meta_state_dir.py", "test_transport_base.py", "test_fleet_decide.py", "test_fleet_invariants.py",
-        "test_fleet_sim.py", "test_completion.py", "test_sites.py", "test_invalid_on_failure.py", "test_version_readback.py", "test_tiers.py",
+        "test_fleet_sim.py", "test_completion.py", "test_elastic.py", "test_sites.py", "test_invalid_on_failure.py", "test_version_readback.py", "test_tiers.py",
     }),
     "contract": frozenset({
         "test_transport_contract.py", "test_transport_delta.py", "test_transport_nixl.py",

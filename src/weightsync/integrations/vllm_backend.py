@@ -132,8 +132,8 @@ class WeightSyncInitInfo(WeightTransferInitInfo):
             raise ValueError(f"{where}.lora must be an adapter config (a mapping) or null, got "
                              f"{type(self.lora).__name__}")
         config = self.sync_config()
-        if not 0 <= self.rank < config.num_readers:
-            raise ValueError(f"{where}.rank must be in [0, num_readers={config.num_readers}), got {self.rank}")
+        if not 0 <= self.rank < config.reader_seats:
+            raise ValueError(f"{where}.rank must be in [0, {config.reader_seats}) (the reader seats), got {self.rank}")
         if self.lora_id < 1:
             raise ValueError(f"{where}.lora_id must be >= 1 (vLLM reserves 0 for 'no adapter'), got {self.lora_id}")
         if self.prefetch and config.layer_phases:
@@ -365,7 +365,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             raise RuntimeError("the weightsync transfer engine is already initialised; shut it down first")
         config = init_info.sync_config()
         lora = init_info.lora_spec()
-        rank = reader_rank(init_info.rank, config.num_readers, self.vllm_config)
+        rank = reader_rank(init_info.rank, config.reader_seats, self.vllm_config)
         engine: Any
         if lora is not None:  # adapter-only versions, into vLLM's LoRA manager
             engine = WorkerLoraEngine(self._default_model, self.vllm_config, lora, lora_id=init_info.lora_id,
@@ -382,7 +382,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             if init_info.drafter:  # synced from now on, and so part of the engine's state
                 self._drafter = self._draft_model
             engine = self._worker = _WorkerEngine(self._default_model, self.vllm_config, self.device, rank,
-                                                  config.num_readers, in_place=not init_info.prefetch,
+                                                  config.reader_seats, in_place=not init_info.prefetch,
                                                   draft=self._drafter, drafter=init_info.drafter)
             # Staging is laid out now, not at the first update, in the memory reserved before vLLM
             # sized its KV cache (reserve_staging); what does not fit in it is allocated from what

@@ -104,8 +104,8 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
         config = self.sync_config()
         if not 0 <= self.rank < config.num_writers:
             raise ValueError(f"{where}.rank must be in [0, num_writers={config.num_writers}), got {self.rank}")
-        if not 0 <= self.reader_rank < config.num_readers:
-            raise ValueError(f"{where}.reader_rank must be in [0, num_readers={config.num_readers}), got "
+        if not 0 <= self.reader_rank < config.reader_seats:
+            raise ValueError(f"{where}.reader_rank must be in [0, {config.reader_seats}) (the reader seats), got "
                              f"{self.reader_rank}")
         if self.lora_id < 1:
             raise ValueError(f"{where}.lora_id must be >= 1 (vLLM reserves 0 for 'no adapter'), got {self.lora_id}")

@@ -202,9 +202,12 @@ class JobChannel(Liveness, Board, ReaderWaits, FleetCommit):
         self.meta.put_document(layout_key(generation + 1), msgpack.packb([self.role, self.rank, layout]))
         return generation + 1
 
-    def roster_at(self, people: Sequence[Member], generation: int, *, deadline: Deadline) -> list[Member]:
+    def roster_at(self, people: Sequence[Member], generation: int, *, deadline: Deadline,
+                  joined_only: bool = False) -> list[Member]:
         """The roster as of layout generation ``generation``: each rank with the layout its last
         change up to that generation published (the one it registered when it changed none).
+        ``joined_only`` (an elastic set of readers): only the readers whose join (their first
+        change) is at that generation or before, whenever they registered.
 
         Raises:
             TimeoutError: a change's document did not appear in time.
@@ -225,6 +228,10 @@ class JobChannel(Liveness, Board, ReaderWaits, FleetCommit):
         for g in range(1, generation + 1):
             role, rank, blob = self._changes[g]
             now[role, rank] = blob
+        if joined_only:
+            if {k for k in now if k[0] == "reader"} - {(m.role, m.rank) for m in people}:
+                people = [Member.from_participant(p) for p in self.meta.participants()]  # joined since
+            people = [m for m in people if m.role != "reader" or (m.role, m.rank) in now]
         return [dataclasses.replace(m, layout=now.get((m.role, m.rank), m.layout)) for m in people]
 
     def forget_layouts(self) -> None:

@@ -234,7 +234,8 @@ class WeightWriter:
 
         def decide() -> None:
             try:
-                channel.decide_commit(self._policy, version, epoch, readers=self.config.num_readers, deadline=deadline)
+                channel.decide_commit(self._policy, version, epoch, readers=self.session.reader_count,
+                                      deadline=deadline)
             except Exception as exc:  # the readers must not wait for a decision that will not come
                 logger.warning("writer 0 could not decide the fleet commit of version %d: %s", version, exc)
                 try:
@@ -292,7 +293,7 @@ class WeightWriter:
         staleness bound) a reader that failed it is an error, never a success."""
         t0 = time.perf_counter()
         try:
-            failed = self.session.channel.wait_readers(min_version=min_version, readers=self.config.num_readers,
+            failed = self.session.channel.wait_readers(min_version=min_version, readers=self.session.reader_count,
                                                        deadline=deadline, epoch=epoch,
                                                        writers=self.config.num_writers)
         except TimeoutError as exc:
@@ -314,7 +315,7 @@ class WeightWriter:
         t0 = time.perf_counter()
         try:
             completion = self.session.channel.wait_completion(
-                self._policy, min_version=min_version, readers=self.config.num_readers, deadline=deadline,
+                self._policy, min_version=min_version, readers=self.session.reader_count, deadline=deadline,
                 epoch=epoch, writers=self.config.num_writers)
         except TimeoutError as exc:
             raise SyncError(f"writer {self.rank}: version {min_version} was not published in time: {exc}") from exc

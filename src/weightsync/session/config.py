@@ -46,6 +46,8 @@ Scope = Literal["match", "local", "rank"]
 #: The reader count an integration checks its settings with before it knows the job's: large, so
 #: that a rule bound to the count (a quorum of K readers, NIXL's mode) is checked once it is known.
 UNKNOWN_READERS = 1 << 16
+#: Seats an elastic set of readers (``num_readers=None``) may use: reader ranks ``0..MAX_READER_SEATS-1``.
+MAX_READER_SEATS = 4096
 
 #: The scope of every setting, by wire name (module docstring). A setting without one is an
 #: error at first use, so a new field cannot reach the wire unclassified.
@@ -78,13 +80,17 @@ class Setting:
     default: Any  # dataclasses.MISSING when required
     scope: Scope
     choices: tuple[str, ...] = ()  # a Literal's values
+    optional: bool = False  # None is a value of its own (``num_readers``: an elastic set of readers)
 
     @property
     def annotation(self) -> Any:
-        return Literal[self.choices] if self.choices else self.kind  # type: ignore[valid-type]
+        kind = Literal[self.choices] if self.choices else self.kind  # type: ignore[valid-type]
+        return kind | None if self.optional else kind
 
     def check(self, value: Any, where: str) -> Any:
         """``value`` as this setting's type, or a ValueError naming ``where.name``."""
+        if value is None and self.optional:
+            return None
         return check_value(value, self.kind, f"{where}.{self.name}", self.choices)
 
 
@@ -121,6 +127,10 @@ class SyncConfig:
 
     Attributes:
         num_writers / num_readers: participants the job waits for before planning.
+            ``num_readers=None``: an elastic set of readers (:mod:`weightsync.session.elastic`):
+            readers join and leave while the job runs, each on a seat (its rank, any of
+            ``0..MAX_READER_SEATS-1``), and the writers plan each version for the readers that
+            had joined when it started; it takes ``completion="quorum=K"``.
         job: the job's name on the meta server.
         meta_address: the job's coordinator, as this rank reaches it: a meta server
             (``http://host:port``) or an etcd cluster (``etcd://host1:2379,host2:2379,...``,
@@ -162,7 +172,7 @@ class SyncConfig:
     """
 
     num_writers: int
-    num_readers: int
+    num_readers: int | None
     job: str = "default"
     meta_address: str = ""
     transport: str = "auto"
@@ -185,9 +195,10 @@ class SyncConfig:
             options = getattr(self, name)
             if not isinstance(options, cls):
                 raise ValueError(f"SyncConfig.{name} must be a {cls.__name__}, got {type(options).__name__}")
-        if self.num_writers < 1 or self.num_readers < 1:
-            raise ValueError(f"num_writers and num_readers must be >= 1 (a job needs a writer and a reader), "
-                             f"got num_writers={self.num_writers}, num_readers={self.num_readers}")
+        if self.num_writers < 1 or (self.num_readers is not None and self.num_readers < 1):
+            raise ValueError(f"num_writers and num_readers must be >= 1 (a job needs a writer and a reader; "
+                             f"num_readers=None: an elastic set of readers), got num_writers={self.num_writers}, "
+                             f"num_readers={self.num_readers}")
         if not self.job:
             raise ValueError("job must be a non-empty job name")
         object.__setattr__(self, "meta_address", config_address(self.meta_address, "meta_address"))
@@ -198,7 +209,7 @@ class SyncConfig:
         if not 0.1 <= self.lease_seconds <= 3600:
             raise ValueError(f"lease_seconds must be in [0.1, 3600], got {self.lease_seconds}")
         policy = self.policy  # a malformed text is refused here, naming the forms accepted
-        if policy.kind == "quorum" and policy.count > self.num_readers:
+        if policy.kind == "quorum" and self.num_readers is not None and policy.count > self.num_readers:
             raise ValueError(f"completion={self.completion!r} needs {policy.count} readers to apply each version, but "
                              f"the job has num_readers={self.num_readers}: use quorum=K with K <= {self.num_readers}")
         refuse_combinations(self.to_wire(), transport=self.transport)  # "auto" is checked once it has chosen
@@ -206,6 +217,11 @@ class SyncConfig:
             # One-sided transports keep a version slot per version a reader may lag behind.
             object.__setattr__(self, "transport_options",
                                dataclasses.replace(self.transport_options, slots=self.staleness + 1))
+
+    @property
+    def reader_seats(self) -> int:
+        """How many reader ranks the job may have: ``num_readers``, or an elastic set's seats."""
+        return MAX_READER_SEATS if self.num_readers is None else self.num_readers
 
     @property
     def policy(self) -> Policy:
@@ -279,12 +295,16 @@ def _fields(cls: type) -> list[tuple[dataclasses.Field[Any], Any]]:
 
 def _setting(name: str, owner: str, f: dataclasses.Field[Any], hint: Any) -> Setting:
     choices: tuple[str, ...] = ()
+    args = typing.get_args(hint)
+    optional = type(None) in args and len(args) == 2
+    if optional:
+        hint = next(a for a in args if a is not type(None))
     if typing.get_origin(hint) is Literal:
         choices, hint = tuple(typing.get_args(hint)), str
     if hint not in (int, float, bool, str):
         raise RuntimeError(f"job setting {name} has type {hint}: the wire form carries int, float, bool and str")
     default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-    return Setting(name, owner, f.name, hint, default, SCOPES.get(name, "match"), choices)
+    return Setting(name, owner, f.name, hint, default, SCOPES.get(name, "match"), choices, optional)
 
 
 T = TypeVar("T")

@@ -30,6 +30,7 @@ from weightsync.layout.roster import Roster
 from weightsync.layout.wire import LayoutDecoder, encode_descriptor, encode_explicit
 from weightsync.plan import PlanOptions, build_local_plan, layer_phases, split_plan
 from weightsync.ports.device import gpu_identity
+from weightsync.session import elastic
 from weightsync.session.combinations import refuse_combinations
 from weightsync.session.config import SyncConfig
 from weightsync.tools.devices import RankPlacement, choose_transport, tensors_device, visible_gpus
@@ -189,9 +190,17 @@ class SyncSession:
         if meta.job != config.job:
             raise ValueError(f"SyncConfig(job={config.job!r}) but the MetaClient passed in speaks for job "
                              f"{meta.job!r}: build the client with job={config.job!r} (or leave meta= out)")
-        size = config.num_writers if role == "writer" else config.num_readers
-        if not 0 <= rank < size:
-            raise ValueError(f"{role} rank {rank} is outside 0..{size - 1} (the job has {size} {role}s)")
+        #: an elastic set of readers (``num_readers=None``, :mod:`weightsync.session.elastic`)
+        self.elastic = config.num_readers is None
+        if self.elastic and role == "reader":
+            elastic.check_seat(rank)
+        else:
+            size = config.num_writers if role == "writer" else config.num_readers
+            assert size is not None
+            if not 0 <= rank < size:
+                raise ValueError(f"{role} rank {rank} is outside 0..{size - 1} (the job has {size} {role}s)")
+        #: the reader seats of this rank's plan: ``num_readers``, or an elastic set's seats at its generation
+        self.reader_count = config.num_readers or 0
         self.provider = provider
         self._device = device  # where the source's tensors or the engine's buffers live
         self._keeps_received_bytes = keeps_received_bytes  # a reader's engine's capability
@@ -266,6 +275,11 @@ class SyncSession:
         if restarted:  # the others' connections do not include this new process: move everyone on
             self.channel.rejoin()
             logger.info("%s rejoined the job; epoch advanced", self.channel.who)
+        if self.elastic and self.role == "reader":  # its join: the next version is planned for it too
+            self.own_generation = self.channel.publish_layout(self._layout_blob(),
+                                                              deadline=Deadline.after(self.config.timeout))
+            logger.info("%s joined the job's elastic readers at layout generation %d", self.channel.who,
+                        self.own_generation)
         self._registered = True
 
     # -- planning -------------------------------------------------------------------------
@@ -337,13 +351,16 @@ class SyncSession:
     def _plan(self, deadline: Deadline, generation: int | None = None) -> PlannedSync:
         started = time.perf_counter()
         self.register()
-        people = self.channel.wait_roster(writers=self.config.num_writers, readers=self.config.num_readers,
+        people = self.channel.wait_roster(writers=self.config.num_writers, readers=self.config.num_readers or 0,
                                           deadline=deadline)
         self.channel.check_settings(self.config.settings(), people)
         if generation is None:
             generation = self.channel.layout_generation()
+            if self.elastic and generation < 1:
+                generation = elastic.first_join(self.channel, deadline)
         if generation:
-            people = self.channel.roster_at(people, generation, deadline=deadline)
+            people = self.channel.roster_at(people, generation, deadline=deadline, joined_only=self.elastic)
+        self.reader_count = elastic.reader_count(people) if self.elastic else self.reader_count
         t0 = time.perf_counter()
         writers, readers = self._decode(people)
         self.timings["decode"] = time.perf_counter() - t0
@@ -374,7 +391,7 @@ class SyncSession:
         digest = hashlib.blake2b(f"{choice.name}|{opts.digest()}|phases={len(phase_names)}{checked}".encode(),
                                  digest_size=4).hexdigest()
         ctx = TransportContext(channel=self.channel, num_writers=self.config.num_writers,
-                               num_readers=self.config.num_readers, device=device, options=opts,
+                               num_readers=self.reader_count, device=device, options=opts, elastic=self.elastic,
                                placements=tuple(placements), keeps_received_bytes=self._keeps_received_bytes)
         transport = create_transport(choice.name, ctx)
         if digests is not None and digests.fuses(transport.fuses_digests):

@@ -40,7 +40,8 @@ def _torch_mode(ctx: TransportContext) -> str:
 def _nixl_mode(ctx: TransportContext) -> str:
     from weightsync.transport.nixl.common import resolve_mode
 
-    return resolve_mode(ctx.options.nixl_mode, num_writers=ctx.num_writers, num_readers=ctx.num_readers,
+    return resolve_mode(ctx.options.nixl_mode, num_writers=ctx.num_writers,
+                        num_readers=None if ctx.elastic else ctx.num_readers,
                         delta=bool(ctx.options.delta_anchor_every))
 
 

@@ -143,7 +143,7 @@ class TransportContext:
     ``keeps_received_bytes`` says whether a reader's tensors hold what arrived until the next
     receive (its engine's capability, :class:`weightsync.ports.engine.InferenceEngine`): only then
     may it apply what changed straight to them; otherwise a delta reader keeps a copy of its
-    own (:mod:`weightsync.transport.delta.pairs`).
+    own (:mod:`weightsync.transport.delta.pairs`). ``elastic``: ``num_readers=None`` (seats joined).
     """
 
     channel: TransportChannel
@@ -153,6 +153,7 @@ class TransportContext:
     options: TransportOptions = field(default_factory=TransportOptions)
     placements: tuple[RankPlacement, ...] = ()
     keeps_received_bytes: bool = True
+    elastic: bool = False
 
     def __post_init__(self) -> None:
         parse_device(self.device)

@@ -114,12 +114,13 @@ def phase_token(version: int, phase: int) -> int:
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def resolve_mode(mode: str, *, num_writers: int, num_readers: int, delta: bool = False) -> str:
+def resolve_mode(mode: str, *, num_writers: int, num_readers: int | None, delta: bool = False) -> str:
     """The mode ``auto`` stands for in a deployment (see module docstring, "Choosing"); with
-    deltas always pull (both carry them; a pull writer never waits for readers)."""
+    deltas always pull (both carry them; a pull writer never waits for readers), and for an
+    elastic set of readers (``num_readers=None``: a push writer would send to each one)."""
     if mode != "auto":
         return mode
-    return "push" if num_readers <= num_writers and not delta else "pull"
+    return "push" if num_readers is not None and num_readers <= num_writers and not delta else "pull"
 
 
 class NixlBase(TransportBase):

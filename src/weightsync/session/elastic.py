@@ -1,0 +1,68 @@
+"""An elastic set of readers (``SyncConfig(num_readers=None)``): engines join and leave a running job.
+
+A fixed job waits for ``num_readers`` readers before it plans, and its plan is for them. An
+elastic job plans each version for the readers that had *joined* when writer 0 started it:
+
+* **Seats.** A reader's rank is its seat, any of ``0..MAX_READER_SEATS-1``. One live process
+  holds a seat at a time (its lease); a replacement engine takes the seat of the one it
+  replaces, a new engine a new seat. Seats are counted from 0 (``reader_count`` is the highest
+  seat joined, plus one), so an operator who adds engines gives them the next seats.
+* **Joining** is a layout change of the job (:meth:`~weightsync.job.channel.JobChannel.publish_layout`):
+  once registered, a reader publishes its layout as its join, which moves the job's layout
+  generation on. Writer 0 plans its next version at that generation, every writer and reader
+  follows it (a new epoch: transports connect anew), and the joined reader takes that version,
+  in full, and the ones after it. Versions planned before its join are not for it.
+* **Leaving**, cleanly or by dying, keeps the seat in the plan: under the job's quorum
+  (``completion="quorum=K"``, the only policy an elastic set takes) a reader that is gone misses
+  versions and never blocks a write past its lease; a process that takes the seat again joins
+  anew. Keeping seats is why ``all`` and ``fraction=F`` are refused: a seat that stays empty
+  would fail every version under ``all`` and count against a fraction.
+* Writers wait for the first join before they plan (a plan for no reader exposes nothing).
+
+Only the one-sided transports carry it (shm, file, NIXL in pull mode): the quorum rule refuses
+the others, whose writers send to every reader themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from weightsync.clock.deadline import Deadline
+from weightsync.job.channel import JobChannel
+from weightsync.job.wire import Member
+from weightsync.session.config import MAX_READER_SEATS
+
+logger = logging.getLogger(__name__)
+
+
+def check_seat(rank: int) -> None:
+    """Raises ValueError for a reader rank that is no seat of an elastic set."""
+    if not 0 <= rank < MAX_READER_SEATS:
+        raise ValueError(f"reader rank {rank} is no seat of an elastic set of readers (num_readers=None): seats are "
+                         f"0..{MAX_READER_SEATS - 1}; give a new engine the next free seat")
+
+
+def first_join(channel: JobChannel, deadline: Deadline, *, poll: float = 0.05) -> int:
+    """The job's layout generation once at least one reader joined (a writer's first plan waits for it).
+
+    Raises:
+        TimeoutError: no reader joined by the deadline.
+    """
+    step = 0.0
+    while (generation := channel.layout_generation()) < 1:
+        if deadline.expired:
+            raise TimeoutError(f"{channel.who}: no reader joined the job in time (num_readers=None: the writers plan "
+                               "for the readers that joined)")
+        step = min(max(step * 2, poll), 1.0, deadline.remaining(0.0))
+        time.sleep(step)
+    return generation
+
+
+def reader_count(people: Sequence[Member]) -> int:
+    """How many reader seats a roster spans: the highest reader rank in it, plus one (0: none)."""
+    return 1 + max((m.rank for m in people if m.role == "reader"), default=-1)
+
+
+__all__ = ["MAX_READER_SEATS", "check_seat", "first_join", "reader_count"]
