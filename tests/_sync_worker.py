@@ -231,7 +231,7 @@ def main() -> None:
     with WeightReader(engine, rank=rank, config=sync) as reader:
         # with "until": update until that version is applied (a few failures or timeouts on the way:
         # restarted writers start a fresh interpreter, slow on a loaded 2-core machine)
-        versions = args["versions"] if "until" not in args else range(args["until"] + 6)
+        versions = args["versions"] if "until" not in args else range(args.get("tries", args["until"] + 6))
         for version in versions:
             if "until" in args and engine.weight_version == args["until"]:
                 break

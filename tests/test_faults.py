@@ -738,7 +738,8 @@ def elastic(options, flags, *, coordinator: str | None = None) -> None:
     last = versions - 1
     # each seat a replica, laid out as the vLLM backend lays out an elastic set's workers (one per seat)
     common = {**COMMON, **options, "source": "megatron:tp=1", "num_writers": 1, "num_readers": None,
-              "target": "vllm:tp=1,replicas=4096", "completion": "quorum=1"}
+              "target": "vllm:tp=1,replicas=4096", "completion": "quorum=1",
+              "tries": 2 * versions}  # updates a reader makes at most: one per version, and room for failures
     joined: dict[int, int] = {}  # seat -> the newest version when it was started
     with contextlib.ExitStack() as stack:
         server = (stack.enter_context(EmbeddedMetaServer()) if coordinator is None

@@ -13,7 +13,7 @@ import pytest
 
 from meta_proc import wait_for_long_polls
 from weightsync.meta import EmbeddedMetaServer, MetaClient, MetaEnv, Participant, ParticipantTable, connect, wire
-from weightsync.meta.config import ensure_token_file, normalize_address, read_token_file
+from weightsync.meta.config import ensure_token_file, new_token, normalize_address, read_token_file
 from weightsync.meta.records import encode_columns, run_length
 from weightsync.meta.sqlite_store import DATABASE, SqliteStore
 from weightsync.meta.state import ConflictError, MetaState
@@ -22,6 +22,19 @@ pytestmark = pytest.mark.timeout(60)
 
 
 # --- records and wire --------------------------------------------------------------------------
+
+def test_a_new_token_can_follow_token_on_a_command_line():
+    """One URL-safe token in 64 starts with ``-``, which argparse reads as an option: ``weightsync
+    status --token <token>`` then failed ("argument --token: expected one argument"), 1 run in 64
+    of tests/test_version_readback.py."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--token")
+    tokens = [new_token() for _ in range(2000)]  # without the rule, some 31 of them start with "-"
+    assert not [t for t in tokens if t.startswith("-")]
+    assert parser.parse_args(["--token", tokens[0]]).token == tokens[0]
+
 
 def test_participant_validates_and_freezes():
     p = Participant("writer", 3, "train", "h", {"tcp": "a:1"}, bytearray(b"x"))

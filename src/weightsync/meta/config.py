@@ -89,7 +89,11 @@ def check_token(token: str, source: str) -> str:
 
 
 def new_token() -> str:
-    return secrets.token_urlsafe(32)
+    """A fresh meta server token. Never one that starts with ``-`` (1 in 64 of URL-safe tokens): a
+    command line reads ``--token -x...`` as two options, and ``weightsync status --token`` failed."""
+    while (token := secrets.token_urlsafe(32)).startswith("-"):
+        pass
+    return token
 
 
 def read_token_file(path: str | os.PathLike[str]) -> str:
