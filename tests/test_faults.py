@@ -707,14 +707,7 @@ def _wait_past(meta, version: int, procs) -> int:
     return latest
 
 
-#: elastic readers on each one-sided transport: shm by default, file and NIXL pull in `make test-heavy`
-ELASTIC = [pytest.param({"transport": "shm"}, id="shm"),
-           pytest.param({"transport": "file"}, id="file", marks=pytest.mark.heavy),
-           pytest.param({"transport": "nixl", "transport_options": {"nixl_mode": "pull"}}, id="nixl-pull",
-                        marks=pytest.mark.heavy)]
-
-
-@pytest.mark.parametrize("options", ELASTIC)
+@pytest.mark.parametrize("options", QUORUM_TRANSPORTS)  # an elastic set takes a quorum: the one-sided transports
 def test_elastic_readers_join_and_leave_while_versions_flow_and_every_write_completes(options, no_leaks, tally,
                                                                                       tmp_path):
     skip_unavailable(options)
