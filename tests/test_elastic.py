@@ -103,3 +103,10 @@ def test_a_generations_roster_holds_the_readers_joined_by_then_whenever_they_reg
     assert [(m.role, m.rank) for m in at[3]] == [("writer", 0), ("reader", 0), ("reader", 1), ("reader", 2)]
     # a fixed job's roster keeps every registered reader
     assert len(channel.roster_at(seen, 3, deadline=Deadline.after(5))) == 2
+
+
+def test_a_joined_reader_adopts_a_version_whose_setup_agrees_on_all_but_the_plan():
+    """A version planned before a reader joined has another plan fingerprint; the transport and
+    its settings (the part after the last ``-``) must agree for the reader to take it."""
+    assert elastic.same_setup("3f2a9c-6d01aa42", "77e0b1-6d01aa42")
+    assert not elastic.same_setup("3f2a9c-6d01aa42", "3f2a9c-0b9e1d7f")

@@ -717,40 +717,46 @@ def test_elastic_readers_join_and_leave_while_versions_flow_and_every_write_comp
 
 def elastic(options, flags, *, coordinator: str | None = None) -> None:
     """``num_readers=None`` (issue 36's elastic readers) under ``quorum=1``: readers 0 and 1 start
-    with the writer; reader 0 is SIGKILLed (it leaves by dying) and reader 2 joins on a new seat;
-    later reader 3 joins. Every write completes; a reader that joins takes its first version, in
-    full and bitwise, among those started after it joined, then follows; every live reader ends
-    on the last version, bitwise; the dead seat never fails a write. ``coordinator``: an etcd
-    address (else an embedded meta server)."""
+    with the writer; reader 0 is SIGKILLed (it leaves by dying) and reader 2 joins on a new seat
+    while versions flow. The writer then pauses between two versions (a long training step), and
+    reader 3 joins: it takes the newest version at once, before any other is written. Every write
+    completes; a joining reader's first version is received in full and bitwise; every live reader
+    ends on the last version, bitwise; the dead seat never fails a write. ``coordinator``: an
+    etcd address (else an embedded meta server)."""
     import contextlib
     import types
 
     from weightsync.meta.client import open_meta
 
-    versions = 40
+    versions, pause = 40, 12  # the writer waits before version 12 until the test says go
     last = versions - 1
     # each seat a replica, laid out as the vLLM backend lays out an elastic set's workers (one per seat)
     common = {**COMMON, **options, "source": "megatron:tp=1", "num_writers": 1, "num_readers": None,
               "target": "vllm:tp=1,replicas=4096", "completion": "quorum=1",
               "tries": 2 * versions}  # updates a reader makes at most: one per version, and room for failures
-    joined: dict[int, int] = {}  # seat -> the newest version when it was started
     with contextlib.ExitStack() as stack:
         server = (stack.enter_context(EmbeddedMetaServer()) if coordinator is None
                   else types.SimpleNamespace(address=coordinator, token=""))
         meta = stack.enter_context(open_meta(server.address, token=server.token))
         writer = launch(server, "writer", 0, versions=list(range(versions)), step_seconds=0.3, stay_until="done",
-                        flag_dir=str(flags), **common)
+                        pause_before=pause, flag_dir=str(flags), **common)
         live = {r: launch(server, "reader", r, until=last, **common) for r in (0, 1)}
         _wait_past(meta, 2, [writer, *live.values()])
         dead = live.pop(0)
         dead.kill()
         killed = finish({("killed", 0): dead}, TIMEOUT)
-        joined[2] = _wait_past(meta, -1, [writer])
+        joined = _wait_past(meta, -1, [writer])  # the newest version as reader 2 starts
         live[2] = launch(server, "reader", 2, until=last, **common)
-        _wait_past(meta, joined[2] + 4, [writer, *live.values()])
-        joined[3] = _wait_past(meta, -1, [writer])
+        _wait_past(meta, pause - 2, [writer, *live.values()])
+        deadline = Deadline.after(TIMEOUT * 4)
+        while not (flags / "held").exists():  # the writer is between versions pause - 1 and pause
+            assert writer.poll() is None and not deadline.expired, "the writer never paused"
+            time.sleep(0.05)
         live[3] = launch(server, "reader", 3, until=last, **common)
-        assert _wait_past(meta, joined[3], [writer, *live.values()]) < last, "reader 3 joined after the last version"
+        while meta.reader_versions().get(3) != pause - 1:  # the newest version, with no newer one coming
+            assert live[3].poll() is None and not deadline.expired, "reader 3 did not take the newest version"
+            time.sleep(0.1)
+        (flags / "go").touch()
         out = finish({("reader", r): p for r, p in live.items()}, TIMEOUT * 8)
         (flags / "done").touch()
         out |= finish({("writer", 0): writer}, TIMEOUT)
@@ -759,9 +765,9 @@ def elastic(options, flags, *, coordinator: str | None = None) -> None:
     assert all(r["ok"] and r["completion"]["state"] == "complete" for r in records), records
     for rank in (1, 2, 3):
         assert_reader_ends_exact(out, rank, last)
-    for rank, before in joined.items():  # a version planned before its join is not for it
-        first = next(r for r in out[("reader", rank)][1] if r["ok"])
-        assert first["version"] > before and first["bytes"] == first["needed"] > 0, (rank, before, first)
+    firsts = {rank: next(r for r in out[("reader", rank)][1] if r["ok"]) for rank in (2, 3)}
+    assert firsts[2]["version"] >= joined and firsts[3]["version"] == pause - 1, firsts
+    assert all(r["bytes"] == r["needed"] > 0 for r in firsts.values()), firsts  # in full
     wrong = [(key, r) for key, (_, recs, _) in [*killed.items(), *out.items()] for r in recs
              if r.get("role") == "reader" and r["ok"] and not r["exact"]]
     assert wrong == [], wrong

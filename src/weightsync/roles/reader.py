@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from weightsync.clock.deadline import Deadline
 from weightsync.job.channel import PublishedVersion
+from weightsync.session.elastic import same_setup
 from weightsync.session.sync_session import SyncConfig, SyncError, SyncResult, SyncSession, device_of, state_lost
 from weightsync.tools.torch_layout import apply_copies
 from weightsync.transport import TransportError
@@ -259,6 +260,8 @@ class WeightReader:
             if published.sync_fingerprint == planned.fingerprint:
                 return published
             generation = session.channel.version_generation(published.version, published.epoch)
+            if generation < session.own_generation and self._adopt(published, generation, deadline, phases):
+                return published
             if generation < session.own_generation:
                 why = (f"version {published.version} (epoch {published.epoch}) was planned at layout generation "
                        f"{generation}, before this reader's layout changed (generation {session.own_generation}); "
@@ -276,6 +279,21 @@ class WeightReader:
                 f"reader {self.rank}: writers published version {published.version} with sync fingerprint "
                 f"{published.sync_fingerprint}, this reader computed {planned.fingerprint}: writers and readers "
                 "disagree on the plan, transport or its settings")
+
+    def _adopt(self, published: PublishedVersion, generation: int, deadline: Deadline,
+               phases: dict[str, float]) -> bool:
+        """A reader that just joined an elastic set takes the newest version at once, though it was
+        planned before the join: it plans its own share as if it had been there (True when the plan
+        agrees with the writers' on all but the readers; its reads must then find every piece the
+        writers expose, or the version fails here, untouched, and it takes the next one)."""
+        session = self.session
+        if not session.elastic or self._applied is not None or published.version == self._failed:
+            return False
+        t0 = time.perf_counter()
+        session.follow_generation(generation, deadline, with_self=True)
+        phases["replan"] = phases.get("replan", 0.0) + time.perf_counter() - t0
+        assert session.planned is not None
+        return same_setup(published.sync_fingerprint, session.planned.fingerprint)
 
     def _apply(self, received: Received) -> UpdateResult:
         published, nbytes, phases = received.published, received.nbytes, dict(received.phases)

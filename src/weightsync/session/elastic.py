@@ -9,9 +9,13 @@ elastic job plans each version for the readers that had *joined* when writer 0 s
   seat joined, plus one), so an operator who adds engines gives them the next seats.
 * **Joining** is a layout change of the job (:meth:`~weightsync.job.channel.JobChannel.publish_layout`):
   once registered, a reader publishes its layout as its join, which moves the job's layout
-  generation on. Writer 0 plans its next version at that generation, every writer and reader
-  follows it (a new epoch: transports connect anew), and the joined reader takes that version,
-  in full, and the ones after it. Versions planned before its join are not for it.
+  generation on. Writer 0 plans its next version at that generation, and every writer and
+  reader follows it (a new epoch: transports connect anew).
+* **The newest version at once.** A reader that joined takes its first version without waiting
+  for the next one: it plans its share of the newest version as if it had been there when that
+  version was planned (:func:`same_setup`), and reads it from the writers' slots. That works when
+  the writers expose every piece it needs, as for a replica of a reader already in the job;
+  otherwise the version fails on it, untouched, and it takes the next, planned for it.
 * **Leaving**, cleanly or by dying, keeps the seat in the plan: under the job's quorum
   (``completion="quorum=K"``, the only policy an elastic set takes) a reader that is gone misses
   versions and never blocks a write past its lease; a process that takes the seat again joins
@@ -60,9 +64,15 @@ def first_join(channel: JobChannel, deadline: Deadline, *, poll: float = 0.05) -
     return generation
 
 
+def same_setup(published: str, planned: str) -> bool:
+    """Whether two sync fingerprints (``<plan>-<transport and its settings>``) agree on all but the
+    plan: a reader that joined after a version was planned adopts it only then."""
+    return published.rpartition("-")[2] == planned.rpartition("-")[2]
+
+
 def reader_count(people: Sequence[Member]) -> int:
     """How many reader seats a roster spans: the highest reader rank in it, plus one (0: none)."""
     return 1 + max((m.rank for m in people if m.role == "reader"), default=-1)
 
 
-__all__ = ["MAX_READER_SEATS", "check_seat", "first_join", "reader_count"]
+__all__ = ["MAX_READER_SEATS", "check_seat", "first_join", "reader_count", "same_setup"]

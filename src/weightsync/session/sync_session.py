@@ -309,10 +309,12 @@ class SyncSession:
         self.follow_generation(self.own_generation, deadline)
         return True
 
-    def follow_generation(self, generation: int, deadline: Deadline) -> bool:
+    def follow_generation(self, generation: int, deadline: Deadline, *, with_self: bool = False) -> bool:
         """Re-plan at layout generation ``generation`` unless the plan was made at it; True if it
         re-planned. The writers' side of the old plan is reused (only the readers' changed), and
-        a fresh transport connects in the next epoch."""
+        a fresh transport connects in the next epoch. ``with_self``: this reader of an elastic set
+        joined after ``generation``, and plans its share of a version planned then as if it had
+        been there (:mod:`weightsync.session.elastic`, "the newest version at once")."""
         if not self._planning.acquire(timeout=deadline.remaining()):
             raise TimeoutError(f"{self.channel.who}: another thread was still planning this rank's share")
         try:
@@ -325,7 +327,7 @@ class SyncSession:
                 old.transport.close()
                 if old.digests is not None:
                     old.digests.close()
-            self.planned = self._plan(deadline, generation)
+            self.planned = self._plan(deadline, generation, with_self=with_self)
             return True
         finally:
             self._planning.release()
@@ -348,7 +350,7 @@ class SyncSession:
             sides.append(side)
         return sides[0], sides[1]
 
-    def _plan(self, deadline: Deadline, generation: int | None = None) -> PlannedSync:
+    def _plan(self, deadline: Deadline, generation: int | None = None, *, with_self: bool = False) -> PlannedSync:
         started = time.perf_counter()
         self.register()
         people = self.channel.wait_roster(writers=self.config.num_writers, readers=self.config.num_readers or 0,
@@ -359,7 +361,10 @@ class SyncSession:
             if self.elastic and generation < 1:
                 generation = elastic.first_join(self.channel, deadline)
         if generation:
+            registered = people
             people = self.channel.roster_at(people, generation, deadline=deadline, joined_only=self.elastic)
+            if with_self and all((m.role, m.rank) != (self.role, self.rank) for m in people):
+                people = [*people, *(m for m in registered if (m.role, m.rank) == (self.role, self.rank))]
         self.reader_count = elastic.reader_count(people) if self.elastic else self.reader_count
         t0 = time.perf_counter()
         writers, readers = self._decode(people)
