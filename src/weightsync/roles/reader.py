@@ -284,8 +284,8 @@ class WeightReader:
                phases: dict[str, float]) -> bool:
         """A reader that just joined an elastic set takes the newest version at once, though it was
         planned before the join: it plans its own share as if it had been there (True when the plan
-        agrees with the writers' on all but the readers; its reads must then find every piece the
-        writers expose, or the version fails here, untouched, and it takes the next one)."""
+        agrees with the writers' on all but the readers; its reads must then find every piece in
+        what the writers expose, or the version fails here and it takes the next one)."""
         session = self.session
         if not session.elastic or self._applied is not None or published.version == self._failed:
             return False

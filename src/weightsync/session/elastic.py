@@ -15,7 +15,8 @@ elastic job plans each version for the readers that had *joined* when writer 0 s
   for the next one: it plans its share of the newest version as if it had been there when that
   version was planned (:func:`same_setup`), and reads it from the writers' slots. That works when
   the writers expose every piece it needs, as for a replica of a reader already in the job;
-  otherwise the version fails on it, untouched, and it takes the next, planned for it.
+  otherwise the version fails on it (shm and NIXL pull find a missing piece as they bind,
+  before a byte lands; file as it reads) and it takes the next, planned for it.
 * **Leaving**, cleanly or by dying, keeps the seat in the plan: under the job's quorum
   (``completion="quorum=K"``, the only policy an elastic set takes) a reader that is gone misses
   versions and never blocks a write past its lease; a process that takes the seat again joins
