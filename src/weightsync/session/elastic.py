@@ -30,7 +30,6 @@ the others, whose writers send to every reader themselves.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 
@@ -38,8 +37,6 @@ from weightsync.clock.deadline import Deadline
 from weightsync.job.channel import JobChannel
 from weightsync.job.wire import Member
 from weightsync.session.config import MAX_READER_SEATS
-
-logger = logging.getLogger(__name__)
 
 
 def check_seat(rank: int) -> None:

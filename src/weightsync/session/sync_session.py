@@ -365,7 +365,8 @@ class SyncSession:
             people = self.channel.roster_at(people, generation, deadline=deadline, joined_only=self.elastic)
             if with_self and all((m.role, m.rank) != (self.role, self.rank) for m in people):
                 people = [*people, *(m for m in registered if (m.role, m.rank) == (self.role, self.rank))]
-        self.reader_count = elastic.reader_count(people) if self.elastic else self.reader_count
+        if self.elastic:
+            self.reader_count = elastic.reader_count(people)
         t0 = time.perf_counter()
         writers, readers = self._decode(people)
         self.timings["decode"] = time.perf_counter() - t0
