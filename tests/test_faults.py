@@ -773,6 +773,59 @@ def elastic(options, flags, *, coordinator: str | None = None) -> None:
     assert wrong == [], wrong
 
 
+@pytest.mark.parametrize("options", QUORUM_TRANSPORTS)  # an elastic set takes the one-sided transports
+def test_under_all_readers_that_leave_die_or_stall_are_planned_no_more_and_the_stalled_one_joins_again(
+        options, no_leaks, tally, tmp_path):
+    """``num_readers=None`` with ``completion="all"``: a reader that left (cleanly, or by dying,
+    or stalled past its lease) is dropped from the next version's plan by writer 0, so ``all``
+    counts the readers that are there. Reader 1 leaves cleanly after version 3: no write fails
+    for it. Reader 0 is SIGKILLed: at most the version it died in fails, naming it, within the
+    timeout. Reader 3 joins. Reader 2 is SIGSTOPped until three more versions came out without
+    it, then continues: it finds itself dropped, joins again and ends on the last version. Every
+    live reader ends bitwise on the last version, every call within its timeout."""
+    import signal
+
+    from weightsync.meta.client import open_meta
+
+    skip_unavailable(options)
+    tally("elastic readers under all: one leaves, one dies, one stalls past its lease", options)
+    versions = 36
+    last = versions - 1
+    common = {**COMMON, **options, "source": "megatron:tp=1", "num_writers": 1, "num_readers": None,
+              "target": "vllm:tp=1,replicas=4096", "completion": "all", "tries": 2 * versions}
+    with EmbeddedMetaServer() as server, open_meta(server.address, token=server.token) as meta:
+        writer = launch(server, "writer", 0, versions=list(range(versions)), step_seconds=0.3, stay_until="done",
+                        flag_dir=str(tmp_path), **common)
+        live = {r: launch(server, "reader", r, until=last, **common) for r in (0, 2)}
+        out = finish({("reader", 1): launch(server, "reader", 1, until=3, **common)}, TIMEOUT * 4)  # it leaves
+        _wait_past(meta, 6, [writer, *live.values()])
+        dead = live.pop(0)
+        dead.kill()
+        killed = finish({("killed", 0): dead}, TIMEOUT)
+        live[3] = launch(server, "reader", 3, until=last, **common)
+        stalled = _wait_past(meta, 14, [writer, *live.values()])
+        os.kill(live[2].pid, signal.SIGSTOP)
+        try:
+            _wait_past(meta, stalled + 3, [writer, live[3]])  # written without it: it was dropped
+        finally:
+            os.kill(live[2].pid, signal.SIGCONT)
+        out |= finish({("reader", r): p for r, p in live.items()}, TIMEOUT * 8)
+        (tmp_path / "done").touch()
+        out |= finish({("writer", 0): writer}, TIMEOUT)
+    code, records, stderr = out[("writer", 0)]
+    assert code == 0 and sorted({r["version"] for r in records}) == list(range(versions)), (records, stderr[-3000:])
+    failed = [r for r in records if not r["ok"]]
+    assert {r["version"] for r in records if r["version"] <= 6} <= {r["version"] for r in records if r["ok"]}, failed
+    assert len(failed) <= 2 and all("reader 0" in r["error"] or "reader 2" in r["error"] for r in failed), failed
+    assert_calls_end_in_time({**out, **killed})
+    assert [r["version"] for r in out[("reader", 1)][1] if r["ok"]][-1] == 3
+    for rank in (2, 3):
+        assert_reader_ends_exact(out, rank, last)
+    wrong = [(key, r) for key, (_, recs, _) in [*killed.items(), *out.items()] for r in recs
+             if r.get("role") == "reader" and r["ok"] and not r["exact"]]
+    assert wrong == [], wrong
+
+
 def assert_calls_end_in_time(out) -> None:
     """Every write() and update() of every rank ended within its timeout plus the documented
     grace (docs/faults.md), whatever the recovery flow made it wait for."""

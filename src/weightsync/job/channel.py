@@ -82,6 +82,19 @@ __all__ = ["STORE_FINGERPRINT", "Holder", "JobChannel", "Member", "MetaPort", "P
 
 
 
+def _layout_change(doc: bytes, generation: int, job: str) -> tuple[str, int, bytes, int]:
+    """A stored layout change: ``[role, rank, layout]`` (a join, or a new layout), or
+    ``[role, rank, b"", join]`` (the reader whose join was at generation ``join`` left)."""
+    try:
+        fields = msgpack.unpackb(doc)
+        if not isinstance(fields, list) or len(fields) not in (3, 4):
+            raise ValueError(f"expected [role, rank, layout] or [role, rank, b'', join], got {fields!r:.80}")
+        left = int(fields[3]) if len(fields) == 4 else -1
+        return str(fields[0]), int(fields[1]), bytes(fields[2]), left
+    except (ValueError, TypeError, msgpack.ExtraData) as exc:
+        raise WireError(f"layout change {generation} of job {job!r} is malformed: {exc}") from None
+
+
 def settings_difference(mine: str, theirs: str) -> str:
     """``"layer_phases: True here, False there"`` for two ranks' settings (``SyncConfig.settings()``,
     a JSON object); the two texts whole when either is not one."""
@@ -118,8 +131,9 @@ class JobChannel(Liveness, Board, ReaderWaits, FleetCommit):
         self.host = ""
         self._heartbeat: Heartbeat | None = None
         self._lease_cache: tuple[float, dict[tuple[str, int], LeaseRow]] = (-1.0, {})
-        #: the layout changes read so far, by generation: (role, rank, blob)
-        self._changes: dict[int, tuple[str, int, bytes]] = {}
+        #: the layout changes read so far, by generation: (role, rank, blob, left) where ``left`` is
+        #: the generation of the join a leave ends (-1: a join or a layout change)
+        self._changes: dict[int, tuple[str, int, bytes, int]] = {}
         #: the layout generation writer 0 last decided a version with
         self._decided_generation = 0
 
@@ -192,22 +206,37 @@ class JobChannel(Liveness, Board, ReaderWaits, FleetCommit):
 
         Writers plan each version at the generation writer 0 recorded for it
         (:meth:`version_generation`); versions planned before it are not for this rank."""
+        return self._next_generation([self.role, self.rank, layout], deadline=deadline)
+
+    def _next_generation(self, doc: list[Any], *, deadline: Deadline) -> int:
+        """Take the job's next layout generation for the change ``doc`` (its stored document)."""
         while True:
             generation = self.layout_generation()
             done, _ = self.meta.compare_and_set(layouts_key(), expected=generation, value=generation + 1)
             if done:
                 break
             if deadline.expired:
-                raise TimeoutError(f"{self.who}: could not record its new layout in time")
-        self.meta.put_document(layout_key(generation + 1), msgpack.packb([self.role, self.rank, layout]))
+                raise TimeoutError(f"{self.who}: could not record a layout change in time")
+        self.meta.put_document(layout_key(generation + 1), msgpack.packb(doc))
         return generation + 1
 
-    def roster_at(self, people: Sequence[Member], generation: int, *, deadline: Deadline,
-                  joined_only: bool = False) -> list[Member]:
-        """The roster as of layout generation ``generation``: each rank with the layout its last
-        change up to that generation published (the one it registered when it changed none).
-        ``joined_only`` (an elastic set of readers): only the readers whose join (their first
-        change) is at that generation or before, whenever they registered.
+    def drop_departed_readers(self, *, deadline: Deadline) -> dict[int, str]:
+        """Writer 0 of an elastic set of readers, before it decides a version: every joined reader
+        whose lease ended (it left cleanly, releasing it, or died and it expired) leaves the job,
+        one layout change each, so the version is planned without it. A leave names the join it
+        ends: a process that took the seat since, and joined anew, stays. Returns the readers
+        dropped: seat -> what the meta server knows of them."""
+        generation = self.layout_generation()
+        joined = {rank: g for (role, rank), (g, _) in self._present(generation, deadline).items() if role == "reader"}
+        dead = self.dead_peers("reader", sorted(joined), max_age=0.0)
+        for rank, why in sorted(dead.items()):
+            left = self._next_generation(["reader", rank, b"", joined[rank]], deadline=deadline)
+            logger.info("%s: reader %d left the job at layout generation %d (%s)", self.who, rank, left, why)
+        return dead
+
+    def _present(self, generation: int, deadline: Deadline) -> dict[tuple[str, int], tuple[int, bytes]]:
+        """Each rank whose layout changes up to ``generation`` leave it in the job: (the generation
+        of its join, the layout of its last change). Reads the changes not read yet.
 
         Raises:
             TimeoutError: a change's document did not appear in time.
@@ -219,15 +248,29 @@ class JobChannel(Liveness, Board, ReaderWaits, FleetCommit):
             doc = self.meta.get_document(layout_key(g), wait=deadline.remaining(0.0))
             if doc is None:
                 raise TimeoutError(f"{self.who}: layout change {g} of job {self.meta.job!r} was not published in time")
-            try:
-                role, rank, blob = msgpack.unpackb(doc)
-                self._changes[g] = (str(role), int(rank), bytes(blob))
-            except (ValueError, TypeError, msgpack.ExtraData) as exc:
-                raise WireError(f"layout change {g} of job {self.meta.job!r} is malformed: {exc}") from None
-        now: dict[tuple[str, int], bytes] = {}
+            self._changes[g] = _layout_change(doc, g, self.meta.job)
+        present: dict[tuple[str, int], tuple[int, bytes]] = {}
         for g in range(1, generation + 1):
-            role, rank, blob = self._changes[g]
-            now[role, rank] = blob
+            role, rank, blob, left = self._changes[g]
+            key = (role, rank)
+            if left < 0:
+                present[key] = (present[key][0] if key in present else g, blob)
+            elif key in present and present[key][0] == left:  # a leave of an older join does nothing
+                del present[key]
+        return present
+
+    def roster_at(self, people: Sequence[Member], generation: int, *, deadline: Deadline,
+                  joined_only: bool = False) -> list[Member]:
+        """The roster as of layout generation ``generation``: each rank with the layout its last
+        change up to that generation published (the one it registered when it changed none).
+        ``joined_only`` (an elastic set of readers): only the readers whose join (their first
+        change) is at that generation or before and who did not leave since, whenever they registered.
+
+        Raises:
+            TimeoutError: a change's document did not appear in time.
+            WireError: a change's document is malformed.
+        """
+        now = {key: blob for key, (_, blob) in self._present(generation, deadline).items()}
         if joined_only:
             if {k for k in now if k[0] == "reader"} - {(m.role, m.rank) for m in people}:
                 people = [Member.from_participant(p) for p in self.meta.participants()]  # joined since

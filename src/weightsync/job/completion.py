@@ -24,27 +24,31 @@ channel's wait (:meth:`weightsync.job.channel.JobChannel.wait_completion`) feeds
 from __future__ import annotations
 
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 
 from weightsync.ports.fleet.policy import Completion, CompletionState, Policy
 from weightsync.ports.records import ReaderReport
 
 
 def judge(policy: Policy, version: int, *, readers: int, report: ReaderReport, dead: Mapping[int, str],
-          expired: bool = False) -> Completion:
-    """The state of ``version`` for reader ranks ``0..readers-1`` under ``policy``.
+          expired: bool = False, absent: AbstractSet[int] = frozenset()) -> Completion:
+    """The state of ``version`` for reader ranks ``0..readers-1`` but ``absent`` under ``policy``.
 
     ``report`` is the coordinator's reader report, ``dead`` the readers whose lease expired
-    (rank -> how), ``expired`` whether the writer's deadline came. A reader that applied the
-    version (or a newer one) counts whatever else is said of it; a dead reader that did not is
-    out of the count (its restart takes a later version).
+    (rank -> how), ``expired`` whether the writer's deadline came, ``absent`` the seats of an
+    elastic set that the version's plan has no reader for (never joined, or left): they are not
+    counted, whatever the report says of them. A reader that applied the version (or a newer
+    one) counts whatever else is said of it; a dead reader that did not is out of the count (its
+    restart takes a later version).
     """
-    applied = set(report.applied(version, readers))
-    failed = {r: why for r, why in report.failed(version, readers).items() if r not in applied}
+    seats = [r for r in range(readers) if r not in absent]
+    applied = set(report.applied(version, readers)) - absent
+    failed = {r: why for r, why in report.failed(version, readers).items() if r not in applied and r not in absent}
     out = dict(failed)
     out.update({r: f"died before it applied version {version}: {why}" for r, why in dead.items()
-                if r < readers and r not in applied and r not in failed})
-    pending = [r for r in range(readers) if r not in applied and r not in out]
-    needed = max(1, policy.needed(readers))
+                if r < readers and r not in absent and r not in applied and r not in failed})
+    pending = [r for r in seats if r not in applied and r not in out]
+    needed = max(1, policy.needed(len(seats)))
     missed = {**out, **dict.fromkeys(pending, "still applying")}
     if len(applied) >= needed:
         state: CompletionState = "complete"

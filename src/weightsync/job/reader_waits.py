@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
 
 import msgpack
@@ -54,10 +55,12 @@ class ReaderWaits(ChannelPart):
         self.meta.report_failed(self.rank, version, error[:2000], epoch=epoch, invalid=invalid, holds=holds)
 
     def wait_readers(self, *, min_version: int, readers: int, deadline: Deadline,
-                     epoch: int | None = None, writers: int = 0) -> dict[int, str]:
-        """Until reader ranks ``0..readers-1`` are done with ``min_version`` (applied or failed it,
-        or newer, or died: their lease expired). Returns the readers that failed it: rank -> the
-        error each reported, or how it died.
+                     epoch: int | None = None, writers: int = 0,
+                     absent: AbstractSet[int] = frozenset()) -> dict[int, str]:
+        """Until reader ranks ``0..readers-1`` but ``absent`` (seats of an elastic set that the plan
+        has no reader for) are done with ``min_version`` (applied or failed it, or newer, or died:
+        their lease expired). Returns the readers that failed it: rank -> the error each reported,
+        or how it died.
 
         With ``epoch`` (the epoch this writer published ``min_version`` in), first until the
         version is published in that epoch by every writer: until then the readers' failures of
@@ -73,34 +76,39 @@ class ReaderWaits(ChannelPart):
             self._wait_published(min_version, epoch, writers, deadline)
         said = time.monotonic()
         dead: dict[int, str] = {}  # dead readers behind min_version: waited for no more
+        present = readers - len(absent)
+        extra = 0  # absent seats the last report counts as settled (the server counts every seat)
         while True:
             # In slices of a lease, so that a reader that died is reported as such, not waited for.
             step = deadline.remaining() if self.lease_seconds <= 0 else min(deadline.remaining(), self.lease_seconds)
             try:
                 report = self.meta.wait_reader_report(min_version=min_version, readers=readers, timeout=step,
-                                                      settled=readers - len(dead) if dead else None)
+                                                      settled=present - len(dead) + extra if dead or absent else None)
             except TimeoutError as exc:
                 if time.monotonic() - said >= client_base.PROGRESS_SECONDS and not deadline.expired:
                     said = time.monotonic()
                     logger.info("%s: still waiting for the readers of version %d; %.0f s left (%s)", self.who,
                                 min_version, deadline.remaining(0.0), str(exc).split("; ", 1)[-1])
-                dead = self._dead_readers_behind(min_version, readers)
+                dead = self._dead_readers_behind(min_version, readers, absent)
                 if deadline.expired:
                     raise
                 continue
             settled = set(report.settled(min_version, readers))
+            extra = len(settled & absent)
+            settled -= absent
             # the dead that are still behind (a restart of one may have applied it since, in place
             # of a live reader still at it: then wait on for that one)
             dead = {r: why for r, why in dead.items() if r not in settled}
-            if len(settled) + len(dead) < readers:
+            if len(settled) + len(dead) < present:
                 continue
-            failed = report.failed(min_version, readers)
+            failed = {r: why for r, why in report.failed(min_version, readers).items() if r not in absent}
             failed.update(dead)
             return failed
 
-    def _dead_readers_behind(self, min_version: int, readers: int) -> dict[int, str]:
-        """Reader ranks below ``readers`` whose lease expired before they were done with ``min_version``."""
-        dead = self.dead_peers("reader", range(readers), max_age=0.0)
+    def _dead_readers_behind(self, min_version: int, readers: int, absent: AbstractSet[int]) -> dict[int, str]:
+        """Reader ranks below ``readers`` but ``absent`` whose lease expired before they were done
+        with ``min_version``."""
+        dead = self.dead_peers("reader", [r for r in range(readers) if r not in absent], max_age=0.0)
         if not dead:
             return {}
         report = self.meta.wait_reader_report(min_version=min_version, readers=0, timeout=0.0)
@@ -115,37 +123,44 @@ class ReaderWaits(ChannelPart):
                                                                 use_bin_type=True))
 
     def wait_completion(self, policy: Policy, *, min_version: int, readers: int, deadline: Deadline,
-                        epoch: int | None = None, writers: int = 0) -> Completion:
+                        epoch: int | None = None, writers: int = 0, absent: AbstractSet[int] = frozenset()
+                        ) -> Completion:
         """Until ``min_version`` is decided under ``policy`` (:mod:`weightsync.job.completion`):
-        complete as soon as enough of reader ranks ``0..readers-1`` applied it, failed as soon as
-        too few are left that may still apply it (a dead reader is out of the count within one
-        lease), or at the deadline. ``epoch`` and ``writers`` as in :meth:`wait_readers`.
+        complete as soon as enough of reader ranks ``0..readers-1`` but ``absent`` applied it, failed
+        as soon as too few are left that may still apply it (a dead reader is out of the count
+        within one lease), or at the deadline. ``epoch``, ``writers`` and ``absent`` as in
+        :meth:`wait_readers`.
 
         Raises:
             PeerDiedError: as :meth:`wait_readers`.
         """
         if epoch is not None:
             self._wait_published(min_version, epoch, writers, deadline)
-        needed = max(1, policy.needed(readers))
+        seats = [r for r in range(readers) if r not in absent]
+        needed = max(1, policy.needed(len(seats)))
         dead: dict[int, str] = {}
         behind = 0  # dead readers not done with the version: waited for no more
+        extra = (0, 0)  # absent seats the last report counts as settled, and as applied
         while True:
             step = deadline.remaining(0.0) if self.lease_seconds <= 0 else min(deadline.remaining(0.0),
                                                                                 self.lease_seconds)
             try:
                 report = self.meta.wait_reader_report(min_version=min_version, readers=readers, timeout=step,
-                                                      settled=readers - behind, applied=needed)
+                                                      settled=len(seats) - behind + extra[0],
+                                                      applied=needed + extra[1])
             except TimeoutError:
                 report = self.meta.wait_reader_report(min_version=min_version, readers=0, timeout=0.0)
-                dead = self.dead_peers("reader", range(readers), max_age=0.0)
+                dead = self.dead_peers("reader", seats, max_age=0.0)
             # from this report, so that the long-poll's condition and the verdict agree (no busy loop)
-            behind = len(set(dead) - set(report.settled(min_version, readers)))
+            settled = set(report.settled(min_version, readers))
+            behind = len(set(dead) - settled)
+            extra = (len(settled & absent), len(set(report.applied(min_version, readers)) & absent))
             verdict = judge(policy, min_version, readers=readers, report=report, dead=dead,
-                            expired=deadline.expired)
+                            expired=deadline.expired, absent=absent)
             if verdict.state == "complete" and "still applying" in verdict.missed.values() and not dead:
                 # say which of those the quorum left behind are dead (one lease read, on a miss only)
-                dead = self.dead_peers("reader", range(readers), max_age=0.0)
-                verdict = judge(policy, min_version, readers=readers, report=report, dead=dead)
+                dead = self.dead_peers("reader", seats, max_age=0.0)
+                verdict = judge(policy, min_version, readers=readers, report=report, dead=dead, absent=absent)
             if verdict.state != "waiting":
                 return verdict
 

@@ -165,6 +165,8 @@ class WeightWriter:
         try:
             if self._joins_late(channel):
                 deadline = self._once_writer_0_started(channel, version, deadline, budget)
+            if session.elastic and self.rank == 0:  # readers that left are planned no more
+                channel.drop_departed_readers(deadline=deadline)
             epoch = channel.decide_epoch(version, deadline)
             # a reader's layout changed (its engine's EPLB placement): plan the version at the
             # layout generation writer 0 recorded for it, as every writer does
@@ -295,7 +297,8 @@ class WeightWriter:
         try:
             failed = self.session.channel.wait_readers(min_version=min_version, readers=self.session.reader_count,
                                                        deadline=deadline, epoch=epoch,
-                                                       writers=self.config.num_writers)
+                                                       writers=self.config.num_writers,
+                                                       absent=self.session.absent_readers)
         except TimeoutError as exc:
             raise SyncError(f"writer {self.rank}: readers did not reach version {min_version} in time: {exc}") from exc
         except PeerDiedError as exc:
@@ -316,7 +319,7 @@ class WeightWriter:
         try:
             completion = self.session.channel.wait_completion(
                 self._policy, min_version=min_version, readers=self.session.reader_count, deadline=deadline,
-                epoch=epoch, writers=self.config.num_writers)
+                epoch=epoch, writers=self.config.num_writers, absent=self.session.absent_readers)
         except TimeoutError as exc:
             raise SyncError(f"writer {self.rank}: version {min_version} was not published in time: {exc}") from exc
         except PeerDiedError as exc:

@@ -54,13 +54,13 @@ def refusal(settings: Mapping[str, Any], *, transport: str, why: str = "") -> st
                 "(whole-model staging), or commit='each'")
     completion = settings["completion"]
     if settings["num_readers"] is None:
-        if not completion.startswith("quorum="):
-            return (f"num_readers=None (an elastic set of readers) with completion={completion!r}: readers that left "
-                    "keep their seats, so every later version would wait for them (all) or count them (a fraction). "
-                    "Use completion='quorum=K', or a fixed num_readers")
         if settings["commit"] == "fleet":
             return ("num_readers=None (an elastic set of readers) with commit='fleet': the fleet's commit is decided "
                     "for a fixed set of readers. Use commit='each', or a fixed num_readers")
+        if chosen and _two_sided(settings, transport):
+            return (f"num_readers=None (an elastic set of readers) with {picked}: its writers connect to every "
+                    "reader themselves, so a reader could not join or leave a running job. Use a one-sided "
+                    "transport (shm, file, or nixl with nixl_mode='pull'), or a fixed num_readers")
     if completion != "all" and chosen and _two_sided(settings, transport):
         mode = " in push mode" + (" (nixl_mode='auto' picks push for no more readers than writers)"
                                   if settings["nixl_mode"] == "auto" else "") if transport == "nixl" else ""

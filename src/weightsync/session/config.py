@@ -130,7 +130,7 @@ class SyncConfig:
             ``num_readers=None``: an elastic set of readers (:mod:`weightsync.session.elastic`):
             readers join and leave while the job runs, each on a seat (its rank, any of
             ``0..MAX_READER_SEATS-1``), and the writers plan each version for the readers that
-            had joined when it started; it takes ``completion="quorum=K"``.
+            had joined, and not left, when it started; ``completion`` counts those.
         job: the job's name on the meta server.
         meta_address: the job's coordinator, as this rank reaches it: a meta server
             (``http://host:port``) or an etcd cluster (``etcd://host1:2379,host2:2379,...``,

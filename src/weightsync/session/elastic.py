@@ -17,15 +17,19 @@ elastic job plans each version for the readers that had *joined* when writer 0 s
   the writers expose every piece it needs, as for a replica of a reader already in the job;
   otherwise the version fails on it (shm and NIXL pull find a missing piece as they bind,
   before a byte lands; file as it reads) and it takes the next, planned for it.
-* **Leaving**, cleanly or by dying, keeps the seat in the plan: under the job's quorum
-  (``completion="quorum=K"``, the only policy an elastic set takes) a reader that is gone misses
-  versions and never blocks a write past its lease; a process that takes the seat again joins
-  anew. Keeping seats is why ``all`` and ``fraction=F`` are refused: a seat that stays empty
-  would fail every version under ``all`` and count against a fraction.
+* **Leaving**, cleanly (its lease released) or by dying or stalling (its lease expired), ends
+  the join: before it decides each version, writer 0 records a leave for every joined reader
+  whose lease ended (:meth:`~weightsync.job.channel.JobChannel.drop_departed_readers`, one
+  layout change each), so the version is planned without it. The policy (``all``,
+  ``quorum=K``, ``fraction=F``) counts the readers of the version's plan (:func:`absent`
+  seats are not counted). A leave names the join it ends, so a process that took the seat and
+  joined since stays. A reader that finds itself left out while alive (it stalled past its
+  lease) joins again and takes the next version planned for it; it never claims a version
+  planned without it.
 * Writers wait for the first join before they plan (a plan for no reader exposes nothing).
 
-Only the one-sided transports carry it (shm, file, NIXL in pull mode): the quorum rule refuses
-the others, whose writers send to every reader themselves.
+Only the one-sided transports carry it (shm, file, NIXL in pull mode): the others, whose
+writers connect to every reader themselves, are refused for an elastic set.
 """
 
 from __future__ import annotations
@@ -73,4 +77,11 @@ def reader_count(people: Sequence[Member]) -> int:
     return 1 + max((m.rank for m in people if m.role == "reader"), default=-1)
 
 
-__all__ = ["MAX_READER_SEATS", "check_seat", "first_join", "reader_count", "same_setup"]
+def absent(people: Sequence[Member]) -> frozenset[int]:
+    """The seats below :func:`reader_count` that no reader of the roster holds (never joined, or
+    left): the waits count the others only."""
+    present = {m.rank for m in people if m.role == "reader"}
+    return frozenset(set(range(reader_count(people))) - present)
+
+
+__all__ = ["MAX_READER_SEATS", "absent", "check_seat", "first_join", "reader_count", "same_setup"]

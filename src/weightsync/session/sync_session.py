@@ -201,6 +201,9 @@ class SyncSession:
                 raise ValueError(f"{role} rank {rank} is outside 0..{size - 1} (the job has {size} {role}s)")
         #: the reader seats of this rank's plan: ``num_readers``, or an elastic set's seats at its generation
         self.reader_count = config.num_readers or 0
+        #: seats below ``reader_count`` that the plan has no reader for (an elastic set's seats never
+        #: joined, or left): the writers' waits count the others
+        self.absent_readers: frozenset[int] = frozenset()
         self.provider = provider
         self._device = device  # where the source's tensors or the engine's buffers live
         self._keeps_received_bytes = keeps_received_bytes  # a reader's engine's capability
@@ -363,10 +366,19 @@ class SyncSession:
         if generation:
             registered = people
             people = self.channel.roster_at(people, generation, deadline=deadline, joined_only=self.elastic)
-            if with_self and all((m.role, m.rank) != (self.role, self.rank) for m in people):
-                people = [*people, *(m for m in registered if (m.role, m.rank) == (self.role, self.rank))]
+            if all((m.role, m.rank) != (self.role, self.rank) for m in people):
+                if not with_self and self.role == "reader" and self.elastic and generation >= self.own_generation > 0:
+                    # writer 0 dropped this reader (its lease lapsed: a pause, a stopped process): join again,
+                    # and take the version planned for it after that
+                    self.own_generation = self.channel.publish_layout(self._layout_blob(), deadline=deadline)
+                    logger.warning("%s had left the job at layout generation %d (its lease lapsed); it joined "
+                                   "again at %d", self.channel.who, generation, self.own_generation)
+                    with_self = True
+                if with_self:
+                    people = [*people, *(m for m in registered if (m.role, m.rank) == (self.role, self.rank))]
         if self.elastic:
             self.reader_count = elastic.reader_count(people)
+            self.absent_readers = elastic.absent(people)
         t0 = time.perf_counter()
         writers, readers = self._decode(people)
         self.timings["decode"] = time.perf_counter() - t0
