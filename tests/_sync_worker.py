@@ -179,6 +179,7 @@ def main() -> None:
     sync = SyncConfig(num_writers=args["num_writers"], num_readers=args["num_readers"], host=args.get("host", ""),
                       transport=args.get("transport", "auto"), timeout=args.get("timeout", 60.0),
                       integrity=args.get("integrity", False), completion=args.get("completion", "all"),
+                      layer_phases=args.get("layer_phases", False),
                       plan_options=PlanOptions(min_split_bytes=args.get("min_split_bytes", 1 << 20)),
                       transport_options=TransportOptions(max_bucket_bytes=args.get("bucket", 1 << 16),
                                                          direct_min_bytes=1024,

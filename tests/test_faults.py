@@ -773,9 +773,18 @@ def elastic(options, flags, *, coordinator: str | None = None) -> None:
     assert wrong == [], wrong
 
 
-@pytest.mark.parametrize("options", QUORUM_TRANSPORTS)  # an elastic set takes the one-sided transports
+#: what an elastic set runs with beside its joins and leaves: deltas (weights moving ~2% per
+#: version), in-band integrity and layer phases together, or nothing more
+_FEATURES = {"sparse": True, "integrity": True, "layer_phases": True, "transport_options": {"delta_anchor_every": 100}}
+ELASTIC_CASES = [pytest.param(p.values[0], features, id=f"{p.id}-{name}",
+                              marks=[*p.marks, *([pytest.mark.heavy] if name == "plain" else [])])
+                 for p in QUORUM_TRANSPORTS for name, features in (("delta-integrity-phases", _FEATURES), ("plain", {}))]
+
+
+# `make test-heavy` runs the plain case and file and NIXL pull; the default run the one over shm with every feature
+@pytest.mark.parametrize(("options", "features"), ELASTIC_CASES)
 def test_under_all_readers_that_leave_die_or_stall_are_planned_no_more_and_the_stalled_one_joins_again(
-        options, no_leaks, tally, tmp_path):
+        options, features, no_leaks, tally, tmp_path):
     """``num_readers=None`` with ``completion="all"``: a reader that left (cleanly, or by dying,
     or stalled past its lease) is dropped from the next version's plan by writer 0, so ``all``
     counts the readers that are there. Reader 1 leaves cleanly after version 3: no write fails
@@ -791,8 +800,9 @@ def test_under_all_readers_that_leave_die_or_stall_are_planned_no_more_and_the_s
     tally("elastic readers under all: one leaves, one dies, one stalls past its lease", options)
     versions = 36
     last = versions - 1
-    common = {**COMMON, **options, "source": "megatron:tp=1", "num_writers": 1, "num_readers": None,
-              "target": "vllm:tp=1,replicas=4096", "completion": "all", "tries": 2 * versions}
+    common = {**COMMON, **options, **features, "source": "megatron:tp=1", "num_writers": 1, "num_readers": None,
+              "target": "vllm:tp=1,replicas=4096", "completion": "all", "tries": 2 * versions,
+              "transport_options": {**options.get("transport_options", {}), **features.get("transport_options", {})}}
     with EmbeddedMetaServer() as server, open_meta(server.address, token=server.token) as meta:
         writer = launch(server, "writer", 0, versions=list(range(versions)), step_seconds=0.3, stay_until="done",
                         flag_dir=str(tmp_path), **common)
