@@ -628,13 +628,15 @@ def test_under_a_quorum_a_killed_reader_fails_no_write_and_its_restart_catches_u
 
 
 def churn(options, flags, *, writers: int, readers: int, versions: int, quorum: int, every: float,
-          seed: int, coordinator: str | None = None) -> None:
+          seed: int, coordinator: str | None = None, elastic: bool = False) -> None:
     """Issue 36's churn: ``writers`` writers write ``versions`` versions, a training step apart, under
     ``quorum=K`` of ``readers`` reader processes; every ``every`` seconds a random reader is
     SIGKILLed and a new process takes its rank at once (seeded). Every version completes; every
     version a reader reports holds bitwise; every reader ends on the last version; the status
     record shows each version complete. ``coordinator``: an etcd address (else an embedded meta
-    server, whose status page is checked too)."""
+    server, whose status page is checked too). ``elastic``: ``num_readers=None``, and each
+    ``every`` seconds either a random reader is SIGKILLed for good (while more than ``K + 1`` are
+    up) or a new engine joins on the lowest free seat: the fleet shrinks and grows."""
     import contextlib
     import random
     import types
@@ -643,9 +645,12 @@ def churn(options, flags, *, writers: int, readers: int, versions: int, quorum: 
 
     rng = random.Random(seed)
     last = versions - 1
-    common = {**COMMON, **options, "source": f"megatron:tp={writers}", "num_writers": writers, "num_readers": readers,
-              "target": f"vllm:tp=1,replicas={readers}", "completion": f"quorum={quorum}"}
+    common = {**COMMON, **options, "source": f"megatron:tp={writers}", "num_writers": writers,
+              "num_readers": None if elastic else readers, "completion": f"quorum={quorum}",
+              "target": f"vllm:tp=1,replicas={4096 if elastic else readers}",
+              **({"tries": 2 * versions} if elastic else {})}
     ended: list[tuple[int, object]] = []  # (rank, process) of every reader killed
+    joined: set[int] = set()  # seats an engine joined while versions flowed (elastic)
     with contextlib.ExitStack() as stack:
         server = (stack.enter_context(EmbeddedMetaServer()) if coordinator is None
                   else types.SimpleNamespace(address=coordinator, token=""))
@@ -660,11 +665,20 @@ def churn(options, flags, *, writers: int, readers: int, versions: int, quorum: 
                 assert all(p.poll() is None for p in trainers.values()) and not deadline.expired, \
                     "the writers did not write every version"
                 time.sleep(every)
-                rank = rng.randrange(readers)
-                if live[rank].poll() is None:
+                if elastic and (len(live) > quorum + 1 and rng.random() < 0.5):  # one leaves, for good
+                    rank = rng.choice(sorted(live))
                     live[rank].kill()
-                    ended.append((rank, live[rank]))
+                    ended.append((rank, live.pop(rank)))
+                elif elastic:  # a new engine joins
+                    rank = min(set(range(len(live) + 1)) - set(live))
                     live[rank] = launch(server, "reader", rank, until=last, **common)
+                    joined.add(rank)
+                else:
+                    rank = rng.randrange(readers)
+                    if live[rank].poll() is None:
+                        live[rank].kill()
+                        ended.append((rank, live[rank]))
+                        live[rank] = launch(server, "reader", rank, until=last, **common)
             out = finish({("reader", r): p for r, p in live.items()}, TIMEOUT * 4)
             (flags / "done").touch()
             out |= finish(trainers, TIMEOUT)
@@ -674,12 +688,14 @@ def churn(options, flags, *, writers: int, readers: int, versions: int, quorum: 
         code, records, stderr = out[("writer", w)]
         assert code == 0 and [r["version"] for r in records] == list(range(versions)), (records, stderr[-3000:])
         assert all(r["ok"] and r["completion"]["state"] == "complete" for r in records), records
-    for rank in range(readers):
-        assert_reader_ends_exact(out, rank, last)
+    for key in out:
+        if key[0] == "reader":
+            assert_reader_ends_exact(out, key[1], last)
     # every reader, killed or not, reported only versions it held bitwise
     wrong = [(key, r) for key, (_, records, _) in [*killed.items(), *out.items()] for r in records
              if r.get("role") == "reader" and r["ok"] and not r["exact"]]
     assert len(ended) >= 3 and wrong == [], (len(ended), wrong)
+    assert not elastic or len(joined) >= 3, joined
     assert all(c["state"] == "complete" for c in status["completions"]), status["completions"]
 
 
@@ -696,6 +712,24 @@ def test_churn_readers_killed_and_replaced_at_random_under_a_quorum_every_versio
     skip_unavailable(options)
     tally(f"churn: a random reader of {readers} SIGKILLed and replaced every 1.5 s, quorum={quorum}", options)
     churn(options, tmp_path, writers=writers, readers=readers, versions=versions, quorum=quorum, every=1.5, seed=36)
+
+
+#: an elastic fleet that shrinks and grows: 4 engines at start by default; 16 in `make test-heavy`
+ELASTIC_CHURN = [pytest.param({"transport": "shm"}, 1, 4, 40, 2, id="shm-1x4"),
+                 pytest.param({"transport": "shm"}, 2, 16, 100, 8, id="shm-2x16", marks=pytest.mark.heavy)]
+
+
+@pytest.mark.parametrize(("options", "writers", "readers", "versions", "quorum"), ELASTIC_CHURN)
+def test_an_elastic_fleet_that_shrinks_and_grows_at_random_completes_every_version_under_a_quorum(
+        options, writers, readers, versions, quorum, no_leaks, tally, tmp_path):
+    """Readers die for good and new engines join at random (seeded) while versions flow: writer 0
+    drops each dead reader from the next version's plan, each new one takes the newest version
+    at once and follows; every version completes and every reader ends on the last, bitwise."""
+    skip_unavailable(options)
+    tally(f"elastic churn: of {readers} engines at start, one dies or one joins every second, quorum={quorum}",
+          options)
+    churn(options, tmp_path, writers=writers, readers=readers, versions=versions, quorum=quorum, every=1.0, seed=18,
+          elastic=True)
 
 
 def _wait_past(meta, version: int, procs) -> int:
