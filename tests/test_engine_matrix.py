@@ -51,7 +51,7 @@ class Cell:
         sync: dict[str, Any] = {"phases": {"layer_phases": True}, "delta": {"delta_anchor_every": 2},
                                 "phases-256k": {"layer_phases": True, "max_bucket_bytes": 256 << 10},
                                 "prefetch-fleet": {"commit": "fleet"},
-                                "elastic": {"num_readers": None, "completion": "quorum=1"}}.get(self.path, {})
+                                "elastic": {"num_readers": None}}.get(self.path, {})
         versions = 2 if self.path == "delta" else 1  # a delta needs the anchor before it
         prefetch = self.path.startswith("prefetch")
         if self.api == "serve":
@@ -83,7 +83,8 @@ def heavy(cell: Cell) -> Any:
 #: family -> its cells (see docs/models.md for the covering design and the cost)
 CELLS: dict[str, list[Any]] = {
     "llama": _cells(Cell("engine", "hf", "phases")),
-    # elastic: the engine joins an elastic set of readers (num_readers=None) on its seat, under quorum=1
+    # elastic: the engine joins an elastic set of readers (num_readers=None) on its seat, under the default
+    # completion ("all": every reader of the version's plan)
     "qwen2": _cells(Cell("backend", "hf", "prefetch"), Cell("backend", "hf", "elastic")),
     # the cheapest family carries the two APIs with an engine process of their own; `vllm serve`
     # (80 s: three processes) is in make test-heavy, and test_vllm_native's pause case updates a
