@@ -22,6 +22,7 @@ from weightsync.layout import parse_layout
 from weightsync.layout.lora import LoraSpec
 from weightsync.plan import PlanOptions, build_local_plan
 from weightsync.tools.devices import RankPlacement
+from weightsync.tools.processes import process_alive
 from weightsync.tools.torch_layout import TORCH_DTYPES, allocate, fill_from_canonical
 from weightsync.transport import TransportContext, TransportOptions, create_transport
 from weightsync.transport.shm.files import share_tensors
@@ -46,6 +47,16 @@ def sparse_values_for(canonical, version, dtype):
             flat[idx] += 0.25
     return out
 
+
+def wait_published(meta: DirectoryMeta, version: int, writer: int, deadline: Deadline) -> None:
+    """Until ``writer`` published ``version``; a writer whose process is gone is named at once, as a
+    rank's expired lease names it in a job (this harness has no meta server, and one machine)."""
+    while meta.get_document(f"sent/{version}/{writer}", wait=min(0.25, deadline.remaining(0.0))) is None:
+        pid = meta.get_document(f"pid/writer/{writer}")
+        if pid is not None and not process_alive(int(pid)):
+            raise TimeoutError(f"writer {writer} died before it published version {version} (pid {int(pid)})")
+        if deadline.expired:
+            raise TimeoutError(f"writer {writer} never published version {version}")
 
 def main() -> None:
     args = json.loads(sys.argv[1])
@@ -75,6 +86,7 @@ def main() -> None:
         tensors = shares[0].tensors
     pointers = {n: t.data_ptr() for n, t in tensors.items()}
     meta = DirectoryMeta(args["meta_dir"])
+    meta.put_document(f"pid/{role}/{rank}", str(os.getpid()).encode())  # the harness's liveness (one machine)
     opts = TransportOptions(max_bucket_bytes=args.get("bucket", 1 << 16), direct_min_bytes=1024,
                             checksum=args.get("checksum", False), **args.get("options", {}))
     nodes = args.get("nodes", {})  # role -> each rank's node (the routed transport splits pairs by it)
@@ -128,8 +140,7 @@ def main() -> None:
                 try:
                     if transport.one_sided:  # what WeightReader does: wait for the publication
                         for w in range(len(writers)):
-                            if meta.get_document(f"sent/{version}/{w}", wait=timeout) is None:
-                                raise TimeoutError(f"writer {w} never published version {version}")
+                            wait_published(meta, version, w, Deadline.after(timeout))
                     stats = transport.receive(version, deadline=Deadline.after(timeout))
                 except Exception as exc:  # report what the user would see
                     print(json.dumps({"error": type(exc).__name__, "message": str(exc),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -53,8 +54,15 @@ def run_scenario(tmp_path, transport, *, versions=3, timeout=30.0, **extra):
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
-        sweep_stale_segments()  # a killed writer cannot unlink its segment itself
-    out["pids"] = {p.pid for _, _, p in procs}
+        # a killed writer cannot unlink its segment itself; every process is reaped, but a child one
+        # of them forked may hold the segment's lock a moment longer
+        pids, until = {p.pid for _, _, p in procs}, time.monotonic() + 10.0
+        while True:
+            sweep_stale_segments(min_age=0.0)
+            if not own_segments(pids) or time.monotonic() > until:
+                break
+            time.sleep(0.1)
+    out["pids"] = pids
     return out
 
 

@@ -154,6 +154,34 @@ def test_the_sweep_spares_files_a_live_process_holds_whatever_pid_their_name_car
     assert name in sweep_stale_segments(min_age=0.0) and not os.path.exists(path)
 
 
+def test_the_sweep_takes_the_files_of_a_killed_process_its_parent_has_not_reaped_yet():
+    """A trainer killed under a launcher that has not waited for it yet is a zombie: it answers
+    ``kill(pid, 0)`` but holds no file or lock any more. The sweep kept its segments until the
+    launcher reaped it; it takes them at once now (``weightsync.tools.processes``)."""
+    import subprocess
+    import time
+
+    from weightsync.tools.processes import process_alive
+    from weightsync.transport.shm.files import sweep_stale_segments
+
+    child = subprocess.Popen([sys.executable, "-c", "import os, sys; sys.stdout.write(str(os.getpid())); "
+                              f"open('{SHM_DIR}/weightsync-' + str(os.getpid()) + '-zombie-w0', 'wb').write(b'x')"],
+                             stdout=subprocess.PIPE)
+    name = f"weightsync-{child.pid}-zombie-w0"
+    try:
+        assert child.stdout is not None and child.stdout.read() == str(child.pid).encode()  # it wrote and exited
+        deadline = time.monotonic() + 30
+        while open(f"/proc/{child.pid}/stat").read().rpartition(")")[2].split()[0] != "Z":  # not reaped
+            assert time.monotonic() < deadline, "the child never exited"
+            time.sleep(0.01)
+        assert not process_alive(child.pid) and process_alive(os.getpid())
+        assert name in sweep_stale_segments(min_age=0.0) and not os.path.exists(os.path.join(SHM_DIR, name))
+    finally:
+        child.wait(30)
+        if os.path.exists(os.path.join(SHM_DIR, name)):
+            os.unlink(os.path.join(SHM_DIR, name))
+
+
 MOVES = {  # writer 0's weights move before version 1, writer 1's before version 2
     "snapshot": {},  # private memory to private memory: the writer keeps its slots
     # (and readers that wait for whole slots)

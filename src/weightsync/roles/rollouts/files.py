@@ -20,6 +20,8 @@ import secrets
 import socket
 from collections.abc import Iterator
 
+from weightsync.tools.processes import process_alive
+
 #: temporaries start with this, then ``<host>-<pid>-``: readers skip dot-files
 TMP_PREFIX = ".tmp-"
 #: bytes per write call
@@ -84,18 +86,9 @@ def sweep_temporaries(directory: str) -> list[str]:
                 pid = int(name[len(TMP_PREFIX) + len(host) + 1:].split("-", 1)[0])
             except ValueError:
                 continue
-            if pid != os.getpid() and not _alive(pid):
+            if pid != os.getpid() and not process_alive(pid):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(root, name))
                     removed.append(os.path.join(root, name))
     return removed
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

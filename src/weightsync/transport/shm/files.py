@@ -24,6 +24,8 @@ from collections.abc import Mapping
 
 import torch
 
+from weightsync.tools.processes import process_alive
+
 SHM_DIR = "/dev/shm"
 _PREFIX = "weightsync-"
 
@@ -83,7 +85,7 @@ def sweep_stale_segments(*, min_age: float = _YOUNG_S) -> list[str]:
             pid = int(name.split("-")[1])
         except (IndexError, ValueError):
             continue
-        if pid == os.getpid() or _alive(pid):
+        if pid == os.getpid() or process_alive(pid):
             continue
         if _unlink_unheld(os.path.join(SHM_DIR, name), min_age):
             removed.append(name)
@@ -162,12 +164,3 @@ def share_tensors(tensors: Mapping[str, torch.Tensor]) -> SharedTensors:
     """Copies of ``tensors`` in one ``/dev/shm`` file (see :class:`SharedTensors`)."""
     return SharedTensors(tensors)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
