@@ -107,9 +107,10 @@ class WeightWriter:
         _OPEN[self._claim] = self
         self.version: int | None = None
         self._history: list[int] = []  # versions this writer published, oldest first
-        #: the reader seats each version of the history was planned without (an elastic set's
-        #: seats never joined, or left): a wait for that version does not count them
-        self._absent: dict[int, frozenset[int]] = {}
+        #: the reader seats each version of the history was planned for: how many, and those of
+        #: them with no reader (an elastic set's seats never joined, or left): a wait for that
+        #: version counts the others
+        self._seats: dict[int, tuple[int, frozenset[int]]] = {}
         self._policy = config.policy  # parsed once: every write consults it
         #: the newest versions' completions under a quorum or fraction policy (writer 0 posts them)
         self._completions: deque[Completion] = deque(maxlen=KEEP_COMPLETIONS)
@@ -217,7 +218,7 @@ class WeightWriter:
             raise SyncError(f"writer {self.rank}: version {version} failed: {exc}") from exc
         self.version = version
         self._history = [*self._history[-(slots + self.config.staleness):], version]
-        self._absent = {v: self._absent.get(v, session.absent_readers) for v in self._history}
+        self._seats = {v: self._seats.get(v, (session.reader_count, session.absent_readers)) for v in self._history}
         if self.config.commit == "fleet" and self.rank == 0:
             self._start_commit(version, epoch, deadline)
         k = self.config.staleness
@@ -299,10 +300,9 @@ class WeightWriter:
         staleness bound) a reader that failed it is an error, never a success."""
         t0 = time.perf_counter()
         try:
-            failed = self.session.channel.wait_readers(min_version=min_version, readers=self.session.reader_count,
-                                                       deadline=deadline, epoch=epoch,
-                                                       writers=self.config.num_writers,
-                                                       absent=self._absent_from(min_version))
+            readers, absent = self._seats_of(min_version)
+            failed = self.session.channel.wait_readers(min_version=min_version, readers=readers, deadline=deadline,
+                                                       epoch=epoch, writers=self.config.num_writers, absent=absent)
         except TimeoutError as exc:
             raise SyncError(f"writer {self.rank}: readers did not reach version {min_version} in time: {exc}") from exc
         except PeerDiedError as exc:
@@ -313,10 +313,10 @@ class WeightWriter:
         if failed and failed_is_error:
             raise ReadersFailedError(self.rank, min_version, failed)
 
-    def _absent_from(self, version: int) -> frozenset[int]:
-        """The seats ``version``'s plan had no reader for (the current plan's for a version this
-        process did not write)."""
-        return self._absent.get(version, self.session.absent_readers)
+    def _seats_of(self, version: int) -> tuple[int, frozenset[int]]:
+        """How many reader seats ``version``'s plan spans, and those it had no reader for (the
+        current plan's for a version this process did not write)."""
+        return self._seats.get(version, (self.session.reader_count, self.session.absent_readers))
 
     def _wait_policy(self, min_version: int, deadline: Deadline, result: WriteResult, *, epoch: int | None = None,
                      timing: str = "wait_readers", record: bool = True) -> None:
@@ -326,9 +326,10 @@ class WeightWriter:
         unmet policy raises; else (a slot's reuse) it only bounds the wait."""
         t0 = time.perf_counter()
         try:
+            readers, absent = self._seats_of(min_version)
             completion = self.session.channel.wait_completion(
-                self._policy, min_version=min_version, readers=self.session.reader_count, deadline=deadline,
-                epoch=epoch, writers=self.config.num_writers, absent=self._absent_from(min_version))
+                self._policy, min_version=min_version, readers=readers, deadline=deadline,
+                epoch=epoch, writers=self.config.num_writers, absent=absent)
         except TimeoutError as exc:
             raise SyncError(f"writer {self.rank}: version {min_version} was not published in time: {exc}") from exc
         except PeerDiedError as exc:
