@@ -83,7 +83,7 @@ class ReaderWaits(ChannelPart):
             step = deadline.remaining() if self.lease_seconds <= 0 else min(deadline.remaining(), self.lease_seconds)
             try:
                 report = self.meta.wait_reader_report(min_version=min_version, readers=readers, timeout=step,
-                                                      settled=present - len(dead) + extra if dead or absent else None)
+                                                      settled=(present - len(dead) + extra) if dead or absent else None)
             except TimeoutError as exc:
                 if time.monotonic() - said >= client_base.PROGRESS_SECONDS and not deadline.expired:
                     said = time.monotonic()
