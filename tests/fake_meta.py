@@ -60,6 +60,7 @@ class FakeChannel:
     def __init__(self, role: str = "writer", rank: int = 0, *, lease_seconds: float = 0.0) -> None:
         self.role, self.rank, self.lease_seconds = role, rank, lease_seconds
         self.dead: dict[int, str] = {}
+        self.epoch = 0  # the job's epoch, as current_epoch() answers it
         self._endpoints: dict[tuple[str, int, str, int], object] = {}
 
     @property
@@ -79,3 +80,6 @@ class FakeChannel:
 
     def lease_holders(self, *, max_age=0.25) -> dict:
         return {}
+
+    def current_epoch(self) -> int:
+        return self.epoch

@@ -202,3 +202,23 @@ def test_the_waits_count_the_readers_a_version_was_planned_for():
     assert judge(half, 4, readers=4, report=report, dead={}, absent={1, 3}).needed == 1
     # an absent seat that applied is not counted either
     assert judge(everyone, 4, readers=3, report=report, dead={}, absent={2}).state == "waiting"
+
+
+def test_a_reader_whose_seat_is_no_rank_of_its_layout_is_refused_before_it_joins():
+    """A reader on seat 1 whose engine layout has one rank (``hf:quant=fp8_block``): every writer
+    rebuilds a reader's layout from its descriptor at its seat, and failed on it, so a
+    misconfigured engine joining an elastic set ended the training job. The reader refuses itself,
+    naming its layout and seat, before it holds a lease or publishes its join."""
+    from weightsync.engines.buffers import ShardedEngine
+    from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+    from weightsync.roles.reader import WeightReader
+    from weightsync.tools.tiny import tiny_config
+
+    cfg = tiny_config()
+    with EmbeddedMetaServer() as server, MetaClient(server.address, job="seat", token=server.token) as meta:
+        engine = ShardedEngine("hf:quant=fp8_block", cfg, 0)
+        with pytest.raises(ValueError, match=r"reader 1: its layout hf:quant=fp8_block has ranks 0\.\.0, not 1"), \
+                WeightReader(engine, rank=1, meta=meta, config=SyncConfig(num_writers=1, num_readers=None, job="seat",
+                                                                          transport="shm", timeout=5)) as reader:
+            reader.update(timeout=5)
+        assert meta.counter(layouts_key()) == 0 and meta.leases() == []  # no join, no lease

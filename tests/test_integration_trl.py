@@ -40,6 +40,38 @@ STEPS = 2
 VLLM_CI = {"VLLM_CPU_CI_ENV": "1"}
 
 
+def _mapped_shm() -> set[str]:
+    """The /dev/shm files some live process maps now."""
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            mapped.update(line.split(None, 5)[-1].strip() for line in maps.read_text().splitlines()
+                          if "/dev/shm/" in line)
+    return mapped
+
+
+@pytest.fixture(autouse=True)
+def _no_vllm_cpu_shm_left():
+    """vLLM-CPU's TP workers share a file per TP group in /dev/shm (``<ident>-tp:0-[0-1]-cpushm_<rank>``)
+    and leave it when their process ends without vLLM's own shutdown, as TRL's ranks and a stopped
+    `vllm serve` do. Under TRL's colocated ``external_launcher`` the identifier is empty, so the
+    name is the same in every run: the next TP 2 engine on the machine then fails to create it
+    (``create shm in SHMManager failed. errno: 17``). After each test, the files of its engines
+    that no live process maps are removed (a file another test's engine maps now is kept), and so
+    are such files left before the test (by a run that was killed)."""
+    _sweep_vllm_cpu_shm()
+    yield
+    _sweep_vllm_cpu_shm()
+
+
+def _sweep_vllm_cpu_shm() -> None:
+    mapped = _mapped_shm()
+    for path in Path("/dev/shm").glob("*-cpushm_*"):
+        if str(path) not in mapped:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
 def _results(out: str) -> list[dict]:
     rows = [json.loads(line[len("RESULT "):]) for line in out.splitlines() if line.startswith("RESULT ")]
     return rows + [{**json.loads(line[len("LOGGED "):]), "logged": True} for line in out.splitlines()

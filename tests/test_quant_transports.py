@@ -98,3 +98,79 @@ def test_fp8_and_bf16_readers_from_three_training_processes(transport):
         plain = snapshot[1] if version == 1 else engines[1].tensors
         for name, weight in weights.items():
             assert torch.equal(plain[name], weight), (version, name)
+
+
+def test_an_fp8_reader_that_joins_an_elastic_set_late_gets_its_own_format_bitwise():
+    """``num_readers=None`` over shared memory (issue 36): a bf16 engine joins first and takes
+    version 1; an FP8 engine joins after that. Writers quantize for it from the first version
+    planned with it; a version it adopts that was planned without it has no FP8 piece in the
+    writers' slots and fails on it before a byte lands (its engine keeps what it held). Both end
+    on the last version, each in its own format, bitwise, and every version a reader reports
+    is what its engine holds."""
+    import sys
+    import uuid
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import time
+
+    from weightsync.clock.deadline import Deadline
+    from weightsync.engines.buffers import ShardedEngine
+    from weightsync.job.keys import layouts_key
+    from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+    from weightsync.roles.reader import WeightReader
+    from weightsync.session.sync_session import SyncConfig, SyncError
+    from writer_process import writer_processes
+
+    cfg = config(hidden=256, inter=320)
+    spec = ModelSpec.from_hf_config(cfg)
+    seeds = [2, 1, 3]
+    job = f"fp8-elastic-{uuid.uuid4().hex[:8]}"
+    plain, fp8 = ShardedEngine("hf:replicas=2", cfg, 0), ShardedEngine("hf:quant=fp8_block,replicas=2", cfg, 1)
+    sync = SyncConfig(num_writers=3, num_readers=None, job=job, transport="shm", timeout=60)
+    last = len(seeds)
+
+    def weights(version: int) -> dict[str, torch.Tensor]:
+        return {n: t.to(torch.bfloat16) for n, t in canonical_weights(cfg, seeds[version - 1]).items()}
+
+    def holds_plain(version: int) -> bool:
+        return all(torch.equal(plain.tensors[n], w) for n, w in weights(version).items())
+
+    with EmbeddedMetaServer() as server, writer_processes(server, cfg, "fsdp:dp=3", job=job, seeds=seeds,
+                                                          extra=("--transport", "shm", "--elastic")), \
+            MetaClient(server.address, job=job, token=server.token) as meta, \
+            WeightReader(plain, rank=0, config=sync, meta=meta) as first:
+        assert first.update(1).version == 1 and holds_plain(1)
+        failed: list[str] = []
+        errors: list[BaseException] = []
+
+        def late() -> None:
+            try:
+                with MetaClient(server.address, job=job, token=server.token) as meta2, \
+                        WeightReader(fp8, rank=1, config=sync, meta=meta2) as reader:
+                    for _ in range(2 * last):
+                        try:
+                            if reader.update(timeout=60).version == last:
+                                return
+                        except SyncError as exc:  # adopted a version planned without it
+                            failed.append(str(exc))
+                    raise AssertionError(f"the FP8 reader never reached version {last}: {failed}")
+            except BaseException as exc:  # re-raised in the test's thread
+                errors.append(exc)
+
+        thread = threading.Thread(target=late)
+        thread.start()
+        # the bf16 engine takes version 2 (so the writers plan version 3) once the FP8 engine's join is
+        # recorded: version 3 is planned with it, version 2 with or without it
+        deadline = Deadline.after(60)
+        while meta.counter(layouts_key()) < 2 and errors == [] and not deadline.expired:
+            time.sleep(0.02)
+        assert meta.counter(layouts_key()) >= 2, errors
+        for version in range(2, last + 1):
+            assert first.update(version, timeout=60).version == version and holds_plain(version), version
+        thread.join(timeout=120)
+        assert not thread.is_alive() and not errors, errors
+    # at most the version it adopted on joining, planned before it joined, named as such
+    assert len(failed) <= 1 and all("planned before this reader joined the elastic set" in f
+                                    and "another process" not in f for f in failed), failed
+    check_hf_reader({"spec": spec, "weights": weights(last), "dst": {0: fp8.tensors}}, "fp8_block")

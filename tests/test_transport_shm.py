@@ -214,3 +214,22 @@ def test_a_writer_whose_weights_move_to_new_storage_still_reaches_its_readers(tm
             for r in payload["results"]:
                 assert r["exact"] and r["in_place"], (rank, r)
                 assert 0 < r["bytes"] <= r["needed"] if move == "snapshot-delta" else r["bytes"] == r["needed"]
+
+
+def test_a_segment_gone_because_the_job_re_planned_is_named_superseded_not_removed_by_another_process():
+    """A reader that maps a writer's segment of an older epoch (it adopted a version planned before
+    it joined an elastic set, and the writers re-planned for the join) finds the file gone while
+    the writer lives: the message says the writer retired it for the newer plan. Only when the job
+    did not move on is a file gone under a live writer someone else's doing."""
+    from fake_meta import FakeChannel
+    from weightsync.transport.shm.transport import gone_why
+
+    channel = FakeChannel("reader", 1)
+    ctx = TransportContext(channel=channel, num_writers=1, num_readers=2)
+    assert "another process removed it" in gone_why(ctx, 0, 3)
+    channel.epoch = 4
+    why = gone_why(ctx, 0, 3)
+    assert "writer 0 retired it, as the job re-planned (epoch 4, past this reader's 3" in why, why
+    assert "another process" not in why
+    channel.dead = {0: "its lease expired"}
+    assert gone_why(ctx, 0, 3) == " (writer 0 exited: its lease expired)"

@@ -37,7 +37,7 @@ def writer_processes(server: Any, config: dict[str, Any], layout: str, *, job: s
     """Training ranks in subprocesses, writing versions 1.. with ``seeds``' weights.
 
     ``extra``: more flags (``--transport shm``, ``--bucket 65536``, ``--layer-phases``, ``--hosts a,b``, ``--delta 4``,
-    ``--nixl-mode push``)."""
+    ``--nixl-mode push``, ``--elastic``)."""
     env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
            "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     procs = [launch_process([sys.executable, str(HERE / "writer_process.py"), "--config", json.dumps(config),
@@ -64,6 +64,7 @@ def main() -> int:
     parser.add_argument("--layout", required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--readers", type=int, default=1)
+    parser.add_argument("--elastic", action="store_true", help="num_readers=None: the readers that joined")
     parser.add_argument("--job", default="default")
     parser.add_argument("--seeds", required=True)
     parser.add_argument("--timeout", type=float, default=120.0)
@@ -77,7 +78,8 @@ def main() -> int:
     torch.set_num_threads(1)
     config = json.loads(args.config)
     source = ShardedSource(args.layout, config, args.rank)
-    sync = SyncConfig(num_writers=parse_layout(args.layout).world_size, num_readers=args.readers, job=args.job,
+    sync = SyncConfig(num_writers=parse_layout(args.layout).world_size, num_readers=None if args.elastic else args.readers,
+                      job=args.job,
                       timeout=args.timeout, transport=args.transport, layer_phases=args.layer_phases,
                       host=args.hosts.split(",")[args.rank] if args.hosts else "",
                       transport_options=TransportOptions(max_bucket_bytes=args.bucket, delta_anchor_every=args.delta,

@@ -45,6 +45,16 @@ def encode_descriptor(layout: str, model: str) -> bytes:
     return msgpack.packb(blob)
 
 
+def check_rank(layout: str, rank: int, who: str) -> None:
+    """Raises ValueError when ``rank`` is no rank of ``layout``: every other rank rebuilds this
+    rank's layout from its descriptor at ``rank`` (:class:`LayoutDecoder`), so the rank refuses
+    the pair itself, before it publishes it, rather than have its peers fail on it."""
+    kind = parse_layout(layout)
+    if not 0 <= rank < kind.world_size:
+        raise ValueError(f"{who}: its layout {kind.describe()} has ranks 0..{kind.world_size - 1}, not {rank}: give "
+                         "the layout the job's whole world (an elastic set of readers: replicas above the highest seat)")
+
+
 def encode_explicit(layout: RankLayout) -> bytes:
     """All shards and regions of one rank, canonical names deduplicated."""
     names: dict[str, int] = {}

@@ -75,3 +75,8 @@ class TransportChannel(Protocol):
 
     def lease_holders(self, *, max_age: float = 0.25) -> dict[tuple[str, int], Holder]:
         """Who holds each live lease now (empty without leases)."""
+
+    def current_epoch(self) -> int:
+        """The job's epoch now: past a transport's own when the job re-planned since it connected
+        (a rank restarted, a reader joined or left), so that a peer's retired memory or
+        connection is named as superseded rather than as broken."""

@@ -92,6 +92,7 @@ class WeightReader:
                                    keeps_received_bytes=engine.keeps_received_bytes)
         self._failed: int | None = None
         self._failed_epoch = -1  # the epoch the version that failed here was published in
+        self._adopted: int | None = None  # the version taken on joining an elastic set, planned before the join
         #: the version this reader last applied (at first: the engine's own; None after a failure)
         self._applied: int | None = engine.weight_version
         #: (the version this reader last made live, when): the ``since`` of :meth:`serving`
@@ -241,7 +242,10 @@ class WeightReader:
                 phases["stage"] = time.perf_counter() - t0
         except (TransportError, ValueError) as exc:
             self._fail(published, exc)
-            raise SyncError(f"reader {self.rank}: version {v} failed: {exc}") from exc
+            adopted = (f" (version {v} was planned before this reader joined the elastic set, and the writers "
+                       "expose what its readers needed, not all that this one needs: the next version is planned "
+                       "for it)") if self._adopted == v else ""
+            raise SyncError(f"reader {self.rank}: version {v} failed: {exc}{adopted}") from exc
         except Exception as exc:
             self._fail(published, exc)
             raise SyncError(f"reader {self.rank}: engine could not load version {v}: {exc}") from exc
@@ -261,6 +265,7 @@ class WeightReader:
                 return published
             generation = session.channel.version_generation(published.version, published.epoch)
             if generation < session.own_generation and self._adopt(published, generation, deadline, phases):
+                self._adopted = published.version
                 return published
             if generation < session.own_generation:
                 why = (f"version {published.version} (epoch {published.epoch}) was planned at layout generation "

@@ -27,7 +27,7 @@ from weightsync.job.channel import JobChannel, Member, Role
 from weightsync.layout.quant_block_offers import block_sources
 from weightsync.layout.quant_offers import quantized_sources
 from weightsync.layout.roster import Roster
-from weightsync.layout.wire import LayoutDecoder, encode_descriptor, encode_explicit
+from weightsync.layout.wire import LayoutDecoder, check_rank, encode_descriptor, encode_explicit
 from weightsync.plan import PlanOptions, build_local_plan, layer_phases, split_plan
 from weightsync.ports.device import gpu_identity
 from weightsync.session import elastic
@@ -244,6 +244,7 @@ class SyncSession:
         self._published = self._layout_now(descriptor)
         if descriptor is not None:
             layout_text, config = descriptor
+            check_rank(layout_text, self.rank, self.channel.who)
             return encode_descriptor(layout_text, self.channel.publish_model_config(config))
         return encode_explicit(self.provider.layout())
 

@@ -211,7 +211,8 @@ class SharedMemoryTransport(TransportBase):
             self._changes.prepared(len(parts))
 
     def _attach(self, w: int, path: str) -> None:
-        self._peers[w] = attach(path, w, self.ctx, self.device, self.streaming, dev=self.dev, mapped=self._mapped)
+        self._peers[w] = attach(path, w, self.ctx, self.device, self.streaming, dev=self.dev, mapped=self._mapped,
+                                epoch=self.epoch)
         self._paths[w] = path
 
     def _reattach(self, w: int, epoch: int, deadline: Deadline) -> None:
@@ -319,18 +320,23 @@ class SharedMemoryTransport(TransportBase):
             self._changes.close()
 
 
-def gone_why(ctx: TransportContext, writer: int) -> str:
-    """What a missing file of ``writer``'s says, by its lease: it exited, or someone else removed it."""
+def gone_why(ctx: TransportContext, writer: int, epoch: int | None) -> str:
+    """What a missing file of ``writer``'s says, by its lease and the job's epoch: it exited, it
+    retired the file for a newer plan than this reader's ``epoch``, or someone else removed it."""
     dead = PeerWatch(ctx, "writer", [writer]).dead()
     if dead:
         return f" (writer {writer} exited: {dead[writer]})"
+    if epoch is not None and (now := ctx.channel.current_epoch()) > epoch:
+        return (f": writer {writer} retired it, as the job re-planned (epoch {now}, past this reader's {epoch}: a "
+                "rank restarted, or a reader joined or left); the version is superseded here, and the next one is "
+                "planned anew")
     return (f" while writer {writer} is alive (its lease is held): another process removed it (a cleanup of "
             "/dev/shm, or a sweep that judges liveness by pid, from another pid namespace)")
 
 
 def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, streaming: bool, *,
-           dev: DevicePort, mapped: dict[str, torch.Tensor]) -> PeerSegment:
-    """Map writer ``writer``'s segment and return the peer of the mode it was written in."""
+           dev: DevicePort, mapped: dict[str, torch.Tensor], epoch: int | None = None) -> PeerSegment:
+    """Map writer ``writer``'s segment (exposed for ``epoch``) and return the peer of the mode it was written in."""
     try:
         mem, words, header = read_segment(path, writer)
         index = ExposedIndex.decode(header["index"])
@@ -340,6 +346,6 @@ def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, 
             return ZeroCopyPeer(words, index, header["files"], writer=writer, reader=ctx.rank,
                                 watch=PeerWatch(ctx, "writer", [writer]), changes=changes)
     except FileGoneError as exc:
-        raise TransportError(f"{ctx.who}: {exc}{gone_why(ctx, writer)}") from None
+        raise TransportError(f"{ctx.who}: {exc}{gone_why(ctx, writer, epoch)}") from None
     return attach_snapshot(path, mem, words, header, index, writer=writer, ctx=ctx, streaming=streaming, dev=dev,
                            mapped=mapped)
