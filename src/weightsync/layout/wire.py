@@ -52,7 +52,7 @@ def check_rank(layout: str, rank: int, who: str) -> None:
     kind = parse_layout(layout)
     if not 0 <= rank < kind.world_size:
         raise ValueError(f"{who}: its layout {kind.describe()} has ranks 0..{kind.world_size - 1}, not {rank}: give "
-                         "the layout the job's whole world (an elastic set of readers: replicas above the highest seat)")
+                         "the layout the job's whole world (an elastic set: replicas above the highest seat)")
 
 
 def encode_explicit(layout: RankLayout) -> bytes:
