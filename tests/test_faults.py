@@ -384,6 +384,49 @@ def test_a_rank_dead_before_it_arrived_at_an_epoch_is_waited_for_but_one_that_ar
     assert time.monotonic() - started < 2.0
 
 
+class _StaleLeases(FakeChannel):
+    """Leases as the job channel caches them: an answer up to a quarter second old says reader 0's
+    old process expired; a fresh one (``max_age=0``) that its restart holds the rank."""
+
+    def dead_peers(self, role, ranks, *, max_age=0.25, known=None, departed=True) -> dict[int, str]:
+        stale = {0: "pid 1 on vm, last heartbeat 3.1 s ago: its lease expired"} if max_age > 0 else {}
+        return {r: why for r, why in stale.items() if r in set(ranks) and role == "reader"}
+
+
+def test_a_restart_that_registered_and_arrived_since_the_leases_were_read_is_not_its_dead_predecessor():
+    """Writer 1 was SIGKILLed in version 1; its restart registered and arrived at the store of the
+    epoch that rewrites it within the quarter second for which a reader's lease answers are cached.
+    The reader saw writer 1 arrived (fresh) and dead (the cached lease of the killed process),
+    failed the group's formation naming the dead process, and every other rank then timed out
+    forming it: the version was never written again (2 runs in 3 of the torch SIGKILL case once
+    processes started faster). The arrivals are now confirmed against fresh leases. Here from
+    writer 0's side, with reader 0 restarted."""
+    import threading
+
+    import torch.distributed as dist
+
+    from weightsync.clock.deadline import Deadline
+    from weightsync.transport import TransportContext, create_transport
+
+    channel = _StaleLeases("writer", 0, lease_seconds=3.0)
+    gloo = create_transport("torch", TransportContext(channel=channel, num_writers=1, num_readers=2))
+    store = dist.PrefixStore("arrivals", dist.HashStore())
+    store.add("arrived/1", 1)  # reader 0's restart arrived; reader 1 is on its way
+    store.add("arrived", 1)
+
+    def reader_1_arrives() -> None:
+        time.sleep(1.5)  # past three looks at the leases
+        store.add("arrived/2", 1)
+        store.add("arrived", 1)
+
+    late = threading.Thread(target=reader_1_arrives)
+    late.start()
+    try:
+        gloo._arrive(store, 3, Deadline.after(10.0))  # the group forms
+    finally:
+        late.join(timeout=TIMEOUT)
+
+
 #: both NIXL modes too (this case is the one every transport runs: the others have their own rows)
 NIXL = [pytest.param({"transport": "nixl", "transport_options": {"nixl_mode": "pull"}}, id="nixl-pull"),
         pytest.param({"transport": "nixl", "transport_options": {"nixl_mode": "push"}}, id="nixl-push")]

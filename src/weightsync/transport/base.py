@@ -319,16 +319,15 @@ class PeerWatch:
         self.known = known
         self._next = time.monotonic() + every
 
-    def dead(self) -> dict[int, str]:
+    def dead(self, *, max_age: float = 0.25) -> dict[int, str]:
+        """The watched peers that are dead now, by leases at most ``max_age`` seconds old."""
         if not self.ranks:
             return {}
         channel = self.ctx.channel
         if self.known is None:
             self.known = channel.lease_holders()
         ranks = self.ranks  # replaced, never changed in place (:meth:`done_with`), while a guard reads it
-        if not self.known:
-            return channel.dead_peers(self.role, ranks, departed=self.departed)
-        return channel.dead_peers(self.role, ranks, known=self.known, departed=self.departed)
+        return channel.dead_peers(self.role, ranks, max_age=max_age, known=self.known or None, departed=self.departed)
 
     def done_with(self, rank: int) -> None:
         """Stop watching ``rank``: what this rank needed of it is done (its death can no longer

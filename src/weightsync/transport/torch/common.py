@@ -198,6 +198,9 @@ class TorchDistBase(TransportBase):
                     for watch, first in zip(watches, (0, ctx.num_writers), strict=True):
                         # only ranks that arrived: a dead one that did not may still be replaced
                         dead = {r: why for r, why in watch.dead().items() if store.add(f"arrived/{first + r}", 0)}
+                        if dead:  # leases read after the arrivals: cached ones would show a restart that
+                            # registered and arrived since as its dead predecessor
+                            dead = {r: why for r, why in watch.dead(max_age=0.0).items() if r in dead}
                         if dead:
                             raise TransportError(watch.died(dead, what))
                 time.sleep(pause)
