@@ -174,3 +174,42 @@ def test_an_fp8_reader_that_joins_an_elastic_set_late_gets_its_own_format_bitwis
     assert len(failed) <= 1 and all("planned before this reader joined the elastic set" in f
                                     and "another process" not in f for f in failed), failed
     check_hf_reader({"spec": spec, "weights": weights(last), "dst": {0: fp8.tensors}}, "fp8_block")
+
+
+def test_an_engine_of_another_model_joining_an_elastic_set_is_refused_and_the_writers_go_on():
+    """``num_readers=None`` over shared memory: an engine whose model differs from the trainers'
+    (another width) joins a running set. Its join used to make every writer plan for it and fail
+    (tensors of shapes no writer holds): one misconfigured engine ended the training job. The
+    joining reader now plans its share against the writers before it joins, and refuses itself
+    naming the mismatch; the writers never see it, and the engine already in the set takes
+    every version, bitwise."""
+    import sys
+    import uuid
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from weightsync.engines.buffers import ShardedEngine
+    from weightsync.job.keys import layouts_key
+    from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+    from weightsync.roles.reader import WeightReader
+    from weightsync.session.sync_session import SyncConfig
+    from writer_process import writer_processes
+
+    cfg, other = config(hidden=256, inter=320), config(hidden=128, inter=320)
+    seeds = [2, 1]
+    job = f"elastic-other-{uuid.uuid4().hex[:8]}"
+    engine = ShardedEngine("hf:replicas=2", cfg, 0)
+    sync = SyncConfig(num_writers=3, num_readers=None, job=job, transport="shm", timeout=30)
+    with EmbeddedMetaServer() as server, writer_processes(server, cfg, "fsdp:dp=3", job=job, seeds=seeds,
+                                                          extra=("--transport", "shm", "--elastic")), \
+            MetaClient(server.address, job=job, token=server.token) as meta, \
+            WeightReader(engine, rank=0, config=sync, meta=meta) as first:
+        assert first.update(1).version == 1
+        with MetaClient(server.address, job=job, token=server.token) as meta2, \
+                WeightReader(ShardedEngine("hf:replicas=2", other, 1), rank=1, config=sync, meta=meta2) as wrong, \
+                pytest.raises(ValueError, match=r"reader 1 cannot join the job's elastic readers: .*shape"):
+            wrong.update(timeout=30)
+        assert meta.counter(layouts_key()) == 1  # only the first engine's join
+        assert first.update(2, timeout=30).version == 2
+    for name, weight in canonical_weights(cfg, seeds[-1]).items():
+        assert torch.equal(engine.tensors[name], weight.to(torch.bfloat16)), name
