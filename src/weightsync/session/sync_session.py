@@ -226,8 +226,7 @@ class SyncSession:
         people = self.channel.wait_roster(writers=self.config.num_writers, readers=0, deadline=deadline)
         mine = [m for m in people if m.role == "writer" or (m.role, m.rank) == ("reader", self.rank)]
         try:
-            plan_share(*decode_roster(mine, self.channel.model_config), role="reader", rank=self.rank,
-                       options=self.config.plan_options)
+            plan_share(*self._decode(mine), role="reader", rank=self.rank, options=self.config.plan_options)
         except ValueError as exc:
             raise ValueError(f"{self.channel.who} cannot join the job's elastic readers: {exc}") from exc
 
