@@ -242,9 +242,8 @@ class WeightReader:
                 phases["stage"] = time.perf_counter() - t0
         except (TransportError, ValueError) as exc:
             self._fail(published, exc)
-            adopted = (f" (version {v} was planned before this reader joined the elastic set, and the writers "
-                       "expose what its readers needed, not all that this one needs: the next version is planned "
-                       "for it)") if self._adopted == v else ""
+            adopted = (f" (version {v} was planned before this reader joined the elastic set: the next version "
+                       "is planned for it)") if self._adopted == v else ""
             raise SyncError(f"reader {self.rank}: version {v} failed: {exc}{adopted}") from exc
         except Exception as exc:
             self._fail(published, exc)
