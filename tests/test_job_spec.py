@@ -49,6 +49,7 @@ SETTINGS = {
     "integrity": ("match", (True, False)),
     "completion": ("match", ("quorum=1", "fraction=0.5")),
     "commit": ("match", ("fleet", "each")),
+    "peer_sources": ("match", (1, 0)),
 }
 CASES = [(name, value) for name, (_, values) in SETTINGS.items() for value in values]
 #: what a setting needs beside it to be valid (weightsync/session/combinations.py): deltas are refused with

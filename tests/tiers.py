@@ -33,7 +33,7 @@ TIERS: dict[str, frozenset[str]] = {
         "test_prefetch.py", "test_fleet_commit.py", "test_async.py", "test_lora.py", "test_meta_server.py", "test_meta_store.py",
         "test_meta_durability.py", "test_meta_fuzz.py", "test_process_state.py", "test_meta_etcd.py",
         "test_meta_etcd_async.py",
-        "test_fleet_server.py", "test_launcher.py",
+        "test_fleet_server.py", "test_launcher.py", "test_peer_copies.py",
     }),
     "e2e": frozenset({
         "test_bench.py", "test_doctor.py", "test_doctor_checks.py", "test_engine_hf.py", "test_engine_vllm.py",

@@ -37,7 +37,7 @@ def writer_processes(server: Any, config: dict[str, Any], layout: str, *, job: s
     """Training ranks in subprocesses, writing versions 1.. with ``seeds``' weights.
 
     ``extra``: more flags (``--transport shm``, ``--bucket 65536``, ``--layer-phases``, ``--hosts a,b``, ``--delta 4``,
-    ``--nixl-mode push``, ``--elastic``)."""
+    ``--nixl-mode push``, ``--elastic``, ``--peer-sources 4``, ``--results FILE``)."""
     env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
            "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     procs = [launch_process([sys.executable, str(HERE / "writer_process.py"), "--config", json.dumps(config),
@@ -74,6 +74,8 @@ def main() -> int:
     parser.add_argument("--hosts", default="", help="each rank's node name, comma-separated (routed)")
     parser.add_argument("--delta", type=int, default=0, help="delta_anchor_every")
     parser.add_argument("--nixl-mode", default="auto", help="TransportOptions.nixl_mode")
+    parser.add_argument("--peer-sources", type=int, default=0, help="SyncConfig.peer_sources")
+    parser.add_argument("--results", default="", help="a file to append each write's version and bytes to (JSON lines)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = json.loads(args.config)
@@ -81,13 +83,16 @@ def main() -> int:
     sync = SyncConfig(num_writers=parse_layout(args.layout).world_size, num_readers=None if args.elastic else args.readers,
                       job=args.job,
                       timeout=args.timeout, transport=args.transport, layer_phases=args.layer_phases,
-                      host=args.hosts.split(",")[args.rank] if args.hosts else "",
+                      host=args.hosts.split(",")[args.rank] if args.hosts else "", peer_sources=args.peer_sources,
                       transport_options=TransportOptions(max_bucket_bytes=args.bucket, delta_anchor_every=args.delta,
                                                                          nixl_mode=args.nixl_mode))
     with WeightWriter(source, rank=args.rank, config=sync) as writer:
         for version, seed in enumerate((int(s) for s in args.seeds.split(",")), start=1):
             fill_from_canonical(source.layout(), source.tensors(), canonical_weights(config, seed))
-            writer.write(version)
+            result = writer.write(version)
+            if args.results:
+                with open(args.results, "a") as out:
+                    out.write(json.dumps({"rank": args.rank, "version": version, "nbytes": result.nbytes}) + "\n")
     return 0
 
 

@@ -4,14 +4,15 @@ tensor-store indexes and versions. :class:`~weightsync.job.channel.JobChannel` i
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import msgpack
 
-from weightsync.job.keys import endpoint_key, store_index_key, tile_maxima_key
+from weightsync.job.keys import endpoint_key, peer_copy_key, store_index_key, tile_maxima_key
 from weightsync.job.parts import ChannelPart
-from weightsync.job.wire import STORE_FINGERPRINT, WireError, unpack_map
+from weightsync.job.wire import STORE_FINGERPRINT, PeerCopy, WireError, unpack_map
 from weightsync.plan.ops import Role
 from weightsync.ports.channel import EndpointRecord
 
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from weightsync.clock.deadline import Deadline
 
 E = TypeVar("E", bound=EndpointRecord)
+logger = logging.getLogger(__name__)
 
 
 class Board(ChannelPart):
@@ -44,6 +46,26 @@ class Board(ChannelPart):
         except WireError as exc:
             raise WireError(f"{self.who}: {role} {rank}'s {kind.transport} endpoint for epoch {epoch} is malformed "
                             f"({exc}): is it running another weightsync release?") from None
+
+    # -- peer copies --------------------------------------------------------------------------
+    def publish_peer_copy(self, copy: PeerCopy) -> None:
+        """This reader keeps ``copy`` for readers that join (``SyncConfig.peer_sources``)."""
+        self.meta.put_document(peer_copy_key(self.rank), msgpack.packb(copy.to_wire(), use_bin_type=True))
+
+    def peer_copies(self, seats: Sequence[int]) -> dict[int, PeerCopy]:
+        """The copies readers at ``seats`` keep, by seat (a seat that published none, or something
+        malformed, is left out: a joining reader then reads the writers, as without peers)."""
+        out = {}
+        for seat in seats:
+            raw = self.meta.get_document(peer_copy_key(seat))
+            if raw is None:
+                continue
+            try:
+                out[seat] = PeerCopy.from_wire(unpack_map(raw))
+            except WireError as exc:
+                logger.warning("%s: reader %d's peer copy record is malformed (%s); not reading from it", self.who,
+                               seat, exc)
+        return out
 
     # -- FP8 tile maxima ----------------------------------------------------------------------
     def exchange_tile_maxima(self, version: int, payload: bytes | None, publishers: Sequence[int], *,

@@ -64,6 +64,10 @@ def tensor_table_key() -> str:
     return "tensor-table"
 
 
+def peer_copy_key(seat: int) -> str:
+    return f"peers/reader{seat}"  # msgpack PeerCopy: the version reader ``seat`` keeps a copy of, and where
+
+
 def endpoint_key(transport: str, epoch: int, role: Role, rank: int) -> str:
     return f"transport/{transport}/{epoch}/{role}{rank}"
 

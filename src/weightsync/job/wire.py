@@ -92,6 +92,35 @@ class PublishedVersion:
 
 
 @dataclass(frozen=True, slots=True)
+class PeerCopy:
+    """A reader's copy of the newest version it applied, for readers that join later
+    (``SyncConfig.peer_sources``, :mod:`weightsync.roles.peer_copies`).
+
+    ``path`` is a ``/dev/shm`` file on ``host`` whose control word says which version it holds
+    now (the record may lag it by one version while the reader copies the next); ``version``,
+    ``fingerprint`` and ``epoch`` are the version as the writers published it.
+    """
+
+    version: int
+    fingerprint: str
+    epoch: int
+    host: str
+    path: str
+    nbytes: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"version": self.version, "fingerprint": self.fingerprint, "epoch": self.epoch, "host": self.host,
+                "path": self.path, "nbytes": self.nbytes}
+
+    @classmethod
+    def from_wire(cls, doc: Mapping[str, Any]) -> PeerCopy:
+        """Raises WireError naming the field that is missing or malformed."""
+        return cls(take(doc, "version", int, "an int"), take(doc, "fingerprint", str, "a str"),
+                   take(doc, "epoch", int, "an int"), take(doc, "host", str, "a str"), take(doc, "path", str, "a str"),
+                   take(doc, "nbytes", int, "an int"))
+
+
+@dataclass(frozen=True, slots=True)
 class Member:
     """One registered rank as the job sees it: where it runs and with what.
 

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from weightsync.clock.deadline import Deadline
 from weightsync.job.channel import PublishedVersion
+from weightsync.roles.peer_copies import PeerCopies
 from weightsync.session.elastic import same_setup
 from weightsync.session.sync_session import SyncConfig, SyncError, SyncResult, SyncSession, device_of, state_lost
 from weightsync.tools.torch_layout import apply_copies
@@ -46,7 +47,11 @@ T = TypeVar("T")
 
 @dataclass(slots=True)
 class UpdateResult(SyncResult):
-    """What one ``update`` applied: version, bytes received and seconds per phase."""
+    """What one ``update`` applied: version, bytes received and seconds per phase, and the bytes
+    taken from each peer's copy by seat when it came from peers (``SyncConfig.peer_sources``;
+    empty: from the writers)."""
+
+    peers: dict[int, int] = field(default_factory=dict)
 
     @property
     def transfer_seconds(self) -> float:
@@ -67,6 +72,7 @@ class Received:
     nbytes: int
     phases: dict[str, float]
     planned: PlannedSync | None  # the plan it came under (a reader that re-registers drops it)
+    peers: Mapping[int, int] = field(default_factory=dict)  # bytes by peer seat, when taken from peers
 
     @property
     def version(self) -> int:
@@ -90,6 +96,12 @@ class WeightReader:
         self.config = config
         self.session = SyncSession("reader", rank, engine, config, self.meta, device=self._device,
                                    keeps_received_bytes=engine.keeps_received_bytes)
+        if config.peer_sources and self._phased is not None:
+            raise ValueError(f"peer_sources={config.peer_sources} with {type(engine).__name__}, which stages phase by "
+                             "phase: its receive buffers never hold a whole version to keep or take. Set "
+                             "peer_sources=0 for this job, or use an engine that stages whole versions")
+        #: copies kept for, and taken from, the readers beside it (``SyncConfig.peer_sources``)
+        self._peers = PeerCopies(self.session) if config.peer_sources else None
         self._failed: int | None = None
         self._failed_epoch = -1  # the epoch the version that failed here was published in
         self._adopted: int | None = None  # the version taken on joining an elastic set, planned before the join
@@ -198,6 +210,10 @@ class WeightReader:
                 session.registered_anew = False
         elif session.relayout(deadline):  # the engine's layout moved (EPLB): the job re-plans it
             phases["plan"] = session.timings["setup"]
+        if self._peers is not None and self._applied is None:  # it holds no version: its first from peers
+            taken = self._from_peers(version, deadline, phases)
+            if taken is not None:
+                return taken
         t0 = time.perf_counter()
         published = self._wait_for_version(version, deadline)
         published = self._planned_alike(published, version, deadline, phases)
@@ -240,6 +256,7 @@ class WeightReader:
                 t0 = time.perf_counter()
                 session.channel.report_staged(v, published.epoch, moved_past=self._moved_past(v))
                 phases["stage"] = time.perf_counter() - t0
+            self._keep(v, buffers, phases)
         except (TransportError, ValueError) as exc:
             self._fail(published, exc)
             adopted = (f" (version {v} was planned before this reader joined the elastic set: the next version "
@@ -249,6 +266,45 @@ class WeightReader:
             self._fail(published, exc)
             raise SyncError(f"reader {self.rank}: engine could not load version {v}: {exc}") from exc
         return Received(published, nbytes, phases, self.session.planned)
+
+    def _from_peers(self, version: int | None, deadline: Deadline, phases: dict[str, float]) -> Received | None:
+        """The newest version live peers on this host keep, copied into the receive buffers
+        (:mod:`weightsync.roles.peer_copies`); None when none can serve it, or the copy tore (the
+        engine is told, and the reader then reads the writers as without peers)."""
+        assert self._peers is not None and self.session.planned is not None
+        seen = max(x for x in (self.version, self._applied, self._failed, -1) if x is not None)
+        t0 = time.perf_counter()
+        found = self._peers.find(newer_than=seen if version is None else max(seen, version - 1), deadline=deadline)
+        if found is None:
+            return None
+        copy = found.copy
+        self.engine.receiving(copy.version)
+        try:
+            taken = self._peers.take(found, self.engine.receive_buffers())
+        except TransportError as exc:
+            self.engine.abort(copy.version, exc)
+            self._applied = self.engine.weight_version
+            logger.warning("reader %d: %s; it reads the writers instead", self.rank, exc)
+            return None
+        self.session.planned.transport.forget_received()  # the transport received none of it: no base for deltas
+        phases["peers"] = time.perf_counter() - t0
+        logger.info("reader %d took version %d from peers %s", self.rank, copy.version, sorted(taken))
+        return Received(PublishedVersion(copy.version, copy.fingerprint, copy.epoch), sum(taken.values()), phases,
+                        self.session.planned, taken)
+
+    def _keep(self, version: int, buffers: Mapping[str, Any], phases: dict[str, float]) -> None:
+        """A reader at a seat below ``peer_sources`` keeps what it received for readers that join; a
+        copy it cannot keep (``/dev/shm`` full) fails no version here: it serves no peer instead."""
+        if self._peers is None or not self._peers.keeps:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._peers.keep(version, buffers)
+        except Exception as exc:
+            logger.warning("reader %d could not keep a peer copy of version %d (%s); it serves none", self.rank,
+                           version, exc)
+            self._peers.close()
+        phases["keep"] = time.perf_counter() - t0
 
     def _planned_alike(self, published: PublishedVersion, version: int | None, deadline: Deadline,
                        phases: dict[str, float]) -> PublishedVersion:
@@ -318,10 +374,12 @@ class WeightReader:
             self._fail(published, exc)
             raise SyncError(f"reader {self.rank}: engine could not apply version {v}: {exc}") from exc
         phases["apply"] = time.perf_counter() - t0
-        result = UpdateResult(v, nbytes, phases)
+        result = UpdateResult(v, nbytes, phases, dict(received.peers))
         self._applied = v
         self._live = (v, time.time())
         self.session.channel.report_applied(v, nbytes=nbytes, seconds=result.seconds)
+        if self._peers is not None:
+            self._peers.announce(published)
         self._failed = None
         logger.info("reader %d applied version %d: %d bytes, %.3fs", self.rank, v, nbytes, result.seconds)
         return result
@@ -399,6 +457,8 @@ class WeightReader:
             logger.warning("reader %d could not report its failure: %s", self.rank, report_exc)
 
     def close(self) -> None:
+        if self._peers is not None:
+            self._peers.close()
         self.session.close()
         if self._own_meta:
             self.meta.close()

@@ -56,6 +56,7 @@ SCOPES: Mapping[str, Scope] = {
     "num_writers": "match", "num_readers": "match", "job": "match", "meta_address": "rank", "transport": "match",
     "staleness": "match", "timeout": "local", "lease_seconds": "local", "host": "rank",
     "layer_phases": "match", "integrity": "match", "completion": "match", "commit": "match",
+    "peer_sources": "match",
     # TransportOptions
     "max_bucket_bytes": "match", "direct_min_bytes": "match", "checksum": "match",
     "transport_host": "rank", "slots": "match", "file_dir": "local", "nixl_mode": "match",
@@ -169,6 +170,11 @@ class SyncConfig:
             that receive into staging (vLLM with ``in_place=False``, SGLang, or an
             :class:`~weightsync.roles.inflight.InflightReader`), and whole versions (not
             ``layer_phases``, whose phases are loaded as they arrive).
+        peer_sources: readers at seats ``0..K-1`` keep a copy of the newest version they applied
+            in shared memory, and a reader that holds no version (an engine that joins, or one
+            replacing a dead engine) takes its first version from those on its host instead of
+            from the writers (:mod:`weightsync.roles.peer_copies`). 0: none (every reader reads
+            the writers). Each such reader keeps one copy of its shard in ``/dev/shm``.
     """
 
     num_writers: int
@@ -186,6 +192,7 @@ class SyncConfig:
     integrity: bool = False
     completion: str = "all"
     commit: Literal["each", "fleet"] = "each"
+    peer_sources: int = 0
 
     def __post_init__(self) -> None:
         for setting in job_settings():
@@ -204,6 +211,9 @@ class SyncConfig:
         object.__setattr__(self, "meta_address", config_address(self.meta_address, "meta_address"))
         if self.staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {self.staleness}")
+        if not 0 <= self.peer_sources <= self.reader_seats:
+            raise ValueError(f"peer_sources must be in 0..{self.reader_seats} (the job's reader seats: readers at "
+                             f"seats below it keep a copy for readers that join), got {self.peer_sources}")
         if self.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
         if not 0.1 <= self.lease_seconds <= 3600:

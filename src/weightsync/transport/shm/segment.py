@@ -105,12 +105,12 @@ def check_live(words: torch.Tensor, writer: int, reader: int) -> None:
 class OwnSegment:
     """A writer's segment file: the control page, its header and (CPU) the slot area."""
 
-    def __init__(self, rank: int, header: Mapping[str, Any], data_bytes: int) -> None:
+    def __init__(self, rank: int, header: Mapping[str, Any], data_bytes: int, *, what: str = "") -> None:
         sweep_stale_segments()
         meta = msgpack.packb(dict(header))
         size = CONTROL_BYTES + data_bytes
         size += -(-len(meta) // CONTROL_BYTES) * CONTROL_BYTES
-        self.path: str | None = os.path.join(SHM_DIR, segment_name(f"w{rank}"))
+        self.path: str | None = os.path.join(SHM_DIR, segment_name(what or f"w{rank}"))
         self.mem = create_shared(self.path, size)
         self.words = self.mem[:CONTROL_BYTES].view(torch.int64)
         self.words[1], self.words[2] = len(meta), size - len(meta)

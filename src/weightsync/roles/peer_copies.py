@@ -1,0 +1,196 @@
+"""Peer copies: an engine that joins takes its first version from the engines beside it, not from the trainers.
+
+A fleet grows while it trains (rollout engines are added when generation lags, and a dead
+engine is replaced). Without peers, every new engine reads a whole version from the trainers'
+memory, on the trainers' host and GPUs, while 127 engines next to it hold that version.
+With ``SyncConfig(peer_sources=K)``:
+
+* **Keeping.** A reader at a seat below ``K`` keeps a copy of each version it received, in its
+  own layout (:class:`~weightsync.transport.shm.peer_copy.HeldCopy`, one ``/dev/shm`` file of
+  its shard size), and publishes a :class:`~weightsync.job.wire.PeerCopy` record once its engine
+  applied it. It copies after the receive, not in ``apply``: a prefetching engine's pause does
+  not grow.
+* **Taking.** A reader that holds no version (a fresh engine joining, a replacement, an engine
+  a failure left invalid) first looks for the newest version that live peers on its host keep.
+  It plans its share against their layouts (rank-local, like any plan: a peer of another
+  tensor-parallel layout is a source like a training rank) and copies straight from their files.
+  Then it follows the writers from the next version on.
+* **Who serves whom.** Each joining reader starts at the peer ``seat mod n`` among those that
+  keep the version, and adds the next ones until their shards cover its own. Replicas of one
+  layout each serve one joiner in full, so n peers serve n joiners at once with no peer read
+  twice. The writers' bytes per version do not grow with the readers that joined.
+* **Never a mixed engine.** The peer's control word is read before and after the copy (a
+  seqlock). A peer that rewrote its copy meanwhile makes the copy torn: the engine is told
+  (``abort``), and the reader reads the writers' newest version instead, as without peers.
+  Peers on other hosts, dead peers, gone files and layouts that cannot serve are skipped the
+  same way. The version is reported applied only after the engine applied it.
+
+Copies move over shared memory, so peers serve the engines of their own host only (from a GPU
+the copy goes through host memory). Across hosts a joining engine reads the writers.
+``integrity=True`` is refused with it (the copy is not checked against the writers' digests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from weightsync.clock.deadline import Deadline
+from weightsync.job.wire import PeerCopy
+from weightsync.layout.types import itemsize
+from weightsync.layout.wire import LayoutDecoder
+from weightsync.plan import build_local_plan
+from weightsync.tools.torch_layout import apply_copies
+from weightsync.transport import TransportError
+from weightsync.transport.shm.peer_copy import HeldCopy, MappedCopy, map_copy
+from weightsync.transport.tensors import flat_views, op_dst_view, op_src_view
+
+if TYPE_CHECKING:
+    import torch
+
+    from weightsync.job.wire import Member, PublishedVersion
+    from weightsync.layout.types import RankLayout
+    from weightsync.plan import Plan
+    from weightsync.session.sync_session import SyncSession
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Found:
+    """A version to take from peers: its record, this reader's plan against them, their mappings."""
+
+    copy: PeerCopy
+    plan: Plan
+    peers: tuple[MappedCopy, ...]
+
+
+def serving_order(seats: list[int], me: int) -> list[int]:
+    """The peers a reader at seat ``me`` tries, in order: from ``seats[me mod n]`` on, wrapping
+    (joiners at consecutive seats start at different peers)."""
+    ordered = sorted(seats)
+    start = me % len(ordered) if ordered else 0
+    return ordered[start:] + ordered[:start]
+
+
+class PeerCopies:
+    """One reader's side of peer copies (see module docstring)."""
+
+    def __init__(self, session: SyncSession) -> None:
+        self.session = session
+        self.count = session.config.peer_sources
+        #: this reader keeps copies for others
+        self.keeps = session.rank < self.count
+        self._held: HeldCopy | None = None
+        self._decoder: LayoutDecoder | None = None
+
+    # -- keeping ------------------------------------------------------------------------------
+    def keep(self, version: int, buffers: Mapping[str, torch.Tensor]) -> None:
+        """Copy the version the engine's receive buffers hold (a peer's own, checked) into the held copy."""
+        if not self.keeps:
+            return
+        flats = flat_views(buffers)
+        if self._held is not None and not self._held.fits(flats):
+            self._held.close()  # the engine's layout changed (EPLB): a copy of the new one
+            self._held = None
+        if self._held is None:
+            self._held = HeldCopy(self.session.rank, flats)
+        self._held.hold(version, flats)
+
+    def announce(self, published: PublishedVersion) -> None:
+        """The engine applied ``published``, which the held copy holds: joining readers may take it."""
+        held = self._held
+        if held is None or held.version != published.version:
+            return
+        self.session.channel.publish_peer_copy(PeerCopy(published.version, published.sync_fingerprint,
+                                                        published.epoch, self.session.host, held.path, held.nbytes))
+
+    # -- taking -------------------------------------------------------------------------------
+    def find(self, *, newer_than: int, deadline: Deadline) -> Found | None:
+        """The newest version (past ``newer_than``) that live peers on this host keep, planned for
+        this reader against the fewest of them from its start in :func:`serving_order`; None
+        when no peer can serve it (the reader then reads the writers)."""
+        session, channel, me = self.session, self.session.channel, self.session.rank
+        records = {seat: c for seat, c in channel.peer_copies([s for s in range(self.count) if s != me]).items()
+                   if c.host == session.host and c.version > newer_than}
+        dead = channel.dead_peers("reader", sorted(records)) if records else {}
+        records = {seat: c for seat, c in records.items() if seat not in dead}
+        if not records:
+            return None
+        newest = max(c.version for c in records.values())
+        holders = [seat for seat, c in records.items() if c.version == newest]
+        people = {(m.role, m.rank): m for m in self._roster(deadline)}
+        mine = people.get(("reader", me))
+        if mine is None:
+            return None
+        chosen: list[MappedCopy] = []
+        for seat in serving_order(holders, me):
+            if ("reader", seat) not in people:
+                continue
+            try:
+                mapped = map_copy(records[seat].path, seat)
+            except TransportError as exc:
+                logger.info("%s: not reading reader %d's peer copy: %s", channel.who, seat, exc)
+                continue
+            if mapped.holds() != newest:
+                continue  # rewritten since it published the record
+            chosen.append(mapped)
+            plan = self._plan([people[("reader", p.seat)] for p in chosen], mine)
+            if plan is not None:
+                return Found(records[seat], plan, tuple(chosen))
+        return None
+
+    def _roster(self, deadline: Deadline) -> list[Member]:
+        channel = self.session.channel
+        people = channel.wait_roster(writers=self.session.config.num_writers, readers=0, deadline=deadline)
+        return channel.roster_at(people, channel.layout_generation(), deadline=deadline)
+
+    def _plan(self, sources: list[Member], mine: Member) -> Plan | None:
+        """This reader's share against ``sources``' layouts, or None when they do not cover it."""
+        if self._decoder is None:
+            self._decoder = LayoutDecoder(self.session.channel.model_config)
+        options = dataclasses.replace(self.session.config.plan_options, allow_unneeded_sources=True)
+        try:
+            src = self._decoder.roster([(m.rank, m.layout) for m in sources])
+            dst = self._decoder.roster([(mine.rank, mine.layout)])
+            plan = build_local_plan(src, dst, role="reader", rank=mine.rank, options=options)
+        except ValueError as exc:  # a tensor or box no source holds, another model, another dtype
+            logger.debug("%s: peers %s cannot serve it: %s", self.session.channel.who, [m.rank for m in sources], exc)
+            return None
+        moved = sum(op.nbytes for op in plan.ops) + sum(op.nbytes for op in plan.copy_ops)
+        return plan if moved == needed_bytes(self.session.provider.layout()) else None
+
+    def take(self, found: Found, buffers: Mapping[str, torch.Tensor]) -> dict[int, int]:
+        """Copy ``found``'s version into ``buffers``; returns the bytes taken from each peer seat.
+
+        Raises:
+            TransportError: a peer rewrote its copy while this reader copied (torn: drop it).
+        """
+        flats = flat_views(buffers)
+        peers = {p.seat: p for p in found.peers}
+        taken = dict.fromkeys(peers, 0)
+        for op in found.plan.ops:
+            op_dst_view(flats, op).copy_(op_src_view(peers[op.src_rank].flats, op))
+            taken[op.src_rank] += op.nbytes
+        torn = [p.seat for p in found.peers if p.holds() != found.copy.version]
+        if torn:
+            raise TransportError(f"reader(s) {torn} rewrote their peer copy of version {found.copy.version} while "
+                                 f"{self.session.channel.who} copied it")
+        apply_copies(found.plan, buffers)
+        return {seat: n for seat, n in taken.items() if n}
+
+    def close(self) -> None:
+        if self._held is not None:
+            self._held.close()
+            self._held = None
+
+
+def needed_bytes(layout: RankLayout) -> int:
+    """The bytes a reader of ``layout`` receives: every region of its shards, once each (padding excluded)."""
+    return sum(region.numel * itemsize(shard.dtype) for shard, region in layout.regions())
+
+
+__all__ = ["Found", "PeerCopies", "serving_order"]

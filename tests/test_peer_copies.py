@@ -1,0 +1,174 @@
+"""Peer copies (``SyncConfig.peer_sources``, issue 36's fan-out): engines that join take their first
+version from the engines beside them, and the trainers' bytes per version do not grow with the
+readers. The rules are in :mod:`weightsync.roles.peer_copies`."""
+
+from __future__ import annotations
+
+import json
+import threading
+import types
+import uuid
+
+import pytest
+import torch
+
+from test_quant import config
+from weightsync import SyncConfig
+from weightsync.engines.buffers import ShardedEngine
+from weightsync.job.wire import PeerCopy, WireError
+from weightsync.layout.wire import LayoutDecoder, encode_descriptor
+from weightsync.plan import build_local_plan
+from weightsync.roles.peer_copies import Found, PeerCopies, needed_bytes, serving_order
+from weightsync.session.combinations import CombinationError
+from weightsync.tools.tiny import canonical_weights
+from weightsync.tools.torch_layout import fill_from_canonical
+from weightsync.transport import TransportError
+from weightsync.transport.shm.peer_copy import HeldCopy, map_copy
+
+
+def test_joiners_at_consecutive_seats_start_at_different_peers():
+    assert serving_order([0, 1, 2, 3], 4) == [0, 1, 2, 3]
+    assert serving_order([0, 1, 2, 3], 5) == [1, 2, 3, 0]
+    assert serving_order([3, 1], 6) == [1, 3]
+    assert serving_order([], 6) == []
+
+
+def test_what_peer_copies_cannot_take_is_refused_where_it_is_written():
+    with pytest.raises(CombinationError, match=r"peer_sources=2 with integrity=True: a version a reader copies from "
+                                               r"a peer is not checked against the writers' digests"):
+        SyncConfig(num_writers=1, num_readers=None, transport="shm", peer_sources=2, integrity=True)
+    with pytest.raises(ValueError, match=r"peer_sources must be in 0\.\.4 \(the job's reader seats"):
+        SyncConfig(num_writers=1, num_readers=4, peer_sources=5)
+    assert SyncConfig.from_wire(SyncConfig(num_writers=1, num_readers=None, peer_sources=3).to_wire()).peer_sources == 3
+
+
+def test_a_peer_copy_record_round_trips_and_a_malformed_one_names_its_field():
+    record = PeerCopy(7, "fp-ab", 3, "node-a", "/dev/shm/x", 1024)
+    assert PeerCopy.from_wire(record.to_wire()) == record
+    with pytest.raises(WireError, match="field 'path' must be a str"):
+        PeerCopy.from_wire({**record.to_wire(), "path": 5})
+
+
+def _plan_against(peers: dict[int, ShardedEngine], me: ShardedEngine, cfg: dict):
+    decoder = LayoutDecoder(lambda digest: cfg)
+    blob = encode_descriptor(me.layout_text, "m")
+    src = decoder.roster([(seat, encode_descriptor(e.layout_text, "m")) for seat, e in peers.items()])
+    return build_local_plan(src, decoder.roster([(me.rank, blob)]), role="reader", rank=me.rank)
+
+
+def test_a_copy_rewritten_while_a_joiner_copies_is_torn_and_a_tensor_parallel_joiner_reads_a_replica():
+    """The held copy's word is read before and after: a holder that rewrote its copy in between
+    (it applied the next version) makes the joiner's copy torn, named, whatever bytes landed.
+    A joiner of another layout (TP 2 of a replica) plans against the peer's and copies its slices."""
+    cfg = config(hidden=128, inter=192)
+    peer = ShardedEngine("hf:replicas=2", cfg, 0)
+    fill_from_canonical(peer.layout(), peer.tensors, canonical_weights(cfg, 5))
+    held = HeldCopy(0, peer.tensors)
+    path = held.path
+    try:
+        held.hold(5, {n: t.view(-1) for n, t in peer.tensors.items()})
+        mapped = map_copy(held.path, 0)
+        assert mapped.holds() == 5 and held.version == 5
+        joiner = ShardedEngine("vllm:tp=2", cfg, 1)
+        plan = _plan_against({0: peer}, joiner, cfg)
+        assert sum(op.nbytes for op in plan.ops) + sum(op.nbytes for op in plan.copy_ops) == \
+            needed_bytes(joiner.layout())
+        session = types.SimpleNamespace(channel=types.SimpleNamespace(who="reader 1"),
+                                        config=types.SimpleNamespace(peer_sources=1), rank=1)
+        copies = PeerCopies(session)  # type: ignore[arg-type]
+        found = Found(PeerCopy(5, "fp", 0, "h", held.path, held.nbytes), plan, (mapped,))
+        assert copies.take(found, joiner.tensors) == {0: needed_bytes(joiner.layout())}
+        fresh = ShardedEngine("vllm:tp=2", cfg, 1)
+        fill_from_canonical(fresh.layout(), fresh.tensors, canonical_weights(cfg, 5))
+        for name, tensor in fresh.tensors.items():
+            assert torch.equal(joiner.tensors[name], tensor), name
+        held.hold(6, {n: t.view(-1) for n, t in peer.tensors.items()})  # the holder moved on
+        with pytest.raises(TransportError, match=r"reader\(s\) \[0\] rewrote their peer copy of version 5 while "
+                                                 r"reader 1 copied it"):
+            copies.take(found, joiner.tensors)
+    finally:
+        held.close()
+    with pytest.raises(TransportError, match=r"reader 0's peer copy .* is gone"):
+        map_copy(path, 0)
+
+
+def test_late_readers_take_their_first_version_from_the_peers_and_the_writer_sends_each_version_once(tmp_path):
+    """Issue 36's fan-out test: 1 writer, 8 readers. Readers 0-3 (peer sources) take version 1;
+    readers 4-7 join late and take version 1 from them, each from another peer (seat mod 4), not
+    from the writer; then all eight follow the writer to version 3. The writer's bytes per
+    version are one reader's share whether 4 or 8 readers read it, and every engine ends bitwise
+    on version 3, each tensor of which differs from version 1's. A ninth reader joining beside
+    them finds its peer copy torn (the holder rewrote it under the copy): its engine is told, and
+    it reads the writer instead, ending on a whole version, never a mix."""
+    from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+    from weightsync.roles.reader import WeightReader
+    from writer_process import writer_processes
+
+    cfg = config(hidden=256, inter=320)
+    seeds = [2, 1, 3]
+    job = f"peers-{uuid.uuid4().hex[:8]}"
+    results = tmp_path / "writes.jsonl"
+    engines = [ShardedEngine("hf:replicas=9", cfg, seat) for seat in range(9)]
+    sync = SyncConfig(num_writers=1, num_readers=None, job=job, transport="shm", timeout=60, peer_sources=4)
+
+    def weights(version: int) -> dict[str, torch.Tensor]:
+        return {n: t.to(torch.bfloat16) for n, t in canonical_weights(cfg, seeds[version - 1]).items()}
+
+    def holds(engine: ShardedEngine, version: int) -> bool:
+        return all(torch.equal(engine.tensors[n], w) for n, w in weights(version).items())
+
+    assert all(not torch.equal(weights(1)[n], weights(3)[n]) for n in weights(1))
+    with EmbeddedMetaServer() as server, writer_processes(server, cfg, "fsdp:dp=1", job=job, seeds=seeds,
+                                                          extra=("--transport", "shm", "--elastic", "--peer-sources",
+                                                                 "4", "--results", str(results))):
+        metas = [MetaClient(server.address, job=job, token=server.token) for _ in engines]
+        readers = [WeightReader(engine, rank=seat, config=sync, meta=meta)
+                   for seat, (engine, meta) in enumerate(zip(engines, metas, strict=True))]
+        firsts: dict[int, object] = {}
+        errors: list[BaseException] = []
+
+        def run(seat: int, until: int | None) -> None:
+            try:
+                firsts[seat] = readers[seat].update(timeout=60)
+                while until is not None and readers[seat].version != until:
+                    readers[seat].update(timeout=60)
+            except BaseException as exc:  # re-raised in the test's thread
+                errors.append(exc)
+
+        def together(seats: range, until: int | None) -> None:
+            threads = [threading.Thread(target=run, args=(seat, until)) for seat in seats]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=120)
+            assert not any(t.is_alive() for t in threads) and not errors, errors
+
+        aborted: list[int] = []
+
+        def torn(found, buffers):
+            engines[8].tensors[next(iter(engines[8].tensors))].view(-1)[0] = 7  # a byte landed, then it tore
+            raise TransportError("reader(s) [0] rewrote their peer copy of version 1 while reader 8 copied it")
+
+        readers[8]._peers.take = torn
+        engines[8].abort = lambda version, error, abort=engines[8].abort: (aborted.append(version), abort(version, error))
+        try:
+            together(range(4), 1)  # the peer sources take version 1 (from the writer, or from each other)
+            assert all(holds(engines[seat], 1) for seat in range(4))
+            together(range(4, 9), None)  # the late readers' first update
+            share = needed_bytes(engines[4].layout())
+            for seat in range(4, 8):
+                first = firsts[seat]
+                assert first.version == 1 and holds(engines[seat], 1), seat
+                assert first.peers == {seat % 4: share} and first.nbytes == share, (seat, first.peers)
+            assert aborted == [1] and firsts[8].peers == {} and holds(engines[8], firsts[8].version)
+            together(range(9), 3)
+        finally:
+            for reader in readers:
+                reader.close()
+            for meta in metas:
+                meta.close()
+    for seat, engine in enumerate(engines):
+        assert holds(engine, 3), seat
+    writes = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [w["version"] for w in writes] == [1, 2, 3]
+    assert {w["nbytes"] for w in writes} == {share}, writes  # once per version, for 4 readers or 8
