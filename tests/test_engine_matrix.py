@@ -74,32 +74,25 @@ def _cells(*extra: Cell) -> list[Cell]:
 MEGATRON_TP2_EP2 = {"tp": 2, "pp": 1, "dp": 1, "ep": 2, "etp": 1}  # TP 2, EP 2 over the same two ranks
 
 
-def heavy(cell: Cell) -> Any:
-    """A cell whose trainers or engine run in processes of their own (30-220 s each on the 2-core
-    machine): ``make test-heavy`` runs it; the default run keeps every family and every API."""
-    return pytest.param(cell, marks=pytest.mark.heavy, id=cell.id)
-
-
 #: family -> its cells (see docs/models.md for the covering design and the cost)
 CELLS: dict[str, list[Any]] = {
     "llama": _cells(Cell("engine", "hf", "phases")),
     # elastic: the engine joins an elastic set of readers (num_readers=None) on its seat, under the default
     # completion ("all": every reader of the version's plan)
     "qwen2": _cells(Cell("backend", "hf", "prefetch"), Cell("backend", "hf", "elastic")),
-    # the cheapest family carries the two APIs with an engine process of their own; `vllm serve`
-    # (80 s: three processes) is in make test-heavy, and test_vllm_native's pause case updates a
-    # `vllm serve` over HTTP in the default run
+    # the cheapest family carries the two APIs with an engine process of their own (`vllm serve`: three
+    # processes, about 30 s)
     "qwen3": _cells(Cell("engine", "hf", "delta"), Cell("trainer-child", "hf", "phases"),
-                    heavy(Cell("serve", "hf", "phases"))),
+                    Cell("serve", "hf", "phases")),
     "qwen3_moe": _cells(Cell("backend", "hf", "phases")),
     "mixtral": _cells(Cell("backend", "hf", "delta")),
     "deepseek_v3": _cells(Cell("engine", "fsdp2", "full"), Cell("engine", "hf", "prefetch-fleet"),
-                          Cell("trainer", "hf", "phases-256k"), heavy(Cell("serve", "hf", "phases"))),
+                          Cell("trainer", "hf", "phases-256k"), Cell("serve", "hf", "phases")),
     "deepseek_v3-no-mtp": _cells(),
-    "glm4_moe": _cells(heavy(Cell("backend", "fsdp2", "phases"))),
+    "glm4_moe": _cells(Cell("backend", "fsdp2", "phases")),
     "glm4_moe-no-attention-bias": _cells(),
-    "gpt_oss": _cells(heavy(Cell("engine", "megatron", "full", MEGATRON_TP2_EP2)), heavy(Cell("backend", "fsdp2", "delta")),
-                      heavy(Cell("trainer-child", "hf", "phases"))),
+    "gpt_oss": _cells(Cell("engine", "megatron", "full", MEGATRON_TP2_EP2), Cell("backend", "fsdp2", "delta"),
+                      Cell("trainer-child", "hf", "phases")),
     "qwen3-fp8": [Cell("engine", "hf", "fp8"), Cell("backend", "hf", "fp8")],
 }
 

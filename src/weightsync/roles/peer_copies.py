@@ -114,10 +114,9 @@ class PeerCopies:
         this reader against the fewest of them from its start in :func:`serving_order`; None
         when no peer can serve it (the reader then reads the writers)."""
         session, channel, me = self.session, self.session.channel, self.session.rank
-        records = {seat: c for seat, c in channel.peer_copies([s for s in range(self.count) if s != me]).items()
-                   if c.host == session.host and c.version > newer_than}
-        dead = channel.dead_peers("reader", sorted(records)) if records else {}
-        records = {seat: c for seat, c in records.items() if seat not in dead}
+        live = sorted(rank for role, rank in channel.lease_holders() if role == "reader" and rank < self.count)
+        records = {seat: c for seat, c in channel.peer_copies([s for s in live if s != me]).items()
+                   if c.host == session.host and c.version > newer_than}  # a dead peer holds no lease
         if not records:
             return None
         newest = max(c.version for c in records.values())

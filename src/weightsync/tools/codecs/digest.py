@@ -28,7 +28,9 @@ to be digested. The same bytes give the same value of a kind on every device::
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -246,10 +248,10 @@ class _Span:
         self.__array_interface__ = {"data": (address, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
 
 
-def _span(t: torch.Tensor) -> np.ndarray:
-    """The bytes ``t`` spans, from its first element to its last, as a 1-d uint8 array (no copy)."""
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) if t.numel() else -1
-    return np.asarray(_Span(t.data_ptr(), (last + 1) * t.element_size()))
+def _span(address: int, shape: tuple[int, ...], strides: tuple[int, ...], item: int) -> np.ndarray:
+    """The bytes a view spans, from its first element to its last, as a 1-d uint8 array (no copy)."""
+    last = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) if math.prod(shape) else -1
+    return np.asarray(_Span(address, (last + 1) * item))
 
 
 #: (dst's bytes, src's bytes, [(dst byte, dst row stride, src byte, src row stride, rows, bytes per row)])
@@ -263,10 +265,20 @@ def _runs(dst: torch.Tensor, src: torch.Tensor) -> Runs | None:
     if tuple(dst.shape) != tuple(src.shape) or src.element_size() != item:
         raise ValueError(f"copy of {tuple(src.shape)} x {src.element_size()} bytes into "
                          f"{tuple(dst.shape)} x {item} bytes")
-    if dst.numel() == 0:
-        return _span(dst), _span(src), []
-    dims = [[int(n), int(d), int(s)] for n, d, s in zip(dst.shape, dst.stride(), src.stride(), strict=True)
-            if n != 1]
+    return _runs_at(dst.data_ptr(), src.data_ptr(), tuple(dst.shape), tuple(dst.stride()), tuple(src.stride()), item)
+
+
+@functools.lru_cache(maxsize=1 << 15)
+def _runs_at(d_address: int, s_address: int, shape: tuple[int, ...], d_strides: tuple[int, ...],
+             s_strides: tuple[int, ...], item: int) -> Runs | None:
+    """:func:`_runs` of views given by address and geometry. Cached: a transport lands the same
+    views every version (its plan's ops into the same buffers, from the same slots), and working
+    the runs out again cost more than the kernels' own loop over a version of ~1,000 pieces. A
+    cached span is an address and a length, valid while a view with that geometry lives there."""
+    spans = (_span(d_address, shape, d_strides, item), _span(s_address, shape, s_strides, item))
+    if not math.prod(shape):
+        return spans[0], spans[1], []
+    dims = [[n, d, s] for n, d, s in zip(shape, d_strides, s_strides, strict=True) if n != 1]
     if dims and (dims[-1][1] != 1 or dims[-1][2] != 1):
         return None
     while len(dims) >= 2 and all(dims[-2][k] == dims[-1][0] * dims[-1][k] for k in (1, 2)):
@@ -279,7 +291,7 @@ def _runs(dst: torch.Tensor, src: torch.Tensor) -> Runs | None:
         d = sum(i * ds for i, (_, ds, _) in zip(index, dims, strict=True))
         s = sum(i * ss for i, (_, _, ss) in zip(index, dims, strict=True))
         parts.append((d * item, d_step * item, s * item, s_step * item, rows, row * item))
-    return _span(dst), _span(src), parts
+    return spans[0], spans[1], parts
 
 
 def tensor_digest(t: torch.Tensor, kind: DigestKind) -> Digest:

@@ -167,10 +167,14 @@ class TorchDistBase(TransportBase):
         why one does not: a dead rank costs the whole timeout there. Once everyone is here it
         completes at once (a rank that dies in between is the only case left to its timeout).
 
-        A rank that is dead but never arrived is waited for until the deadline, which then names
-        it: its restart may still come to this epoch (seen: writer 1 died in version 1, writer 0
-        gave version 2 up at once because writer 1's lease had expired, and the restart that
-        came a second later then waited for a version 2 no one would write).
+        A *writer* that is dead but never arrived is waited for until the deadline, which then
+        names it: its restart may still come to this epoch and write the version (seen: writer 1
+        died in version 1, writer 0 gave version 2 up at once because writer 1's lease had
+        expired, and the restart that came a second later then waited for a version 2 no one
+        would write). A dead *reader* is named at once, arrived or not (within about a second of
+        its lease's end): no version waits for a reader's restart, which registers anew and
+        moves the job to a new epoch, and the version fails on every other rank then, not at
+        the deadline.
 
         Each rank arrives once per epoch. A second arrival of the same rank is a restarted
         process coming to an epoch whose group formed (or is forming) with its earlier
@@ -195,9 +199,10 @@ class TorchDistBase(TransportBase):
                                          f"group of epoch {epoch} in time{missing}")
                 if time.monotonic() >= look:  # as PeerWatch.check, every half second
                     look = time.monotonic() + 0.5
-                    for watch, first in zip(watches, (0, ctx.num_writers), strict=True):
-                        # only ranks that arrived: a dead one that did not may still be replaced
-                        dead = {r: why for r, why in watch.dead().items() if store.add(f"arrived/{first + r}", 0)}
+                    for watch, first, waits in zip(watches, (0, ctx.num_writers), (True, False), strict=True):
+                        # a writer only once it arrived: a dead one that did not may still be replaced
+                        dead = {r: why for r, why in watch.dead().items()
+                                if not waits or store.add(f"arrived/{first + r}", 0)}
                         if dead:  # leases read after the arrivals: cached ones would show a restart that
                             # registered and arrived since as its dead predecessor
                             dead = {r: why for r, why in watch.dead(max_age=0.0).items() if r in dead}
