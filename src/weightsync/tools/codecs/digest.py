@@ -265,16 +265,18 @@ def _runs(dst: torch.Tensor, src: torch.Tensor) -> Runs | None:
     if tuple(dst.shape) != tuple(src.shape) or src.element_size() != item:
         raise ValueError(f"copy of {tuple(src.shape)} x {src.element_size()} bytes into "
                          f"{tuple(dst.shape)} x {item} bytes")
-    return _runs_at(dst.data_ptr(), src.data_ptr(), tuple(dst.shape), tuple(dst.stride()), tuple(src.stride()), item)
+    return _runs_at((dst.data_ptr(), tuple(dst.stride())), (src.data_ptr(), tuple(src.stride())), tuple(dst.shape),
+                    item)
 
 
 @functools.lru_cache(maxsize=1 << 15)
-def _runs_at(d_address: int, s_address: int, shape: tuple[int, ...], d_strides: tuple[int, ...],
-             s_strides: tuple[int, ...], item: int) -> Runs | None:
-    """:func:`_runs` of views given by address and geometry. Cached: a transport lands the same
+def _runs_at(dst: tuple[int, tuple[int, ...]], src: tuple[int, tuple[int, ...]], shape: tuple[int, ...],
+             item: int) -> Runs | None:
+    """:func:`_runs` of views given by (address, strides) and their shape. Cached: a transport lands the same
     views every version (its plan's ops into the same buffers, from the same slots), and working
     the runs out again cost more than the kernels' own loop over a version of ~1,000 pieces. A
     cached span is an address and a length, valid while a view with that geometry lives there."""
+    (d_address, d_strides), (s_address, s_strides) = dst, src
     spans = (_span(d_address, shape, d_strides, item), _span(s_address, shape, s_strides, item))
     if not math.prod(shape):
         return spans[0], spans[1], []
