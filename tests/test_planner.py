@@ -98,6 +98,20 @@ def test_balance_within_five_percent_of_the_lower_bound(case):
     assert stats.max_send_bytes <= 1.05 * stats.lower_bound_send_bytes + 1
 
 
+def test_classes_that_cross_are_balanced_too():
+    """Megatron TP 2 x PP 2 with tied embeddings: the vocabulary's halves are held by rank 0 of
+    each stage and rank 1 of each stage, classes that cross the stages'. Poured smallest first
+    they landed on the second stage before its own replicated weights did: the busiest writer sent
+    8.4% over the bound (hypothesis found it in `make test`). The refined fill keeps it within 5%."""
+    spec = ModelSpec(family="qwen3_moe", hidden_size=128, intermediate_size=128, num_layers=2, num_heads=2,
+                     num_kv_heads=2, head_dim=64, vocab_size=160, tie_word_embeddings=True, qk_norm=True,
+                     num_experts=2, moe_intermediate_size=64, dtype="float32")
+    sources = parse_layout("megatron:tp=2,pp=2,dp=1,ep=1,etp=1").all_rank_layouts(spec)
+    for target in ("hf", "megatron:tp=1,pp=2,dp=2,ep=1,etp=1"):
+        stats = plan_statistics(sources, parse_layout(target).all_rank_layouts(spec), PlanOptions(min_split_bytes=1024))
+        assert stats.max_send_bytes <= 1.05 * stats.lower_bound_send_bytes + 1, target
+
+
 def test_replicas_share_the_load():
     """Four data-parallel replicas each send a quarter (the peer sends all from one)."""
     spec = ModelSpec(family="llama", hidden_size=256, intermediate_size=512, num_layers=2, num_heads=8,

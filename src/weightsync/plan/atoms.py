@@ -39,7 +39,7 @@ from weightsync.plan.table import RegionTable
 Side = Roster | Sequence[RankLayout]
 
 #: Bump when the planner's decisions change, so mixed versions fail the fingerprint check.
-PLANNER_VERSION = "1"
+PLANNER_VERSION = "2"
 
 
 class PlanError(ValueError):

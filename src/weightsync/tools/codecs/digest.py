@@ -193,6 +193,14 @@ class CopyHasher:
             (copy or _copy_now)(dst, src)
             self.update(dst)
             return
+        parts = runs[2]
+        if self.fed == 0 and len(parts) == 1 and parts[0][4] * parts[0][5] == self.nbytes:  # the whole piece
+            assert self._kernels is not None
+            d_at, d_stride, s_at, s_stride, rows, row_bytes = parts[0]
+            self._value = self._kernels.once(runs[1], s_at, s_stride, runs[0], d_at, d_stride, rows, row_bytes,
+                                             copy=True)
+            self.fed = self.nbytes
+            return
         self._feed(runs, copy=True)
 
     def update(self, t: torch.Tensor) -> None:

@@ -78,6 +78,19 @@ class Kernels:
 
     feed_kernel: Any
     finish_kernel: Any
+    once_kernel: Any
+
+    def once(self, src: np.ndarray, s_at: int, s_stride: int, dst: np.ndarray, d_at: int, d_stride: int,  # noqa: PLR0917
+             rows: int, row_bytes: int, *, copy: bool) -> int:
+        """The XXH3-64 value of a whole input of ``rows`` runs (over :data:`SHORT_MAX` bytes), copied
+        into ``dst`` first when ``copy``: :meth:`start`, :meth:`feed` and :meth:`finish` in one call
+        (a version lands ~1,000 pieces, most in one go: their Python ends cost as much as the
+        kernels' extra work)."""
+        nbytes = rows * row_bytes
+        if nbytes <= SHORT_MAX:
+            raise ValueError(f"the kernels digest inputs over {SHORT_MAX} bytes, got {nbytes}")
+        return int(self.once_kernel(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, _INIT, KEYS, SCRAMBLE,
+                                    LAST_KEYS, MERGE_KEYS, copy))
 
     @staticmethod
     def start(nbytes: int) -> tuple[np.ndarray, ...]:
@@ -118,7 +131,7 @@ def load() -> Kernels | None:
 
     from weightsync.tools.codecs.delta_jit import _answer_dict_lookups_with_a_dict
 
-    global _stripes_jit, _loaded  # noqa: PLW0603 (the compiled helper _feed calls, bound once here)
+    global _stripes_jit, _feed_jit, _finish_jit, _loaded  # noqa: PLW0603 (compiled helpers, bound once here)
     _answer_dict_lookups_with_a_dict()
     u8, u64, i64 = numba.uint8[::1], numba.uint64[::1], numba.int64
     signature = numba.void(u8, i64, i64, u8, i64, i64, i64, i64, u64, u8, u8, numba.int64[::1], u64, u64,
@@ -128,17 +141,36 @@ def load() -> Kernels | None:
         config.SLP_VECTORIZE = 1
         try:
             _stripes_jit = numba.njit(nogil=True, boundscheck=False, error_model="numpy", inline="always")(_stripes)
-            feed = numba.njit(signature, cache=True, nogil=True, boundscheck=False, error_model="numpy")(_feed)
-            finish = numba.njit(numba.uint64(i64, u64, u8, u8, i64, u64, u64), cache=True, nogil=True,
-                                boundscheck=False, error_model="numpy")(_finish)
+            feed = _feed_jit = numba.njit(signature, cache=True, nogil=True, boundscheck=False,
+                                          error_model="numpy")(_feed)
+            finish = _finish_jit = numba.njit(numba.uint64(i64, u64, u8, u8, i64, u64, u64), cache=True, nogil=True,
+                                              boundscheck=False, error_model="numpy")(_finish)
+            once = numba.njit(numba.uint64(u8, i64, i64, u8, i64, i64, i64, i64, u64, u64, u64, u64, u64,
+                                           numba.boolean), cache=True, nogil=True, boundscheck=False,
+                              error_model="numpy")(_once)
         finally:
             config.SLP_VECTORIZE = saved
-    _loaded = Kernels(feed_kernel=feed, finish_kernel=finish)
+    _loaded = Kernels(feed_kernel=feed, finish_kernel=finish, once_kernel=once)
     return _loaded
 
 
 _stripes_jit: Any = None
+_feed_jit: Any = None
+_finish_jit: Any = None
 _loaded: Kernels | None = None
+_INIT = np.array(INIT, dtype=np.uint64)
+
+
+def _once(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, init, keys, scr, last_keys, merge_keys, copy):  # type: ignore[no-untyped-def]  # noqa: PLR0917
+    """:meth:`Kernels.once`: a fresh stream's state, the runs fed, the value."""
+    nbytes = rows * row_bytes
+    acc = init.copy()
+    buf = np.zeros(64, dtype=np.uint8)
+    prev = np.zeros(64, dtype=np.uint8)
+    st = np.zeros(4, dtype=np.int64)
+    st[1] = (nbytes - 1) // 64
+    _feed_jit(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, acc, buf, prev, st, keys, scr, copy)
+    return _finish_jit(nbytes, acc, buf, prev, st[2], last_keys, merge_keys)
 
 
 def _feed(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, acc, buf, prev, st, keys, scr, copy):  # type: ignore[no-untyped-def]  # noqa: PLR0917
