@@ -121,6 +121,8 @@ def run_mode(server: Any, *, peers: int, joiners: int, size: str, peer_sources: 
             "joiners_bytes_from_peers": from_peers,
             "joiners_bytes_from_writer": sum(r.nbytes for r in joined) - from_peers,
             "peer_keep_s_p50": statistics.median(results[s].phases.get("keep", 0.0) for s in range(peers)),
+            "joiner_phases_p50": {k: statistics.median(r.phases.get(k, 0.0) for r in joined)
+                                  for k in sorted({k for r in joined for k in r.phases})},
             "wrong_tensors": wrong}
 
 

@@ -204,6 +204,8 @@ class WeightReader:
         phases: dict[str, float] = {}
         if session.planned is None:
             session.plan(deadline)
+            if self._peers is not None:
+                self._peers.prepare(self.engine.receive_buffers())
             phases["plan"] = session.timings["setup"]
             if session.registered_anew and self.version is not None:  # tell the new server what this engine serves
                 session.channel.report_applied(self.version, nbytes=0, seconds=0.0)
