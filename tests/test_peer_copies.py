@@ -19,7 +19,6 @@ from weightsync.job.wire import PeerCopy, WireError
 from weightsync.layout.wire import LayoutDecoder, encode_descriptor
 from weightsync.plan import build_local_plan
 from weightsync.roles.peer_copies import Found, PeerCopies, needed_bytes, serving_order
-from weightsync.session.combinations import CombinationError
 from weightsync.tools.tiny import canonical_weights
 from weightsync.tools.torch_layout import fill_from_canonical
 from weightsync.transport import TransportError
@@ -33,17 +32,15 @@ def test_joiners_at_consecutive_seats_start_at_different_peers():
     assert serving_order([], 6) == []
 
 
-def test_what_peer_copies_cannot_take_is_refused_where_it_is_written():
-    with pytest.raises(CombinationError, match=r"peer_sources=2 with integrity=True: a version a reader copies from "
-                                               r"a peer is not checked against the writers' digests"):
-        SyncConfig(num_writers=1, num_readers=None, transport="shm", peer_sources=2, integrity=True)
+def test_peer_sources_are_checked_where_they_are_written():
     with pytest.raises(ValueError, match=r"peer_sources must be in 0\.\.4 \(the job's reader seats"):
         SyncConfig(num_writers=1, num_readers=4, peer_sources=5)
-    assert SyncConfig.from_wire(SyncConfig(num_writers=1, num_readers=None, peer_sources=3).to_wire()).peer_sources == 3
+    config = SyncConfig(num_writers=1, num_readers=None, transport="shm", peer_sources=3, integrity=True)
+    assert SyncConfig.from_wire(config.to_wire()) == config
 
 
 def test_a_peer_copy_record_round_trips_and_a_malformed_one_names_its_field():
-    record = PeerCopy(7, "fp-ab", 3, "node-a", "/dev/shm/x", 1024)
+    record = PeerCopy(7, "fp-ab", 3, "node-a", "/dev/shm/x", 1024, "xxh3")
     assert PeerCopy.from_wire(record.to_wire()) == record
     with pytest.raises(WireError, match="field 'path' must be a str"):
         PeerCopy.from_wire({**record.to_wire(), "path": 5})
@@ -74,7 +71,7 @@ def test_a_copy_rewritten_while_a_joiner_copies_is_torn_and_a_tensor_parallel_jo
         assert sum(op.nbytes for op in plan.ops) + sum(op.nbytes for op in plan.copy_ops) == \
             needed_bytes(joiner.layout())
         session = types.SimpleNamespace(channel=types.SimpleNamespace(who="reader 1"),
-                                        config=types.SimpleNamespace(peer_sources=1), rank=1)
+                                        config=types.SimpleNamespace(peer_sources=1, integrity=False), rank=1)
         copies = PeerCopies(session)  # type: ignore[arg-type]
         found = Found(PeerCopy(5, "fp", 0, "h", held.path, held.nbytes), plan, (mapped,))
         assert copies.take(found, joiner.tensors) == {0: needed_bytes(joiner.layout())}
@@ -92,16 +89,54 @@ def test_a_copy_rewritten_while_a_joiner_copies_is_torn_and_a_tensor_parallel_jo
         map_copy(path, 0)
 
 
-def test_late_readers_take_their_first_version_from_the_peers_and_the_writer_sends_each_version_once(tmp_path):
+def test_with_integrity_a_joiner_checks_every_box_it_copied_against_the_writers_digests():
+    """The peer keeps the writers' digest of each box beside its copy; a joiner of its layout
+    digests each box where it landed and compares: a byte flipped in the copy is named (shard,
+    offset, box), before the engine may apply it."""
+    from weightsync.transport.digests import op_digest
+    from weightsync.transport.shm.peer_copy import digest_entries
+
+    cfg = config(hidden=128, inter=192)
+    peer, joiner = ShardedEngine("hf:replicas=2", cfg, 0), ShardedEngine("hf:replicas=2", cfg, 1)
+    fill_from_canonical(peer.layout(), peer.tensors, canonical_weights(cfg, 5))
+    flats = {n: t.view(-1) for n, t in peer.tensors.items()}
+    plan = _plan_against({0: peer}, joiner, cfg)
+    checked = [(op, op_digest(flats, op, "xxh3", side="writer")) for op in plan.ops]  # as the writers sent them
+    held = HeldCopy(0, peer.tensors, entries=len(checked))
+    try:
+        held.hold(5, flats, digest_entries(list(flats), checked))
+        session = types.SimpleNamespace(channel=types.SimpleNamespace(who="reader 1"), rank=1,
+                                        config=types.SimpleNamespace(peer_sources=1, integrity=True),
+                                        planned=types.SimpleNamespace(digests=types.SimpleNamespace(kind="xxh3")))
+        copies = PeerCopies(session)  # type: ignore[arg-type]
+        found = Found(PeerCopy(5, "fp", 0, "h", held.path, held.nbytes, "xxh3"), plan, (map_copy(held.path, 0),))
+        assert copies.take(found, joiner.tensors) == {0: needed_bytes(joiner.layout())}
+        for name, tensor in peer.tensors.items():
+            assert torch.equal(joiner.tensors[name], tensor), name
+        name = "model.layers.0.mlp.down_proj.weight"
+        offset = held.table[name][0]
+        held.segment.data[offset + 10] ^= 1  # one bit of the copy, after the peer checked it
+        with pytest.raises(TransportError, match=r"1 of \d+ boxes copied from reader 0's peer copy of version 5 differ "
+                                                 r"from the writers' digests: model\.layers\.0\.mlp\.down_proj\.weight at 0"):
+            copies.take(found, joiner.tensors)
+    finally:
+        held.close()
+
+
+@pytest.mark.parametrize("integrity", [False, True], ids=["plain", "integrity"])
+def test_late_readers_take_their_first_version_from_the_peers_and_the_writer_sends_each_version_once(tmp_path,
+                                                                                                      integrity):
     """Issue 36's fan-out test: 1 writer, 8 readers. Readers 0-3 (peer sources) take version 1;
     readers 4-7 join late and take version 1 from them, each from another peer (seat mod 4), not
     from the writer; then all eight follow the writer to version 3. The writer's bytes per
     version are one reader's share whether 4 or 8 readers read it, and every engine ends bitwise
-    on version 3, each tensor of which differs from version 1's. A ninth reader joining beside
+    on version 3, each tensor of which differs from version 1's. With ``integrity``, each joiner
+    checks every box it copied against the writers' digests the peer kept. A ninth reader joining beside
     them finds its peer copy torn (the holder rewrote it under the copy): its engine is told, and
     it reads the writer instead, ending on a whole version, never a mix."""
     from weightsync.meta.client import EmbeddedMetaServer, MetaClient
     from weightsync.roles.reader import WeightReader
+    from weightsync.session.sync_session import SyncError
     from writer_process import writer_processes
 
     cfg = config(hidden=256, inter=320)
@@ -109,7 +144,8 @@ def test_late_readers_take_their_first_version_from_the_peers_and_the_writer_sen
     job = f"peers-{uuid.uuid4().hex[:8]}"
     results = tmp_path / "writes.jsonl"
     engines = [ShardedEngine("hf:replicas=9", cfg, seat) for seat in range(9)]
-    sync = SyncConfig(num_writers=1, num_readers=None, job=job, transport="shm", timeout=60, peer_sources=4)
+    sync = SyncConfig(num_writers=1, num_readers=None, job=job, transport="shm", timeout=60, peer_sources=4,
+                      integrity=integrity)
 
     def weights(version: int) -> dict[str, torch.Tensor]:
         return {n: t.to(torch.bfloat16) for n, t in canonical_weights(cfg, seeds[version - 1]).items()}
@@ -120,7 +156,8 @@ def test_late_readers_take_their_first_version_from_the_peers_and_the_writer_sen
     assert all(not torch.equal(weights(1)[n], weights(3)[n]) for n in weights(1))
     with EmbeddedMetaServer() as server, writer_processes(server, cfg, "fsdp:dp=1", job=job, seeds=seeds,
                                                           extra=("--transport", "shm", "--elastic", "--peer-sources",
-                                                                 "4", "--results", str(results))):
+                                                                 "4", "--results", str(results),
+                                                                 *(("--integrity",) if integrity else ()))):
         metas = [MetaClient(server.address, job=job, token=server.token) for _ in engines]
         readers = [WeightReader(engine, rank=seat, config=sync, meta=meta)
                    for seat, (engine, meta) in enumerate(zip(engines, metas, strict=True))]
@@ -129,7 +166,12 @@ def test_late_readers_take_their_first_version_from_the_peers_and_the_writer_sen
 
         def run(seat: int, until: int | None) -> None:
             try:
-                firsts[seat] = readers[seat].update(timeout=60)
+                try:
+                    firsts[seat] = readers[seat].update(timeout=60)
+                except SyncError as exc:  # reader 8 reads the writer: with integrity, the version it adopts
+                    if seat != 8 or not integrity:  # was planned with no digest for it, and fails untouched
+                        raise
+                    firsts[seat] = exc
                 while until is not None and readers[seat].version != until:
                     readers[seat].update(timeout=60)
             except BaseException as exc:  # re-raised in the test's thread
@@ -160,7 +202,12 @@ def test_late_readers_take_their_first_version_from_the_peers_and_the_writer_sen
                 first = firsts[seat]
                 assert first.version == 1 and holds(engines[seat], 1), seat
                 assert first.peers == {seat % 4: share} and first.nbytes == share, (seat, first.peers)
-            assert aborted == [1] and firsts[8].peers == {} and holds(engines[8], firsts[8].version)
+            # the torn copy of version 1; with integrity, also the writer's version it adopted and failed
+            assert aborted[0] == 1 and len(aborted) == (2 if integrity else 1), aborted
+            if integrity:
+                assert "planned before this reader joined the elastic set" in str(firsts[8]), firsts[8]
+            else:
+                assert firsts[8].peers == {} and holds(engines[8], firsts[8].version)
             together(range(9), 3)
         finally:
             for reader in readers:
@@ -169,6 +216,8 @@ def test_late_readers_take_their_first_version_from_the_peers_and_the_writer_sen
                 meta.close()
     for seat, engine in enumerate(engines):
         assert holds(engine, 3), seat
+    for seat in range(4):  # the peers' copies carried the writers' digests, or none
+        assert readers[seat]._peers._kind == ("xxh3" if integrity else ""), seat
     writes = [json.loads(line) for line in results.read_text().splitlines()]
     assert [w["version"] for w in writes] == [1, 2, 3]
     assert {w["nbytes"] for w in writes} == {share}, writes  # once per version, for 4 readers or 8

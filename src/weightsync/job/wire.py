@@ -98,7 +98,9 @@ class PeerCopy:
 
     ``path`` is a ``/dev/shm`` file on ``host`` whose control word says which version it holds
     now (the record may lag it by one version while the reader copies the next); ``version``,
-    ``fingerprint`` and ``epoch`` are the version as the writers published it.
+    ``fingerprint`` and ``epoch`` are the version as the writers published it; ``digests``, the
+    kind of the writers' digests the file holds beside the copy ("": none, the job runs without
+    ``integrity``).
     """
 
     version: int
@@ -107,17 +109,18 @@ class PeerCopy:
     host: str
     path: str
     nbytes: int
+    digests: str = ""
 
     def to_wire(self) -> dict[str, Any]:
         return {"version": self.version, "fingerprint": self.fingerprint, "epoch": self.epoch, "host": self.host,
-                "path": self.path, "nbytes": self.nbytes}
+                "path": self.path, "nbytes": self.nbytes, "digests": self.digests}
 
     @classmethod
     def from_wire(cls, doc: Mapping[str, Any]) -> PeerCopy:
         """Raises WireError naming the field that is missing or malformed."""
         return cls(take(doc, "version", int, "an int"), take(doc, "fingerprint", str, "a str"),
                    take(doc, "epoch", int, "an int"), take(doc, "host", str, "a str"), take(doc, "path", str, "a str"),
-                   take(doc, "nbytes", int, "an int"))
+                   take(doc, "nbytes", int, "an int"), take(doc, "digests", str, "a str"))
 
 
 @dataclass(frozen=True, slots=True)

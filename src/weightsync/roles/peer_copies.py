@@ -27,7 +27,12 @@ With ``SyncConfig(peer_sources=K)``:
 
 Copies move over shared memory, so peers serve the engines of their own host only (from a GPU
 the copy goes through host memory). Across hosts a joining engine reads the writers.
-``integrity=True`` is refused with it (the copy is not checked against the writers' digests).
+
+**With** ``integrity=True`` a keeping reader stores, beside its copy, the digest the writers
+sent for each op it received (checked against what landed before its engine applied it). A
+joining reader then takes a copy only from one peer of its own layout (the digests address its
+shards as they address the peer's), digests each box where it landed, and compares: a box that
+differs fails the copy, named, before its engine may apply a byte (it reads the writers then).
 """
 
 from __future__ import annotations
@@ -43,9 +48,10 @@ from weightsync.job.wire import PeerCopy
 from weightsync.layout.types import itemsize
 from weightsync.layout.wire import LayoutDecoder
 from weightsync.plan import build_local_plan
-from weightsync.tools.torch_layout import apply_copies
+from weightsync.tools.codecs.digest import CopyHasher
+from weightsync.tools.torch_layout import apply_copies, strided_view
 from weightsync.transport import TransportError
-from weightsync.transport.shm.peer_copy import HeldCopy, MappedCopy, map_copy
+from weightsync.transport.shm.peer_copy import HeldCopy, MappedCopy, digest_entries, map_copy
 from weightsync.transport.tensors import flat_views, op_dst_view, op_src_view
 
 if TYPE_CHECKING:
@@ -55,6 +61,7 @@ if TYPE_CHECKING:
     from weightsync.layout.types import RankLayout
     from weightsync.plan import Plan
     from weightsync.session.sync_session import SyncSession
+    from weightsync.transport.digests import VersionDigests
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +92,7 @@ class PeerCopies:
         #: this reader keeps copies for others
         self.keeps = session.rank < self.count
         self._held: HeldCopy | None = None
+        self._kind = ""  # the digests' kind the held copy's table holds for its version ("": none)
         self._decoder: LayoutDecoder | None = None
 
     # -- keeping ------------------------------------------------------------------------------
@@ -93,24 +101,34 @@ class PeerCopies:
         version (a new 336 MB file took 1 s to fill the first time, page by page, and 0.1 s after)."""
         if not self.keeps:
             return
+        planned = self.session.planned
+        entries = len(planned.plan.ops) if planned is not None and planned.digests is not None else 0
         try:
-            self._held_for(flat_views(buffers)).segment.data.zero_()
+            self._held_for(flat_views(buffers), entries).segment.data.zero_()
         except (OSError, RuntimeError) as exc:  # /dev/shm full: its versions still come; it keeps none
             logger.warning("%s cannot keep a peer copy (%s); it serves no peer", self.session.channel.who, exc)
             self.close()
 
-    def keep(self, version: int, buffers: Mapping[str, torch.Tensor]) -> None:
-        """Copy the version the engine's receive buffers hold (a peer's own, checked) into the held copy."""
-        if self.keeps:
-            flats = flat_views(buffers)
-            self._held_for(flats).hold(version, flats)
+    def keep(self, version: int, buffers: Mapping[str, torch.Tensor], digests: VersionDigests | None = None) -> None:
+        """Copy the version the engine's receive buffers hold (a peer's own, checked) into the held
+        copy; with ``digests`` (its checks passed), the writers' digest of each op beside it."""
+        if not self.keeps:
+            return
+        flats = flat_views(buffers)
+        table = None
+        if digests is not None:
+            checked = [entry for phase in range(len(digests.runs)) for entry in digests.checked(phase)]
+            table = digest_entries(list(flats), checked)
+        held = self._held_for(flats, 0 if table is None else len(table))
+        self._kind = "" if table is None or digests is None else digests.kind
+        held.hold(version, flats, table)
 
-    def _held_for(self, flats: Mapping[str, torch.Tensor]) -> HeldCopy:
-        if self._held is not None and not self._held.fits(flats):
-            self._held.close()  # the engine's layout changed (EPLB): a copy of the new one
+    def _held_for(self, flats: Mapping[str, torch.Tensor], entries: int) -> HeldCopy:
+        if self._held is not None and not self._held.fits(flats, entries):
+            self._held.close()  # the engine's layout changed (EPLB), or its plan has more ops: a new one
             self._held = None
         if self._held is None:
-            self._held = HeldCopy(self.session.rank, flats)
+            self._held = HeldCopy(self.session.rank, flats, entries=entries + entries // 4)  # room to re-plan
         return self._held
 
     def announce(self, published: PublishedVersion) -> None:
@@ -119,17 +137,22 @@ class PeerCopies:
         if held is None or held.version != published.version:
             return
         self.session.channel.publish_peer_copy(PeerCopy(published.version, published.sync_fingerprint,
-                                                        published.epoch, self.session.host, held.path, held.nbytes))
+                                                        published.epoch, self.session.host, held.path, held.nbytes,
+                                                        self._kind))
 
     # -- taking -------------------------------------------------------------------------------
     def find(self, *, newer_than: int, deadline: Deadline) -> Found | None:
         """The newest version (past ``newer_than``) that live peers on this host keep, planned for
         this reader against the fewest of them from its start in :func:`serving_order`; None
-        when no peer can serve it (the reader then reads the writers)."""
+        when no peer can serve it (the reader then reads the writers). With ``integrity``, only a
+        peer of this reader's own layout whose copy carries the writers' digests serves it: the
+        reader checks every op against them (:meth:`take`)."""
         session, channel, me = self.session, self.session.channel, self.session.rank
+        kind = self._checks()
         live = sorted(rank for role, rank in channel.lease_holders() if role == "reader" and rank < self.count)
         records = {seat: c for seat, c in channel.peer_copies([s for s in live if s != me]).items()
-                   if c.host == session.host and c.version > newer_than}  # a dead peer holds no lease
+                   if c.host == session.host and c.version > newer_than  # a dead peer holds no lease
+                   and (kind is None or c.digests == kind)}
         if not records:
             return None
         newest = max(c.version for c in records.values())
@@ -140,7 +163,7 @@ class PeerCopies:
             return None
         chosen: list[MappedCopy] = []
         for seat in serving_order(holders, me):
-            if ("reader", seat) not in people:
+            if ("reader", seat) not in people or (kind is not None and not self._same_layout(people[("reader", seat)])):
                 continue
             try:
                 mapped = map_copy(records[seat].path, seat)
@@ -153,7 +176,27 @@ class PeerCopies:
             plan = self._plan([people[("reader", p.seat)] for p in chosen], mine)
             if plan is not None:
                 return Found(records[seat], plan, tuple(chosen))
+            if kind is not None:
+                chosen.clear()  # checked copies come from one peer of this layout, whole
         return None
+
+    def _checks(self) -> str | None:
+        """The digests' kind this reader checks a copy against (None: the job runs without ``integrity``)."""
+        if not self.session.config.integrity:
+            return None
+        planned = self.session.planned
+        assert planned is not None and planned.digests is not None, "a reader with integrity plans its digests"
+        return planned.digests.kind
+
+    def _same_layout(self, peer: Member) -> bool:
+        """Whether ``peer``'s layout is this reader's (its digest table then addresses this reader's shards)."""
+        if self._decoder is None:
+            self._decoder = LayoutDecoder(self.session.channel.model_config)
+        try:
+            theirs = self._decoder.roster([(peer.rank, peer.layout)]).layout(peer.rank)
+        except ValueError:
+            return False
+        return theirs.shards == self.session.provider.layout().shards
 
     def _roster(self, deadline: Deadline) -> list[Member]:
         channel = self.session.channel
@@ -177,9 +220,12 @@ class PeerCopies:
 
     def take(self, found: Found, buffers: Mapping[str, torch.Tensor]) -> dict[int, int]:
         """Copy ``found``'s version into ``buffers``; returns the bytes taken from each peer seat.
+        With ``integrity``, every op of the peer's table is checked against the writers' digest
+        before the engine may apply a byte of it.
 
         Raises:
-            TransportError: a peer rewrote its copy while this reader copied (torn: drop it).
+            TransportError: a peer rewrote its copy while this reader copied (torn), or (with
+                ``integrity``) a box's digest is not the writers' (named): drop the copy.
         """
         flats = flat_views(buffers)
         peers = {p.seat: p for p in found.peers}
@@ -187,12 +233,32 @@ class PeerCopies:
         for op in found.plan.ops:
             op_dst_view(flats, op).copy_(op_src_view(peers[op.src_rank].flats, op))
             taken[op.src_rank] += op.nbytes
+        apply_copies(found.plan, buffers)
+        kind = self._checks()
+        if kind is not None:
+            self._check(found, flats, kind)
         torn = [p.seat for p in found.peers if p.holds() != found.copy.version]
         if torn:
             raise TransportError(f"reader(s) {torn} rewrote their peer copy of version {found.copy.version} while "
                                  f"{self.session.channel.who} copied it")
-        apply_copies(found.plan, buffers)
         return {seat: n for seat, n in taken.items() if n}
+
+    def _check(self, found: Found, flats: Mapping[str, torch.Tensor], kind: str) -> None:
+        """Every op of the (one) peer's digest table, digested where it landed here, against the writers' digest."""
+        (peer,) = found.peers
+        entries = peer.entries()
+        if not entries:
+            raise TransportError(f"reader {peer.seat}'s peer copy of version {found.copy.version} holds no digests")
+        bad = []
+        for shard, offset, sizes, strides, expected in entries:
+            view = strided_view(flats[shard], sizes, strides, offset)
+            got = CopyHasher(kind, view.numel() * view.element_size())  # type: ignore[arg-type]
+            got.update(view)
+            if got.value() != expected:
+                bad.append(f"{shard} at {offset} {list(sizes)}")
+        if bad:
+            raise TransportError(f"{len(bad)} of {len(entries)} boxes copied from reader {peer.seat}'s peer copy of "
+                                 f"version {found.copy.version} differ from the writers' digests: {', '.join(bad[:3])}")
 
     def close(self) -> None:
         if self._held is not None:

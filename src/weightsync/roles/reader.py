@@ -301,7 +301,8 @@ class WeightReader:
             return
         t0 = time.perf_counter()
         try:
-            self._peers.keep(version, buffers)
+            planned = self.session.planned
+            self._peers.keep(version, buffers, planned.digests if planned is not None else None)
         except Exception as exc:
             logger.warning("reader %d could not keep a peer copy of version %d (%s); it serves none", self.rank,
                            version, exc)

@@ -52,10 +52,6 @@ def refusal(settings: Mapping[str, Any], *, transport: str, why: str = "") -> st
         return ("commit='fleet' with layer_phases=True: an engine loads each phase into the weights it serves as "
                 "the phase arrives, so no version could wait staged for the fleet's commit. Set layer_phases=False "
                 "(whole-model staging), or commit='each'")
-    if settings["peer_sources"] and settings["integrity"]:
-        return (f"peer_sources={settings['peer_sources']} with integrity=True: a version a reader copies from a "
-                "peer is not checked against the writers' digests, so it would be served unchecked. Set "
-                "integrity=False, or peer_sources=0 (every reader reads the writers)")
     completion = settings["completion"]
     if settings["num_readers"] is None:
         if settings["commit"] == "fleet":

@@ -174,7 +174,8 @@ class SyncConfig:
             in shared memory, and a reader that holds no version (an engine that joins, or one
             replacing a dead engine) takes its first version from those on its host instead of
             from the writers (:mod:`weightsync.roles.peer_copies`). 0: none (every reader reads
-            the writers). Each such reader keeps one copy of its shard in ``/dev/shm``.
+            the writers). Each such reader keeps one copy of its shard in ``/dev/shm``; with
+            ``integrity`` the writers' digests go with it and a joiner checks what it copied.
     """
 
     num_writers: int

@@ -337,6 +337,17 @@ class VersionDigests:
             raise IntegrityError(self.rank, version, bad, checked)
         return checked
 
+    def checked(self, phase: int) -> list[tuple[TransferOp, int]]:
+        """A reader's ops of ``phase`` with the digests the writers sent for them, once
+        :meth:`check` passed (a reader keeping a peer copy stores them beside it)."""
+        assert self.role == "reader" and self._buffers is not None, "checked() is a reader's, after attach()"
+        out: list[tuple[TransferOp, int]] = []
+        for run in self.runs[phase]:
+            sent = self._buffers[self.shard_name(run.writer, run.reader, side="reader")]
+            values = sent[run.offset: run.offset + len(run.ops)].tolist()
+            out.extend((op, as_unsigned(v)) for op, v in zip(run.ops, values, strict=True))
+        return out
+
     def land(self, op: TransferOp, dst: torch.Tensor, src: torch.Tensor, *, copy: Copy | None = None) -> None:
         """Reader, fused: store (the next part of) ``op``'s bytes from ``src`` into ``dst``, its
         destination, digesting them as they are stored. Digest ops are stored as they are."""

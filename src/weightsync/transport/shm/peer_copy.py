@@ -9,7 +9,10 @@ One file per serving reader, a segment of the shared-memory transport's kind
 (:mod:`weightsync.transport.shm.segment`): the control page (word :data:`HELD_WORD` is the
 version the copy holds, -1 while the reader rewrites it), the reader's shards back to back
 (64-byte aligned, in its layout: the joining reader plans against that layout, so any layout
-can read any other), then a msgpack header mapping each shard to ``[offset, numel, dtype]``.
+can read any other), then the version's digest table (with ``integrity=True``: each op the
+reader received, where it landed and the digest the writers sent for it; word
+:data:`ENTRIES_WORD` counts them), then a msgpack header mapping each shard to ``[offset, numel,
+dtype]`` and placing the table.
 
 **A seqlock.** The holder sets the word to -1, copies, then sets the version; a reader reads
 the word before it copies and again after (:meth:`MappedCopy.holds`). If it changed, the copy
@@ -22,16 +25,27 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from weightsync.tools.codecs.digest import as_signed, as_unsigned
 from weightsync.tools.torch_layout import dtype_name, torch_dtype
 from weightsync.transport.base import TransportError
 from weightsync.transport.exposed import ALIGN
 from weightsync.transport.shm.segment import CONTROL_BYTES, EMPTY, FileGoneError, OwnSegment, read_segment
 
+if TYPE_CHECKING:
+    from weightsync.plan.ops import TransferOp
+
 #: Control word: the version a held copy holds (-1: none, or being rewritten).
 HELD_WORD = 3
+#: Control word: how many digest entries the table holds for that version (0: none).
+ENTRIES_WORD = 4
+#: Most dimensions of a box the table holds (a version with a box of more has no table).
+MAX_DIMS = 4
+#: int64 words per digest entry: shard index, offset, dimensions, 4 sizes, 4 strides, digest.
+ENTRY_WORDS = 3 + 2 * MAX_DIMS + 1
 
 
 def _shard_table(flats: Mapping[str, torch.Tensor]) -> tuple[dict[str, list[int | str]], int]:
@@ -47,11 +61,16 @@ def _shard_table(flats: Mapping[str, torch.Tensor]) -> tuple[dict[str, list[int 
 class HeldCopy:
     """A serving reader's copy of its shards (see module docstring); the file goes with :meth:`close`."""
 
-    def __init__(self, seat: int, flats: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, seat: int, flats: Mapping[str, torch.Tensor], *, entries: int = 0) -> None:
         self.table, self.nbytes = _shard_table(flats)
-        self.segment = OwnSegment(seat, {"kind": "peer_copy", "shards": self.table}, max(self.nbytes, ALIGN),
+        self.capacity = entries
+        header = {"kind": "peer_copy", "shards": self.table, "entries_at": self.nbytes, "capacity": entries}
+        self.segment = OwnSegment(seat, header, max(self.nbytes + 8 * ENTRY_WORDS * entries, ALIGN),
                                   what=f"peer{seat}")
+        self.entries = self.segment.data[self.nbytes: self.nbytes + 8 * ENTRY_WORDS * entries].view(
+            torch.int64).view(entries, ENTRY_WORDS)
         self.segment.words[HELD_WORD] = EMPTY
+        self.segment.words[ENTRIES_WORD] = 0
         self.segment.seal()
 
     @property
@@ -59,18 +78,24 @@ class HeldCopy:
         assert self.segment.path is not None, "a held copy has its file until it is closed"
         return self.segment.path
 
-    def fits(self, flats: Mapping[str, torch.Tensor]) -> bool:
-        """Whether ``flats`` are laid out as this copy (an engine whose layout changed needs a new one)."""
-        return _shard_table(flats) == (self.table, self.nbytes)
+    def fits(self, flats: Mapping[str, torch.Tensor], entries: int = 0) -> bool:
+        """Whether ``flats`` are laid out as this copy, with room for ``entries`` digests (an engine
+        whose layout changed, or a plan with more ops, needs a new one)."""
+        return _shard_table(flats) == (self.table, self.nbytes) and entries <= self.capacity
 
     @property
     def version(self) -> int:
         return int(self.segment.words[HELD_WORD])
 
-    def hold(self, version: int, flats: Mapping[str, torch.Tensor]) -> int:
-        """Copy ``flats`` (the reader's shards, holding ``version``) in; returns the bytes copied."""
+    def hold(self, version: int, flats: Mapping[str, torch.Tensor], entries: torch.Tensor | None = None) -> int:
+        """Copy ``flats`` (the reader's shards, holding ``version``) in, and ``entries`` (its digest
+        table, :func:`digest_entries`) beside them; returns the bytes copied."""
         words, data = self.segment.words, self.segment.data
         words[HELD_WORD] = EMPTY  # readers copying the previous version find it torn
+        words[ENTRIES_WORD] = 0
+        if entries is not None:
+            self.entries[: len(entries)] = entries
+            words[ENTRIES_WORD] = len(entries)
         for name, flat in flats.items():
             offset, numel, _ = self.table[name]
             assert isinstance(offset, int) and isinstance(numel, int)
@@ -82,6 +107,22 @@ class HeldCopy:
         self.segment.unlink()
 
 
+def digest_entries(names: list[str], checked: list[tuple[TransferOp, int]]) -> torch.Tensor | None:
+    """The digest table of a version (see module docstring) from a reader's checked ops
+    (:meth:`~weightsync.transport.digests.VersionDigests.checked`) and its shards' names, in the
+    copy's order; None when a box has more than :data:`MAX_DIMS` dimensions."""
+    index = {name: i for i, name in enumerate(names)}
+    rows = []
+    for op, value in checked:
+        n = len(op.box.sizes)
+        if n > MAX_DIMS:
+            return None
+        pad = [0] * (MAX_DIMS - n)
+        rows.append([index[op.dst_shard], op.dst_offset, n, *op.box.sizes, *pad, *op.dst_strides, *pad,
+                     as_signed(value)])
+    return torch.tensor(rows, dtype=torch.int64).view(-1, ENTRY_WORDS)
+
+
 @dataclass(frozen=True)
 class MappedCopy:
     """A joining reader's mapping of one peer's :class:`HeldCopy`."""
@@ -89,10 +130,21 @@ class MappedCopy:
     seat: int
     words: torch.Tensor
     flats: dict[str, torch.Tensor]
+    table: torch.Tensor  # (capacity, ENTRY_WORDS) int64
 
     def holds(self) -> int:
         """The version the copy holds now (-1: none, or being rewritten)."""
         return int(self.words[HELD_WORD])
+
+    def entries(self) -> list[tuple[str, int, tuple[int, ...], tuple[int, ...], int]]:
+        """The digest table of the version it holds: (shard, offset, sizes, strides, digest) each."""
+        names = list(self.flats)
+        out = []
+        for row in self.table[: int(self.words[ENTRIES_WORD])].tolist():
+            n = row[2]
+            out.append((names[row[0]], row[1], tuple(row[3: 3 + n]), tuple(row[3 + MAX_DIMS: 3 + MAX_DIMS + n]),
+                        as_unsigned(row[-1])))
+        return out
 
 
 def map_copy(path: str, seat: int) -> MappedCopy:
@@ -116,9 +168,11 @@ def map_copy(path: str, seat: int) -> MappedCopy:
         for name, (offset, numel, dtype) in shards.items():
             kind = torch_dtype(dtype)
             flats[name] = data[offset: offset + numel * kind.itemsize].view(kind)
-    except (TypeError, ValueError, RuntimeError) as exc:
+        at, capacity = int(header["entries_at"]), int(header["capacity"])
+        table = data[at: at + 8 * ENTRY_WORDS * capacity].view(torch.int64).view(capacity, ENTRY_WORDS)
+    except (TypeError, ValueError, RuntimeError, KeyError) as exc:
         raise TransportError(f"reader {seat}'s peer copy {path} has a malformed shard table: {exc}") from None
-    return MappedCopy(seat, words, flats)
+    return MappedCopy(seat, words, flats, table)
 
 
-__all__ = ["HELD_WORD", "HeldCopy", "MappedCopy", "map_copy"]
+__all__ = ["ENTRIES_WORD", "HELD_WORD", "HeldCopy", "MappedCopy", "digest_entries", "map_copy"]
