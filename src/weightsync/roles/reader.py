@@ -283,7 +283,7 @@ class WeightReader:
         self.engine.receiving(copy.version)
         try:
             taken = self._peers.take(found, self.engine.receive_buffers())
-        except TransportError as exc:
+        except Exception as exc:  # torn, a box that differs, anything: the engine is told, the writers serve it
             self.engine.abort(copy.version, exc)
             self._applied = self.engine.weight_version
             logger.warning("reader %d: %s; it reads the writers instead", self.rank, exc)
