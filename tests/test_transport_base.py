@@ -245,3 +245,39 @@ def test_over_gloo_a_peer_that_leaves_after_its_pairs_does_not_fail_the_rest(whe
         with pytest.raises(Exception, match="reader 1 died while this rank waited for version 3: reader 1: released"):
             transport._run_pairs(3, Deadline.after(30), lambda pair, run: moved.append(pair.peer), _schedule(1, 0))
         assert broken
+
+
+def test_a_reader_whose_lease_ended_before_it_published_its_endpoint_is_named_within_a_second():
+    """A reader that died (or stalled past its lease, or left) before it published its endpoint of
+    the epoch never will: no version waits for a reader's restart. A writer waiting for it (NIXL
+    push) used to wait until the deadline, naming no rank; it names the reader at its next look
+    at the leases. A live reader that is late is still waited for; so is a dead writer (its
+    restart may join the version's epoch), and without leases the wait is the deadline's."""
+    import time
+
+    from weightsync.transport import TransportError
+    from weightsync.transport.endpoint_wait import peer_endpoint
+    from weightsync.transport.endpoints import NixlEndpoint
+
+    class Blocking(FakeChannel):  # waits for an endpoint as the job channel does: until it comes or the deadline
+        def wait_endpoint(self, kind, epoch, role, rank, *, deadline):
+            time.sleep(deadline.remaining(0.0))
+            return super().wait_endpoint(kind, epoch, role, rank, deadline=deadline)
+
+    channel = Blocking("writer", 0, lease_seconds=3.0)
+    ctx = TransportContext(channel=channel, num_writers=1, num_readers=1)
+    started = time.monotonic()
+    assert peer_endpoint(ctx, NixlEndpoint, 4, "reader", 0, deadline=Deadline.after(1.2)) is None  # alive, late
+    assert time.monotonic() - started >= 1.2
+    channel.dead[0] = "pid 7 on vm, last heartbeat 3.2 s ago: its lease expired"
+    started = time.monotonic()
+    with pytest.raises(TransportError, match=r"writer 0: reader 0 died while this rank waited for its nixl endpoint "
+                                             r"of epoch 4: pid 7 on vm, last heartbeat 3\.2 s ago: its lease expired"):
+        peer_endpoint(ctx, NixlEndpoint, 4, "reader", 0, deadline=Deadline.after(10.0))
+    assert time.monotonic() - started < 1.5
+    reader_side = TransportContext(channel=Blocking("reader", 0, lease_seconds=3.0), num_writers=1, num_readers=1)
+    reader_side.channel.dead[0] = "its lease expired"  # writer 0: waited for, its restart may come
+    assert peer_endpoint(reader_side, NixlEndpoint, 4, "writer", 0, deadline=Deadline.after(0.6)) is None
+    unleased = TransportContext(channel=Blocking("writer", 0), num_writers=1, num_readers=1)
+    unleased.channel.dead[0] = "gone"
+    assert peer_endpoint(unleased, NixlEndpoint, 4, "reader", 0, deadline=Deadline.after(0.3)) is None

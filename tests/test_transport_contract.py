@@ -181,7 +181,8 @@ def test_every_transports_endpoint_round_trips_and_a_malformed_one_is_named(tmp_
     from fake_meta import DirectoryMeta
     from weightsync.clock.deadline import Deadline
     from weightsync.job.channel import JobChannel
-    from weightsync.transport.base import TransportContext, TransportError, peer_endpoint
+    from weightsync.transport.base import TransportContext, TransportError
+    from weightsync.transport.endpoint_wait import peer_endpoint
     from weightsync.transport.endpoints import FileEndpoint, NixlEndpoint, NixlSlots, ShmEndpoint, TorchRendezvous
 
     meta = DirectoryMeta(str(tmp_path))

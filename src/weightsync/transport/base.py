@@ -54,7 +54,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 
-from weightsync.job.wire import WireError
 from weightsync.ports.channel import EndpointRecord, TransportChannel
 from weightsync.tools.devices import RankPlacement, check_serves, parse_device, tensors_device
 from weightsync.transport.errors import TransportError
@@ -403,19 +402,6 @@ class PeerGuard:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(10)
-
-
-def peer_endpoint(ctx: TransportContext, kind: type[E], epoch: int, role: Role, rank: int, *,
-                  deadline: Deadline) -> E | None:
-    """A peer's endpoint of ``kind`` in ``epoch`` (None at the deadline), through the job channel.
-
-    Raises:
-        TransportError: the peer published a malformed one (named, with the field).
-    """
-    try:
-        return ctx.channel.wait_endpoint(kind, epoch, role, rank, deadline=deadline)
-    except WireError as exc:
-        raise TransportError(str(exc)) from exc
 
 
 class TransportBase:

@@ -47,8 +47,9 @@ from weightsync.clock.deadline import Deadline
 from weightsync.layout.types import itemsize
 from weightsync.ports import device as device_port
 from weightsync.tools.torch_layout import TORCH_DTYPES, strided_view
-from weightsync.transport.base import TransferStats, TransportBase, TransportContext, TransportError, peer_endpoint
+from weightsync.transport.base import TransferStats, TransportBase, TransportContext, TransportError
 from weightsync.transport.delta.published import ChangeReader, check_delta
+from weightsync.transport.endpoint_wait import peer_endpoint
 from weightsync.transport.endpoints import FileEndpoint
 from weightsync.transport.exposed import ExposedIndex, piece_key
 from weightsync.transport.file.changes import FileChangeWriter, changes_path, receive_changes, write_header

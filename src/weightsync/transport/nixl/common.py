@@ -88,8 +88,8 @@ from weightsync.transport.base import (
     TransportBase,
     TransportContext,
     TransportError,
-    peer_endpoint,
 )
+from weightsync.transport.endpoint_wait import peer_endpoint
 from weightsync.transport.endpoints import NixlEndpoint, NixlSlots
 from weightsync.transport.exposed import ExposedIndex
 from weightsync.transport.nixl.agent import Descriptors, NixlAgent, Xfer

@@ -42,9 +42,9 @@ from weightsync.transport.base import (
     TransportBase,
     TransportContext,
     TransportError,
-    peer_endpoint,
 )
 from weightsync.transport.delta.published import ChangeReader, check_delta, published_views
+from weightsync.transport.endpoint_wait import peer_endpoint
 from weightsync.transport.endpoints import ShmEndpoint
 from weightsync.transport.exposed import ExposedIndex, piece_key
 from weightsync.transport.shm.segment import CONTROL_BYTES, FileGoneError, OwnSegment, SegmentRetiredError, read_segment

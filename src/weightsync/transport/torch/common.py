@@ -48,8 +48,8 @@ from weightsync.transport.base import (
     TransportBase,
     TransportContext,
     TransportError,
-    peer_endpoint,
 )
+from weightsync.transport.endpoint_wait import peer_endpoint
 from weightsync.transport.endpoints import TorchRendezvous
 from weightsync.transport.schedule import Message, build_messages, pair_order
 from weightsync.transport.tensors import flat_views
