@@ -378,6 +378,38 @@ def via_engine(live: Live, source: str, sync: dict[str, Any], versions: int = 1,
                 staged.close()
 
 
+def via_peers(live: Live) -> None:
+    """An engine that joins takes its first version from a peer, not from the trainer
+    (``SyncConfig.peer_sources``): a transformers model of the family (reader seat 0, HF names,
+    q/k/v apart: another layout than vLLM's) takes the version from the trainer; then the live vLLM
+    engine joins as an engine that holds no version (a new ``VLLMEngine`` around it) and copies its
+    whole share from that peer, re-planned against the peer's layout."""
+    import transformers
+
+    from weightsync.engines.buffers import ModuleEngine
+    from weightsync.engines.vllm import VLLMEngine
+    from weightsync.meta.client import MetaClient
+    from weightsync.roles.reader import WeightReader
+    from weightsync.session.config import SyncConfig
+
+    (version, target), = _targets(live, 1)
+    job = new_job(live, "peers")
+    sync = {"num_readers": None, "peer_sources": 1, "transport": "shm"}
+    config = SyncConfig.from_wire({"num_writers": 1, "job": job, "timeout": 240.0, **sync})
+    hf = transformers.AutoConfig.for_model(**{k: v for k, v in live.config.items() if k != "architectures"})
+    peer = ModuleEngine(transformers.AutoModelForCausalLM.from_config(hf, dtype=torch.float32), live.config)
+    with writers(live, job, [(version, target)], sync, "hf"), \
+            MetaClient(live.server.address, job=job, token=live.server.token) as first, \
+            MetaClient(live.server.address, job=job, token=live.server.token) as second, \
+            WeightReader(peer, rank=0, config=config, meta=first) as keeper, \
+            WeightReader(VLLMEngine(live.llm, rank=1, replicas=2), rank=1, config=config, meta=second) as joiner:
+        assert keeper.update(version, timeout=240).version == version
+        result = joiner.update(version, timeout=240)
+        assert result.version == version and result.peers == {0: result.nbytes}, result
+        live.version = version
+        live.check(target, "engine API, its first version from a peer of another layout")
+
+
 def via_backend(live: Live, source: str, sync: dict[str, Any], versions: int = 1, *, prefetch: bool = False,
                 parallel: dict[str, int] | None = None) -> None:
     """The ``"weightsync"`` worker backend, driven by ``update_llm``."""

@@ -24,6 +24,7 @@ from _engine_matrix import (
     live_engine,
     via_backend,
     via_engine,
+    via_peers,
     via_serve,
     via_trainer,
     via_trainer_child,
@@ -38,7 +39,7 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reaso
 class Cell:
     api: str     # engine | backend | trainer | trainer-child | serve
     source: str  # hf | fsdp2 | megatron
-    path: str    # full | delta | phases | phases-256k | prefetch | prefetch-fleet | elastic | fp8 (an FP8 engine)
+    path: str    # full | delta | phases | phases-256k | prefetch | prefetch-fleet | elastic | peers | fp8 (an FP8 engine)
     parallel: dict[str, int] | None = None  # megatron's
 
     @property
@@ -54,7 +55,9 @@ class Cell:
                                 "elastic": {"num_readers": None}}.get(self.path, {})
         versions = 2 if self.path == "delta" else 1  # a delta needs the anchor before it
         prefetch = self.path.startswith("prefetch")
-        if self.api == "serve":
+        if self.path == "peers":
+            via_peers(live)
+        elif self.api == "serve":
             via_serve(live)
         elif self.api == "trainer-child":
             via_trainer_child(live)
@@ -79,7 +82,8 @@ CELLS: dict[str, list[Any]] = {
     "llama": _cells(Cell("engine", "hf", "phases")),
     # elastic: the engine joins an elastic set of readers (num_readers=None) on its seat, under the default
     # completion ("all": every reader of the version's plan)
-    "qwen2": _cells(Cell("backend", "hf", "prefetch"), Cell("backend", "hf", "elastic")),
+    # peers: a fresh engine joins and takes its first version from a peer (SyncConfig.peer_sources)
+    "qwen2": _cells(Cell("backend", "hf", "prefetch"), Cell("backend", "hf", "elastic"), Cell("engine", "hf", "peers")),
     # the cheapest family carries the two APIs with an engine process of their own (`vllm serve`: three
     # processes, about 30 s)
     "qwen3": _cells(Cell("engine", "hf", "delta"), Cell("trainer-child", "hf", "phases"),

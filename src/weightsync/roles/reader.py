@@ -96,10 +96,10 @@ class WeightReader:
         self.config = config
         self.session = SyncSession("reader", rank, engine, config, self.meta, device=self._device,
                                    keeps_received_bytes=engine.keeps_received_bytes)
-        if config.peer_sources and self._phased is not None:
-            raise ValueError(f"peer_sources={config.peer_sources} with {type(engine).__name__}, which stages phase by "
-                             "phase: its receive buffers never hold a whole version to keep or take. Set "
-                             "peer_sources=0 for this job, or use an engine that stages whole versions")
+        if config.peer_sources and config.layer_phases and self._phased is not None:
+            raise ValueError(f"peer_sources={config.peer_sources} with layer_phases=True and {type(engine).__name__}, "
+                             "which then stages phase by phase: its receive buffers never hold a whole version to "
+                             "keep or take. Set layer_phases=False (whole-model staging), or peer_sources=0")
         #: copies kept for, and taken from, the readers beside it (``SyncConfig.peer_sources``)
         self._peers = PeerCopies(self.session) if config.peer_sources else None
         self._failed: int | None = None
@@ -205,6 +205,8 @@ class WeightReader:
         if session.planned is None:
             session.plan(deadline)
             if self._peers is not None:
+                assert session.planned is not None
+                self._lay_out(session.planned.phase_names)  # a phased engine's buffers: one whole-model staging
                 self._peers.prepare(self.engine.receive_buffers())
             phases["plan"] = session.timings["setup"]
             if session.registered_anew and self.version is not None:  # tell the new server what this engine serves
@@ -280,6 +282,7 @@ class WeightReader:
         if found is None:
             return None
         copy = found.copy
+        self._lay_out(self.session.planned.phase_names)
         self.engine.receiving(copy.version)
         try:
             taken = self._peers.take(found, self.engine.receive_buffers())
