@@ -221,3 +221,23 @@ def test_late_readers_take_their_first_version_from_the_peers_and_the_writer_sen
     writes = [json.loads(line) for line in results.read_text().splitlines()]
     assert [w["version"] for w in writes] == [1, 2, 3]
     assert {w["nbytes"] for w in writes} == {share}, writes  # once per version, for 4 readers or 8
+
+
+def test_a_phased_engine_under_layer_phases_is_refused_peer_copies_naming_both_settings():
+    """An engine that stages phase by phase under ``layer_phases`` never holds a whole version in
+    its receive buffers, so it could neither keep a copy nor take one; without layer phases it
+    stages the whole model and takes part (the engine matrix's vLLM ``engine-hf-peers`` cell)."""
+    from weightsync.engines.staging import StagedWeights
+    from weightsync.layout import ModelSpec
+    from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+    from weightsync.roles.reader import WeightReader
+
+    spec = ModelSpec.from_hf_config(config(hidden=128, inter=192))
+    with EmbeddedMetaServer() as server, MetaClient(server.address, job="phased", token=server.token) as meta:
+        engine = StagedWeights(spec, dtype=torch.float32, device="cpu", rank=0)
+        with pytest.raises(ValueError, match=r"peer_sources=1 with layer_phases=True and StagedWeights, which then "
+                                             r"stages phase by phase"):
+            WeightReader(engine, rank=0, meta=meta, config=SyncConfig(num_writers=1, num_readers=1, job="phased",
+                                                                      peer_sources=1, layer_phases=True))
+        WeightReader(engine, rank=0, meta=meta, config=SyncConfig(num_writers=1, num_readers=1, job="phased",
+                                                                  peer_sources=1)).close()
