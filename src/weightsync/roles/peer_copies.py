@@ -48,6 +48,7 @@ from weightsync.job.wire import PeerCopy
 from weightsync.layout.types import itemsize
 from weightsync.layout.wire import LayoutDecoder
 from weightsync.plan import build_local_plan
+from weightsync.ports import device as device_port
 from weightsync.tools.codecs.digest import CopyHasher
 from weightsync.tools.torch_layout import apply_copies, strided_view
 from weightsync.transport import TransportError
@@ -230,9 +231,12 @@ class PeerCopies:
         flats = flat_views(buffers)
         peers = {p.seat: p for p in found.peers}
         taken = dict.fromkeys(peers, 0)
+        dev = device_port.current()
         for op in found.plan.ops:
-            op_dst_view(flats, op).copy_(op_src_view(peers[op.src_rank].flats, op))
+            dev.copy(op_dst_view(flats, op), op_src_view(peers[op.src_rank].flats, op))  # H2D on a GPU
             taken[op.src_rank] += op.nbytes
+        for device in {flat.device for flat in flats.values()}:
+            dev.synchronize(device)  # landed before the local copies, the checks and the seqlock read
         apply_copies(found.plan, buffers)
         kind = self._checks()
         if kind is not None:

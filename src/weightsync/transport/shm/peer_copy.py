@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from weightsync.ports import device as device_port
 from weightsync.tools.codecs.digest import as_signed, as_unsigned
 from weightsync.tools.torch_layout import dtype_name, torch_dtype
 from weightsync.transport.base import TransportError
@@ -96,10 +97,13 @@ class HeldCopy:
         if entries is not None:
             self.entries[: len(entries)] = entries
             words[ENTRIES_WORD] = len(entries)
+        dev = device_port.current()
         for name, flat in flats.items():
             offset, numel, _ = self.table[name]
             assert isinstance(offset, int) and isinstance(numel, int)
-            data[offset: offset + numel * flat.element_size()].view(flat.dtype).copy_(flat)  # D2H on a GPU: synchronous
+            dev.copy(data[offset: offset + numel * flat.element_size()].view(flat.dtype), flat)  # D2H on a GPU
+        for device in {flat.device for flat in flats.values()}:
+            dev.synchronize(device)  # every byte is in the file before the word says which version it is
         words[HELD_WORD] = version
         return sum(flat.numel() * flat.element_size() for flat in flats.values())
 
