@@ -123,6 +123,26 @@ def test_with_integrity_a_joiner_checks_every_box_it_copied_against_the_writers_
         held.close()
 
 
+def test_a_plans_digest_table_refilled_with_the_next_versions_digests_is_the_table_built_for_them():
+    """A keeping reader builds its digest table once per plan and refills only the digests each
+    version: the same rows as a table built from scratch for that version's digests."""
+    from weightsync.transport.digests import op_digest
+    from weightsync.transport.shm.peer_copy import digest_entries, refill_digests
+
+    cfg = config(hidden=128, inter=192)
+    peer, joiner = ShardedEngine("hf:replicas=2", cfg, 0), ShardedEngine("hf:replicas=2", cfg, 1)
+    plan = _plan_against({0: peer}, joiner, cfg)
+    names = list(peer.tensors)
+    digests = {}
+    for seed in (5, 6):
+        fill_from_canonical(peer.layout(), peer.tensors, canonical_weights(cfg, seed))
+        flats = {n: t.view(-1) for n, t in peer.tensors.items()}
+        digests[seed] = [(op, op_digest(flats, op, "xxh3", side="writer")) for op in plan.ops]
+    table = digest_entries(names, digests[5])
+    assert not torch.equal(table, digest_entries(names, digests[6]))
+    assert torch.equal(refill_digests(table, digests[6]), digest_entries(names, digests[6]))
+
+
 @pytest.mark.parametrize("integrity", [False, True], ids=["plain", "integrity"])
 def test_late_readers_take_their_first_version_from_the_peers_and_the_writer_sends_each_version_once(tmp_path,
                                                                                                       integrity):

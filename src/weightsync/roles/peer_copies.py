@@ -49,10 +49,10 @@ from weightsync.layout.types import itemsize
 from weightsync.layout.wire import LayoutDecoder
 from weightsync.plan import build_local_plan
 from weightsync.ports import device as device_port
-from weightsync.tools.codecs.digest import CopyHasher
+from weightsync.tools.codecs.digest import tensor_digest
 from weightsync.tools.torch_layout import apply_copies, strided_view
 from weightsync.transport import TransportError
-from weightsync.transport.shm.peer_copy import HeldCopy, MappedCopy, digest_entries, map_copy
+from weightsync.transport.shm.peer_copy import HeldCopy, MappedCopy, digest_entries, map_copy, refill_digests
 from weightsync.transport.tensors import flat_views, op_dst_view, op_src_view
 
 if TYPE_CHECKING:
@@ -94,6 +94,8 @@ class PeerCopies:
         self.keeps = session.rank < self.count
         self._held: HeldCopy | None = None
         self._kind = ""  # the digests' kind the held copy's table holds for its version ("": none)
+        #: the digest table last built, and the plan's digests it was built for (its boxes stay per plan)
+        self._table: tuple[VersionDigests, torch.Tensor | None] | None = None
         self._decoder: LayoutDecoder | None = None
 
     # -- keeping ------------------------------------------------------------------------------
@@ -119,7 +121,11 @@ class PeerCopies:
         table = None
         if digests is not None:
             checked = [entry for phase in range(len(digests.runs)) for entry in digests.checked(phase)]
-            table = digest_entries(list(flats), checked)
+            if self._table is not None and self._table[0] is digests:  # the same plan: its boxes, new digests
+                table = self._table[1] if self._table[1] is None else refill_digests(self._table[1], checked)
+            else:
+                table = digest_entries(list(flats), checked)
+                self._table = (digests, table)
         held = self._held_for(flats, 0 if table is None else len(table))
         self._kind = "" if table is None or digests is None else digests.kind
         held.hold(version, flats, table)
@@ -255,10 +261,7 @@ class PeerCopies:
             raise TransportError(f"reader {peer.seat}'s peer copy of version {found.copy.version} holds no digests")
         bad = []
         for shard, offset, sizes, strides, expected in entries:
-            view = strided_view(flats[shard], sizes, strides, offset)
-            got = CopyHasher(kind, view.numel() * view.element_size())  # type: ignore[arg-type]
-            got.update(view)
-            if got.value() != expected:
+            if tensor_digest(strided_view(flats[shard], sizes, strides, offset), kind).value != expected:  # type: ignore[arg-type]
                 bad.append(f"{shard} at {offset} {list(sizes)}")
         if bad:
             raise TransportError(f"{len(bad)} of {len(entries)} boxes copied from reader {peer.seat}'s peer copy of "

@@ -276,9 +276,8 @@ class WeightReader:
         (:mod:`weightsync.roles.peer_copies`); None when none can serve it, or the copy tore (the
         engine is told, and the reader then reads the writers as without peers)."""
         assert self._peers is not None and self.session.planned is not None
-        seen = max(x for x in (self.version, self._applied, self._failed, -1) if x is not None)
         t0 = time.perf_counter()
-        found = self._peers.find(newer_than=seen if version is None else max(seen, version - 1), deadline=deadline)
+        found = self._peers.find(newer_than=self._newer_than(version), deadline=deadline)
         if found is None:
             return None
         copy = found.copy
@@ -302,9 +301,8 @@ class WeightReader:
         copy it cannot keep (``/dev/shm`` full) fails no version here: it serves no peer instead."""
         if self._peers is None or not self._peers.keeps:
             return
-        t0 = time.perf_counter()
+        t0, planned = time.perf_counter(), self.session.planned
         try:
-            planned = self.session.planned
             self._peers.keep(version, buffers, planned.digests if planned is not None else None)
         except Exception as exc:
             logger.warning("reader %d could not keep a peer copy of version %d (%s); it serves none", self.rank,
@@ -417,8 +415,7 @@ class WeightReader:
         # engine's version moved back (two-sided writers moved on: they would send another version's
         # bytes under that number). The same version written again in a later epoch (writers
         # restarted) is fine.
-        seen = max(x for x in (self.version, self._applied, self._failed, -1) if x is not None)
-        want = seen if version is None else max(seen, version - 1)
+        want = self._newer_than(version)
         retry = self._failed_epoch if self._failed is not None and want == self._failed else None
         while True:
             if deadline.expired:
@@ -426,6 +423,11 @@ class WeightReader:
             published = self.session.channel.wait_version(after=want, deadline=deadline, after_epoch=retry)
             if published is not None:
                 return published
+
+    def _newer_than(self, version: int | None) -> int:
+        """The version it takes only newer ones than: held, applied or failed; ``version - 1`` if asked."""
+        seen = max(x for x in (self.version, self._applied, self._failed, -1) if x is not None)
+        return seen if version is None else max(seen, version - 1)
 
     def _moved_past(self, version: int) -> range:
         """The older versions whose fleet commit may still wait on this reader, which skipped them

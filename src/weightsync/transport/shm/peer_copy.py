@@ -127,6 +127,13 @@ def digest_entries(names: list[str], checked: list[tuple[TransferOp, int]]) -> t
     return torch.tensor(rows, dtype=torch.int64).view(-1, ENTRY_WORDS)
 
 
+def refill_digests(table: torch.Tensor, checked: list[tuple[TransferOp, int]]) -> torch.Tensor:
+    """``table``, built by :func:`digest_entries` for the same ops, with ``checked``'s digests: a
+    plan's boxes stay from version to version, only their digests change."""
+    table[:, -1] = torch.tensor([as_signed(value) for _, value in checked], dtype=torch.int64)
+    return table
+
+
 @dataclass(frozen=True)
 class MappedCopy:
     """A joining reader's mapping of one peer's :class:`HeldCopy`."""
@@ -179,4 +186,4 @@ def map_copy(path: str, seat: int) -> MappedCopy:
     return MappedCopy(seat, words, flats, table)
 
 
-__all__ = ["ENTRIES_WORD", "HELD_WORD", "HeldCopy", "MappedCopy", "digest_entries", "map_copy"]
+__all__ = ["ENTRIES_WORD", "HELD_WORD", "HeldCopy", "MappedCopy", "digest_entries", "map_copy", "refill_digests"]
