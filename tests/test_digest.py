@@ -136,6 +136,55 @@ def test_fused_copy_digest_is_xxh3_whatever_the_cut(kernels, size, seed, rows, g
     assert hasher.value() == again.value() == expected
 
 
+@settings(max_examples=examples(30), deadline=None)
+@given(rows=st.integers(1, 6), width=st.integers(1, 9000), gap=st.integers(0, 17), skew=st.integers(0, 15),
+       seed=st.integers(0, 2**31))
+def test_the_plain_copy_kernel_copies_every_byte_and_nothing_else(kernels, rows, width, gap, skew, seed):
+    """The non-temporal copy (whole words, then the last bytes) of strided rows at odd offsets:
+    the destination equals the source, and the gaps between its rows keep what they held."""
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, 256, (skew + rows * (width + gap),), dtype=torch.uint8, generator=gen)
+    dst = torch.randint(0, 256, (skew + 3 + rows * (width + gap + 5),), dtype=torch.uint8, generator=gen)
+    before = dst.clone()
+    kernels.copy(src.numpy(), skew, width + gap, dst.numpy(), skew + 3, width + gap + 5, rows, width)
+    for r in range(rows):
+        d_at, s_at = skew + 3 + r * (width + gap + 5), skew + r * (width + gap)
+        assert torch.equal(dst[d_at: d_at + width], src[s_at: s_at + width])
+        before[d_at: d_at + width] = src[s_at: s_at + width]
+    assert torch.equal(dst, before)  # nothing outside the rows was written
+
+
+def test_the_device_port_copies_host_tensors_with_the_kernels_once_they_are_loaded(kernels, monkeypatch):
+    """After :func:`digest_jit.load` the real port's host copies go through the copy kernel when it
+    applies (same dtype and shape, 16 KiB or more, a last dimension of stride 1), and through
+    ``torch`` otherwise; both give the same tensor as ``torch``'s copy."""
+    from weightsync.ports import device
+
+    port = device.TorchDevices()
+    used = []
+    real = kernels.copy_kernel
+    monkeypatch.setattr(digest_jit, "_loaded", digest_jit.Kernels(
+        kernels.feed_kernel, kernels.finish_kernel, kernels.once_kernel,
+        lambda *a: used.append(a[-1]) or real(*a)))
+    base = torch.randn(64, 300, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    cases = {  # name -> (dst, src, kernel used)
+        "dense": (torch.zeros(64, 300, dtype=torch.bfloat16), base, True),
+        "rows of a wider tensor": (torch.zeros(64, 320, dtype=torch.bfloat16)[:, 10:310], base, True),
+        "small": (torch.zeros(4, 300, dtype=torch.bfloat16), base[:4], False),
+        "converting": (torch.zeros(64, 300), base, False),
+        "transposed": (torch.zeros(300, 64, dtype=torch.bfloat16).t(), base, False),
+        "broadcast": (torch.zeros(64, 300, dtype=torch.bfloat16), base[:1], False),
+    }
+    for name, (dst, src, kernel) in cases.items():
+        used.clear()
+        port.copy(dst, src)
+        assert torch.equal(dst, src.to(dst.dtype).expand_as(dst)), name
+        assert bool(used) == kernel, name
+    leaf = torch.zeros(64, 300, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="requires grad"):  # torch's own error, not a silent write
+        port.copy(leaf, base)
+
+
 @pytest.mark.parametrize("kind", ["xxh3", "sum64"])
 def test_copy_hasher_equals_the_digest_of_what_it_stored(kind, fused):
     """Every view a transport copies: dense, strided rows, 3-d boxes, a transposed (inner stride

@@ -28,9 +28,6 @@ to be digested. The same bytes give the same value of a kind on every device::
 
 from __future__ import annotations
 
-import functools
-import itertools
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -38,6 +35,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 import xxhash
+
+from weightsync.tools.codecs import digest_jit
+from weightsync.tools.codecs.digest_jit import Runs, host_runs
 
 DigestKind = Literal["xxh3", "sum64"]
 KINDS: tuple[DigestKind, ...] = ("xxh3", "sum64")
@@ -166,8 +166,6 @@ class CopyHasher:
     """
 
     def __init__(self, kind: DigestKind, nbytes: int) -> None:
-        from weightsync.tools.codecs import digest_jit
-
         self.kind, self.nbytes, self.fed = kind, nbytes, 0
         kernels = digest_jit.loaded() if kind == "xxh3" and nbytes > digest_jit.SHORT_MAX else None
         self._kernels = kernels
@@ -187,7 +185,7 @@ class CopyHasher:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, *, copy: Any = None) -> None:
         """``dst.copy_(src)`` (or ``copy(dst, src)``), absorbing ``dst``'s bytes as stored."""
-        runs = (_runs(dst, src) if self._kernels is not None and dst.dtype == src.dtype
+        runs = (host_runs(dst, src) if self._kernels is not None and dst.dtype == src.dtype
                 and dst.device.type == src.device.type == "cpu" else None)
         if runs is None:
             (copy or _copy_now)(dst, src)
@@ -215,10 +213,10 @@ class CopyHasher:
             self._value = int(xxhash.xxh3_64_intdigest(t.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
             self.fed = size
             return
-        runs = _runs(t, t) if t.device.type == "cpu" else None
+        runs = host_runs(t, t) if t.device.type == "cpu" else None
         if runs is None:  # a view the kernels cannot walk: its bytes, gathered
             data = row_major_bytes(t).cpu()
-            runs = _runs(data, data)
+            runs = host_runs(data, data)
             assert runs is not None, "a 1-d uint8 tensor is one run"
         self._feed(runs, copy=False)
 
@@ -247,61 +245,6 @@ class CopyHasher:
 
 def _copy_now(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
-
-
-class _Span:
-    """``nbytes`` of host memory at ``address``, for numpy (no copy; the caller keeps the tensor alive)."""
-
-    def __init__(self, address: int, nbytes: int) -> None:
-        self.__array_interface__ = {"data": (address, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
-
-
-def _span(address: int, shape: tuple[int, ...], strides: tuple[int, ...], item: int) -> np.ndarray:
-    """The bytes a view spans, from its first element to its last, as a 1-d uint8 array (no copy)."""
-    last = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) if math.prod(shape) else -1
-    return np.asarray(_Span(address, (last + 1) * item))
-
-
-#: (dst's bytes, src's bytes, [(dst byte, dst row stride, src byte, src row stride, rows, bytes per row)])
-Runs = tuple[np.ndarray, np.ndarray, list[tuple[int, int, int, int, int, int]]]
-
-
-def _runs(dst: torch.Tensor, src: torch.Tensor) -> Runs | None:
-    """``dst``'s and ``src``'s elements (same shape and element size), row-major, as runs of bytes
-    for the kernels; None when a last dimension is strided."""
-    item = dst.element_size()
-    if tuple(dst.shape) != tuple(src.shape) or src.element_size() != item:
-        raise ValueError(f"copy of {tuple(src.shape)} x {src.element_size()} bytes into "
-                         f"{tuple(dst.shape)} x {item} bytes")
-    return _runs_at((dst.data_ptr(), tuple(dst.stride())), (src.data_ptr(), tuple(src.stride())), tuple(dst.shape),
-                    item)
-
-
-@functools.lru_cache(maxsize=1 << 15)
-def _runs_at(dst: tuple[int, tuple[int, ...]], src: tuple[int, tuple[int, ...]], shape: tuple[int, ...],
-             item: int) -> Runs | None:
-    """:func:`_runs` of views given by (address, strides) and their shape. Cached: a transport lands the same
-    views every version (its plan's ops into the same buffers, from the same slots), and working
-    the runs out again cost more than the kernels' own loop over a version of ~1,000 pieces. A
-    cached span is an address and a length, valid while a view with that geometry lives there."""
-    (d_address, d_strides), (s_address, s_strides) = dst, src
-    spans = (_span(d_address, shape, d_strides, item), _span(s_address, shape, s_strides, item))
-    if not math.prod(shape):
-        return spans[0], spans[1], []
-    dims = [[n, d, s] for n, d, s in zip(shape, d_strides, s_strides, strict=True) if n != 1]
-    if dims and (dims[-1][1] != 1 or dims[-1][2] != 1):
-        return None
-    while len(dims) >= 2 and all(dims[-2][k] == dims[-1][0] * dims[-1][k] for k in (1, 2)):
-        inner = dims.pop()
-        dims[-1] = [dims[-1][0] * inner[0], 1, 1]
-    row = dims.pop()[0] if dims else 1
-    rows, d_step, s_step = (dims.pop() if dims else (1, 0, 0))
-    parts: list[tuple[int, int, int, int, int, int]] = []
-    for index in itertools.product(*(range(n) for n, _, _ in dims)):
-        d = sum(i * ds for i, (_, ds, _) in zip(index, dims, strict=True))
-        s = sum(i * ss for i, (_, _, ss) in zip(index, dims, strict=True))
-        parts.append((d * item, d_step * item, s * item, s_step * item, rows, row * item))
-    return spans[0], spans[1], parts
 
 
 def tensor_digest(t: torch.Tensor, kind: DigestKind) -> Digest:
