@@ -71,8 +71,8 @@ def fused(request, monkeypatch):
 
 
 def test_a_small_rank_never_starts_numba_and_a_large_one_loads_the_kernels(monkeypatch):
-    """Integrity is on by default: a rank holding less than FUSE_MIN_BYTES (every test's tiny
-    model) must not pay numba's start (seconds per process) in each process of a job."""
+    """With integrity on, a rank holding less than FUSE_MIN_BYTES (every test's tiny model) must
+    not pay numba's start (seconds per process) in each process of a job."""
     monkeypatch.setattr(digest_jit, "_loaded", None)
     calls: list[int] = []
     monkeypatch.setattr(digest_jit, "load", lambda: calls.append(1) or "kernels")
@@ -110,11 +110,12 @@ def test_streaming_equals_one_shot_whatever_the_cuts(data, cuts, kind):
 @settings(max_examples=examples(30), deadline=None)
 @given(size=st.integers(0, 3000) | st.integers(3000, 20000), seed=st.integers(0, 2**31),
        rows=st.lists(st.tuples(st.integers(1, 8), st.integers(1, 3000)), min_size=1, max_size=4),
-       gap=st.integers(0, 9), skew=st.integers(0, 7))
-def test_fused_copy_digest_is_xxh3_whatever_the_cut(kernels, size, seed, rows, gap, skew):
+       gap=st.integers(0, 9), skew=st.integers(0, 7), nontemporal=st.booleans())
+def test_fused_copy_digest_is_xxh3_whatever_the_cut(kernels, size, seed, rows, gap, skew, nontemporal):
     """The fused kernels (copy + XXH3 in one pass) against the xxhash package: the bytes of one
     piece cut into parts of strided rows at odd offsets (as slabs and strided views arrive),
-    copied into a strided destination; the copy is exact and the digest is XXH3's."""
+    copied into a strided destination, with ordinary or non-temporal stores; the copy is exact
+    and the digest is XXH3's."""
     data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
     hasher, again = CopyHasher("xxh3", size), CopyHasher("xxh3", size)
     assert size <= digest_jit.SHORT_MAX or hasher._kernels is kernels
@@ -128,12 +129,48 @@ def test_fused_copy_digest_is_xxh3_whatever_the_cut(kernels, size, seed, rows, g
         src_view = src[skew:].as_strided((count, width), (width + gap, 1))
         dst_view = dst[skew + 1:].as_strided((count, width), (width + gap + 1, 1))
         src_view.copy_(data[at: at + count * width].view(count, width))
-        hasher.copy(dst_view, src_view)
+        hasher.copy(dst_view, src_view, nontemporal=nontemporal)
         assert torch.equal(dst_view, src_view)
         again.update(dst_view)
         at, k = at + count * width, k + 1
     expected = xxhash.xxh3_64_intdigest(raw(data))
     assert hasher.value() == again.value() == expected
+
+
+def test_a_reader_lands_around_the_cache_and_a_writer_packs_through_it(kernels, monkeypatch):
+    """A reader's landing stores non-temporally (nothing reads engine memory soon); a writer's
+    pack stores through the cache (the transport reads the slot next). Asking the kernels for
+    non-temporal stores without a copy is an error, not a digest that ignores it."""
+    from weightsync.layout import ModelSpec, parse_layout
+    from weightsync.layout.roster import Roster
+    from weightsync.plan import PlanOptions, build_local_plan
+    from weightsync.tools.torch_layout import allocate
+    from weightsync.transport import digests as digests_module
+    from weightsync.transport.tensors import flat_views, op_dst_view, op_src_view
+
+    asked: list[bool] = []
+    real = CopyHasher.copy
+    monkeypatch.setattr(CopyHasher, "copy", lambda self, dst, src, *, copy=None, nontemporal=False: (
+        asked.append(nontemporal), real(self, dst, src, copy=copy, nontemporal=nontemporal))[1])
+    spec = ModelSpec(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                     num_kv_heads=4, head_dim=8, dtype="float32")
+    writer = parse_layout("megatron:tp=1").rank_layout(spec, 0)
+    reader = parse_layout("vllm:tp=1").rank_layout(spec, 0)
+    options = PlanOptions()
+    plans = {role: build_local_plan(Roster.from_layouts([writer]), Roster.from_layouts([reader]), role=role, rank=0,
+                                    options=options) for role in ("writer", "reader")}
+    src, dst = flat_views(allocate(writer)), flat_views(allocate(reader))
+    book = {role: digests_module.VersionDigests(plans[role], None, role=role, rank=0, kind="xxh3", device="cpu")
+            for role in plans}
+    op = max(plans["reader"].ops, key=lambda o: o.nbytes)
+    book["writer"].begin(0)
+    book["writer"].pack(op, op_dst_view(dst, op), op_src_view(src, op))
+    book["reader"].begin(0)
+    book["reader"].land(op, op_dst_view(dst, op), op_src_view(src, op))
+    assert asked == [False, True]
+    data = np.zeros(512, dtype=np.uint8)
+    with pytest.raises(ValueError, match="nontemporal says how a copy stores"):
+        kernels.once(data, 0, 512, data, 0, 512, 1, 512, copy=False, nontemporal=True)
 
 
 @settings(max_examples=examples(30), deadline=None)

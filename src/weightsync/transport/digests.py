@@ -355,7 +355,7 @@ class VersionDigests:
             (copy or _copy_now)(dst, src)
             return
         key = _landed_key(op)
-        self._absorb(key, key, op, lambda h: h.copy(dst, src, copy=copy))
+        self._absorb(key, key, op, lambda h: h.copy(dst, src, copy=copy, nontemporal=True))
 
     def arrived(self, op: TransferOp, view: torch.Tensor) -> None:
         """Reader, fused: (the next part of) ``op``'s bytes arrived in ``view`` without a copy of

@@ -183,8 +183,10 @@ class CopyHasher:
     def done(self) -> bool:
         return self.fed == self.nbytes
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, copy: Any = None) -> None:
-        """``dst.copy_(src)`` (or ``copy(dst, src)``), absorbing ``dst``'s bytes as stored."""
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, copy: Any = None, nontemporal: bool = False) -> None:
+        """``dst.copy_(src)`` (or ``copy(dst, src)``), absorbing ``dst``'s bytes as stored. With the
+        kernels, ``nontemporal`` stores around the cache: for a destination nothing reads soon (a
+        reader's landing), not for a buffer a transport reads next (a writer's pack)."""
         runs = (host_runs(dst, src) if self._kernels is not None and dst.dtype == src.dtype
                 and dst.device.type == src.device.type == "cpu" else None)
         if runs is None:
@@ -196,10 +198,10 @@ class CopyHasher:
             assert self._kernels is not None
             d_at, d_stride, s_at, s_stride, rows, row_bytes = parts[0]
             self._value = self._kernels.once(runs[1], s_at, s_stride, runs[0], d_at, d_stride, rows, row_bytes,
-                                             copy=True)
+                                             copy=True, nontemporal=nontemporal)
             self.fed = self.nbytes
             return
-        self._feed(runs, copy=True)
+        self._feed(runs, copy=True, nontemporal=nontemporal)
 
     def update(self, t: torch.Tensor) -> None:
         """Absorb ``t``'s bytes (row-major), the next part of the piece."""
@@ -220,14 +222,15 @@ class CopyHasher:
             assert runs is not None, "a 1-d uint8 tensor is one run"
         self._feed(runs, copy=False)
 
-    def _feed(self, runs: Runs, *, copy: bool) -> None:
+    def _feed(self, runs: Runs, *, copy: bool, nontemporal: bool = False) -> None:
         state = self._state
         assert self._kernels is not None and state is not None
         dst, src, parts = runs
         for d_at, d_stride, s_at, s_stride, rows, row_bytes in parts:
             if self.fed + rows * row_bytes > self.nbytes:
                 raise ValueError(f"a piece of {self.nbytes} bytes was fed {self.fed + rows * row_bytes}")
-            self._kernels.feed(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, *state, copy=copy)
+            self._kernels.feed(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, *state, copy=copy,
+                               nontemporal=nontemporal)
             self.fed += rows * row_bytes
 
     def value(self) -> int:
