@@ -52,6 +52,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "mixtral": tiny_config(family="mixtral"),
     "deepseek_v3": tiny_config(family="deepseek_v3"),
     "deepseek_v3-no-mtp": {**tiny_config(family="deepseek_v3"), "num_nextn_predict_layers": 0},
+    # bf16: on a CPU with AMX tiles vLLM serves MLA with its AMX backend, which keeps packed copies of
+    # W_UK and W_UV (elsewhere the reference CPU MLA, as the float32 variants everywhere)
+    "deepseek_v3-bf16": {**tiny_config(family="deepseek_v3"), "torch_dtype": "bfloat16"},
     "glm4_moe": tiny_config(family="glm4_moe"),
     "glm4_moe-no-attention-bias": {**tiny_config(family="glm4_moe"), "attention_bias": False},
     "gpt_oss": tiny_config(family="gpt_oss"),
@@ -122,9 +125,16 @@ def write_fp8_checkpoint(path: Path, config: dict[str, Any], seed: int) -> None:
 
 def engine_kwargs(config: dict[str, Any], *, backend: bool = True) -> dict[str, Any]:
     spec = ModelSpec.from_hf_config(config)
+    from vllm_in_process import cpu_attention
+
     kwargs: dict[str, Any] = {"dtype": "bfloat16" if config.get("torch_dtype") == "bfloat16" else "float32"}
+    attention = cpu_attention(config, kwargs["dtype"])
+    if attention:
+        kwargs["attention_config"] = {"backend": attention}
     if spec.mtp_layers:
         kwargs["speculative_config"] = {"method": "mtp", "num_speculative_tokens": 1}
+        if attention:
+            kwargs["speculative_config"]["attention_backend"] = attention
     if backend:
         kwargs["weight_transfer_config"] = {"backend": "weightsync"}
     return kwargs
@@ -209,7 +219,14 @@ class Live:
             hf = transformers.AutoConfig.for_model(**{k: v for k, v in self.config.items() if k != "architectures"})
             dtype = torch.bfloat16 if self.config.get("torch_dtype") == "bfloat16" else torch.float32
             self._hf = transformers.AutoModelForCausalLM.from_config(hf, dtype=dtype)
+            # as from_pretrained would: the family's float32 modules stay float32 in a bf16 model
+            # (DeepSeek-V3's e_score_correction_bias), which from_config leaves to the caller
             add_mtp_layers(self._hf, self.config)
+            keep = [*(getattr(self._hf, "_keep_in_fp32_modules_strict", None) or ()),
+                    *(getattr(self._hf, "_keep_in_fp32_modules", None) or ())]
+            for name, tensor in [*self._hf.named_parameters(), *self._hf.named_buffers()]:
+                if any(k in name.split(".") for k in keep):
+                    tensor.data = tensor.data.float()
         return self._hf
 
     def next_target(self) -> str:
@@ -514,9 +531,11 @@ def via_serve(live: Live, versions: int = 2) -> None:
 
     args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "2",
             "--skip-tokenizer-init", "--kv-cache-memory-bytes", str(32 << 20), "--seed", "0"]
-    spec = engine_kwargs(live.config).get("speculative_config")
-    if spec:
-        args += ["--speculative-config", json.dumps(spec)]
+    kwargs = engine_kwargs(live.config)
+    if kwargs.get("speculative_config"):
+        args += ["--speculative-config", json.dumps(kwargs["speculative_config"])]
+    if kwargs.get("attention_config"):
+        args += ["--attention-config", json.dumps(kwargs["attention_config"])]
     env = {**_child_env(live), "VLLM_SERVER_DEV_MODE": "1"}
 
     def served(url: str) -> tuple[list[int], Any]:

@@ -222,7 +222,7 @@ def test_a_lora_adapter_synced_into_an_engine_drafting_with_mtp_moves_the_adapte
     from vllm import LLM
     from vllm.lora.request import LoRARequest
 
-    from vllm_in_process import before_engine_start
+    from vllm_in_process import before_engine_start, cpu_attention
     from weightsync.engines.vllm_lora import VLLMLoraEngine
     from weightsync.engines.vllm_state import engine_state
     from weightsync.layout.lora import LoraSpec
@@ -257,9 +257,12 @@ def test_a_lora_adapter_synced_into_an_engine_drafting_with_mtp_moves_the_adapte
                            ("HF_HUB_OFFLINE", "1")):
             mp.setenv(key, value)
         before_engine_start()
+        attention = cpu_attention(config, "float32")
         llm = LLM(model=str(tmp_path / "base"), skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
                   max_model_len=128, max_num_seqs=2, seed=0, kv_cache_memory_bytes=16 << 20, enable_lora=True,
-                  max_lora_rank=8, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+                  max_lora_rank=8, speculative_config={"method": "mtp", "num_speculative_tokens": 1,
+                                                       "attention_backend": attention},
+                  attention_config={"backend": attention})
         try:
             base, drafter_before = generate(llm), drafter(llm)
             assert drafter_before

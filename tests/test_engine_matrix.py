@@ -93,6 +93,7 @@ CELLS: dict[str, list[Any]] = {
     "deepseek_v3": _cells(Cell("engine", "fsdp2", "full"), Cell("engine", "hf", "prefetch-fleet"),
                           Cell("trainer", "hf", "phases-256k"), Cell("serve", "hf", "phases")),
     "deepseek_v3-no-mtp": _cells(),
+    "deepseek_v3-bf16": [Cell("engine", "hf", "full")],
     "glm4_moe": _cells(Cell("backend", "fsdp2", "phases")),
     "glm4_moe-no-attention-bias": _cells(),
     "gpt_oss": _cells(Cell("engine", "megatron", "full", MEGATRON_TP2_EP2), Cell("backend", "fsdp2", "delta"),

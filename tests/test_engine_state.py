@@ -108,3 +108,29 @@ def test_digests_cross_the_wire_and_compare_with_tensors():
     assert report.diffs[0].detail == "other bytes"
     with pytest.raises(ValueError, match="shape, dtype, hex digest"):
         state_from_wire({"t": [1, 2]})
+
+
+def test_the_fresh_engine_is_asked_for_the_attention_backend_the_live_one_was_started_with():
+    """A live engine started with an explicit attention backend (a float32 DeepSeek on an AMX
+    CPU must ask for the reference CPU MLA: AMX MLA takes bf16 only) is compared with a fresh
+    engine that asks for the same one, or the fresh engine would not start, or would pack its
+    weights differently; a live engine that let vLLM choose lets the fresh one choose too."""
+    from dataclasses import asdict
+    from types import SimpleNamespace
+
+    from weightsync.engines.vllm_state import EngineSettings
+
+    def config(backend, draft_backend=None):
+        mtp = SimpleNamespace(method="mtp", num_speculative_tokens=1, attention_backend=draft_backend)
+        return SimpleNamespace(model_config=SimpleNamespace(dtype="torch.float32", max_model_len=512),
+                               scheduler_config=SimpleNamespace(max_num_seqs=2), speculative_config=mtp,
+                               attention_config=SimpleNamespace(backend=backend))
+
+    cpu_mla = SimpleNamespace(name="CPU_MLA")  # a member of vLLM's AttentionBackendEnum
+    pinned = EngineSettings.of(config(cpu_mla, cpu_mla))
+    assert pinned.llm_kwargs() == {
+        "dtype": "float32", "max_model_len": 512, "max_num_seqs": 2, "attention_config": {"backend": "CPU_MLA"},
+        "speculative_config": {"method": "mtp", "num_speculative_tokens": 1, "attention_backend": "CPU_MLA"}}
+    assert EngineSettings(**json.loads(json.dumps(asdict(pinned)))) == pinned  # as it crosses to the child
+    chosen = EngineSettings.of(config(None)).llm_kwargs()
+    assert "attention_config" not in chosen and "attention_backend" not in chosen["speculative_config"]

@@ -311,6 +311,22 @@ def test_hf_whole_model_with_per_expert_names():
     assert np.array_equal(shards["lm_head.weight"], v["lm_head.weight"])
 
 
+def test_a_bf16_whole_model_keeps_the_router_correction_bias_in_float32():
+    """A bf16 engine's staging (``hf:dtype=bfloat16``) held DeepSeek-V3's e_score_correction_bias
+    in bf16: every sync rounded it, though vLLM's parameter (and transformers') is float32, and
+    the engine routed with biases a fresh engine on the same checkpoint does not have. Every
+    other tensor takes the layout's dtype."""
+    from weightsync.tools.tiny import tiny_config
+
+    spec = ModelSpec.from_hf_config({**tiny_config(family="deepseek_v3"), "torch_dtype": "bfloat16"})
+    shards = {s.name: s.dtype for s in parse_layout("hf:dtype=bfloat16").rank_layout(spec, 0).shards}
+    bias = [n for n in shards if n.endswith("mlp.gate.e_score_correction_bias")]
+    assert bias and {shards[n] for n in bias} == {"float32"}
+    assert {d for n, d in shards.items() if n not in bias} == {"bfloat16"}
+    fp32 = {s.name: s.dtype for s in parse_layout("hf:dtype=float32").rank_layout(spec, 0).shards}
+    assert set(fp32.values()) == {"float32"}  # fp32 master weights: everything in float32
+
+
 # -- framework parameters as canonical parts -------------------------------------------
 
 def test_param_parts_cut_boxes_and_flat_runs_at_part_boundaries():

@@ -45,3 +45,15 @@ def before_engine_start() -> None:
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
         gc.collect()
         gc.freeze()
+
+
+def cpu_attention(config: dict, dtype: str) -> str | None:
+    """The attention backend to ask for where vLLM's CPU choice depends on the machine: on a CPU
+    with AMX tiles vLLM prefers its AMX MLA backend, which packs ``W_UK`` and takes bf16 weights
+    only (a float32 DeepSeek fails to start there: "expect weight to be bfloat16, ..."); the
+    reference CPU MLA takes any dtype. A float32 MLA model asks for the reference one, for the
+    target (``attention_config``) and an MTP drafter (``speculative_config``, which vLLM does
+    not take from the target), so the tests run the same engine on every machine."""
+    if dtype == "float32" and int(config.get("kv_lora_rank") or 0) > 0:
+        return "CPU_MLA"
+    return None

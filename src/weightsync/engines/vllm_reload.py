@@ -49,6 +49,7 @@ class ReloadSession:
 
         for model in self._models():
             self._stashed += _stash_cpu_moe_kernels(model)
+            _give_back_released_weights(model)
         with set_current_vllm_config(self.vllm_config):
             # the drafter's modules shared with the target (embedding, output head) are the target's
             # to reload: initialised here first, the drafter's initialisation skips them
@@ -82,9 +83,12 @@ class ReloadSession:
     def end(self) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from vllm.utils.torch_utils import set_default_torch_dtype
 
-        try:
-            with set_current_vllm_config(self.vllm_config):
+        dtype = self.vllm_config.model_config.dtype
+        try:  # in the model's dtype, as at start-up: what processing creates (AMX MLA's emptied
+            # kv_b_proj.weight) must have the dtype a fresh engine's has
+            with set_current_vllm_config(self.vllm_config), set_default_torch_dtype(dtype):
                 for model in self._models():
                     finalize_layerwise_reload(model, self.vllm_config.model_config)
         finally:
@@ -118,6 +122,35 @@ def _release_unprocessed(model: torch.nn.Module) -> None:
             continue
         _place_kernel_tensors(layer, info)  # the live tensors, with their own weight loaders
         info.reset()
+
+
+def _give_back_released_weights(model: torch.nn.Module) -> None:
+    """Give a weight another layer emptied after start-up a tensor of its checkpoint shape again.
+
+    On CPU, vLLM 0.32 packs each linear layer's weight for its GEMM and empties the parameter in
+    the layer's own processing, which a reload session repeats (empty into empty). MLA's
+    ``kv_b_proj`` is the exception: marked ``_cpu_skip_gemm_dispatch``, its processing keeps the
+    weight, and on a CPU with AMX tiles the *attention* layer packs ``W_UK`` and ``W_UV`` from it
+    into its backend, then replaces ``kv_b_proj.weight`` by an empty parameter. A session then
+    processes ``kv_b_proj`` (which keeps the new weight) and copies it into the live tensor,
+    which holds no element: the copy fails, and the attention layer, processed last, would pack
+    the old weights anyway. Such a parameter gets a tensor of the shape vLLM recorded for
+    reloading at start-up (its own record, ``restore_metadata``, materialised by its own
+    function), so ``kv_b_proj`` takes the new weight, the attention layer packs it, and empties
+    it again.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+
+    for layer in model.modules():
+        if not getattr(layer, "_cpu_skip_gemm_dispatch", False):  # its own processing empties it again
+            continue
+        recorded = get_layerwise_info(layer).restore_metadata[0]
+        for name, param in list(layer.named_parameters(recurse=False)):
+            meta = recorded.get(name)
+            if param.numel() == 0 and meta is not None and meta.numel() > 0:
+                with torch.device(param.device):
+                    setattr(layer, name, materialize_meta_tensor(meta))  # of the recorded class (a Parameter)
 
 
 def _one_expert_at_a_time(model: Any, items: list[tuple[str, torch.Tensor]],

@@ -66,20 +66,37 @@ class EngineSettings:
     #: what sizes the buffers some layers allocate for a batch
     max_model_len: int = 256
     max_num_seqs: int = 1
+    #: the attention backends the live engine was started with, by name ("": vLLM chose), the
+    #: target's and the MTP drafter's (vLLM chooses the drafter's apart). They decide which copies
+    #: of the weights the engine keeps (AMX MLA packs ``W_UK`` in bf16 where the reference CPU
+    #: MLA keeps it as loaded), so the fresh engine must be asked for the same
+    attention_backend: str = ""
+    mtp_attention_backend: str = ""
 
     @classmethod
     def of(cls, vllm_config: Any) -> EngineSettings:
         spec = vllm_config.speculative_config
         tokens = int(getattr(spec, "num_speculative_tokens", 0) or 0) if runs_mtp(vllm_config) else 0
+        target = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
         return cls(str(vllm_config.model_config.dtype).removeprefix("torch."), tokens,
-                   int(vllm_config.model_config.max_model_len), int(vllm_config.scheduler_config.max_num_seqs))
+                   int(vllm_config.model_config.max_model_len), int(vllm_config.scheduler_config.max_num_seqs),
+                   _backend_name(target), _backend_name(getattr(spec, "attention_backend", None)) if tokens else "")
 
     def llm_kwargs(self) -> dict[str, Any]:
         out: dict[str, Any] = {"dtype": self.dtype, "max_model_len": self.max_model_len,
                                "max_num_seqs": self.max_num_seqs}
         if self.mtp_tokens:
             out["speculative_config"] = {"method": "mtp", "num_speculative_tokens": self.mtp_tokens}
+            if self.mtp_attention_backend:
+                out["speculative_config"]["attention_backend"] = self.mtp_attention_backend
+        if self.attention_backend:
+            out["attention_config"] = {"backend": self.attention_backend}
         return out
+
+
+def _backend_name(backend: Any) -> str:
+    """An attention backend as ``LLM`` options name it: its enum member's name ("" for vLLM's choice)."""
+    return "" if backend is None else str(getattr(backend, "name", backend))
 
 
 # -- worker side ---------------------------------------------------------------------------------------
@@ -105,7 +122,10 @@ def linear_probes(model: torch.nn.Module, prefix: str = "") -> dict[str, torch.T
 
     Layers whose ``quant_method.apply(layer, x)`` computes ``x @ W.T`` (vLLM's linear and
     embedding methods) are probed with ``PROBE_ROWS`` rows drawn from a fixed seed, in the
-    layer's activation dtype: equal packed weights give equal outputs, bitwise.
+    layer's activation dtype: equal packed weights give equal outputs, bitwise. A layer whose
+    weight the attention backend emptied after packing it elsewhere (AMX MLA's ``kv_b_proj``:
+    ``W_UK`` and ``W_UV`` live on in the backend's packed copies, which the walk compares) is not
+    probed: it computes nothing any more.
     """
     from vllm.model_executor.layers.linear import LinearMethodBase
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
@@ -116,6 +136,9 @@ def linear_probes(model: torch.nn.Module, prefix: str = "") -> dict[str, torch.T
         method = getattr(module, "quant_method", None)
         width = getattr(module, "input_size_per_partition", None) or getattr(module, "embedding_dim", None)
         if not isinstance(method, (LinearMethodBase, UnquantizedEmbeddingMethod)) or not width or id(module) in seen:
+            continue
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.numel() == 0:
             continue
         seen.add(id(module))
         dtype = getattr(module, "params_dtype", None) or torch.get_default_dtype()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from weightsync.layout.box import Box
+from weightsync.layout.families import FLOAT32_ROLES
 from weightsync.layout.kinds.base import LayoutKind, register_kind
 from weightsync.layout.model import ModelSpec
 from weightsync.layout.types import CanonicalTensor, Shard, box_region, expert_name, is_expert_stack
@@ -26,10 +27,15 @@ def expert_slices(tensor: CanonicalTensor, dtype: str, experts: range | None = N
 
 
 def whole_model_shards(spec: ModelSpec, dtype: str | None) -> list[Shard]:
-    """Every canonical tensor as a whole local tensor under its checkpoint name."""
+    """Every canonical tensor as a whole local tensor under its checkpoint name, in ``dtype``
+    (default: the checkpoint's), but for the tensors every holder keeps in float32 whatever the
+    model's dtype (:data:`FLOAT32_ROLES`: vLLM creates DeepSeek-V3's router correction bias in
+    float32, transformers keeps it so): staged in a bf16 engine's dtype, it was rounded on
+    every sync, and the engine routed with biases a fresh engine does not have."""
     shards: list[Shard] = []
+    roles = spec.roles()
     for tensor in spec.canonical_tensors().values():
-        local_dtype = dtype or tensor.dtype
+        local_dtype = tensor.dtype if roles[tensor.name][0] in FLOAT32_ROLES else dtype or tensor.dtype
         if is_expert_stack(tensor.name):
             shards.extend(expert_slices(tensor, local_dtype))
         else:
