@@ -128,20 +128,13 @@ def _components(demands: Mapping[tuple[int, ...], int]) -> list[dict[tuple[int, 
     The densest set lies in one component: a set spread over several has at most the density of
     its densest part, since no class spans two components.
     """
-    parent: dict[int, int] = {}
-
-    def root(r: int) -> int:
-        while parent.setdefault(r, r) != r:
-            parent[r] = parent[parent[r]]
-            r = parent[r]
-        return r
-
+    ranks = nx.Graph()
     for cls in demands:
-        for r in cls[1:]:
-            parent[root(r)] = root(cls[0])
+        nx.add_path(ranks, cls)  # one class's ranks, connected (a class of one rank: a node)
+    component = {r: i for i, ranks_of in enumerate(nx.connected_components(ranks)) for r in ranks_of}
     groups: dict[int, dict[tuple[int, ...], int]] = {}
     for cls, b in demands.items():
-        groups.setdefault(root(cls[0]), {})[cls] = b
+        groups.setdefault(component[cls[0]], {})[cls] = b
     return list(groups.values())
 
 

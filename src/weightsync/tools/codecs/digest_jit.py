@@ -5,10 +5,10 @@ after the copy reads every byte a second time, out of memory again: on a 2-core 
 checks cost 17-112% of a sync. These kernels compute XXH3-64 (seed 0, the default secret: the
 same value as the ``xxhash`` package, which the tests hold them to) *while* copying: each 8-byte
 word is loaded once, stored to the destination and mixed into the hash from the same register,
-so the bytes are read once (measured at 64 MiB, one thread: 5.2-5.7 GB/s, against 5.3 GB/s for
-``np.copyto`` and 7.0-7.3 GB/s for the plain non-temporal copy below; the hash's arithmetic, 17
-GB/s from L2 against ``xxhash``'s 46, is what is left to hide). Without the copy
-(``copy=False``) the same kernel digests in place.
+so the bytes are read once (measured at 64 MiB, one thread, on a 2-core Intel Xeon VM:
+5.2-5.7 GB/s, against 5.3 GB/s for ``np.copyto`` and 7.0-7.3 GB/s for the plain non-temporal
+copy below; the hash's arithmetic, 17 GB/s from L2 against ``xxhash``'s 46, is what is left to
+hide). Without the copy (``copy=False``) the same kernel digests in place.
 
 XXH3 is sequential (its accumulators are scrambled every 1 KiB), so a stream takes the bytes of
 one piece in row-major order, cut any way (rows of a strided view, slabs across messages); the
@@ -25,9 +25,9 @@ soon (gigabytes pass through before the engine's next forward), so a reader's la
 non-temporally: the plain copy (:meth:`Kernels.copy`, which the device port uses for host
 copies once the kernels are loaded) always, the fused one when asked (``nontemporal=True``). A
 writer packing a slot or a send buffer asks for ordinary stores: a reader, ``gloo`` or the file
-writer reads that buffer next, from cache if it is still there (non-temporal packing made
-integrity cost 17% of a shared-memory sync here, against 5-10% with ordinary stores, measured
-alternately in one sitting). Measured on this 2-core VM, pieces
+writer reads that buffer next, from cache if it is still there (on a 2-core AMD EPYC VM,
+non-temporal packing made integrity cost 17-18% of a shared-memory sync, against 2-10% with
+ordinary stores, measured alternately in one sitting). Measured on that VM, pieces
 of 256 KiB to 16 MiB: 35 ms per 256 MiB, against 46-54 ms for ``torch``'s copy and 48-52 ms for
 ``memcpy``, whose own non-temporal path starts only past a large threshold. Such stores are not
 ordered with later ones, so every kernel that stores ends with a full fence: when it returns,
@@ -150,7 +150,7 @@ class Kernels:
         return int(self.finish_kernel(nbytes, acc, buf, prev, int(st[2]), LAST_KEYS, MERGE_KEYS))
 
 
-#: How the fused kernels store (their ``copy`` argument): not at all, through the cache, around it.
+#: How the fused kernels store (their ``store`` argument): not at all, through the cache, around it.
 _NO_COPY, _CACHED, _NON_TEMPORAL = 0, 1, 2
 
 
@@ -316,7 +316,7 @@ _loaded: Kernels | None = None
 _INIT = np.array(INIT, dtype=np.uint64)
 
 
-def _once(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, init, keys, scr, last_keys, merge_keys, copy):  # type: ignore[no-untyped-def]  # noqa: PLR0917
+def _once(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, init, keys, scr, last_keys, merge_keys, store):  # type: ignore[no-untyped-def]  # noqa: PLR0917
     """:meth:`Kernels.once`: a fresh stream's state, the runs fed, the value."""
     nbytes = rows * row_bytes
     acc = init.copy()
@@ -324,7 +324,7 @@ def _once(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, init, keys,
     prev = np.zeros(64, dtype=np.uint8)
     st = np.zeros(4, dtype=np.int64)
     st[1] = (nbytes - 1) // 64
-    _feed_jit(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, acc, buf, prev, st, keys, scr, copy)
+    _feed_jit(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, acc, buf, prev, st, keys, scr, store)
     return _finish_jit(nbytes, acc, buf, prev, st[2], last_keys, merge_keys)
 
 
@@ -344,7 +344,7 @@ def _copy(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes):  # type: i
     _fence()
 
 
-def _feed(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, acc, buf, prev, st, keys, scr, copy):  # type: ignore[no-untyped-def]  # noqa: PLR0917
+def _feed(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, acc, buf, prev, st, keys, scr, store):  # type: ignore[no-untyped-def]  # noqa: PLR0917
     """Absorb ``rows`` runs (see :meth:`Kernels.feed`). Bytes go into the 64-byte partial stripe
     ``buf`` until it is whole, whole stripes straight from the run; stripes past the limit are
     the input's tail (at most 64 bytes), kept in ``buf`` for :meth:`Kernels.finish`."""
@@ -360,7 +360,7 @@ def _feed(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, acc, buf, p
                 take = min(left, 64 - held)
                 for i in range(take):
                     b = src[sp + i]
-                    if copy != _NO_COPY:
+                    if store != _NO_COPY:
                         dst[dp + i] = b
                     buf[held + i] = b
                 held += take
@@ -374,7 +374,7 @@ def _feed(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, acc, buf, p
                     held = 0
                 continue
             _stripes_jit(src[sp: sp + 64 * k].view(np.uint64), dst[dp: dp + 64 * k].view(np.uint64), k, acc, g,
-                         keys, scr, copy)  # whole stripes straight from the run
+                         keys, scr, store)  # whole stripes straight from the run
             prev[:] = src[sp + 64 * (k - 1): sp + 64 * k]
             g += k
             sp += 64 * k
@@ -382,7 +382,7 @@ def _feed(src, s_at, s_stride, dst, d_at, d_stride, rows, row_bytes, acc, buf, p
             left -= 64 * k
     st[0], st[2] = g, held
     st[3] += rows * row_bytes
-    if copy == _NON_TEMPORAL:
+    if store == _NON_TEMPORAL:
         _fence()  # the stripes' non-temporal stores, visible before anything the caller stores next
 
 
@@ -412,10 +412,10 @@ def _finish(nbytes, acc, buf, prev, held, last_keys, merge_keys):  # type: ignor
     return h ^ (h >> sh32)
 
 
-def _stripes(src, dst, count, acc, g, keys, scr, copy):  # type: ignore[no-untyped-def]  # noqa: PLR0917
+def _stripes(src, dst, count, acc, g, keys, scr, store):  # type: ignore[no-untyped-def]  # noqa: PLR0917
     """XXH3's accumulate over ``count`` stripes of ``src`` (8 words each), stored to ``dst`` too
-    when ``copy``; the first is stripe ``g`` of the stream, and a block ends after every 16th
-    (scramble). Lane i adds its word XOR key, low 32 times high 32 bits, and its neighbour's
+    unless ``store`` is :data:`_NO_COPY`; the first is stripe ``g`` of the stream, and a block
+    ends after every 16th (scramble). Lane i adds its word XOR key, low 32 times high 32 bits, and its neighbour's
     (i ^ 1) word. Within a block the two sums are kept per lane (p, r), without the swap, so
     the eight lanes are isomorphic; the swap is applied once per block (addition commutes:
     the accumulators are XXH3's)."""
@@ -434,7 +434,7 @@ def _stripes(src, dst, count, acc, g, keys, scr, copy):  # type: ignore[no-untyp
             kb = kb0 + s * 8
             w0, w1, w2, w3 = src[b], src[b + 1], src[b + 2], src[b + 3]
             w4, w5, w6, w7 = src[b + 4], src[b + 5], src[b + 6], src[b + 7]
-            if copy == _NON_TEMPORAL:  # see module docstring; the caller fences
+            if store == _NON_TEMPORAL:  # see module docstring; the caller fences
                 _store(dst, b, w0)
                 _store(dst, b + 1, w1)
                 _store(dst, b + 2, w2)
@@ -443,7 +443,7 @@ def _stripes(src, dst, count, acc, g, keys, scr, copy):  # type: ignore[no-untyp
                 _store(dst, b + 5, w5)
                 _store(dst, b + 6, w6)
                 _store(dst, b + 7, w7)
-            elif copy == _CACHED:
+            elif store == _CACHED:
                 dst[b], dst[b + 1], dst[b + 2], dst[b + 3] = w0, w1, w2, w3
                 dst[b + 4], dst[b + 5], dst[b + 6], dst[b + 7] = w4, w5, w6, w7
             z0, z1, z2, z3 = w0 ^ keys[kb], w1 ^ keys[kb + 1], w2 ^ keys[kb + 2], w3 ^ keys[kb + 3]
