@@ -9,7 +9,12 @@ copy kernels' non-temporal stores once they are loaded), and
 alternate ``--reps`` times; the best and the median of each are printed, and the fused copies'
 ratio to the plain ones.
 
-    python benchmarks/digest_landing.py [--reps 7] [--json]
+``--kernels`` measures the kernels alone instead, one 64 MiB buffer (from memory) and one of
+256 KiB (from L2), GB/s of the best of three rounds: XXH3 alone in these kernels and in
+``xxhash``, the fused copy + XXH3 with ordinary and with non-temporal stores, the plain
+non-temporal copy, and ``np.copyto`` (docs/integrity.md).
+
+    python benchmarks/digest_landing.py [--reps 7] [--json] [--kernels]
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -27,7 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--kernels", action="store_true", help="the kernels alone, GB/s (see above)")
     args = parser.parse_args(argv)
+    if args.kernels:
+        return kernels(as_json=args.json)
 
     from weightsync.apps.bench.cases import MODELS
     from weightsync.layout import ModelSpec, parse_layout
@@ -90,6 +100,58 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['plain_median_ms']:.1f} ms; fused best {row['fused_best_ms']:.1f} ms, median "
               f"{row['fused_median_ms']:.1f} ms ({row['fused_over_plain_median']:.2f}x)")
     return 0
+
+
+def kernels(*, as_json: bool) -> int:
+    """GB/s of each kernel on one buffer, from memory (64 MiB) and from L2 (256 KiB)."""
+    import numpy as np
+
+    from weightsync.tools.codecs import digest_jit
+
+    k = digest_jit.load()
+    if k is None:
+        print("numba is not installed: no kernels to measure", file=sys.stderr)
+        return 1
+    rows: dict[str, dict[str, float]] = {}
+    for size in (64 << 20, 256 << 10):
+        src = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+        dst = np.empty_like(src)
+        runs = _kernel_runs(k, src, dst)
+        reps = max(1, (512 << 20) // size)
+        row = rows[f"{size >> 10} KiB"] = {}
+        for name, run in runs.items():
+            run()
+            best = min(_timed(run, reps) for _ in range(3))
+            row[name] = reps * size / best / 1e9
+    if as_json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for size_name, row in rows.items():
+            print(size_name + ": " + "; ".join(f"{name} {gbps:.2f} GB/s" for name, gbps in row.items()))
+    return 0
+
+
+def _kernel_runs(k: Any, src: Any, dst: Any) -> dict[str, Callable[[], object]]:
+    """Each measured kernel on one buffer, as a call."""
+    import numpy as np
+    import xxhash
+
+    n = src.size
+    return {
+        "xxh3 (kernels)": lambda: k.once(src, 0, n, dst, 0, n, 1, n, copy=False),
+        "xxh3 (xxhash)": lambda: xxhash.xxh3_64_intdigest(src),
+        "fused, ordinary stores": lambda: k.once(src, 0, n, dst, 0, n, 1, n, copy=True),
+        "fused, non-temporal": lambda: k.once(src, 0, n, dst, 0, n, 1, n, copy=True, nontemporal=True),
+        "plain copy, non-temporal": lambda: k.copy(src, 0, n, dst, 0, n, 1, n),
+        "np.copyto": lambda: np.copyto(dst, src),
+    }
+
+
+def _timed(run: Callable[[], object], reps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        run()
+    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ def send_lower_bound(class_bytes: Mapping[tuple[int, ...], int], num_sources: in
     10% under it (tests/test_planner.py).
 
     Computed exactly (rational arithmetic) on each connected component of the classes by
-    :func:`_densest`: 1T's 1,168 classes over 1,024 ranks take 0.33-0.39 s (networkx's
+    :func:`_densest`: 1T's 1,168 classes over 1,024 ranks take 0.31-0.39 s (networkx's
     Dinitz; statistics only, never at job start).
 
     Args:

@@ -6,9 +6,10 @@ checks cost 17-112% of a sync. These kernels compute XXH3-64 (seed 0, the defaul
 same value as the ``xxhash`` package, which the tests hold them to) *while* copying: each 8-byte
 word is loaded once, stored to the destination and mixed into the hash from the same register,
 so the bytes are read once (measured at 64 MiB, one thread, on a 2-core Intel Xeon VM:
-5.2-5.7 GB/s, against 5.3 GB/s for ``np.copyto`` and 7.0-7.3 GB/s for the plain non-temporal
-copy below; the hash's arithmetic, 17 GB/s from L2 against ``xxhash``'s 46, is what is left to
-hide). Without the copy (``copy=False``) the same kernel digests in place.
+4.9-5.9 GB/s, against 5.8-6.9 GB/s for ``np.copyto`` and 6.2-7.5 GB/s for the plain
+non-temporal copy below; the hash's arithmetic, 13-19 GB/s from L2 against ``xxhash``'s 47-49,
+is what is left to hide: ``benchmarks/digest_landing.py --kernels``). Without the copy
+(``copy=False``) the same kernel digests in place.
 
 XXH3 is sequential (its accumulators are scrambled every 1 KiB), so a stream takes the bytes of
 one piece in row-major order, cut any way (rows of a strided view, slabs across messages); the
@@ -27,9 +28,9 @@ copies once the kernels are loaded) always, the fused one when asked (``nontempo
 writer packing a slot or a send buffer asks for ordinary stores: a reader, ``gloo`` or the file
 writer reads that buffer next, from cache if it is still there (on a 2-core AMD EPYC VM,
 non-temporal packing made integrity cost 17-18% of a shared-memory sync, against 2-10% with
-ordinary stores, measured alternately in one sitting). Measured on that VM, pieces
-of 256 KiB to 16 MiB: 35 ms per 256 MiB, against 46-54 ms for ``torch``'s copy and 48-52 ms for
-``memcpy``, whose own non-temporal path starts only past a large threshold. Such stores are not
+ordinary stores, measured alternately in one sitting). From memory the plain non-temporal copy
+is the fastest copy here (``benchmarks/digest_landing.py --kernels``; ``memcpy``'s own
+non-temporal path starts only past a large threshold). Such stores are not
 ordered with later ones, so every kernel that stores ends with a full fence: when it returns,
 its bytes are visible to every process that then sees a flag raised after it (the shared-memory
 transport's streaming readers rely on that order)::
