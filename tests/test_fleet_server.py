@@ -1,8 +1,14 @@
-"""The fleet coordinator wired into the embedded meta server: commands through the meta client,
-``decide`` applied under the server's lock, leases on a clock the test moves (nothing sleeps),
-and a restart that replays the stored commands into the same record."""
+"""The fleet coordinator on both backends: the embedded meta server (commands through the meta
+client, ``decide`` applied under the server's lock, leases on a clock the test moves: nothing
+sleeps; a restart replays the stored commands into the same record) and etcd (``decide`` in a
+compare-and-put transaction by each client, members' leases as etcd leases). The scenarios
+that do not depend on how a lease runs out run on both, through the same calls and answers.
+"""
 
 from __future__ import annotations
+
+import itertools
+import threading
 
 import httpx
 import pytest
@@ -31,6 +37,44 @@ def _client(server: EmbeddedMetaServer) -> MetaClient:
     return MetaClient(server.address, job="fleet", token=server.token, timeout=10)
 
 
+_jobs = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def etcd_address(tmp_path_factory):
+    """One single-member etcd for the module (each test takes a job of its own)."""
+    from etcd_helpers import etcd_cluster
+
+    cluster = etcd_cluster(tmp_path_factory.mktemp("etcd"), members=1)
+    try:
+        yield cluster.address
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(params=["meta-server", "etcd"])
+def coordinator(request, clock):
+    """A factory of fleet clients of one job, on the embedded meta server or on etcd, all on ``clock``."""
+    if request.param == "meta-server":
+        server = request.getfixturevalue("server")
+        yield lambda: _client(server)
+        return
+    from weightsync.meta.etcd.client import EtcdMetaClient
+
+    address, job = request.getfixturevalue("etcd_address"), f"fleet{next(_jobs)}"
+    opened: list[EtcdMetaClient] = []
+
+    def open_client() -> EtcdMetaClient:
+        opened.append(EtcdMetaClient(address, job=job, timeout=10, clock=clock))
+        return opened[-1]
+
+    try:
+        yield open_client
+    finally:
+        for c in opened:
+            c.close()
+
+
 def _fleet(c: MetaClient) -> dict[str, str]:
     """A writer and three readers (elastic: the coordinator gives reader ids); their incarnations."""
     incs = {"w0": "w0-a"}
@@ -42,8 +86,8 @@ def _fleet(c: MetaClient) -> dict[str, str]:
     return incs
 
 
-def test_a_version_completes_under_quorum_through_the_client_with_typed_answers(server):
-    with _client(server) as c:
+def test_a_version_completes_under_quorum_through_the_client_with_typed_answers(coordinator):
+    with coordinator() as c:
         _fleet(c)
         opened = c.fleet_command(OpenTry(1, 0, "w0-a", 30.0))
         assert opened.reply.kind == "try" and opened.generation == 4
@@ -80,8 +124,8 @@ def test_a_silent_reader_is_declared_dead_one_lease_later_and_quorum_still_compl
         assert c.fleet_record().record.tries[number].state == "complete"
 
 
-def test_a_deadline_is_decided_by_the_tick_on_the_servers_clock(server, clock):
-    with _client(server) as c:
+def test_a_deadline_is_decided_by_the_tick_on_the_deciders_clock(coordinator, clock):
+    with coordinator() as c:
         _fleet(c)
         number = c.fleet_command(OpenTry(1, 0, "w0-a", 3.0)).reply.try_number
         c.fleet_command(Ready(number, 0, "w0-a", "fp"))
@@ -116,8 +160,8 @@ def test_a_restarted_server_replays_the_record_and_gives_every_member_one_lease(
         assert c.fleet_tick().expired == (("reader", 1, "r1-a"),)
 
 
-def test_conflicts_and_malformed_commands_are_refused_naming_the_cause(server):
-    with _client(server) as c:
+def test_conflicts_and_malformed_commands_are_refused_naming_the_cause(coordinator):
+    with coordinator() as c:
         _fleet(c)
         other = JobShape(1, None, Policy.parse("all", deadline=30.0))
         with pytest.raises(ValueError, match="policy all here, quorum=2 there"):
@@ -130,6 +174,12 @@ def test_conflicts_and_malformed_commands_are_refused_naming_the_cause(server):
             c.fleet_join(Join("reader", None, "y", "h", 1, SHAPE), ttl=0.0)
         refused = c.fleet_command(Ready(99, 0, "w0-a", "fp"))
         assert refused.reply.kind == "refused" and "try 99 is unknown" in refused.reply.why
+        assert c.fleet_record().record.members[("writer", 0)].incarnation == "w0-a"  # nothing changed
+
+
+def test_a_malformed_command_body_is_answered_422_naming_the_field(server):
+    with _client(server) as c:
+        _fleet(c)
         r = httpx.post(f"{server.address}/v1/jobs/fleet/fleet/report", json={"try_number": "x"},
                        headers={"Authorization": f"Bearer {server.token}"}, trust_env=False, timeout=10)
         assert r.status_code == 422
@@ -159,3 +209,113 @@ def test_the_stored_commands_and_the_snapshot_rebuild_the_same_record():
     record = live.jobs["job"].fleet
     assert record is not None and record.tries[1].state == "failed"  # reader 1 left: quorum=2 cannot be met
     assert record.holdings[0].version == 1 and live.jobs["job"].fleet_revision == 7
+
+
+# --- on etcd: leases are etcd's, and every client decides ----------------------------------------------
+
+def _alive_lease(c, role: str, id_: int) -> int:
+    row, _ = c.kv.get(c.keys.fleet_alive(role, id_))
+    assert row is not None, f"{role} {id_} has no alive key"
+    return int(row.lease)
+
+
+@pytest.mark.parametrize("coordinator", ["etcd"], indirect=True)
+def test_on_etcd_a_member_whose_etcd_lease_ran_out_is_declared_dead_by_any_clients_tick(coordinator):
+    """Reader 2's etcd lease ends (revoked here: what etcd does once no keep-alive came for its
+    TTL); the next tick, from another client, declares it dead; quorum=2 still completes."""
+    with coordinator() as c, coordinator() as other:
+        _fleet(c)
+        number = c.fleet_command(OpenTry(1, 0, "w0-a", 30.0)).reply.try_number
+        c.fleet_command(Ready(number, 0, "w0-a", "fp"))
+        assert other.fleet_tick().expired == ()  # every alive key is there
+        c.kv.revoke(_alive_lease(c, "reader", 2))
+        ticked = other.fleet_tick()
+        assert ticked.expired == (("reader", 2, "r2-a"),) and ticked.generation == 5
+        assert other.fleet_tick().expired == ()  # decided once
+        assert not c.fleet_beat("reader", 2, "r2-a")  # it rejoins as a new process
+        record = c.fleet_record().record
+        assert record.members[("reader", 2)].state == "dead"
+        assert "etcd lease expired" in record.members[("reader", 2)].detail
+        assert record.tries[number].outcomes[2].state == "failed" and record.tries[number].state == "published"
+        c.fleet_command(Report(number, 0, "r0-a", "applied"))
+        c.fleet_command(Report(number, 1, "r1-a", "applied"))
+        assert c.fleet_record().record.tries[number].state == "complete"
+        again = c.fleet_join(Join("reader", 2, "r2-b", "h", 99, SHAPE), ttl=5.0)
+        assert again.reply.kind == "joined" and again.reply.restarted
+        assert c.fleet_beat("reader", 2, "r2-b")
+
+
+@pytest.mark.parametrize("coordinator", ["etcd"], indirect=True)
+def test_on_etcd_a_silent_member_is_named_dead_within_its_lease_period(coordinator):
+    """Real time: a reader that joined with a 1 s lease and never beats is declared dead by a
+    tick within about that second (etcd's own expiry), while the writer that beats stays."""
+    import time
+
+    with coordinator() as c:
+        assert c.fleet_join(Join("writer", 0, "w0-a", "h", 1, SHAPE), ttl=30.0).reply.kind == "joined"
+        assert c.fleet_join(Join("reader", None, "r0-a", "h", 2, SHAPE), ttl=1.0).reply.id == 0
+        started = time.monotonic()
+        expired: tuple = ()
+        while not expired and time.monotonic() - started < 10.0:
+            assert c.fleet_beat("writer", 0, "w0-a")
+            expired = c.fleet_tick().expired
+            time.sleep(0.1)
+        assert expired == (("reader", 0, "r0-a"),), "the silent reader was not named within 10 s"
+        assert time.monotonic() - started < 4.0
+        assert c.fleet_record().record.members[("writer", 0)].live
+
+
+@pytest.mark.parametrize("coordinator", ["etcd"], indirect=True)
+def test_on_etcd_a_beat_after_the_etcd_lease_ran_out_but_before_any_tick_keeps_the_member(coordinator):
+    """As on the server: a member is dead once a tick said so, not before; its beat in between
+    takes a new etcd lease, and a leave takes its alive key away with it."""
+    with coordinator() as c:
+        _fleet(c)
+        c.kv.revoke(_alive_lease(c, "reader", 1))
+        assert c.fleet_beat("reader", 1, "r1-a")
+        assert c.fleet_tick().expired == ()
+        assert c.fleet_command(Leave("reader", 1, "r1-a")).reply.kind == "ok"
+        assert c.kv.get(c.keys.fleet_alive("reader", 1))[0] is None
+        assert c.fleet_tick().expired == () and not c.fleet_beat("reader", 1, "r1-a")
+
+
+@pytest.mark.parametrize("coordinator", ["etcd"], indirect=True)
+def test_on_etcd_members_joining_at_once_through_several_clients_each_get_a_seat_of_their_own(coordinator):
+    """Twelve readers join from four clients at once: each change is decided on the record it
+    changes (compare-and-put, decided again when another client got there first), so the seats
+    are 0..11, each with its alive key, and the revision counts thirteen changes."""
+    clients = [coordinator() for _ in range(4)]
+    assert clients[0].fleet_join(Join("writer", 0, "w0-a", "h", 1, SHAPE)).reply.kind == "joined"
+    seats: list[int] = []
+    errors: list[BaseException] = []
+
+    def join(c, n: int) -> None:
+        try:
+            for k in range(3):
+                answer = c.fleet_join(Join("reader", None, f"r{n}-{k}", "h", 100 + 3 * n + k, SHAPE), ttl=5.0)
+                assert answer.reply.kind == "joined"
+                seats.append(answer.reply.id)
+        except BaseException as exc:  # raised below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=join, args=(c, n)) for n, c in enumerate(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert sorted(seats) == list(range(12))
+    view = clients[0].fleet_record()
+    assert view.revision == 13 and view.record.generation.number == 13
+    assert len(view.record.generation.readers) == 12
+    assert clients[1].fleet_tick().expired == ()  # every seat has its alive key
+
+
+@pytest.mark.parametrize("coordinator", ["etcd"], indirect=True)
+def test_on_etcd_a_fleet_record_weightsync_did_not_write_is_named(coordinator):
+    from weightsync.meta.etcd import ops
+
+    with coordinator() as c:
+        c.txn([], [ops.put(c.keys.fleet_record, b"\x93not a record")], what="corrupt it")
+        with pytest.raises(ValueError, match=r"fleet/record' holds a malformed fleet record .*only weightsync"):
+            c.fleet_record()

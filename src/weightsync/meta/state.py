@@ -48,8 +48,8 @@ from weightsync.meta.events import (
     ReaderFailed,
     encode_events,
 )
-from weightsync.meta.fleet.commands import Command, Expire, Fail, Join, OpenTry, Ready, Report, Tick, command_to_wire
-from weightsync.meta.fleet.decide import Decision, decide
+from weightsync.meta.fleet.commands import Command, Expire, Tick, command_to_wire
+from weightsync.meta.fleet.decide import Decision, deadline_due, decide, renewed_member
 from weightsync.meta.fleet.leases import FleetLeases
 from weightsync.meta.leases import Leases
 from weightsync.meta.reducer import MAX_EPOCH, Job, MetaData, apply, snapshot
@@ -368,8 +368,8 @@ class MetaState:
 
         await self._change(plan)
         decision = box[0]
-        member = _member_of(command, decision)
-        if member is not None and decision.reply.kind not in ("refused", "ignored"):
+        member = renewed_member(command, decision)
+        if member is not None:
             self.fleet_leases.renew(job, *member, ttl=ttl)
         return decision
 
@@ -388,7 +388,7 @@ class MetaState:
         for command in expired:
             await self.decide_fleet(job, command)
         now = self.clock.now()
-        if any(not t.settled and now >= t.deadline_at for t in self.fleet(job).tries.values()):
+        if deadline_due(self.fleet(job), now):
             await self.decide_fleet(job, Tick())
         return expired
 
@@ -411,17 +411,3 @@ class MetaState:
                   "uptime_seconds": time.time() - self.started_at, "durable": self.durable,
                   "waiting": self.watch.waiting}
         return views.status(self.data, server=server, job=job)
-
-
-def _member_of(command: Command, decision: Decision) -> tuple[str, int, str] | None:
-    """The member whose lease a command renews (role, id, incarnation); None for a leave, an
-    expiry or a tick."""
-    if isinstance(command, Join):
-        return (command.role, decision.reply.id, command.incarnation) if decision.reply.id is not None else None
-    if isinstance(command, (OpenTry, Ready)):
-        return "writer", command.writer, command.incarnation
-    if isinstance(command, Report):
-        return "reader", command.reader, command.incarnation
-    if isinstance(command, Fail):
-        return command.role, command.id, command.incarnation
-    return None

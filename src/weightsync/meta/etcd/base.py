@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from weightsync.clock.clock import SYSTEM, Clock
 from weightsync.clock.deadline import Deadline
 from weightsync.meta.etcd import steps
 from weightsync.meta.etcd.address import EtcdAddress
@@ -32,8 +33,10 @@ class EtcdBase(EtcdSettings):
     """The shared part of :class:`~weightsync.meta.etcd.client.EtcdMetaClient` (see module docstring)."""
 
     def __init__(self, address: str | EtcdAddress, *, job: str = "default", timeout: float = 30.0,
-                 password: str | None = None) -> None:
+                 password: str | None = None, clock: Clock = SYSTEM) -> None:
         super().__init__(address, job=job, timeout=timeout, password=password)
+        #: the time of the fleet coordinator's decisions (:mod:`weightsync.meta.etcd.fleet`)
+        self.clock = clock
         self.kv = EtcdKV(self.etcd, timeout=self.timeout)
         #: (role, rank) -> (incarnation, etcd lease id) of the leases this client took
         self._granted: dict[tuple[str, int], tuple[str, int]] = {}

@@ -4,7 +4,8 @@
 The same calls, answers and errors as :class:`~weightsync.meta.client.MetaClient` (the embedded
 meta server's client), so the job channel runs unchanged on either. What is stored where:
 :mod:`weightsync.meta.etcd.schema`; versions and reader reports: :mod:`weightsync.meta.etcd.versions`;
-leases: :mod:`weightsync.meta.etcd.leases`; the connection (failover, auth, watches):
+leases: :mod:`weightsync.meta.etcd.leases`; the fleet coordinator (the record that
+``decide`` keeps, docs/fleet.md): :mod:`weightsync.meta.etcd.fleet`; the connection (failover, auth, watches):
 :mod:`weightsync.meta.etcd.kv`. Operations that the asyncio client
 (:class:`~weightsync.meta.etcd.async_client.AsyncEtcdMetaClient`) has too are written once, as
 steps (:mod:`weightsync.meta.etcd.steps`, :mod:`weightsync.meta.etcd.barrier`).
@@ -23,6 +24,7 @@ from typing import Any
 
 from weightsync.meta import calls, views
 from weightsync.meta.etcd import ops, steps
+from weightsync.meta.etcd.fleet import Fleet
 from weightsync.meta.etcd.leases import Leases
 from weightsync.meta.etcd.roster import Roster
 from weightsync.meta.etcd.schema import load_job
@@ -31,7 +33,7 @@ from weightsync.meta.etcd.versions import Versions
 __all__ = ["EtcdMetaClient"]
 
 
-class EtcdMetaClient(Roster, Versions, Leases):
+class EtcdMetaClient(Roster, Versions, Leases, Fleet):
     """A job's coordinator on etcd (see module docstring). Thread-safe; close() or use as a context manager.
 
     Args:
@@ -39,6 +41,7 @@ class EtcdMetaClient(Roster, Versions, Leases):
         job: the job's namespace.
         timeout: how long a call keeps failing over between members before it raises.
         password: the etcd user's password (``WEIGHTSYNC_ETCD_PASSWORD``), if the address names a user.
+        clock: the time of the fleet coordinator's decisions (a test passes a ``ManualClock``).
     """
 
     def __enter__(self) -> EtcdMetaClient:

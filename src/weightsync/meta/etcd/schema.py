@@ -19,6 +19,10 @@ key (under ``<prefix>/jobs/<job>/``)     value
                                          released): kept after the holder dies
 ``alive/<role>/<rank:010d>``             the holder's incarnation, attached to its etcd lease:
                                          gone once the lease expires
+``fleet/record``                         the fleet record and its revision (``{"revision",
+                                         "record"}``), put by compare-and-put only
+``fleet/alive/<role>/<id:010d>``         a fleet member's incarnation and lease period,
+                                         attached to its etcd lease (:mod:`.fleet`)
 =======================================  =================================================
 
 ``<prefix>/instance`` (a random id) tells this store from a wiped or replaced one
@@ -85,6 +89,13 @@ class JobKeys:
 
     def alive(self, role: str = "", rank: int | None = None) -> str:
         return f"{self.root}alive/" + (f"{role}/" if role else "") + ("" if rank is None else f"{rank:010d}")
+
+    @property
+    def fleet_record(self) -> str:
+        return f"{self.root}fleet/record"
+
+    def fleet_alive(self, role: str = "", id_: int | None = None) -> str:
+        return f"{self.root}fleet/alive/" + (f"{role}/" if role else "") + ("" if id_ is None else f"{id_:010d}")
 
 
 # -- values ------------------------------------------------------------------------------------------

@@ -428,4 +428,27 @@ def summary(record: FleetRecord) -> dict[str, Any]:
         "tries": {n: f"v{t.version}/g{t.generation}/{t.state}" for n, t in sorted(record.tries.items())}}
 
 
-__all__ = ["Decision", "FleetConflictError", "Notice", "Reply", "decide", "summary"]
+def renewed_member(command: Command, decision: Decision) -> tuple[str, int, str] | None:
+    """The member whose lease ``command`` renews once decided, as (role, id, incarnation): a
+    member's own command shows it alive. None for a leave, an expiry or a tick, and for a
+    command the coordinator refused or ignored (a stale process proves nothing of the seat's)."""
+    if decision.reply.kind in ("refused", "ignored"):
+        return None
+    if isinstance(command, Join):
+        return (command.role, decision.reply.id, command.incarnation) if decision.reply.id is not None else None
+    if isinstance(command, (OpenTry, Ready)):
+        return "writer", command.writer, command.incarnation
+    if isinstance(command, Report):
+        return "reader", command.reader, command.incarnation
+    if isinstance(command, Fail):
+        return command.role, command.id, command.incarnation
+    return None
+
+
+def deadline_due(record: FleetRecord, now: float) -> bool:
+    """Whether a :class:`Tick` at ``now`` has a try to decide (an unsettled try whose deadline came)."""
+    return any(not t.settled and now >= t.deadline_at for t in record.tries.values())
+
+
+__all__ = ["Decision", "FleetConflictError", "Notice", "Reply", "deadline_due", "decide", "renewed_member",
+           "summary"]

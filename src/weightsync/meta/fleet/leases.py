@@ -14,6 +14,7 @@ none, so every live member of its stored record gets one lease period from the f
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from weightsync.clock.clock import Clock
@@ -22,6 +23,22 @@ from weightsync.ports.fleet import FleetRecord
 
 #: the lease period of a member that did not give one (and of every member after a restart)
 DEFAULT_TTL = 5.0
+#: the longest lease period a member may ask for (a dead member is named one period late at most)
+MAX_TTL = 3600.0
+
+
+def check_ttl(ttl: object) -> float | None:
+    """A join's lease period, checked: seconds in (0.01, MAX_TTL], or None (the default).
+
+    Raises:
+        ValueError: naming the field and the bounds.
+    """
+    if ttl is None:
+        return None
+    if (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl)
+            or not 0.01 < ttl <= MAX_TTL):
+        raise ValueError(f"field 'ttl' must be seconds in (0.01, {MAX_TTL:g}], not {ttl!r}")
+    return float(ttl)
 
 
 @dataclass(slots=True)
@@ -69,4 +86,4 @@ class FleetLeases:
         self._jobs.clear()
 
 
-__all__ = ["DEFAULT_TTL", "FleetLeases"]
+__all__ = ["DEFAULT_TTL", "MAX_TTL", "FleetLeases", "check_ttl"]

@@ -19,7 +19,6 @@ contradicts the job answers 409 with ``decide``'s message, a malformed one 422 n
 from __future__ import annotations
 
 import json
-import math
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -29,12 +28,11 @@ from starlette.exceptions import HTTPException
 from weightsync.meta import wire
 from weightsync.meta.fleet.commands import MEMBER_OPS, command_from_wire
 from weightsync.meta.fleet.decide import FleetConflictError
+from weightsync.meta.fleet.leases import check_ttl
 from weightsync.meta.records import check_job
 from weightsync.meta.state import MetaState
 from weightsync.ports.fleet import FleetWireError
 from weightsync.ports.fleet.policy import ROLES, is_int
-
-MAX_TTL = 3600.0
 
 
 def _job(job: str) -> str:
@@ -70,11 +68,10 @@ def _answer(request: Request, obj: Any) -> Response:
 
 
 def _ttl(doc: dict[str, Any]) -> float | None:
-    ttl = doc.pop("ttl", None)
-    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl)
-                            or not 0.01 < ttl <= MAX_TTL):
-        raise HTTPException(422, f"invalid request: field 'ttl' must be seconds in (0.01, {MAX_TTL:g}], not {ttl!r}")
-    return None if ttl is None else float(ttl)
+    try:
+        return check_ttl(doc.pop("ttl", None))
+    except ValueError as exc:
+        raise HTTPException(422, f"invalid request: {exc}") from None
 
 
 def fleet_router(state: MetaState, *, max_wait: float) -> APIRouter:

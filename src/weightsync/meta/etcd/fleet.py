@@ -1,0 +1,247 @@
+"""The fleet coordinator on etcd: the same :func:`~weightsync.meta.fleet.decide.decide` that the
+embedded meta server applies, with no process playing the coordinator.
+
+Every client decides for itself: it reads the record, decides on what it read, and puts the new
+record in one transaction that compares the record's key with the revision it read; when
+another client got there first, the transaction fails and the client reads and decides again.
+So each change is decided exactly once, on the record it changes, as under the server's lock,
+and a coordinator host that dies takes nothing with it: the record is etcd's, replicated.
+
+Keys (under the job's root; :mod:`~weightsync.meta.etcd.schema`):
+
+- ``fleet/record``: ``{"revision": n, "record": FleetRecord}`` (msgpack). ``revision`` counts the
+  changes, as the server's does; one record per job, so a change is one small put (a fleet of
+  hundreds of members is tens of kB, far below etcd's 1.5 MiB request limit).
+- ``fleet/alive/<role>/<id>``: ``{"incarnation", "ttl"}``, attached to the member's own etcd lease
+  (TTL: the member's lease period, whole seconds, at least etcd's minimum). Its join puts it in the
+  transaction that seats the member, so no one ever sees a seated member without one.
+
+Leases are etcd's: a member's heartbeat (:meth:`Fleet.fleet_beat`) and each of its commands keep
+its etcd lease alive; etcd deletes the alive key once no keep-alive came for the TTL.
+:meth:`Fleet.fleet_tick`, which any client may call at any time (as the server's timer does),
+declares dead (:class:`~weightsync.meta.fleet.commands.Expire`) every live member of the record
+whose alive key is gone or names another incarnation, then decides the tries whose deadline
+came. A dead member is so named within its TTL plus one tick period of someone who ticks.
+
+Time: ``now`` (deadlines, ``since``) is the deciding client's clock (a :class:`~weightsync.clock.clock.Clock`;
+tests pass a ``ManualClock``). Hosts' clocks should agree within a small part of a deadline
+(NTP does); a try's deadline is decided by the first client that ticks past it.
+
+    meta = EtcdMetaClient("etcd://n1:2379", job="grpo")
+    answer = meta.fleet_join(Join("reader", None, "3fa2", "n4", 41, shape), ttl=5.0)
+    meta.fleet_beat("reader", answer.reply.id, "3fa2")       # every second or so
+    meta.fleet_tick()                                       # any member, now and then
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from weightsync.clock.deadline import Deadline
+from weightsync.meta import calls, wire
+from weightsync.meta.etcd import ops
+from weightsync.meta.etcd.base import EtcdBase
+from weightsync.meta.etcd.ops import Row
+from weightsync.meta.fleet.answers import FleetAnswer, FleetTicked, FleetView
+from weightsync.meta.fleet.commands import Command, Expire, Join, Leave, Tick
+from weightsync.meta.fleet.decide import Decision, deadline_due, decide, renewed_member
+from weightsync.meta.fleet.leases import DEFAULT_TTL, check_ttl
+from weightsync.ports.fleet import FleetRecord, FleetWireError
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """The record as one read found it: the row's revision to compare with (0: no record yet)."""
+
+    record: FleetRecord
+    revision: int
+    mod_revision: int
+    read_revision: int
+
+
+class Fleet(EtcdBase):
+    """The fleet calls of :class:`~weightsync.meta.etcd.client.EtcdMetaClient` (see module docstring):
+    the same calls and answers as :class:`~weightsync.meta.client.MetaClient`'s."""
+
+    def fleet_join(self, join: Join, *, ttl: float | None = None) -> FleetAnswer:
+        """Join the fleet (``reply.id``: the seat; ``ttl``: this member's lease period, seconds).
+
+        Raises:
+            ValueError: the join contradicts the job (``FleetConflictError``), or ``ttl`` is out of bounds.
+        """
+        period = check_ttl(ttl)
+        calls.fleet_command(self.job, join, ttl=period)  # checks the command as the server's client does
+        lease = self.kv.grant(_etcd_ttl(period if period is not None else DEFAULT_TTL))
+        try:
+            answer, _, seated = self._decide_and_put(join, lease=lease, ttl=period or DEFAULT_TTL)
+        except BaseException:
+            self._drop_lease(lease)
+            raise
+        if not seated:  # refused, or a retried join of a member already seated (its lease stands)
+            self._drop_lease(lease)
+        return answer
+
+    def fleet_command(self, command: Command) -> FleetAnswer:
+        """A member's command (``Leave``, ``OpenTry``, ``Ready``, ``Fail``, ``Report``); it renews the
+        sender's lease unless it was refused or ignored.
+
+        Raises:
+            ValueError: the command is the coordinator's own (``Tick``, ``Expire``), or contradicts
+                the job (``FleetConflictError``).
+        """
+        if isinstance(command, Join):
+            return self.fleet_join(command)
+        calls.fleet_command(self.job, command)  # refuses Tick and Expire, naming them
+        answer, decision, _ = self._decide_and_put(command)
+        member = renewed_member(command, decision)
+        if member is not None:
+            self._renew(*member)
+        return answer
+
+    def fleet_beat(self, role: str, id_: int, incarnation: str) -> bool:
+        """A member's heartbeat; False: it is not a live member (it was declared dead, or it left)."""
+        calls.fleet_beat(self.job, role, id_, incarnation)  # checks the arguments
+        return self._renew(role, id_, incarnation)
+
+    def fleet_tick(self) -> FleetTicked:
+        """Declare dead the live members whose etcd lease expired, then decide the tries whose
+        deadline came, in one transaction (see module docstring). Returns who was declared dead."""
+        while True:
+            rows, read_revision = self.rows(ops.read(self.keys.fleet_record),
+                                            ops.read(self.keys.fleet_alive(), prefix=True))
+            current = self._parse(rows, read_revision)
+            beats = {row.key: row for row in rows if row.key != self.keys.fleet_record}
+            alive = {key: _alive_of(row) for key, row in beats.items()}
+            now = self.clock.now()
+            expired = [Expire(m.role, m.id, m.incarnation,
+                              "its etcd lease expired: no heartbeat of it reached etcd within its lease period")
+                       for m in current.record.members.values()
+                       if m.live and alive.get(self.keys.fleet_alive(m.role, m.id), ("", 0.0))[0] != m.incarnation]
+            record, changes = current.record, 0
+            for command in expired:
+                decided = decide(record, command, now)
+                changes += decided.record is not record
+                record = decided.record
+            if deadline_due(record, now):  # after the deaths, which may have decided some tries already
+                decided = decide(record, Tick(), now)
+                changes += decided.record is not record
+                record = decided.record
+            if changes == 0:
+                return FleetTicked((), record.generation.number, current.revision)
+            # a death stands only if its alive key is still as read (a renewal since then re-decides)
+            unchanged = tuple(ops.unchanged(key, beats[key].mod_revision if key in beats else 0)
+                              for key in (self.keys.fleet_alive(e.role, e.id) for e in expired))
+            if self._put(current, record, current.revision + changes, compare=unchanged,
+                         what="decide the fleet's leases and deadlines"):
+                return FleetTicked(tuple((e.role, e.id, e.incarnation) for e in expired), record.generation.number,
+                                   current.revision + changes)
+
+    def fleet_record(self, *, after: int = -1, wait: float = 0.0) -> FleetView:
+        """The fleet record; with ``wait``, watched until its revision is past ``after``."""
+        calls.fleet_record(self.job, after=after, wait=wait)  # checks the arguments
+
+        def read() -> tuple[_Read, int]:
+            current = self._read()
+            return current, current.read_revision
+
+        current = self.wait(self.keys.fleet_record, read, lambda c: c.revision > after, wait)
+        return FleetView(current.revision, current.record)
+
+    # -- the record ----------------------------------------------------------------------------------
+    def _read(self) -> _Read:
+        rows, read_revision = self.rows(ops.read(self.keys.fleet_record))
+        return self._parse(rows, read_revision)
+
+    def _parse(self, rows: list[Row], read_revision: int) -> _Read:
+        row = next((r for r in rows if r.key == self.keys.fleet_record), None)
+        if row is None:
+            return _Read(FleetRecord.empty(self.job), 0, 0, read_revision)
+        try:
+            doc = wire.unpack(row.value)
+            if not isinstance(doc, Mapping) or not isinstance(doc.get("revision"), int):
+                raise FleetWireError("it is not a map with an int 'revision'")
+            return _Read(FleetRecord.from_wire(doc["record"]), doc["revision"], row.mod_revision, read_revision)
+        except (FleetWireError, KeyError, ValueError) as exc:
+            raise ValueError(f"etcd key {row.key!r} holds a malformed fleet record ({exc}); only weightsync may "
+                             f"write under {self.keys.root}") from None
+
+    def _put(self, current: _Read, record: FleetRecord, revision: int, *, what: str,
+             more: tuple[dict[str, Any], ...] = (), compare: tuple[dict[str, Any], ...] = ()) -> bool:
+        """Put ``record`` (and ``more``) if the record is still the one ``current`` read (and
+        ``compare`` holds); whether it was put."""
+        value = wire.pack({"revision": revision, "record": record.to_wire()})
+        ok, _ = self.txn([ops.unchanged(self.keys.fleet_record, current.mod_revision), *compare],
+                         [ops.put(self.keys.fleet_record, value), *more], what=what)
+        return ok
+
+    def _decide_and_put(self, command: Command, *, lease: int = 0,
+                        ttl: float = DEFAULT_TTL) -> tuple[FleetAnswer, Decision, bool]:
+        """Decide ``command`` on the stored record and put the result (again on a newer record
+        until the put applies). A join puts the member's alive key with ``lease`` in the same
+        transaction; a leave deletes it. The flag: whether a join put its alive key."""
+        while True:
+            current = self._read()
+            decision = decide(current.record, command, self.clock.now())  # FleetConflictError: nothing stored
+            if decision.record is current.record:
+                return FleetAnswer(decision.reply, current.record.generation.number, current.revision), decision, False
+            more: tuple[dict[str, Any], ...] = ()
+            if isinstance(command, Join) and decision.reply.kind == "joined" and decision.reply.id is not None:
+                more = (ops.put(self.keys.fleet_alive(command.role, decision.reply.id),
+                                _pack_alive(command.incarnation, ttl), lease),)
+            elif isinstance(command, Leave):
+                more = (ops.delete(self.keys.fleet_alive(command.role, command.id)),)
+            if self._put(current, decision.record, current.revision + 1, more=more, what=f"fleet {command.op}"):
+                answer = FleetAnswer(decision.reply, decision.record.generation.number, current.revision + 1)
+                return answer, decision, bool(more) and isinstance(command, Join)
+
+    # -- leases --------------------------------------------------------------------------------------
+    def _renew(self, role: str, id_: int, incarnation: str) -> bool:
+        """Keep the member's etcd lease alive; if etcd already let it expire while the record still
+        holds the member live (no tick came yet), give it a new one, as the server's renewal does.
+        False if the record holds no such live member."""
+        while True:
+            rows, _ = self.rows(ops.read(self.keys.fleet_record), ops.read(self.keys.fleet_alive(role, id_)))
+            member = self._parse(rows, 0).record.member(role, id_)
+            if member is None or not member.live or member.incarnation != incarnation:
+                return False
+            beat = next((r for r in rows if r.key != self.keys.fleet_record), None)
+            held = _alive_of(beat) if beat is not None else None
+            if beat is not None and held is not None and held[0] == incarnation and self.kv.keepalive(beat.lease) > 0:
+                return True
+            ttl = held[1] if held is not None else DEFAULT_TTL
+            lease = self.kv.grant(_etcd_ttl(ttl))
+            ok, _ = self.txn([ops.unchanged(self.keys.fleet_alive(role, id_), beat.mod_revision if beat else 0)],
+                             [ops.put(self.keys.fleet_alive(role, id_), _pack_alive(incarnation, ttl), lease)],
+                             what=f"renew the fleet lease of {role} {id_}")
+            if ok:
+                return True
+            self._drop_lease(lease)
+
+    def _drop_lease(self, lease: int) -> None:
+        with contextlib.suppress(ConnectionError, RuntimeError):  # it expires on its own
+            self.kv.revoke(lease, Deadline.after(min(self.timeout, 2.0)))
+
+
+def _etcd_ttl(seconds: float) -> int:
+    """etcd's TTLs are whole seconds (it raises them to its minimum itself)."""
+    return max(1, math.ceil(seconds))
+
+
+def _pack_alive(incarnation: str, ttl: float) -> bytes:
+    return wire.pack({"incarnation": incarnation, "ttl": float(ttl)})
+
+
+def _alive_of(row: Row) -> tuple[str, float]:
+    """(incarnation, lease period) of an alive key; a value weightsync did not write names no one."""
+    try:
+        doc = wire.unpack(row.value)
+        return str(doc["incarnation"]), float(doc["ttl"])
+    except (ValueError, KeyError, TypeError):
+        return "", 0.0
+
+
+__all__ = ["Fleet"]
