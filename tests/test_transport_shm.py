@@ -233,3 +233,36 @@ def test_a_segment_gone_because_the_job_re_planned_is_named_superseded_not_remov
     assert "another process" not in why
     channel.dead = {0: "its lease expired"}
     assert gone_why(ctx, 0, 3) == " (writer 0 exited: its lease expired)"
+
+
+def test_a_segment_whose_maker_holds_the_writer_rank_no_more_fails_at_once_naming_both():
+    """Issue 36's kill-both case on shared memory: a restarted reader took the version its dead
+    writer 1 began, mapped that writer's segment and watched writer 1's lease, which writer 1's
+    restart holds: alive, so it waited in dead memory until its timeout. A segment names the
+    process that made it; a reader compares it with the rank's lease holder when it attaches."""
+    from fake_meta import FakeChannel
+    from weightsync.ports.coordinator import Holder
+    from weightsync.transport.shm.segment import OwnSegment, read_segment
+    from weightsync.transport.shm.transport import maker_watch
+
+    restart = Holder("restart", 222, "vm")
+
+    class Leases(FakeChannel):
+        def lease_holders(self, *, max_age=0.25) -> dict:
+            return {("writer", 1): restart}
+
+    ctx = TransportContext(channel=Leases("reader", 0), num_writers=2, num_readers=1)
+    with pytest.raises(TransportError, match=r"reader 0: writer 1's shared memory /dev/shm/w1 was made by pid 111, "
+                                             r"which holds the rank no more: a restarted process does \(pid 222 on "
+                                             r"vm\), so what that memory holds will not complete"):
+        maker_watch(ctx, 1, "/dev/shm/w1", {"pid": 111})
+    # made by the holder: watched as that process (a restart from now on is its death)
+    assert maker_watch(ctx, 1, "/dev/shm/w1", {"pid": 222}).known == {("writer", 1): restart}
+    assert maker_watch(ctx, 1, "/dev/shm/w1", {}).known == {("writer", 1): restart}  # a segment that says nothing
+    segment = OwnSegment(1, {"mode": "snapshot"}, 64)
+    try:
+        segment.seal()
+        assert segment.path is not None
+        assert read_segment(segment.path, 1)[2] == {"mode": "snapshot", "pid": os.getpid()}
+    finally:
+        segment.unlink()

@@ -107,7 +107,8 @@ class OwnSegment:
 
     def __init__(self, rank: int, header: Mapping[str, Any], data_bytes: int, *, what: str = "") -> None:
         sweep_stale_segments()
-        meta = msgpack.packb(dict(header))
+        # "pid": the process that made it (the one whose lease its readers watch: segment_maker)
+        meta = msgpack.packb({**header, "pid": os.getpid()})
         size = CONTROL_BYTES + data_bytes
         size += -(-len(meta) // CONTROL_BYTES) * CONTROL_BYTES
         self.path: str | None = os.path.join(SHM_DIR, segment_name(what or f"w{rank}"))
@@ -137,6 +138,12 @@ class OwnSegment:
 
 def _remove_file(path: str) -> None:
     remove_shared(path)
+
+
+def segment_maker(header: Mapping[str, Any]) -> int | None:
+    """The pid of the process that made a segment (None: a segment of a release before it said)."""
+    pid = header.get("pid")
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
 
 
 def read_segment(path: str, writer: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:

@@ -279,13 +279,14 @@ class SnapshotPeer:
 
 def attach_snapshot(path: str, mem: torch.Tensor, words: torch.Tensor, header: Mapping[str, Any],
                     index: ExposedIndex, *, writer: int, ctx: TransportContext, streaming: bool,
-                    dev: DevicePort, mapped: dict[str, torch.Tensor]) -> SnapshotPeer:
+                    dev: DevicePort, mapped: dict[str, torch.Tensor], watch: PeerWatch | None = None) -> SnapshotPeer:
     """Writer ``writer``'s snapshot segment (``mem``, read by :func:`~weightsync.transport.shm.segment.read_segment`)
     as a reader's peer: its slots in the file, or its CUDA IPC allocation.
 
     ``mapped`` holds this reader's CUDA IPC mappings by segment path for the epoch: a share is
     taken (opened, or released in the writer's own process) once, and a re-attach to the same
     segment reuses the mapping (another open would count this reader twice: module docstring).
+    ``watch``: the liveness of the segment's maker (:func:`~weightsync.transport.shm.transport.maker_watch`).
     """
     slot_bytes, slots = int(header["slot_bytes"]), int(header["slots"])
     shares = header.get("ipc")
@@ -298,7 +299,7 @@ def attach_snapshot(path: str, mem: torch.Tensor, words: torch.Tensor, header: M
     changes = published_views(header, mem[CONTROL_BYTES:], writer=writer)
     return SnapshotPeer(words, data, index, slot_bytes=slot_bytes, slots=slots, writer=writer, reader=ctx.rank,
                         streaming=streaming and shares is None, phased=shares is not None,
-                        watch=PeerWatch(ctx, "writer", [writer]), changes=changes)
+                        watch=watch or PeerWatch(ctx, "writer", [writer]), changes=changes)
 
 
 def take_share(path: str, shares: Mapping[str, Any], *, writer: int, ctx: TransportContext,

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
@@ -47,7 +47,14 @@ from weightsync.transport.delta.published import ChangeReader, check_delta, publ
 from weightsync.transport.endpoint_wait import peer_endpoint
 from weightsync.transport.endpoints import ShmEndpoint
 from weightsync.transport.exposed import ExposedIndex, piece_key
-from weightsync.transport.shm.segment import CONTROL_BYTES, FileGoneError, OwnSegment, SegmentRetiredError, read_segment
+from weightsync.transport.shm.segment import (
+    CONTROL_BYTES,
+    FileGoneError,
+    OwnSegment,
+    SegmentRetiredError,
+    read_segment,
+    segment_maker,
+)
 from weightsync.transport.shm.snapshot import SnapshotWriter, attach_snapshot, streams
 from weightsync.transport.shm.zero_copy import ZeroCopyPeer, ZeroCopyWriter
 from weightsync.transport.tensors import flat_views, op_dst_view
@@ -340,12 +347,41 @@ def attach(path: str, writer: int, ctx: TransportContext, device: torch.device, 
     try:
         mem, words, header = read_segment(path, writer)
         index = ExposedIndex.decode(header["index"])
+        watch = maker_watch(ctx, writer, path, header)
         if header.get("mode") == "zero_copy":
             views = published_views(header, mem[CONTROL_BYTES:], writer=writer)
             changes = None if views is None else (views[0][0], views[1][0])
-            return ZeroCopyPeer(words, index, header["files"], writer=writer, reader=ctx.rank,
-                                watch=PeerWatch(ctx, "writer", [writer]), changes=changes)
+            return ZeroCopyPeer(words, index, header["files"], writer=writer, reader=ctx.rank, watch=watch,
+                                changes=changes)
     except FileGoneError as exc:
         raise TransportError(f"{ctx.who}: {exc}{gone_why(ctx, writer, epoch)}") from None
     return attach_snapshot(path, mem, words, header, index, writer=writer, ctx=ctx, streaming=streaming, dev=dev,
-                           mapped=mapped)
+                           mapped=mapped, watch=watch)
+
+
+def maker_watch(ctx: TransportContext, writer: int, path: str, header: Mapping[str, Any]) -> PeerWatch:
+    """The watch of the process that made writer ``writer``'s segment, not of whoever holds the
+    rank now.
+
+    A reader that attaches after the writer rank restarted (a restarted engine taking a version
+    its predecessor began, in the epoch the dead writer published it in) would otherwise watch
+    the restart's lease, alive, and wait in the dead writer's memory until its timeout, holding
+    the live writers' wait for it as long. A segment made by a process that no longer holds the
+    rank fails at once, naming both; one made by the holder is watched as that process, so that
+    a restart from now on counts as its death.
+
+    Raises:
+        TransportError: another process holds the rank now.
+    """
+    maker = segment_maker(header)
+    try:
+        holder = ctx.channel.lease_holders(max_age=0.0).get(("writer", writer))
+    except Exception as exc:  # the meta server is away: expired leases alone will tell
+        logger.debug("%s: cannot read leases: %s", ctx.who, exc)
+        holder = None
+    if maker is not None and holder is not None and holder.pid != maker:
+        raise TransportError(f"{ctx.who}: writer {writer}'s shared memory {path} was made by pid {maker}, which "
+                             f"holds the rank no more: a restarted process does (pid {holder.pid} on "
+                             f"{holder.host or 'an unnamed host'}), so what that memory holds will not complete; "
+                             "the restart writes the next version")
+    return PeerWatch(ctx, "writer", [writer], known=None if holder is None else {("writer", writer): holder})
