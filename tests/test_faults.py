@@ -9,7 +9,7 @@ nowhere else.
 | reader SIGKILL as it receives V; restarted | heavy | yes | heavy | yes | - | - |
 | writer SIGKILL; only it rewrites V, the other writes V+1 | heavy | yes | - | yes | - | - |
 | writer SIGSTOP (others fail in time); killed, restarted | yes | yes | heavy | yes | - | - |
-| a writer and a reader SIGKILLed in V together; both restarted | yes | yes | yes | - | - | - |
+| a writer and a reader SIGKILLed in V together; both restarted | yes | yes | yes | yes | yes | yes |
 | reader's engine poked between versions (delta) | yes | yes | heavy | yes | yes | yes |
 | meta server killed and restarted (during, between) | shm (the coordinator's fault, not a transport's) |
 
@@ -617,12 +617,12 @@ def test_reader_sigkilled_mid_transfer_the_other_carries_on_and_the_restarted_on
         assert_noticed(records, died_at(stdout), "reader 1", must_fail=False)
 
 
-#: file and NIXL pull: a writer dies before it publishes there, so no reader starts receiving the
-#: version and the reader's fault never fires (this scenario needs both in one version); NIXL push
-#: recovers, but only past one timeout (docs/faults.md, "A writer and a reader die in V together")
 KILLED_TOGETHER = [pytest.param({"transport": "torch"}, id="torch"),
                    pytest.param({"transport": "shm"}, id="shm-snapshot"),
-                   pytest.param({"transport": "shm", "shared_source": True}, id="shm-zero-copy")]
+                   pytest.param({"transport": "shm", "shared_source": True}, id="shm-zero-copy"),
+                   pytest.param({"transport": "file"}, id="file"),
+                   pytest.param({"transport": "nixl", "transport_options": {"nixl_mode": "pull"}}, id="nixl-pull"),
+                   pytest.param({"transport": "nixl", "transport_options": {"nixl_mode": "push"}}, id="nixl-push")]
 
 
 @pytest.mark.parametrize("options", KILLED_TOGETHER)
@@ -645,8 +645,16 @@ def test_a_writer_and_a_reader_killed_together_and_restarted_together_recover_by
         # wait for each other until their timeouts, the fleet record's superseding tries are the fix)
         procs = {("writer", 0): launch(server, "writer", 0, versions=[0, 1, 2, 3], **common),
                  ("reader", 0): launch(server, "reader", 0, until=3, **common)}
+        # where writers publish after they write (file, NIXL pull), a writer that dies in V never
+        # published it and no reader receives it: the test kills the reader as the writer dies
+        receives = options["transport"] in ("torch", "shm") or options.get("transport_options", {}).get(
+            "nixl_mode") == "push"
+        reader_fault = {"die_at": 1, "die_how": "SIGKILL"} if receives else {}
         dying = [launch(server, "writer", 1, versions=[0, 1], die_at=1, die_how="SIGKILL", **common),
-                 launch(server, "reader", 1, until=3, die_at=1, die_how="SIGKILL", **common)]
+                 launch(server, "reader", 1, until=3, **reader_fault, **common)]
+        if not receives:
+            dying[0].communicate(timeout=TIMEOUT * 4)
+            dying[1].send_signal(signal.SIGKILL)
         for proc in dying:  # the writer may see the reader's death first, fail version 1 and exit
             proc.communicate(timeout=TIMEOUT * 4)
         assert dying[1].returncode == -signal.SIGKILL and dying[0].returncode in (0, -signal.SIGKILL), [

@@ -198,6 +198,37 @@ def test_a_writer_gives_a_version_up_at_once_when_the_restart_of_a_peer_takes_pa
         assert time.monotonic() - started < 2.0
 
 
+def test_a_restarted_writer_joins_a_try_decided_after_its_predecessors_last_epoch_though_the_epoch_moved_on():
+    """Writer 1 and reader 1 died in version 1 together (issue 36's kill-both case, NIXL push,
+    3 runs in 5). Writer 0 failed version 1 and decided version 2 in the next epoch at once; the
+    restarted reader's registration then moved the job's epoch, and the restarted writer, which
+    took part only from the epoch it found, waited for a newer decision while writer 0 waited for
+    it in the one it had made, until their timeouts. The restart takes part from the epoch after
+    the newest its predecessor joined a try in: no connection of a later epoch includes it."""
+    from weightsync.clock.deadline import Deadline
+    from weightsync.job.channel import JobChannel
+    from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+
+    with EmbeddedMetaServer() as server, MetaClient(server.address, token=server.token) as meta:
+        writer0, writer1 = _writers(meta)
+        first = writer0.decide_epoch(1, Deadline.after(5))
+        assert writer1.decide_epoch(1, Deadline.after(5)) == first  # writer 1 joined version 1...
+        writer1.renew_lease(release=True)  # ...and died in it
+        writer0.advance_epoch(first)  # writer 0 failed version 1
+        second = writer0.decide_epoch(2, Deadline.after(5))
+        assert second == first + 1
+        reader = JobChannel(meta, role="reader", rank=1)  # the restarted reader moves the job on
+        reader.register(host="h", group="default", layout=b"reader", lease=3.0)
+        reader.rejoin()
+        assert writer0.current_epoch() == second + 1
+        restart = _restart(meta, 1)
+        assert restart.min_epoch == second
+        assert restart.decide_epoch(2, Deadline.after(2)) == second  # writer 0's decision, not a wait
+        # and never an epoch its predecessor joined a try in: a restart of this one (it joined `second`)
+        restart.renew_lease(release=True)
+        assert _restart(meta, 1).min_epoch == second + 1
+
+
 def test_a_writer_that_waited_its_whole_timeout_names_a_peer_with_no_live_process():
     from weightsync.clock.deadline import Deadline
     from weightsync.meta.client import EmbeddedMetaServer, MetaClient

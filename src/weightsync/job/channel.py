@@ -43,16 +43,15 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from weightsync.job.board import Board
+from weightsync.job.epochs import Epochs
 from weightsync.job.fleet_commit import FleetCommit
 from weightsync.job.keys import (
-    epoch_key,
     joined_key,
     layout_key,
     layouts_key,
     min_epoch_key,
     model_key,
     tensor_table_key,
-    version_epoch_key,
     version_layouts_key,
 )
 from weightsync.job.liveness import Liveness
@@ -107,7 +106,7 @@ def settings_difference(mine: str, theirs: str) -> str:
     names = [k for k in {**a, **b} if a.get(k) != b.get(k)]
     return "; ".join(f"{k}: {json.dumps(a.get(k))} here, {json.dumps(b.get(k))} there" for k in names)
 
-class JobChannel(Liveness, Board, ReaderWaits, FleetCommit):
+class JobChannel(Liveness, Board, ReaderWaits, FleetCommit, Epochs):
     """One rank's typed view of its job on the meta server (see module docstring).
 
     Args:
@@ -127,6 +126,7 @@ class JobChannel(Liveness, Board, ReaderWaits, FleetCommit):
         self.min_epoch = 0
         #: this process replaced a dead one (registration found an earlier incarnation)
         self.restarted = False
+        self._last_joined = -1  # the newest epoch this process joined a try in
         self.lease_seconds = 0.0
         self.host = ""
         self._heartbeat: Heartbeat | None = None
@@ -322,93 +322,6 @@ class JobChannel(Liveness, Board, ReaderWaits, FleetCommit):
             return TensorTable.from_wire(unpack_map(raw))
         except WireError as exc:
             raise WireError(f"{self.who}: the tensor table of job {self.meta.job!r} is malformed: {exc}") from None
-
-    # -- epochs -------------------------------------------------------------------------------
-    def current_epoch(self) -> int:
-        epoch: int = self.meta.counter(epoch_key())
-        return epoch
-
-    def advance_epoch(self, seen: int) -> int:
-        """Move the job past epoch ``seen``: one compare-and-set on the server, so of ranks that
-        saw the same epoch fail only one moves it, and a rank that saw an older epoch never
-        moves it back. Returns the job's epoch now."""
-        epoch = self._advance(seen)
-        if epoch > self.min_epoch:
-            self.min_epoch = epoch
-            self._publish_min_epoch()
-        return epoch
-
-    def _advance(self, seen: int) -> int:
-        _, epoch = self.meta.compare_and_set(epoch_key(), expected=seen, value=seen + 1)
-        return int(epoch)
-
-    def rejoin(self) -> None:
-        """This process replaced a dead one of its rank: move the job past the epoch it finds
-        (the others' connections do not include it), and take part in versions of that epoch
-        or later that its predecessor did not join (see :meth:`decide_epoch`): an epoch writer 0
-        decided just before this advance is fine, the one the predecessor died in is not."""
-        seen = self.current_epoch()
-        self._advance(seen)
-        self.restarted, self.min_epoch = True, seen
-        self._publish_min_epoch()
-
-    def _publish_min_epoch(self) -> None:
-        """Say which epochs this process still takes part in, so that a writer waiting for it to
-        publish in an older one stops waiting (:meth:`wait_readers`)."""
-        if self.role == "writer":
-            self.meta.put_document(min_epoch_key(self.role, self.rank), f"{self.incarnation} {self.min_epoch}".encode())
-
-    def decide_epoch(self, version: int, deadline: Deadline) -> int:
-        """Writer 0 fixes the epoch each try of ``version`` is written in; the other writers wait
-        for a decision no older than their :attr:`min_epoch`.
-
-        One decision per try means writers never publish different epochs, even when a
-        failure report or a restarted rank advances the job's epoch concurrently; and a writer
-        that failed a version, or restarted, never joins the epoch it saw fail (whose
-        connections include dead processes) but waits for writer 0's next decision.
-
-        A restarted writer (:attr:`restarted`) joins a version in an epoch decided at the epoch it
-        found at registration or later, unless its dead predecessor joined the version in that
-        very epoch (each writer leaves a "joined" mark): so an epoch writer 0 decided just before
-        the restarted rank advanced the job's epoch still completes.
-
-        Raises:
-            TimeoutError: writer 0 did not start ``version`` (in a recent enough epoch) in time.
-        """
-        key = version_epoch_key(version)  # a counter holding the decided epoch + 1 (0: undecided)
-        if self.role == "writer" and self.rank == 0:
-            generation = self.layout_generation()
-            epoch = max(self.current_epoch(), self.min_epoch)
-            if generation != self._decided_generation:  # a rank's layout changed: every rank re-plans,
-                epoch = max(self.advance_epoch(epoch), epoch)  # and its transport connects anew
-            held = int(self.meta.counter(key))
-            decided = max(epoch, held - 1)
-            # marked before the decision is visible, so a peer never sees it without the mark
-            self.meta.put_document(joined_key(version, decided, self.rank), self.incarnation.encode())
-            if held < epoch + 1:  # only writer 0 sets it
-                if generation:
-                    self.meta.put_document(version_layouts_key(version, epoch), str(generation).encode())
-                self.meta.compare_and_set(key, expected=held, value=epoch + 1)
-            self._decided_generation = generation
-            return decided
-        oldest = self.min_epoch
-        while True:
-            held = int(self.meta.counter(key, at_least=oldest + 1, wait=deadline.remaining()))
-            if held < oldest + 1:
-                raise TimeoutError(f"{self.who}: writer 0 did not start version {version} in epoch {oldest} or "
-                                   "later in time" + (f" (it decided epoch {held - 1}, before this writer joined "
-                                                      "or failed)" if held else ""))
-            joined = joined_key(version, held - 1, self.rank)
-            if self.restarted and self.meta.get_document(joined) is not None:
-                oldest = held  # this rank's dead predecessor joined the version in that epoch: wait for the next
-                continue
-            self.meta.put_document(joined, self.incarnation.encode())
-            return held - 1
-
-    def version_started(self, version: int, deadline: Deadline) -> bool:
-        """Whether writer 0 has decided an epoch for ``version`` (in any epoch), waiting for it until
-        ``deadline`` (``Deadline.after(0.0)``: only look)."""
-        return int(self.meta.counter(version_epoch_key(version), at_least=1, wait=deadline.remaining(0.0))) >= 1
 
     # -- versions -----------------------------------------------------------------------------
     def publish_version(self, published: PublishedVersion, *, num_writers: int) -> None:

@@ -51,6 +51,12 @@ def commit_why_key(version: int, epoch: int, decision: str) -> str:
     return f"versions/{version}/commit/{epoch}/{decision}"  # msgpack CommitVerdict: why it was aborted
 
 
+def last_joined_key(rank: int) -> str:
+    # "<incarnation> <epoch>": the newest epoch writer ``rank``'s process joined a try in (it joins
+    # before it connects, so no connection of a later epoch includes that process)
+    return f"joins/writer{rank}"
+
+
 def min_epoch_key(role: Role, rank: int) -> str:
     # "<incarnation> <min_epoch>": the oldest epoch that process takes part in (the path keeps its old name)
     return f"floors/{role}{rank}"

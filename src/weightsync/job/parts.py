@@ -11,7 +11,7 @@ from weightsync.ports.coordinator import Holder, MetaPort
 
 
 class ChannelPart:
-    """A part of the job channel: :class:`~weightsync.job.board.Board`,
+    """A part of the job channel: :class:`~weightsync.job.board.Board`, :class:`~weightsync.job.epochs.Epochs`,
     :class:`~weightsync.job.reader_waits.ReaderWaits`, :class:`~weightsync.job.fleet_commit.FleetCommit`
     (the channel sets these attributes)."""
 
