@@ -229,6 +229,34 @@ def test_a_restarted_writer_joins_a_try_decided_after_its_predecessors_last_epoc
         assert _restart(meta, 1).min_epoch == second + 1
 
 
+def test_a_writer_waiting_for_writer_0_to_start_a_version_gives_it_up_once_writer_0_writes_a_newer_one():
+    """Writer 1 failed version 1 (its restart, or its retry, joins it only in a newer epoch) and its
+    trainer writes version 1 again, while writer 0's went on to version 2: writer 0 never starts
+    version 1 again, and writer 1 waited for it until its timeout (test_faults.py's "only the killed
+    writer restarts" case: 20 s per run). It gives the version up within half a lease of writer 0's
+    newer decision, and its next write joins writer 0's version."""
+    from weightsync.clock.deadline import Deadline
+    from weightsync.job.epochs import VersionSupersededError
+    from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+
+    with EmbeddedMetaServer() as server, MetaClient(server.address, token=server.token) as meta:
+        writer0, writer1 = _writers(meta)
+        first = writer0.decide_epoch(1, Deadline.after(5))
+        assert writer1.decide_epoch(1, Deadline.after(5)) == first
+        writer1.advance_epoch(first)  # writer 1 failed version 1
+        second = writer0.decide_epoch(2, Deadline.after(5))  # writer 0's trainer went on
+        started = time.monotonic()
+        with pytest.raises(VersionSupersededError, match="writer 1: writer 0 writes version 2 now, so version 1 is "
+                                                         "superseded: writer 0 will not start it again"):
+            writer1.decide_epoch(1, Deadline.after(10))  # writer 1's trainer writes step 1 again
+        assert time.monotonic() - started < 3.0
+        assert writer1.decide_epoch(2, Deadline.after(5)) == second
+        # writer 0 behind (it has not decided version 3 yet): writer 1 waits for it, as before
+        with pytest.raises(TimeoutError, match="did not start version 3") as caught:
+            writer1.decide_epoch(3, Deadline.after(1.0))
+        assert not isinstance(caught.value, VersionSupersededError)
+
+
 def test_a_writer_that_waited_its_whole_timeout_names_a_peer_with_no_live_process():
     from weightsync.clock.deadline import Deadline
     from weightsync.meta.client import EmbeddedMetaServer, MetaClient

@@ -17,11 +17,18 @@ from weightsync.job.keys import (
     min_epoch_key,
     version_epoch_key,
     version_layouts_key,
+    writing_key,
 )
 from weightsync.job.parts import ChannelPart
 
 if TYPE_CHECKING:
     from weightsync.clock.deadline import Deadline
+
+
+class VersionSupersededError(TimeoutError):
+    """Writer 0 writes a newer version than the one this writer waits for it to start: it will not
+    start that one again. A TimeoutError, so that every caller that gives a version up when its
+    wait for writer 0 ends gives it up on this too, at once instead of at its deadline."""
 
 
 class Epochs(ChannelPart):
@@ -107,12 +114,17 @@ class Epochs(ChannelPart):
         that failed a version, or restarted, never joins the epoch it saw fail (whose
         connections include dead processes) but waits for writer 0's next decision.
 
-        A restarted writer (:attr:`restarted`) joins a version in an epoch decided at the epoch it
-        found at registration or later, unless its dead predecessor joined the version in that
-        very epoch (each writer leaves a "joined" mark): so an epoch writer 0 decided just before
-        the restarted rank advanced the job's epoch still completes.
+        A restarted writer (:attr:`restarted`) joins a version in an epoch from its floor on
+        (:meth:`rejoin`), unless its dead predecessor joined the version in that very epoch (each
+        writer leaves a "joined" mark): so an epoch writer 0 decided just before the restarted
+        rank advanced the job's epoch still completes.
+
+        A writer waiting for writer 0 to start ``version`` stops as soon as writer 0 started a
+        newer one (a restarted rank's trainer writing its failed step again while writer 0's went
+        on): writer 0 never comes back to it, and the next write joins writer 0's version.
 
         Raises:
+            VersionSupersededError: writer 0 writes a newer version.
             TimeoutError: writer 0 did not start ``version`` (in a recent enough epoch) in time.
         """
         key = version_epoch_key(version)  # a counter holding the decided epoch + 1 (0: undecided)
@@ -129,11 +141,14 @@ class Epochs(ChannelPart):
                 if generation:
                     self.meta.put_document(version_layouts_key(version, epoch), str(generation).encode())
                 self.meta.compare_and_set(key, expected=held, value=epoch + 1)
+            writing = int(self.meta.counter(writing_key()))
+            if writing != version + 1:  # after the decision: a writer that sees it finds the decision
+                self.meta.compare_and_set(writing_key(), expected=writing, value=version + 1)
             self._decided_generation = generation
             return decided
         oldest = self.min_epoch
         while True:
-            held = int(self.meta.counter(key, at_least=oldest + 1, wait=deadline.remaining()))
+            held = self._wait_decision(version, oldest + 1, deadline)
             if held < oldest + 1:
                 raise TimeoutError(f"{self.who}: writer 0 did not start version {version} in epoch {oldest} or "
                                    "later in time" + (f" (it decided epoch {held - 1}, before this writer joined "
@@ -147,8 +162,29 @@ class Epochs(ChannelPart):
 
     def version_started(self, version: int, deadline: Deadline) -> bool:
         """Whether writer 0 has decided an epoch for ``version`` (in any epoch), waiting for it until
-        ``deadline`` (``Deadline.after(0.0)``: only look)."""
-        return int(self.meta.counter(version_epoch_key(version), at_least=1, wait=deadline.remaining(0.0))) >= 1
+        ``deadline`` (``Deadline.after(0.0)``: only look).
+
+        Raises:
+            VersionSupersededError: writer 0 writes a newer version (see :meth:`decide_epoch`).
+        """
+        return self._wait_decision(version, 1, deadline) >= 1
+
+    def _wait_decision(self, version: int, at_least: int, deadline: Deadline) -> int:
+        """``version``'s epoch counter once it reaches ``at_least`` (else at the deadline), looking
+        between slices of half a lease whether writer 0 went on to a newer version."""
+        key = version_epoch_key(version)
+        while True:
+            left = deadline.remaining(0.0)
+            step = left if self.lease_seconds <= 0 else min(left, max(self.lease_seconds / 2, 0.1))
+            held = int(self.meta.counter(key, at_least=at_least, wait=step))
+            if held >= at_least or deadline.expired:
+                return held
+            writing = int(self.meta.counter(writing_key())) - 1
+            if writing > version:
+                raise VersionSupersededError(
+                    f"{self.who}: writer 0 writes version {writing} now, so version {version} is superseded: "
+                    "writer 0 will not start it again (this rank's trainer writes an older step than writer 0's, "
+                    "as a restarted rank does when it retries its failed step); its next write joins writer 0")
 
 
-__all__ = ["Epochs"]
+__all__ = ["Epochs", "VersionSupersededError"]

@@ -18,6 +18,10 @@ def version_epoch_key(version: int) -> str:
     return f"versions/{version}/epoch"  # a counter: the epoch writer 0 decided for the version, + 1
 
 
+def writing_key() -> str:
+    return "versions/writing"  # a counter: the version writer 0 decided an epoch for last, + 1 (0: none yet)
+
+
 def joined_key(version: int, epoch: int, rank: int) -> str:
     return f"versions/{version}/joined/{epoch}/writer{rank}"  # a writer took part in the version in this epoch
 
