@@ -273,7 +273,8 @@ PROTOCOL_SPEAKERS = ("weightsync.meta.client_base.ClientBase", "weightsync.meta.
                      "weightsync.ports.coordinator.TransportBoard")
 #: Where the protocol may be spoken.
 PROTOCOL_HOMES = ("weightsync.job.channel", "weightsync.job.liveness", "weightsync.job.board", "weightsync.job.reader_waits",
-                  "weightsync.job.fleet_commit", "weightsync.ports.coordinator", "weightsync.meta")
+                  "weightsync.job.fleet_commit", "weightsync.job.epochs", "weightsync.ports.coordinator",
+                  "weightsync.meta")
 
 
 def type_checked(extra: Mapping[str, str] | None = None) -> tuple[Any, dict[str, Any]]:
