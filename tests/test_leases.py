@@ -257,6 +257,39 @@ def test_a_writer_waiting_for_writer_0_to_start_a_version_gives_it_up_once_write
         assert not isinstance(caught.value, VersionSupersededError)
 
 
+def test_a_job_restarted_from_an_older_checkpoint_waits_for_writer_0s_restart_not_its_dead_process():
+    """The whole job stops after version 3 and resumes from the checkpoint of step 1: the record
+    that writer 0 wrote version 3 is its dead process's, and says nothing of the restart's
+    versions, so restarted writer 1 waits for restarted writer 0 to start version 1 (it gave
+    version 1 up at once on the first cut of the superseding rule, which read a bare counter)."""
+    import threading
+
+    from weightsync.clock.deadline import Deadline
+    from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+
+    with EmbeddedMetaServer() as server, MetaClient(server.address, token=server.token) as meta:
+        writer0, writer1 = _writers(meta)
+        for version in (1, 2, 3):
+            epoch = writer0.decide_epoch(version, Deadline.after(5))
+            assert writer1.decide_epoch(version, Deadline.after(5)) == epoch
+        writer0.renew_lease(release=True)
+        writer1.renew_lease(release=True)
+        restart0, restart1 = _restart(meta, 0), _restart(meta, 1)
+        decided: list[int] = []
+
+        def writer_0_resumes() -> None:
+            time.sleep(2.0)  # past writer 1's first look at what writer 0 writes (half a lease)
+            decided.append(restart0.decide_epoch(1, Deadline.after(5)))
+
+        thread = threading.Thread(target=writer_0_resumes)
+        thread.start()
+        try:
+            epoch = restart1.decide_epoch(1, Deadline.after(10))  # writer 0's restart's decision, not a give-up
+        finally:
+            thread.join(10)
+        assert decided == [epoch]
+
+
 def test_a_writer_that_waited_its_whole_timeout_names_a_peer_with_no_live_process():
     from weightsync.clock.deadline import Deadline
     from weightsync.meta.client import EmbeddedMetaServer, MetaClient

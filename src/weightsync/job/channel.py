@@ -127,6 +127,7 @@ class JobChannel(Liveness, Board, ReaderWaits, FleetCommit, Epochs):
         #: this process replaced a dead one (registration found an earlier incarnation)
         self.restarted = False
         self._last_joined = -1  # the newest epoch this process joined a try in
+        self._writing = -1  # writer 0: the version it recorded deciding last
         self.lease_seconds = 0.0
         self.host = ""
         self._heartbeat: Heartbeat | None = None

@@ -23,11 +23,12 @@ from weightsync.job.parts import ChannelPart
 
 if TYPE_CHECKING:
     from weightsync.clock.deadline import Deadline
+    from weightsync.ports.coordinator import Holder
 
 
 class VersionSupersededError(TimeoutError):
-    """Writer 0 writes a newer version than the one this writer waits for it to start: it will not
-    start that one again. A TimeoutError, so that every caller that gives a version up when its
+    """Writer 0's live process writes a newer version than the one this writer waits for it to
+    start: it will not start that one again. A TimeoutError, so that every caller that gives a version up when its
     wait for writer 0 ends gives it up on this too, at once instead of at its deadline."""
 
 
@@ -44,9 +45,13 @@ class Epochs(ChannelPart):
     _decided_generation: int
     #: the newest epoch this process joined a try in
     _last_joined: int
+    #: writer 0: the version it recorded deciding last (:func:`~weightsync.job.keys.writing_key`)
+    _writing: int
 
     if TYPE_CHECKING:
         def layout_generation(self) -> int: ...
+
+        def lease_holders(self, *, max_age: float = 0.25) -> dict[tuple[str, int], Holder]: ...
 
     def current_epoch(self) -> int:
         epoch: int = self.meta.counter(epoch_key())
@@ -141,9 +146,9 @@ class Epochs(ChannelPart):
                 if generation:
                     self.meta.put_document(version_layouts_key(version, epoch), str(generation).encode())
                 self.meta.compare_and_set(key, expected=held, value=epoch + 1)
-            writing = int(self.meta.counter(writing_key()))
-            if writing != version + 1:  # after the decision: a writer that sees it finds the decision
-                self.meta.compare_and_set(writing_key(), expected=writing, value=version + 1)
+            if self._writing != version:  # after the decision: a writer that sees it finds the decision
+                self.meta.put_document(writing_key(), f"{self.incarnation} {version}".encode())
+                self._writing = version
             self._decided_generation = generation
             return decided
         oldest = self.min_epoch
@@ -179,12 +184,19 @@ class Epochs(ChannelPart):
             held = int(self.meta.counter(key, at_least=at_least, wait=step))
             if held >= at_least or deadline.expired:
                 return held
-            writing = int(self.meta.counter(writing_key())) - 1
-            if writing > version:
+            writing = self._writer_0_writes()
+            if writing is not None and writing > version:
                 raise VersionSupersededError(
                     f"{self.who}: writer 0 writes version {writing} now, so version {version} is superseded: "
                     "writer 0 will not start it again (this rank's trainer writes an older step than writer 0's, "
                     "as a restarted rank does when it retries its failed step); its next write joins writer 0")
+
+    def _writer_0_writes(self) -> int | None:
+        """The version writer 0's live process decided an epoch for last; None when writer 0 is
+        dead or restarted since (a job restarted from a checkpoint writes older versions again)."""
+        incarnation, _, version = (self.meta.get_document(writing_key()) or b"").decode().partition(" ")
+        holder = self.lease_holders(max_age=0.0).get(("writer", 0)) if version.isdigit() else None
+        return int(version) if holder is not None and holder.incarnation == incarnation else None
 
 
 __all__ = ["Epochs", "VersionSupersededError"]

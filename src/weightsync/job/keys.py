@@ -19,7 +19,7 @@ def version_epoch_key(version: int) -> str:
 
 
 def writing_key() -> str:
-    return "versions/writing"  # a counter: the version writer 0 decided an epoch for last, + 1 (0: none yet)
+    return "versions/writing"  # "<incarnation> <version>": the version writer 0's process decided an epoch for last
 
 
 def joined_key(version: int, epoch: int, rank: int) -> str:
