@@ -11,6 +11,7 @@ for this client and the asyncio one (:mod:`weightsync.meta.etcd.steps`) run thro
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -44,6 +45,11 @@ class EtcdBase(EtcdSettings):
 
     def close(self) -> None:
         self.kv.close()
+
+    def forget_lease(self, lease: int) -> None:
+        """Revoke an etcd lease this client no longer uses, if etcd answers soon (it expires on its own)."""
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            self.kv.revoke(lease, Deadline.after(min(self.timeout, 2.0)))
 
     # -- steps -------------------------------------------------------------------------------------
     def run(self, operation: Steps[T]) -> T:

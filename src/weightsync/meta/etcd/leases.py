@@ -20,7 +20,6 @@ dead up to one election timeout later than its TTL.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -120,7 +119,7 @@ class Leases(EtcdBase):
             old = self._granted.get((role, rank))
             self._granted[(role, rank)] = (holder.incarnation, lease)
         if old is not None:
-            self._forget(old[1])
+            self.forget_lease(old[1])
         return True
 
     def _release(self, role: str, rank: int, held: Holder, record: Row | None) -> None:
@@ -131,11 +130,7 @@ class Leases(EtcdBase):
         with self._granted_lock:
             old = self._granted.pop((role, rank), None)
         if old is not None:
-            self._forget(old[1])
-
-    def _forget(self, lease: int) -> None:
-        with contextlib.suppress(ConnectionError, RuntimeError):  # it expires on its own
-            self.kv.revoke(lease, Deadline.after(min(self.timeout, 2.0)))
+            self.forget_lease(old[1])
 
     def leases(self) -> list[LeaseRow]:
         """Every lease of this job: role, rank, holder, alive (``age`` is 0 while alive, the TTL once dead)."""
