@@ -312,10 +312,15 @@ def test_on_etcd_members_joining_at_once_through_several_clients_each_get_a_seat
 
 
 @pytest.mark.parametrize("coordinator", ["etcd"], indirect=True)
-def test_on_etcd_a_fleet_record_weightsync_did_not_write_is_named(coordinator):
+def test_on_etcd_a_fleet_record_or_lease_weightsync_did_not_write_is_named(coordinator):
     from weightsync.meta.etcd import ops
 
     with coordinator() as c:
+        _fleet(c)  # a member's lease key: named, not read as a dead member
+        c.txn([], [ops.put(c.keys.fleet_alive("reader", 1), b"junk")], what="corrupt it")
+        with pytest.raises(ValueError, match=r"fleet/alive/reader/0000000001' holds a malformed fleet lease"):
+            c.fleet_tick()
+        assert c.fleet_record().record.members[("reader", 1)].live
         c.txn([], [ops.put(c.keys.fleet_record, b"\x93not a record")], what="corrupt it")
         with pytest.raises(ValueError, match=r"fleet/record' holds a malformed fleet record .*only weightsync"):
             c.fleet_record()

@@ -35,13 +35,11 @@ tests pass a ``ManualClock``). Hosts' clocks should agree within a small part of
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from weightsync.clock.deadline import Deadline
 from weightsync.meta import calls, wire
 from weightsync.meta.etcd import ops
 from weightsync.meta.etcd.base import EtcdBase
@@ -79,10 +77,10 @@ class Fleet(EtcdBase):
         try:
             answer, _, seated = self._decide_and_put(join, lease=lease, ttl=period or DEFAULT_TTL)
         except BaseException:
-            self._drop_lease(lease)
+            self.forget_lease(lease)
             raise
         if not seated:  # refused, or a retried join of a member already seated (its lease stands)
-            self._drop_lease(lease)
+            self.forget_lease(lease)
         return answer
 
     def fleet_command(self, command: Command) -> FleetAnswer:
@@ -115,12 +113,11 @@ class Fleet(EtcdBase):
                                             ops.read(self.keys.fleet_alive(), prefix=True))
             current = self._parse(rows, read_revision)
             beats = {row.key: row for row in rows if row.key != self.keys.fleet_record}
-            alive = {key: _alive_of(row) for key, row in beats.items()}
             now = self.clock.now()
             expired = [Expire(m.role, m.id, m.incarnation,
                               "its etcd lease expired: no heartbeat of it reached etcd within its lease period")
                        for m in current.record.members.values()
-                       if m.live and alive.get(self.keys.fleet_alive(m.role, m.id), ("", 0.0))[0] != m.incarnation]
+                       if m.live and _incarnation(beats.get(self.keys.fleet_alive(m.role, m.id))) != m.incarnation]
             record, changes = current.record, 0
             for command in expired:
                 decided = decide(record, command, now)
@@ -219,11 +216,7 @@ class Fleet(EtcdBase):
                              what=f"renew the fleet lease of {role} {id_}")
             if ok:
                 return True
-            self._drop_lease(lease)
-
-    def _drop_lease(self, lease: int) -> None:
-        with contextlib.suppress(ConnectionError, RuntimeError):  # it expires on its own
-            self.kv.revoke(lease, Deadline.after(min(self.timeout, 2.0)))
+            self.forget_lease(lease)
 
 
 def _etcd_ttl(seconds: float) -> int:
@@ -236,12 +229,22 @@ def _pack_alive(incarnation: str, ttl: float) -> bytes:
 
 
 def _alive_of(row: Row) -> tuple[str, float]:
-    """(incarnation, lease period) of an alive key; a value weightsync did not write names no one."""
+    """(incarnation, lease period) of an alive key.
+
+    Raises:
+        ValueError: the key holds something weightsync did not write (named).
+    """
     try:
         doc = wire.unpack(row.value)
         return str(doc["incarnation"]), float(doc["ttl"])
-    except (ValueError, KeyError, TypeError):
-        return "", 0.0
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"etcd key {row.key!r} holds a malformed fleet lease ({exc!r}); only weightsync may write "
+                         "there") from None
+
+
+def _incarnation(row: Row | None) -> str:
+    """Whose etcd lease an alive key is ("" once etcd deleted it)."""
+    return "" if row is None else _alive_of(row)[0]
 
 
 __all__ = ["Fleet"]
