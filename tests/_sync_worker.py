@@ -207,6 +207,10 @@ def main() -> None:
                 if args.get("die_at") == version:
                     writer.session.plan(Deadline.after(sync.timeout))
                     die_mid_transfer(writer, args.get("die_how", "exit"))
+                if args.get("die_connecting") == version:  # it joined the version's epoch, then died
+                    writer.session.plan(Deadline.after(sync.timeout))  # before its transport connected there
+                    how = args.get("die_how", "SIGKILL")
+                    writer.session.arm = lambda *_, **__: die(how)  # type: ignore[method-assign]
                 retries = args.get("retries", 0)  # a number, or {version: number}
                 retries = retries.get(str(version), 0) if isinstance(retries, dict) else retries
                 for _ in range(1 + retries):  # a trainer may write a failed version again

@@ -60,6 +60,8 @@ class FakeChannel:
     def __init__(self, role: str = "writer", rank: int = 0, *, lease_seconds: float = 0.0) -> None:
         self.role, self.rank, self.lease_seconds = role, rank, lease_seconds
         self.dead: dict[int, str] = {}
+        #: dead writers whose restart took their seat in every epoch (writer_out_of_epoch: on its way)
+        self.seated: set[int] = set()
         self.epoch = 0  # the job's epoch, as current_epoch() answers it
         self._endpoints: dict[tuple[str, int, str, int], object] = {}
 
@@ -80,6 +82,13 @@ class FakeChannel:
 
     def lease_holders(self, *, max_age=0.25) -> dict:
         return {}
+
+    def writer_out_of_epoch(self, epoch, rank) -> str | None:
+        """A writer the test declared dead (on a reader's channel) is out of every epoch: the
+        fake has no seats, so its restart never takes one the test did not give it."""
+        if self.role == "writer" or rank not in self.dead or rank in self.seated:
+            return None
+        return f"it has no live process ({self.dead[rank]}) and never joined epoch {epoch}"
 
     def current_epoch(self) -> int:
         return self.epoch

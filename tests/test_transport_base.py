@@ -251,8 +251,10 @@ def test_a_reader_whose_lease_ended_before_it_published_its_endpoint_is_named_wi
     """A reader that died (or stalled past its lease, or left) before it published its endpoint of
     the epoch never will: no version waits for a reader's restart. A writer waiting for it (NIXL
     push) used to wait until the deadline, naming no rank; it names the reader at its next look
-    at the leases. A live reader that is late is still waited for; so is a dead writer (its
-    restart may join the version's epoch), and without leases the wait is the deadline's."""
+    at the leases. A live reader that is late is still waited for. A dead writer used to be
+    waited for too (its restart might join the version's epoch): it is named once it is out of
+    the epoch, and only a restart that took its seat there first is waited for. Without leases
+    the wait is the deadline's."""
     import time
 
     from weightsync.transport import TransportError
@@ -276,7 +278,14 @@ def test_a_reader_whose_lease_ended_before_it_published_its_endpoint_is_named_wi
         peer_endpoint(ctx, NixlEndpoint, 4, "reader", 0, deadline=Deadline.after(10.0))
     assert time.monotonic() - started < 1.5
     reader_side = TransportContext(channel=Blocking("reader", 0, lease_seconds=3.0), num_writers=1, num_readers=1)
-    reader_side.channel.dead[0] = "its lease expired"  # writer 0: waited for, its restart may come
+    reader_side.channel.dead[0] = "its lease expired"  # writer 0, dead before it published: out of the epoch
+    started = time.monotonic()
+    with pytest.raises(TransportError, match=r"reader 0: writer 0 died while this rank waited for its nixl endpoint "
+                                             r"of epoch 4: it has no live process \(its lease expired\) and never "
+                                             "joined epoch 4"):
+        peer_endpoint(reader_side, NixlEndpoint, 4, "writer", 0, deadline=Deadline.after(10.0))
+    assert time.monotonic() - started < 1.5
+    reader_side.channel.seated.add(0)  # its restart took its seat in the epoch first: waited for
     assert peer_endpoint(reader_side, NixlEndpoint, 4, "writer", 0, deadline=Deadline.after(0.6)) is None
     unleased = TransportContext(channel=Blocking("writer", 0), num_writers=1, num_readers=1)
     unleased.channel.dead[0] = "gone"

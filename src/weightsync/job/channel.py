@@ -46,10 +46,8 @@ from weightsync.job.board import Board
 from weightsync.job.epochs import Epochs
 from weightsync.job.fleet_commit import FleetCommit
 from weightsync.job.keys import (
-    joined_key,
     layout_key,
     layouts_key,
-    min_epoch_key,
     model_key,
     tensor_table_key,
     version_layouts_key,
@@ -365,32 +363,18 @@ class JobChannel(Liveness, Board, ReaderWaits, FleetCommit, Epochs):
                                        for r, why in sorted(absent.items())) + ")")
 
     def _gone_from_try(self, version: int, epoch: int, writers: Sequence[int]) -> dict[int, str]:
-        """Writers of ``writers`` that will never publish ``version`` in ``epoch``: rank -> why.
-
-        The process that joined the try (:meth:`decide_epoch` leaves its mark) died, or a
-        restarted one holds the rank now (which never joins the epoch its predecessor joined);
-        or the process holding the rank takes part only in later epochs (it restarted, or saw
-        an epoch fail, after writer 0 decided this one). A writer that died *before* it joined
-        is not gone: its restart may still join this try, so a wait for it ends only at the
-        deadline (giving up earlier would leave the restart completing the version alone).
-        """
+        """Writers of ``writers`` that will never publish ``version`` in ``epoch``: rank -> why
+        (:meth:`writer_out_of_epoch`): the process that took its seat in the epoch died or was
+        replaced; it had no live process and was closed out of the epoch (its restart joins a
+        later one); or its live process takes part only in later epochs (it restarted, or saw an
+        epoch fail, after writer 0 decided this one)."""
         rows = self._leases(0.0)
         gone = {}
         for r in writers:
             row = rows.get(("writer", r))
             if row is None:
                 continue  # no leases in this job: liveness is the transports' business
-            mark = self.meta.get_document(joined_key(version, epoch, r))
-            if mark is not None:
-                if not row.alive or row.incarnation != mark.decode():
-                    gone[r] = (f"the process that joined it died ({row.detail})" if row.incarnation == mark.decode()
-                               else f"the process that joined it is gone: a restarted one holds the rank now "
-                                    f"({row.detail})")
-                continue
-            record = self.meta.get_document(min_epoch_key("writer", r))
-            if row.alive and record is not None:
-                incarnation, _, oldest = record.decode().partition(" ")
-                if incarnation == row.incarnation and int(oldest) > epoch:
-                    gone[r] = (f"its process ({row.detail}) takes part only in epoch {oldest} or later (it restarted, "
-                               "or saw an epoch fail, after writer 0 decided this one)")
+            why = self._out_of_epoch(epoch, r, row)
+            if why is not None:
+                gone[r] = why
         return gone

@@ -4,17 +4,30 @@ restarted or failed rank may join. :class:`~weightsync.job.channel.JobChannel` i
 An epoch numbers the job's connections: a failure or a restart moves the job to the next one,
 and no rank joins an epoch whose connections may include a process that is gone (its floor,
 ``min_epoch``). docs/faults.md tells the rules; the fleet record (docs/fleet.md) is to replace them.
+
+**Seats.** Each writer has one seat per epoch, a counter on the coordinator: *open*, *taken* by
+the process that joined a try there (its :func:`seat_mark`), *closed* by a peer, or *left* by the
+writer itself. Taking and closing are each one compare-and-set from open, so of a dead writer's
+restart taking its seat and a peer closing it out of the epoch (the writer had no live process
+when the peer waited for it) exactly one wins: either the restart is in the epoch and is waited
+for, or the epoch fails at once, naming the dead writer, and its restart takes part from a later
+epoch. No rank waits for a dead writer's possible restart until its timeout (issue 36). A writer
+whose floor rises past epochs (it saw one fail, or it restarted) leaves its seats below the
+floor, so a peer waiting for it there stops at once. The seat is the one record of who is in an
+epoch: it replaced the per-version "joined" marks and the ``floors/`` documents.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import time
 from typing import TYPE_CHECKING
 
 from weightsync.job.keys import (
     epoch_key,
-    joined_key,
     last_joined_key,
-    min_epoch_key,
+    seat_key,
     version_epoch_key,
     version_layouts_key,
     writing_key,
@@ -22,8 +35,29 @@ from weightsync.job.keys import (
 from weightsync.job.parts import ChannelPart
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
+
     from weightsync.clock.deadline import Deadline
+    from weightsync.plan.ops import Role
     from weightsync.ports.coordinator import Holder
+    from weightsync.ports.records import LeaseRow
+
+logger = logging.getLogger("weightsync.job.channel")
+
+#: a writer's seat in an epoch (:func:`~weightsync.job.keys.seat_key`) before anyone took or closed it
+SEAT_OPEN = 0
+#: the seat of a writer closed out of the epoch: it had no live process when a peer waited for it
+SEAT_CLOSED = 1
+#: the seat of a writer that left the epoch: it saw it fail, or restarted, before it joined a try there
+SEAT_LEFT = 2
+#: how many epochs below its new floor a writer leaves its seats in (older ones are long decided)
+LEAVE_WINDOW = 16
+
+
+def seat_mark(incarnation: str) -> int:
+    """The value of a seat taken by the process ``incarnation``: 56 bits of its hash, above the
+    three reserved values (a counter holds an int, not the incarnation's text)."""
+    return 3 + int.from_bytes(hashlib.blake2b(incarnation.encode(), digest_size=7).digest(), "big")
 
 
 class VersionSupersededError(TimeoutError):
@@ -53,6 +87,12 @@ class Epochs(ChannelPart):
 
         def lease_holders(self, *, max_age: float = 0.25) -> dict[tuple[str, int], Holder]: ...
 
+        def dead_peers(self, role: Role, ranks: Iterable[int], *, max_age: float = 0.25,
+                       known: Mapping[tuple[str, int], Holder] | None = None,
+                       departed: bool = True) -> dict[int, str]: ...
+
+        def _leases(self, max_age: float) -> dict[tuple[str, int], LeaseRow]: ...
+
     def current_epoch(self) -> int:
         epoch: int = self.meta.counter(epoch_key())
         return epoch
@@ -63,8 +103,8 @@ class Epochs(ChannelPart):
         moves it back. Returns the job's epoch now."""
         epoch = self._advance(seen)
         if epoch > self.min_epoch:
-            self.min_epoch = epoch
-            self._publish_min_epoch()
+            old, self.min_epoch = self.min_epoch, epoch
+            self._leave_epochs(old, epoch)
         return epoch
 
     def _advance(self, seen: int) -> int:
@@ -85,7 +125,7 @@ class Epochs(ChannelPart):
         seen = self.current_epoch()
         self._advance(seen)
         self.restarted, self.min_epoch = True, min(seen, self._after_predecessor(seen))
-        self._publish_min_epoch()
+        self._leave_epochs(0, self.min_epoch)
 
     def _after_predecessor(self, seen: int) -> int:
         """The epoch after the newest one this rank's dead predecessor joined (writers; else ``seen``)."""
@@ -97,20 +137,89 @@ class Epochs(ChannelPart):
             return seen
         return int(epoch) + 1
 
-    def _mark_joined(self, version: int, epoch: int) -> None:
-        """This process's mark on the try (:meth:`decide_epoch`), and its newest epoch (:meth:`rejoin`)."""
-        self.meta.put_document(joined_key(version, epoch, self.rank), self.incarnation.encode())
+    def _take_seat(self, epoch: int) -> bool:
+        """Take this writer's seat in ``epoch`` (it joins a try there, see module docstring): True
+        if this process holds it now; False if its dead predecessor took it or a peer closed it
+        out of the epoch, and it must wait for a try in a later one. Records the newest epoch this
+        process joined (:meth:`rejoin`)."""
+        mine = seat_mark(self.incarnation)
+        done, held = self.meta.compare_and_set(seat_key(epoch, self.rank), expected=SEAT_OPEN, value=mine)
+        if not done and int(held) != mine:
+            return False
         if epoch > self._last_joined:
             self.meta.put_document(last_joined_key(self.rank), f"{self.incarnation} {epoch}".encode())
             self._last_joined = epoch
+        return True
 
-    def _publish_min_epoch(self) -> None:
-        """Say which epochs this process still takes part in, so that a writer waiting for it to
-        publish in an older one stops waiting (:meth:`wait_readers`)."""
-        if self.role == "writer":
-            self.meta.put_document(min_epoch_key(self.role, self.rank), f"{self.incarnation} {self.min_epoch}".encode())
+    def writer_out_of_epoch(self, epoch: int, rank: int) -> str | None:
+        """Why writer ``rank`` will never take part in ``epoch``, or None while it still may.
 
-    def decide_epoch(self, version: int, deadline: Deadline) -> int:
+        A writer with no live process that has not taken its seat there is closed out of the epoch
+        now (module docstring): a transport or a writer waiting for it then fails the epoch at
+        once, naming it, instead of waiting for a restart that, since the seat is closed, joins
+        only a later epoch. Without leases (none in the job) None: liveness is then the
+        transports' business."""
+        row = self._leases(0.0).get(("writer", rank))
+        return None if row is None else self._out_of_epoch(epoch, rank, row)
+
+    def _out_of_epoch(self, epoch: int, rank: int, row: LeaseRow) -> str | None:
+        """:meth:`writer_out_of_epoch` for the lease ``row`` read of writer ``rank``."""
+        key = seat_key(epoch, rank)
+        held = int(self.meta.counter(key))
+        if held == SEAT_OPEN and not row.alive:
+            closed, held = self.meta.compare_and_set(key, expected=SEAT_OPEN, value=SEAT_CLOSED)
+            held = int(held)
+            if closed:
+                logger.info("%s: writer %d is out of epoch %d: no live process (%s)", self.who, rank, epoch, row.detail)
+                return (f"it has no live process ({row.detail}) and never joined epoch {epoch}: it is out of that "
+                        "epoch, and its restart takes part from a later one")
+        if held == SEAT_CLOSED:
+            return (f"it was closed out of epoch {epoch}: it had no live process before it joined a try there "
+                    f"(now: {row.detail})")
+        if held == SEAT_LEFT:
+            return (f"its process ({row.detail}) left epoch {epoch}: it takes part only in later epochs (it saw an "
+                    "epoch fail, or restarted, after writer 0 decided this one)")
+        if held != SEAT_OPEN:
+            if not row.alive:
+                return f"the process that joined it died ({row.detail})"
+            if held != seat_mark(row.incarnation):
+                return f"the process that joined it is gone: a restarted one holds the rank now ({row.detail})"
+        return None
+
+    def _wait_writers_live(self, writers: int, version: int, deadline: Deadline) -> None:
+        """Writer 0 starts a version only once every writer has a live process (a fixed set of
+        writers: a try without one of them could never be published). Waits for a dead writer's
+        restart until ``deadline``, naming it in the log at once and in the error at the end."""
+        if self.lease_seconds <= 0 or writers <= 1:
+            return
+        said = False
+        while True:
+            dead = self.dead_peers("writer", range(1, writers), max_age=0.0)
+            if not dead:
+                return
+            missing = "; ".join(f"writer {r}: {why}" for r, why in sorted(dead.items()))
+            if deadline.expired:
+                raise TimeoutError(f"{self.who}: version {version} was not started: a writer has no live process "
+                                   f"and no restart of it came in time ({missing})")
+            if not said:
+                logger.warning("%s: version %d waits for a writer's restart (%s)", self.who, version, missing)
+                said = True
+            time.sleep(min(deadline.remaining(0.0), max(self.lease_seconds / 4, 0.05)))
+
+    def _leave_epochs(self, first: int, last: int) -> None:
+        """This writer takes part in no epoch below ``last`` any more: leave its seats in
+        ``first..last-1`` (the newest :data:`LEAVE_WINDOW` of them), open or taken by this process,
+        so that a peer waiting for it there stops at once (:meth:`writer_out_of_epoch`)."""
+        if self.role != "writer":
+            return
+        mine = seat_mark(self.incarnation)
+        for epoch in range(max(first, last - LEAVE_WINDOW), last):
+            key = seat_key(epoch, self.rank)
+            done, held = self.meta.compare_and_set(key, expected=SEAT_OPEN, value=SEAT_LEFT)
+            if not done and int(held) == mine:
+                self.meta.compare_and_set(key, expected=mine, value=SEAT_LEFT)
+
+    def decide_epoch(self, version: int, deadline: Deadline, *, writers: int = 0) -> int:
         """Writer 0 fixes the epoch each try of ``version`` is written in; the other writers wait
         for a decision no older than their :attr:`min_epoch`.
 
@@ -119,10 +228,12 @@ class Epochs(ChannelPart):
         that failed a version, or restarted, never joins the epoch it saw fail (whose
         connections include dead processes) but waits for writer 0's next decision.
 
-        A restarted writer (:attr:`restarted`) joins a version in an epoch from its floor on
-        (:meth:`rejoin`), unless its dead predecessor joined the version in that very epoch (each
-        writer leaves a "joined" mark): so an epoch writer 0 decided just before the restarted
-        rank advanced the job's epoch still completes.
+        Every writer takes its seat in the epoch it joins (module docstring). A restarted writer
+        joins a version in an epoch from its floor on (:meth:`rejoin`), unless its dead
+        predecessor took its seat there or a peer closed it out: so an epoch writer 0 decided just
+        before the restarted rank advanced the job's epoch still completes, and one the peers gave
+        up on it is never joined. With ``writers`` (the job's count), writer 0 first waits for every
+        writer to have a live process (:meth:`_wait_writers_live`).
 
         A writer waiting for writer 0 to start ``version`` stops as soon as writer 0 started a
         newer one (a restarted rank's trainer writing its failed step again while writer 0's went
@@ -134,14 +245,16 @@ class Epochs(ChannelPart):
         """
         key = version_epoch_key(version)  # a counter holding the decided epoch + 1 (0: undecided)
         if self.role == "writer" and self.rank == 0:
+            self._wait_writers_live(writers, version, deadline)
             generation = self.layout_generation()
             epoch = max(self.current_epoch(), self.min_epoch)
             if generation != self._decided_generation:  # a rank's layout changed: every rank re-plans,
                 epoch = max(self.advance_epoch(epoch), epoch)  # and its transport connects anew
             held = int(self.meta.counter(key))
             decided = max(epoch, held - 1)
-            # marked before the decision is visible, so a peer never sees it without the mark
-            self._mark_joined(version, decided)
+            # seated before the decision is visible, so a peer never sees it without the seat
+            while not self._take_seat(decided):  # a dead predecessor's epoch: decide a later one
+                epoch = decided = max(self.advance_epoch(decided), decided + 1)
             if held < epoch + 1:  # only writer 0 sets it
                 if generation:
                     self.meta.put_document(version_layouts_key(version, epoch), str(generation).encode())
@@ -158,11 +271,9 @@ class Epochs(ChannelPart):
                 raise TimeoutError(f"{self.who}: writer 0 did not start version {version} in epoch {oldest} or "
                                    "later in time" + (f" (it decided epoch {held - 1}, before this writer joined "
                                                       "or failed)" if held else ""))
-            joined = joined_key(version, held - 1, self.rank)
-            if self.restarted and self.meta.get_document(joined) is not None:
-                oldest = held  # this rank's dead predecessor joined the version in that epoch: wait for the next
+            if not self._take_seat(held - 1):
+                oldest = held  # its dead predecessor took its seat there, or it was closed out: wait for the next
                 continue
-            self._mark_joined(version, held - 1)
             return held - 1
 
     def version_started(self, version: int, deadline: Deadline) -> bool:

@@ -22,8 +22,11 @@ def writing_key() -> str:
     return "versions/writing"  # "<incarnation> <version>": the version writer 0's process decided an epoch for last
 
 
-def joined_key(version: int, epoch: int, rank: int) -> str:
-    return f"versions/{version}/joined/{epoch}/writer{rank}"  # a writer took part in the version in this epoch
+def seat_key(epoch: int, rank: int) -> str:
+    # a counter: writer ``rank``'s seat in the epoch: 0 open, 1 closed (it had no live process before it
+    # joined a try there), 2 left (it saw the epoch fail, or restarted), else the mark of the process that
+    # joined a try there (``epochs.seat_mark``)
+    return f"seats/{epoch}/writer{rank}"
 
 
 def layouts_key() -> str:
@@ -59,11 +62,6 @@ def last_joined_key(rank: int) -> str:
     # "<incarnation> <epoch>": the newest epoch writer ``rank``'s process joined a try in (it joins
     # before it connects, so no connection of a later epoch includes that process)
     return f"joins/writer{rank}"
-
-
-def min_epoch_key(role: Role, rank: int) -> str:
-    # "<incarnation> <min_epoch>": the oldest epoch that process takes part in (the path keeps its old name)
-    return f"floors/{role}{rank}"
 
 
 def model_key(digest: str) -> str:

@@ -76,6 +76,11 @@ class TransportChannel(Protocol):
     def lease_holders(self, *, max_age: float = 0.25) -> dict[tuple[str, int], Holder]:
         """Who holds each live lease now (empty without leases)."""
 
+    def writer_out_of_epoch(self, epoch: int, rank: int) -> str | None:
+        """Why writer ``rank`` will never take part in ``epoch`` (None while it may): a writer
+        with no live process that had not joined the epoch is closed out of it by this call, so
+        that its restart joins a later epoch and no rank waits for it (``weightsync.job.epochs``)."""
+
     def current_epoch(self) -> int:
         """The job's epoch now: past a transport's own when the job re-planned since it connected
         (a rank restarted, a reader joined or left), so that a peer's retired memory or

@@ -7,9 +7,8 @@
 ``update`` waits for a version newer than the one applied (through the job channel,
 :mod:`weightsync.job.channel`), checks that the writers' sync fingerprint equals its own (same
 plan, transport and settings), receives exactly its ops, lets the engine apply them and
-reports the version to the meta server. A version is
-reported applied only after every op arrived. If anything fails, the engine is told
-(``abort``), the failure is reported with what it left, and ``update`` raises
+reports the version to the meta server, only once every op arrived. If anything fails, the
+engine is told (``abort``), the failure is reported with what it left, and ``update`` raises
 :class:`SyncError` naming the version, the peer and the tensors; the next ``update``
 (for a newer version) starts clean.
 
@@ -453,6 +452,8 @@ class WeightReader:
         self._failed, self._failed_epoch = published.version, published.epoch
         self.engine.abort(published.version, exc)
         self._applied = self.engine.weight_version  # None if the failure left it invalid
+        if self.session.planned is not None:  # a writer holding memory for it stops waiting for this reader
+            self.session.planned.transport.abandon(published.version)
         self.session.disarm()
         channel = self.session.channel
         channel.advance_epoch(published.epoch)

@@ -171,7 +171,7 @@ class WeightWriter:
                 deadline = self._once_writer_0_started(channel, version, deadline, budget)
             if session.elastic and self.rank == 0:  # readers that left are planned no more
                 channel.drop_departed_readers(deadline=deadline)
-            epoch = channel.decide_epoch(version, deadline)
+            epoch = channel.decide_epoch(version, deadline, writers=self.config.num_writers)
             # a reader's layout changed (its engine's EPLB placement): plan the version at the
             # layout generation writer 0 recorded for it, as every writer does
             if session.follow_generation(channel.version_generation(version, epoch), deadline):

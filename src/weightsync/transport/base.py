@@ -272,6 +272,11 @@ class Transport(Protocol):
         (their version changed outside the reader), so the next receive builds on nothing it
         received before (with deltas: it is full). A no-op where nothing is kept."""
 
+    def abandon(self, version: int) -> None:
+        """Reader: it gave ``version`` up (a peer died, a check failed) wherever it failed, in
+        its bind too: a writer that holds memory until its readers are done with the version
+        (shared-memory zero-copy) need not wait for this one. A no-op where no writer waits so."""
+
     def close(self) -> None: ...
 
 
@@ -427,6 +432,9 @@ class TransportBase:
         self.epoch: int | None = None
         #: how many phases the bound plan was cut into
         self.phase_count = 0
+
+    def abandon(self, version: int) -> None:
+        """See :meth:`Transport.abandon` (no writer of this transport waits for its readers so)."""
 
     def prepare(self, plan: Plan, tensors: Mapping[str, torch.Tensor], *, epoch: int, deadline: Deadline,
                 phases: Sequence[Plan] | None = None) -> None:

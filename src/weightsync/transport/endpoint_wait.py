@@ -5,9 +5,12 @@ epoch. A *reader* that died, stalled past its lease or left before it published 
 version waits for a reader's restart, which registers anew and moves the job to a later epoch.
 So the wait asks the leases between slices of at most half a second and names such a reader
 within about a second of its lease's end, instead of at the deadline (a NIXL push writer
-waiting for a killed reader's metadata). A *writer* that is dead and did not publish is waited
-for until the deadline, which names it: its restart may still join the version's epoch and
-write the version (the rule of the torch rendezvous and of ``JobChannel._gone_from_try``).
+waiting for a killed reader's metadata). A *writer* that is dead and did not publish is named
+as soon as it is out of the epoch (``channel.writer_out_of_epoch``, which closes its seat there
+when no restart took it first; the rule of the torch rendezvous and of
+``JobChannel._gone_from_try``): its restart joins a later epoch. A restart that took the seat
+first is waited for. Before, such a writer was waited for until the deadline (issue 36: a
+stopped NIXL writer named only at the 15 s timeout).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def peer_endpoint(ctx: TransportContext, kind: type[E], epoch: int, role: Role, 
         TransportError: the peer published a malformed one (named, with the field), or it is a
             reader whose lease ended while this rank waited (named, with what the leases say).
     """
-    watch = PeerWatch(ctx, role, [rank]) if ctx.channel.lease_seconds > 0 and role == "reader" else None
+    watch = PeerWatch(ctx, role, [rank]) if ctx.channel.lease_seconds > 0 else None
     while True:
         step = deadline if watch is None else Deadline.after(min(deadline.remaining(0.0), LOOK_EVERY))
         try:
@@ -46,6 +49,9 @@ def peer_endpoint(ctx: TransportContext, kind: type[E], epoch: int, role: Role, 
         if endpoint is not None or deadline.expired or watch is None:
             return endpoint
         dead = watch.dead(max_age=0.0)
+        if dead and role == "writer":  # out of the epoch, or a restart on its way (it took the seat)
+            out = ctx.channel.writer_out_of_epoch(epoch, rank)
+            dead = {rank: out} if out is not None else {}
         if dead:
             raise TransportError(watch.died(dead, f"its {kind.transport} endpoint of epoch {epoch}"))
         time.sleep(min(step.remaining(0.0), LOOK_EVERY))  # a channel that answered before its slice ended

@@ -175,6 +175,10 @@ class RoutedTransport(TransportBase):
         for sub in self._subs.values():
             sub.forget_received()
 
+    def abandon(self, version: int) -> None:
+        for sub in self._subs.values():
+            sub.abandon(version)
+
     def close(self) -> None:
         for sub in self._subs.values():
             sub.close()

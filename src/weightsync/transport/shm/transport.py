@@ -302,6 +302,14 @@ class SharedMemoryTransport(TransportBase):
             stats.peak_extra_bytes = self._changes.extra_bytes()
         return stats
 
+    def abandon(self, version: int) -> None:
+        """Tell every writer this reader maps that it is done with ``version`` (a zero-copy writer
+        holds its weights until then): it gave the version up, maybe before it mapped them all
+        (issue 36's probe: a writer dead before it exposed its memory failed the bind, and the
+        other writers waited for this reader until their timeout)."""
+        for peer in self._peers.values():
+            peer.release(version)
+
     def forget_received(self) -> None:
         if self._changes is not None:
             self._changes.forget()

@@ -167,14 +167,14 @@ class TorchDistBase(TransportBase):
         why one does not: a dead rank costs the whole timeout there. Once everyone is here it
         completes at once (a rank that dies in between is the only case left to its timeout).
 
-        A *writer* that is dead but never arrived is waited for until the deadline, which then
-        names it: its restart may still come to this epoch and write the version (seen: writer 1
-        died in version 1, writer 0 gave version 2 up at once because writer 1's lease had
-        expired, and the restart that came a second later then waited for a version 2 no one
-        would write). A dead *reader* is named at once, arrived or not (within about a second of
-        its lease's end): no version waits for a reader's restart, which registers anew and
-        moves the job to a new epoch, and the version fails on every other rank then, not at
-        the deadline.
+        A dead *reader* is named at once, arrived or not (within about a second of its lease's
+        end): no version waits for a reader's restart, which registers anew and moves the job to
+        a new epoch. A dead *writer* that arrived is named at once too; one that did not arrive
+        is named once it is out of the epoch (``channel.writer_out_of_epoch``: it had no live
+        process and never took its seat there, which this closes, or the process that took it
+        is gone), so its restart joins a later epoch instead of this one; a restart that took
+        the seat first is waited for. Before, a dead writer that never arrived was waited for
+        until the deadline (issue 36: 15 s on torch for one of two kills).
 
         Each rank arrives once per epoch. A second arrival of the same rank is a restarted
         process coming to an epoch whose group formed (or is forming) with its earlier
@@ -199,13 +199,18 @@ class TorchDistBase(TransportBase):
                                          f"group of epoch {epoch} in time{missing}")
                 if time.monotonic() >= look:  # as PeerWatch.check, every half second
                     look = time.monotonic() + 0.5
-                    for watch, first, waits in zip(watches, (0, ctx.num_writers), (True, False), strict=True):
-                        # a writer only once it arrived: a dead one that did not may still be replaced
-                        dead = {r: why for r, why in watch.dead().items()
-                                if not waits or store.add(f"arrived/{first + r}", 0)}
+                    for watch in watches:
+                        dead = watch.dead()
                         if dead:  # leases read after the arrivals: cached ones would show a restart that
                             # registered and arrived since as its dead predecessor
                             dead = {r: why for r, why in watch.dead(max_age=0.0).items() if r in dead}
+                        if watch.role == "writer":
+                            gone = self._writers_gone(store, epoch, dead)
+                            for r, why in sorted(gone.items()):
+                                if r not in dead:  # alive, but it left the epoch
+                                    raise TransportError(f"{ctx.who}: writer {r} will not come to the process group "
+                                                         f"of epoch {epoch}: {why}")
+                            dead = gone
                         if dead:
                             raise TransportError(watch.died(dead, what))
                 time.sleep(pause)
@@ -216,6 +221,20 @@ class TorchDistBase(TransportBase):
         except RuntimeError as exc:  # the store's host (writer 0) is gone
             raise TransportError(f"{ctx.who}: the rendezvous of epoch {epoch} failed while waiting for {what}"
                                  f"{PeerWatch(ctx, 'writer', [0]).describe()}: {exc}") from exc
+
+    def _writers_gone(self, store: dist.Store, epoch: int, dead: dict[int, str]) -> dict[int, str]:
+        """The writers this epoch will never have: each that arrived and whose lease says dead
+        (``dead``: its process is gone), and each that did not arrive and is out of the epoch (it
+        died before it took its seat there, or its process left the epoch: it saw one fail, or
+        restarted, after writer 0 decided this one). A restart that took the seat first is on its way."""
+        gone = {}
+        for r in range(self.ctx.num_writers):
+            if store.add(f"arrived/{r}", 0):
+                if r in dead:
+                    gone[r] = dead[r]
+            elif (out := self.ctx.channel.writer_out_of_epoch(epoch, r)) is not None:
+                gone[r] = out
+        return gone
 
     def _form_group(self, epoch: int, deadline: Deadline) -> Any:
         raise NotImplementedError
