@@ -344,3 +344,49 @@ def test_a_job_restarted_from_an_older_checkpoint_waits_for_writer_0s_restart_no
         assert decided == [epoch]
 
 
+
+
+def test_writer_0_retrying_a_version_the_others_went_past_gives_it_up_at_once():
+    """Writer 0's trainer writes a failed version again while writer 1's went on to the next
+    (a restarted rank resumes at a later step): each waited for the other until its timeout.
+    Writer 0 now gives the older version up: at once when it retries and writer 1 already waits
+    for the newer one, else within half a lease of its waits (publishes, rendezvous), and its next
+    write joins writer 1's version."""
+    import threading
+
+    from weightsync.clock.deadline import Deadline
+    from weightsync.job.epochs import VersionSupersededError
+    from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+    from weightsync.ports.coordinator import PeerDiedError
+
+    with EmbeddedMetaServer() as server, MetaClient(server.address, token=server.token) as meta:
+        writer0, writer1 = _writers(meta)
+        writer0.lease_seconds = 0.5
+        first = writer0.decide_epoch(1, Deadline.after(5))
+        assert writer1.decide_epoch(1, Deadline.after(5)) == first
+        writer0.advance_epoch(first)  # both failed version 1
+        writer1.advance_epoch(first)
+        retry = writer0.decide_epoch(1, Deadline.after(5), writers=2)  # writer 1 has not gone on yet
+        decided: list[int] = []
+        thread = threading.Thread(target=lambda: decided.append(writer1.decide_epoch(2, Deadline.after(10))))
+        thread.start()  # writer 1's trainer went on to version 2: it waits for writer 0 to start it
+        try:
+            time.sleep(0.3)  # writer 1 records what it writes before it waits
+            for channel in (writer0, writer1):  # no heartbeat threads here: renewed by hand
+                channel.renew_lease()
+            started = time.monotonic()
+            with pytest.raises(PeerDiedError, match=rf"writer 1 cannot publish its part of version 1 in epoch {retry}: "
+                                                    "it writes version 2 now, so version 1 is superseded"):
+                writer0.wait_readers(min_version=1, readers=0, deadline=Deadline.after(10), epoch=retry, writers=2)
+            assert time.monotonic() - started < 2.0
+            assert "superseded" in (writer0.writer_out_of_epoch(retry, 1) or "")  # the transports' question
+            writer0.advance_epoch(retry)
+            for channel in (writer0, writer1):
+                channel.renew_lease()
+            with pytest.raises(VersionSupersededError, match="writer 0: writer 1 writes version 2 now, so version 1 "
+                                                             "is superseded"):
+                writer0.decide_epoch(1, Deadline.after(5), writers=2)  # its trainer tries once more: at once
+            epoch = writer0.decide_epoch(2, Deadline.after(5), writers=2)
+        finally:
+            thread.join(10)
+        assert decided == [epoch]

@@ -366,15 +366,15 @@ class JobChannel(Liveness, Board, ReaderWaits, FleetCommit, Epochs):
         """Writers of ``writers`` that will never publish ``version`` in ``epoch``: rank -> why
         (:meth:`writer_out_of_epoch`): the process that took its seat in the epoch died or was
         replaced; it had no live process and was closed out of the epoch (its restart joins a
-        later one); or its live process takes part only in later epochs (it restarted, or saw an
-        epoch fail, after writer 0 decided this one)."""
+        later one); its live process takes part only in later epochs (it restarted, or saw an
+        epoch fail, after writer 0 decided this one); or its trainer went on to a newer version."""
         rows = self._leases(0.0)
         gone = {}
         for r in writers:
             row = rows.get(("writer", r))
             if row is None:
                 continue  # no leases in this job: liveness is the transports' business
-            why = self._out_of_epoch(epoch, r, row)
+            why = self._out_of_epoch(epoch, r, row, version if self.role == "writer" else None)
             if why is not None:
                 gone[r] = why
         return gone

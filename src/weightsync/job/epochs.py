@@ -79,7 +79,7 @@ class Epochs(ChannelPart):
     _decided_generation: int
     #: the newest epoch this process joined a try in
     _last_joined: int
-    #: writer 0: the version it recorded deciding last (:func:`~weightsync.job.keys.writing_key`)
+    #: the version this writer recorded writing last (:func:`~weightsync.job.keys.writing_key`)
     _writing: int
 
     if TYPE_CHECKING:
@@ -160,10 +160,19 @@ class Epochs(ChannelPart):
         only a later epoch. Without leases (none in the job) None: liveness is then the
         transports' business."""
         row = self._leases(0.0).get(("writer", rank))
-        return None if row is None else self._out_of_epoch(epoch, rank, row)
+        writing = self._writing if self.role == "writer" and self.rank == 0 and self._writing >= 0 else None
+        return None if row is None else self._out_of_epoch(epoch, rank, row, writing)
 
-    def _out_of_epoch(self, epoch: int, rank: int, row: LeaseRow) -> str | None:
-        """:meth:`writer_out_of_epoch` for the lease ``row`` read of writer ``rank``."""
+    def _out_of_epoch(self, epoch: int, rank: int, row: LeaseRow, version: int | None = None) -> str | None:
+        """:meth:`writer_out_of_epoch` for the lease ``row`` read of writer ``rank``; with ``version``
+        (writer 0, waiting for that version's try) also a writer whose trainer went on to a newer
+        version: it will never write this one, and writer 0 gives it up (its next write joins)."""
+        if version is not None:
+            ahead = self._writes(rank, row)
+            if ahead is not None and ahead > version:
+                return (f"it writes version {ahead} now, so version {version} is superseded (this rank's trainer "
+                        f"writes an older step than writer {rank}'s, as when it retries a failed step while the "
+                        "others went on); the next write joins it")
         key = seat_key(epoch, rank)
         held = int(self.meta.counter(key))
         if held == SEAT_OPEN and not row.alive:
@@ -251,6 +260,8 @@ class Epochs(ChannelPart):
             if generation != self._decided_generation:  # a rank's layout changed: every rank re-plans,
                 epoch = max(self.advance_epoch(epoch), epoch)  # and its transport connects anew
             held = int(self.meta.counter(key))
+            if held:  # a retry of a version: did a writer's trainer go on meanwhile?
+                self._check_not_behind(version, writers)
             decided = max(epoch, held - 1)
             # seated before the decision is visible, so a peer never sees it without the seat
             while not self._take_seat(decided):  # a dead predecessor's epoch: decide a later one
@@ -259,9 +270,7 @@ class Epochs(ChannelPart):
                 if generation:
                     self.meta.put_document(version_layouts_key(version, epoch), str(generation).encode())
                 self.meta.compare_and_set(key, expected=held, value=epoch + 1)
-            if self._writing != version:  # after the decision: a writer that sees it finds the decision
-                self.meta.put_document(writing_key(), f"{self.incarnation} {version}".encode())
-                self._writing = version
+            self._record_writing(version)  # after the decision: a writer that sees it finds the decision
             self._decided_generation = generation
             return decided
         oldest = self.min_epoch
@@ -287,7 +296,9 @@ class Epochs(ChannelPart):
 
     def _wait_decision(self, version: int, at_least: int, deadline: Deadline) -> int:
         """``version``'s epoch counter once it reaches ``at_least`` (else at the deadline), looking
-        between slices of half a lease whether writer 0 went on to a newer version."""
+        between slices of half a lease whether writer 0 went on to a newer version. Records first
+        that this writer writes ``version``: a writer 0 retrying an older step gives that one up."""
+        self._record_writing(version)
         key = version_epoch_key(version)
         while True:
             left = deadline.remaining(0.0)
@@ -295,19 +306,48 @@ class Epochs(ChannelPart):
             held = int(self.meta.counter(key, at_least=at_least, wait=step))
             if held >= at_least or deadline.expired:
                 return held
-            writing = self._writer_0_writes()
+            writing = self._writes(0)
             if writing is not None and writing > version:
                 raise VersionSupersededError(
                     f"{self.who}: writer 0 writes version {writing} now, so version {version} is superseded: "
                     "writer 0 will not start it again (this rank's trainer writes an older step than writer 0's, "
                     "as a restarted rank does when it retries its failed step); its next write joins writer 0")
 
-    def _writer_0_writes(self) -> int | None:
-        """The version writer 0's live process decided an epoch for last; None when writer 0 is
-        dead or restarted since (a job restarted from a checkpoint writes older versions again)."""
-        incarnation, _, version = (self.meta.get_document(writing_key()) or b"").decode().partition(" ")
-        holder = self.lease_holders(max_age=0.0).get(("writer", 0)) if version.isdigit() else None
-        return int(version) if holder is not None and holder.incarnation == incarnation else None
+    def _record_writing(self, version: int) -> None:
+        """Record the version this writer writes now (once per version), for the others' rules on
+        superseded versions (:meth:`_wait_decision`, :meth:`_check_not_behind`)."""
+        if self._writing != version:
+            self.meta.put_document(writing_key(self.rank), f"{self.incarnation} {version}".encode())
+            self._writing = version
+
+    def _writes(self, rank: int, row: LeaseRow | None = None) -> int | None:
+        """The version writer ``rank``'s live process writes now; None when it recorded none, or
+        is dead or restarted since (a job restarted from a checkpoint writes older versions
+        again). ``row``: its lease, when just read (else the leases are asked)."""
+        incarnation, _, version = (self.meta.get_document(writing_key(rank)) or b"").decode().partition(" ")
+        if not version.isdigit():
+            return None
+        if row is None:
+            holder = self.lease_holders(max_age=0.0).get(("writer", rank))
+            live = holder is not None and holder.incarnation == incarnation
+        else:
+            live = row.alive and row.incarnation == incarnation
+        return int(version) if live else None
+
+    def _check_not_behind(self, version: int, writers: int) -> None:
+        """Writer 0, about to try ``version`` again: raise if another writer's trainer went on to a
+        newer version (it will never write this one; this rank's next write joins it).
+
+        Raises:
+            VersionSupersededError: naming the writer and its version.
+        """
+        for rank in range(1, writers):
+            ahead = self._writes(rank)
+            if ahead is not None and ahead > version:
+                raise VersionSupersededError(
+                    f"{self.who}: writer {rank} writes version {ahead} now, so version {version} is superseded: "
+                    f"writer {rank} will not write it again (this rank's trainer retries a step the others went "
+                    "past); its next write joins them")
 
 
 __all__ = ["Epochs", "VersionSupersededError"]

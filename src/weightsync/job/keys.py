@@ -18,8 +18,10 @@ def version_epoch_key(version: int) -> str:
     return f"versions/{version}/epoch"  # a counter: the epoch writer 0 decided for the version, + 1
 
 
-def writing_key() -> str:
-    return "versions/writing"  # "<incarnation> <version>": the version writer 0's process decided an epoch for last
+def writing_key(rank: int) -> str:
+    # "<incarnation> <version>": the version writer ``rank``'s process writes now (writer 0: decided an epoch
+    # for last; the others: wait for writer 0 to start, or take part in)
+    return f"versions/writing/writer{rank}"
 
 
 def seat_key(epoch: int, rank: int) -> str:
