@@ -170,8 +170,10 @@ def test_an_fp8_reader_that_joins_an_elastic_set_late_gets_its_own_format_bitwis
             assert first.update(version, timeout=60).version == version and holds_plain(version), version
         thread.join(timeout=120)
         assert not thread.is_alive() and not errors, errors
-    # at most the version it adopted on joining, planned before it joined, named as such
-    assert len(failed) <= 1 and all("planned before this reader joined the elastic set" in f
+    # at most the versions planned before it joined, each named as such: the one it adopted on
+    # joining, and the next when the free-running writers planned it before the join was recorded
+    # (seen once under a loaded suite: versions 1 and 2)
+    assert len(failed) <= 2 and all("planned before this reader joined the elastic set" in f
                                     and "another process" not in f for f in failed), failed
     check_hf_reader({"spec": spec, "weights": weights(last), "dst": {0: fp8.tensors}}, "fp8_block")
 
