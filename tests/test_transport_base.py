@@ -247,6 +247,36 @@ def test_over_gloo_a_peer_that_leaves_after_its_pairs_does_not_fail_the_rest(whe
         assert broken
 
 
+def test_a_writer_waiting_for_a_readers_endpoint_stops_once_another_writer_is_out_of_the_epoch():
+    """NIXL push: readers come to an epoch once every writer published the version there. Writer 0,
+    retrying a version that writer 1's trainer went past, waited for the readers' metadata until
+    its timeout (the kill-both fault case with writer 0 retrying); it stops at its next look, and
+    a live writer out of the epoch is named when it is the peer awaited."""
+    import time
+
+    from weightsync.transport import TransportError
+    from weightsync.transport.endpoint_wait import peer_endpoint
+    from weightsync.transport.endpoints import NixlEndpoint
+
+    class Superseded(FakeChannel):
+        def wait_endpoint(self, kind, epoch, role, rank, *, deadline):  # none ever comes
+            time.sleep(deadline.remaining(0.0))
+
+        def writer_out_of_epoch(self, epoch, rank):
+            return "it writes version 2 now, so version 1 is superseded" if rank == 1 else None
+
+    ctx = TransportContext(channel=Superseded("writer", 0, lease_seconds=3.0), num_writers=2, num_readers=1)
+    started = time.monotonic()
+    with pytest.raises(TransportError, match="writer 0: stopped waiting for reader 0's nixl endpoint: writer 1 will "
+                                             "not take part in epoch 4: it writes version 2 now"):
+        peer_endpoint(ctx, NixlEndpoint, 4, "reader", 0, deadline=Deadline.after(10.0))
+    assert time.monotonic() - started < 1.5
+    ctx = TransportContext(channel=Superseded("reader", 0, lease_seconds=3.0), num_writers=2, num_readers=1)
+    with pytest.raises(TransportError, match="reader 0: writer 1 will not publish its nixl endpoint of epoch 4: it "
+                                             "writes version 2 now"):
+        peer_endpoint(ctx, NixlEndpoint, 4, "writer", 1, deadline=Deadline.after(10.0))
+
+
 def test_a_reader_whose_lease_ended_before_it_published_its_endpoint_is_named_within_a_second():
     """A reader that died (or stalled past its lease, or left) before it published its endpoint of
     the epoch never will: no version waits for a reader's restart. A writer waiting for it (NIXL

@@ -36,8 +36,9 @@ def peer_endpoint(ctx: TransportContext, kind: type[E], epoch: int, role: Role, 
     """A peer's endpoint of ``kind`` in ``epoch`` (None at the deadline), through the job channel.
 
     Raises:
-        TransportError: the peer published a malformed one (named, with the field), or it is a
-            reader whose lease ended while this rank waited (named, with what the leases say).
+        TransportError: the peer published a malformed one (named, with the field); it is a
+            reader whose lease ended while this rank waited (named, with what the leases say), or
+            a writer out of the epoch; or (a writer waiting for a reader) another writer is out of it.
     """
     watch = PeerWatch(ctx, role, [rank]) if ctx.channel.lease_seconds > 0 else None
     while True:
@@ -48,13 +49,29 @@ def peer_endpoint(ctx: TransportContext, kind: type[E], epoch: int, role: Role, 
             raise TransportError(str(exc)) from exc
         if endpoint is not None or deadline.expired or watch is None:
             return endpoint
-        dead = watch.dead(max_age=0.0)
-        if dead and role == "writer":  # out of the epoch, or a restart on its way (it took the seat)
+        what = f"its {kind.transport} endpoint of epoch {epoch}"
+        if role == "writer":  # dead or alive: out of the epoch; or a restart on its way (it took the seat)
             out = ctx.channel.writer_out_of_epoch(epoch, rank)
-            dead = {rank: out} if out is not None else {}
-        if dead:
-            raise TransportError(watch.died(dead, f"its {kind.transport} endpoint of epoch {epoch}"))
+            if out is not None and watch.dead(max_age=0.0):
+                raise TransportError(watch.died({rank: out}, what))
+            if out is not None:
+                raise TransportError(f"{ctx.who}: writer {rank} will not publish {what}: {out}")
+        else:
+            dead = watch.dead(max_age=0.0)
+            if dead:
+                raise TransportError(watch.died(dead, what))
+            if ctx.role == "writer":  # readers come to the epoch once every writer published the version
+                _check_writers(ctx, epoch, f"reader {rank}'s {kind.transport} endpoint")
         time.sleep(min(step.remaining(0.0), LOOK_EVERY))  # a channel that answered before its slice ended
+
+
+def _check_writers(ctx: TransportContext, epoch: int, what: str) -> None:
+    """A writer waiting for a reader in ``epoch``: raise if another writer will never take part in
+    it (the version is then never published there, and no reader comes)."""
+    for w in range(ctx.num_writers):
+        if w != ctx.rank and (out := ctx.channel.writer_out_of_epoch(epoch, w)) is not None:
+            raise TransportError(f"{ctx.who}: stopped waiting for {what}: writer {w} will not take part in epoch "
+                                 f"{epoch}: {out}")
 
 
 __all__ = ["peer_endpoint"]
