@@ -85,8 +85,6 @@ class Epochs(ChannelPart):
     if TYPE_CHECKING:
         def layout_generation(self) -> int: ...
 
-        def lease_holders(self, *, max_age: float = 0.25) -> dict[tuple[str, int], Holder]: ...
-
         def dead_peers(self, role: Role, ranks: Iterable[int], *, max_age: float = 0.25,
                        known: Mapping[tuple[str, int], Holder] | None = None,
                        departed: bool = True) -> dict[int, str]: ...
@@ -165,8 +163,9 @@ class Epochs(ChannelPart):
 
     def _out_of_epoch(self, epoch: int, rank: int, row: LeaseRow, version: int | None = None) -> str | None:
         """:meth:`writer_out_of_epoch` for the lease ``row`` read of writer ``rank``; with ``version``
-        (writer 0, waiting for that version's try) also a writer whose trainer went on to a newer
-        version: it will never write this one, and writer 0 gives it up (its next write joins)."""
+        (the version whose try this writer waits on: any writer's wait for the others' parts, writer
+        0's in the transports) also a writer whose trainer went on to a newer version: it will never
+        write this one, and the waiting writer gives it up (its next write joins)."""
         if version is not None:
             ahead = self._writes(rank, row)
             if ahead is not None and ahead > version:
@@ -306,7 +305,7 @@ class Epochs(ChannelPart):
             held = int(self.meta.counter(key, at_least=at_least, wait=step))
             if held >= at_least or deadline.expired:
                 return held
-            writing = self._writes(0)
+            writing = self._writes(0, self._leases(0.0).get(("writer", 0)))
             if writing is not None and writing > version:
                 raise VersionSupersededError(
                     f"{self.who}: writer 0 writes version {writing} now, so version {version} is superseded: "
@@ -320,19 +319,14 @@ class Epochs(ChannelPart):
             self.meta.put_document(writing_key(self.rank), f"{self.incarnation} {version}".encode())
             self._writing = version
 
-    def _writes(self, rank: int, row: LeaseRow | None = None) -> int | None:
+    def _writes(self, rank: int, row: LeaseRow | None) -> int | None:
         """The version writer ``rank``'s live process writes now; None when it recorded none, or
         is dead or restarted since (a job restarted from a checkpoint writes older versions
-        again). ``row``: its lease, when just read (else the leases are asked)."""
-        incarnation, _, version = (self.meta.get_document(writing_key(rank)) or b"").decode().partition(" ")
-        if not version.isdigit():
+        again). ``row``: its lease, freshly read (None: it holds none)."""
+        if row is None or not row.alive:
             return None
-        if row is None:
-            holder = self.lease_holders(max_age=0.0).get(("writer", rank))
-            live = holder is not None and holder.incarnation == incarnation
-        else:
-            live = row.alive and row.incarnation == incarnation
-        return int(version) if live else None
+        incarnation, _, version = (self.meta.get_document(writing_key(rank)) or b"").decode().partition(" ")
+        return int(version) if version.isdigit() and row.incarnation == incarnation else None
 
     def _check_not_behind(self, version: int, writers: int) -> None:
         """Writer 0, about to try ``version`` again: raise if another writer's trainer went on to a
@@ -341,8 +335,9 @@ class Epochs(ChannelPart):
         Raises:
             VersionSupersededError: naming the writer and its version.
         """
+        rows = self._leases(0.0)
         for rank in range(1, writers):
-            ahead = self._writes(rank)
+            ahead = self._writes(rank, rows.get(("writer", rank)))
             if ahead is not None and ahead > version:
                 raise VersionSupersededError(
                     f"{self.who}: writer {rank} writes version {ahead} now, so version {version} is superseded: "
