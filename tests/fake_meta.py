@@ -63,6 +63,7 @@ class FakeChannel:
         #: dead writers whose restart took their seat in every epoch (writer_out_of_epoch: on its way)
         self.seated: set[int] = set()
         self.epoch = 0  # the job's epoch, as current_epoch() answers it
+        self.incarnation = f"fake-{role}{rank}"
         self._endpoints: dict[tuple[str, int, str, int], object] = {}
 
     @property
@@ -75,6 +76,10 @@ class FakeChannel:
     def wait_endpoint(self, kind, epoch, role, rank, *, deadline):
         return self._endpoints.get((kind.transport, epoch, role, rank))
 
+    def peer_publishes(self, epoch, role, rank, endpoint) -> None:
+        """The test's stand-in for a peer publishing ``endpoint`` in ``epoch``."""
+        self._endpoints[(endpoint.transport, epoch, role, rank)] = endpoint
+
     def dead_peers(self, role, ranks, *, max_age=0.25, known=None, departed=True) -> dict[int, str]:
         if role == self.role:
             return {}
@@ -83,12 +88,13 @@ class FakeChannel:
     def lease_holders(self, *, max_age=0.25) -> dict:
         return {}
 
-    def writer_out_of_epoch(self, epoch, rank) -> str | None:
+    def writers_out_of_epoch(self, epoch, ranks) -> dict[int, str]:
         """A writer the test declared dead (on a reader's channel) is out of every epoch: the
         fake has no seats, so its restart never takes one the test did not give it."""
-        if self.role == "writer" or rank not in self.dead or rank in self.seated:
-            return None
-        return f"it has no live process ({self.dead[rank]}) and never joined epoch {epoch}"
+        if self.role == "writer":
+            return {}
+        return {r: f"it has no live process ({self.dead[r]}) and never joined epoch {epoch}"
+                for r in ranks if r in self.dead and r not in self.seated}
 
     def current_epoch(self) -> int:
         return self.epoch

@@ -161,23 +161,17 @@ def test_a_restarted_rank_arriving_at_an_epoch_its_earlier_self_joined_fails_at_
     incarnation had joined: the arrival count was already full, and gloo's constructor then
     retried its pairs for 94 s under a 20 s timeout. The second arrival of a rank now fails at
     once, naming why, and the reader waits for the next epoch."""
-    import datetime
-
-    import torch.distributed as dist
-
     from weightsync.transport import TransportContext, TransportError, create_transport
+    from weightsync.transport.endpoints import TorchArrival
 
-    ctx = TransportContext(channel=FakeChannel("reader", 0), num_writers=1, num_readers=1, device="cpu")
-    gloo = create_transport("torch", ctx)
-    host = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
-    store = dist.PrefixStore("weightsync/0", host)
-    store.add("arrived/0", 1)  # writer 0 and the killed reader 0 formed the group of epoch 0
-    store.add("arrived/1", 1)
-    store.add("arrived", 2)
+    channel = FakeChannel("reader", 0)
+    gloo = create_transport("torch", TransportContext(channel=channel, num_writers=1, num_readers=1, device="cpu"))
+    channel.peer_publishes(0, "writer", 0, TorchArrival("w0"))  # writer 0 and the killed reader 0 formed
+    channel.peer_publishes(0, "reader", 0, TorchArrival("killed"))  # the group of epoch 0
     started = time.monotonic()
     with pytest.raises(TransportError, match=r"reader 0: the process group of epoch 0 already counts an earlier "
-                                             r"reader 0 .* takes part from the next epoch"):
-        gloo._arrive(store, 0, Deadline.after(TIMEOUT))
+                                             r"reader 0 \(process killed; .* takes part from the next epoch"):
+        gloo._arrive(0, Deadline.after(TIMEOUT))
     assert time.monotonic() - started < 1.0
 
 
@@ -351,67 +345,61 @@ def test_a_dead_writer_or_reader_is_named_at_once_whether_it_arrived_or_not_and_
     reader dead before it arrived, or after, is named within about a second too."""
     import threading
 
-    import torch.distributed as dist
-
     from weightsync.clock.deadline import Deadline
     from weightsync.transport import TransportContext, TransportError, create_transport
+    from weightsync.transport.endpoints import TorchArrival
 
     channel = FakeChannel("reader", 0, lease_seconds=3.0)
     gloo = create_transport("torch", TransportContext(channel=channel, num_writers=1, num_readers=1))
-    store = dist.PrefixStore("arrivals-closed", dist.HashStore())
     channel.dead[0] = "its lease expired"  # writer 0 is dead and has not arrived
     started = time.monotonic()
     with pytest.raises(TransportError, match="reader 0: writer 0 died while this rank waited for every rank to join "
                                              r"the process group of epoch 2: it has no live process \(its lease "
                                              r"expired\) and never joined epoch 2"):
-        gloo._arrive(store, 2, Deadline.after(10.0))
+        gloo._arrive(2, Deadline.after(10.0))
     assert time.monotonic() - started < 2.0
 
+    channel = FakeChannel("reader", 0, lease_seconds=3.0)
+    channel.dead[0] = "its lease expired"
     gloo = create_transport("torch", TransportContext(channel=channel, num_writers=1, num_readers=1))
-    store = dist.PrefixStore("arrivals", dist.HashStore())
     channel.seated.add(0)  # its restart took its seat in the epoch before anyone closed it
 
     def restart_arrives() -> None:
         time.sleep(1.5)
         channel.dead.clear()  # its restart holds the rank
-        store.add("arrived/0", 1)
-        store.add("arrived", 1)
+        channel.peer_publishes(2, "writer", 0, TorchArrival("restart"))
 
     restart = threading.Thread(target=restart_arrives)
     restart.start()
     try:
-        gloo._arrive(store, 2, Deadline.after(10.0))  # waits for the restart instead of failing
+        gloo._arrive(2, Deadline.after(10.0))  # waits for the restart instead of failing
     finally:
         restart.join(timeout=TIMEOUT)
 
     channel = FakeChannel("writer", 0, lease_seconds=3.0)
     for epoch, arrived in ((3, False), (4, True)):  # reader 0 dead before it arrived, and after
         gloo = create_transport("torch", TransportContext(channel=channel, num_writers=1, num_readers=2))
-        store = dist.PrefixStore(f"arrivals-{epoch}", dist.HashStore())
-        if arrived:
-            store.add("arrived/1", 1)  # reader 0 arrives, then dies (reader 1 is on its way)
-            store.add("arrived", 1)
+        if arrived:  # reader 0 arrives, then dies (reader 1 is on its way)
+            channel.peer_publishes(epoch, "reader", 0, TorchArrival("r0"))
         channel.dead[0] = "its lease expired"
         started = time.monotonic()
         with pytest.raises(TransportError, match="writer 0: reader 0 died while this rank waited for every rank to "
                                                  f"join the process group of epoch {epoch}: its lease expired"):
-            gloo._arrive(store, epoch, Deadline.after(10.0))
+            gloo._arrive(epoch, Deadline.after(10.0))
         assert time.monotonic() - started < 2.0, arrived
 
 
 class _LeftEpoch(FakeChannel):
     """Writer 0 is alive but left epoch 2 (it saw it fail after writer 0 decided the retry there)."""
 
-    def writer_out_of_epoch(self, epoch, rank) -> str | None:
-        return "its process (pid 7 on vm) left epoch 2: it takes part only in later epochs" if rank == 0 else None
+    def writers_out_of_epoch(self, epoch, ranks) -> dict[int, str]:
+        return {0: "its process (pid 7 on vm) left epoch 2: it takes part only in later epochs"} if 0 in ranks else {}
 
 
 def test_a_writer_that_left_the_epoch_is_named_at_the_rendezvous_though_alive():
     """The epoch race of the torch reader-restart case (1 run in 4 of the suite, `make test-heavy`
     until wave 23): a live writer that left the epoch was waited for at its rendezvous until the
     deadline, since only dead peers were looked for there. It is named at the next look."""
-    import torch.distributed as dist
-
     from weightsync.clock.deadline import Deadline
     from weightsync.transport import TransportContext, TransportError, create_transport
 
@@ -420,7 +408,7 @@ def test_a_writer_that_left_the_epoch_is_named_at_the_rendezvous_though_alive():
     started = time.monotonic()
     with pytest.raises(TransportError, match="reader 0: writer 0 will not come to the process group of epoch 2: its "
                                              r"process .* left epoch 2"):
-        gloo._arrive(dist.PrefixStore("arrivals-left", dist.HashStore()), 2, Deadline.after(10.0))
+        gloo._arrive(2, Deadline.after(10.0))
     assert time.monotonic() - started < 2.0
 
 
@@ -443,26 +431,23 @@ def test_a_restart_that_registered_and_arrived_since_the_leases_were_read_is_not
     writer 0's side, with reader 0 restarted."""
     import threading
 
-    import torch.distributed as dist
-
     from weightsync.clock.deadline import Deadline
     from weightsync.transport import TransportContext, create_transport
+    from weightsync.transport.endpoints import TorchArrival
 
     channel = _StaleLeases("writer", 0, lease_seconds=3.0)
     gloo = create_transport("torch", TransportContext(channel=channel, num_writers=1, num_readers=2))
-    store = dist.PrefixStore("arrivals", dist.HashStore())
-    store.add("arrived/1", 1)  # reader 0's restart arrived; reader 1 is on its way
-    store.add("arrived", 1)
+    channel.peer_publishes(3, "reader", 0, TorchArrival("restart"))  # reader 0's restart arrived; reader 1 is on
+    # its way
 
     def reader_1_arrives() -> None:
         time.sleep(1.5)  # past three looks at the leases
-        store.add("arrived/2", 1)
-        store.add("arrived", 1)
+        channel.peer_publishes(3, "reader", 1, TorchArrival("r1"))
 
     late = threading.Thread(target=reader_1_arrives)
     late.start()
     try:
-        gloo._arrive(store, 3, Deadline.after(10.0))  # the group forms
+        gloo._arrive(3, Deadline.after(10.0))  # the group forms
     finally:
         late.join(timeout=TIMEOUT)
 

@@ -168,13 +168,33 @@ def test_a_restart_that_took_its_seat_first_is_waited_for_and_a_closed_seat_stay
         restart = _restart(meta, 1)
         assert restart.decide_epoch(2, Deadline.after(5)) == epoch  # the restart came first: it joins
         assert meta.counter(seat_key(epoch, 1)) == seat_mark(restart.incarnation)
-        assert writer0.writer_out_of_epoch(epoch, 1) is None  # and is waited for
+        assert writer0.writers_out_of_epoch(epoch, [1]).get(1) is None  # and is waited for
         restart.renew_lease(release=True)  # it dies in the try: gone, by the process that joined
-        assert "the process that joined it died" in (writer0.writer_out_of_epoch(epoch, 1) or "")
+        assert "the process that joined it died" in (writer0.writers_out_of_epoch(epoch, [1]).get(1) or "")
         assert meta.counter(seat_key(epoch + 7, 1)) == 0
-        assert "it is out of that epoch" in (writer0.writer_out_of_epoch(epoch + 7, 1) or "")
+        assert "it is out of that epoch" in (writer0.writers_out_of_epoch(epoch + 7, [1]).get(1) or "")
         assert meta.counter(seat_key(epoch + 7, 1)) == SEAT_CLOSED
-        assert "it was closed out of epoch" in (writer0.writer_out_of_epoch(epoch + 7, 1) or "")
+        assert "it was closed out of epoch" in (writer0.writers_out_of_epoch(epoch + 7, [1]).get(1) or "")
+
+
+def test_the_writers_out_of_an_epoch_are_answered_for_all_of_them_on_one_read_of_the_leases():
+    """A transport waiting on several writers asked about each one, each time on a fresh read of
+    the lease table: one read per writer at every look (a rendezvous of hundreds of writers read
+    the table hundreds of times a second). One call now answers for all of them on one read."""
+    from weightsync.clock.deadline import Deadline
+    from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+
+    with EmbeddedMetaServer() as server, MetaClient(server.address, token=server.token) as meta:
+        writers = _writers(meta, 4)
+        epoch = writers[0].decide_epoch(2, Deadline.after(5))
+        for dead in (writers[1], writers[3]):
+            dead.renew_lease(release=True)
+        reads = []
+        leases = meta.leases
+        meta.leases = lambda: reads.append(1) or leases()  # type: ignore[method-assign]
+        out = writers[0].writers_out_of_epoch(epoch, [1, 2, 3])
+        assert sorted(out) == [1, 3] and all("never joined epoch" in why for why in out.values()), out
+        assert len(reads) == 1
 
 
 def test_writer_0_starts_a_version_only_once_every_writer_has_a_live_process():
@@ -379,7 +399,7 @@ def test_writer_0_retrying_a_version_the_others_went_past_gives_it_up_at_once():
                                                     "it writes version 2 now, so version 1 is superseded"):
                 writer0.wait_readers(min_version=1, readers=0, deadline=Deadline.after(10), epoch=retry, writers=2)
             assert time.monotonic() - started < 2.0
-            assert "superseded" in (writer0.writer_out_of_epoch(retry, 1) or "")  # the transports' question
+            assert "superseded" in (writer0.writers_out_of_epoch(retry, [1]).get(1) or "")  # the transports' question
             writer0.advance_epoch(retry)
             for channel in (writer0, writer1):
                 channel.renew_lease()

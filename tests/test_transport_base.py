@@ -262,8 +262,8 @@ def test_a_writer_waiting_for_a_readers_endpoint_stops_once_another_writer_is_ou
         def wait_endpoint(self, kind, epoch, role, rank, *, deadline):  # none ever comes
             time.sleep(deadline.remaining(0.0))
 
-        def writer_out_of_epoch(self, epoch, rank):
-            return "it writes version 2 now, so version 1 is superseded" if rank == 1 else None
+        def writers_out_of_epoch(self, epoch, ranks):
+            return {1: "it writes version 2 now, so version 1 is superseded"} if 1 in ranks else {}
 
     ctx = TransportContext(channel=Superseded("writer", 0, lease_seconds=3.0), num_writers=2, num_readers=1)
     started = time.monotonic()

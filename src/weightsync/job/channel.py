@@ -364,7 +364,7 @@ class JobChannel(Liveness, Board, ReaderWaits, FleetCommit, Epochs):
 
     def _gone_from_try(self, version: int, epoch: int, writers: Sequence[int]) -> dict[int, str]:
         """Writers of ``writers`` that will never publish ``version`` in ``epoch``: rank -> why
-        (:meth:`writer_out_of_epoch`): the process that took its seat in the epoch died or was
+        (:meth:`writers_out_of_epoch`): the process that took its seat in the epoch died or was
         replaced; it had no live process and was closed out of the epoch (its restart joins a
         later one); its live process takes part only in later epochs (it restarted, or saw an
         epoch fail, after writer 0 decided this one); or its trainer went on to a newer version."""

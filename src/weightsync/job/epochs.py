@@ -149,20 +149,28 @@ class Epochs(ChannelPart):
             self._last_joined = epoch
         return True
 
-    def writer_out_of_epoch(self, epoch: int, rank: int) -> str | None:
-        """Why writer ``rank`` will never take part in ``epoch``, or None while it still may.
+    def writers_out_of_epoch(self, epoch: int, ranks: Iterable[int]) -> dict[int, str]:
+        """The writers of ``ranks`` that will never take part in ``epoch``: rank -> why (one read of
+        the lease table for all of them, however many a transport waits on).
 
         A writer with no live process that has not taken its seat there is closed out of the epoch
         now (module docstring): a transport or a writer waiting for it then fails the epoch at
         once, naming it, instead of waiting for a restart that, since the seat is closed, joins
-        only a later epoch. Without leases (none in the job) None: liveness is then the
-        transports' business."""
-        row = self._leases(0.0).get(("writer", rank))
+        only a later epoch. Writers without a lease (none in the job) are left out: liveness is
+        then the transports' business. Writer 0 also counts a writer whose trainer went on to a
+        newer version than the one it writes (:meth:`_out_of_epoch`)."""
+        rows = self._leases(0.0)
         writing = self._writing if self.role == "writer" and self.rank == 0 and self._writing >= 0 else None
-        return None if row is None else self._out_of_epoch(epoch, rank, row, writing)
+        out = {}
+        for rank in ranks:
+            row = rows.get(("writer", rank))
+            why = None if row is None else self._out_of_epoch(epoch, rank, row, writing)
+            if why is not None:
+                out[rank] = why
+        return out
 
     def _out_of_epoch(self, epoch: int, rank: int, row: LeaseRow, version: int | None = None) -> str | None:
-        """:meth:`writer_out_of_epoch` for the lease ``row`` read of writer ``rank``; with ``version``
+        """:meth:`writers_out_of_epoch` for the lease ``row`` read of writer ``rank``; with ``version``
         (the version whose try this writer waits on: any writer's wait for the others' parts, writer
         0's in the transports) also a writer whose trainer went on to a newer version: it will never
         write this one, and the waiting writer gives it up (its next write joins)."""
@@ -217,7 +225,7 @@ class Epochs(ChannelPart):
     def _leave_epochs(self, first: int, last: int) -> None:
         """This writer takes part in no epoch below ``last`` any more: leave its seats in
         ``first..last-1`` (the newest :data:`LEAVE_WINDOW` of them), open or taken by this process,
-        so that a peer waiting for it there stops at once (:meth:`writer_out_of_epoch`)."""
+        so that a peer waiting for it there stops at once (:meth:`writers_out_of_epoch`)."""
         if self.role != "writer":
             return
         mine = seat_mark(self.incarnation)

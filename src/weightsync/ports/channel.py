@@ -76,10 +76,16 @@ class TransportChannel(Protocol):
     def lease_holders(self, *, max_age: float = 0.25) -> dict[tuple[str, int], Holder]:
         """Who holds each live lease now (empty without leases)."""
 
-    def writer_out_of_epoch(self, epoch: int, rank: int) -> str | None:
-        """Why writer ``rank`` will never take part in ``epoch`` (None while it may): a writer
+    def writers_out_of_epoch(self, epoch: int, ranks: Iterable[int]) -> dict[int, str]:
+        """The writers of ``ranks`` that will never take part in ``epoch``: rank -> why. A writer
         with no live process that had not joined the epoch is closed out of it by this call, so
-        that its restart joins a later epoch and no rank waits for it (``weightsync.job.epochs``)."""
+        that its restart joins a later epoch and no rank waits for it (``weightsync.job.epochs``).
+        One call for every writer a transport waits on: the channel reads the leases once."""
+
+    @property
+    def incarnation(self) -> str:
+        """This process's claim on its rank (a restarted process has another): a transport puts it
+        in what it publishes where a restart must not be taken for its predecessor."""
 
     def current_epoch(self) -> int:
         """The job's epoch now: past a transport's own when the job re-planned since it connected

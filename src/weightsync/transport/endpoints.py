@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from weightsync.job.wire import WireError, take
 
-__all__ = ["FileEndpoint", "NixlEndpoint", "NixlSlots", "ShmEndpoint", "TorchRendezvous"]
+__all__ = ["FileEndpoint", "NixlEndpoint", "NixlSlots", "ShmEndpoint", "TorchArrival", "TorchRendezvous"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +39,23 @@ class TorchRendezvous:
         if not 0 < port < 65536:
             raise WireError(f"field 'port' must be a TCP port, not {port}")
         return cls(take(doc, "host", str, "a str"), port)
+
+
+@dataclass(frozen=True, slots=True)
+class TorchArrival:
+    """A rank of the torch transport's group is at the epoch's rendezvous (every rank publishes
+    one; a process group forms only once all did). ``incarnation``: the process that came, so
+    that a restart finding its predecessor's arrival knows that the group forms without it."""
+
+    transport: ClassVar[str] = "torch-arrival"
+    incarnation: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"incarnation": self.incarnation}
+
+    @classmethod
+    def from_wire(cls, doc: Mapping[str, Any]) -> TorchArrival:
+        return cls(take(doc, "incarnation", str, "a str"))
 
 
 @dataclass(frozen=True, slots=True)

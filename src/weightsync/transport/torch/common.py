@@ -49,8 +49,8 @@ from weightsync.transport.base import (
     TransportContext,
     TransportError,
 )
-from weightsync.transport.endpoint_wait import peer_endpoint
-from weightsync.transport.endpoints import TorchRendezvous
+from weightsync.transport.endpoint_wait import every_endpoint, peer_endpoint
+from weightsync.transport.endpoints import TorchArrival, TorchRendezvous
 from weightsync.transport.schedule import Message, build_messages, pair_order
 from weightsync.transport.tensors import flat_views
 
@@ -125,7 +125,7 @@ class TorchDistBase(TransportBase):
 
     def _store_for(self, epoch: int, deadline: Deadline) -> dist.Store:
         """The epoch's TCPStore, once every rank of the group arrived at it: writer 0 opens it,
-        everyone else finds it through the job channel (see :meth:`_arrive`)."""
+        everyone else finds it through the job channel and says it arrived there (:meth:`_arrive`)."""
         ctx = self.ctx
         td = datetime.timedelta(seconds=deadline.remaining())
         if ctx.role == "writer" and ctx.rank == 0:
@@ -146,7 +146,7 @@ class TorchDistBase(TransportBase):
                 raise TransportError(f"{ctx.who}: cannot join {where}{dead}: {exc}") from exc
         self._store = store
         prefix = dist.PrefixStore(f"weightsync/{epoch}", store)
-        self._arrive(prefix, epoch, deadline)
+        self._arrive(epoch, deadline)
         self._holders = self._lease_holders()
         return prefix
 
@@ -159,82 +159,35 @@ class TorchDistBase(TransportBase):
             logger.debug("%s: cannot read leases: %s", self.ctx.who, exc)
             return None
 
-    def _arrive(self, store: dist.Store, epoch: int, deadline: Deadline) -> None:
-        """Wait until every rank of the group reached the epoch's store, failing as soon as one of
-        them is dead (its lease), naming it.
+    def _arrive(self, epoch: int, deadline: Deadline) -> None:
+        """Say this rank is at the epoch's store, and wait until every rank of the group is, failing
+        as soon as one of them is dead or will not come, naming it.
 
-        A process group's constructor blocks until every rank arrived, with no way to ask
-        why one does not: a dead rank costs the whole timeout there. Once everyone is here it
-        completes at once (a rank that dies in between is the only case left to its timeout).
+        A process group's constructor blocks until every rank arrived, with no way to ask why
+        one does not: a dead rank costs the whole timeout there. Once everyone is here it
+        completes at once (a rank that dies in between is :meth:`_form_group`'s to name).
 
-        A dead *reader* is named at once, arrived or not (within about a second of its lease's
-        end): no version waits for a reader's restart, which registers anew and moves the job to
-        a new epoch. A dead *writer* that arrived is named at once too; one that did not arrive
-        is named once it is out of the epoch (``channel.writer_out_of_epoch``: it had no live
-        process and never took its seat there, which this closes, or the process that took it
-        is gone), so its restart joins a later epoch instead of this one; a restart that took
-        the seat first is waited for. Before, a dead writer that never arrived was waited for
-        until the deadline (issue 36: 15 s on torch for one of two kills).
+        Arrivals go through the job channel, as every transport's endpoints do
+        (:class:`TorchArrival`), and are awaited by the rule every transport waits by
+        (:func:`~weightsync.transport.endpoint_wait.every_endpoint`): a dead reader is named at
+        once, arrived or not; a dead writer that arrived is named at once too, and one that did
+        not once it is out of the epoch (its restart then joins a later one), while a restart that
+        took its seat first is waited for. The transport keeps no membership of its own.
 
-        Each rank arrives once per epoch. A second arrival of the same rank is a restarted
-        process coming to an epoch whose group formed (or is forming) with its earlier
-        incarnation: the peers will never connect to it, and gloo's constructor would retry
-        every pair until several times its timeout. It fails here at once instead, and the
-        caller waits for the next epoch, which the peers open when they notice the death.
+        Each rank arrives once per epoch. A restarted process that finds its predecessor's arrival
+        comes to an epoch whose group formed (or is forming) with that process: the peers will
+        never connect to it, and gloo's constructor would retry every pair until several times its
+        timeout. It fails here at once instead, and the caller waits for the next epoch, which the
+        peers open when they notice the death.
         """
         ctx = self.ctx
-        watches = [PeerWatch(ctx, "writer", range(ctx.num_writers)), PeerWatch(ctx, "reader", range(ctx.num_readers))]
-        what = f"every rank to join the process group of epoch {epoch}"
-        try:
-            if store.add(f"arrived/{ctx.global_rank}", 1) > 1:
-                raise TransportError(f"{ctx.who}: the process group of epoch {epoch} already counts an earlier "
-                                     f"{ctx.role} {ctx.rank} (this process started after it joined): this rank "
-                                     "takes part from the next epoch")
-            arrived = store.add("arrived", 1)
-            pause, look = 0.005, time.monotonic()
-            while arrived < ctx.world_size:
-                if deadline.expired:
-                    missing = "".join(w.describe() for w in watches)
-                    raise TransportError(f"{ctx.who}: only {arrived} of {ctx.world_size} ranks joined the process "
-                                         f"group of epoch {epoch} in time{missing}")
-                if time.monotonic() >= look:  # as PeerWatch.check, every half second
-                    look = time.monotonic() + 0.5
-                    for watch in watches:
-                        dead = watch.dead()
-                        if dead:  # leases read after the arrivals: cached ones would show a restart that
-                            # registered and arrived since as its dead predecessor
-                            dead = {r: why for r, why in watch.dead(max_age=0.0).items() if r in dead}
-                        if watch.role == "writer":
-                            gone = self._writers_gone(store, epoch, dead)
-                            for r, why in sorted(gone.items()):
-                                if r not in dead:  # alive, but it left the epoch
-                                    raise TransportError(f"{ctx.who}: writer {r} will not come to the process group "
-                                                         f"of epoch {epoch}: {why}")
-                            dead = gone
-                        if dead:
-                            raise TransportError(watch.died(dead, what))
-                time.sleep(pause)
-                pause = min(2 * pause, 0.1)
-                arrived = store.add("arrived", 0)
-        except TransportError:
-            raise
-        except RuntimeError as exc:  # the store's host (writer 0) is gone
-            raise TransportError(f"{ctx.who}: the rendezvous of epoch {epoch} failed while waiting for {what}"
-                                 f"{PeerWatch(ctx, 'writer', [0]).describe()}: {exc}") from exc
-
-    def _writers_gone(self, store: dist.Store, epoch: int, dead: dict[int, str]) -> dict[int, str]:
-        """The writers this epoch will never have: each that arrived and whose lease says dead
-        (``dead``: its process is gone), and each that did not arrive and is out of the epoch (it
-        died before it took its seat there, or its process left the epoch: it saw one fail, or
-        restarted, after writer 0 decided this one). A restart that took the seat first is on its way."""
-        gone = {}
-        for r in range(self.ctx.num_writers):
-            if store.add(f"arrived/{r}", 0):
-                if r in dead:
-                    gone[r] = dead[r]
-            elif (out := self.ctx.channel.writer_out_of_epoch(epoch, r)) is not None:
-                gone[r] = out
-        return gone
+        earlier = ctx.channel.wait_endpoint(TorchArrival, epoch, ctx.role, ctx.rank, deadline=Deadline.after(0.0))
+        if earlier is not None:
+            raise TransportError(f"{ctx.who}: the process group of epoch {epoch} already counts an earlier "
+                                 f"{ctx.role} {ctx.rank} (process {earlier.incarnation}; this one started after it "
+                                 "joined): this rank takes part from the next epoch")
+        ctx.channel.publish_endpoint(epoch, TorchArrival(ctx.channel.incarnation))
+        every_endpoint(ctx, TorchArrival, epoch, deadline=deadline, what=f"the process group of epoch {epoch}")
 
     def _form_group(self, epoch: int, deadline: Deadline) -> Any:
         raise NotImplementedError
