@@ -324,3 +324,51 @@ def test_on_etcd_a_fleet_record_or_lease_weightsync_did_not_write_is_named(coord
         c.txn([], [ops.put(c.keys.fleet_record, b"\x93not a record")], what="corrupt it")
         with pytest.raises(ValueError, match=r"fleet/record' holds a malformed fleet record .*only weightsync"):
             c.fleet_record()
+
+
+@pytest.mark.parametrize("coordinator", ["etcd"], indirect=True)
+def test_on_etcd_the_asyncio_client_has_the_same_fleet_calls_and_its_members_are_the_sync_clients(coordinator,
+                                                                                                  clock):
+    """The asyncio etcd client had no fleet calls: a serving fleet's engines could join the record
+    only through a thread each. It runs the same steps as the sync client now: twelve readers
+    join at once on one event loop and get seats 0..11; a member it seated is the sync client's
+    to tick dead; its wait for the record wakes on the sync client's change; a refused command
+    leaves no alive key behind and names the cause."""
+    import asyncio
+
+    from weightsync.meta.etcd.async_client import AsyncEtcdMetaClient
+
+    with coordinator() as sync:
+        assert sync.fleet_join(Join("writer", 0, "w0-a", "h", 1, SHAPE), ttl=30.0).reply.kind == "joined"
+
+        async def scenario() -> None:
+            async with AsyncEtcdMetaClient(sync.address, job=sync.job, timeout=10, clock=clock) as meta:
+                answers = await asyncio.gather(*(meta.fleet_join(Join("reader", None, f"r{n}-a", "h", 10 + n, SHAPE),
+                                                                 ttl=5.0) for n in range(12)))
+                assert sorted(a.reply.id for a in answers) == list(range(12))
+                assert all(a.reply.kind == "joined" for a in answers)
+                seat = {a.reply.id: f"r{n}-a" for n, a in enumerate(answers)}  # who got which seat: any order
+                assert await meta.fleet_beat("reader", 3, seat[3])
+                view = await meta.fleet_record()
+                assert view.revision == 13 and len(view.record.generation.readers) == 12
+
+                sync.kv.revoke(_alive_lease(sync, "reader", 3))  # etcd ends reader 3's lease
+                assert sync.fleet_tick().expired == (("reader", 3, seat[3]),)
+                assert not await meta.fleet_beat("reader", 3, seat[3])
+                assert (await meta.fleet_tick()).expired == ()  # decided once, by whichever client ticked
+
+                waiting = asyncio.ensure_future(meta.fleet_record(after=view.revision + 1, wait=10.0))
+                await asyncio.sleep(0.2)
+                opened = await asyncio.to_thread(sync.fleet_command, OpenTry(1, 0, "w0-a", 30.0))
+                woke = await asyncio.wait_for(waiting, timeout=10.0)
+                assert woke.revision == opened.revision and woke.record.tries[opened.reply.try_number].version == 1
+
+                with pytest.raises(ValueError, match="num_writers"):  # the job's shape is fixed by the first join
+                    await meta.fleet_join(Join("reader", None, "x", "h", 99, JobShape(2, None, SHAPE.policy)), ttl=5.0)
+                assert (await meta.fleet_command(Leave("reader", 5, seat[5]))).reply.kind == "ok"
+
+        asyncio.run(scenario())
+        assert sync.kv.get(sync.keys.fleet_alive("reader", 5))[0] is None  # a leave takes its alive key away
+        assert sync.kv.get(sync.keys.fleet_alive("reader", 12))[0] is None  # the refused join seated no one
+        record = sync.fleet_record().record
+        assert record.members[("reader", 3)].state == "dead" and record.members[("reader", 5)].state == "left"

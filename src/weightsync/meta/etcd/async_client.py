@@ -16,21 +16,27 @@ answers and errors; a rank registered by either client is the same rank to the o
                                 documents=["model/config"])
 
 Versions, reader reports and leases are the sync client's (a rank joins once; what follows is
-a few calls per version).
+a few calls per version). The fleet record's five calls (docs/fleet.md) are here too, the same
+steps as the sync client's (:mod:`weightsync.meta.etcd.fleet`), so that a coordinator of many
+members (a serving fleet's engines joining and beating) runs on one event loop.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import TypeVar
 
+from weightsync.clock.clock import SYSTEM, Clock
 from weightsync.clock.deadline import Deadline
-from weightsync.meta.etcd import barrier, steps
+from weightsync.meta.etcd import barrier, fleet, steps
 from weightsync.meta.etcd.address import EtcdAddress
 from weightsync.meta.etcd.gateway import AsyncEtcdKV
 from weightsync.meta.etcd.ops import Row, TxnAnswer
 from weightsync.meta.etcd.settings import EtcdSettings
-from weightsync.meta.etcd.steps import Steps, Txn
+from weightsync.meta.etcd.steps import Grant, KeepAlive, Steps, Txn, Watch
+from weightsync.meta.fleet.answers import FleetAnswer, FleetTicked, FleetView
+from weightsync.meta.fleet.commands import Command, Join
 from weightsync.meta.records import ParticipantTable
 from weightsync.ports.records import Participant
 
@@ -48,15 +54,23 @@ class AsyncEtcdMetaClient(EtcdSettings):
         job: the job's namespace.
         timeout: how long a call keeps failing over between members before it raises.
         password: the etcd user's password (``WEIGHTSYNC_ETCD_PASSWORD``), if the address names a user.
+        clock: the time the fleet calls decide at (a test's ``ManualClock``; the system's by default).
     """
 
     def __init__(self, address: str | EtcdAddress, *, job: str = "default", timeout: float = 30.0,
-                 password: str | None = None) -> None:
+                 password: str | None = None, clock: Clock = SYSTEM) -> None:
         super().__init__(address, job=job, timeout=timeout, password=password)
+        #: the time of the fleet coordinator's decisions (:mod:`weightsync.meta.etcd.fleet`)
+        self.clock = clock
         self.kv = AsyncEtcdKV(self.etcd, timeout=self.timeout)
 
     async def aclose(self) -> None:
         await self.kv.aclose()
+
+    async def forget_lease(self, lease: int) -> None:
+        """Revoke an etcd lease this client no longer uses, if etcd answers soon (it expires on its own)."""
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await self.kv.revoke(lease, Deadline.after(min(self.timeout, 2.0)))
 
     async def __aenter__(self) -> AsyncEtcdMetaClient:
         return self
@@ -67,7 +81,7 @@ class AsyncEtcdMetaClient(EtcdSettings):
     # -- steps -------------------------------------------------------------------------------------
     async def run(self, operation: Steps[T]) -> T:
         """Drive an operation's steps (see :mod:`weightsync.meta.etcd.steps`) with awaits."""
-        answer: TxnAnswer | tuple[Row, ...] | None = None
+        answer: TxnAnswer | tuple[Row, ...] | int | None = None
         try:
             while True:
                 try:
@@ -76,9 +90,16 @@ class AsyncEtcdMetaClient(EtcdSettings):
                     return done.value  # type: ignore[no-any-return]
                 if isinstance(step, Txn):
                     answer = await self.commit(step)
-                else:
+                elif isinstance(step, Watch):
                     answer = await self.kv.watch_rows(step.key, prefix=step.prefix, after=step.after,
                                                       deadline=Deadline.after(step.seconds))
+                elif isinstance(step, Grant):
+                    answer = await self.kv.grant(step.ttl)
+                elif isinstance(step, KeepAlive):
+                    answer = await self.kv.keepalive(step.lease)
+                else:
+                    await self.forget_lease(step.lease)
+                    answer = None
         finally:
             await self.kv.release_watch()  # a watch kept open between this call's waits
 
@@ -141,3 +162,25 @@ class AsyncEtcdMetaClient(EtcdSettings):
     async def get_document(self, key: str, *, wait: float = 0.0) -> bytes | None:
         """The document ``key``; with ``wait > 0``, watched for until it exists. None if absent."""
         return await self.run(steps.get_document(self.keys, key, wait))
+
+
+    # -- the fleet record (docs/fleet.md) ------------------------------------------------------------
+    async def fleet_join(self, join: Join, *, ttl: float | None = None) -> FleetAnswer:
+        """See :meth:`weightsync.meta.etcd.fleet.Fleet.fleet_join`."""
+        return await self.run(fleet.fleet_join(self.keys, self.clock, join, ttl))
+
+    async def fleet_command(self, command: Command) -> FleetAnswer:
+        """See :meth:`weightsync.meta.etcd.fleet.Fleet.fleet_command`."""
+        return await self.run(fleet.fleet_command(self.keys, self.clock, command))
+
+    async def fleet_beat(self, role: str, id_: int, incarnation: str) -> bool:
+        """See :meth:`weightsync.meta.etcd.fleet.Fleet.fleet_beat`."""
+        return await self.run(fleet.fleet_beat(self.keys, role, id_, incarnation))
+
+    async def fleet_tick(self) -> FleetTicked:
+        """See :meth:`weightsync.meta.etcd.fleet.Fleet.fleet_tick`."""
+        return await self.run(fleet.fleet_tick(self.keys, self.clock))
+
+    async def fleet_record(self, *, after: int = -1, wait: float = 0.0) -> FleetView:
+        """See :meth:`weightsync.meta.etcd.fleet.Fleet.fleet_record`."""
+        return await self.run(fleet.fleet_record(self.keys, after=after, wait=wait))

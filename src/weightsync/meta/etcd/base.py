@@ -23,7 +23,7 @@ from weightsync.meta.etcd.address import EtcdAddress
 from weightsync.meta.etcd.kv import EtcdKV
 from weightsync.meta.etcd.ops import Row, TxnAnswer
 from weightsync.meta.etcd.settings import EtcdSettings
-from weightsync.meta.etcd.steps import PROGRESS_SECONDS, Steps, Txn
+from weightsync.meta.etcd.steps import PROGRESS_SECONDS, Grant, KeepAlive, Steps, Txn, Watch
 
 __all__ = ["PROGRESS_SECONDS", "EtcdBase", "EtcdSettings"]
 
@@ -54,7 +54,7 @@ class EtcdBase(EtcdSettings):
     # -- steps -------------------------------------------------------------------------------------
     def run(self, operation: Steps[T]) -> T:
         """Drive an operation's steps (see :mod:`weightsync.meta.etcd.steps`) with blocking calls."""
-        answer: TxnAnswer | tuple[Row, ...] | None = None
+        answer: TxnAnswer | tuple[Row, ...] | int | None = None
         while True:
             try:
                 step = operation.send(answer)
@@ -62,9 +62,16 @@ class EtcdBase(EtcdSettings):
                 return done.value  # type: ignore[no-any-return]
             if isinstance(step, Txn):
                 answer = self.commit(step)
-            else:
+            elif isinstance(step, Watch):
                 answer = self.kv.watch_rows(step.key, prefix=step.prefix, after=step.after,
                                             deadline=Deadline.after(step.seconds))
+            elif isinstance(step, Grant):
+                answer = self.kv.grant(step.ttl)
+            elif isinstance(step, KeepAlive):
+                answer = self.kv.keepalive(step.lease)
+            else:
+                self.forget_lease(step.lease)
+                answer = None
 
     def commit(self, step: Txn) -> TxnAnswer:
         """One transaction, also comparing the pinned instance.

@@ -219,6 +219,18 @@ class AsyncEtcdKV:
         body = {"compare": list(compare), "success": list(success), "failure": list(failure)}
         return TxnAnswer.from_gateway(await self.call(what, "kv/txn", body, deadline))
 
+    async def grant(self, ttl: int, deadline: Deadline | None = None) -> int:
+        """A new etcd lease of ``ttl`` seconds (etcd raises it to its minimum)."""
+        return int((await self.call("grant a lease", "lease/grant", {"TTL": ttl, "ID": 0}, deadline))["ID"])
+
+    async def keepalive(self, lease: int, deadline: Deadline | None = None) -> int:
+        """Renew a lease; its TTL in seconds, or -1 if it expired (its keys are gone)."""
+        answer = await self.call("renew a lease", "lease/keepalive", {"ID": lease}, deadline)
+        return int(answer.get("result", answer).get("TTL", -1))
+
+    async def revoke(self, lease: int, deadline: Deadline | None = None) -> None:
+        await self.call("revoke a lease", "kv/lease/revoke", {"ID": lease}, deadline)
+
     async def watch_rows(self, key: str, *, prefix: bool, after: int, deadline: Deadline) -> tuple[Row, ...] | None:
         """Wait for a change of ``key`` (or under the prefix) made after revision ``after``: the
         keys it put (empty: a delete, or the stream ended or was refused: read again, failing

@@ -58,9 +58,33 @@ class Watch:
     prefix: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A new etcd lease of ``ttl`` whole seconds; answered with its id."""
+
+    ttl: int
+
+
+@dataclass(frozen=True, slots=True)
+class KeepAlive:
+    """Renew the etcd lease ``lease``; answered with its TTL, -1 if it expired (its keys are gone)."""
+
+    lease: int
+
+
+@dataclass(frozen=True, slots=True)
+class Revoke:
+    """Revoke the etcd lease ``lease`` this client no longer uses, if etcd answers within a couple
+    of seconds (it expires on its own otherwise); answered with None."""
+
+    lease: int
+
+
+#: one step: a transaction, a watch, or one of the three lease calls
+Step: TypeAlias = Txn | Watch | Grant | KeepAlive | Revoke
 #: an operation: yields steps, is sent each one's answer (a Watch's: the keys its first change
-#: put, or None when its time ran out), returns its result
-Steps: TypeAlias = Generator[Txn | Watch, TxnAnswer | tuple[Row, ...] | None, T]
+#: put, or None when its time ran out; a lease call's: an int or None), returns its result
+Steps: TypeAlias = Generator[Step, TxnAnswer | tuple[Row, ...] | int | None, T]
 
 
 def commit(step: Txn) -> Steps[TxnAnswer]:
@@ -73,6 +97,16 @@ def watch(step: Watch) -> Steps[tuple[Row, ...] | None]:
     woken = yield step
     assert woken is None or isinstance(woken, tuple), f"a client answers a Watch with rows or None, got {woken!r}"
     return woken
+
+
+def lease_call(step: Grant | KeepAlive) -> Steps[int]:
+    answer = yield step
+    assert isinstance(answer, int), f"a client answers a lease call with an int, got {answer!r}"
+    return answer
+
+
+def revoke(lease: int) -> Steps[None]:
+    yield Revoke(lease)
 
 
 def read(*requests: Request) -> Steps[tuple[list[Request], int]]:
