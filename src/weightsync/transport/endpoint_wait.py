@@ -66,13 +66,14 @@ def peer_endpoint(ctx: TransportContext, kind: type[E], epoch: int, role: Role, 
             if dead:
                 raise TransportError(watch.died(dead, what))
             if ctx.role == "writer":  # readers come to the epoch once every writer published the version
-                _check_writers(ctx, epoch, f"reader {rank}'s {kind.transport} endpoint")
+                check_writers(ctx, epoch, f"reader {rank}'s {kind.transport} endpoint")
         time.sleep(min(step.remaining(0.0), LOOK_EVERY))  # a channel that answered before its slice ended
 
 
-def _check_writers(ctx: TransportContext, epoch: int, what: str) -> None:
-    """A writer waiting for a reader in ``epoch``: raise if another writer will never take part in
-    it (the version is then never published there, and no reader comes)."""
+def check_writers(ctx: TransportContext, epoch: int, what: str) -> None:
+    """A writer waiting for readers in ``epoch`` (for their endpoints, or to copy a version it
+    exposes): raise if another writer will never take part in it, or (writer 0) writes a newer
+    version than this one's: the version is then never published there, and no reader comes."""
     out = ctx.channel.writers_out_of_epoch(epoch, [w for w in range(ctx.num_writers) if w != ctx.rank])
     if out:
         w, why = min(out.items())
@@ -148,4 +149,4 @@ def _check_every(ctx: TransportContext, epoch: int, watches: Sequence[PeerWatch]
             raise TransportError(watch.died(dead, f"every rank to join {what}"))
 
 
-__all__ = ["every_endpoint", "peer_endpoint"]
+__all__ = ["check_writers", "every_endpoint", "peer_endpoint"]

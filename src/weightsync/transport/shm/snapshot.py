@@ -156,8 +156,9 @@ class SnapshotWriter:
         return (index, copies) == (self.index, self.copies)
 
     def send(self, version: int, flats: Mapping[str, torch.Tensor], deadline: Deadline, *, phase: int,
-             last: bool) -> TransferStats:
-        """Pack ``phase``'s pieces into the version's slot; the last phase seals it."""
+             last: bool, epoch: int | None = None) -> TransferStats:
+        """Pack ``phase``'s pieces into the version's slot; the last phase seals it. (``epoch``: the
+        zero-copy writer's, which waits for readers; this one waits for none.)"""
         stats = TransferStats(version)
         slot = version % self.slots
         base = slot * self.slot_bytes

@@ -73,7 +73,7 @@ class WriterSide(Protocol):
     digests: VersionDigests | None  # integrity checks, fused (transport/digests.py)
 
     def send(self, version: int, flats: Mapping[str, torch.Tensor], deadline: Deadline, *, phase: int,
-             last: bool) -> TransferStats: ...
+             last: bool, epoch: int | None = None) -> TransferStats: ...
 
     def serves(self, index: ExposedIndex, copies: list[list[tuple[str, TransferOp]]], plan: Plan,
                flats: Mapping[str, torch.Tensor]) -> bool:
@@ -200,7 +200,8 @@ class SharedMemoryTransport(TransportBase):
         if self._writer is None:
             raise RuntimeError("SharedMemoryTransport.send() before bind()")
         self.check_phase(phase)
-        return self._writer.send(version, self._flats, deadline, phase=phase, last=phase == self.phase_count - 1)
+        return self._writer.send(version, self._flats, deadline, phase=phase, last=phase == self.phase_count - 1,
+                                 epoch=self.epoch)
 
     # -- reader ---------------------------------------------------------------------------
     def _bind_reader(self, parts: list[Plan], epoch: int, deadline: Deadline) -> None:

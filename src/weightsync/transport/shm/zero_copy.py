@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ from weightsync.tools.torch_layout import DTYPE_NAMES, TORCH_DTYPES, strided_vie
 from weightsync.transport.base import PeerWatch, PhaseTimer, TransferStats, TransportContext, TransportError
 from weightsync.transport.delta.published import ChangeLayout, ChangeWriter
 from weightsync.transport.digests import is_digest_name
+from weightsync.transport.endpoint_wait import LOOK_EVERY, check_writers
 from weightsync.transport.shm.files import SHM_DIR
 from weightsync.transport.shm.segment import (
     CONTROL_BYTES,
@@ -131,8 +133,13 @@ class ZeroCopyWriter:
         return (index, copies) == (self.index, self.copies) and shared_sources(plan, self.ctx.rank, flats) == self.files
 
     def send(self, version: int, flats: Mapping[str, torch.Tensor], deadline: Deadline, *, phase: int,
-             last: bool) -> TransferStats:
-        """Expose the weights as ``version`` (first phase); hold them until readers are done (last)."""
+             last: bool, epoch: int | None = None) -> TransferStats:
+        """Expose the weights as ``version`` (first phase); hold them until readers are done (last).
+
+        Readers come to a version once every writer published it in ``epoch``: the wait stops as
+        soon as another writer is out of the epoch, or (writer 0) writes a newer version, naming
+        it, rather than at the deadline (a writer 0 retrying a step its restarted peer went past
+        held its weights for the whole timeout)."""
         stats = TransferStats(version)
         control = self.segment.words
         timeout = deadline.remaining()  # for the message: what the caller gave this call
@@ -152,7 +159,7 @@ class ZeroCopyWriter:
             with PhaseTimer(stats)("wait_readers"):
                 waiting = list(self.readers)
                 watch = PeerWatch(self.ctx, "reader", waiting)
-                spins = 0
+                spins, look = 0, time.monotonic() + LOOK_EVERY
                 while waiting:
                     waiting = [r for r in waiting if int(control[DONE_BASE + r]) < version]
                     if not waiting:
@@ -162,6 +169,9 @@ class ZeroCopyWriter:
                                              f"its shared parameters within {timeout:.0f}s{watch.describe()}")
                     watch.ranks = waiting
                     watch.check(f"readers {waiting} to copy version {version}")
+                    if epoch is not None and self.ctx.channel.lease_seconds > 0 and time.monotonic() >= look:
+                        look = time.monotonic() + LOOK_EVERY
+                        check_writers(self.ctx, epoch, f"readers {waiting} to copy version {version}")
                     spins = spin_wait(spins)
         finally:
             control[EXPOSED_WORD] = EMPTY  # the trainer may change its weights from now on
