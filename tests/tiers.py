@@ -29,7 +29,7 @@ TIERS: dict[str, frozenset[str]] = {
     }),
     "contract": frozenset({
         "test_transport_contract.py", "test_transport_delta.py", "test_transport_nixl.py",
-        "test_transport_routed.py", "test_transport_shm.py", "test_transport_registry.py", "test_quant_transports.py", "test_integrity.py", "test_phases.py",
+        "test_transport_routed.py", "test_transport_shm.py", "test_transport_file.py", "test_transport_registry.py", "test_quant_transports.py", "test_integrity.py", "test_phases.py",
         "test_prefetch.py", "test_fleet_commit.py", "test_async.py", "test_lora.py", "test_meta_server.py", "test_meta_store.py",
         "test_meta_durability.py", "test_meta_fuzz.py", "test_process_state.py", "test_meta_etcd.py",
         "test_meta_etcd_async.py",

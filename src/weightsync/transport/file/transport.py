@@ -261,11 +261,15 @@ class FileTransport(TransportBase):
         for writer, ops in sorted(self._reads[phase].items()):
             path = self._path(version, writer, phase)
             watch = self.peer_watch("writer", [writer])
+            look = time.monotonic()
             while not os.path.exists(path):
                 if deadline.expired:
                     raise TransportError(f"reader {self.ctx.rank}: writer {writer}'s file for version {version} "
                                          f"did not appear at {path} within {timeout:.0f}s{watch.describe()}")
                 watch.check(f"writer {writer}'s file of version {version}")
+                if time.monotonic() >= look:
+                    look = time.monotonic() + 0.5
+                    self._check_not_past(version, writer, phase, path)
                 time.sleep(0.005)
             try:
                 with timer("read"):
@@ -281,6 +285,26 @@ class FileTransport(TransportBase):
                 raise TransportError(f"reader {self.ctx.rank}: reading version {version} from writer {writer} "
                                      f"({path}) failed: {exc}") from exc
         return stats
+
+    def _check_not_past(self, version: int, writer: int, phase: int, path: str) -> None:
+        """Raise if ``writer`` wrote a newer version than ``version`` while its file of ``version`` is
+        not there: writers write versions in order and keep only their last ``slots``, so it will
+        never appear (a version that failed took a slot, or this reader came late to an old one).
+        A restarted reader that took the newest published version as its first waited for it
+        until its timeout, and the writers for the reader."""
+        assert self.directory is not None
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return  # the directory itself is gone: the deadline (or the watch) tells
+        newer = sorted((int(n[1:]) for n in names if n[:1] == "v" and n[1:].isdigit() and int(n[1:]) > version),
+                       reverse=True)
+        for n in newer:
+            if os.path.exists(self._path(n, writer, phase)):
+                raise TransportError(f"reader {self.ctx.rank}: writer {writer}'s file for version {version} is gone "
+                                     f"from {path}: it wrote version {n} since and keeps only its last "
+                                     f"{self.ctx.options.slots} versions, so version {version} is superseded here; "
+                                     "the next update reads a newer one")
 
     def _read_whole(self, path: str, ops: list[TransferOp]) -> None:
         """Read ``ops`` from a writer's full file, each straight into its destination view."""
