@@ -50,12 +50,14 @@ SETTINGS = {
     "completion": ("match", ("quorum=1", "fraction=0.5")),
     "commit": ("match", ("fleet", "each")),
     "peer_sources": ("match", (1, 0)),
+    "peers_across_hosts": ("match", (True, False)),
 }
 CASES = [(name, value) for name, (_, values) in SETTINGS.items() for value in values]
 #: what a setting needs beside it to be valid (weightsync/session/combinations.py): deltas are refused with
 #: layer phases (on by default in vLLM's trainer and TRL), a transport's own option without it
 NEEDS = {"delta_anchor_every": {"layer_phases": False}, "nixl_mode": {"transport": "nixl"},
-         "file_dir": {"transport": "file"}, "completion": {"transport": "shm"}, "commit": {"layer_phases": False}}
+         "file_dir": {"transport": "file"}, "completion": {"transport": "shm"}, "commit": {"layer_phases": False},
+         "peers_across_hosts": {"peer_sources": 1}}
 
 
 def with_needs(name, value, **base):

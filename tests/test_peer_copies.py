@@ -4,6 +4,7 @@ readers. The rules are in :mod:`weightsync.roles.peer_copies`."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import threading
 import types
@@ -21,7 +22,7 @@ from weightsync.plan import build_local_plan
 from weightsync.roles.peer_copies import Found, PeerCopies, needed_bytes, serving_order
 from weightsync.tools.tiny import canonical_weights
 from weightsync.tools.torch_layout import fill_from_canonical
-from weightsync.transport import TransportError
+from weightsync.transport import TransportError, TransportOptions
 from weightsync.transport.shm.peer_copy import HeldCopy, map_copy
 
 
@@ -295,3 +296,136 @@ def test_under_the_device_model_a_copy_is_whole_before_its_word_and_landed_befor
     fill_from_canonical(fresh.layout(), fresh.tensors, canonical_weights(cfg, 5))
     for name, tensor in fresh.tensors.items():
         assert torch.equal(joiner.tensors[name], tensor), name
+
+
+needs_nixl = pytest.mark.skipif(importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None,
+                                reason="NIXL is not installed")
+
+
+@needs_nixl
+def test_a_copy_served_over_nixl_is_read_from_another_host_bitwise_and_a_rewritten_one_reads_as_torn():
+    """A keeping reader's copy, served by its NIXL agent, read as a reader on another host reads
+    it: only the shards asked for, bitwise, holding the version the keeper held. The keeper
+    rewriting the copy between the two reads of its version word makes the read copy say it
+    holds none (torn), as a local mapping would."""
+    from weightsync.clock.deadline import Deadline
+    from weightsync.job.wire import RemoteCopy
+    from weightsync.transport.nixl import peer_read
+
+    flats = {"a": torch.arange(1000, dtype=torch.float32), "b": torch.randn(257).to(torch.bfloat16)}
+    held = HeldCopy(0, flats)
+    server = peer_read.CopyServer(0, "reader 0")
+    try:
+        held.hold(7, flats)
+        remote = server.serve(held)
+        assert RemoteCopy.from_wire(PeerCopy.from_wire(PeerCopy(7, "fp", 0, "node-a", held.path, held.nbytes, "",
+                                                                remote).to_wire()).remote.to_wire()) == remote
+        copy = peer_read.fetch_copy(remote, 0, {"b"}, table=False, who="reader 5", deadline=Deadline.after(20))
+        assert copy.holds() == 7 and torch.equal(copy.flats["b"], flats["b"])
+        assert not torch.equal(copy.flats["a"], flats["a"])  # not asked for: not read
+
+        real = peer_read.NixlAgent.run_once
+        reads = []
+
+        def rewritten_between(agent, op, peer, descs, mem, deadline, **kw):  # the keeper applies version 8
+            reads.append(kw["what"])
+            if len(reads) == 3:
+                held.segment.words[3] = 8
+            return real(agent, op, peer, descs, mem, deadline, **kw)
+
+        peer_read.NixlAgent.run_once = rewritten_between  # type: ignore[method-assign]
+        try:
+            torn = peer_read.fetch_copy(remote, 0, {"a", "b"}, table=False, who="reader 5",
+                                        deadline=Deadline.after(20))
+        finally:
+            peer_read.NixlAgent.run_once = real  # type: ignore[method-assign]
+        assert torn.holds() == -1 and len(reads) == 3, reads
+        with pytest.raises(TransportError, match="reader 0's peer copy holds no shard 'c'"):
+            peer_read.fetch_copy(remote, 0, {"c"}, table=False, who="reader 5", deadline=Deadline.after(5))
+    finally:
+        server.close()
+        held.close()
+
+
+def test_peers_across_hosts_is_refused_without_peer_sources_naming_both():
+    with pytest.raises(ValueError, match=r"peers_across_hosts=True with peer_sources=0: no reader keeps a copy"):
+        SyncConfig(num_writers=1, num_readers=2, peers_across_hosts=True)
+    with pytest.raises(WireError, match=r"field 'remote': field 'address' must be >= 0"):
+        PeerCopy.from_wire({"version": 1, "fingerprint": "f", "epoch": 0, "host": "h", "path": "/p", "nbytes": 1,
+                            "digests": "", "remote": {"agent": b"x", "address": -1, "size": 1, "shards": {},
+                                                      "entries_at": 0, "capacity": 0}})
+
+
+@needs_nixl
+def test_a_reader_on_a_new_host_takes_its_first_version_from_peers_on_another_host_over_nixl(tmp_path):
+    """A replacement engine on a new node has no peer beside it: without ``peers_across_hosts``
+    it read its first version from the trainers. Readers 0-1 keep copies on node-a; readers 2-3
+    join late on node-b and take version 1 from them over NIXL, each from another peer, not from
+    the writer (whose bytes per version stay one reader's share); then all four follow the writer
+    to version 3, bitwise."""
+    import dataclasses
+
+    from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+    from weightsync.roles.reader import WeightReader
+    from writer_process import writer_processes
+
+    cfg = config(hidden=256, inter=320)
+    seeds = [2, 1, 3]
+    job = f"peers-afar-{uuid.uuid4().hex[:8]}"
+    results = tmp_path / "writes.jsonl"
+    engines = [ShardedEngine("hf:replicas=4", cfg, seat) for seat in range(4)]
+    sync = SyncConfig(num_writers=1, num_readers=None, job=job, transport="nixl", timeout=60, peer_sources=2,
+                      peers_across_hosts=True, transport_options=TransportOptions(nixl_mode="pull"))
+
+    def weights(version: int) -> dict[str, torch.Tensor]:
+        return {n: t.to(torch.bfloat16) for n, t in canonical_weights(cfg, seeds[version - 1]).items()}
+
+    def holds(engine: ShardedEngine, version: int) -> bool:
+        return all(torch.equal(engine.tensors[n], w) for n, w in weights(version).items())
+
+    with EmbeddedMetaServer() as server, writer_processes(server, cfg, "fsdp:dp=1", job=job, seeds=seeds,
+                                                          extra=("--transport", "nixl", "--nixl-mode", "pull",
+                                                                 "--elastic", "--peer-sources", "2",
+                                                                 "--peers-across-hosts", "--results", str(results))):
+        metas = [MetaClient(server.address, job=job, token=server.token) for _ in engines]
+        readers = [WeightReader(engine, rank=seat, config=dataclasses.replace(sync, host="node-a" if seat < 2
+                                                                              else "node-b"), meta=meta)
+                   for seat, (engine, meta) in enumerate(zip(engines, metas, strict=True))]
+        firsts: dict[int, object] = {}
+        errors: list[BaseException] = []
+
+        def run(seat: int, until: int | None) -> None:
+            try:
+                firsts[seat] = readers[seat].update(timeout=60)
+                while until is not None and readers[seat].version != until:
+                    readers[seat].update(timeout=60)
+            except BaseException as exc:  # re-raised in the test's thread
+                errors.append(exc)
+
+        def together(seats: range, until: int | None) -> None:
+            threads = [threading.Thread(target=run, args=(seat, until)) for seat in seats]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=120)
+            assert not any(t.is_alive() for t in threads) and not errors, errors
+
+        try:
+            together(range(2), 1)
+            together(range(2, 4), None)  # the late readers, on another host
+            share = needed_bytes(engines[2].layout())
+            for seat in (2, 3):
+                first = firsts[seat]
+                assert first.version == 1 and holds(engines[seat], 1), seat
+                assert first.peers == {seat % 2: share} and first.nbytes == share, (seat, first.peers)
+            together(range(4), 3)
+        finally:
+            for reader in readers:
+                reader.close()
+            for meta in metas:
+                meta.close()
+    for seat, engine in enumerate(engines):
+        assert holds(engine, 3), seat
+    writes = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [w["version"] for w in writes] == [1, 2, 3]
+    assert {w["nbytes"] for w in writes} == {share}, writes  # once per version, for 2 readers or 4

@@ -37,7 +37,7 @@ def writer_processes(server: Any, config: dict[str, Any], layout: str, *, job: s
     """Training ranks in subprocesses, writing versions 1.. with ``seeds``' weights.
 
     ``extra``: more flags (``--transport shm``, ``--bucket 65536``, ``--layer-phases``, ``--hosts a,b``, ``--delta 4``,
-    ``--nixl-mode push``, ``--elastic``, ``--peer-sources 4``, ``--results FILE``)."""
+    ``--nixl-mode push``, ``--elastic``, ``--peer-sources 4``, ``--peers-across-hosts``, ``--results FILE``)."""
     env = {**os.environ, "WEIGHTSYNC_META_ADDR": server.address, "WEIGHTSYNC_META_TOKEN": server.token,
            "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     procs = [launch_process([sys.executable, str(HERE / "writer_process.py"), "--config", json.dumps(config),
@@ -75,6 +75,7 @@ def main() -> int:
     parser.add_argument("--delta", type=int, default=0, help="delta_anchor_every")
     parser.add_argument("--nixl-mode", default="auto", help="TransportOptions.nixl_mode")
     parser.add_argument("--peer-sources", type=int, default=0, help="SyncConfig.peer_sources")
+    parser.add_argument("--peers-across-hosts", action="store_true", help="SyncConfig.peers_across_hosts")
     parser.add_argument("--integrity", action="store_true", help="SyncConfig.integrity")
     parser.add_argument("--results", default="", help="a file to append each write's version and bytes to (JSON lines)")
     args = parser.parse_args()
@@ -85,7 +86,7 @@ def main() -> int:
                       job=args.job,
                       timeout=args.timeout, transport=args.transport, layer_phases=args.layer_phases,
                       host=args.hosts.split(",")[args.rank] if args.hosts else "", peer_sources=args.peer_sources,
-                      integrity=args.integrity,
+                      integrity=args.integrity, peers_across_hosts=args.peers_across_hosts,
                       transport_options=TransportOptions(max_bucket_bytes=args.bucket, delta_anchor_every=args.delta,
                                                                          nixl_mode=args.nixl_mode))
     with WeightWriter(source, rank=args.rank, config=sync) as writer:

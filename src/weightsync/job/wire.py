@@ -100,7 +100,8 @@ class PeerCopy:
     now (the record may lag it by one version while the reader copies the next); ``version``,
     ``fingerprint`` and ``epoch`` are the version as the writers published it; ``digests``, the
     kind of the writers' digests the file holds beside the copy ("": none, the job runs without
-    ``integrity``).
+    ``integrity``); ``remote``, how readers on other hosts read the file over NIXL (None: the
+    reader serves its own host only, ``SyncConfig.peers_across_hosts`` off).
     """
 
     version: int
@@ -110,17 +111,65 @@ class PeerCopy:
     path: str
     nbytes: int
     digests: str = ""
+    remote: RemoteCopy | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return {"version": self.version, "fingerprint": self.fingerprint, "epoch": self.epoch, "host": self.host,
-                "path": self.path, "nbytes": self.nbytes, "digests": self.digests}
+                "path": self.path, "nbytes": self.nbytes, "digests": self.digests,
+                "remote": None if self.remote is None else self.remote.to_wire()}
 
     @classmethod
     def from_wire(cls, doc: Mapping[str, Any]) -> PeerCopy:
         """Raises WireError naming the field that is missing or malformed."""
+        remote = doc.get("remote")
+        if remote is not None and not isinstance(remote, Mapping):
+            raise WireError(f"field 'remote' must be a map or nil, not {type(remote).__name__}")
+        try:
+            served = None if remote is None else RemoteCopy.from_wire(remote)
+        except WireError as exc:
+            raise WireError(f"field 'remote': {exc}") from None
         return cls(take(doc, "version", int, "an int"), take(doc, "fingerprint", str, "a str"),
                    take(doc, "epoch", int, "an int"), take(doc, "host", str, "a str"), take(doc, "path", str, "a str"),
-                   take(doc, "nbytes", int, "an int"), take(doc, "digests", str, "a str"))
+                   take(doc, "nbytes", int, "an int"), take(doc, "digests", str, "a str"), served)
+
+
+@dataclass(frozen=True)
+class RemoteCopy:
+    """Where a reader on another host reads a peer copy (:class:`PeerCopy`) over NIXL: the keeper's
+    NIXL agent (its metadata, to connect to), the address and size of the copy's whole segment in
+    the keeper's memory (control page, shards, digest table), and the segment's layout: each
+    shard's ``(offset, numel, dtype)`` in the data area, where the digest table starts and how
+    many entries it holds room for (what a reader on the host reads from the file's header)."""
+
+    agent: bytes
+    address: int
+    size: int
+    shards: Mapping[str, tuple[int, int, str]]
+    entries_at: int
+    capacity: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"agent": self.agent, "address": self.address, "size": self.size,
+                "shards": {name: list(entry) for name, entry in self.shards.items()},
+                "entries_at": self.entries_at, "capacity": self.capacity}
+
+    @classmethod
+    def from_wire(cls, doc: Mapping[str, Any]) -> RemoteCopy:
+        """Raises WireError naming the field that is missing or malformed."""
+        shards: dict[str, tuple[int, int, str]] = {}
+        for name, entry in take(doc, "shards", dict, "a map").items():
+            if (not isinstance(name, str) or not isinstance(entry, (list, tuple)) or len(entry) != 3
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in entry[:2])
+                    or not isinstance(entry[2], str)):
+                raise WireError(f"field 'shards' must map each shard name to [offset, numel, dtype], not "
+                                f"{name!r:.40}: {entry!r:.60}")
+            shards[name] = (entry[0], entry[1], entry[2])
+        sizes = {key: take(doc, key, int, "an int") for key in ("address", "size", "entries_at", "capacity")}
+        for key, value in sizes.items():
+            if value < 0:
+                raise WireError(f"field {key!r} must be >= 0, not {value}")
+        return cls(take(doc, "agent", bytes, "bytes"), sizes["address"], sizes["size"], shards, sizes["entries_at"],
+                   sizes["capacity"])
 
 
 @dataclass(frozen=True, slots=True)

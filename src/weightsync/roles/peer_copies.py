@@ -25,8 +25,13 @@ With ``SyncConfig(peer_sources=K)``:
   Peers on other hosts, dead peers, gone files and layouts that cannot serve are skipped the
   same way. The version is reported applied only after the engine applied it.
 
-Copies move over shared memory, so peers serve the engines of their own host only (from a GPU
-the copy goes through host memory). Across hosts a joining engine reads the writers.
+Copies move over shared memory, so by default peers serve the engines of their own host only
+(from a GPU the copy goes through host memory), and across hosts a joining engine reads the
+writers. **With** ``SyncConfig(peers_across_hosts=True)`` each keeping reader also serves its copy
+over NIXL (:mod:`weightsync.transport.nixl.peer_read`), and a joining reader that finds no peer
+on its host that can serve it reads what its plan needs from peers on other hosts, with the
+same seqlock (read the version word, the shards, the word again): a replacement engine on a new
+node, which has no peer beside it, loads no trainer either.
 
 **With** ``integrity=True`` a keeping reader stores, beside its copy, the digest the writers
 sent for each op it received (checked against what landed before its engine applied it). A
@@ -44,7 +49,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from weightsync.clock.deadline import Deadline
-from weightsync.job.wire import PeerCopy
+from weightsync.job.wire import PeerCopy, RemoteCopy
 from weightsync.layout.types import itemsize
 from weightsync.layout.wire import LayoutDecoder
 from weightsync.plan import build_local_plan
@@ -52,6 +57,7 @@ from weightsync.ports import device as device_port
 from weightsync.tools.codecs.digest import tensor_digest
 from weightsync.tools.torch_layout import apply_copies, strided_view
 from weightsync.transport import TransportError
+from weightsync.transport.nixl.peer_read import CopyServer, fetch_copy
 from weightsync.transport.shm.peer_copy import HeldCopy, MappedCopy, digest_entries, map_copy, refill_digests
 from weightsync.transport.tensors import flat_views, op_dst_view, op_src_view
 
@@ -76,6 +82,14 @@ class Found:
     peers: tuple[MappedCopy, ...]
 
 
+@dataclass(frozen=True)
+class _Afar:
+    """A peer on another host, chosen for a plan; read (:func:`fetch_copy`) once the plan is known."""
+
+    seat: int
+    remote: RemoteCopy
+
+
 def serving_order(seats: list[int], me: int) -> list[int]:
     """The peers a reader at seat ``me`` tries, in order: from ``seats[me mod n]`` on, wrapping
     (joiners at consecutive seats start at different peers)."""
@@ -97,6 +111,9 @@ class PeerCopies:
         #: the digest table last built, and the plan's digests it was built for (its boxes stay per plan)
         self._table: tuple[VersionDigests, torch.Tensor | None] | None = None
         self._decoder: LayoutDecoder | None = None
+        #: serve and take copies across hosts, over NIXL (``SyncConfig.peers_across_hosts``)
+        self.across = bool(getattr(session.config, "peers_across_hosts", False))
+        self._server: CopyServer | None = None
 
     # -- keeping ------------------------------------------------------------------------------
     def prepare(self, buffers: Mapping[str, torch.Tensor]) -> None:
@@ -145,20 +162,35 @@ class PeerCopies:
             return
         self.session.channel.publish_peer_copy(PeerCopy(published.version, published.sync_fingerprint,
                                                         published.epoch, self.session.host, held.path, held.nbytes,
-                                                        self._kind))
+                                                        self._kind, self._served(held)))
+
+    def _served(self, held: HeldCopy) -> RemoteCopy | None:
+        """How readers on other hosts read ``held`` (``peers_across_hosts``); None when off, or when
+        NIXL fails here (this reader then serves its own host only, and says why)."""
+        if not self.across:
+            return None
+        try:
+            if self._server is None:
+                self._server = CopyServer(self.session.rank, self.session.channel.who)
+            return self._server.serve(held)
+        except TransportError as exc:
+            logger.warning("%s serves its peer copy on its own host only: %s", self.session.channel.who, exc)
+            return None
 
     # -- taking -------------------------------------------------------------------------------
     def find(self, *, newer_than: int, deadline: Deadline) -> Found | None:
-        """The newest version (past ``newer_than``) that live peers on this host keep, planned for
-        this reader against the fewest of them from its start in :func:`serving_order`; None
-        when no peer can serve it (the reader then reads the writers). With ``integrity``, only a
-        peer of this reader's own layout whose copy carries the writers' digests serves it: the
-        reader checks every op against them (:meth:`take`)."""
+        """The newest version (past ``newer_than``) that live peers keep, planned for this reader
+        against the fewest of them from its start in :func:`serving_order`; None when no peer can
+        serve it (the reader then reads the writers). Peers on this host first; with
+        ``peers_across_hosts``, those on other hosts that serve over NIXL after them. With
+        ``integrity``, only a peer of this reader's own layout whose copy carries the writers'
+        digests serves it: the reader checks every op against them (:meth:`take`)."""
         session, channel, me = self.session, self.session.channel, self.session.rank
         kind = self._checks()
         live = sorted(rank for role, rank in channel.lease_holders() if role == "reader" and rank < self.count)
         records = {seat: c for seat, c in channel.peer_copies([s for s in live if s != me]).items()
-                   if c.host == session.host and c.version > newer_than  # a dead peer holds no lease
+                   if (c.host == session.host or (self.across and c.remote is not None))
+                   and c.version > newer_than  # a dead peer holds no lease
                    and (kind is None or c.digests == kind)}
         if not records:
             return None
@@ -168,24 +200,58 @@ class PeerCopies:
         mine = people.get(("reader", me))
         if mine is None:
             return None
-        chosen: list[MappedCopy] = []
-        for seat in serving_order(holders, me):
+        beside = [seat for seat in holders if records[seat].host == session.host]
+        order = serving_order(beside, me) + serving_order([s for s in holders if s not in beside], me)
+        chosen: list[MappedCopy | _Afar] = []
+        for seat in order:
             if ("reader", seat) not in people or (kind is not None and not self._same_layout(people[("reader", seat)])):
                 continue
-            try:
-                mapped = map_copy(records[seat].path, seat)
-            except TransportError as exc:
-                logger.info("%s: not reading reader %d's peer copy: %s", channel.who, seat, exc)
-                continue
-            if mapped.holds() != newest:
-                continue  # rewritten since it published the record
-            chosen.append(mapped)
+            record = records[seat]
+            if record.host == session.host:
+                try:
+                    mapped = map_copy(record.path, seat)
+                except TransportError as exc:
+                    logger.info("%s: not reading reader %d's peer copy: %s", channel.who, seat, exc)
+                    continue
+                if mapped.holds() != newest:
+                    continue  # rewritten since it published the record
+                chosen.append(mapped)
+            else:
+                assert record.remote is not None
+                chosen.append(_Afar(seat, record.remote))
             plan = self._plan([people[("reader", p.seat)] for p in chosen], mine)
             if plan is not None:
-                return Found(records[seat], plan, tuple(chosen))
+                peers = self._fetch(chosen, plan, newest, deadline)
+                return None if peers is None else Found(record, plan, peers)
             if kind is not None:
                 chosen.clear()  # checked copies come from one peer of this layout, whole
         return None
+
+    def _fetch(self, chosen: list[MappedCopy | _Afar], plan: Plan, version: int,
+               deadline: Deadline) -> tuple[MappedCopy, ...] | None:
+        """``chosen`` with each peer on another host read from there (what ``plan`` takes of it);
+        None when one cannot be read, or held another version while it was read (the reader then
+        reads the writers, as when a local copy tore)."""
+        out = []
+        for peer in chosen:
+            if not isinstance(peer, _Afar):
+                out.append(peer)
+                continue
+            shards = {op.src_shard for op in plan.ops if op.src_rank == peer.seat}
+            within = Deadline.after(deadline.remaining(0.0) / 2)  # the writers remain, in what is left
+            try:
+                fetched = fetch_copy(peer.remote, peer.seat, shards, table=self._checks() is not None,
+                                     who=self.session.channel.who, deadline=within)
+            except TransportError as exc:
+                logger.info("%s: cannot read reader %d's peer copy from its host: %s", self.session.channel.who,
+                            peer.seat, exc)
+                return None
+            if fetched.holds() != version:
+                logger.info("%s: reader %d rewrote its peer copy while it was read from its host",
+                            self.session.channel.who, peer.seat)
+                return None
+            out.append(fetched)
+        return tuple(out)
 
     def _checks(self) -> str | None:
         """The digests' kind this reader checks a copy against (None: the job runs without ``integrity``)."""
@@ -268,6 +334,9 @@ class PeerCopies:
                                  f"version {found.copy.version} differ from the writers' digests: {', '.join(bad[:3])}")
 
     def close(self) -> None:
+        if self._server is not None:  # readers on other hosts stop reading it first
+            self._server.close()
+            self._server = None
         if self._held is not None:
             self._held.close()
             self._held = None

@@ -39,7 +39,7 @@ from weightsync.meta.config import config_address
 from weightsync.plan import PlanOptions
 from weightsync.ports.fleet.policy import Policy
 from weightsync.session.combinations import refuse_combinations
-from weightsync.transport import TransportOptions
+from weightsync.transport import TransportOptions, available_transports
 
 Scope = Literal["match", "local", "rank"]
 
@@ -56,7 +56,7 @@ SCOPES: Mapping[str, Scope] = {
     "num_writers": "match", "num_readers": "match", "job": "match", "meta_address": "rank", "transport": "match",
     "staleness": "match", "timeout": "local", "lease_seconds": "local", "host": "rank",
     "layer_phases": "match", "integrity": "match", "completion": "match", "commit": "match",
-    "peer_sources": "match",
+    "peer_sources": "match", "peers_across_hosts": "match",
     # TransportOptions
     "max_bucket_bytes": "match", "direct_min_bytes": "match", "checksum": "match",
     "transport_host": "rank", "slots": "match", "file_dir": "local", "nixl_mode": "match",
@@ -176,6 +176,11 @@ class SyncConfig:
             from the writers (:mod:`weightsync.roles.peer_copies`). 0: none (every reader reads
             the writers). Each such reader keeps one copy of its shard in ``/dev/shm``; with
             ``integrity`` the writers' digests go with it and a joiner checks what it copied.
+        peers_across_hosts: the readers keeping copies (``peer_sources``) also serve readers on
+            other hosts, over NIXL, and a reader that holds no version and finds no peer on its
+            host reads from them (a replacement engine on a new node has no peer beside it).
+            Needs ``peer_sources`` > 0 and NIXL (``pip install 'weightsync[nixl]'``); each
+            keeping reader then runs one NIXL agent.
     """
 
     num_writers: int
@@ -194,6 +199,7 @@ class SyncConfig:
     completion: str = "all"
     commit: Literal["each", "fleet"] = "each"
     peer_sources: int = 0
+    peers_across_hosts: bool = False
 
     def __post_init__(self) -> None:
         for setting in job_settings():
@@ -215,6 +221,13 @@ class SyncConfig:
         if not 0 <= self.peer_sources <= self.reader_seats:
             raise ValueError(f"peer_sources must be in 0..{self.reader_seats} (the job's reader seats: readers at "
                              f"seats below it keep a copy for readers that join), got {self.peer_sources}")
+        if self.peers_across_hosts and not self.peer_sources:
+            raise ValueError("peers_across_hosts=True with peer_sources=0: no reader keeps a copy to serve across "
+                             "hosts. Set peer_sources=K (readers at seats below K keep one), or "
+                             "peers_across_hosts=False")
+        if self.peers_across_hosts and "nixl" not in available_transports():
+            raise ValueError("peers_across_hosts=True serves peer copies over NIXL, which is not installed here "
+                             "(pip install 'weightsync[nixl]'), or set peers_across_hosts=False")
         if self.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
         if not 0.1 <= self.lease_seconds <= 3600:

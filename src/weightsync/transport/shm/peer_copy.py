@@ -23,9 +23,9 @@ transport's segments.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -166,24 +166,41 @@ def map_copy(path: str, seat: int) -> MappedCopy:
             is not a peer copy.
     """
     try:
-        mem, words, header = read_segment(path, seat)
+        mem, _, header = read_segment(path, seat)
     except FileGoneError:
         raise TransportError(f"reader {seat}'s peer copy {path} is gone (it left, or it died and its file was "
                              "removed)") from None
     shards = header.get("shards")
     if header.get("kind") != "peer_copy" or not isinstance(shards, dict):
         raise TransportError(f"{path} is not a peer copy of reader {seat}'s (its header says {header.get('kind')!r})")
-    data = mem[CONTROL_BYTES:]
-    flats = {}
     try:
-        for name, (offset, numel, dtype) in shards.items():
-            kind = torch_dtype(dtype)
-            flats[name] = data[offset: offset + numel * kind.itemsize].view(kind)
-        at, capacity = int(header["entries_at"]), int(header["capacity"])
-        table = data[at: at + 8 * ENTRY_WORDS * capacity].view(torch.int64).view(capacity, ENTRY_WORDS)
+        return copy_in(mem, seat, shards, int(header["entries_at"]), int(header["capacity"]))
     except (TypeError, ValueError, RuntimeError, KeyError) as exc:
         raise TransportError(f"reader {seat}'s peer copy {path} has a malformed shard table: {exc}") from None
+
+
+def copy_in(mem: torch.Tensor, seat: int, shards: Mapping[str, Sequence[Any]], entries_at: int,
+            capacity: int) -> MappedCopy:
+    """Reader ``seat``'s copy laid out in ``mem`` (a whole segment: the control page, then the data
+    area): the file mapped on this host, or the bytes read from another host's memory
+    (:mod:`weightsync.transport.nixl.peer_read`), whose layout came with the record.
+
+    Raises:
+        ValueError: a shard or the table does not fit in ``mem`` (or names an unknown dtype).
+    """
+    words = mem[:CONTROL_BYTES].view(torch.int64)
+    data = mem[CONTROL_BYTES:]
+    flats = {}
+    for name, (offset, numel, dtype) in shards.items():
+        kind = torch_dtype(dtype)
+        if offset + numel * kind.itemsize > data.numel():
+            raise ValueError(f"shard {name} ends past the copy's {data.numel()} bytes")
+        flats[name] = data[offset: offset + numel * kind.itemsize].view(kind)
+    if entries_at + 8 * ENTRY_WORDS * capacity > data.numel():
+        raise ValueError(f"the digest table ends past the copy's {data.numel()} bytes")
+    table = data[entries_at: entries_at + 8 * ENTRY_WORDS * capacity].view(torch.int64).view(capacity, ENTRY_WORDS)
     return MappedCopy(seat, words, flats, table)
 
 
-__all__ = ["ENTRIES_WORD", "HELD_WORD", "HeldCopy", "MappedCopy", "digest_entries", "map_copy", "refill_digests"]
+__all__ = ["ENTRIES_WORD", "HELD_WORD", "HeldCopy", "MappedCopy", "copy_in", "digest_entries", "map_copy",
+           "refill_digests"]

@@ -1,0 +1,126 @@
+"""Peer copies across hosts: a keeping reader serves its copy's memory over NIXL, and a reader on
+another host reads what its plan needs of it (``SyncConfig.peers_across_hosts``).
+
+A peer copy (:mod:`weightsync.transport.shm.peer_copy`) is one ``/dev/shm`` segment: a control
+page whose word says which version the copy holds, the keeper's shards, its digest table. On
+its own host a joining reader maps the file. A reader on another host cannot, so the keeper
+registers the whole segment with a NIXL agent of its own (:class:`CopyServer`) and puts the
+agent's metadata, the segment's address and its layout in its
+:class:`~weightsync.job.wire.PeerCopy` record (:class:`~weightsync.job.wire.RemoteCopy`). A
+fresh engine on a new node, which has no peer on its host, then reads its first version from
+engines on other nodes, not from the trainers.
+
+The joiner (:func:`fetch_copy`) READs, one after the other, the control page, the shards its plan
+takes from that peer (and the digest table, with ``integrity``), then the control page again:
+the seqlock of the local case, across hosts. If the word changed between the two reads, the
+keeper rewrote its copy meanwhile and what was read may be torn: the fetched copy then says it
+holds no version, and the joiner reads the writers instead. The bytes land in a staging buffer
+laid out as the segment, which the copy logic reads as it reads a mapped file
+(:func:`~weightsync.transport.shm.peer_copy.copy_in`); its agent is closed once the reads are
+done. A keeper that died, or does not answer, fails the read (named), within the caller's
+deadline.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Collection, Sequence
+
+import torch
+
+from weightsync.clock.deadline import Deadline
+from weightsync.job.wire import RemoteCopy
+from weightsync.tools.torch_layout import torch_dtype
+from weightsync.transport.base import TransportError
+from weightsync.transport.nixl.agent import Descriptors, NixlAgent
+from weightsync.transport.shm.peer_copy import ENTRY_WORDS, HELD_WORD, HeldCopy, MappedCopy, copy_in
+from weightsync.transport.shm.segment import CONTROL_BYTES, EMPTY
+
+__all__ = ["CopyServer", "fetch_copy"]
+
+
+class CopyServer:
+    """A keeping reader's NIXL agent, serving its held copy's segment to readers on other hosts."""
+
+    def __init__(self, seat: int, who: str) -> None:
+        self.seat, self.who = seat, who
+        self._agent: NixlAgent | None = None
+        self._address = 0  # the segment registered (a new held copy, after a layout change, is a new one)
+
+    def serve(self, held: HeldCopy) -> RemoteCopy:
+        """What readers on other hosts need to read ``held`` (registered first, on a new agent if
+        the held copy is another segment than the one registered).
+
+        Raises:
+            TransportError: NIXL could not create its agent or register the memory.
+        """
+        mem = held.segment.mem
+        if self._agent is None or mem.data_ptr() != self._address:
+            self.close()
+            self._agent = NixlAgent(f"weightsync-peercopy{self.seat}-{secrets.token_hex(4)}", who=self.who,
+                                    loopback=False)
+            self._agent.register([(mem.data_ptr(), mem.numel())], "DRAM")
+            self._address = mem.data_ptr()
+        shards = {name: (int(offset), int(numel), str(dtype)) for name, (offset, numel, dtype) in held.table.items()}
+        return RemoteCopy(self._agent.metadata(), mem.data_ptr(), mem.numel(), shards, held.nbytes, held.capacity)
+
+    def close(self) -> None:
+        agent, self._agent, self._address = self._agent, None, 0
+        if agent is not None:
+            agent.close()
+
+
+def fetch_copy(remote: RemoteCopy, seat: int, shards: Collection[str], *, table: bool, who: str,
+               deadline: Deadline) -> MappedCopy:
+    """Read reader ``seat``'s copy (``shards`` of it, and its digest table with ``table``) from
+    its host into a staging buffer laid out as its segment (module docstring). The copy's
+    :meth:`~weightsync.transport.shm.peer_copy.MappedCopy.holds` is the version it held while it
+    was read, or -1 if the keeper rewrote it meanwhile.
+
+    Raises:
+        TransportError: NIXL failed (the keeper is gone, or unreachable), the deadline passed,
+            or the record names a shard it does not hold.
+    """
+    missing = sorted(set(shards) - set(remote.shards))
+    if missing:
+        raise TransportError(f"reader {seat}'s peer copy holds no shard {missing[0]!r}")
+    wanted = []  # (local offset, segment offset, bytes): the shards land where they lie in the segment
+    try:
+        for name in sorted(shards):
+            offset, numel, dtype = remote.shards[name]
+            wanted.append((CONTROL_BYTES + offset, CONTROL_BYTES + offset, numel * torch_dtype(dtype).itemsize))
+    except ValueError as exc:
+        raise TransportError(f"reader {seat}'s peer copy record: {exc}") from None
+    if table:
+        wanted.append((CONTROL_BYTES + remote.entries_at, CONTROL_BYTES + remote.entries_at,
+                       8 * ENTRY_WORDS * remote.capacity))
+    if any(at + n > remote.size for _, at, n in wanted):
+        raise TransportError(f"reader {seat}'s peer copy record places a shard past its {remote.size}-byte segment")
+    staged = torch.zeros(remote.size + CONTROL_BYTES, dtype=torch.uint8)  # + the control page read again
+    agent = NixlAgent(f"weightsync-peerread-{secrets.token_hex(4)}", who=who, loopback=False)
+    try:
+        agent.register([(staged.data_ptr(), staged.numel())], "DRAM")
+        label = f"reader {seat}'s peer copy"
+        peer = agent.connect(remote.agent, label=label, deadline=deadline)
+
+        def read(ranges: Sequence[tuple[int, int, int]], what: str) -> None:
+            """READ ``(local offset, segment offset, bytes)`` ranges, in one transfer."""
+            ranges = [r for r in ranges if r[2] > 0]
+            if ranges:
+                local, at, lengths = zip(*ranges, strict=True)
+                descs = Descriptors.of([staged.data_ptr() + x for x in local], [remote.address + x for x in at],
+                                       lengths)
+                agent.run_once("READ", peer, descs, "DRAM", deadline, what=what)
+
+        read([(0, 0, CONTROL_BYTES)], f"{label}'s control page")
+        read(wanted, f"{label}'s shards")
+        read([(remote.size, 0, CONTROL_BYTES)], f"{label}'s control page, again")
+    finally:
+        agent.close()
+    words, after = staged[:CONTROL_BYTES].view(torch.int64), staged[remote.size:].view(torch.int64)
+    if int(words[HELD_WORD]) != int(after[HELD_WORD]):
+        words[HELD_WORD] = EMPTY  # rewritten while it was read: torn
+    try:
+        return copy_in(staged[: remote.size], seat, remote.shards, remote.entries_at, remote.capacity)
+    except ValueError as exc:
+        raise TransportError(f"reader {seat}'s peer copy record does not fit its segment: {exc}") from None
