@@ -26,6 +26,16 @@ from weightsync.transport import TransportError, TransportOptions
 from weightsync.transport.shm.peer_copy import HeldCopy, map_copy
 
 
+def _together(run, seats: range, until: int | None, errors: list[BaseException]) -> None:
+    """``run(seat, until)`` for each seat at once, in threads; every one ends, and none failed."""
+    threads = [threading.Thread(target=run, args=(seat, until)) for seat in seats]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+
+
 def test_joiners_at_consecutive_seats_start_at_different_peers():
     assert serving_order([0, 1, 2, 3], 4) == [0, 1, 2, 3]
     assert serving_order([0, 1, 2, 3], 5) == [1, 2, 3, 0]
@@ -199,12 +209,7 @@ def test_late_readers_take_their_first_version_from_the_peers_and_the_writer_sen
                 errors.append(exc)
 
         def together(seats: range, until: int | None) -> None:
-            threads = [threading.Thread(target=run, args=(seat, until)) for seat in seats]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(timeout=120)
-            assert not any(t.is_alive() for t in threads) and not errors, errors
+            _together(run, seats, until, errors)
 
         aborted: list[int] = []
 
@@ -403,12 +408,7 @@ def test_a_reader_on_a_new_host_takes_its_first_version_from_peers_on_another_ho
                 errors.append(exc)
 
         def together(seats: range, until: int | None) -> None:
-            threads = [threading.Thread(target=run, args=(seat, until)) for seat in seats]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(timeout=120)
-            assert not any(t.is_alive() for t in threads) and not errors, errors
+            _together(run, seats, until, errors)
 
         try:
             together(range(2), 1)
