@@ -10,7 +10,12 @@ phase), and every joiner checked bitwise against version 1. All engines are thre
 process (each its own meta client), the writer a process of its own; shared memory, the
 embedded meta server.
 
-    python benchmarks/peer_copies.py --peers 4 --joiners 4 [--size 350M] [--json]
+With ``--across-hosts`` the joiners run on another host than the peers and the writer (host
+names on this one machine), every rank reads over NIXL (pull), and the second mode is
+``peers_across_hosts=True``: the joiners read the peers' copies over NIXL instead of the writer's
+memory.
+
+    python benchmarks/peer_copies.py --peers 4 --joiners 4 [--size 350M] [--across-hosts] [--json]
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import threading
@@ -43,11 +49,24 @@ def model_config(size: str) -> dict[str, Any]:
             "num_key_value_heads": 4, "head_dim": 128, "torch_dtype": "bfloat16", **SIZES[size]}
 
 
-def _writer(address: str, token: str, job: str, size: str, peer_sources: int, done: Any, out: Any) -> None:
+def job_config(job: str, peer_sources: int, across: bool, host: str = "") -> Any:
+    """Every rank's settings: shared memory on one host, or NIXL pull with the joiners afar."""
+    from weightsync.session.sync_session import SyncConfig
+    from weightsync.transport import TransportOptions
+
+    if not across:
+        return SyncConfig(num_writers=1, num_readers=None, job=job, transport="shm", peer_sources=peer_sources,
+                          timeout=600, host=host)
+    return SyncConfig(num_writers=1, num_readers=None, job=job, transport="nixl", peer_sources=peer_sources,
+                      peers_across_hosts=peer_sources > 0, timeout=600, host=host,
+                      transport_options=TransportOptions(nixl_mode="pull"))
+
+
+def _writer(address: str, token: str, job: str, size: str, peer_sources: int, across: bool, done: Any,
+            out: Any) -> None:
     """Write version 1 once, report the bytes it packed, and hold it until the run is over."""
     from weightsync.meta.client import MetaClient
     from weightsync.roles.writer import WeightWriter
-    from weightsync.session.sync_session import SyncConfig
     from weightsync.sources.module import ShardedSource
     from weightsync.tools.torch_layout import fill_from_canonical
 
@@ -55,8 +74,7 @@ def _writer(address: str, token: str, job: str, size: str, peer_sources: int, do
     cfg = model_config(size)
     source = ShardedSource("fsdp:dp=1", cfg, 0)
     fill_from_canonical(source.layout(), source.tensors(), canonical_weights(cfg, SEED))
-    sync = SyncConfig(num_writers=1, num_readers=None, job=job, transport="shm", peer_sources=peer_sources,
-                      timeout=600)
+    sync = job_config(job, peer_sources, across, "node-a" if across else "")
     with MetaClient(address, job=job, token=token) as meta, WeightWriter(source, rank=0, config=sync,
                                                                          meta=meta) as writer:
         result = writer.write(1)
@@ -64,22 +82,23 @@ def _writer(address: str, token: str, job: str, size: str, peer_sources: int, do
         done.wait(600)
 
 
-def run_mode(server: Any, *, peers: int, joiners: int, size: str, peer_sources: int) -> dict[str, Any]:
+def run_mode(server: Any, *, peers: int, joiners: int, size: str, peer_sources: int,
+             across: bool = False) -> dict[str, Any]:
     from weightsync.meta.client import MetaClient
     from weightsync.roles.reader import WeightReader
-    from weightsync.session.sync_session import SyncConfig
 
     cfg = model_config(size)
     job = f"peers-{peer_sources}-{uuid.uuid4().hex[:6]}"
     engines = [ShardedEngine(f"hf:replicas={peers + joiners}", cfg, seat) for seat in range(peers + joiners)]
-    sync = SyncConfig(num_writers=1, num_readers=None, job=job, transport="shm", peer_sources=peer_sources,
-                      timeout=600)
     ctx = mp.get_context("spawn")
     done, out = ctx.Event(), ctx.Queue()
-    writer = ctx.Process(target=_writer, args=(server.address, server.token, job, size, peer_sources, done, out))
+    writer = ctx.Process(target=_writer, args=(server.address, server.token, job, size, peer_sources, across, done,
+                                               out))
     writer.start()
     metas = [MetaClient(server.address, job=job, token=server.token) for _ in engines]
-    readers = [WeightReader(e, rank=seat, config=sync, meta=m)
+    hosts = ["node-a" if seat < peers else "node-b" for seat in range(peers + joiners)] if across else [""] * (
+        peers + joiners)
+    readers = [WeightReader(e, rank=seat, config=job_config(job, peer_sources, across, hosts[seat]), meta=m)
                for seat, (e, m) in enumerate(zip(engines, metas, strict=True))]
     results: dict[int, Any] = {}
     seconds: dict[int, float] = {}
@@ -114,7 +133,8 @@ def run_mode(server: Any, *, peers: int, joiners: int, size: str, peer_sources: 
     joined = [results[s] for s in range(peers, peers + joiners)]
     share = sum(t.numel() * t.element_size() for t in engines[0].tensors.values())
     from_peers = sum(sum(r.peers.values()) for r in joined)
-    return {"peer_sources": peer_sources, "model": size, "bytes_per_engine": share, "peers": peers, "joiners": joiners,
+    return {"peer_sources": peer_sources, "across_hosts": across, "model": size, "bytes_per_engine": share,
+            "peers": peers, "joiners": joiners,
             "writer_packed_bytes": written,
             "joiner_first_s_p50": statistics.median(seconds[s] for s in range(peers, peers + joiners)),
             "joiner_first_s_max": max(seconds[s] for s in range(peers, peers + joiners)),
@@ -131,14 +151,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--joiners", type=int, default=4)
     parser.add_argument("--size", choices=sorted(SIZES), default="350M")
+    parser.add_argument("--across-hosts", action="store_true",
+                        help="joiners on another host, every rank over NIXL pull, peers serving over NIXL")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL's INFO lines go to stdout, before the JSON
     from weightsync.meta import EmbeddedMetaServer
 
     torch.set_num_threads(1)
     with EmbeddedMetaServer() as server:
-        rows = [run_mode(server, peers=args.peers, joiners=args.joiners, size=args.size, peer_sources=k)
-                for k in (0, args.peers)]
+        rows = [run_mode(server, peers=args.peers, joiners=args.joiners, size=args.size, peer_sources=k,
+                         across=args.across_hosts) for k in (0, args.peers)]
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
