@@ -429,3 +429,68 @@ def test_a_reader_on_a_new_host_takes_its_first_version_from_peers_on_another_ho
     writes = [json.loads(line) for line in results.read_text().splitlines()]
     assert [w["version"] for w in writes] == [1, 2, 3]
     assert {w["nbytes"] for w in writes} == {share}, writes  # once per version, for 2 readers or 4
+
+
+def test_a_reader_that_missed_versions_catches_up_from_peers_and_one_that_follows_reads_the_writer(tmp_path):
+    """Under a quorum a slow reader misses versions; it caught up by reading the newest from the
+    writer, though the peers beside it held that version. Readers 0-1 keep copies, reader 2
+    takes version 1, then misses versions 2 and 3 (the writer's quorum of 2 is met by 0 and 1):
+    its next update takes version 3 from a peer, whole and bitwise, and the writer's bytes per
+    version stay one reader's share. A reader that missed nothing (it follows) still reads the
+    writer: version 4 comes to reader 2 from the writer."""
+    import dataclasses
+
+    from weightsync.meta.client import EmbeddedMetaServer, MetaClient
+    from weightsync.roles.reader import WeightReader
+    from writer_process import writer_processes
+
+    cfg = config(hidden=256, inter=320)
+    seeds = [2, 1, 3, 5]
+    job = f"peers-lag-{uuid.uuid4().hex[:8]}"
+    results = tmp_path / "writes.jsonl"
+    engines = [ShardedEngine("hf:replicas=3", cfg, seat) for seat in range(3)]
+    sync = SyncConfig(num_writers=1, num_readers=None, job=job, transport="shm", timeout=60, peer_sources=2,
+                      completion="quorum=2")
+
+    def weights(version: int) -> dict[str, torch.Tensor]:
+        return {n: t.to(torch.bfloat16) for n, t in canonical_weights(cfg, seeds[version - 1]).items()}
+
+    def holds(engine: ShardedEngine, version: int) -> bool:
+        return all(torch.equal(engine.tensors[n], w) for n, w in weights(version).items())
+
+    with EmbeddedMetaServer() as server, writer_processes(server, cfg, "fsdp:dp=1", job=job, seeds=seeds,
+                                                          extra=("--transport", "shm", "--elastic", "--peer-sources",
+                                                                 "2", "--completion", "quorum=2", "--results",
+                                                                 str(results))):
+        metas = [MetaClient(server.address, job=job, token=server.token) for _ in engines]
+        readers = [WeightReader(engine, rank=seat, config=dataclasses.replace(sync), meta=meta)
+                   for seat, (engine, meta) in enumerate(zip(engines, metas, strict=True))]
+        errors: list[BaseException] = []
+        got: dict[int, list] = {0: [], 1: [], 2: []}
+
+        def run(seat: int, until: int | None) -> None:
+            try:
+                got[seat].append(readers[seat].update(timeout=60))
+                while until is not None and readers[seat].version != until:
+                    got[seat].append(readers[seat].update(timeout=60))
+            except BaseException as exc:  # re-raised in the test's thread
+                errors.append(exc)
+
+        try:
+            _together(run, range(3), 1, errors)
+            _together(run, range(2), 3, errors)  # reader 2 misses versions 2 and 3
+            share = needed_bytes(engines[2].layout())
+            caught = readers[2].update(timeout=60)
+            assert caught.version == 3 and holds(engines[2], 3)
+            assert sum(caught.peers.values()) == share and set(caught.peers) <= {0, 1}, caught.peers
+            _together(run, range(3), 4, errors)
+            follows = got[2][-1]
+            assert follows.version == 4 and follows.peers == {} and holds(engines[2], 4), follows
+        finally:
+            for reader in readers:
+                reader.close()
+            for meta in metas:
+                meta.close()
+    writes = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [w["version"] for w in writes] == [1, 2, 3, 4]
+    assert {w["nbytes"] for w in writes} == {share}, writes

@@ -76,6 +76,7 @@ def main() -> int:
     parser.add_argument("--nixl-mode", default="auto", help="TransportOptions.nixl_mode")
     parser.add_argument("--peer-sources", type=int, default=0, help="SyncConfig.peer_sources")
     parser.add_argument("--peers-across-hosts", action="store_true", help="SyncConfig.peers_across_hosts")
+    parser.add_argument("--completion", default="all", help="SyncConfig.completion")
     parser.add_argument("--integrity", action="store_true", help="SyncConfig.integrity")
     parser.add_argument("--results", default="", help="a file to append each write's version and bytes to (JSON lines)")
     args = parser.parse_args()
@@ -86,7 +87,7 @@ def main() -> int:
                       job=args.job,
                       timeout=args.timeout, transport=args.transport, layer_phases=args.layer_phases,
                       host=args.hosts.split(",")[args.rank] if args.hosts else "", peer_sources=args.peer_sources,
-                      integrity=args.integrity, peers_across_hosts=args.peers_across_hosts,
+                      integrity=args.integrity, peers_across_hosts=args.peers_across_hosts, completion=args.completion,
                       transport_options=TransportOptions(max_bucket_bytes=args.bucket, delta_anchor_every=args.delta,
                                                                          nixl_mode=args.nixl_mode))
     with WeightWriter(source, rank=args.rank, config=sync) as writer:

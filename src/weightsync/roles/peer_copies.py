@@ -15,6 +15,11 @@ With ``SyncConfig(peer_sources=K)``:
   It plans its share against their layouts (rank-local, like any plan: a peer of another
   tensor-parallel layout is a source like a training rank) and copies straight from their files.
   Then it follows the writers from the next version on.
+* **Catching up.** A reader that holds a version but missed at least one since (under a
+  ``quorum`` or ``fraction`` policy a slow or failing reader misses versions) takes the newest
+  published version from peers too, when they hold it: it needs that version whole anyway (no
+  delta reaches it across a gap), and the trainers serve one reader fewer. Peers that do not hold
+  the newest published version yet leave it to the writers, as a reader that follows.
 * **Who serves whom.** Each joining reader starts at the peer ``seat mod n`` among those that
   keep the version, and adds the next ones until their shards cover its own. Replicas of one
   layout each serve one joiner in full, so n peers serve n joiners at once with no peer read
@@ -114,6 +119,8 @@ class PeerCopies:
         #: serve and take copies across hosts, over NIXL (``SyncConfig.peers_across_hosts``)
         self.across = bool(getattr(session.config, "peers_across_hosts", False))
         self._server: CopyServer | None = None
+        #: with a reader that lags (:meth:`should_look`): the newest published version, the one it takes
+        self._catch_up: int | None = None
 
     # -- keeping ------------------------------------------------------------------------------
     def prepare(self, buffers: Mapping[str, torch.Tensor]) -> None:
@@ -178,6 +185,22 @@ class PeerCopies:
             return None
 
     # -- taking -------------------------------------------------------------------------------
+    def should_look(self, applied: int | None, asked: int | None) -> bool:
+        """Whether a reader that applied ``applied`` (None: holds no version) and asks for ``asked``
+        (None: the newest) looks for its version at peers first: it holds none, or it missed a
+        version since (module docstring: catching up; then only the newest published version
+        is taken from them, which :meth:`find` checks)."""
+        self._catch_up = None
+        if applied is None:
+            return True
+        if asked is not None:
+            return False  # a version asked by number comes from the writers
+        latest = self.session.channel.wait_version(after=applied + 1, deadline=Deadline.after(0.0))
+        if latest is None:
+            return False  # it follows: the next version is the writers' to send
+        self._catch_up = latest.version
+        return True
+
     def find(self, *, newer_than: int, deadline: Deadline) -> Found | None:
         """The newest version (past ``newer_than``) that live peers keep, planned for this reader
         against the fewest of them from its start in :func:`serving_order`; None when no peer can
@@ -195,6 +218,8 @@ class PeerCopies:
         if not records:
             return None
         newest = max(c.version for c in records.values())
+        if self._catch_up is not None and newest < self._catch_up:
+            return None  # a lagging reader takes the newest published version, which the peers do not hold yet
         holders = [seat for seat, c in records.items() if c.version == newest]
         people = {(m.role, m.rank): m for m in self._roster(deadline)}
         mine = people.get(("reader", me))

@@ -213,7 +213,7 @@ class WeightReader:
                 session.registered_anew = False
         elif session.relayout(deadline):  # the engine's layout moved (EPLB): the job re-plans it
             phases["plan"] = session.timings["setup"]
-        if self._peers is not None and self._applied is None:  # it holds no version: its first from peers
+        if self._peers is not None and self._peers.should_look(self._applied, version):  # none, or it lags
             taken = self._from_peers(version, deadline, phases)
             if taken is not None:
                 return taken
@@ -271,9 +271,8 @@ class WeightReader:
         return Received(published, nbytes, phases, self.session.planned)
 
     def _from_peers(self, version: int | None, deadline: Deadline, phases: dict[str, float]) -> Received | None:
-        """The newest version live peers on this host keep, copied into the receive buffers
-        (:mod:`weightsync.roles.peer_copies`); None when none can serve it, or the copy tore (the
-        engine is told, and the reader then reads the writers as without peers)."""
+        """The newest version live peers keep, copied into the receive buffers (:mod:`weightsync.roles.peer_copies`);
+        None when none can serve it, or the copy tore (the engine is told; it reads the writers)."""
         assert self._peers is not None and self.session.planned is not None
         t0 = time.perf_counter()
         found = self._peers.find(newer_than=self._newer_than(version), deadline=deadline)
@@ -290,6 +289,7 @@ class WeightReader:
             logger.warning("reader %d: %s; it reads the writers instead", self.rank, exc)
             return None
         self.session.planned.transport.forget_received()  # the transport received none of it: no base for deltas
+        self.session.planned.transport.abandon(copy.version)  # zero-copy writers holding it for this reader stop
         phases["peers"] = time.perf_counter() - t0
         logger.info("reader %d took version %d from peers %s", self.rank, copy.version, sorted(taken))
         return Received(PublishedVersion(copy.version, copy.fingerprint, copy.epoch), sum(taken.values()), phases,

@@ -274,8 +274,9 @@ class Transport(Protocol):
 
     def abandon(self, version: int) -> None:
         """Reader: it gave ``version`` up (a peer died, a check failed) wherever it failed, in
-        its bind too: a writer that holds memory until its readers are done with the version
-        (shared-memory zero-copy) need not wait for this one. A no-op where no writer waits so."""
+        its bind too, or took it from elsewhere (peer copies): a writer that holds memory until
+        its readers are done with the version (shared-memory zero-copy) need not wait for this
+        one. A no-op where no writer waits so."""
 
     def close(self) -> None: ...
 
