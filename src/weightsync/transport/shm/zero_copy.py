@@ -136,10 +136,12 @@ class ZeroCopyWriter:
              last: bool, epoch: int | None = None) -> TransferStats:
         """Expose the weights as ``version`` (first phase); hold them until readers are done (last).
 
-        Readers come to a version once every writer published it in ``epoch``: the wait stops as
-        soon as another writer is out of the epoch, or (writer 0) writes a newer version, naming
-        it, rather than at the deadline (a writer 0 retrying a step its restarted peer went past
-        held its weights for the whole timeout)."""
+        Readers come to a version once every writer published it in ``epoch``: while none came,
+        the wait stops as soon as another writer is out of the epoch, or (writer 0) writes a newer
+        version, naming it, rather than at the deadline (a writer 0 retrying a step its restarted
+        peer went past held its weights for the whole timeout). Once a reader copied the version
+        it was published, and a writer that went on since (under a quorum, past a slow reader)
+        stops nothing here."""
         stats = TransferStats(version)
         control = self.segment.words
         timeout = deadline.remaining()  # for the message: what the caller gave this call
@@ -169,7 +171,8 @@ class ZeroCopyWriter:
                                              f"its shared parameters within {timeout:.0f}s{watch.describe()}")
                     watch.ranks = waiting
                     watch.check(f"readers {waiting} to copy version {version}")
-                    if epoch is not None and self.ctx.channel.lease_seconds > 0 and time.monotonic() >= look:
+                    if epoch is not None and self.ctx.channel.lease_seconds > 0 and time.monotonic() >= look \
+                            and len(waiting) == len(self.readers):  # no reader came: was it ever published?
                         look = time.monotonic() + LOOK_EVERY
                         check_writers(self.ctx, epoch, f"readers {waiting} to copy version {version}")
                     spins = spin_wait(spins)
