@@ -362,12 +362,14 @@ def test_peers_across_hosts_is_refused_without_peer_sources_naming_both():
 
 
 @needs_nixl
-def test_a_reader_on_a_new_host_takes_its_first_version_from_peers_on_another_host_over_nixl(tmp_path):
+@pytest.mark.parametrize("integrity", [False, True], ids=["plain", "integrity"])
+def test_a_reader_on_a_new_host_takes_its_first_version_from_peers_on_another_host_over_nixl(tmp_path, integrity):
     """A replacement engine on a new node has no peer beside it: without ``peers_across_hosts``
     it read its first version from the trainers. Readers 0-1 keep copies on node-a; readers 2-3
     join late on node-b and take version 1 from them over NIXL, each from another peer, not from
     the writer (whose bytes per version stay one reader's share); then all four follow the writer
-    to version 3, bitwise."""
+    to version 3, bitwise. With ``integrity`` the peer's digest table comes over NIXL too, and
+    each joiner checks every box it read against it."""
     import dataclasses
 
     from weightsync.meta.client import EmbeddedMetaServer, MetaClient
@@ -380,7 +382,7 @@ def test_a_reader_on_a_new_host_takes_its_first_version_from_peers_on_another_ho
     results = tmp_path / "writes.jsonl"
     engines = [ShardedEngine("hf:replicas=4", cfg, seat) for seat in range(4)]
     sync = SyncConfig(num_writers=1, num_readers=None, job=job, transport="nixl", timeout=60, peer_sources=2,
-                      peers_across_hosts=True, transport_options=TransportOptions(nixl_mode="pull"))
+                      peers_across_hosts=True, transport_options=TransportOptions(nixl_mode="pull"), integrity=integrity)
 
     def weights(version: int) -> dict[str, torch.Tensor]:
         return {n: t.to(torch.bfloat16) for n, t in canonical_weights(cfg, seeds[version - 1]).items()}
@@ -391,7 +393,8 @@ def test_a_reader_on_a_new_host_takes_its_first_version_from_peers_on_another_ho
     with EmbeddedMetaServer() as server, writer_processes(server, cfg, "fsdp:dp=1", job=job, seeds=seeds,
                                                           extra=("--transport", "nixl", "--nixl-mode", "pull",
                                                                  "--elastic", "--peer-sources", "2",
-                                                                 "--peers-across-hosts", "--results", str(results))):
+                                                                 "--peers-across-hosts", "--results", str(results),
+                                                                 *(("--integrity",) if integrity else ()))):
         metas = [MetaClient(server.address, job=job, token=server.token) for _ in engines]
         readers = [WeightReader(engine, rank=seat, config=dataclasses.replace(sync, host="node-a" if seat < 2
                                                                               else "node-b"), meta=meta)
@@ -426,6 +429,8 @@ def test_a_reader_on_a_new_host_takes_its_first_version_from_peers_on_another_ho
                 meta.close()
     for seat, engine in enumerate(engines):
         assert holds(engine, 3), seat
+    for seat in range(2):  # the peers' copies carried the writers' digests, or none
+        assert readers[seat]._peers._kind == ("xxh3" if integrity else ""), seat
     writes = [json.loads(line) for line in results.read_text().splitlines()]
     assert [w["version"] for w in writes] == [1, 2, 3]
     assert {w["nbytes"] for w in writes} == {share}, writes  # once per version, for 2 readers or 4
