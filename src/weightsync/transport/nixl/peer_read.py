@@ -96,7 +96,8 @@ def fetch_copy(remote: RemoteCopy, seat: int, shards: Collection[str], *, table:
                        8 * ENTRY_WORDS * remote.capacity))
     if any(at + n > remote.size for _, at, n in wanted):
         raise TransportError(f"reader {seat}'s peer copy record places a shard past its {remote.size}-byte segment")
-    staged = torch.zeros(remote.size + CONTROL_BYTES, dtype=torch.uint8)  # + the control page read again
+    # laid out as the segment, + the control page read again; only what is read is ever looked at
+    staged = torch.empty(remote.size + CONTROL_BYTES, dtype=torch.uint8)
     agent = NixlAgent(f"weightsync-peerread-{secrets.token_hex(4)}", who=who, loopback=False)
     try:
         agent.register([(staged.data_ptr(), staged.numel())], "DRAM")
