@@ -62,7 +62,7 @@ from weightsync.ports import device as device_port
 from weightsync.tools.codecs.digest import tensor_digest
 from weightsync.tools.torch_layout import apply_copies, strided_view
 from weightsync.transport import TransportError
-from weightsync.transport.nixl.peer_read import CopyServer, fetch_copy
+from weightsync.transport.nixl.peer_read import CopyServer, fetch_copy, read_into
 from weightsync.transport.shm.peer_copy import HeldCopy, MappedCopy, digest_entries, map_copy, refill_digests
 from weightsync.transport.tensors import flat_views, op_dst_view, op_src_view
 
@@ -80,11 +80,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Found:
-    """A version to take from peers: its record, this reader's plan against them, their mappings."""
+    """A version to take from peers: its record, this reader's plan against them, their mappings
+    (peers on this host) or where they are (peers on other hosts, read in :meth:`PeerCopies.take`),
+    and the deadline the reads from other hosts keep."""
 
     copy: PeerCopy
     plan: Plan
-    peers: tuple[MappedCopy, ...]
+    peers: tuple[MappedCopy | _Afar, ...]
+    deadline: Deadline | None = None
 
 
 @dataclass(frozen=True)
@@ -246,37 +249,35 @@ class PeerCopies:
                 chosen.append(_Afar(seat, record.remote))
             plan = self._plan([people[("reader", p.seat)] for p in chosen], mine)
             if plan is not None:
-                peers = self._fetch(chosen, plan, newest, deadline)
-                return None if peers is None else Found(record, plan, peers)
+                return Found(record, plan, tuple(chosen), deadline)
             if kind is not None:
                 chosen.clear()  # checked copies come from one peer of this layout, whole
         return None
 
-    def _fetch(self, chosen: list[MappedCopy | _Afar], plan: Plan, version: int,
-               deadline: Deadline) -> tuple[MappedCopy, ...] | None:
-        """``chosen`` with each peer on another host read from there (what ``plan`` takes of it);
-        None when one cannot be read, or held another version while it was read (the reader then
-        reads the writers, as when a local copy tore)."""
-        out = []
-        for peer in chosen:
-            if not isinstance(peer, _Afar):
-                out.append(peer)
-                continue
-            shards = {op.src_shard for op in plan.ops if op.src_rank == peer.seat}
-            within = Deadline.after(deadline.remaining(0.0) / 2)  # the writers remain, in what is left
-            try:
+    def _fetch(self, found: Found) -> dict[int, MappedCopy]:
+        """``found``'s peers on other hosts, each read from there into a staging copy (what its
+        plan takes of it, and the digest table with ``integrity``): for a plan :func:`read_into`
+        cannot read straight into the engine's buffers.
+
+        Raises:
+            TransportError: a peer could not be read, or held another version while it was read.
+        """
+        out = {}
+        for peer in found.peers:
+            if isinstance(peer, _Afar):
+                shards = {op.src_shard for op in found.plan.ops if op.src_rank == peer.seat}
                 fetched = fetch_copy(peer.remote, peer.seat, shards, table=self._checks() is not None,
-                                     who=self.session.channel.who, deadline=within)
-            except TransportError as exc:
-                logger.info("%s: cannot read reader %d's peer copy from its host: %s", self.session.channel.who,
-                            peer.seat, exc)
-                return None
-            if fetched.holds() != version:
-                logger.info("%s: reader %d rewrote its peer copy while it was read from its host",
-                            self.session.channel.who, peer.seat)
-                return None
-            out.append(fetched)
-        return tuple(out)
+                                     who=self.session.channel.who, deadline=self._afar_deadline(found))
+                if fetched.holds() != found.copy.version:
+                    raise TransportError(f"reader {peer.seat} rewrote its peer copy of version {found.copy.version} "
+                                         f"while {self.session.channel.who} read it from its host")
+                out[peer.seat] = fetched
+        return out
+
+    def _afar_deadline(self, found: Found) -> Deadline:
+        """Half of what is left of the update's deadline: the writers remain, in the rest."""
+        left = found.deadline.remaining(0.0) if found.deadline is not None else self.session.config.timeout
+        return Deadline.after(left / 2)
 
     def _checks(self) -> str | None:
         """The digests' kind this reader checks a copy against (None: the job runs without ``integrity``)."""
@@ -319,34 +320,49 @@ class PeerCopies:
     def take(self, found: Found, buffers: Mapping[str, torch.Tensor]) -> dict[int, int]:
         """Copy ``found``'s version into ``buffers``; returns the bytes taken from each peer seat.
         With ``integrity``, every op of the peer's table is checked against the writers' digest
-        before the engine may apply a byte of it.
+        before the engine may apply a byte of it. A peer on another host is read over NIXL
+        straight into the buffers (host memory, no dtype conversion, no checks), else through a
+        staging copy (:func:`fetch_copy`).
 
         Raises:
-            TransportError: a peer rewrote its copy while this reader copied (torn), or (with
-                ``integrity``) a box's digest is not the writers' (named): drop the copy.
+            TransportError: a peer rewrote its copy while this reader copied (torn), one on
+                another host could not be read, or (with ``integrity``) a box's digest is not the
+                writers' (named): drop the copy.
         """
         flats = flat_views(buffers)
-        peers = {p.seat: p for p in found.peers}
-        taken = dict.fromkeys(peers, 0)
+        afar = {p.seat: p for p in found.peers if isinstance(p, _Afar)}
+        peers = {p.seat: p for p in found.peers if isinstance(p, MappedCopy)}
+        kind = self._checks()
+        direct = kind is None and all(f.device.type == "cpu" for f in flats.values()) and not any(
+            op.converts for op in found.plan.ops if op.src_rank in afar)
+        if afar and not direct:
+            peers.update(self._fetch(found))
+            afar = {}
+        taken = dict.fromkeys([p.seat for p in found.peers], 0)
         dev = device_port.current()
         for op in found.plan.ops:
-            dev.copy(op_dst_view(flats, op), op_src_view(peers[op.src_rank].flats, op))  # H2D on a GPU
-            taken[op.src_rank] += op.nbytes
+            if op.src_rank in peers:
+                dev.copy(op_dst_view(flats, op), op_src_view(peers[op.src_rank].flats, op))  # H2D on a GPU
+                taken[op.src_rank] += op.nbytes
+        for seat, peer in afar.items():
+            taken[seat] += read_into(peer.remote, seat, [op for op in found.plan.ops if op.src_rank == seat], flats,
+                                     version=found.copy.version, who=self.session.channel.who,
+                                     deadline=self._afar_deadline(found))
         for device in {flat.device for flat in flats.values()}:
             dev.synchronize(device)  # landed before the local copies, the checks and the seqlock read
         apply_copies(found.plan, buffers)
-        kind = self._checks()
         if kind is not None:
-            self._check(found, flats, kind)
-        torn = [p.seat for p in found.peers if p.holds() != found.copy.version]
+            self._check(found, peers, flats, kind)
+        torn = [seat for seat, p in peers.items() if p.holds() != found.copy.version]
         if torn:
             raise TransportError(f"reader(s) {torn} rewrote their peer copy of version {found.copy.version} while "
                                  f"{self.session.channel.who} copied it")
         return {seat: n for seat, n in taken.items() if n}
 
-    def _check(self, found: Found, flats: Mapping[str, torch.Tensor], kind: str) -> None:
+    def _check(self, found: Found, peers: Mapping[int, MappedCopy], flats: Mapping[str, torch.Tensor],
+               kind: str) -> None:
         """Every op of the (one) peer's digest table, digested where it landed here, against the writers' digest."""
-        (peer,) = found.peers
+        (peer,) = peers.values()
         entries = peer.entries()
         if not entries:
             raise TransportError(f"reader {peer.seat}'s peer copy of version {found.copy.version} holds no digests")

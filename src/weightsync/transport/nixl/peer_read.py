@@ -10,22 +10,25 @@ agent's metadata, the segment's address and its layout in its
 fresh engine on a new node, which has no peer on its host, then reads its first version from
 engines on other nodes, not from the trainers.
 
-The joiner (:func:`fetch_copy`) READs, one after the other, the control page, the shards its plan
-takes from that peer (and the digest table, with ``integrity``), then the control page again:
-the seqlock of the local case, across hosts. If the word changed between the two reads, the
-keeper rewrote its copy meanwhile and what was read may be torn: the fetched copy then says it
-holds no version, and the joiner reads the writers instead. The bytes land in a staging buffer
-laid out as the segment, which the copy logic reads as it reads a mapped file
-(:func:`~weightsync.transport.shm.peer_copy.copy_in`); its agent is closed once the reads are
-done. A keeper that died, or does not answer, fails the read (named), within the caller's
+The joiner READs, one after the other, the control page, what its plan takes from that peer,
+then the control page again: the seqlock of the local case, across hosts. If the word changed
+between the two reads, the keeper rewrote its copy meanwhile and what was read may be torn: the
+joiner reads the writers instead. :func:`read_into` READs each op's runs straight into the
+joiner's receive buffers (host memory, no conversion: one pass, no staging); :func:`fetch_copy`
+READs the shards (and the digest table, with ``integrity``) into a staging buffer laid out as the
+segment, which the copy logic then reads as it reads a mapped file
+(:func:`~weightsync.transport.shm.peer_copy.copy_in`). Either closes its agent once the reads
+are done. A keeper that died, or does not answer, fails the read (named), within the caller's
 deadline.
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from weightsync.clock.deadline import Deadline
@@ -33,10 +36,14 @@ from weightsync.job.wire import RemoteCopy
 from weightsync.tools.torch_layout import torch_dtype
 from weightsync.transport.base import TransportError
 from weightsync.transport.nixl.agent import Descriptors, NixlAgent
+from weightsync.transport.nixl.common import contiguous_runs
 from weightsync.transport.shm.peer_copy import ENTRY_WORDS, HELD_WORD, HeldCopy, MappedCopy, copy_in
 from weightsync.transport.shm.segment import CONTROL_BYTES, EMPTY
 
-__all__ = ["CopyServer", "fetch_copy"]
+if TYPE_CHECKING:
+    from weightsync.plan import TransferOp
+
+__all__ = ["CopyServer", "fetch_copy", "read_into"]
 
 
 class CopyServer:
@@ -125,3 +132,53 @@ def fetch_copy(remote: RemoteCopy, seat: int, shards: Collection[str], *, table:
         return copy_in(staged[: remote.size], seat, remote.shards, remote.entries_at, remote.capacity)
     except ValueError as exc:
         raise TransportError(f"reader {seat}'s peer copy record does not fit its segment: {exc}") from None
+
+
+def read_into(remote: RemoteCopy, seat: int, ops: Sequence[TransferOp], flats: Mapping[str, torch.Tensor], *,
+              version: int, who: str, deadline: Deadline) -> int:
+    """READ ``ops`` (whose source is reader ``seat``'s copy, ``version`` of it) straight into the
+    joiner's host-memory ``flats``, between two reads of the copy's version word; returns the bytes.
+
+    Raises:
+        TransportError: NIXL failed, the deadline passed, an op's source lies outside the copy,
+            or the copy did not hold ``version`` throughout (torn: the keeper applied another).
+    """
+    local, at, lengths = [], [], []
+    try:
+        for op in ops:
+            offset, numel, dtype = remote.shards[op.src_shard]
+            size = torch_dtype(dtype).itemsize
+            if size != flats[op.dst_shard].element_size():
+                raise ValueError(f"{op.src_shard} is {dtype} in the copy, {flats[op.dst_shard].dtype} here")
+            src, dst, run = contiguous_runs(op.box.sizes, op.src_strides, op.dst_strides)
+            if op.src_offset + int(src.max(initial=0)) + run > numel:
+                raise ValueError(f"an op reads past {op.src_shard}'s {numel} elements")
+            local.append(flats[op.dst_shard].data_ptr() + (op.dst_offset + dst) * size)
+            at.append(remote.address + CONTROL_BYTES + offset + (op.src_offset + src) * size)
+            lengths.append(np.full(len(src), run * size, dtype=np.int64))
+    except (KeyError, ValueError) as exc:
+        raise TransportError(f"reader {seat}'s peer copy cannot serve this plan: {exc}") from None
+    words = torch.empty(2 * CONTROL_BYTES // 8, dtype=torch.int64)  # the word before, and after
+    agent = NixlAgent(f"weightsync-peerread-{secrets.token_hex(4)}", who=who, loopback=False)
+    try:
+        starts = sorted({flat.data_ptr() for flat in flats.values() if flat.numel()} | {words.data_ptr()})
+        agent.register([(words.data_ptr(), words.numel() * 8)] + [(flat.data_ptr(), flat.numel() * flat.element_size())
+                                                                  for flat in flats.values() if flat.numel()], "DRAM")
+        label = f"reader {seat}'s peer copy"
+        peer = agent.connect(remote.agent, label=label, deadline=deadline)
+        page = [words.data_ptr()], [remote.address], [CONTROL_BYTES]
+        agent.run_once("READ", peer, Descriptors.of(*page), "DRAM", deadline, what=f"{label}'s control page")
+        if local:
+            descs = Descriptors.of(np.concatenate(local), np.concatenate(at), np.concatenate(lengths),
+                                   local_starts=starts)
+            agent.run_once("READ", peer, descs, "DRAM", deadline, what=f"{label}'s version {version}")
+        agent.run_once("READ", peer, Descriptors.of([words.data_ptr() + CONTROL_BYTES], [remote.address],
+                                                    [CONTROL_BYTES]), "DRAM", deadline,
+                       what=f"{label}'s control page, again")
+    finally:
+        agent.close()
+    before, after = int(words[HELD_WORD]), int(words[CONTROL_BYTES // 8 + HELD_WORD])
+    if before != version or after != version:
+        raise TransportError(f"reader {seat} rewrote its peer copy of version {version} while {who} read it from its "
+                             f"host (it held version {before}, then {after})")
+    return int(sum(int(n.sum()) for n in lengths))
