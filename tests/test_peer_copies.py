@@ -26,6 +26,37 @@ from weightsync.transport import TransportError, TransportOptions
 from weightsync.transport.shm.peer_copy import HeldCopy, map_copy
 
 
+def _versions(cfg, seeds: list[int]):
+    """The writers' weights of each version (1-based, bf16), and whether an engine holds one."""
+
+    def weights(version: int) -> dict[str, torch.Tensor]:
+        return {n: t.to(torch.bfloat16) for n, t in canonical_weights(cfg, seeds[version - 1]).items()}
+
+    def holds(engine: ShardedEngine, version: int) -> bool:
+        return all(torch.equal(engine.tensors[n], w) for n, w in weights(version).items())
+
+    return weights, holds
+
+
+def _close(readers, metas) -> None:
+    for reader in readers:
+        reader.close()
+    for meta in metas:
+        meta.close()
+
+
+def _ends_on(engines, holds, readers, keepers: int, integrity: bool, results, versions: list[int], share: int) -> None:
+    """Every engine holds the last version; the keepers' copies carried the writers' digests (or
+    none); the writer sent each version once, one reader's share, whatever the readers."""
+    for seat, engine in enumerate(engines):
+        assert holds(engine, versions[-1]), seat
+    for seat in range(keepers):
+        assert readers[seat]._peers._kind == ("xxh3" if integrity else ""), seat
+    writes = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [w["version"] for w in writes] == versions
+    assert {w["nbytes"] for w in writes} == {share}, writes
+
+
 def _together(run, seats: range, until: int | None, errors: list[BaseException]) -> None:
     """``run(seat, until)`` for each seat at once, in threads; every one ends, and none failed."""
     threads = [threading.Thread(target=run, args=(seat, until)) for seat in seats]
@@ -178,11 +209,7 @@ def test_late_readers_take_their_first_version_from_the_peers_and_the_writer_sen
     sync = SyncConfig(num_writers=1, num_readers=None, job=job, transport="shm", timeout=60, peer_sources=4,
                       integrity=integrity)
 
-    def weights(version: int) -> dict[str, torch.Tensor]:
-        return {n: t.to(torch.bfloat16) for n, t in canonical_weights(cfg, seeds[version - 1]).items()}
-
-    def holds(engine: ShardedEngine, version: int) -> bool:
-        return all(torch.equal(engine.tensors[n], w) for n, w in weights(version).items())
+    weights, holds = _versions(cfg, seeds)
 
     assert all(not torch.equal(weights(1)[n], weights(3)[n]) for n in weights(1))
     with EmbeddedMetaServer() as server, writer_processes(server, cfg, "fsdp:dp=1", job=job, seeds=seeds,
@@ -238,17 +265,8 @@ def test_late_readers_take_their_first_version_from_the_peers_and_the_writer_sen
                 assert firsts[8].peers == {} and holds(engines[8], firsts[8].version)
             together(range(9), 3)
         finally:
-            for reader in readers:
-                reader.close()
-            for meta in metas:
-                meta.close()
-    for seat, engine in enumerate(engines):
-        assert holds(engine, 3), seat
-    for seat in range(4):  # the peers' copies carried the writers' digests, or none
-        assert readers[seat]._peers._kind == ("xxh3" if integrity else ""), seat
-    writes = [json.loads(line) for line in results.read_text().splitlines()]
-    assert [w["version"] for w in writes] == [1, 2, 3]
-    assert {w["nbytes"] for w in writes} == {share}, writes  # once per version, for 4 readers or 8
+            _close(readers, metas)
+    _ends_on(engines, holds, readers, 4, integrity, results, [1, 2, 3], share)  # once per version, 4 readers or 8
 
 
 def test_a_phased_engine_under_layer_phases_is_refused_peer_copies_naming_both_settings():
@@ -384,11 +402,7 @@ def test_a_reader_on_a_new_host_takes_its_first_version_from_peers_on_another_ho
     sync = SyncConfig(num_writers=1, num_readers=None, job=job, transport="nixl", timeout=60, peer_sources=2,
                       peers_across_hosts=True, transport_options=TransportOptions(nixl_mode="pull"), integrity=integrity)
 
-    def weights(version: int) -> dict[str, torch.Tensor]:
-        return {n: t.to(torch.bfloat16) for n, t in canonical_weights(cfg, seeds[version - 1]).items()}
-
-    def holds(engine: ShardedEngine, version: int) -> bool:
-        return all(torch.equal(engine.tensors[n], w) for n, w in weights(version).items())
+    weights, holds = _versions(cfg, seeds)
 
     with EmbeddedMetaServer() as server, writer_processes(server, cfg, "fsdp:dp=1", job=job, seeds=seeds,
                                                           extra=("--transport", "nixl", "--nixl-mode", "pull",
@@ -423,17 +437,8 @@ def test_a_reader_on_a_new_host_takes_its_first_version_from_peers_on_another_ho
                 assert first.peers == {seat % 2: share} and first.nbytes == share, (seat, first.peers)
             together(range(4), 3)
         finally:
-            for reader in readers:
-                reader.close()
-            for meta in metas:
-                meta.close()
-    for seat, engine in enumerate(engines):
-        assert holds(engine, 3), seat
-    for seat in range(2):  # the peers' copies carried the writers' digests, or none
-        assert readers[seat]._peers._kind == ("xxh3" if integrity else ""), seat
-    writes = [json.loads(line) for line in results.read_text().splitlines()]
-    assert [w["version"] for w in writes] == [1, 2, 3]
-    assert {w["nbytes"] for w in writes} == {share}, writes  # once per version, for 2 readers or 4
+            _close(readers, metas)
+    _ends_on(engines, holds, readers, 2, integrity, results, [1, 2, 3], share)  # once per version, 2 readers or 4
 
 
 def test_a_reader_that_missed_versions_catches_up_from_peers_and_one_that_follows_reads_the_writer(tmp_path):
@@ -457,11 +462,7 @@ def test_a_reader_that_missed_versions_catches_up_from_peers_and_one_that_follow
     sync = SyncConfig(num_writers=1, num_readers=None, job=job, transport="shm", timeout=60, peer_sources=2,
                       completion="quorum=2")
 
-    def weights(version: int) -> dict[str, torch.Tensor]:
-        return {n: t.to(torch.bfloat16) for n, t in canonical_weights(cfg, seeds[version - 1]).items()}
-
-    def holds(engine: ShardedEngine, version: int) -> bool:
-        return all(torch.equal(engine.tensors[n], w) for n, w in weights(version).items())
+    weights, holds = _versions(cfg, seeds)
 
     with EmbeddedMetaServer() as server, writer_processes(server, cfg, "fsdp:dp=1", job=job, seeds=seeds,
                                                           extra=("--transport", "shm", "--elastic", "--peer-sources",
@@ -492,10 +493,5 @@ def test_a_reader_that_missed_versions_catches_up_from_peers_and_one_that_follow
             follows = got[2][-1]
             assert follows.version == 4 and follows.peers == {} and holds(engines[2], 4), follows
         finally:
-            for reader in readers:
-                reader.close()
-            for meta in metas:
-                meta.close()
-    writes = [json.loads(line) for line in results.read_text().splitlines()]
-    assert [w["version"] for w in writes] == [1, 2, 3, 4]
-    assert {w["nbytes"] for w in writes} == {share}, writes
+            _close(readers, metas)
+    _ends_on(engines, holds, readers, 2, False, results, [1, 2, 3, 4], share)
