@@ -320,3 +320,39 @@ def test_a_reader_whose_lease_ended_before_it_published_its_endpoint_is_named_wi
     unleased = TransportContext(channel=Blocking("writer", 0), num_writers=1, num_readers=1)
     unleased.channel.dead[0] = "gone"
     assert peer_endpoint(unleased, NixlEndpoint, 4, "reader", 0, deadline=Deadline.after(0.3)) is None
+
+
+def test_waiting_for_every_rank_reads_one_endpoint_per_step_whatever_the_worlds_size():
+    """The torch rendezvous waits for every rank's arrival. It read every missing rank's record at
+    each step: a world of N ranks cost each rank N reads a step while they gathered, N squared
+    reads of the coordinator in all. It reads one per step now (a long poll on the first
+    missing), and each of the others once when its turn comes."""
+    import threading
+    import time
+
+    from weightsync.transport.endpoint_wait import every_endpoint
+    from weightsync.transport.endpoints import TorchArrival
+
+    class Counting(FakeChannel):
+        reads = 0
+
+        def wait_endpoint(self, kind, epoch, role, rank, *, deadline):
+            Counting.reads += 1
+            return super().wait_endpoint(kind, epoch, role, rank, deadline=deadline)
+
+    channel = Counting("writer", 0, lease_seconds=3.0)
+    ctx = TransportContext(channel=channel, num_writers=1, num_readers=32)
+
+    def everyone_arrives() -> None:
+        time.sleep(1.2)  # past two looks
+        for r in range(32):
+            channel.peer_publishes(5, "reader", r, TorchArrival(f"r{r}"))
+
+    arriving = threading.Thread(target=everyone_arrives)
+    arriving.start()
+    try:
+        found = every_endpoint(ctx, TorchArrival, 5, deadline=Deadline.after(10.0), what="the process group of epoch 5")
+    finally:
+        arriving.join(timeout=10)
+    assert sorted(found) == [("reader", r) for r in range(32)]
+    assert Counting.reads <= 32 + 4, Counting.reads  # about 3 steps on reader 0, then each one once

@@ -87,10 +87,12 @@ def every_endpoint(ctx: TransportContext, kind: type[E], epoch: int, *, deadline
     ``0..R-1``), once all are published. ``what``: where the ranks meet, for messages ("the
     process group of epoch 3").
 
-    At each look (every :data:`LOOK_EVERY` seconds) every rank is watched, published or not:
-    a dead one is named (confirmed on fresh leases: a cached answer may show a restart that
-    registered and published since as its dead predecessor), and so is a writer that has not
-    published and is out of the epoch, alive or dead (``channel.writers_out_of_epoch``).
+    The ranks are read in turn, one read per step (a long poll on the first missing one), so a
+    world of N ranks costs each of them about N reads, not N per look. At each look (every
+    :data:`LOOK_EVERY` seconds) every rank is watched, read yet or not: a dead one is named
+    (confirmed on fresh leases: a cached answer may show a restart that registered and published
+    since as its dead predecessor), and so is a writer that is out of the epoch, alive or dead
+    (``channel.writers_out_of_epoch``).
 
     Raises:
         TransportError: a rank dead or out of the epoch, a malformed endpoint (named), or the
@@ -103,29 +105,30 @@ def every_endpoint(ctx: TransportContext, kind: type[E], epoch: int, *, deadline
     found: dict[tuple[Role, int], E] = {}
     leases = ctx.channel.lease_seconds > 0
     look = time.monotonic() + LOOK_EVERY
-    while True:
-        first = waiting[0]  # waited on for a slice; the others are only read
+    while waiting:
+        peer = waiting[0]  # one read per step, whatever the world's size: the others are read in turn
         step = Deadline.after(min(deadline.remaining(0.0), LOOK_EVERY) if leases else deadline.remaining(0.0))
-        for peer in list(waiting):
-            try:
-                endpoint = ctx.channel.wait_endpoint(kind, epoch, peer[0], peer[1],
-                                                     deadline=step if peer == first else Deadline.after(0.0))
-            except WireError as exc:
-                raise TransportError(str(exc)) from exc
-            if endpoint is not None:
-                found[peer] = endpoint
-                waiting.remove(peer)
-        if not waiting:
-            return found
+        endpoint = _read(ctx, kind, epoch, peer, step)
+        if endpoint is not None:
+            found[peer] = endpoint
+            waiting.pop(0)
+            continue
         if deadline.expired:
+            there = len(found) + 1 + sum(_read(ctx, kind, epoch, p, Deadline.after(0.0)) is not None for p in waiting)
             missing = "".join(w.describe() for w in watches)
-            raise TransportError(f"{ctx.who}: only {len(found) + 1} of {len(ranks)} ranks joined {what} in "
-                                 f"time{missing}")
-        if first in waiting:  # a channel that answered before its slice ended
-            time.sleep(step.remaining(0.0))
+            raise TransportError(f"{ctx.who}: only {there} of {len(ranks)} ranks joined {what} in time{missing}")
+        time.sleep(step.remaining(0.0))  # a channel that answered before its slice ended
         if leases and time.monotonic() >= look:
             look = time.monotonic() + LOOK_EVERY
             _check_every(ctx, epoch, watches, [r for role, r in waiting if role == "writer"], what)
+    return found
+
+
+def _read(ctx: TransportContext, kind: type[E], epoch: int, peer: tuple[Role, int], deadline: Deadline) -> E | None:
+    try:
+        return ctx.channel.wait_endpoint(kind, epoch, peer[0], peer[1], deadline=deadline)
+    except WireError as exc:
+        raise TransportError(str(exc)) from exc
 
 
 def _check_every(ctx: TransportContext, epoch: int, watches: Sequence[PeerWatch], absent: Sequence[int],
