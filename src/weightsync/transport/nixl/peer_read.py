@@ -103,35 +103,56 @@ def fetch_copy(remote: RemoteCopy, seat: int, shards: Collection[str], *, table:
                        8 * ENTRY_WORDS * remote.capacity))
     if any(at + n > remote.size for _, at, n in wanted):
         raise TransportError(f"reader {seat}'s peer copy record places a shard past its {remote.size}-byte segment")
-    # laid out as the segment, + the control page read again; only what is read is ever looked at
-    staged = torch.empty(remote.size + CONTROL_BYTES, dtype=torch.uint8)
+    staged = torch.empty(remote.size, dtype=torch.uint8)  # laid out as the segment; only what is read is looked at
+    wanted = [r for r in wanted if r[2] > 0]
+    body = ([staged.data_ptr() + x for x, _, _ in wanted], [remote.address + x for _, x, _ in wanted],
+            [n for _, _, n in wanted])
+    words = staged[:CONTROL_BYTES].view(torch.int64)
+    before, after = _between_words(remote, seat, [(staged.data_ptr(), staged.numel())], body, who=who,
+                                   deadline=deadline, what="shards", control=words)
+    if before != after:
+        words[HELD_WORD] = EMPTY  # rewritten while it was read: torn
+    try:
+        return copy_in(staged, seat, remote.shards, remote.entries_at, remote.capacity)
+    except ValueError as exc:
+        raise TransportError(f"reader {seat}'s peer copy record does not fit its segment: {exc}") from None
+
+
+def _between_words(remote: RemoteCopy, seat: int, memory: Sequence[tuple[int, int]],
+                   body: tuple[Sequence[int] | np.ndarray, Sequence[int] | np.ndarray, Sequence[int] | np.ndarray], *,
+                   who: str, deadline: Deadline, what: str, control: torch.Tensor | None = None,
+                   starts: Sequence[int] = ()) -> tuple[int, int]:
+    """The seqlock across hosts: on an agent of its own, with ``memory`` registered, READ reader
+    ``seat``'s control page (into ``control`` when given, a page-sized int64 view inside
+    ``memory``), then ``body`` (local addresses, segment addresses, lengths; ``starts``: where the
+    local registrations begin), then the version word again; returns the version word before and
+    after. The agent is closed once the reads are done.
+
+    Raises:
+        TransportError: NIXL failed (the keeper is gone, or unreachable) or the deadline passed.
+    """
+    again = torch.empty(CONTROL_BYTES // 8, dtype=torch.int64)  # the page read again
+    first = control if control is not None else torch.empty(CONTROL_BYTES // 8, dtype=torch.int64)
+    own = [again] if control is not None else [again, first]
     agent = NixlAgent(f"weightsync-peerread-{secrets.token_hex(4)}", who=who, loopback=False)
     try:
-        agent.register([(staged.data_ptr(), staged.numel())], "DRAM")
+        agent.register([*((t.data_ptr(), CONTROL_BYTES) for t in own), *memory], "DRAM")
         label = f"reader {seat}'s peer copy"
         peer = agent.connect(remote.agent, label=label, deadline=deadline)
 
-        def read(ranges: Sequence[tuple[int, int, int]], what: str) -> None:
-            """READ ``(local offset, segment offset, bytes)`` ranges, in one transfer."""
-            ranges = [r for r in ranges if r[2] > 0]
-            if ranges:
-                local, at, lengths = zip(*ranges, strict=True)
-                descs = Descriptors.of([staged.data_ptr() + x for x in local], [remote.address + x for x in at],
-                                       lengths)
-                agent.run_once("READ", peer, descs, "DRAM", deadline, what=what)
+        def page(into: torch.Tensor, which: str) -> None:
+            descs = Descriptors.of([into.data_ptr()], [remote.address], [CONTROL_BYTES])
+            agent.run_once("READ", peer, descs, "DRAM", deadline, what=f"{label}'s control page{which}")
 
-        read([(0, 0, CONTROL_BYTES)], f"{label}'s control page")
-        read(wanted, f"{label}'s shards")
-        read([(remote.size, 0, CONTROL_BYTES)], f"{label}'s control page, again")
+        page(first, "")
+        if len(body[2]):
+            local_starts = [*starts, *(t.data_ptr() for t in own)]
+            agent.run_once("READ", peer, Descriptors.of(*body, local_starts=local_starts), "DRAM", deadline,
+                           what=f"{label}'s {what}")
+        page(again, ", again")
     finally:
         agent.close()
-    words, after = staged[:CONTROL_BYTES].view(torch.int64), staged[remote.size:].view(torch.int64)
-    if int(words[HELD_WORD]) != int(after[HELD_WORD]):
-        words[HELD_WORD] = EMPTY  # rewritten while it was read: torn
-    try:
-        return copy_in(staged[: remote.size], seat, remote.shards, remote.entries_at, remote.capacity)
-    except ValueError as exc:
-        raise TransportError(f"reader {seat}'s peer copy record does not fit its segment: {exc}") from None
+    return int(first[HELD_WORD]), int(again[HELD_WORD])
 
 
 def read_into(remote: RemoteCopy, seat: int, ops: Sequence[TransferOp], flats: Mapping[str, torch.Tensor], *,
@@ -158,26 +179,11 @@ def read_into(remote: RemoteCopy, seat: int, ops: Sequence[TransferOp], flats: M
             lengths.append(np.full(len(src), run * size, dtype=np.int64))
     except (KeyError, ValueError) as exc:
         raise TransportError(f"reader {seat}'s peer copy cannot serve this plan: {exc}") from None
-    words = torch.empty(2 * CONTROL_BYTES // 8, dtype=torch.int64)  # the word before, and after
-    agent = NixlAgent(f"weightsync-peerread-{secrets.token_hex(4)}", who=who, loopback=False)
-    try:
-        starts = sorted({flat.data_ptr() for flat in flats.values() if flat.numel()} | {words.data_ptr()})
-        agent.register([(words.data_ptr(), words.numel() * 8)] + [(flat.data_ptr(), flat.numel() * flat.element_size())
-                                                                  for flat in flats.values() if flat.numel()], "DRAM")
-        label = f"reader {seat}'s peer copy"
-        peer = agent.connect(remote.agent, label=label, deadline=deadline)
-        page = [words.data_ptr()], [remote.address], [CONTROL_BYTES]
-        agent.run_once("READ", peer, Descriptors.of(*page), "DRAM", deadline, what=f"{label}'s control page")
-        if local:
-            descs = Descriptors.of(np.concatenate(local), np.concatenate(at), np.concatenate(lengths),
-                                   local_starts=starts)
-            agent.run_once("READ", peer, descs, "DRAM", deadline, what=f"{label}'s version {version}")
-        agent.run_once("READ", peer, Descriptors.of([words.data_ptr() + CONTROL_BYTES], [remote.address],
-                                                    [CONTROL_BYTES]), "DRAM", deadline,
-                       what=f"{label}'s control page, again")
-    finally:
-        agent.close()
-    before, after = int(words[HELD_WORD]), int(words[CONTROL_BYTES // 8 + HELD_WORD])
+    regions = [(flat.data_ptr(), flat.numel() * flat.element_size()) for flat in flats.values() if flat.numel()]
+    none = np.empty(0, dtype=np.int64)
+    body = (np.concatenate(local), np.concatenate(at), np.concatenate(lengths)) if local else (none, none, none)
+    before, after = _between_words(remote, seat, regions, body, who=who, deadline=deadline,
+                                   what=f"version {version}", starts=sorted({a for a, _ in regions}))
     if before != version or after != version:
         raise TransportError(f"reader {seat} rewrote its peer copy of version {version} while {who} read it from its "
                              f"host (it held version {before}, then {after})")
