@@ -96,5 +96,9 @@ class FakeChannel:
         return {r: f"it has no live process ({self.dead[r]}) and never joined epoch {epoch}"
                 for r in ranks if r in self.dead and r not in self.seated}
 
+    def writer_writes(self, rank) -> int | None:
+        """No writer recorded a version (a test overrides it)."""
+        return None
+
     def current_epoch(self) -> int:
         return self.epoch

@@ -116,6 +116,38 @@ def test_a_zero_copy_writer_stops_holding_a_version_once_another_writer_will_nev
         shared.close()
 
 
+class _WritesOn(FakeChannel):
+    """Writer 0's live process writes version 2: it gave version 1 up (superseded) before this
+    reader came to it."""
+
+    def writer_writes(self, rank):
+        return 2 if rank == 0 else None
+
+
+def test_a_zero_copy_reader_stops_waiting_for_a_version_its_writer_went_past():
+    """The restarted reader of the kill-both fault cell (shm-zero-copy, once in three CI runs)
+    took version 1, which writer 0 had just given up as superseded, and waited 20 s for writer
+    0 to expose it, while the writers waited for that reader in version 2. A writer exposes
+    versions in order, so once its live process writes a newer one the wait stops at its next
+    look, naming the writer and the version."""
+    import time
+
+    from weightsync.transport.base import PeerWatch
+    from weightsync.transport.shm.segment import CONTROL_BYTES
+    from weightsync.transport.shm.zero_copy import ZeroCopyPeer
+
+    ctx = TransportContext(channel=_WritesOn("reader", 1, lease_seconds=3.0), num_writers=2, num_readers=2,
+                           options=TransportOptions())
+    control = torch.zeros(CONTROL_BYTES // 8, dtype=torch.int64)
+    control[EXPOSED_WORD] = -1  # writer 0 gave version 1 up: it exposes nothing
+    peer = ZeroCopyPeer(control, None, {}, writer=0, reader=1, watch=PeerWatch(ctx, "writer", [0]))
+    started = time.monotonic()
+    with pytest.raises(TransportError, match=r"reader 1: writer 0 writes version 2 now, so it will not expose "
+                                             r"version 1 again"):
+        peer.begin(1, Deadline.after(10.0))
+    assert time.monotonic() - started < 1.5
+
+
 def test_private_sources_keep_snapshot_slots(tmp_path):
     transport = _writer(tmp_path, allocate)
     try:

@@ -327,6 +327,13 @@ class Epochs(ChannelPart):
             self.meta.put_document(writing_key(self.rank), f"{self.incarnation} {version}".encode())
             self._writing = version
 
+    def writer_writes(self, rank: int) -> int | None:
+        """The version writer ``rank``'s live process writes now, by a fresh read of its lease
+        (see :meth:`_writes`); None without leases."""
+        if self.lease_seconds <= 0:
+            return None
+        return self._writes(rank, self._leases(0.0).get(("writer", rank)))
+
     def _writes(self, rank: int, row: LeaseRow | None) -> int | None:
         """The version writer ``rank``'s live process writes now; None when it recorded none, or
         is dead or restarted since (a job restarted from a checkpoint writes older versions

@@ -82,6 +82,11 @@ class TransportChannel(Protocol):
         that its restart joins a later epoch and no rank waits for it (``weightsync.job.epochs``).
         One call for every writer a transport waits on: the channel reads the leases once."""
 
+    def writer_writes(self, rank: int) -> int | None:
+        """The version writer ``rank``'s live process writes now (None: it recorded none, or has no
+        live process). Writers write versions in order, so a reader waiting for an older one from
+        it waits for a version that process will never send again."""
+
     @property
     def incarnation(self) -> str:
         """This process's claim on its rank (a restarted process has another): a transport puts it

@@ -213,8 +213,14 @@ class ZeroCopyPeer:
         return self._changes
 
     def begin(self, version: int, deadline: Deadline) -> None:
-        """Wait until the writer exposes ``version`` of its shared parameters."""
-        spins = 0
+        """Wait until the writer exposes ``version`` of its shared parameters.
+
+        A writer exposes versions in order, so the wait stops, naming it, once the writer's live
+        process writes a newer one (it gave ``version`` up, superseded, before this reader came:
+        a restarted reader that took it waited until its timeout, and the writers for it in the
+        next version)."""
+        spins, look = 0, time.monotonic() + LOOK_EVERY
+        channel = self.watch.ctx.channel
         while (held := int(self.control[EXPOSED_WORD])) != version:
             if held > version:
                 raise TransportError(f"reader {self.reader}: writer {self.writer} already exposes version {held}, "
@@ -224,6 +230,13 @@ class ZeroCopyPeer:
                 raise TransportError(f"reader {self.reader}: writer {self.writer} did not expose version {version} "
                                      f"of its shared parameters in time{self.watch.describe()}")
             self.watch.check(f"writer {self.writer} to expose version {version}")
+            if time.monotonic() >= look:
+                look = time.monotonic() + LOOK_EVERY
+                writes = channel.writer_writes(self.writer)
+                if writes is not None and writes > version and int(self.control[EXPOSED_WORD]) != version:
+                    raise TransportError(f"reader {self.reader}: writer {self.writer} writes version {writes} now, so "
+                                         f"it will not expose version {version} again (it gave it up, superseded, "
+                                         "before this reader came); the next update reads a newer one")
             spins = spin_wait(spins)
 
     def source(self, op: TransferOp, at: int, version: int, deadline: Deadline, *, phase: int = 0) -> torch.Tensor:
