@@ -138,8 +138,8 @@ def _keywords(settings: dict) -> dict:
 
 def test_refused_entries_exist_for_every_rule():
     # nixl_mode, file_dir x 5; shm_streaming x 3; checksum x 4 (every transport carries deltas);
-    # completion x 3 (torch, routed, nixl in push mode); the fleet commit with layer phases
-    assert len(_refusals(when_planned=False)) == 5 + 5 + 3 + 4 + 3 + 1
+    # completion x 2 (torch, routed: a process group); the fleet commit with layer phases
+    assert len(_refusals(when_planned=False)) == 5 + 5 + 3 + 4 + 2 + 1
 
 
 def test_deltas_over_every_nixl_mode_are_accepted():

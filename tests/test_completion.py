@@ -79,14 +79,21 @@ def test_a_policy_is_checked_where_the_config_is_written():
                              where="WeightSyncInitInfo")
 
 
-def test_nixl_takes_a_quorum_only_in_pull_mode_naming_what_auto_picks():
+def test_nixl_takes_a_quorum_in_either_mode_and_torch_and_routed_are_refused_naming_the_process_group():
+    """NIXL push took no quorum until wave 25 (a push writer waited on every reader); it goes
+    on without a dead reader now (tests/test_transport_nixl.py). torch and routed writers send in
+    one process group, which a dead reader breaks for every pair."""
     from weightsync import TransportOptions
 
     SyncConfig(num_writers=1, num_readers=3, transport="nixl", completion="quorum=2")  # auto: pull for 3 from 1
-    with pytest.raises(CombinationError, match=r"transport='nixl' in push mode \(nixl_mode='auto' picks push"):
-        SyncConfig(num_writers=2, num_readers=2, transport="nixl", completion="quorum=1")
-    SyncConfig(num_writers=2, num_readers=2, transport="nixl", completion="quorum=1",
-               transport_options=TransportOptions(nixl_mode="pull"))
+    SyncConfig(num_writers=2, num_readers=2, transport="nixl", completion="quorum=1")  # auto: push
+    for mode in ("pull", "push"):
+        SyncConfig(num_writers=2, num_readers=2, transport="nixl", completion="quorum=1",
+                   transport_options=TransportOptions(nixl_mode=mode))
+    for transport in ("torch", "routed"):
+        with pytest.raises(CombinationError, match=rf"completion='quorum=1' with transport='{transport}': its "
+                                                   "writers send to every reader themselves, in one process group"):
+            SyncConfig(num_writers=2, num_readers=2, transport=transport, completion="quorum=1")
 
 
 class ScriptedMeta:

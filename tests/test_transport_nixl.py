@@ -674,3 +674,103 @@ def test_a_peer_that_never_published_its_metadata_is_named_dead_when_its_lease_s
     with pytest.raises(TransportError, match=r"writer 1 did not publish its NIXL metadata for epoch 0 in time "
                                              r"\(writer 1 is dead: pid 41 on n0, last heartbeat 3.0 s ago"):
         side._connect_peer(0, "writer", 1, Deadline.after(0.05))
+
+
+def _push_pair(tmp_path, *, tolerates_reader_loss: bool):
+    """One push writer and two readers of tiny-qwen3 (``vllm:tp=1,replicas=2``) in this process,
+    prepared in epoch 0: (writer, readers, the readers' tensors, what they must hold)."""
+    import threading
+
+    import torch
+
+    from weightsync.configs import load_spec
+    from weightsync.job.channel import JobChannel
+    from weightsync.layout import parse_layout
+    from weightsync.plan import build_plan
+    from weightsync.tools.torch_layout import allocate, fill_from_canonical
+    from weightsync.transport import TransportContext, TransportOptions
+    from weightsync.transport.nixl.push import NixlPushTransport
+
+    spec = load_spec("tiny-qwen3")
+    writers = parse_layout("megatron:tp=1").all_rank_layouts(spec)
+    readers = parse_layout("vllm:tp=1,replicas=2").all_rank_layouts(spec)
+    plan = build_plan(writers, readers)
+    meta = DirectoryMeta(tmp_path)
+
+    def make(role, rank):
+        return NixlPushTransport(TransportContext(
+            channel=JobChannel(meta, role=role, rank=rank), num_writers=1, num_readers=2,
+            options=TransportOptions(nixl_mode="push"), tolerates_reader_loss=tolerates_reader_loss))
+
+    generator = torch.Generator().manual_seed(0)
+    values = {name: torch.randn(t.shape, generator=generator) for name, t in writers[0].canonical.items()}
+    src = allocate(writers[0])
+    fill_from_canonical(writers[0], src, values)
+    dsts, want = [allocate(layout) for layout in readers], allocate(readers[0])
+    fill_from_canonical(readers[0], want, values)
+    w, rs = make("writer", 0), [make("reader", 0), make("reader", 1)]
+    ready = threading.Thread(target=w.prepare, args=(plan, src), kwargs={"epoch": 0, "deadline": Deadline.after(10)})
+    ready.start()
+    for r, dst in zip(rs, dsts, strict=True):
+        r.prepare(plan, dst, epoch=0, deadline=Deadline.after(10))
+    ready.join(10)
+    return w, rs, dsts, want
+
+
+@needs_nixl
+def test_a_push_writer_serves_readers_in_the_order_they_ask_so_a_slow_one_holds_back_no_other(tmp_path, monkeypatch):
+    """A push writer WROTE to its readers in turn, waiting for each to ask: reader 1, ready at
+    once, waited for reader 0, here until its 5 s deadline (issue 36: "one slow reader holds back
+    the others"). It now takes its bytes while reader 0 has not asked yet."""
+    import threading
+
+    import torch
+
+    monkeypatch.setenv("NIXL_LOG_LEVEL", "ERROR")
+    w, (r0, r1), dsts, want = _push_pair(tmp_path, tolerates_reader_loss=False)
+    sent: dict[str, object] = {}
+    try:
+        writing = threading.Thread(target=lambda: sent.update(stats=w.send(1, deadline=Deadline.after(20))))
+        writing.start()
+        started = time.monotonic()
+        r1.receive(1, deadline=Deadline.after(5))  # reader 0 has not asked yet
+        assert time.monotonic() - started < 3.0
+        r0.receive(1, deadline=Deadline.after(10))
+        writing.join(10)
+        assert "stats" in sent, "the writer failed (its error is printed above)"
+        assert all(torch.equal(dst[n], want[n]) for dst in dsts for n in want)
+    finally:
+        for t in (w, r0, r1):
+            t.close()
+
+
+@needs_nixl
+@pytest.mark.parametrize("tolerates", [False, True], ids=["all", "quorum"])
+def test_a_push_writer_gives_a_reader_that_never_asks_up_only_under_a_quorum(tmp_path, monkeypatch, tolerates):
+    """Reader 0 never asks for version 1. Under ``all`` the writer's send fails at its deadline,
+    naming it; under a quorum (or a fraction) it returns once reader 1 has its bytes, and the
+    policy decides the write from the readers' reports."""
+    import torch
+
+    from weightsync.transport import TransportError
+
+    monkeypatch.setenv("NIXL_LOG_LEVEL", "ERROR")
+    w, (r0, r1), dsts, want = _push_pair(tmp_path, tolerates_reader_loss=tolerates)
+    import threading
+
+    got: dict[str, object] = {}
+    try:
+        reading = threading.Thread(target=lambda: got.update(stats=r1.receive(1, deadline=Deadline.after(10))))
+        reading.start()
+        if tolerates:
+            w.send(1, deadline=Deadline.after(2.0))
+        else:
+            with pytest.raises(TransportError, match=r"writer 0: reader 0 did not ask for version 1 phase 0 in time "
+                                                     r"\(its last request was nothing\)"):
+                w.send(1, deadline=Deadline.after(2.0))
+        reading.join(10)
+        assert "stats" in got, "reader 1 failed (its error is printed above)"
+        assert all(torch.equal(dsts[1][n], want[n]) for n in want)
+    finally:
+        for t in (w, r0, r1):
+            t.close()

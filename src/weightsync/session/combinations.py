@@ -26,8 +26,10 @@ from typing import Any
 #: (transport/file/changes.py), and NCCL runs the per-pair exchange on GPU memory
 #: (transport/torch/nccl_delta.py). On other GPU memory (CUDA IPC, NIXL VRAM) the transport refuses
 #: them when it is created.
-#: Transports whose writers send to every reader (torch's pairs, routed's torch part): a dead reader
-#: fails the send, so a completion policy other than ``all`` cannot hold (NIXL: in push mode).
+#: Transports whose writers send to every reader (torch's pairs, routed's torch part; NIXL in push
+#: mode): a reader cannot join a running job. Those in a process group (torch, routed) also fail
+#: every send for one dead reader, so a completion policy other than ``all`` cannot hold there; a
+#: NIXL push writer goes on without a reader that dies under one (transport/nixl/push.py).
 TWO_SIDED = frozenset({"torch", "routed"})
 #: Transports that checksum every message with ``checksum=True``.
 CHECKSUM_TRANSPORTS = frozenset({"torch"})
@@ -61,12 +63,10 @@ def refusal(settings: Mapping[str, Any], *, transport: str, why: str = "") -> st
             return (f"num_readers=None (an elastic set of readers) with {picked}: its writers connect to every "
                     "reader themselves, so a reader could not join or leave a running job. Use a one-sided "
                     "transport (shm, file, or nixl with nixl_mode='pull'), or a fixed num_readers")
-    if completion != "all" and chosen and _two_sided(settings, transport):
-        mode = " in push mode" + (" (nixl_mode='auto' picks push for no more readers than writers)"
-                                  if settings["nixl_mode"] == "auto" else "") if transport == "nixl" else ""
-        return (f"completion={completion!r} with {picked}{mode}: its writers send to every reader themselves, so a "
-                "dead reader fails every write whatever the policy. Use a one-sided transport (shm, file, or nixl "
-                "with nixl_mode='pull'), or completion='all'")
+    if completion != "all" and chosen and transport in TWO_SIDED:
+        return (f"completion={completion!r} with {picked}: its writers send to every reader themselves, in one "
+                "process group, so a dead reader fails every write whatever the policy. Use shm, file or nixl, or "
+                "completion='all'")
     if settings["checksum"] and chosen and transport not in CHECKSUM_TRANSPORTS:
         return (f"checksum=True with {picked}: only the {_names(CHECKSUM_TRANSPORTS)} transport checksums its "
                 f"messages, so nothing would be checked. Set transport='torch', or checksum=False")

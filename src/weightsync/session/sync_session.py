@@ -355,7 +355,8 @@ class SyncSession:
                                  digest_size=4).hexdigest()
         ctx = TransportContext(channel=self.channel, num_writers=self.config.num_writers,
                                num_readers=self.reader_count, device=device, options=opts, elastic=self.elastic,
-                               placements=tuple(placements), keeps_received_bytes=self._keeps_received_bytes)
+                               placements=tuple(placements), keeps_received_bytes=self._keeps_received_bytes,
+                               tolerates_reader_loss=self.config.completion != "all")
         transport = create_transport(choice.name, ctx)
         if digests is not None and digests.fuses(transport.fuses_digests):
             digests.fused = transport.use_digests(digests)  # it may decline (a setting that changes what it copies)

@@ -153,6 +153,9 @@ class TransportContext:
     placements: tuple[RankPlacement, ...] = ()
     keeps_received_bytes: bool = True
     elastic: bool = False
+    #: the completion policy is not ``all``: a reader's failure fails only its own share of a
+    #: version (a transport whose writers send to each reader goes on without it)
+    tolerates_reader_loss: bool = False
 
     def __post_init__(self) -> None:
         parse_device(self.device)

@@ -9,6 +9,7 @@ the encodings and the ops WRITTEN whole.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
@@ -22,7 +23,7 @@ from weightsync.layout.types import itemsize
 from weightsync.ports import device as device_port
 from weightsync.tools.codecs.delta import Kind
 from weightsync.tools.torch_layout import TORCH_DTYPES
-from weightsync.transport.base import PhaseTimer, TransferStats, TransportContext, TransportError
+from weightsync.transport.base import PeerWatch, PhaseTimer, TransferStats, TransportContext, TransportError
 from weightsync.transport.delta.published import (
     DIGEST,
     KIND,
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
     from weightsync.transport.endpoints import NixlEndpoint
     from weightsync.transport.schedule import Message
 
+logger = logging.getLogger(__name__)
+
 #: How often a waiting reader checks that the writers it waits for are alive.
 _PROBE_S = 0.05
 
@@ -77,6 +80,7 @@ class NixlPushTransport(NixlBase):
         self._inboxes: list[Inbox] = []  # reader: per writer
         self._inbox_mem = torch.empty(0, dtype=torch.uint8)
         self._ops_from: dict[int, list[list[TransferOp]]] = {}  # reader: writer -> its ops, per phase
+        self._gone: dict[int, str] = {}  # writer: readers given up for the rest of the epoch (dead)
 
     def _release(self) -> None:
         super()._release()
@@ -118,8 +122,17 @@ class NixlPushTransport(NixlBase):
         self._register([self._area, *([self._staged] if delta else []), *(self._flats[name] for name in live)],
                        words=self._ctl)
         self._publish(epoch, deltas=delta)
-        self._peers = [self._connect_peer(epoch, "reader", r, deadline, agree=self._reader_takes_changes)
-                       for r in readers]
+        self._gone = {}
+        peers, outboxes = [], []
+        for i, r in enumerate(readers):
+            try:
+                peers.append(self._connect_peer(epoch, "reader", r, deadline, agree=self._reader_takes_changes))
+            except TransportError as exc:
+                if not self._give_up(r, exc, f"reader {r}", "the epoch"):
+                    raise
+                continue
+            outboxes.extend(self._outboxes[i: i + 1])
+        self._peers, self._outboxes = peers, outboxes
         t0 = time.perf_counter()
         for i, peer in enumerate(self._peers):
             peer.ctl = self._ready_xfer(i, peer)
@@ -193,7 +206,6 @@ class NixlPushTransport(NixlBase):
         self._prepared_agent("send")
         self.check_phase(phase)
         stats, timer = self.new_stats(version)
-        token = phase_token(version, phase)
         changes = self._published
         slot = 0 if changes is None else version % 2
         if changes is not None and phase == 0:
@@ -206,15 +218,7 @@ class NixlPushTransport(NixlBase):
             if self._digests is not None:  # pieces WRITTEN from the live shards: digested before they go
                 with timer("digest"):
                     self._digests.fill(phase, self._flats)
-            for i, peer in enumerate(self._peers):
-                if not peer.phases[phase][slot]:
-                    continue
-                with timer("wait"):
-                    self._wait_ready(i, peer, token, deadline)
-                if changes is None or not self._write_changes(i, peer, version, phase, deadline=deadline,
-                                                              stats=stats, timer=timer):
-                    self._write_whole(peer, peer.phases[phase][slot], token=token, deadline=deadline, stats=stats,
-                                      timer=timer)
+            self._serve(version, phase, slot, deadline=deadline, stats=stats, timer=timer)
         except BaseException:
             if changes is not None:
                 changes.abandon()  # the next version goes in full
@@ -261,24 +265,76 @@ class NixlPushTransport(NixlBase):
             stats.messages += 1
         return delta
 
-    def _wait_ready(self, i: int, peer: Peer, token: int, deadline: Deadline) -> None:
-        """Until the reader asks for exactly this (version, phase) (see :func:`phase_token`)."""
-        assert self._agent is not None and peer.ctl is not None
-        want = f"version {token >> 12} phase {token & (MAX_PHASES - 1)}"
-        while True:
-            self._run(peer, peer.ctl, deadline)
-            ready = int(self._ctl[1 + i])
-            if ready == token:
-                return
-            asked = f"version {ready >> 12} phase {ready & (MAX_PHASES - 1)}" if ready >= 0 else "nothing"
-            if ready > token:
-                raise TransportError(f"{self.who}: {peer.label} waits for {asked}, this writer sends {want}; "
-                                     "writers and readers are out of step")
-            if deadline.expired:
-                raise TransportError(f"{self.who}: {peer.label} did not ask for {want} in time (its last request "
-                                     f"was {asked})")
-            peer.watch.check(f"{peer.label} to ask for {want}")
-            time.sleep(0.001)
+    def _serve(self, version: int, phase: int, slot: int, *, deadline: Deadline, stats: TransferStats,
+               timer: PhaseTimer) -> None:
+        """WRITE the phase to each reader once it asks for exactly this (version, phase) (see
+        :func:`phase_token`), in the order they ask: a slow reader holds back no other.
+
+        Under a completion policy other than ``all`` (``ctx.tolerates_reader_loss``), a reader
+        that dies, fails or is late only misses the version (:meth:`_give_up`); the policy decides
+        the write from the readers' reports. Otherwise its failure fails the send, naming it."""
+        token = phase_token(version, phase)
+        want = f"version {version} phase {phase}"
+        pending = [i for i, peer in enumerate(self._peers) if peer.phases[phase][slot] and peer.rank not in self._gone]
+        while pending:
+            served = []
+            for i in pending:
+                peer = self._peers[i]
+                try:
+                    with timer("wait"):
+                        if not self._asked(i, peer, token, want, deadline):
+                            continue
+                    if self._published is None or not self._write_changes(i, peer, version, phase, deadline=deadline,
+                                                                          stats=stats, timer=timer):
+                        self._write_whole(peer, peer.phases[phase][slot], token=token, deadline=deadline,
+                                          stats=stats, timer=timer)
+                except TransportError as exc:
+                    if not self._give_up(peer.rank, exc, peer.label, f"version {version}"):
+                        raise
+                served.append(i)
+            pending = [i for i in pending if i not in served]
+            if pending and not served:
+                self._check_waiting(pending, want, version, deadline)
+                time.sleep(0.001)
+
+    def _asked(self, i: int, peer: Peer, token: int, want: str, deadline: Deadline) -> bool:
+        """One look at reader ``peer``'s ready word: whether it asks for exactly ``token`` now."""
+        assert peer.ctl is not None
+        self._run(peer, peer.ctl, deadline)  # an 8-byte READ; a dead peer fails it once its lease ends
+        ready = int(self._ctl[1 + i])
+        if ready > token:
+            raise TransportError(f"{self.who}: {peer.label} waits for {_request(ready)}, this writer sends {want}; "
+                                 "writers and readers are out of step")
+        return ready == token
+
+    def _check_waiting(self, pending: list[int], want: str, version: int, deadline: Deadline) -> None:
+        """Between looks at the ready words of ``pending`` readers: raise for a dead or late one
+        (or, tolerating losses, give it up), rate-limited by each reader's lease watch."""
+        for i in list(pending):
+            peer = self._peers[i]
+            try:
+                if deadline.expired:
+                    raise TransportError(f"{self.who}: {peer.label} did not ask for {want} in time (its last "
+                                         f"request was {_request(int(self._ctl[1 + i]))})")
+                peer.watch.check(f"{peer.label} to ask for {want}")
+            except TransportError as exc:
+                if not self._give_up(peer.rank, exc, peer.label, f"version {version}"):
+                    raise
+                pending.remove(i)
+
+    def _give_up(self, rank: int, exc: TransportError, label: str, what: str) -> bool:
+        """Whether this writer goes on without reader ``rank`` after ``exc`` (a completion policy
+        other than ``all``): it misses ``what``, and, when its lease says it is dead, every later
+        version of the epoch too (its restart moves the job to a new one). False: ``exc`` fails
+        the send."""
+        if not self.ctx.tolerates_reader_loss:
+            return False
+        dead = PeerWatch(self.ctx, "reader", [rank]).dead(max_age=0.0)
+        if dead:
+            self._gone[rank] = dead[rank]
+        logger.warning("%s goes on without %s for %s (the completion policy decides the write): %s", self.who,
+                       label, "the rest of the epoch" if dead else what, exc)
+        return True
 
     # -- reader -----------------------------------------------------------------------------
     def _prepare_reader(self, parts: list[Plan], epoch: int, deadline: Deadline) -> None:
@@ -429,6 +485,11 @@ class NixlPushTransport(NixlBase):
                 kept.view(TORCH_DTYPES[op.dst_dtype]).view(op.box.sizes).copy_(op_dst_view(self._flats, op))
             nbytes += op.nbytes
         return nbytes, [row[DIGEST] for row in rows]
+
+
+def _request(ready: int) -> str:
+    """A reader's ready word, for messages."""
+    return f"version {ready >> 12} phase {ready & (MAX_PHASES - 1)}" if ready >= 0 else "nothing"
 
 
 def _notif_token(message: bytes) -> int:
