@@ -774,3 +774,31 @@ def test_a_push_writer_gives_a_reader_that_never_asks_up_only_under_a_quorum(tmp
     finally:
         for t in (w, r0, r1):
             t.close()
+
+
+@needs_nixl
+def test_a_push_reader_that_asks_for_a_version_its_writer_already_sent_without_it_fails_at_once(tmp_path,
+                                                                                               monkeypatch):
+    """Under a quorum the writer sent version 1 to reader 1 and went on without reader 0, which
+    asks for it only then (as a reader restarted after the writer's last version does). Reader 0
+    waited until its timeout (20 s in the fault tests), missing the versions written meanwhile;
+    it fails at once now, naming the writer, since the writer's own word says it sent version 1."""
+    import threading
+
+    from weightsync.transport import TransportError
+
+    monkeypatch.setenv("NIXL_LOG_LEVEL", "ERROR")
+    w, (r0, r1), _, _ = _push_pair(tmp_path, tolerates_reader_loss=True)
+    try:
+        reading = threading.Thread(target=lambda: r1.receive(1, deadline=Deadline.after(10)))
+        reading.start()
+        w.send(1, deadline=Deadline.after(1.0))  # gives reader 0 up at its deadline
+        reading.join(10)
+        started = time.monotonic()
+        with pytest.raises(TransportError, match=r"reader 0: writer 0 sent version 1 without this reader, so version 1 "
+                                                 r"will not come from it"):
+            r0.receive(1, deadline=Deadline.after(10))
+        assert time.monotonic() - started < 2.0
+    finally:
+        for t in (w, r0, r1):
+            t.close()

@@ -22,7 +22,10 @@ readers' registered parameters, from the live shards when no dtype changes (zero
 or from a packed area. A reader raises its *ready word* to ``V`` in ``receive(V)``;
 ``send(V)`` READs it before writing into live parameters, then WRITEs with a notification
 carrying ``V``. NIXL sends the notification after the data and a flush, so its arrival
-completes the reader's ``receive``. Push is not one-sided (the writer waits for readers).
+completes the reader's ``receive``. Push is not one-sided (the writer waits for readers):
+it serves each reader as soon as it asks, and under a completion policy other than ``all``
+goes on without one that dies, fails or is late. Once it sent ``V`` to every reader it serves,
+its own word says ``V``; a reader that asks for ``V`` later fails at once rather than at its timeout.
 
 **Choosing** (``TransportOptions.nixl_mode``, the same on every rank; :func:`resolve_mode`,
 applied by :func:`weightsync.transport.create_transport`): a push writer performs every
@@ -111,6 +114,20 @@ MAX_PHASES = 1 << 12
 def phase_token(version: int, phase: int) -> int:
     """What a push reader's ready word and a writer's notification carry: version and phase."""
     return version << 12 | phase
+
+
+def token_text(token: int) -> str:
+    """A push reader's ready word (a :func:`phase_token`, or -1), for messages."""
+    return f"version {token >> 12} phase {token & (MAX_PHASES - 1)}" if token >= 0 else "nothing"
+
+
+def notif_token(message: bytes) -> int:
+    """The token a push writer's notification carries (-1: not one of ours)."""
+    try:
+        return int(message[1:]) if message[:1] == b"v" else -1
+    except ValueError:
+        return -1
+
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 

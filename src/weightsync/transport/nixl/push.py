@@ -38,16 +38,17 @@ from weightsync.transport.exposed import piece_key
 from weightsync.transport.nixl.agent import Descriptors, Xfer
 from weightsync.transport.nixl.common import (
     EMPTY,
-    MAX_PHASES,
     NixlBase,
     Peer,
     contiguous_runs,
     extent,
+    notif_token,
     phase_token,
     row_major,
     send_live,
+    token_text,
 )
-from weightsync.transport.nixl.push_changes import Inbox, InboxLayout, Outbox
+from weightsync.transport.nixl.push_changes import Inbox, InboxLayout, Outbox, make_inboxes
 from weightsync.transport.tensors import op_dst_view
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ class NixlPushTransport(NixlBase):
         self._inbox_mem = torch.empty(0, dtype=torch.uint8)
         self._ops_from: dict[int, list[list[TransferOp]]] = {}  # reader: writer -> its ops, per phase
         self._gone: dict[int, str] = {}  # writer: readers given up for the rest of the epoch (dead)
+        self._passed: dict[str, float] = {}  # reader: writer agent -> since when it says it sent the version
 
     def _release(self) -> None:
         super()._release()
@@ -303,7 +305,7 @@ class NixlPushTransport(NixlBase):
         self._run(peer, peer.ctl, deadline)  # an 8-byte READ; a dead peer fails it once its lease ends
         ready = int(self._ctl[1 + i])
         if ready > token:
-            raise TransportError(f"{self.who}: {peer.label} waits for {_request(ready)}, this writer sends {want}; "
+            raise TransportError(f"{self.who}: {peer.label} waits for {token_text(ready)}, this writer sends {want}; "
                                  "writers and readers are out of step")
         return ready == token
 
@@ -315,7 +317,7 @@ class NixlPushTransport(NixlBase):
             try:
                 if deadline.expired:
                     raise TransportError(f"{self.who}: {peer.label} did not ask for {want} in time (its last "
-                                         f"request was {_request(int(self._ctl[1 + i]))})")
+                                         f"request was {token_text(int(self._ctl[1 + i]))})")
                 peer.watch.check(f"{peer.label} to ask for {want}")
             except TransportError as exc:
                 if not self._give_up(peer.rank, exc, peer.label, f"version {version}"):
@@ -367,15 +369,8 @@ class NixlPushTransport(NixlBase):
         """With deltas, one inbox per writer in one registered buffer; writer -> (address, bytes)."""
         if self._changes is None:
             return None
-        pairs = [[part.ops_between(w, self.ctx.rank) for part in parts] for w in writers]
-        layouts = [InboxLayout.for_ops(pair) for pair in pairs]
-        self._inbox_mem = torch.zeros(max(sum(b.nbytes for b in layouts), 64), dtype=torch.uint8)
-        out, at = {}, 0
-        self._inboxes = []
-        for w, pair, b in zip(writers, pairs, layouts, strict=True):
-            self._inboxes.append(Inbox(pair, b, *b.views(self._inbox_mem[at: at + b.nbytes])))
-            out[w] = (self._inbox_mem.data_ptr() + at, b.nbytes)
-            at += b.nbytes
+        self._inbox_mem, self._inboxes, out = make_inboxes([[part.ops_between(w, self.ctx.rank) for part in parts]
+                                                            for w in writers], writers)
         return out
 
     def receive(self, version: int, *, deadline: Deadline, phase: int = 0) -> TransferStats:
@@ -384,6 +379,7 @@ class NixlPushTransport(NixlBase):
         stats = TransferStats(version)
         token = phase_token(version, phase)
         pending = {peer.agent: peer for peer in self._peers if peer.nbytes[phase]}
+        self._passed.clear()
         self._copy_in()  # what this rank's tensors hold now: the base of deltas, the bytes no op writes
         vouched = self._vouch(version, phase, stats)
         # writers poll this word before they WRITE into our tensors, outside stream order: what
@@ -395,7 +391,7 @@ class NixlPushTransport(NixlBase):
 
         def take(notifs: dict[str, list[bytes]]) -> None:
             for name, messages in notifs.items():
-                if name in pending and any(_notif_token(m) >= token for m in messages):
+                if name in pending and any(notif_token(m) >= token for m in messages):
                     peer = pending.pop(name)
                     if self._changes is None:
                         nbytes = peer.nbytes[phase]
@@ -440,6 +436,7 @@ class NixlPushTransport(NixlBase):
                     assert peer.ctl is not None
                     self._run(peer, peer.ctl, deadline)
                     peer.watch.check(f"version {version} from {peer.label}")
+                    self._check_not_passed(peer, version)
                 except TransportError:
                     take(drain(timeout=0, progress=True))
                     if peer.agent in pending:
@@ -449,6 +446,20 @@ class NixlPushTransport(NixlBase):
             if pending:
                 names = ", ".join(p.label for p in pending.values())
                 raise TransportError(f"{self.who}: version {version} did not arrive from {names} in time")
+
+    def _check_not_passed(self, peer: Peer, version: int) -> None:
+        """Raise once writer ``peer``'s own word (READ into this rank's mirror) has said for 0.25 s
+        (a notification still on its way) that it finished ``version`` or a newer one without
+        notifying this reader: it sent it without this reader (a reader that came to it late, or
+        given up under a quorum) and never sends it again. Such a reader waited until its timeout."""
+        sent = int(self._ctl[1 + self.ctx.num_writers + self._peers.index(peer)])
+        if sent < version:
+            self._passed.pop(peer.agent, None)
+            return
+        if time.monotonic() - self._passed.setdefault(peer.agent, time.monotonic()) > 0.25:
+            raise TransportError(f"{self.who}: {peer.label} sent version {sent} without this reader, so version "
+                                 f"{version} will not come from it (this reader came to it late, or the writer went "
+                                 "on without it under the completion policy); the next version reaches it")
 
     def _vouch(self, version: int, phase: int, stats: TransferStats) -> dict[int, bool]:
         """With deltas, set each writer's vouch word: this token when the memory holds ``version - 1``
@@ -485,15 +496,3 @@ class NixlPushTransport(NixlBase):
                 kept.view(TORCH_DTYPES[op.dst_dtype]).view(op.box.sizes).copy_(op_dst_view(self._flats, op))
             nbytes += op.nbytes
         return nbytes, [row[DIGEST] for row in rows]
-
-
-def _request(ready: int) -> str:
-    """A reader's ready word, for messages."""
-    return f"version {ready >> 12} phase {ready & (MAX_PHASES - 1)}" if ready >= 0 else "nothing"
-
-
-def _notif_token(message: bytes) -> int:
-    try:
-        return int(message[1:]) if message[:1] == b"v" else -1
-    except ValueError:
-        return -1

@@ -165,4 +165,18 @@ class Inbox:
         return delta, rows
 
 
-__all__ = ["Inbox", "InboxLayout", "Outbox", "first_rows"]
+def make_inboxes(pairs: list[list[list[TransferOp]]], writers: Sequence[int]
+                 ) -> tuple[torch.Tensor, list[Inbox], dict[int, tuple[int, int]]]:
+    """A push reader's inboxes, one per writer (``pairs``: each writer's ops to it, per phase),
+    in one buffer it registers: (the buffer, the inboxes, writer -> (address, bytes))."""
+    layouts = [InboxLayout.for_ops(pair) for pair in pairs]
+    mem = torch.zeros(max(sum(b.nbytes for b in layouts), 64), dtype=torch.uint8)
+    inboxes, out, at = [], {}, 0
+    for w, pair, b in zip(writers, pairs, layouts, strict=True):
+        inboxes.append(Inbox(pair, b, *b.views(mem[at: at + b.nbytes])))
+        out[w] = (mem.data_ptr() + at, b.nbytes)
+        at += b.nbytes
+    return mem, inboxes, out
+
+
+__all__ = ["Inbox", "InboxLayout", "Outbox", "first_rows", "make_inboxes"]
