@@ -8,14 +8,17 @@ readers fail within their timeout with an error naming it; nothing may be left b
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import traceback
 from pathlib import Path
 
 import pytest
+import torch
 
 from fake_meta import DirectoryMeta
 from weightsync.clock.deadline import Deadline
@@ -676,13 +679,10 @@ def test_a_peer_that_never_published_its_metadata_is_named_dead_when_its_lease_s
         side._connect_peer(0, "writer", 1, Deadline.after(0.05))
 
 
-def _push_pair(tmp_path, *, tolerates_reader_loss: bool):
+@contextlib.contextmanager
+def _push_pair(tmp_path, monkeypatch, *, tolerates_reader_loss: bool):
     """One push writer and two readers of tiny-qwen3 (``vllm:tp=1,replicas=2``) in this process,
-    prepared in epoch 0: (writer, readers, the readers' tensors, what they must hold)."""
-    import threading
-
-    import torch
-
+    prepared in epoch 0: (writer, readers, the readers' tensors, what they must hold); closed after."""
     from weightsync.configs import load_spec
     from weightsync.job.channel import JobChannel
     from weightsync.layout import parse_layout
@@ -691,6 +691,7 @@ def _push_pair(tmp_path, *, tolerates_reader_loss: bool):
     from weightsync.transport import TransportContext, TransportOptions
     from weightsync.transport.nixl.push import NixlPushTransport
 
+    monkeypatch.setenv("NIXL_LOG_LEVEL", "ERROR")
     spec = load_spec("tiny-qwen3")
     writers = parse_layout("megatron:tp=1").all_rank_layouts(spec)
     readers = parse_layout("vllm:tp=1,replicas=2").all_rank_layouts(spec)
@@ -709,12 +710,23 @@ def _push_pair(tmp_path, *, tolerates_reader_loss: bool):
     dsts, want = [allocate(layout) for layout in readers], allocate(readers[0])
     fill_from_canonical(readers[0], want, values)
     w, rs = make("writer", 0), [make("reader", 0), make("reader", 1)]
-    ready = threading.Thread(target=w.prepare, args=(plan, src), kwargs={"epoch": 0, "deadline": Deadline.after(10)})
-    ready.start()
-    for r, dst in zip(rs, dsts, strict=True):
-        r.prepare(plan, dst, epoch=0, deadline=Deadline.after(10))
-    ready.join(10)
-    return w, rs, dsts, want
+    try:
+        ready, _ = _started(lambda: w.prepare(plan, src, epoch=0, deadline=Deadline.after(10)))
+        for r, dst in zip(rs, dsts, strict=True):
+            r.prepare(plan, dst, epoch=0, deadline=Deadline.after(10))
+        ready.join(10)
+        yield w, rs, dsts, want
+    finally:
+        for t in (w, *rs):
+            t.close()
+
+
+def _started(call) -> tuple[threading.Thread, dict]:
+    """``call()`` running in a thread, and where its result lands (``"result"``) once it returns."""
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(result=call()))
+    thread.start()
+    return thread, out
 
 
 @needs_nixl
@@ -722,26 +734,15 @@ def test_a_push_writer_serves_readers_in_the_order_they_ask_so_a_slow_one_holds_
     """A push writer WROTE to its readers in turn, waiting for each to ask: reader 1, ready at
     once, waited for reader 0, here until its 5 s deadline (issue 36: "one slow reader holds back
     the others"). It now takes its bytes while reader 0 has not asked yet."""
-    import threading
-
-    import torch
-
-    monkeypatch.setenv("NIXL_LOG_LEVEL", "ERROR")
-    w, (r0, r1), dsts, want = _push_pair(tmp_path, tolerates_reader_loss=False)
-    sent: dict[str, object] = {}
-    try:
-        writing = threading.Thread(target=lambda: sent.update(stats=w.send(1, deadline=Deadline.after(20))))
-        writing.start()
+    with _push_pair(tmp_path, monkeypatch, tolerates_reader_loss=False) as (w, (r0, r1), dsts, want):
+        writing, sent = _started(lambda: w.send(1, deadline=Deadline.after(20)))
         started = time.monotonic()
         r1.receive(1, deadline=Deadline.after(5))  # reader 0 has not asked yet
         assert time.monotonic() - started < 3.0
         r0.receive(1, deadline=Deadline.after(10))
         writing.join(10)
-        assert "stats" in sent, "the writer failed (its error is printed above)"
+        assert "result" in sent, "the writer failed (its error is printed above)"
         assert all(torch.equal(dst[n], want[n]) for dst in dsts for n in want)
-    finally:
-        for t in (w, r0, r1):
-            t.close()
 
 
 @needs_nixl
@@ -750,18 +751,10 @@ def test_a_push_writer_gives_a_reader_that_never_asks_up_only_under_a_quorum(tmp
     """Reader 0 never asks for version 1. Under ``all`` the writer's send fails at its deadline,
     naming it; under a quorum (or a fraction) it returns once reader 1 has its bytes, and the
     policy decides the write from the readers' reports."""
-    import torch
-
     from weightsync.transport import TransportError
 
-    monkeypatch.setenv("NIXL_LOG_LEVEL", "ERROR")
-    w, (r0, r1), dsts, want = _push_pair(tmp_path, tolerates_reader_loss=tolerates)
-    import threading
-
-    got: dict[str, object] = {}
-    try:
-        reading = threading.Thread(target=lambda: got.update(stats=r1.receive(1, deadline=Deadline.after(10))))
-        reading.start()
+    with _push_pair(tmp_path, monkeypatch, tolerates_reader_loss=tolerates) as (w, (_, r1), dsts, want):
+        reading, got = _started(lambda: r1.receive(1, deadline=Deadline.after(10)))
         if tolerates:
             w.send(1, deadline=Deadline.after(2.0))
         else:
@@ -769,11 +762,8 @@ def test_a_push_writer_gives_a_reader_that_never_asks_up_only_under_a_quorum(tmp
                                                      r"\(its last request was nothing\)"):
                 w.send(1, deadline=Deadline.after(2.0))
         reading.join(10)
-        assert "stats" in got, "reader 1 failed (its error is printed above)"
+        assert "result" in got, "reader 1 failed (its error is printed above)"
         assert all(torch.equal(dsts[1][n], want[n]) for n in want)
-    finally:
-        for t in (w, r0, r1):
-            t.close()
 
 
 @needs_nixl
@@ -783,15 +773,10 @@ def test_a_push_reader_that_asks_for_a_version_its_writer_already_sent_without_i
     asks for it only then (as a reader restarted after the writer's last version does). Reader 0
     waited until its timeout (20 s in the fault tests), missing the versions written meanwhile;
     it fails at once now, naming the writer, since the writer's own word says it sent version 1."""
-    import threading
-
     from weightsync.transport import TransportError
 
-    monkeypatch.setenv("NIXL_LOG_LEVEL", "ERROR")
-    w, (r0, r1), _, _ = _push_pair(tmp_path, tolerates_reader_loss=True)
-    try:
-        reading = threading.Thread(target=lambda: r1.receive(1, deadline=Deadline.after(10)))
-        reading.start()
+    with _push_pair(tmp_path, monkeypatch, tolerates_reader_loss=True) as (w, (r0, r1), _, _):
+        reading, _ = _started(lambda: r1.receive(1, deadline=Deadline.after(10)))
         w.send(1, deadline=Deadline.after(1.0))  # gives reader 0 up at its deadline
         reading.join(10)
         started = time.monotonic()
@@ -799,6 +784,3 @@ def test_a_push_reader_that_asks_for_a_version_its_writer_already_sent_without_i
                                                  r"will not come from it"):
             r0.receive(1, deadline=Deadline.after(10))
         assert time.monotonic() - started < 2.0
-    finally:
-        for t in (w, r0, r1):
-            t.close()
