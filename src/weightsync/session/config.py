@@ -160,8 +160,9 @@ class SyncConfig:
             failed it or died fails the write), ``"quorum=K"`` (K readers applied it) or
             ``"fraction=F"`` (that share of the readers did). Under a quorum or a fraction a dead
             or failing reader misses the version and catches up later, and never fails ``write``
-            while the policy can still be met; it needs a one-sided transport (shm, file, NIXL
-            pull), since a two-sided one fails the writer's send with any dead reader.
+            while the policy can still be met; it needs shm, file or NIXL (a push writer goes on
+            without a reader that dies): torch and routed send in one process group, which any
+            dead reader breaks.
         commit: when a reader's engine switches to a version (:mod:`weightsync.job.fleet_commit`):
             ``"each"`` as soon as its own bytes arrived, so a fleet serves a mix of versions while
             a sync runs; ``"fleet"``: every reader stages the version first, writer 0 commits it
