@@ -4,6 +4,7 @@ readers. The rules are in :mod:`weightsync.roles.peer_copies`."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import threading
@@ -441,13 +442,12 @@ def test_a_reader_on_a_new_host_takes_its_first_version_from_peers_on_another_ho
     _ends_on(engines, holds, readers, 2, integrity, results, [1, 2, 3], share)  # once per version, 2 readers or 4
 
 
-def test_a_reader_that_missed_versions_catches_up_from_peers_and_one_that_follows_reads_the_writer(tmp_path):
-    """Under a quorum a slow reader misses versions; it caught up by reading the newest from the
-    writer, though the peers beside it held that version. Readers 0-1 keep copies, reader 2
-    takes version 1, then misses versions 2 and 3 (the writer's quorum of 2 is met by 0 and 1):
-    its next update takes version 3 from a peer, whole and bitwise, and the writer's bytes per
-    version stay one reader's share. A reader that missed nothing (it follows) still reads the
-    writer: version 4 comes to reader 2 from the writer."""
+@contextlib.contextmanager
+def _three_readers_under_a_quorum(tmp_path, seeds: list[int], job: str):
+    """One writer process writing versions 1.. with ``seeds`` over shm under ``quorum=2`` of an
+    elastic set; readers 0-1 keep peer copies, reader 2 does not. Yields (engines, readers,
+    ``together(seats, until)``: those readers update until they hold ``until``, at once, and
+    ``holds(engine, version)``); the writer's results file is checked by :func:`_ends_on`."""
     import dataclasses
 
     from weightsync.meta.client import EmbeddedMetaServer, MetaClient
@@ -455,19 +455,14 @@ def test_a_reader_that_missed_versions_catches_up_from_peers_and_one_that_follow
     from writer_process import writer_processes
 
     cfg = config(hidden=256, inter=320)
-    seeds = [2, 1, 3, 5]
-    job = f"peers-lag-{uuid.uuid4().hex[:8]}"
-    results = tmp_path / "writes.jsonl"
     engines = [ShardedEngine("hf:replicas=3", cfg, seat) for seat in range(3)]
     sync = SyncConfig(num_writers=1, num_readers=None, job=job, transport="shm", timeout=60, peer_sources=2,
                       completion="quorum=2")
-
-    weights, holds = _versions(cfg, seeds)
-
+    _, holds = _versions(cfg, seeds)
     with EmbeddedMetaServer() as server, writer_processes(server, cfg, "fsdp:dp=1", job=job, seeds=seeds,
                                                           extra=("--transport", "shm", "--elastic", "--peer-sources",
                                                                  "2", "--completion", "quorum=2", "--results",
-                                                                 str(results))):
+                                                                 str(tmp_path / "writes.jsonl"))):
         metas = [MetaClient(server.address, job=job, token=server.token) for _ in engines]
         readers = [WeightReader(engine, rank=seat, config=dataclasses.replace(sync), meta=meta)
                    for seat, (engine, meta) in enumerate(zip(engines, metas, strict=True))]
@@ -483,15 +478,55 @@ def test_a_reader_that_missed_versions_catches_up_from_peers_and_one_that_follow
                 errors.append(exc)
 
         try:
-            _together(run, range(3), 1, errors)
-            _together(run, range(2), 3, errors)  # reader 2 misses versions 2 and 3
-            share = needed_bytes(engines[2].layout())
-            caught = readers[2].update(timeout=60)
-            assert caught.version == 3 and holds(engines[2], 3)
-            assert sum(caught.peers.values()) == share and set(caught.peers) <= {0, 1}, caught.peers
-            _together(run, range(3), 4, errors)
-            follows = got[2][-1]
-            assert follows.version == 4 and follows.peers == {} and holds(engines[2], 4), follows
+            yield engines, readers, lambda seats, until: (_together(run, seats, until, errors), got)[1], holds
         finally:
             _close(readers, metas)
-    _ends_on(engines, holds, readers, 2, False, results, [1, 2, 3, 4], share)
+    _ends_on(engines, holds, readers, 2, False, tmp_path / "writes.jsonl", list(range(1, len(seeds) + 1)),
+             needed_bytes(engines[2].layout()))
+
+
+def test_a_reader_that_missed_versions_catches_up_from_peers_and_one_that_follows_reads_the_writer(tmp_path):
+    """Under a quorum a slow reader misses versions; it caught up by reading the newest from the
+    writer, though the peers beside it held that version. Readers 0-1 keep copies, reader 2
+    takes version 1, then misses versions 2 and 3 (the writer's quorum of 2 is met by 0 and 1):
+    its next update takes version 3 from a peer, whole and bitwise, and the writer's bytes per
+    version stay one reader's share. A reader that missed nothing (it follows) still reads the
+    writer: version 4 comes to reader 2 from the writer."""
+    job = f"peers-lag-{uuid.uuid4().hex[:8]}"
+    with _three_readers_under_a_quorum(tmp_path, [2, 1, 3, 5], job) as (engines, readers, together, holds):
+        together(range(3), 1)
+        together(range(2), 3)  # reader 2 misses versions 2 and 3
+        share = needed_bytes(engines[2].layout())
+        caught = readers[2].update(timeout=60)
+        assert caught.version == 3 and holds(engines[2], 3)
+        assert sum(caught.peers.values()) == share and set(caught.peers) <= {0, 1}, caught.peers
+        follows = together(range(3), 4)[2][-1]
+        assert follows.version == 4 and follows.peers == {} and holds(engines[2], 4), follows
+
+
+def test_a_reader_that_failed_the_last_version_from_the_writers_takes_it_from_the_peers_that_hold_it(
+        tmp_path, monkeypatch):
+    """A reader that failed version V from the writers waited for a newer one, though the peers
+    beside it held V: when V was the trainers' last version (or their steps are long) it stayed
+    behind (a NIXL push reader that comes to V after the writer sent it fails V at once). Here
+    reader 2 lags: it took version 1, and readers 0 and 1 met the quorum of versions 2 and 3, the
+    last. As it asks for version 3, its peers do not hold it yet and the writers' transport
+    fails it. Its next update takes version 3 from a peer, bitwise."""
+    from weightsync.roles.reader import SyncError
+
+    def fails(version, **kwargs):
+        raise TransportError(f"reader 2: writer 0 sent version {version} without this reader")
+
+    job = f"peers-failed-{uuid.uuid4().hex[:8]}"
+    with _three_readers_under_a_quorum(tmp_path, [2, 1, 3], job) as (engines, readers, together, holds):
+        together(range(3), 1)
+        together(range(2), 3)  # reader 2 misses versions 2 and 3, the last
+        lagging = readers[2]
+        with monkeypatch.context() as patch:
+            patch.setattr(lagging._peers, "find", lambda **kwargs: None)  # the peers do not hold it yet
+            patch.setattr(lagging.session.planned.transport, "receive", fails)
+            with pytest.raises(SyncError, match="version 3 failed: reader 2: writer 0 sent version 3 without"):
+                lagging.update(timeout=10)
+        caught = lagging.update(timeout=10)
+        assert caught.version == 3 and holds(engines[2], 3)
+        assert set(caught.peers) <= {0, 1} and sum(caught.peers.values()) == needed_bytes(engines[2].layout())

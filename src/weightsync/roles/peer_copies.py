@@ -19,7 +19,9 @@ With ``SyncConfig(peer_sources=K)``:
   ``quorum`` or ``fraction`` policy a slow or failing reader misses versions) takes the newest
   published version from peers too, when they hold it: it needs that version whole anyway (no
   delta reaches it across a gap), and the trainers serve one reader fewer. Peers that do not hold
-  the newest published version yet leave it to the writers, as a reader that follows.
+  the newest published version yet leave it to the writers, as a reader that follows. A version
+  that failed from the writers may still come from peers (their copy is whole): a NIXL push reader
+  that came to the trainers' last version after they sent it is not left behind.
 * **Who serves whom.** Each joining reader starts at the peer ``seat mod n`` among those that
   keep the version, and adds the next ones until their shards cover its own. Replicas of one
   layout each serve one joiner in full, so n peers serve n joiners at once with no peer read

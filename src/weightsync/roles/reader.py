@@ -275,7 +275,7 @@ class WeightReader:
         None when none can serve it, or the copy tore (the engine is told; it reads the writers)."""
         assert self._peers is not None and self.session.planned is not None
         t0 = time.perf_counter()
-        found = self._peers.find(newer_than=self._newer_than(version), deadline=deadline)
+        found = self._peers.find(newer_than=self._newer_than(version, failed=False), deadline=deadline)
         if found is None:
             return None
         copy = found.copy
@@ -410,10 +410,9 @@ class WeightReader:
         self.session.planned.transport.forget_received()
 
     def _wait_for_version(self, version: int | None, deadline: Deadline) -> PublishedVersion:
-        # Never re-take a version that already failed here, nor one this reader applied before its
-        # engine's version moved back (two-sided writers moved on: they would send another version's
-        # bytes under that number). The same version written again in a later epoch (writers
-        # restarted) is fine.
+        # Never re-take a version that already failed here, nor one this reader applied before its engine's
+        # version moved back (two-sided writers moved on: they would send another version's bytes under
+        # that number). The same version written again in a later epoch (writers restarted) is fine.
         want = self._newer_than(version)
         retry = self._failed_epoch if self._failed is not None and want == self._failed else None
         while True:
@@ -423,9 +422,10 @@ class WeightReader:
             if published is not None:
                 return published
 
-    def _newer_than(self, version: int | None) -> int:
-        """The version it takes only newer ones than: held, applied or failed; ``version - 1`` if asked."""
-        seen = max(x for x in (self.version, self._applied, self._failed, -1) if x is not None)
+    def _newer_than(self, version: int | None, *, failed: bool = True) -> int:
+        """The version it takes only newer ones than: held, applied or (``failed``) failed; ``version - 1``
+        if asked. Peers may serve a version that failed from the writers: their copy is whole."""
+        seen = max(x for x in (self.version, self._applied, self._failed if failed else None, -1) if x is not None)
         return seen if version is None else max(seen, version - 1)
 
     def _moved_past(self, version: int) -> range:
