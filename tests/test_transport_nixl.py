@@ -425,7 +425,7 @@ def test_push_deltas_write_exactly_the_changes(tmp_path, monkeypatch):
         assert step(7, change=3) == 24
 
 
-def _prepare_push_side(directory: str, role: str, anchor: int) -> None:
+def _prepare_push_side(directory: str, role: str, anchor: int, tolerates: bool = False) -> None:
     """One side of a push job of tiny-qwen3 over NIXL, in a process of its own: prepares epoch 0
     with ``delta_anchor_every=anchor`` and prints ``REFUSED <error>`` or ``PREPARED``. Every
     connection to the peer's agent is refused, as a loaded host's UCX listener refuses some: the
@@ -447,7 +447,8 @@ def _prepare_push_side(directory: str, role: str, anchor: int) -> None:
     layouts = parse_layout("hf").all_rank_layouts(load_spec("tiny-qwen3"))
     plan = build_plan(layouts, layouts)
     ctx = TransportContext(channel=JobChannel(DirectoryMeta(Path(directory)), role=role, rank=0), num_writers=1,
-                           num_readers=1, options=TransportOptions(nixl_mode="push", delta_anchor_every=anchor))
+                           num_readers=1, options=TransportOptions(nixl_mode="push", delta_anchor_every=anchor),
+                           tolerates_reader_loss=tolerates)
     with NixlPushTransport(ctx) as side:
         try:
             # the peer process may start seconds later on a loaded host; a refusal comes at once
@@ -460,11 +461,13 @@ def _prepare_push_side(directory: str, role: str, anchor: int) -> None:
 
 
 @needs_nixl
-def test_push_delta_ranks_refuse_a_peer_without_deltas(tmp_path):
+@pytest.mark.parametrize("tolerates", [False, True], ids=["all", "quorum"])
+def test_push_delta_ranks_refuse_a_peer_without_deltas(tmp_path, tolerates):
     """A delta setting that differs is named from the peer's published endpoint, even when no
     connection to its agent can be made. The writer and the reader in processes of their own, as
     in a job (two agents preparing at once in one process crashed natively, twice in about twenty
-    runs of the suite, only late in a worker that had run hundreds of tests)."""
+    runs of the suite, only late in a worker that had run hundreds of tests). Under a quorum too:
+    a push writer goes on only without a reader that is dead, never past a setting that differs."""
     import sys
 
     from launcher import launch
@@ -475,7 +478,7 @@ def test_push_delta_ranks_refuse_a_peer_without_deltas(tmp_path):
         directory = str(tmp_path / str(epoch))
         sides = [launch([sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); "
                          "from test_transport_nixl import _prepare_push_side; "
-                         f"_prepare_push_side({directory!r}, {role!r}, {anchor})"],
+                         f"_prepare_push_side({directory!r}, {role!r}, {anchor}, {tolerates})"],
                         env={**os.environ, "NIXL_LOG_LEVEL": "WARN"})
                  for role, anchor in (("writer", writer_anchor), ("reader", reader_anchor))]
         try:

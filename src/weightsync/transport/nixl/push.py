@@ -130,7 +130,7 @@ class NixlPushTransport(NixlBase):
             try:
                 peers.append(self._connect_peer(epoch, "reader", r, deadline, agree=self._reader_takes_changes))
             except TransportError as exc:
-                if not self._give_up(r, exc, f"reader {r}", "the epoch"):
+                if not self._give_up(r, exc, f"reader {r}", "the epoch", if_dead=True):
                     raise
                 continue
             outboxes.extend(self._outboxes[i: i + 1])
@@ -324,14 +324,16 @@ class NixlPushTransport(NixlBase):
                     raise
                 pending.remove(i)
 
-    def _give_up(self, rank: int, exc: TransportError, label: str, what: str) -> bool:
+    def _give_up(self, rank: int, exc: TransportError, label: str, what: str, *, if_dead: bool = False) -> bool:
         """Whether this writer goes on without reader ``rank`` after ``exc`` (a completion policy
-        other than ``all``): it misses ``what``, and, when its lease says it is dead, every later
-        version of the epoch too (its restart moves the job to a new one). False: ``exc`` fails
-        the send."""
+        other than ``all``; ``if_dead``: only a reader whose lease says it is dead, so that a setting
+        that does not combine still fails): it misses ``what``, and, when dead, every later version
+        of the epoch too (its restart moves the job to a new one). False: ``exc`` fails the send."""
         if not self.ctx.tolerates_reader_loss:
             return False
         dead = PeerWatch(self.ctx, "reader", [rank]).dead(max_age=0.0)
+        if if_dead and not dead:
+            return False
         if dead:
             self._gone[rank] = dead[rank]
         logger.warning("%s goes on without %s for %s (the completion policy decides the write): %s", self.who,
